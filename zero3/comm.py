@@ -1,0 +1,194 @@
+"""Collectives over partitioned parameters, returning explicit handles.
+
+[Note: streams and buffer lifetime]
+On CUDA with ``overlap_comm``, copy-in, all-gather and copy-out run on one side stream, and an
+event recorded there is what the compute stream waits on before the module runs. No
+``record_stream``: before the side stream allocates anything it waits for the compute stream
+(``side.wait_stream(compute)``), so a block freed by a release on the compute stream is never reused
+by the side stream while compute kernels may still read it. Memory is therefore deterministic. On
+CPU the collective is issued with ``async_op=True`` and waited in `GatherHandle.wait`, just before use.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .metrics import StepMetrics
+from .param import ZeroParameter, alloc_full, mark_available
+from .state import ParamStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Chunk:
+    params: list[ZeroParameter]
+    offsets: list[int]
+    total: int  # sum of shard sizes
+    out: torch.Tensor | None
+    work: Any = None
+
+
+@dataclass(eq=False)
+class GatherHandle:
+    """An issued all-gather of some parameters. ``wait()`` is idempotent and makes them AVAILABLE."""
+
+    comm: "Communicator"
+    chunks: list[_Chunk]
+    event: Any = None
+    done: bool = False
+    prefetch: bool = False
+    params: list[ZeroParameter] = field(default_factory=list)
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        t0 = time.perf_counter()
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+        else:
+            for chunk in self.chunks:
+                if chunk.work is not None:
+                    chunk.work.wait()
+                self.comm._copy_out(chunk)
+        self.comm.metrics.wait_seconds += time.perf_counter() - t0
+        for p in self.params:
+            mark_available(p)
+        self.chunks = []
+        self.event = None
+
+
+class Communicator:
+    """All-gathers and gradient reductions over one process group (``None``: single process)."""
+
+    def __init__(self, group: Any, *, world_size: int, rank: int, overlap: bool, bucket_numel: int,
+                 reduce_impl: str, metrics: StepMetrics) -> None:
+        self.group = group
+        self.world_size = world_size
+        self.rank = rank
+        self.overlap = overlap
+        self.bucket_numel = max(1, bucket_numel)
+        self.metrics = metrics
+        backend = dist.get_backend(group) if (world_size > 1 and dist.is_initialized()) else "none"
+        if reduce_impl == "auto":
+            reduce_impl = "all_reduce" if backend == "gloo" else "reduce_scatter"
+        self.reduce_impl = reduce_impl
+        self._side_stream: Any = None
+
+    # -- all-gather ------------------------------------------------------------------------------
+    def all_gather(self, params: Sequence[ZeroParameter], *, prefetch: bool = False) -> GatherHandle:
+        """Issue one coalesced all-gather (split at ``allgather_bucket_size``) for ``params``.
+
+        Every param must be NOT_AVAILABLE; they become INFLIGHT until the handle is waited on.
+        """
+        params = list(params)
+        for p in params:
+            p._zero.set_status(ParamStatus.INFLIGHT)
+        handle = GatherHandle(comm=self, chunks=[], prefetch=prefetch, params=params)
+        for p in params:
+            p._zero.handle = handle
+        numel = sum(p._zero.numel for p in params)
+        self.metrics.allgather_calls += 1
+        self.metrics.allgather_numel += numel
+        self.metrics.allgather_bytes += sum(p._zero.nbytes for p in params)
+        if not params:
+            return handle
+        device = params[0]._zero.shard.device
+        use_stream = device.type == "cuda" and self.overlap and self.world_size > 1
+        if use_stream:
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device=device)
+            compute = torch.cuda.current_stream(device)
+            self._side_stream.wait_stream(compute)
+            with torch.cuda.stream(self._side_stream):
+                for chunk in self._chunks(params):
+                    self._issue(chunk, async_op=False)
+                    self._copy_out(chunk)
+                handle.event = torch.cuda.Event()
+                handle.event.record(self._side_stream)
+        else:
+            async_op = self.overlap and self.world_size > 1
+            for chunk in self._chunks(params):
+                self._issue(chunk, async_op=async_op)
+                handle.chunks.append(chunk)
+        return handle
+
+    def _chunks(self, params: list[ZeroParameter]) -> list[_Chunk]:
+        chunks: list[_Chunk] = []
+        cur: list[ZeroParameter] = []
+        cur_numel = 0
+        for p in params:
+            if cur and cur_numel + p._zero.numel > self.bucket_numel:
+                chunks.append(self._make_chunk(cur))
+                cur, cur_numel = [], 0
+            cur.append(p)
+            cur_numel += p._zero.numel
+        if cur:
+            chunks.append(self._make_chunk(cur))
+        return chunks
+
+    @staticmethod
+    def _make_chunk(params: list[ZeroParameter]) -> _Chunk:
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += p._zero.shard_numel
+        return _Chunk(params=params, offsets=offsets, total=total, out=None)
+
+    def _issue(self, chunk: _Chunk, *, async_op: bool) -> None:
+        if self.world_size == 1:
+            return
+        first = chunk.params[0]._zero.shard
+        # Shards may live on the CPU (remote_device) while compute runs elsewhere; gather where the
+        # placeholder lives.
+        device = chunk.params[0].data.device
+        dtype = first.dtype
+        if len(chunk.params) == 1:
+            inp = chunk.params[0]._zero.shard.to(device=device, dtype=dtype)
+        else:
+            inp = torch.cat([p._zero.shard.to(device=device, dtype=dtype) for p in chunk.params])
+        chunk.out = torch.empty(self.world_size * chunk.total, dtype=dtype, device=device)
+        chunk.work = dist.all_gather_into_tensor(chunk.out, inp, group=self.group, async_op=async_op)
+        if not async_op:
+            chunk.work = None
+
+    def _copy_out(self, chunk: _Chunk) -> None:
+        """Copy each parameter's columns of the rank-major output into its own storage."""
+        for p, off in zip(chunk.params, chunk.offsets):
+            z = p._zero
+            full = alloc_full(p)
+            if self.world_size == 1:
+                full.view(-1).copy_(z.shard[: z.numel])
+                continue
+            assert chunk.out is not None
+            cols = chunk.out.view(self.world_size, chunk.total)[:, off: off + z.shard_numel]
+            full.view(-1).copy_(cols.reshape(-1)[: z.numel])
+        chunk.out = None
+
+    # -- gradients -------------------------------------------------------------------------------
+    def reduce_flat(self, flat: torch.Tensor) -> torch.Tensor:
+        """Average ``flat`` (``world * S`` elements, rank-major) over ranks; return this rank's S."""
+        self.metrics.reduce_calls += 1
+        self.metrics.reduce_numel += flat.numel()
+        s = flat.numel() // self.world_size
+        if self.world_size == 1:
+            return flat
+        if self.reduce_impl == "all_reduce":
+            dist.all_reduce(flat, group=self.group)
+            out = flat.view(self.world_size, s)[self.rank]
+        else:
+            out = torch.empty(s, dtype=flat.dtype, device=flat.device)
+            dist.reduce_scatter_tensor(out, flat, group=self.group)
+        return out.div_(self.world_size)
+
+    def all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group)
+        return t

@@ -1,0 +1,188 @@
+"""`zero3.initialize` and the `Engine`: the object that owns one partitioned model's runtime state."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import Communicator
+from .config import ZeroConfig, resolve_config
+from .coordinator import ParamCoordinator
+from .errors import ZeroConfigError, ZeroStateError
+from .grad import GradientReducer
+from .hooks import ModuleHooks
+from .init import group_info
+from .metrics import StepMetrics
+from .optim import shard_optimizer
+from .param import ZeroParameter, convert, free_full
+from .state import ParamStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """A partitioned model with its hooks, gradient reducer and sharded optimizer.
+
+    Use ``loss = engine(x); engine.backward(loss); engine.step()``, or the plain loop
+    ``loss = model(x); loss.backward(); engine.step()`` (the hooks live on the module).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any, config: ZeroConfig, group: Any) -> None:
+        if model.__dict__.get("_zero3_engine") is not None:
+            raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "
+                                 "first, or keep using the engine it returned")
+        self.config = config
+        self.group, self.world_size, self.rank = group_info(group)
+        self.module = model
+        self.params = self._partition(model)
+        self.metrics = StepMetrics()
+        self.last_step_metrics = StepMetrics()
+        self.global_steps = 0
+        self.comm = Communicator(self.group, world_size=self.world_size, rank=self.rank,
+                                 overlap=config.overlap_comm, bucket_numel=config.allgather_bucket_size,
+                                 reduce_impl=config.reduce_scatter_impl, metrics=self.metrics)
+        self.coordinator = ParamCoordinator(config, self.comm, self.metrics)
+        self.reducer = GradientReducer(self.comm, config.reduce_bucket_size)
+        for p in self.params:
+            p._zero.extra["coordinator"] = self.coordinator
+        self._mark_persistent()
+        self.hooks = ModuleHooks(self)
+        self.hooks.install(model)
+        self.optimizer = shard_optimizer(optimizer, self.params) if optimizer is not None else None
+        model.__dict__["_zero3_engine"] = self
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _partition(self, model: nn.Module) -> list[ZeroParameter]:
+        params: list[ZeroParameter] = []
+        for name, p in model.named_parameters():
+            if isinstance(p, ZeroParameter):
+                self._check_group(name, p)
+            else:
+                convert(p, name=name, world_size=self.world_size, rank=self.rank, group=self.group)
+            p._zero.name = name
+            params.append(p)  # type: ignore[arg-type]
+        return params
+
+    def _check_group(self, name: str, p: ZeroParameter) -> None:
+        z = p._zero
+        same = z.world_size == self.world_size and z.rank == self.rank
+        if same and z.group is not None and self.group is not None and z.group is not self.group:
+            same = dist.get_process_group_ranks(z.group) == dist.get_process_group_ranks(self.group)
+        if not same:
+            raise ZeroConfigError(
+                f"parameter {name!r} was partitioned over a group of world size {z.world_size} (rank {z.rank}) "
+                f"under zero3.Init, but initialize got a group of world size {self.world_size} (rank "
+                f"{self.rank}); pass the same group to zero3.Init and zero3.initialize")
+
+    def _mark_persistent(self) -> None:
+        """Small params stay gathered; greedy in ``named_parameters`` order under the model cap."""
+        budget = self.config.model_persistence_threshold
+        chosen = []
+        for p in self.params:
+            n = p._zero.numel
+            if n <= self.config.param_persistence_threshold and n <= budget:
+                budget -= n
+                chosen.append(p)
+        for p in chosen:
+            p._zero.persistent = True
+        self._persistent = chosen
+        self._gather_persistent()
+
+    def _gather_persistent(self) -> None:
+        todo = [p for p in self._persistent if p._zero.status is ParamStatus.NOT_AVAILABLE]
+        if todo:
+            self.coordinator.fetch(todo)
+
+    # -- training API ---------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.module(*args, **kwargs)
+        except BaseException:
+            self.hooks.reset_stack()
+            raise
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        loss.backward(**kwargs)
+
+    def step(self) -> None:
+        """Optimizer step on the shards, then zero the gradients and start the next step."""
+        self.reducer.flush()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.coordinator.release_all()
+        self._refresh_persistent()
+        self.global_steps += 1
+        self._finish_step()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p._zero.shard.grad = None
+
+    def _refresh_persistent(self) -> None:
+        """Shards changed: persistent params must be re-gathered from them."""
+        for p in self._persistent:
+            if p._zero.status is ParamStatus.AVAILABLE:
+                free_full(p)
+        self._gather_persistent()
+
+    def _on_backward_end(self) -> None:
+        pass
+
+    def _finish_step(self) -> None:
+        self.last_step_metrics = copy.copy(self.metrics)
+        self.metrics.reset(self.global_steps)
+
+    def remove_hooks(self) -> None:
+        """Take every hook off; parameters stay partitioned until gathered."""
+        self.hooks.remove()
+        self.coordinator.release_all()
+        for p in self._persistent:
+            p._zero.persistent = False
+            if p._zero.status is ParamStatus.AVAILABLE and not p._zero.pinned:
+                free_full(p)
+        for p in self.params:
+            p._zero.extra.pop("coordinator", None)
+        self.module.__dict__.pop("_zero3_engine", None)
+
+    # -- introspection --------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model state this rank holds, against the full (unpartitioned) model's."""
+        shard = sum(p._zero.shard.numel() * p._zero.shard.element_size() for p in self.params)
+        grad = sum(g.numel() * g.element_size() for p in self.params if (g := p._zero.shard.grad) is not None)
+        optim = 0
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        optim += v.numel() * v.element_size()
+        full = sum(p._zero.numel * p.data.element_size() for p in self.params)
+        gathered = sum(p._zero.numel * p.data.element_size() for p in self.params
+                       if p._zero.status is not ParamStatus.NOT_AVAILABLE)
+        return {"param_shard_bytes": shard, "grad_shard_bytes": grad, "optimizer_state_bytes": optim,
+                "full_param_bytes": full, "gathered_param_bytes": gathered}
+
+
+def initialize(model: nn.Module, optimizer: Any = None, config: Any = None, group: Any = None) -> Engine:
+    """Partition ``model`` (if it was not built under `zero3.Init`), hook it, shard ``optimizer``.
+
+    Args:
+        model: the model; its parameters are partitioned in place.
+        optimizer: a ``torch.optim.Optimizer`` over ``model.parameters()``, a callable taking param
+            groups and returning one, or None (inference).
+        config: `ZeroConfig`, dict (ours or DeepSpeed's), JSON path or None.
+        group: process group (default: world).
+
+    Raises:
+        ZeroStateError: the model was already initialised.
+        ZeroConfigError: invalid config, or the model was built under Init with another group.
+    """
+    return Engine(model, optimizer, resolve_config(config), group)

@@ -1,0 +1,239 @@
+"""Module hooks: turn forward/backward module events into coordinator calls.
+
+[Note: hook protocol]
+- forward pre-hook (``prepend=True``): push a `_Call` for this module on the forward stack, gather its
+  parameters (own + external) and, when grad is on, wrap the tensor inputs in `_PostBackward`.
+- forward post-hook: pop the call, release the parameters (unless still used elsewhere) and hook the
+  output tensors: the first gradient that reaches any of them is the module's *pre-backward*, which
+  gathers the parameters again (once per call).
+- `_PostBackward.backward` runs when the gradients of the module's inputs are ready, i.e. after its
+  backward: the call's parameters are released. A module whose inputs need no grad never gets it;
+  the end-of-backward callback releases those.
+- ``register_post_accumulate_grad_hook`` on every trainable parameter hands its full gradient to the
+  reducer as soon as autograd has accumulated it, then drops it.
+- one callback per autograd graph task (queued from the first hook that fires in it) flushes the
+  gradient buckets; when the last running graph task ends, the backward is over.
+Accessing a partitioned parameter of *another* module inside a forward (``self.wte.weight`` in the
+root's forward) is caught by the `_ParamDict` that replaces each module's ``_parameters`` and turns
+into an automatic `register_external_parameter`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .errors import ZeroStateError
+from .init import external_parameters, register_external_parameter
+from .param import PartitionedParameter, ZeroParameter
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _ModuleRecord:
+    module: nn.Module
+    name: str
+
+
+@dataclass(eq=False)
+class _Call:
+    """One forward call of a module; carries what its backward must gather and release."""
+
+    record: _ModuleRecord
+    params: list[ZeroParameter]
+    backward_pinned: bool = False
+    backward_done: bool = False
+
+
+class _PostBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: _Call, hooks: "ModuleHooks", *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.call = call
+        ctx.hooks = hooks
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        ctx.hooks._post_backward(ctx.call)
+        return (None, None) + grads
+
+
+class _ParamDict(dict):
+    """``module._parameters`` replacement that notices another module's partitioned param in use."""
+
+    __slots__ = ("owner", "hooks")
+
+    def __getitem__(self, key: str) -> Any:
+        p = dict.__getitem__(self, key)
+        if type(p) is PartitionedParameter:
+            self.hooks._on_access(p)
+        return p
+
+
+class ModuleHooks:
+    """Installs and owns every hook zero3 puts on a model; `remove` takes them all off again."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+        self.coordinator = engine.coordinator
+        self.stack: list[_Call] = []
+        self._handles: list[Any] = []
+        self._records: dict[int, _ModuleRecord] = {}
+        self._queued_tasks: set[int] = set()
+        self._announced: set[tuple[int, int]] = set()
+
+    # -- install / remove -----------------------------------------------------------------------
+    def install(self, model: nn.Module) -> None:
+        for name, m in model.named_modules():
+            rec = _ModuleRecord(module=m, name=name)
+            self._records[id(m)] = rec
+            self._handles.append(m.register_forward_pre_hook(
+                functools.partial(self._pre_forward, rec), prepend=True, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(
+                functools.partial(self._post_forward, rec), with_kwargs=True))
+            pd = _ParamDict(m._parameters)
+            pd.owner = m
+            pd.hooks = self
+            m._parameters = pd
+        seen: set[int] = set()
+        for p in model.parameters():
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for rec in self._records.values():
+            m = rec.module
+            if isinstance(m._parameters, _ParamDict):
+                m._parameters = dict(m._parameters)
+        self._records.clear()
+
+    # -- forward --------------------------------------------------------------------------------
+    def _params_of(self, rec: _ModuleRecord) -> list[ZeroParameter]:
+        out: list[ZeroParameter] = []
+        for p in dict.values(rec.module._parameters):
+            if p is None:
+                continue
+            if not isinstance(p, ZeroParameter):
+                raise ZeroStateError(
+                    f"parameter of module {rec.name!r} with shape {tuple(p.shape)} is not partitioned: it "
+                    "was added after zero3.initialize. Add parameters before initialize (or build the "
+                    "model under zero3.Init).")
+            if not any(q is p for q in out):
+                out.append(p)
+        for p in external_parameters(rec.module):
+            if isinstance(p, ZeroParameter) and not any(q is p for q in out):
+                out.append(p)
+        return out
+
+    def _pre_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        params = self._params_of(rec)
+        call = _Call(record=rec, params=params)
+        self.stack.append(call)
+        if params:
+            self.coordinator.pre_forward(params)
+            if torch.is_grad_enabled():
+                return self._wrap_inputs(call, args, kwargs)
+        return None
+
+    def _wrap_inputs(self, call: _Call, args: tuple, kwargs: dict) -> Any:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return None
+        wrapped = _PostBackward.apply(call, self, *[flat[i] for i in idx])
+        for i, t in zip(idx, wrapped):
+            flat[i] = t
+        return pytree.tree_unflatten(flat, spec)
+
+    def _post_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        call = self._pop(rec)
+        if call.params:
+            self.coordinator.post_forward(call.params)
+            if torch.is_grad_enabled():
+                hook = functools.partial(self._pre_backward, call)
+                for t in pytree.tree_leaves(output):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(hook)
+        return None
+
+    def _pop(self, rec: _ModuleRecord) -> _Call:
+        for i in range(len(self.stack) - 1, -1, -1):
+            if self.stack[i].record is rec:
+                call = self.stack.pop(i)
+                if i != len(self.stack):  # an inner call raised and never reached its post-hook
+                    del self.stack[i:]
+                return call
+        raise ZeroStateError(f"forward post-hook of {rec.name!r} without its pre-hook")
+
+    def _on_access(self, p: PartitionedParameter) -> None:
+        """A partitioned param was read through ``module._parameters`` while not gathered."""
+        if not self.stack:
+            return  # outside any forward: computing with it raises a clear error
+        call = self.stack[-1]
+        if not any(q is p for q in call.params):
+            register_external_parameter(call.record.module, p)
+            call.params.append(p)
+            key = (id(call.record.module), p._zero.id)
+            if key not in self._announced:
+                self._announced.add(key)
+                logger.info("zero3: %s is used in the forward of %r; registered as an external parameter",
+                            p._zero.name, call.record.name)
+            self.coordinator.pre_forward([p])
+        else:
+            self.coordinator.fetch([p])
+
+    def reset_stack(self) -> None:
+        """Forget calls left by a forward that raised, releasing what they held."""
+        while self.stack:
+            call = self.stack.pop()
+            if call.params:
+                self.coordinator.post_forward(call.params)
+
+    # -- backward -------------------------------------------------------------------------------
+    def _pre_backward(self, call: _Call, grad: torch.Tensor) -> None:
+        self._ensure_final_callback()
+        if not call.backward_pinned:
+            call.backward_pinned = True
+            self.coordinator.pre_backward(call.params)
+        return None
+
+    def _post_backward(self, call: _Call) -> None:
+        if call.backward_pinned and not call.backward_done:
+            call.backward_done = True
+            self.coordinator.post_backward(call.params)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self._ensure_final_callback()
+        grad = p.grad
+        p.grad = None
+        if grad is not None:
+            self.engine.reducer.add(p, grad)  # type: ignore[arg-type]
+
+    def _ensure_final_callback(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task in self._queued_tasks:
+            return
+        self._queued_tasks.add(task)
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_graph_task, task))
+
+    def _end_graph_task(self, task: int) -> None:
+        self._queued_tasks.discard(task)
+        self.engine.reducer.flush()
+        if not self._queued_tasks:
+            self.coordinator.end_backward()
+            self.engine._on_backward_end()

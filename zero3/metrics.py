@@ -1,0 +1,47 @@
+"""Per-step counters. Numbers live here, never in log strings alone."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class StepMetrics:
+    """What one step did. ``engine.last_step_metrics`` holds the last finished step's copy."""
+
+    step: int = 0
+    allgather_calls: int = 0
+    allgather_numel: int = 0
+    allgather_bytes: int = 0
+    demand_fetches: int = 0  # parameters gathered on demand (not prefetched)
+    prefetched: int = 0  # parameters gathered ahead of use
+    prefetch_hits: int = 0  # prefetched parameters that were used
+    wasted_prefetches: int = 0  # prefetched parameters released unused
+    releases: int = 0
+    live_numel: int = 0  # gathered non-persistent elements now (a gauge)
+    live_bytes: int = 0
+    peak_live_numel: int = 0
+    peak_live_bytes: int = 0
+    wait_seconds: float = 0.0  # time blocked waiting for gathers
+    reduce_calls: int = 0
+    reduce_numel: int = 0
+    divergences: int = 0
+
+    def add_live(self, numel: int, nbytes: int) -> None:
+        self.live_numel += numel
+        self.live_bytes += nbytes
+        if self.live_numel > self.peak_live_numel:
+            self.peak_live_numel = self.live_numel
+        if self.live_bytes > self.peak_live_bytes:
+            self.peak_live_bytes = self.live_bytes
+
+    def reset(self, step: int) -> None:
+        """Start a new step; the live gauge carries over (what is still gathered stays counted)."""
+        live, live_b = self.live_numel, self.live_bytes
+        self.__init__()  # type: ignore[misc]
+        self.step = step
+        self.live_numel = self.peak_live_numel = live
+        self.live_bytes = self.peak_live_bytes = live_b
+
+    def as_dict(self) -> dict:
+        return asdict(self)

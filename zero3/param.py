@@ -1,0 +1,239 @@
+"""The partitioned parameter: one `ZeroParam` record per ``nn.Parameter``.
+
+[Note: parameter storage]
+A partitioned parameter keeps its full *shape* but owns no memory: ``param.data`` is a tensor of the
+true shape whose storage is resized to 0 bytes. Gathering resizes that same storage back and fills
+it; releasing resizes it to 0 again. Autograd may have saved views of the weight (``weight.t()`` in
+``F.linear``); because the storage object is kept, those views see the re-gathered data in backward
+and the memory is really freed in between. Code that reads ``param.shape`` (PEFT, HF) sees the truth,
+and the familiar DeepSpeed names (``ds_id``, ``ds_shape``, ``ds_numel``, ``ds_tensor``,
+``ds_status``) are read-only views onto the record, not separate state.
+
+The parameter's Python class tells its state: `ZeroParameter` while gathered (no overhead: torch
+functions are disabled as for any ``nn.Parameter``), `PartitionedParameter` otherwise, whose
+``__torch_function__`` turns any computation into a `ZeroStateError` naming the parameter.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from . import sharding
+from .errors import ZeroStateError
+from .state import ParamStatus, check_transition
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class ZeroParam:
+    """Everything zero3 knows about one partitioned parameter."""
+
+    id: int
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    shard: torch.Tensor  # 1D, this rank's padded shard; the optimizer steps on it
+    world_size: int
+    rank: int
+    group: "ProcessGroup | None"
+    status: ParamStatus = ParamStatus.NOT_AVAILABLE
+    persistent: bool = False
+    active_forward: int = 0  # modules currently running forward that use it
+    active_backward: int = 0  # backward calls (gathered in pre-backward) not finished yet
+    user_pins: int = 0  # open GatheredParameters contexts
+    handle: Any = None  # the in-flight GatherHandle while INFLIGHT
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def shard_numel(self) -> int:
+        return self.shard.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.shard.element_size()
+
+    @property
+    def pinned(self) -> bool:
+        return self.persistent or self.active_forward > 0 or self.active_backward > 0 or self.user_pins > 0
+
+    def set_status(self, new: ParamStatus) -> None:
+        check_transition(self.name, self.status, new)
+        self.status = new
+
+    def shard_range(self) -> tuple[int, int]:
+        return sharding.shard_range(self.numel, self.world_size, self.rank)
+
+    def summary(self) -> str:
+        return (f"{self.name or '<unnamed>'} (ds_id={self.id}, ds_shape={tuple(self.shape)}, "
+                f"ds_status={self.status.name}, rank={self.rank}/{self.world_size})")
+
+
+class ZeroParameter(nn.Parameter):
+    """A partitioned ``nn.Parameter`` whose full data is currently gathered."""
+
+    _zero: ZeroParam
+
+    @property
+    def ds_id(self) -> int:
+        return self._zero.id
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        return self._zero.shape
+
+    @property
+    def ds_numel(self) -> int:
+        return self._zero.numel
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        return self._zero.shard
+
+    @property
+    def ds_status(self) -> ParamStatus:
+        return self._zero.status
+
+    @property
+    def ds_persist(self) -> bool:
+        return self._zero.persistent
+
+    def ds_summary(self) -> str:
+        return self._zero.summary()
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise ZeroStateError(
+            f"cannot deepcopy partitioned parameter {self._zero.summary()}; deep-copy the model before "
+            "zero3.Init/initialize, or gather it with zero3.GatheredParameters and copy the data")
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        raise ZeroStateError(
+            f"cannot pickle partitioned parameter {self._zero.summary()}; save with "
+            "engine.save_checkpoint() or a consolidated state dict")
+
+
+# Tensor methods and properties that only read metadata or register hooks: allowed while partitioned.
+_METADATA_OK = frozenset({
+    "size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
+    "get_device", "is_contiguous", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+    "__repr__", "__format__", "__hash__", "__eq__", "__ne__", "__len__", "data_ptr", "untyped_storage",
+    "_is_view", "is_shared", "is_pinned", "type", "__reduce_ex__", "__deepcopy__", "__setstate__",
+})
+_COMPUTE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+class PartitionedParameter(ZeroParameter):
+    """A partitioned parameter whose full data is not gathered: computing with it raises."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__"):
+            prop = getattr(getattr(func, "__self__", None), "__name__", "")
+            if prop not in _COMPUTE_PROPERTIES:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
+        elif name in _METADATA_OK:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        target = _first_partitioned(args, kwargs)
+        if target is not None and name.endswith("_") and not name.startswith("_"):
+            from .init import write_through  # an in-place init inside zero3.Init (nn.init.normal_ ...)
+
+            done, result = write_through(target, func, args, kwargs)
+            if done:
+                return result
+        which = target._zero.summary() if target is not None else "<unknown>"
+        raise ZeroStateError(
+            f"parameter {which} is used by {name or func!r} while it is partitioned. zero3 gathers a "
+            "module's parameters only while that module runs. Outside a forward, wrap the code in "
+            "`with zero3.GatheredParameters(params):` (add modifier_rank=0 to change them); if another "
+            "module's forward uses it, call zero3.register_external_parameter(module, param).")
+
+
+def _first_partitioned(args: tuple, kwargs: dict) -> PartitionedParameter | None:
+    for a in itertools.chain(args, kwargs.values()):
+        if isinstance(a, PartitionedParameter):
+            return a
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, PartitionedParameter):
+                    return b
+    return None
+
+
+def is_partitioned(p: Any) -> bool:
+    return isinstance(p, ZeroParameter)
+
+
+def record(p: nn.Parameter) -> ZeroParam:
+    """The record of a partitioned parameter; a clear error for a plain one."""
+    if not isinstance(p, ZeroParameter):
+        raise ZeroStateError(
+            f"parameter of shape {tuple(p.shape)} is not partitioned by zero3 (build the model under "
+            "zero3.Init or pass it to zero3.initialize)")
+    return p._zero
+
+
+# -- storage of the full tensor ------------------------------------------------------------------
+def _storage(p: nn.Parameter) -> torch.UntypedStorage:
+    return p.data.untyped_storage()
+
+
+def free_full(p: ZeroParameter) -> None:
+    """Drop the full data: resize the storage to 0 bytes and mark NOT_AVAILABLE."""
+    z = p._zero
+    z.set_status(ParamStatus.NOT_AVAILABLE)
+    _storage(p).resize_(0)
+    p.__class__ = PartitionedParameter
+
+
+def alloc_full(p: ZeroParameter) -> torch.Tensor:
+    """Give the placeholder real storage again; returns ``p.data`` (uninitialised) for filling."""
+    z = p._zero
+    _storage(p).resize_(z.numel * p.data.element_size())
+    return p.data
+
+
+def mark_available(p: ZeroParameter) -> None:
+    p._zero.set_status(ParamStatus.AVAILABLE)
+    p._zero.handle = None
+    p.__class__ = ZeroParameter
+
+
+def convert(p: nn.Parameter, *, name: str, world_size: int, rank: int, group: "ProcessGroup | None",
+            shard_device: torch.device | None = None, dtype: torch.dtype | None = None) -> ZeroParameter:
+    """Partition ``p`` in place: keep this rank's shard, free the full data, keep the shape."""
+    if isinstance(p, ZeroParameter):
+        return p
+    full = p.data
+    if dtype is not None and full.is_floating_point():
+        full = full.to(dtype)
+    device = shard_device if shard_device is not None else full.device
+    shard = sharding.shard_tensor(full, world_size, rank).to(device)
+    z = ZeroParam(id=next(_ids), name=name, shape=full.shape, dtype=full.dtype, shard=shard,
+                  world_size=world_size, rank=rank, group=group, status=ParamStatus.AVAILABLE)
+    placeholder = torch.empty(full.shape, dtype=full.dtype, device=full.device)
+    p.data = placeholder
+    p._zero = z
+    p.__class__ = ZeroParameter
+    free_full(p)  # type: ignore[arg-type]
+    return p  # type: ignore[return-value]
+
+
+def copy_full_into_shard(p: ZeroParameter) -> None:
+    """After the full data was modified, make this rank's shard match it."""
+    z = p._zero
+    z.shard.copy_(sharding.shard_tensor(p.data, z.world_size, z.rank))
