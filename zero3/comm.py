@@ -25,6 +25,10 @@ from .state import ParamStatus
 
 logger = logging.getLogger(__name__)
 
+# torch 2.13 renamed the flat collectives; keep working on the older names (torch >= 2.4).
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(eq=False)
 class _Chunk:
@@ -155,7 +159,7 @@ class Communicator:
         else:
             inp = torch.cat([p._zero.shard.to(device=device, dtype=dtype) for p in chunk.params])
         chunk.out = torch.empty(self.world_size * chunk.total, dtype=dtype, device=device)
-        chunk.work = dist.all_gather_into_tensor(chunk.out, inp, group=self.group, async_op=async_op)
+        chunk.work = _all_gather_flat(chunk.out, inp, group=self.group, async_op=async_op)
         if not async_op:
             chunk.work = None
 
@@ -185,7 +189,7 @@ class Communicator:
             out = flat.view(self.world_size, s)[self.rank]
         else:
             out = torch.empty(s, dtype=flat.dtype, device=flat.device)
-            dist.reduce_scatter_tensor(out, flat, group=self.group)
+            _reduce_scatter_flat(out, flat, group=self.group)
         return out.div_(self.world_size)
 
     def all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:

@@ -1,0 +1,44 @@
+"""Bad input on several ranks: every rank gets the same clear error, nothing hangs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero3
+
+pytestmark = pytest.mark.multiproc
+
+
+def group_mismatch() -> str:
+    rank = dist.get_rank()
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    with zero3.Init():
+        model = nn.Linear(8, 8)
+    try:
+        zero3.initialize(model, None, group=groups[rank])
+    except zero3.ZeroConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def initialize_twice() -> str:
+    model = nn.Linear(8, 8)
+    zero3.initialize(model, None)
+    try:
+        zero3.initialize(model, None)
+    except zero3.ZeroStateError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_model_built_with_one_group_and_trained_with_another_raises_on_every_rank(pools):
+    for msg in pools.get(2).run(group_mismatch):
+        assert "world size 2" in msg and "world size 1" in msg, msg
+
+
+def test_initialize_twice_raises_on_every_rank(pools):
+    for msg in pools.get(2).run(initialize_twice):
+        assert "already called" in msg, msg
