@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .errors import ZeroDivergenceError
 from .metrics import StepMetrics
 from .param import ZeroParameter, alloc_full, mark_available
 from .state import ParamStatus
@@ -73,7 +75,7 @@ class Communicator:
     """All-gathers and gradient reductions over one process group (``None``: single process)."""
 
     def __init__(self, group: Any, *, world_size: int, rank: int, overlap: bool, bucket_numel: int,
-                 reduce_impl: str, metrics: StepMetrics) -> None:
+                 reduce_impl: str, metrics: StepMetrics, verify: bool | None = None) -> None:
         self.group = group
         self.world_size = world_size
         self.rank = rank
@@ -84,10 +86,14 @@ class Communicator:
         if reduce_impl == "auto":
             reduce_impl = "all_reduce" if backend == "gloo" else "reduce_scatter"
         self.reduce_impl = reduce_impl
+        # Header checks cost a host round trip; on by default where collectives run on the CPU (gloo).
+        self.verify = (backend == "gloo") if verify is None else verify
+        self._seq = 0
         self._side_stream: Any = None
 
     # -- all-gather ------------------------------------------------------------------------------
-    def all_gather(self, params: Sequence[ZeroParameter], *, prefetch: bool = False) -> GatherHandle:
+    def all_gather(self, params: Sequence[ZeroParameter], *, prefetch: bool = False, tag: str = "",
+                   count: bool = True) -> GatherHandle:
         """Issue one coalesced all-gather (split at ``allgather_bucket_size``) for ``params``.
 
         Every param must be NOT_AVAILABLE; they become INFLIGHT until the handle is waited on.
@@ -99,11 +105,13 @@ class Communicator:
         for p in params:
             p._zero.handle = handle
         numel = sum(p._zero.numel for p in params)
-        self.metrics.allgather_calls += 1
-        self.metrics.allgather_numel += numel
-        self.metrics.allgather_bytes += sum(p._zero.nbytes for p in params)
+        if count:
+            self.metrics.allgather_calls += 1
+            self.metrics.allgather_numel += numel
+            self.metrics.allgather_bytes += sum(p._zero.nbytes for p in params)
         if not params:
             return handle
+        self.agree(f"all-gather for {tag or 'a user request'}", numel)
         device = params[0]._zero.shard.device
         use_stream = device.type == "cuda" and self.overlap and self.world_size > 1
         if use_stream:
@@ -176,6 +184,30 @@ class Communicator:
             full.view(-1).copy_(cols.reshape(-1)[: z.numel])
         chunk.out = None
 
+    def agree(self, what: str, numel: int) -> None:
+        """Check that every rank is about to issue the same collective; raise on all ranks if not.
+
+        Ranks exchange a 3-integer header (sequence number, what the collective is for, its size)
+        in one tiny all-gather. Mismatched data collectives would hang or corrupt; mismatched
+        headers are seen by every rank at once, so every rank raises the same error.
+        """
+        if not self.verify or self.world_size == 1:
+            return
+        self._seq += 1
+        mine = torch.tensor([self._seq, zlib.crc32(what.encode()), numel], dtype=torch.int64)
+        everyone = torch.empty(3 * self.world_size, dtype=torch.int64)
+        _all_gather_flat(everyone, mine, group=self.group)
+        rows = everyone.view(self.world_size, 3)
+        if bool((rows == rows[0]).all()):
+            return
+        details: list[Any] = [None] * self.world_size
+        dist.all_gather_object(details, (self._seq, what, numel), group=self.group)
+        lines = "; ".join(f"rank {r}: collective #{s} {w} ({n:,} elements)" for r, (s, w, n) in enumerate(details))
+        raise ZeroDivergenceError(
+            f"ranks disagree on the next collective ({lines}). zero3 needs every rank to run the same "
+            "modules in the same order with the same parameters (SPMD); make skipped branches run on every "
+            "rank (e.g. with zero inputs) or mark the differing part so it is gathered as one unit.")
+
     # -- gradients -------------------------------------------------------------------------------
     def reduce_flat(self, flat: torch.Tensor) -> torch.Tensor:
         """Average ``flat`` (``world * S`` elements, rank-major) over ranks; return this rank's S."""
@@ -184,6 +216,7 @@ class Communicator:
         s = flat.numel() // self.world_size
         if self.world_size == 1:
             return flat
+        self.agree("gradient reduction", flat.numel())
         if self.reduce_impl == "all_reduce":
             dist.all_reduce(flat, group=self.group)
             out = flat.view(self.world_size, s)[self.rank]

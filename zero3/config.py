@@ -69,9 +69,10 @@ class ZeroConfig:
     max_traces: int = 4
     """How many recorded step traces are cached (keyed by how the step began)."""
 
-    check_trace_across_ranks: bool = True
-    """When a trace is frozen, compare its module order across ranks (one small collective) and
-    raise on every rank if they differ, instead of hanging later."""
+    verify_collectives: bool | None = None
+    """Before each gather or reduction, ranks exchange a 3-integer header and all raise
+    ``ZeroDivergenceError`` if they are not about to run the same collective, instead of hanging
+    (ranks that run different modules). ``None``: on for gloo, off for NCCL (it costs a host sync)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -124,6 +125,9 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
     elif ann in ("int | None",):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ZeroConfigError(f"{name} must be None or an int >= 0, got {value!r}")
+    elif ann == "bool | None":
+        if value is not None and not isinstance(value, bool):
+            raise ZeroConfigError(f"{name} must be None or a bool, got {value!r}")
     elif ann in ("bool", bool):
         if not isinstance(value, bool):
             raise ZeroConfigError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")

@@ -1,94 +1,275 @@
 """`ParamCoordinator`: decides when parameters are gathered and released, and keeps the books.
 
-The hooks (hooks.py) report module events; the coordinator turns them into fetches and releases.
-Without a trace it fetches on demand and releases right after use. With a recorded trace it follows
-a precomputed `Schedule` (prefetch, reuse-distance keeps, budget evictions); see schedule.py.
+The hooks (hooks.py) report module events. Every step is recorded (trace.py); when a step ends its
+events are frozen into a `Trace`, and the next step that begins the same way follows the `Schedule`
+that ``schedule.plan`` computed for it: prefetch buckets, reuse-distance keeps and Belady evictions
+under a hard live budget. Without a matching trace the coordinator fetches on demand and releases
+right after use, under the same hard budget.
+
+[Note: following a trace]
+Each event is compared with the next event of the followed trace (kind, module, parameter ids). On
+a match the planned action runs: releases, then the demand fetch (what is not already gathered or
+in flight), then the prefetch bucket. On a mismatch the coordinator never raises: it logs the
+divergence once, releases every gathered parameter no running module needs (what was prefetched
+for nothing included), and fetches on demand until the step ends. The step is still recorded; if
+its order is new it becomes another cached trace (up to ``max_traces``, keyed by how the step
+began), so alternating control flow does not re-record every step.
 
 Every gathered, non-persistent parameter is in ``_live`` from the moment its gather is issued until
-it is released, and ``metrics.live_numel`` is their element count; `check_valid` recomputes it.
+it is released; ``metrics.live_numel`` is their element count and `check_valid` recomputes it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Iterable, Sequence
+
+import torch
 
 from .comm import Communicator
 from .config import ZeroConfig
 from .errors import ZeroStateError
 from .metrics import StepMetrics
 from .param import ZeroParameter, free_full
+from .schedule import PlanConfig, Schedule, plan
 from .state import ParamStatus
+from .trace import EventKind, ParamInfo, Trace, TraceRecorder
 
 logger = logging.getLogger(__name__)
 
+_PRE = (EventKind.PRE_FORWARD, EventKind.PRE_BACKWARD)
+
+
+def plan_config(config: ZeroConfig) -> PlanConfig:
+    """The planner's budgets: elements, or bytes when ``max_live_bytes`` is set.
+
+    In byte mode an unset ``*_bytes`` knob is its element knob counted as 4-byte elements.
+    """
+    if config.max_live_bytes is None:
+        return PlanConfig(max_live=config.max_live_parameters, max_reuse_distance=config.max_reuse_distance,
+                          prefetch_bucket_size=config.prefetch_bucket_size, unit="numel")
+    reuse = config.max_reuse_distance_bytes
+    bucket = config.prefetch_bucket_bytes
+    return PlanConfig(max_live=config.max_live_bytes,
+                      max_reuse_distance=reuse if reuse is not None else 4 * config.max_reuse_distance,
+                      prefetch_bucket_size=bucket if bucket is not None else 4 * config.prefetch_bucket_size,
+                      unit="bytes")
+
 
 class ParamCoordinator:
-    def __init__(self, config: ZeroConfig, comm: Communicator, metrics: StepMetrics) -> None:
+    def __init__(self, config: ZeroConfig, comm: Communicator, metrics: StepMetrics,
+                 params: Sequence[ZeroParameter] = ()) -> None:
         self.config = config
+        self.plan_config = plan_config(config)
         self.comm = comm
         self.metrics = metrics
         self._live: dict[int, ZeroParameter] = {}
+        self._recorder = TraceRecorder()
+        self._by_id: dict[int, ZeroParameter] = {}
+        self.register(params)
+        self._traces: OrderedDict[str, list[tuple[Trace, Schedule]]] = OrderedDict()
+        self._versions = 0
+        self._step_key: str | None = None
+        self._following: tuple[Trace, Schedule] | None = None
+        self._cursor = 0
+        self._diverged = False
+        self._announced: set[tuple[str, int, int]] = set()
+        self._last_seen: dict[str, int] = {}  # key -> version of the trace the last such step had
+        self._successor: dict[tuple[str, int | None], int] = {}  # (key, previous version) -> next
+        self._tag = ""  # what the current collective is for, for divergence messages
+        self.record_count = 0  # traces recorded (new orders)
+        self.last_trace: Trace | None = None
+        self.last_schedule: Schedule | None = None
 
-    # -- module events -----------------------------------------------------------------------------
-    def pre_forward(self, params: Sequence[ZeroParameter]) -> None:
+    def register(self, params: Iterable[ZeroParameter]) -> None:
         for p in params:
-            p._zero.active_forward += 1
-        self.fetch(params)
+            self._by_id[p._zero.id] = p
 
-    def post_forward(self, params: Sequence[ZeroParameter]) -> None:
-        for p in params:
-            z = p._zero
-            if z.active_forward <= 0:
-                raise ZeroStateError(f"post-forward of {z.summary()} without a matching pre-forward")
-            z.active_forward -= 1
-        self.release(params)
+    def _size(self, p: ZeroParameter) -> int:
+        return p._zero.nbytes if self.plan_config.unit == "bytes" else p._zero.numel
 
-    def pre_backward(self, params: Sequence[ZeroParameter]) -> None:
-        for p in params:
-            p._zero.active_backward += 1
-        self.fetch(params)
+    @property
+    def _live_size(self) -> int:
+        return self.metrics.live_bytes if self.plan_config.unit == "bytes" else self.metrics.live_numel
 
-    def post_backward(self, params: Sequence[ZeroParameter]) -> None:
-        for p in params:
-            z = p._zero
-            z.active_backward = max(0, z.active_backward - 1)
-        self.release(params)
+    # -- events from the hooks -------------------------------------------------------------------
+    def event(self, kind: EventKind, module: str, params: Sequence[ZeroParameter]) -> None:
+        """One hook firing: pin/unpin the module's params, then act (schedule or on demand)."""
+        if self._step_key is None:
+            self._begin_step(kind, module)
+        ids = tuple(sorted({p._zero.id for p in params}))
+        self._recorder.record(kind, module, ids)
+        self._tag = f"{kind.value} {module or '<root>'}"
+        self._pin(kind, params)
+        if self._following is not None:
+            trace, schedule = self._following
+            i = self._cursor
+            expected = trace.events[i] if i < len(trace.events) else None
+            if expected is not None and expected.kind is kind and expected.module == module and expected.params == ids:
+                self._cursor += 1
+                self._apply(schedule, i, kind, params)
+                return
+            self._diverge(trace, i, expected, kind, module, params)
+        if kind in _PRE:
+            self.fetch(params)
+        else:
+            self.release(params)
 
-    def end_backward(self) -> None:
-        """Backward finished: modules whose post-backward never fired (inputs without grad) are done."""
-        for p in list(self._live.values()):
-            p._zero.active_backward = 0
-        self.release(list(self._live.values()))
+    def _pin(self, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
+        if kind is EventKind.PRE_FORWARD:
+            for p in params:
+                p._zero.active_forward += 1
+        elif kind is EventKind.POST_FORWARD:
+            for p in params:
+                z = p._zero
+                if z.active_forward <= 0:
+                    raise ZeroStateError(f"post-forward of {z.summary()} without a matching pre-forward")
+                z.active_forward -= 1
+        elif kind is EventKind.PRE_BACKWARD:
+            for p in params:
+                p._zero.active_backward += 1
+        else:
+            for p in params:
+                p._zero.active_backward = max(0, p._zero.active_backward - 1)
 
-    def release_all(self) -> None:
-        """End of a step: nothing non-persistent stays gathered unless a user context holds it."""
-        for p in list(self._live.values()):
-            z = p._zero
-            z.active_forward = z.active_backward = 0
-        self.release(list(self._live.values()))
+    def _apply(self, schedule: Schedule, i: int, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
+        action = schedule.actions[i]
+        if action.release:
+            self.release(self._by_id[pid] for pid in action.release)
+        if kind in _PRE:
+            self.fetch(params)
+        if action.prefetch:
+            self.prefetch([self._by_id[pid] for pid in action.prefetch])
+
+    def _diverge(self, trace: Trace, i: int, expected: object, kind: EventKind, module: str,
+                 params: Sequence[ZeroParameter]) -> None:
+        self.metrics.divergences += 1
+        key = (trace.key, trace.version, i)
+        if key not in self._announced:
+            self._announced.add(key)
+            want = "the end of the trace" if expected is None else \
+                f"{expected.kind.value} {expected.module or '<root>'!r}"  # type: ignore[attr-defined]
+            logger.warning("zero3: step %d left trace %r v%d at event %d: expected %s, got %s %r; fetching on "
+                           "demand for the rest of the step", self.metrics.step, trace.key, trace.version, i, want,
+                           kind.value, module or "<root>")
+        self._following = None
+        self._diverged = True
+        keep = {p._zero.id for p in params} if kind in _PRE else set()
+        self.release(p for p in list(self._live.values()) if p._zero.id not in keep)
+
+    # -- step boundaries -------------------------------------------------------------------------
+    def _begin_step(self, kind: EventKind, module: str) -> None:
+        self._step_key = f"{kind.value}:{module or '<root>'}:{'grad' if torch.is_grad_enabled() else 'no_grad'}"
+        self._cursor = 0
+        self._diverged = False
+        candidates = self._traces.get(self._step_key) or []
+        # Predict with what followed the previous step's trace last time (alternating orders hit).
+        wanted = self._successor.get((self._step_key, self._last_seen.get(self._step_key)))
+        chosen = next((e for e in candidates if e[0].version == wanted), None)
+        self._following = chosen or (candidates[0] if candidates else None)
+        if self._following is not None:
+            self.last_trace, self.last_schedule = self._following
+
+    @property
+    def in_step(self) -> bool:
+        return self._step_key is not None
+
+    def end_step(self) -> None:
+        """The step is over: release everything, then keep or cache the step's trace."""
+        self.release_all()
+        if self._step_key is None:
+            return
+        key, self._step_key = self._step_key, None
+        followed, self._following = self._following, None
+        events = self._recorder.events
+        self._recorder.clear()
+        if not events:
+            return
+        if followed is not None and not self._diverged and self._cursor == len(followed[0].events):
+            self._touch(key, followed)
+            return
+        for entry in self._traces.get(key, []):
+            if entry[0].events == events:
+                self._touch(key, entry)
+                return
+        self._versions += 1
+        trace = Trace(key, self._versions, events, dict(self._recorder_params()))
+        entry = (trace, plan(trace, self.plan_config))
+        self._traces.setdefault(key, []).insert(0, entry)
+        self._traces.move_to_end(key, last=False)
+        self._seen(key, trace.version)
+        self._evict_traces()
+        self.record_count += 1
+        self.last_trace, self.last_schedule = entry
+        logger.info("zero3: recorded trace %r v%d (%d events); planned peak live %d %s, %d all-gathers",
+                    key, trace.version, len(events), entry[1].stats.peak_live, self.plan_config.unit,
+                    entry[1].stats.num_allgathers)
+
+    def _recorder_params(self) -> dict[int, ParamInfo]:
+        return {pid: ParamInfo(id=pid, name=p._zero.name, numel=p._zero.numel, nbytes=p._zero.nbytes,
+                               persistent=p._zero.persistent) for pid, p in self._by_id.items()}
+
+    def _seen(self, key: str, version: int) -> None:
+        self._successor[(key, self._last_seen.get(key))] = version
+        self._last_seen[key] = version
+
+    def _touch(self, key: str, entry: tuple[Trace, Schedule]) -> None:
+        self._seen(key, entry[0].version)
+        entries = self._traces[key]
+        entries.remove(entry)
+        entries.insert(0, entry)
+        self._traces.move_to_end(key, last=False)
+
+    def _evict_traces(self) -> None:
+        total = sum(len(v) for v in self._traces.values())
+        while total > self.config.max_traces:
+            last_key = next(reversed(self._traces))
+            self._traces[last_key].pop()
+            if not self._traces[last_key]:
+                del self._traces[last_key]
+            total -= 1
+
+    def invalidate_traces(self) -> None:
+        """Forget every cached trace (e.g. after budgets change)."""
+        self._traces.clear()
+
+    @property
+    def traces(self) -> list[Trace]:
+        return [t for entries in self._traces.values() for t, _ in entries]
 
     # -- fetch and release -------------------------------------------------------------------------
-    def fetch(self, params: Iterable[ZeroParameter], *, prefetch: bool = False) -> None:
+    def fetch(self, params: Iterable[ZeroParameter]) -> None:
         """Make every param AVAILABLE: wait in-flight gathers, gather the rest in one collective."""
         missing: list[ZeroParameter] = []
         waiting = []
         for p in params:
-            status = p._zero.status
+            z = p._zero
+            status = z.status
             if status is ParamStatus.NOT_AVAILABLE:
                 if not any(q is p for q in missing):
                     missing.append(p)
             elif status is ParamStatus.INFLIGHT:
-                waiting.append(p._zero.handle)
+                if z.handle not in waiting:
+                    waiting.append(z.handle)
+            if z.extra.pop("prefetched", False):
+                self.metrics.prefetch_hits += 1
         if missing:
             self._make_room(missing)
-            handle = self.gather(missing, prefetch=prefetch)
-            waiting.append(handle)
+            waiting.append(self._gather(missing, prefetch=False))
         for h in waiting:
             h.wait()
 
-    def gather(self, params: list[ZeroParameter], *, prefetch: bool) -> object:
-        """Issue the all-gather and account the params as live (persistent ones are not counted)."""
+    def prefetch(self, params: Sequence[ZeroParameter]) -> None:
+        """Issue one all-gather for ``params`` ahead of use; it is waited when they are needed."""
+        todo = [p for p in params if p._zero.status is ParamStatus.NOT_AVAILABLE and not p._zero.persistent]
+        if not todo:
+            return
+        for p in todo:
+            p._zero.extra["prefetched"] = True
+        self._gather(todo, prefetch=True)
+
+    def _gather(self, params: list[ZeroParameter], *, prefetch: bool) -> object:
         for p in params:
             if not p._zero.persistent:
                 self._live[p._zero.id] = p
@@ -97,7 +278,7 @@ class ParamCoordinator:
             self.metrics.prefetched += len(params)
         else:
             self.metrics.demand_fetches += len(params)
-        return self.comm.all_gather(params, prefetch=prefetch)
+        return self.comm.all_gather(params, prefetch=prefetch, tag=self._tag)
 
     def release(self, params: Iterable[ZeroParameter]) -> None:
         for p in params:
@@ -110,26 +291,69 @@ class ParamCoordinator:
 
     def _free(self, p: ZeroParameter) -> None:
         z = p._zero
+        if z.extra.pop("prefetched", False):
+            self.metrics.wasted_prefetches += 1
         free_full(p)
         if self._live.pop(z.id, None) is not None:
             self.metrics.add_live(-z.numel, -z.nbytes)
         self.metrics.releases += 1
 
     def _make_room(self, incoming: Sequence[ZeroParameter]) -> None:
-        """Hard live budget: release unpinned live params (not needed now) before gathering more."""
-        need = sum(p._zero.numel for p in incoming if not p._zero.persistent)
-        cap = self.config.max_live_parameters
-        if self.metrics.live_numel + need <= cap:
+        """Hard live budget: before a gather, release unpinned live params, furthest next use first."""
+        need = sum(self._size(p) for p in incoming if not p._zero.persistent)
+        cap = self.plan_config.max_live
+        if self._live_size + need <= cap:
             return
         incoming_ids = {p._zero.id for p in incoming}
-        for p in list(self._live.values()):
-            if self.metrics.live_numel + need <= cap:
+        victims = [p for p in self._live.values() if p._zero.id not in incoming_ids and not p._zero.pinned]
+        victims.sort(key=self._next_use, reverse=True)
+        for p in victims:
+            if self._live_size + need <= cap:
                 break
-            if p._zero.id in incoming_ids or p._zero.pinned:
-                continue
             if p._zero.status is ParamStatus.INFLIGHT:
                 p._zero.handle.wait()
             self._free(p)
+
+    def _next_use(self, p: ZeroParameter) -> float:
+        """Index of the next event using ``p`` in the followed trace (inf: unknown or never)."""
+        if self._following is None:
+            return float("inf")
+        events = self._following[0].events
+        pid = p._zero.id
+        for j in range(self._cursor, len(events)):
+            if events[j].kind in _PRE and pid in events[j].params:
+                return float(j)
+        return float("inf")
+
+    def join_visit(self, p: ZeroParameter) -> None:
+        """A running forward turned out to use ``p`` (auto-detected external param): pin and fetch it."""
+        p._zero.active_forward += 1
+        self.fetch([p])
+
+    def leave_visit(self, params: Sequence[ZeroParameter]) -> None:
+        """The end of a forward that only joined params mid-way (no recorded PRE event)."""
+        self._pin(EventKind.POST_FORWARD, params)
+        self.release(params)
+
+    def abort_step(self) -> None:
+        """A forward raised: release what it held and drop the half-recorded step."""
+        self.release_all()
+        self._recorder.clear()
+        self._step_key = None
+        self._following = None
+
+    def end_backward(self) -> None:
+        """Backward finished: modules whose post-backward never fired (inputs without grad) are done."""
+        for p in list(self._live.values()):
+            p._zero.active_backward = 0
+        self.end_step()
+
+    def release_all(self) -> None:
+        """Nothing non-persistent stays gathered unless a user context (GatheredParameters) holds it."""
+        for p in list(self._live.values()):
+            z = p._zero
+            z.active_forward = z.active_backward = 0
+        self.release(list(self._live.values()))
 
     # -- invariants --------------------------------------------------------------------------------
     @property

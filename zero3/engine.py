@@ -45,8 +45,9 @@ class Engine:
         self.global_steps = 0
         self.comm = Communicator(self.group, world_size=self.world_size, rank=self.rank,
                                  overlap=config.overlap_comm, bucket_numel=config.allgather_bucket_size,
-                                 reduce_impl=config.reduce_scatter_impl, metrics=self.metrics)
-        self.coordinator = ParamCoordinator(config, self.comm, self.metrics)
+                                 reduce_impl=config.reduce_scatter_impl, metrics=self.metrics,
+                                 verify=config.verify_collectives)
+        self.coordinator = ParamCoordinator(config, self.comm, self.metrics, self.params)
         self.reducer = GradientReducer(self.comm, config.reduce_bucket_size)
         for p in self.params:
             p._zero.extra["coordinator"] = self.coordinator
@@ -94,9 +95,11 @@ class Engine:
         self._gather_persistent()
 
     def _gather_persistent(self) -> None:
+        """Persistent params are gathered outside any step; their traffic is counted separately."""
         todo = [p for p in self._persistent if p._zero.status is ParamStatus.NOT_AVAILABLE]
         if todo:
-            self.coordinator.fetch(todo)
+            self.metrics.persistent_refresh_numel += sum(p._zero.numel for p in todo)
+            self.comm.all_gather(todo, tag="persistent parameters", count=False).wait()
 
     # -- training API ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -115,6 +118,8 @@ class Engine:
     def step(self) -> None:
         """Optimizer step on the shards, then zero the gradients and start the next step."""
         self.reducer.flush()
+        if self.coordinator.in_step:
+            self.coordinator.end_step()
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -152,6 +157,17 @@ class Engine:
         for p in self.params:
             p._zero.extra.pop("coordinator", None)
         self.module.__dict__.pop("_zero3_engine", None)
+
+    # -- state of one parameter, for accessors and checkpoints ----------------------------------
+    def master_shard(self, p: ZeroParameter) -> torch.Tensor:
+        """The tensor the optimizer steps on for ``p`` (this rank's padded 1-D shard, full precision)."""
+        return p._zero.extra.get("master", p._zero.shard)
+
+    def optimizer_state(self, p: ZeroParameter) -> dict[str, torch.Tensor]:
+        """This rank's optimizer state for ``p`` (e.g. ``exp_avg``), keyed as torch.optim keys it."""
+        if self.optimizer is None:
+            return {}
+        return self.optimizer.state.get(self.master_shard(p), {})
 
     # -- introspection --------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:

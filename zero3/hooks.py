@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 from .errors import ZeroStateError
 from .init import external_parameters, register_external_parameter
 from .param import PartitionedParameter, ZeroParameter
+from .trace import EventKind
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -51,6 +52,7 @@ class _Call:
 
     record: _ModuleRecord
     params: list[ZeroParameter]
+    opened: bool = False  # a PRE_FORWARD event was recorded (the module had params at entry)
     backward_pinned: bool = False
     backward_done: bool = False
 
@@ -94,6 +96,7 @@ class ModuleHooks:
 
     # -- install / remove -----------------------------------------------------------------------
     def install(self, model: nn.Module) -> None:
+        self.root = model
         for name, m in model.named_modules():
             rec = _ModuleRecord(module=m, name=name)
             self._records[id(m)] = rec
@@ -145,7 +148,8 @@ class ModuleHooks:
         call = _Call(record=rec, params=params)
         self.stack.append(call)
         if params:
-            self.coordinator.pre_forward(params)
+            call.opened = True
+            self.coordinator.event(EventKind.PRE_FORWARD, rec.name, params)
             if torch.is_grad_enabled():
                 return self._wrap_inputs(call, args, kwargs)
         return None
@@ -162,13 +166,19 @@ class ModuleHooks:
 
     def _post_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         call = self._pop(rec)
+        grad = torch.is_grad_enabled()
         if call.params:
-            self.coordinator.post_forward(call.params)
-            if torch.is_grad_enabled():
+            if call.opened:
+                self.coordinator.event(EventKind.POST_FORWARD, rec.name, call.params)
+            else:  # only auto-detected external params, joined mid-forward
+                self.coordinator.leave_visit(call.params)
+            if grad:
                 hook = functools.partial(self._pre_backward, call)
                 for t in pytree.tree_leaves(output):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(hook)
+        if not grad and rec.module is self.root and not self.stack:
+            self.coordinator.end_step()  # an inference forward is a whole step
         return None
 
     def _pop(self, rec: _ModuleRecord) -> _Call:
@@ -193,29 +203,27 @@ class ModuleHooks:
                 self._announced.add(key)
                 logger.info("zero3: %s is used in the forward of %r; registered as an external parameter",
                             p._zero.name, call.record.name)
-            self.coordinator.pre_forward([p])
+            self.coordinator.join_visit(p)
         else:
             self.coordinator.fetch([p])
 
     def reset_stack(self) -> None:
         """Forget calls left by a forward that raised, releasing what they held."""
-        while self.stack:
-            call = self.stack.pop()
-            if call.params:
-                self.coordinator.post_forward(call.params)
+        self.stack.clear()
+        self.coordinator.abort_step()
 
     # -- backward -------------------------------------------------------------------------------
     def _pre_backward(self, call: _Call, grad: torch.Tensor) -> None:
         self._ensure_final_callback()
         if not call.backward_pinned:
             call.backward_pinned = True
-            self.coordinator.pre_backward(call.params)
+            self.coordinator.event(EventKind.PRE_BACKWARD, call.record.name, call.params)
         return None
 
     def _post_backward(self, call: _Call) -> None:
         if call.backward_pinned and not call.backward_done:
             call.backward_done = True
-            self.coordinator.post_backward(call.params)
+            self.coordinator.event(EventKind.POST_BACKWARD, call.record.name, call.params)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         self._ensure_final_callback()

@@ -26,6 +26,7 @@ class StepMetrics:
     reduce_calls: int = 0
     reduce_numel: int = 0
     divergences: int = 0
+    persistent_refresh_numel: int = 0  # persistent params re-gathered after the optimizer step
 
     def add_live(self, numel: int, nbytes: int) -> None:
         self.live_numel += numel

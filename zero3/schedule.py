@@ -1,0 +1,546 @@
+"""Plan the gathers, prefetches and releases of one recorded step; a pure function of the trace.
+
+`plan(trace, config)` walks the trace once, simulating exactly what the runtime will hold, and
+returns a frozen `Schedule` with one `Action` per event. The coordinator executes the actions
+verbatim; `replay` re-executes a schedule independently and recounts its stats.
+
+[Note: schedule semantics]
+Sizes are `ParamInfo.numel` or `.nbytes` (`PlanConfig.unit`). Persistent params are ignored
+everywhere. A param is *live* from the issue of its gather until its release; *pinned* while an
+open visit (see trace.py [Note: visits]) uses it. Pinned params are never released.
+
+- PRE event i, params P: (1) if live + size(P not live) > max_live, evict unpinned live params
+  outside P, furthest next use first (Belady; no next use is furthest; ties: lower id first)
+  until it fits or none are left, so an overflow leaves only what open visits need;
+  (2) demand-fetch P's non-live params as one collective; (3) prefetch.
+- POST event closing visit v: each param of v no other open visit pins is kept when its reuse
+  distance is <= max_reuse_distance, else released. If live still exceeds max_live afterwards
+  (the closing visit had overflowed the cap), evict as in (1) with nothing incoming, so the cap
+  holds again the moment no open visit needs more. Then prefetch.
+- Reuse distance of p after event i: the summed size of the PRE events strictly between i and
+  p's next use j (each event counted fully, each param once per event); no next use = infinite.
+- End of trace: release everything still live.
+
+[Note: prefetch look-ahead]
+After every event, walk the upcoming PRE events in order and collect params that are not live
+and not yet collected, appending while pending + bucket + size <= prefetch_bucket_size and
+live + bucket + size <= max_live, stopping at the first param that does not fit. The walk also
+stops *before* PRE event k when size(pinned now ∪ params of all PRE events up to and including
+k) > max_live. That bound guarantees a prefetched param is never evicted before its use: at any
+eviction before its use, every live param whose next use is after it (or never) is evicted
+first, and what remains fits inside that union, so the eviction stops before reaching it.
+`PlanStats.wasted_prefetches` is therefore 0 for every plan; the PREFETCH_WASTED paths remain
+so that hand-written or future schedules are accounted honestly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from zero3.trace import EventKind, Trace
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Action",
+    "Decision",
+    "PlanConfig",
+    "PlanStats",
+    "Reason",
+    "Schedule",
+    "plan",
+    "replay",
+    "simulate",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanConfig:
+    """Budgets the planner honours, all counted in `unit`."""
+
+    max_live: int
+    """Hard cap on live (gathered or in flight) non-persistent size at any moment."""
+    max_reuse_distance: int
+    """Keep a param after a visit when its next use is at most this far (see reuse distance)."""
+    prefetch_bucket_size: int
+    """Most size prefetched ahead of use (in flight or gathered, not yet used); 0 disables."""
+    unit: Literal["numel", "bytes"] = "numel"
+    """Count sizes in elements (`ParamInfo.numel`) or bytes (`ParamInfo.nbytes`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_live", "max_reuse_distance", "prefetch_bucket_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"PlanConfig.{name} must be an int, got {value!r}")
+            if value < 0:
+                raise ValueError(f"PlanConfig.{name} must be >= 0, got {value}")
+        if self.unit not in ("numel", "bytes"):
+            raise ValueError(f"PlanConfig.unit must be 'numel' or 'bytes', got {self.unit!r}")
+
+
+class Decision(enum.Enum):
+    """Why a param was gathered, kept or released, with its effect on live size.
+
+    - DEMAND_FETCH: gathered at a PRE event because its visit needs it and it was not live (+size).
+    - PREFETCH: gathered in the bucket issued after an event, ahead of its next use (+size, and
+      +size to pending prefetch until that use).
+    - KEPT_REUSE: left gathered when a visit closed; next use within max_reuse_distance (no change).
+    - RELEASED_AFTER_USE: freed when a visit closed; next use farther than the limit or none (-size).
+    - EVICTED_FOR_BUDGET: freed to bring live under max_live, furthest next use first (-size).
+    - RELEASED_END_OF_STEP: freed because the trace ended (-size).
+    - PREFETCH_WASTED: a prefetched param freed before it was used (-size, and -size pending).
+    """
+
+    DEMAND_FETCH = "demand_fetch"
+    PREFETCH = "prefetch"
+    KEPT_REUSE = "kept_reuse"
+    RELEASED_AFTER_USE = "released_after_use"
+    EVICTED_FOR_BUDGET = "evicted_for_budget"
+    RELEASED_END_OF_STEP = "released_end_of_step"
+    PREFETCH_WASTED = "prefetch_wasted"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reason:
+    """One decision about one param, with the numbers that decided it.
+
+    `live` is the live size just before the decision; `limit` the cap it was compared with
+    (max_live, max_reuse_distance or prefetch_bucket_size); `next_use` the index of the next PRE
+    event using the param (None: none); `distance` the reuse distance (None: infinite); `need`
+    the incoming size at a PRE event; `pending` the prefetched-not-yet-used size after a prefetch.
+    """
+
+    param: int
+    decision: Decision
+    size: int
+    live: int
+    limit: int
+    next_use: int | None = None
+    distance: int | None = None
+    need: int = 0
+    pending: int = 0
+
+    def describe(self) -> str:
+        """Human-readable justification, e.g. "kept: next use in 1200 <= max_reuse_distance 5000"."""
+        d = self.decision
+        at = "never" if self.next_use is None else f"at event {self.next_use}"
+        if d is Decision.DEMAND_FETCH:
+            return f"demand fetch: not live when needed (live {self.live} + need {self.need}, max_live {self.limit})"
+        if d is Decision.PREFETCH:
+            return f"prefetch for event {self.next_use}: pending {self.pending} <= prefetch_bucket_size {self.limit}"
+        if d is Decision.KEPT_REUSE:
+            return f"kept: next use in {self.distance} <= max_reuse_distance {self.limit} ({at})"
+        if d is Decision.RELEASED_AFTER_USE:
+            if self.distance is None:
+                return f"released: no next use, max_reuse_distance {self.limit}"
+            return f"released: next use in {self.distance} > max_reuse_distance {self.limit} ({at})"
+        if d is Decision.EVICTED_FOR_BUDGET:
+            return f"evicted: live {self.live} + need {self.need} > max_live {self.limit}; next use {at} is furthest"
+        if d is Decision.PREFETCH_WASTED:
+            if self.next_use is None:
+                return "prefetch wasted: never used before the end of the step"
+            return f"prefetch wasted: evicted before its use {at} (live {self.live} + need {self.need} > max_live {self.limit})"
+        return "released at end of step"
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """What the runtime does at one event, in order: `release`, then `fetch` (one collective,
+    PRE only), then issue `prefetch` (one collective). `keep` lists params a closing visit left
+    gathered; `reasons` holds one `Reason` per decision, in execution order."""
+
+    index: int
+    kind: EventKind
+    module: str
+    release: tuple[int, ...] = ()
+    fetch: tuple[int, ...] = ()
+    prefetch: tuple[int, ...] = ()
+    keep: tuple[int, ...] = ()
+    reasons: tuple[Reason, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanStats:
+    """What executing a schedule costs. Sizes of gathers are full and unpadded; `peak_live` is in
+    the config's unit, `peak_live_numel`/`peak_live_bytes` are each their own maximum over time;
+    `num_demand_fetches` counts params (collectives are in `num_allgathers`)."""
+
+    peak_live: int = 0
+    peak_live_numel: int = 0
+    peak_live_bytes: int = 0
+    num_allgathers: int = 0
+    allgather_numel: int = 0
+    allgather_bytes: int = 0
+    num_demand_fetches: int = 0
+    num_prefetched_params: int = 0
+    prefetch_hits: int = 0
+    wasted_prefetches: int = 0
+    persistent_numel: int = 0
+    persistent_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """The plan for one trace: one `Action` per event plus the end-of-step releases."""
+
+    trace_key: str
+    trace_version: int
+    config: PlanConfig
+    actions: tuple[Action, ...]
+    end_release: tuple[int, ...]
+    stats: PlanStats
+    end_reasons: tuple[Reason, ...] = ()
+    param_names: tuple[tuple[int, str], ...] = ()
+
+    def explain(self, param_id: int | None = None, module: str | None = None) -> list[str]:
+        """One line per decision, filtered to a param and/or a module's events (None: all).
+
+        End-of-step releases belong to no module and are listed unless `module` is given.
+        """
+        names = dict(self.param_names)
+        lines: list[str] = []
+
+        def add(where: str, reason: Reason) -> None:
+            if param_id is None or reason.param == param_id:
+                label = names.get(reason.param, "")
+                lines.append(
+                    f"{where}: param {reason.param} ({label}) {reason.decision.name}: {reason.describe()}"
+                )
+
+        for action in self.actions:
+            if module is None or action.module == module:
+                for reason in action.reasons:
+                    add(f"event {action.index} {action.kind.name} {action.module or '<root>'}", reason)
+        if module is None:
+            for reason in self.end_reasons:
+                add("end of step", reason)
+        return lines
+
+
+class _Planner:
+    """Single-use simulation state behind `plan`; see the module [Note: schedule semantics]."""
+
+    def __init__(self, trace: Trace, config: PlanConfig) -> None:
+        self.trace = trace
+        self.config = config
+        use_bytes = config.unit == "bytes"
+        infos = trace.params.values()
+        self.size = {i.id: (i.nbytes if use_bytes else i.numel) for i in infos if not i.persistent}
+        self.numel = {i.id: i.numel for i in infos}
+        self.nbytes = {i.id: i.nbytes for i in infos}
+        self.min_size = min(self.size.values(), default=0)
+        events = trace.events
+        self.pre_params = [
+            tuple(p for p in ev.params if p in self.size) if ev.kind.is_pre else () for ev in events
+        ]
+        self.visit_params = [tuple(p for p in v.params if p in self.size) for v in trace.visits]
+        self.pre_indices = [i for i, ev in enumerate(events) if ev.kind.is_pre]
+        self.cum = [0]
+        for ps in self.pre_params:
+            self.cum.append(self.cum[-1] + sum(self.size[p] for p in ps))
+        self.uses: dict[int, list[int]] = {p: [] for p in self.size}
+        for i, ps in enumerate(self.pre_params):
+            for p in ps:
+                self.uses[p].append(i)
+        self.live: dict[int, None] = {}
+        self.live_size = self.live_numel = self.live_bytes = 0
+        self.pending: set[int] = set()
+        self.pending_size = 0
+        self.pins: dict[int, int] = {}
+        self.pinned_size = 0
+        self.stats: dict[str, int] = dict.fromkeys(PlanStats.__dataclass_fields__, 0)
+        self.stats["persistent_numel"] = sum(i.numel for i in infos if i.persistent)
+        self.stats["persistent_bytes"] = sum(i.nbytes for i in infos if i.persistent)
+
+    def next_use(self, p: int, i: int) -> int | None:
+        uses = self.uses[p]
+        k = bisect.bisect_right(uses, i)
+        return uses[k] if k < len(uses) else None
+
+    def distance(self, p: int, i: int) -> tuple[int | None, int | None]:
+        j = self.next_use(p, i)
+        return j, (None if j is None else self.cum[j] - self.cum[i + 1])
+
+    def _add_live(self, params: Iterable[int]) -> None:
+        for p in params:
+            self.live[p] = None
+            self.live_size += self.size[p]
+            self.live_numel += self.numel[p]
+            self.live_bytes += self.nbytes[p]
+            self.stats["allgather_numel"] += self.numel[p]
+            self.stats["allgather_bytes"] += self.nbytes[p]
+        self.stats["num_allgathers"] += 1
+        for key, value in (("peak_live", self.live_size), ("peak_live_numel", self.live_numel),
+                           ("peak_live_bytes", self.live_bytes)):
+            self.stats[key] = max(self.stats[key], value)
+
+    def _release(self, p: int, decision: Decision, i: int, out: list[int], reasons: list[Reason],
+                 **numbers: int | None) -> None:
+        """Free p; a prefetched param freed before use turns the decision into PREFETCH_WASTED."""
+        if p in self.pending:
+            self.pending.discard(p)
+            self.pending_size -= self.size[p]
+            self.stats["wasted_prefetches"] += 1
+            decision = Decision.PREFETCH_WASTED
+        reasons.append(Reason(param=p, decision=decision, size=self.size[p], live=self.live_size,
+                              next_use=self.next_use(p, i), **numbers))  # type: ignore[arg-type]
+        del self.live[p]
+        self.live_size -= self.size[p]
+        self.live_numel -= self.numel[p]
+        self.live_bytes -= self.nbytes[p]
+        out.append(p)
+
+    def _pin(self, params: Iterable[int], delta: int) -> None:
+        for p in params:
+            before = self.pins.get(p, 0)
+            self.pins[p] = before + delta
+            if (before == 0) != (before + delta == 0):
+                self.pinned_size += self.size[p] if delta > 0 else -self.size[p]
+
+    def _evict(self, i: int, incoming: tuple[int, ...], need: int, out: list[int],
+               reasons: list[Reason]) -> None:
+        """Belady: free unpinned live params outside `incoming`, furthest next use first."""
+        limit = self.config.max_live
+        if self.live_size + need <= limit:
+            return
+        skip = set(incoming)
+        never = len(self.trace.events)
+
+        def furthest_first(p: int) -> tuple[int, int]:
+            j = self.next_use(p, i)
+            return ((never if j is None else j), p)
+
+        candidates = [p for p in self.live if not self.pins.get(p) and p not in skip]
+        candidates.sort(key=furthest_first)
+        for p in candidates:
+            if self.live_size + need <= limit:
+                break
+            self._release(p, Decision.EVICTED_FOR_BUDGET, i, out, reasons, limit=limit, need=need)
+
+    def _prefetch(self, i: int, reasons: list[Reason]) -> tuple[int, ...]:
+        """Collect one bucket after event i; see [Note: prefetch look-ahead]."""
+        cap, room = self.config.max_live, self.config.prefetch_bucket_size
+        if room == 0 or len(self.live) == len(self.size):
+            return ()
+        bucket: list[tuple[int, int]] = []
+        bucket_size = 0
+        collected: set[int] = set()
+        window: set[int] = set()
+        window_size = self.pinned_size
+        start = bisect.bisect_right(self.pre_indices, i)
+        for k in self.pre_indices[start:]:
+            params = self.pre_params[k]
+            for p in params:
+                if p not in window and not self.pins.get(p):
+                    window.add(p)
+                    window_size += self.size[p]
+            if window_size > cap:
+                break
+            fits = True
+            for p in params:
+                if p in self.live or p in collected:
+                    continue
+                s = self.size[p]
+                if self.pending_size + bucket_size + s > room or self.live_size + bucket_size + s > cap:
+                    fits = False
+                    break
+                bucket.append((p, k))
+                collected.add(p)
+                bucket_size += s
+            if not fits:
+                break
+            headroom = min(room - self.pending_size, cap - self.live_size) - bucket_size
+            if headroom < self.min_size:
+                break  # nothing more can fit, so the walk would stop at the next candidate anyway
+        if not bucket:
+            return ()
+        pending = self.pending_size
+        for p, k in bucket:
+            pending += self.size[p]
+            reasons.append(Reason(param=p, decision=Decision.PREFETCH, size=self.size[p], live=self.live_size,
+                                  limit=room, next_use=k, pending=pending))
+        ids = tuple(p for p, _ in bucket)
+        self._add_live(ids)
+        self.pending.update(ids)
+        self.pending_size = pending
+        self.stats["num_prefetched_params"] += len(ids)
+        return ids
+
+    def run(self) -> Schedule:
+        cfg = self.config
+        actions: list[Action] = []
+        for i, ev in enumerate(self.trace.events):
+            release: list[int] = []
+            reasons: list[Reason] = []
+            fetch: tuple[int, ...] = ()
+            keep: list[int] = []
+            if ev.kind.is_pre:
+                params = self.pre_params[i]
+                fetch = tuple(p for p in params if p not in self.live)
+                need = sum(self.size[p] for p in fetch)
+                self._evict(i, params, need, release, reasons)
+                self._pin(params, +1)
+                for p in params:
+                    if p in self.pending:
+                        self.pending.discard(p)
+                        self.pending_size -= self.size[p]
+                        self.stats["prefetch_hits"] += 1
+                if fetch:
+                    for p in fetch:
+                        reasons.append(Reason(param=p, decision=Decision.DEMAND_FETCH, size=self.size[p],
+                                              live=self.live_size, limit=cfg.max_live, need=need))
+                    self._add_live(fetch)
+                    self.stats["num_demand_fetches"] += len(fetch)
+            else:
+                params = self.visit_params[self.trace.event_visit[i]]
+                self._pin(params, -1)
+                for p in params:
+                    if self.pins[p]:
+                        continue
+                    assert p in self.live, f"pinned param {p} not live at event {i}"
+                    j, dist = self.distance(p, i)
+                    if dist is not None and dist <= cfg.max_reuse_distance:
+                        keep.append(p)
+                        reasons.append(Reason(param=p, decision=Decision.KEPT_REUSE, size=self.size[p],
+                                              live=self.live_size, limit=cfg.max_reuse_distance,
+                                              next_use=j, distance=dist))
+                    else:
+                        self._release(p, Decision.RELEASED_AFTER_USE, i, release, reasons,
+                                      limit=cfg.max_reuse_distance, distance=dist)
+                evicted_from = len(release)
+                self._evict(i, (), 0, release, reasons)
+                evicted = set(release[evicted_from:])
+                if evicted:  # a keep the cap overrides is reported once, as the eviction
+                    keep = [p for p in keep if p not in evicted]
+                    reasons = [r for r in reasons if not (r.decision is Decision.KEPT_REUSE and r.param in evicted)]
+            prefetch = self._prefetch(i, reasons)
+            actions.append(Action(i, ev.kind, ev.module, tuple(release), fetch, prefetch, tuple(keep),
+                                  tuple(reasons)))
+        end: list[int] = []
+        end_reasons: list[Reason] = []
+        n = len(self.trace.events)
+        for p in sorted(self.live):
+            self._release(p, Decision.RELEASED_END_OF_STEP, n, end, end_reasons, limit=cfg.max_live)
+        stats = PlanStats(**self.stats)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("zero3::plan (%s v%d) %d events: %s", self.trace.key, self.trace.version, n, stats)
+        names = tuple(sorted((p, info.name) for p, info in self.trace.params.items()))
+        return Schedule(self.trace.key, self.trace.version, cfg, tuple(actions), tuple(end), stats,
+                        tuple(end_reasons), names)
+
+
+def plan(trace: Trace, config: PlanConfig) -> Schedule:
+    """Plan fetches, prefetches, keeps and releases for every event of `trace` under `config`.
+
+    Deterministic and pure; runs in O(events x look-ahead) time. See the module notes for the
+    exact semantics the runtime must execute.
+    """
+    return _Planner(trace, config).run()
+
+
+def simulate(trace: Trace, config: PlanConfig) -> PlanStats:
+    """The stats of executing `plan(trace, config)`."""
+    return plan(trace, config).stats
+
+
+def _fail(i: int | str, msg: str) -> None:
+    raise ValueError(f"schedule replay: event {i}: {msg}")
+
+
+def replay(trace: Trace, schedule: Schedule) -> PlanStats:
+    """Execute `schedule` on `trace` from scratch, as the runtime would, and recount its stats.
+
+    Independent of the planner's bookkeeping; usable by the runtime in debug mode and by tests.
+    Checks that the schedule matches the trace, every PRE event's params are live when it runs,
+    nothing pinned or not live is released, nothing live is gathered again, the live cap holds
+    unless the open visits alone exceed it (then only they are live and nothing is prefetched),
+    pending prefetch stays within prefetch_bucket_size, and everything is released at the end.
+
+    Raises:
+        ValueError: the first violation, naming the event.
+    """
+    cfg = schedule.config
+    if (schedule.trace_key, schedule.trace_version) != (trace.key, trace.version):
+        _fail("-", f"schedule is for trace {schedule.trace_key!r} v{schedule.trace_version}, "
+                   f"not {trace.key!r} v{trace.version}")
+    if len(schedule.actions) != len(trace.events):
+        _fail("-", f"{len(schedule.actions)} actions for {len(trace.events)} events")
+    infos = trace.params
+    size = {p: (i.nbytes if cfg.unit == "bytes" else i.numel) for p, i in infos.items() if not i.persistent}
+    live: set[int] = set()
+    pending: set[int] = set()
+    open_visits: dict[int, frozenset[int]] = {}
+    s: dict[str, int] = dict.fromkeys(PlanStats.__dataclass_fields__, 0)
+    s["persistent_numel"] = sum(i.numel for i in infos.values() if i.persistent)
+    s["persistent_bytes"] = sum(i.nbytes for i in infos.values() if i.persistent)
+
+    def total(ps: Iterable[int]) -> int:
+        return sum(size[p] for p in ps)
+
+    def gather(i: int, ps: tuple[int, ...]) -> None:
+        for p in ps:
+            if p not in size or p in live:
+                _fail(i, f"gathers param {p}, which is persistent, unknown or already live")
+        live.update(ps)
+        s["num_allgathers"] += 1
+        s["allgather_numel"] += sum(infos[p].numel for p in ps)
+        s["allgather_bytes"] += sum(infos[p].nbytes for p in ps)
+        s["peak_live"] = max(s["peak_live"], total(live))
+        s["peak_live_numel"] = max(s["peak_live_numel"], sum(infos[p].numel for p in live))
+        s["peak_live_bytes"] = max(s["peak_live_bytes"], sum(infos[p].nbytes for p in live))
+
+    def free(i: int | str, ps: Iterable[int], protected: set[int]) -> None:
+        for p in ps:
+            if p not in live or p in protected:
+                _fail(i, f"releases param {p}, which is not live or is needed by an open visit")
+            live.discard(p)
+            if p in pending:
+                pending.discard(p)
+                s["wasted_prefetches"] += 1
+
+    for i, (ev, act) in enumerate(zip(trace.events, schedule.actions)):
+        if (act.index, act.kind, act.module) != (i, ev.kind, ev.module):
+            _fail(i, f"action is for event {act.index} {act.kind.name} {act.module!r}")
+        visit = trace.event_visit[i]
+        params = frozenset(p for p in trace.visits[visit].params if p in size)
+        pinned = set().union(*open_visits.values())
+        if ev.kind.is_pre:
+            free(i, act.release, pinned | params)
+            if act.fetch != tuple(sorted(params - live)):
+                _fail(i, f"fetch {act.fetch} != params not live {sorted(params - live)}")
+            for p in params & pending:
+                pending.discard(p)
+                s["prefetch_hits"] += 1
+            if act.fetch:
+                gather(i, act.fetch)
+                s["num_demand_fetches"] += len(act.fetch)
+            open_visits[visit] = params
+        else:
+            del open_visits[visit]
+            if act.fetch:
+                _fail(i, f"POST event fetches {act.fetch}")
+            free(i, act.release, set().union(*open_visits.values()))
+            if not set(act.keep) <= live:
+                _fail(i, f"keeps {act.keep}, which are not all live")
+        needed = set().union(*open_visits.values())
+        over = total(live) > cfg.max_live
+        if over and (live != needed or total(needed) <= cfg.max_live):
+            _fail(i, f"live {total(live)} > max_live {cfg.max_live} but the open visits need only "
+                     f"{total(needed)}")
+        if act.prefetch:
+            if over or cfg.prefetch_bucket_size == 0:
+                _fail(i, f"prefetches {act.prefetch} with live over budget or prefetch disabled")
+            gather(i, act.prefetch)
+            pending.update(act.prefetch)
+            s["num_prefetched_params"] += len(act.prefetch)
+            if total(live) > cfg.max_live or total(pending) > cfg.prefetch_bucket_size:
+                _fail(i, f"prefetch {act.prefetch} exceeds max_live or prefetch_bucket_size")
+    if set(schedule.end_release) != live or len(schedule.end_release) != len(live):
+        _fail("end", f"end_release {schedule.end_release} != still live {sorted(live)}")
+    free("end", schedule.end_release, set())
+    return PlanStats(**s)
