@@ -355,6 +355,33 @@ class ParamCoordinator:
             z.active_forward = z.active_backward = 0
         self.release(list(self._live.values()))
 
+    # -- explain and export ------------------------------------------------------------------------
+    def explain(self, target: tuple[str, object]) -> list[str]:
+        kind, value = target
+        schedule = self.last_schedule
+        if schedule is None:
+            return ["no step has been recorded yet: every fetch so far was on demand, released right after use"]
+        header = [f"trace {schedule.trace_key!r} v{schedule.trace_version}, budgets {self.plan_config}"]
+        if self._diverged:
+            header.append("note: the last step left this trace and fetched on demand after the divergence")
+        if kind == "param":
+            return header + schedule.explain(param_id=value)  # type: ignore[arg-type]
+        if kind == "module":
+            return header + schedule.explain(module=value)  # type: ignore[arg-type]
+        return header + schedule.explain()
+
+    def export_trace(self, path: str) -> None:
+        from pathlib import Path
+
+        from .trace import export_graph
+
+        if self.last_trace is None:
+            raise ZeroStateError("no trace recorded yet: run at least one full step first")
+        if str(path).endswith(".json"):
+            Path(path).write_text(trace_to_json(self.last_trace))
+        else:
+            export_graph(self.last_trace, path)
+
     # -- invariants --------------------------------------------------------------------------------
     @property
     def live_params(self) -> list[ZeroParameter]:
@@ -368,3 +395,28 @@ class ParamCoordinator:
         for p in self._live.values():
             if p._zero.status is ParamStatus.NOT_AVAILABLE or p._zero.persistent:
                 raise AssertionError(f"{p._zero.summary()} is in the live set but not gathered")
+
+
+def trace_to_json(trace: Trace) -> str:
+    """A trace as JSON (events and param sizes), the input format of ``python -m zero3.plan``."""
+    import json
+
+    return json.dumps({
+        "format": "zero3-trace", "version": 1, "key": trace.key, "trace_version": trace.version,
+        "params": [{"id": p.id, "name": p.name, "numel": p.numel, "nbytes": p.nbytes, "persistent": p.persistent}
+                   for p in trace.params.values()],
+        "events": [[e.kind.value, e.module, list(e.params)] for e in trace.events],
+    })
+
+
+def trace_from_json(text: str) -> Trace:
+    import json
+
+    from .trace import Event
+
+    data = json.loads(text)
+    if data.get("format") != "zero3-trace" or data.get("version") != 1:
+        raise ValueError(f"not a zero3 trace file (format {data.get('format')!r}, version {data.get('version')!r})")
+    params = {p["id"]: ParamInfo(**p) for p in data["params"]}
+    events = tuple(Event(EventKind(k), m, tuple(ps)) for k, m, ps in data["events"])
+    return Trace(data["key"], data["trace_version"], events, params)

@@ -169,6 +169,29 @@ class Engine:
             return {}
         return self.optimizer.state.get(self.master_shard(p), {})
 
+    # -- checkpoints (zero3/checkpoint.py, zero3/consolidate.py) ------------------------------------
+    def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: Any = None,
+                        **kwargs: Any) -> str:
+        """Write a sharded checkpoint (a collective); see `zero3.checkpoint.save_checkpoint`."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, **kwargs)
+
+    def load_checkpoint(self, load_dir: Any, tag: str | None = None, **kwargs: Any) -> tuple[str, Any]:
+        """Load a checkpoint saved at any world size (a collective); returns ``(path, client_state)``.
+
+        See `zero3.checkpoint.load_checkpoint`.
+        """
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, **kwargs)
+
+    def consolidated_state_dict(self, rank0_only: bool = True, **kwargs: Any) -> dict[str, torch.Tensor]:
+        """The full fp32 state dict, module by module (a collective); see `zero3.consolidate`."""
+        from .consolidate import consolidated_state_dict
+
+        return consolidated_state_dict(self, rank0_only, **kwargs)
+
     # -- introspection --------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds, against the full (unpartitioned) model's."""
@@ -185,6 +208,40 @@ class Engine:
                        if p._zero.status is not ParamStatus.NOT_AVAILABLE)
         return {"param_shard_bytes": shard, "grad_shard_bytes": grad, "optimizer_state_bytes": optim,
                 "full_param_bytes": full, "gathered_param_bytes": gathered}
+
+
+    # -- explain and export (the coordinator's trace and schedule) -------------------------------
+    def explain(self, target: Any = None) -> list[str]:
+        """Why each parameter was gathered, prefetched, kept or released in the last planned step.
+
+        ``target`` is a parameter, a module, a parameter or module name, or None (everything).
+        Steps that fell back to on-demand fetching (no trace yet, or a divergence) say so.
+        """
+        return self.coordinator.explain(self._resolve_target(target))
+
+    def export_trace(self, path: str) -> None:
+        """Write the last step's trace: ``.json`` (replayable by ``python -m zero3.plan``), ``.graphml``
+        or ``.dot`` (the module graph)."""
+        self.coordinator.export_trace(path)
+
+    def _resolve_target(self, target: Any) -> tuple[str, Any]:
+        if target is None:
+            return ("all", None)
+        if isinstance(target, ZeroParameter):
+            return ("param", target._zero.id)
+        if isinstance(target, nn.Module):
+            for name, m in self.module.named_modules():
+                if m is target:
+                    return ("module", name)
+            raise ZeroConfigError("explain(): that module is not part of this engine's model")
+        if isinstance(target, str):
+            for p in self.params:
+                if p._zero.name == target:
+                    return ("param", p._zero.id)
+            if target in dict(self.module.named_modules()):
+                return ("module", target)
+            raise ZeroConfigError(f"explain(): no parameter or module named {target!r}")
+        raise ZeroConfigError(f"explain() takes a parameter, module, name or None, got {type(target).__name__}")
 
 
 def initialize(model: nn.Module, optimizer: Any = None, config: Any = None, group: Any = None) -> Engine:

@@ -126,3 +126,17 @@ def test_ranks_running_different_modules_raise_on_every_rank(pools):
     for r in pools.get(2).run(train_skippy, 4, True):
         assert "error" in r, r
         assert "ranks disagree on the next collective" in r["error"] and "rank 1" in r["error"], r
+
+
+@pytest.mark.parametrize("name", ["prefetch_tight", "bytes_tight", "on_demand"])
+def test_meta_device_simulation_predicts_the_measured_run_exactly(pools, name):
+    from zero3.plan import predict, record_trace
+
+    config = {"param_persistence_threshold": 0, **BUDGETS[name]}
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    trace = record_trace(model, lambda: (torch.zeros(2, 64, dtype=torch.long, device="meta"),), config)
+    stats = predict(trace, config, world_size=2).stats
+    predicted = (stats.peak_live_numel, stats.num_allgathers, stats.allgather_numel, stats.prefetch_hits)
+    for r in pools.get(2).run(train_with_budgets, name, 3):
+        assert r["measured"] == predicted, (r["measured"], predicted)

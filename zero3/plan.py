@@ -1,0 +1,176 @@
+"""Predict a run without running it: ``python -m zero3.plan``.
+
+Given a model (built on the meta device, so nothing is allocated or computed) or a trace file
+exported with ``engine.export_trace("x.json")``, and a config, predict per-rank peak gathered
+parameter memory, the number of all-gathers and the elements and bytes they move. The model is run
+once, forward and backward on meta tensors, under zero3's own hooks at world size 1 (world size does
+not change what a rank gathers, only how much of it arrives over the wire), which records the same
+trace a real run records; ``schedule.plan`` then computes what the coordinator will do.
+
+    python -m zero3.plan --model examples/gpt.py:GPT --model-arg 'GPTConfig(n_layer=12)' \\
+        --input-shape 8,64 --config '{"max_live_parameters": 2e7}' --world-size 8
+    python -m zero3.plan --trace last_step.json --config ds_config.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from .config import ZeroConfig, resolve_config
+from .coordinator import plan_config, trace_from_json
+from .schedule import PlanStats, Schedule, plan
+from .trace import Trace
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What one rank will do per training step (after the first, recording, step)."""
+
+    trace: Trace
+    schedule: Schedule
+    world_size: int
+
+    @property
+    def stats(self) -> PlanStats:
+        return self.schedule.stats
+
+    @property
+    def bytes_received_per_rank(self) -> int:
+        """All-gathered bytes arriving at one rank (its own shard is local)."""
+        return self.stats.allgather_bytes * (self.world_size - 1) // self.world_size
+
+    def table(self) -> str:
+        s = self.stats
+        rows = [
+            ("events in the trace", f"{len(self.trace.events):,}"),
+            ("peak gathered parameter elements", f"{s.peak_live_numel:,}"),
+            ("peak gathered parameter bytes", f"{s.peak_live_bytes:,}"),
+            ("persistent elements (always gathered)", f"{s.persistent_numel:,}"),
+            ("all-gathers per step", f"{s.num_allgathers:,}"),
+            ("elements gathered per step", f"{s.allgather_numel:,}"),
+            ("bytes gathered per step (full tensors)", f"{s.allgather_bytes:,}"),
+            (f"bytes received per rank (world size {self.world_size})", f"{self.bytes_received_per_rank:,}"),
+            ("parameters prefetched / demand-fetched", f"{s.num_prefetched_params:,} / {s.num_demand_fetches:,}"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def record_trace(model: nn.Module, make_inputs: Callable[[], Sequence[Any]], config: Any = None,
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Trace:
+    """Run one forward+backward of ``model`` under zero3's hooks (world size 1) and return its trace.
+
+    ``model`` may live on the meta device. It is partitioned in place and its hooks are removed
+    afterwards. Call this where torch.distributed is not initialised (it would use the world group).
+    """
+    from .engine import initialize
+
+    engine = initialize(model, None, resolve_config(config))
+    try:
+        out = engine(*make_inputs())
+        loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
+        if loss.requires_grad:
+            loss.backward()
+        engine.step()
+        trace = engine.coordinator.last_trace
+        if trace is None:
+            raise ValueError("the model ran no module with parameters: nothing to predict")
+        return trace
+    finally:
+        engine.remove_hooks()
+
+
+def _default_loss(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out.float().sum()
+    if isinstance(out, (tuple, list)):
+        return _default_loss(out[0])
+    if isinstance(out, dict):
+        return _default_loss(next(iter(out.values())))
+    raise ValueError(f"cannot make a loss from a model output of type {type(out).__name__}; pass loss_fn")
+
+
+def predict(trace: Trace, config: Any = None, world_size: int = 1) -> Prediction:
+    cfg = resolve_config(config)
+    return Prediction(trace=trace, schedule=plan(trace, plan_config(cfg)), world_size=world_size)
+
+
+def _load_factory(spec: str) -> Callable[..., nn.Module]:
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ValueError(f"--model must look like path/to/file.py:Factory or package.module:Factory, got {spec!r}")
+    if path.endswith(".py"):
+        file = Path(path).resolve()
+        sys.path.insert(0, str(file.parent))
+        module_spec = importlib.util.spec_from_file_location(file.stem, file)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[file.stem] = module
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(path)
+    return getattr(module, name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m zero3.plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="file.py:Factory or module:Factory returning an nn.Module")
+    src.add_argument("--trace", help="a trace exported with engine.export_trace('x.json')")
+    ap.add_argument("--model-arg", action="append", default=[],
+                    help="argument for the factory, a Python expression evaluated in the factory's module")
+    ap.add_argument("--input-shape", default="2,64", help="shape of one integer input tensor (default 2,64)")
+    ap.add_argument("--input-dtype", default="long", choices=["long", "float"])
+    ap.add_argument("--vocab", type=int, default=2, help="integer inputs are drawn below this (meta: ignored)")
+    ap.add_argument("--config", default=None, help="ZeroConfig as JSON text or a JSON file (ours or DeepSpeed's)")
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--export", default=None, help="also write the trace (.json, .graphml or .dot)")
+    args = ap.parse_args(argv)
+
+    config: ZeroConfig
+    if args.config is None:
+        config = ZeroConfig()
+    elif Path(args.config).exists():
+        config = ZeroConfig.from_json(args.config)
+    else:
+        config = ZeroConfig.from_dict(json.loads(args.config))
+    if args.trace:
+        trace = trace_from_json(Path(args.trace).read_text())
+    else:
+        factory = _load_factory(args.model)
+        namespace = vars(sys.modules[factory.__module__])
+        fargs = [eval(a, namespace) for a in args.model_arg]  # noqa: S307 - a local developer tool
+        with torch.device("meta"):
+            model = factory(*fargs)
+        shape = tuple(int(x) for x in args.input_shape.split(","))
+        dtype = torch.long if args.input_dtype == "long" else torch.float32
+
+        def make_inputs() -> tuple[torch.Tensor]:
+            return (torch.zeros(shape, dtype=dtype, device="meta"),)
+
+        trace = record_trace(model, make_inputs, config)
+    prediction = predict(trace, config, args.world_size)
+    print(prediction.table())
+    if args.export:
+        from .coordinator import trace_to_json
+        from .trace import export_graph
+
+        if args.export.endswith(".json"):
+            Path(args.export).write_text(trace_to_json(trace))
+        else:
+            export_graph(trace, args.export)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
