@@ -113,7 +113,7 @@ class Communicator:
             return handle
         self.agree(f"all-gather for {tag or 'a user request'}", numel)
         device = params[0]._zero.shard.device
-        use_stream = device.type == "cuda" and self.overlap and self.world_size > 1
+        use_stream = device.type == "cuda" and self.overlap
         if use_stream:
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(device=device)
