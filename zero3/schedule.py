@@ -25,12 +25,15 @@ open visit (see trace.py [Note: visits]) uses it. Pinned params are never releas
 After every event, walk the upcoming PRE events in order and collect params that are not live
 and not yet collected, appending while pending + bucket + size <= prefetch_bucket_size and
 live + bucket + size <= max_live, stopping at the first param that does not fit. The walk also
-stops *before* PRE event k when size(pinned now ∪ params of all PRE events up to and including
-k) > max_live. That bound guarantees a prefetched param is never evicted before its use: at any
-eviction before its use, every live param whose next use is after it (or never) is evicted
-first, and what remains fits inside that union, so the eviction stops before reaching it.
-`PlanStats.wasted_prefetches` is therefore 0 for every plan; the PREFETCH_WASTED paths remain
-so that hand-written or future schedules are accounted honestly.
+stops *before* PRE event k when size(pinned now, union the params of every PRE event up to and
+including k) > max_live: nothing is prefetched for event k unless all of that fits at once. That
+bound guarantees a prefetched param is never evicted before its use: at any eviction before its
+use, every live param whose next use is later (or never) is evicted first, and what remains fits
+inside that union, so the eviction stops before reaching it. `PlanStats.wasted_prefetches` is
+therefore 0 for every plan; the PREFETCH_WASTED paths remain so that evictions of prefetched
+params stay possible and are accounted honestly in replayed or hand-edited schedules. (The
+live-cap condition alone already keeps everything before event k inside live + bucket, so the
+bound only binds inside an event: it never prefetches part of a module that cannot fit whole.)
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from zero3.trace import EventKind, Trace
+from .trace import EventKind, Trace
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +147,10 @@ class Reason:
         if d is Decision.PREFETCH_WASTED:
             if self.next_use is None:
                 return "prefetch wasted: never used before the end of the step"
-            return f"prefetch wasted: evicted before its use {at} (live {self.live} + need {self.need} > max_live {self.limit})"
+            return (
+                f"prefetch wasted: evicted before its use {at} "
+                f"(live {self.live} + need {self.need} > max_live {self.limit})"
+            )
         return "released at end of step"
 
 
@@ -208,9 +214,7 @@ class Schedule:
         def add(where: str, reason: Reason) -> None:
             if param_id is None or reason.param == param_id:
                 label = names.get(reason.param, "")
-                lines.append(
-                    f"{where}: param {reason.param} ({label}) {reason.decision.name}: {reason.describe()}"
-                )
+                lines.append(f"{where}: param {reason.param} ({label}) {reason.decision.name}: {reason.describe()}")
 
         for action in self.actions:
             if module is None or action.module == module:
@@ -235,9 +239,7 @@ class _Planner:
         self.nbytes = {i.id: i.nbytes for i in infos}
         self.min_size = min(self.size.values(), default=0)
         events = trace.events
-        self.pre_params = [
-            tuple(p for p in ev.params if p in self.size) if ev.kind.is_pre else () for ev in events
-        ]
+        self.pre_params = [tuple(p for p in ev.params if p in self.size) if ev.kind.is_pre else () for ev in events]
         self.visit_params = [tuple(p for p in v.params if p in self.size) for v in trace.visits]
         self.pre_indices = [i for i, ev in enumerate(events) if ev.kind.is_pre]
         self.cum = [0]
@@ -275,20 +277,56 @@ class _Planner:
             self.stats["allgather_numel"] += self.numel[p]
             self.stats["allgather_bytes"] += self.nbytes[p]
         self.stats["num_allgathers"] += 1
-        for key, value in (("peak_live", self.live_size), ("peak_live_numel", self.live_numel),
-                           ("peak_live_bytes", self.live_bytes)):
+        for key, value in (
+            ("peak_live", self.live_size),
+            ("peak_live_numel", self.live_numel),
+            ("peak_live_bytes", self.live_bytes),
+        ):
             self.stats[key] = max(self.stats[key], value)
 
-    def _release(self, p: int, decision: Decision, i: int, out: list[int], reasons: list[Reason],
-                 **numbers: int | None) -> None:
+    def _reason(
+        self,
+        p: int,
+        decision: Decision,
+        limit: int,
+        *,
+        next_use: int | None = None,
+        distance: int | None = None,
+        need: int = 0,
+        pending: int = 0,
+    ) -> Reason:
+        size, live = self.size[p], self.live_size
+        return Reason(
+            param=p,
+            decision=decision,
+            size=size,
+            live=live,
+            limit=limit,
+            next_use=next_use,
+            distance=distance,
+            need=need,
+            pending=pending,
+        )
+
+    def _release(
+        self,
+        p: int,
+        decision: Decision,
+        i: int,
+        out: list[int],
+        reasons: list[Reason],
+        limit: int,
+        need: int = 0,
+        distance: int | None = None,
+    ) -> None:
         """Free p; a prefetched param freed before use turns the decision into PREFETCH_WASTED."""
         if p in self.pending:
             self.pending.discard(p)
             self.pending_size -= self.size[p]
             self.stats["wasted_prefetches"] += 1
             decision = Decision.PREFETCH_WASTED
-        reasons.append(Reason(param=p, decision=decision, size=self.size[p], live=self.live_size,
-                              next_use=self.next_use(p, i), **numbers))  # type: ignore[arg-type]
+        j = self.next_use(p, i)
+        reasons.append(self._reason(p, decision, limit, next_use=j, distance=distance, need=need))
         del self.live[p]
         self.live_size -= self.size[p]
         self.live_numel -= self.numel[p]
@@ -302,8 +340,7 @@ class _Planner:
             if (before == 0) != (before + delta == 0):
                 self.pinned_size += self.size[p] if delta > 0 else -self.size[p]
 
-    def _evict(self, i: int, incoming: tuple[int, ...], need: int, out: list[int],
-               reasons: list[Reason]) -> None:
+    def _evict(self, i: int, incoming: tuple[int, ...], need: int, out: list[int], reasons: list[Reason]) -> None:
         """Belady: free unpinned live params outside `incoming`, furthest next use first."""
         limit = self.config.max_live
         if self.live_size + need <= limit:
@@ -313,14 +350,14 @@ class _Planner:
 
         def furthest_first(p: int) -> tuple[int, int]:
             j = self.next_use(p, i)
-            return ((never if j is None else j), p)
+            return (-(never if j is None else j), p)
 
         candidates = [p for p in self.live if not self.pins.get(p) and p not in skip]
         candidates.sort(key=furthest_first)
         for p in candidates:
             if self.live_size + need <= limit:
                 break
-            self._release(p, Decision.EVICTED_FOR_BUDGET, i, out, reasons, limit=limit, need=need)
+            self._release(p, Decision.EVICTED_FOR_BUDGET, i, out, reasons, limit, need=need)
 
     def _prefetch(self, i: int, reasons: list[Reason]) -> tuple[int, ...]:
         """Collect one bucket after event i; see [Note: prefetch look-ahead]."""
@@ -362,14 +399,55 @@ class _Planner:
         pending = self.pending_size
         for p, k in bucket:
             pending += self.size[p]
-            reasons.append(Reason(param=p, decision=Decision.PREFETCH, size=self.size[p], live=self.live_size,
-                                  limit=room, next_use=k, pending=pending))
+            reasons.append(self._reason(p, Decision.PREFETCH, room, next_use=k, pending=pending))
         ids = tuple(p for p, _ in bucket)
         self._add_live(ids)
         self.pending.update(ids)
         self.pending_size = pending
         self.stats["num_prefetched_params"] += len(ids)
         return ids
+
+    def _pre(self, i: int, release: list[int], reasons: list[Reason]) -> tuple[int, ...]:
+        """Evict for the budget, open the visit, demand-fetch what is missing; return the fetch."""
+        params = self.pre_params[i]
+        fetch = tuple(p for p in params if p not in self.live)
+        need = sum(self.size[p] for p in fetch)
+        self._evict(i, params, need, release, reasons)
+        self._pin(params, +1)
+        for p in params:
+            if p in self.pending:
+                self.pending.discard(p)
+                self.pending_size -= self.size[p]
+                self.stats["prefetch_hits"] += 1
+        if fetch:
+            reasons += [self._reason(p, Decision.DEMAND_FETCH, self.config.max_live, need=need) for p in fetch]
+            self._add_live(fetch)
+            self.stats["num_demand_fetches"] += len(fetch)
+        return fetch
+
+    def _post(self, i: int, release: list[int], reasons: list[Reason]) -> list[int]:
+        """Close the visit; keep or release its params by reuse distance, then restore the cap."""
+        limit = self.config.max_reuse_distance
+        params = self.visit_params[self.trace.event_visit[i]]
+        self._pin(params, -1)
+        keep: list[int] = []
+        for p in params:
+            if self.pins[p]:
+                continue
+            assert p in self.live, f"pinned param {p} not live at event {i}"
+            j, dist = self.distance(p, i)
+            if dist is not None and dist <= limit:
+                keep.append(p)
+                reasons.append(self._reason(p, Decision.KEPT_REUSE, limit, next_use=j, distance=dist))
+            else:
+                self._release(p, Decision.RELEASED_AFTER_USE, i, release, reasons, limit, distance=dist)
+        evicted_from = len(release)
+        self._evict(i, (), 0, release, reasons)
+        evicted = set(release[evicted_from:])
+        if evicted:  # a keep the cap overrides is reported once, as the eviction
+            keep = [p for p in keep if p not in evicted]
+            reasons[:] = [r for r in reasons if not (r.decision is Decision.KEPT_REUSE and r.param in evicted)]
+        return keep
 
     def run(self) -> Schedule:
         cfg = self.config
@@ -380,47 +458,11 @@ class _Planner:
             fetch: tuple[int, ...] = ()
             keep: list[int] = []
             if ev.kind.is_pre:
-                params = self.pre_params[i]
-                fetch = tuple(p for p in params if p not in self.live)
-                need = sum(self.size[p] for p in fetch)
-                self._evict(i, params, need, release, reasons)
-                self._pin(params, +1)
-                for p in params:
-                    if p in self.pending:
-                        self.pending.discard(p)
-                        self.pending_size -= self.size[p]
-                        self.stats["prefetch_hits"] += 1
-                if fetch:
-                    for p in fetch:
-                        reasons.append(Reason(param=p, decision=Decision.DEMAND_FETCH, size=self.size[p],
-                                              live=self.live_size, limit=cfg.max_live, need=need))
-                    self._add_live(fetch)
-                    self.stats["num_demand_fetches"] += len(fetch)
+                fetch = self._pre(i, release, reasons)
             else:
-                params = self.visit_params[self.trace.event_visit[i]]
-                self._pin(params, -1)
-                for p in params:
-                    if self.pins[p]:
-                        continue
-                    assert p in self.live, f"pinned param {p} not live at event {i}"
-                    j, dist = self.distance(p, i)
-                    if dist is not None and dist <= cfg.max_reuse_distance:
-                        keep.append(p)
-                        reasons.append(Reason(param=p, decision=Decision.KEPT_REUSE, size=self.size[p],
-                                              live=self.live_size, limit=cfg.max_reuse_distance,
-                                              next_use=j, distance=dist))
-                    else:
-                        self._release(p, Decision.RELEASED_AFTER_USE, i, release, reasons,
-                                      limit=cfg.max_reuse_distance, distance=dist)
-                evicted_from = len(release)
-                self._evict(i, (), 0, release, reasons)
-                evicted = set(release[evicted_from:])
-                if evicted:  # a keep the cap overrides is reported once, as the eviction
-                    keep = [p for p in keep if p not in evicted]
-                    reasons = [r for r in reasons if not (r.decision is Decision.KEPT_REUSE and r.param in evicted)]
+                keep = self._post(i, release, reasons)
             prefetch = self._prefetch(i, reasons)
-            actions.append(Action(i, ev.kind, ev.module, tuple(release), fetch, prefetch, tuple(keep),
-                                  tuple(reasons)))
+            actions.append(Action(i, ev.kind, ev.module, tuple(release), fetch, prefetch, tuple(keep), tuple(reasons)))
         end: list[int] = []
         end_reasons: list[Reason] = []
         n = len(self.trace.events)
@@ -430,8 +472,9 @@ class _Planner:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("zero3::plan (%s v%d) %d events: %s", self.trace.key, self.trace.version, n, stats)
         names = tuple(sorted((p, info.name) for p, info in self.trace.params.items()))
-        return Schedule(self.trace.key, self.trace.version, cfg, tuple(actions), tuple(end), stats,
-                        tuple(end_reasons), names)
+        return Schedule(
+            self.trace.key, self.trace.version, cfg, tuple(actions), tuple(end), stats, tuple(end_reasons), names
+        )
 
 
 def plan(trace: Trace, config: PlanConfig) -> Schedule:
@@ -466,8 +509,11 @@ def replay(trace: Trace, schedule: Schedule) -> PlanStats:
     """
     cfg = schedule.config
     if (schedule.trace_key, schedule.trace_version) != (trace.key, trace.version):
-        _fail("-", f"schedule is for trace {schedule.trace_key!r} v{schedule.trace_version}, "
-                   f"not {trace.key!r} v{trace.version}")
+        _fail(
+            "-",
+            f"schedule is for trace {schedule.trace_key!r} v{schedule.trace_version}, "
+            f"not {trace.key!r} v{trace.version}",
+        )
     if len(schedule.actions) != len(trace.events):
         _fail("-", f"{len(schedule.actions)} actions for {len(trace.events)} events")
     infos = trace.params
@@ -503,7 +549,7 @@ def replay(trace: Trace, schedule: Schedule) -> PlanStats:
                 pending.discard(p)
                 s["wasted_prefetches"] += 1
 
-    for i, (ev, act) in enumerate(zip(trace.events, schedule.actions)):
+    for i, (ev, act) in enumerate(zip(trace.events, schedule.actions, strict=True)):
         if (act.index, act.kind, act.module) != (i, ev.kind, ev.module):
             _fail(i, f"action is for event {act.index} {act.kind.name} {act.module!r}")
         visit = trace.event_visit[i]
@@ -530,8 +576,7 @@ def replay(trace: Trace, schedule: Schedule) -> PlanStats:
         needed = set().union(*open_visits.values())
         over = total(live) > cfg.max_live
         if over and (live != needed or total(needed) <= cfg.max_live):
-            _fail(i, f"live {total(live)} > max_live {cfg.max_live} but the open visits need only "
-                     f"{total(needed)}")
+            _fail(i, f"live {total(live)} > max_live {cfg.max_live} but the open visits need only {total(needed)}")
         if act.prefetch:
             if over or cfg.prefetch_bucket_size == 0:
                 _fail(i, f"prefetches {act.prefetch} with live over budget or prefetch disabled")

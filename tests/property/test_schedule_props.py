@@ -1,0 +1,260 @@
+"""Replay random plans with an independent checker (brute-force pairing, next uses, distances).
+
+The checker re-derives everything from the raw events and never reads the planner's counters,
+except to compare them with its own at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from hypothesis import example, given, settings
+from strategies import cases, traces
+
+from zero3.schedule import Decision, PlanConfig, PlanStats, Schedule, plan, replay
+from zero3.trace import Event, EventKind, ParamInfo, Trace, module_graph
+
+INF = math.inf
+RELEASES = {Decision.RELEASED_AFTER_USE, Decision.EVICTED_FOR_BUDGET, Decision.PREFETCH_WASTED}
+
+
+class Checker:
+    """What the runtime would hold when executing a schedule, recomputed naively."""
+
+    def __init__(self, trace: Trace, config: PlanConfig) -> None:
+        self.trace, self.config = trace, config
+        self.infos = trace.params
+        unit = config.unit
+        self.size = {p: (i.nbytes if unit == "bytes" else i.numel) for p, i in trace.params.items() if not i.persistent}
+        self.events = trace.events
+        self.need = [
+            frozenset(p for p in ev.params if p in self.size) if ev.kind.is_pre else frozenset() for ev in self.events
+        ]
+        self.opener: dict[int, int] = {}
+        stacks: dict[tuple[str, bool], list[int]] = {}
+        for i, ev in enumerate(self.events):
+            key = (ev.module, ev.kind in (EventKind.PRE_FORWARD, EventKind.POST_FORWARD))
+            if ev.kind in (EventKind.PRE_FORWARD, EventKind.PRE_BACKWARD):
+                stacks.setdefault(key, []).append(i)
+            else:
+                self.opener[i] = stacks[key].pop()
+
+    def total(self, ps: Iterable[int]) -> int:
+        return sum(self.size[p] for p in set(ps))
+
+    def next_use(self, p: int, i: int) -> float:
+        for j in range(i + 1, len(self.events)):
+            if p in self.need[j]:
+                return j
+        return INF
+
+    def distance(self, p: int, i: int) -> float:
+        j = self.next_use(p, i)
+        if j == INF:
+            return INF
+        return sum(self.total(self.need[k]) for k in range(i + 1, int(j)))
+
+    def check_evictions(self, i: int, evicted: list[int], live: set[int], protected: set[int], need: int) -> None:
+        """Each eviction happened while over the cap, furthest next use first, and no more than needed."""
+        cap = self.config.max_live
+        cur = set(live)
+        for p in evicted:
+            assert p not in protected, f"event {i}: evicted {p}, which an open visit needs"
+            assert self.total(cur) + need > cap, f"event {i}: evicted {p} while live fit the cap"
+            cur.discard(p)
+        rest = cur - protected
+        if evicted:
+            assert self.total(cur) + need <= cap or not rest, f"event {i}: stopped evicting while over the cap"
+            if rest:
+                furthest_kept = max(self.next_use(q, i) for q in rest)
+                assert min(self.next_use(p, i) for p in evicted) >= furthest_kept, f"event {i}: not Belady"
+
+    def run(self, schedule: Schedule) -> PlanStats:
+        cfg, infos = self.config, self.infos
+        cap, limit, room = cfg.max_live, cfg.max_reuse_distance, cfg.prefetch_bucket_size
+        live: set[int] = set()
+        pending: set[int] = set()
+        open_visits: dict[int, frozenset[int]] = {}
+        s = dict.fromkeys(PlanStats.__dataclass_fields__, 0)
+        s["persistent_numel"] = sum(i.numel for i in infos.values() if i.persistent)
+        s["persistent_bytes"] = sum(i.nbytes for i in infos.values() if i.persistent)
+
+        def gather(ps: tuple[int, ...]) -> None:
+            assert ps == tuple(dict.fromkeys(ps)), f"duplicate ids in gather {ps}"
+            live.update(ps)
+            s["num_allgathers"] += 1
+            s["allgather_numel"] += sum(infos[p].numel for p in ps)
+            s["allgather_bytes"] += sum(infos[p].nbytes for p in ps)
+            s["peak_live"] = max(s["peak_live"], self.total(live))
+            s["peak_live_numel"] = max(s["peak_live_numel"], sum(infos[p].numel for p in live))
+            s["peak_live_bytes"] = max(s["peak_live_bytes"], sum(infos[p].nbytes for p in live))
+
+        def released(i: int, ps: Iterable[int], decisions: dict[int, Decision]) -> None:
+            for p in ps:
+                wasted = p in pending
+                assert (decisions[p] is Decision.PREFETCH_WASTED) == wasted, f"event {i}: {p} {decisions[p]}"
+                live.discard(p)
+                pending.discard(p)
+                s["wasted_prefetches"] += wasted
+
+        assert len(schedule.actions) == len(self.events)
+        for i, (ev, act) in enumerate(zip(self.events, schedule.actions, strict=True)):
+            assert (act.index, act.kind, act.module) == (i, ev.kind, ev.module)
+            decisions = {r.param: r.decision for r in act.reasons if r.decision in RELEASES}
+            assert len(act.release) == len(set(act.release)) == len(decisions), f"event {i}: release reasons"
+            assert set(act.release) == set(decisions)
+            assert set(act.release) <= live, f"event {i}: releases params that are not live"
+            for r in act.reasons:
+                if r.decision in (Decision.KEPT_REUSE, Decision.RELEASED_AFTER_USE):
+                    want = self.distance(r.param, i)
+                    assert (INF if r.distance is None else r.distance) == want, f"event {i}: distance {r}"
+            if ev.kind.is_pre:
+                params = self.need[i]
+                pinned = set().union(*open_visits.values())
+                need = self.total(params - live)
+                self.check_evictions(i, list(act.release), live, pinned | params, need)
+                released(i, act.release, decisions)
+                assert act.fetch == tuple(sorted(params - live)), f"event {i}: fetch {act.fetch}"
+                assert not act.keep
+                for p in params & pending:
+                    pending.discard(p)
+                    s["prefetch_hits"] += 1
+                if act.fetch:
+                    gather(act.fetch)
+                    s["num_demand_fetches"] += len(act.fetch)
+                assert params <= live, f"event {i}: params {sorted(params - live)} not live at use"
+                open_visits[i] = params
+            else:
+                assert not act.fetch, f"event {i}: POST fetches"
+                visit = open_visits.pop(self.opener[i])
+                others = set().union(*open_visits.values())
+                done = visit - others
+                after_use = {p for p in done if self.distance(p, i) > limit}
+                for p in after_use:
+                    assert decisions.get(p) is Decision.RELEASED_AFTER_USE, f"event {i}: {p} should be released"
+                evicted = [p for p in act.release if p not in after_use]
+                for p in evicted:
+                    assert decisions[p] in (Decision.EVICTED_FOR_BUDGET, Decision.PREFETCH_WASTED)
+                self.check_evictions(i, evicted, live - after_use, others, 0)
+                assert set(act.keep) == done - after_use - set(evicted), f"event {i}: keep {act.keep}"
+                released(i, act.release, decisions)
+            needed = set().union(*open_visits.values())
+            over = self.total(live) > cap
+            if over:
+                assert live == needed and self.total(needed) > cap, f"event {i}: live over max_live"
+            if act.prefetch:
+                assert room > 0 and not over, f"event {i}: prefetch while disabled or over budget"
+                window = set(needed)
+                for p in act.prefetch:
+                    assert p in self.size and p not in live, f"event {i}: prefetches {p}"
+                    k = self.next_use(p, i)
+                    assert k != INF, f"event {i}: prefetches {p}, which is never used"
+                    window.update(*(self.need[j] for j in range(i + 1, int(k) + 1)))
+                    assert self.total(window) <= cap, f"event {i}: look-ahead past the budget for {p}"
+                gather(act.prefetch)
+                pending.update(act.prefetch)
+                s["num_prefetched_params"] += len(act.prefetch)
+                assert self.total(live) <= cap, f"event {i}: prefetch exceeds max_live"
+            assert self.total(pending) <= room, f"event {i}: pending prefetch over prefetch_bucket_size"
+            want = (
+                [(p, Decision.DEMAND_FETCH) for p in act.fetch]
+                + [(p, Decision.PREFETCH) for p in act.prefetch]
+                + [(p, Decision.KEPT_REUSE) for p in act.keep]
+                + sorted(decisions.items())
+            )
+            got = [(r.param, r.decision) for r in act.reasons]
+            assert sorted(got, key=repr) == sorted(want, key=repr), f"event {i}: reasons {got} != {want}"
+        assert sorted(schedule.end_release) == sorted(live), "end_release != still live"
+        assert len(schedule.end_release) == len(live)
+        end = {r.param: r.decision for r in schedule.end_reasons}
+        for p in schedule.end_release:
+            assert end[p] is (Decision.PREFETCH_WASTED if p in pending else Decision.RELEASED_END_OF_STEP)
+        s["wasted_prefetches"] += len(pending)
+        return PlanStats(**s)
+
+
+def _tiny_nested() -> tuple[Trace, PlanConfig]:
+    infos = {0: ParamInfo(0, "a.w", 3, 12), 1: ParamInfo(1, "a.b.w", 3, 12)}
+    events = (
+        Event(EventKind.PRE_FORWARD, "a", (0,)),
+        Event(EventKind.PRE_FORWARD, "a.b", (1,)),
+        Event(EventKind.POST_FORWARD, "a.b", (1,)),
+        Event(EventKind.POST_FORWARD, "a", (0,)),
+        Event(EventKind.PRE_FORWARD, "a.b", (1,)),
+    )
+    return Trace("pin", 0, events, infos), PlanConfig(max_live=4, max_reuse_distance=100, prefetch_bucket_size=5)
+
+
+def _zero_size_left_live() -> tuple[Trace, PlanConfig]:
+    infos = {0: ParamInfo(0, "empty", 0, 0), 2: ParamInfo(2, "big", 5, 5)}
+    events = (
+        Event(EventKind.PRE_FORWARD, "", (0,)),
+        Event(EventKind.POST_FORWARD, "", (0,)),
+        Event(EventKind.PRE_FORWARD, "b", (2,)),
+        Event(EventKind.POST_FORWARD, "b", (2,)),
+        Event(EventKind.PRE_FORWARD, "", (0,)),
+    )
+    return Trace("zero", 0, events, infos), PlanConfig(max_live=0, max_reuse_distance=10**15, prefetch_bucket_size=0)
+
+
+@settings(deadline=None, max_examples=400)
+@given(case=cases())
+@example(case=_tiny_nested())  # shrunk: a keep the cap overrides was reported twice (kept, then evicted)
+@example(case=_zero_size_left_live())  # shrunk: a kept zero-size param stayed live during an overflow
+def test_every_plan_passes_the_independent_replay(case: tuple[Trace, PlanConfig]) -> None:
+    trace, config = case
+    schedule = plan(trace, config)
+    stats = Checker(trace, config).run(schedule)
+    assert stats == schedule.stats
+    assert schedule.stats.wasted_prefetches == 0  # the look-ahead rule never prefetches into an eviction
+
+
+@settings(deadline=None, max_examples=100)
+@given(case=cases())
+def test_builtin_replay_agrees_with_plan_stats(case: tuple[Trace, PlanConfig]) -> None:
+    trace, config = case
+    schedule = plan(trace, config)
+    assert replay(trace, schedule) == schedule.stats
+
+
+@settings(deadline=None, max_examples=60)
+@given(case=cases())
+def test_plan_is_deterministic(case: tuple[Trace, PlanConfig]) -> None:
+    trace, config = case
+    rebuilt = Trace(trace.key, trace.version, trace.events, dict(reversed(list(trace.params.items()))))
+    assert plan(trace, config) == plan(rebuilt, config)
+
+
+@settings(deadline=None, max_examples=60)
+@given(case=cases())
+def test_zero_prefetch_bucket_means_no_prefetch(case: tuple[Trace, PlanConfig]) -> None:
+    trace, config = case
+    config = PlanConfig(
+        max_live=config.max_live, max_reuse_distance=config.max_reuse_distance, prefetch_bucket_size=0, unit=config.unit
+    )
+    schedule = plan(trace, config)
+    assert all(not a.prefetch for a in schedule.actions)
+    assert schedule.stats.num_prefetched_params == 0
+
+
+@settings(deadline=None, max_examples=60)
+@given(case=cases())
+def test_explain_has_one_line_per_decision(case: tuple[Trace, PlanConfig]) -> None:
+    trace, config = case
+    schedule = plan(trace, config)
+    decisions = sum(len(a.reasons) for a in schedule.actions) + len(schedule.end_reasons)
+    assert len(schedule.explain()) == decisions
+    for pid in trace.params:
+        assert all(f"param {pid} (" in line for line in schedule.explain(param_id=pid))
+
+
+@settings(deadline=None, max_examples=60)
+@given(trace=traces)
+def test_module_graph_has_one_node_per_param_and_visit(trace: Trace) -> None:
+    graph = module_graph(trace)
+    kinds = [d["kind"] for _, d in graph.nodes(data=True)]
+    assert kinds.count("param") == len(trace.params)
+    assert kinds.count("visit") == len(trace.visits)
+    uses = sum(1 for *_, d in graph.edges(data=True) if d["kind"] == "uses")
+    assert uses == sum(len(v.params) for v in trace.visits)
