@@ -102,8 +102,10 @@ class ModuleHooks:
             self._records[id(m)] = rec
             self._handles.append(m.register_forward_pre_hook(
                 functools.partial(self._pre_forward, rec), prepend=True, with_kwargs=True))
+            # always_call: a forward that raises still closes its visit and releases its params.
             self._handles.append(m.register_forward_hook(
-                functools.partial(self._post_forward, rec), with_kwargs=True))
+                functools.partial(self._post_forward, rec), with_kwargs=True, always_call=True))
+            self._handles.append(m.register_state_dict_post_hook(_clone_gathered))
             pd = _ParamDict(m._parameters)
             pd.owner = m
             pd.hooks = self
@@ -245,3 +247,12 @@ class ModuleHooks:
         if not self._queued_tasks:
             self.coordinator.end_backward()
             self.engine._on_backward_end()
+
+
+def _clone_gathered(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """``state_dict()`` inside ``GatheredParameters``: copy gathered partitioned params, because their
+    storage is emptied again when the gather ends and a view would then point at freed memory."""
+    for name, p in dict.items(module._parameters):
+        key = prefix + name
+        if isinstance(p, ZeroParameter) and not isinstance(p, PartitionedParameter) and key in state_dict:
+            state_dict[key] = state_dict[key].clone()

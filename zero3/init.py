@@ -1,12 +1,14 @@
 """`zero3.Init`: partition parameters as the model is built; `GatheredParameters`; external params.
 
 [Note: partitioning during construction]
-Entering the outermost `Init` installs two global ``torch.nn`` registration hooks and wraps
-``nn.Module.apply``; leaving it (also on an exception) removes exactly those, so nothing leaks into
-modules built afterwards. A module's parameters are partitioned when the module is attached to its
-parent (``self.attn = Attention()``: the child's ``__init__`` has finished by then) or, for the
-root and for parameters registered later, when the context exits. So construction holds at most one
-module's full parameters plus this rank's shards.
+Entering the outermost `Init` wraps the ``__init__`` of every ``nn.Module`` subclass (and of
+classes defined while it is active, through ``__init_subclass__``), wraps ``nn.Module.apply`` and
+installs a global parameter-registration hook; leaving it (also on an exception) restores exactly
+those, so nothing leaks into modules built afterwards. A module's parameters are partitioned the
+moment its outermost ``__init__`` returns (after its own ``reset_parameters``), so construction
+holds at most one module's full parameters plus this rank's shards, even for
+``nn.Sequential(*[nn.Linear(...) for _ in range(n)])``. Parameters registered after ``__init__``
+are partitioned when the context exits.
 
 Initialisation stays consistent across ranks because entering `Init` broadcasts rank 0's RNG state
 (``sync="rng"``, the default): every rank then draws the same full tensors and keeps its own slice.
@@ -21,6 +23,7 @@ the same way, which data-parallel code does.
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal
@@ -62,6 +65,9 @@ _STACK: contextvars.ContextVar[tuple[_InitState, ...]] = contextvars.ContextVar(
 class _Patches:
     handles: list[Any]
     apply: Callable
+    init_subclass: Any
+    inits: dict[type, Callable]  # original __init__ of every class we wrapped
+    building: dict[int, int] = field(default_factory=dict)  # id(module) -> nesting of its __init__ wrappers
 
 
 _PATCHES: contextvars.ContextVar[_Patches | None] = contextvars.ContextVar("zero3_init_patches", default=None)
@@ -158,11 +164,41 @@ def _on_param_registered(module: nn.Module, name: str, param: Any) -> None:
         state.modules.add(module)
 
 
-def _on_module_registered(parent: nn.Module, name: str, child: Any) -> None:
-    state = _current()
-    if state is not None and isinstance(child, nn.Module):
-        _partition_module(child, state, recurse=True)
-        state.modules.add(parent)
+def _wrap_init(cls: type, patches: _Patches) -> None:
+    """Wrap ``cls.__init__`` so a module is partitioned the moment its outermost ``__init__`` returns."""
+    orig = cls.__dict__.get("__init__")
+    if orig is None or cls in patches.inits or getattr(orig, "_zero3_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        key = id(self)
+        patches.building[key] = patches.building.get(key, 0) + 1
+        try:
+            orig(self, *args, **kwargs)
+        finally:
+            depth = patches.building.pop(key) - 1
+            if depth:
+                patches.building[key] = depth
+        state = _current()
+        if not depth and state is not None:
+            _partition_module(self, state, recurse=True)
+
+    __init__._zero3_wrapped = True  # type: ignore[attr-defined]
+    try:
+        cls.__init__ = __init__  # type: ignore[misc]
+    except (TypeError, AttributeError):
+        return
+    patches.inits[cls] = orig
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out, todo = [], list(cls.__subclasses__())
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo.extend(c.__subclasses__())
+    return out
 
 
 def _apply_with_gather(self: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Module:
@@ -181,11 +217,18 @@ def _apply_with_gather(self: nn.Module, fn: Callable[[nn.Module], None]) -> nn.M
 
 
 def _install_patches() -> None:
-    handles = [
-        module_mod.register_module_parameter_registration_hook(_on_param_registered),
-        module_mod.register_module_module_registration_hook(_on_module_registered),
-    ]
-    _PATCHES.set(_Patches(handles=handles, apply=nn.Module.apply))
+    handles = [module_mod.register_module_parameter_registration_hook(_on_param_registered)]
+    patches = _Patches(handles=handles, apply=nn.Module.apply,
+                       init_subclass=nn.Module.__dict__.get("__init_subclass__"), inits={})
+    _PATCHES.set(patches)
+    for cls in _all_subclasses(nn.Module):
+        _wrap_init(cls, patches)
+
+    def __init_subclass__(cls: type, **kwargs: Any) -> None:  # classes defined while Init is active
+        super(nn.Module, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
+        _wrap_init(cls, patches)
+
+    nn.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
     nn.Module.apply = _apply_with_gather  # type: ignore[method-assign]
 
 
@@ -196,6 +239,12 @@ def _remove_patches() -> None:
     for h in patches.handles:
         h.remove()
     nn.Module.apply = patches.apply  # type: ignore[method-assign]
+    if patches.init_subclass is None:
+        del nn.Module.__init_subclass__
+    else:
+        nn.Module.__init_subclass__ = patches.init_subclass  # type: ignore[assignment]
+    for cls, orig in patches.inits.items():
+        cls.__init__ = orig  # type: ignore[misc]
     _PATCHES.set(None)
 
 

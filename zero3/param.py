@@ -128,50 +128,76 @@ class ZeroParameter(nn.Parameter):
 _METADATA_OK = frozenset({
     "size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
     "get_device", "is_contiguous", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
-    "__repr__", "__format__", "__hash__", "__eq__", "__ne__", "__len__", "data_ptr", "untyped_storage",
-    "_is_view", "is_shared", "is_pinned", "type", "__reduce_ex__", "__deepcopy__", "__setstate__",
+    "__hash__", "__len__", "data_ptr", "untyped_storage", "_is_view", "is_shared", "is_pinned",
+    "__reduce_ex__", "__deepcopy__", "__setstate__",
 })
 _COMPUTE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+_REPR = frozenset({"__repr__", "__str__", "__format__"})
+
+
+def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """``__torch_function__`` of a partitioned parameter and of its ``.data``: metadata only."""
+    kwargs = kwargs or {}
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        prop = getattr(getattr(func, "__self__", None), "__name__", "")
+        if prop not in _COMPUTE_PROPERTIES:
+            with torch._C.DisableTorchFunctionSubclass():
+                result = func(*args, **kwargs)
+            if prop == "data" and name == "__get__" and isinstance(args[0], PartitionedParameter):
+                # Its storage holds 0 bytes: hand out a guarded alias, never a bare tensor.
+                result = result.as_subclass(ReleasedData)
+                result._zero = args[0]._zero
+            return result
+    elif name in _METADATA_OK:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    target = _first_guarded(args, kwargs)
+    if name in _REPR and target is not None:
+        return f"{type(target).__name__}({target._zero.summary()})"
+    if isinstance(target, PartitionedParameter) and name.endswith("_") and not name.startswith("_"):
+        from .init import write_through  # an in-place init inside zero3.Init (nn.init.normal_ ...)
+
+        done, result = write_through(target, func, args, kwargs)
+        if done:
+            return result
+    which = target._zero.summary() if target is not None else "<unknown>"
+    raise ZeroStateError(
+        f"parameter {which} is used by {name or func!r} while it is partitioned. zero3 gathers a "
+        "module's parameters only while that module runs. Outside a forward, wrap the code in "
+        "`with zero3.GatheredParameters(params):` (add modifier_rank=0 to change them); if another "
+        "module's forward uses it, call zero3.register_external_parameter(module, param). To save the "
+        "model, use engine.consolidated_state_dict() or engine.save_checkpoint().")
+
 
 class PartitionedParameter(ZeroParameter):
     """A partitioned parameter whose full data is not gathered: computing with it raises."""
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in ("__get__", "__set__"):
-            prop = getattr(getattr(func, "__self__", None), "__name__", "")
-            if prop not in _COMPUTE_PROPERTIES:
-                with torch._C.DisableTorchFunctionSubclass():
-                    return func(*args, **kwargs)
-        elif name in _METADATA_OK:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        target = _first_partitioned(args, kwargs)
-        if target is not None and name.endswith("_") and not name.startswith("_"):
-            from .init import write_through  # an in-place init inside zero3.Init (nn.init.normal_ ...)
-
-            done, result = write_through(target, func, args, kwargs)
-            if done:
-                return result
-        which = target._zero.summary() if target is not None else "<unknown>"
-        raise ZeroStateError(
-            f"parameter {which} is used by {name or func!r} while it is partitioned. zero3 gathers a "
-            "module's parameters only while that module runs. Outside a forward, wrap the code in "
-            "`with zero3.GatheredParameters(params):` (add modifier_rank=0 to change them); if another "
-            "module's forward uses it, call zero3.register_external_parameter(module, param).")
+    __torch_function__ = classmethod(_guard)  # type: ignore[assignment]
 
 
-def _first_partitioned(args: tuple, kwargs: dict) -> PartitionedParameter | None:
+class ReleasedData(torch.Tensor):
+    """``param.data`` of a partitioned parameter: the 0-byte placeholder, guarded the same way."""
+
+    _zero: ZeroParam
+    __torch_function__ = classmethod(_guard)  # type: ignore[assignment]
+
+
+def _first_guarded(args: tuple, kwargs: dict) -> Any:
     for a in itertools.chain(args, kwargs.values()):
-        if isinstance(a, PartitionedParameter):
+        if isinstance(a, (PartitionedParameter, ReleasedData)):
             return a
         if isinstance(a, (list, tuple)):
             for b in a:
-                if isinstance(b, PartitionedParameter):
+                if isinstance(b, (PartitionedParameter, ReleasedData)):
                     return b
     return None
+
+
+def raw_data(p: nn.Parameter) -> torch.Tensor:
+    """``p.data`` without the guard (zero3 internals filling or freeing the storage)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return p.data
 
 
 def is_partitioned(p: Any) -> bool:
@@ -189,7 +215,7 @@ def record(p: nn.Parameter) -> ZeroParam:
 
 # -- storage of the full tensor ------------------------------------------------------------------
 def _storage(p: nn.Parameter) -> torch.UntypedStorage:
-    return p.data.untyped_storage()
+    return raw_data(p).untyped_storage()
 
 
 def free_full(p: ZeroParameter) -> None:
@@ -203,8 +229,9 @@ def free_full(p: ZeroParameter) -> None:
 def alloc_full(p: ZeroParameter) -> torch.Tensor:
     """Give the placeholder real storage again; returns ``p.data`` (uninitialised) for filling."""
     z = p._zero
-    _storage(p).resize_(z.numel * p.data.element_size())
-    return p.data
+    data = raw_data(p)
+    data.untyped_storage().resize_(z.numel * data.element_size())
+    return data
 
 
 def mark_available(p: ZeroParameter) -> None:

@@ -1,0 +1,223 @@
+"""ZeroConfig: DeepSpeed-equal defaults, immutability, construction from dicts/JSON, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+from zero3 import ZeroConfig, ZeroConfigError
+from zero3.config import resolve_config
+
+# DeepSpeed's documented ZeRO-3 defaults (deepspeed/runtime/zero/config.py).
+DEEPSPEED_DEFAULTS = {
+    "prefetch_bucket_size": 50_000_000,
+    "max_live_parameters": 1_000_000_000,
+    "max_reuse_distance": 1_000_000_000,
+    "param_persistence_threshold": 100_000,
+    "reduce_bucket_size": 500_000_000,
+    "allgather_bucket_size": 500_000_000,
+    "overlap_comm": True,
+}
+
+
+@pytest.mark.parametrize("name,expected", sorted(DEEPSPEED_DEFAULTS.items()))
+def test_default_equals_deepspeed_default(name, expected):
+    value = getattr(ZeroConfig(), name)
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+def test_config_is_immutable():
+    cfg = ZeroConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_live_parameters = 5  # type: ignore[misc]
+    assert cfg.max_live_parameters == 1_000_000_000
+
+
+def test_config_rejects_new_attributes():
+    cfg = ZeroConfig()
+    # frozen+slots dataclass: CPython 3.11 raises TypeError (a super() quirk of slots=True) rather
+    # than FrozenInstanceError for a name that is not a field; what matters is that it is refused.
+    with pytest.raises((dataclasses.FrozenInstanceError, AttributeError, TypeError)):
+        cfg.not_a_field = 1  # type: ignore[attr-defined]
+    assert not hasattr(cfg, "not_a_field")
+
+
+def test_constructor_is_keyword_only():
+    with pytest.raises(TypeError):
+        ZeroConfig(5)  # type: ignore[misc]
+
+
+def test_from_dict_with_our_names_sets_exactly_those_fields():
+    d = {"max_live_parameters": 123, "prefetch_bucket_size": 0, "overlap_comm": False,
+         "param_persistence_threshold": 7, "reduce_scatter_impl": "all_reduce"}
+    cfg = ZeroConfig.from_dict(d)
+    for k, v in d.items():
+        assert getattr(cfg, k) == v
+    untouched = ZeroConfig().to_dict()
+    for k, v in cfg.to_dict().items():
+        if k not in d:
+            assert v == untouched[k], k
+
+
+def test_from_dict_coerces_integral_floats_to_int():
+    cfg = ZeroConfig.from_dict({"max_live_parameters": 1e6, "reduce_bucket_size": 5e8})
+    assert cfg.max_live_parameters == 1_000_000 and type(cfg.max_live_parameters) is int
+    assert cfg.reduce_bucket_size == 500_000_000 and type(cfg.reduce_bucket_size) is int
+
+
+def test_from_dict_rejects_non_integral_float():
+    with pytest.raises(ValueError, match=r"max_live_parameters.*1\.5"):
+        ZeroConfig.from_dict({"max_live_parameters": 1.5})
+
+
+def test_to_dict_round_trips():
+    cfg = ZeroConfig(max_live_parameters=17, overlap_comm=False, max_live_bytes=1024)
+    assert ZeroConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_replace_validates_the_new_value():
+    cfg = ZeroConfig()
+    assert cfg.replace(max_live_parameters=3).max_live_parameters == 3
+    with pytest.raises(ValueError, match=r"max_live_parameters.*-3"):
+        cfg.replace(max_live_parameters=-3)
+
+
+DEEPSPEED_DICT = {
+    "train_batch_size": 8,
+    "gradient_accumulation_steps": 1,
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_max_live_parameters": 1e6,
+        "stage3_prefetch_bucket_size": 2e5,
+        "stage3_max_reuse_distance": 3e6,
+        "stage3_param_persistence_threshold": 1e3,
+        "stage3_model_persistence_threshold": 1e7,
+        "reduce_bucket_size": 4e5,
+        "allgather_bucket_size": 6e5,
+        "overlap_comm": False,
+        "contiguous_gradients": True,  # understood, no effect
+    },
+}
+
+
+def test_from_dict_maps_deepspeed_zero_optimization_keys():
+    cfg = ZeroConfig.from_dict(DEEPSPEED_DICT)
+    expected = {
+        "max_live_parameters": 1_000_000,
+        "prefetch_bucket_size": 200_000,
+        "max_reuse_distance": 3_000_000,
+        "param_persistence_threshold": 1_000,
+        "model_persistence_threshold": 10_000_000,
+        "reduce_bucket_size": 400_000,
+        "allgather_bucket_size": 600_000,
+        "overlap_comm": False,
+    }
+    for k, v in expected.items():
+        got = getattr(cfg, k)
+        assert got == v, k
+        assert type(got) is type(v), (k, type(got))
+
+
+def test_deepspeed_dict_without_zero_section_gives_defaults():
+    assert ZeroConfig.from_dict({"train_batch_size": 8}) == ZeroConfig()
+
+
+def test_deepspeed_dict_without_stage_is_accepted_as_stage3():
+    cfg = ZeroConfig.from_dict({"zero_optimization": {"stage3_max_live_parameters": 10}})
+    assert cfg.max_live_parameters == 10
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, "3"])
+def test_deepspeed_stage_other_than_3_is_rejected(stage):
+    with pytest.raises(ValueError, match=r"stage must be 3.*got " + re.escape(repr(stage))):
+        ZeroConfig.from_dict({"zero_optimization": {"stage": stage}})
+
+
+def test_zero_optimization_must_be_a_dict():
+    with pytest.raises(ValueError, match=r"zero_optimization must be a dict, got \[3\]"):
+        ZeroConfig.from_dict({"zero_optimization": [3]})
+
+
+def test_from_json_reads_a_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(DEEPSPEED_DICT))
+    assert ZeroConfig.from_json(path) == ZeroConfig.from_dict(DEEPSPEED_DICT)
+    assert ZeroConfig.from_json(str(path)).max_live_parameters == 1_000_000
+
+
+def test_from_json_with_invalid_json_names_the_file(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=re.escape(str(path))):
+        ZeroConfig.from_json(path)
+
+
+def test_resolve_config_accepts_every_documented_form(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"max_live_parameters": 9}))
+    cfg = ZeroConfig(max_live_parameters=9)
+    assert resolve_config(None) == ZeroConfig()
+    assert resolve_config(cfg) is cfg
+    assert resolve_config({"max_live_parameters": 9}) == cfg
+    assert resolve_config(path) == cfg
+    assert resolve_config(str(path)) == cfg
+    with pytest.raises(ValueError, match="got int"):
+        resolve_config(42)
+
+
+def test_from_dict_rejects_non_dict():
+    with pytest.raises(ValueError, match="config must be a dict, got list"):
+        ZeroConfig.from_dict([("max_live_parameters", 1)])  # type: ignore[arg-type]
+
+
+def test_unknown_key_is_named_and_closest_key_suggested():
+    with pytest.raises(ValueError, match=r"unknown config key 'max_live_parameter'; did you mean 'max_live_parameters'\?"):
+        ZeroConfig.from_dict({"max_live_parameter": 5})
+
+
+def test_unknown_key_error_is_a_zero_config_error():
+    with pytest.raises(ZeroConfigError):
+        ZeroConfig.from_dict({"totally_unrelated": 5})
+
+
+def test_unknown_key_inside_zero_optimization_is_named_and_suggested():
+    with pytest.raises(ValueError, match=(r"zero_optimization: unknown config key 'stage3_max_live_parameter'; "
+                                          r"did you mean 'stage3_max_live_parameters'\?")):
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_max_live_parameter": 1e6}})
+
+
+def test_unknown_top_level_deepspeed_key_is_named_and_suggested():
+    with pytest.raises(ValueError, match=r"unknown config key 'train_batch_sizes'; did you mean 'train_batch_size'\?"):
+        ZeroConfig.from_dict({"train_batch_sizes": 8, "zero_optimization": {"stage": 3}})
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("max_live_parameters", "1e9", r"max_live_parameters must be an int >= 0, got '1e9' \(str\)"),
+    ("max_live_parameters", True, r"max_live_parameters must be an int >= 0, got True \(bool\)"),
+    ("prefetch_bucket_size", None, r"prefetch_bucket_size must be an int >= 0, got None \(NoneType\)"),
+    ("max_reuse_distance", -1, r"max_reuse_distance must be >= 0, got -1"),
+    ("param_persistence_threshold", -5.0, r"param_persistence_threshold must be >= 0, got -5"),
+    ("overlap_comm", 1, r"overlap_comm must be a bool, got 1 \(int\)"),
+    ("overlap_comm", "yes", r"overlap_comm must be a bool, got 'yes' \(str\)"),
+    ("max_live_bytes", -1, r"max_live_bytes must be None or an int >= 0, got -1"),
+    ("max_live_bytes", "big", r"max_live_bytes must be None or an int >= 0, got 'big'"),
+    ("reduce_scatter_impl", "ring", r"reduce_scatter_impl must be one of .*got 'ring'"),
+    ("max_traces", 0, r"max_traces must be >= 1, got 0"),
+])
+def test_invalid_value_names_key_and_value(key, value, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        ZeroConfig.from_dict({key: value})
+    if not isinstance(value, float):
+        with pytest.raises(ValueError, match=pattern):
+            ZeroConfig(**{key: value})
+
+
+def test_invalid_value_inside_deepspeed_dict_names_the_value():
+    with pytest.raises(ValueError, match=r"max_live_parameters must be >= 0, got -1"):
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": -1}})
+    with pytest.raises(ValueError, match=r"max_live_parameters must be an int >= 0, got 'auto' \(str\)"):
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto"}})

@@ -1,0 +1,370 @@
+"""zero3.Init, GatheredParameters and external parameters, at world size 1 (no torch.distributed)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as module_mod
+
+import zero3
+from zero3 import ParamStatus, ZeroStateError
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "examples"))
+from gpt import GPT, GPTConfig, synthetic_batch
+
+CFG = GPTConfig(block_size=16)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """These models are tiny: one thread is fastest, and avoids OpenMP spin-waits on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _gathered(p: nn.Parameter) -> torch.Tensor:
+    with zero3.GatheredParameters([p]):
+        return p.detach().clone()
+
+
+def _torch_state() -> tuple:
+    return (nn.Module.apply,
+            list(module_mod._global_module_registration_hooks.items()),
+            list(module_mod._global_parameter_registration_hooks.items()))
+
+
+# -- (a) construction under Init equals plain construction -------------------------------------
+def test_gpt_built_under_init_gathers_to_the_plain_model():
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = GPT(CFG)
+    ref_params = dict(ref.named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    assert names == list(ref_params)
+    for name, p in model.named_parameters():
+        assert isinstance(p, zero3.ZeroParameter), name
+        assert p.ds_status is ParamStatus.NOT_AVAILABLE, name
+        assert p.shape == ref_params[name].shape, name
+        assert torch.equal(_gathered(p), ref_params[name].detach()), name
+        assert p.ds_status is ParamStatus.NOT_AVAILABLE, name  # released again after the check
+
+
+def test_gpt_built_under_init_keeps_tied_weights_tied():
+    with zero3.Init():
+        model = GPT(CFG)
+    assert model.wte.weight is model.lm_head.weight
+    assert len(list(model.parameters())) == len(list(GPT(CFG).parameters()))
+
+
+def test_gpt_built_under_init_leaves_the_rng_where_plain_construction_does():
+    torch.manual_seed(0)
+    GPT(CFG)
+    after_plain = torch.rand(3)
+    torch.manual_seed(0)
+    with zero3.Init():
+        GPT(CFG)
+    assert torch.equal(torch.rand(3), after_plain)
+
+
+def test_gpt_built_under_init_trains_like_the_plain_model():
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = GPT(CFG)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 0})
+    for step in range(3):
+        x, y = synthetic_batch(step, 4, CFG)
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    for name, r in ref.named_parameters():
+        torch.testing.assert_close(_gathered(dict(model.named_parameters())[name]), r.detach(),
+                                   rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_child_is_partitioned_as_soon_as_it_is_attached():
+    seen = {}
+
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.child = nn.Linear(4, 4)
+            seen["child"] = type(self.child.weight)
+
+    with zero3.Init():
+        Parent()
+    assert issubclass(seen["child"], zero3.ZeroParameter)
+
+
+# -- (b) leaving the context restores torch.nn exactly ------------------------------------------
+def test_leaving_init_restores_module_apply_and_global_hooks():
+    before = _torch_state()
+    linear_init, subclass_hook = nn.Linear.__init__, nn.Module.__dict__.get("__init_subclass__")
+    with zero3.Init():
+        assert nn.Module.apply is not before[0]
+        assert nn.Linear.__init__ is not linear_init
+        assert len(module_mod._global_parameter_registration_hooks) == len(before[2]) + 1
+        GPT(CFG)
+    after = _torch_state()
+    assert after[0] is before[0]
+    assert after[1] == before[1]
+    assert after[2] == before[2]
+    assert nn.Linear.__init__ is linear_init
+    assert nn.Module.__dict__.get("__init_subclass__") is subclass_hook
+    plain = nn.Linear(3, 3)
+    assert type(plain.weight) is nn.Parameter
+
+
+def test_leaving_init_on_an_exception_restores_torch_and_propagates():
+    before = _torch_state()
+    with pytest.raises(RuntimeError, match="boom during construction"), zero3.Init():
+        nn.Linear(3, 3)
+        raise RuntimeError("boom during construction")
+    after = _torch_state()
+    assert after[0] is before[0]
+    assert after[1] == before[1]
+    assert after[2] == before[2]
+    assert type(nn.Linear(3, 3).weight) is nn.Parameter
+
+
+def test_leaving_init_restores_foreign_global_hooks_untouched():
+    calls = []
+    handle = module_mod.register_module_parameter_registration_hook(lambda m, n, p: calls.append(n))
+    try:
+        before = _torch_state()
+        with zero3.Init():
+            nn.Linear(2, 2)
+        assert _torch_state() == before
+        calls.clear()
+        nn.Linear(2, 2)
+        assert calls == ["weight", "bias"]
+    finally:
+        handle.remove()
+
+
+# -- (c) enabled=False --------------------------------------------------------------------------
+def test_disabled_init_builds_a_plain_model_and_patches_nothing():
+    before = _torch_state()
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    torch.manual_seed(0)
+    with zero3.Init(enabled=False):
+        assert _torch_state() == before
+        model = GPT(CFG)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert type(p) is nn.Parameter, name
+        assert torch.equal(p, r), name
+    assert _torch_state() == before
+
+
+# -- (d) nesting ----------------------------------------------------------------------------------
+def test_nested_init_keeps_patches_until_the_outermost_exit():
+    before = _torch_state()
+    with zero3.Init():
+        patched = _torch_state()
+        with zero3.Init():
+            inner = nn.Linear(2, 2)
+        assert isinstance(inner.weight, zero3.ZeroParameter)
+        assert _torch_state() == patched  # the inner exit must not remove the outer's patches
+        outer = nn.Linear(2, 2)
+    assert isinstance(outer.weight, zero3.ZeroParameter)
+    assert outer.weight.ds_status is ParamStatus.NOT_AVAILABLE
+    assert _torch_state() == before
+    assert type(nn.Linear(2, 2).weight) is nn.Parameter
+
+
+# -- (e) parameters registered after __init__ -----------------------------------------------------
+def test_parameter_registered_after_construction_is_partitioned_at_exit():
+    with zero3.Init():
+        m = nn.Linear(2, 3)
+        m.extra = nn.Parameter(torch.arange(4.0))
+    for p in (m.weight, m.bias, m.extra):
+        assert isinstance(p, zero3.ZeroParameter)
+        assert p.ds_status is ParamStatus.NOT_AVAILABLE
+    assert m.extra.shape == (4,)
+    assert torch.equal(_gathered(m.extra), torch.arange(4.0))
+
+
+def test_parameter_added_to_an_already_partitioned_child_is_partitioned_at_exit():
+    with zero3.Init():
+        parent = nn.Sequential(nn.Linear(2, 2))
+        parent[0].scale = nn.Parameter(torch.full((2,), 3.0))
+    assert isinstance(parent[0].scale, zero3.ZeroParameter)
+    assert torch.equal(_gathered(parent[0].scale), torch.full((2,), 3.0))
+
+
+# -- (f) GatheredParameters with and without a modifier rank -----------------------------------
+@pytest.fixture
+def init_linear():
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 3)
+    with zero3.Init():
+        torch.manual_seed(0)
+        m = nn.Linear(4, 3)
+    return m, ref
+
+
+def test_gathered_parameters_modifier_rank_0_writes_the_change_into_the_shard(init_linear):
+    m, _ = init_linear
+    new = torch.arange(12.0).reshape(3, 4)
+    with zero3.GatheredParameters([m.weight], modifier_rank=0), torch.no_grad():
+        m.weight.copy_(new)
+    assert m.weight.ds_status is ParamStatus.NOT_AVAILABLE
+    assert torch.equal(m.weight.ds_tensor, new.reshape(-1))
+    assert torch.equal(_gathered(m.weight), new)
+
+
+def test_gathered_parameters_without_modifier_rank_discards_changes(init_linear):
+    m, ref = init_linear
+    with zero3.GatheredParameters([m.weight, m.bias]), torch.no_grad():
+        m.weight.fill_(5.0)
+        m.bias.zero_()
+    assert m.weight.ds_status is ParamStatus.NOT_AVAILABLE
+    assert m.bias.ds_status is ParamStatus.NOT_AVAILABLE
+    assert torch.equal(_gathered(m.weight), ref.weight.detach())
+    assert torch.equal(_gathered(m.bias), ref.bias.detach())
+
+
+def test_gathered_parameters_discards_changes_when_the_block_raises(init_linear):
+    m, ref = init_linear
+    with pytest.raises(KeyError, match="abort load"), zero3.GatheredParameters([m.weight], modifier_rank=0):
+        with torch.no_grad():
+            m.weight.fill_(5.0)
+        raise KeyError("abort load")
+    assert m.weight.ds_status is ParamStatus.NOT_AVAILABLE
+    assert torch.equal(_gathered(m.weight), ref.weight.detach())
+
+
+def test_weights_loaded_through_modifier_rank_train_like_the_reference():
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    torch.manual_seed(123)  # a different init: the load below must overwrite all of it
+    with zero3.Init():
+        model = GPT(CFG)
+    params = dict(model.named_parameters())
+    with zero3.GatheredParameters(list(params.values()), modifier_rank=0), torch.no_grad():
+        for name, r in ref.named_parameters():
+            params[name].copy_(r)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                              {"param_persistence_threshold": 0})
+    for step in range(2):
+        x, y = synthetic_batch(step, 4, CFG)
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    for name, r in ref.named_parameters():
+        torch.testing.assert_close(_gathered(params[name]), r.detach(), rtol=1e-6, atol=1e-7, msg=name)
+
+
+# -- (g) register_external_parameter -----------------------------------------------------------
+class _UsesShared(nn.Module):
+    """Uses a weight it reaches through a plain Python list: invisible to automatic detection."""
+
+    def __init__(self, shared: nn.Parameter) -> None:
+        super().__init__()
+        self.shared = [shared]
+        self.bias = nn.Parameter(torch.linspace(-0.1, 0.1, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.shared[0], self.bias)
+
+
+class _SharedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = _UsesShared(self.a.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).pow(2).mean()
+
+
+def _train_pair(ref: nn.Module, model: nn.Module, engine: zero3.Engine, steps: int = 3) -> None:
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(steps):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
+        ref_loss = ref(x)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        assert engine.coordinator.live_params == []
+    model_params = dict(model.named_parameters())
+    for name, r in ref.named_parameters():
+        torch.testing.assert_close(_gathered(model_params[name]), r.detach(), rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_registered_external_parameter_trains_like_the_reference():
+    torch.manual_seed(0)
+    ref = _SharedNet()
+    model = copy.deepcopy(ref)
+    assert model.b.shared[0] is model.a.weight
+    zero3.register_external_parameter(model.b, model.a.weight)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"param_persistence_threshold": 0})
+    _train_pair(ref, model, engine)
+
+
+def test_unregistered_external_parameter_raises_naming_it():
+    torch.manual_seed(0)
+    model = _SharedNet()
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    with pytest.raises(ZeroStateError, match=r"a\.weight.*register_external_parameter"):
+        engine(torch.randn(2, 4))
+    assert engine.coordinator.live_params == []
+
+
+def test_register_external_parameter_rejects_a_plain_tensor():
+    with pytest.raises(TypeError, match="expects an nn.Parameter, got Tensor"):
+        zero3.register_external_parameter(nn.Linear(2, 2), torch.zeros(2))
+
+
+# -- (h) automatic detection of another module's parameter -------------------------------------
+class _ParentUsesChildWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.child(x))
+        h = F.linear(h, self.child.weight)  # the child's weight, used in the parent's forward
+        return self.out(h).pow(2).mean()
+
+
+def test_parent_using_a_child_weight_directly_trains_like_the_reference():
+    torch.manual_seed(0)
+    ref = _ParentUsesChildWeight()
+    model = copy.deepcopy(ref)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"param_persistence_threshold": 0})
+    _train_pair(ref, model, engine)
+    assert all(p.ds_status is ParamStatus.NOT_AVAILABLE for p in model.parameters())

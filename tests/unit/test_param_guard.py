@@ -1,0 +1,288 @@
+"""A partitioned parameter keeps its metadata, refuses computation outside a gather, and gathers
+back to its true values (param.py [Note: parameter storage])."""
+
+from __future__ import annotations
+
+import copy
+import faulthandler
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zero3
+from zero3 import ParamStatus, ZeroStateError
+
+
+@pytest.fixture
+def partitioned():
+    """A small Sequential after initialize with no persistent params, plus its original weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+    original = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    return model, engine, original
+
+
+def test_partitioned_parameter_keeps_its_true_shape_and_ds_metadata(partitioned):
+    model, _, original = partitioned
+    w = model[0].weight
+    assert zero3.is_partitioned(w)
+    assert isinstance(w, zero3.ZeroParameter)
+    assert w.shape == torch.Size([5, 3])
+    assert w.ds_shape == torch.Size([5, 3])
+    assert w.ds_numel == 15
+    assert w.ds_status is ParamStatus.NOT_AVAILABLE
+    assert isinstance(w.ds_id, int)
+    assert w.ds_tensor.dim() == 1
+    assert w.ds_tensor.numel() == math.ceil(15 / 1)
+    # world size 1: the shard is the whole tensor, flattened
+    assert torch.equal(w.ds_tensor, original["0.weight"].reshape(-1))
+
+
+def test_every_parameter_gets_a_distinct_ds_id(partitioned):
+    model, _, _ = partitioned
+    ids = [p.ds_id for p in model.parameters()]
+    assert len(set(ids)) == len(ids) == 4
+
+
+def test_partitioned_parameter_owns_no_full_memory(partitioned):
+    model, _, _ = partitioned
+    w = model[0].weight
+    assert w.untyped_storage().nbytes() == 0
+
+
+def test_ds_attributes_are_read_only(partitioned):
+    model, _, _ = partitioned
+    w = model[0].weight
+    with pytest.raises(AttributeError):
+        w.ds_status = ParamStatus.AVAILABLE
+    assert w.ds_status is ParamStatus.NOT_AVAILABLE
+
+
+X = torch.randn(3, 4)
+COMPUTATIONS = {
+    "matmul operator": lambda w: w @ X,
+    "add operator": lambda w: w + 1,
+    "torch.matmul": lambda w: torch.matmul(w, X),
+    "F.linear": lambda w: F.linear(torch.randn(2, 3), w),
+    "sum": lambda w: w.sum(),
+    "clone": lambda w: w.clone(),
+    "detach": lambda w: w.detach(),
+    "indexing": lambda w: w[0],
+    "transpose property": lambda w: w.T,
+    "to dtype": lambda w: w.to(torch.float64),
+    "tolist": lambda w: w.tolist(),
+    "not-equal comparison": lambda w: w != 0,
+}
+
+
+@pytest.mark.parametrize("how", sorted(COMPUTATIONS))
+def test_computing_with_a_partitioned_parameter_raises_naming_it(partitioned, how):
+    model, _, _ = partitioned
+    w = model[0].weight
+    with pytest.raises(ZeroStateError, match=r"0\.weight.*GatheredParameters"):
+        COMPUTATIONS[how](w)
+    assert w.ds_status is ParamStatus.NOT_AVAILABLE
+
+
+def test_in_place_init_outside_init_context_raises(partitioned):
+    model, _, _ = partitioned
+    w = model[0].weight
+    with pytest.raises(ZeroStateError, match=r"0\.weight"):
+        nn.init.zeros_(w)
+
+
+def test_metadata_reads_do_not_raise(partitioned):
+    model, _, _ = partitioned
+    w = model[0].weight
+    assert w.shape == (5, 3)
+    assert w.size() == (5, 3) and w.size(0) == 5
+    assert w.dim() == 2 and w.ndim == 2
+    assert w.numel() == 15
+    assert len(w) == 5
+    assert w.dtype is torch.float32
+    assert w.device == torch.device("cpu")
+    assert w.requires_grad is True
+    assert w.is_leaf
+    assert w.grad is None
+    assert "0.weight" in w.ds_summary()
+    assert hash(w) == hash(w)
+    assert "Linear(in_features=3, out_features=5" in repr(model)  # module repr prints no values
+
+
+@pytest.mark.parametrize("how", ["repr", "format"])  # str() takes the same path as repr()
+def test_printing_a_partitioned_parameter_shows_its_shape_without_crashing(partitioned, how):
+    w = partitioned[0][0].weight
+
+    def body() -> None:
+        s = repr(w) if how == "repr" else f"{w}"
+        assert "5, 3" in s, s
+
+    assert _run_isolated(body) == "ok"
+
+
+@pytest.mark.parametrize("how", ["w == 0", "w in [torch.zeros(5, 3)]"])
+def test_comparing_a_partitioned_parameter_raises_instead_of_crashing(partitioned, how):
+    w = partitioned[0][0].weight
+
+    def body() -> None:
+        with pytest.raises(ZeroStateError, match=r"0\.weight"):
+            _ = (w == 0) if how == "w == 0" else (w in [torch.zeros(5, 3)])
+
+    assert _run_isolated(body) == "ok"
+
+
+def test_computing_with_data_of_a_partitioned_parameter_does_not_crash(partitioned):
+    w = partitioned[0][0].weight
+
+    def body() -> None:
+        with pytest.raises(ZeroStateError, match=r"0\.weight"):
+            w.data.sum()
+
+    assert _run_isolated(body) == "ok"
+
+
+def test_gathered_parameters_shows_the_original_values(partitioned):
+    model, _, original = partitioned
+    w, b = model[0].weight, model[0].bias
+    with zero3.GatheredParameters([w, b]) as gathered:
+        assert w.ds_status is ParamStatus.AVAILABLE
+        assert torch.equal(w, original["0.weight"])
+        assert torch.equal(b, original["0.bias"])
+        assert torch.equal(w @ X, original["0.weight"] @ X)  # computing is allowed while gathered
+        assert {p.ds_id for p in gathered} == {w.ds_id, b.ds_id}
+    assert w.ds_status is ParamStatus.NOT_AVAILABLE
+    assert b.ds_status is ParamStatus.NOT_AVAILABLE
+    with pytest.raises(ZeroStateError):
+        w @ X
+
+
+def test_gathered_parameters_accepts_a_single_parameter(partitioned):
+    model, _, original = partitioned
+    w = model[2].weight
+    with zero3.GatheredParameters(w):
+        assert torch.equal(w, original["2.weight"])
+    assert w.ds_status is ParamStatus.NOT_AVAILABLE
+
+
+def test_nested_gathered_parameters_keep_the_parameter_until_the_outer_exit(partitioned):
+    model, engine, original = partitioned
+    w = model[0].weight
+    with zero3.GatheredParameters([w]):
+        with zero3.GatheredParameters([w]):
+            pass
+        assert w.ds_status is ParamStatus.AVAILABLE
+        assert torch.equal(w, original["0.weight"])
+    assert w.ds_status is ParamStatus.NOT_AVAILABLE
+    assert engine.coordinator.live_params == []
+    engine.coordinator.check_valid()
+
+
+def test_forward_works_and_leaves_parameters_partitioned(partitioned):
+    model, engine, original = partitioned
+    torch.manual_seed(1)
+    ref = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+    ref.load_state_dict(original)
+    x = torch.randn(4, 3)
+    assert torch.equal(model(x), ref(x))
+    assert all(p.ds_status is ParamStatus.NOT_AVAILABLE for p in model.parameters())
+    assert engine.coordinator.live_params == []
+
+
+def test_state_dict_of_a_partitioned_model_raises_naming_the_parameter(partitioned):
+    # Designed behaviour: state_dict detaches each parameter, which is a computation on a
+    # partitioned tensor, so it raises (the message says 'detach', not 'state_dict').
+    model, _, _ = partitioned
+    with pytest.raises(ZeroStateError, match=r"0\.weight.*GatheredParameters"):
+        model.state_dict()
+
+
+def test_state_dict_inside_gathered_parameters_gives_the_values_when_cloned(partitioned):
+    model, _, original = partitioned
+    with zero3.GatheredParameters(list(model.parameters())):
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+    assert sd.keys() == original.keys()
+    for k in original:
+        assert torch.equal(sd[k], original[k]), k
+
+
+def test_state_dict_taken_inside_gathered_parameters_is_safe_to_read_after_exit(partitioned):
+    model = partitioned[0]
+    with zero3.GatheredParameters(list(model.parameters())):
+        sd = model.state_dict()
+
+    def body() -> None:
+        try:
+            float(sd["0.weight"].sum())
+        except Exception:  # noqa: BLE001, S110 - a Python error is acceptable; a crash is not
+            pass
+
+    assert _run_isolated(body) == "ok"
+
+
+def test_persistent_parameter_stays_gathered_and_usable():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))
+    w0 = model[0].weight.detach().clone()
+    zero3.initialize(model, None, None)  # default threshold 1e5: every param here is persistent
+    w = model[0].weight
+    assert w.ds_persist
+    assert w.ds_status is ParamStatus.AVAILABLE
+    assert torch.equal(w @ X, w0 @ X)
+    with zero3.GatheredParameters([w]):
+        pass
+    assert w.ds_status is ParamStatus.AVAILABLE  # already gathered before: stays gathered
+
+
+def test_deepcopy_of_a_partitioned_parameter_raises_naming_it(partitioned):
+    model, _, _ = partitioned
+    with pytest.raises(ZeroStateError, match=r"cannot deepcopy partitioned parameter 0\.weight"):
+        copy.deepcopy(model[0].weight)
+
+
+def _run_isolated(body: Callable[[], None], timeout: float = 60.0) -> str:
+    """Run ``body`` in a forked child, so that a segfault fails the test instead of killing pytest.
+
+    Returns "ok", "raised" (a Python exception) or "signal N" (the child crashed).
+    """
+    pid = os.fork()
+    if pid == 0:  # child: never return into pytest
+        faulthandler.disable()  # pytest enables it; a crash here is the expected failure, keep it quiet
+        code = 1
+        try:
+            body()
+            code = 0
+        except BaseException:  # noqa: BLE001 - any Python exception is reported as "raised"
+            code = 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "timeout"
+        time.sleep(0.01)
+    if os.WIFSIGNALED(status):
+        return f"signal {os.WTERMSIG(status)}"
+    return "ok" if os.WEXITSTATUS(status) == 0 else "raised"
+
+
+def test_isolation_helper_reports_success_exceptions_and_crashes():
+    assert _run_isolated(lambda: None) == "ok"
+
+    def fail() -> None:
+        raise ValueError("x")
+
+    assert _run_isolated(fail) == "raised"
+    assert _run_isolated(lambda: os.kill(os.getpid(), signal.SIGSEGV)) == f"signal {int(signal.SIGSEGV)}"
