@@ -1,5 +1,25 @@
 """zero3: a small, explainable ZeRO stage-3 parameter-partitioning runtime for PyTorch."""
 
+from . import pretrained
+from .accessors import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_optimizer_state,
+)
+from .checkpoint import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+)
 from .config import ZeroConfig
 from .engine import Engine, initialize
 from .errors import ZeroConfigError, ZeroDivergenceError, ZeroError, ZeroStateError
@@ -7,12 +27,19 @@ from .init import GatheredParameters, Init, register_external_parameter
 from .metrics import StepMetrics
 from .optim import clip_grad_norm_
 from .param import ZeroParameter, is_partitioned
+from .precision import LossScaler
 from .state import ParamStatus
 
 __all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointVersionError",
     "Engine",
     "GatheredParameters",
     "Init",
+    "LossScaler",
     "ParamStatus",
     "StepMetrics",
     "ZeroConfig",
@@ -24,5 +51,16 @@ __all__ = [
     "clip_grad_norm_",
     "initialize",
     "is_partitioned",
+    "pretrained",
     "register_external_parameter",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_optimizer_state",
 ]

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import json
 import logging
+import math
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 ReduceImpl = Literal["auto", "reduce_scatter", "all_reduce"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
+OffloadDevice = Literal["none", "cpu"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,11 +76,59 @@ class ZeroConfig:
     ``ZeroDivergenceError`` if they are not about to run the same collective, instead of hanging
     (ranks that run different modules). ``None``: on for gloo, off for NCCL (it costs a host sync)."""
 
+    # -- precision, optimizer step and gradient accumulation (docs/mixed_precision.md) ---------------
+    dtype: DtypeName = "fp32"
+    """Precision of parameter shards, all-gathers and compute. With ``bf16``/``fp16`` the optimizer
+    steps on fp32 master shards and copies them back; ``fp32`` casts nothing. DeepSpeed's
+    ``bf16.enabled`` / ``fp16.enabled`` set it."""
+
+    reduce_dtype: DtypeName = "fp32"
+    """Precision in which full gradients are reduce-scattered (DeepSpeed's ``communication_data_type``).
+    The reduced slices always accumulate into fp32 gradient shards when ``dtype`` is not fp32."""
+
+    loss_scale: float = 0.0
+    """fp16 only: a static loss scale; 0 selects dynamic loss scaling (DeepSpeed's ``fp16.loss_scale``)."""
+
+    initial_scale_power: int = 16
+    """fp16 dynamic loss scaling starts at ``2**initial_scale_power``."""
+
+    loss_scale_window: int = 1000
+    """fp16: the dynamic scale doubles after this many consecutive optimizer steps without overflow."""
+
+    hysteresis: int = 2
+    """fp16: overflowing steps tolerated (skipped without backing off) before the scale halves."""
+
+    consecutive_hysteresis: bool = False
+    """fp16: refill the hysteresis after every clean step (default: only when the scale grows)."""
+
+    min_loss_scale: float = 1.0
+    """fp16: the dynamic loss scale never drops below this."""
+
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step: ``engine.step()`` is called after every micro-batch and steps
+    the optimizer on every N-th call; each micro-batch's reduced gradient is divided by N."""
+
+    gradient_clipping: float = 0.0
+    """When > 0, ``engine.step()`` clips the gradients to this global L2 norm (fp32, after unscaling)
+    before the optimizer step."""
+
+    offload_optimizer: OffloadDevice = "none"
+    """``cpu``: fp32 master shards, their gradients and the optimizer state live in CPU memory and the
+    optimizer steps there (DeepSpeed's ``offload_optimizer.device``)."""
+
+    offload_optimizer_pin_memory: bool = False
+    """Pin the CPU master buffer (DeepSpeed's ``offload_optimizer.pin_memory``); ignored without CUDA."""
+
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_field(f, getattr(self, f.name))
         if self.max_traces < 1:
             raise ZeroConfigError(f"max_traces must be >= 1, got {self.max_traces!r}")
+        for name in ("gradient_accumulation_steps", "loss_scale_window", "hysteresis"):
+            if getattr(self, name) < 1:
+                raise ZeroConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.min_loss_scale <= 0:
+            raise ZeroConfigError(f"min_loss_scale must be > 0, got {self.min_loss_scale!r}")
 
     @property
     def budgets_in_bytes(self) -> bool:
@@ -96,7 +146,10 @@ class ZeroConfig:
         for key in d:
             if key not in known:
                 raise ZeroConfigError(_unknown_key_message(key, known))
-        return cls(**{k: _coerce(k, v) for k, v in d.items()})
+        out = {k: _coerce(k, v) for k, v in d.items()}
+        if isinstance(out.get("offload_optimizer"), dict):  # DeepSpeed's {device, pin_memory} form
+            out.update(_offload_optimizer(out.pop("offload_optimizer"), "offload_optimizer"))
+        return cls(**out)
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ZeroConfig":
@@ -131,14 +184,30 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
     elif ann in ("bool", bool):
         if not isinstance(value, bool):
             raise ZeroConfigError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
-    elif ann == "ReduceImpl":
-        allowed = get_args(ReduceImpl)
+    elif ann in ("ReduceImpl", "DtypeName", "OffloadDevice"):
+        allowed = get_args(_LITERALS[ann])
         if value not in allowed:
             raise ZeroConfigError(f"{name} must be one of {allowed}, got {value!r}")
+    elif ann in ("float", float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ZeroConfigError(f"{name} must be a finite number >= 0, got {value!r} ({type(value).__name__})")
+        if value < 0:
+            raise ZeroConfigError(f"{name} must be >= 0, got {value!r}")
+
+
+_LITERALS: dict[str, Any] = {"ReduceImpl": ReduceImpl, "DtypeName": DtypeName, "OffloadDevice": OffloadDevice}
+_FLOAT_FIELDS = {"loss_scale", "min_loss_scale", "gradient_clipping"}
 
 
 def _coerce(key: str, value: Any) -> Any:
-    """JSON configs write big counts as floats (``5e8``); accept those when they are integral."""
+    """JSON configs write big counts as floats (``5e8``); accept those when they are integral.
+
+    Float fields take ints too (``"gradient_clipping": 1``) and store them as floats.
+    """
+    if key in _FLOAT_FIELDS:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value
@@ -171,17 +240,112 @@ _DEEPSPEED_TOP_LEVEL = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "gradient_clipping", "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown",
     "bf16", "fp16", "zero_allow_untested_optimizer", "prescale_gradients", "communication_data_type",
+    "bfloat16",
 }
 
 
-def _from_deepspeed(d: dict[str, Any]) -> dict[str, Any]:
+_DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16",
+                  "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+# DeepSpeed ``fp16`` section keys mapped onto ours; ``enabled`` selects dtype="fp16".
+_DEEPSPEED_FP16_KEYS = {
+    "loss_scale": "loss_scale", "initial_scale_power": "initial_scale_power",
+    "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis",
+    "consecutive_hysteresis": "consecutive_hysteresis", "min_loss_scale": "min_loss_scale",
+}
+_DEEPSPEED_FP16_IGNORED = {"auto_cast", "fp16_master_weights_and_grads"}
+_DEEPSPEED_BF16_IGNORED = {"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+                           "bf16_optimizer_states"}
+_DEEPSPEED_OFFLOAD_IGNORED = {"buffer_count", "fast_init", "ratio", "nvme_path", "pipeline_read",
+                              "pipeline_write", "pipeline"}
+
+
+def _enabled(section: str, value: Any) -> bool:
+    if not isinstance(value, dict):
+        raise ZeroConfigError(f"{section} must be a dict such as {{'enabled': true}}, got {value!r}")
+    enabled = value.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ZeroConfigError(f"{section}.enabled must be a bool, got {enabled!r} ({type(enabled).__name__}); "
+                              "replace 'auto' by true or false")
+    return enabled
+
+
+def _section(section: str, value: dict[str, Any], mapped: dict[str, str], ignored: set[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    for key, v in value.items():
+        if key == "enabled":
+            continue
+        if key in mapped:
+            out[mapped[key]] = _coerce(mapped[key], v)
+        elif key in ignored:
+            logger.info("zero3: DeepSpeed key %s.%s has no effect in zero3; ignored", section, key)
+        else:
+            raise ZeroConfigError(f"{section}: " + _unknown_key_message(key, set(mapped) | ignored | {"enabled"}))
+    return out
+
+
+def _precision(d: dict[str, Any]) -> dict[str, Any]:
+    """dtype, loss-scaling and reduce-dtype fields from DeepSpeed's ``bf16``/``fp16`` sections and
+    ``communication_data_type``. Settings inside a section that is not enabled are ignored."""
+    out: dict[str, Any] = {}
+    bf16 = [k for k in ("bf16", "bfloat16") if k in d and _enabled(k, d[k])]
+    for k in ("bf16", "bfloat16"):
+        if k in d:
+            _section(k, d[k], {}, _DEEPSPEED_BF16_IGNORED)
+    fp16 = "fp16" in d and _enabled("fp16", d["fp16"])
+    if bf16 and fp16:
+        raise ZeroConfigError(f"{bf16[0]}.enabled and fp16.enabled are both true; enable one of them")
+    if bf16:
+        out["dtype"] = "bf16"
+    if "fp16" in d:
+        scaling = _section("fp16", d["fp16"], _DEEPSPEED_FP16_KEYS, _DEEPSPEED_FP16_IGNORED)
+        if fp16:
+            out["dtype"] = "fp16"
+            out.update(scaling)
+    if "communication_data_type" in d and d["communication_data_type"] is not None:
+        name = d["communication_data_type"]
+        if name not in _DTYPE_ALIASES:
+            raise ZeroConfigError(f"communication_data_type must be one of {sorted(_DTYPE_ALIASES)}, got {name!r}")
+        out["reduce_dtype"] = _DTYPE_ALIASES[name]
+    return out
+
+
+def _offload_optimizer(value: Any, section: str) -> dict[str, Any]:
+    """DeepSpeed's ``offload_optimizer: {device, pin_memory}`` onto our two fields."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ZeroConfigError(f"{section} must be a dict such as {{'device': 'cpu', 'pin_memory': true}}, "
+                              f"got {value!r}")
+    out: dict[str, Any] = {}
+    for key, v in value.items():
+        if key == "device":
+            if v == "nvme":
+                raise ZeroConfigError(f"{section}.device 'nvme' is not supported by zero3; use 'cpu' or 'none'")
+            out["offload_optimizer"] = v
+        elif key == "pin_memory":
+            out["offload_optimizer_pin_memory"] = v
+        elif key in _DEEPSPEED_OFFLOAD_IGNORED:
+            logger.info("zero3: DeepSpeed key %s.%s has no effect in zero3; ignored", section, key)
+        else:
+            raise ZeroConfigError(f"{section}: " + _unknown_key_message(
+                key, {"device", "pin_memory"} | _DEEPSPEED_OFFLOAD_IGNORED))
+    return out
+
+
+def _from_deepspeed(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = _precision(d)
     ours = {f.name for f in fields(ZeroConfig)}
     for key, value in d.items():
-        if key == "zero_optimization":
+        if key == "zero_optimization" or key in ("bf16", "bfloat16", "fp16", "communication_data_type"):
+            continue
+        if key in ("gradient_accumulation_steps", "gradient_clipping"):
+            out[key] = _coerce(key, value)
             continue
         if key in _DEEPSPEED_TOP_LEVEL:
             logger.info("zero3: DeepSpeed key %r is not used by ZeroConfig; ignored", key)
+            continue
+        if key == "offload_optimizer" and isinstance(value, dict):
+            out.update(_offload_optimizer(value, key))
             continue
         if key in ours:
             out[key] = _coerce(key, value)
@@ -198,12 +362,14 @@ def _from_deepspeed(d: dict[str, Any]) -> dict[str, Any]:
             continue
         if key in _DEEPSPEED_ZERO_KEYS:
             out[_DEEPSPEED_ZERO_KEYS[key]] = _coerce(key, value)
+        elif key == "offload_optimizer":
+            out.update(_offload_optimizer(value, "zero_optimization.offload_optimizer"))
         elif key in _DEEPSPEED_ZERO_IGNORED:
             logger.info("zero3: zero_optimization.%s has no effect in zero3; ignored", key)
         elif key in ours:
             out[key] = _coerce(key, value)
         else:
-            known = set(_DEEPSPEED_ZERO_KEYS) | _DEEPSPEED_ZERO_IGNORED | ours | {"stage"}
+            known = set(_DEEPSPEED_ZERO_KEYS) | _DEEPSPEED_ZERO_IGNORED | ours | {"stage", "offload_optimizer"}
             raise ZeroConfigError("zero_optimization: " + _unknown_key_message(key, known))
     return out
 

@@ -14,12 +14,13 @@ from .comm import Communicator
 from .config import ZeroConfig, resolve_config
 from .coordinator import ParamCoordinator
 from .errors import ZeroConfigError, ZeroStateError
-from .grad import GradientReducer
+from .grad import GradientReducer, grad_target
 from .hooks import ModuleHooks
 from .init import group_info
 from .metrics import StepMetrics
-from .optim import shard_optimizer
+from .optim import PartitionedOptimizer
 from .param import ZeroParameter, convert, free_full
+from .precision import LossScaler, lower_precision, torch_dtype
 from .state import ParamStatus
 
 logger = logging.getLogger(__name__)
@@ -29,32 +30,44 @@ class Engine:
     """A partitioned model with its hooks, gradient reducer and sharded optimizer.
 
     Use ``loss = engine(x); engine.backward(loss); engine.step()``, or the plain loop
-    ``loss = model(x); loss.backward(); engine.step()`` (the hooks live on the module).
+    ``loss = model(x); loss.backward(); engine.step()`` (the hooks live on the module; fp16 needs
+    ``engine.backward``, which applies the loss scale). With ``gradient_accumulation_steps = N`` call
+    ``engine.step()`` after every micro-batch; it steps the optimizer on every N-th call.
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, config: ZeroConfig, group: Any) -> None:
         if model.__dict__.get("_zero3_engine") is not None:
             raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "
                                  "first, or keep using the engine it returned")
+        _validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
         self.config = config
         self.group, self.world_size, self.rank = group_info(group)
         self.module = model
         self.params = self._partition(model)
+        # bf16/fp16: cast the shards now (before anything is gathered); their fp32 values seed the masters
+        fp32_shards = lower_precision(self.params, torch_dtype(config.dtype)) if config.dtype != "fp32" else {}
         self.metrics = StepMetrics()
         self.last_step_metrics = StepMetrics()
-        self.global_steps = 0
+        self.global_steps = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
+        self.micro_steps = 0  # engine.step() calls
         self.comm = Communicator(self.group, world_size=self.world_size, rank=self.rank,
                                  overlap=config.overlap_comm, bucket_numel=config.allgather_bucket_size,
                                  reduce_impl=config.reduce_scatter_impl, metrics=self.metrics,
                                  verify=config.verify_collectives)
         self.coordinator = ParamCoordinator(config, self.comm, self.metrics, self.params)
-        self.reducer = GradientReducer(self.comm, config.reduce_bucket_size)
+        self.reducer = GradientReducer(self.comm, config.reduce_bucket_size,
+                                       reduce_dtype=torch_dtype(config.reduce_dtype),
+                                       accumulation_steps=config.gradient_accumulation_steps)
         for p in self.params:
             p._zero.extra["coordinator"] = self.coordinator
+            p._zero.extra["engine"] = self
         self._mark_persistent()
         self.hooks = ModuleHooks(self)
         self.hooks.install(model)
-        self.optimizer = shard_optimizer(optimizer, self.params) if optimizer is not None else None
+        self.partitioned = (PartitionedOptimizer(optimizer, self.params, config, self.comm, fp32_shards)
+                            if optimizer is not None else None)
+        self.optimizer = self.partitioned.optimizer if self.partitioned is not None else None
+        self.loss_scaler: LossScaler | None = self.partitioned.scaler if self.partitioned is not None else None
         model.__dict__["_zero3_engine"] = self
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -113,24 +126,58 @@ class Engine:
             raise
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``; with fp16, of the loss times the current loss scale (in fp32)."""
+        if self.partitioned is not None:
+            loss = self.partitioned.scale_loss(loss)
         loss.backward(**kwargs)
 
-    def step(self) -> None:
-        """Optimizer step on the shards, then zero the gradients and start the next step."""
+    def step(self) -> bool:
+        """End a micro-batch; at an accumulation boundary, step the optimizer on the shards.
+
+        At the boundary (every call when ``gradient_accumulation_steps`` is 1): fp16 gradients are
+        unscaled and checked for overflow on every rank, ``gradient_clipping`` is applied, the
+        optimizer steps (on fp32 masters under mixed precision, copied back to the parameter
+        shards), gradients are zeroed and persistent parameters re-gathered.
+
+        Returns:
+            True if the optimizer stepped; False between boundaries, without an optimizer, or when
+            an fp16 overflow on some rank made every rank skip the step (``engine.skipped_steps``).
+        """
         self.reducer.flush()
         if self.coordinator.in_step:
             self.coordinator.end_step()
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        stepped = False
+        if boundary and self.partitioned is not None:
+            stepped = self.partitioned.step()
         self.coordinator.release_all()
-        self._refresh_persistent()
-        self.global_steps += 1
+        if boundary:
+            self._refresh_persistent()
+            self.global_steps += 1
         self._finish_step()
+        return stepped
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next ``engine.step()`` steps the optimizer (its micro-batch ends a window)."""
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale ``engine.backward`` applies now (1.0 without fp16)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because of an fp16 overflow."""
+        return self.partitioned.skipped_steps if self.partitioned is not None else 0
 
     def zero_grad(self) -> None:
         for p in self.params:
             p._zero.shard.grad = None
+            grad_target(p).grad = None
+        if self.partitioned is not None:
+            self.partitioned.zero_grad()
 
     def _refresh_persistent(self) -> None:
         """Shards changed: persistent params must be re-gathered from them."""
@@ -156,12 +203,25 @@ class Engine:
                 free_full(p)
         for p in self.params:
             p._zero.extra.pop("coordinator", None)
+            p._zero.extra.pop("engine", None)
         self.module.__dict__.pop("_zero3_engine", None)
 
     # -- state of one parameter, for accessors and checkpoints ----------------------------------
     def master_shard(self, p: ZeroParameter) -> torch.Tensor:
-        """The tensor the optimizer steps on for ``p`` (this rank's padded 1-D shard, full precision)."""
+        """The tensor the optimizer steps on for ``p`` (this rank's padded 1-D shard, full precision).
+
+        Under bf16/fp16 or optimizer offload it is the fp32 master, a view into its group's flat
+        buffer (zero3/optim.py [Note: flat master buffers]); a frozen parameter has none and gets its
+        shard. After writing into it, call `refresh_from_masters`.
+        """
         return p._zero.extra.get("master", p._zero.shard)
+
+    def refresh_from_masters(self) -> None:
+        """The master shards were written (checkpoint load, accessors): cast them into the parameter
+        shards and re-gather the persistent parameters. A collective when persistent params exist."""
+        if self.partitioned is not None:
+            self.partitioned.copy_masters_to_shards()
+        self._refresh_persistent()
 
     def optimizer_state(self, p: ZeroParameter) -> dict[str, torch.Tensor]:
         """This rank's optimizer state for ``p`` (e.g. ``exp_avg``), keyed as torch.optim keys it."""
@@ -194,10 +254,19 @@ class Engine:
 
     # -- introspection --------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
-        """Bytes of model state this rank holds, against the full (unpartitioned) model's."""
-        shard = sum(p._zero.shard.numel() * p._zero.shard.element_size() for p in self.params)
-        grad = sum(g.numel() * g.element_size() for p in self.params if (g := p._zero.shard.grad) is not None)
-        optim = 0
+        """Bytes of model state this rank holds, against the full (unpartitioned) model's.
+
+        ``param_shard_bytes``: parameter shards in their dtype (flat buffers with their alignment gaps
+        under mixed precision); ``grad_shard_bytes``: gradient shards (fp32 under mixed precision);
+        ``optimizer_state_bytes``: the optimizer's per-element state plus the fp32 master shards when
+        they are separate from the parameter shards (the ZeRO paper's K bytes per parameter).
+        """
+        if self.partitioned is not None:
+            shard = self.partitioned.shard_bytes()
+        else:
+            shard = sum(p._zero.shard.numel() * p._zero.shard.element_size() for p in self.params)
+        grad = sum(g.numel() * g.element_size() for p in self.params if (g := grad_target(p).grad) is not None)
+        optim = self.partitioned.master_bytes() if self.partitioned is not None else 0
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
                 for v in state.values():
@@ -242,6 +311,19 @@ class Engine:
                 return ("module", target)
             raise ZeroConfigError(f"explain(): no parameter or module named {target!r}")
         raise ZeroConfigError(f"explain() takes a parameter, module, name or None, got {type(target).__name__}")
+
+
+def _validate_optimizer(optimizer: Any) -> None:
+    if optimizer is None or callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ZeroConfigError(
+            f"optimizer must be a torch.optim.Optimizer, a callable(param_groups) -> Optimizer, or None; "
+            f"got {type(optimizer).__name__}")
+    if len(optimizer.state) > 0:
+        raise ZeroStateError(
+            "the optimizer already has state (it has stepped); build it over model.parameters() and pass it "
+            "to zero3.initialize before any step")
 
 
 def initialize(model: nn.Module, optimizer: Any = None, config: Any = None, group: Any = None) -> Engine:

@@ -17,3 +17,23 @@ class ZeroStateError(ZeroError, RuntimeError):
 
 class ZeroDivergenceError(ZeroError, RuntimeError):
     """Ranks disagreed on something that must be identical on every rank."""
+
+
+class CheckpointError(ZeroError, ValueError):
+    """A checkpoint (or a state dict) cannot be used. The message names the file and the problem."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """A checkpoint directory, ``latest`` pointer, metadata or rank file is missing."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A file is truncated, fails its checksum, or is not valid JSON or safetensors."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint belongs to another model or optimizer: names, shapes or groups differ."""
+
+
+class CheckpointVersionError(CheckpointError):
+    """The checkpoint was written in a format version this zero3 cannot read."""

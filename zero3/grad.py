@@ -2,8 +2,14 @@
 
 A parameter's full gradient arrives once autograd has accumulated it (hooks.py); it is queued in the
 current bucket and the bucket is reduced when it holds ``reduce_bucket_size`` elements or when the
-backward ends. Each rank adds its slice of the average into ``shard.grad``, so micro-batches
-accumulate into the shard and the full gradient is freed right after its reduction.
+backward ends. The bucket's gradients are cast to ``reduce_dtype`` and copied into one flat
+rank-major buffer; the full gradients are dropped right then, before the collective runs. Each rank
+adds its slice of the average into the gradient of the tensor the optimizer steps on: the fp32
+master shard under mixed precision (``p._zero.extra["master"]``), else the shard itself. So
+micro-batches accumulate into that gradient in its precision.
+
+With ``gradient_accumulation_steps = N > 1`` each micro-batch's reduced slice is divided by N before
+it is accumulated (the gradients are scaled, not the loss: docs/mixed_precision.md).
 """
 
 from __future__ import annotations
@@ -14,10 +20,20 @@ from .comm import Communicator
 from .param import ZeroParameter
 
 
+def grad_target(p: ZeroParameter) -> torch.Tensor:
+    """The tensor the optimizer steps on for ``p`` (``Engine.master_shard``), whose ``.grad`` holds
+    ``p``'s gradient shard: its fp32 master under mixed precision or offload, else its shard."""
+    target: torch.Tensor = p._zero.extra.get("master", p._zero.shard)
+    return target
+
+
 class GradientReducer:
-    def __init__(self, comm: Communicator, bucket_numel: int) -> None:
+    def __init__(self, comm: Communicator, bucket_numel: int, *, reduce_dtype: torch.dtype | None = None,
+                 accumulation_steps: int = 1) -> None:
         self.comm = comm
         self.bucket_numel = max(1, bucket_numel)
+        self.reduce_dtype = reduce_dtype
+        self.accumulation_steps = accumulation_steps
         self._bucket: list[tuple[ZeroParameter, torch.Tensor]] = []
         self._numel = 0
 
@@ -38,13 +54,14 @@ class GradientReducer:
         world = self.comm.world_size
         total = sum(p._zero.shard_numel for p, _ in bucket)
         g0 = bucket[0][1]
-        dtype = bucket[0][0]._zero.shard.dtype
+        dtype = self.reduce_dtype or bucket[0][0]._zero.shard.dtype
         flat = torch.zeros(world, total, dtype=dtype, device=g0.device)
         off = 0
+        params = []
         for p, g in bucket:
             z = p._zero
             s = z.shard_numel
-            src = g.reshape(-1).to(dtype)
+            src = g.reshape(-1)
             if z.numel == s * world:
                 flat[:, off: off + s].copy_(src.view(world, s))
             else:
@@ -52,14 +69,18 @@ class GradientReducer:
                 padded[: z.numel].copy_(src)
                 flat[:, off: off + s].copy_(padded.view(world, s))
             off += s
+            params.append(p)
+        del bucket, g0, g, src  # the full gradients are freed here, before the collective
         out = self.comm.reduce_flat(flat.view(-1))
         off = 0
-        for p, _ in bucket:
-            z = p._zero
-            s = z.shard_numel
-            piece = out[off: off + s].to(device=z.shard.device, dtype=z.shard.dtype)
-            if z.shard.grad is None:
-                z.shard.grad = piece.clone()
+        for p in params:
+            s = p._zero.shard_numel
+            target = grad_target(p)
+            piece = out[off: off + s]
+            if self.accumulation_steps > 1:  # in the precision the gradient accumulates in
+                piece = piece.to(dtype=target.dtype) / self.accumulation_steps
+            if target.grad is None:
+                target.grad = piece.to(device=target.device, dtype=target.dtype, copy=True)
             else:
-                z.shard.grad.add_(piece)
+                target.grad.add_(piece.to(device=target.device, dtype=target.dtype))
             off += s

@@ -1,0 +1,143 @@
+"""The safe_get/safe_set accessors at world size 1: what they return, and the errors they raise."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from gpt import GPT, GPTConfig, synthetic_batch
+from torch import nn
+
+import zero3
+from zero3 import ZeroStateError
+
+CFG = GPTConfig(block_size=16)
+FULL = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_local_fp32_param", "safe_get_local_grad"]
+STATE = ["safe_get_full_optimizer_state", "safe_get_local_optimizer_state"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def trained():
+    """A bf16 engine after one step and one more backward (gradients, masters and moments exist)."""
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), {"dtype": "bf16"})
+    for step in range(2):
+        x, y = synthetic_batch(step, 2, CFG)
+        engine.backward(engine(x, y))
+        if step == 0:
+            engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("name", FULL + STATE + ["safe_set_full_fp32_param", "safe_set_local_fp32_param"])
+def test_accessor_on_a_plain_parameter_raises_naming_the_fix(name):
+    p = nn.Parameter(torch.zeros(3, 2))
+    args = {"safe_set_full_fp32_param": (p, torch.ones(3, 2)), "safe_set_local_fp32_param": (p, torch.ones(6))}
+    args.update({n: (p, "exp_avg") for n in STATE})
+    with pytest.raises(ZeroStateError, match=r"\(3, 2\)\) is not partitioned by zero3.*zero3\.Init"):
+        getattr(zero3, name)(*args.get(name, (p,)))
+
+
+def test_partitioned_param_without_an_engine_gives_its_weight_but_no_grad_or_state():
+    with zero3.Init():
+        torch.manual_seed(0)
+        m = nn.Linear(4, 3)
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 3)
+    assert torch.equal(zero3.safe_get_full_fp32_param(m.weight), ref.weight.detach())
+    with pytest.raises(ZeroStateError, match="belongs to no engine"):
+        zero3.safe_get_full_grad(m.weight)
+    with pytest.raises(ZeroStateError, match="belongs to no engine"):
+        zero3.safe_get_full_optimizer_state(m.weight, "exp_avg")
+
+
+def test_full_and_local_accessors_agree_and_return_fp32_copies(trained):
+    for p in trained.params:
+        full = zero3.safe_get_full_fp32_param(p)
+        assert full.dtype == torch.float32 and full.shape == p.ds_shape
+        assert torch.equal(zero3.safe_get_local_fp32_param(p), full.reshape(-1))  # world 1: all of it
+        assert torch.equal(full.reshape(-1), trained.master_shard(p)[: p.ds_numel])
+        grad = zero3.safe_get_full_grad(p)
+        assert torch.equal(zero3.safe_get_local_grad(p), grad.reshape(-1))
+        for key in ("exp_avg", "exp_avg_sq"):
+            state = zero3.safe_get_full_optimizer_state(p, key)
+            assert torch.equal(state.reshape(-1), trained.optimizer_state(p)[key][: p.ds_numel])
+            assert torch.equal(zero3.safe_get_local_optimizer_state(p, key), state.reshape(-1))
+        full.add_(1.0)  # a copy: the master is untouched
+        assert not torch.equal(zero3.safe_get_full_fp32_param(p), full)
+
+
+def test_set_full_param_writes_master_and_shard_and_a_persistent_gathered_copy():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                     {"dtype": "bf16", "param_persistence_threshold": 10**6})
+    p = model.ln_f.weight
+    assert p.ds_persist
+    value = torch.linspace(-1, 1, p.ds_numel).reshape(p.ds_shape) / 3
+    zero3.safe_set_full_fp32_param(p, value)
+    assert torch.equal(zero3.safe_get_full_fp32_param(p), value)
+    assert torch.equal(p.ds_tensor, value.to(torch.bfloat16).reshape(-1))
+    assert torch.equal(p.detach(), value.to(torch.bfloat16))  # the gathered persistent copy follows
+    with pytest.raises(ValueError, match=r"shape \(2,\) does not match"):
+        zero3.safe_set_full_fp32_param(p, torch.zeros(2))
+
+
+def test_set_full_optimizer_state_then_step_uses_it(trained):
+    p = trained.module.ln_f.bias
+    zero3.safe_set_full_optimizer_state(p, torch.full(p.ds_shape, 0.25), "exp_avg")
+    assert torch.equal(zero3.safe_get_full_optimizer_state(p, "exp_avg"), torch.full(p.ds_shape, 0.25))
+    zero3.safe_set_local_optimizer_state(p, torch.full((p.ds_numel,), 0.5), "exp_avg")
+    assert torch.equal(zero3.safe_get_local_optimizer_state(p, "exp_avg"), torch.full((p.ds_numel,), 0.5))
+
+
+def test_set_local_param_writes_this_ranks_slice_and_refresh_from_masters_is_harmless(trained):
+    p = trained.module.h[0].ln_1.bias
+    zero3.safe_set_local_fp32_param(p, torch.arange(p.ds_numel, dtype=torch.float32))
+    trained.refresh_from_masters()
+    assert torch.equal(zero3.safe_get_full_fp32_param(p), torch.arange(p.ds_numel, dtype=torch.float32))
+    with pytest.raises(ValueError, match="owns 32 elements on this rank, got 3"):
+        zero3.safe_set_local_fp32_param(p, torch.zeros(3))
+
+
+def test_missing_or_non_elementwise_optimizer_state_is_named(trained):
+    p = trained.params[0]
+    with pytest.raises(KeyError, match=r"no optimizer state 'momentum_buffer'; it has \['exp_avg', 'exp_avg_sq', "
+                                       r"'step'\]"):
+        zero3.safe_get_full_optimizer_state(p, "momentum_buffer")
+    with pytest.raises(ZeroStateError, match="'step' .* is not per-element"):
+        zero3.safe_get_full_optimizer_state(p, "step")
+
+
+def test_before_the_first_step_there_is_no_state_and_after_the_step_no_gradient():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), {"dtype": "bf16"})
+    with pytest.raises(KeyError, match="none yet"):
+        zero3.safe_get_full_optimizer_state(model.ln_f.weight, "exp_avg")
+    x, y = synthetic_batch(0, 2, CFG)
+    engine.backward(engine(x, y))
+    assert zero3.safe_get_full_grad(model.ln_f.weight) is not None
+    engine.step()
+    assert zero3.safe_get_full_grad(model.ln_f.weight) is None
+    assert zero3.safe_get_local_grad(model.ln_f.weight) is None
+
+
+def test_after_remove_hooks_weights_still_read_from_masters_but_grads_raise(trained):
+    p = trained.params[0]
+    master = zero3.safe_get_full_fp32_param(p)
+    trained.remove_hooks()
+    assert torch.equal(zero3.safe_get_full_fp32_param(p), master)
+    with pytest.raises(ZeroStateError, match="belongs to no engine"):
+        zero3.safe_get_full_grad(p)

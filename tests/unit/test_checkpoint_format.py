@@ -1,0 +1,427 @@
+"""Checkpoint format, atomic writes, corruption detection, consolidation and pretrained loading at world
+size 1 (no process group: zero3 runs single-process), against a plain single-process reference."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from gpt import GPT, GPTConfig, synthetic_batch
+
+import zero3
+from zero3 import checkpoint as ck
+from zero3.consolidate import main as consolidate_main
+
+CFG = GPTConfig()
+BATCH = 4
+
+
+def make_engine(seed: int = 0, cfg: GPTConfig = CFG, lr: float = 3e-3) -> zero3.Engine:
+    torch.manual_seed(seed)
+    with zero3.Init():
+        model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6, weight_decay=0.1)
+    return zero3.initialize(model, opt, {"param_persistence_threshold": 0})
+
+
+def make_reference(seed: int = 0) -> tuple[GPT, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    ref = GPT(CFG)
+    return ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, eps=1e-6, weight_decay=0.1)
+
+
+def train(engine: zero3.Engine, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = synthetic_batch(step, BATCH, CFG)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def train_reference(ref: GPT, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = synthetic_batch(step, BATCH, CFG)
+        loss = ref(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def snapshot(engine: zero3.Engine) -> dict[str, torch.Tensor]:
+    out = {}
+    for p in engine.params:
+        out[p._zero.name] = engine.master_shard(p).clone()
+        for k, v in engine.optimizer_state(p).items():
+            out[f"{p._zero.name}/{k}"] = v.clone()
+    return out
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: intra-op threads only add contention (10x slower on a loaded 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A world-1 engine trained 3 steps and saved (tag step3), with a reference trained identically."""
+    root = tmp_path_factory.mktemp("ckpt")
+    engine = make_engine()
+    train(engine, range(3))
+    engine.save_checkpoint(root, tag="step3", client_state={"epoch": 1})
+    ref, ref_opt = make_reference()
+    train_reference(ref, ref_opt, range(3))
+    return root, engine, ref, ref_opt
+
+
+# -- format -----------------------------------------------------------------------------------------
+def test_save_writes_one_rank_file_metadata_with_sizes_and_checksums_and_latest(trained):
+    root, engine, _, _ = trained
+    assert (root / "latest").read_text().strip() == "step3"
+    tag_dir = root / "step3"
+    assert sorted(os.listdir(tag_dir)) == ["metadata.json", "rank_00000-of-00001.safetensors"]
+    assert not [n for n in os.listdir(root) if n.startswith(".")], "staging left behind"
+    meta = json.loads((tag_dir / "metadata.json").read_text())
+    assert meta["format_version"] == ck.FORMAT_VERSION and meta["world_size"] == 1 and meta["global_steps"] == 3
+    assert [pm["name"] for pm in meta["params"]] == [p._zero.name for p in engine.params]
+    wte = next(pm for pm in meta["params"] if pm["name"] == "wte.weight")
+    assert wte["aliases"] == ["lm_head.weight"] and wte["shape"] == [256, 32] and wte["ranges"] == [[0, 8192]]
+    assert set(wte["optimizer_state"]) == {"step", "exp_avg", "exp_avg_sq"}
+    f = meta["files"][0]
+    data = (tag_dir / f["file"]).read_bytes()
+    assert f["bytes"] == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest()
+    assert meta["client_state"] == {"epoch": 1} and meta["config"]["param_persistence_threshold"] == 0
+    assert meta["optimizer"]["class"] == "AdamW" and meta["optimizer"]["param_groups"][0]["lr"] == 3e-3
+
+
+def test_rank_file_is_standard_safetensors_holding_master_weights_and_moments(trained):
+    safetensors = pytest.importorskip("safetensors")
+    root, engine, _, _ = trained
+    p = next(p for p in engine.params if p._zero.name == "h.0.mlp.c_fc.weight")
+    with safetensors.safe_open(str(root / "step3" / "rank_00000-of-00001.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("param/h.0.mlp.c_fc.weight"), engine.master_shard(p))
+        assert torch.equal(f.get_tensor("optim/h.0.mlp.c_fc.weight/exp_avg"), engine.optimizer_state(p)["exp_avg"])
+        assert f.get_tensor("optim/h.0.mlp.c_fc.weight/step").item() == 3
+
+
+def test_json_encoding_round_trips_tensors_tuples_and_non_string_keys():
+    value = {"a": (1, 2.5, None), "t": torch.arange(4, dtype=torch.int16).view(2, 2), 3: [True, "x"],
+             "nested": {"__tuple__": 1}, "dt": torch.bfloat16}
+    back = ck.from_json(json.loads(json.dumps(ck.to_json(value))))
+    assert back["a"] == (1, 2.5, None) and back[3] == [True, "x"] and back["nested"] == {"__tuple__": 1}
+    assert torch.equal(back["t"], value["t"]) and back["t"].dtype == torch.int16 and back["dt"] is torch.bfloat16
+    with pytest.raises(TypeError, match=r"client_state\['obj'\]: cannot store a object"):
+        ck.to_json({"obj": object()}, "client_state")
+
+
+# -- round trip ---------------------------------------------------------------------------------------
+def test_round_trip_restores_weights_moments_hyperparameters_scheduler_rng_and_client_state(tmp_path):
+    engine = make_engine()
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+    train(engine, range(2))
+    sched.step()
+    client = {"epoch": 2, "best": (0.5, torch.tensor([1.0, 2.0])), 7: "seven"}
+    engine.save_checkpoint(tmp_path, client_state=client, lr_scheduler=sched)
+    expected, draws = snapshot(engine), torch.rand(3)
+
+    fresh = make_engine(seed=1, lr=1.0)
+    fresh_sched = torch.optim.lr_scheduler.StepLR(fresh.optimizer, step_size=1, gamma=0.5)
+    path, got = fresh.load_checkpoint(tmp_path, lr_scheduler=fresh_sched)
+    assert path == str(tmp_path / "global_step2")
+    assert_same(snapshot(fresh), expected)
+    assert torch.equal(torch.rand(3), draws), "RNG state not restored"
+    assert fresh.global_steps == 2 and fresh.optimizer.param_groups[0]["lr"] == engine.optimizer.param_groups[0]["lr"]
+    assert fresh_sched.state_dict() == sched.state_dict()
+    assert got["epoch"] == 2 and got[7] == "seven" and got["best"][0] == 0.5
+    assert torch.equal(got["best"][1], client["best"][1])
+    assert train(fresh, range(2, 4)) == train(engine, range(2, 4)), "training does not continue identically"
+
+
+def test_saving_an_existing_tag_replaces_it(tmp_path):
+    engine = make_engine()
+    engine.save_checkpoint(tmp_path, tag="x")
+    train(engine, range(1))
+    engine.save_checkpoint(tmp_path, tag="x")
+    fresh = make_engine(seed=1)
+    fresh.load_checkpoint(tmp_path, tag="x")
+    assert_same(snapshot(fresh), snapshot(engine))
+    assert sorted(os.listdir(tmp_path)) == ["latest", "x"]
+
+
+def test_failed_save_keeps_latest_on_the_previous_checkpoint(tmp_path, monkeypatch):
+    engine = make_engine()
+    train(engine, range(1))
+    engine.save_checkpoint(tmp_path, tag="good")
+    good = snapshot(engine)
+    train(engine, range(1, 2))
+
+    def disk_full(self):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(ck.SafetensorsWriter, "close", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            engine.save_checkpoint(tmp_path, tag="bad")
+    assert (tmp_path / "latest").read_text().strip() == "good" and not (tmp_path / "bad").exists()
+    fresh = make_engine(seed=1)
+    fresh.load_checkpoint(tmp_path)
+    assert_same(snapshot(fresh), good)
+    engine.save_checkpoint(tmp_path, tag="after")  # the next save clears the partial directory
+    assert sorted(os.listdir(tmp_path)) == ["after", "good", "latest"]
+
+
+def test_unstorable_client_state_fails_before_anything_is_written(tmp_path):
+    engine = make_engine()
+    with pytest.raises(TypeError, match=r"client_state\['net'\]: cannot store a GPT"):
+        engine.save_checkpoint(tmp_path, client_state={"net": GPT(CFG)})
+    assert not (tmp_path / "latest").exists() and not (tmp_path / "global_step0").exists()
+
+
+def test_bad_tags_are_rejected():
+    engine = make_engine()
+    for tag in ("", ".hidden", "a/b", "latest"):
+        with pytest.raises(ValueError, match="tag"):
+            engine.save_checkpoint("/nonexistent-never-created", tag=tag)
+
+
+# -- corruption and mismatch ------------------------------------------------------------------------
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rank_file(root: Path) -> Path:
+    return root / "step3" / "rank_00000-of-00001.safetensors"
+
+
+def _truncate(root: Path) -> None:
+    f = _rank_file(root)
+    f.write_bytes(f.read_bytes()[:-100])
+
+
+def _flip_byte(root: Path) -> None:
+    f = _rank_file(root)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+
+
+def _set_version(root: Path) -> None:
+    m = root / "step3" / "metadata.json"
+    meta = json.loads(m.read_text())
+    meta["format_version"] = 99
+    m.write_text(json.dumps(meta))
+
+
+CORRUPTIONS = {
+    "missing rank file": (lambda r: _rank_file(r).unlink(), ck.CheckpointNotFoundError,
+                          ["rank_00000-of-00001.safetensors", "missing"]),
+    "truncated rank file": (_truncate, ck.CheckpointCorruptError, ["rank_00000-of-00001.safetensors", "truncated"]),
+    "flipped byte": (_flip_byte, ck.CheckpointCorruptError, ["rank_00000-of-00001.safetensors", "sha256", "corrupted"]),
+    "missing metadata": (lambda r: (r / "step3" / "metadata.json").unlink(), ck.CheckpointNotFoundError,
+                         ["metadata.json", "missing"]),
+    "metadata not json": (lambda r: (r / "step3" / "metadata.json").write_text("{oops"), ck.CheckpointCorruptError,
+                          ["metadata.json", "not valid JSON"]),
+    "unknown version": (_set_version, ck.CheckpointVersionError, ["metadata.json", "version 99", "not supported"]),
+    "missing latest": (lambda r: (r / "latest").unlink(), ck.CheckpointNotFoundError, ["latest", "step3"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_bad_checkpoint_raises_a_clear_error_and_leaves_the_engine_untouched(trained, tmp_path, case):
+    corrupt, exc_type, words = CORRUPTIONS[case]
+    root = _copy(trained[0], tmp_path / "ckpt")
+    corrupt(root)
+    engine = make_engine(seed=1)
+    train(engine, range(1))
+    before, steps = snapshot(engine), engine.global_steps
+    with pytest.raises(exc_type) as info:
+        engine.load_checkpoint(root)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+    assert isinstance(info.value, ValueError)
+    assert_same(snapshot(engine), before)
+    assert engine.global_steps == steps
+
+
+def test_checkpoint_of_another_model_names_the_differences(trained):
+    other = make_engine(cfg=GPTConfig(n_layer=3, vocab_size=128))
+    before = snapshot(other)
+    with pytest.raises(ck.CheckpointMismatchError) as info:
+        other.load_checkpoint(trained[0])
+    msg = str(info.value)
+    assert "metadata.json" in msg and "another model" in msg
+    assert "parameters missing from the checkpoint: h.2.ln_1.weight" in msg
+    assert "wte.weight: shape [256, 32] in the checkpoint, [128, 32] in the model" in msg
+    assert_same(snapshot(other), before)
+
+
+def test_loading_weights_only_into_another_optimizer_needs_opting_out(trained):
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = GPT(CFG)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    with pytest.raises(ck.CheckpointMismatchError, match="optimizer AdamW in the checkpoint, SGD in the engine"):
+        engine.load_checkpoint(trained[0])
+    engine.load_checkpoint(trained[0], load_optimizer_states=False)
+    assert torch.equal(engine.master_shard(engine.params[0]), trained[1].master_shard(trained[1].params[0]))
+
+
+# -- consolidation ------------------------------------------------------------------------------------
+def test_consolidate_cli_pt_equals_reference_state_dict_with_tied_weights_shared(trained, tmp_path):
+    root, _, ref, _ = trained
+    assert consolidate_main([str(root), str(tmp_path / "full.pt")]) == 0
+    sd = torch.load(tmp_path / "full.pt", weights_only=True)
+    expected = ref.state_dict()
+    assert list(sd) == list(expected)
+    for k in expected:
+        assert torch.equal(sd[k], expected[k]), k
+    assert sd["wte.weight"] is sd["lm_head.weight"]
+    mm = torch.load(tmp_path / "full.pt", weights_only=True, mmap=True)
+    assert torch.equal(mm["h.1.mlp.c_proj.weight"], expected["h.1.mlp.c_proj.weight"])
+
+
+def test_consolidate_cli_safetensors_bf16_and_optimizer(trained, tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    root, _, ref, ref_opt = trained
+    out = tmp_path / "full.safetensors"
+    consolidate_main([str(root), str(out), "--tag", "step3", "--dtype", "bf16", "--include-optimizer"])
+    sd = safetensors_torch.load_file(str(out))
+    expected = ref.state_dict()
+    assert "lm_head.weight" not in sd
+    for k, v in expected.items():
+        if k != "lm_head.weight":
+            assert sd[k].dtype == torch.bfloat16 and torch.equal(sd[k], v.to(torch.bfloat16)), k
+    for name, p in ref.named_parameters():
+        state = ref_opt.state[p]
+        assert torch.equal(sd[f"optimizer/{name}/exp_avg"], state["exp_avg"]), name
+        assert torch.equal(sd[f"optimizer/{name}/exp_avg_sq"], state["exp_avg_sq"]), name
+        assert sd[f"optimizer/{name}/step"].item() == state["step"].item()
+    from safetensors import safe_open
+
+    with safe_open(str(out), "pt") as f:
+        assert json.loads(f.metadata()["zero3_aliases"]) == {"lm_head.weight": "wte.weight"}
+
+
+def test_consolidate_pt_with_optimizer_nests_model_and_optimizer(trained, tmp_path):
+    root, _, ref, ref_opt = trained
+    consolidate_main([str(root), str(tmp_path / "o.pt"), "--include-optimizer"])
+    obj = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert torch.equal(obj["model"]["ln_f.weight"], ref.state_dict()["ln_f.weight"])
+    assert torch.equal(obj["optimizer"]["state"]["wte.weight"]["exp_avg"], ref_opt.state[ref.wte.weight]["exp_avg"])
+    assert obj["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    with pytest.raises(ValueError, match="unknown output format"):
+        consolidate_main([str(root), str(tmp_path / "o.npz")])
+
+
+def test_live_consolidated_state_dict_equals_reference_and_keeps_ties(trained):
+    _, engine, ref, _ = trained
+    sd = engine.consolidated_state_dict()
+    expected = ref.state_dict()
+    assert list(sd) == list(expected)
+    for k in expected:
+        assert torch.equal(sd[k], expected[k]), k
+    assert sd["wte.weight"] is sd["lm_head.weight"]
+
+
+# -- pretrained ---------------------------------------------------------------------------------------
+def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    params = list(model.parameters())
+    with zero3.GatheredParameters(params):
+        return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _init_model(seed: int = 7) -> GPT:
+    torch.manual_seed(seed)
+    with zero3.Init():
+        return GPT(CFG)
+
+
+def test_pretrained_loads_a_state_dict_or_safetensors_file_into_a_partitioned_model(trained, tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    ref = trained[2]
+    expected = ref.state_dict()
+    model = _init_model()
+    assert zero3.pretrained.load_state_dict(model, expected) == ([], [])
+    got = _full_params(model)
+    for k in got:
+        assert torch.equal(got[k], expected[k]), k
+    # a file with the tied weight stored once, as Hugging Face writes it
+    untied = {k: v.clone() for k, v in expected.items() if k != "lm_head.weight"}
+    safetensors_torch.save_file(untied, str(tmp_path / "m.safetensors"))
+    model = _init_model()
+    zero3.pretrained.load_state_dict(model, tmp_path / "m.safetensors")
+    got = _full_params(model)
+    assert all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def test_pretrained_into_an_engine_updates_its_shards(trained, tmp_path):
+    ref = trained[2]
+    engine = make_engine(seed=3)
+    zero3.pretrained.load_state_dict(engine, ref.state_dict())
+    sd = engine.consolidated_state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
+
+
+def test_pretrained_errors_list_every_offender_and_change_nothing(trained):
+    expected = trained[2].state_dict()
+    model = _init_model()
+    before = _full_params(model)
+    bad = dict(expected)
+    del bad["h.0.ln_1.bias"], bad["lm_head.weight"], bad["wte.weight"]
+    bad["extra.weight"] = torch.zeros(3)
+    bad["wpe.weight"] = torch.zeros(10, 32)
+    with pytest.raises(zero3.CheckpointMismatchError) as info:
+        zero3.pretrained.load_state_dict(model, bad)
+    msg = str(info.value)
+    assert "wpe.weight: [10, 32] in the source, [64, 32] in the model" in msg
+    assert "missing keys: wte.weight, lm_head.weight, h.0.ln_1.bias" in msg and "unexpected keys: extra.weight" in msg
+    got = _full_params(model)
+    assert all(torch.equal(got[k], before[k]) for k in got)
+    bad["wpe.weight"] = expected["wpe.weight"]
+    result = zero3.pretrained.load_state_dict(model, bad, strict=False)
+    assert result.missing_keys == ["wte.weight", "lm_head.weight", "h.0.ln_1.bias"]
+    assert result.unexpected_keys == ["extra.weight"]
+    got = _full_params(model)
+    assert torch.equal(got["wpe.weight"], expected["wpe.weight"]) and torch.equal(got["wte.weight"], before["wte.weight"])
+
+
+def test_pretrained_reads_a_sharded_safetensors_index_or_a_directory(trained, tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    expected = trained[2].state_dict()
+    keys = [k for k in expected if k != "lm_head.weight"]
+    halves = {"model-1.safetensors": keys[: len(keys) // 2], "model-2.safetensors": keys[len(keys) // 2:]}
+    for fname, ks in halves.items():
+        safetensors_torch.save_file({k: expected[k].clone() for k in ks}, str(tmp_path / fname))
+    index = {"weight_map": {k: fname for fname, ks in halves.items() for k in ks}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = _init_model()
+    zero3.pretrained.load_state_dict(model, tmp_path)
+    got = _full_params(model)
+    assert all(torch.equal(got[k], expected[k]) for k in got)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(zero3.CheckpointNotFoundError, match="empty: no model.safetensors"):
+        zero3.pretrained.load_state_dict(model, tmp_path / "empty")
+    with pytest.raises(zero3.CheckpointNotFoundError, match="nothing-here: file does not exist"):
+        zero3.pretrained.load_state_dict(model, tmp_path / "nothing-here")

@@ -1,0 +1,529 @@
+"""The Engine at world size 1 against a plain torch model trained identically."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zero3
+from zero3 import ParamStatus, ZeroConfigError, ZeroStateError
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "examples"))
+from gpt import GPT, GPTConfig, synthetic_batch
+
+CFG = GPTConfig(block_size=16)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """These models are tiny: one thread is fastest, and avoids OpenMP spin-waits on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+NO_PERSIST = {"param_persistence_threshold": 0}
+RTOL, ATOL = 1e-6, 1e-7
+BATCH = 4
+STEPS = 3
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-6)
+
+
+def _gathered(p: nn.Parameter) -> torch.Tensor:
+    with zero3.GatheredParameters([p]):
+        return p.detach().clone()
+
+
+def _assert_same_params(model: nn.Module, ref: nn.Module) -> None:
+    params = dict(model.named_parameters())
+    assert params.keys() == dict(ref.named_parameters()).keys()
+    for name, r in ref.named_parameters():
+        torch.testing.assert_close(_gathered(params[name]), r.detach(), rtol=RTOL, atol=ATOL, msg=name)
+
+
+def _assert_nothing_gathered(engine: zero3.Engine) -> None:
+    """After a step: no non-persistent parameter is gathered, and the books agree."""
+    assert engine.coordinator.live_params == []
+    engine.coordinator.check_valid()
+    for p in engine.params:
+        expected = ParamStatus.AVAILABLE if p.ds_persist else ParamStatus.NOT_AVAILABLE
+        assert p.ds_status is expected, p.ds_summary()
+
+
+def _gpt_pair(cfg: GPTConfig = CFG, make_opt: Callable = adamw, zcfg=NO_PERSIST):
+    """A plain GPT with its optimizer, and an identical copy under zero3 with its engine."""
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    model = copy.deepcopy(ref)
+    engine = zero3.initialize(model, make_opt(model.parameters()), zcfg)
+    return ref, make_opt(ref.parameters()), model, engine
+
+
+# -- full training loop with clipping --------------------------------------------------------------
+@pytest.mark.parametrize("zcfg", [NO_PERSIST, None], ids=["threshold0", "default_threshold"])
+@pytest.mark.parametrize("checkpoint", [None, "reentrant", "non_reentrant"])
+def test_gpt_with_adamw_and_clipping_matches_the_reference(zcfg, checkpoint):
+    cfg = GPTConfig(block_size=16, checkpoint=checkpoint)
+    ref, ref_opt, model, engine = _gpt_pair(cfg, zcfg=zcfg)
+    max_norm = 0.5
+    clipped = 0
+    for step in range(STEPS):
+        x, y = synthetic_batch(step, BATCH, cfg)
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+        loss = engine(x, y)
+        engine.backward(loss)
+        norm = zero3.clip_grad_norm_(engine, max_norm)
+        engine.step()
+
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+        torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=0)
+        clipped += bool(ref_norm > max_norm)
+        _assert_nothing_gathered(engine)
+    assert clipped > 0  # clipping really changed the update at least once
+    _assert_same_params(model, ref)
+
+
+def test_clip_grad_norm_accepts_the_model_and_inf_norm():
+    ref, _, model, engine = _gpt_pair()
+    x, y = synthetic_batch(0, BATCH, CFG)
+    ref(x, y).backward()
+    engine.backward(engine(x, y))
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=float("inf"))
+    norm = zero3.clip_grad_norm_(model, 1e-3, norm_type=float("inf"))
+    torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=0)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    for p in engine.params:
+        torch.testing.assert_close(p.ds_tensor.grad, ref_grads[p._zero.name].reshape(-1), rtol=RTOL, atol=1e-9)
+
+
+def test_clip_grad_norm_rejects_an_uninitialized_model():
+    with pytest.raises(ZeroStateError, match="got Linear"):
+        zero3.clip_grad_norm_(nn.Linear(2, 2), 1.0)
+
+
+# -- loops ------------------------------------------------------------------------------------------
+def test_plain_loop_equals_the_reference():
+    ref, ref_opt, model, engine = _gpt_pair()
+    for step in range(STEPS):
+        x, y = synthetic_batch(step, BATCH, CFG)
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        engine.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+        _assert_nothing_gathered(engine)
+    _assert_same_params(model, ref)
+
+
+def test_accumulating_two_forwards_in_one_backward_matches_the_reference():
+    ref, ref_opt, model, engine = _gpt_pair()
+    for step in range(2):
+        (x1, y1), (x2, y2) = synthetic_batch(2 * step, BATCH, CFG), synthetic_batch(2 * step + 1, BATCH, CFG)
+        ref_loss = ref(x1, y1) + ref(x2, y2)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = engine(x1, y1) + engine(x2, y2)
+        engine.backward(loss)
+        engine.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+        _assert_nothing_gathered(engine)
+    _assert_same_params(model, ref)
+
+
+def test_accumulating_two_backwards_before_one_step_matches_the_reference():
+    ref, ref_opt, model, engine = _gpt_pair()
+    for step in range(2):
+        for micro in range(2):
+            x, y = synthetic_batch(2 * step + micro, BATCH, CFG)
+            ref_loss = ref(x, y) / 2
+            ref_loss.backward()
+            loss = engine(x, y) / 2
+            engine.backward(loss)
+            torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.step()
+        _assert_nothing_gathered(engine)
+    _assert_same_params(model, ref)
+
+
+# -- module shapes the hooks must handle ----------------------------------------------------------
+class _CalledTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.shared = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.shared(h))
+        h = torch.tanh(self.shared(h))  # same module, second call in one forward
+        return self.out(h).pow(2).mean()
+
+
+class _OwnParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+        self.proj = nn.Parameter(torch.randn(6, 6) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * self.scale  # the root's own parameters, used directly
+        return F.linear(torch.tanh(h), self.proj).pow(2).mean()
+
+
+@pytest.mark.parametrize("build", [_CalledTwice, _OwnParameter], ids=["module_called_twice", "own_parameter"])
+@pytest.mark.parametrize("plain_loop", [False, True], ids=["engine_loop", "plain_loop"])
+def test_small_model_trains_like_the_reference(build, plain_loop):
+    torch.manual_seed(0)
+    ref = build()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), NO_PERSIST)
+    for step in range(STEPS):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+        ref_loss = ref(x)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = model(x) if plain_loop else engine(x)
+        loss.backward()
+        engine.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+        _assert_nothing_gathered(engine)
+    _assert_same_params(model, ref)
+
+
+# -- budgets and buckets change scheduling, never the numbers ---------------------------------
+BUDGETS = {
+    "tight_live_budget": {"param_persistence_threshold": 0, "max_live_parameters": 5_000,
+                          "max_reuse_distance": 0, "prefetch_bucket_size": 3_000},
+    "zero_budgets": {"param_persistence_threshold": 0, "max_live_parameters": 0, "prefetch_bucket_size": 0},
+    "tiny_buckets_no_overlap": {"param_persistence_threshold": 0, "allgather_bucket_size": 100,
+                                "reduce_bucket_size": 100, "overlap_comm": False},
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_budget_and_bucket_settings_train_like_the_reference(name):
+    ref, ref_opt, model, engine = _gpt_pair(zcfg=BUDGETS[name])
+    for step in range(4):  # past the first step, where a recorded trace may take over
+        x, y = synthetic_batch(step, BATCH, CFG)
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+        _assert_nothing_gathered(engine)
+    _assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("zcfg", [NO_PERSIST, None], ids=["threshold0", "default_threshold"])
+def test_frozen_params_weights_changed_after_initialize_and_extra_forwards_match_the_reference(zcfg):
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    ref.wpe.weight.requires_grad_(False)
+    model.wpe.weight.requires_grad_(False)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, eps=1e-6)
+    engine = zero3.initialize(model, lambda groups: torch.optim.AdamW(groups, lr=1e-2, eps=1e-6), zcfg)
+    # change weights after initialize: the optimizer must step from the new values
+    with torch.no_grad():
+        ref.h[0].mlp.c_fc.weight.mul_(2.0)
+        ref.ln_f.weight.add_(0.5)
+    changed = [model.h[0].mlp.c_fc.weight, model.ln_f.weight]
+    with zero3.GatheredParameters(changed, modifier_rank=0), torch.no_grad():
+        model.h[0].mlp.c_fc.weight.mul_(2.0)
+        model.ln_f.weight.add_(0.5)
+    _assert_nothing_gathered(engine)
+    for step in range(STEPS):
+        x, y = synthetic_batch(step, BATCH, CFG)
+        # a "validation" forward with grad enabled and no backward must not disturb training
+        torch.testing.assert_close(engine(x, y), ref(x, y), rtol=RTOL, atol=0)
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+        _assert_nothing_gathered(engine)
+    _assert_same_params(model, ref)
+    assert torch.equal(_gathered(model.wpe.weight), ref.wpe.weight.detach())
+
+
+def test_engine_zero_grad_discards_accumulated_gradients():
+    ref, ref_opt, model, engine = _gpt_pair(make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    x, y = synthetic_batch(0, BATCH, CFG)
+    engine.backward(engine(x, y))  # thrown away
+    engine.zero_grad()
+    assert engine.memory_report()["grad_shard_bytes"] == 0
+    x, y = synthetic_batch(1, BATCH, CFG)
+    ref_loss = ref(x, y)
+    ref_loss.backward()
+    ref_opt.step()
+    engine.backward(engine(x, y))
+    engine.step()
+    _assert_same_params(model, ref)
+
+
+# -- optimizers -------------------------------------------------------------------------------------
+OPTIMIZERS = {
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, eps=1e-6),
+    "adamw_weight_decay": lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-6, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_other_optimizers_match_the_reference(name):
+    make = OPTIMIZERS[name]
+    ref, ref_opt, model, engine = _gpt_pair(make_opt=make)
+    for step in range(STEPS):
+        x, y = synthetic_batch(step, BATCH, CFG)
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+    _assert_same_params(model, ref)
+
+
+def test_optimizer_keeps_its_object_class_and_hyperparameters():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.07, momentum=0.5)
+    engine = zero3.initialize(model, opt, NO_PERSIST)
+    assert engine.optimizer is opt
+    assert opt.param_groups[0]["lr"] == 0.07 and opt.param_groups[0]["momentum"] == 0.5
+    shards = {id(p.ds_tensor) for p in engine.params}
+    assert {id(t) for t in opt.param_groups[0]["params"]} == shards
+
+
+def test_optimizer_factory_matches_the_reference():
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zero3.initialize(model, lambda groups: torch.optim.SGD(groups, lr=0.1), NO_PERSIST)
+    assert isinstance(engine.optimizer, torch.optim.SGD)
+    for step in range(STEPS):
+        x, y = synthetic_batch(step, BATCH, CFG)
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+    _assert_same_params(model, ref)
+
+
+def _stepped_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = synthetic_batch(0, BATCH, CFG)
+    model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    return opt
+
+
+def test_optimizer_that_already_has_state_is_rejected():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = _stepped_optimizer(model)
+    with pytest.raises(ZeroStateError, match="the optimizer already has state"):
+        zero3.initialize(model, opt, NO_PERSIST)
+
+
+def test_rejected_optimizer_leaves_the_model_untouched():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = _stepped_optimizer(model)
+    with pytest.raises(ZeroStateError):
+        zero3.initialize(model, opt, NO_PERSIST)
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_optimizer_over_foreign_parameters_is_rejected():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.SGD(list(model.parameters()) + [nn.Parameter(torch.zeros(7, 3))], lr=0.1)
+    with pytest.raises(ValueError, match=r"shape \(7, 3\) is not a parameter of the model"):
+        zero3.initialize(model, opt, NO_PERSIST)
+
+
+@pytest.mark.parametrize("bad,pattern", [
+    (lambda groups: "not an optimizer", "factory must return a torch.optim.Optimizer, got str"),
+    (42, "optimizer must be a torch.optim.Optimizer.*got int"),
+])
+def test_invalid_optimizer_argument_is_rejected(bad, pattern):
+    with pytest.raises(ZeroConfigError, match=pattern):
+        zero3.initialize(GPT(CFG), bad, NO_PERSIST)
+
+
+# -- evaluation ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("zcfg", [NO_PERSIST, None], ids=["threshold0", "default_threshold"])
+def test_eval_under_no_grad_gives_the_reference_outputs_and_gathers_nothing(zcfg):
+    ref, _, model, engine = _gpt_pair(zcfg=zcfg)
+    ref.eval()
+    model.eval()
+    x, _ = synthetic_batch(7, BATCH, CFG)
+    with torch.no_grad():
+        expected = ref(x)
+        out = engine(x)
+        out_plain = model(x)
+    torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(out_plain, expected, rtol=RTOL, atol=ATOL)
+    assert not out.requires_grad
+    _assert_nothing_gathered(engine)
+
+
+def test_inference_engine_without_optimizer_matches_the_reference_across_steps():
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    engine = zero3.initialize(model, None, NO_PERSIST)
+    assert engine.optimizer is None
+    for step in range(2):
+        x, _ = synthetic_batch(step, BATCH, CFG)
+        with torch.no_grad():
+            torch.testing.assert_close(engine(x), ref(x), rtol=RTOL, atol=ATOL)
+        engine.step()  # nothing to step: must not change or leave gathered anything
+        _assert_nothing_gathered(engine)
+    _assert_same_params(model, ref)
+
+
+# -- lifecycle ------------------------------------------------------------------------------------------
+def test_after_every_step_no_non_persistent_parameter_is_gathered():
+    _, _, _, engine = _gpt_pair(zcfg={"param_persistence_threshold": 2_000})
+    persistent = {p._zero.name for p in engine.params if p.ds_persist}
+    assert persistent and len(persistent) < len(engine.params)  # a mix of both kinds
+    for step in range(STEPS):
+        x, y = synthetic_batch(step, BATCH, CFG)
+        engine.backward(engine(x, y))
+        _assert_nothing_gathered(engine)  # also right after backward
+        engine.step()
+        _assert_nothing_gathered(engine)
+        assert engine.global_steps == step + 1
+
+
+def test_remove_hooks_leaves_parameters_partitioned_and_forward_raises_until_gathered():
+    ref, _, model, engine = _gpt_pair(zcfg=None)  # default threshold: everything persistent
+    assert all(p.ds_status is ParamStatus.AVAILABLE for p in model.parameters())
+    engine.remove_hooks()
+    assert all(p.ds_status is ParamStatus.NOT_AVAILABLE for p in model.parameters())
+    x, _ = synthetic_batch(0, BATCH, CFG)
+    with pytest.raises(ZeroStateError, match=r"wte\.weight.*GatheredParameters"):
+        model(x)
+    with torch.no_grad():
+        with zero3.GatheredParameters(list(model.parameters())):
+            out = model(x)
+        expected = ref(x)
+    torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
+    assert all(p.ds_status is ParamStatus.NOT_AVAILABLE for p in model.parameters())
+
+
+def test_initialize_after_remove_hooks_trains_again():
+    ref, ref_opt, model, engine = _gpt_pair()
+    engine.remove_hooks()
+    engine = zero3.initialize(model, adamw(model.parameters()), NO_PERSIST)
+    for step in range(2):
+        x, y = synthetic_batch(step, BATCH, CFG)
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+    _assert_same_params(model, ref)
+
+
+def test_initialize_twice_on_one_model_raises():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    zero3.initialize(model, None, NO_PERSIST)
+    with pytest.raises(ZeroStateError, match="already called on this model"):
+        zero3.initialize(model, None, NO_PERSIST)
+
+
+def test_parameter_added_after_initialize_is_reported_on_forward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3))
+    engine = zero3.initialize(model, None, NO_PERSIST)
+    model[0].late = nn.Parameter(torch.zeros(2, 5))
+    with pytest.raises(ZeroStateError, match=r"module '0' with shape \(2, 5\) is not partitioned"):
+        engine(torch.randn(1, 3))
+
+
+def test_plain_loop_forward_that_raises_leaves_nothing_gathered():
+    torch.manual_seed(0)
+
+    class Failing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.b(x)
+            return F.linear(x, self._hidden[0])  # not registered: raises ZeroStateError
+
+    model = Failing()
+    model._hidden = [model.a.weight]
+    engine = zero3.initialize(model, None, NO_PERSIST)
+    with pytest.raises(ZeroStateError, match=r"a\.weight"):
+        model(torch.randn(2, 4))
+    assert engine.coordinator.live_params == []
+    with pytest.raises(ZeroStateError, match=r"a\.weight"):
+        model.a.weight + 1
+
+
+# -- memory report -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("zcfg", [NO_PERSIST, None], ids=["threshold0", "default_threshold"])
+def test_memory_report_equals_a_hand_computation(zcfg):
+    ref, _, _, engine = _gpt_pair(zcfg=zcfg)
+    full = sum(p.numel() * 4 for p in ref.parameters())  # fp32, tied weight counted once
+    persistent = sum(p.ds_numel * 4 for p in engine.params if p.ds_persist)
+    expected = {"param_shard_bytes": full, "grad_shard_bytes": 0, "optimizer_state_bytes": 0,
+                "full_param_bytes": full, "gathered_param_bytes": persistent}
+    assert engine.memory_report() == expected
+
+    x, y = synthetic_batch(0, BATCH, CFG)
+    engine.backward(engine(x, y))
+    assert engine.memory_report() == {**expected, "grad_shard_bytes": full}
+
+    engine.step()  # AdamW: exp_avg + exp_avg_sq per element; the 0-d step counter is not counted
+    assert engine.memory_report() == {**expected, "optimizer_state_bytes": 2 * full}

@@ -1,0 +1,450 @@
+"""Mixed precision at world size 1: config keys, the loss scaler, flat buffers, the engine's step.
+
+The engine is compared with a hand-written recipe (a low-precision model copy for forward and
+backward, fp32 master copies stepped by AdamW and copied back), which at world size 1 must match
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gpt import GPT, GPTConfig, synthetic_batch
+from torch import nn
+
+import zero3
+from zero3 import LossScaler, ZeroConfig, ZeroConfigError, ZeroStateError
+from zero3.optim import ALIGN_ELEMENTS
+
+CFG = GPTConfig(block_size=16)
+BATCH = 4
+NO_PERSIST = {"param_persistence_threshold": 0}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def lossf(model, x, y):
+    logits = model(x)
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+class Recipe:
+    """Single-process mixed precision by hand (see tests/multiproc/test_mixed_precision.py)."""
+
+    def __init__(self, full: nn.Module, dtype: torch.dtype, scale: float = 1.0, **opt) -> None:
+        self.names = [n for n, _ in full.named_parameters()]
+        self.low = copy.deepcopy(full).to(dtype)
+        self.masters = [p.detach().clone().float() for p in full.parameters()]
+        self.opt = torch.optim.AdamW(self.masters, lr=1e-2, eps=1e-6, **opt)
+        self.scale = scale
+
+    def backward(self, x, y, divide: int = 1) -> torch.Tensor:
+        """Accumulate the fp32 gradient of this micro-batch, divided by ``divide`` (in fp32, as zero3)."""
+        loss = lossf(self.low, x, y)
+        (loss * self.scale).backward()
+        for m, p in zip(self.masters, self.low.parameters()):
+            g = p.grad.float() / divide
+            m.grad = g if m.grad is None else m.grad + g
+            p.grad = None
+        return loss
+
+    def step(self) -> None:
+        for m in self.masters:
+            m.grad /= self.scale
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, p in zip(self.masters, self.low.parameters()):
+                p.copy_(m)
+
+
+def pair(dtype: str, opt_kwargs=None, **config):
+    torch.manual_seed(0)
+    full = GPT(CFG)
+    model = copy.deepcopy(full)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6, **(opt_kwargs or {}))
+    engine = zero3.initialize(model, opt, {**NO_PERSIST, "dtype": dtype, **config})
+    return full, engine
+
+
+def masters_of(engine):
+    return {p._zero.name: zero3.safe_get_full_fp32_param(p) for p in engine.params}
+
+
+# -- config ---------------------------------------------------------------------------------------
+def test_precision_defaults_change_nothing_and_fp16_defaults_equal_deepspeed():
+    cfg = ZeroConfig()
+    assert (cfg.dtype, cfg.reduce_dtype, cfg.gradient_accumulation_steps, cfg.gradient_clipping,
+            cfg.offload_optimizer) == ("fp32", "fp32", 1, 0.0, "none")
+    # DeepSpeed fp16 defaults: loss_scale 0 (dynamic), 2**16, window 1000, hysteresis 2, min 1
+    assert (cfg.loss_scale, cfg.initial_scale_power, cfg.loss_scale_window, cfg.hysteresis,
+            cfg.min_loss_scale) == (0.0, 16, 1000, 2, 1.0)
+
+
+DEEPSPEED = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 4,
+    "gradient_clipping": 1,
+    "communication_data_type": "bfloat16",
+    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+             "hysteresis": 1, "consecutive_hysteresis": True, "min_loss_scale": 0.5, "auto_cast": False},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True, "buffer_count": 4}},
+}
+
+
+def test_deepspeed_precision_accumulation_clipping_and_offload_keys_map_onto_fields():
+    cfg = ZeroConfig.from_dict(DEEPSPEED)
+    assert cfg.dtype == "fp16" and cfg.reduce_dtype == "bf16"
+    assert (cfg.loss_scale, cfg.initial_scale_power, cfg.loss_scale_window, cfg.hysteresis,
+            cfg.consecutive_hysteresis, cfg.min_loss_scale) == (0.0, 12, 500, 1, True, 0.5)
+    assert cfg.gradient_accumulation_steps == 4
+    assert cfg.gradient_clipping == 1.0 and type(cfg.gradient_clipping) is float
+    assert (cfg.offload_optimizer, cfg.offload_optimizer_pin_memory) == ("cpu", True)
+    assert ZeroConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_deepspeed_bf16_section_sets_dtype_and_a_disabled_section_changes_nothing():
+    assert ZeroConfig.from_dict({"bf16": {"enabled": True}}).dtype == "bf16"
+    assert ZeroConfig.from_dict({"bfloat16": {"enabled": True}}).dtype == "bf16"
+    off = ZeroConfig.from_dict({"fp16": {"enabled": False, "initial_scale_power": 3}, "bf16": {"enabled": False}})
+    assert off == ZeroConfig()
+
+
+def test_our_field_names_accept_the_offload_dict_form():
+    cfg = ZeroConfig.from_dict({"dtype": "bf16", "offload_optimizer": {"device": "cpu", "pin_memory": False}})
+    assert (cfg.dtype, cfg.offload_optimizer, cfg.offload_optimizer_pin_memory) == ("bf16", "cpu", False)
+
+
+@pytest.mark.parametrize("d,pattern", [
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, r"bf16\.enabled and fp16\.enabled are both true"),
+    ({"fp16": {"enabled": "auto"}}, r"fp16\.enabled must be a bool, got 'auto'"),
+    ({"fp16": {"enabled": True, "loss_scal": 1}}, r"fp16: unknown config key 'loss_scal'; did you mean 'loss_scale'"),
+    ({"communication_data_type": "int8"}, r"communication_data_type must be one of .*got 'int8'"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, r"offload_optimizer\.device 'nvme' is not"),
+    ({"zero_optimization": {"offload_optimizer": {"devise": "cpu"}}},
+     r"unknown config key 'devise'; did you mean 'device'"),
+    ({"dtype": "float16"}, r"dtype must be one of \('fp32', 'bf16', 'fp16'\), got 'float16'"),
+    ({"reduce_dtype": "int8"}, r"reduce_dtype must be one of"),
+    ({"offload_optimizer": "gpu"}, r"offload_optimizer must be one of \('none', 'cpu'\), got 'gpu'"),
+    ({"gradient_accumulation_steps": 0}, r"gradient_accumulation_steps must be >= 1, got 0"),
+    ({"gradient_clipping": -1.0}, r"gradient_clipping must be >= 0, got -1\.0"),
+    ({"gradient_clipping": "1"}, r"gradient_clipping must be a finite number >= 0, got '1' \(str\)"),
+    ({"loss_scale": math.inf}, r"loss_scale must be a finite number"),
+    ({"hysteresis": 0}, r"hysteresis must be >= 1, got 0"),
+    ({"loss_scale_window": 0}, r"loss_scale_window must be >= 1, got 0"),
+    ({"min_loss_scale": 0.0}, r"min_loss_scale must be > 0, got 0\.0"),
+])
+def test_invalid_precision_config_names_the_key_and_value(d, pattern):
+    with pytest.raises(ZeroConfigError, match=pattern):
+        ZeroConfig.from_dict(d)
+
+
+# -- the loss scaler -----------------------------------------------------------------------------------
+def run_scaler(scaler: LossScaler, overflows: str) -> list[float]:
+    """Feed a pattern ('x' overflow, '.' clean); return the scale after each step."""
+    out = []
+    for c in overflows:
+        scaler.update(c == "x")
+        out.append(scaler.scale)
+    return out
+
+
+def test_dynamic_scaler_follows_deepspeed_hysteresis_and_window():
+    s = LossScaler(scale=64, dynamic=True, window=3, hysteresis=2)
+    # 1st overflow uses the hysteresis, the 2nd and 3rd halve; 3 clean steps double and refill it
+    got = run_scaler(s, "xxx...x.x")
+    assert got == [64, 32, 16, 16, 16, 32, 32, 32, 16]
+
+
+def test_consecutive_hysteresis_refills_after_every_clean_step():
+    s = LossScaler(scale=64, dynamic=True, window=100, hysteresis=2, consecutive_hysteresis=True)
+    assert run_scaler(s, "x.x.xx") == [64, 64, 64, 64, 64, 32]
+
+
+def test_dynamic_scale_never_drops_below_min_and_static_never_changes():
+    s = LossScaler(scale=4, dynamic=True, window=100, hysteresis=1, min_scale=1.0)
+    assert run_scaler(s, "xxxx") == [2, 1, 1, 1]
+    static = LossScaler(scale=128, dynamic=False)
+    assert run_scaler(static, "x" + "." * 5) == [128] * 6
+    assert static.overflows == 1
+
+
+def test_scaler_state_dict_round_trips():
+    s = LossScaler(scale=64, dynamic=True, window=3, hysteresis=2)
+    run_scaler(s, "x..")
+    t = LossScaler(scale=1, dynamic=True, window=3, hysteresis=2)
+    t.load_state_dict(s.state_dict())
+    assert run_scaler(t, ".xx") == run_scaler(s, ".xx")
+
+
+def test_scaler_from_config_only_for_fp16():
+    assert LossScaler.from_config(ZeroConfig(dtype="bf16")) is None
+    dyn = LossScaler.from_config(ZeroConfig(dtype="fp16", initial_scale_power=5))
+    assert dyn is not None and dyn.dynamic and dyn.scale == 32.0
+    static = LossScaler.from_config(ZeroConfig(dtype="fp16", loss_scale=8.0))
+    assert static is not None and not static.dynamic and static.scale == 8.0
+
+
+# -- buffers ---------------------------------------------------------------------------------------------
+def test_fp32_engine_keeps_the_optimizer_on_the_shards_without_masters():
+    _, engine = pair("fp32")
+    for p in engine.params:
+        assert "master" not in p._zero.extra and engine.master_shard(p) is p.ds_tensor
+    assert engine.partitioned.groups == [] and engine.loss_scaler is None
+
+
+def test_masters_are_aligned_views_of_one_fp32_buffer_per_param_group():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-3)
+    engine = zero3.initialize(model, opt, {"dtype": "bf16"})
+    assert engine.optimizer is opt and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert len(engine.partitioned.groups) == 2
+    for group, fg in zip(opt.param_groups, engine.partitioned.groups):
+        assert fg.master.dtype == torch.float32 and fg.low.dtype == torch.bfloat16
+        assert fg.master.numel() == fg.low.numel() and fg.master.numel() % ALIGN_ELEMENTS == 0
+        for t, p, off in zip(group["params"], fg.params, fg.offsets):
+            assert off % ALIGN_ELEMENTS == 0
+            assert t is engine.master_shard(p)
+            assert t.untyped_storage().data_ptr() == fg.master.untyped_storage().data_ptr()
+            assert t.data_ptr() == fg.master.data_ptr() + 4 * off
+            assert p.ds_tensor.data_ptr() == fg.low.data_ptr() + 2 * off
+            assert p.ds_tensor.dtype == torch.bfloat16 and p.dtype == torch.bfloat16
+
+
+def test_masters_start_from_the_fp32_weights_not_their_bf16_rounding():
+    full, engine = pair("bf16")
+    for (name, ref), p in zip(full.named_parameters(), engine.params):
+        assert torch.equal(zero3.safe_get_full_fp32_param(p), ref.detach()), name
+        with zero3.GatheredParameters([p]):
+            assert torch.equal(p.detach(), ref.detach().to(torch.bfloat16)), name
+
+
+def test_model_built_under_init_in_bf16_gets_masters_from_its_bf16_shards():
+    torch.manual_seed(0)
+    with zero3.Init(dtype=torch.bfloat16):
+        model = GPT(CFG)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"dtype": "bf16"})
+    x, y = synthetic_batch(0, BATCH, CFG)
+    engine.backward(lossf(engine, x, y))
+    assert engine.step() is True
+    assert all(engine.master_shard(p).dtype == torch.float32 for p in engine.params)
+
+
+# -- training against the recipe -------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,scaling,scale", [
+    ("bf16", {}, 1.0),
+    ("fp16", {"initial_scale_power": 6}, 64.0),  # dynamic: no overflow in 4 steps, window 1000
+    ("fp16", {"loss_scale": 128.0}, 128.0),  # static
+], ids=["bf16", "fp16_dynamic", "fp16_static"])
+def test_mixed_precision_training_equals_the_hand_written_recipe_bit_for_bit(dtype, scaling, scale):
+    full, engine = pair(dtype, **scaling)
+    ref = Recipe(full, zero3.precision.torch_dtype(dtype), scale=scale)
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=2, gamma=0.1)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref.opt, step_size=2, gamma=0.1)
+    for step in range(4):
+        x, y = synthetic_batch(step, BATCH, CFG)
+        loss = lossf(engine, x, y)
+        engine.backward(loss)
+        assert torch.equal(loss, ref.backward(x, y))
+        assert engine.step() is True
+        ref.step()
+        sched.step()
+        ref_sched.step()
+        assert engine.optimizer.param_groups[0]["lr"] == ref.opt.param_groups[0]["lr"]
+    assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
+    assert engine.loss_scale == scale and engine.skipped_steps == 0
+    got = masters_of(engine)
+    for name, m in zip(ref.names, ref.masters):
+        assert torch.equal(got[name], m), name
+
+
+def test_bf16_plain_loss_backward_loop_equals_the_recipe():
+    full, engine = pair("bf16")
+    ref = Recipe(full, torch.bfloat16)
+    for step in range(2):
+        x, y = synthetic_batch(step, BATCH, CFG)
+        lossf(engine.module, x, y).backward()
+        ref.backward(x, y)
+        assert engine.step() is True
+        ref.step()
+    got = masters_of(engine)
+    for name, m in zip(ref.names, ref.masters):
+        assert torch.equal(got[name], m), name
+
+
+def test_fp16_backward_scales_the_loss_and_the_gradient_accessor_unscales_it():
+    full, engine = pair("fp16", initial_scale_power=10)
+    ref, unscaled = Recipe(full, torch.float16, scale=1024.0), Recipe(full, torch.float16)
+    x, y = synthetic_batch(0, BATCH, CFG)
+    engine.backward(lossf(engine, x, y))
+    ref.backward(x, y)
+    unscaled.backward(x, y)
+    for p, m, u in zip(engine.params, ref.masters, unscaled.masters):
+        stored = engine.master_shard(p).grad[: p.ds_numel]  # still scaled by 2**10
+        true = zero3.safe_get_full_grad(p)
+        assert torch.equal(stored.view(p.ds_shape), m.grad), p._zero.name
+        assert torch.equal(true, m.grad / 1024), p._zero.name
+    # the scale matters: without it small fp16 gradients lose their low bits or flush to zero
+    assert any(not torch.equal(m.grad / 1024, u.grad) for m, u in zip(ref.masters, unscaled.masters))
+
+
+def test_fp16_overflow_skips_the_step_backs_off_and_later_grows():
+    _, engine = pair("fp16", initial_scale_power=4, hysteresis=2, loss_scale_window=2)
+    x, y = synthetic_batch(0, BATCH, CFG)
+    scales, returned = [], []
+    for step, inject in enumerate([True, True, False, False, False]):
+        engine.backward(lossf(engine, x, y))
+        if inject:
+            engine.master_shard(engine.params[1]).grad[0] = math.nan
+        before = masters_of(engine)
+        returned.append(engine.step())
+        scales.append(engine.loss_scale)
+        unchanged = all(torch.equal(before[n], v) for n, v in masters_of(engine).items())
+        assert unchanged == inject, step
+    assert returned == [False, False, True, True, True]
+    assert scales == [16.0, 8.0, 8.0, 16.0, 16.0]  # hysteresis 2: the second overflow halves; window 2
+    assert engine.skipped_steps == 2 and engine.global_steps == 5
+
+
+def test_clipping_under_fp16_unscales_first_and_equals_torch_on_the_true_gradients():
+    _, engine = pair("fp16", initial_scale_power=12)
+    x, y = synthetic_batch(0, BATCH, CFG)
+    engine.backward(lossf(engine, x, y))
+    holders = []
+    for p in engine.params:
+        h = torch.zeros(p.ds_shape)
+        h.grad = zero3.safe_get_full_grad(p)
+        holders.append(h)
+    want = torch.nn.utils.clip_grad_norm_(holders, 0.1)
+    got = zero3.clip_grad_norm_(engine, 0.1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert got > 0.1  # it clipped
+    for p, h in zip(engine.params, holders):
+        torch.testing.assert_close(zero3.safe_get_full_grad(p), h.grad, rtol=1e-6, atol=1e-9)
+    with pytest.raises(ZeroStateError, match="after clip_grad_norm_ in the same accumulation window"):
+        engine.backward(lossf(engine, x, y))
+
+
+def test_fp16_plain_loss_backward_is_refused_with_the_fix():
+    _, engine = pair("fp16")
+    x, y = synthetic_batch(0, BATCH, CFG)
+    lossf(engine.module, x, y).backward()
+    with pytest.raises(ZeroStateError, match=r"needs engine\.backward\(loss\)"):
+        engine.step()
+
+
+def test_gradient_accumulation_steps_the_optimizer_every_nth_call_on_the_mean_gradient():
+    full, engine = pair("bf16", gradient_accumulation_steps=3)
+    ref = Recipe(full, torch.bfloat16)
+    returned = []
+    for micro in range(6):
+        x, y = synthetic_batch(micro, BATCH, CFG)
+        assert engine.is_gradient_accumulation_boundary() == (micro % 3 == 2)
+        engine.backward(lossf(engine, x, y))
+        ref.backward(x, y, divide=3)
+        if micro % 3 != 2:
+            with pytest.raises(ZeroStateError, match=r"micro-batch \d of 3"):
+                zero3.clip_grad_norm_(engine, 1.0)
+        returned.append(engine.step())
+        if micro % 3 == 2:
+            ref.step()
+    assert returned == [False, False, True] * 2
+    assert (engine.global_steps, engine.micro_steps) == (2, 6)
+    got = masters_of(engine)
+    for name, m in zip(ref.names, ref.masters):
+        torch.testing.assert_close(got[name], m, rtol=0, atol=1e-7, msg=name)
+
+
+def test_gradient_clipping_key_clips_inside_step_like_torch():
+    full, engine = pair("bf16", gradient_clipping=0.05)
+    ref = Recipe(full, torch.bfloat16)
+    for step in range(2):
+        x, y = synthetic_batch(step, BATCH, CFG)
+        engine.backward(lossf(engine, x, y))
+        ref.backward(x, y)
+        engine.step()
+        assert torch.nn.utils.clip_grad_norm_(ref.masters, 0.05) > 0.05
+        ref.opt.step()
+        ref.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, p in zip(ref.masters, ref.low.parameters()):
+                p.copy_(m)
+    got = masters_of(engine)
+    for name, m in zip(ref.names, ref.masters):
+        torch.testing.assert_close(got[name], m, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_reduce_dtype_is_the_dtype_of_the_reduced_gradients():
+    seen = []
+    _, engine = pair("bf16", reduce_dtype="bf16")
+    real = engine.comm.reduce_flat
+    engine.comm.reduce_flat = lambda flat: (seen.append(flat.dtype), real(flat))[1]
+    x, y = synthetic_batch(0, BATCH, CFG)
+    engine.backward(lossf(engine, x, y))
+    assert seen and set(seen) == {torch.bfloat16}
+    assert all(engine.master_shard(p).grad.dtype == torch.float32 for p in engine.params)
+
+
+def test_weights_written_through_gathered_parameters_reach_the_masters():
+    _, engine = pair("bf16")
+    p = engine.module.ln_f.weight
+    with zero3.GatheredParameters([p], modifier_rank=0), torch.no_grad():
+        p.fill_(1.5)
+    assert torch.equal(zero3.safe_get_full_fp32_param(p), torch.full(p.ds_shape, 1.5))
+
+
+def test_persistent_params_are_regathered_from_the_new_bf16_shards_after_a_step():
+    full, engine = pair("bf16", param_persistence_threshold=10**6)
+    ref = Recipe(full, torch.bfloat16)
+    x, y = synthetic_batch(0, BATCH, CFG)
+    engine.backward(lossf(engine, x, y))
+    ref.backward(x, y)
+    engine.step()
+    ref.step()
+    for p, q in zip(engine.params, ref.low.parameters()):
+        assert p.ds_persist and torch.equal(p.detach(), q.detach()), p._zero.name
+
+
+def test_offload_keeps_masters_and_state_in_a_separate_cpu_buffer_and_copies_back():
+    full, engine = pair("fp32", offload_optimizer="cpu", offload_optimizer_pin_memory=True)
+    fg = engine.partitioned.groups[0]
+    assert fg.master.device.type == "cpu" and not fg.master.is_pinned()  # no CUDA here: never pinned
+    assert fg.master.untyped_storage().data_ptr() != fg.low.untyped_storage().data_ptr()
+    ref_opt = torch.optim.AdamW(full.parameters(), lr=1e-2, eps=1e-6)
+    x, y = synthetic_batch(0, BATCH, CFG)
+    engine.backward(lossf(engine, x, y))
+    lossf(full, x, y).backward()
+    engine.step()
+    ref_opt.step()
+    for p, q in zip(engine.params, full.parameters()):
+        with zero3.GatheredParameters([p]):
+            assert torch.equal(p.detach(), q.detach())  # fp32 offload: exact
+        assert engine.optimizer_state(p)["exp_avg"].device.type == "cpu"
+
+
+def test_memory_report_counts_bf16_shards_fp32_grads_and_masters_in_the_optimizer_state():
+    full, engine = pair("bf16")
+    s = [p.numel() for p in full.parameters()]
+    a = [-(-n // ALIGN_ELEMENTS) * ALIGN_ELEMENTS for n in s]
+    x, y = synthetic_batch(0, BATCH, CFG)
+    engine.backward(lossf(engine, x, y))
+    m = engine.memory_report()
+    assert m["param_shard_bytes"] == 2 * sum(a)
+    assert m["grad_shard_bytes"] == 4 * sum(s)
+    assert m["optimizer_state_bytes"] == 4 * sum(a)  # masters only: AdamW has not stepped yet
+    engine.step()
+    assert engine.memory_report()["optimizer_state_bytes"] == 4 * sum(a) + 8 * sum(s)

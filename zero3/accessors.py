@@ -1,0 +1,210 @@
+"""Full-tensor and local-shard accessors for partitioned parameters (debugging, RL, fine-tuning).
+
+The ``safe_get_full_*`` functions are **collectives**: every rank of the parameter's group must call
+them, for the same parameter, in the same order (they all-gather this rank's shard). They return a
+new fp32 tensor of the parameter's true shape on every rank. The ``safe_set_full_*`` functions need
+the same full value on every rank and issue no collective (each rank keeps its slice), but a
+persistent or gathered parameter is updated in place, so call them on every rank too. The
+``safe_get_local_*`` / ``safe_set_local_*`` functions touch only this rank's unpadded slice
+(``param.ds_shard_range()``-sized, possibly empty) and issue no collective.
+
+"fp32 param" means the tensor the optimizer steps on: the fp32 master under bf16/fp16 (exact, not
+the rounded low-precision weight), the shard itself under fp32. Gradients are the accumulated
+gradient shards, unscaled (divided by the fp16 loss scale if ``engine.backward`` scaled them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import ZeroStateError
+from .grad import grad_target
+from .param import ZeroParameter
+from .state import ParamStatus
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _check(param: Any, what: str) -> ZeroParameter:
+    if not isinstance(param, ZeroParameter):
+        shape = tuple(param.shape) if isinstance(param, torch.Tensor) else type(param).__name__
+        raise ZeroStateError(
+            f"{what}: the parameter ({shape}) is not partitioned by zero3; read or write it directly, or build "
+            "the model under zero3.Init / pass it to zero3.initialize")
+    return param
+
+
+def _engine(param: ZeroParameter, what: str) -> Engine:
+    engine: Engine | None = param._zero.extra.get("engine")
+    if engine is None:
+        raise ZeroStateError(f"{what}: {param._zero.summary()} belongs to no engine (zero3.initialize was not "
+                             "called on its model, or remove_hooks() was); gradients and optimizer state exist "
+                             "only under an engine")
+    return engine
+
+
+def _gather(param: ZeroParameter, shard: torch.Tensor) -> torch.Tensor:
+    """All-gather ``shard`` (this rank's padded 1-D piece of ``param``) into a full fp32 tensor."""
+    z = param._zero
+    if shard.numel() != z.shard_numel:
+        raise ZeroStateError(f"{z.summary()}: expected a shard of {z.shard_numel} elements, got {shard.numel()}")
+    src = shard.detach().float()
+    if z.world_size == 1:
+        return src[: z.numel].clone().view(z.shape)
+    device = param.data.device  # where the collectives run (the shard may be offloaded)
+    out = torch.empty(z.world_size * z.shard_numel, dtype=torch.float32, device=device)
+    _all_gather_flat(out, src.to(device).contiguous(), group=z.group)
+    return out[: z.numel].view(z.shape)
+
+
+def _local_slice(param: ZeroParameter, t: torch.Tensor) -> torch.Tensor:
+    start, end = param._zero.shard_range()
+    return t[: max(end - start, 0)]
+
+
+def _my_slice(param: ZeroParameter, value: torch.Tensor, what: str) -> torch.Tensor:
+    z = param._zero
+    if tuple(value.shape) != tuple(z.shape):
+        raise ValueError(f"{what}: value of shape {tuple(value.shape)} does not match {z.summary()}")
+    start, end = z.shard_range()
+    return value.detach().reshape(-1)[start:end]
+
+
+def _inv_scale(engine: Engine) -> float:
+    return 1.0 / engine.partitioned.grad_scale if engine.partitioned is not None else 1.0
+
+
+def _state(engine: Engine, param: ZeroParameter, key: str, what: str) -> torch.Tensor:
+    state = engine.optimizer_state(param)
+    if key not in state:
+        have = sorted(state) if state else "none yet (the optimizer has not stepped, or the parameter is frozen)"
+        raise KeyError(f"{what}: {param._zero.summary()} has no optimizer state {key!r}; it has {have}")
+    v = state[key]
+    if not isinstance(v, torch.Tensor) or v.numel() != param._zero.shard_numel:
+        raise ZeroStateError(f"{what}: optimizer state {key!r} of {param._zero.summary()} is not per-element "
+                             "(a step counter?); read it from engine.optimizer_state(param)")
+    return v
+
+
+# -- full tensors (collectives) --------------------------------------------------------------------
+def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
+    """The full fp32 weight the optimizer steps on (master under mixed precision). A collective."""
+    p = _check(param, "safe_get_full_fp32_param")
+    return _gather(p, grad_target(p))
+
+
+def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """The full, reduced (averaged over ranks), accumulated gradient in fp32, or None if there is
+    none (frozen parameter, or no backward since the last step). A collective; call it between
+    backward and ``engine.step()``."""
+    p = _check(param, "safe_get_full_grad")
+    engine = _engine(p, "safe_get_full_grad")
+    engine.reducer.flush()
+    g = grad_target(p).grad
+    if g is None:
+        return None
+    return _gather(p, g).mul_(_inv_scale(engine))
+
+
+def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
+    """The full optimizer state ``optim_state_key`` (e.g. ``"exp_avg"``) of ``param``. A collective."""
+    p = _check(param, "safe_get_full_optimizer_state")
+    engine = _engine(p, "safe_get_full_optimizer_state")
+    return _gather(p, _state(engine, p, optim_state_key, "safe_get_full_optimizer_state"))
+
+
+@torch.no_grad()
+def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Set the full fp32 weight (master and low-precision shard) from ``value``, the same on every rank.
+
+    No collective: each rank keeps its slice. A persistent or currently gathered parameter is
+    updated in place too, so call it on every rank.
+    """
+    p = _check(param, "safe_set_full_fp32_param")
+    z = p._zero
+    mine = _my_slice(p, value, "safe_set_full_fp32_param")
+    master = grad_target(p)
+    master[: mine.numel()].copy_(mine)
+    if master is not z.shard:
+        z.shard.copy_(master)
+    if z.status is ParamStatus.AVAILABLE:
+        p.data.copy_(value.reshape(z.shape))
+
+
+@torch.no_grad()
+def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    """Set optimizer state ``optim_state_key`` of ``param`` from the full ``value`` (same on every rank).
+
+    The state must exist (the optimizer has stepped once). No collective.
+    """
+    p = _check(param, "safe_set_full_optimizer_state")
+    engine = _engine(p, "safe_set_full_optimizer_state")
+    state = _state(engine, p, optim_state_key, "safe_set_full_optimizer_state")
+    mine = _my_slice(p, value, "safe_set_full_optimizer_state")
+    state[: mine.numel()].copy_(mine)
+
+
+# -- this rank's slice only (no collective) ---------------------------------------------------------
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
+    """A copy of this rank's unpadded slice of the fp32 weight (master under mixed precision)."""
+    p = _check(param, "safe_get_local_fp32_param")
+    return _local_slice(p, grad_target(p)).detach().float().clone()
+
+
+def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """A copy of this rank's unpadded slice of the accumulated gradient (fp32, unscaled), or None."""
+    p = _check(param, "safe_get_local_grad")
+    engine = _engine(p, "safe_get_local_grad")
+    g = grad_target(p).grad
+    if g is None:
+        return None
+    return _local_slice(p, g).float().mul(_inv_scale(engine))
+
+
+def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
+    """A copy of this rank's unpadded slice of optimizer state ``optim_state_key``."""
+    p = _check(param, "safe_get_local_optimizer_state")
+    engine = _engine(p, "safe_get_local_optimizer_state")
+    return _local_slice(p, _state(engine, p, optim_state_key, "safe_get_local_optimizer_state")).clone()
+
+
+@torch.no_grad()
+def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Set this rank's unpadded slice of the fp32 weight (and its low-precision shard). No collective;
+    a persistent parameter is re-gathered only by the next ``engine.refresh_from_masters()``."""
+    p = _check(param, "safe_set_local_fp32_param")
+    z = p._zero
+    master = grad_target(p)
+    local = _local_slice(p, master)
+    if value.numel() != local.numel():
+        raise ValueError(f"safe_set_local_fp32_param: {z.summary()} owns {local.numel()} elements on this rank, "
+                         f"got {value.numel()}")
+    local.copy_(value.reshape(-1))
+    if master is not z.shard:
+        z.shard.copy_(master)
+
+
+@torch.no_grad()
+def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    """Set this rank's unpadded slice of optimizer state ``optim_state_key``. No collective."""
+    p = _check(param, "safe_set_local_optimizer_state")
+    engine = _engine(p, "safe_set_local_optimizer_state")
+    local = _local_slice(p, _state(engine, p, optim_state_key, "safe_set_local_optimizer_state"))
+    if value.numel() != local.numel():
+        raise ValueError(f"safe_set_local_optimizer_state: {p._zero.summary()} owns {local.numel()} elements on "
+                         f"this rank, got {value.numel()}")
+    local.copy_(value.reshape(-1))
+
+
+__all__ = [
+    "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_set_local_fp32_param",
+    "safe_set_local_optimizer_state",
+]

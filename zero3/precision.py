@@ -1,0 +1,164 @@
+"""Mixed precision: parameter dtypes, the fp16 loss scaler, unscaling with an overflow check.
+
+[Note: mixed precision dtype flow]
+With ``dtype="bf16"`` (or ``"fp16"``) a parameter's shard, its gathers and all compute are in that
+dtype; the optimizer never sees them. `lower_precision` casts the shards when the engine is built
+and keeps an fp32 copy of every trainable shard, which becomes its *master* (optim.py
+[Note: flat master buffers]). Each step then runs:
+
+1. forward/backward in ``dtype``; for fp16 ``engine.backward`` multiplies the loss by the loss scale;
+2. the full low-precision gradient is cast to ``reduce_dtype``, reduce-scattered, and this rank's
+   slice is added into the fp32 gradient of the master shard (grad.py); the full gradient is freed;
+3. at the accumulation boundary (fp16) the fp32 gradients are unscaled and checked for inf/nan, the
+   ranks agree on overflow with an all-reduce (MAX of a 0/1 flag), and an overflowing step is
+   skipped on every rank while `LossScaler` backs off;
+4. optional clipping by the global fp32 norm, then the user's optimizer steps on the fp32 masters;
+5. each group's masters are copied into its low-precision shard buffer in one copy (cast), and the
+   persistent parameters are re-gathered from the new shards.
+
+Nothing is cast when ``dtype="fp32"`` (the default): the optimizer steps on the shards themselves,
+exactly as without this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import ZeroStateError
+from .param import ZeroParameter
+from .state import ParamStatus
+
+if TYPE_CHECKING:
+    from .config import ZeroConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config dtype name (``fp32``, ``bf16``, ``fp16``)."""
+    return DTYPES[name]
+
+
+def lower_precision(params: Iterable[ZeroParameter], dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """Cast every floating-point shard (and the empty full-size placeholder) to ``dtype``.
+
+    Returns the full-precision (fp32) shard of every trainable parameter, keyed by ``ZeroParam.id``:
+    the masters are initialised from it, so they start from the weights as built, not from their
+    rounded low-precision copy. Must run before anything is gathered.
+    """
+    fp32: dict[int, torch.Tensor] = {}
+    for p in params:
+        z = p._zero
+        if not z.shard.is_floating_point():
+            continue
+        if z.status is not ParamStatus.NOT_AVAILABLE:
+            raise ZeroStateError(f"{z.summary()} is gathered while the engine casts it to {dtype}; close "
+                                 "GatheredParameters contexts before zero3.initialize")
+        if p.requires_grad:
+            fp32[z.id] = z.shard if z.shard.dtype == torch.float32 else z.shard.float()
+        if z.shard.dtype == dtype:
+            continue
+        z.shard = z.shard.to(dtype)
+        z.dtype = dtype
+        placeholder = torch.empty(z.shape, dtype=dtype, device=p.data.device)
+        p.data = placeholder
+        placeholder.untyped_storage().resize_(0)
+    return fp32
+
+
+class LossScaler:
+    """The fp16 loss scale, with DeepSpeed's ``DynamicLossScaler`` semantics.
+
+    - dynamic: starts at ``2**initial_scale_power``. An overflow consumes one unit of hysteresis;
+      when none is left the scale halves (never below ``min_loss_scale``). After
+      ``loss_scale_window`` consecutive clean steps the scale doubles and the hysteresis is refilled
+      (with ``consecutive_hysteresis`` it is refilled after every clean step).
+    - static (``loss_scale > 0``): the scale never changes; overflowing steps are still skipped.
+
+    The scale is a host float; every rank holds the same one because `update` is called with the
+    overflow flag the ranks agreed on.
+    """
+
+    def __init__(self, *, scale: float, dynamic: bool, window: int = 1000, hysteresis: int = 2,
+                 consecutive_hysteresis: bool = False, min_scale: float = 1.0, factor: float = 2.0) -> None:
+        self.scale = float(scale)
+        self.dynamic = dynamic
+        self.window = window
+        self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.min_scale = float(min_scale)
+        self.factor = factor
+        self.hysteresis_left = hysteresis
+        self.clean_steps = 0  # clean steps since the last overflow
+        self.overflows = 0
+
+    @classmethod
+    def from_config(cls, config: ZeroConfig) -> LossScaler | None:
+        """The scaler ``config`` asks for: None unless ``dtype`` is fp16."""
+        if config.dtype != "fp16":
+            return None
+        if config.loss_scale > 0:
+            return cls(scale=config.loss_scale, dynamic=False)
+        return cls(scale=2.0 ** config.initial_scale_power, dynamic=True, window=config.loss_scale_window,
+                   hysteresis=config.hysteresis, consecutive_hysteresis=config.consecutive_hysteresis,
+                   min_scale=config.min_loss_scale)
+
+    def update(self, overflow: bool) -> None:
+        """Account for one optimizer step that overflowed (and was skipped) or did not."""
+        if overflow:
+            self.overflows += 1
+            self.clean_steps = 0
+            if not self.dynamic:
+                return
+            if self.hysteresis_left <= 1:
+                new = max(self.scale / self.factor, self.min_scale)
+                logger.info("zero3::loss_scale overflow: skipping the step, scale %g -> %g", self.scale, new)
+                self.scale = new
+            else:
+                self.hysteresis_left -= 1
+                logger.info("zero3::loss_scale overflow: skipping the step, scale stays %g (hysteresis %d left)",
+                            self.scale, self.hysteresis_left)
+            return
+        self.clean_steps += 1
+        if not self.dynamic:
+            return
+        if self.consecutive_hysteresis:
+            self.hysteresis_left = self.hysteresis
+        if self.clean_steps % self.window == 0:
+            if not self.consecutive_hysteresis:
+                self.hysteresis_left = self.hysteresis
+            self.scale *= self.factor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "dynamic": self.dynamic, "hysteresis_left": self.hysteresis_left,
+                "clean_steps": self.clean_steps, "overflows": self.overflows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.hysteresis_left = int(state["hysteresis_left"])
+        self.clean_steps = int(state["clean_steps"])
+        self.overflows = int(state.get("overflows", 0))
+
+
+def unscale_(grads: Sequence[torch.Tensor], inv_scale: float) -> torch.Tensor:
+    """Multiply ``grads`` by ``inv_scale`` in place; return a 0/1 float tensor: any inf/nan seen.
+
+    One fused pass per device and dtype (``torch._amp_foreach_non_finite_check_and_unscale_``, as
+    ``torch.amp.GradScaler`` uses).
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    found = torch.zeros(1, dtype=torch.float32)
+    for (device, _), gs in groups.items():
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(gs, flag, inv)
+        found = torch.maximum(found, flag.cpu())
+    return found

@@ -1,0 +1,293 @@
+"""Load a plain (non-ZeRO) state dict or a ``.safetensors`` file into a partitioned model.
+
+Each rank copies only its own slice of each tensor into its shard: from a ``.safetensors`` file it
+reads just those bytes (the file's header says where every tensor lies), so no rank ever holds a full
+tensor, let alone the whole model. This is how fine-tuning starts from pretrained weights::
+
+    with zero3.Init():
+        model = GPT(cfg)
+    zero3.pretrained.load_state_dict(model, "gpt.safetensors")   # or a dict, a .pt file, an index
+
+Every check (missing and unexpected keys, shapes) runs on every rank before the first parameter
+changes; the ranks agree on the outcome, so they raise the same error together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, BinaryIO, NamedTuple
+
+import torch
+from torch import nn
+
+from ._safetensors import SafetensorsHeader, read_safetensors_header, read_tensor_range
+from .checkpoint import exchange
+from .errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError, ZeroStateError
+from .param import ZeroParameter
+from .state import ParamStatus
+
+
+class LoadResult(NamedTuple):
+    """Keys the model expected but the source lacked, and keys of the source the model does not have."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+# -- sources --------------------------------------------------------------------------------------
+class _Source:
+    """Tensors by name: shape, dtype, and reading a flat element range (or the whole tensor)."""
+
+    aliases: dict[str, str]
+
+    def keys(self) -> list[str]:
+        raise NotImplementedError
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def read(self, key: str, lo: int, dest: torch.Tensor) -> None:
+        """Copy flat elements ``[lo, lo + dest.numel())`` of ``key`` into ``dest`` (cast as needed)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _DictSource(_Source):
+    def __init__(self, sd: Mapping[str, Any]) -> None:
+        self.sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        self.aliases = {}
+
+    def keys(self) -> list[str]:
+        return list(self.sd)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.sd[key].shape)
+
+    def read(self, key: str, lo: int, dest: torch.Tensor) -> None:
+        flat = self.sd[key].detach().reshape(-1)
+        dest.copy_(flat[lo: lo + dest.numel()].view(dest.shape))
+
+
+class _SafetensorsSource(_Source):
+    def __init__(self, paths: dict[str, Path]) -> None:
+        """``paths``: key -> file (one file, or the weight map of a sharded index)."""
+        self.headers: dict[Path, SafetensorsHeader] = {}
+        self.where: dict[str, Path] = {}
+        self.aliases = {}
+        self._handles: dict[Path, BinaryIO] = {}
+        for path in dict.fromkeys(paths.values()):
+            if not path.is_file():
+                raise CheckpointNotFoundError(f"{path}: safetensors file does not exist")
+            header = read_safetensors_header(path)
+            self.headers[path] = header
+            raw = header.metadata.get("zero3_aliases")
+            if raw:
+                try:
+                    self.aliases.update(json.loads(raw))
+                except ValueError:
+                    raise CheckpointCorruptError(f"{path}: __metadata__['zero3_aliases'] is not JSON") from None
+        for key, path in paths.items():
+            if key not in self.headers[path].entries:
+                raise CheckpointCorruptError(f"{path}: tensor {key!r} listed in the index is not in the file")
+            self.where[key] = path
+
+    def keys(self) -> list[str]:
+        return list(self.where)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.headers[self.where[key]].entries[key].shape
+
+    def read(self, key: str, lo: int, dest: torch.Tensor) -> None:
+        path = self.where[key]
+        fh = self._handles.get(path)
+        if fh is None:
+            fh = self._handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
+        read_tensor_range(fh, self.headers[path], key, lo, dest)
+
+    def close(self) -> None:
+        for fh in self._handles.values():
+            fh.close()
+        self._handles.clear()
+
+
+def open_source(state_dict_or_path: Any) -> _Source:
+    """A mapping; a ``.safetensors`` file; a ``*.safetensors.index.json`` (sharded) or a directory with
+    ``model.safetensors`` / ``model.safetensors.index.json``; or a ``.pt``/``.pth``/``.bin`` file
+    (``torch.load(mmap=True, weights_only=True)``: only the touched pages are read)."""
+    if isinstance(state_dict_or_path, Mapping):
+        return _DictSource(state_dict_or_path)
+    if not isinstance(state_dict_or_path, (str, os.PathLike)):
+        raise TypeError(f"expected a state dict or a path, got {type(state_dict_or_path).__name__}")
+    path = Path(state_dict_or_path)
+    if path.is_dir():
+        for name in ("model.safetensors.index.json", "model.safetensors"):
+            if (path / name).is_file():
+                path = path / name
+                break
+        else:
+            raise CheckpointNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json in it")
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{path}: file does not exist")
+    if path.name.endswith(".index.json"):
+        try:
+            weight_map = json.loads(path.read_bytes())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointCorruptError(f"{path}: not a safetensors index ({exc!r})") from None
+        return _SafetensorsSource({k: path.parent / f for k, f in weight_map.items()})
+    if path.suffix == ".safetensors":
+        header = read_safetensors_header(path)
+        return _SafetensorsSource({k: path for k in header.entries})
+    if path.suffix in (".pt", ".pth", ".bin"):
+        try:
+            sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - reported with the file name
+            raise CheckpointCorruptError(f"{path}: cannot be read by torch.load ({exc})") from None
+        if not isinstance(sd, Mapping):
+            raise CheckpointCorruptError(f"{path}: holds a {type(sd).__name__}, not a state dict")
+        return _DictSource(sd)
+    raise ValueError(f"{path}: unknown format {path.suffix!r}; use .safetensors, an index .json, or .pt")
+
+
+# -- loading ----------------------------------------------------------------------------------------
+def _target(model_or_engine: Any) -> tuple[nn.Module, Any]:
+    from .engine import Engine
+
+    if isinstance(model_or_engine, Engine):
+        return model_or_engine.module, model_or_engine
+    if isinstance(model_or_engine, nn.Module):
+        return model_or_engine, model_or_engine.__dict__.get("_zero3_engine")
+    raise TypeError(f"expected an nn.Module or a zero3 Engine, got {type(model_or_engine).__name__}")
+
+
+def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool = True) -> LoadResult:
+    """Load full tensors into a (partitioned) model, each rank copying only its slice of each.
+
+    A collective when the model is partitioned over several ranks (call it on every rank). Tied
+    parameters count as present when any of their names is. Buffers and parameters that are not
+    partitioned are copied whole.
+
+    Args:
+        model_or_engine: a model built under `zero3.Init` (or passed to `zero3.initialize`), or the engine.
+        state_dict_or_path: a ``{name: tensor}`` mapping, a ``.safetensors`` file, a sharded
+            ``*.safetensors.index.json`` (or a directory with one), or a ``.pt`` file.
+        strict: missing or unexpected keys are an error (as in ``nn.Module.load_state_dict``).
+
+    Returns:
+        `LoadResult` with the missing and unexpected keys.
+
+    Raises:
+        CheckpointMismatchError (``ValueError``): shape mismatches, or missing/unexpected keys with
+            ``strict``; all listed, nothing changed.
+        CheckpointNotFoundError / CheckpointCorruptError: the file cannot be read.
+        ZeroStateError: called while partitioned parameters are gathered.
+    """
+    module, engine = _target(model_or_engine)
+    params = [p for p in module.parameters() if isinstance(p, ZeroParameter)]
+    z0 = params[0]._zero if params else None
+    group, world, rank = (z0.group, z0.world_size, z0.rank) if z0 is not None else (None, 1, 0)
+    source: _Source | None = None
+    result: LoadResult | None = None
+    plan: list[tuple[str, torch.Tensor | ZeroParameter]] = []
+    error: BaseException | None = None
+    try:
+        source = open_source(state_dict_or_path)
+        result, plan = _plan(module, source, strict)
+    except Exception as exc:  # noqa: BLE001 - agreed across ranks below
+        error = exc
+    try:
+        exchange(group, world, rank, None, error)
+        assert source is not None and result is not None
+        with torch.no_grad():
+            for key, target in plan:
+                if isinstance(target, ZeroParameter):
+                    _load_partitioned(source, key, target, engine)
+                else:
+                    source.read(key, 0, target)
+            if engine is not None:
+                engine._refresh_persistent()
+    finally:
+        if source is not None:
+            source.close()
+    return result
+
+
+def _plan(module: nn.Module, source: _Source,
+          strict: bool) -> tuple[LoadResult, list[tuple[str, torch.Tensor | ZeroParameter]]]:
+    """Match the model's state dict keys to the source; (result, [(source key, target)]) or raise."""
+    available = set(source.keys())
+    # Tied parameters: every name of one tensor, in state_dict order.
+    names_of: dict[int, list[str]] = {}
+    targets: dict[int, Any] = {}
+    order: list[int] = []
+    for key, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if id(value) not in names_of:
+            names_of[id(value)] = []
+            targets[id(value)] = value
+            order.append(id(value))
+        names_of[id(value)].append(key)
+    plan: list[tuple[str, Any]] = []
+    missing: list[str] = []
+    used: set[str] = set()
+    shape_errors: list[str] = []
+    gathered: list[str] = []
+    for ident in order:
+        names = names_of[ident]
+        target = targets[ident]
+        present = [n for n in names if n in available]
+        if not present:
+            present = [source.aliases[n] for n in names if source.aliases.get(n) in available]
+        if not present:
+            missing.extend(names)
+            continue
+        used.update(present)
+        key = present[0]
+        shape = tuple(target._zero.shape if isinstance(target, ZeroParameter) else target.shape)
+        if tuple(source.shape(key)) != shape:
+            shape_errors.append(f"{key}: {list(source.shape(key))} in the source, {list(shape)} in the model")
+            continue
+        if isinstance(target, ZeroParameter):
+            z = target._zero
+            if z.status is not ParamStatus.NOT_AVAILABLE and not z.persistent:
+                gathered.append(names[0])
+            plan.append((key, target))
+        else:
+            plan.append((key, target.detach()))
+    unexpected = [k for k in source.keys() if k not in used and source.aliases.get(k) not in used]
+    if gathered:
+        raise ZeroStateError(f"load_state_dict while parameters are gathered ({', '.join(gathered[:5])}); call it "
+                             "outside forward/backward and GatheredParameters")
+    problems = []
+    if shape_errors:
+        problems.append("shape mismatch: " + "; ".join(shape_errors))
+    if strict and missing:
+        problems.append("missing keys: " + ", ".join(missing))
+    if strict and unexpected:
+        problems.append("unexpected keys: " + ", ".join(unexpected))
+    if problems:
+        raise CheckpointMismatchError("load_state_dict: " + ". ".join(problems) + ". Nothing was loaded"
+                                      + ("; pass strict=False to skip missing and unexpected keys" if strict and
+                                         (missing or unexpected) else ""))
+    return LoadResult(missing, unexpected), plan
+
+
+def _load_partitioned(source: _Source, key: str, p: ZeroParameter, engine: Any) -> None:
+    z = p._zero
+    start, end = z.shard_range()
+    n = max(end - start, 0)
+    dest = engine.master_shard(p) if engine is not None else z.shard
+    dest[n:].zero_()
+    source.read(key, start, dest[:n])
+    if dest is not z.shard:
+        z.shard.copy_(dest)
+    if z.status is not ParamStatus.NOT_AVAILABLE:  # persistent, gathered: refreshed by the caller
+        assert z.persistent, f"{z.name} is gathered while loading"
+
+
+__all__ = ["LoadResult", "load_state_dict", "open_source"]
