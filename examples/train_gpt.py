@@ -54,7 +54,10 @@ def train(args: argparse.Namespace) -> None:
     with zero3.Init():
         model = GPT(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    engine = zero3.initialize(model, optimizer, {"param_persistence_threshold": args.persistence})
+    # Budgets in elements: gather about one block ahead, hold at most ~3 blocks, release after use.
+    engine = zero3.initialize(model, optimizer, {
+        "param_persistence_threshold": args.persistence, "max_reuse_distance": 0,
+        "prefetch_bucket_size": args.prefetch, "max_live_parameters": args.max_live})
     corpus = load_corpus()
     n_params = sum(p.ds_numel for p in engine.params)
     if rank == 0:
@@ -86,7 +89,9 @@ def train(args: argparse.Namespace) -> None:
     if rank == 0:
         m = engine.last_step_metrics
         print(f"{args.steps} steps in {elapsed:.1f} s; last step: {m.allgather_calls} all-gathers, "
-              f"{m.allgather_bytes:,} B gathered, peak live {m.peak_live_numel:,} elements", flush=True)
+              f"{m.allgather_bytes:,} B gathered, peak live {m.peak_live_numel:,} of {n_params:,} elements "
+              f"(cap {args.max_live:,}), {m.prefetch_hits} prefetch hits, {m.demand_fetches} demand fetches",
+              flush=True)
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -110,6 +115,8 @@ def main() -> None:
     ap.add_argument("--n-embd", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--persistence", type=int, default=0, help="param_persistence_threshold (elements)")
+    ap.add_argument("--prefetch", type=int, default=200_000, help="prefetch_bucket_size (elements)")
+    ap.add_argument("--max-live", type=int, default=600_000, help="max_live_parameters (elements)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun

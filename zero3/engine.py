@@ -191,6 +191,8 @@ class Engine:
 
     def _finish_step(self) -> None:
         self.last_step_metrics = copy.copy(self.metrics)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("zero3::step %s", self.last_step_metrics.as_dict())
         self.metrics.reset(self.global_steps)
 
     def remove_hooks(self) -> None:
