@@ -168,6 +168,8 @@ class ModuleHooks:
 
     def _post_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         call = self._pop(rec)
+        if call is None:  # the pre-hook raised (always_call runs us anyway): nothing to close
+            return None
         grad = torch.is_grad_enabled()
         if call.params:
             if call.opened:
@@ -183,14 +185,14 @@ class ModuleHooks:
             self.coordinator.end_step()  # an inference forward is a whole step
         return None
 
-    def _pop(self, rec: _ModuleRecord) -> _Call:
+    def _pop(self, rec: _ModuleRecord) -> _Call | None:
         for i in range(len(self.stack) - 1, -1, -1):
             if self.stack[i].record is rec:
                 call = self.stack.pop(i)
                 if i != len(self.stack):  # an inner call raised and never reached its post-hook
                     del self.stack[i:]
                 return call
-        raise ZeroStateError(f"forward post-hook of {rec.name!r} without its pre-hook")
+        return None
 
     def _on_access(self, p: PartitionedParameter) -> None:
         """A partitioned param was read through ``module._parameters`` while not gathered."""
