@@ -17,13 +17,6 @@ FULL = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_local_fp32_p
 STATE = ["safe_get_full_optimizer_state", "safe_get_local_optimizer_state"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture
 def trained():

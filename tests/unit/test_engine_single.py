@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import sys
 from collections.abc import Callable
 
 import pytest
@@ -15,20 +13,10 @@ from torch import nn
 import zero3
 from zero3 import ParamStatus, ZeroConfigError, ZeroStateError
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "examples"))
 from gpt import GPT, GPTConfig, synthetic_batch
 
 CFG = GPTConfig(block_size=16)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """These models are tiny: one thread is fastest, and avoids OpenMP spin-waits on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 NO_PERSIST = {"param_persistence_threshold": 0}
 RTOL, ATOL = 1e-6, 1e-7
 BATCH = 4

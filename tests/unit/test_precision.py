@@ -25,13 +25,6 @@ BATCH = 4
 NO_PERSIST = {"param_persistence_threshold": 0}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def lossf(model, x, y):
     logits = model(x)
