@@ -364,6 +364,8 @@ class _Planner:
         cap, room = self.config.max_live, self.config.prefetch_bucket_size
         if room == 0 or len(self.live) == len(self.size):
             return ()
+        if self.pending_size > room // 2:
+            return ()  # refill only below the low-water mark: fewer, larger collectives
         bucket: list[tuple[int, int]] = []
         bucket_size = 0
         collected: set[int] = set()

@@ -1,0 +1,196 @@
+"""Hook overhead of zero3 at world size 1 (no process group), on models made of many small modules.
+
+    python benchmarks/bench_hooks.py           # full run, under a minute
+    python benchmarks/bench_hooks.py --quick   # a few seconds
+
+For each model, the plain model and zero3 copies of it are built from the same seed in this one
+process and timed *interleaved* (round after round, each variant K steps per round, the order rotated
+every round), so drift on a noisy machine hits every variant alike. A step is forward + backward +
+AdamW step (+ zero_grad); its phases are timed too. The overhead per module call is
+``(median zero3 step - median plain step) / module calls per step``, where a module call is one
+forward invocation of a module (counted with a forward pre-hook on the plain model; containers
+that are never called, like ``nn.ModuleList``, do not count).
+
+zero3 variants (``zero3.initialize`` on the plain-built model; world size 1, so a "gather" is a local
+copy from the shard):
+- persist all: ``param_persistence_threshold`` = 10**9: every parameter stays gathered; what remains
+  is the hooks' bookkeeping and the per-step refresh of persistent parameters after the optimizer step.
+- threshold 0: every parameter is gathered and released by the schedule (other knobs at defaults,
+  i.e. prefetch buckets of 5e7 elements and reuse distance 1e9).
+- threshold 0, no prefetch/reuse: ``prefetch_bucket_size`` = 0 and ``max_reuse_distance`` = 0, so
+  each module's parameters are gathered on demand and released right after it: the worst case.
+Figures are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import zero3  # noqa: E402
+from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
+ZERO3_VARIANTS = {
+    "zero3, persist all": {"param_persistence_threshold": 10**9},
+    "zero3, threshold 0": {"param_persistence_threshold": 0},
+    "zero3, threshold 0, no prefetch/reuse": {"param_persistence_threshold": 0, "prefetch_bucket_size": 0,
+                                               "max_reuse_distance": 0},
+}
+
+
+class Case:
+    """A model factory plus a loss on a fixed input."""
+
+    def __init__(self, name: str, build: Callable[[], nn.Module], batch: Callable[[], tuple],
+                 loss: Callable[[nn.Module, tuple], torch.Tensor]) -> None:
+        self.name, self.build, self.batch, self.loss = name, build, batch, loss
+
+
+def mlp_case(n: int, width: int, rows: int) -> Case:
+    def build() -> nn.Module:
+        layers: list[nn.Module] = []
+        for _ in range(n):
+            layers += [nn.Linear(width, width), nn.GELU()]
+        return nn.Sequential(*layers)
+
+    def batch() -> tuple:
+        g = torch.Generator().manual_seed(0)
+        return torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
+
+    return Case(f"Sequential of {n} x (Linear({width},{width}) + GELU), input {rows}x{width}, MSE loss", build,
+                batch, lambda m, b: (m(b[0]) - b[1]).pow(2).mean())
+
+
+def gpt_case(cfg: GPTConfig, rows: int) -> Case:
+    def build() -> nn.Module:
+        return GPT(cfg)
+
+    def batch() -> tuple:
+        return synthetic_batch(0, rows, cfg)
+
+    return Case(f"GPT n_layer={cfg.n_layer} n_embd={cfg.n_embd} block={cfg.block_size} vocab={cfg.vocab_size}, "
+                f"batch {rows}", build, batch, lambda m, b: m(*b))
+
+
+def count_calls(model: nn.Module, case: Case, data: tuple) -> tuple[int, int, int]:
+    """(module forward calls per step, modules, modules with own parameters)."""
+    calls = [0]
+    handles = [m.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1)) for m in model.modules()]
+    with torch.no_grad():
+        case.loss(model, data)
+    for h in handles:
+        h.remove()
+    mods = list(model.modules())
+    with_params = sum(1 for m in mods if any(True for _ in m.parameters(recurse=False)))
+    return calls[0], len(mods), with_params
+
+
+class Runner:
+    def __init__(self, name: str, case: Case, zero_cfg: dict | None, lr: float) -> None:
+        torch.manual_seed(0)
+        model = case.build()
+        self.name = name
+        self.data = case.batch()
+        self.case = case
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        self.engine = zero3.initialize(model, opt, zero_cfg) if zero_cfg is not None else None
+        self.model, self.opt = model, opt
+        self.times: list[float] = []
+        self.phases: list[tuple[float, float, float]] = []
+        self.loss = float("nan")
+
+    def step(self, record: bool) -> None:
+        t0 = time.perf_counter()
+        loss = self.case.loss(self.model, self.data)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if self.engine is not None:
+            self.engine.step()
+        else:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        self.loss = loss.item()
+        if record:
+            self.times.append(t3 - t0)
+            self.phases.append((t1 - t0, t2 - t1, t3 - t2))
+
+
+def bench_case(case: Case, args: argparse.Namespace) -> str:
+    runners = [Runner("plain", case, None, args.lr)]
+    runners += [Runner(name, case, cfg, args.lr) for name, cfg in ZERO3_VARIANTS.items()]
+    calls, n_mods, n_param_mods = count_calls(runners[0].model, case, runners[0].data)
+    n_params = sum(p.numel() for p in runners[0].model.parameters())
+    for r in runners:
+        for _ in range(args.warmup):
+            r.step(record=False)
+    for rnd in range(args.rounds):
+        k = rnd % len(runners)
+        for r in runners[k:] + runners[:k]:
+            for _ in range(args.steps_per_round):
+                r.step(record=True)
+    base = statistics.median(runners[0].times)
+    out = [f"### {case.name}",
+           "",
+           f"{n_mods} modules ({n_param_mods} with parameters), {calls} module calls per forward, "
+           f"{n_params:,} parameters; {args.rounds} rounds x {args.steps_per_round} steps per variant "
+           f"after {args.warmup} warm-up steps.",
+           "",
+           "| variant | median step (ms) | vs plain | overhead/step (ms) | overhead per module call (µs) "
+           "| fwd / bwd / optim (ms) | all-gathers/step | loss after last step |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runners:
+        med = statistics.median(r.times)
+        fwd, bwd, opt = (statistics.median(p[i] for p in r.phases) * 1e3 for i in range(3))
+        if r.engine is None:
+            over = per = "—"
+            gathers = "—"
+        else:
+            over = f"{(med - base) * 1e3:+.2f}"
+            per = f"{(med - base) / calls * 1e6:+.1f}"
+            gathers = str(r.engine.last_step_metrics.allgather_calls)
+        out.append(f"| {r.name} | {med * 1e3:.2f} | {med / base:.2f}x | {over} | {per} | "
+                   f"{fwd:.2f} / {bwd:.2f} / {opt:.2f} | {gathers} | {r.loss:.7g} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a few seconds: fewer rounds")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--steps-per-round", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: less noise)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.steps_per_round, args.warmup = 3, 2, 2
+    torch.set_num_threads(args.threads)
+    cases = [
+        mlp_case(200, 64, 32),
+        gpt_case(GPTConfig(n_layer=5, n_embd=64, n_head=4, block_size=32, vocab_size=256), 4),
+    ]
+    print(f"# bench_hooks  {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}  "
+          f"python {platform.python_version()}  {os.cpu_count()} CPUs, {args.threads} torch thread(s), "
+          f"world size 1 (no process group)\n", flush=True)
+    t0 = time.monotonic()
+    for case in cases:
+        print(bench_case(case, args) + "\n", flush=True)
+    print(f"# total {time.monotonic() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,640 @@
+"""Training-step benchmark: zero3 (prefetch on / off) against DDP and FSDP2 on 2 CPU ranks (gloo).
+
+    python benchmarks/bench_step.py            # full run (3 repeats, 20 measured steps), 3-6 minutes
+    python benchmarks/bench_step.py --quick    # ~30 s smoke run (small model, 1 repeat, 4 steps)
+
+Every variant trains the same GPT (examples/gpt.py) on the same synthetic batches with AdamW, in its
+own fresh pair of rank processes (so the peak RSS is the variant's own), one variant after the
+other in one invocation; the order is reversed on every other repeat. Variants: zero3 with prefetch
+on and off (the budgets are in `zero3_config`), DDP, FSDP2, and two extra zero3 rows that isolate
+single knobs: ``verify_collectives=False``, and that plus ``reduce_bucket_size`` = one Block.
+
+Per step, each rank starts after a barrier and times forward + backward + optimizer step; the step
+time is the slower rank's, and the table shows the median over all measured steps of all repeats,
+with the per-repeat medians and the median process CPU time per step (all threads, mean over ranks:
+less sensitive to a busy host than wall time, blind to time spent waiting on the other rank).
+Figures are printed, never asserted: these machines are noisy, so read the ratios of one run.
+
+Memory: ranks run with ``MALLOC_MMAP_THRESHOLD_=131072`` (set here before the ranks are spawned), so
+every tensor above 128 KiB is mmapped and its pages go back to the OS when it is freed; RSS then
+tracks live tensors instead of what glibc's heap keeps. "Peak RSS" is ``ru_maxrss`` inside each rank
+(max over ranks); "peak - built" subtracts the RSS measured right after the model, its wrapper
+and the optimizer were built (before any step), i.e. what training adds on top of the model state.
+
+All-gather bytes are *received per rank* per step: a collective whose output holds B bytes brings
+B x (N-1)/N bytes to each rank. The ideal is 2 x parameter bytes x (N-1)/N (every parameter
+gathered once for forward and once for backward). zero3's figure comes from
+``engine.last_step_metrics`` (unpadded bytes of the parameters gathered, plus persistent refreshes);
+every variant's "wire" figure counts the flat all-gather calls themselves (padding included; for
+zero3 the header checks of ``verify_collectives`` included in the call count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import resource
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+VARIANTS = ("zero3-prefetch", "zero3-noprefetch", "ddp", "fsdp2")
+EXTRA_VARIANTS = ("zero3-prefetch-noverify", "zero3-prefetch-tuned")
+LABELS = {
+    "zero3-prefetch": "zero3, prefetch on",
+    "zero3-noprefetch": "zero3, prefetch off",
+    "zero3-prefetch-noverify": "zero3, prefetch on, verify_collectives=False",
+    "zero3-prefetch-tuned": "zero3, prefetch on, verify off, reduce_bucket_size = 1 Block",
+    "ddp": "DDP",
+    "fsdp2": "FSDP2 (fully_shard per Block + root)",
+}
+MIB = 1024 * 1024
+
+
+# ------------------------------------------------------------------------------------------------
+# model and budgets
+
+
+def gpt_config(args: argparse.Namespace) -> Any:
+    from gpt import GPTConfig
+
+    return GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head,
+                     n_embd=args.n_embd)
+
+
+def block_numel(n_embd: int) -> int:
+    """Elements of one GPT Block: c_attn 3C^2+3C, attn.c_proj C^2+C, c_fc 4C^2+4C, mlp.c_proj 4C^2+C, 2 LN 4C."""
+    c = n_embd
+    return 12 * c * c + 13 * c
+
+
+def zero3_config(variant: str, args: argparse.Namespace) -> dict:
+    blk = block_numel(args.n_embd)
+    cfg = {
+        "param_persistence_threshold": args.persistence,
+        "prefetch_bucket_size": blk,
+        "max_reuse_distance": 0,
+        "max_live_parameters": 3 * blk,
+    }
+    cfg.update(json.loads(args.zero3_extra) if args.zero3_extra else {})
+    if variant == "zero3-noprefetch":
+        cfg["prefetch_bucket_size"] = 0
+    if variant in ("zero3-prefetch-noverify", "zero3-prefetch-tuned"):
+        cfg["verify_collectives"] = False
+    if variant == "zero3-prefetch-tuned":
+        cfg["reduce_bucket_size"] = blk
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------
+# measurement helpers (run inside the ranks)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+class WireCounter:
+    """Counts the flat all-gather collectives a rank issues (calls and output bytes), per step."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls = 0
+        self.header_calls = 0
+        self.header_seconds = 0.0
+        self.out_bytes = 0
+
+    def wrap(self, fn: Any) -> Any:
+        import torch
+
+        def counted(output: Any, *a: Any, **k: Any) -> Any:
+            nbytes = output.numel() * output.element_size()
+            if output.dtype == torch.int64 and output.numel() == 3 * self.world:
+                # zero3's verify_collectives header (3 int64 per rank): a blocking exchange, timed.
+                self.header_calls += 1
+                t0 = time.perf_counter()
+                result = fn(output, *a, **k)
+                self.header_seconds += time.perf_counter() - t0
+                return result
+            self.calls += 1
+            self.out_bytes += nbytes
+            return fn(output, *a, **k)
+
+        counted._bench_counted = True  # type: ignore[attr-defined]
+        return counted
+
+    def install(self) -> None:
+        """Wrap torch's flat all-gathers (FSDP2 looks them up on ``dist`` at call time) and zero3's
+        alias of them (bound when ``zero3.comm`` was imported), each exactly once."""
+        import torch.distributed as dist
+
+        targets: list[tuple[Any, str]] = [(dist, "all_gather_single"), (dist, "all_gather_into_tensor")]
+        try:
+            import zero3.comm as zc
+
+            targets.append((zc, "_all_gather_flat"))
+        except Exception:  # noqa: BLE001 - zero3 internals may move; its metrics still work
+            pass
+        originals = {name: getattr(mod, name) for mod, name in targets if hasattr(mod, name)}
+        for mod, name in targets:
+            fn = originals.get(name)
+            if fn is not None and not getattr(fn, "_bench_counted", False):
+                setattr(mod, name, self.wrap(fn))
+
+
+class FSDPLiveTracker:
+    """Peak bytes of FSDP2's unsharded parameters (``FSDPParam.all_gather_outputs``), exact at each
+    alloc/free of those buffers; only while ``enabled`` (one extra, untimed step)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.params: list[Any] = []
+        self.peak = 0
+        self.ok = False
+
+    def live(self) -> int:
+        total = 0
+        for fp in self.params:
+            for t in getattr(fp, "all_gather_outputs", ()):
+                total += t.untyped_storage().nbytes()
+        return total
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, self.live())
+
+    def install(self, model: Any) -> None:
+        try:
+            from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+            for m in model.modules():
+                get = getattr(m, "_get_fsdp_state", None)
+                if get is None:
+                    continue
+                group = get()._fsdp_param_group
+                if group is not None:
+                    self.params.extend(group.fsdp_params)
+            tracker = self
+            orig_alloc, orig_init, orig_free = (FSDPParam.alloc_all_gather_outputs,
+                                                FSDPParam.init_all_gather_outputs, FSDPParam.free_unsharded_param)
+
+            def alloc(fp: Any, *a: Any, **k: Any) -> Any:
+                r = orig_alloc(fp, *a, **k)
+                if tracker.enabled:
+                    tracker._sample()
+                return r
+
+            def init(fp: Any, *a: Any, **k: Any) -> Any:
+                r = orig_init(fp, *a, **k)
+                if tracker.enabled:
+                    tracker._sample()
+                return r
+
+            def free(fp: Any, *a: Any, **k: Any) -> Any:
+                if tracker.enabled:
+                    tracker._sample()
+                return orig_free(fp, *a, **k)
+
+            FSDPParam.alloc_all_gather_outputs = alloc
+            FSDPParam.init_all_gather_outputs = init
+            FSDPParam.free_unsharded_param = free
+            self.ok = bool(self.params)
+        except Exception:  # noqa: BLE001 - FSDP2 internals differ across torch versions
+            self.ok = False
+
+
+# ------------------------------------------------------------------------------------------------
+# one variant on one rank
+
+
+def run_variant(rank: int, world: int, variant: str, args: argparse.Namespace) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from gpt import GPT, synthetic_batch
+
+    cfg = gpt_config(args)
+    t_begin = time.perf_counter()
+    wire = WireCounter(world)
+    wire.install()
+    out: dict[str, Any] = {"variant": variant, "rank": rank}
+    out["rss_start"] = rss_bytes()
+    torch.manual_seed(args.seed)
+
+    engine = None
+    fsdp_tracker = None
+    if variant.startswith("zero3"):
+        import zero3
+
+        with zero3.Init():
+            model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        engine = zero3.initialize(model, opt, zero3_config(variant, args))
+        out["zero3_config"] = zero3_config(variant, args)
+        n_params = sum(p.ds_numel for p in engine.params)
+        param_bytes = sum(p.ds_numel * p.element_size() for p in engine.params)
+        out["persistent_bytes"] = sum(p.ds_numel * p.element_size() for p in engine.params if p.ds_persist)
+        step_model = engine
+    elif variant == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = GPT(cfg)
+        n_params = sum(p.numel() for p in model.parameters())
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        step_model = DDP(model)
+        opt = torch.optim.AdamW(step_model.parameters(), lr=args.lr)
+    elif variant == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        model = GPT(cfg)
+        n_params = sum(p.numel() for p in model.parameters())
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # Expected traffic: blocks are resharded after forward (gathered twice), the root is not
+        # (FSDP2 keeps the root's parameters through backward), so root params are gathered once.
+        root_numel = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("h."))
+        out["fsdp2_expected_gather_numel"] = 2 * (n_params - root_numel) + root_numel
+        for block in model.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        fsdp_tracker = FSDPLiveTracker()
+        fsdp_tracker.install(model)
+        step_model = model
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    out["n_params"] = n_params
+    out["param_bytes"] = param_bytes
+    out["build_seconds"] = time.perf_counter() - t_begin
+    out["rss_built"] = rss_bytes()
+    out["maxrss_built"] = maxrss_bytes()
+
+    total_steps = args.warmup + args.steps
+    batches = []
+    for step in range(total_steps + 1):
+        x, y = synthetic_batch(step, args.batch * world, cfg, seed=args.seed)
+        batches.append((x[rank * args.batch:(rank + 1) * args.batch].contiguous(),
+                        y[rank * args.batch:(rank + 1) * args.batch].contiguous()))
+
+    def one_step(x: Any, y: Any) -> Any:
+        if engine is not None:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        else:
+            loss = step_model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    times, cpu_times, losses, metrics, wires = [], [], [], [], []
+    for step in range(total_steps):
+        x, y = batches[step]
+        dist.barrier()
+        wire.reset()
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = one_step(x, y)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        w = (wire.calls, wire.header_calls, wire.out_bytes, wire.header_seconds)
+        dt_max = torch.tensor([dt], dtype=torch.float64)
+        dist.all_reduce(dt_max, op=dist.ReduceOp.MAX)
+        sums = torch.tensor([dc, loss.item()], dtype=torch.float64)
+        dist.all_reduce(sums)
+        cpu_sum, loss_sum = sums[0:1], sums[1:2]
+        if step >= args.warmup:
+            times.append(dt_max.item())
+            cpu_times.append(cpu_sum.item() / world)
+            losses.append(loss_sum.item() / world)
+            wires.append(w)
+            if engine is not None:
+                metrics.append(engine.last_step_metrics.as_dict())
+    out["times"] = times
+    out["cpu_times"] = cpu_times
+    out["all_step_seconds"] = time.perf_counter() - t_begin - out["build_seconds"]
+    out["losses"] = losses
+    out["header_seconds"] = [w[3] for w in wires]
+    out["wire_calls"] = wires[-1][0]
+    out["wire_header_calls"] = wires[-1][1]
+    out["wire_out_bytes"] = wires[-1][2]
+    out["maxrss_steps"] = maxrss_bytes()  # peak over construction + all timed steps
+    if metrics:
+        last = metrics[-1]
+        out["zero3_last"] = last
+        out["wait_seconds"] = [m["wait_seconds"] for m in metrics]
+        out["zero3_peak_live_bytes_max"] = max(m["peak_live_bytes"] for m in metrics)
+        out["zero3_allgather_bytes_steps"] = sorted({m["allgather_bytes"] for m in metrics})
+    if fsdp_tracker is not None and fsdp_tracker.ok:
+        # One extra, untimed step with the unsharded-parameter tracker on.
+        fsdp_tracker.enabled = True
+        one_step(*batches[total_steps])
+        fsdp_tracker.enabled = False
+        out["fsdp2_peak_unsharded_bytes"] = fsdp_tracker.peak
+    out["rss_end"] = rss_bytes()
+    out["maxrss"] = maxrss_bytes()
+    if engine is not None:
+        # Without this the engine is never freed (its post-accumulate-grad hooks form a cycle the
+        # garbage collector cannot see), so the process group it references outlives
+        # destroy_process_group and is torn down at interpreter exit, which sometimes aborts
+        # ("terminate called without an active exception"). See docs/performance.md.
+        engine.remove_hooks()
+    return out
+
+
+def _debug(msg: str) -> None:
+    if os.environ.get("BENCH_DEBUG"):
+        print(f"[{time.time() % 1000:8.2f}] {msg}", file=sys.stderr, flush=True)
+
+
+def _rank_main(rank: int, world: int, port: int, variant: str, args: argparse.Namespace, outdir: str) -> None:
+    _debug(f"rank {rank} started")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    path = os.path.join(outdir, f"rank{rank}.json")
+    _debug(f"rank {rank} process group up")
+    try:
+        result = run_variant(rank, world, variant, args)
+    except BaseException as exc:  # noqa: BLE001 - reported in the table
+        with open(path, "w") as fh:
+            json.dump({"variant": variant, "rank": rank, "error": f"{type(exc).__name__}: {exc}",
+                       "traceback": traceback.format_exc()}, fh)
+        raise
+    with open(path, "w") as fh:
+        json.dump(result, fh)
+    _debug(f"rank {rank} done: build {result['build_seconds']:.1f} s, steps {result['all_step_seconds']:.1f} s")
+    del result
+    gc.collect()
+    dist.destroy_process_group()
+    _debug(f"rank {rank} process group destroyed")
+
+
+# ------------------------------------------------------------------------------------------------
+# driver
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(variant: str, args: argparse.Namespace) -> list[dict]:
+    """Run one variant in a fresh set of rank processes; return each rank's result (or error)."""
+    import torch.multiprocessing as mp
+
+    outdir = tempfile.mkdtemp(prefix=f"bench-{variant}-")
+    _debug(f"launch {variant}")
+    ctx = mp.start_processes(_rank_main, args=(args.nproc, free_port(), variant, args, outdir),
+                             nprocs=args.nproc, join=False, start_method="spawn")
+    deadline = time.monotonic() + args.timeout
+    error = None
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                error = f"timed out after {args.timeout} s"
+                break
+    except Exception as exc:  # a rank raised; its JSON has the message
+        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+    _debug(f"joined {variant}")
+    results = []
+    for r in range(args.nproc):
+        path = os.path.join(outdir, f"rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as fh:
+                results.append(json.load(fh))
+    shutil.rmtree(outdir, ignore_errors=True)
+    if error is not None and not any("error" in r for r in results):
+        if len(results) == args.nproc:  # every rank finished and wrote its figures; it died on exit
+            for r in results:
+                r["exit_error"] = error
+        else:
+            results.append({"variant": variant, "error": error})
+    return results
+
+
+def fmt_mib(b: float | None) -> str:
+    return "n/a" if b is None else f"{b / MIB:.1f}"
+
+
+def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> str:
+    lines = []
+    rows = {}
+    for variant, reps in runs.items():
+        errors = [r["error"] for rep in reps for r in rep if "error" in r]
+        if errors:
+            rows[variant] = {"error": errors[0], "traceback": next((r.get("traceback") for rep in reps for r in rep
+                                                                      if r.get("traceback")), None)}
+            continue
+        times = [t for rep in reps for t in rep[0]["times"]]
+        rep_medians = [statistics.median(rep[0]["times"]) for rep in reps]
+        q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+        rows[variant] = {
+            "median": statistics.median(times),
+            "rep_medians": rep_medians,
+            "best": min(rep_medians),
+            "p10": q[0],
+            "p90": q[-1],
+            "cpu": statistics.median(t for rep in reps for t in rep[0]["cpu_times"]),
+            "header_ms": statistics.median(t for rep in reps for r in rep for t in r["header_seconds"]) * 1e3,
+            "wait_ms": (statistics.median(t for rep in reps for r in rep for t in r["wait_seconds"]) * 1e3
+                        if "wait_seconds" in reps[0][0] else None),
+            "maxrss": max(r["maxrss_steps"] for rep in reps for r in rep),
+            "growth": max(r["maxrss_steps"] - r["rss_built"] for rep in reps for r in rep),
+            "built": max(r["rss_built"] for rep in reps for r in rep),
+            "loss": reps[0][0]["losses"][-1],
+            "losses_agree_across_repeats": len({round(rep[0]["losses"][-1], 6) for rep in reps}) == 1,
+            "r0": reps[0][0],
+        }
+    ddp = rows.get("ddp", {}).get("median")
+    ddp_best = rows.get("ddp", {}).get("best")
+    ddp_cpu = rows.get("ddp", {}).get("cpu")
+    ddp_loss = rows.get("ddp", {}).get("loss")
+    any_ok = next((r["r0"] for r in rows.values() if "r0" in r), None)
+    world = args.nproc
+    frac = (world - 1) / world
+    if any_ok is not None:
+        pbytes = any_ok["param_bytes"]
+        ideal = 2 * pbytes * frac
+    else:
+        pbytes = ideal = None
+
+    timing = ["| variant | median step per repeat (s) | p10 – p90 over all steps (s) | CPU s/step/rank | CPU vs DDP "
+              "| zero3 gather wait / header checks (ms/step) |",
+              "|---|---:|---:|---:|---:|---:|"]
+    head = ("| variant | median step (s) | vs DDP (median; best repeat) | peak RSS/rank (MiB) | peak - built (MiB) | "
+            "gathered param peak (MiB) | all-gather recv/rank/step (MiB) | vs ideal | wire calls/step "
+            "(+headers) | prefetch hit rate | loss after last step |")
+    lines.append(head)
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for variant in runs:
+        row = rows[variant]
+        label = LABELS[variant]
+        if "error" in row:
+            lines.append(f"| {label} | FAILED: {row['error']} | | | | | | | | | |")
+            continue
+        r0 = row["r0"]
+        med = row["median"]
+        ratio = f"{med / ddp:.2f}x (best {row['best'] / ddp_best:.2f}x)" if ddp else "n/a"
+        reps = "/".join(f"{m:.3f}" for m in row["rep_medians"])
+        zero3_ms = "n/a"
+        if row["wait_ms"] is not None:
+            zero3_ms = f"{row['wait_ms']:.0f} / {row['header_ms']:.0f}"
+        timing.append(f"| {label} | {reps} | {row['p10']:.3f} – {row['p90']:.3f} | {row['cpu']:.3f} | "
+                      + (f"{row['cpu'] / ddp_cpu:.2f}x" if ddp_cpu else "n/a") + f" | {zero3_ms} |")
+        gathered = "n/a"
+        recv = "n/a"
+        vs_ideal = "n/a"
+        hit = "n/a"
+        wire_recv = r0["wire_out_bytes"] * frac
+        calls = f"{r0['wire_calls']}"
+        if r0["wire_header_calls"]:
+            calls += f" (+{r0['wire_header_calls']})"
+        if variant.startswith("zero3"):
+            m = r0["zero3_last"]
+            gathered = fmt_mib(r0["zero3_peak_live_bytes_max"])
+            if r0.get("persistent_bytes"):
+                gathered += f" (+{fmt_mib(r0['persistent_bytes'])} persistent)"
+            elem = r0["param_bytes"] / r0["n_params"]
+            gb = (m["allgather_bytes"] + m["persistent_refresh_numel"] * elem) * frac
+            recv = f"{gb / MIB:.2f} (wire {wire_recv / MIB:.2f})"
+            vs_ideal = f"{gb / ideal:.2f}x"
+            denom = m["prefetch_hits"] + m["demand_fetches"]
+            if m["prefetched"] or variant != "zero3-noprefetch":
+                hit = f"{m['prefetch_hits'] / denom:.0%} ({m['prefetch_hits']}/{denom})" if denom else "n/a"
+            else:
+                hit = f"0% (0/{denom}, off)"
+        elif variant == "fsdp2":
+            peak = r0.get("fsdp2_peak_unsharded_bytes")
+            gathered = fmt_mib(peak) if peak is not None else "n/a"
+            recv = f"{wire_recv / MIB:.2f} (expected {r0['fsdp2_expected_gather_numel'] * r0['param_bytes'] / r0['n_params'] * frac / MIB:.2f})"
+            vs_ideal = f"{wire_recv / ideal:.2f}x"
+        elif variant == "ddp":
+            gathered = f"{fmt_mib(r0['param_bytes'])} (full model, always)"
+            recv = "0 (all-reduces grads)"
+            calls = "0"
+        loss = f"{row['loss']:.6f}"
+        if ddp_loss is not None and variant != "ddp":
+            loss += f" (Δ {row['loss'] - ddp_loss:+.1e})"
+        lines.append(f"| {label} | {med:.3f} | {ratio} | {fmt_mib(row['maxrss'])} | "
+                     f"{fmt_mib(row['growth'])} | {gathered} | {recv} | {vs_ideal} | {calls} | {hit} | {loss} |")
+    notes = []
+    if any_ok is not None:
+        notes.append(f"Model: {any_ok['n_params']:,} parameters = {fmt_mib(any_ok['param_bytes'])} MiB fp32; "
+                     f"ideal all-gather per rank per step 2 x {fmt_mib(pbytes)} x {world - 1}/{world} = "
+                     f"{fmt_mib(ideal)} MiB.")
+    for variant, row in rows.items():
+        if "r0" in row:
+            r0 = row["r0"]
+            notes.append(f"{LABELS[variant]}: RSS at rank start {fmt_mib(r0['rss_start'])} MiB, after building "
+                         f"model+wrapper+optimizer {fmt_mib(row['built'])} MiB (max over ranks/repeats)"
+                         + ("" if row["losses_agree_across_repeats"] else "; last loss differs across repeats"))
+            if variant.startswith("zero3"):
+                m = r0["zero3_last"]
+                notes.append(f"  zero3 last step: {m['allgather_calls']} all-gathers, {m['allgather_bytes']:,} B "
+                             f"gathered, demand {m['demand_fetches']}, prefetched {m['prefetched']}, hits "
+                             f"{m['prefetch_hits']}, wasted {m['wasted_prefetches']}, peak live "
+                             f"{m['peak_live_numel']:,} el, wait {m['wait_seconds'] * 1e3:.1f} ms, reduce calls "
+                             f"{m['reduce_calls']}, divergences {m['divergences']}; config {r0['zero3_config']}")
+        else:
+            notes.append(f"{LABELS[variant]} FAILED: {row['error']}")
+            if row.get("traceback"):
+                notes.append("  " + row["traceback"].strip().replace("\n", "\n  "))
+    lines += ["", "Timing detail (step = slower rank's wall time; CPU = process CPU time, all threads, mean of "
+              "ranks; zero3 gather wait = metrics.wait_seconds, header checks = time blocked in the "
+              "verify_collectives exchanges, medians per rank-step):", ""] + timing
+    return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" if not n.startswith("  ") else n for n in notes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="~30 s smoke run: small model, 1 repeat, few steps")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20, help="measured steps per run")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per variant; order reversed on odd repeats")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--persistence", type=int, default=0, help="zero3 param_persistence_threshold (elements)")
+    ap.add_argument("--zero3-extra", default="", metavar="JSON",
+                    help='extra zero3 config merged into every zero3 variant, e.g. \'{"reduce_bucket_size": 1000000}\'')
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", default=",".join(VARIANTS + EXTRA_VARIANTS),
+                    help=f"comma list from {VARIANTS + EXTRA_VARIANTS}")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per variant run before it is killed")
+    ap.add_argument("--json", help="also write the raw per-rank results here")
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.warmup, args.repeats = 4, 1, 1
+        args.n_layer, args.n_embd, args.batch, args.block, args.vocab = 2, 128, 4, 64, 256
+    variants = [v for v in args.variants.split(",") if v]
+    for v in variants:
+        if v not in LABELS:
+            ap.error(f"unknown variant {v!r}")
+    # Before any rank is spawned: children inherit it, and glibc reads it at start-up.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+
+    import torch
+
+    t_start = time.monotonic()
+    print(f"# bench_step  {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}  "
+          f"python {platform.python_version()}  {os.cpu_count()} CPUs  {args.nproc} gloo ranks x "
+          f"{max(1, (os.cpu_count() or 1) // args.nproc)} threads  MALLOC_MMAP_THRESHOLD_="
+          f"{os.environ['MALLOC_MMAP_THRESHOLD_']}", flush=True)
+    print(f"# GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} block={args.block} "
+          f"vocab={args.vocab}; batch {args.batch}/rank; AdamW lr {args.lr}; {args.warmup} warm-up + "
+          f"{args.steps} measured steps; {args.repeats} repeat(s)", flush=True)
+    runs: dict[str, list[list[dict]]] = {v: [] for v in variants}
+    for rep in range(args.repeats):
+        order = variants if rep % 2 == 0 else list(reversed(variants))
+        for v in order:
+            t0 = time.monotonic()
+            res = launch(v, args)
+            err = next((r["error"] for r in res if "error" in r), None)
+            exit_err = next((r["exit_error"] for r in res if "exit_error" in r), None)
+            if exit_err:
+                print(f"  repeat {rep} {v}: figures complete, but a rank died at exit: {exit_err}", flush=True)
+            med = statistics.median(res[0]["times"]) if err is None and res else float("nan")
+            print(f"  repeat {rep} {v:<24} {'FAILED ' + err if err else f'median {med:.3f} s'}  "
+                  f"({time.monotonic() - t0:.0f} s wall)", flush=True)
+            runs[v].append(res)
+    print(f"# total {time.monotonic() - t_start:.0f} s\n", flush=True)
+    print(summarise(runs, args), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "runs": runs}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
