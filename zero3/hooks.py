@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -115,7 +116,10 @@ class ModuleHooks:
             if id(p) in seen or not p.requires_grad:
                 continue
             seen.add(id(p))
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            # A weak reference: tensor hooks live in C++, where the garbage collector cannot see a
+            # cycle through them, and a bound method would keep the engine alive forever.
+            self._handles.append(p.register_post_accumulate_grad_hook(
+                functools.partial(_on_grad_weak, weakref.ref(self))))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -249,6 +253,12 @@ class ModuleHooks:
         if not self._queued_tasks:
             self.coordinator.end_backward()
             self.engine._on_backward_end()
+
+
+def _on_grad_weak(ref: "weakref.ref[ModuleHooks]", p: torch.Tensor) -> None:
+    hooks = ref()
+    if hooks is not None:
+        hooks._on_grad(p)
 
 
 def _clone_gathered(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

@@ -515,3 +515,17 @@ def test_memory_report_equals_a_hand_computation(zcfg):
 
     engine.step()  # AdamW: exp_avg + exp_avg_sq per element; the 0-d step counter is not counted
     assert engine.memory_report() == {**expected, "optimizer_state_bytes": 2 * full}
+
+
+def test_an_engine_and_its_model_are_freed_without_remove_hooks():
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), NO_PERSIST)
+    model(torch.randn(3, 4)).sum().backward()
+    engine.step()
+    ref = weakref.ref(engine)
+    del engine, model
+    gc.collect()
+    assert ref() is None, "a reference cycle through C++-held hooks keeps the engine alive"
