@@ -94,11 +94,16 @@ class ParamCoordinator:
         return self.metrics.live_bytes if self.plan_config.unit == "bytes" else self.metrics.live_numel
 
     # -- events from the hooks -------------------------------------------------------------------
-    def event(self, kind: EventKind, module: str, params: Sequence[ZeroParameter]) -> None:
-        """One hook firing: pin/unpin the module's params, then act (schedule or on demand)."""
+    def event(self, kind: EventKind, module: str, params: Sequence[ZeroParameter],
+              ids: tuple[int, ...] | None = None) -> None:
+        """One hook firing: pin/unpin the module's params, then act (schedule or on demand).
+
+        ``ids`` are the params' sorted ids when the caller has them cached.
+        """
         if self._step_key is None:
             self._begin_step(kind, module)
-        ids = tuple(sorted({p._zero.id for p in params}))
+        if ids is None:
+            ids = tuple(sorted({p._zero.id for p in params}))
         self._recorder.record(kind, module, ids)
         self._tag = f"{kind.value} {module or '<root>'}"
         self._pin(kind, params)

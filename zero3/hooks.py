@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 class _ModuleRecord:
     module: nn.Module
     name: str
+    key: tuple[int, int] = (-1, -1)  # (#own params, #external params) the cache below was built for
+    params: list[ZeroParameter] = field(default_factory=list)  # what a call gathers; [] if all persistent
+    ids: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -53,6 +56,7 @@ class _Call:
 
     record: _ModuleRecord
     params: list[ZeroParameter]
+    ids: tuple[int, ...] | None = None  # sorted ids of params; None: recompute (params changed)
     opened: bool = False  # a PRE_FORWARD event was recorded (the module had params at entry)
     backward_pinned: bool = False
     backward_done: bool = False
@@ -133,6 +137,21 @@ class ModuleHooks:
 
     # -- forward --------------------------------------------------------------------------------
     def _params_of(self, rec: _ModuleRecord) -> list[ZeroParameter]:
+        """The params a call of this module gathers (own + external), cached per module.
+
+        A module whose params are all persistent gathers nothing: it records no events and gets
+        no backward hooks, which makes small always-gathered modules nearly free.
+        """
+        external = rec.module.__dict__.get("_external_params", ())
+        key = (len(rec.module._parameters), len(external))
+        if key != rec.key:
+            params = self._collect(rec)
+            rec.params = [] if all(p._zero.persistent for p in params) else params
+            rec.ids = tuple(sorted({p._zero.id for p in rec.params}))
+            rec.key = key
+        return rec.params
+
+    def _collect(self, rec: _ModuleRecord) -> list[ZeroParameter]:
         out: list[ZeroParameter] = []
         for p in dict.values(rec.module._parameters):
             if p is None:
@@ -151,16 +170,25 @@ class ModuleHooks:
 
     def _pre_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         params = self._params_of(rec)
-        call = _Call(record=rec, params=params)
+        call = _Call(record=rec, params=list(params), ids=rec.ids)
         self.stack.append(call)
         if params:
             call.opened = True
-            self.coordinator.event(EventKind.PRE_FORWARD, rec.name, params)
+            self.coordinator.event(EventKind.PRE_FORWARD, rec.name, params, rec.ids)
             if torch.is_grad_enabled():
                 return self._wrap_inputs(call, args, kwargs)
         return None
 
     def _wrap_inputs(self, call: _Call, args: tuple, kwargs: dict) -> Any:
+        if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common case, without pytree
+            idx = [i for i, a in enumerate(args) if a.requires_grad]
+            if not idx:
+                return None
+            wrapped = _PostBackward.apply(call, self, *[args[i] for i in idx])
+            out = list(args)
+            for i, t in zip(idx, wrapped):
+                out[i] = t
+            return tuple(out), kwargs
         flat, spec = pytree.tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
@@ -177,12 +205,12 @@ class ModuleHooks:
         grad = torch.is_grad_enabled()
         if call.params:
             if call.opened:
-                self.coordinator.event(EventKind.POST_FORWARD, rec.name, call.params)
+                self.coordinator.event(EventKind.POST_FORWARD, rec.name, call.params, call.ids)
             else:  # only auto-detected external params, joined mid-forward
                 self.coordinator.leave_visit(call.params)
             if grad:
                 hook = functools.partial(self._pre_backward, call)
-                for t in pytree.tree_leaves(output):
+                for t in (output,) if type(output) is torch.Tensor else pytree.tree_leaves(output):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(hook)
         if not grad and rec.module is self.root and not self.stack:
@@ -206,6 +234,7 @@ class ModuleHooks:
         if not any(q is p for q in call.params):
             register_external_parameter(call.record.module, p)
             call.params.append(p)
+            call.ids = None
             key = (id(call.record.module), p._zero.id)
             if key not in self._announced:
                 self._announced.add(key)
@@ -225,13 +254,13 @@ class ModuleHooks:
         self._ensure_final_callback()
         if not call.backward_pinned:
             call.backward_pinned = True
-            self.coordinator.event(EventKind.PRE_BACKWARD, call.record.name, call.params)
+            self.coordinator.event(EventKind.PRE_BACKWARD, call.record.name, call.params, call.ids)
         return None
 
     def _post_backward(self, call: _Call) -> None:
         if call.backward_pinned and not call.backward_done:
             call.backward_done = True
-            self.coordinator.event(EventKind.POST_BACKWARD, call.record.name, call.params)
+            self.coordinator.event(EventKind.POST_BACKWARD, call.record.name, call.params, call.ids)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         self._ensure_final_callback()

@@ -52,14 +52,12 @@ class ZeroParam:
     user_pins: int = 0  # open GatheredParameters contexts
     handle: Any = None  # the in-flight GatherHandle while INFLIGHT
     extra: dict[str, Any] = field(default_factory=dict)
+    numel: int = field(init=False)  # full, unpadded; read on every fetch and release, so stored
+    shard_numel: int = field(init=False)  # padded; the same on every rank and for every shard dtype
 
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    @property
-    def shard_numel(self) -> int:
-        return self.shard.numel()
+    def __post_init__(self) -> None:
+        self.numel = self.shape.numel()
+        self.shard_numel = self.shard.numel()
 
     @property
     def nbytes(self) -> int:
