@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     path = consolidate(args.ckpt_dir, args.out, tag=args.tag, dtype=DTYPES.get(args.dtype) if args.dtype else None,
                        include_optimizer=args.include_optimizer, verify=not args.no_verify)
-    print(f"wrote {path} ({path.stat().st_size} bytes)")
+    sys.stdout.write(f"wrote {path} ({path.stat().st_size} bytes)\n")
     return 0
 
 

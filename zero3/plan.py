@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         trace = record_trace(model, make_inputs, config)
     prediction = predict(trace, config, args.world_size)
-    print(prediction.table())
+    sys.stdout.write(prediction.table() + "\n")
     if args.export:
         from .coordinator import trace_to_json
         from .trace import export_graph

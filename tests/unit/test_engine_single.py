@@ -32,6 +32,20 @@ def _gathered(p: nn.Parameter) -> torch.Tensor:
         return p.detach().clone()
 
 
+
+def _train_alongside(ref, ref_opt, engine, steps):
+    """Train the reference and the engine on the same batches; losses must match every step."""
+    for step in range(steps):
+        x, y = synthetic_batch(step, BATCH, CFG)
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+
 def _assert_same_params(model: nn.Module, ref: nn.Module) -> None:
     params = dict(model.named_parameters())
     assert params.keys() == dict(ref.named_parameters()).keys()
@@ -292,16 +306,7 @@ OPTIMIZERS = {
 def test_other_optimizers_match_the_reference(name):
     make = OPTIMIZERS[name]
     ref, ref_opt, model, engine = _gpt_pair(make_opt=make)
-    for step in range(STEPS):
-        x, y = synthetic_batch(step, BATCH, CFG)
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+    _train_alongside(ref, ref_opt, engine, STEPS)
     _assert_same_params(model, ref)
 
 
@@ -323,16 +328,7 @@ def test_optimizer_factory_matches_the_reference():
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     engine = zero3.initialize(model, lambda groups: torch.optim.SGD(groups, lr=0.1), NO_PERSIST)
     assert isinstance(engine.optimizer, torch.optim.SGD)
-    for step in range(STEPS):
-        x, y = synthetic_batch(step, BATCH, CFG)
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+    _train_alongside(ref, ref_opt, engine, STEPS)
     _assert_same_params(model, ref)
 
 
@@ -446,16 +442,7 @@ def test_initialize_after_remove_hooks_trains_again():
     ref, ref_opt, model, engine = _gpt_pair()
     engine.remove_hooks()
     engine = zero3.initialize(model, adamw(model.parameters()), NO_PERSIST)
-    for step in range(2):
-        x, y = synthetic_batch(step, BATCH, CFG)
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+    _train_alongside(ref, ref_opt, engine, 2)
     _assert_same_params(model, ref)
 
 
