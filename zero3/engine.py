@@ -18,7 +18,7 @@ from .grad import GradientReducer, grad_target
 from .hooks import ModuleHooks
 from .init import group_info
 from .metrics import StepMetrics
-from .optim import PartitionedOptimizer
+from .optim import PartitionedOptimizer, validate_optimizer
 from .param import ZeroParameter, convert, free_full
 from .precision import LossScaler, lower_precision, torch_dtype
 from .state import ParamStatus
@@ -39,7 +39,7 @@ class Engine:
         if model.__dict__.get("_zero3_engine") is not None:
             raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "
                                  "first, or keep using the engine it returned")
-        _validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
+        validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
         self.config = config
         self.group, self.world_size, self.rank = group_info(group)
         self.module = model
@@ -313,19 +313,6 @@ class Engine:
                 return ("module", target)
             raise ZeroConfigError(f"explain(): no parameter or module named {target!r}")
         raise ZeroConfigError(f"explain() takes a parameter, module, name or None, got {type(target).__name__}")
-
-
-def _validate_optimizer(optimizer: Any) -> None:
-    if optimizer is None or callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        return
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ZeroConfigError(
-            f"optimizer must be a torch.optim.Optimizer, a callable(param_groups) -> Optimizer, or None; "
-            f"got {type(optimizer).__name__}")
-    if len(optimizer.state) > 0:
-        raise ZeroStateError(
-            "the optimizer already has state (it has stepped); build it over model.parameters() and pass it "
-            "to zero3.initialize before any step")
 
 
 def initialize(model: nn.Module, optimizer: Any = None, config: Any = None, group: Any = None) -> Engine:

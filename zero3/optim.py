@@ -86,6 +86,15 @@ def shard_optimizer(optimizer: Any, params: Iterable[ZeroParameter]) -> torch.op
     raise _bad_optimizer(optimizer)
 
 
+def validate_optimizer(optimizer: Any) -> None:
+    """Reject what ``initialize`` cannot use, before it changes anything."""
+    if optimizer is None or (callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)):
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise _bad_optimizer(optimizer)
+    _check_fresh(optimizer)
+
+
 def _check_fresh(optimizer: torch.optim.Optimizer) -> None:
     if len(optimizer.state) > 0:
         raise ZeroStateError(
