@@ -280,7 +280,6 @@ class Engine:
         return {"param_shard_bytes": shard, "grad_shard_bytes": grad, "optimizer_state_bytes": optim,
                 "full_param_bytes": full, "gathered_param_bytes": gathered}
 
-
     # -- explain and export (the coordinator's trace and schedule) -------------------------------
     def explain(self, target: Any = None) -> list[str]:
         """Why each parameter was gathered, prefetched, kept or released in the last planned step.
