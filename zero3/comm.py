@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .errors import ZeroDivergenceError
 from .metrics import StepMetrics
-from .param import ZeroParameter, alloc_full, mark_available
+from .param import ZeroParameter, alloc_full, mark_available, raw_data
 from .state import ParamStatus
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,9 @@ class Communicator:
         self.reduce_impl = reduce_impl
         # Header checks cost a host round trip; on by default where collectives run on the CPU (gloo).
         self.verify = (backend == "gloo") if verify is None else verify
+        # NCCL only moves CUDA tensors; the header then costs a device round trip (hence off by default).
+        self._header_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
+            else torch.device("cpu")
         self._seq = 0
         self._side_stream: Any = None
 
@@ -112,7 +115,7 @@ class Communicator:
         if not params:
             return handle
         self.agree(f"all-gather for {tag or 'a user request'}", numel)
-        device = params[0]._zero.shard.device
+        device = raw_data(params[0]).device  # where the gathered tensor lives (shards may be on the CPU)
         use_stream = device.type == "cuda" and self.overlap
         if use_stream:
             if self._side_stream is None:
@@ -160,7 +163,7 @@ class Communicator:
         first = chunk.params[0]._zero.shard
         # Shards may live on the CPU (remote_device) while compute runs elsewhere; gather where the
         # placeholder lives.
-        device = chunk.params[0].data.device
+        device = raw_data(chunk.params[0]).device
         dtype = first.dtype
         if len(chunk.params) == 1:
             inp = chunk.params[0]._zero.shard.to(device=device, dtype=dtype)
@@ -194,10 +197,11 @@ class Communicator:
         if not self.verify or self.world_size == 1:
             return
         self._seq += 1
-        mine = torch.tensor([self._seq, zlib.crc32(what.encode()), numel], dtype=torch.int64)
-        everyone = torch.empty(3 * self.world_size, dtype=torch.int64)
+        mine = torch.tensor([self._seq, zlib.crc32(what.encode()), numel], dtype=torch.int64,
+                            device=self._header_device)
+        everyone = torch.empty(3 * self.world_size, dtype=torch.int64, device=self._header_device)
         _all_gather_flat(everyone, mine, group=self.group)
-        rows = everyone.view(self.world_size, 3)
+        rows = everyone.view(self.world_size, 3).cpu()
         if bool((rows == rows[0]).all()):
             return
         details: list[Any] = [None] * self.world_size
