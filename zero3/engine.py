@@ -261,7 +261,9 @@ class Engine:
         ``param_shard_bytes``: parameter shards in their dtype (flat buffers with their alignment gaps
         under mixed precision); ``grad_shard_bytes``: gradient shards (fp32 under mixed precision);
         ``optimizer_state_bytes``: the optimizer's per-element state plus the fp32 master shards when
-        they are separate from the parameter shards (the ZeRO paper's K bytes per parameter).
+        they are separate from the parameter shards (the ZeRO paper's K bytes per parameter);
+        ``gathered_param_bytes``: full tensors gathered now (persistent ones included);
+        ``persistent_param_bytes``: full tensors kept gathered for the whole run (not budgeted).
         """
         if self.partitioned is not None:
             shard = self.partitioned.shard_bytes()
@@ -277,8 +279,10 @@ class Engine:
         full = sum(p._zero.numel * p.data.element_size() for p in self.params)
         gathered = sum(p._zero.numel * p.data.element_size() for p in self.params
                        if p._zero.status is not ParamStatus.NOT_AVAILABLE)
+        persistent = sum(p._zero.numel * p.data.element_size() for p in self._persistent)
         return {"param_shard_bytes": shard, "grad_shard_bytes": grad, "optimizer_state_bytes": optim,
-                "full_param_bytes": full, "gathered_param_bytes": gathered}
+                "full_param_bytes": full, "gathered_param_bytes": gathered,
+                "persistent_param_bytes": persistent}
 
     # -- explain and export (the coordinator's trace and schedule) -------------------------------
     def explain(self, target: Any = None) -> list[str]:
