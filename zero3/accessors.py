@@ -105,7 +105,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     backward and ``engine.step()``."""
     p = _check(param, "safe_get_full_grad")
     engine = _engine(p, "safe_get_full_grad")
-    engine.reducer.flush()
+    engine.reducer.finish()
     g = grad_target(p).grad
     if g is None:
         return None

@@ -15,7 +15,7 @@ import logging
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -215,19 +215,35 @@ class Communicator:
     # -- gradients -------------------------------------------------------------------------------
     def reduce_flat(self, flat: torch.Tensor) -> torch.Tensor:
         """Average ``flat`` (``world * S`` elements, rank-major) over ranks; return this rank's S."""
+        return self.start_reduce(flat)()
+
+    def start_reduce(self, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Issue the averaging reduction of ``flat``; the returned function waits for it and gives
+        this rank's S elements. With ``overlap`` the collective runs while backward goes on (a gloo
+        background thread, or NCCL's stream); ``flat`` stays alive until then."""
         self.metrics.reduce_calls += 1
         self.metrics.reduce_numel += flat.numel()
         s = flat.numel() // self.world_size
         if self.world_size == 1:
-            return flat
+            return lambda: flat
         self.agree("gradient reduction", flat.numel())
         if self.reduce_impl == "all_reduce":
-            dist.all_reduce(flat, group=self.group)
             out = flat.view(self.world_size, s)[self.rank]
+            work = dist.all_reduce(flat, group=self.group, async_op=self.overlap)
         else:
             out = torch.empty(s, dtype=flat.dtype, device=flat.device)
-            _reduce_scatter_flat(out, flat, group=self.group)
-        return out.div_(self.world_size)
+            work = _reduce_scatter_flat(out, flat, group=self.group, async_op=self.overlap)
+
+        def done() -> torch.Tensor:
+            if work is not None:
+                t0 = time.perf_counter()
+                work.wait()
+                self.metrics.wait_seconds += time.perf_counter() - t0
+            del flat_ref[:]  # the input buffer may go now
+            return out.div_(self.world_size)
+
+        flat_ref = [flat]
+        return done
 
     def all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
         if self.world_size > 1:

@@ -143,7 +143,7 @@ class Engine:
             True if the optimizer stepped; False between boundaries, without an optimizer, or when
             an fp16 overflow on some rank made every rank skip the step (``engine.skipped_steps``).
         """
-        self.reducer.flush()
+        self.reducer.finish()
         if self.coordinator.in_step:
             self.coordinator.end_step()
         boundary = self.is_gradient_accumulation_boundary()

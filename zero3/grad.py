@@ -1,8 +1,9 @@
 """Gradient reduction: full gradients in, averaged gradient shards out, in buckets.
 
 A parameter's full gradient arrives once autograd has accumulated it (hooks.py); it is queued in the
-current bucket and the bucket is reduced when it holds ``reduce_bucket_size`` elements or when the
-backward ends. The bucket's gradients are cast to ``reduce_dtype`` and copied into one flat
+current bucket and the bucket's reduction is issued when it holds ``reduce_bucket_size`` elements
+(asynchronously with ``overlap_comm``, so it runs while backward goes on; at most one is in flight)
+and when the backward ends, which waits for all of them. The bucket's gradients are cast to ``reduce_dtype`` and copied into one flat
 rank-major buffer; the full gradients are dropped right then, before the collective runs. Each rank
 adds its slice of the average into the gradient of the tensor the optimizer steps on: the fp32
 master shard under mixed precision (``p._zero.extra["master"]``), else the shard itself. So
@@ -13,6 +14,8 @@ it is accumulated (the gradients are scaled, not the loss: docs/mixed_precision.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -36,10 +39,12 @@ class GradientReducer:
         self.accumulation_steps = accumulation_steps
         self._bucket: list[tuple[ZeroParameter, torch.Tensor]] = []
         self._numel = 0
+        self._in_flight: tuple[Callable[[], torch.Tensor], list[ZeroParameter]] | None = None
 
     @property
     def pending(self) -> int:
-        return len(self._bucket)
+        """Gradients queued or being reduced (not yet in their shards)."""
+        return len(self._bucket) + (len(self._in_flight[1]) if self._in_flight is not None else 0)
 
     def add(self, p: ZeroParameter, grad: torch.Tensor) -> None:
         self._bucket.append((p, grad))
@@ -47,7 +52,15 @@ class GradientReducer:
         if self._numel >= self.bucket_numel:
             self.flush()
 
+    def finish(self) -> None:
+        """Reduce what is queued and wait for every reduction: the gradient shards are complete."""
+        self.flush()
+        self._land()
+
     def flush(self) -> None:
+        """Issue the reduction of the current bucket (after landing the previous one: at most one
+        reduction is in flight, so memory stays at two buckets)."""
+        self._land()
         if not self._bucket:
             return
         bucket, self._bucket, self._numel = self._bucket, [], 0
@@ -71,7 +84,15 @@ class GradientReducer:
             off += s
             params.append(p)
         del bucket, g0, g, src  # the full gradients are freed here, before the collective
-        out = self.comm.reduce_flat(flat.view(-1))
+        self._in_flight = (self.comm.start_reduce(flat.view(-1)), params)
+
+    def _land(self) -> None:
+        """Wait for the reduction in flight and add each rank's slice into the gradient shards."""
+        if self._in_flight is None:
+            return
+        done, params = self._in_flight
+        self._in_flight = None
+        out = done()
         off = 0
         for p in params:
             s = p._zero.shard_numel

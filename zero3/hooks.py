@@ -278,7 +278,7 @@ class ModuleHooks:
 
     def _end_graph_task(self, task: int) -> None:
         self._queued_tasks.discard(task)
-        self.engine.reducer.flush()
+        self.engine.reducer.finish()  # after backward the gradient shards are complete
         if not self._queued_tasks:
             self.coordinator.end_backward()
             self.engine._on_backward_end()

@@ -342,7 +342,7 @@ def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.
             of a ``gradient_accumulation_steps`` window.
     """
     engine = _engine_of(engine_or_model)
-    engine.reducer.flush()
+    engine.reducer.finish()
     if not engine.is_gradient_accumulation_boundary():
         n = engine.config.gradient_accumulation_steps
         raise ZeroStateError(

@@ -384,8 +384,8 @@ def test_gradient_clipping_key_clips_inside_step_like_torch():
 def test_reduce_dtype_is_the_dtype_of_the_reduced_gradients():
     seen = []
     _, engine = pair("bf16", reduce_dtype="bf16")
-    real = engine.comm.reduce_flat
-    engine.comm.reduce_flat = lambda flat: (seen.append(flat.dtype), real(flat))[1]
+    real = engine.comm.start_reduce
+    engine.comm.start_reduce = lambda flat: (seen.append(flat.dtype), real(flat))[1]
     x, y = synthetic_batch(0, BATCH, CFG)
     engine.backward(lossf(engine, x, y))
     assert seen and set(seen) == {torch.bfloat16}
