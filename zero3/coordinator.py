@@ -77,7 +77,7 @@ class ParamCoordinator:
         self._announced: set[tuple[str, int, int]] = set()
         self._last_seen: dict[str, int] = {}  # key -> version of the trace the last such step had
         self._successor: dict[tuple[str, int | None], int] = {}  # (key, previous version) -> next
-        self._tag = ""  # what the current collective is for, for divergence messages
+        self._tag: tuple[EventKind, str] | None = None  # the event a collective serves (for messages)
         self.record_count = 0  # traces recorded (new orders)
         self.last_trace: Trace | None = None
         self.last_schedule: Schedule | None = None
@@ -105,7 +105,7 @@ class ParamCoordinator:
         if ids is None:
             ids = tuple(sorted({p._zero.id for p in params}))
         self._recorder.record(kind, module, ids)
-        self._tag = f"{kind.value} {module or '<root>'}"
+        self._tag = (kind, module)
         self._pin(kind, params)
         if self._following is not None:
             trace, schedule = self._following
@@ -283,7 +283,8 @@ class ParamCoordinator:
             self.metrics.prefetched += len(params)
         else:
             self.metrics.demand_fetches += len(params)
-        return self.comm.all_gather(params, prefetch=prefetch, tag=self._tag)
+        tag = "" if self._tag is None else f"{self._tag[0].value} {self._tag[1] or '<root>'}"
+        return self.comm.all_gather(params, prefetch=prefetch, tag=tag)
 
     def release(self, params: Iterable[ZeroParameter]) -> None:
         for p in params:
