@@ -186,9 +186,6 @@ class Engine:
                 free_full(p)
         self._gather_persistent()
 
-    def _on_backward_end(self) -> None:
-        pass
-
     def _finish_step(self) -> None:
         self.last_step_metrics = copy.copy(self.metrics)
         if logger.isEnabledFor(logging.DEBUG):

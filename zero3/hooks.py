@@ -281,7 +281,6 @@ class ModuleHooks:
         self.engine.reducer.finish()  # after backward the gradient shards are complete
         if not self._queued_tasks:
             self.coordinator.end_backward()
-            self.engine._on_backward_end()
 
 
 def _on_grad_weak(ref: "weakref.ref[ModuleHooks]", p: torch.Tensor) -> None:

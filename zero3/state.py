@@ -33,11 +33,3 @@ _LEGAL = {
 def check_transition(name: str, old: ParamStatus, new: ParamStatus) -> None:
     if (old, new) not in _LEGAL:
         raise ZeroStateError(f"parameter {name!r}: illegal status change {old.name} -> {new.name}")
-
-
-class Phase(Enum):
-    """What the engine is doing. IDLE between steps; FORWARD and BACKWARD inside them."""
-
-    IDLE = auto()
-    FORWARD = auto()
-    BACKWARD = auto()
