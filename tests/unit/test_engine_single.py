@@ -517,3 +517,31 @@ def test_an_engine_and_its_model_are_freed_without_remove_hooks():
     del engine, model
     gc.collect()
     assert ref() is None, "a reference cycle through C++-held hooks keeps the engine alive"
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_frozen_params_under_activation_checkpointing_train_like_the_reference(mode):
+    """DeepSpeed's users hit this combination (PEFT + checkpointing + ZeRO-3): recompute must see the
+    frozen weights gathered, and frozen weights get no gradient."""
+    cfg = GPTConfig(block_size=16, checkpoint=mode)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    for name, p in ref.named_parameters():
+        if ".attn." in name:
+            p.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    ref_opt = adamw([p for p in ref.parameters() if p.requires_grad])
+    engine = zero3.initialize(model, adamw([p for p in model.parameters() if p.requires_grad]),
+                              {**NO_PERSIST, "max_reuse_distance": 0, "prefetch_bucket_size": 3000})
+    for step in range(3):
+        x, y = synthetic_batch(step, BATCH, cfg)
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+        assert engine.coordinator.live_params == []
+    _assert_same_params(model, ref)
