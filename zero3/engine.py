@@ -144,6 +144,7 @@ class Engine:
             an fp16 overflow on some rank made every rank skip the step (``engine.skipped_steps``).
         """
         self.reducer.finish()
+        self.hooks.forget_graph_tasks()
         if self.coordinator.in_step:
             self.coordinator.end_step()
         boundary = self.is_gradient_accumulation_boundary()

@@ -276,6 +276,11 @@ class ModuleHooks:
         self._queued_tasks.add(task)
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_graph_task, task))
 
+    def forget_graph_tasks(self) -> None:
+        """Between steps no backward runs: drop callbacks of a backward that raised (autograd then
+        skips its final callbacks), so the next backward's end is seen again."""
+        self._queued_tasks.clear()
+
     def _end_graph_task(self, task: int) -> None:
         self._queued_tasks.discard(task)
         self.engine.reducer.finish()  # after backward the gradient shards are complete

@@ -545,3 +545,23 @@ def test_frozen_params_under_activation_checkpointing_train_like_the_reference(m
         torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
         assert engine.coordinator.live_params == []
     _assert_same_params(model, ref)
+
+
+def test_a_backward_that_raises_does_not_stop_later_steps_from_ending_their_backward():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), NO_PERSIST)
+
+    def boom(grad):
+        raise RuntimeError("boom in backward")
+
+    x = torch.randn(3, 4, requires_grad=True)
+    x.register_hook(boom)  # fires last: after zero3's hooks queued their end-of-backward callback
+    with pytest.raises(RuntimeError, match="boom in backward"):
+        model(x).sum().backward()
+    engine.step()  # recovers: releases everything, forgets the failed backward
+    assert engine.coordinator.live_params == []
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        assert not engine.coordinator.in_step, "the end of backward was not seen"
+        assert engine.coordinator.live_params == []
+        engine.step()
