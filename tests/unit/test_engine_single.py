@@ -13,6 +13,7 @@ from torch import nn
 import zero3
 from zero3 import ParamStatus, ZeroConfigError, ZeroStateError
 
+from _reference import step_both
 from gpt import GPT, GPTConfig, synthetic_batch
 
 CFG = GPTConfig(block_size=16)
@@ -37,14 +38,7 @@ def _train_alongside(ref, ref_opt, engine, steps):
     """Train the reference and the engine on the same batches; losses must match every step."""
     for step in range(steps):
         x, y = synthetic_batch(step, BATCH, CFG)
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+        step_both(ref, ref_opt, engine, x, y, rtol=RTOL)
 
 def _assert_same_params(model: nn.Module, ref: nn.Module) -> None:
     params = dict(model.named_parameters())
@@ -232,14 +226,7 @@ def test_budget_and_bucket_settings_train_like_the_reference(name):
     ref, ref_opt, model, engine = _gpt_pair(zcfg=BUDGETS[name])
     for step in range(4):  # past the first step, where a recorded trace may take over
         x, y = synthetic_batch(step, BATCH, CFG)
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+        step_both(ref, ref_opt, engine, x, y, rtol=RTOL)
         _assert_nothing_gathered(engine)
     _assert_same_params(model, ref)
 
@@ -266,14 +253,7 @@ def test_frozen_params_weights_changed_after_initialize_and_extra_forwards_match
         x, y = synthetic_batch(step, BATCH, CFG)
         # a "validation" forward with grad enabled and no backward must not disturb training
         torch.testing.assert_close(engine(x, y), ref(x, y), rtol=RTOL, atol=0)
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+        step_both(ref, ref_opt, engine, x, y, rtol=RTOL)
         _assert_nothing_gathered(engine)
     _assert_same_params(model, ref)
     assert torch.equal(_gathered(model.wpe.weight), ref.wpe.weight.detach())
@@ -535,14 +515,7 @@ def test_frozen_params_under_activation_checkpointing_train_like_the_reference(m
                               {**NO_PERSIST, "max_reuse_distance": 0, "prefetch_bucket_size": 3000})
     for step in range(3):
         x, y = synthetic_batch(step, BATCH, cfg)
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+        step_both(ref, ref_opt, engine, x, y, rtol=RTOL)
         assert engine.coordinator.live_params == []
     _assert_same_params(model, ref)
 

@@ -13,6 +13,7 @@ from torch.nn.modules import module as module_mod
 import zero3
 from zero3 import ParamStatus, ZeroStateError
 
+from _reference import step_both
 from gpt import GPT, GPTConfig, synthetic_batch
 
 CFG = GPTConfig(block_size=16)
@@ -76,14 +77,7 @@ def test_gpt_built_under_init_trains_like_the_plain_model():
                               {"param_persistence_threshold": 0})
     for step in range(3):
         x, y = synthetic_batch(step, 4, CFG)
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        step_both(ref, ref_opt, engine, x, y, rtol=1e-6)
     for name, r in ref.named_parameters():
         torch.testing.assert_close(_gathered(dict(model.named_parameters())[name]), r.detach(),
                                    rtol=1e-6, atol=1e-7, msg=name)
@@ -257,14 +251,7 @@ def test_weights_loaded_through_modifier_rank_train_like_the_reference():
                               {"param_persistence_threshold": 0})
     for step in range(2):
         x, y = synthetic_batch(step, 4, CFG)
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        step_both(ref, ref_opt, engine, x, y, rtol=1e-6)
     for name, r in ref.named_parameters():
         torch.testing.assert_close(_gathered(params[name]), r.detach(), rtol=1e-6, atol=1e-7, msg=name)
 
