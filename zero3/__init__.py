@@ -21,11 +21,10 @@ from .checkpoint import (
     CheckpointVersionError,
 )
 from .config import ZeroConfig
-from .engine import Engine, initialize
+from .engine import Engine, clip_grad_norm_, initialize
 from .errors import ZeroConfigError, ZeroDivergenceError, ZeroError, ZeroStateError
 from .init import GatheredParameters, Init, register_external_parameter
 from .metrics import StepMetrics
-from .optim import clip_grad_norm_
 from .param import ZeroParameter, is_partitioned
 from .precision import LossScaler
 from .state import ParamStatus

@@ -15,20 +15,15 @@ gradient shards, unscaled (divided by the fp16 loss scale if ``engine.backward``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from .comm import Kind, Tag
+from .context import RuntimeContext
 from .errors import ZeroStateError
-from .grad import grad_target
-from .param import ZeroParameter
+from .param import ZeroParameter, raw_data
 from .state import ParamStatus
-
-if TYPE_CHECKING:
-    from .engine import Engine
-
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _check(param: Any, what: str) -> ZeroParameter:
@@ -40,13 +35,15 @@ def _check(param: Any, what: str) -> ZeroParameter:
     return param
 
 
-def _engine(param: ZeroParameter, what: str) -> Engine:
-    engine: Engine | None = param._zero.extra.get("engine")
-    if engine is None:
+def _context(param: ZeroParameter, what: str) -> RuntimeContext:
+    """The context of the engine ``param`` belongs to."""
+    ctx = param._zero.ctx
+    if not isinstance(ctx, RuntimeContext) or ctx.module is None or \
+            ctx.module.__dict__.get("_zero3_context") is not ctx:
         raise ZeroStateError(f"{what}: {param._zero.summary()} belongs to no engine (zero3.initialize was not "
                              "called on its model, or remove_hooks() was); gradients and optimizer state exist "
                              "only under an engine")
-    return engine
+    return ctx
 
 
 def _gather(param: ZeroParameter, shard: torch.Tensor) -> torch.Tensor:
@@ -57,10 +54,9 @@ def _gather(param: ZeroParameter, shard: torch.Tensor) -> torch.Tensor:
     src = shard.detach().float()
     if z.world_size == 1:
         return src[: z.numel].clone().view(z.shape)
-    device = param.data.device  # where the collectives run (the shard may be offloaded)
-    out = torch.empty(z.world_size * z.shard_numel, dtype=torch.float32, device=device)
-    _all_gather_flat(out, src.to(device).contiguous(), group=z.group)
-    return out[: z.numel].view(z.shape)
+    device = raw_data(param).device  # where the collectives run (the shard may be offloaded)
+    rows = z.ctx.comm.all_gather_tensor(src.to(device), Tag(Kind.TENSOR_GATHER, f"accessor of {z.name}", (z.id,)))
+    return rows.reshape(-1)[: z.numel].view(z.shape)
 
 
 def _local_slice(param: ZeroParameter, t: torch.Tensor) -> torch.Tensor:
@@ -76,12 +72,12 @@ def _my_slice(param: ZeroParameter, value: torch.Tensor, what: str) -> torch.Ten
     return value.detach().reshape(-1)[start:end]
 
 
-def _inv_scale(engine: Engine) -> float:
-    return 1.0 / engine.partitioned.grad_scale if engine.partitioned is not None else 1.0
+def _inv_scale(ctx: RuntimeContext) -> float:
+    return 1.0 / ctx.grad_scale
 
 
-def _state(engine: Engine, param: ZeroParameter, key: str, what: str) -> torch.Tensor:
-    state = engine.optimizer_state(param)
+def _state(ctx: RuntimeContext, param: ZeroParameter, key: str, what: str) -> torch.Tensor:
+    state = ctx.optimizer_state(param)
     if key not in state:
         have = sorted(state) if state else "none yet (the optimizer has not stepped, or the parameter is frozen)"
         raise KeyError(f"{what}: {param._zero.summary()} has no optimizer state {key!r}; it has {have}")
@@ -96,7 +92,7 @@ def _state(engine: Engine, param: ZeroParameter, key: str, what: str) -> torch.T
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     """The full fp32 weight the optimizer steps on (master under mixed precision). A collective."""
     p = _check(param, "safe_get_full_fp32_param")
-    return _gather(p, grad_target(p))
+    return _gather(p, p._zero.train_tensor)
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -104,19 +100,19 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     none (frozen parameter, or no backward since the last step). A collective; call it between
     backward and ``engine.step()``."""
     p = _check(param, "safe_get_full_grad")
-    engine = _engine(p, "safe_get_full_grad")
-    engine.reducer.finish()
-    g = grad_target(p).grad
+    ctx = _context(p, "safe_get_full_grad")
+    ctx.finish_gradients()
+    g = p._zero.train_tensor.grad
     if g is None:
         return None
-    return _gather(p, g).mul_(_inv_scale(engine))
+    return _gather(p, g).mul_(_inv_scale(ctx))
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
     """The full optimizer state ``optim_state_key`` (e.g. ``"exp_avg"``) of ``param``. A collective."""
     p = _check(param, "safe_get_full_optimizer_state")
-    engine = _engine(p, "safe_get_full_optimizer_state")
-    return _gather(p, _state(engine, p, optim_state_key, "safe_get_full_optimizer_state"))
+    ctx = _context(p, "safe_get_full_optimizer_state")
+    return _gather(p, _state(ctx, p, optim_state_key, "safe_get_full_optimizer_state"))
 
 
 @torch.no_grad()
@@ -129,7 +125,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
     p = _check(param, "safe_set_full_fp32_param")
     z = p._zero
     mine = _my_slice(p, value, "safe_set_full_fp32_param")
-    master = grad_target(p)
+    master = p._zero.train_tensor
     master[: mine.numel()].copy_(mine)
     if master is not z.shard:
         z.shard.copy_(master)
@@ -144,8 +140,8 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
     The state must exist (the optimizer has stepped once). No collective.
     """
     p = _check(param, "safe_set_full_optimizer_state")
-    engine = _engine(p, "safe_set_full_optimizer_state")
-    state = _state(engine, p, optim_state_key, "safe_set_full_optimizer_state")
+    ctx = _context(p, "safe_set_full_optimizer_state")
+    state = _state(ctx, p, optim_state_key, "safe_set_full_optimizer_state")
     mine = _my_slice(p, value, "safe_set_full_optimizer_state")
     state[: mine.numel()].copy_(mine)
 
@@ -154,24 +150,24 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     """A copy of this rank's unpadded slice of the fp32 weight (master under mixed precision)."""
     p = _check(param, "safe_get_local_fp32_param")
-    return _local_slice(p, grad_target(p)).detach().float().clone()
+    return _local_slice(p, p._zero.train_tensor).detach().float().clone()
 
 
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     """A copy of this rank's unpadded slice of the accumulated gradient (fp32, unscaled), or None."""
     p = _check(param, "safe_get_local_grad")
-    engine = _engine(p, "safe_get_local_grad")
-    g = grad_target(p).grad
+    ctx = _context(p, "safe_get_local_grad")
+    g = p._zero.train_tensor.grad
     if g is None:
         return None
-    return _local_slice(p, g).float().mul(_inv_scale(engine))
+    return _local_slice(p, g).float().mul(_inv_scale(ctx))
 
 
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
     """A copy of this rank's unpadded slice of optimizer state ``optim_state_key``."""
     p = _check(param, "safe_get_local_optimizer_state")
-    engine = _engine(p, "safe_get_local_optimizer_state")
-    return _local_slice(p, _state(engine, p, optim_state_key, "safe_get_local_optimizer_state")).clone()
+    ctx = _context(p, "safe_get_local_optimizer_state")
+    return _local_slice(p, _state(ctx, p, optim_state_key, "safe_get_local_optimizer_state")).clone()
 
 
 @torch.no_grad()
@@ -180,7 +176,7 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
     a persistent parameter is re-gathered only by the next ``engine.refresh_from_masters()``."""
     p = _check(param, "safe_set_local_fp32_param")
     z = p._zero
-    master = grad_target(p)
+    master = p._zero.train_tensor
     local = _local_slice(p, master)
     if value.numel() != local.numel():
         raise ValueError(f"safe_set_local_fp32_param: {z.summary()} owns {local.numel()} elements on this rank, "
@@ -194,8 +190,8 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
 def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Set this rank's unpadded slice of optimizer state ``optim_state_key``. No collective."""
     p = _check(param, "safe_set_local_optimizer_state")
-    engine = _engine(p, "safe_set_local_optimizer_state")
-    local = _local_slice(p, _state(engine, p, optim_state_key, "safe_set_local_optimizer_state"))
+    ctx = _context(p, "safe_set_local_optimizer_state")
+    local = _local_slice(p, _state(ctx, p, optim_state_key, "safe_set_local_optimizer_state"))
     if value.numel() != local.numel():
         raise ValueError(f"safe_set_local_optimizer_state: {p._zero.summary()} owns {local.numel()} elements on "
                          f"this rank, got {value.numel()}")

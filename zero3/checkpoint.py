@@ -12,7 +12,7 @@ A checkpoint is a directory ``SAVE_DIR/TAG/``, and ``SAVE_DIR/latest`` names the
 The rank files are plain safetensors files (``safetensors.safe_open`` reads them). This module writes
 and reads them itself, so the package is not required. For a parameter ``name``, rank r's file holds
 only the *real* (unpadded) flat range that r owns (`sharding.shard_range`):
-- ``param/name``: that range of the full-precision master weights (``engine.master_shard``);
+- ``param/name``: that range of the full-precision master weights (``ctx.master_shard``);
 - ``optim/name/key``: the same range of every per-element optimizer state (Adam's moments);
 - ``optim/name/key`` whole, in every file, for state that is not per-element (Adam's 0-d ``step``);
 - ``buffer/name``: module buffers, in rank 0's file only.
@@ -46,10 +46,9 @@ import shutil
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import torch
-import torch.distributed as dist
 
 from ._safetensors import (
     SafetensorsHeader,
@@ -72,11 +71,10 @@ from .errors import (
     ZeroDivergenceError,
     ZeroStateError,
 )
+from .comm import Kind, Tag
+from .context import RuntimeContext
 from .param import ZeroParameter
 from .state import ParamStatus
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -84,39 +82,17 @@ FORMAT_NAME = "zero3-checkpoint"
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 LATEST_FILE = "latest"
-_CHUNK_BYTES = 16 << 20
-_MAX_HEADER_BYTES = 100 << 20
 
 
-_ERROR_TYPES: dict[str, type[Exception]] = {t.__name__: t for t in (
-    CheckpointError, CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError,
-    CheckpointVersionError, ZeroStateError, ZeroDivergenceError, TypeError, ValueError)}
+def exchange(ctx: RuntimeContext, payload: Any, error: BaseException | None, what: str) -> list[Any]:
+    """All-gather ``payload``; every rank raises if any rank had an ``error`` (see
+    `Communicator.agree_on_errors`)."""
+    return ctx.comm.agree_on_errors(payload, error, Tag(Kind.OBJECTS, what))
 
 
-def exchange(group: Any, world_size: int, rank: int, payload: Any, error: BaseException | None) -> list[Any]:
-    """All-gather ``payload`` and raise on every rank if any rank had an ``error``.
-
-    Every rank raises the error of the lowest failing rank (its own exception object where that is
-    itself), so all of them fail the same way and none waits in a later collective.
-    """
-    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        if error is not None:
-            raise error
-        return [payload]
-    described = None if error is None else (type(error).__name__, str(error))
-    items: list[Any] = [None] * world_size
-    dist.all_gather_object(items, (payload, described), group=group)
-    for r, (_, desc) in enumerate(items):
-        if desc is not None:
-            if r == rank and error is not None:
-                raise error
-            kind, message = desc
-            builtin = getattr(builtins, kind, None)  # OSError, KeyError, ...: the same type everywhere
-            cls = _ERROR_TYPES.get(kind) or (builtin if isinstance(builtin, type) and issubclass(builtin, Exception)
-                                             else RuntimeError)
-            raise cls(f"{message} [raised on rank {r}]" if cls is not RuntimeError
-                      else f"rank {r} failed with {kind}: {message}")
-    return [p for p, _ in items]
+def _torch_optimizer(ctx: RuntimeContext) -> torch.optim.Optimizer:
+    assert ctx.optimizer is not None
+    return ctx.optimizer.optimizer
 
 
 # -- JSON for small state (hyperparameters, scheduler, client state, RNG) --------------------------
@@ -205,12 +181,12 @@ def rank_file_name(rank: int, world_size: int) -> str:
     return f"rank_{rank:05d}-of-{world_size:05d}.safetensors"
 
 
-def _model_entries(engine: Engine) -> tuple[list[list[str]], dict[str, torch.Tensor]]:
+def _model_entries(ctx: RuntimeContext) -> tuple[list[list[str]], dict[str, torch.Tensor]]:
     """(state_dict layout, buffers): layout rows are [key, "param", canonical name] or [key, "buffer", key]."""
-    canonical = {id(p): p._zero.name for p in engine.params}
+    canonical = {id(p): p._zero.name for p in ctx.params}
     layout: list[list[str]] = []
     buffers: dict[str, torch.Tensor] = {}
-    for key, value in engine.module.state_dict(keep_vars=True).items():
+    for key, value in ctx.module.state_dict(keep_vars=True).items():
         if isinstance(value, ZeroParameter) and id(value) in canonical:
             layout.append([key, "param", canonical[id(value)]])
         elif isinstance(value, torch.Tensor):
@@ -223,12 +199,12 @@ def _is_sharded_state(v: Any, master: torch.Tensor) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == master.numel()
 
 
-def _optimizer_groups(engine: Engine) -> list[dict[str, Any]]:
+def _optimizer_groups(ctx: RuntimeContext) -> list[dict[str, Any]]:
     """Each param group's hyperparameters, with the names of its parameters instead of tensors."""
-    assert engine.optimizer is not None
-    names = {id(engine.master_shard(p)): p._zero.name for p in engine.params}
+    assert ctx.optimizer is not None
+    names = {id(p._zero.train_tensor): p._zero.name for p in ctx.params}
     groups = []
-    for i, g in enumerate(engine.optimizer.param_groups):
+    for i, g in enumerate(_torch_optimizer(ctx).param_groups):
         hyper = {k: to_json(v, f"optimizer.param_groups[{i}][{k!r}]") for k, v in g.items() if k != "params"}
         hyper["params"] = [names.get(id(t), f"<unnamed {tuple(t.shape)}>") for t in g["params"]]
         groups.append(hyper)
@@ -236,17 +212,17 @@ def _optimizer_groups(engine: Engine) -> list[dict[str, Any]]:
 
 
 # -- save ---------------------------------------------------------------------------------------------
-def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str | None = None,
+def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: str | None = None,
                     client_state: Any = None, *, lr_scheduler: Any = None) -> str:
-    """Write a sharded checkpoint of ``engine`` to ``save_dir/tag`` and point ``save_dir/latest`` at it.
+    """Write a sharded checkpoint of the engine whose context is ``ctx`` to ``save_dir/tag`` and point ``save_dir/latest`` at it.
 
     A collective: call it on every rank, between steps. Each rank writes only the real elements it owns
     of the fp32 master weights and optimizer state; see the module [Note: checkpoint format].
 
     Args:
-        engine: the engine to save.
+        ctx: the engine's runtime context (``engine.context``).
         save_dir: directory holding the tags and ``latest`` (shared by all ranks).
-        tag: sub-directory name; default ``global_step{engine.global_steps}``. An existing tag is replaced.
+        tag: sub-directory name; default ``global_step{ctx.global_steps}``. An existing tag is replaced.
         client_state: anything made of tensors, numbers, strings, lists, tuples and dicts; returned by
             `load_checkpoint`.
         lr_scheduler: a ``torch.optim.lr_scheduler`` whose ``state_dict()`` is saved with it.
@@ -259,10 +235,10 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
         TypeError: ``client_state`` or the scheduler state holds an object that cannot be stored.
         OSError: writing failed (on any rank: every rank raises).
     """
-    tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    tag = _check_tag(tag if tag is not None else f"global_step{ctx.global_steps}")
     root = Path(save_dir)
     staging = root / f".{tag}.partial"
-    group, world, rank = engine.group, engine.world_size, engine.rank
+    world, rank = ctx.world_size, ctx.rank
     shared: dict[str, Any] = {}
     error: BaseException | None = None
     try:  # 1. rank 0 prepares the staging directory and encodes what only it writes
@@ -270,7 +246,7 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
             shared["client_state"] = to_json(client_state, "client_state")
             sched = lr_scheduler.state_dict() if lr_scheduler is not None else None
             shared["lr_scheduler"] = to_json(sched, "lr_scheduler.state_dict()")
-            scaler = getattr(engine, "loss_scaler", None)
+            scaler = ctx.optimizer.scaler if ctx.optimizer is not None else None
             scaler_state = scaler.state_dict() if scaler is not None and hasattr(scaler, "state_dict") else None
             shared["loss_scaler"] = to_json(scaler_state, "loss_scaler.state_dict()")
             root.mkdir(parents=True, exist_ok=True)
@@ -279,7 +255,7 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
             staging.mkdir()
     except Exception as exc:  # noqa: BLE001 - agreed across ranks below
         error = exc
-    tags = exchange(group, world, rank, tag, error)
+    tags = exchange(ctx, tag, error, "save_checkpoint (tag)")
     if len(set(tags)) > 1:
         raise ValueError(f"save_checkpoint got different tags on different ranks: {tags}; pass the same tag "
                          "(or none) on every rank")
@@ -287,19 +263,19 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     info: dict[str, Any] = {}
     writer: SafetensorsWriter | None = None
     try:  # 2. every rank writes its own file
-        layout, buffers = _model_entries(engine)
+        layout, buffers = _model_entries(ctx)
         specs: list[tuple[str, torch.dtype, Sequence[int]]] = []
         tensors: list[torch.Tensor] = []
         ranges, states = [], []
-        for p in engine.params:
+        for p in ctx.params:
             z = p._zero
             start, end = z.shard_range()
             n = max(end - start, 0)
-            master = engine.master_shard(p)
+            master = p._zero.train_tensor
             ranges.append([start, start + n])
             pieces = [(f"param/{z.name}", master[:n])] if n else []
             kinds: dict[str, Any] = {}
-            for key, v in engine.optimizer_state(p).items():
+            for key, v in ctx.optimizer_state(p).items():
                 skey = f"optim/{z.name}/{key}"
                 if _is_sharded_state(v, master):
                     kinds[key] = {"kind": "sharded", "dtype": dtype_name(v.dtype)}
@@ -334,39 +310,39 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
         if writer is not None:
             writer.abort()
         error = exc
-    infos = exchange(group, world, rank, info, error)
+    infos = exchange(ctx, info, error, "save_checkpoint (rank files)")
 
     try:  # 3. rank 0 writes the metadata, publishes the directory, then moves `latest`
         if rank == 0:
-            meta = _build_metadata(engine, tag, infos, shared)
+            meta = _build_metadata(ctx, tag, infos, shared)
             atomic_write_bytes(staging / METADATA_FILE, json.dumps(meta, indent=1).encode())
             fsync_dir(staging)
             _publish(root, staging, tag)
     except Exception as exc:  # noqa: BLE001
         error = exc
-    exchange(group, world, rank, None, error)
+    exchange(ctx, None, error, "save_checkpoint (publish)")
     logger.info("zero3::checkpoint saved %s (rank %d of %d)", root / tag, rank, world)
     return str(root / tag)
 
 
-def _build_metadata(engine: Engine, tag: str, infos: list[dict[str, Any]], shared: dict[str, Any]) -> dict[str, Any]:
+def _build_metadata(ctx: RuntimeContext, tag: str, infos: list[dict[str, Any]], shared: dict[str, Any]) -> dict[str, Any]:
     first = infos[0]
     aliases: dict[str, list[str]] = {}
     for key, kind, name in first["layout"]:
         if kind == "param" and key != name:
             aliases.setdefault(name, []).append(key)
     params = []
-    for i, p in enumerate(engine.params):
+    for i, p in enumerate(ctx.params):
         z = p._zero
         params.append({
             "name": z.name, "shape": list(z.shape), "dtype": dtype_name(z.dtype),
-            "master_dtype": dtype_name(engine.master_shard(p).dtype), "numel": z.numel,
+            "master_dtype": dtype_name(p._zero.train_tensor.dtype), "numel": z.numel,
             "aliases": aliases.get(z.name, []), "ranges": [info["ranges"][i] for info in infos],
             "optimizer_state": first["states"][i],
         })
     optimizer = None
-    if engine.optimizer is not None:
-        optimizer = {"class": type(engine.optimizer).__name__, "param_groups": _optimizer_groups(engine)}
+    if ctx.optimizer is not None:
+        optimizer = {"class": type(_torch_optimizer(ctx)).__name__, "param_groups": _optimizer_groups(ctx)}
     try:
         from importlib.metadata import version
         zero3_version = version("zero3")
@@ -374,9 +350,9 @@ def _build_metadata(engine: Engine, tag: str, infos: list[dict[str, Any]], share
         zero3_version = "unknown"
     return {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "zero3_version": zero3_version,
-        "torch_version": torch.__version__, "tag": tag, "world_size": engine.world_size,
-        "global_steps": engine.global_steps, "micro_steps": getattr(engine, "micro_steps", None),
-        "config": {k: _json_or_repr(v) for k, v in engine.config.to_dict().items()},  # informational
+        "torch_version": torch.__version__, "tag": tag, "world_size": ctx.world_size,
+        "global_steps": ctx.global_steps, "micro_steps": ctx.micro_steps,
+        "config": {k: _json_or_repr(v) for k, v in ctx.config.to_dict().items()},  # informational
         "files": [{"file": info["file"], "rank": info["rank"], "bytes": info["bytes"], "sha256": info["sha256"]}
                   for info in infos],
         "params": params, "buffers": first["buffers"], "state_dict": first["layout"], "optimizer": optimizer,
@@ -556,8 +532,8 @@ class _LoadPlan:
         self.needed.setdefault(j, []).append((key, numel, dtype))
 
 
-def _plan_load(engine: Engine, reader: CheckpointReader, load_optimizer_states: bool) -> _LoadPlan:
-    names = {p._zero.name: p for p in engine.params}
+def _plan_load(ctx: RuntimeContext, reader: CheckpointReader, load_optimizer_states: bool) -> _LoadPlan:
+    names = {p._zero.name: p for p in ctx.params}
     problems = []
     missing = [n for n in names if n not in reader.params]
     unexpected = [n for n in reader.params if n not in names]
@@ -569,7 +545,7 @@ def _plan_load(engine: Engine, reader: CheckpointReader, load_optimizer_states: 
         if n in reader.params and reader.params[n].shape != tuple(p._zero.shape):
             problems.append(f"{n}: shape {list(reader.params[n].shape)} in the checkpoint, "
                             f"{list(p._zero.shape)} in the model")
-    _, buffers = _model_entries(engine)
+    _, buffers = _model_entries(ctx)
     for k, b in buffers.items():
         if k not in reader.buffers:
             problems.append(f"buffer missing from the checkpoint: {k}")
@@ -584,24 +560,24 @@ def _plan_load(engine: Engine, reader: CheckpointReader, load_optimizer_states: 
                                       + ". Load it into the model it was saved from, or load matching weights "
                                       "with zero3.pretrained.load_state_dict(..., strict=False)")
     opt_meta = reader.meta.get("optimizer")
-    load_opt = load_optimizer_states and engine.optimizer is not None
+    load_opt = load_optimizer_states and ctx.optimizer is not None
     if load_opt:
         if opt_meta is None:
             raise CheckpointMismatchError(f"{reader.metadata_path}: the checkpoint has no optimizer state (it was "
                                           "saved without an optimizer); pass load_optimizer_states=False")
-        ours = _optimizer_groups(engine)
-        if opt_meta["class"] != type(engine.optimizer).__name__:
+        ours = _optimizer_groups(ctx)
+        if opt_meta["class"] != type(_torch_optimizer(ctx)).__name__:
             raise CheckpointMismatchError(
                 f"{reader.metadata_path}: optimizer {opt_meta['class']} in the checkpoint, "
-                f"{type(engine.optimizer).__name__} in the engine; pass load_optimizer_states=False to load weights only")
+                f"{type(_torch_optimizer(ctx)).__name__} in the engine; pass load_optimizer_states=False to load weights only")
         theirs = opt_meta["param_groups"]
         if [g["params"] for g in theirs] != [g["params"] for g in ours]:
             raise CheckpointMismatchError(
                 f"{reader.metadata_path}: optimizer param groups differ: checkpoint "
                 f"{[len(g['params']) for g in theirs]} params per group, engine {[len(g['params']) for g in ours]} "
                 f"(first difference: {_first_group_difference(theirs, ours)})")
-    same_world = reader.world_size == engine.world_size
-    plan = _LoadPlan(load_optimizer=load_opt, replicated_file=engine.rank if same_world else 0)
+    same_world = reader.world_size == ctx.world_size
+    plan = _LoadPlan(load_optimizer=load_opt, replicated_file=ctx.rank if same_world else 0)
     for n, p in names.items():
         pm = reader.params[n]
         start, end = p._zero.shard_range()
@@ -622,7 +598,7 @@ def _plan_load(engine: Engine, reader: CheckpointReader, load_optimizer_states: 
         for d in shape:
             numel *= d
         plan.need(0, f"buffer/{k}", numel, dtype)
-    gathered = [p._zero.name for p in engine.params
+    gathered = [p._zero.name for p in ctx.params
                 if p._zero.status is not ParamStatus.NOT_AVAILABLE and not p._zero.persistent]
     if gathered:
         raise ZeroStateError(f"load_checkpoint while parameters are gathered ({', '.join(gathered[:5])}); call it "
@@ -639,17 +615,17 @@ def _first_group_difference(theirs: list[dict[str, Any]], ours: list[dict[str, A
     return "parameter order within a group"
 
 
-def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str | None = None, *,
+def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: str | None = None, *,
                     lr_scheduler: Any = None, load_optimizer_states: bool = True,
                     verify: bool = True) -> tuple[str, Any]:
-    """Load a checkpoint written by `save_checkpoint` at any world size into ``engine``.
+    """Load a checkpoint written by `save_checkpoint` at any world size into the engine of ``ctx``.
 
     A collective. At the saving world size the result is bit-for-bit what was saved; at another, each
     rank reads only the element ranges it now owns (weights and optimizer moments). Everything is
     validated first, on every rank, and nothing changes if anything is wrong.
 
     Args:
-        engine: the engine to load into (the same model; any world size).
+        ctx: the runtime context of the engine to load into (the same model; any world size).
         load_dir: the directory given to `save_checkpoint`.
         tag: which checkpoint; default: the one ``load_dir/latest`` names.
         lr_scheduler: if given, its state is restored from the checkpoint.
@@ -670,35 +646,35 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
     error: BaseException | None = None
     try:
         reader = CheckpointReader(load_dir, tag)
-        plan = _plan_load(engine, reader, load_optimizer_states)
-        reader.check_files(range(engine.rank, reader.world_size, engine.world_size) if verify else ())
+        plan = _plan_load(ctx, reader, load_optimizer_states)
+        reader.check_files(range(ctx.rank, reader.world_size, ctx.world_size) if verify else ())
         for j, keys in plan.needed.items():
             for key, numel, dtype in keys:
                 reader.check_entry(j, key, numel, dtype)
     except Exception as exc:  # noqa: BLE001 - agreed across ranks below
         error = exc
     try:
-        exchange(engine.group, engine.world_size, engine.rank, None, error)
+        exchange(ctx, None, error, "load_checkpoint validation")
     except BaseException:
         if reader is not None:
             reader.close()
         raise
     assert reader is not None and plan is not None
     with reader, torch.no_grad():
-        _apply(engine, reader, plan, lr_scheduler)
+        _apply(ctx, reader, plan, lr_scheduler)
     logger.info("zero3::checkpoint loaded %s (saved by %d ranks) on rank %d of %d", reader.path,
-                reader.world_size, engine.rank, engine.world_size)
+                reader.world_size, ctx.rank, ctx.world_size)
     return str(reader.path), from_json(reader.meta.get("client_state"))
 
 
-def _apply(engine: Engine, reader: CheckpointReader, plan: _LoadPlan, lr_scheduler: Any) -> None:
+def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_scheduler: Any) -> None:
     meta = reader.meta
-    for p in engine.params:
+    for p in ctx.params:
         z = p._zero
         pm = reader.params[z.name]
         start, end = z.shard_range()
         n = max(end - start, 0)
-        master = engine.master_shard(p)
+        master = p._zero.train_tensor
         master[n:].zero_()
         reader.read_flat(pm, f"param/{z.name}", start, start + n, master[:n])
         if master is not z.shard:
@@ -706,19 +682,22 @@ def _apply(engine: Engine, reader: CheckpointReader, plan: _LoadPlan, lr_schedul
         if master.grad is not None:
             master.grad = None
         if plan.load_optimizer:
-            assert engine.optimizer is not None
-            _load_state(engine, reader, plan, pm, master, start, n)
-    _, buffers = _model_entries(engine)
+            assert ctx.optimizer is not None
+            _load_state(ctx, reader, plan, pm, master, start, n)
+    _, buffers = _model_entries(ctx)
     for k, b in buffers.items():
         reader.read(0, f"buffer/{k}", 0, b)
-    engine.zero_grad()
-    engine._refresh_persistent()
-    engine.global_steps = int(meta["global_steps"])
-    if meta.get("micro_steps") is not None and hasattr(engine, "micro_steps"):
-        engine.micro_steps = int(meta["micro_steps"])
+    for p in ctx.params:
+        p._zero.train_tensor.grad = None
+    if ctx.optimizer is not None:
+        ctx.optimizer.zero_grad()
+    ctx.coordinator.refresh_persistent()
+    ctx.global_steps = int(meta["global_steps"])
+    if meta.get("micro_steps") is not None:
+        ctx.micro_steps = int(meta["micro_steps"])
     if plan.load_optimizer:
-        assert engine.optimizer is not None
-        for group, saved in zip(engine.optimizer.param_groups, meta["optimizer"]["param_groups"]):
+        assert ctx.optimizer is not None
+        for group, saved in zip(_torch_optimizer(ctx).param_groups, meta["optimizer"]["param_groups"]):
             for k, v in saved.items():
                 if k != "params":
                     group[k] = from_json(v)
@@ -727,21 +706,21 @@ def _apply(engine: Engine, reader: CheckpointReader, plan: _LoadPlan, lr_schedul
             logger.warning("zero3::checkpoint %s holds no scheduler state; the scheduler is unchanged", reader.path)
         else:
             lr_scheduler.load_state_dict(from_json(meta["lr_scheduler"]))
-    scaler = getattr(engine, "loss_scaler", None)
+    scaler = ctx.optimizer.scaler if ctx.optimizer is not None else None
     if scaler is not None and hasattr(scaler, "load_state_dict") and meta.get("loss_scaler") is not None:
         scaler.load_state_dict(from_json(meta["loss_scaler"]))
-    if reader.world_size == engine.world_size:
-        _set_rng_state(from_json(meta["rng"][engine.rank]))
+    if reader.world_size == ctx.world_size:
+        _set_rng_state(from_json(meta["rng"][ctx.rank]))
     else:
         logger.info("zero3::checkpoint saved by %d ranks, loaded on %d: RNG states are not restored",
-                    reader.world_size, engine.world_size)
+                    reader.world_size, ctx.world_size)
 
 
-def _load_state(engine: Engine, reader: CheckpointReader, plan: _LoadPlan, pm: ParamMeta,
+def _load_state(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, pm: ParamMeta,
                 master: torch.Tensor, start: int, n: int) -> None:
-    assert engine.optimizer is not None
-    old = engine.optimizer.state.get(master, {})
-    group = next((g for g in engine.optimizer.param_groups if any(t is master for t in g["params"])), {})
+    assert ctx.optimizer is not None
+    old = _torch_optimizer(ctx).state.get(master, {})
+    group = next((g for g in _torch_optimizer(ctx).param_groups if any(t is master for t in g["params"])), {})
     on_device = bool(group.get("capturable") or group.get("fused"))
     new: dict[str, Any] = {}
     for key, info in pm.state.items():
@@ -765,9 +744,9 @@ def _load_state(engine: Engine, reader: CheckpointReader, plan: _LoadPlan, pm: P
             reader.read(plan.replicated_file, skey, 0, t)
         new[key] = t
     if new:
-        engine.optimizer.state[master] = new
+        _torch_optimizer(ctx).state[master] = new
     else:
-        engine.optimizer.state.pop(master, None)
+        _torch_optimizer(ctx).state.pop(master, None)
 
 
 __all__ = [

@@ -130,10 +130,6 @@ class ZeroConfig:
         if self.min_loss_scale <= 0:
             raise ZeroConfigError(f"min_loss_scale must be > 0, got {self.min_loss_scale!r}")
 
-    @property
-    def budgets_in_bytes(self) -> bool:
-        return self.max_live_bytes is not None
-
     # -- construction from dicts and files -------------------------------------------------------
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ZeroConfig":

@@ -28,20 +28,15 @@ import pickle
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ._safetensors import SafetensorsWriter, dtype_name, parse_dtype
 from .checkpoint import CheckpointReader, ParamMeta, from_json
+from .comm import Kind, Tag
+from .context import RuntimeContext
 from .param import ZeroParameter
-
-# torch 2.13 renamed the flat all-gather; keep working on the older name (as comm.py does).
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 """(key written, dtype written, shape) of one output tensor."""
@@ -310,39 +305,40 @@ def _write_pt(reader: CheckpointReader, out: Path, layout: list[Row], specs: lis
 
 
 # -- live: engine -> state dict -------------------------------------------------------------------
-def consolidated_state_dict(engine: Engine, rank0_only: bool = True, *,
+def consolidated_state_dict(ctx: RuntimeContext, rank0_only: bool = True, *,
                             dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The full state dict of ``engine``'s model (fp32 master weights), built module by module.
+    """The full state dict of the engine's model (fp32 master weights), built module by module.
 
     A collective. Each module's master shards are gathered with one collective, straight onto rank 0
     (``rank0_only``) or onto every rank, so the other ranks never hold more than their shards. Tied
     parameters stay tied: both names map to the same tensor object, as in ``model.state_dict()``.
 
     Args:
-        engine: the engine.
+        ctx: the engine's runtime context (``engine.context``).
         rank0_only: only rank 0 gets the tensors; the others get ``{}``.
         dtype: cast floating-point tensors to this dtype (default: the master dtype, fp32).
 
     Returns:
         ``{name: CPU tensor}`` in ``model.state_dict()`` order (``{}`` off rank 0 with ``rank0_only``).
     """
-    keep = engine.rank == 0 or not rank0_only
+    assert ctx.module is not None
+    keep = ctx.rank == 0 or not rank0_only
     full: dict[int, torch.Tensor] = {}
     done: set[int] = set()
-    for module in engine.module.modules():
+    for module in ctx.module.modules():
         params = []
         for p in module._parameters.values():
             if isinstance(p, ZeroParameter) and id(p) not in done:
                 done.add(id(p))
                 params.append(p)
         if params:
-            for p, t in zip(params, _gather_masters(engine, params, rank0_only)):
+            for p, t in zip(params, _gather_masters(ctx, params, rank0_only)):
                 if keep:
                     full[id(p)] = _cast(t, dtype)
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
-    for key, value in engine.module.state_dict(keep_vars=True).items():
+    for key, value in ctx.module.state_dict(keep_vars=True).items():
         if isinstance(value, ZeroParameter):
             out[key] = full[id(value)]
         elif isinstance(value, torch.Tensor):
@@ -350,27 +346,20 @@ def consolidated_state_dict(engine: Engine, rank0_only: bool = True, *,
     return out
 
 
-def _gather_masters(engine: Engine, params: list[ZeroParameter], rank0_only: bool) -> list[torch.Tensor]:
+def _gather_masters(ctx: RuntimeContext, params: list[ZeroParameter], rank0_only: bool) -> list[torch.Tensor]:
     """Full master tensors (on the CPU) of ``params``, one collective per dtype; ``[]`` where not received."""
-    masters = [engine.master_shard(p) for p in params]
-    world = engine.world_size
-    receive = engine.rank == 0 or not rank0_only
+    masters = [p._zero.train_tensor for p in params]
+    receive = ctx.rank == 0 or not rank0_only
     out: dict[int, torch.Tensor] = {}
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, m in enumerate(masters):
         by_dtype.setdefault(m.dtype, []).append(i)
     for idx in by_dtype.values():
         flat = torch.cat([masters[i].detach().reshape(-1) for i in idx])
-        if world == 1:
-            rows = flat.view(1, -1)
-        elif not rank0_only:
-            rows = torch.empty(world, flat.numel(), dtype=flat.dtype, device=flat.device)
-            _all_gather_flat(rows.view(-1), flat, group=engine.group)
-        elif engine.rank == 0:
-            rows = torch.empty(world, flat.numel(), dtype=flat.dtype, device=flat.device)
-            dist.gather(flat, list(rows.unbind(0)), dst=_global_rank0(engine), group=engine.group)
-        else:
-            dist.gather(flat, None, dst=_global_rank0(engine), group=engine.group)
+        tag = Tag(Kind.GATHER_TO_ROOT if rank0_only else Kind.TENSOR_GATHER, "consolidated_state_dict",
+                  tuple(params[i]._zero.id for i in idx))
+        rows = ctx.comm.gather_to_rank0(flat, tag) if rank0_only else ctx.comm.all_gather_tensor(flat, tag)
+        if rows is None:
             continue
         off = 0
         for i in idx:
@@ -379,10 +368,6 @@ def _gather_masters(engine: Engine, params: list[ZeroParameter], rank0_only: boo
             out[i] = rows[:, off: off + s].reshape(-1)[: p._zero.numel].view(p._zero.shape).to("cpu", copy=True)
             off += s
     return [out[i] for i in range(len(params))] if receive else []
-
-
-def _global_rank0(engine: Engine) -> int:
-    return dist.get_global_rank(engine.group, 0) if engine.group is not None else 0
 
 
 # -- CLI ----------------------------------------------------------------------------------------------

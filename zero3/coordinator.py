@@ -1,10 +1,15 @@
 """`ParamCoordinator`: decides when parameters are gathered and released, and keeps the books.
 
-The hooks (hooks.py) report module events. Every step is recorded (trace.py); when a step ends its
-events are frozen into a `Trace`, and the next step that begins the same way follows the `Schedule`
-that ``schedule.plan`` computed for it: prefetch buckets, reuse-distance keeps and Belady evictions
-under a hard live budget. Without a matching trace the coordinator fetches on demand and releases
-right after use, under the same hard budget.
+It is the one driver of parameter status: every NOT_AVAILABLE -> INFLIGHT -> AVAILABLE ->
+NOT_AVAILABLE change of a partitioned parameter goes through it (param.py has the primitives, the
+communicator only moves bytes). The hooks (hooks.py) report module events; ``GatheredParameters``
+pins and unpins; the optimizer side asks for persistent parameters to be refreshed.
+
+Every step is recorded (trace.py); when a step ends its events are frozen into a `Trace`, and the
+next step that begins the same way follows the `Schedule` that ``schedule.plan`` computed for it:
+prefetch buckets, reuse-distance keeps and Belady evictions under a hard live budget. Without a
+matching trace the coordinator fetches on demand and releases right after use, under the same hard
+budget and with the same eviction policy (`schedule.eviction_order`).
 
 [Note: following a trace]
 Each event is compared with the next event of the followed trace (kind, module, parameter ids). On
@@ -21,20 +26,24 @@ it is released; ``metrics.live_numel`` is their element count and `check_valid` 
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 
-from .comm import Communicator
+from . import param as zparam
+from .comm import Communicator, GatherWork, Kind, Tag
 from .config import ZeroConfig
 from .errors import ZeroStateError
 from .metrics import StepMetrics
-from .param import ZeroParameter, free_full
-from .schedule import PlanConfig, Schedule, plan
+from .param import ZeroParameter
+from .schedule import PlanConfig, Schedule, eviction_order, plan
 from .state import ParamStatus
-from .trace import EventKind, ParamInfo, Trace, TraceRecorder
+from .trace import Event, EventKind, ParamInfo, Trace, TraceRecorder, export_graph
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +66,23 @@ def plan_config(config: ZeroConfig) -> PlanConfig:
                       unit="bytes")
 
 
+@dataclass(eq=False)
+class _Inflight:
+    """One issued gather: the communicator's work and the parameters it fills."""
+
+    work: GatherWork
+    params: list[ZeroParameter]
+    done: bool = False
+
+
+@dataclass(eq=False)
+class _Following:
+    trace: Trace
+    schedule: Schedule
+    cursor: int = 0
+    next_use: dict[int, list[int]] = field(default_factory=dict)  # param id -> PRE event indices
+
+
 class ParamCoordinator:
     def __init__(self, config: ZeroConfig, comm: Communicator, metrics: StepMetrics,
                  params: Sequence[ZeroParameter] = ()) -> None:
@@ -67,17 +93,17 @@ class ParamCoordinator:
         self._live: dict[int, ZeroParameter] = {}
         self._recorder = TraceRecorder()
         self._by_id: dict[int, ZeroParameter] = {}
+        self.persistent: list[ZeroParameter] = []
         self.register(params)
         self._traces: OrderedDict[str, list[tuple[Trace, Schedule]]] = OrderedDict()
         self._versions = 0
         self._step_key: str | None = None
-        self._following: tuple[Trace, Schedule] | None = None
-        self._cursor = 0
+        self._following: _Following | None = None
         self._diverged = False
         self._announced: set[tuple[str, int, int]] = set()
         self._last_seen: dict[str, int] = {}  # key -> version of the trace the last such step had
         self._successor: dict[tuple[str, int | None], int] = {}  # (key, previous version) -> next
-        self._tag: tuple[EventKind, str] | None = None  # the event a collective serves (for messages)
+        self._event: tuple[EventKind, str] | None = None  # the event a gather serves (for its tag)
         self.record_count = 0  # traces recorded (new orders)
         self.last_trace: Trace | None = None
         self.last_schedule: Schedule | None = None
@@ -93,6 +119,37 @@ class ParamCoordinator:
     def _live_size(self) -> int:
         return self.metrics.live_bytes if self.plan_config.unit == "bytes" else self.metrics.live_numel
 
+    # -- persistent parameters -------------------------------------------------------------------
+    def mark_persistent(self, params: Sequence[ZeroParameter]) -> None:
+        """Small params stay gathered for the whole run; greedy in the given order under the model cap."""
+        budget = self.config.model_persistence_threshold
+        for p in params:
+            n = p._zero.numel
+            if n <= self.config.param_persistence_threshold and n <= budget:
+                budget -= n
+                p._zero.persistent = True
+                self.persistent.append(p)
+        self.refresh_persistent()
+
+    def refresh_persistent(self) -> None:
+        """The shards changed (optimizer step, loading): re-gather the persistent params from them.
+        Their traffic is counted apart from the step's gathers. A collective when there are any."""
+        for p in self.persistent:
+            if p._zero.status is ParamStatus.AVAILABLE:
+                zparam.release(p)
+        todo = [p for p in self.persistent if p._zero.status is ParamStatus.NOT_AVAILABLE]
+        if todo:
+            self.metrics.persistent_refresh_numel += sum(p._zero.numel for p in todo)
+            self._wait(self._issue(todo, Tag(Kind.PARAM_GATHER, "persistent parameters"), count=False))
+
+    def unmark_persistent(self) -> None:
+        """Persistent params become ordinary again (hooks removed): release what nothing holds."""
+        for p in self.persistent:
+            p._zero.persistent = False
+            if p._zero.status is ParamStatus.AVAILABLE and not p._zero.pinned:
+                zparam.release(p)
+        self.persistent = []
+
     # -- events from the hooks -------------------------------------------------------------------
     def event(self, kind: EventKind, module: str, params: Sequence[ZeroParameter],
               ids: tuple[int, ...] | None = None) -> None:
@@ -105,17 +162,18 @@ class ParamCoordinator:
         if ids is None:
             ids = tuple(sorted({p._zero.id for p in params}))
         self._recorder.record(kind, module, ids)
-        self._tag = (kind, module)
+        self._event = (kind, module)
         self._pin(kind, params)
-        if self._following is not None:
-            trace, schedule = self._following
-            i = self._cursor
-            expected = trace.events[i] if i < len(trace.events) else None
+        following = self._following
+        if following is not None:
+            i = following.cursor
+            events = following.trace.events
+            expected = events[i] if i < len(events) else None
             if expected is not None and expected.kind is kind and expected.module == module and expected.params == ids:
-                self._cursor += 1
-                self._apply(schedule, i, kind, params)
+                following.cursor += 1
+                self._apply(following.schedule, i, kind, params)
                 return
-            self._diverge(trace, i, expected, kind, module, params)
+            self._diverge(following.trace, i, expected, kind, module, params)
         if kind in _PRE:
             self.fetch(params)
         else:
@@ -147,14 +205,14 @@ class ParamCoordinator:
         if action.prefetch:
             self.prefetch([self._by_id[pid] for pid in action.prefetch])
 
-    def _diverge(self, trace: Trace, i: int, expected: object, kind: EventKind, module: str,
+    def _diverge(self, trace: Trace, i: int, expected: Event | None, kind: EventKind, module: str,
                  params: Sequence[ZeroParameter]) -> None:
         self.metrics.divergences += 1
         key = (trace.key, trace.version, i)
         if key not in self._announced:
             self._announced.add(key)
             want = "the end of the trace" if expected is None else \
-                f"{expected.kind.value} {expected.module or '<root>'!r}"  # type: ignore[attr-defined]
+                f"{expected.kind.value} {expected.module or '<root>'!r}"
             logger.warning("zero3: step %d left trace %r v%d at event %d: expected %s, got %s %r; fetching on "
                            "demand for the rest of the step", self.metrics.step, trace.key, trace.version, i, want,
                            kind.value, module or "<root>")
@@ -166,40 +224,49 @@ class ParamCoordinator:
     # -- step boundaries -------------------------------------------------------------------------
     def _begin_step(self, kind: EventKind, module: str) -> None:
         self._step_key = f"{kind.value}:{module or '<root>'}:{'grad' if torch.is_grad_enabled() else 'no_grad'}"
-        self._cursor = 0
         self._diverged = False
         candidates = self._traces.get(self._step_key) or []
         # Predict with what followed the previous step's trace last time (alternating orders hit).
         wanted = self._successor.get((self._step_key, self._last_seen.get(self._step_key)))
-        chosen = next((e for e in candidates if e[0].version == wanted), None)
-        self._following = chosen or (candidates[0] if candidates else None)
-        if self._following is not None:
-            self.last_trace, self.last_schedule = self._following
+        chosen = next((e for e in candidates if e[0].version == wanted), None) or \
+            (candidates[0] if candidates else None)
+        self._following = None
+        if chosen is not None:
+            self._following = _Following(chosen[0], chosen[1], next_use=_uses(chosen[0]))
+            self.last_trace, self.last_schedule = chosen
 
     @property
     def in_step(self) -> bool:
         return self._step_key is not None
 
-    def end_step(self) -> None:
-        """The step is over: release everything, then keep or cache the step's trace."""
-        self.release_all()
-        if self._step_key is None:
-            return
+    def end_step(self, aborted: bool = False) -> None:
+        """The one end of a step, normal or aborted: unpin and release everything no user context
+        (GatheredParameters) holds; then, unless ``aborted``, keep or cache the step's trace."""
+        for p in self._by_id.values():
+            z = p._zero
+            z.active_forward = z.active_backward = 0
+        self.release(list(self._live.values()))
         key, self._step_key = self._step_key, None
         followed, self._following = self._following, None
         events = self._recorder.events
-        self._recorder.clear()
-        if not events:
-            return
-        if followed is not None and not self._diverged and self._cursor == len(followed[0].events):
-            self._touch(key, followed)
+        try:
+            if key is not None and not aborted and events:
+                self._keep_trace(key, followed, events)
+        finally:
+            self._recorder.clear()
+
+    def _keep_trace(self, key: str, followed: _Following | None, events: tuple[Event, ...]) -> None:
+        if followed is not None and not self._diverged and followed.cursor == len(followed.trace.events):
+            self._touch(key, (followed.trace, followed.schedule))
             return
         for entry in self._traces.get(key, []):
             if entry[0].events == events:
                 self._touch(key, entry)
                 return
         self._versions += 1
-        trace = Trace(key, self._versions, events, dict(self._recorder_params()))
+        infos = {pid: ParamInfo(id=pid, name=p._zero.name, numel=p._zero.numel, nbytes=p._zero.nbytes,
+                                persistent=p._zero.persistent) for pid, p in self._by_id.items()}
+        trace = self._recorder.freeze(key, self._versions, infos)
         entry = (trace, plan(trace, self.plan_config))
         self._traces.setdefault(key, []).insert(0, entry)
         self._traces.move_to_end(key, last=False)
@@ -210,10 +277,6 @@ class ParamCoordinator:
         logger.info("zero3: recorded trace %r v%d (%d events); planned peak live %d %s, %d all-gathers",
                     key, trace.version, len(events), entry[1].stats.peak_live, self.plan_config.unit,
                     entry[1].stats.num_allgathers)
-
-    def _recorder_params(self) -> dict[int, ParamInfo]:
-        return {pid: ParamInfo(id=pid, name=p._zero.name, numel=p._zero.numel, nbytes=p._zero.nbytes,
-                               persistent=p._zero.persistent) for pid, p in self._by_id.items()}
 
     def _seen(self, key: str, version: int) -> None:
         self._successor[(key, self._last_seen.get(key))] = version
@@ -244,10 +307,10 @@ class ParamCoordinator:
         return [t for entries in self._traces.values() for t, _ in entries]
 
     # -- fetch and release -------------------------------------------------------------------------
-    def fetch(self, params: Iterable[ZeroParameter]) -> None:
+    def fetch(self, params: Iterable[ZeroParameter], label: str | None = None) -> None:
         """Make every param AVAILABLE: wait in-flight gathers, gather the rest in one collective."""
         missing: list[ZeroParameter] = []
-        waiting = []
+        waiting: list[_Inflight] = []
         for p in params:
             z = p._zero
             status = z.status
@@ -257,13 +320,16 @@ class ParamCoordinator:
             elif status is ParamStatus.INFLIGHT:
                 if z.handle not in waiting:
                     waiting.append(z.handle)
-            if z.extra.pop("prefetched", False):
+            if z.prefetched:
+                z.prefetched = False
                 self.metrics.prefetch_hits += 1
         if missing:
             self._make_room(missing)
-            waiting.append(self._gather(missing, prefetch=False))
+            self._add_live(missing)
+            self.metrics.demand_fetches += len(missing)
+            waiting.append(self._issue(missing, self._tag(missing, label)))
         for h in waiting:
-            h.wait()
+            self._wait(h)
 
     def prefetch(self, params: Sequence[ZeroParameter]) -> None:
         """Issue one all-gather for ``params`` ahead of use; it is waited when they are needed."""
@@ -271,65 +337,97 @@ class ParamCoordinator:
         if not todo:
             return
         for p in todo:
-            p._zero.extra["prefetched"] = True
-        self._gather(todo, prefetch=True)
+            p._zero.prefetched = True
+        self._add_live(todo)
+        self.metrics.prefetched += len(todo)
+        self._issue(todo, self._tag(todo))
 
-    def _gather(self, params: list[ZeroParameter], *, prefetch: bool) -> object:
+    def _tag(self, params: Sequence[ZeroParameter], label: str | None = None) -> Tag:
+        if label is None:
+            label = "" if self._event is None else f"{self._event[0].value} {self._event[1] or '<root>'}"
+        return Tag(Kind.PARAM_GATHER, label, tuple(p._zero.id for p in params))
+
+    def _add_live(self, params: Sequence[ZeroParameter]) -> None:
         for p in params:
-            if not p._zero.persistent:
-                self._live[p._zero.id] = p
-                self.metrics.add_live(p._zero.numel, p._zero.nbytes)
-        if prefetch:
-            self.metrics.prefetched += len(params)
-        else:
-            self.metrics.demand_fetches += len(params)
-        tag = "" if self._tag is None else f"{self._tag[0].value} {self._tag[1] or '<root>'}"
-        return self.comm.all_gather(params, prefetch=prefetch, tag=tag)
+            z = p._zero
+            if not z.persistent:
+                self._live[z.id] = p
+                self.metrics.add_live(z.numel, z.nbytes)
+
+    def _issue(self, params: list[ZeroParameter], tag: Tag, count: bool = True) -> _Inflight:
+        work = self.comm.all_gather_params(params, tag, count=count)
+        handle = _Inflight(work, params)
+        for p in params:
+            zparam.begin_gather(p, handle)
+        return handle
+
+    @staticmethod
+    def _wait(handle: _Inflight) -> None:
+        if handle.done:
+            return
+        handle.done = True
+        handle.work.wait()
+        for p in handle.params:
+            zparam.finish_gather(p)
 
     def release(self, params: Iterable[ZeroParameter]) -> None:
+        """Free every param that nothing pins (an in-flight gather is waited first)."""
         for p in params:
             z = p._zero
             if z.pinned or z.status is ParamStatus.NOT_AVAILABLE:
                 continue
             if z.status is ParamStatus.INFLIGHT:
-                z.handle.wait()
+                self._wait(z.handle)
             self._free(p)
 
     def _free(self, p: ZeroParameter) -> None:
         z = p._zero
-        if z.extra.pop("prefetched", False):
+        if z.prefetched:
+            z.prefetched = False
             self.metrics.wasted_prefetches += 1
-        free_full(p)
+        zparam.release(p)
         if self._live.pop(z.id, None) is not None:
             self.metrics.add_live(-z.numel, -z.nbytes)
         self.metrics.releases += 1
 
     def _make_room(self, incoming: Sequence[ZeroParameter]) -> None:
-        """Hard live budget: before a gather, release unpinned live params, furthest next use first."""
+        """Hard live budget: before a gather, release unpinned live params in `eviction_order`."""
         need = sum(self._size(p) for p in incoming if not p._zero.persistent)
         cap = self.plan_config.max_live
         if self._live_size + need <= cap:
             return
         incoming_ids = {p._zero.id for p in incoming}
-        victims = [p for p in self._live.values() if p._zero.id not in incoming_ids and not p._zero.pinned]
-        victims.sort(key=self._next_use, reverse=True)
-        for p in victims:
+        candidates = [pid for pid, p in self._live.items() if pid not in incoming_ids and not p._zero.pinned]
+        for pid in eviction_order(candidates, self._next_use):
             if self._live_size + need <= cap:
                 break
+            p = self._live[pid]
             if p._zero.status is ParamStatus.INFLIGHT:
-                p._zero.handle.wait()
+                self._wait(p._zero.handle)
             self._free(p)
 
-    def _next_use(self, p: ZeroParameter) -> float:
-        """Index of the next event using ``p`` in the followed trace (inf: unknown or never)."""
-        if self._following is None:
-            return float("inf")
-        events = self._following[0].events
-        pid = p._zero.id
-        for j in range(self._cursor, len(events)):
-            if events[j].kind in _PRE and pid in events[j].params:
-                return float(j)
-        return float("inf")
+    def _next_use(self, pid: int) -> int | None:
+        """Index of the next PRE event using param ``pid`` in the followed trace (None: unknown or never)."""
+        following = self._following
+        if following is None:
+            return None
+        for j in following.next_use.get(pid, ()):
+            if j >= following.cursor:
+                return j
+        return None
+
+    # -- user requests (GatheredParameters) and parameters found mid-forward -------------------------
+    def gather_for_user(self, params: Sequence[ZeroParameter]) -> None:
+        """Pin ``params`` for a user context and make them AVAILABLE (a collective if any is missing)."""
+        for p in params:
+            p._zero.user_pins += 1
+        self.fetch(params, label="GatheredParameters")
+
+    def release_for_user(self, params: Sequence[ZeroParameter]) -> None:
+        """Unpin a user context's params and release those nothing else holds."""
+        for p in params:
+            p._zero.user_pins -= 1
+        self.release(params)
 
     def join_visit(self, p: ZeroParameter) -> None:
         """A running forward turned out to use ``p`` (auto-detected external param): pin and fetch it."""
@@ -340,26 +438,6 @@ class ParamCoordinator:
         """The end of a forward that only joined params mid-way (no recorded PRE event)."""
         self._pin(EventKind.POST_FORWARD, params)
         self.release(params)
-
-    def abort_step(self) -> None:
-        """A forward raised: release what it held and drop the half-recorded step."""
-        self.release_all()
-        self._recorder.clear()
-        self._step_key = None
-        self._following = None
-
-    def end_backward(self) -> None:
-        """Backward finished: modules whose post-backward never fired (inputs without grad) are done."""
-        for p in list(self._live.values()):
-            p._zero.active_backward = 0
-        self.end_step()
-
-    def release_all(self) -> None:
-        """Nothing non-persistent stays gathered unless a user context (GatheredParameters) holds it."""
-        for p in list(self._live.values()):
-            z = p._zero
-            z.active_forward = z.active_backward = 0
-        self.release(list(self._live.values()))
 
     # -- explain and export ------------------------------------------------------------------------
     def explain(self, target: tuple[str, object]) -> list[str]:
@@ -377,10 +455,6 @@ class ParamCoordinator:
         return header + schedule.explain()
 
     def export_trace(self, path: str) -> None:
-        from pathlib import Path
-
-        from .trace import export_graph
-
         if self.last_trace is None:
             raise ZeroStateError("no trace recorded yet: run at least one full step first")
         if str(path).endswith(".json"):
@@ -403,10 +477,17 @@ class ParamCoordinator:
                 raise AssertionError(f"{p._zero.summary()} is in the live set but not gathered")
 
 
+def _uses(trace: Trace) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for j, e in enumerate(trace.events):
+        if e.kind in _PRE:
+            for pid in e.params:
+                out.setdefault(pid, []).append(j)
+    return out
+
+
 def trace_to_json(trace: Trace) -> str:
     """A trace as JSON (events and param sizes), the input format of ``python -m zero3.plan``."""
-    import json
-
     return json.dumps({
         "format": "zero3-trace", "version": 1, "key": trace.key, "trace_version": trace.version,
         "params": [{"id": p.id, "name": p.name, "numel": p.numel, "nbytes": p.nbytes, "persistent": p.persistent}
@@ -416,10 +497,6 @@ def trace_to_json(trace: Trace) -> str:
 
 
 def trace_from_json(text: str) -> Trace:
-    import json
-
-    from .trace import Event
-
     data = json.loads(text)
     if data.get("format") != "zero3-trace" or data.get("version") != 1:
         raise ValueError(f"not a zero3 trace file (format {data.get('format')!r}, version {data.get('version')!r})")

@@ -1,4 +1,8 @@
-"""`zero3.initialize` and the `Engine`: the object that owns one partitioned model's runtime state."""
+"""`zero3.initialize` and the `Engine`: the public facade over one model's `RuntimeContext`.
+
+The engine holds no state of its own beyond the context (context.py) and the hooks (hooks.py); every
+method forwards to the part of the runtime that owns the work.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +11,21 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Communicator
 from .config import ZeroConfig, resolve_config
+from .consolidate import consolidated_state_dict
+from .context import RuntimeContext, build_context, context_of
 from .coordinator import ParamCoordinator
 from .errors import ZeroConfigError, ZeroStateError
-from .grad import GradientReducer, grad_target
 from .hooks import ModuleHooks
-from .init import group_info
 from .metrics import StepMetrics
-from .optim import PartitionedOptimizer, validate_optimizer
-from .param import ZeroParameter, convert, free_full
-from .precision import LossScaler, lower_precision, torch_dtype
-from .state import ParamStatus
+from .optim import clip_shards
+from .param import ZeroParameter
+from .precision import LossScaler
+from .state import ParamStatus, StepPhase
 
 logger = logging.getLogger(__name__)
 
@@ -35,84 +39,72 @@ class Engine:
     ``engine.step()`` after every micro-batch; it steps the optimizer on every N-th call.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Any, config: ZeroConfig, group: Any) -> None:
-        if model.__dict__.get("_zero3_engine") is not None:
-            raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "
-                                 "first, or keep using the engine it returned")
-        validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
-        self.config = config
-        self.group, self.world_size, self.rank = group_info(group)
-        self.module = model
-        self.params = self._partition(model)
-        # bf16/fp16: cast the shards now (before anything is gathered); their fp32 values seed the masters
-        fp32_shards = lower_precision(self.params, torch_dtype(config.dtype)) if config.dtype != "fp32" else {}
-        self.metrics = StepMetrics()
-        self.last_step_metrics = StepMetrics()
-        self.global_steps = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
-        self.micro_steps = 0  # engine.step() calls
-        self.comm = Communicator(self.group, world_size=self.world_size, rank=self.rank,
-                                 overlap=config.overlap_comm, bucket_numel=config.allgather_bucket_size,
-                                 reduce_impl=config.reduce_scatter_impl, metrics=self.metrics,
-                                 verify=config.verify_collectives)
-        self.coordinator = ParamCoordinator(config, self.comm, self.metrics, self.params)
-        self.reducer = GradientReducer(self.comm, config.reduce_bucket_size,
-                                       reduce_dtype=torch_dtype(config.reduce_dtype),
-                                       accumulation_steps=config.gradient_accumulation_steps)
-        for p in self.params:
-            p._zero.extra["coordinator"] = self.coordinator
-            p._zero.extra["engine"] = self
-        self._mark_persistent()
-        self.hooks = ModuleHooks(self)
+    def __init__(self, model: nn.Module, optimizer: Any, config: ZeroConfig, group: Any,
+                 communicator: Communicator | None = None) -> None:
+        self.context: RuntimeContext = build_context(model, optimizer, config, group, communicator)
+        self.hooks = ModuleHooks(self.context)
         self.hooks.install(model)
-        self.partitioned = (PartitionedOptimizer(optimizer, self.params, config, self.comm, fp32_shards)
-                            if optimizer is not None else None)
-        self.optimizer = self.partitioned.optimizer if self.partitioned is not None else None
-        self.loss_scaler: LossScaler | None = self.partitioned.scaler if self.partitioned is not None else None
-        model.__dict__["_zero3_engine"] = self
+        self.last_step_metrics = StepMetrics()
 
-    # -- set-up ---------------------------------------------------------------------------------
-    def _partition(self, model: nn.Module) -> list[ZeroParameter]:
-        params: list[ZeroParameter] = []
-        for name, p in model.named_parameters():
-            if isinstance(p, ZeroParameter):
-                self._check_group(name, p)
-            else:
-                convert(p, name=name, world_size=self.world_size, rank=self.rank, group=self.group)
-            p._zero.name = name
-            params.append(p)  # type: ignore[arg-type]
-        return params
+    # -- what the context holds, by name -----------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        assert self.context.module is not None
+        return self.context.module
 
-    def _check_group(self, name: str, p: ZeroParameter) -> None:
-        z = p._zero
-        same = z.world_size == self.world_size and z.rank == self.rank
-        if same and z.group is not None and self.group is not None and z.group is not self.group:
-            same = dist.get_process_group_ranks(z.group) == dist.get_process_group_ranks(self.group)
-        if not same:
-            raise ZeroConfigError(
-                f"parameter {name!r} was partitioned over a group of world size {z.world_size} (rank {z.rank}) "
-                f"under zero3.Init, but initialize got a group of world size {self.world_size} (rank "
-                f"{self.rank}); pass the same group to zero3.Init and zero3.initialize")
+    @property
+    def config(self) -> ZeroConfig:
+        return self.context.config
 
-    def _mark_persistent(self) -> None:
-        """Small params stay gathered; greedy in ``named_parameters`` order under the model cap."""
-        budget = self.config.model_persistence_threshold
-        chosen = []
-        for p in self.params:
-            n = p._zero.numel
-            if n <= self.config.param_persistence_threshold and n <= budget:
-                budget -= n
-                chosen.append(p)
-        for p in chosen:
-            p._zero.persistent = True
-        self._persistent = chosen
-        self._gather_persistent()
+    @property
+    def params(self) -> list[ZeroParameter]:
+        return self.context.params
 
-    def _gather_persistent(self) -> None:
-        """Persistent params are gathered outside any step; their traffic is counted separately."""
-        todo = [p for p in self._persistent if p._zero.status is ParamStatus.NOT_AVAILABLE]
-        if todo:
-            self.metrics.persistent_refresh_numel += sum(p._zero.numel for p in todo)
-            self.comm.all_gather(todo, tag="persistent parameters", count=False).wait()
+    @property
+    def group(self) -> Any:
+        return self.context.group
+
+    @property
+    def world_size(self) -> int:
+        return self.context.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def comm(self) -> Communicator:
+        return self.context.comm
+
+    @property
+    def coordinator(self) -> ParamCoordinator:
+        return self.context.coordinator
+
+    @property
+    def metrics(self) -> StepMetrics:
+        return self.context.metrics
+
+    @property
+    def sharded_optimizer(self) -> Any:
+        """The `PartitionedOptimizer` (fp32 masters, loss scaling, clipping around the user's one)."""
+        return self.context.optimizer
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The user's ``torch.optim`` optimizer, re-pointed at the shards (None without one)."""
+        return self.context.optimizer.optimizer if self.context.optimizer is not None else None
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        return self.context.optimizer.scaler if self.context.optimizer is not None else None
+
+    @property
+    def global_steps(self) -> int:
+        return self.context.global_steps
+
+    @property
+    def micro_steps(self) -> int:
+        return self.context.micro_steps
 
     # -- training API ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -122,14 +114,18 @@ class Engine:
         try:
             return self.module(*args, **kwargs)
         except BaseException:
-            self.hooks.reset_stack()
+            self.hooks.end_step(aborted=True)
             raise
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``; with fp16, of the loss times the current loss scale (in fp32)."""
-        if self.partitioned is not None:
-            loss = self.partitioned.scale_loss(loss)
-        loss.backward(**kwargs)
+        if self.context.optimizer is not None:
+            loss = self.context.optimizer.scale_loss(loss)
+        try:
+            loss.backward(**kwargs)
+        except BaseException:
+            self.hooks.end_step(aborted=True)
+            raise
 
     def step(self) -> bool:
         """End a micro-batch; at an accumulation boundary, step the optimizer on the shards.
@@ -143,25 +139,28 @@ class Engine:
             True if the optimizer stepped; False between boundaries, without an optimizer, or when
             an fp16 overflow on some rank made every rank skip the step (``engine.skipped_steps``).
         """
-        self.reducer.finish()
-        self.hooks.forget_graph_tasks()
-        if self.coordinator.in_step:
-            self.coordinator.end_step()
+        ctx = self.context
+        if self.hooks.phase is not StepPhase.IDLE:
+            self.hooks.end_step()
+        else:
+            ctx.finish_gradients()
         boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
+        ctx.micro_steps += 1
         stepped = False
-        if boundary and self.partitioned is not None:
-            stepped = self.partitioned.step()
-        self.coordinator.release_all()
+        if boundary and ctx.optimizer is not None:
+            stepped = ctx.optimizer.step()
         if boundary:
-            self._refresh_persistent()
-            self.global_steps += 1
-        self._finish_step()
+            ctx.coordinator.refresh_persistent()
+            ctx.global_steps += 1
+        self.last_step_metrics = copy.copy(ctx.metrics)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("zero3::step %s", self.last_step_metrics.as_dict())
+        ctx.metrics.reset(ctx.global_steps)
         return stepped
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next ``engine.step()`` steps the optimizer (its micro-batch ends a window)."""
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        return (self.context.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     @property
     def loss_scale(self) -> float:
@@ -171,40 +170,20 @@ class Engine:
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because of an fp16 overflow."""
-        return self.partitioned.skipped_steps if self.partitioned is not None else 0
+        return self.context.optimizer.skipped_steps if self.context.optimizer is not None else 0
 
     def zero_grad(self) -> None:
         for p in self.params:
-            p._zero.shard.grad = None
-            grad_target(p).grad = None
-        if self.partitioned is not None:
-            self.partitioned.zero_grad()
-
-    def _refresh_persistent(self) -> None:
-        """Shards changed: persistent params must be re-gathered from them."""
-        for p in self._persistent:
-            if p._zero.status is ParamStatus.AVAILABLE:
-                free_full(p)
-        self._gather_persistent()
-
-    def _finish_step(self) -> None:
-        self.last_step_metrics = copy.copy(self.metrics)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("zero3::step %s", self.last_step_metrics.as_dict())
-        self.metrics.reset(self.global_steps)
+            p._zero.train_tensor.grad = None
+        if self.context.optimizer is not None:
+            self.context.optimizer.zero_grad()
 
     def remove_hooks(self) -> None:
         """Take every hook off; parameters stay partitioned until gathered."""
         self.hooks.remove()
-        self.coordinator.release_all()
-        for p in self._persistent:
-            p._zero.persistent = False
-            if p._zero.status is ParamStatus.AVAILABLE and not p._zero.pinned:
-                free_full(p)
-        for p in self.params:
-            p._zero.extra.pop("coordinator", None)
-            p._zero.extra.pop("engine", None)
-        self.module.__dict__.pop("_zero3_engine", None)
+        self.context.coordinator.end_step(aborted=True)
+        self.context.coordinator.unmark_persistent()
+        self.module.__dict__.pop("_zero3_context", None)
 
     # -- state of one parameter, for accessors and checkpoints ----------------------------------
     def master_shard(self, p: ZeroParameter) -> torch.Tensor:
@@ -214,43 +193,33 @@ class Engine:
         buffer (zero3/optim.py [Note: flat master buffers]); a frozen parameter has none and gets its
         shard. After writing into it, call `refresh_from_masters`.
         """
-        return p._zero.extra.get("master", p._zero.shard)
+        return p._zero.train_tensor
 
     def refresh_from_masters(self) -> None:
         """The master shards were written (checkpoint load, accessors): cast them into the parameter
         shards and re-gather the persistent parameters. A collective when persistent params exist."""
-        if self.partitioned is not None:
-            self.partitioned.copy_masters_to_shards()
-        self._refresh_persistent()
+        self.context.refresh_from_masters()
 
     def optimizer_state(self, p: ZeroParameter) -> dict[str, torch.Tensor]:
         """This rank's optimizer state for ``p`` (e.g. ``exp_avg``), keyed as torch.optim keys it."""
-        if self.optimizer is None:
-            return {}
-        return self.optimizer.state.get(self.master_shard(p), {})
+        return self.context.optimizer_state(p)
 
     # -- checkpoints (zero3/checkpoint.py, zero3/consolidate.py) ------------------------------------
     def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: Any = None,
                         **kwargs: Any) -> str:
         """Write a sharded checkpoint (a collective); see `zero3.checkpoint.save_checkpoint`."""
-        from .checkpoint import save_checkpoint
-
-        return save_checkpoint(self, save_dir, tag, client_state, **kwargs)
+        return save_checkpoint(self.context, save_dir, tag, client_state, **kwargs)
 
     def load_checkpoint(self, load_dir: Any, tag: str | None = None, **kwargs: Any) -> tuple[str, Any]:
         """Load a checkpoint saved at any world size (a collective); returns ``(path, client_state)``.
 
         See `zero3.checkpoint.load_checkpoint`.
         """
-        from .checkpoint import load_checkpoint
-
-        return load_checkpoint(self, load_dir, tag, **kwargs)
+        return load_checkpoint(self.context, load_dir, tag, **kwargs)
 
     def consolidated_state_dict(self, rank0_only: bool = True, **kwargs: Any) -> dict[str, torch.Tensor]:
         """The full fp32 state dict, module by module (a collective); see `zero3.consolidate`."""
-        from .consolidate import consolidated_state_dict
-
-        return consolidated_state_dict(self, rank0_only, **kwargs)
+        return consolidated_state_dict(self.context, rank0_only, **kwargs)
 
     # -- introspection --------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
@@ -263,21 +232,23 @@ class Engine:
         ``gathered_param_bytes``: full tensors gathered now (persistent ones included);
         ``persistent_param_bytes``: full tensors kept gathered for the whole run (not budgeted).
         """
-        if self.partitioned is not None:
-            shard = self.partitioned.shard_bytes()
+        part = self.context.optimizer
+        if part is not None:
+            shard = part.shard_bytes()
         else:
             shard = sum(p._zero.shard.numel() * p._zero.shard.element_size() for p in self.params)
-        grad = sum(g.numel() * g.element_size() for p in self.params if (g := grad_target(p).grad) is not None)
-        optim = self.partitioned.master_bytes() if self.partitioned is not None else 0
+        grad = sum(g.numel() * g.element_size() for p in self.params
+                   if (g := p._zero.train_tensor.grad) is not None)
+        optim = part.master_bytes() if part is not None else 0
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
                 for v in state.values():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
                         optim += v.numel() * v.element_size()
-        full = sum(p._zero.numel * p.data.element_size() for p in self.params)
-        gathered = sum(p._zero.numel * p.data.element_size() for p in self.params
+        full = sum(p._zero.numel * p._zero.shard.element_size() for p in self.params)
+        gathered = sum(p._zero.numel * p._zero.shard.element_size() for p in self.params
                        if p._zero.status is not ParamStatus.NOT_AVAILABLE)
-        persistent = sum(p._zero.numel * p.data.element_size() for p in self._persistent)
+        persistent = sum(p._zero.numel * p._zero.shard.element_size() for p in self.coordinator.persistent)
         return {"param_shard_bytes": shard, "grad_shard_bytes": grad, "optimizer_state_bytes": optim,
                 "full_param_bytes": full, "gathered_param_bytes": gathered,
                 "persistent_param_bytes": persistent}
@@ -316,7 +287,8 @@ class Engine:
         raise ZeroConfigError(f"explain() takes a parameter, module, name or None, got {type(target).__name__}")
 
 
-def initialize(model: nn.Module, optimizer: Any = None, config: Any = None, group: Any = None) -> Engine:
+def initialize(model: nn.Module, optimizer: Any = None, config: Any = None, group: Any = None, *,
+               communicator: Communicator | None = None) -> Engine:
     """Partition ``model`` (if it was not built under `zero3.Init`), hook it, shard ``optimizer``.
 
     Args:
@@ -325,9 +297,41 @@ def initialize(model: nn.Module, optimizer: Any = None, config: Any = None, grou
             groups and returning one, or None (inference).
         config: `ZeroConfig`, dict (ours or DeepSpeed's), JSON path or None.
         group: process group (default: world).
+        communicator: the `Communicator` every collective goes through (default: one over
+            ``group``); tests pass a recording or fake one.
 
     Raises:
         ZeroStateError: the model was already initialised.
         ZeroConfigError: invalid config, or the model was built under Init with another group.
     """
-    return Engine(model, optimizer, resolve_config(config), group)
+    return Engine(model, optimizer, resolve_config(config), group, communicator)
+
+
+def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradient shards by the global norm over all ranks; returns that norm.
+
+    Equals ``torch.nn.utils.clip_grad_norm_`` on the full (unpartitioned) model's gradients. The norm
+    is computed in fp32 over the gradient shards the optimizer steps with (fp32 master gradients
+    under mixed precision); with fp16 the gradients are unscaled first (once per step), so the norm
+    and ``max_norm`` are in true gradient units and an overflow shows as an inf/nan norm (the step
+    is then skipped). A collective: call it on every rank, after the last backward of an
+    accumulation window and before ``engine.step()``.
+
+    Raises:
+        ZeroStateError: not an engine or initialised model; or called before the last micro-batch
+            of a ``gradient_accumulation_steps`` window.
+    """
+    ctx = context_of(engine_or_model, "clip_grad_norm_")
+    ctx.finish_gradients()
+    n = ctx.config.gradient_accumulation_steps
+    if (ctx.micro_steps + 1) % n != 0:
+        raise ZeroStateError(
+            f"clip_grad_norm_ called after micro-batch {ctx.micro_steps % n + 1} of {n} "
+            "(gradient_accumulation_steps): the gradients are not "
+            "complete yet. Clip only when engine.is_gradient_accumulation_boundary(), or set gradient_clipping "
+            "in the config and let engine.step() clip")
+    if ctx.optimizer is not None:
+        return ctx.optimizer.clip_grad_norm(max_norm, norm_type)
+    grads = ctx.grads()
+    device = grads[0].device if grads else torch.device("cpu")
+    return clip_shards(grads, max_norm, norm_type, ctx.comm, device)

@@ -3,10 +3,10 @@
 A parameter's full gradient arrives once autograd has accumulated it (hooks.py); it is queued in the
 current bucket and the bucket's reduction is issued when it holds ``reduce_bucket_size`` elements
 (asynchronously with ``overlap_comm``, so it runs while backward goes on; at most one is in flight)
-and when the backward ends, which waits for all of them. The bucket's gradients are cast to ``reduce_dtype`` and copied into one flat
-rank-major buffer; the full gradients are dropped right then, before the collective runs. Each rank
-adds its slice of the average into the gradient of the tensor the optimizer steps on: the fp32
-master shard under mixed precision (``p._zero.extra["master"]``), else the shard itself. So
+and when the backward ends, which waits for all of them. The bucket's gradients are cast to
+``reduce_dtype`` and copied into one flat rank-major buffer; the full gradients are dropped right
+then, before the collective runs. Each rank adds its slice of the average into the gradient of
+``ZeroParam.train_tensor``: the fp32 master shard under mixed precision, else the shard itself. So
 micro-batches accumulate into that gradient in its precision.
 
 With ``gradient_accumulation_steps = N > 1`` each micro-batch's reduced slice is divided by N before
@@ -15,19 +15,10 @@ it is accumulated (the gradients are scaled, not the loss: docs/mixed_precision.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from .comm import Communicator
+from .comm import Communicator, Kind, ReduceWork, Tag
 from .param import ZeroParameter
-
-
-def grad_target(p: ZeroParameter) -> torch.Tensor:
-    """The tensor the optimizer steps on for ``p`` (``Engine.master_shard``), whose ``.grad`` holds
-    ``p``'s gradient shard: its fp32 master under mixed precision or offload, else its shard."""
-    target: torch.Tensor = p._zero.extra.get("master", p._zero.shard)
-    return target
 
 
 class GradientReducer:
@@ -39,12 +30,7 @@ class GradientReducer:
         self.accumulation_steps = accumulation_steps
         self._bucket: list[tuple[ZeroParameter, torch.Tensor]] = []
         self._numel = 0
-        self._in_flight: tuple[Callable[[], torch.Tensor], list[ZeroParameter]] | None = None
-
-    @property
-    def pending(self) -> int:
-        """Gradients queued or being reduced (not yet in their shards)."""
-        return len(self._bucket) + (len(self._in_flight[1]) if self._in_flight is not None else 0)
+        self._in_flight: tuple[ReduceWork, list[ZeroParameter]] | None = None
 
     def add(self, p: ZeroParameter, grad: torch.Tensor) -> None:
         self._bucket.append((p, grad))
@@ -56,6 +42,15 @@ class GradientReducer:
         """Reduce what is queued and wait for every reduction: the gradient shards are complete."""
         self.flush()
         self._land()
+
+    def discard(self) -> None:
+        """An aborted step: wait for the reduction in flight (its peers issued it too) without using
+        it, and drop the queued gradients."""
+        if self._in_flight is not None:
+            work, _ = self._in_flight
+            self._in_flight = None
+            work.wait()
+        self._bucket, self._numel = [], 0
 
     def flush(self) -> None:
         """Issue the reduction of the current bucket (after landing the previous one: at most one
@@ -84,19 +79,20 @@ class GradientReducer:
             off += s
             params.append(p)
         del bucket, g0, g, src  # the full gradients are freed here, before the collective
-        self._in_flight = (self.comm.start_reduce(flat.view(-1)), params)
+        tag = Tag(Kind.GRAD_REDUCE, "gradients", tuple(p._zero.id for p in params))
+        self._in_flight = (self.comm.reduce(flat.view(-1), tag), params)
 
     def _land(self) -> None:
         """Wait for the reduction in flight and add each rank's slice into the gradient shards."""
         if self._in_flight is None:
             return
-        done, params = self._in_flight
+        work, params = self._in_flight
         self._in_flight = None
-        out = done()
+        out = work.wait()
         off = 0
         for p in params:
             s = p._zero.shard_numel
-            target = grad_target(p)
+            target = p._zero.train_tensor
             piece = out[off: off + s]
             if self.accumulation_steps > 1:  # in the precision the gradient accumulates in
                 piece = piece.to(dtype=target.dtype) / self.accumulation_steps

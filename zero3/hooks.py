@@ -1,4 +1,4 @@
-"""Module hooks: turn forward/backward module events into coordinator calls.
+"""Module hooks: turn forward/backward module events into coordinator calls, and drive the step phase.
 
 [Note: hook protocol]
 - forward pre-hook (``prepend=True``): push a `_Call` for this module on the forward stack, gather its
@@ -8,14 +8,17 @@
   gathers the parameters again (once per call).
 - `_PostBackward.backward` runs when the gradients of the module's inputs are ready, i.e. after its
   backward: the call's parameters are released. A module whose inputs need no grad never gets it;
-  the end-of-backward callback releases those.
+  the end of the step releases those.
 - ``register_post_accumulate_grad_hook`` on every trainable parameter hands its full gradient to the
   reducer as soon as autograd has accumulated it, then drops it.
-- one callback per autograd graph task (queued from the first hook that fires in it) flushes the
-  gradient buckets; when the last running graph task ends, the backward is over.
+- one callback per autograd graph task (queued from the first hook that fires in it); when the last
+  running graph task ends, the backward is over: gradients are complete and the step ends.
 Accessing a partitioned parameter of *another* module inside a forward (``self.wte.weight`` in the
 root's forward) is caught by the `_ParamDict` that replaces each module's ``_parameters`` and turns
 into an automatic `register_external_parameter`.
+
+Every hook checks and moves the step phase (`StepPhase`, state.py); `ModuleHooks.end_step` is the
+one way a step ends, whether it finished or was aborted by an exception.
 """
 
 from __future__ import annotations
@@ -24,19 +27,18 @@ import functools
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .context import RuntimeContext
 from .errors import ZeroStateError
 from .init import external_parameters, register_external_parameter
 from .param import PartitionedParameter, ZeroParameter
+from .state import CallState, StepPhase, check_phase
 from .trace import EventKind
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +59,7 @@ class _Call:
     record: _ModuleRecord
     params: list[ZeroParameter]
     ids: tuple[int, ...] | None = None  # sorted ids of params; None: recompute (params changed)
-    opened: bool = False  # a PRE_FORWARD event was recorded (the module had params at entry)
-    backward_pinned: bool = False
-    backward_done: bool = False
+    state: CallState = CallState.OPEN
 
 
 class _PostBackward(torch.autograd.Function):
@@ -90,14 +90,18 @@ class _ParamDict(dict):
 class ModuleHooks:
     """Installs and owns every hook zero3 puts on a model; `remove` takes them all off again."""
 
-    def __init__(self, engine: "Engine") -> None:
-        self.engine = engine
-        self.coordinator = engine.coordinator
+    def __init__(self, ctx: RuntimeContext) -> None:
+        assert ctx.reducer is not None, "hooks need a context with a gradient reducer"
+        self.ctx = ctx
+        self.coordinator = ctx.coordinator
+        self.reducer = ctx.reducer
+        self.phase = StepPhase.IDLE
         self.stack: list[_Call] = []
         self._handles: list[Any] = []
         self._records: dict[int, _ModuleRecord] = {}
         self._queued_tasks: set[int] = set()
         self._announced: set[tuple[int, int]] = set()
+        self.root: nn.Module | None = None
 
     # -- install / remove -----------------------------------------------------------------------
     def install(self, model: nn.Module) -> None:
@@ -135,6 +139,27 @@ class ModuleHooks:
                 m._parameters = dict(m._parameters)
         self._records.clear()
 
+    # -- the step phase --------------------------------------------------------------------------
+    def _enter(self, phase: StepPhase) -> None:
+        if phase is not self.phase:
+            check_phase(self.phase, phase)
+            self.phase = phase
+
+    def end_step(self, aborted: bool = False) -> None:
+        """The one end of a step. Normally: complete the gradient shards, release everything,
+        cache the step's trace. Aborted (a forward or backward raised): drop queued gradients and
+        the half-recorded step instead. Either way the phase is IDLE afterwards."""
+        self.stack.clear()
+        self._queued_tasks.clear()  # autograd skips the final callbacks of a backward that raised
+        try:
+            if aborted:
+                self.reducer.discard()
+            else:
+                self.reducer.finish()
+        finally:
+            self.coordinator.end_step(aborted=aborted)
+            self._enter(StepPhase.IDLE)
+
     # -- forward --------------------------------------------------------------------------------
     def _params_of(self, rec: _ModuleRecord) -> list[ZeroParameter]:
         """The params a call of this module gathers (own + external), cached per module.
@@ -169,11 +194,13 @@ class ModuleHooks:
         return out
 
     def _pre_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if self.phase is StepPhase.IDLE:
+            self._enter(StepPhase.FORWARD)
         params = self._params_of(rec)
-        call = _Call(record=rec, params=list(params), ids=rec.ids)
+        call = _Call(record=rec, params=list(params), ids=rec.ids,
+                     state=CallState.OPEN if params else CallState.JOINED)
         self.stack.append(call)
         if params:
-            call.opened = True
             self.coordinator.event(EventKind.PRE_FORWARD, rec.name, params, rec.ids)
             if torch.is_grad_enabled():
                 return self._wrap_inputs(call, args, kwargs)
@@ -204,17 +231,18 @@ class ModuleHooks:
             return None
         grad = torch.is_grad_enabled()
         if call.params:
-            if call.opened:
+            if call.state is CallState.OPEN:
                 self.coordinator.event(EventKind.POST_FORWARD, rec.name, call.params, call.ids)
-            else:  # only auto-detected external params, joined mid-forward
+            else:  # JOINED: only auto-detected external params, pinned mid-forward
                 self.coordinator.leave_visit(call.params)
+            call.state = CallState.FORWARD_DONE
             if grad:
                 hook = functools.partial(self._pre_backward, call)
                 for t in (output,) if type(output) is torch.Tensor else pytree.tree_leaves(output):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(hook)
-        if not grad and rec.module is self.root and not self.stack:
-            self.coordinator.end_step()  # an inference forward is a whole step
+        if not grad and rec.module is self.root and not self.stack and self.phase is StepPhase.FORWARD:
+            self.end_step()  # an inference forward is a whole step
         return None
 
     def _pop(self, rec: _ModuleRecord) -> _Call | None:
@@ -244,30 +272,27 @@ class ModuleHooks:
         else:
             self.coordinator.fetch([p])
 
-    def reset_stack(self) -> None:
-        """Forget calls left by a forward that raised, releasing what they held."""
-        self.stack.clear()
-        self.coordinator.abort_step()
-
     # -- backward -------------------------------------------------------------------------------
     def _pre_backward(self, call: _Call, grad: torch.Tensor) -> None:
+        self._enter(StepPhase.BACKWARD)
         self._ensure_final_callback()
-        if not call.backward_pinned:
-            call.backward_pinned = True
+        if call.state is CallState.FORWARD_DONE:
+            call.state = CallState.BACKWARD_OPEN
             self.coordinator.event(EventKind.PRE_BACKWARD, call.record.name, call.params, call.ids)
         return None
 
     def _post_backward(self, call: _Call) -> None:
-        if call.backward_pinned and not call.backward_done:
-            call.backward_done = True
+        if call.state is CallState.BACKWARD_OPEN and self.phase is StepPhase.BACKWARD:
+            call.state = CallState.BACKWARD_DONE
             self.coordinator.event(EventKind.POST_BACKWARD, call.record.name, call.params, call.ids)
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        self._enter(StepPhase.BACKWARD)
         self._ensure_final_callback()
         grad = p.grad
         p.grad = None
         if grad is not None:
-            self.engine.reducer.add(p, grad)  # type: ignore[arg-type]
+            self.reducer.add(p, grad)  # type: ignore[arg-type]
 
     def _ensure_final_callback(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -276,16 +301,14 @@ class ModuleHooks:
         self._queued_tasks.add(task)
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_graph_task, task))
 
-    def forget_graph_tasks(self) -> None:
-        """Between steps no backward runs: drop callbacks of a backward that raised (autograd then
-        skips its final callbacks), so the next backward's end is seen again."""
-        self._queued_tasks.clear()
-
     def _end_graph_task(self, task: int) -> None:
+        if task not in self._queued_tasks:
+            return  # a callback of a backward from before the last end of step
         self._queued_tasks.discard(task)
-        self.engine.reducer.finish()  # after backward the gradient shards are complete
-        if not self._queued_tasks:
-            self.coordinator.end_backward()
+        if not self._queued_tasks and self.phase is StepPhase.BACKWARD:
+            self.end_step()
+        else:
+            self.reducer.finish()  # this graph task's gradient shards are complete
 
 
 def _on_grad_weak(ref: "weakref.ref[ModuleHooks]", p: torch.Tensor) -> None:

@@ -30,16 +30,14 @@ from typing import Any, Callable, Iterable, Literal
 from weakref import WeakSet
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as module_mod
 
-from .comm import Communicator
-from .config import ZeroConfig, resolve_config
+from .comm import Kind, Tag
+from .config import resolve_config
+from .context import RuntimeContext
 from .errors import ZeroConfigError
-from .metrics import StepMetrics
-from .param import PartitionedParameter, ZeroParameter, convert, copy_full_into_shard, free_full
-from .state import ParamStatus
+from .param import PartitionedParameter, ZeroParameter, copy_full_into_shard, inplace_handler, raw_data
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +46,7 @@ SyncMode = Literal["rng", "broadcast"]
 
 @dataclass(eq=False)
 class _InitState:
-    config: ZeroConfig
-    group: Any
-    world_size: int
-    rank: int
+    ctx: RuntimeContext  # the minimal context that partitions (and gathers) while building
     remote_device: torch.device | None
     dtype: torch.dtype | None
     sync: SyncMode
@@ -71,16 +66,6 @@ class _Patches:
 
 
 _PATCHES: contextvars.ContextVar[_Patches | None] = contextvars.ContextVar("zero3_init_patches", default=None)
-
-
-def group_info(group: Any) -> tuple[Any, int, int]:
-    """(group, world_size, rank) for a process group, the default group, or no distributed at all."""
-    if dist.is_available() and dist.is_initialized():
-        g = group if group is not None else dist.group.WORLD
-        return g, dist.get_world_size(g), dist.get_rank(g)
-    if group is not None:
-        raise ZeroConfigError("a process group was given but torch.distributed is not initialized")
-    return None, 1, 0
 
 
 class Init:
@@ -112,19 +97,20 @@ class Init:
         self._dtype = dtype
         self._sync: SyncMode = sync
         self._token: Any = None
+        self._handler_token: Any = None
 
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
-        group, world, rank = group_info(self._group)
-        state = _InitState(config=resolve_config(self._config), group=group, world_size=world, rank=rank,
-                           remote_device=self._remote_device, dtype=self._dtype, sync=self._sync)
+        ctx = RuntimeContext.minimal(resolve_config(self._config), self._group)
+        state = _InitState(ctx=ctx, remote_device=self._remote_device, dtype=self._dtype, sync=self._sync)
         stack = _STACK.get()
         if not stack:
             _install_patches()
-        if self._sync == "rng" and world > 1:
-            _sync_rng(group)
+        if self._sync == "rng" and ctx.world_size > 1:
+            _sync_rng(ctx)
         self._token = _STACK.set(stack + (state,))
+        self._handler_token = inplace_handler.set(write_through)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -136,6 +122,7 @@ class Init:
                 for m in list(state.modules):
                     _partition_module(m, state, recurse=False)
         finally:
+            inplace_handler.reset(self._handler_token)
             _STACK.reset(self._token)
             self._token = None
             if not _STACK.get():
@@ -147,14 +134,12 @@ def _current() -> _InitState | None:
     return stack[-1] if stack else None
 
 
-def _sync_rng(group: Any) -> None:
-    cpu = torch.get_rng_state()
-    dist.broadcast(cpu, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    torch.set_rng_state(cpu)
-    if torch.cuda.is_available() and torch.cuda.is_initialized() and dist.get_backend(group) == "nccl":
-        gpu = torch.cuda.get_rng_state().cuda()
-        dist.broadcast(gpu, src=dist.get_global_rank(group, 0), group=group)
-        torch.cuda.set_rng_state(gpu.cpu())
+def _sync_rng(ctx: RuntimeContext) -> None:
+    """Every rank takes rank 0's RNG state (CPU, and CUDA on NCCL), so they draw the same weights."""
+    tag = Tag(Kind.BROADCAST, "zero3.Init RNG state")
+    torch.set_rng_state(ctx.comm.broadcast(torch.get_rng_state().to(ctx.comm.device), 0, tag).cpu())
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and ctx.comm.backend == "nccl":
+        torch.cuda.set_rng_state(ctx.comm.broadcast(torch.cuda.get_rng_state().cuda(), 0, tag).cpu())
 
 
 # -- global patches, installed only while an Init context is active ------------------------------
@@ -250,18 +235,20 @@ def _remove_patches() -> None:
 
 def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) -> None:
     modules = module.modules() if recurse else (module,)
+    ctx = state.ctx
     for m in modules:
         for pname, p in list(m._parameters.items()):
             if p is None or isinstance(p, ZeroParameter):
                 continue
-            if state.sync == "broadcast" and state.world_size > 1:
-                dist.broadcast(p.data, src=dist.get_global_rank(state.group, 0), group=state.group)
-            convert(p, name=f"{type(m).__name__}.{pname}", world_size=state.world_size, rank=state.rank,
-                    group=state.group, shard_device=state.remote_device, dtype=state.dtype)
+            name = f"{type(m).__name__}.{pname}"
+            if state.sync == "broadcast" and ctx.world_size > 1:
+                ctx.comm.broadcast(p.data, 0, Tag(Kind.BROADCAST, f"zero3.Init value of {name}"))
+            ctx.partition(p, name, shard_device=state.remote_device, dtype=state.dtype)
 
 
 def write_through(p: PartitionedParameter, func: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
-    """An in-place op on a partitioned param inside Init: apply it to the full tensor, re-partition."""
+    """An in-place op on a partitioned param inside Init: apply it to the full tensor, re-partition.
+    (Installed as ``param.inplace_handler`` while an Init context is active.)"""
     state = _current()
     if state is None:
         return False, None
@@ -295,15 +282,14 @@ class GatheredParameters:
             if isinstance(p, ZeroParameter):
                 seen.setdefault(p._zero.id, p)
         self.params = sorted(seen.values(), key=lambda p: p._zero.id)  # same order on every rank
+        self._ids = tuple(p._zero.id for p in self.params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled and bool(self.params)
 
     def __enter__(self) -> list[ZeroParameter]:
         if not self.enabled:
             return self.params
-        for p in self.params:
-            p._zero.user_pins += 1
-        _fetch(self.params)
+        _owner(self.params).coordinator.gather_for_user(self.params)
         return self.params
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -313,49 +299,32 @@ class GatheredParameters:
             if self.modifier_rank is not None and exc_type is None:
                 self._publish()
         finally:
-            for p in self.params:
-                p._zero.user_pins -= 1
-            _release(self.params)
+            _owner(self.params).coordinator.release_for_user(self.params)
 
     def _publish(self) -> None:
-        z0 = self.params[0]._zero
-        if self.modifier_rank != LOCAL_MODIFIER and z0.world_size > 1:
-            src = dist.get_global_rank(z0.group, self.modifier_rank) if z0.group is not None else self.modifier_rank
-            flat = torch.cat([p.data.reshape(-1) for p in self.params])
-            dist.broadcast(flat, src=src, group=z0.group)
+        ctx = _owner(self.params)
+        if self.modifier_rank != LOCAL_MODIFIER and ctx.world_size > 1:
+            flat = torch.cat([raw_data(p).reshape(-1) for p in self.params])
+            ctx.comm.broadcast(flat, self.modifier_rank, Tag(Kind.BROADCAST, "GatheredParameters(modifier_rank="
+                                                           f"{self.modifier_rank})", self._ids))
             off = 0
             for p in self.params:
                 n = p._zero.numel
-                p.data.view(-1).copy_(flat[off: off + n])
+                raw_data(p).view(-1).copy_(flat[off: off + n])
                 off += n
         for p in self.params:
             copy_full_into_shard(p)
-            hook = p._zero.extra.get("on_shard_changed")
-            if hook is not None:
-                hook(p)
 
 
-def _fetch(params: list[ZeroParameter]) -> None:
-    owner = params[0]._zero.extra.get("coordinator")
-    if owner is not None:
-        owner.fetch(params)
-        return
-    missing = [p for p in params if p._zero.status is ParamStatus.NOT_AVAILABLE]
-    if missing:
-        z = missing[0]._zero
-        comm = Communicator(z.group, world_size=z.world_size, rank=z.rank, overlap=False,
-                            bucket_numel=1 << 62, reduce_impl="auto", metrics=StepMetrics())
-        comm.all_gather(missing).wait()
-
-
-def _release(params: list[ZeroParameter]) -> None:
-    owner = params[0]._zero.extra.get("coordinator")
-    if owner is not None:
-        owner.release(params)
-        return
-    for p in params:
-        if not p._zero.pinned and p._zero.status is ParamStatus.AVAILABLE:
-            free_full(p)
+def _owner(params: list[ZeroParameter]) -> RuntimeContext:
+    """The one context that drives ``params``; mixing models in one call is refused."""
+    ctx = params[0]._zero.ctx
+    for p in params[1:]:
+        if p._zero.ctx is not ctx:
+            raise ZeroConfigError(f"GatheredParameters got parameters of two different models or zero3.Init "
+                                  f"contexts ({params[0]._zero.name} and {p._zero.name}); gather each model's "
+                                  "parameters in their own context")
+    return ctx
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:

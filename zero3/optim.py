@@ -33,17 +33,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
+from .comm import Communicator, Kind, Tag
 from .errors import ZeroConfigError, ZeroStateError
-from .grad import grad_target
 from .offload import OffloadPolicy
 from .param import ZeroParameter
 from .precision import LossScaler, unscale_
 
 if TYPE_CHECKING:
-    from .comm import Communicator
     from .config import ZeroConfig
 
 logger = logging.getLogger(__name__)
@@ -120,11 +117,6 @@ def _call_factory(factory: Any, groups: list[dict[str, Any]]) -> torch.optim.Opt
     return opt
 
 
-def _master_from_shard(p: ZeroParameter) -> None:
-    """The shard was rewritten (GatheredParameters with modifier_rank): the master follows it."""
-    p._zero.extra["master"].copy_(p._zero.shard)
-
-
 @dataclass(eq=False)
 class FlatGroup:
     """One param group's shards on this rank: fp32 masters and parameter shards, one layout."""
@@ -135,7 +127,7 @@ class FlatGroup:
     low: torch.Tensor
 
     def masters(self) -> list[torch.Tensor]:
-        return [p._zero.extra["master"] for p in self.params]
+        return [p._zero.train_tensor for p in self.params]
 
 
 class PartitionedOptimizer:
@@ -208,9 +200,8 @@ class PartitionedOptimizer:
             s = z.shard_numel
             master[off: off + s].copy_(fp32_shards.get(z.id, z.shard))
             low[off: off + s].copy_(z.shard)
-            z.shard = low[off: off + s]
-            z.extra["master"] = master[off: off + s]
-            z.extra["on_shard_changed"] = _master_from_shard
+            z.replace_shard(low[off: off + s])
+            z.master = master[off: off + s]
         return FlatGroup(params=ps, offsets=offsets, master=master, low=low)
 
     # -- one training window (micro-batches up to an optimizer step) ---------------------------
@@ -236,7 +227,7 @@ class PartitionedOptimizer:
         """Every gradient shard this rank holds (fp32 masters' under mixed precision), once each."""
         out, seen = [], set()
         for p in self.params:
-            g = grad_target(p).grad
+            g = p._zero.train_tensor.grad
             if g is not None and id(g) not in seen:
                 seen.add(id(g))
                 out.append(g)
@@ -257,7 +248,7 @@ class PartitionedOptimizer:
                 "backward. Replace loss.backward() by engine.backward(loss)")
         found = unscale_(grads, 1.0 / self.scaler.scale) if grads else torch.zeros(1)
         flag = found.to(self.comm_device)
-        self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.comm.all_reduce(flag, Tag(Kind.ALL_REDUCE, "fp16 overflow check"), op="max")
         self._overflow = bool(flag.item() > 0)
         self._unscaled = True
         return self._overflow
@@ -275,11 +266,20 @@ class PartitionedOptimizer:
                 self.zero_grad()
                 return False
         if self.config.gradient_clipping > 0:
-            clip_shards(self.grads(), self.config.gradient_clipping, 2.0, self.comm, self.comm_device)
+            self.clip_grad_norm(self.config.gradient_clipping)
         self.optimizer.step()
         self.copy_masters_to_shards()
         self.zero_grad()
         return True
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Unscale (fp16, once per window), then clip the gradient shards by their global norm."""
+        self.unscale_()
+        return clip_shards(self.grads(), max_norm, norm_type, self.comm, self.comm_device)
+
+    def state_of(self, p: ZeroParameter) -> dict[str, torch.Tensor]:
+        """This rank's optimizer state for ``p`` (e.g. ``exp_avg``), keyed as torch.optim keys it."""
+        return self.optimizer.state.get(p._zero.train_tensor, {})
 
     def copy_masters_to_shards(self) -> None:
         """One cast-and-copy per group: fp32 masters into the parameter shards (zero3/offload.py)."""
@@ -289,7 +289,7 @@ class PartitionedOptimizer:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params:
-            grad_target(p).grad = None
+            p._zero.train_tensor.grad = None
         self._unscaled = self._overflow = self._scaled_backward = False
 
     # -- accounting ------------------------------------------------------------------------------
@@ -313,61 +313,16 @@ def clip_shards(grads: Sequence[torch.Tensor], max_norm: float, norm_type: float
     """
     norm_type = float(norm_type)
     gdev = grads[0].device if grads else device
+    tag = Tag(Kind.ALL_REDUCE, "gradient norm (clipping)")
     if norm_type == math.inf:
         local = max((g.abs().max() for g in grads), default=torch.zeros((), device=gdev)).float()
-        total = comm.all_reduce(local.to(device, copy=True), op=dist.ReduceOp.MAX)
+        total = comm.all_reduce(local.to(device, copy=True), tag, op="max")
     else:
         local = torch.zeros((), dtype=torch.float32, device=gdev)
         for g in grads:
             local += g.float().abs().pow(norm_type).sum()
-        total = comm.all_reduce(local.to(device)).pow(1.0 / norm_type)
+        total = comm.all_reduce(local.to(device), tag).pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(device=g.device, dtype=g.dtype))
     return total
-
-
-def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradient shards by the global norm over all ranks; returns that norm.
-
-    Equals ``torch.nn.utils.clip_grad_norm_`` on the full (unpartitioned) model's gradients. The norm
-    is computed in fp32 over the gradient shards the optimizer steps with (fp32 master gradients
-    under mixed precision); with fp16 the gradients are unscaled first (once per step), so the norm
-    and ``max_norm`` are in true gradient units and an overflow shows as an inf/nan norm (the step
-    is then skipped). A collective: call it on every rank, after the last backward of an
-    accumulation window and before ``engine.step()``.
-
-    Raises:
-        ZeroStateError: not an engine or initialised model; or called before the last micro-batch
-            of a ``gradient_accumulation_steps`` window.
-    """
-    engine = _engine_of(engine_or_model)
-    engine.reducer.finish()
-    if not engine.is_gradient_accumulation_boundary():
-        n = engine.config.gradient_accumulation_steps
-        raise ZeroStateError(
-            f"clip_grad_norm_ called after micro-batch {engine.micro_steps % n + 1} of {n} "
-            "(gradient_accumulation_steps): the gradients are not "
-            "complete yet. Clip only when engine.is_gradient_accumulation_boundary(), or set gradient_clipping "
-            "in the config and let engine.step() clip")
-    part = engine.partitioned
-    if part is not None:
-        part.unscale_()
-        grads = part.grads()
-        device = part.comm_device
-    else:
-        grads = [g for p in engine.params if (g := grad_target(p).grad) is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-    return clip_shards(grads, max_norm, norm_type, engine.comm, device)
-
-
-def _engine_of(obj: Any) -> Any:
-    from .engine import Engine
-
-    if isinstance(obj, Engine):
-        return obj
-    if isinstance(obj, nn.Module):
-        engine = obj.__dict__.get("_zero3_engine")
-        if engine is not None:
-            return engine
-    raise ZeroStateError(f"expected a zero3 Engine or a model passed to zero3.initialize, got {type(obj).__name__}")

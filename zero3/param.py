@@ -12,13 +12,19 @@ and the familiar DeepSpeed names (``ds_id``, ``ds_shape``, ``ds_numel``, ``ds_te
 The parameter's Python class tells its state: `ZeroParameter` while gathered (no overhead: torch
 functions are disabled as for any ``nn.Parameter``), `PartitionedParameter` otherwise, whose
 ``__torch_function__`` turns any computation into a `ZeroStateError` naming the parameter.
+
+This module holds the record and the storage primitives; it decides nothing. Only the coordinator
+(coordinator.py) calls `begin_gather`, `finish_gather` and `release`, so every status change of a
+built model has one driver; `partition` (used by ``zero3.Init`` and ``initialize``) creates the
+record.
 """
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -27,10 +33,13 @@ from . import sharding
 from .errors import ZeroStateError
 from .state import ParamStatus, check_transition
 
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
-
 _ids = itertools.count()
+
+InplaceHandler = Callable[["PartitionedParameter", Callable, tuple, dict], tuple[bool, Any]]
+inplace_handler: contextvars.ContextVar[InplaceHandler | None] = contextvars.ContextVar(
+    "zero3_inplace_handler", default=None)
+"""Set by ``zero3.Init`` while it builds a model: an in-place op on a partitioned parameter
+(``nn.init.normal_(p)``) is handed to it (gather, apply, re-partition) instead of raising."""
 
 
 @dataclass(eq=False)
@@ -41,17 +50,19 @@ class ZeroParam:
     name: str
     shape: torch.Size
     dtype: torch.dtype
-    shard: torch.Tensor  # 1D, this rank's padded shard; the optimizer steps on it
+    shard: torch.Tensor  # 1D, this rank's padded shard; the optimizer steps on it unless `master` is set
     world_size: int
     rank: int
-    group: "ProcessGroup | None"
+    group: Any  # the process group it is partitioned over (None: a single process)
     status: ParamStatus = ParamStatus.NOT_AVAILABLE
     persistent: bool = False
     active_forward: int = 0  # modules currently running forward that use it
     active_backward: int = 0  # backward calls (gathered in pre-backward) not finished yet
     user_pins: int = 0  # open GatheredParameters contexts
-    handle: Any = None  # the in-flight GatherHandle while INFLIGHT
-    extra: dict[str, Any] = field(default_factory=dict)
+    handle: Any = None  # the coordinator's in-flight gather while INFLIGHT
+    master: torch.Tensor | None = None  # fp32 master shard (a view into a flat buffer), if separate
+    prefetched: bool = False  # gathered ahead of use and not used yet (prefetch accounting)
+    ctx: Any = None  # the RuntimeContext that owns the parameter (context.py imports this module)
     numel: int = field(init=False)  # full, unpadded; read on every fetch and release, so stored
     shard_numel: int = field(init=False)  # padded; the same on every rank and for every shard dtype
 
@@ -67,9 +78,26 @@ class ZeroParam:
     def pinned(self) -> bool:
         return self.persistent or self.active_forward > 0 or self.active_backward > 0 or self.user_pins > 0
 
+    @property
+    def train_tensor(self) -> torch.Tensor:
+        """The tensor the optimizer steps on and whose ``.grad`` is the gradient shard: the fp32
+        master under mixed precision or optimizer offload, else the shard itself."""
+        return self.master if self.master is not None else self.shard
+
     def set_status(self, new: ParamStatus) -> None:
         check_transition(self.name, self.status, new)
         self.status = new
+
+    def replace_shard(self, new: torch.Tensor) -> None:
+        """Rebind the shard to ``new`` (a cast copy, or a view into a flat buffer) with the same padded
+        size; the record's dtype follows it. Only while the full data is not gathered."""
+        if new.dim() != 1 or new.numel() != self.shard_numel:
+            raise ZeroStateError(f"{self.summary()}: a new shard must be 1-D with {self.shard_numel} elements, "
+                                 f"got shape {tuple(new.shape)}")
+        if self.status is not ParamStatus.NOT_AVAILABLE:
+            raise ZeroStateError(f"{self.summary()}: its shard cannot be replaced while it is gathered")
+        self.shard = new
+        self.dtype = new.dtype
 
     def shard_range(self) -> tuple[int, int]:
         return sharding.shard_range(self.numel, self.world_size, self.rank)
@@ -153,10 +181,10 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
     target = _first_guarded(args, kwargs)
     if name in _REPR and target is not None:
         return f"{type(target).__name__}({target._zero.summary()})"
-    if isinstance(target, PartitionedParameter) and name.endswith("_") and not name.startswith("_"):
-        from .init import write_through  # an in-place init inside zero3.Init (nn.init.normal_ ...)
-
-        done, result = write_through(target, func, args, kwargs)
+    handler = inplace_handler.get()
+    if handler is not None and isinstance(target, PartitionedParameter) and name.endswith("_") \
+            and not name.startswith("_"):
+        done, result = handler(target, func, args, kwargs)
         if done:
             return result
     which = target._zero.summary() if target is not None else "<unknown>"
@@ -202,45 +230,49 @@ def is_partitioned(p: Any) -> bool:
     return isinstance(p, ZeroParameter)
 
 
-def record(p: nn.Parameter) -> ZeroParam:
-    """The record of a partitioned parameter; a clear error for a plain one."""
-    if not isinstance(p, ZeroParameter):
-        raise ZeroStateError(
-            f"parameter of shape {tuple(p.shape)} is not partitioned by zero3 (build the model under "
-            "zero3.Init or pass it to zero3.initialize)")
-    return p._zero
-
-
-# -- storage of the full tensor ------------------------------------------------------------------
-def _storage(p: nn.Parameter) -> torch.UntypedStorage:
-    return raw_data(p).untyped_storage()
-
-
-def free_full(p: ZeroParameter) -> None:
-    """Drop the full data: resize the storage to 0 bytes and mark NOT_AVAILABLE."""
-    z = p._zero
-    z.set_status(ParamStatus.NOT_AVAILABLE)
-    _storage(p).resize_(0)
-    p.__class__ = PartitionedParameter
+# -- storage and status of the full tensor (called by the coordinator only) -----------------------
+def begin_gather(p: ZeroParameter, handle: Any) -> None:
+    """NOT_AVAILABLE -> INFLIGHT: a gather of ``p`` was issued; ``handle`` is what to wait on."""
+    p._zero.set_status(ParamStatus.INFLIGHT)
+    p._zero.handle = handle
 
 
 def alloc_full(p: ZeroParameter) -> torch.Tensor:
-    """Give the placeholder real storage again; returns ``p.data`` (uninitialised) for filling."""
-    z = p._zero
+    """Give the placeholder real storage again; returns the flat full tensor (uninitialised) to fill."""
     data = raw_data(p)
-    data.untyped_storage().resize_(z.numel * data.element_size())
-    return data
+    data.untyped_storage().resize_(p._zero.numel * data.element_size())
+    return data.view(-1)
 
 
-def mark_available(p: ZeroParameter) -> None:
+def finish_gather(p: ZeroParameter) -> None:
+    """INFLIGHT -> AVAILABLE: the full data is in ``p.data``; computing with ``p`` is allowed."""
     p._zero.set_status(ParamStatus.AVAILABLE)
     p._zero.handle = None
     p.__class__ = ZeroParameter
 
 
-def convert(p: nn.Parameter, *, name: str, world_size: int, rank: int, group: "ProcessGroup | None",
-            shard_device: torch.device | None = None, dtype: torch.dtype | None = None) -> ZeroParameter:
-    """Partition ``p`` in place: keep this rank's shard, free the full data, keep the shape."""
+def release(p: ZeroParameter) -> None:
+    """AVAILABLE -> NOT_AVAILABLE: resize the storage to 0 bytes; computing with ``p`` raises again."""
+    p._zero.set_status(ParamStatus.NOT_AVAILABLE)
+    raw_data(p).untyped_storage().resize_(0)
+    p.__class__ = PartitionedParameter
+
+
+def set_placeholder_dtype(p: ZeroParameter, dtype: torch.dtype) -> None:
+    """Give a partitioned (not gathered) parameter a 0-byte placeholder of ``dtype`` (mixed precision)."""
+    if p._zero.status is not ParamStatus.NOT_AVAILABLE:
+        raise ZeroStateError(f"{p._zero.summary()}: cannot change the dtype of a gathered parameter")
+    placeholder = torch.empty(p._zero.shape, dtype=dtype, device=raw_data(p).device)
+    placeholder.untyped_storage().resize_(0)
+    p.data = placeholder
+
+
+def partition(p: nn.Parameter, *, name: str, world_size: int, rank: int, group: Any, ctx: Any = None,
+              shard_device: torch.device | None = None, dtype: torch.dtype | None = None) -> ZeroParameter:
+    """Partition ``p`` in place: keep this rank's shard, free the full data, keep the shape.
+
+    ``ctx`` is the runtime context that will drive the parameter (`ZeroParam.ctx`).
+    """
     if isinstance(p, ZeroParameter):
         return p
     full = p.data
@@ -249,16 +281,18 @@ def convert(p: nn.Parameter, *, name: str, world_size: int, rank: int, group: "P
     device = shard_device if shard_device is not None else full.device
     shard = sharding.shard_tensor(full, world_size, rank).to(device)
     z = ZeroParam(id=next(_ids), name=name, shape=full.shape, dtype=full.dtype, shard=shard,
-                  world_size=world_size, rank=rank, group=group, status=ParamStatus.AVAILABLE)
+                  world_size=world_size, rank=rank, group=group, status=ParamStatus.AVAILABLE, ctx=ctx)
     placeholder = torch.empty(full.shape, dtype=full.dtype, device=full.device)
     p.data = placeholder
     p._zero = z
     p.__class__ = ZeroParameter
-    free_full(p)  # type: ignore[arg-type]
+    release(p)  # type: ignore[arg-type]
     return p  # type: ignore[return-value]
 
 
 def copy_full_into_shard(p: ZeroParameter) -> None:
-    """After the full data was modified, make this rank's shard match it."""
+    """After the full data was modified, make this rank's shard (and master) match it."""
     z = p._zero
-    z.shard.copy_(sharding.shard_tensor(p.data, z.world_size, z.rank))
+    z.shard.copy_(sharding.shard_tensor(raw_data(p), z.world_size, z.rank))
+    if z.master is not None:
+        z.master.copy_(z.shard)

@@ -8,8 +8,13 @@ not change what a rank gathers, only how much of it arrives over the wire), whic
 trace a real run records; ``schedule.plan`` then computes what the coordinator will do.
 
     python -m zero3.plan --model examples/gpt.py:GPT --model-arg 'GPTConfig(n_layer=12)' \\
-        --input-shape 8,64 --config '{"max_live_parameters": 2e7}' --world-size 8
+        --input-shape 8,64 --config '{"param_persistence_threshold": 0, "max_live_parameters": 2e4}' \\
+        --world-size 8
     python -m zero3.plan --trace last_step.json --config ds_config.json
+
+A model whose parameters are all under ``param_persistence_threshold`` (the example GPT at its
+default width, with the default config) gathers nothing during a step: the prediction is then 0
+gathers with every element persistent, not an error.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from torch import nn
 from .config import ZeroConfig, resolve_config
 from .coordinator import plan_config, trace_from_json
 from .schedule import PlanStats, Schedule, plan
-from .trace import Trace
+from .trace import ParamInfo, Trace
 
 
 @dataclass(frozen=True)
@@ -82,8 +87,11 @@ def record_trace(model: nn.Module, make_inputs: Callable[[], Sequence[Any]], con
             loss.backward()
         engine.step()
         trace = engine.coordinator.last_trace
-        if trace is None:
-            raise ValueError("the model ran no module with parameters: nothing to predict")
+        if trace is None:  # every parameter is persistent: no module gathers anything, a valid plan
+            params = engine.coordinator.persistent
+            infos = {p._zero.id: ParamInfo(id=p._zero.id, name=p._zero.name, numel=p._zero.numel,
+                                           nbytes=p._zero.nbytes, persistent=True) for p in params}
+            trace = Trace("all-persistent", 0, (), infos)
         return trace
     finally:
         engine.remove_hooks()

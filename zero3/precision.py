@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import ZeroStateError
-from .param import ZeroParameter
+from .param import ZeroParameter, set_placeholder_dtype
 from .state import ParamStatus
 
 if TYPE_CHECKING:
@@ -64,11 +64,8 @@ def lower_precision(params: Iterable[ZeroParameter], dtype: torch.dtype) -> dict
             fp32[z.id] = z.shard if z.shard.dtype == torch.float32 else z.shard.float()
         if z.shard.dtype == dtype:
             continue
-        z.shard = z.shard.to(dtype)
-        z.dtype = dtype
-        placeholder = torch.empty(z.shape, dtype=dtype, device=p.data.device)
-        p.data = placeholder
-        placeholder.untyped_storage().resize_(0)
+        z.replace_shard(z.shard.to(dtype))
+        set_placeholder_dtype(p, dtype)
     return fp32
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from ._safetensors import SafetensorsHeader, read_safetensors_header, read_tensor_range
 from .checkpoint import exchange
+from .context import RuntimeContext
 from .errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError, ZeroStateError
 from .param import ZeroParameter
 from .state import ParamStatus
@@ -154,13 +155,13 @@ def open_source(state_dict_or_path: Any) -> _Source:
 
 
 # -- loading ----------------------------------------------------------------------------------------
-def _target(model_or_engine: Any) -> tuple[nn.Module, Any]:
-    from .engine import Engine
-
-    if isinstance(model_or_engine, Engine):
-        return model_or_engine.module, model_or_engine
+def _target(model_or_engine: Any) -> tuple[nn.Module, RuntimeContext | None]:
+    """(model, the engine's context or None when the model was only built under Init)."""
+    ctx = getattr(model_or_engine, "context", None)
+    if isinstance(ctx, RuntimeContext) and ctx.module is not None:
+        return ctx.module, ctx
     if isinstance(model_or_engine, nn.Module):
-        return model_or_engine, model_or_engine.__dict__.get("_zero3_engine")
+        return model_or_engine, model_or_engine.__dict__.get("_zero3_context")
     raise TypeError(f"expected an nn.Module or a zero3 Engine, got {type(model_or_engine).__name__}")
 
 
@@ -188,8 +189,7 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
     """
     module, engine = _target(model_or_engine)
     params = [p for p in module.parameters() if isinstance(p, ZeroParameter)]
-    z0 = params[0]._zero if params else None
-    group, world, rank = (z0.group, z0.world_size, z0.rank) if z0 is not None else (None, 1, 0)
+    owner = engine if engine is not None else (params[0]._zero.ctx if params else None)
     source: _Source | None = None
     result: LoadResult | None = None
     plan: list[tuple[str, torch.Tensor | ZeroParameter]] = []
@@ -200,16 +200,19 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
     except Exception as exc:  # noqa: BLE001 - agreed across ranks below
         error = exc
     try:
-        exchange(group, world, rank, None, error)
+        if owner is not None:
+            exchange(owner, None, error, "pretrained.load_state_dict validation")
+        elif error is not None:
+            raise error
         assert source is not None and result is not None
         with torch.no_grad():
             for key, target in plan:
                 if isinstance(target, ZeroParameter):
-                    _load_partitioned(source, key, target, engine)
+                    _load_partitioned(source, key, target)
                 else:
                     source.read(key, 0, target)
             if engine is not None:
-                engine._refresh_persistent()
+                engine.coordinator.refresh_persistent()
     finally:
         if source is not None:
             source.close()
@@ -277,11 +280,11 @@ def _plan(module: nn.Module, source: _Source,
     return LoadResult(missing, unexpected), plan
 
 
-def _load_partitioned(source: _Source, key: str, p: ZeroParameter, engine: Any) -> None:
+def _load_partitioned(source: _Source, key: str, p: ZeroParameter) -> None:
     z = p._zero
     start, end = z.shard_range()
     n = max(end - start, 0)
-    dest = engine.master_shard(p) if engine is not None else z.shard
+    dest = z.train_tensor
     dest[n:].zero_()
     source.read(key, start, dest[:n])
     if dest is not z.shard:

@@ -41,7 +41,8 @@ from __future__ import annotations
 import bisect
 import enum
 import logging
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -57,8 +58,8 @@ __all__ = [
     "Reason",
     "Schedule",
     "plan",
+    "eviction_order",
     "replay",
-    "simulate",
 ]
 
 
@@ -226,6 +227,18 @@ class Schedule:
         return lines
 
 
+def eviction_order(candidates: Iterable[int], next_use: Callable[[int], int | None]) -> list[int]:
+    """The one eviction policy (Belady): furthest next use first, no next use (None) furthest of
+    all, ties by lower id. The planner uses it with the trace it plans; the coordinator uses it for
+    demand fetches off the plan, where nothing's next use is known (then: lowest id first)."""
+
+    def key(p: int) -> tuple[float, int]:
+        j = next_use(p)
+        return (-math.inf if j is None else -j, p)
+
+    return sorted(candidates, key=key)
+
+
 class _Planner:
     """Single-use simulation state behind `plan`; see the module [Note: schedule semantics]."""
 
@@ -346,14 +359,8 @@ class _Planner:
         if self.live_size + need <= limit:
             return
         skip = set(incoming)
-        never = len(self.trace.events)
-
-        def furthest_first(p: int) -> tuple[int, int]:
-            j = self.next_use(p, i)
-            return (-(never if j is None else j), p)
-
-        candidates = [p for p in self.live if not self.pins.get(p) and p not in skip]
-        candidates.sort(key=furthest_first)
+        candidates = eviction_order((p for p in self.live if not self.pins.get(p) and p not in skip),
+                                    lambda p: self.next_use(p, i))
         for p in candidates:
             if self.live_size + need <= limit:
                 break
@@ -486,11 +493,6 @@ def plan(trace: Trace, config: PlanConfig) -> Schedule:
     exact semantics the runtime must execute.
     """
     return _Planner(trace, config).run()
-
-
-def simulate(trace: Trace, config: PlanConfig) -> PlanStats:
-    """The stats of executing `plan(trace, config)`."""
-    return plan(trace, config).stats
 
 
 def _fail(i: int | str, msg: str) -> None:

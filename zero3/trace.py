@@ -233,7 +233,6 @@ class TraceRecorder:
 
     def __init__(self) -> None:
         self._events: list[Event] = []
-        self._params: dict[int, ParamInfo] = {}
 
     def __len__(self) -> int:
         return len(self._events)
@@ -243,18 +242,8 @@ class TraceRecorder:
         """Events recorded so far."""
         return tuple(self._events)
 
-    def add_param(self, info: ParamInfo) -> None:
-        """Register a param; registering the same info again is a no-op.
-
-        Raises:
-            ValueError: a different ParamInfo is already registered under the same id.
-        """
-        old = self._params.setdefault(info.id, info)
-        if old != info:
-            raise ValueError(f"param id {info.id} registered twice with different info: {old!r} vs {info!r}")
-
     def record(self, kind: EventKind, module: str, params: Iterable[int] = ()) -> Event:
-        """Append one event; param ids are checked at `freeze`, so params may register late."""
+        """Append one event; param ids are checked at `freeze`."""
         event = Event(kind, module, tuple(params))
         self._events.append(event)
         if logger.isEnabledFor(logging.DEBUG):
@@ -262,16 +251,16 @@ class TraceRecorder:
         return event
 
     def clear(self) -> None:
-        """Drop the events (registered params are kept) to re-record after an invalidation."""
+        """Drop the events (a new step, or an aborted one)."""
         self._events.clear()
 
-    def freeze(self, key: str, version: int) -> Trace:
-        """Return the immutable, validated trace of what was recorded.
+    def freeze(self, key: str, version: int, params: Mapping[int, ParamInfo]) -> Trace:
+        """Return the immutable, validated trace of what was recorded, over ``params``.
 
         Raises:
             ValueError: see `Trace.validate`.
         """
-        return Trace(key, version, tuple(self._events), dict(self._params))
+        return Trace(key, version, tuple(self._events), dict(params))
 
 
 # -- graph view ------------------------------------------------------------------------------------

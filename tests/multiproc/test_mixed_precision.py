@@ -288,7 +288,7 @@ def train_accumulation(steps: int, frozen: tuple[str, ...], clip: float) -> dict
         if micro == 1:  # the first window's accumulated gradient, before the step clips it
             out["grads"] = {p._zero.name: zero3.safe_get_full_grad(p) for p in engine.params if p.requires_grad}
         out["returned"].append(engine.step())
-    out["frozen"] = [{"master": "master" in p._zero.extra, "grad": zero3.safe_get_full_grad(p),
+    out["frozen"] = [{"master": p._zero.master is not None, "grad": zero3.safe_get_full_grad(p),
                       "state": engine.optimizer_state(p),
                       "same": torch.equal(zero3.safe_get_full_fp32_param(p), frozen_before[p._zero.name])}
                      for p in engine.params if not p.requires_grad]
@@ -386,7 +386,7 @@ def train_offload(steps: int) -> dict:
         for step in range(steps):
             losses.append(micro_batch(engine, step))
             assert engine.step() is True
-        fg = engine.partitioned.groups[0]
+        fg = engine.sharded_optimizer.groups[0]
         state = {p._zero.name: engine.optimizer_state(p) for p in engine.params}
         out[mode] = {"losses": losses, "params": full_params(engine),
                      "state": {n: s["exp_avg_sq"].clone() for n, s in state.items()},

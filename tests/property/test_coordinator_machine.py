@@ -18,7 +18,7 @@ from zero3.comm import Communicator
 from zero3.config import ZeroConfig
 from zero3.coordinator import ParamCoordinator
 from zero3.metrics import StepMetrics
-from zero3.param import convert
+from zero3.param import partition
 from zero3.state import ParamStatus
 from zero3.trace import EventKind
 
@@ -30,8 +30,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 data=st.data(),
                 max_live=st.integers(0, 1500), reuse=st.integers(0, 1500), bucket=st.integers(0, 800))
     def setup(self, sizes, data, max_live, reuse, bucket):
-        self.params = [convert(nn.Parameter(torch.arange(float(n))), name=f"p{i}", world_size=1, rank=0, group=None)
-                       for i, n in enumerate(sizes)]
+        self.params = [partition(nn.Parameter(torch.arange(float(n))), name=f"p{i}", world_size=1, rank=0,
+                                 group=None) for i, n in enumerate(sizes)]
         self.originals = [torch.arange(float(n)) for n in sizes]
         n_modules = data.draw(st.integers(1, 5))
         self.modules = {}
@@ -40,8 +40,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.modules[f"m{m}"] = [self.params[i] for i in idx]
         self.metrics = StepMetrics()
         self.config = ZeroConfig(max_live_parameters=max_live, max_reuse_distance=reuse, prefetch_bucket_size=bucket)
-        comm = Communicator(None, world_size=1, rank=0, overlap=True, bucket_numel=10**9, reduce_impl="auto",
-                            metrics=self.metrics)
+        comm = Communicator(None, world_size=1, rank=0, overlap=True, bucket_numel=10**9, metrics=self.metrics)
         self.coord = ParamCoordinator(self.config, comm, self.metrics, self.params)
         self.open: list[tuple[str, EventKind]] = []  # the reference model: open visits, in order
         self.step_events: list[tuple[EventKind, str]] = []

@@ -192,8 +192,8 @@ def test_scaler_from_config_only_for_fp16():
 def test_fp32_engine_keeps_the_optimizer_on_the_shards_without_masters():
     _, engine = pair("fp32")
     for p in engine.params:
-        assert "master" not in p._zero.extra and engine.master_shard(p) is p.ds_tensor
-    assert engine.partitioned.groups == [] and engine.loss_scaler is None
+        assert p._zero.master is None and engine.master_shard(p) is p.ds_tensor
+    assert engine.sharded_optimizer.groups == [] and engine.loss_scaler is None
 
 
 def test_masters_are_aligned_views_of_one_fp32_buffer_per_param_group():
@@ -205,8 +205,8 @@ def test_masters_are_aligned_views_of_one_fp32_buffer_per_param_group():
                             lr=1e-3)
     engine = zero3.initialize(model, opt, {"dtype": "bf16"})
     assert engine.optimizer is opt and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
-    assert len(engine.partitioned.groups) == 2
-    for group, fg in zip(opt.param_groups, engine.partitioned.groups):
+    assert len(engine.sharded_optimizer.groups) == 2
+    for group, fg in zip(opt.param_groups, engine.sharded_optimizer.groups):
         assert fg.master.dtype == torch.float32 and fg.low.dtype == torch.bfloat16
         assert fg.master.numel() == fg.low.numel() and fg.master.numel() % ALIGN_ELEMENTS == 0
         for t, p, off in zip(group["params"], fg.params, fg.offsets):
@@ -384,8 +384,8 @@ def test_gradient_clipping_key_clips_inside_step_like_torch():
 def test_reduce_dtype_is_the_dtype_of_the_reduced_gradients():
     seen = []
     _, engine = pair("bf16", reduce_dtype="bf16")
-    real = engine.comm.start_reduce
-    engine.comm.start_reduce = lambda flat: (seen.append(flat.dtype), real(flat))[1]
+    real = engine.comm.reduce
+    engine.comm.reduce = lambda flat, tag: (seen.append(flat.dtype), real(flat, tag))[1]
     x, y = synthetic_batch(0, BATCH, CFG)
     engine.backward(lossf(engine, x, y))
     assert seen and set(seen) == {torch.bfloat16}
@@ -414,7 +414,7 @@ def test_persistent_params_are_regathered_from_the_new_bf16_shards_after_a_step(
 
 def test_offload_keeps_masters_and_state_in_a_separate_cpu_buffer_and_copies_back():
     full, engine = pair("fp32", offload_optimizer="cpu", offload_optimizer_pin_memory=True)
-    fg = engine.partitioned.groups[0]
+    fg = engine.sharded_optimizer.groups[0]
     assert fg.master.device.type == "cpu" and not fg.master.is_pinned()  # no CUDA here: never pinned
     assert fg.master.untyped_storage().data_ptr() != fg.low.untyped_storage().data_ptr()
     ref_opt = torch.optim.AdamW(full.parameters(), lr=1e-2, eps=1e-6)

@@ -98,30 +98,22 @@ def test_post_closes_most_recent_visit_of_same_module_and_direction() -> None:
 
 def test_recorder_freezes_what_it_recorded() -> None:
     rec = TraceRecorder()
-    rec.add_param(ParamInfo(0, "w0", 4, 16))
-    rec.add_param(ParamInfo(0, "w0", 4, 16))  # idempotent
+    params = {0: ParamInfo(0, "w0", 4, 16)}
     rec.record(PF, "", [0, 0])
     rec.record(QF, "", [0])
-    trace = rec.freeze("train", 3)
+    trace = rec.freeze("train", 3, params)
     assert (trace.key, trace.version, len(rec)) == ("train", 3, 2)
     assert trace.events == (Event(PF, "", (0,)), Event(QF, "", (0,)))
     rec.clear()
-    assert len(rec) == 0 and rec.freeze("train", 4).params == trace.params
+    assert len(rec) == 0 and rec.freeze("train", 4, params).params == trace.params
     assert trace.events == (Event(PF, "", (0,)), Event(QF, "", (0,)))  # frozen copy untouched
-
-
-def test_recorder_rejects_conflicting_param_info() -> None:
-    rec = TraceRecorder()
-    rec.add_param(ParamInfo(0, "w0", 4, 16))
-    with pytest.raises(ValueError, match="param id 0 registered twice"):
-        rec.add_param(ParamInfo(0, "w0", 5, 20))
 
 
 def test_recorder_checks_param_ids_at_freeze() -> None:
     rec = TraceRecorder()
     rec.record(PF, "a", [4])
     with pytest.raises(ValueError, match="event 0"):
-        rec.freeze("k", 0)
+        rec.freeze("k", 0, {})
 
 
 def test_trace_pickles_and_compares_by_value() -> None:

@@ -1,0 +1,124 @@
+"""Every collective of a training run goes through the one communicator, which a test can replace.
+
+A recording `Communicator` subclass is passed to ``zero3.initialize``; a training step, clipping,
+``GatheredParameters`` with a modifier, the accessors, consolidation and a checkpoint round trip
+must all show up in it with the kind of collective they are. (That no other module can issue a
+collective is checked on the source by tests/unit/test_structure.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero3
+from zero3.comm import Communicator, Kind, group_info
+from zero3.metrics import StepMetrics
+
+from gpt import GPT, GPTConfig, synthetic_batch
+
+pytestmark = pytest.mark.multiproc
+
+CFG = GPTConfig(block_size=16)
+
+
+class Recording(Communicator):
+    def __init__(self) -> None:
+        group, world, rank = group_info(None)
+        super().__init__(group, world_size=world, rank=rank, metrics=StepMetrics())
+        self.kinds: list[Kind] = []
+        self.labels: list[str] = []
+
+    def _note(self, tag):
+        self.kinds.append(tag.kind)
+        self.labels.append(tag.label)
+
+    def all_gather_params(self, params, tag, count=True):
+        self._note(tag)
+        return super().all_gather_params(params, tag, count)
+
+    def reduce(self, flat, tag):
+        self._note(tag)
+        return super().reduce(flat, tag)
+
+    def all_reduce(self, t, tag, op="sum"):
+        self._note(tag)
+        return super().all_reduce(t, tag, op)
+
+    def broadcast(self, t, src, tag):
+        self._note(tag)
+        return super().broadcast(t, src, tag)
+
+    def all_gather_tensor(self, t, tag):
+        self._note(tag)
+        return super().all_gather_tensor(t, tag)
+
+    def gather_to_rank0(self, t, tag):
+        self._note(tag)
+        return super().gather_to_rank0(t, tag)
+
+    def exchange_objects(self, obj, tag):
+        self._note(tag)
+        return super().exchange_objects(obj, tag)
+
+
+def run_everything(tmp: str) -> dict:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    comm = Recording()
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              {"param_persistence_threshold": 0}, communicator=comm)
+    rank = dist.get_rank()
+    x, y = synthetic_batch(rank, 2, CFG)
+    engine.backward(engine(x, y))
+    zero3.clip_grad_norm_(engine, 1.0)
+    engine.step()
+    seen = {"step": sorted({k.name for k in comm.kinds})}
+    comm.kinds.clear()
+    with zero3.GatheredParameters([model.ln_f.weight], modifier_rank=0):
+        if rank == 0:
+            model.ln_f.weight.data.fill_(2.0)
+    full = zero3.safe_get_full_fp32_param(model.ln_f.weight)
+    sd = engine.consolidated_state_dict()
+    engine.save_checkpoint(tmp, tag="t")
+    engine.load_checkpoint(tmp, tag="t")
+    seen["other"] = sorted({k.name for k in comm.kinds})
+    seen["ln_f"] = full.tolist()
+    seen["consolidated"] = sd["ln_f.weight"].tolist() if rank == 0 else None
+    seen["labels"] = sorted(set(comm.labels))
+    return seen
+
+
+def test_every_collective_goes_through_the_communicator_passed_to_initialize(pools, tmp_path):
+    results = pools.get(2).run(run_everything, str(tmp_path))
+    for r in results:
+        assert r["step"] == ["ALL_REDUCE", "GRAD_REDUCE", "PARAM_GATHER"]
+        assert r["other"] == ["BROADCAST", "GATHER_TO_ROOT", "OBJECTS", "PARAM_GATHER", "TENSOR_GATHER"]
+        assert r["ln_f"] == [2.0] * CFG.n_embd
+        assert "GatheredParameters" in r["labels"] and "consolidated_state_dict" in r["labels"]
+    assert results[0]["consolidated"] == [2.0] * CFG.n_embd
+
+
+def exchange_without_numpy() -> list:
+    """torch's object collectives call ``Tensor.numpy()``; the communicator's must not need it."""
+    real = torch.Tensor.numpy
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("Tensor.numpy() was called")
+
+    torch.Tensor.numpy = refuse
+    try:
+        group, world, rank = group_info(None)
+        comm = Communicator(group, world_size=world, rank=rank, metrics=StepMetrics())
+        return comm.exchange_objects({"rank": rank, "blob": "x" * (10 + 1000 * rank)},
+                                     zero3.comm.Tag(Kind.OBJECTS, "test"))
+    finally:
+        torch.Tensor.numpy = real
+
+
+def test_object_exchange_needs_no_numpy(pools):
+    for got in pools.get(2).run(exchange_without_numpy):
+        assert [g["rank"] for g in got] == [0, 1]
+        assert [len(g["blob"]) for g in got] == [10, 1010]
+

@@ -1,0 +1,40 @@
+"""``python -m zero3.plan``: the commands its help shows run, and an all-persistent model is a plan."""
+
+from __future__ import annotations
+
+import io
+import os
+from contextlib import redirect_stdout
+
+from gpt import GPT, GPTConfig
+
+from zero3.plan import main
+
+GPT_FILE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "gpt.py")
+
+
+def _run(*argv: str) -> dict[str, str]:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(list(argv)) == 0
+    rows = {}
+    for line in out.getvalue().splitlines():
+        key, _, value = line.rpartition("  ")
+        rows[key.strip()] = value.strip()
+    return rows
+
+
+def test_an_all_persistent_model_predicts_no_gathers_and_every_element_resident() -> None:
+    rows = _run("--model", f"{GPT_FILE}:GPT", "--model-arg", "GPTConfig(n_layer=12)", "--input-shape", "8,64",
+                "--config", '{"max_live_parameters": 2e7}', "--world-size", "8")
+    numel = sum(p.numel() for p in GPT(GPTConfig(n_layer=12)).parameters())
+    assert rows["all-gathers per step"] == "0"
+    assert rows["persistent elements (always gathered)"] == f"{numel:,}"
+
+
+def test_the_help_example_with_threshold_zero_predicts_gathers_under_the_cap() -> None:
+    rows = _run("--model", f"{GPT_FILE}:GPT", "--model-arg", "GPTConfig(n_layer=12)", "--input-shape", "8,64",
+                "--config", '{"param_persistence_threshold": 0, "max_live_parameters": 2e4}', "--world-size", "8")
+    assert int(rows["all-gathers per step"].replace(",", "")) > 0
+    assert 0 < int(rows["peak gathered parameter elements"].replace(",", "")) <= 20_000
+    assert rows["persistent elements (always gathered)"] == "0"

@@ -1,0 +1,164 @@
+"""`RuntimeContext`: the runtime state of one partitioned model, made once and handed out explicitly.
+
+Hooks, the optimizer side, checkpoints, accessors, pretrained loading and ``GatheredParameters``
+receive the context (or find it on a parameter's record, ``ZeroParam.ctx``); nothing reaches into
+the `Engine`, which is a thin facade over it. ``zero3.Init`` makes a minimal context (group,
+communicator, coordinator) for the parameters it partitions while a model is built;
+``zero3.initialize`` makes the full one and adopts every parameter of the model.
+
+    RuntimeContext
+      config         ZeroConfig
+      group, rank, world_size
+      comm           Communicator      every collective
+      metrics        StepMetrics       counters of the current step
+      coordinator    ParamCoordinator  gathers and releases (the one driver of parameter status)
+      reducer        GradientReducer   full gradients -> averaged gradient shards (engine only)
+      optimizer      PartitionedOptimizer | None   the user's optimizer over shards (engine only)
+      module, params, global_steps, micro_steps
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .comm import Communicator, group_info, same_group
+from .config import ZeroConfig
+from .coordinator import ParamCoordinator
+from .errors import ZeroConfigError, ZeroStateError
+from .grad import GradientReducer
+from .metrics import StepMetrics
+from .optim import PartitionedOptimizer, validate_optimizer
+from .param import ZeroParameter, partition
+from .precision import lower_precision, torch_dtype
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class RuntimeContext:
+    """Everything one partitioned model's runtime shares; see the module docstring."""
+
+    config: ZeroConfig
+    group: Any
+    world_size: int
+    rank: int
+    comm: Communicator
+    metrics: StepMetrics
+    coordinator: ParamCoordinator
+    module: nn.Module | None = None
+    params: list[ZeroParameter] = field(default_factory=list)
+    reducer: GradientReducer | None = None
+    optimizer: PartitionedOptimizer | None = None
+    global_steps: int = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
+    micro_steps: int = 0  # engine.step() calls
+
+    @classmethod
+    def minimal(cls, config: ZeroConfig, group: Any, comm: Communicator | None = None) -> RuntimeContext:
+        """A context without model, reducer or optimizer: what ``zero3.Init`` needs while building."""
+        group, world, rank = group_info(group)
+        metrics = StepMetrics()
+        if comm is None:
+            comm = Communicator(group, world_size=world, rank=rank, metrics=metrics, overlap=config.overlap_comm,
+                                bucket_numel=config.allgather_bucket_size, reduce_impl=config.reduce_scatter_impl,
+                                verify=config.verify_collectives)
+        return cls(config=config, group=group, world_size=world, rank=rank, comm=comm, metrics=comm.metrics,
+                   coordinator=ParamCoordinator(config, comm, comm.metrics))
+
+    def partition(self, p: nn.Parameter, name: str, *, shard_device: torch.device | None = None,
+                  dtype: torch.dtype | None = None) -> ZeroParameter:
+        """Partition a plain parameter over this context's group; this context drives it."""
+        zp = partition(p, name=name, world_size=self.world_size, rank=self.rank, group=self.group, ctx=self,
+                       shard_device=shard_device, dtype=dtype)
+        self.coordinator.register([zp])
+        return zp
+
+    # -- what the optimizer side and checkpoints ask for -----------------------------------------
+    def finish_gradients(self) -> None:
+        """Every gradient reduction issued so far has landed in the gradient shards."""
+        if self.reducer is not None:
+            self.reducer.finish()
+
+    def optimizer_state(self, p: ZeroParameter) -> dict[str, torch.Tensor]:
+        """This rank's optimizer state for ``p`` (e.g. ``exp_avg``); {} without an optimizer."""
+        return self.optimizer.state_of(p) if self.optimizer is not None else {}
+
+    def refresh_from_masters(self) -> None:
+        """The master shards were written (checkpoint load, accessors): cast them into the parameter
+        shards and re-gather the persistent parameters. A collective when persistent params exist."""
+        if self.optimizer is not None:
+            self.optimizer.copy_masters_to_shards()
+        self.coordinator.refresh_persistent()
+
+    def grads(self) -> list[torch.Tensor]:
+        """Every gradient shard this rank holds, once each."""
+        if self.optimizer is not None:
+            return self.optimizer.grads()
+        return [g for p in self.params if (g := p._zero.train_tensor.grad) is not None]
+
+    @property
+    def grad_scale(self) -> float:
+        """The factor the stored gradient shards carry (the fp16 loss scale until unscaled, else 1)."""
+        return self.optimizer.grad_scale if self.optimizer is not None else 1.0
+
+
+def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: Any,
+                  comm: Communicator | None = None) -> RuntimeContext:
+    """Partition ``model`` (adopting parameters built under Init), and build the full runtime.
+
+    Validates everything that can be rejected before it changes anything.
+    """
+    if model.__dict__.get("_zero3_context") is not None:
+        raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "
+                             "first, or keep using the engine it returned")
+    validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
+    ctx = RuntimeContext.minimal(config, group, comm)
+    ctx.module = model
+    for name, p in model.named_parameters():
+        if isinstance(p, ZeroParameter):
+            _check_group(ctx, name, p)
+        else:
+            p = ctx.partition(p, name)
+        p._zero.name = name
+        p._zero.ctx = ctx
+        ctx.params.append(p)
+    ctx.coordinator.register(ctx.params)
+    # bf16/fp16: cast the shards now (before anything is gathered); their fp32 values seed the masters
+    fp32_shards = lower_precision(ctx.params, torch_dtype(config.dtype)) if config.dtype != "fp32" else {}
+    ctx.reducer = GradientReducer(ctx.comm, config.reduce_bucket_size, reduce_dtype=torch_dtype(config.reduce_dtype),
+                                  accumulation_steps=config.gradient_accumulation_steps)
+    if optimizer is not None:
+        ctx.optimizer = PartitionedOptimizer(optimizer, ctx.params, config, ctx.comm, fp32_shards)
+    ctx.coordinator.mark_persistent(ctx.params)  # gathers: after every shard has its final buffer
+    model.__dict__["_zero3_context"] = ctx
+    return ctx
+
+
+def _check_group(ctx: RuntimeContext, name: str, p: ZeroParameter) -> None:
+    z = p._zero
+    if z.world_size != ctx.world_size or z.rank != ctx.rank or not same_group(z.group, ctx.group):
+        raise ZeroConfigError(
+            f"parameter {name!r} was partitioned over a group of world size {z.world_size} (rank {z.rank}) "
+            f"under zero3.Init, but initialize got a group of world size {ctx.world_size} (rank "
+            f"{ctx.rank}); pass the same group to zero3.Init and zero3.initialize")
+
+
+def context_of(obj: Any, what: str = "this call") -> RuntimeContext:
+    """The context of an engine (``engine.context``), of a model given to ``initialize``, or of a
+    partitioned parameter; a clear error otherwise."""
+    ctx = getattr(obj, "context", None)
+    if isinstance(ctx, RuntimeContext):
+        return ctx
+    if isinstance(obj, nn.Module):
+        ctx = obj.__dict__.get("_zero3_context")
+        if ctx is not None:
+            return ctx
+    if isinstance(obj, ZeroParameter) and isinstance(obj._zero.ctx, RuntimeContext) \
+            and obj._zero.ctx.module is not None:
+        return obj._zero.ctx
+    raise ZeroStateError(f"{what} needs a zero3 Engine or a model passed to zero3.initialize, got "
+                         f"{type(obj).__name__}")
