@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import os
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -97,15 +101,27 @@ def count_calls(model: nn.Module, case: Case, data: tuple) -> tuple[int, int, in
     return calls[0], len(mods), with_params
 
 
+def load_baseline(tree: str) -> ModuleType:
+    """Import ``tree/zero3`` as the package ``zero3_baseline`` (zero3 imports itself relatively, so a
+    renamed copy runs side by side with the installed one in this process)."""
+    src = os.path.join(tree, "zero3")
+    if not os.path.isfile(os.path.join(src, "__init__.py")):
+        raise SystemExit(f"--baseline {tree!r} holds no zero3/__init__.py")
+    dst = os.path.join(tempfile.mkdtemp(prefix="zero3-baseline-"), "zero3_baseline")
+    shutil.copytree(src, dst)
+    sys.path.insert(0, os.path.dirname(dst))
+    return importlib.import_module("zero3_baseline")
+
+
 class Runner:
-    def __init__(self, name: str, case: Case, zero_cfg: dict | None, lr: float) -> None:
+    def __init__(self, name: str, case: Case, zero_cfg: dict | None, lr: float, lib: ModuleType = zero3) -> None:
         torch.manual_seed(0)
         model = case.build()
         self.name = name
         self.data = case.batch()
         self.case = case
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        self.engine = zero3.initialize(model, opt, zero_cfg) if zero_cfg is not None else None
+        self.engine = lib.initialize(model, opt, zero_cfg) if zero_cfg is not None else None
         self.model, self.opt = model, opt
         self.times: list[float] = []
         self.phases: list[tuple[float, float, float]] = []
@@ -132,6 +148,9 @@ class Runner:
 def bench_case(case: Case, args: argparse.Namespace) -> str:
     runners = [Runner("plain", case, None, args.lr)]
     runners += [Runner(name, case, cfg, args.lr) for name, cfg in ZERO3_VARIANTS.items()]
+    if args.baseline_lib is not None:
+        runners += [Runner(f"{name} [baseline]", case, cfg, args.lr, args.baseline_lib)
+                    for name, cfg in ZERO3_VARIANTS.items()]
     calls, n_mods, n_param_mods = count_calls(runners[0].model, case, runners[0].data)
     n_params = sum(p.numel() for p in runners[0].model.parameters())
     for r in runners:
@@ -175,7 +194,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: less noise)")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="a source tree holding another zero3/ (e.g. a git worktree of an older commit): its "
+                         "variants run interleaved with the current ones, labelled [baseline]")
     args = ap.parse_args()
+    args.baseline_lib = load_baseline(args.baseline) if args.baseline else None
     if args.quick:
         args.rounds, args.steps_per_round, args.warmup = 3, 2, 2
     torch.set_num_threads(args.threads)

@@ -67,6 +67,11 @@ MIB = 1024 * 1024
 # model and budgets
 
 
+def label(variant: str) -> str:
+    base, _, tree = variant.partition("@")
+    return LABELS[base] + (f" [{tree}]" if tree else "")
+
+
 def gpt_config(args: argparse.Namespace) -> Any:
     from gpt import GPTConfig
 
@@ -81,6 +86,7 @@ def block_numel(n_embd: int) -> int:
 
 
 def zero3_config(variant: str, args: argparse.Namespace) -> dict:
+    variant = variant.partition("@")[0]
     blk = block_numel(args.n_embd)
     cfg = {
         "param_persistence_threshold": args.persistence,
@@ -129,8 +135,9 @@ class WireCounter:
 
         def counted(output: Any, *a: Any, **k: Any) -> Any:
             nbytes = output.numel() * output.element_size()
-            if output.dtype == torch.int64 and output.numel() == 3 * self.world:
-                # zero3's verify_collectives header (3 int64 per rank): a blocking exchange, timed.
+            if output.dtype == torch.int64 and output.numel() in (3 * self.world, 4 * self.world):
+                # zero3's verify_collectives header (3 or, since the redesign, 4 int64 per rank):
+                # a blocking exchange, timed.
                 self.header_calls += 1
                 t0 = time.perf_counter()
                 result = fn(output, *a, **k)
@@ -368,6 +375,8 @@ def _debug(msg: str) -> None:
 
 def _rank_main(rank: int, world: int, port: int, variant: str, args: argparse.Namespace, outdir: str) -> None:
     _debug(f"rank {rank} started")
+    if variant.endswith("@baseline"):  # a fresh process: the baseline tree's zero3 shadows the installed one
+        sys.path.insert(0, os.path.abspath(args.baseline))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch
     import torch.distributed as dist
@@ -495,9 +504,9 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for variant in runs:
         row = rows[variant]
-        label = LABELS[variant]
+        name = label(variant)
         if "error" in row:
-            lines.append(f"| {label} | FAILED: {row['error']} | | | | | | | | | |")
+            lines.append(f"| {name} | FAILED: {row['error']} | | | | | | | | | |")
             continue
         r0 = row["r0"]
         med = row["median"]
@@ -506,7 +515,7 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
         zero3_ms = "n/a"
         if row["wait_ms"] is not None:
             zero3_ms = f"{row['wait_ms']:.0f} / {row['header_ms']:.0f}"
-        timing.append(f"| {label} | {reps} | {row['p10']:.3f} – {row['p90']:.3f} | {row['cpu']:.3f} | "
+        timing.append(f"| {name} | {reps} | {row['p10']:.3f} – {row['p90']:.3f} | {row['cpu']:.3f} | "
                       + (f"{row['cpu'] / ddp_cpu:.2f}x" if ddp_cpu else "n/a") + f" | {zero3_ms} |")
         gathered = "n/a"
         recv = "n/a"
@@ -542,7 +551,7 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
         loss = f"{row['loss']:.6f}"
         if ddp_loss is not None and variant != "ddp":
             loss += f" (Δ {row['loss'] - ddp_loss:+.1e})"
-        lines.append(f"| {label} | {med:.3f} | {ratio} | {fmt_mib(row['maxrss'])} | "
+        lines.append(f"| {name} | {med:.3f} | {ratio} | {fmt_mib(row['maxrss'])} | "
                      f"{fmt_mib(row['growth'])} | {gathered} | {recv} | {vs_ideal} | {calls} | {hit} | {loss} |")
     notes = []
     if any_ok is not None:
@@ -552,7 +561,7 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
     for variant, row in rows.items():
         if "r0" in row:
             r0 = row["r0"]
-            notes.append(f"{LABELS[variant]}: RSS at rank start {fmt_mib(r0['rss_start'])} MiB, after building "
+            notes.append(f"{label(variant)}: RSS at rank start {fmt_mib(r0['rss_start'])} MiB, after building "
                          f"model+wrapper+optimizer {fmt_mib(row['built'])} MiB (max over ranks/repeats)"
                          + ("" if row["losses_agree_across_repeats"] else "; last loss differs across repeats"))
             if variant.startswith("zero3"):
@@ -563,7 +572,7 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
                              f"{m['peak_live_numel']:,} el, wait {m['wait_seconds'] * 1e3:.1f} ms, reduce calls "
                              f"{m['reduce_calls']}, divergences {m['divergences']}; config {r0['zero3_config']}")
         else:
-            notes.append(f"{LABELS[variant]} FAILED: {row['error']}")
+            notes.append(f"{label(variant)} FAILED: {row['error']}")
             if row.get("traceback"):
                 notes.append("  " + row["traceback"].strip().replace("\n", "\n  "))
     lines += ["", "Timing detail (step = slower rank's wall time; CPU = process CPU time, all threads, mean of "
@@ -594,6 +603,9 @@ def main() -> None:
                     help=f"comma list from {VARIANTS + EXTRA_VARIANTS}")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per variant run before it is killed")
     ap.add_argument("--json", help="also write the raw per-rank results here")
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="a source tree holding another zero3/ (e.g. a git worktree of an older commit): every "
+                         "zero3 variant also runs with it, labelled [baseline], interleaved in the same run")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.warmup, args.repeats = 4, 1, 1
@@ -602,6 +614,10 @@ def main() -> None:
     for v in variants:
         if v not in LABELS:
             ap.error(f"unknown variant {v!r}")
+    if args.baseline:
+        if not os.path.isfile(os.path.join(args.baseline, "zero3", "__init__.py")):
+            ap.error(f"--baseline {args.baseline!r} holds no zero3/__init__.py")
+        variants = [w for v in variants for w in ((v, v + "@baseline") if v.startswith("zero3") else (v,))]
     # Before any rank is spawned: children inherit it, and glibc reads it at start-up.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
 
