@@ -24,6 +24,7 @@ class GPTConfig:
     n_embd: int = 32
     dropout: float = 0.0
     checkpoint: str | None = None  # None, "reentrant" or "non_reentrant": activation checkpointing per block
+    n_experts: int = 0  # > 0: every block's MLP is a top-1 mixture of this many expert MLPs (MoE)
 
 
 class CausalSelfAttention(nn.Module):
@@ -55,13 +56,36 @@ class MLP(nn.Module):
         return self.c_proj(F.gelu(self.c_fc(x)))
 
 
+class MoE(nn.Module):
+    """Top-1 mixture of experts: a router sends each token to one expert MLP, scaled by its gate.
+
+    Experts that receive no token are not called, so ranks whose tokens route differently run
+    different modules: under zero3 make this a leaf module (``zero3.set_leaf_modules(model, [MoE])``).
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList([MLP(cfg) for _ in range(cfg.n_experts)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        gate, choice = F.softmax(self.router(flat), dim=-1).max(dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            mask = choice == e
+            if bool(mask.any()):
+                out = out.index_put((mask,), expert(flat[mask]) * gate[mask].unsqueeze(-1))
+        return out.view_as(x)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))

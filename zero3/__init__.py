@@ -22,8 +22,9 @@ from .checkpoint import (
 )
 from .config import ZeroConfig
 from .engine import Engine, clip_grad_norm_, initialize
-from .errors import ZeroConfigError, ZeroDivergenceError, ZeroError, ZeroStateError
+from .errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroError, ZeroStateError
 from .init import GatheredParameters, Init, register_external_parameter
+from .leaf import set_leaf_modules
 from .metrics import StepMetrics
 from .param import ZeroParameter, is_partitioned
 from .precision import LossScaler
@@ -42,6 +43,7 @@ __all__ = [
     "ParamStatus",
     "StepMetrics",
     "ZeroConfig",
+    "ZeroCommunicationError",
     "ZeroConfigError",
     "ZeroDivergenceError",
     "ZeroError",
@@ -62,4 +64,5 @@ __all__ = [
     "safe_set_full_optimizer_state",
     "safe_set_local_fp32_param",
     "safe_set_local_optimizer_state",
+    "set_leaf_modules",
 ]

@@ -1,10 +1,13 @@
 """The communicator: every collective zero3 issues goes through one `Communicator`.
 
-Parameter gathers, gradient reductions, broadcasts, all-reduces, gathers to rank 0 and object
-exchanges all pass here, so header verification, metrics, profiler labels and test doubles live in
-one place, and the torch-version shims exist once. Each call names what it moves with a `Tag` (its
-kind, a label for messages, and the parameter ids it carries). No other module of zero3 calls
-``torch.distributed`` collectives (tests/unit/test_structure.py reads the source to keep it so).
+Parameter gathers, gradient reductions, broadcasts, all-reduces, gathers to rank 0, object exchanges
+and step agreements all pass here, so verification, metrics, profiler labels, timeouts and test
+doubles live in one place, and the torch-version shims exist once. Each call names what it moves
+with a `Tag` (its kind, a label for messages, the parameter ids it carries). No other module of
+zero3 calls ``torch.distributed`` collectives (tests/unit/test_structure.py reads the source).
+
+How collectives are verified without a round trip each, and what happens when ranks diverge or
+one stops taking part: [Note: verified collectives] in comm_verify.py.
 
 [Note: streams and buffer lifetime]
 On CUDA with ``overlap_comm``, copy-in, all-gather and copy-out run on one side stream, and an
@@ -17,19 +20,38 @@ CPU the collective is issued with ``async_op=True`` and waited in `GatherWork.wa
 
 from __future__ import annotations
 
+import datetime
 import enum
 import logging
 import pickle
 import time
-import zlib
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ._safetensors import byte_view
-from .errors import ZeroConfigError, ZeroDivergenceError
+from .comm_verify import (
+    LEAVING,
+    VOIDED,
+    WINDOW,
+    WIRE_WORDS,
+    EpochMode,
+    FailureReport,
+    PayloadHeader,
+    PlanCache,
+    Slot,
+    WireHeader,
+    bitcast_elements,
+    content_hash,
+    header_as,
+    header_values,
+    headers_from,
+    headers_from_values,
+)
+from .errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroStateError
 from .metrics import StepMetrics
 from .param import ZeroParameter, alloc_full, raw_data
 
@@ -38,6 +60,8 @@ logger = logging.getLogger(__name__)
 # torch 2.13 renamed the flat collectives; keep working on the older names (torch >= 2.4).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+HEADER_VALUES = 16  # a PayloadHeader as small integers (the reduction form)
 
 
 def group_info(group: Any) -> tuple[Any, int, int]:
@@ -69,6 +93,11 @@ class Kind(enum.Enum):
     TENSOR_GATHER = "tensor all-gather"
     GATHER_TO_ROOT = "gather to rank 0"
     OBJECTS = "object exchange"
+    AGREE = "step agreement"
+
+
+_KIND_CODES = {k: i + 1 for i, k in enumerate(Kind)}
+_HEADER_FIRST = {Kind.BROADCAST, Kind.TENSOR_GATHER, Kind.GATHER_TO_ROOT, Kind.OBJECTS, Kind.AGREE}
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +113,24 @@ class Tag:
         return f"{self.kind.value} for {self.label or 'a user request'}"
 
 
+class Route(enum.Enum):
+    PLAIN = enum.auto()  # verification off: just issue it
+    PLANNED = enum.auto()  # following the plan: carry a header in the payload
+    CHECKED = enum.auto()  # headers agreed in a blocking exchange: issue the data
+
+
+@dataclass(eq=False)
+class _Slot:
+    """A planned collective (or a dummy) issued and not yet verified."""
+
+    seq: int
+    kind: Kind
+    sizes: tuple[int, ...]
+    works: list[Any]
+    read_headers: Callable[[], list[PayloadHeader | None]]
+    void: bool = False
+
+
 @dataclass(eq=False)
 class _Chunk:
     params: list[ZeroParameter]
@@ -96,49 +143,82 @@ class _Chunk:
 @dataclass(eq=False)
 class GatherWork:
     """An issued all-gather of parameter shards. ``wait()`` is idempotent; when it returns, every
-    parameter's storage holds its full data (the caller then marks them AVAILABLE)."""
+    parameter's storage holds its full, verified data (the caller then marks them AVAILABLE)."""
 
     comm: "Communicator"
+    params: Sequence[ZeroParameter] = ()
+    tag: Tag | None = None
     chunks: list[_Chunk] = field(default_factory=list)
     event: Any = None
+    slot: _Slot | None = None
     done: bool = False
 
     def wait(self) -> None:
         if self.done:
             return
         self.done = True
+        comm = self.comm
         t0 = time.perf_counter()
+        if self.slot is not None:
+            comm._verify_through(self.slot)
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
         else:
             for chunk in self.chunks:
                 if chunk.work is not None:
-                    chunk.work.wait()
-                self.comm._copy_out(chunk)
-        self.comm.metrics.wait_seconds += time.perf_counter() - t0
+                    comm._wait_work(chunk.work, self.tag)
+        if self.slot is not None and self.slot.void:  # issued where another rank left the plan
+            assert self.tag is not None
+            comm._voided(self.tag, self.slot.sizes)
+        elif self.event is None:
+            for chunk in self.chunks:
+                comm._copy_out(chunk)
+        comm.metrics.wait_seconds += time.perf_counter() - t0
         self.chunks = []
         self.event = None
 
 
 @dataclass(eq=False)
+class ReduceBuffer:
+    """A flat rank-major gradient buffer: fill ``rows`` (``(world, S)``), then `Communicator.reduce`."""
+
+    flat: torch.Tensor  # what goes on the wire (rows, plus header room when verifying)
+    rows: torch.Tensor
+    shard_numel: int
+
+
+@dataclass(eq=False)
 class ReduceWork:
-    """An issued averaging reduction of a rank-major flat buffer; ``wait()`` returns this rank's
-    slice of the average (idempotent)."""
+    """An issued averaging reduction; ``wait()`` returns this rank's ``S`` elements (idempotent)."""
 
     comm: "Communicator"
+    buffer: ReduceBuffer
     out: torch.Tensor
+    tag: Tag | None = None
     work: Any = None
-    flat: torch.Tensor | None = None  # the input, kept alive until the collective completed
+    slot: _Slot | None = None
     result: torch.Tensor | None = None
+    failed: bool = False
 
     def wait(self) -> torch.Tensor:
         if self.result is None:
-            if self.work is not None:
-                t0 = time.perf_counter()
-                self.work.wait()
-                self.comm.metrics.wait_seconds += time.perf_counter() - t0
-            self.flat = None
-            self.result = self.out.div_(self.comm.world_size)
+            if self.failed:
+                raise ZeroStateError(f"{self.tag.describe() if self.tag else 'a reduction'} failed earlier "
+                                     "(see the first error)")
+            self.failed = True  # until it succeeds: a failed wait issues nothing the second time
+            comm = self.comm
+            t0 = time.perf_counter()
+            if self.slot is not None:
+                comm._verify_through(self.slot)
+            elif self.work is not None:
+                comm._wait_work(self.work, self.tag)
+            if self.slot is not None and self.slot.void:
+                assert self.tag is not None
+                comm._voided(self.tag, self.slot.sizes)
+            comm.metrics.wait_seconds += time.perf_counter() - t0
+            self.result = self.out[: self.buffer.shard_numel].div_(comm.world_size)
+            self.buffer = None  # type: ignore[assignment]  # the input may go now
+            self.failed = False
         return self.result
 
 
@@ -151,28 +231,46 @@ class Communicator:
         bucket_numel: largest number of elements one parameter all-gather moves.
         reduce_impl: ``reduce_scatter``, ``all_reduce`` (then slice) or ``auto`` (all-reduce on gloo).
         metrics: the step counters to update.
-        verify: exchange a header before each collective (see `agree`); None: on for gloo.
+        verify: verify every collective (comm_verify.py); None: on for gloo, off for NCCL.
+        timeout_s: when > 0 and world size > 1, collectives run on a process group of their own
+            with this timeout (a rank that stops taking part is reported instead of waited for).
+        plans: how many epoch plans to remember.
     """
 
     def __init__(self, group: Any, *, world_size: int, rank: int, metrics: StepMetrics, overlap: bool = True,
-                 bucket_numel: int = 1 << 62, reduce_impl: str = "auto", verify: bool | None = None) -> None:
-        self.group = group
+                 bucket_numel: int = 1 << 62, reduce_impl: str = "auto", verify: bool | None = None,
+                 timeout_s: float = 0.0, plans: int = 8) -> None:
         self.world_size = world_size
         self.rank = rank
         self.overlap = overlap
         self.bucket_numel = max(1, bucket_numel)
         self.metrics = metrics
-        self.backend = dist.get_backend(group) if (world_size > 1 and dist.is_initialized()) else "none"
+        distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
+        self.backend = dist.get_backend(group) if distributed else "none"
+        self.timeout_s = float(timeout_s)
+        self.group = group
+        if distributed and self.timeout_s > 0:
+            # Our own group: its timeout bounds every wait, and breaking it leaves the user's intact.
+            self.group = dist.new_group(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD),
+                                        timeout=datetime.timedelta(seconds=self.timeout_s), backend=self.backend,
+                                        use_local_synchronization=True)
         if reduce_impl == "auto":
             reduce_impl = "all_reduce" if self.backend == "gloo" else "reduce_scatter"
         self.reduce_impl = reduce_impl
-        # Header checks cost a host round trip; on by default where collectives run on the CPU (gloo).
-        self.verify = (self.backend == "gloo") if verify is None else verify
+        self.verify = ((self.backend == "gloo") if verify is None else verify) and world_size > 1
         # NCCL moves only CUDA tensors: small tensors (headers, flags) live there.
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
-        self._seq = 0
         self._side_stream: Any = None
+        self.mode = EpochMode.IDLE
+        self.epoch = 0
+        self._seq = 0
+        self._plan: tuple[Slot, ...] = ()
+        self._plan_key = 0
+        self._log: list[Slot] = []
+        self._outstanding: deque[_Slot] = deque()
+        self._plans = PlanCache(plans)
+        self.report = FailureReport(_group_name(self.group), world_size, rank) if distributed else None
 
     def global_rank(self, group_rank: int) -> int:
         """The default-group rank of ``group_rank`` in this communicator's group."""
@@ -180,31 +278,261 @@ class Communicator:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
-    # -- verification ----------------------------------------------------------------------------
-    def agree(self, tag: Tag, numel: int) -> None:
-        """Check that every rank is about to issue the same collective; raise on all ranks if not.
+    # -- epochs and routes (comm_verify.py [Note: verified collectives]) -------------------------
+    def end_epoch(self) -> None:
+        """The runtime finished an epoch (``engine.step()``, or an inference forward): leave the plan
+        if it is not done, remember what this epoch issued, and start counting afresh."""
+        if not self.verify or self.mode in (EpochMode.IDLE, EpochMode.BROKEN):
+            return
+        if self.mode is EpochMode.PLANNED:
+            while self._outstanding and self.mode is EpochMode.PLANNED:
+                self._verify_next()
+            if self.mode is EpochMode.PLANNED and self._seq < len(self._plan):
+                self._leave()
+        self._drain()
+        self._plans.record(self._plan_key, self._log)
+        self._reset_epoch()
 
-        Ranks exchange a 4-integer header (sequence number, kind, a hash of the carried parameter
-        ids, size) in one tiny all-gather. Mismatched data collectives would hang or corrupt;
-        mismatched headers are seen by every rank at once, so every rank raises the same error.
-        """
-        if not self.verify or self.world_size == 1:
+    def abandon_epoch(self, reason: str | None = None) -> None:
+        """The step was aborted (an exception): keep the others from waiting on slots this rank will
+        not issue (leave the plan in-band), forget this epoch, and post ``reason`` for the others."""
+        if reason is not None and self.report is not None:
+            self.report.post(f"{self.epoch}|{reason}")
+        if not self.verify or self.mode in (EpochMode.IDLE, EpochMode.BROKEN):
             return
+        try:
+            if self.mode is EpochMode.PLANNED:
+                while self._outstanding and self.mode is EpochMode.PLANNED:
+                    self._verify_next()
+                if self.mode is EpochMode.PLANNED and self._seq < len(self._plan):
+                    self._leave()
+            self._drain()
+        except ZeroCommunicationError:
+            return
+        except ZeroDivergenceError:
+            pass
+        self._reset_epoch()
+
+    def _reset_epoch(self) -> None:
+        if self.mode is EpochMode.BROKEN:
+            return
+        self.epoch += 1
+        self.mode = EpochMode.IDLE
+        self._seq = 0
+        self._plan = ()
+        self._log = []
+        self._outstanding.clear()
+
+    def _route(self, tag: Tag, slot: Slot) -> Route:
+        """Decide how to issue a request; may block (epoch start, window, header exchange)."""
+        if not self.verify:
+            return Route.PLAIN
+        if self.mode is EpochMode.BROKEN:
+            raise ZeroCommunicationError(f"{tag.describe()}: zero3's process group is closed after a failed "
+                                         "collective (see the first error); restart from the last checkpoint")
+        self._log.append(slot)
+        if self.mode is EpochMode.IDLE and self._start_epoch(tag, slot):
+            return Route.CHECKED
+        if self.mode is EpochMode.PLANNED:
+            if self._outstanding and (slot.header_first or self._outstanding[0].seq <= self._seq - WINDOW):
+                self._flush_window(slot.header_first)
+            if self.mode is EpochMode.PLANNED:
+                if self._seq < len(self._plan) and self._plan[self._seq] == slot:
+                    if not slot.header_first or self._planned_exchange(tag, slot):
+                        return Route.PLANNED if not slot.header_first else Route.CHECKED
+                else:
+                    self._leave()
+        self._exchange(tag, slot)
+        return Route.CHECKED
+
+    def _planned_exchange(self, tag: Tag, slot: Slot) -> bool:
+        """A planned slot that starts with a blocking header exchange: True when every rank is at
+        this very slot; else every rank switches right after it (it completed everywhere at once)."""
+        mine = WireHeader(self.epoch, self._seq, _KIND_CODES[tag.kind],
+                          content_hash(tag.kind.value, tag.ids, slot.sizes), sum(slot.sizes))
+        rows = self._wire_exchange(mine, tag)
+        self.metrics.header_exchanges += 1
         self._seq += 1
-        ids = zlib.crc32(repr(tag.ids).encode()) if tag.ids else 0
-        mine = torch.tensor([self._seq, zlib.crc32(tag.kind.value.encode()), ids, numel], dtype=torch.int64,
-                            device=self.device)
-        everyone = torch.empty(4 * self.world_size, dtype=torch.int64, device=self.device)
-        _all_gather_flat(everyone, mine, group=self.group)
-        rows = everyone.view(self.world_size, 4).cpu()
-        if bool((rows == rows[0]).all()):
-            return
-        details = self._objects((self._seq, tag.describe(), numel))
-        lines = "; ".join(f"rank {r}: collective #{s} {w} ({n:,} elements)" for r, (s, w, n) in enumerate(details))
+        if all(mine.same_request(r) and r is not None and r.flags == 0 for r in rows):
+            return True
+        self.metrics.anomalies += 1
+        self.mode = EpochMode.CHECKED
+        logger.info("zero3: collective plan left at slot %d of step %d; verifying every collective until the "
+                    "step ends", self._seq - 1, self.epoch)
+        return False
+
+    def _flush_window(self, everything: bool) -> None:
+        """Verify the oldest slots: all of them, or those K behind the next sequence number."""
+        while self._outstanding and self.mode is EpochMode.PLANNED and \
+                (everything or self._outstanding[0].seq <= self._seq - WINDOW):
+            self.metrics.forced_verifies += 1
+            self._verify_next()
+
+    def _start_epoch(self, tag: Tag, slot: Slot) -> bool:
+        """One blocking exchange: this epoch's first request and the plan each rank proposes. Returns
+        True when it also verified the request (no common plan: the epoch runs CHECKED)."""
+        key = content_hash(tag.kind.value, tag.ids, slot.sizes)
+        self._plan_key = key
+        choice = self._plans.choose(key)
+        digest = choice[1] if choice is not None else 0
+        mine = WireHeader(self.epoch, 0, _KIND_CODES[tag.kind], key, sum(slot.sizes), digest)
+        rows = self._wire_exchange(mine, tag)
+        self.metrics.header_exchanges += 1
+        if not all(mine.same_request(r) for r in rows):
+            self._diverged(tag, slot, rows)
+        if choice is not None and all(r is not None and r.digest == digest for r in rows):
+            self.mode = EpochMode.PLANNED
+            self._plan = choice[0]
+            self._seq = 0
+            return False
+        self.mode = EpochMode.CHECKED
+        self._seq = 1
+        return True
+
+    def _exchange(self, tag: Tag, slot: Slot, flags: int = 0) -> None:
+        """CHECKED: agree on this request in one blocking header exchange, or raise on every rank."""
+        mine = WireHeader(self.epoch, self._seq, _KIND_CODES[tag.kind],
+                          content_hash(tag.kind.value, tag.ids, slot.sizes), sum(slot.sizes), flags=flags)
+        rows = self._wire_exchange(mine, tag)
+        self.metrics.header_exchanges += 1
+        if not all(mine.same_request(r) and r is not None and r.flags == 0 for r in rows):
+            self._diverged(tag, slot, rows, voided=bool(flags))
+        self._seq += 1
+
+    def _voided(self, tag: Tag, sizes: tuple[int, ...]) -> None:
+        """A request of this rank was issued in a slot another rank left the plan at: the ranks are
+        not doing the same thing. Tell everyone in a header exchange flagged VOIDED: all raise."""
+        if self.mode is EpochMode.PLANNED:
+            self._leave()
+        self._exchange(tag, Slot(tag.kind.value, sizes, "", False), flags=VOIDED)
+
+    def _wire_exchange(self, mine: WireHeader, tag: Tag) -> list[WireHeader | None]:
+        out = torch.empty(WIRE_WORDS * self.world_size, dtype=torch.int64, device=self.device)
+        self._blocking(lambda: _all_gather_flat(out, mine.to_tensor(self.device), group=self.group), tag)
+        return WireHeader.rows(out)
+
+    def _diverged(self, tag: Tag, slot: Slot, rows: list[WireHeader | None], voided: bool = False) -> None:
+        """Every rank saw the same mismatching headers: describe and raise on all of them."""
+        seq = self._seq
+        what = f"{tag.describe()} ({sum(slot.sizes):,} elements)"
+        if voided:
+            what += ", issued where another rank had left the plan"
+        details = self._objects((self.epoch, seq, what))
+        lines = "; ".join(f"rank {r}: step {e} collective #{s} {w}" for r, (e, s, w) in enumerate(details))
+        if self.report is not None:
+            self.report.post(f"{self.epoch}|raised ZeroDivergenceError at collective #{seq} ({what})")
+        self._reset_epoch()
         raise ZeroDivergenceError(
             f"ranks disagree on the next collective ({lines}). zero3 needs every rank to run the same "
             "modules in the same order with the same parameters (SPMD); make skipped branches run on every "
-            "rank (e.g. with zero inputs) or mark the differing part so it is gathered as one unit.")
+            "rank (e.g. with zero inputs), or make the part whose routing differs a leaf module "
+            "(zero3.set_leaf_modules) so it is gathered and reduced as one unit.")
+
+    def _leave(self) -> None:
+        """This rank's next request is not the planned slot (or its epoch ends early): verify what is
+        in flight, then mark the planned slots from here void in-band and switch to CHECKED."""
+        while self._outstanding and self.mode is EpochMode.PLANNED:
+            self._verify_next()
+        if self.mode is EpochMode.PLANNED:
+            self.metrics.plan_departures += 1
+            self._switch(self._seq)
+
+    def _switch(self, first: int) -> None:
+        """The first anomaly is at slot ``first``: issue every planned slot up to the agreed switch
+        point as a void dummy, wait for everything in flight, and go CHECKED."""
+        plan = self._plan
+        last = first if first < len(plan) and plan[first].header_first else first + WINDOW - 1
+        for s in self._outstanding:
+            s.void = True
+        while self._seq <= min(last, len(plan) - 1):
+            self._outstanding.append(self._dummy(plan[self._seq]))
+            self._seq += 1
+        self._drain()
+        self._seq = max(self._seq, min(last, len(plan) - 1) + 1)
+        self.mode = EpochMode.CHECKED
+        logger.info("zero3: collective plan left at slot %d of step %d; verifying every collective until the "
+                    "step ends", first, self.epoch)
+
+    def _drain(self) -> None:
+        """Wait for every slot in flight without using it (they are void, or verified already)."""
+        while self._outstanding:
+            s = self._outstanding.popleft()
+            for w in s.works:
+                self._wait_work(w, None)
+
+    def _verify_next(self) -> None:
+        s = self._outstanding.popleft()
+        for w in s.works:
+            self._wait_work(w, None)
+        headers = s.read_headers()
+        first = headers[0]
+        ok = first is not None and first.epoch == self.epoch & 0xFFFF and first.seq == s.seq and \
+            first.flags == 0 and all(h == first for h in headers)
+        if ok and not s.void:
+            return
+        self.metrics.anomalies += 1
+        s.void = True
+        if self.mode is EpochMode.PLANNED:
+            self._outstanding.appendleft(s)
+            self._switch(s.seq)
+
+    def _verify_through(self, slot: _Slot) -> None:
+        """Verify, in order, every slot up to and including ``slot``."""
+        while self.mode is EpochMode.PLANNED and any(s is slot for s in self._outstanding):
+            self._verify_next()
+        if any(s is slot for s in self._outstanding):  # drained as void by a switch meanwhile
+            self._outstanding.remove(slot)
+
+    def _planned_header(self, kind: Kind, tag_ids: tuple[int, ...], sizes: tuple[int, ...],
+                        flags: int = 0) -> PayloadHeader:
+        return PayloadHeader(self.epoch & 0xFFFF, self._seq, content_hash(kind.value, tag_ids, sizes), flags)
+
+    def _register(self, kind: Kind, sizes: tuple[int, ...], works: list[Any],
+                  reader: Callable[[], list[PayloadHeader | None]]) -> _Slot:
+        s = _Slot(self._seq, kind, sizes, works, reader)
+        self._outstanding.append(s)
+        self._seq += 1
+        return s
+
+    # -- waiting, with failures turned into clear errors ------------------------------------------
+    def _wait_work(self, work: Any, tag: Tag | None) -> None:
+        self._blocking(work.wait, tag)
+
+    def _blocking(self, fn: Callable[[], Any], tag: Tag | None) -> Any:
+        try:
+            return fn()
+        except RuntimeError as exc:
+            if self.world_size > 1 and isinstance(exc, RuntimeError) and not isinstance(exc, ZeroStateError):
+                self._fail(exc, tag)
+            raise
+
+    def _fail(self, exc: BaseException, tag: Tag | None) -> None:
+        """A collective did not complete (timeout, or a peer closed its connection)."""
+        if self.mode is EpochMode.BROKEN:
+            raise ZeroCommunicationError(f"zero3's process group is closed after an earlier failure: {exc}")
+        self.mode = EpochMode.BROKEN
+        where = f"collective #{self._seq} of step {self.epoch}" + (f" ({tag.describe()})" if tag else "")
+        peers: dict[int, str] = {}
+        if self.report is not None:
+            self.report.post(f"{self.epoch}|timed out or lost its peers while waiting in {where}")
+            peers = self.report.read(min(2.0, max(0.2, 0.1 * self.timeout_s)))
+        lines = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            epoch, _, msg = peers.get(r, "").partition("|")
+            if msg and epoch.isdigit() and int(epoch) >= self.epoch - 1:
+                lines.append(f"rank {r} {msg}")
+            else:
+                lines.append(f"rank {r} reported nothing: it stopped taking part (returned early, is stuck in its "
+                             "own code, or died)")
+        limit = f"collective_timeout={self.timeout_s:g} s" if self.timeout_s > 0 else "the process group's timeout"
+        raise ZeroCommunicationError(
+            f"rank {self.rank} waited in {where} and not every rank took part within {limit}: "
+            + "; ".join(lines) + f". ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}) zero3's own process "
+            "group is closed now; every further collective of this engine raises. The default process group is not "
+            "affected, but a rank that died is gone: save what you need and restart from the last checkpoint."
+        ) from exc
 
     # -- parameter all-gather --------------------------------------------------------------------
     def all_gather_params(self, params: Sequence[ZeroParameter], tag: Tag, count: bool = True) -> GatherWork:
@@ -214,7 +542,7 @@ class Communicator:
         moves bytes. Their storage is allocated when the data is copied out. ``count``: add it to
         the step's gather metrics (persistent refreshes are counted apart).
         """
-        handle = GatherWork(comm=self)
+        handle = GatherWork(comm=self, params=params, tag=tag)
         if not params:
             return handle
         numel = sum(p._zero.numel for p in params)
@@ -223,7 +551,19 @@ class Communicator:
             m.allgather_calls += 1
             m.allgather_numel += numel
             m.allgather_bytes += sum(p._zero.nbytes for p in params)
-        self.agree(tag, numel)
+        if self.world_size == 1:
+            for chunk in self._chunks(params):
+                self._copy_out(chunk)
+            handle.done = True
+            return handle
+        chunks = self._chunks(params)
+        dtype = params[0]._zero.shard.dtype
+        hdr = bitcast_elements(dtype) if self.verify else 0
+        slot = Slot(Kind.PARAM_GATHER.value, tuple(c.total for c in chunks), str(dtype), False)
+        route = self._route(tag, slot)
+        header = None
+        if route is Route.PLANNED:
+            header = self._planned_header(Kind.PARAM_GATHER, tag.ids, slot.sizes)
         device = raw_data(params[0]).device  # where the gathered tensor lives (shards may be on the CPU)
         use_stream = device.type == "cuda" and self.overlap
         if use_stream:
@@ -231,16 +571,20 @@ class Communicator:
                 self._side_stream = torch.cuda.Stream(device=device)
             self._side_stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self._side_stream):
-                for chunk in self._chunks(params):
-                    self._issue(chunk, async_op=False)
-                    self._copy_out(chunk)
+                for chunk in chunks:
+                    self._issue(chunk, hdr, header, async_op=False)
+                    self._copy_out(chunk, keep_header=header is not None)
                 handle.event = torch.cuda.Event()
                 handle.event.record(self._side_stream)
         else:
-            async_op = self.overlap and self.world_size > 1
-            for chunk in self._chunks(params):
-                self._issue(chunk, async_op=async_op)
-                handle.chunks.append(chunk)
+            async_op = self.overlap
+            for chunk in chunks:
+                self._issue(chunk, hdr, header, async_op=async_op)
+            handle.chunks = chunks
+        if header is not None:
+            event = handle.event
+            handle.slot = self._register(Kind.PARAM_GATHER, slot.sizes, [c.work for c in chunks if c.work is not None],
+                                         lambda: _gather_headers(chunks, self.world_size, hdr, event))
         return handle
 
     def _chunks(self, params: Sequence[ZeroParameter]) -> list[_Chunk]:
@@ -257,70 +601,158 @@ class Communicator:
             chunks.append(_make_chunk(cur))
         return chunks
 
-    def _issue(self, chunk: _Chunk, *, async_op: bool) -> None:
-        if self.world_size == 1:
-            return
+    def _issue(self, chunk: _Chunk, hdr: int, header: PayloadHeader | None, *, async_op: bool) -> None:
         first = chunk.params[0]._zero.shard
         device = raw_data(chunk.params[0]).device
         dtype = first.dtype
-        if len(chunk.params) == 1:
-            inp = first.to(device=device, dtype=dtype)
-        else:
-            inp = torch.cat([p._zero.shard.to(device=device, dtype=dtype) for p in chunk.params])
-        chunk.out = torch.empty(self.world_size * chunk.total, dtype=dtype, device=device)
+        pieces = [p._zero.shard.to(device=device, dtype=dtype) for p in chunk.params]
+        if hdr:
+            pieces.append(header_as(dtype, header, device) if header is not None
+                          else torch.zeros(hdr, dtype=dtype, device=device))
+        inp = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        chunk.out = torch.empty(self.world_size * (chunk.total + hdr), dtype=dtype, device=device)
         with _label("zero3::all_gather"):
-            work = _all_gather_flat(chunk.out, inp, group=self.group, async_op=async_op)
+            work = self._blocking(lambda: _all_gather_flat(chunk.out, inp, group=self.group, async_op=async_op),
+                                  None)
         chunk.work = work if async_op else None
 
-    def _copy_out(self, chunk: _Chunk) -> None:
+    def _copy_out(self, chunk: _Chunk, keep_header: bool = False) -> None:
         """Copy each parameter's columns of the rank-major output into its own storage."""
+        if self.world_size == 1:
+            for p in chunk.params:
+                alloc_full(p).copy_(p._zero.shard[: p._zero.numel])
+            return
+        assert chunk.out is not None
+        width = chunk.out.numel() // self.world_size
+        rows = chunk.out.view(self.world_size, width)
         for p, off in zip(chunk.params, chunk.offsets):
             z = p._zero
-            full = alloc_full(p)
-            if self.world_size == 1:
-                full.copy_(z.shard[: z.numel])
-                continue
-            assert chunk.out is not None
-            cols = chunk.out.view(self.world_size, chunk.total)[:, off: off + z.shard_numel]
-            full.copy_(cols.reshape(-1)[: z.numel])
-        chunk.out = None
+            cols = rows[:, off: off + z.shard_numel]
+            alloc_full(p).copy_(cols.reshape(-1)[: z.numel])
+        chunk.out = rows[:, chunk.total:] if keep_header else None
+
+    def _dummy(self, slot: Slot) -> _Slot:
+        """Issue a planned slot with zeros and the LEAVING flag (see [Note: verified collectives])."""
+        kind = Kind(slot.kind)
+        dtype = getattr(torch, slot.dtype.removeprefix("torch."))
+        header = self._planned_header(kind, (), slot.sizes, LEAVING)
+        tag = Tag(kind, "leaving the plan")
+        if slot.header_first:
+            mine = WireHeader(self.epoch, self._seq, _KIND_CODES[kind], 0, 0, flags=LEAVING)
+            self._wire_exchange(mine, tag)
+            return _Slot(self._seq, kind, slot.sizes, [], lambda: [], void=True)
+        works: list[Any] = []
+        if kind is Kind.PARAM_GATHER:
+            hdr = bitcast_elements(dtype)
+            for total in slot.sizes:
+                inp = torch.cat([torch.zeros(total, dtype=dtype, device=self.device),
+                                 header_as(dtype, header, self.device)])
+                out = torch.empty(self.world_size * (total + hdr), dtype=dtype, device=self.device)
+                works.append(self._blocking(lambda: _all_gather_flat(out, inp, group=self.group, async_op=True), tag))
+        elif kind is Kind.GRAD_REDUCE and self.reduce_impl != "all_reduce":
+            flat = torch.zeros(slot.sizes[0], dtype=dtype, device=self.device)
+            out = torch.empty(slot.sizes[0] // self.world_size, dtype=dtype, device=self.device)
+            works.append(self._blocking(lambda: _reduce_scatter_flat(out, flat, group=self.group, async_op=True),
+                                        tag))
+        else:  # GRAD_REDUCE as an all-reduce, ALL_REDUCE: one flat all-reduce of the planned size
+            flat = torch.zeros(slot.sizes[0], dtype=dtype, device=self.device)
+            works.append(self._blocking(lambda: dist.all_reduce(flat, group=self.group, async_op=True), tag))
+        self.metrics.dummy_collectives += 1
+        return _Slot(self._seq, kind, slot.sizes, works, lambda: [], void=True)
 
     # -- gradient reduction ----------------------------------------------------------------------
-    def reduce(self, flat: torch.Tensor, tag: Tag) -> ReduceWork:
-        """Issue the averaging reduction of ``flat`` (``world * S`` elements, rank-major); the
-        returned work's ``wait()`` gives this rank's S elements. With ``overlap`` the collective
-        runs while backward goes on (a gloo background thread, or NCCL's stream)."""
-        self.metrics.reduce_calls += 1
-        self.metrics.reduce_numel += flat.numel()
-        s = flat.numel() // self.world_size
-        if self.world_size == 1:
-            return ReduceWork(comm=self, out=flat)
-        self.agree(tag, flat.numel())
-        with _label("zero3::reduce"):
-            if self.reduce_impl == "all_reduce":
-                out = flat.view(self.world_size, s)[self.rank]
-                work = dist.all_reduce(flat, group=self.group, async_op=self.overlap)
-            else:
-                out = torch.empty(s, dtype=flat.dtype, device=flat.device)
-                work = _reduce_scatter_flat(out, flat, group=self.group, async_op=self.overlap)
-        return ReduceWork(comm=self, out=out, work=work, flat=flat)
+    def reduce_buffer(self, shard_numel: int, dtype: torch.dtype, device: torch.device) -> ReduceBuffer:
+        """A zeroed buffer for one gradient bucket of ``shard_numel`` elements per rank."""
+        w = self.world_size
+        h = HEADER_VALUES * w if self.verify else 0
+        if w == 1:
+            flat = torch.zeros(shard_numel, dtype=dtype, device=device)
+            return ReduceBuffer(flat=flat, rows=flat.view(1, -1), shard_numel=shard_numel)
+        if self.reduce_impl == "all_reduce":
+            flat = torch.zeros(w * shard_numel + h, dtype=dtype, device=device)
+            return ReduceBuffer(flat=flat, rows=flat[: w * shard_numel].view(w, shard_numel), shard_numel=shard_numel)
+        flat = torch.zeros(w, shard_numel + h, dtype=dtype, device=device)
+        return ReduceBuffer(flat=flat.view(-1), rows=flat[:, :shard_numel], shard_numel=shard_numel)
 
-    # -- small blocking collectives --------------------------------------------------------------
+    def reduce(self, buf: ReduceBuffer, tag: Tag) -> ReduceWork:
+        """Issue the averaging reduction of a filled `ReduceBuffer`; the returned work's ``wait()``
+        gives this rank's elements. With ``overlap`` it runs while backward goes on."""
+        flat = buf.flat
+        self.metrics.reduce_calls += 1
+        self.metrics.reduce_numel += buf.rows.numel()
+        w, s = self.world_size, buf.shard_numel
+        if w == 1:
+            return ReduceWork(comm=self, buffer=buf, out=flat)
+        slot = Slot(Kind.GRAD_REDUCE.value, (flat.numel(),), str(flat.dtype), False)
+        route = self._route(tag, slot)
+        h = HEADER_VALUES * w if self.verify else 0
+        header = None
+        if route is Route.PLANNED:
+            header = self._planned_header(Kind.GRAD_REDUCE, tag.ids, slot.sizes)
+            values = header_values(header, flat.dtype, flat.device)
+            if self.reduce_impl == "all_reduce":
+                flat[w * s:].view(w, HEADER_VALUES)[self.rank].copy_(values)
+            else:
+                flat.view(w, s + h)[:, s:].reshape(w, w, HEADER_VALUES)[:, self.rank].copy_(values)
+        with _label("zero3::reduce"):
+            if self.reduce_impl == "all_reduce":  # in place; this rank's slice is its result
+                out = flat[self.rank * s:(self.rank + 1) * s]
+                hdr_rows = flat[w * s:].view(w, HEADER_VALUES) if h else None
+                work = self._blocking(lambda: dist.all_reduce(flat, group=self.group, async_op=self.overlap), tag)
+            else:
+                out = torch.empty(s + h, dtype=flat.dtype, device=flat.device)
+                hdr_rows = out[s:].view(w, HEADER_VALUES) if h else None
+                work = self._blocking(lambda: _reduce_scatter_flat(out, flat, group=self.group,
+                                                                   async_op=self.overlap), tag)
+        rw = ReduceWork(comm=self, buffer=buf, out=out, tag=tag, work=work if self.overlap else None)
+        if header is not None:
+            assert hdr_rows is not None
+            rw.slot = self._register(Kind.GRAD_REDUCE, slot.sizes, [rw.work] if rw.work is not None else [],
+                                     lambda: headers_from_values(hdr_rows))
+        return rw
+
+    # -- small collectives -----------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, tag: Tag, op: str = "sum") -> torch.Tensor:
         """Reduce ``t`` in place over the ranks (``op``: ``sum`` or ``max``); returns ``t``."""
-        if self.world_size > 1:
-            self.agree(tag, t.numel())
-            reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-            with _label("zero3::all_reduce"):
-                dist.all_reduce(t, op=reduce_op, group=self.group)
+        if self.world_size == 1:
+            return t
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        h = HEADER_VALUES * self.world_size if self.verify else 0
+        n = t.numel()
+        slot = Slot(Kind.ALL_REDUCE.value, (n + h,), str(t.dtype), False)
+        route = self._route(tag, slot)
+        payload = torch.zeros(n + h, dtype=t.dtype, device=t.device)
+        payload[:n].copy_(t.reshape(-1))
+        if route is Route.PLANNED:
+            header = self._planned_header(Kind.ALL_REDUCE, tag.ids, slot.sizes)
+            payload[n:].view(self.world_size, HEADER_VALUES)[self.rank].copy_(
+                header_values(header, t.dtype, t.device))
+        with _label("zero3::all_reduce"):
+            work = self._blocking(lambda: dist.all_reduce(payload, op=reduce_op, group=self.group, async_op=True), tag)
+        if route is Route.PLANNED:
+            slot_rec = self._register(Kind.ALL_REDUCE, slot.sizes, [work],
+                                      lambda: headers_from_values(payload[n:].view(self.world_size, HEADER_VALUES)))
+            self._verify_through(slot_rec)
+            if slot_rec.void:
+                self._voided(tag, slot.sizes)
+        else:
+            self._wait_work(work, tag)
+        t.copy_(payload[:n].view_as(t))
         return t
+
+    def agree(self, tag: Tag) -> None:
+        """Every rank reached this point and every collective before it was verified (a blocking
+        header exchange). The engine calls it before the optimizer changes any shard."""
+        if not self.verify:
+            return
+        self._route(tag, Slot(Kind.AGREE.value, (0,), "int64", True))
 
     def broadcast(self, t: torch.Tensor, src: int, tag: Tag) -> torch.Tensor:
         """Broadcast ``t`` in place from group rank ``src``; returns ``t``."""
         if self.world_size > 1:
-            self.agree(tag, t.numel())
+            self._route_header_first(tag, t)
             with _label("zero3::broadcast"):
-                dist.broadcast(t, src=self.global_rank(src), group=self.group)
+                self._blocking(lambda: dist.broadcast(t, src=self.global_rank(src), group=self.group), tag)
         return t
 
     def all_gather_tensor(self, t: torch.Tensor, tag: Tag) -> torch.Tensor:
@@ -328,10 +760,10 @@ class Communicator:
         flat = t.reshape(-1).contiguous()
         if self.world_size == 1:
             return flat.view(1, -1)
-        self.agree(tag, flat.numel())
+        self._route_header_first(tag, flat)
         out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
         with _label("zero3::all_gather_tensor"):
-            _all_gather_flat(out, flat, group=self.group)
+            self._blocking(lambda: _all_gather_flat(out, flat, group=self.group), tag)
         return out.view(self.world_size, -1)
 
     def gather_to_rank0(self, t: torch.Tensor, tag: Tag) -> torch.Tensor | None:
@@ -339,14 +771,14 @@ class Communicator:
         flat = t.reshape(-1).contiguous()
         if self.world_size == 1:
             return flat.view(1, -1)
-        self.agree(tag, flat.numel())
+        self._route_header_first(tag, flat)
         dst = self.global_rank(0)
         with _label("zero3::gather"):
             if self.rank == 0:
                 rows = torch.empty(self.world_size, flat.numel(), dtype=flat.dtype, device=flat.device)
-                dist.gather(flat, list(rows.unbind(0)), dst=dst, group=self.group)
+                self._blocking(lambda: dist.gather(flat, list(rows.unbind(0)), dst=dst, group=self.group), tag)
                 return rows
-            dist.gather(flat, None, dst=dst, group=self.group)
+            self._blocking(lambda: dist.gather(flat, None, dst=dst, group=self.group), tag)
         return None
 
     def exchange_objects(self, obj: Any, tag: Tag) -> list[Any]:
@@ -354,20 +786,24 @@ class Communicator:
         collectives)."""
         if self.world_size == 1:
             return [obj]
-        self.agree(tag, 0)
+        self._route_header_first(tag, torch.empty(0))
         return self._objects(obj)
+
+    def _route_header_first(self, tag: Tag, t: torch.Tensor) -> None:
+        self._route(tag, Slot(tag.kind.value, (t.numel(),), str(t.dtype), True))
 
     def _objects(self, obj: Any) -> list[Any]:
         data = pickle.dumps(obj)
         sizes = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
-        _all_gather_flat(sizes, torch.tensor([len(data)], dtype=torch.int64, device=self.device),
-                         group=self.group)
+        mine_size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        self._blocking(lambda: _all_gather_flat(sizes, mine_size, group=self.group), None)
         sizes = sizes.cpu()
         longest = max(1, int(sizes.max()))
         mine = torch.zeros(longest, dtype=torch.uint8)
         byte_view(mine)[: len(data)] = data
         rows = torch.empty(self.world_size * longest, dtype=torch.uint8, device=self.device)
-        _all_gather_flat(rows, mine.to(self.device), group=self.group)
+        mine_dev = mine.to(self.device)
+        self._blocking(lambda: _all_gather_flat(rows, mine_dev, group=self.group), None)
         rows = rows.view(self.world_size, longest).cpu()
         return [pickle.loads(bytes(byte_view(rows[r])[: int(sizes[r])])) for r in range(self.world_size)]
 
@@ -399,6 +835,30 @@ def _make_chunk(params: list[ZeroParameter]) -> _Chunk:
     return _Chunk(params=params, offsets=offsets, total=total)
 
 
+def _gather_headers(chunks: list[_Chunk], world: int, hdr: int, event: Any) -> list[PayloadHeader | None]:
+    """Every rank's header of a planned gather: the first chunk's, and every chunk must carry it."""
+    if event is not None:
+        event.synchronize()
+    found: list[PayloadHeader | None] | None = None
+    for chunk in chunks:
+        assert chunk.out is not None
+        cols = chunk.out if chunk.out.dim() == 2 and chunk.out.shape[1] == hdr else \
+            chunk.out.view(world, -1)[:, chunk.total:]
+        headers = headers_from(cols)
+        if found is None:
+            found = headers
+        elif headers != found:
+            return [None] * world
+    return found or [None] * world
+
+
+def _group_name(group: Any) -> str:
+    try:
+        return str(group.group_name)
+    except Exception:  # noqa: BLE001 - a name only for store keys
+        return "default"
+
+
 def _rebuild_error(rank: int, kind: str, message: str) -> BaseException:
     """Another rank's error, as an exception of the same type where that type is known."""
     import builtins
@@ -428,4 +888,3 @@ class _label:
     def __exit__(self, *exc: Any) -> None:
         if self.cm is not None:
             self.cm.__exit__(*exc)
-

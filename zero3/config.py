@@ -72,9 +72,22 @@ class ZeroConfig:
     """How many recorded step traces are cached (keyed by how the step began)."""
 
     verify_collectives: bool | None = None
-    """Before each gather or reduction, ranks exchange a 3-integer header and all raise
-    ``ZeroDivergenceError`` if they are not about to run the same collective, instead of hanging
-    (ranks that run different modules). ``None``: on for gloo, off for NCCL (it costs a host sync)."""
+    """Verify that every rank issues the same collectives (kind, size, parameters carried), so ranks
+    that run different modules all raise ``ZeroDivergenceError`` instead of hanging or mixing
+    gradients. Steps that repeat an agreed plan carry the check inside their payloads (one header
+    exchange per step); others exchange a header before each collective (comm_verify.py).
+    ``None``: on for gloo, off for NCCL (checking a payload costs a device-to-host sync)."""
+
+    collective_timeout: float = 300.0
+    """Seconds any zero3 collective may wait for the other ranks. zero3's collectives run on a
+    process group of their own with this timeout: when a rank stops taking part (returned early,
+    raised in its own code, died), every other rank raises ``ZeroCommunicationError`` naming it
+    instead of hanging. 0: use the caller's process group and its timeout."""
+
+    leaf_modules: tuple[str, ...] = ()
+    """Class names of modules gathered and reduced as one unit, hooks on the module only (mixture of
+    experts: every expert is gathered when the layer runs and reduced, zeros where no token went, so
+    ranks that route differently issue the same collectives). See ``zero3.set_leaf_modules``."""
 
     # -- precision, optimizer step and gradient accumulation (docs/mixed_precision.md) ---------------
     dtype: DtypeName = "fp32"
@@ -120,6 +133,8 @@ class ZeroConfig:
     """Pin the CPU master buffer (DeepSpeed's ``offload_optimizer.pin_memory``); ignored without CUDA."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.leaf_modules, list):
+            object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
         for f in fields(self):
             _check_field(f, getattr(self, f.name))
         if self.max_traces < 1:
@@ -184,6 +199,9 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
         allowed = get_args(_LITERALS[ann])
         if value not in allowed:
             raise ZeroConfigError(f"{name} must be one of {allowed}, got {value!r}")
+    elif ann == "tuple[str, ...]":
+        if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+            raise ZeroConfigError(f"{name} must be a list of class names (strings), got {value!r}")
     elif ann in ("float", float):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ZeroConfigError(f"{name} must be a finite number >= 0, got {value!r} ({type(value).__name__})")
@@ -192,7 +210,7 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
 
 
 _LITERALS: dict[str, Any] = {"ReduceImpl": ReduceImpl, "DtypeName": DtypeName, "OffloadDevice": OffloadDevice}
-_FLOAT_FIELDS = {"loss_scale", "min_loss_scale", "gradient_clipping"}
+_FLOAT_FIELDS = {"loss_scale", "min_loss_scale", "gradient_clipping", "collective_timeout"}
 
 
 def _coerce(key: str, value: Any) -> Any:
@@ -204,6 +222,8 @@ def _coerce(key: str, value: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return float(value)
         return value
+    if key == "leaf_modules" and isinstance(value, list):
+        return tuple(value)
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value

@@ -58,14 +58,19 @@ class RuntimeContext:
     micro_steps: int = 0  # engine.step() calls
 
     @classmethod
-    def minimal(cls, config: ZeroConfig, group: Any, comm: Communicator | None = None) -> RuntimeContext:
-        """A context without model, reducer or optimizer: what ``zero3.Init`` needs while building."""
+    def minimal(cls, config: ZeroConfig, group: Any, comm: Communicator | None = None,
+                own_group: bool = False) -> RuntimeContext:
+        """A context without model, reducer or optimizer: what ``zero3.Init`` needs while building.
+        ``own_group``: collectives run on a process group of their own with ``collective_timeout``
+        (the engine's context; Init uses the caller's group)."""
         group, world, rank = group_info(group)
         metrics = StepMetrics()
         if comm is None:
             comm = Communicator(group, world_size=world, rank=rank, metrics=metrics, overlap=config.overlap_comm,
                                 bucket_numel=config.allgather_bucket_size, reduce_impl=config.reduce_scatter_impl,
-                                verify=config.verify_collectives)
+                                verify=config.verify_collectives,
+                                timeout_s=config.collective_timeout if own_group else 0.0,
+                                plans=2 * config.max_traces + 2)
         return cls(config=config, group=group, world_size=world, rank=rank, comm=comm, metrics=comm.metrics,
                    coordinator=ParamCoordinator(config, comm, comm.metrics))
 
@@ -116,7 +121,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "
                              "first, or keep using the engine it returned")
     validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
-    ctx = RuntimeContext.minimal(config, group, comm)
+    ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
     ctx.module = model
     for name, p in model.named_parameters():
         if isinstance(p, ZeroParameter):

@@ -38,7 +38,7 @@ import torch
 from . import param as zparam
 from .comm import Communicator, GatherWork, Kind, Tag
 from .config import ZeroConfig
-from .errors import ZeroStateError
+from .errors import ZeroError, ZeroStateError
 from .metrics import StepMetrics
 from .param import ZeroParameter
 from .schedule import PlanConfig, Schedule, eviction_order, plan
@@ -245,6 +245,10 @@ class ParamCoordinator:
         for p in self._by_id.values():
             z = p._zero
             z.active_forward = z.active_backward = 0
+        if aborted:
+            for p in list(self._live.values()):
+                if p._zero.status is ParamStatus.INFLIGHT:
+                    self._wait(p._zero.handle, drop=True)
         self.release(list(self._live.values()))
         key, self._step_key = self._step_key, None
         followed, self._following = self._following, None
@@ -362,11 +366,17 @@ class ParamCoordinator:
         return handle
 
     @staticmethod
-    def _wait(handle: _Inflight) -> None:
+    def _wait(handle: _Inflight, drop: bool = False) -> None:
+        """Wait for an issued gather; ``drop`` (an aborted step): do not let a failed or void
+        collective raise again, the parameters are released unused right after."""
         if handle.done:
             return
+        try:
+            handle.work.wait()
+        except ZeroError:
+            if not drop:
+                raise  # the params stay INFLIGHT; the aborted step's end drops them
         handle.done = True
-        handle.work.wait()
         for p in handle.params:
             zparam.finish_gather(p)
 

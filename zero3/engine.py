@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .comm import Communicator
+from .comm import Communicator, Kind, Tag
 from .config import ZeroConfig, resolve_config
 from .consolidate import consolidated_state_dict
 from .context import RuntimeContext, build_context, context_of
@@ -113,8 +113,8 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return self.module(*args, **kwargs)
-        except BaseException:
-            self.hooks.end_step(aborted=True)
+        except BaseException as exc:
+            self.hooks.abort_step(exc, "forward")
             raise
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -123,8 +123,8 @@ class Engine:
             loss = self.context.optimizer.scale_loss(loss)
         try:
             loss.backward(**kwargs)
-        except BaseException:
-            self.hooks.end_step(aborted=True)
+        except BaseException as exc:
+            self.hooks.abort_step(exc, "backward")
             raise
 
     def step(self) -> bool:
@@ -145,13 +145,16 @@ class Engine:
         else:
             ctx.finish_gradients()
         boundary = self.is_gradient_accumulation_boundary()
-        ctx.micro_steps += 1
         stepped = False
         if boundary and ctx.optimizer is not None:
+            # Nothing changes a shard before every rank is here and every collective so far checked out.
+            ctx.comm.agree(Tag(Kind.AGREE, f"optimizer step {ctx.global_steps}"))
             stepped = ctx.optimizer.step()
+        ctx.micro_steps += 1
         if boundary:
             ctx.coordinator.refresh_persistent()
             ctx.global_steps += 1
+        ctx.comm.end_epoch()
         self.last_step_metrics = copy.copy(ctx.metrics)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("zero3::step %s", self.last_step_metrics.as_dict())

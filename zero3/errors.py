@@ -19,6 +19,11 @@ class ZeroDivergenceError(ZeroError, RuntimeError):
     """Ranks disagreed on something that must be identical on every rank."""
 
 
+class ZeroCommunicationError(ZeroError, RuntimeError):
+    """A collective could not complete: a rank stopped taking part (returned early, raised in its own
+    code, died) or its connection closed. Names the silent rank where the others could tell."""
+
+
 class CheckpointError(ZeroError, ValueError):
     """A checkpoint (or a state dict) cannot be used. The message names the file and the problem."""
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .comm import Communicator, Kind, ReduceWork, Tag
-from .param import ZeroParameter
+from .param import ZeroParameter, raw_data
 
 
 class GradientReducer:
@@ -28,13 +28,23 @@ class GradientReducer:
         self.bucket_numel = max(1, bucket_numel)
         self.reduce_dtype = reduce_dtype
         self.accumulation_steps = accumulation_steps
-        self._bucket: list[tuple[ZeroParameter, torch.Tensor]] = []
+        self._bucket: list[tuple[ZeroParameter, torch.Tensor | None, bool]] = []
         self._numel = 0
-        self._in_flight: tuple[ReduceWork, list[ZeroParameter]] | None = None
+        self._in_flight: tuple[ReduceWork, list[tuple[ZeroParameter, int]], int] | None = None
 
     def add(self, p: ZeroParameter, grad: torch.Tensor) -> None:
-        self._bucket.append((p, grad))
+        self._bucket.append((p, grad, False))
         self._numel += p._zero.numel
+        if self._numel >= self.bucket_numel:
+            self.flush()
+
+    def add_unit(self, grads: list[tuple[ZeroParameter, torch.Tensor | None]]) -> None:
+        """Reduce several parameters as one unit, whichever of them got a gradient on this rank (a
+        leaf module: every rank's bucket holds all of them, in this order). A parameter with no
+        gradient on any rank keeps none (a presence count is reduced with the unit)."""
+        for p, g in grads:
+            self._bucket.append((p, g, True))
+            self._numel += p._zero.numel
         if self._numel >= self.bucket_numel:
             self.flush()
 
@@ -47,7 +57,7 @@ class GradientReducer:
         """An aborted step: wait for the reduction in flight (its peers issued it too) without using
         it, and drop the queued gradients."""
         if self._in_flight is not None:
-            work, _ = self._in_flight
+            work, _, _ = self._in_flight
             self._in_flight = None
             work.wait()
         self._bucket, self._numel = [], 0
@@ -60,38 +70,50 @@ class GradientReducer:
             return
         bucket, self._bucket, self._numel = self._bucket, [], 0
         world = self.comm.world_size
-        total = sum(p._zero.shard_numel for p, _ in bucket)
-        g0 = bucket[0][1]
+        total = sum(p._zero.shard_numel for p, _, _ in bucket)
+        presence = sum(1 for _, _, maybe in bucket if maybe)
         dtype = self.reduce_dtype or bucket[0][0]._zero.shard.dtype
-        flat = torch.zeros(world, total, dtype=dtype, device=g0.device)
-        off = 0
-        params = []
-        for p, g in bucket:
+        buf = self.comm.reduce_buffer(total + presence, dtype, raw_data(bucket[0][0]).device)
+        rows = buf.rows
+        off, col = 0, total
+        params: list[tuple[ZeroParameter, int]] = []
+        for p, g, maybe in bucket:
             z = p._zero
             s = z.shard_numel
-            src = g.reshape(-1)
-            if z.numel == s * world:
-                flat[:, off: off + s].copy_(src.view(world, s))
+            if g is not None:
+                src = g.reshape(-1)
+                if z.numel == s * world:
+                    rows[:, off: off + s].copy_(src.view(world, s))
+                else:  # the last ranks' pieces are padded with zeros
+                    for r in range(world):
+                        lo, hi = r * s, min(r * s + s, z.numel)
+                        if hi > lo:
+                            rows[r, off: off + hi - lo].copy_(src[lo:hi])
+            if maybe:
+                if g is not None:
+                    rows[:, col].fill_(1)  # every rank's slice learns that this rank had a gradient
+                params.append((p, col))
+                col += 1
             else:
-                padded = torch.zeros(s * world, dtype=dtype, device=g.device)
-                padded[: z.numel].copy_(src)
-                flat[:, off: off + s].copy_(padded.view(world, s))
+                params.append((p, -1))
             off += s
-            params.append(p)
-        del bucket, g0, g, src  # the full gradients are freed here, before the collective
-        tag = Tag(Kind.GRAD_REDUCE, "gradients", tuple(p._zero.id for p in params))
-        self._in_flight = (self.comm.reduce(flat.view(-1), tag), params)
+        del bucket, g  # the full gradients are freed here, before the collective
+        tag = Tag(Kind.GRAD_REDUCE, "gradients", tuple(p._zero.id for p, _ in params))
+        self._in_flight = (self.comm.reduce(buf, tag), params, total)
 
     def _land(self) -> None:
         """Wait for the reduction in flight and add each rank's slice into the gradient shards."""
         if self._in_flight is None:
             return
-        work, params = self._in_flight
+        work, params, _ = self._in_flight
         self._in_flight = None
         out = work.wait()
         off = 0
-        for p in params:
+        for p, col in params:
             s = p._zero.shard_numel
+            if col >= 0 and float(out[col]) == 0:  # no rank had a gradient: it stays None
+                off += s
+                continue
             target = p._zero.train_tensor
             piece = out[off: off + s]
             if self.accumulation_steps > 1:  # in the precision the gradient accumulates in

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,8 +35,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .context import RuntimeContext
-from .errors import ZeroStateError
+from .errors import ZeroError, ZeroStateError
 from .init import external_parameters, register_external_parameter
+from .leaf import is_leaf
 from .param import PartitionedParameter, ZeroParameter
 from .state import CallState, StepPhase, check_phase
 from .trace import EventKind
@@ -50,6 +52,17 @@ class _ModuleRecord:
     key: tuple[int, int] = (-1, -1)  # (#own params, #external params) the cache below was built for
     params: list[ZeroParameter] = field(default_factory=list)  # what a call gathers; [] if all persistent
     ids: tuple[int, ...] = ()
+    leaf: "_Leaf | None" = None
+
+
+@dataclass(eq=False)
+class _Leaf:
+    """A leaf module (leaf.py): its trainable parameters, reduced as one unit once per backward."""
+
+    params: list[ZeroParameter]  # sorted by id: the same order on every rank
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # id(param) -> full gradient, held
+    calls: int = 0  # forward calls in this step (recompute not counted)
+    flushed: bool = False
 
 
 @dataclass(eq=False)
@@ -102,12 +115,25 @@ class ModuleHooks:
         self._queued_tasks: set[int] = set()
         self._announced: set[tuple[int, int]] = set()
         self.root: nn.Module | None = None
+        self._leaves: list[_Leaf] = []
+        self._leaf_of: dict[int, _Leaf] = {}  # id(param) -> the leaf it belongs to
 
     # -- install / remove -----------------------------------------------------------------------
     def install(self, model: nn.Module) -> None:
         self.root = model
+        inside_leaf: set[int] = set()
         for name, m in model.named_modules():
+            if id(m) in inside_leaf:
+                continue  # part of a leaf: no hooks of its own
             rec = _ModuleRecord(module=m, name=name)
+            if is_leaf(m, self.ctx.config.leaf_modules):
+                inside_leaf.update(id(d) for d in m.modules() if d is not m)
+                trainable = sorted({id(p): p for p in m.parameters() if p.requires_grad}.values(),
+                                   key=lambda p: p._zero.id)
+                rec.leaf = _Leaf(params=trainable)  # type: ignore[arg-type]
+                self._leaves.append(rec.leaf)
+                for p in trainable:
+                    self._leaf_of[id(p)] = rec.leaf
             self._records[id(m)] = rec
             self._handles.append(m.register_forward_pre_hook(
                 functools.partial(self._pre_forward, rec), prepend=True, with_kwargs=True))
@@ -145,20 +171,43 @@ class ModuleHooks:
             check_phase(self.phase, phase)
             self.phase = phase
 
-    def end_step(self, aborted: bool = False) -> None:
+    def end_step(self, aborted: bool = False, reason: str | None = None) -> None:
         """The one end of a step. Normally: complete the gradient shards, release everything,
         cache the step's trace. Aborted (a forward or backward raised): drop queued gradients and
-        the half-recorded step instead. Either way the phase is IDLE afterwards."""
+        the half-recorded step instead, and let the other ranks know (``reason``). Either way the
+        phase is IDLE afterwards."""
+        inference = self.phase is StepPhase.FORWARD and not torch.is_grad_enabled()
         self.stack.clear()
         self._queued_tasks.clear()  # autograd skips the final callbacks of a backward that raised
+        comm = self.ctx.comm
         try:
+            if not aborted and self._leaves and self.phase is StepPhase.BACKWARD:
+                self._flush_leaves()
+            for leaf in self._leaves:
+                leaf.calls, leaf.flushed = 0, False
+                leaf.grads.clear()
             if aborted:
-                self.reducer.discard()
+                try:
+                    self.reducer.discard()
+                except ZeroError:
+                    pass  # the step is gone anyway; the first error is what the caller sees
             else:
                 self.reducer.finish()
         finally:
             self.coordinator.end_step(aborted=aborted)
             self._enter(StepPhase.IDLE)
+            if aborted:
+                comm.abandon_epoch(reason)
+            elif inference:
+                comm.end_epoch()  # an inference forward is a whole epoch: nothing else follows it
+
+    def abort_step(self, exc: BaseException, where: str) -> None:
+        """A forward or backward raised ``exc``: end the step aborted and tell the other ranks."""
+        if isinstance(exc, ZeroError) and not isinstance(exc, ZeroStateError):
+            reason = f"raised {type(exc).__name__} in its {where} (step {self.ctx.global_steps})"
+        else:
+            reason = f"raised {type(exc).__name__}: {str(exc)[:200]} in its {where} (step {self.ctx.global_steps})"
+        self.end_step(aborted=True, reason=reason)
 
     # -- forward --------------------------------------------------------------------------------
     def _params_of(self, rec: _ModuleRecord) -> list[ZeroParameter]:
@@ -178,7 +227,8 @@ class ModuleHooks:
 
     def _collect(self, rec: _ModuleRecord) -> list[ZeroParameter]:
         out: list[ZeroParameter] = []
-        for p in dict.values(rec.module._parameters):
+        own = rec.module.parameters() if rec.leaf is not None else dict.values(rec.module._parameters)
+        for p in own:
             if p is None:
                 continue
             if not isinstance(p, ZeroParameter):
@@ -196,6 +246,8 @@ class ModuleHooks:
     def _pre_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if self.phase is StepPhase.IDLE:
             self._enter(StepPhase.FORWARD)
+        if rec.leaf is not None and self.phase is StepPhase.FORWARD:
+            rec.leaf.calls += 1
         params = self._params_of(rec)
         call = _Call(record=rec, params=list(params), ids=rec.ids,
                      state=CallState.OPEN if params else CallState.JOINED)
@@ -226,6 +278,11 @@ class ModuleHooks:
         return pytree.tree_unflatten(flat, spec)
 
     def _post_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if output is None and rec.module is self.root and self.phase is not StepPhase.IDLE:
+            exc = sys.exc_info()[1]
+            if exc is not None:  # always_call runs us while the root's forward raises: abort the step
+                self.abort_step(exc, "forward")
+                return None
         call = self._pop(rec)
         if call is None:  # the pre-hook raised (always_call runs us anyway): nothing to close
             return None
@@ -285,14 +342,37 @@ class ModuleHooks:
         if call.state is CallState.BACKWARD_OPEN and self.phase is StepPhase.BACKWARD:
             call.state = CallState.BACKWARD_DONE
             self.coordinator.event(EventKind.POST_BACKWARD, call.record.name, call.params, call.ids)
+            leaf = call.record.leaf
+            if leaf is not None and leaf.calls == 1:
+                # Its only call's backward is done, so its parameters' gradients are accumulated (autograd
+                # runs AccumulateGrad nodes first once they are ready).
+                self._flush_leaf(leaf)
+
+    def _flush_leaf(self, leaf: _Leaf) -> None:
+        if not leaf.flushed:
+            leaf.flushed = True
+            self.reducer.add_unit([(p, leaf.grads.pop(id(p), None)) for p in leaf.params])
+
+    def _flush_leaves(self) -> None:
+        """End of backward: every leaf that ran this step and was not reduced yet, in model order."""
+        for leaf in self._leaves:
+            if leaf.calls and (leaf.grads or not leaf.flushed):
+                self._flush_leaf(leaf)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         self._enter(StepPhase.BACKWARD)
         self._ensure_final_callback()
         grad = p.grad
         p.grad = None
-        if grad is not None:
+        if grad is None:
+            return
+        leaf = self._leaf_of.get(id(p)) if self._leaf_of else None
+        if leaf is None:
             self.reducer.add(p, grad)  # type: ignore[arg-type]
+        elif leaf.flushed:  # a gradient after its unit was reduced (not expected): reduce it alone
+            self.reducer.add(p, grad)  # type: ignore[arg-type]
+        else:
+            leaf.grads[id(p)] = grad
 
     def _ensure_final_callback(self) -> None:
         task = torch._C._current_graph_task_id()

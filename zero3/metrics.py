@@ -27,6 +27,11 @@ class StepMetrics:
     reduce_numel: int = 0
     divergences: int = 0
     persistent_refresh_numel: int = 0  # persistent params re-gathered after the optimizer step
+    header_exchanges: int = 0  # blocking verification exchanges (epoch starts, CHECKED collectives, agreements)
+    forced_verifies: int = 0  # planned collectives waited early to keep at most K unverified in flight
+    plan_departures: int = 0  # times this rank left the agreed collective plan
+    anomalies: int = 0  # planned collectives whose headers showed another rank leaving or a mismatch
+    dummy_collectives: int = 0  # void planned collectives issued to switch every rank at one point
 
     def add_live(self, numel: int, nbytes: int) -> None:
         self.live_numel += numel

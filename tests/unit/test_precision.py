@@ -385,7 +385,7 @@ def test_reduce_dtype_is_the_dtype_of_the_reduced_gradients():
     seen = []
     _, engine = pair("bf16", reduce_dtype="bf16")
     real = engine.comm.reduce
-    engine.comm.reduce = lambda flat, tag: (seen.append(flat.dtype), real(flat, tag))[1]
+    engine.comm.reduce = lambda buf, tag: (seen.append(buf.flat.dtype), real(buf, tag))[1]
     x, y = synthetic_batch(0, BATCH, CFG)
     engine.backward(lossf(engine, x, y))
     assert seen and set(seen) == {torch.bfloat16}

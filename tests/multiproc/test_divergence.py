@@ -1,0 +1,330 @@
+"""Ranks that diverge never hang and never corrupt: every rank raises a clear error, within
+``collective_timeout``, and no shard of any parameter changes; ranks that all take the same new
+path simply continue; a mixture of experts with leaf modules trains to the single-process reference.
+
+Every scenario runs on real gloo ranks with a short ``collective_timeout`` and a bounded pool
+timeout, so a hang fails the test instead of freezing the suite.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero3
+from gpt import GPT, GPTConfig, synthetic_batch
+
+pytestmark = pytest.mark.multiproc
+
+TIMEOUT = 4.0  # collective_timeout of every engine here, seconds
+POOL_TIMEOUT = 90
+CFG = GPTConfig(block_size=16)
+
+
+def _snapshot(engine) -> list[torch.Tensor]:
+    return [p._zero.train_tensor.detach().clone() for p in engine.params] + \
+        [p._zero.shard.detach().clone() for p in engine.params]
+
+
+def _unchanged(before: list[torch.Tensor], engine) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(before, _snapshot(engine)))
+
+
+def _gpt_engine(extra: dict | None = None, cfg: GPTConfig = CFG):
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    return zero3.initialize(model, opt, {"collective_timeout": TIMEOUT, **(extra or {})})
+
+
+def _train(engine, steps: int, start: int = 0, cfg: GPTConfig = CFG, seen: list | None = None) -> None:
+    rank = dist.get_rank()
+    for step in range(start, start + steps):
+        x, y = synthetic_batch(step * 7 + rank, 2, cfg)
+        engine.backward(engine(x, y))
+        engine.step()
+        if seen is not None:
+            seen.append(engine.last_step_metrics)
+
+
+def _outcome(fn) -> dict:
+    t0 = time.monotonic()
+    try:
+        fn()
+        return {"error": None, "seconds": time.monotonic() - t0}
+    except zero3.ZeroError as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - t0}
+
+
+# -- (a), (b): each rank runs a different expert -----------------------------------------------------
+class TwoExperts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.experts = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return self.experts[expert](self.inp(x)).sum()
+
+
+def different_expert_per_rank(threshold: int | None) -> dict:
+    torch.manual_seed(0)
+    model = TwoExperts()
+    cfg = {"collective_timeout": TIMEOUT}
+    if threshold is not None:
+        cfg["param_persistence_threshold"] = threshold
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    before = _snapshot(engine)
+    x = torch.randn(3, 4)
+
+    def step():
+        engine.backward(engine(x, dist.get_rank()))
+        engine.step()
+
+    out = _outcome(step)
+    out["unchanged"] = _unchanged(before, engine)
+    out["persistent"] = all(p.ds_persist for p in engine.params)
+    return out
+
+
+@pytest.mark.parametrize("threshold", [None, 0], ids=["persistent-experts", "gathered-experts"])
+def test_ranks_running_different_modules_all_raise_and_change_nothing(pools, threshold):
+    for r in pools.get(2).run(different_expert_per_rank, threshold, timeout=POOL_TIMEOUT):
+        assert r["error"] == "ZeroDivergenceError", r
+        assert r["unchanged"], "a shard changed"
+        assert r["persistent"] is (threshold is None)
+        assert "rank 0:" in r["message"] and "rank 1:" in r["message"]
+
+
+# -- divergence after several agreed (planned) steps ---------------------------------------------------
+class SkippableGPT(GPT):
+    skip: int | None = None
+
+    def forward(self, idx, targets=None):
+        h = list(self.h)
+        if self.skip is not None:
+            saved = self.h
+            self.h = nn.ModuleList([b for i, b in enumerate(h) if i != self.skip])
+            try:
+                return super().forward(idx, targets)
+            finally:
+                self.h = saved
+        return super().forward(idx, targets)
+
+
+def skip_a_layer(ranks_that_skip: list[int], threshold: int) -> dict:
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = SkippableGPT(CFG)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6),
+                              {"collective_timeout": TIMEOUT, "param_persistence_threshold": threshold})
+    _train(engine, 3)
+    planned = engine.comm.mode.name
+    before = _snapshot(engine)
+    model.skip = 1 if dist.get_rank() in ranks_that_skip else None
+    seen: list = []
+    out = _outcome(lambda: _train(engine, 2, start=3, seen=seen))
+    out["unchanged"] = _unchanged(before, engine)
+    out["departures"] = sum(m.plan_departures for m in seen)
+    out["planned_before"] = planned
+    model.skip = None
+    if out["error"] is None:  # the engine keeps training normally afterwards
+        out["after"] = _outcome(lambda: _train(engine, 2, start=5))
+    return out
+
+
+@pytest.mark.parametrize("threshold", [0, 100_000])
+def test_one_rank_skipping_a_layer_after_agreed_steps_raises_everywhere(pools, threshold):
+    for r in pools.get(2).run(skip_a_layer, [1], threshold, timeout=POOL_TIMEOUT):
+        assert r["error"] == "ZeroDivergenceError", r
+        assert r["unchanged"]
+
+
+def test_every_rank_skipping_the_same_layer_is_not_an_error(pools):
+    for r in pools.get(2).run(skip_a_layer, [0, 1], 0, timeout=POOL_TIMEOUT):
+        assert r["error"] is None, r
+        assert r["planned_before"] == "IDLE" and r["departures"] >= 1, r  # it did leave the agreed plan
+        assert r["after"]["error"] is None, r["after"]
+
+
+# -- (c): one rank alone calls a collective API ------------------------------------------------------
+def alone(what: str, tmp: str) -> dict:
+    engine = _gpt_engine()
+    _train(engine, 3)
+    rank = dist.get_rank()
+    before = _snapshot(engine)
+    x, y = synthetic_batch(99 + rank, 2, CFG)
+
+    def run():
+        if rank == 0:
+            if what == "clip":
+                engine.backward(engine(x, y))
+                zero3.clip_grad_norm_(engine, 1.0)
+                engine.step()
+                return
+            if what == "gathered":
+                with zero3.GatheredParameters(list(engine.module.parameters())[:2], modifier_rank=0):
+                    pass
+            elif what == "consolidate":
+                engine.consolidated_state_dict()
+            elif what == "save":
+                engine.save_checkpoint(tmp, tag="alone")
+        engine.backward(engine(x, y))
+        engine.step()
+
+    out = _outcome(run)
+    out["unchanged"] = _unchanged(before, engine)
+    return out
+
+
+@pytest.mark.parametrize("what", ["clip", "gathered", "consolidate", "save"])
+def test_one_rank_alone_calling_a_collective_api_raises_everywhere(pools, what, tmp_path):
+    results = pools.get(2).run(alone, what, str(tmp_path), timeout=POOL_TIMEOUT)
+    for r in results:
+        assert r["error"] == "ZeroDivergenceError", (what, r)
+        assert r["unchanged"], "a shard changed"
+        assert r["seconds"] < TIMEOUT, "divergence should be seen at once, not by the timeout"
+
+
+# -- (d), (e): one rank stops taking part --------------------------------------------------------------
+def leaves_early(quitter: int) -> dict:
+    engine = _gpt_engine()
+    _train(engine, 3)
+    if dist.get_rank() == quitter:
+        return {"error": None, "quit": True}
+    before = _snapshot(engine)
+    out = _outcome(lambda: _train(engine, 2, start=3))
+    out["unchanged"] = _unchanged(before, engine)
+    out["again"] = _outcome(lambda: _train(engine, 1, start=5))  # the engine refuses further collectives
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_that_leaves_early_is_named_within_the_timeout(pools, world):
+    quitter = world - 1
+    results = pools.get(world).run(leaves_early, quitter, timeout=POOL_TIMEOUT)
+    for rank, r in enumerate(results):
+        if rank == quitter:
+            continue
+        assert r["error"] == "ZeroCommunicationError", r
+        assert f"rank {quitter} reported nothing" in r["message"], r["message"]
+        assert "collective_timeout=4 s" in r["message"]
+        assert r["seconds"] < TIMEOUT + 2.5, r["seconds"]
+        assert r["unchanged"]
+        assert r["again"]["error"] == "ZeroCommunicationError"
+
+
+class Faulty(GPT):
+    fail = False
+
+    def forward(self, idx, targets=None):
+        if self.fail:
+            raise RuntimeError("boom in the user's forward")
+        return super().forward(idx, targets)
+
+
+def raises_in_forward(plain_loop: bool) -> dict:
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = Faulty(CFG)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              {"collective_timeout": TIMEOUT, "param_persistence_threshold": 0})
+    _train(engine, 3)
+    rank = dist.get_rank()
+    before = _snapshot(engine)
+    model.fail = rank == 1
+    x, y = synthetic_batch(50 + rank, 2, CFG)
+
+    def step():
+        loss = model(x, y) if plain_loop else engine(x, y)
+        engine.backward(loss)
+        engine.step()
+
+    t0 = time.monotonic()
+    try:
+        step()
+        out = {"error": None}
+    except RuntimeError as exc:
+        out = {"error": type(exc).__name__, "message": str(exc)}
+    out["seconds"] = time.monotonic() - t0
+    out["unchanged"] = _unchanged(before, engine)
+    return out
+
+
+@pytest.mark.parametrize("plain_loop", [False, True], ids=["engine", "plain-loop"])
+def test_a_rank_raising_in_its_forward_is_named_by_the_others(pools, plain_loop):
+    r0, r1 = pools.get(2).run(raises_in_forward, plain_loop, timeout=POOL_TIMEOUT)
+    assert r1["error"] == "RuntimeError" and "boom" in r1["message"]
+    assert r0["error"] == "ZeroCommunicationError", r0
+    assert "rank 1 raised RuntimeError: boom in the user's forward in its forward" in r0["message"], r0["message"]
+    assert r0["seconds"] < TIMEOUT + 2.5
+    assert r0["unchanged"] and r1["unchanged"]
+
+
+# -- mixture of experts with leaf modules --------------------------------------------------------------
+MOE = GPTConfig(block_size=4, n_experts=8, n_layer=2)  # 4 tokens per rank and step over 8 experts
+PER_RANK = 1
+
+
+def moe_parity(leaf: bool, steps: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = GPT(MOE)
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = GPT(MOE)
+    if leaf:
+        zero3.set_leaf_modules(model, ["MoE"])
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, eps=1e-6)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6),
+                              {"collective_timeout": TIMEOUT, "param_persistence_threshold": 0})
+    routes, worst = [], 0.0
+    before = _snapshot(engine)
+    for step in range(steps):
+        x, y = synthetic_batch(step, PER_RANK * world, MOE)
+        xs, ys = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+        used = set()
+        hooks = [e.register_forward_pre_hook(lambda m, a, i=i: used.add(i))
+                 for i, e in enumerate(model.h[0].mlp.experts)]
+        try:
+            loss = engine(xs, ys)
+            engine.backward(loss)
+            engine.step()
+        except zero3.ZeroError as exc:
+            return {"error": type(exc).__name__, "message": str(exc), "unchanged": _unchanged(before, engine)}
+        finally:
+            for h in hooks:
+                h.remove()
+        routes.append(sorted(used))
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        worst = max(worst, abs(global_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+    worst_param = 0.0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        with zero3.GatheredParameters([p]):
+            worst_param = max(worst_param, (p.detach() - q.detach()).abs().max().item())
+    return {"error": None, "worst_loss": worst, "worst_param": worst_param, "routes": routes}
+
+
+def test_moe_with_leaf_modules_trains_like_one_process_when_routing_differs(pools):
+    results = pools.get(2).run(moe_parity, True, 10, timeout=POOL_TIMEOUT)
+    for r in results:
+        assert r["error"] is None, r
+        assert r["worst_loss"] < 1e-5 and r["worst_param"] < 1e-5, r
+    assert any(a != b for a, b in zip(results[0]["routes"], results[1]["routes"])), "routing never differed"
+
+
+def test_moe_without_leaf_modules_raises_instead_of_hanging_or_corrupting(pools):
+    for r in pools.get(2).run(moe_parity, False, 10, timeout=POOL_TIMEOUT):
+        assert r["error"] == "ZeroDivergenceError", r
+        assert r["unchanged"]
+

@@ -1,0 +1,74 @@
+"""Leaf modules: a module whose whole subtree zero3 treats as one unit (DeepSpeed's z3 leaf modules).
+
+A leaf gets hooks only on itself: entering it gathers every parameter of its subtree at once,
+leaving it releases them, and in backward their gradients are reduced together, a gradient of zeros
+standing in for a parameter that got none on this rank (an expert no token of this rank reached).
+So ranks whose tokens route to different experts run the same module events and issue the same
+collectives. A parameter that got a gradient on no rank keeps none, as in a single process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+from .errors import ZeroConfigError, ZeroStateError
+
+LEAF_ATTR = "_zero3_leaf"
+
+
+def set_leaf_modules(model: nn.Module, targets: Iterable[type | str]) -> list[nn.Module]:
+    """Mark modules of ``model`` as leaf modules; call it before ``zero3.initialize``.
+
+    Args:
+        model: the model.
+        targets: module classes (every instance is a leaf), class names, or qualified module names
+            (``"blocks.3.moe"``).
+
+    Returns:
+        The modules marked.
+
+    Raises:
+        ValueError: a target matches no module of ``model``, or is neither a class nor a string.
+        ZeroStateError: ``model`` was already given to ``zero3.initialize``.
+    """
+    if model.__dict__.get("_zero3_context") is not None:
+        raise ZeroStateError("set_leaf_modules must be called before zero3.initialize: the hooks are installed "
+                             "then (or list the classes in the config key leaf_modules)")
+    named = list(model.named_modules())
+    marked: list[nn.Module] = []
+    for target in targets:
+        if isinstance(target, type):
+            found = [m for _, m in named if isinstance(m, target)]
+        elif isinstance(target, str):
+            found = [m for name, m in named if name == target or type(m).__name__ == target]
+        else:
+            raise ZeroConfigError(f"set_leaf_modules: a target must be a module class or a name, got {target!r}")
+        if not found:
+            classes = sorted({type(m).__name__ for _, m in named})
+            raise ZeroConfigError(f"set_leaf_modules: {target!r} matches no module of the model (its classes: "
+                                  f"{', '.join(classes)})")
+        for m in found:
+            setattr(m, LEAF_ATTR, True)
+            marked.append(m)
+    return marked
+
+
+def is_leaf(module: nn.Module, class_names: Iterable[str] = ()) -> bool:
+    """Whether ``module`` is a leaf: marked by `set_leaf_modules`, or its class is listed."""
+    return bool(module.__dict__.get(LEAF_ATTR)) or type(module).__name__ in class_names
+
+
+def leaf_modules(model: nn.Module, class_names: Iterable[str] = ()) -> list[nn.Module]:
+    """The leaf modules of ``model`` (outermost ones; a leaf inside a leaf is part of it)."""
+    names = tuple(class_names)
+    out: list[nn.Module] = []
+    inside: set[int] = set()
+    for m in model.modules():
+        if id(m) in inside:
+            continue
+        if is_leaf(m, names):
+            out.append(m)
+            inside.update(id(d) for d in m.modules())
+    return out
