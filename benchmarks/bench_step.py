@@ -135,9 +135,9 @@ class WireCounter:
 
         def counted(output: Any, *a: Any, **k: Any) -> Any:
             nbytes = output.numel() * output.element_size()
-            if output.dtype == torch.int64 and output.numel() in (3 * self.world, 4 * self.world):
-                # zero3's verify_collectives header (3 or, since the redesign, 4 int64 per rank):
-                # a blocking exchange, timed.
+            if output.dtype == torch.int64 and output.numel() in (3 * self.world, 4 * self.world, 8 * self.world):
+                # zero3's verify_collectives header exchange (3, then 4, now 8 int64 per rank over
+                # the versions): a blocking exchange, timed.
                 self.header_calls += 1
                 t0 = time.perf_counter()
                 result = fn(output, *a, **k)
