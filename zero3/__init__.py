@@ -27,6 +27,8 @@ from .init import GatheredParameters, Init, register_external_parameter
 from .leaf import set_leaf_modules
 from .metrics import StepMetrics
 from .param import ZeroParameter, is_partitioned
+from .param import is_partitioned as is_zero_param
+from .schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
 from .precision import LossScaler
 from .state import ParamStatus
 
@@ -42,6 +44,9 @@ __all__ = [
     "LossScaler",
     "ParamStatus",
     "StepMetrics",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
     "ZeroConfig",
     "ZeroCommunicationError",
     "ZeroConfigError",
@@ -52,6 +57,7 @@ __all__ = [
     "clip_grad_norm_",
     "initialize",
     "is_partitioned",
+    "is_zero_param",
     "pretrained",
     "register_external_parameter",
     "safe_get_full_fp32_param",

@@ -21,6 +21,71 @@ from .errors import ZeroConfigError
 
 logger = logging.getLogger(__name__)
 
+_OPTIMIZER_PARAMS = {
+    "adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode", "bias_correction"},
+    "adamw": {"lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "bias_correction"},
+    "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov"},
+}
+_SCHEDULER_PARAMS = {
+    "WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"},
+    "WarmupDecayLR": {"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                      "last_batch_iteration"},
+    "WarmupCosineLR": {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
+                       "last_batch_iteration"},
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerSpec:
+    """A DeepSpeed ``optimizer`` section: ``type`` (Adam, AdamW, SGD) and its ``params``."""
+
+    type: str
+    params: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        allowed = _OPTIMIZER_PARAMS.get(self.type.lower()) if isinstance(self.type, str) else None
+        if allowed is None:
+            raise ZeroConfigError(f"optimizer.type {self.type!r} is not supported; use Adam, AdamW or SGD "
+                                  "(or pass a torch.optim optimizer to zero3.initialize)")
+        _check_params("optimizer", self.type, self.params, allowed)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerSpec:
+    """A DeepSpeed ``scheduler`` section: ``type`` (WarmupLR, WarmupDecayLR, WarmupCosineLR) and ``params``."""
+
+    type: str
+    params: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        allowed = _SCHEDULER_PARAMS.get(self.type) if isinstance(self.type, str) else None
+        if allowed is None:
+            raise ZeroConfigError(f"scheduler.type {self.type!r} is not supported; use one of "
+                                  f"{sorted(_SCHEDULER_PARAMS)} (or pass lr_scheduler= to zero3.initialize)")
+        _check_params("scheduler", self.type, self.params, allowed)
+        if self.type in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in self.params:
+            raise ZeroConfigError(f"scheduler {self.type} needs params.total_num_steps")
+
+
+def _check_params(section: str, kind: str, params: Any, allowed: set[str]) -> None:
+    if not isinstance(params, dict):
+        raise ZeroConfigError(f"{section}.params must be a dict, got {params!r}")
+    for key in params:
+        if key not in allowed:
+            raise ZeroConfigError(f"{section} {kind}: " + _unknown_key_message(key, allowed))
+
+
+def _spec(section: str, value: Any, cls: type) -> Any:
+    if value is None or isinstance(value, cls):
+        return value
+    if not isinstance(value, dict) or "type" not in value:
+        raise ZeroConfigError(f"{section} must be a dict such as {{'type': ..., 'params': {{...}}}}, got {value!r}")
+    extra = set(value) - {"type", "params"}
+    if extra:
+        raise ZeroConfigError(f"{section}: unknown key(s) {sorted(extra)}; a section holds 'type' and 'params'")
+    return cls(type=value["type"], params=dict(value.get("params") or {}))
+
+
 ReduceImpl = Literal["auto", "reduce_scatter", "all_reduce"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu"]
@@ -84,6 +149,12 @@ class ZeroConfig:
     raised in its own code, died), every other rank raises ``ZeroCommunicationError`` naming it
     instead of hanging. 0: use the caller's process group and its timeout."""
 
+    optimizer: OptimizerSpec | None = None
+    """DeepSpeed's ``optimizer`` section: ``zero3.initialize`` without an optimizer builds this one."""
+
+    scheduler: SchedulerSpec | None = None
+    """DeepSpeed's ``scheduler`` section: the learning-rate schedule ``engine.step()`` steps."""
+
     leaf_modules: tuple[str, ...] = ()
     """Class names of modules gathered and reduced as one unit, hooks on the module only (mixture of
     experts: every expert is gathered when the layer runs and reduced, zeros where no token went, so
@@ -135,6 +206,8 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if isinstance(self.leaf_modules, list):
             object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
+        object.__setattr__(self, "optimizer", _spec("optimizer", self.optimizer, OptimizerSpec))
+        object.__setattr__(self, "scheduler", _spec("scheduler", self.scheduler, SchedulerSpec))
         for f in fields(self):
             _check_field(f, getattr(self, f.name))
         if self.max_traces < 1:
@@ -356,6 +429,9 @@ def _from_deepspeed(d: dict[str, Any]) -> dict[str, Any]:
             continue
         if key in ("gradient_accumulation_steps", "gradient_clipping"):
             out[key] = _coerce(key, value)
+            continue
+        if key in ("optimizer", "scheduler"):
+            out[key] = value
             continue
         if key in _DEEPSPEED_TOP_LEVEL:
             logger.info("zero3: DeepSpeed key %r is not used by ZeroConfig; ignored", key)

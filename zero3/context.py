@@ -35,6 +35,7 @@ from .metrics import StepMetrics
 from .optim import PartitionedOptimizer, validate_optimizer
 from .param import ZeroParameter, partition
 from .precision import lower_precision, torch_dtype
+from .schedulers import build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class RuntimeContext:
     params: list[ZeroParameter] = field(default_factory=list)
     reducer: GradientReducer | None = None
     optimizer: PartitionedOptimizer | None = None
+    lr_scheduler: Any = None  # stepped by engine.step() after every optimizer step that was not skipped
     global_steps: int = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
     micro_steps: int = 0  # engine.step() calls
 
@@ -112,14 +114,29 @@ class RuntimeContext:
 
 
 def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: Any,
-                  comm: Communicator | None = None) -> RuntimeContext:
+                  comm: Communicator | None = None, model_parameters: Any = None,
+                  lr_scheduler: Any = None) -> RuntimeContext:
     """Partition ``model`` (adopting parameters built under Init), and build the full runtime.
 
-    Validates everything that can be rejected before it changes anything.
+    Without an ``optimizer``, the config's ``optimizer`` section builds one over ``model_parameters``
+    (default: all of the model's); ``lr_scheduler`` (a scheduler, or a callable taking the optimizer)
+    or the config's ``scheduler`` section gives the learning-rate schedule. Validates everything that
+    can be rejected before it changes anything.
     """
     if model.__dict__.get("_zero3_context") is not None:
         raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "
                              "first, or keep using the engine it returned")
+    if optimizer is not None and config.optimizer is not None:
+        raise ZeroConfigError("zero3.initialize got an optimizer and a config with an 'optimizer' section; pass one")
+    if lr_scheduler is not None and config.scheduler is not None:
+        raise ZeroConfigError("zero3.initialize got lr_scheduler and a config with a 'scheduler' section; pass one")
+    if lr_scheduler is not None and optimizer is None and config.optimizer is None:
+        raise ZeroConfigError("zero3.initialize got an lr_scheduler but no optimizer (nor an 'optimizer' section)")
+    if model_parameters is not None and callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(model_parameters)  # DeepSpeed's client optimizer callable: over full parameters
+    if optimizer is None and config.optimizer is not None:
+        optimizer = build_optimizer(config.optimizer, model_parameters if model_parameters is not None
+                                    else model.parameters())
     validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
     ctx.module = model
@@ -138,6 +155,12 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
                                   accumulation_steps=config.gradient_accumulation_steps)
     if optimizer is not None:
         ctx.optimizer = PartitionedOptimizer(optimizer, ctx.params, config, ctx.comm, fp32_shards)
+        torch_opt = ctx.optimizer.optimizer
+        if config.scheduler is not None:
+            ctx.lr_scheduler = build_scheduler(config.scheduler, torch_opt)
+        elif lr_scheduler is not None:
+            ctx.lr_scheduler = lr_scheduler(torch_opt) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
+                else lr_scheduler
     ctx.coordinator.mark_persistent(ctx.params)  # gathers: after every shard has its final buffer
     model.__dict__["_zero3_context"] = ctx
     return ctx

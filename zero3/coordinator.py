@@ -112,6 +112,10 @@ class ParamCoordinator:
         for p in params:
             self._by_id[p._zero.id] = p
 
+    def param_of(self, pid: int) -> ZeroParameter | None:
+        """The registered parameter with record id ``pid``."""
+        return self._by_id.get(pid)
+
     def _size(self, p: ZeroParameter) -> int:
         return p._zero.nbytes if self.plan_config.unit == "bytes" else p._zero.numel
 

@@ -23,7 +23,7 @@ from .errors import ZeroConfigError, ZeroStateError
 from .hooks import ModuleHooks
 from .metrics import StepMetrics
 from .optim import clip_shards
-from .param import ZeroParameter
+from .param import ZeroParameter, raw_data
 from .precision import LossScaler
 from .state import ParamStatus, StepPhase
 
@@ -40,8 +40,10 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, config: ZeroConfig, group: Any,
-                 communicator: Communicator | None = None) -> None:
-        self.context: RuntimeContext = build_context(model, optimizer, config, group, communicator)
+                 communicator: Communicator | None = None, model_parameters: Any = None,
+                 lr_scheduler: Any = None) -> None:
+        self.context: RuntimeContext = build_context(model, optimizer, config, group, communicator, model_parameters,
+                                                     lr_scheduler)
         self.hooks = ModuleHooks(self.context)
         self.hooks.install(model)
         self.last_step_metrics = StepMetrics()
@@ -99,6 +101,40 @@ class Engine:
         return self.context.optimizer.scaler if self.context.optimizer is not None else None
 
     @property
+    def lr_scheduler(self) -> Any:
+        """The learning-rate scheduler ``step()`` steps (from ``lr_scheduler=`` or the config), or None."""
+        return self.context.lr_scheduler
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes: the device of its (gathered) parameters."""
+        return raw_data(self.params[0]).device if self.params else torch.device("cpu")
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each optimizer param group."""
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    def was_step_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (an fp16 overflow on some rank)."""
+        return self.context.optimizer.overflow if self.context.optimizer is not None else False
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True) -> Any:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.named_parameters(*args, **kwargs)
+
+    @property
     def global_steps(self) -> int:
         return self.context.global_steps
 
@@ -150,6 +186,8 @@ class Engine:
             # Nothing changes a shard before every rank is here and every collective so far checked out.
             ctx.comm.agree(Tag(Kind.AGREE, f"optimizer step {ctx.global_steps}"))
             stepped = ctx.optimizer.step()
+            if stepped and ctx.lr_scheduler is not None:
+                ctx.lr_scheduler.step()
         ctx.micro_steps += 1
         if boundary:
             ctx.coordinator.refresh_persistent()
@@ -210,14 +248,18 @@ class Engine:
     # -- checkpoints (zero3/checkpoint.py, zero3/consolidate.py) ------------------------------------
     def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: Any = None,
                         **kwargs: Any) -> str:
-        """Write a sharded checkpoint (a collective); see `zero3.checkpoint.save_checkpoint`."""
+        """Write a sharded checkpoint (a collective), with the engine's lr scheduler unless another is
+        given; see `zero3.checkpoint.save_checkpoint`."""
+        kwargs.setdefault("lr_scheduler", self.lr_scheduler)
         return save_checkpoint(self.context, save_dir, tag, client_state, **kwargs)
 
     def load_checkpoint(self, load_dir: Any, tag: str | None = None, **kwargs: Any) -> tuple[str, Any]:
         """Load a checkpoint saved at any world size (a collective); returns ``(path, client_state)``.
 
-        See `zero3.checkpoint.load_checkpoint`.
+        The engine's lr scheduler is restored too unless another is given. See
+        `zero3.checkpoint.load_checkpoint`.
         """
+        kwargs.setdefault("lr_scheduler", self.lr_scheduler)
         return load_checkpoint(self.context, load_dir, tag, **kwargs)
 
     def consolidated_state_dict(self, rank0_only: bool = True, **kwargs: Any) -> dict[str, torch.Tensor]:
@@ -290,24 +332,41 @@ class Engine:
         raise ZeroConfigError(f"explain() takes a parameter, module, name or None, got {type(target).__name__}")
 
 
-def initialize(model: nn.Module, optimizer: Any = None, config: Any = None, group: Any = None, *,
+def initialize(model: nn.Module | None = None, optimizer: Any = None, config: Any = None, group: Any = None, *,
+               model_parameters: Any = None, lr_scheduler: Any = None, mpu: Any = None,
                communicator: Communicator | None = None) -> Engine:
     """Partition ``model`` (if it was not built under `zero3.Init`), hook it, shard ``optimizer``.
+
+    DeepSpeed's keyword names work with their meaning (``zero3.deepspeed.initialize`` also returns
+    DeepSpeed's 4-tuple).
 
     Args:
         model: the model; its parameters are partitioned in place.
         optimizer: a ``torch.optim.Optimizer`` over ``model.parameters()``, a callable taking param
-            groups and returning one, or None (inference).
+            groups of shards (or, with ``model_parameters``, those parameters) and returning one, or
+            None: then the config's ``optimizer`` section builds one, or there is none (inference).
         config: `ZeroConfig`, dict (ours or DeepSpeed's), JSON path or None.
-        group: process group (default: world).
+        group: data-parallel process group (default: ``mpu``'s, else the world).
+        model_parameters: the parameters (or param-group dicts) the config's optimizer is built over.
+        lr_scheduler: a scheduler over ``optimizer``, or a callable taking the optimizer; or None, for
+            the config's ``scheduler`` section. ``engine.step()`` steps it after each optimizer step.
+        mpu: a Megatron-style model-parallel unit (its ``get_data_parallel_group()`` is the group).
         communicator: the `Communicator` every collective goes through (default: one over
             ``group``); tests pass a recording or fake one.
 
     Raises:
         ZeroStateError: the model was already initialised.
-        ZeroConfigError: invalid config, or the model was built under Init with another group.
+        ZeroConfigError: invalid config, an optimizer both given and configured, or the model was
+            built under Init with another group.
     """
-    return Engine(model, optimizer, resolve_config(config), group, communicator)
+    if model is None:
+        raise ZeroConfigError("zero3.initialize needs model=")
+    if group is None and mpu is not None:
+        get = getattr(mpu, "get_data_parallel_group", None)
+        if get is None:
+            raise ZeroConfigError(f"mpu {type(mpu).__name__} has no get_data_parallel_group()")
+        group = get()
+    return Engine(model, optimizer, resolve_config(config), group, communicator, model_parameters, lr_scheduler)
 
 
 def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -13,11 +13,21 @@ are partitioned when the context exits.
 Initialisation stays consistent across ranks because entering `Init` broadcasts rank 0's RNG state
 (``sync="rng"``, the default): every rank then draws the same full tensors and keeps its own slice.
 ``sync="broadcast"`` instead broadcasts every parameter from rank 0 (exact even when ranks would
-compute different values, at the price of one broadcast per parameter). Re-initialisation after a
-child is partitioned works too: ``module.apply(fn)`` gathers each module's parameters around ``fn``,
-and an in-place op on a partitioned parameter (``nn.init.normal_(p)``) is applied to the gathered
-tensor and re-partitioned ("write-through"). Both are collectives: every rank must build the model
-the same way, which data-parallel code does.
+compute different values, at the price of one broadcast per parameter).
+
+[Note: touching partitioned parameters while building]
+Constructors and ``post_init`` methods often touch a child's parameters after the child was
+partitioned: ``module.apply(fn)`` (gathered around ``fn``, module by module), in-place inits
+(``nn.init.normal_(p)``: gathered, applied, re-partitioned at once), indexing and slicing
+(``init.zeros_(emb.weight[padding_idx])``), reading values (``p.abs().max()``) and assigning
+``p.data = ...``. Inside `Init` any op on a partitioned parameter or its ``.data`` gathers it
+around the op. If the result is a view of the parameter (indexing, slicing, ``.t()``), code may
+write through that view later, so the parameter stays gathered until the outermost module's
+``__init__`` returns, and is then written back into the shards and released; otherwise it is
+released at once. So a model built under `Init` gets exactly the values of a plain build from the
+same seed, holding at most one module's full parameters, the shards, and the parameters whose views
+the building code still holds. All of these are collectives: every rank builds the model the same
+way, which data-parallel code does.
 """
 
 from __future__ import annotations
@@ -32,12 +42,23 @@ from weakref import WeakSet
 import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
+from torch.utils import _pytree as pytree
 
+from . import sharding
 from .comm import Kind, Tag
 from .config import resolve_config
 from .context import RuntimeContext
-from .errors import ZeroConfigError
-from .param import PartitionedParameter, ZeroParameter, copy_full_into_shard, inplace_handler, raw_data
+from .errors import ZeroConfigError, ZeroStateError
+from .param import (
+    PartitionedParameter,
+    ReleasedData,
+    ZeroParameter,
+    construction_handler,
+    copy_full_into_shard,
+    raw_data,
+    set_placeholder_dtype,
+)
+from .precision import torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +71,9 @@ class _InitState:
     remote_device: torch.device | None
     dtype: torch.dtype | None
     sync: SyncMode
+    pin_memory: bool = False
     modules: "WeakSet[nn.Module]" = field(default_factory=WeakSet)
+    touched: dict[int, ZeroParameter] = field(default_factory=dict)  # kept gathered: views handed out
 
 
 _STACK: contextvars.ContextVar[tuple[_InitState, ...]] = contextvars.ContextVar("zero3_init", default=())
@@ -68,49 +91,110 @@ class _Patches:
 _PATCHES: contextvars.ContextVar[_Patches | None] = contextvars.ContextVar("zero3_init_patches", default=None)
 
 
+_UNSUPPORTED = {
+    "zero_param_parallel_group": "hierarchical partitioning (hpZ)",
+    "zero_quantized_weights": "quantized weight gathers",
+    "zero_quantized_nontrainable_weights": "quantized weight gathers",
+    "sequence_data_parallel_group": "sequence parallelism",
+    "param_swapper": "a custom parameter swapper",
+}
+
+
 class Init:
     """Context manager: every parameter created inside is partitioned across the group's ranks.
 
+    The arguments are DeepSpeed's ``deepspeed.zero.Init`` ones, with the same meaning, so code written
+    for it (Megatron's ``model_provider``) runs unchanged apart from the import.
+
     Args:
-        config: a `ZeroConfig` (or dict / JSON path); used for dtype-independent defaults only.
-        group: process group to partition over (default: the world group, or none if
-            ``torch.distributed`` is not initialised, i.e. world size 1).
+        module: an already-built module to partition now, as if it had been built inside (its
+            parameters are broadcast from rank 0 first, so ranks agree).
+        data_parallel_group: process group to partition over (default: ``mpu``'s data-parallel group,
+            else the world group, or none when ``torch.distributed`` is not initialised).
+        mem_efficient_linear: accepted for compatibility: zero3 always frees the full weights that
+            ``F.linear`` saves for backward (a released parameter's storage is resized to 0 bytes).
+        remote_device: where shards live: None or ``"none"`` (where the parameter was created),
+            ``"cpu"``, or any torch device.
+        pin_memory: pin CPU shards (with CUDA available).
+        config_dict_or_path: a zero3 or DeepSpeed config (dict or JSON path); its ``bf16`` / ``fp16``
+            setting makes shards low precision as they are created, and its ``collective`` settings
+            apply to the construction's collectives. ``config`` and ``deepspeed_config`` are aliases.
         enabled: ``False`` makes the context a no-op (a plain model is built).
-        remote_device: where shards live (``"cpu"`` to keep them off the GPU); default: where the
-            parameter was created.
-        dtype: cast floating-point parameters to this dtype before partitioning.
+        dtype: cast floating-point parameters to this dtype before partitioning (overrides the config).
+        mpu: a Megatron-style model-parallel unit; its ``get_data_parallel_group()`` is the group.
+        group: alias of ``data_parallel_group``.
         sync: ``"rng"`` (broadcast rank 0's RNG state on entry) or ``"broadcast"`` (broadcast every
             parameter from rank 0).
+
+    Raises:
+        ZeroConfigError: an argument zero3 does not support (named, with what it is for), two
+            configs, or a bad value.
     """
 
-    def __init__(self, config: Any = None, group: Any = None, enabled: bool = True,
-                 remote_device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 sync: SyncMode = "rng") -> None:
+    def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
+                 mem_efficient_linear: bool = True, remote_device: str | torch.device | None = None,
+                 pin_memory: bool = False, config_dict_or_path: Any = None, config: Any = None,
+                 enabled: bool = True, dtype: torch.dtype | None = None, mpu: Any = None, *,
+                 group: Any = None, sync: SyncMode = "rng", **unsupported: Any) -> None:
+        deepspeed_config = unsupported.pop("deepspeed_config", None)
+        for name, value in unsupported.items():
+            what = _UNSUPPORTED.get(name)
+            if what is not None and not value:
+                continue  # DeepSpeed's "off" value of a feature zero3 does not have: nothing to do
+            hint = f" ({what} is not available in zero3)" if what else ""
+            raise ZeroConfigError(
+                f"zero3.Init does not support the argument {name}={value!r}{hint}. Supported: module, "
+                "data_parallel_group, mem_efficient_linear, remote_device, pin_memory, config_dict_or_path "
+                "(or config / deepspeed_config), enabled, dtype, mpu, group, sync")
+        configs = [c for c in (config_dict_or_path, config, deepspeed_config) if c is not None]
+        if len(configs) > 1:
+            raise ZeroConfigError("zero3.Init got more than one of config_dict_or_path, config and deepspeed_config; "
+                                  "pass one")
         if sync not in ("rng", "broadcast"):
             raise ZeroConfigError(f"Init(sync=...) must be 'rng' or 'broadcast', got {sync!r}")
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise ZeroConfigError(f"Init(dtype=...) must be a torch.dtype, got {dtype!r}")
+        if not isinstance(mem_efficient_linear, bool) or not isinstance(pin_memory, bool):
+            raise ZeroConfigError("Init(mem_efficient_linear=..., pin_memory=...) must be bools")
+        if data_parallel_group is not None and group is not None and data_parallel_group is not group:
+            raise ZeroConfigError("zero3.Init got both data_parallel_group and group; pass one")
         self.enabled = enabled
-        self._config = config
-        self._group = group
-        self._remote_device = torch.device(remote_device) if remote_device is not None else None
-        self._dtype = dtype
+        self._config = resolve_config(configs[0] if configs else None)
+        self._group = data_parallel_group if data_parallel_group is not None else group
+        if self._group is None and mpu is not None:
+            self._group = _mpu_data_parallel_group(mpu)
+        self._remote_device = _remote_device(remote_device)
+        self._pin_memory = pin_memory
+        self._dtype = dtype if dtype is not None else (torch_dtype(self._config.dtype)
+                                                       if self._config.dtype != "fp32" else None)
         self._sync: SyncMode = sync
         self._token: Any = None
         self._handler_token: Any = None
+        if module is not None and enabled:
+            self._partition_built(module)
+
+    def _state(self) -> _InitState:
+        ctx = RuntimeContext.minimal(self._config, self._group)
+        return _InitState(ctx=ctx, remote_device=self._remote_device, dtype=self._dtype, sync=self._sync,
+                          pin_memory=self._pin_memory)
+
+    def _partition_built(self, module: nn.Module) -> None:
+        """``Init(module=m)``: partition a built module; rank 0's values win (a broadcast each)."""
+        state = self._state()
+        state.sync = "broadcast"
+        _partition_module(module, state, recurse=True)
 
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
-        ctx = RuntimeContext.minimal(resolve_config(self._config), self._group)
-        state = _InitState(ctx=ctx, remote_device=self._remote_device, dtype=self._dtype, sync=self._sync)
+        state = self._state()
         stack = _STACK.get()
         if not stack:
             _install_patches()
-        if self._sync == "rng" and ctx.world_size > 1:
-            _sync_rng(ctx)
+        if self._sync == "rng" and state.ctx.world_size > 1:
+            _sync_rng(state.ctx)
         self._token = _STACK.set(stack + (state,))
-        self._handler_token = inplace_handler.set(write_through)
+        self._handler_token = construction_handler.set(_touch)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -118,15 +202,37 @@ class Init:
             return
         state = _STACK.get()[-1]
         try:
+            _write_back(state)
             if exc_type is None:
                 for m in list(state.modules):
                     _partition_module(m, state, recurse=False)
         finally:
-            inplace_handler.reset(self._handler_token)
+            construction_handler.reset(self._handler_token)
             _STACK.reset(self._token)
             self._token = None
             if not _STACK.get():
                 _remove_patches()
+
+
+def _mpu_data_parallel_group(mpu: Any) -> Any:
+    get = getattr(mpu, "get_data_parallel_group", None)
+    if get is None:
+        raise ZeroConfigError(f"mpu {type(mpu).__name__} has no get_data_parallel_group(); pass a Megatron-style "
+                              "model-parallel unit, or data_parallel_group=")
+    return get()
+
+
+def _remote_device(value: Any) -> torch.device | None:
+    if value is None or value == "none":
+        return None
+    if value == "nvme":
+        raise ZeroConfigError("zero3.Init(remote_device='nvme') needs parameter offload to NVMe, which this zero3 "
+                              "does not have yet; use 'cpu' or None")
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ZeroConfigError(f"zero3.Init(remote_device={value!r}) must be None, 'none', 'cpu' or a torch device"
+                              ) from None
 
 
 def _current() -> _InitState | None:
@@ -168,6 +274,8 @@ def _wrap_init(cls: type, patches: _Patches) -> None:
         state = _current()
         if not depth and state is not None:
             _partition_module(self, state, recurse=True)
+            if not patches.building:  # the outermost module is built: views of its params are done
+                _write_back(state)
 
     __init__._zero3_wrapped = True  # type: ignore[attr-defined]
     try:
@@ -243,19 +351,92 @@ def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) ->
             name = f"{type(m).__name__}.{pname}"
             if state.sync == "broadcast" and ctx.world_size > 1:
                 ctx.comm.broadcast(p.data, 0, Tag(Kind.BROADCAST, f"zero3.Init value of {name}"))
-            ctx.partition(p, name, shard_device=state.remote_device, dtype=state.dtype)
+            zp = ctx.partition(p, name, shard_device=state.remote_device, dtype=state.dtype)
+            if state.pin_memory and zp._zero.shard.device.type == "cpu" and torch.cuda.is_available():
+                zp._zero.replace_shard(zp._zero.shard.pin_memory())
 
 
-def write_through(p: PartitionedParameter, func: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
-    """An in-place op on a partitioned param inside Init: apply it to the full tensor, re-partition.
-    (Installed as ``param.inplace_handler`` while an Init context is active.)"""
+def _param_of(target: Any, state: _InitState) -> ZeroParameter | None:
+    """The parameter behind a guarded tensor (the parameter itself, or its ``.data`` alias)."""
+    if isinstance(target, PartitionedParameter):
+        return target
+    return state.ctx.coordinator.param_of(target._zero.id) if isinstance(target, ReleasedData) else None
+
+
+def _touch(target: Any, func: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    """An op on a partitioned parameter while `Init` builds: see [Note: touching partitioned
+    parameters while building]. Installed as ``param.construction_handler``."""
     state = _current()
-    if state is None:
+    p = _param_of(target, state) if state is not None else None
+    if state is None or p is None or p._zero.ctx is not state.ctx:
         return False, None
-    modifier = 0 if state.sync == "broadcast" else LOCAL_MODIFIER
-    with GatheredParameters([p], modifier_rank=modifier):
-        result = func(*args, **kwargs)
+    name = getattr(func, "__name__", "")
+    if name == "__set__":  # p.data = value: the full value, written into the shards
+        _assign(p, args[1], state)
+        return True, None
+    inplace = name.endswith("_") and not name.startswith("_")
+    if inplace:
+        modifier = 0 if state.sync == "broadcast" else LOCAL_MODIFIER
+        with GatheredParameters([p], modifier_rank=modifier):
+            return True, func(*_unguard(args), **_unguard(kwargs))
+    state.ctx.coordinator.gather_for_user([p])
+    keep = False
+    try:
+        result = func(*_unguard(args), **_unguard(kwargs))
+        storage = raw_data(p).untyped_storage().data_ptr()
+        keep = any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == storage
+                   for t in pytree.tree_leaves(result))
+    finally:
+        if keep and p._zero.id not in state.touched:
+            state.touched[p._zero.id] = p  # a view is out: written back when the outermost __init__ returns
+        else:
+            state.ctx.coordinator.release_for_user([p])
     return True, result
+
+
+def _unguard(tree: Any) -> Any:
+    """``.data`` aliases of now-gathered parameters, as plain tensors (so the op does not re-enter)."""
+    def plain(t: Any) -> Any:
+        if isinstance(t, ReleasedData):
+            state = _current()
+            p = state.ctx.coordinator.param_of(t._zero.id) if state is not None else None
+            if p is not None and not isinstance(p, PartitionedParameter):
+                return raw_data(p)
+        return t
+
+    return pytree.tree_map(plain, tree)
+
+
+def _assign(p: ZeroParameter, value: Any, state: _InitState) -> None:
+    """``p.data = value`` while building: ``value`` is the new full tensor (its dtype and device win)."""
+    z = p._zero
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(z.shape):
+        raise ZeroStateError(f"{z.summary()}: .data may only be assigned a tensor of its shape {tuple(z.shape)}, got "
+                             f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
+    value = value.detach()
+    if state.sync == "broadcast" and z.world_size > 1:
+        value = state.ctx.comm.broadcast(value.clone(), 0, Tag(Kind.BROADCAST, f"zero3.Init value of {z.name}"))
+    shard = sharding.shard_tensor(value, z.world_size, z.rank).to(z.shard.device)
+    if shard.dtype == z.shard.dtype:
+        z.shard.copy_(shard)
+    else:
+        z.replace_shard(shard)
+        set_placeholder_dtype(p, shard.dtype)
+
+
+def _write_back(state: _InitState) -> None:
+    """The parameters whose views building code held: their (possibly changed) full values go back
+    into the shards, and they are released."""
+    if not state.touched:
+        return
+    touched = sorted(state.touched.values(), key=lambda q: q._zero.id)
+    state.touched.clear()
+    if state.sync == "broadcast" and state.ctx.world_size > 1:
+        for p in touched:
+            state.ctx.comm.broadcast(raw_data(p), 0, Tag(Kind.BROADCAST, f"zero3.Init value of {p._zero.name}"))
+    for p in touched:
+        copy_full_into_shard(p)
+    state.ctx.coordinator.release_for_user(touched)
 
 
 # -- GatheredParameters ------------------------------------------------------------------------
@@ -270,7 +451,8 @@ class GatheredParameters:
     With ``modifier_rank=r``, rank r may change the full tensors; on exit they are broadcast from r
     and re-partitioned on every rank (this is how pretrained weights are loaded into a partitioned
     model). With ``modifier_rank=None`` changes are discarded. Parameters already gathered (by a
-    running module, or persistent ones) stay gathered on exit.
+    running module, or persistent ones) stay gathered on exit. ``fwd_module``: the parameters are
+    registered as external parameters of that module (its forward uses them), as in DeepSpeed.
     """
 
     def __init__(self, params: Iterable[nn.Parameter] | nn.Parameter, modifier_rank: int | None = None,
@@ -285,6 +467,11 @@ class GatheredParameters:
         self._ids = tuple(p._zero.id for p in self.params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled and bool(self.params)
+        if fwd_module is not None:
+            if not isinstance(fwd_module, nn.Module):
+                raise TypeError(f"GatheredParameters(fwd_module=...) must be an nn.Module, got {type(fwd_module).__name__}")
+            for p in self.params:  # DeepSpeed's meaning: fwd_module's forward uses them from now on
+                register_external_parameter(fwd_module, p)
 
     def __enter__(self) -> list[ZeroParameter]:
         if not self.enabled:

@@ -150,6 +150,7 @@ class PartitionedOptimizer:
         self._unscaled = False  # fp16: this window's gradients were already unscaled (by clipping)
         self._overflow = False  # ... and whether some rank saw inf/nan then
         self._scaled_backward = False  # fp16: engine.backward scaled a loss in this window
+        self._last_overflow = False
         self.flat = config.dtype != "fp32" or self.offload.enabled
         if self.flat:
             self.optimizer = self._build_flat(optimizer, fp32_shards or {})
@@ -258,10 +259,12 @@ class PartitionedOptimizer:
 
         Returns False when an overflow skipped the step (on every rank), else True.
         """
+        self._last_overflow = False
         if self.scaler is not None:
             overflow = self.unscale_()
             self.scaler.update(overflow)
             if overflow:
+                self._last_overflow = True
                 self.skipped_steps += 1
                 self.zero_grad()
                 return False
@@ -271,6 +274,17 @@ class PartitionedOptimizer:
         self.copy_masters_to_shards()
         self.zero_grad()
         return True
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the last optimizer step found an fp16 overflow (and was skipped), as DeepSpeed's
+        ``optimizer.overflow``."""
+        return self._last_overflow
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The user's optimizer's param groups (their ``params`` are the shards or fp32 masters)."""
+        return self.optimizer.param_groups
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale (fp16, once per window), then clip the gradient shards by their global norm."""

@@ -35,11 +35,13 @@ from .state import ParamStatus, check_transition
 
 _ids = itertools.count()
 
-InplaceHandler = Callable[["PartitionedParameter", Callable, tuple, dict], tuple[bool, Any]]
-inplace_handler: contextvars.ContextVar[InplaceHandler | None] = contextvars.ContextVar(
-    "zero3_inplace_handler", default=None)
-"""Set by ``zero3.Init`` while it builds a model: an in-place op on a partitioned parameter
-(``nn.init.normal_(p)``) is handed to it (gather, apply, re-partition) instead of raising."""
+ConstructionHandler = Callable[[Any, Callable, tuple, dict], tuple[bool, Any]]
+construction_handler: contextvars.ContextVar[ConstructionHandler | None] = contextvars.ContextVar(
+    "zero3_construction_handler", default=None)
+"""Set by ``zero3.Init`` while it builds a model: an op on a partitioned parameter (or on its
+``.data``) is handed to it (``nn.init.normal_(p)``, ``p[idx]``, ``p.data = x``, reading values),
+which gathers the parameter around the op instead of raising (init.py [Note: touching partitioned
+parameters while building])."""
 
 
 @dataclass(eq=False)
@@ -139,6 +141,21 @@ class ZeroParameter(nn.Parameter):
     def ds_summary(self) -> str:
         return self._zero.summary()
 
+    def all_gather(self, param_list: Any = None, async_op: bool = False, hierarchy: int = 0) -> None:
+        """DeepSpeed's ``param.all_gather()``: gather this parameter (and those of ``param_list``)
+        and keep them gathered until `partition`. A collective: call it on every rank."""
+        params = _sorted_params(self, param_list)
+        self._zero.ctx.coordinator.gather_for_user(params)
+
+    def partition(self, param_list: Any = None, has_been_updated: bool = False) -> None:
+        """DeepSpeed's ``param.partition()``: end an `all_gather`. With ``has_been_updated`` the
+        gathered values (changed the same way on every rank) are written back into the shards."""
+        params = [p for p in _sorted_params(self, param_list) if p._zero.user_pins > 0]
+        if has_been_updated:
+            for p in params:
+                copy_full_into_shard(p)
+        self._zero.ctx.coordinator.release_for_user(params)
+
     def __deepcopy__(self, memo: dict) -> Any:
         raise ZeroStateError(
             f"cannot deepcopy partitioned parameter {self._zero.summary()}; deep-copy the model before "
@@ -148,6 +165,15 @@ class ZeroParameter(nn.Parameter):
         raise ZeroStateError(
             f"cannot pickle partitioned parameter {self._zero.summary()}; save with "
             "engine.save_checkpoint() or a consolidated state dict")
+
+
+def _sorted_params(first: ZeroParameter, more: Any) -> list[ZeroParameter]:
+    found = {first._zero.id: first}
+    for q in more or ():
+        if not isinstance(q, ZeroParameter):
+            raise ZeroStateError(f"param_list holds a parameter of shape {tuple(q.shape)} that zero3 did not partition")
+        found.setdefault(q._zero.id, q)
+    return [found[i] for i in sorted(found)]  # the same order on every rank
 
 
 # Tensor methods and properties that only read metadata or register hooks: allowed while partitioned.
@@ -167,6 +193,16 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__"):
         prop = getattr(getattr(func, "__self__", None), "__name__", "")
+        if name == "__set__" and prop == "data" and isinstance(args[0], PartitionedParameter):
+            handler = construction_handler.get()
+            if handler is not None:
+                done, result = handler(args[0], func, args, kwargs)
+                if done:
+                    return result
+            raise ZeroStateError(
+                f"assigning .data of partitioned parameter {args[0]._zero.summary()} would drop its shards; "
+                "write the full value inside `with zero3.GatheredParameters([param], modifier_rank=0):` "
+                "(param.data.copy_(value)), or load it with zero3.pretrained.load_state_dict")
         if prop not in _COMPUTE_PROPERTIES:
             with torch._C.DisableTorchFunctionSubclass():
                 result = func(*args, **kwargs)
@@ -181,9 +217,8 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
     target = _first_guarded(args, kwargs)
     if name in _REPR and target is not None:
         return f"{type(target).__name__}({target._zero.summary()})"
-    handler = inplace_handler.get()
-    if handler is not None and isinstance(target, PartitionedParameter) and name.endswith("_") \
-            and not name.startswith("_"):
+    handler = construction_handler.get()
+    if handler is not None and target is not None:
         done, result = handler(target, func, args, kwargs)
         if done:
             return result
@@ -227,6 +262,7 @@ def raw_data(p: nn.Parameter) -> torch.Tensor:
 
 
 def is_partitioned(p: Any) -> bool:
+    """Whether ``p`` is a parameter partitioned by zero3 (DeepSpeed's ``is_zero_param``)."""
     return isinstance(p, ZeroParameter)
 
 
@@ -264,7 +300,8 @@ def set_placeholder_dtype(p: ZeroParameter, dtype: torch.dtype) -> None:
         raise ZeroStateError(f"{p._zero.summary()}: cannot change the dtype of a gathered parameter")
     placeholder = torch.empty(p._zero.shape, dtype=dtype, device=raw_data(p).device)
     placeholder.untyped_storage().resize_(0)
-    p.data = placeholder
+    with torch._C.DisableTorchFunctionSubclass():
+        p.data = placeholder
 
 
 def partition(p: nn.Parameter, *, name: str, world_size: int, rank: int, group: Any, ctx: Any = None,

@@ -1,0 +1,245 @@
+"""DeepSpeed call signatures: Init's keyword names, config-built optimizers and schedulers, the
+parameter helpers, and constructors that touch partitioned parameters (Hugging Face's post_init)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zero3
+import zero3.deepspeed as deepspeed
+from zero3 import ZeroConfigError
+
+from gpt import GPT, GPTConfig, synthetic_batch
+
+CFG = GPTConfig(block_size=16)
+
+
+def _full(p: nn.Parameter) -> torch.Tensor:
+    with zero3.GatheredParameters([p]):
+        return p.detach().clone()
+
+
+# -- Init ---------------------------------------------------------------------------------------------
+def test_init_takes_deepspeeds_names_and_builds_low_precision_shards_from_the_config(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}))
+
+    class MPU:
+        def get_data_parallel_group(self):
+            return None
+
+    with zero3.Init(data_parallel_group=None, remote_device="cpu", pin_memory=False, config_dict_or_path=str(path),
+                    enabled=True, mpu=MPU(), mem_efficient_linear=True):
+        model = nn.Linear(8, 8)
+    assert model.weight.ds_tensor.dtype == torch.bfloat16 and model.weight.dtype == torch.bfloat16
+    with deepspeed.zero.Init(deepspeed_config={"fp16": {"enabled": True}}):
+        half = nn.Linear(8, 8)
+    assert half.weight.ds_tensor.dtype == torch.float16
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"zero_quantized_weights": True}, "zero_quantized_weights=True (quantized weight gathers"),
+    ({"param_swapper": object()}, "param_swapper"),
+    ({"no_such_option": 1}, "no_such_option"),
+    ({"remote_device": "nvme"}, "remote_device='nvme'"),
+    ({"remote_device": "floppy"}, "remote_device='floppy'"),
+    ({"config": {}, "config_dict_or_path": {}}, "more than one"),
+])
+def test_init_refuses_what_it_does_not_support_by_name(kwargs, needle):
+    with pytest.raises(ZeroConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        zero3.Init(**kwargs)
+
+
+def test_init_accepts_deepspeeds_off_values_of_features_it_lacks():
+    with zero3.Init(zero_quantized_weights=False, zero_param_parallel_group=None):
+        model = nn.Linear(4, 4)
+    assert zero3.is_zero_param(model.weight)
+
+
+def test_init_with_module_partitions_a_built_model_with_its_values():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    zero3.Init(module=model)
+    for name, p in model.named_parameters():
+        assert zero3.is_zero_param(p), name
+        torch.testing.assert_close(_full(p), ref[name], rtol=0, atol=0)
+
+
+def test_init_disabled_builds_a_plain_model():
+    with zero3.Init(enabled=False, config_dict_or_path={"bf16": {"enabled": True}}):
+        model = nn.Linear(4, 4)
+    assert not zero3.is_zero_param(model.weight) and model.weight.dtype == torch.float32
+
+
+# -- constructors that touch partitioned parameters ---------------------------------------------------
+class Touchy(nn.Module):
+    """Does in its constructor what Hugging Face models do in post_init, after the children exist."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6, padding_idx=0)
+        self.proj = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 10, bias=True)
+        self.head.weight = self.emb.weight  # tying after both were partitioned
+        nn.init.normal_(self.emb.weight, std=0.5)
+        nn.init.zeros_(self.emb.weight[self.emb.padding_idx])  # a view of a partitioned parameter
+        self.emb.weight.data[3].fill_(0.25)  # a view through .data
+        rows = self.proj.weight[:2]  # a slice kept and written later
+        with torch.no_grad():
+            rows.mul_(2.0)
+        self.scale = float(self.proj.weight.detach().abs().max())  # reading a value
+        self.head.bias.data = F.pad(self.head.bias.data[:8], (0, 2), value=1.0)  # .data assignment
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.proj(self.emb(idx)) * self.scale)
+
+
+def test_a_constructor_touching_partitioned_parameters_gets_the_plain_builds_values():
+    torch.manual_seed(3)
+    plain = Touchy()
+    torch.manual_seed(3)
+    with zero3.Init():
+        model = Touchy()
+    assert model.scale == plain.scale
+    assert model.head.weight is model.emb.weight
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert zero3.is_zero_param(p) and p.ds_status is zero3.ParamStatus.NOT_AVAILABLE, name
+        torch.testing.assert_close(_full(p), q.detach(), rtol=0, atol=0, msg=name)
+    x = torch.tensor([[0, 3, 5]])
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), plain(x), rtol=0, atol=0)
+
+
+def test_assigning_data_of_a_partitioned_parameter_outside_init_is_refused():
+    with zero3.Init():
+        model = nn.Linear(4, 4)
+    with pytest.raises(zero3.ZeroStateError, match="assigning .data"):
+        model.weight.data = torch.zeros(4, 4)
+
+
+# -- parameter helpers --------------------------------------------------------------------------------
+def test_all_gather_and_partition_helpers_and_fwd_module():
+    with zero3.Init():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    w = model[0].weight
+    w.all_gather()
+    assert w.ds_status is zero3.ParamStatus.AVAILABLE
+    with torch.no_grad():
+        w.fill_(1.0)
+    w.partition(has_been_updated=True)
+    assert w.ds_status is zero3.ParamStatus.NOT_AVAILABLE
+    assert torch.equal(_full(w), torch.ones(4, 4))
+    with zero3.GatheredParameters([model[0].weight], fwd_module=model[1]):
+        pass
+    assert any(p is model[0].weight for p in zero3.init.external_parameters(model[1]))
+    assert zero3.is_zero_param(w) and not zero3.is_zero_param(nn.Parameter(torch.ones(1)))
+
+
+# -- optimizer and scheduler from the config ---------------------------------------------------------
+def _expected_lrs(kind: str, base: float, params: dict, steps: int) -> list[float]:
+    """DeepSpeed's schedules written out as closed forms, for comparison."""
+    out = []
+    w = max(2, params["warmup_num_steps"])
+    for i in range(steps):
+        if i == 0:
+            out.append(base)  # the optimizer's lr until the scheduler's first step
+            continue
+        it = i - 1
+        warm = math.log(it + 1) / math.log(w) if params.get("warmup_type", "log") == "log" else it / w
+        if kind == "WarmupLR":
+            g = warm if it < w else 1.0
+            out.append(params["warmup_min_lr"] + (params["warmup_max_lr"] - params["warmup_min_lr"]) * g)
+        elif kind == "WarmupDecayLR":
+            g = warm if it < w else max(0.0, (params["total_num_steps"] - it) / max(1, params["total_num_steps"] - w))
+            out.append(params["warmup_min_lr"] + (params["warmup_max_lr"] - params["warmup_min_lr"]) * g)
+        else:
+            if it < w:
+                r = params["warmup_min_ratio"] + (1 - params["warmup_min_ratio"]) * warm
+            else:
+                c = (1 + math.cos(math.pi * (it - w + 1) / (params["total_num_steps"] - w))) / 2
+                r = params["cos_min_ratio"] + (1 - params["cos_min_ratio"]) * c
+            out.append(base * r)
+    return out
+
+
+SCHEDULES = {
+    "WarmupLR": {"warmup_min_lr": 1e-4, "warmup_max_lr": 3e-3, "warmup_num_steps": 4, "warmup_type": "linear"},
+    "WarmupDecayLR": {"total_num_steps": 8, "warmup_min_lr": 0.0, "warmup_max_lr": 2e-3, "warmup_num_steps": 3},
+    "WarmupCosineLR": {"total_num_steps": 8, "warmup_min_ratio": 0.1, "warmup_num_steps": 3, "cos_min_ratio": 0.05},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEDULES))
+@pytest.mark.parametrize("opt", ["Adam", "AdamW"])
+def test_a_config_with_optimizer_and_scheduler_trains_like_the_same_built_by_hand(kind, opt):
+    steps, base = 7, 2e-3
+    ds = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+          "optimizer": {"type": opt, "params": {"lr": base, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1,
+                                                "torch_adam": True}},
+          "scheduler": {"type": kind, "params": SCHEDULES[kind]}}
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=ds):
+        model = GPT(CFG)
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, config=ds)
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    # DeepSpeed's "Adam" means decoupled weight decay (adam_w_mode defaults to true): AdamW.
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=base, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+    lrs = _expected_lrs(kind, base, SCHEDULES[kind], steps)
+    for step in range(steps):
+        for g in ref_opt.param_groups:
+            g["lr"] = lrs[step]
+        assert engine.get_lr() == pytest.approx([lrs[step]])
+        x, y = synthetic_batch(step, 2, CFG)
+        loss, ref_loss = engine(x, y), ref(x, y)
+        engine.backward(loss)
+        engine.step()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert scheduler is engine.lr_scheduler and optimizer.overflow is False and not engine.was_step_skipped()
+    assert isinstance(engine.optimizer, torch.optim.AdamW) and engine.device == torch.device("cpu")
+
+
+def test_adam_w_mode_false_is_adam_with_l2_weight_decay():
+    model = nn.Linear(4, 4)
+    engine = zero3.initialize(model=model, config={"optimizer": {"type": "Adam", "params": {
+        "lr": 1e-3, "weight_decay": 0.1, "adam_w_mode": False}}})
+    assert type(engine.optimizer) is torch.optim.Adam
+
+
+def test_model_parameters_with_a_config_optimizer_keep_their_param_groups():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    groups = [{"params": list(model[0].parameters()), "weight_decay": 0.0},
+              {"params": list(model[1].parameters())}]
+    engine = zero3.initialize(model=model, model_parameters=groups,
+                              config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}})
+    assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.0, 0.1]
+
+
+@pytest.mark.parametrize("config,needle", [
+    ({"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type 'Lamb' is not supported"),
+    ({"optimizer": {"type": "Adam", "params": {"lrr": 1}}}, "unknown config key 'lrr'"),
+    ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type 'OneCycle' is not supported"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3}}}, "needs params.total_num_steps"),
+])
+def test_bad_optimizer_and_scheduler_sections_are_refused(config, needle):
+    with pytest.raises(ZeroConfigError, match=needle):
+        zero3.ZeroConfig.from_dict(config)
+
+
+def test_an_optimizer_both_given_and_configured_is_refused_before_anything_changes():
+    model = nn.Linear(4, 4)
+    with pytest.raises(ZeroConfigError, match="pass one"):
+        zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    assert not zero3.is_zero_param(model.weight)

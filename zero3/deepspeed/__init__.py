@@ -1,0 +1,38 @@
+"""DeepSpeed's names over zero3, for code written against DeepSpeed ZeRO-3: ``import zero3.deepspeed as
+deepspeed`` and ``deepspeed.zero.Init(...)``, ``deepspeed.initialize(model=..., config=...)`` (the
+4-tuple), ``deepspeed.zero.GatheredParameters``, ... keep working with their meaning. Only what zero3
+implements is here; anything else is an AttributeError, never a silent stand-in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..engine import Engine
+from ..engine import initialize as _initialize
+from ..errors import ZeroConfigError
+from . import zero
+
+__all__ = ["initialize", "zero"]
+
+
+def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, mpu: Any = None,
+               dist_init_required: bool | None = None, collate_fn: Any = None, config: Any = None,
+               config_params: Any = None) -> tuple[Engine, Any, None, Any]:
+    """``deepspeed.initialize``: returns ``(engine, optimizer, None, lr_scheduler)``.
+
+    ``optimizer`` is the engine's sharded optimizer (``.overflow``, ``.param_groups``, ``.step``
+    around the user's torch optimizer). The config comes from ``config``, ``config_params`` or
+    ``args.deepspeed_config``. ``training_data`` is refused: build your own DataLoader with a
+    ``DistributedSampler``.
+    """
+    if training_data is not None or collate_fn is not None:
+        raise ZeroConfigError("zero3.deepspeed.initialize does not build data loaders (training_data / "
+                              "collate_fn); build a torch DataLoader with a DistributedSampler yourself")
+    configs = [c for c in (config, config_params, getattr(args, "deepspeed_config", None)) if c is not None]
+    if len(configs) > 1:
+        raise ZeroConfigError("pass the config once: config, config_params or args.deepspeed_config")
+    engine = _initialize(model, optimizer, configs[0] if configs else None, model_parameters=model_parameters,
+                         lr_scheduler=lr_scheduler, mpu=mpu)
+    return engine, engine.sharded_optimizer, None, engine.lr_scheduler
