@@ -25,6 +25,7 @@ from .engine import Engine, clip_grad_norm_, initialize
 from .errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroError, ZeroStateError
 from .init import GatheredParameters, Init, register_external_parameter
 from .leaf import set_leaf_modules
+from .memory import see_memory_usage
 from .metrics import StepMetrics
 from .param import ZeroParameter, is_partitioned
 from .param import is_partitioned as is_zero_param
@@ -70,5 +71,6 @@ __all__ = [
     "safe_set_full_optimizer_state",
     "safe_set_local_fp32_param",
     "safe_set_local_optimizer_state",
+    "see_memory_usage",
     "set_leaf_modules",
 ]

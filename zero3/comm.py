@@ -215,7 +215,7 @@ class ReduceWork:
             if self.slot is not None and self.slot.void:
                 assert self.tag is not None
                 comm._voided(self.tag, self.slot.sizes)
-            comm.metrics.wait_seconds += time.perf_counter() - t0
+            comm.metrics.reduce_wait_seconds += time.perf_counter() - t0
             self.result = self.out[: self.buffer.shard_numel].div_(comm.world_size)
             self.buffer = None  # type: ignore[assignment]  # the input may go now
             self.failed = False
@@ -408,7 +408,9 @@ class Communicator:
 
     def _wire_exchange(self, mine: WireHeader, tag: Tag) -> list[WireHeader | None]:
         out = torch.empty(WIRE_WORDS * self.world_size, dtype=torch.int64, device=self.device)
+        t0 = time.perf_counter()
         self._blocking(lambda: _all_gather_flat(out, mine.to_tensor(self.device), group=self.group), tag)
+        self.metrics.header_seconds += time.perf_counter() - t0
         return WireHeader.rows(out)
 
     def _diverged(self, tag: Tag, slot: Slot, rows: list[WireHeader | None], voided: bool = False) -> None:

@@ -149,6 +149,14 @@ class ZeroConfig:
     raised in its own code, died), every other rank raises ``ZeroCommunicationError`` naming it
     instead of hanging. 0: use the caller's process group and its timeout."""
 
+    wall_clock_breakdown: bool = False
+    """Log the step's time breakdown (forward, backward, gather and reduction waits, header
+    exchanges, optimizer) every ``steps_per_print`` optimizer steps; the figures are in
+    ``engine.last_step_metrics`` either way (on CUDA this also synchronizes before reading them)."""
+
+    steps_per_print: int = 10
+    """How often (in optimizer steps) ``wall_clock_breakdown`` logs."""
+
     optimizer: OptimizerSpec | None = None
     """DeepSpeed's ``optimizer`` section: ``zero3.initialize`` without an optimizer builds this one."""
 
@@ -212,7 +220,7 @@ class ZeroConfig:
             _check_field(f, getattr(self, f.name))
         if self.max_traces < 1:
             raise ZeroConfigError(f"max_traces must be >= 1, got {self.max_traces!r}")
-        for name in ("gradient_accumulation_steps", "loss_scale_window", "hysteresis"):
+        for name in ("gradient_accumulation_steps", "loss_scale_window", "hysteresis", "steps_per_print"):
             if getattr(self, name) < 1:
                 raise ZeroConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.min_loss_scale <= 0:
@@ -430,8 +438,8 @@ def _from_deepspeed(d: dict[str, Any]) -> dict[str, Any]:
         if key in ("gradient_accumulation_steps", "gradient_clipping"):
             out[key] = _coerce(key, value)
             continue
-        if key in ("optimizer", "scheduler"):
-            out[key] = value
+        if key in ("optimizer", "scheduler", "wall_clock_breakdown", "steps_per_print"):
+            out[key] = _coerce(key, value)
             continue
         if key in _DEEPSPEED_TOP_LEVEL:
             logger.info("zero3: DeepSpeed key %r is not used by ZeroConfig; ignored", key)

@@ -20,6 +20,7 @@ communicator, coordinator) for the parameters it partitions while a model is bui
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ from .metrics import StepMetrics
 from .optim import PartitionedOptimizer, validate_optimizer
 from .param import ZeroParameter, partition
 from .precision import lower_precision, torch_dtype
+from .state import ParamStatus
 from .schedulers import build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
@@ -107,6 +109,31 @@ class RuntimeContext:
             return self.optimizer.grads()
         return [g for p in self.params if (g := p._zero.train_tensor.grad) is not None]
 
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model state this rank holds, by tier (see ``Engine.memory_report``)."""
+        part = self.optimizer
+        if part is not None:
+            shard = part.shard_bytes()
+        else:
+            shard = sum(p._zero.shard.numel() * p._zero.shard.element_size() for p in self.params)
+        grad = sum(g.numel() * g.element_size() for p in self.params
+                   if (g := p._zero.train_tensor.grad) is not None)
+        masters = part.master_bytes() if part is not None else 0
+        states = 0
+        if part is not None:
+            for state in part.optimizer.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        states += v.numel() * v.element_size()
+        full = sum(p._zero.numel * p._zero.shard.element_size() for p in self.params)
+        gathered = sum(p._zero.numel * p._zero.shard.element_size() for p in self.params
+                       if p._zero.status is not ParamStatus.NOT_AVAILABLE)
+        persistent = sum(p._zero.numel * p._zero.shard.element_size() for p in self.coordinator.persistent)
+        offloaded = masters + states if part is not None and part.offload.enabled else 0
+        return {"param_shard_bytes": shard, "grad_shard_bytes": grad, "optimizer_state_bytes": masters + states,
+                "master_bytes": masters, "full_param_bytes": full, "gathered_param_bytes": gathered,
+                "persistent_param_bytes": persistent, "offloaded_bytes": offloaded}
+
     @property
     def grad_scale(self) -> float:
         """The factor the stored gradient shards carry (the fp16 loss scale until unscaled, else 1)."""
@@ -163,7 +190,13 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
                 else lr_scheduler
     ctx.coordinator.mark_persistent(ctx.params)  # gathers: after every shard has its final buffer
     model.__dict__["_zero3_context"] = ctx
+    LIVE_CONTEXTS.add(ctx)
     return ctx
+
+
+LIVE_CONTEXTS: "weakref.WeakSet[RuntimeContext]" = weakref.WeakSet()
+"""Every engine's context while it lives: what ``zero3.see_memory_usage`` reports model state from
+(the one process-wide registry; it holds no context alive)."""
 
 
 def _check_group(ctx: RuntimeContext, name: str, p: ZeroParameter) -> None:

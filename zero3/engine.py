@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import Any
 
 import torch
@@ -185,9 +186,13 @@ class Engine:
         if boundary and ctx.optimizer is not None:
             # Nothing changes a shard before every rank is here and every collective so far checked out.
             ctx.comm.agree(Tag(Kind.AGREE, f"optimizer step {ctx.global_steps}"))
+            t0 = time.perf_counter()
             stepped = ctx.optimizer.step()
             if stepped and ctx.lr_scheduler is not None:
                 ctx.lr_scheduler.step()
+            if self.config.wall_clock_breakdown and torch.cuda.is_available() and self.device.type == "cuda":
+                torch.cuda.synchronize()
+            ctx.metrics.optimizer_seconds += time.perf_counter() - t0
         ctx.micro_steps += 1
         if boundary:
             ctx.coordinator.refresh_persistent()
@@ -196,6 +201,12 @@ class Engine:
         self.last_step_metrics = copy.copy(ctx.metrics)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("zero3::step %s", self.last_step_metrics.as_dict())
+        if boundary and self.config.wall_clock_breakdown and ctx.global_steps % self.config.steps_per_print == 0:
+            m = self.last_step_metrics
+            logger.info("zero3::timers step %d | forward %.1f ms | backward %.1f ms | gather wait %.1f ms | "
+                        "reduction wait %.1f ms | header exchanges %.1f ms | optimizer %.1f ms", ctx.global_steps,
+                        1e3 * m.forward_seconds, 1e3 * m.backward_seconds, 1e3 * m.wait_seconds,
+                        1e3 * m.reduce_wait_seconds, 1e3 * m.header_seconds, 1e3 * m.optimizer_seconds)
         ctx.metrics.reset(ctx.global_steps)
         return stepped
 
@@ -273,30 +284,12 @@ class Engine:
         ``param_shard_bytes``: parameter shards in their dtype (flat buffers with their alignment gaps
         under mixed precision); ``grad_shard_bytes``: gradient shards (fp32 under mixed precision);
         ``optimizer_state_bytes``: the optimizer's per-element state plus the fp32 master shards when
-        they are separate from the parameter shards (the ZeRO paper's K bytes per parameter);
-        ``gathered_param_bytes``: full tensors gathered now (persistent ones included);
-        ``persistent_param_bytes``: full tensors kept gathered for the whole run (not budgeted).
+        they are separate from the parameter shards (the ZeRO paper's K bytes per parameter), of
+        which ``master_bytes`` are the masters; ``gathered_param_bytes``: full tensors gathered now
+        (persistent ones included); ``persistent_param_bytes``: full tensors kept gathered for the
+        whole run (not budgeted); ``offloaded_bytes``: state kept in an offload tier.
         """
-        part = self.context.optimizer
-        if part is not None:
-            shard = part.shard_bytes()
-        else:
-            shard = sum(p._zero.shard.numel() * p._zero.shard.element_size() for p in self.params)
-        grad = sum(g.numel() * g.element_size() for p in self.params
-                   if (g := p._zero.train_tensor.grad) is not None)
-        optim = part.master_bytes() if part is not None else 0
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        optim += v.numel() * v.element_size()
-        full = sum(p._zero.numel * p._zero.shard.element_size() for p in self.params)
-        gathered = sum(p._zero.numel * p._zero.shard.element_size() for p in self.params
-                       if p._zero.status is not ParamStatus.NOT_AVAILABLE)
-        persistent = sum(p._zero.numel * p._zero.shard.element_size() for p in self.coordinator.persistent)
-        return {"param_shard_bytes": shard, "grad_shard_bytes": grad, "optimizer_state_bytes": optim,
-                "full_param_bytes": full, "gathered_param_bytes": gathered,
-                "persistent_param_bytes": persistent}
+        return self.context.memory_report()
 
     # -- explain and export (the coordinator's trace and schedule) -------------------------------
     def explain(self, target: Any = None) -> list[str]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,6 +118,8 @@ class ModuleHooks:
         self.root: nn.Module | None = None
         self._leaves: list[_Leaf] = []
         self._leaf_of: dict[int, _Leaf] = {}  # id(param) -> the leaf it belongs to
+        self._forward_t0 = 0.0  # when the running root forward began
+        self._backward_t0 = 0.0  # when the running backward began
 
     # -- install / remove -----------------------------------------------------------------------
     def install(self, model: nn.Module) -> None:
@@ -169,6 +172,10 @@ class ModuleHooks:
     def _enter(self, phase: StepPhase) -> None:
         if phase is not self.phase:
             check_phase(self.phase, phase)
+            if phase is StepPhase.BACKWARD:
+                self._backward_t0 = time.perf_counter()
+            elif self.phase is StepPhase.BACKWARD:
+                self.ctx.metrics.backward_seconds += time.perf_counter() - self._backward_t0
             self.phase = phase
 
     def end_step(self, aborted: bool = False, reason: str | None = None) -> None:
@@ -244,6 +251,8 @@ class ModuleHooks:
         return out
 
     def _pre_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if rec.module is self.root and not self.stack:
+            self._forward_t0 = time.perf_counter()
         if self.phase is StepPhase.IDLE:
             self._enter(StepPhase.FORWARD)
         if rec.leaf is not None and self.phase is StepPhase.FORWARD:
@@ -286,6 +295,8 @@ class ModuleHooks:
         call = self._pop(rec)
         if call is None:  # the pre-hook raised (always_call runs us anyway): nothing to close
             return None
+        if rec.module is self.root and not self.stack:
+            self.ctx.metrics.forward_seconds += time.perf_counter() - self._forward_t0
         grad = torch.is_grad_enabled()
         if call.params:
             if call.state is CallState.OPEN:

@@ -22,7 +22,12 @@ class StepMetrics:
     live_bytes: int = 0
     peak_live_numel: int = 0
     peak_live_bytes: int = 0
-    wait_seconds: float = 0.0  # time blocked waiting for gathers
+    wait_seconds: float = 0.0  # time blocked waiting for parameter gathers
+    reduce_wait_seconds: float = 0.0  # time blocked waiting for gradient reductions
+    header_seconds: float = 0.0  # time blocked in verification header exchanges
+    forward_seconds: float = 0.0  # wall time inside the root module's forwards
+    backward_seconds: float = 0.0  # wall time from the first backward hook to the end of backward
+    optimizer_seconds: float = 0.0  # wall time of the optimizer step (unscale, clip, step, copy back)
     reduce_calls: int = 0
     reduce_numel: int = 0
     divergences: int = 0

@@ -11,9 +11,10 @@ from typing import Any
 from ..engine import Engine
 from ..engine import initialize as _initialize
 from ..errors import ZeroConfigError
+from ..memory import see_memory_usage
 from . import zero
 
-__all__ = ["initialize", "zero"]
+__all__ = ["initialize", "see_memory_usage", "zero"]
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
