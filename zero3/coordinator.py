@@ -133,13 +133,15 @@ class ParamCoordinator:
                 budget -= n
                 p._zero.persistent = True
                 self.persistent.append(p)
+                if self.comm.world_size == 1:
+                    zparam.alias_shard(p)  # one rank: the shard is the full tensor, no refresh ever needed
         self.refresh_persistent()
 
     def refresh_persistent(self) -> None:
         """The shards changed (optimizer step, loading): re-gather the persistent params from them.
         Their traffic is counted apart from the step's gathers. A collective when there are any."""
         for p in self.persistent:
-            if p._zero.status is ParamStatus.AVAILABLE:
+            if p._zero.status is ParamStatus.AVAILABLE and not p._zero.aliased:
                 zparam.release(p)
         todo = [p for p in self.persistent if p._zero.status is ParamStatus.NOT_AVAILABLE]
         if todo:
@@ -150,6 +152,8 @@ class ParamCoordinator:
         """Persistent params become ordinary again (hooks removed): release what nothing holds."""
         for p in self.persistent:
             p._zero.persistent = False
+            if p._zero.aliased:
+                zparam.unalias_shard(p)
             if p._zero.status is ParamStatus.AVAILABLE and not p._zero.pinned:
                 zparam.release(p)
         self.persistent = []

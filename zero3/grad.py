@@ -33,6 +33,9 @@ class GradientReducer:
         self._in_flight: tuple[ReduceWork, list[tuple[ZeroParameter, int]], int] | None = None
 
     def add(self, p: ZeroParameter, grad: torch.Tensor) -> None:
+        if self.comm.world_size == 1:  # the average over one rank is the gradient: no bucket, no copy
+            self._accumulate(p, grad.reshape(-1))
+            return
         self._bucket.append((p, grad, False))
         self._numel += p._zero.numel
         if self._numel >= self.bucket_numel:
@@ -42,6 +45,11 @@ class GradientReducer:
         """Reduce several parameters as one unit, whichever of them got a gradient on this rank (a
         leaf module: every rank's bucket holds all of them, in this order). A parameter with no
         gradient on any rank keeps none (a presence count is reduced with the unit)."""
+        if self.comm.world_size == 1:
+            for p, g in grads:
+                if g is not None:
+                    self._accumulate(p, g.reshape(-1))
+            return
         for p, g in grads:
             self._bucket.append((p, g, True))
             self._numel += p._zero.numel
@@ -108,18 +116,24 @@ class GradientReducer:
         work, params, _ = self._in_flight
         self._in_flight = None
         out = work.wait()
+        if out.data_ptr() != out.untyped_storage().data_ptr() or out.numel() * out.element_size() != \
+                out.untyped_storage().nbytes():
+            out = out.clone()  # a slice of the whole rank-major buffer: keep only this rank's part alive
         off = 0
         for p, col in params:
             s = p._zero.shard_numel
-            if col >= 0 and float(out[col]) == 0:  # no rank had a gradient: it stays None
-                off += s
-                continue
-            target = p._zero.train_tensor
-            piece = out[off: off + s]
-            if self.accumulation_steps > 1:  # in the precision the gradient accumulates in
-                piece = piece.to(dtype=target.dtype) / self.accumulation_steps
-            if target.grad is None:
-                target.grad = piece.to(device=target.device, dtype=target.dtype, copy=True)
-            else:
-                target.grad.add_(piece.to(device=target.device, dtype=target.dtype))
+            if col < 0 or float(out[col]) != 0:  # col: the presence count of a leaf unit's parameter
+                self._accumulate(p, out[off: off + s])
             off += s
+
+    def _accumulate(self, p: ZeroParameter, piece: torch.Tensor) -> None:
+        """Add ``piece`` (this rank's averaged gradient slice, or at world size 1 the gradient) into
+        the gradient of ``p``'s train tensor; the first one of a step is kept without a copy."""
+        target = p._zero.train_tensor
+        if self.accumulation_steps > 1:  # in the precision the gradient accumulates in
+            piece = piece.to(dtype=target.dtype) / self.accumulation_steps
+        if target.grad is None:
+            same = piece.dtype == target.dtype and piece.device == target.device
+            target.grad = piece if same else piece.to(device=target.device, dtype=target.dtype)
+        else:
+            target.grad.add_(piece.to(device=target.device, dtype=target.dtype))

@@ -64,6 +64,7 @@ class ZeroParam:
     handle: Any = None  # the coordinator's in-flight gather while INFLIGHT
     master: torch.Tensor | None = None  # fp32 master shard (a view into a flat buffer), if separate
     prefetched: bool = False  # gathered ahead of use and not used yet (prefetch accounting)
+    aliased: bool = False  # world size 1, persistent: the full data is a view of the shard (alias_shard)
     ctx: Any = None  # the RuntimeContext that owns the parameter (context.py imports this module)
     numel: int = field(init=False)  # full, unpadded; read on every fetch and release, so stored
     shard_numel: int = field(init=False)  # padded; the same on every rank and for every shard dtype
@@ -292,6 +293,31 @@ def release(p: ZeroParameter) -> None:
     p._zero.set_status(ParamStatus.NOT_AVAILABLE)
     raw_data(p).untyped_storage().resize_(0)
     p.__class__ = PartitionedParameter
+
+
+def alias_shard(p: ZeroParameter) -> None:
+    """NOT_AVAILABLE -> AVAILABLE without a copy, at world size 1: the full data becomes a view of the
+    shard (same elements, no padding), so an optimizer step on the shard is already in the parameter."""
+    z = p._zero
+    if z.world_size != 1 or z.status is not ParamStatus.NOT_AVAILABLE or z.shard.device != raw_data(p).device \
+            or z.shard.dtype != raw_data(p).dtype:
+        return
+    with torch._C.DisableTorchFunctionSubclass():
+        p.data = z.shard[: z.numel].view(z.shape)
+    z.set_status(ParamStatus.INFLIGHT)
+    finish_gather(p)
+    z.aliased = True
+
+
+def unalias_shard(p: ZeroParameter) -> None:
+    """Give an aliased parameter its own (empty) storage again, so releasing it leaves the shard alone."""
+    z = p._zero
+    placeholder = torch.empty(z.shape, dtype=z.shard.dtype, device=z.shard.device)
+    with torch._C.DisableTorchFunctionSubclass():
+        p.data = placeholder
+    z.aliased = False
+    if z.status is ParamStatus.AVAILABLE:
+        placeholder.copy_(z.shard[: z.numel].view(z.shape))
 
 
 def set_placeholder_dtype(p: ZeroParameter, dtype: torch.dtype) -> None:

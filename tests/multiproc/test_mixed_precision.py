@@ -378,6 +378,21 @@ def test_model_state_bytes_per_rank_equal_the_documented_formula(pools, world):
 
 
 # -- optimizer offload --------------------------------------------------------------------------
+def reduce_dtype_seen() -> list[str]:
+    engine = make_engine("bf16", reduce_dtype="bf16")
+    seen = []
+    real = engine.comm.reduce
+    engine.comm.reduce = lambda buf, tag: (seen.append(str(buf.flat.dtype)), real(buf, tag))[1]
+    micro_batch(engine, 0)
+    assert all(engine.master_shard(p).grad.dtype == torch.float32 for p in engine.params if p.requires_grad)
+    return seen
+
+
+def test_reduce_dtype_is_the_dtype_of_the_reduced_gradients(pools):
+    for seen in pools.get(2).run(reduce_dtype_seen):
+        assert seen and set(seen) == {"torch.bfloat16"}
+
+
 def train_offload(steps: int) -> dict:
     out = {}
     for mode in ("none", "cpu"):
