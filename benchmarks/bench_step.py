@@ -61,6 +61,9 @@ LABELS = {
     "fsdp2": "FSDP2 (fully_shard per Block + root)",
 }
 MIB = 1024 * 1024
+BREAKDOWN = ("forward_seconds", "backward_seconds", "wait_seconds", "reduce_wait_seconds", "header_seconds",
+             "optimizer_seconds")
+"""zero3's per-step timers (engine.last_step_metrics), printed as the step breakdown."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -349,6 +352,7 @@ def run_variant(rank: int, world: int, variant: str, args: argparse.Namespace) -
         last = metrics[-1]
         out["zero3_last"] = last
         out["wait_seconds"] = [m["wait_seconds"] for m in metrics]
+        out["breakdown"] = {k: [m.get(k, 0.0) for m in metrics] for k in BREAKDOWN}
         out["zero3_peak_live_bytes_max"] = max(m["peak_live_bytes"] for m in metrics)
         out["zero3_allgather_bytes_steps"] = sorted({m["allgather_bytes"] for m in metrics})
     if fsdp_tracker is not None and fsdp_tracker.ok:
@@ -578,6 +582,23 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
     lines += ["", "Timing detail (step = slower rank's wall time; CPU = process CPU time, all threads, mean of "
               "ranks; zero3 gather wait = metrics.wait_seconds, header checks = time blocked in the "
               "verify_collectives exchanges, medians per rank-step):", ""] + timing
+    breakdown = ["| variant | step | forward | backward | of which: gather wait | reduction wait | header exchanges "
+                 "| optimizer | rest |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for variant in runs:
+        row = rows[variant]
+        if "r0" not in row or "breakdown" not in row["r0"]:
+            continue
+        med = {k: statistics.median(t for rep in runs[variant] for r in rep for t in r["breakdown"][k]) * 1e3
+               for k in BREAKDOWN}
+        step_ms = row["median"] * 1e3
+        rest = step_ms - med["forward_seconds"] - med["backward_seconds"] - med["optimizer_seconds"]
+        breakdown.append(f"| {label(variant)} | {step_ms:.0f} | {med['forward_seconds']:.0f} | "
+                         f"{med['backward_seconds']:.0f} | {med['wait_seconds']:.0f} | {med['reduce_wait_seconds']:.0f} "
+                         f"| {med['header_seconds']:.0f} | {med['optimizer_seconds']:.0f} | {rest:.0f} |")
+    if len(breakdown) > 2:
+        lines += ["", "zero3 step breakdown (ms, medians over ranks and steps, from engine.last_step_metrics; the "
+                  "waits are inside forward/backward; rest = step - forward - backward - optimizer: reduction "
+                  "landing, persistent refresh, Python between phases):", ""] + breakdown
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" if not n.startswith("  ") else n for n in notes)
 
 

@@ -136,8 +136,27 @@ class _Chunk:
     params: list[ZeroParameter]
     offsets: list[int]
     total: int  # sum of shard sizes
-    out: torch.Tensor | None = None
+    rows: list[torch.Tensor] | None = None  # every rank's piece (its shards, then header room), by rank
     work: Any = None
+
+
+class _Pairwise:
+    """Point-to-point sends and receives standing for one collective (see `Communicator._exchange_impl`);
+    ``wait()`` waits for all of them, then runs ``then`` (e.g. summing what arrived)."""
+
+    def __init__(self, works: list[Any], then: Any = None) -> None:
+        self.works = works
+        self.then = then
+        self.done = False
+
+    def wait(self) -> bool:
+        if not self.done:
+            for w in self.works:
+                w.wait()
+            self.done = True
+            if self.then is not None:
+                self.then()
+        return True
 
 
 @dataclass(eq=False)
@@ -229,7 +248,9 @@ class Communicator:
         group, world_size, rank: the group and this rank's place in it (`group_info`).
         overlap: issue parameter gathers and reductions asynchronously (side stream on CUDA).
         bucket_numel: largest number of elements one parameter all-gather moves.
-        reduce_impl: ``reduce_scatter``, ``all_reduce`` (then slice) or ``auto`` (all-reduce on gloo).
+        reduce_impl: ``reduce_scatter``, ``all_reduce`` (then slice), ``p2p`` (pairwise sends and
+            receives, then a local sum) or ``auto`` (p2p on gloo, reduce-scatter elsewhere).
+        allgather_impl: ``all_gather``, ``p2p`` or ``auto`` (p2p on gloo, all-gather elsewhere).
         metrics: the step counters to update.
         verify: verify every collective (comm_verify.py); None: on for gloo, off for NCCL.
         timeout_s: when > 0 and world size > 1, collectives run on a process group of their own
@@ -238,8 +259,8 @@ class Communicator:
     """
 
     def __init__(self, group: Any, *, world_size: int, rank: int, metrics: StepMetrics, overlap: bool = True,
-                 bucket_numel: int = 1 << 62, reduce_impl: str = "auto", verify: bool | None = None,
-                 timeout_s: float = 0.0, plans: int = 8) -> None:
+                 bucket_numel: int = 1 << 62, reduce_impl: str = "auto", allgather_impl: str = "auto",
+                 verify: bool | None = None, timeout_s: float = 0.0, plans: int = 8) -> None:
         self.world_size = world_size
         self.rank = rank
         self.overlap = overlap
@@ -254,9 +275,13 @@ class Communicator:
             self.group = dist.new_group(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD),
                                         timeout=datetime.timedelta(seconds=self.timeout_s), backend=self.backend,
                                         use_local_synchronization=True)
-        if reduce_impl == "auto":
-            reduce_impl = "all_reduce" if self.backend == "gloo" else "reduce_scatter"
+        if reduce_impl == "auto":  # gloo's collectives were measured ~2x slower than pairwise messages
+            reduce_impl = "p2p" if self.backend == "gloo" else "reduce_scatter"
+        if allgather_impl == "auto":
+            allgather_impl = "p2p" if self.backend == "gloo" else "all_gather"
         self.reduce_impl = reduce_impl
+        self.allgather_impl = allgather_impl
+        self._p2p_tag = 0
         self.verify = ((self.backend == "gloo") if verify is None else verify) and world_size > 1
         # NCCL moves only CUDA tensors: small tensors (headers, flags) live there.
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
@@ -603,6 +628,69 @@ class Communicator:
             chunks.append(_make_chunk(cur))
         return chunks
 
+    # -- the wire: collectives, or pairwise messages where those were measured faster ------------
+    def _next_tag(self) -> int:
+        self._p2p_tag = (self._p2p_tag + 1) & 0xFFFFFF  # the same on every rank: the sequence is verified
+        return self._p2p_tag
+
+    def _gather_wire(self, inp: torch.Tensor, async_op: bool, tag: Tag | None) -> tuple[list[torch.Tensor], Any]:
+        """Every rank's ``inp`` (the same size everywhere), as one row per rank; and the work to wait
+        for (None when done). With ``allgather_impl="p2p"`` each rank sends its piece to every other
+        rank and receives theirs: the same bytes as a ring all-gather, without gloo's extra copies."""
+        n, w = inp.numel(), self.world_size
+        if self.allgather_impl == "p2p":
+            rows: list[torch.Tensor] = []
+            ops = []
+            t = self._next_tag()
+            for peer in range(w):
+                if peer == self.rank:
+                    rows.append(inp)
+                    continue
+                buf = torch.empty(n, dtype=inp.dtype, device=inp.device)
+                rows.append(buf)
+                ops += [dist.P2POp(dist.isend, inp, self.global_rank(peer), self.group, t),
+                        dist.P2POp(dist.irecv, buf, self.global_rank(peer), self.group, t)]
+            work = _Pairwise(self._blocking(lambda: dist.batch_isend_irecv(ops), tag))
+            if not async_op:
+                self._wait_work(work, tag)
+                return rows, None
+            return rows, work
+        out = torch.empty(w * n, dtype=inp.dtype, device=inp.device)
+        work = self._blocking(lambda: _all_gather_flat(out, inp, group=self.group, async_op=async_op), tag)
+        return list(out.view(w, n).unbind(0)), (work if async_op else None)
+
+    def _reduce_wire(self, flat: torch.Tensor, out: torch.Tensor, async_op: bool, tag: Tag | None) -> Any:
+        """Sum every rank's ``flat`` (rank-major: chunk r is for rank r) and leave this rank's summed
+        chunk in ``out`` (reduce-scatter), or with ``all_reduce`` sum it whole in place. Returns the
+        work (None when done)."""
+        w, r = self.world_size, self.rank
+        if self.reduce_impl == "p2p":
+            chunks = flat.view(w, -1)
+            n = chunks.shape[1]
+            received: dict[int, torch.Tensor] = {}
+            ops = []
+            t = self._next_tag()
+            for peer in range(w):
+                if peer != r:
+                    received[peer] = torch.empty(n, dtype=flat.dtype, device=flat.device)
+                    ops += [dist.P2POp(dist.isend, chunks[peer], self.global_rank(peer), self.group, t),
+                            dist.P2POp(dist.irecv, received[peer], self.global_rank(peer), self.group, t)]
+
+            def total() -> None:  # in rank order, the same on every rank
+                out.copy_(chunks[r] if r == 0 else received[0])
+                for peer in range(1, w):
+                    out.add_(chunks[r] if peer == r else received[peer])
+
+            work = _Pairwise(self._blocking(lambda: dist.batch_isend_irecv(ops), tag), total)
+        elif self.reduce_impl == "all_reduce":
+            work = self._blocking(lambda: dist.all_reduce(flat, group=self.group, async_op=True), tag)
+        else:
+            work = self._blocking(lambda: _reduce_scatter_flat(out, flat, group=self.group, async_op=True), tag)
+        if not async_op:
+            self._wait_work(work, tag)
+            return None
+        return work
+
     def _issue(self, chunk: _Chunk, hdr: int, header: PayloadHeader | None, *, async_op: bool) -> None:
         first = chunk.params[0]._zero.shard
         device = raw_data(chunk.params[0]).device
@@ -612,26 +700,27 @@ class Communicator:
             pieces.append(header_as(dtype, header, device) if header is not None
                           else torch.zeros(hdr, dtype=dtype, device=device))
         inp = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        chunk.out = torch.empty(self.world_size * (chunk.total + hdr), dtype=dtype, device=device)
         with _label("zero3::all_gather"):
-            work = self._blocking(lambda: _all_gather_flat(chunk.out, inp, group=self.group, async_op=async_op),
-                                  None)
-        chunk.work = work if async_op else None
+            chunk.rows, chunk.work = self._gather_wire(inp, async_op, None)
 
     def _copy_out(self, chunk: _Chunk, keep_header: bool = False) -> None:
-        """Copy each parameter's columns of the rank-major output into its own storage."""
+        """Copy each parameter's piece of every rank's row into its own storage (one copy each)."""
         if self.world_size == 1:
             for p in chunk.params:
                 alloc_full(p).copy_(p._zero.shard[: p._zero.numel])
             return
-        assert chunk.out is not None
-        width = chunk.out.numel() // self.world_size
-        rows = chunk.out.view(self.world_size, width)
+        assert chunk.rows is not None
         for p, off in zip(chunk.params, chunk.offsets):
             z = p._zero
-            cols = rows[:, off: off + z.shard_numel]
-            alloc_full(p).copy_(cols.reshape(-1)[: z.numel])
-        chunk.out = rows[:, chunk.total:] if keep_header else None
+            full = alloc_full(p)
+            s, n = z.shard_numel, z.numel
+            for r, row in enumerate(chunk.rows):
+                lo = r * s
+                if lo >= n:
+                    break
+                hi = min(lo + s, n)
+                full[lo:hi].copy_(row[off: off + hi - lo])
+        chunk.rows = [row[chunk.total:] for row in chunk.rows] if keep_header else None
 
     def _dummy(self, slot: Slot) -> _Slot:
         """Issue a planned slot with zeros and the LEAVING flag (see [Note: verified collectives])."""
@@ -645,18 +734,15 @@ class Communicator:
             return _Slot(self._seq, kind, slot.sizes, [], lambda: [], void=True)
         works: list[Any] = []
         if kind is Kind.PARAM_GATHER:
-            hdr = bitcast_elements(dtype)
             for total in slot.sizes:
                 inp = torch.cat([torch.zeros(total, dtype=dtype, device=self.device),
                                  header_as(dtype, header, self.device)])
-                out = torch.empty(self.world_size * (total + hdr), dtype=dtype, device=self.device)
-                works.append(self._blocking(lambda: _all_gather_flat(out, inp, group=self.group, async_op=True), tag))
-        elif kind is Kind.GRAD_REDUCE and self.reduce_impl != "all_reduce":
+                works.append(self._gather_wire(inp, True, tag)[1])
+        elif kind is Kind.GRAD_REDUCE:  # the same wire as a real reduction of the planned size
             flat = torch.zeros(slot.sizes[0], dtype=dtype, device=self.device)
             out = torch.empty(slot.sizes[0] // self.world_size, dtype=dtype, device=self.device)
-            works.append(self._blocking(lambda: _reduce_scatter_flat(out, flat, group=self.group, async_op=True),
-                                        tag))
-        else:  # GRAD_REDUCE as an all-reduce, ALL_REDUCE: one flat all-reduce of the planned size
+            works.append(self._reduce_wire(flat, out, True, tag))
+        else:  # ALL_REDUCE: one flat all-reduce of the planned size
             flat = torch.zeros(slot.sizes[0], dtype=dtype, device=self.device)
             works.append(self._blocking(lambda: dist.all_reduce(flat, group=self.group, async_op=True), tag))
         self.metrics.dummy_collectives += 1
@@ -700,13 +786,11 @@ class Communicator:
             if self.reduce_impl == "all_reduce":  # in place; this rank's slice is its result
                 out = flat[self.rank * s:(self.rank + 1) * s]
                 hdr_rows = flat[w * s:].view(w, HEADER_VALUES) if h else None
-                work = self._blocking(lambda: dist.all_reduce(flat, group=self.group, async_op=self.overlap), tag)
             else:
                 out = torch.empty(s + h, dtype=flat.dtype, device=flat.device)
                 hdr_rows = out[s:].view(w, HEADER_VALUES) if h else None
-                work = self._blocking(lambda: _reduce_scatter_flat(out, flat, group=self.group,
-                                                                   async_op=self.overlap), tag)
-        rw = ReduceWork(comm=self, buffer=buf, out=out, tag=tag, work=work if self.overlap else None)
+            work = self._reduce_wire(flat, out, self.overlap, tag)
+        rw = ReduceWork(comm=self, buffer=buf, out=out, tag=tag, work=work)
         if header is not None:
             assert hdr_rows is not None
             rw.slot = self._register(Kind.GRAD_REDUCE, slot.sizes, [rw.work] if rw.work is not None else [],
@@ -843,9 +927,8 @@ def _gather_headers(chunks: list[_Chunk], world: int, hdr: int, event: Any) -> l
         event.synchronize()
     found: list[PayloadHeader | None] | None = None
     for chunk in chunks:
-        assert chunk.out is not None
-        cols = chunk.out if chunk.out.dim() == 2 and chunk.out.shape[1] == hdr else \
-            chunk.out.view(world, -1)[:, chunk.total:]
+        assert chunk.rows is not None
+        cols = torch.stack([row[-hdr:] for row in chunk.rows])
         headers = headers_from(cols)
         if found is None:
             found = headers

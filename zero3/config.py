@@ -86,7 +86,8 @@ def _spec(section: str, value: Any, cls: type) -> Any:
     return cls(type=value["type"], params=dict(value.get("params") or {}))
 
 
-ReduceImpl = Literal["auto", "reduce_scatter", "all_reduce"]
+ReduceImpl = Literal["auto", "reduce_scatter", "all_reduce", "p2p"]
+GatherImpl = Literal["auto", "all_gather", "p2p"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu"]
 
@@ -130,8 +131,14 @@ class ZeroConfig:
     """Largest number of elements gathered by one collective; larger fetches are split."""
 
     reduce_scatter_impl: ReduceImpl = "auto"
-    """How gradients are reduced: ``reduce_scatter``, ``all_reduce`` then slice, or ``auto``
-    (all-reduce on gloo, where it was measured faster; reduce-scatter elsewhere)."""
+    """How gradients are reduced: ``reduce_scatter``, ``all_reduce`` then slice, ``p2p`` (every rank
+    sends each other rank its chunk and sums what it receives), or ``auto``: p2p on gloo (measured
+    about twice as fast as gloo's reduce-scatter and all-reduce, in wall and CPU time; see
+    docs/performance.md), reduce-scatter elsewhere."""
+
+    allgather_impl: GatherImpl = "auto"
+    """How parameters are all-gathered: ``all_gather``, ``p2p`` (every rank sends its shards to every
+    other rank), or ``auto``: p2p on gloo (measured about twice as fast there), all-gather elsewhere."""
 
     max_traces: int = 4
     """How many recorded step traces are cached (keyed by how the step began)."""
@@ -276,7 +283,7 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
     elif ann in ("bool", bool):
         if not isinstance(value, bool):
             raise ZeroConfigError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
-    elif ann in ("ReduceImpl", "DtypeName", "OffloadDevice"):
+    elif ann in ("ReduceImpl", "GatherImpl", "DtypeName", "OffloadDevice"):
         allowed = get_args(_LITERALS[ann])
         if value not in allowed:
             raise ZeroConfigError(f"{name} must be one of {allowed}, got {value!r}")
@@ -290,7 +297,8 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
             raise ZeroConfigError(f"{name} must be >= 0, got {value!r}")
 
 
-_LITERALS: dict[str, Any] = {"ReduceImpl": ReduceImpl, "DtypeName": DtypeName, "OffloadDevice": OffloadDevice}
+_LITERALS: dict[str, Any] = {"ReduceImpl": ReduceImpl, "GatherImpl": GatherImpl, "DtypeName": DtypeName,
+                             "OffloadDevice": OffloadDevice}
 _FLOAT_FIELDS = {"loss_scale", "min_loss_scale", "gradient_clipping", "collective_timeout"}
 
 

@@ -72,7 +72,7 @@ class RuntimeContext:
         if comm is None:
             comm = Communicator(group, world_size=world, rank=rank, metrics=metrics, overlap=config.overlap_comm,
                                 bucket_numel=config.allgather_bucket_size, reduce_impl=config.reduce_scatter_impl,
-                                verify=config.verify_collectives,
+                                allgather_impl=config.allgather_impl, verify=config.verify_collectives,
                                 timeout_s=config.collective_timeout if own_group else 0.0,
                                 plans=2 * config.max_traces + 2)
         return cls(config=config, group=group, world_size=world, rank=rank, comm=comm, metrics=comm.metrics,

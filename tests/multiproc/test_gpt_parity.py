@@ -73,6 +73,16 @@ def test_gpt_adamw_clipping_matches_single_process(pools, world):
         assert r["param"] < 1e-5, r
 
 
+@pytest.mark.parametrize("wire", [{"allgather_impl": "all_gather", "reduce_scatter_impl": "all_reduce"},
+                                  {"allgather_impl": "p2p", "reduce_scatter_impl": "reduce_scatter"},
+                                  {"allgather_impl": "all_gather", "reduce_scatter_impl": "p2p", "reduce_bucket_size": 5000}],
+                         ids=["collectives", "p2p-gather+reduce-scatter", "p2p-reduce-small-buckets"])
+def test_every_wire_implementation_matches_single_process(pools, wire):
+    results = pools.get(3).run(train_parity, 4, {"param_persistence_threshold": 0, **wire})
+    for r in results:
+        assert r["loss"] < 1e-5 and r["norm"] < 1e-5 and r["param"] < 1e-5, r
+
+
 @pytest.mark.parametrize("checkpoint", ["reentrant", "non_reentrant"])
 def test_gpt_with_activation_checkpointing_matches_single_process(pools, checkpoint):
     results = pools.get(2).run(train_parity, 4, {"param_persistence_threshold": 0}, checkpoint=checkpoint)
