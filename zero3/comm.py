@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ._safetensors import byte_view
 from .comm_verify import (
+    HEADER_BYTES,
     LEAVING,
     VOIDED,
     WINDOW,
@@ -141,19 +142,23 @@ class _Chunk:
 
 
 class _Pairwise:
-    """Point-to-point sends and receives standing for one collective (see `Communicator._exchange_impl`);
-    ``wait()`` waits for all of them, then runs ``then`` (e.g. summing what arrived)."""
+    """Point-to-point sends and receives standing for one collective (``allgather_impl`` /
+    ``reduce_scatter_impl`` "p2p"); ``wait()`` waits for all of them, then runs ``then`` (e.g. summing
+    what arrived)."""
 
     def __init__(self, works: list[Any], then: Any = None) -> None:
         self.works = works
         self.then = then
         self.done = False
+        self.keep: list[Any] = []
+        self.headers: Any = None
 
     def wait(self) -> bool:
         if not self.done:
             for w in self.works:
                 w.wait()
             self.done = True
+            self.keep = []
             if self.then is not None:
                 self.then()
         return True
@@ -170,6 +175,7 @@ class GatherWork:
     chunks: list[_Chunk] = field(default_factory=list)
     event: Any = None
     slot: _Slot | None = None
+    direct: Any = None  # pairwise messages received straight into the parameters' storage
     done: bool = False
 
     def wait(self) -> None:
@@ -180,7 +186,12 @@ class GatherWork:
         t0 = time.perf_counter()
         if self.slot is not None:
             comm._verify_through(self.slot)
-        if self.event is not None:
+        if self.direct is not None:
+            comm._wait_work(self.direct, self.tag)
+            if self.slot is not None and self.slot.void:
+                assert self.tag is not None
+                comm._voided(self.tag, self.slot.sizes)
+        elif self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
         else:
             for chunk in self.chunks:
@@ -195,6 +206,17 @@ class GatherWork:
         comm.metrics.wait_seconds += time.perf_counter() - t0
         self.chunks = []
         self.event = None
+
+
+@dataclass(frozen=True, slots=True)
+class GradPiece:
+    """One parameter's full gradient in a reduction (None: zeros). ``counted``: reduce a presence count
+    with it (how many ranks had a gradient at all: leaf units, see grad.py)."""
+
+    numel: int
+    shard_numel: int
+    grad: torch.Tensor | None
+    counted: bool = False
 
 
 @dataclass(eq=False)
@@ -583,6 +605,9 @@ class Communicator:
                 self._copy_out(chunk)
             handle.done = True
             return handle
+        if self.allgather_impl == "p2p" and all(p._zero.shard.device == raw_data(p).device and
+                                                p._zero.shard.dtype == raw_data(p).dtype for p in params):
+            return self._gather_direct(params, tag, handle)
         chunks = self._chunks(params)
         dtype = params[0]._zero.shard.dtype
         hdr = bitcast_elements(dtype) if self.verify else 0
@@ -613,6 +638,64 @@ class Communicator:
             handle.slot = self._register(Kind.PARAM_GATHER, slot.sizes, [c.work for c in chunks if c.work is not None],
                                          lambda: _gather_headers(chunks, self.world_size, hdr, event))
         return handle
+
+    def _gather_direct(self, params: Sequence[ZeroParameter], tag: Tag, handle: GatherWork) -> GatherWork:
+        """``allgather_impl="p2p"``: each rank sends its real piece of every parameter to every other
+        rank, received straight into the parameter's storage: no copy in, no copy out (the
+        [Note: verified collectives] header travels as one more 16-byte message per peer)."""
+        dtype = params[0]._zero.shard.dtype
+        slot = Slot(Kind.PARAM_GATHER.value, tuple(p._zero.numel for p in params), str(dtype), False)
+        route = self._route(tag, slot)
+        header = self._planned_header(Kind.PARAM_GATHER, tag.ids, slot.sizes) if route is Route.PLANNED else None
+        fulls = []
+        for p in params:
+            full = alloc_full(p)
+            lo, hi = _piece(p._zero.numel, p._zero.shard_numel, self.rank)
+            if hi > lo:
+                full[lo:hi].copy_(p._zero.shard[: hi - lo])
+            fulls.append(full)
+        mine = [p._zero.shard for p in params]
+        work, headers = self._exchange_pieces(mine, fulls, slot.sizes, header, tag)
+        handle.direct = work
+        self.metrics.p2p_recv_bytes += sum(p._zero.nbytes for p in params) * (self.world_size - 1) // self.world_size
+        if header is not None:
+            handle.slot = self._register(Kind.PARAM_GATHER, slot.sizes, [work], headers)
+        return handle
+
+    def _exchange_pieces(self, mine: Sequence[torch.Tensor], into: Sequence[torch.Tensor], numels: Sequence[int],
+                         header: PayloadHeader | None, tag: Tag | None) -> tuple[Any, Any]:
+        """Post the pairwise messages of a direct gather: for every tensor of ``numels``, this rank's
+        real piece from ``mine[i]`` to every peer, and every peer's piece into its range of ``into[i]``;
+        then the header, if any. Returns (work, a reader of every rank's header)."""
+        w, r = self.world_size, self.rank
+        t = self._next_tag()
+        ops = []
+        for q in range(w):
+            if q == r:
+                continue
+            g = self.global_rank(q)
+            for src, dst, n in zip(mine, into, numels):
+                s = -(-n // w)
+                lo, hi = _piece(n, s, r)
+                if hi > lo:
+                    ops.append(dist.P2POp(dist.isend, src[: hi - lo], g, self.group, t))
+                qlo, qhi = _piece(n, s, q)
+                if qhi > qlo:
+                    ops.append(dist.P2POp(dist.irecv, dst[qlo:qhi], g, self.group, t))
+        got: dict[int, torch.Tensor] = {}
+        if header is not None:
+            own = torch.frombuffer(bytearray(header.to_bytes()), dtype=torch.uint8).to(self.device)
+            for q in range(w):
+                if q != r:
+                    got[q] = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+                    ops += [dist.P2POp(dist.isend, own, self.global_rank(q), self.group, t),
+                            dist.P2POp(dist.irecv, got[q], self.global_rank(q), self.group, t)]
+
+        def headers() -> list[PayloadHeader | None]:
+            return [header if q == r else PayloadHeader.from_bytes(bytes(got[q].cpu().tolist())) for q in range(w)]
+
+        work = _Pairwise(self._blocking(lambda: dist.batch_isend_irecv(ops), tag) if ops else [])
+        return work, headers
 
     def _chunks(self, params: Sequence[ZeroParameter]) -> list[_Chunk]:
         chunks: list[_Chunk] = []
@@ -733,11 +816,20 @@ class Communicator:
             self._wire_exchange(mine, tag)
             return _Slot(self._seq, kind, slot.sizes, [], lambda: [], void=True)
         works: list[Any] = []
-        if kind is Kind.PARAM_GATHER:
+        if kind is Kind.PARAM_GATHER and self.allgather_impl == "p2p":  # a direct gather's messages, into scratch
+            pieces = [torch.zeros(-(-n // self.world_size), dtype=dtype, device=self.device) for n in slot.sizes]
+            scratch = [torch.empty(n, dtype=dtype, device=self.device) for n in slot.sizes]
+            works.append(self._exchange_pieces(pieces, scratch, slot.sizes, header, tag)[0])
+        elif kind is Kind.PARAM_GATHER:
             for total in slot.sizes:
                 inp = torch.cat([torch.zeros(total, dtype=dtype, device=self.device),
                                  header_as(dtype, header, self.device)])
                 works.append(self._gather_wire(inp, True, tag)[1])
+        elif kind is Kind.GRAD_REDUCE and self.reduce_impl == "p2p":  # a direct reduction's messages
+            pieces = [GradPiece(n, -(-n // self.world_size), None) for n in slot.sizes[:-1]]
+            presence = torch.zeros(slot.sizes[-1], dtype=dtype, device=self.device)
+            works.append(self._exchange_grads(pieces, [None] * len(pieces), presence, header, dtype, self.device,
+                                              tag)[0])
         elif kind is Kind.GRAD_REDUCE:  # the same wire as a real reduction of the planned size
             flat = torch.zeros(slot.sizes[0], dtype=dtype, device=self.device)
             out = torch.empty(slot.sizes[0] // self.world_size, dtype=dtype, device=self.device)
@@ -749,7 +841,123 @@ class Communicator:
         return _Slot(self._seq, kind, slot.sizes, works, lambda: [], void=True)
 
     # -- gradient reduction ----------------------------------------------------------------------
-    def reduce_buffer(self, shard_numel: int, dtype: torch.dtype, device: torch.device) -> ReduceBuffer:
+    def reduce_grads(self, pieces: Sequence[GradPiece], dtype: torch.dtype, device: torch.device,
+                     tag: Tag) -> ReduceWork:
+        """Issue the averaging reduction of ``pieces`` in ``dtype``. The work's ``wait()`` gives this
+        rank's averaged slice of every piece, back to back (``shard_numel`` each, padding zeros), then
+        one presence value per counted piece (> 0 when some rank had its gradient). With ``overlap``
+        it runs while backward goes on; the full gradients may be dropped once it is issued."""
+        total = sum(p.shard_numel for p in pieces)
+        counted = sum(1 for p in pieces if p.counted)
+        self.metrics.reduce_calls += 1
+        self.metrics.reduce_numel += total * self.world_size
+        if self.reduce_impl == "p2p" and self.world_size > 1:
+            return self._reduce_direct(pieces, total, counted, dtype, device, tag)
+        buf = self._reduce_buffer(total + counted, dtype, device)
+        rows, w, col = buf.rows, self.world_size, total
+        off = 0
+        for piece in pieces:
+            s = piece.shard_numel
+            if piece.grad is not None:
+                src = piece.grad.reshape(-1)
+                if piece.numel == s * w:
+                    rows[:, off: off + s].copy_(src.view(w, s))
+                else:  # the last ranks' pieces are padded with zeros
+                    for r in range(w):
+                        lo, hi = _piece(piece.numel, s, r)
+                        if hi > lo:
+                            rows[r, off: off + hi - lo].copy_(src[lo:hi])
+            if piece.counted:
+                if piece.grad is not None:
+                    rows[:, col].fill_(1)  # every rank's slice learns that this rank had a gradient
+                col += 1
+            off += s
+        return self._reduce_flat(buf, tag)
+
+    def _reduce_direct(self, pieces: Sequence[GradPiece], total: int, counted: int, dtype: torch.dtype,
+                       device: torch.device, tag: Tag) -> ReduceWork:
+        """``reduce_scatter_impl="p2p"``: each rank sends every other rank that rank's part of each
+        gradient straight from the gradient (no copy into a flat buffer) and sums what it receives."""
+        w, r = self.world_size, self.rank
+        sizes = tuple(p.numel for p in pieces) + (counted,)
+        slot = Slot(Kind.GRAD_REDUCE.value, sizes, str(dtype), False)
+        route = self._route(tag, slot)
+        header = self._planned_header(Kind.GRAD_REDUCE, tag.ids, sizes) if route is Route.PLANNED else None
+        out = torch.zeros(total + counted, dtype=dtype, device=device)
+        grads = [p.grad.reshape(-1).to(dtype) if p.grad is not None else None for p in pieces]
+        off, col = 0, total
+        for piece, g in zip(pieces, grads):
+            lo, hi = _piece(piece.numel, piece.shard_numel, r)
+            if g is not None and hi > lo:
+                out[off: off + hi - lo].copy_(g[lo:hi])
+            if piece.counted:
+                out[col] = 1.0 if g is not None else 0.0
+                col += 1
+            off += piece.shard_numel
+        work, received = self._exchange_grads(pieces, grads, out[total:], header, dtype, device, tag)
+
+        def total_up() -> None:  # in rank order, the same way on every rank
+            for q in range(w):
+                if q != r:
+                    out.add_(received[q])
+
+        work.then = total_up
+        self.metrics.p2p_recv_bytes += sum(p.shard_numel for p in pieces) * (w - 1) * out.element_size()
+        rw = ReduceWork(comm=self, buffer=ReduceBuffer(flat=out, rows=out.view(1, -1),
+                                                       shard_numel=total + counted), out=out, tag=tag, work=work)
+        if header is not None:
+            rw.slot = self._register(Kind.GRAD_REDUCE, sizes, [work], work.headers)
+        if not self.overlap:
+            self._wait_work(work, tag)
+        return rw
+
+    def _exchange_grads(self, pieces: Sequence[GradPiece], grads: Sequence[torch.Tensor | None],
+                        presence: torch.Tensor, header: PayloadHeader | None, dtype: torch.dtype,
+                        device: torch.device, tag: Tag | None) -> tuple[_Pairwise, dict[int, torch.Tensor]]:
+        """Post a direct reduction's messages: to each peer, its part of every gradient (zeros where
+        there is none) and this rank's presence bits; from each peer, its part of this rank's range
+        into a zeroed buffer laid out like the result. Then the header, if any."""
+        w, r = self.world_size, self.rank
+        total = sum(p.shard_numel for p in pieces)
+        t = self._next_tag()
+        ops, keep = [], list(grads)
+        zeros = torch.zeros(max((p.shard_numel for p in pieces), default=0), dtype=dtype, device=device)
+        received: dict[int, torch.Tensor] = {}
+        got: dict[int, torch.Tensor] = {}
+        for q in range(w):
+            if q == r:
+                continue
+            g_rank = self.global_rank(q)
+            received[q] = torch.zeros(total + presence.numel(), dtype=dtype, device=device)
+            off = 0
+            for piece, g in zip(pieces, grads):
+                qlo, qhi = _piece(piece.numel, piece.shard_numel, q)
+                if qhi > qlo:
+                    src = g[qlo:qhi] if g is not None else zeros[: qhi - qlo]
+                    ops.append(dist.P2POp(dist.isend, src, g_rank, self.group, t))
+                lo, hi = _piece(piece.numel, piece.shard_numel, r)
+                if hi > lo:
+                    ops.append(dist.P2POp(dist.irecv, received[q][off: off + hi - lo], g_rank, self.group, t))
+                off += piece.shard_numel
+            if presence.numel():
+                ops += [dist.P2POp(dist.isend, presence, g_rank, self.group, t),
+                        dist.P2POp(dist.irecv, received[q][total:], g_rank, self.group, t)]
+            if header is not None:
+                own = torch.frombuffer(bytearray(header.to_bytes()), dtype=torch.uint8).to(device)
+                got[q] = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device)
+                ops += [dist.P2POp(dist.isend, own, g_rank, self.group, t),
+                        dist.P2POp(dist.irecv, got[q], g_rank, self.group, t)]
+                keep.append(own)
+        work = _Pairwise(self._blocking(lambda: dist.batch_isend_irecv(ops), tag) if ops else [])
+        work.keep = keep  # the gradients stay alive until their sends completed
+
+        def headers() -> list[PayloadHeader | None]:
+            return [header if q == r else PayloadHeader.from_bytes(bytes(got[q].cpu().tolist())) for q in range(w)]
+
+        work.headers = headers
+        return work, received
+
+    def _reduce_buffer(self, shard_numel: int, dtype: torch.dtype, device: torch.device) -> ReduceBuffer:
         """A zeroed buffer for one gradient bucket of ``shard_numel`` elements per rank."""
         w = self.world_size
         h = HEADER_VALUES * w if self.verify else 0
@@ -762,12 +970,10 @@ class Communicator:
         flat = torch.zeros(w, shard_numel + h, dtype=dtype, device=device)
         return ReduceBuffer(flat=flat.view(-1), rows=flat[:, :shard_numel], shard_numel=shard_numel)
 
-    def reduce(self, buf: ReduceBuffer, tag: Tag) -> ReduceWork:
-        """Issue the averaging reduction of a filled `ReduceBuffer`; the returned work's ``wait()``
-        gives this rank's elements. With ``overlap`` it runs while backward goes on."""
+    def _reduce_flat(self, buf: ReduceBuffer, tag: Tag) -> ReduceWork:
+        """Issue the averaging reduction of a filled `ReduceBuffer` as a collective (``all_reduce`` or
+        ``reduce_scatter``); the work's ``wait()`` gives this rank's elements."""
         flat = buf.flat
-        self.metrics.reduce_calls += 1
-        self.metrics.reduce_numel += buf.rows.numel()
         w, s = self.world_size, buf.shard_numel
         if w == 1:
             return ReduceWork(comm=self, buffer=buf, out=flat)
@@ -911,6 +1117,12 @@ class Communicator:
                     raise error
                 raise _rebuild_error(r, *desc)
         return [p for p, _ in items]
+
+
+def _piece(numel: int, shard_numel: int, rank: int) -> tuple[int, int]:
+    """The real (unpadded) range of a tensor of ``numel`` elements that ``rank`` holds."""
+    lo = min(rank * shard_numel, numel)
+    return lo, min(lo + shard_numel, numel)
 
 
 def _make_chunk(params: list[ZeroParameter]) -> _Chunk:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Communicator, Kind, ReduceWork, Tag
+from .comm import Communicator, GradPiece, Kind, ReduceWork, Tag
 from .param import ZeroParameter, raw_data
 
 
@@ -77,37 +77,18 @@ class GradientReducer:
         if not self._bucket:
             return
         bucket, self._bucket, self._numel = self._bucket, [], 0
-        world = self.comm.world_size
         total = sum(p._zero.shard_numel for p, _, _ in bucket)
-        presence = sum(1 for _, _, maybe in bucket if maybe)
         dtype = self.reduce_dtype or bucket[0][0]._zero.shard.dtype
-        buf = self.comm.reduce_buffer(total + presence, dtype, raw_data(bucket[0][0]).device)
-        rows = buf.rows
-        off, col = 0, total
+        pieces = [GradPiece(p._zero.numel, p._zero.shard_numel, g, maybe) for p, g, maybe in bucket]
         params: list[tuple[ZeroParameter, int]] = []
-        for p, g, maybe in bucket:
-            z = p._zero
-            s = z.shard_numel
-            if g is not None:
-                src = g.reshape(-1)
-                if z.numel == s * world:
-                    rows[:, off: off + s].copy_(src.view(world, s))
-                else:  # the last ranks' pieces are padded with zeros
-                    for r in range(world):
-                        lo, hi = r * s, min(r * s + s, z.numel)
-                        if hi > lo:
-                            rows[r, off: off + hi - lo].copy_(src[lo:hi])
-            if maybe:
-                if g is not None:
-                    rows[:, col].fill_(1)  # every rank's slice learns that this rank had a gradient
-                params.append((p, col))
-                col += 1
-            else:
-                params.append((p, -1))
-            off += s
-        del bucket, g  # the full gradients are freed here, before the collective
+        col = total
+        for p, _, maybe in bucket:
+            params.append((p, col if maybe else -1))
+            col += maybe
         tag = Tag(Kind.GRAD_REDUCE, "gradients", tuple(p._zero.id for p, _ in params))
-        self._in_flight = (self.comm.reduce(buf, tag), params, total)
+        work = self.comm.reduce_grads(pieces, dtype, raw_data(bucket[0][0]).device, tag)
+        del bucket, pieces  # the full gradients go as soon as the reduction no longer needs them
+        self._in_flight = (work, params, total)
 
     def _land(self) -> None:
         """Wait for the reduction in flight and add each rank's slice into the gradient shards."""

@@ -28,6 +28,7 @@ class StepMetrics:
     forward_seconds: float = 0.0  # wall time inside the root module's forwards
     backward_seconds: float = 0.0  # wall time from the first backward hook to the end of backward
     optimizer_seconds: float = 0.0  # wall time of the optimizer step (unscale, clip, step, copy back)
+    p2p_recv_bytes: int = 0  # bytes this rank received in pairwise gather and reduction messages
     reduce_calls: int = 0
     reduce_numel: int = 0
     divergences: int = 0

@@ -38,9 +38,9 @@ class Recording(Communicator):
         self._note(tag)
         return super().all_gather_params(params, tag, count)
 
-    def reduce(self, flat, tag):
+    def reduce_grads(self, pieces, dtype, device, tag):
         self._note(tag)
-        return super().reduce(flat, tag)
+        return super().reduce_grads(pieces, dtype, device, tag)
 
     def all_reduce(self, t, tag, op="sum"):
         self._note(tag)

@@ -381,8 +381,9 @@ def test_model_state_bytes_per_rank_equal_the_documented_formula(pools, world):
 def reduce_dtype_seen() -> list[str]:
     engine = make_engine("bf16", reduce_dtype="bf16")
     seen = []
-    real = engine.comm.reduce
-    engine.comm.reduce = lambda buf, tag: (seen.append(str(buf.flat.dtype)), real(buf, tag))[1]
+    real = engine.comm.reduce_grads
+    engine.comm.reduce_grads = lambda pieces, dtype, device, tag: (seen.append(str(dtype)),
+                                                                   real(pieces, dtype, device, tag))[1]
     micro_batch(engine, 0)
     assert all(engine.master_shard(p).grad.dtype == torch.float32 for p in engine.params if p.requires_grad)
     return seen

@@ -384,8 +384,8 @@ def test_gradient_clipping_key_clips_inside_step_like_torch():
 def test_at_world_size_one_gradients_go_straight_into_the_fp32_masters():
     seen = []
     _, engine = pair("bf16", reduce_dtype="bf16")
-    real = engine.comm.reduce
-    engine.comm.reduce = lambda buf, tag: (seen.append(buf.flat.dtype), real(buf, tag))[1]
+    real = engine.comm.reduce_grads
+    engine.comm.reduce_grads = lambda pieces, dtype, device, tag: (seen.append(dtype), real(pieces, dtype, device, tag))[1]
     x, y = synthetic_batch(0, BATCH, CFG)
     engine.backward(lossf(engine, x, y))
     assert seen == []  # one rank: the average is the gradient, nothing is reduced (or copied)
