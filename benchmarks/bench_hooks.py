@@ -13,8 +13,9 @@ that are never called, like ``nn.ModuleList``, do not count).
 
 zero3 variants (``zero3.initialize`` on the plain-built model; world size 1, so a "gather" is a local
 copy from the shard):
+- default config: what a user gets (parameters under 1e5 elements persistent).
 - persist all: ``param_persistence_threshold`` = 10**9: every parameter stays gathered; what remains
-  is the hooks' bookkeeping and the per-step refresh of persistent parameters after the optimizer step.
+  is the hooks' bookkeeping.
 - threshold 0: every parameter is gathered and released by the schedule (other knobs at defaults,
   i.e. prefetch buckets of 5e7 elements and reuse distance 1e9).
 - threshold 0, no prefetch/reuse: ``prefetch_bucket_size`` = 0 and ``max_reuse_distance`` = 0, so
@@ -47,6 +48,7 @@ import zero3  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 ZERO3_VARIANTS = {
+    "zero3, default config": {},
     "zero3, persist all": {"param_persistence_threshold": 10**9},
     "zero3, threshold 0": {"param_persistence_threshold": 0},
     "zero3, threshold 0, no prefetch/reuse": {"param_persistence_threshold": 0, "prefetch_bucket_size": 0,
@@ -75,6 +77,30 @@ def mlp_case(n: int, width: int, rows: int) -> Case:
 
     return Case(f"Sequential of {n} x (Linear({width},{width}) + GELU), input {rows}x{width}, MSE loss", build,
                 batch, lambda m, b: (m(b[0]) - b[1]).pow(2).mean())
+
+
+class SimpleModel(nn.Module):
+    """DeepSpeed's unit-test model (``SimpleModel(hidden_dim, nlayers=78)`` in its ZeRO-3 tests): a stack
+    of square Linear layers and a cross-entropy loss."""
+
+    def __init__(self, hidden: int, nlayers: int) -> None:
+        super().__init__()
+        self.linears = nn.ModuleList([nn.Linear(hidden, hidden) for _ in range(nlayers)])
+        self.loss = nn.CrossEntropyLoss()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.linears:
+            x = layer(x)
+        return self.loss(x, y)
+
+
+def simple_case(n: int, width: int, rows: int) -> Case:
+    def batch() -> tuple:
+        g = torch.Generator().manual_seed(0)
+        return torch.randn(rows, width, generator=g), torch.randint(0, width, (rows,), generator=g)
+
+    return Case(f"DeepSpeed's SimpleModel: {n} x Linear({width},{width}) + cross-entropy, input {rows}x{width}",
+                lambda: SimpleModel(width, n), batch, lambda m, b: m(*b))
 
 
 def gpt_case(cfg: GPTConfig, rows: int) -> Case:
@@ -203,6 +229,7 @@ def main() -> None:
         args.rounds, args.steps_per_round, args.warmup = 3, 2, 2
     torch.set_num_threads(args.threads)
     cases = [
+        simple_case(78, 64, 32),
         mlp_case(200, 64, 32),
         gpt_case(GPTConfig(n_layer=5, n_embd=64, n_head=4, block_size=32, vocab_size=256), 4),
     ]
