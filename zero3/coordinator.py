@@ -107,6 +107,11 @@ class ParamCoordinator:
         self.record_count = 0  # traces recorded (new orders)
         self.last_trace: Trace | None = None
         self.last_schedule: Schedule | None = None
+        self.generating = False  # generation mode: keep what was gathered across forwards, under the cap
+        self._clock = 0
+        self._last_use: dict[int, int] = {}  # param id -> clock of its last use (generation mode)
+        self._cycle: list[list[ZeroParameter]] = []  # generation mode: the PRE events of one forward, in order
+        self._cycle_at = 0  # where in that cycle the next PRE event should be
 
     def register(self, params: Iterable[ZeroParameter]) -> None:
         for p in params:
@@ -165,6 +170,9 @@ class ParamCoordinator:
 
         ``ids`` are the params' sorted ids when the caller has them cached.
         """
+        if self.generating:
+            self._generation_event(kind, params)
+            return
         if self._step_key is None:
             self._begin_step(kind, module)
         if ids is None:
@@ -186,6 +194,50 @@ class ParamCoordinator:
             self.fetch(params)
         else:
             self.release(params)
+
+    # -- generation mode -----------------------------------------------------------------------------
+    def begin_generation(self) -> None:
+        """Keep gathered parameters across forwards (a decode loop) until `end_generation`; when the
+        live cap forces a release, the most recently used goes first: in a loop that visits the
+        modules in the same order every token, it is the one needed furthest ahead (Belady), so only
+        what does not fit is gathered again."""
+        if self._step_key is not None:
+            raise ZeroStateError("engine.generation() entered in the middle of a step; enter it between steps")
+        self.generating = True
+
+    def end_generation(self) -> None:
+        """Leave generation mode: release everything it kept."""
+        self.generating = False
+        self._last_use.clear()
+        self._cycle, self._cycle_at = [], 0
+        self.release(list(self._live.values()))
+
+    def _generation_event(self, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
+        self._pin(kind, params)
+        if kind not in _PRE:
+            return
+        self._clock += 1
+        for p in params:
+            self._last_use[p._zero.id] = self._clock
+        self.fetch(params, label="generation")
+        # Learn the cycle of one forward, then prefetch one event ahead along it.
+        cycle, at = self._cycle, self._cycle_at
+        if at < len(cycle) and [q._zero.id for q in cycle[at]] == [q._zero.id for q in params]:
+            at += 1
+        elif cycle and [q._zero.id for q in cycle[0]] == [q._zero.id for q in params]:
+            at = 1  # a new forward began
+        else:
+            del cycle[at:]  # a new order: record it from here
+            cycle.append(list(params))
+            at = len(cycle)
+        self._cycle_at = at
+        if self.plan_config.prefetch_bucket_size and len(cycle) > 1:
+            upcoming = cycle[at % len(cycle)]
+            missing = [q for q in upcoming if q._zero.status is ParamStatus.NOT_AVAILABLE and not q._zero.persistent]
+            if missing and sum(self._size(q) for q in missing) <= self.plan_config.prefetch_bucket_size:
+                self._make_room(missing)
+                if self._live_size + sum(self._size(q) for q in missing) <= self.plan_config.max_live:
+                    self.prefetch(missing)
 
     def _pin(self, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
         if kind is EventKind.PRE_FORWARD:
@@ -257,7 +309,8 @@ class ParamCoordinator:
             for p in list(self._live.values()):
                 if p._zero.status is ParamStatus.INFLIGHT:
                     self._wait(p._zero.handle, drop=True)
-        self.release(list(self._live.values()))
+        if not self.generating or aborted:
+            self.release(list(self._live.values()))
         key, self._step_key = self._step_key, None
         followed, self._following = self._following, None
         events = self._recorder.events
@@ -425,7 +478,11 @@ class ParamCoordinator:
             self._free(p)
 
     def _next_use(self, pid: int) -> int | None:
-        """Index of the next PRE event using param ``pid`` in the followed trace (None: unknown or never)."""
+        """Index of the next PRE event using param ``pid`` in the followed trace (None: unknown or never).
+        In generation mode the modules repeat in a cycle, so the later a parameter was last used, the
+        later it is used next: its last use stands in for its next one."""
+        if self.generating:
+            return self._last_use.get(pid, 0)
         following = self._following
         if following is None:
             return None

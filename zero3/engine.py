@@ -6,10 +6,11 @@ method forwards to the part of the runtime that owns the work.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -223,6 +224,20 @@ class Engine:
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because of an fp16 overflow."""
         return self.context.optimizer.skipped_steps if self.context.optimizer is not None else 0
+
+    @contextlib.contextmanager
+    def generation(self) -> Iterator["Engine"]:
+        """Generation mode for decode loops (RL rollouts, evaluation): gathered weights stay gathered
+        across the repeated forwards, within ``max_live_parameters`` (what does not fit is released,
+        most recently used first, and gathered again), instead of every weight being gathered again
+        for every token; everything is released on exit. Enter it between steps, on every rank."""
+        if self.hooks.phase is not StepPhase.IDLE:
+            raise ZeroStateError("engine.generation() must be entered between steps (after engine.step())")
+        self.coordinator.begin_generation()
+        try:
+            yield self
+        finally:
+            self.coordinator.end_generation()
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -1,0 +1,104 @@
+"""Greedy decoding on 2 gloo ranks: plain eval forwards against ``engine.generation()``.
+
+    python benchmarks/bench_generation.py            # 64 tokens, the example GPT widened to 4 x 256
+    python benchmarks/bench_generation.py --tokens 16 --n-embd 128
+
+Every rank decodes the same prompt (the example GPT of examples/gpt.py, every parameter partitioned:
+``param_persistence_threshold`` 0). Variants, in one run: plain eval forwards (every forward gathers
+every weight), ``engine.generation()`` with the live budget at the whole model, and with it at half
+the model (only what does not fit is gathered again). Tokens per second is the slower rank's; the
+decoded tokens are compared with the same model run plainly in one process. Figures are printed,
+never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+
+def _decode(model, tokens: int, block: int) -> torch.Tensor:
+    x = torch.zeros(1, 1, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(tokens):
+            logits = model(x[:, -block:])
+            x = torch.cat([x, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return x
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    import zero3
+    from gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(block_size=args.tokens + 1, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head)
+    torch.manual_seed(0)
+    want = _decode(GPT(cfg).eval(), args.tokens, cfg.block_size)
+    rows = []
+    variants = (("plain eval forwards", None, False, True), ("generation(), budget = model", None, True, True),
+                ("generation(), budget = half the model", 0.5, True, True),
+                ("generation(), budget = half the model, no prefetch", 0.5, True, False))
+    for name, fraction, generation, prefetch in variants:
+        torch.manual_seed(0)
+        with zero3.Init():
+            model = GPT(cfg)
+        model.eval()
+        numel = sum(p.numel() for p in model.parameters())
+        zcfg = {"param_persistence_threshold": 0, "max_reuse_distance": 0}
+        if not prefetch:
+            zcfg["prefetch_bucket_size"] = 0
+        if fraction is not None:
+            zcfg["max_live_parameters"] = int(numel * fraction)
+        engine = zero3.initialize(model, None, zcfg)
+        _decode(engine, 2, cfg.block_size)  # warm-up: records the step's trace
+        before = engine.metrics.allgather_numel
+        dist.barrier()
+        t0 = time.perf_counter()
+        if generation:
+            with engine.generation():
+                got = _decode(engine, args.tokens, cfg.block_size)
+        else:
+            got = _decode(engine, args.tokens, cfg.block_size)
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        gathered = engine.metrics.allgather_numel - before
+        rows.append((name, args.tokens / elapsed.item(), gathered / args.tokens / numel, torch.equal(got, want)))
+        engine.remove_hooks()
+    if rank == 0:
+        print(f"# bench_generation  {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}  "
+              f"{world} gloo ranks x 1 thread; GPT n_layer={cfg.n_layer} n_embd={cfg.n_embd} ({numel:,} parameters), "
+              f"greedy decode of {args.tokens} tokens\n")
+        print("| variant | tokens/s | vs plain | weights gathered per token (x model) | tokens equal the plain model's |")
+        print("|---|---:|---:|---:|---|")
+        for name, tps, per_token, ok in rows:
+            print(f"| {name} | {tps:.1f} | {tps / rows[0][1]:.2f}x | {per_token:.2f} | {ok} |")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--n-head", type=int, default=4)
+    args = ap.parse_args()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_rank, args=(2, port, args), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
