@@ -54,6 +54,7 @@ from .comm_verify import (
 )
 from .errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroStateError
 from .metrics import StepMetrics
+from . import quantize
 from .param import ZeroParameter, alloc_full, raw_data
 
 logger = logging.getLogger(__name__)
@@ -176,6 +177,7 @@ class GatherWork:
     event: Any = None
     slot: _Slot | None = None
     direct: Any = None  # pairwise messages received straight into the parameters' storage
+    quantized: Any = None  # (rows, layout) of a quantized gather, dequantized into storage on wait
     done: bool = False
 
     def wait(self) -> None:
@@ -191,6 +193,8 @@ class GatherWork:
             if self.slot is not None and self.slot.void:
                 assert self.tag is not None
                 comm._voided(self.tag, self.slot.sizes)
+            if self.quantized is not None:
+                comm._dequantize_gather(self.params, *self.quantized)
         elif self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
         else:
@@ -278,11 +282,17 @@ class Communicator:
         timeout_s: when > 0 and world size > 1, collectives run on a process group of their own
             with this timeout (a rank that stops taking part is reported instead of waited for).
         plans: how many epoch plans to remember.
+        quantize_weights: parameter gathers carry blockwise int8 values and a scale per block
+            (quantize.py); the gathered weights are dequantized, shards stay exact.
+        quantize_gradients: 8 or 4: reduction messages carry blockwise int8/int4 values; each is
+            dequantized before it is added, so nothing accumulates; 0: off.
+        quant_block: elements per quantization block.
     """
 
     def __init__(self, group: Any, *, world_size: int, rank: int, metrics: StepMetrics, overlap: bool = True,
                  bucket_numel: int = 1 << 62, reduce_impl: str = "auto", allgather_impl: str = "auto",
-                 verify: bool | None = None, timeout_s: float = 0.0, plans: int = 8) -> None:
+                 verify: bool | None = None, timeout_s: float = 0.0, plans: int = 8,
+                 quantize_weights: bool = False, quantize_gradients: int = 0, quant_block: int = 512) -> None:
         self.world_size = world_size
         self.rank = rank
         self.overlap = overlap
@@ -304,6 +314,9 @@ class Communicator:
         self.reduce_impl = reduce_impl
         self.allgather_impl = allgather_impl
         self._p2p_tag = 0
+        self.quantize_weights = quantize_weights  # ZeRO++ qwZ: gathers carry int8 blocks plus scales
+        self.quantize_gradients = quantize_gradients  # ZeRO++ qgZ: bits of reduction messages (0: off)
+        self.quant_block = quant_block
         self.verify = ((self.backend == "gloo") if verify is None else verify) and world_size > 1
         # NCCL moves only CUDA tensors: small tensors (headers, flags) live there.
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
@@ -605,6 +618,8 @@ class Communicator:
                 self._copy_out(chunk)
             handle.done = True
             return handle
+        if self.quantize_weights and all(p._zero.shard.is_floating_point() for p in params):
+            return self._gather_quantized(params, tag, handle)
         if self.allgather_impl == "p2p" and all(p._zero.shard.device == raw_data(p).device and
                                                 p._zero.shard.dtype == raw_data(p).dtype for p in params):
             return self._gather_direct(params, tag, handle)
@@ -661,6 +676,48 @@ class Communicator:
         if header is not None:
             handle.slot = self._register(Kind.PARAM_GATHER, slot.sizes, [work], headers)
         return handle
+
+    def _gather_quantized(self, params: Sequence[ZeroParameter], tag: Tag, handle: GatherWork) -> GatherWork:
+        """qwZ: every rank's shards travel as int8 blocks with fp32 scales (about a quarter of fp32's
+        bytes); each rank's gathered weight is the dequantized value of every piece, its own included,
+        so every rank computes with the same weights. Shards, masters and the optimizer stay exact."""
+        layout = [(p._zero.shard_numel, quantize.blocks(p._zero.shard_numel, self.quant_block)) for p in params]
+        size = sum(s + 4 * nb for s, nb in layout)
+        slot = Slot(Kind.PARAM_GATHER.value, (size,), "quantized", False)
+        route = self._route(tag, slot)
+        header = self._planned_header(Kind.PARAM_GATHER, tag.ids, slot.sizes) if route is Route.PLANNED else None
+        payload = torch.empty(size + (HEADER_BYTES if self.verify else 0), dtype=torch.uint8, device=self.device)
+        off = 0
+        for p, (s, nb) in zip(params, layout):
+            values, scales = quantize.quantize(p._zero.shard, self.quant_block)
+            payload[off: off + s].copy_(values.view(torch.uint8))
+            payload[off + s: off + s + 4 * nb].copy_(scales.view(torch.uint8))
+            off += s + 4 * nb
+        if self.verify:
+            payload[size:].copy_(header_as(torch.uint8, header, self.device) if header is not None
+                                 else torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=self.device))
+        rows, work = self._gather_wire(payload, True, tag)
+        handle.direct = work if work is not None else _Pairwise([])
+        handle.quantized = (rows, layout)
+        self.metrics.p2p_recv_bytes += size * (self.world_size - 1)
+        if header is not None:
+            handle.slot = self._register(Kind.PARAM_GATHER, slot.sizes, [handle.direct],
+                                         lambda: headers_from(torch.stack([row[-HEADER_BYTES:] for row in rows])))
+        return handle
+
+    def _dequantize_gather(self, params: Sequence[ZeroParameter], rows: list[torch.Tensor],
+                           layout: list[tuple[int, int]]) -> None:
+        for r, row in enumerate(rows):
+            off = 0
+            for p, (s, nb) in zip(params, layout):
+                z = p._zero
+                lo, hi = _piece(z.numel, s, r)
+                full = alloc_full(p) if r == 0 else raw_data(p).view(-1)
+                if hi > lo:
+                    values = row[off: off + s].view(torch.int8)
+                    scales = row[off + s: off + s + 4 * nb].view(torch.float32)
+                    full[lo:hi].copy_(quantize.dequantize(values, scales, s, self.quant_block)[: hi - lo])
+                off += s + 4 * nb
 
     def _exchange_pieces(self, mine: Sequence[torch.Tensor], into: Sequence[torch.Tensor], numels: Sequence[int],
                          header: PayloadHeader | None, tag: Tag | None) -> tuple[Any, Any]:
@@ -808,7 +865,7 @@ class Communicator:
     def _dummy(self, slot: Slot) -> _Slot:
         """Issue a planned slot with zeros and the LEAVING flag (see [Note: verified collectives])."""
         kind = Kind(slot.kind)
-        dtype = getattr(torch, slot.dtype.removeprefix("torch."))
+        dtype = getattr(torch, slot.dtype.removeprefix("torch."), torch.uint8)
         header = self._planned_header(kind, (), slot.sizes, LEAVING)
         tag = Tag(kind, "leaving the plan")
         if slot.header_first:
@@ -816,7 +873,11 @@ class Communicator:
             self._wire_exchange(mine, tag)
             return _Slot(self._seq, kind, slot.sizes, [], lambda: [], void=True)
         works: list[Any] = []
-        if kind is Kind.PARAM_GATHER and self.allgather_impl == "p2p":  # a direct gather's messages, into scratch
+        if kind is Kind.PARAM_GATHER and slot.dtype == "quantized":
+            payload = torch.zeros(slot.sizes[0] + HEADER_BYTES, dtype=torch.uint8, device=self.device)
+            payload[slot.sizes[0]:].copy_(header_as(torch.uint8, header, self.device))
+            works.append(self._gather_wire(payload, True, tag)[1])
+        elif kind is Kind.PARAM_GATHER and self.allgather_impl == "p2p":  # a direct gather's messages, into scratch
             pieces = [torch.zeros(-(-n // self.world_size), dtype=dtype, device=self.device) for n in slot.sizes]
             scratch = [torch.empty(n, dtype=dtype, device=self.device) for n in slot.sizes]
             works.append(self._exchange_pieces(pieces, scratch, slot.sizes, header, tag)[0])
@@ -825,6 +886,10 @@ class Communicator:
                 inp = torch.cat([torch.zeros(total, dtype=dtype, device=self.device),
                                  header_as(dtype, header, self.device)])
                 works.append(self._gather_wire(inp, True, tag)[1])
+        elif kind is Kind.GRAD_REDUCE and slot.dtype.startswith("quantized"):
+            payload = torch.zeros(slot.sizes[0] + HEADER_BYTES, dtype=torch.uint8, device=self.device)
+            payload[slot.sizes[0]:].copy_(header_as(torch.uint8, header, self.device))
+            works.append(self._exchange_payloads({q: payload for q in range(self.world_size)}, tag)[0])
         elif kind is Kind.GRAD_REDUCE and self.reduce_impl == "p2p":  # a direct reduction's messages
             pieces = [GradPiece(n, -(-n // self.world_size), None) for n in slot.sizes[:-1]]
             presence = torch.zeros(slot.sizes[-1], dtype=dtype, device=self.device)
@@ -851,6 +916,8 @@ class Communicator:
         counted = sum(1 for p in pieces if p.counted)
         self.metrics.reduce_calls += 1
         self.metrics.reduce_numel += total * self.world_size
+        if self.quantize_gradients and self.world_size > 1:
+            return self._reduce_quantized(pieces, total, counted, device, tag)
         if self.reduce_impl == "p2p" and self.world_size > 1:
             return self._reduce_direct(pieces, total, counted, dtype, device, tag)
         buf = self._reduce_buffer(total + counted, dtype, device)
@@ -910,6 +977,97 @@ class Communicator:
         if not self.overlap:
             self._wait_work(work, tag)
         return rw
+
+    def _reduce_quantized(self, pieces: Sequence[GradPiece], total: int, counted: int, device: torch.device,
+                          tag: Tag) -> ReduceWork:
+        """qgZ: each rank sends every other rank that rank's part of each gradient as int8 (or int4)
+        blocks with scales; the receiver dequantizes every message before adding it to its own exact
+        part, in fp32, so the error is one rounding per message and never compounds. The reduced
+        shard stays fp32."""
+        w, r, bits, block = self.world_size, self.rank, self.quantize_gradients, self.quant_block
+        layout = [(p.shard_numel, quantize.wire_bytes(p.shard_numel, block, bits) - 4 * quantize.blocks(p.shard_numel, block),
+                   quantize.blocks(p.shard_numel, block)) for p in pieces]
+        size = sum(v + 4 * nb for _, v, nb in layout) + 4 * counted
+        slot = Slot(Kind.GRAD_REDUCE.value, (size,), f"quantized{bits}", False)
+        route = self._route(tag, slot)
+        header = self._planned_header(Kind.GRAD_REDUCE, tag.ids, slot.sizes) if route is Route.PLANNED else None
+        out = torch.zeros(total + counted, dtype=torch.float32, device=device)
+        grads = [p.grad.reshape(-1).float() if p.grad is not None else None for p in pieces]
+        bits_present = torch.tensor([1.0 if g is not None else 0.0 for p, g in zip(pieces, grads) if p.counted],
+                                    dtype=torch.float32, device=device)
+        payloads: dict[int, torch.Tensor] = {}
+        for q in range(w):
+            payload = torch.zeros(size + (HEADER_BYTES if self.verify else 0), dtype=torch.uint8, device=self.device)
+            off, col = 0, 0
+            for piece, g, (sh, v, nb) in zip(pieces, grads, layout):
+                lo, hi = _piece(piece.numel, sh, q)
+                if q == r:  # this rank's own part: exact, never on the wire
+                    if g is not None and hi > lo:
+                        out[col: col + hi - lo].copy_(g[lo:hi])
+                elif g is not None and hi > lo:
+                    part = torch.zeros(sh, dtype=torch.float32, device=device)
+                    part[: hi - lo].copy_(g[lo:hi])
+                    values, scales = quantize.quantize(part, block, bits)
+                    payload[off: off + v].copy_(values.view(torch.uint8))
+                    payload[off + v: off + v + 4 * nb].copy_(scales.view(torch.uint8))
+                off += v + 4 * nb
+                col += sh
+            if counted:
+                payload[off: off + 4 * counted].copy_(bits_present.view(torch.uint8))
+            if header is not None:
+                payload[size:].copy_(header_as(torch.uint8, header, self.device))
+            payloads[q] = payload
+        if counted:
+            out[total:] = bits_present
+        work, received = self._exchange_payloads(payloads, tag)
+
+        def total_up() -> None:  # every message dequantized, then added in fp32, in rank order
+            for q in range(w):
+                if q == r:
+                    continue
+                row, off, col = received[q], 0, 0
+                for sh, v, nb in layout:
+                    values = row[off: off + v] if bits == 4 else row[off: off + v].view(torch.int8)
+                    scales = row[off + v: off + v + 4 * nb].view(torch.float32)
+                    out[col: col + sh].add_(quantize.dequantize(values, scales, sh, block, bits))
+                    off += v + 4 * nb
+                    col += sh
+                if counted:
+                    out[total:].add_(row[off: off + 4 * counted].view(torch.float32))
+
+        work.then = total_up
+        self.metrics.p2p_recv_bytes += size * (w - 1)
+        rw = ReduceWork(comm=self, buffer=ReduceBuffer(flat=out, rows=out.view(1, -1), shard_numel=total + counted),
+                        out=out, tag=tag, work=work)
+        if header is not None:
+            rw.slot = self._register(Kind.GRAD_REDUCE, slot.sizes, [work], lambda: [
+                header if q == r else PayloadHeader.from_bytes(bytes(received[q][-HEADER_BYTES:].cpu().tolist()))
+                for q in range(w)])
+        if not self.overlap:
+            self._wait_work(work, tag)
+        return rw
+
+    def _exchange_payloads(self, payloads: dict[int, torch.Tensor], tag: Tag | None
+                           ) -> tuple[_Pairwise, dict[int, torch.Tensor]]:
+        """Send ``payloads[q]`` (the same size for every q) to each other rank q and receive each one's
+        payload for this rank: pairwise messages, or one all-to-all for collective wires."""
+        w, r = self.world_size, self.rank
+        n = payloads[r].numel()
+        if self.reduce_impl == "p2p":
+            t = self._next_tag()
+            received = {q: torch.empty(n, dtype=torch.uint8, device=self.device) for q in range(w) if q != r}
+            ops = [op for q in received for op in (
+                dist.P2POp(dist.isend, payloads[q], self.global_rank(q), self.group, t),
+                dist.P2POp(dist.irecv, received[q], self.global_rank(q), self.group, t))]
+            work = _Pairwise(self._blocking(lambda: dist.batch_isend_irecv(ops), tag))
+            work.keep = list(payloads.values())
+            return work, received
+        send = torch.stack([payloads[q] for q in range(w)]).view(-1)
+        recv = torch.empty(w * n, dtype=torch.uint8, device=self.device)
+        handle = self._blocking(lambda: dist.all_to_all_single(recv, send, group=self.group, async_op=True), tag)
+        work = _Pairwise([handle])
+        work.keep = [send]
+        return work, {q: recv[q * n:(q + 1) * n] for q in range(w) if q != r}
 
     def _exchange_grads(self, pieces: Sequence[GradPiece], grads: Sequence[torch.Tensor | None],
                         presence: torch.Tensor, header: PayloadHeader | None, dtype: torch.dtype,

@@ -156,6 +156,22 @@ class ZeroConfig:
     raised in its own code, died), every other rank raises ``ZeroCommunicationError`` naming it
     instead of hanging. 0: use the caller's process group and its timeout."""
 
+    zero_quantized_weights: bool = False
+    """ZeRO++ qwZ: parameter all-gathers carry blockwise-quantized int8 weights plus one fp32 scale per
+    ``quantization_block_size`` elements (about a quarter of fp32's bytes); the gathered weights are
+    dequantized, while shards, masters and the optimizer stay exact."""
+
+    zero_quantized_gradients: bool = False
+    """ZeRO++ qgZ: gradient reduction messages carry blockwise-quantized values
+    (``quantized_gradient_bits``); each is dequantized before it is summed, in fp32, so the error is
+    one rounding per message and does not grow with the number of ranks; the reduced shard is fp32."""
+
+    quantized_gradient_bits: int = 8
+    """8 or 4: the integer width of ``zero_quantized_gradients`` messages."""
+
+    quantization_block_size: int = 512
+    """Elements per quantization block (one fp32 scale each) for qwZ and qgZ."""
+
     wall_clock_breakdown: bool = False
     """Log the step's time breakdown (forward, backward, gather and reduction waits, header
     exchanges, optimizer) every ``steps_per_print`` optimizer steps; the figures are in
@@ -230,6 +246,10 @@ class ZeroConfig:
         for name in ("gradient_accumulation_steps", "loss_scale_window", "hysteresis", "steps_per_print"):
             if getattr(self, name) < 1:
                 raise ZeroConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.quantized_gradient_bits not in (8, 4):
+            raise ZeroConfigError(f"quantized_gradient_bits must be 8 or 4, got {self.quantized_gradient_bits!r}")
+        if self.quantization_block_size < 1:
+            raise ZeroConfigError(f"quantization_block_size must be >= 1, got {self.quantization_block_size!r}")
         if self.min_loss_scale <= 0:
             raise ZeroConfigError(f"min_loss_scale must be > 0, got {self.min_loss_scale!r}")
 

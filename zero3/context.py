@@ -74,7 +74,11 @@ class RuntimeContext:
                                 bucket_numel=config.allgather_bucket_size, reduce_impl=config.reduce_scatter_impl,
                                 allgather_impl=config.allgather_impl, verify=config.verify_collectives,
                                 timeout_s=config.collective_timeout if own_group else 0.0,
-                                plans=2 * config.max_traces + 2)
+                                plans=2 * config.max_traces + 2,
+                                quantize_weights=config.zero_quantized_weights and own_group,
+                                quantize_gradients=config.quantized_gradient_bits
+                                if config.zero_quantized_gradients and own_group else 0,
+                                quant_block=config.quantization_block_size)
         return cls(config=config, group=group, world_size=world, rank=rank, comm=comm, metrics=comm.metrics,
                    coordinator=ParamCoordinator(config, comm, comm.metrics))
 

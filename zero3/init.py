@@ -93,7 +93,8 @@ _PATCHES: contextvars.ContextVar[_Patches | None] = contextvars.ContextVar("zero
 
 _UNSUPPORTED = {
     "zero_param_parallel_group": "hierarchical partitioning (hpZ)",
-    "zero_quantized_weights": "quantized weight gathers",
+    "zero_quantized_weights": "quantized weight gathers apply to training: set zero_quantized_weights in the config "
+                              "given to zero3.initialize; construction's gathers stay exact, and",
     "zero_quantized_nontrainable_weights": "quantized weight gathers",
     "sequence_data_parallel_group": "sequence parallelism",
     "param_swapper": "a custom parameter swapper",
