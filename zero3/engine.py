@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import checkpointing
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Communicator, Kind, Tag
 from .config import ZeroConfig, resolve_config
@@ -360,6 +361,9 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
         communicator: the `Communicator` every collective goes through (default: one over
             ``group``); tests pass a recording or fake one.
 
+    A config with an ``activation_checkpointing`` section configures ``zero3.checkpointing`` with it
+    (and ``mpu``) unless ``zero3.checkpointing.configure`` was called before, whose settings then stand.
+
     Raises:
         ZeroStateError: the model was already initialised.
         ZeroConfigError: invalid config, an optimizer both given and configured, or the model was
@@ -369,8 +373,15 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
         raise ZeroConfigError("zero3.initialize needs model=")
     if group is None and mpu is not None:
         group = data_parallel_group(mpu)
-    return Engine(model, optimizer, resolve_config(config), group, communicator, model_parameters, lr_scheduler,
-                  mpu)
+    config = resolve_config(config)
+    engine = Engine(model, optimizer, config, group, communicator, model_parameters, lr_scheduler, mpu)
+    if config.activation_checkpointing is not None:
+        if checkpointing.is_configured():
+            logger.info("zero3: activation checkpointing was configured before initialize; its settings stand "
+                        "(%s), not the config's section", checkpointing.current_config())
+        else:
+            checkpointing.configure(mpu, deepspeed_config=config)
+    return engine
 
 
 def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
