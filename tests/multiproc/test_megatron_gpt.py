@@ -81,6 +81,36 @@ def test_two_by_two_trains_like_one_process(pools, checkpoint, dropout, partitio
         assert _close(plain["loss"], ref["loss"]) > 1e-3
 
 
+def _train_clipping_in_config(cfg: m.Config, run: m.RunConfig) -> list[float]:
+    """The example's loop with ``gradient_clipping`` in the config instead of clip_grad_norm_."""
+    engine, mpu = m.build(cfg, run)
+    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    losses = []
+    for step in range(run.steps):
+        x, y = m.synthetic_batch(step, run.per_rank_batch * dp, cfg)
+        rows = slice(dp_rank * run.per_rank_batch, (dp_rank + 1) * run.per_rank_batch)
+        loss = engine(x[rows], y[rows])
+        engine.backward(loss)
+        engine.step()
+        loss = loss.detach()
+        dist.all_reduce(loss, group=mpu.get_data_parallel_group())
+        losses.append(loss.item() / dp)
+    return losses
+
+
+def test_config_gradient_clipping_counts_the_model_parallel_group_too(pools):
+    cfg = m.Config()
+    # Optimizer offload: the optimizer steps on flat fp32 master buffers, the path mixed precision takes.
+    run = m.RunConfig(steps=6, zero={"param_persistence_threshold": 0, "gradient_clipping": 0.5,
+                                     "offload_optimizer": "cpu"})
+    results = pools.get(4).run(_train_clipping_in_config, cfg, run, timeout=TIMEOUT)
+    ref = reference(cfg, run, dp=2)["loss"]
+    for losses in results:
+        assert _close(losses, ref) < 1e-5, (losses, ref)
+    unclipped = reference(cfg, dataclasses.replace(run, clip=1e9), dp=2)["loss"]
+    assert _close(unclipped, ref) > 1e-4  # clipping matters here: ten times the tolerance above
+
+
 class _TensorNamesMPU(m.TinyMPU):
     """Megatron's newer names only (get_tensor_model_parallel_*)."""
 
