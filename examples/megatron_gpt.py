@@ -271,9 +271,14 @@ def seed_like_tensor_parallel(seed: int, tp: int) -> None:
 
 
 def synthetic_batch(step: int, batch: int, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """A deterministic batch of token ids and next-token targets (the same on every rank)."""
+    """A deterministic batch (the same on every rank) of something to learn: each sequence starts at a
+    random token and continues with ``next = (5 * token + 3) mod vocab``, except that one token in eight
+    is random (so the loss cannot reach 0)."""
     g = torch.Generator().manual_seed(1234 + step)
     data = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
+    keep = torch.rand(batch, cfg.block_size + 1, generator=g) < 0.875
+    for i in range(1, cfg.block_size + 1):
+        data[:, i] = torch.where(keep[:, i], (5 * data[:, i - 1] + 3) % cfg.vocab_size, data[:, i])
     return data[:, :-1], data[:, 1:]
 
 
