@@ -14,6 +14,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+import zero3.checkpointing
+
 
 @dataclass
 class GPTConfig:
@@ -23,7 +25,7 @@ class GPTConfig:
     n_head: int = 2
     n_embd: int = 32
     dropout: float = 0.0
-    checkpoint: str | None = None  # None, "reentrant" or "non_reentrant": activation checkpointing per block
+    checkpoint: str | None = None  # None, "reentrant", "non_reentrant" (torch's) or "zero3": checkpointing per block
     n_experts: int = 0  # > 0: every block's MLP is a top-1 mixture of this many expert MLPs (MoE)
 
 
@@ -121,7 +123,9 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
         for block in self.h:
-            if self.cfg.checkpoint is not None and self.training and torch.is_grad_enabled():
+            if self.cfg.checkpoint == "zero3":
+                x = zero3.checkpointing.checkpoint(block, x)
+            elif self.cfg.checkpoint is not None and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=self.cfg.checkpoint == "reentrant")
             else:
                 x = block(x)

@@ -1,6 +1,6 @@
 """zero3: a small, explainable ZeRO stage-3 parameter-partitioning runtime for PyTorch."""
 
-from . import pretrained
+from . import checkpointing, pretrained
 from .accessors import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
@@ -55,6 +55,7 @@ __all__ = [
     "ZeroError",
     "ZeroParameter",
     "ZeroStateError",
+    "checkpointing",
     "clip_grad_norm_",
     "initialize",
     "is_partitioned",

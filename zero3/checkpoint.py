@@ -19,6 +19,17 @@ only the *real* (unpadded) flat range that r owns (`sharding.shard_range`):
 Empty ranges are not stored. A reader at any world size computes, from the ranges in the metadata,
 which element ranges of which files make up its new shard, and reads only those bytes.
 
+With model parallelism (an engine given an ``mpu`` whose model-parallel group has m > 1 ranks, see
+model_parallel.py) each model-parallel rank's data-parallel group writes the layout above into a
+sub-directory of its own, and the tag directory says how many there are:
+
+    model_parallel.json                     {"format", "model_parallel_world_size": m}
+    mp_rank_00/metadata.json, rank_*.safetensors
+    mp_rank_01/...
+
+Each sub-directory is a complete checkpoint of that rank's tensor-parallel slices, loadable at any
+data-parallel size; the model-parallel size must stay the same (zero3 cannot re-split a slice).
+
 A save is atomic. Ranks write into ``SAVE_DIR/.TAG.partial/``: each file under a ``.tmp`` name, then
 fsync and rename. Rank 0 then writes metadata.json, which records every file's size and sha256,
 renames the directory to ``TAG``, and only then replaces ``latest`` (tmp, fsync, rename). A crash or
@@ -71,6 +82,7 @@ from .errors import (
     ZeroDivergenceError,
     ZeroStateError,
 )
+from .checkpointing import get_cuda_rng_tracker
 from .comm import Kind, Tag
 from .context import RuntimeContext
 from .param import ZeroParameter
@@ -81,13 +93,34 @@ logger = logging.getLogger(__name__)
 FORMAT_NAME = "zero3-checkpoint"
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
+MODEL_PARALLEL_FILE = "model_parallel.json"
 LATEST_FILE = "latest"
 
 
-def exchange(ctx: RuntimeContext, payload: Any, error: BaseException | None, what: str) -> list[Any]:
-    """All-gather ``payload``; every rank raises if any rank had an ``error`` (see
-    `Communicator.agree_on_errors`)."""
-    return ctx.comm.agree_on_errors(payload, error, Tag(Kind.OBJECTS, what))
+def model_parallel_dir(rank: int) -> str:
+    """The sub-directory of a tag that holds model-parallel rank ``rank``'s files."""
+    return f"mp_rank_{rank:02d}"
+
+
+def exchange(ctx: RuntimeContext, payload: Any, error: BaseException | None, what: str) -> list[list[Any]]:
+    """All-gather ``payload`` over every rank of the run; every rank raises if any rank had an ``error``
+    (see `Communicator.agree_on_errors`).
+
+    Returns one list per model-parallel rank, each holding that rank's data-parallel group's payloads
+    in data-parallel rank order (one list without model parallelism). The exchange runs over the
+    data-parallel group, then over the model-parallel group carrying those lists, so every rank ends
+    with every rank's payload and error and all of them decide alike.
+    """
+    mp = ctx.model_parallel
+    try:
+        items = ctx.comm.agree_on_errors(payload, error, Tag(Kind.OBJECTS, what))
+    except Exception as exc:  # noqa: BLE001 - the model-parallel peers must learn of it too
+        if mp is None:
+            raise
+        items, error = [], exc
+    if mp is None:
+        return [items]
+    return mp.comm.agree_on_errors(items, error, Tag(Kind.OBJECTS, what + " (model-parallel)"))
 
 
 def _torch_optimizer(ctx: RuntimeContext) -> torch.optim.Optimizer:
@@ -147,7 +180,8 @@ def _hashable(k: Any) -> Any:
 
 
 def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "rng_tracker": get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     np = sys.modules.get("numpy")
@@ -160,6 +194,8 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    if "rng_tracker" in state:
+        get_cuda_rng_tracker().set_states(state["rng_tracker"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     np = sys.modules.get("numpy")
@@ -239,9 +275,12 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
     root = Path(save_dir)
     staging = root / f".{tag}.partial"
     world, rank = ctx.world_size, ctx.rank
+    mp = ctx.model_parallel
+    leader = rank == 0 and (mp is None or mp.rank == 0)  # prepares and publishes the tag directory
+    files_dir = staging / model_parallel_dir(mp.rank) if mp is not None else staging
     shared: dict[str, Any] = {}
     error: BaseException | None = None
-    try:  # 1. rank 0 prepares the staging directory and encodes what only it writes
+    try:  # 1. the leader prepares the staging directory; rank 0 encodes what only it writes
         if rank == 0:
             shared["client_state"] = to_json(client_state, "client_state")
             sched = lr_scheduler.state_dict() if lr_scheduler is not None else None
@@ -249,13 +288,14 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
             scaler = ctx.optimizer.scaler if ctx.optimizer is not None else None
             scaler_state = scaler.state_dict() if scaler is not None and hasattr(scaler, "state_dict") else None
             shared["loss_scaler"] = to_json(scaler_state, "loss_scaler.state_dict()")
+        if leader:
             root.mkdir(parents=True, exist_ok=True)
             for stale in root.glob(".*.partial"):  # left by an interrupted save
                 shutil.rmtree(stale, ignore_errors=True)
             staging.mkdir()
     except Exception as exc:  # noqa: BLE001 - agreed across ranks below
         error = exc
-    tags = exchange(ctx, tag, error, "save_checkpoint (tag)")
+    tags = [t for group_tags in exchange(ctx, tag, error, "save_checkpoint (tag)") for t in group_tags]
     if len(set(tags)) > 1:
         raise ValueError(f"save_checkpoint got different tags on different ranks: {tags}; pass the same tag "
                          "(or none) on every rank")
@@ -295,7 +335,8 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
                 specs.append((f"buffer/{key}", b.dtype, tuple(b.shape)))
                 tensors.append(b)
         fname = rank_file_name(rank, world)
-        writer = SafetensorsWriter(staging / fname, specs, {"format": "pt", "zero3": FORMAT_NAME,
+        files_dir.mkdir(exist_ok=True)
+        writer = SafetensorsWriter(files_dir / fname, specs, {"format": "pt", "zero3": FORMAT_NAME,
                                                             "rank": str(rank), "world_size": str(world)})
         for (key, _, _), t in zip(specs, tensors):
             writer.write(key, t)
@@ -310,12 +351,22 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
         if writer is not None:
             writer.abort()
         error = exc
-    infos = exchange(ctx, info, error, "save_checkpoint (rank files)")
+    infos = exchange(ctx, info, error, "save_checkpoint (rank files)")[mp.rank if mp is not None else 0]
 
-    try:  # 3. rank 0 writes the metadata, publishes the directory, then moves `latest`
+    try:  # 3. rank 0 writes the metadata (of its model-parallel rank's files)
         if rank == 0:
             meta = _build_metadata(ctx, tag, infos, shared)
-            atomic_write_bytes(staging / METADATA_FILE, json.dumps(meta, indent=1).encode())
+            atomic_write_bytes(files_dir / METADATA_FILE, json.dumps(meta, indent=1).encode())
+            fsync_dir(files_dir)
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    if mp is not None:  # every model-parallel rank's metadata is written before the tag is published
+        exchange(ctx, None, error, "save_checkpoint (metadata)")
+    try:  # 4. the leader publishes the directory, then moves `latest`
+        if leader and error is None:
+            if mp is not None:
+                atomic_write_bytes(staging / MODEL_PARALLEL_FILE, json.dumps(
+                    {"format": FORMAT_NAME, "model_parallel_world_size": mp.world_size}).encode())
             fsync_dir(staging)
             _publish(root, staging, tag)
     except Exception as exc:  # noqa: BLE001
@@ -351,6 +402,8 @@ def _build_metadata(ctx: RuntimeContext, tag: str, infos: list[dict[str, Any]], 
     return {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "zero3_version": zero3_version,
         "torch_version": torch.__version__, "tag": tag, "world_size": ctx.world_size,
+        "model_parallel": None if ctx.model_parallel is None else
+        {"rank": ctx.model_parallel.rank, "world_size": ctx.model_parallel.world_size},
         "global_steps": ctx.global_steps, "micro_steps": ctx.micro_steps,
         "config": {k: _json_or_repr(v) for k, v in ctx.config.to_dict().items()},  # informational
         "files": [{"file": info["file"], "rank": info["rank"], "bytes": info["bytes"], "sha256": info["sha256"]}
@@ -397,13 +450,17 @@ class CheckpointReader:
     """One checkpoint tag: its metadata, and reads of any element range of any saved tensor.
 
     Opening it reads and checks only the metadata; `check_files` checks the rank files. Reads open each
-    file once and read just the requested bytes.
+    file once and read just the requested bytes. A checkpoint saved with model parallelism holds one
+    such set per model-parallel rank: ``model_parallel_rank`` says which one to read.
 
     Raises:
         CheckpointNotFoundError / CheckpointCorruptError / CheckpointVersionError: see the messages.
+        CheckpointMismatchError: ``model_parallel_rank`` is missing for a model-parallel checkpoint, out
+            of its range, or given for a checkpoint saved without model parallelism.
     """
 
-    def __init__(self, ckpt_dir: str | os.PathLike[str], tag: str | None = None) -> None:
+    def __init__(self, ckpt_dir: str | os.PathLike[str], tag: str | None = None,
+                 model_parallel_rank: int | None = None) -> None:
         self.root = Path(ckpt_dir)
         if not self.root.is_dir():
             raise CheckpointNotFoundError(f"{self.root}: checkpoint directory does not exist")
@@ -416,10 +473,15 @@ class CheckpointReader:
             tag = latest.read_text().strip()
         self.tag = tag
         self.path = self.root / tag
-        if not self.path.is_dir() and (self.root / f".{tag}.old" / METADATA_FILE).is_file():
+        old = self.root / f".{tag}.old"
+        if not self.path.is_dir() and ((old / METADATA_FILE).is_file() or (old / MODEL_PARALLEL_FILE).is_file()):
             logger.warning("zero3::checkpoint %s is missing; using %s (a save of the same tag was interrupted)",
-                           self.path, self.root / f".{tag}.old")
-            self.path = self.root / f".{tag}.old"
+                           self.path, old)
+            self.path = old
+        self.model_parallel_world_size = self._model_parallel(model_parallel_rank)
+        if self.model_parallel_world_size > 1:
+            assert model_parallel_rank is not None
+            self.path = self.path / model_parallel_dir(model_parallel_rank)
         self.metadata_path = self.path / METADATA_FILE
         if not self.metadata_path.is_file():
             raise CheckpointNotFoundError(f"{self.metadata_path}: missing (no checkpoint {tag!r} in {self.root})")
@@ -459,6 +521,30 @@ class CheckpointReader:
                                          f"{self.world_size}")
         self._headers: dict[int, SafetensorsHeader] = {}
         self._handles: dict[int, BinaryIO] = {}
+
+    def _model_parallel(self, rank: int | None) -> int:
+        """The model-parallel size the checkpoint was saved with (1: without), checked against ``rank``."""
+        path = self.path / MODEL_PARALLEL_FILE
+        if not path.is_file():
+            if rank is not None:
+                raise CheckpointMismatchError(
+                    f"{self.path}: saved without model parallelism (no {MODEL_PARALLEL_FILE}), but model-parallel "
+                    f"rank {rank} was asked for; load it into an engine without an mpu (or a model-parallel group "
+                    "of one rank)")
+            return 1
+        try:
+            world = int(json.loads(path.read_bytes())["model_parallel_world_size"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise CheckpointCorruptError(f"{path}: malformed ({exc!r})") from None
+        if rank is None:
+            raise CheckpointMismatchError(
+                f"{self.path}: saved by {world} model-parallel ranks, one directory each; load it with an mpu of "
+                f"model-parallel size {world}, or pass model_parallel_rank= (python -m zero3.consolidate "
+                "--model-parallel-rank R) to read one rank's slices")
+        if not 0 <= rank < world:
+            raise CheckpointMismatchError(f"{self.path}: saved by {world} model-parallel ranks; model-parallel rank "
+                                          f"{rank} is not one of them")
+        return world
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -644,8 +730,14 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
     reader: CheckpointReader | None = None
     plan: _LoadPlan | None = None
     error: BaseException | None = None
+    mp = ctx.model_parallel
     try:
-        reader = CheckpointReader(load_dir, tag)
+        reader = CheckpointReader(load_dir, tag, None if mp is None else mp.rank)
+        if reader.model_parallel_world_size != (1 if mp is None else mp.world_size):
+            raise CheckpointMismatchError(
+                f"{reader.path}: saved by {reader.model_parallel_world_size} model-parallel ranks, loaded by "
+                f"{1 if mp is None else mp.world_size}; zero3 cannot re-split tensor-parallel slices (any "
+                "data-parallel size works)")
         plan = _plan_load(ctx, reader, load_optimizer_states)
         reader.check_files(range(ctx.rank, reader.world_size, ctx.world_size) if verify else ())
         for j, keys in plan.needed.items():

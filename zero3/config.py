@@ -86,6 +86,66 @@ def _spec(section: str, value: Any, cls: type) -> Any:
     return cls(type=value["type"], params=dict(value.get("params") or {}))
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationCheckpointingConfig:
+    """DeepSpeed's ``activation_checkpointing`` section: how ``zero3.checkpointing.checkpoint`` keeps
+    the inputs it saves for the recompute (docs/checkpointing.md). The keys are DeepSpeed's."""
+
+    partition_activations: bool = False
+    """Keep only this rank's 1/mp slice of each saved floating-point input (mp: the model-parallel
+    group's size); the recompute all-gathers the slices over the model-parallel group."""
+
+    cpu_checkpointing: bool = False
+    """Copy the saved inputs (or their slices) into CPU memory; the recompute moves them back to the
+    device each input came from."""
+
+    contiguous_memory_optimization: bool = False
+    """Copy the saved slices into buffers allocated once per forward pass, one slot per checkpoint,
+    instead of one allocation per checkpoint (less fragmentation). Needs ``partition_activations`` and
+    ``number_checkpoints``."""
+
+    number_checkpoints: int | None = None
+    """How many checkpoints one forward pass makes (the slots of the contiguous buffers)."""
+
+    synchronize_checkpoint_boundary: bool = False
+    """``torch.cuda.synchronize()`` at the start and end of every checkpoint's forward and backward
+    when CUDA is available; nothing to wait for (a no-op) on a CPU-only machine."""
+
+    profile: bool = False
+    """Time every checkpoint's forward and backward (recompute included); logged at INFO by the
+    ``zero3.checkpointing`` logger and summed in ``zero3.checkpointing.timings()``."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "number_checkpoints":
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ZeroConfigError(f"activation_checkpointing.number_checkpoints must be None or an int "
+                                          f">= 1, got {value!r}")
+            elif not isinstance(value, bool):
+                raise ZeroConfigError(f"activation_checkpointing.{f.name} must be a bool, got {value!r} "
+                                      f"({type(value).__name__})")
+        if self.contiguous_memory_optimization and not self.partition_activations:
+            raise ZeroConfigError("activation_checkpointing.contiguous_memory_optimization needs "
+                                  "partition_activations (it lays out the partitioned slices); set both")
+        if self.contiguous_memory_optimization and self.number_checkpoints is None:
+            raise ZeroConfigError("activation_checkpointing.contiguous_memory_optimization needs number_checkpoints "
+                                  "(how many checkpoints a forward pass makes: the buffer slots)")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "ActivationCheckpointingConfig":
+        if isinstance(d, cls):
+            return d
+        if not isinstance(d, dict):
+            raise ZeroConfigError(f"activation_checkpointing must be a dict such as {{'partition_activations': "
+                                  f"true}}, got {d!r}")
+        known = {f.name for f in fields(cls)}
+        for key in d:
+            if key not in known:
+                raise ZeroConfigError("activation_checkpointing: " + _unknown_key_message(key, known))
+        return cls(**{k: _coerce(k, v) for k, v in d.items()})
+
+
 ReduceImpl = Literal["auto", "reduce_scatter", "all_reduce", "p2p"]
 GatherImpl = Literal["auto", "all_gather", "p2p"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
@@ -191,6 +251,11 @@ class ZeroConfig:
     experts: every expert is gathered when the layer runs and reduced, zeros where no token went, so
     ranks that route differently issue the same collectives). See ``zero3.set_leaf_modules``."""
 
+    activation_checkpointing: ActivationCheckpointingConfig | None = None
+    """DeepSpeed's ``activation_checkpointing`` section, read by ``zero3.checkpointing.configure(mpu,
+    deepspeed_config=...)``; ``zero3.initialize`` configures activation checkpointing from it when it is
+    given (docs/checkpointing.md). None: the section is absent."""
+
     # -- precision, optimizer step and gradient accumulation (docs/mixed_precision.md) ---------------
     dtype: DtypeName = "fp32"
     """Precision of parameter shards, all-gathers and compute. With ``bf16``/``fp16`` the optimizer
@@ -239,6 +304,9 @@ class ZeroConfig:
             object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
         object.__setattr__(self, "optimizer", _spec("optimizer", self.optimizer, OptimizerSpec))
         object.__setattr__(self, "scheduler", _spec("scheduler", self.scheduler, SchedulerSpec))
+        if self.activation_checkpointing is not None:
+            object.__setattr__(self, "activation_checkpointing",
+                               ActivationCheckpointingConfig.from_dict(self.activation_checkpointing))
         for f in fields(self):
             _check_field(f, getattr(self, f.name))
         if self.max_traces < 1:
@@ -365,7 +433,7 @@ _DEEPSPEED_TOP_LEVEL = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "gradient_clipping", "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown",
     "bf16", "fp16", "zero_allow_untested_optimizer", "prescale_gradients", "communication_data_type",
-    "bfloat16",
+    "bfloat16", "activation_checkpointing",
 }
 
 
@@ -466,7 +534,7 @@ def _from_deepspeed(d: dict[str, Any]) -> dict[str, Any]:
         if key in ("gradient_accumulation_steps", "gradient_clipping"):
             out[key] = _coerce(key, value)
             continue
-        if key in ("optimizer", "scheduler", "wall_clock_breakdown", "steps_per_print"):
+        if key in ("optimizer", "scheduler", "activation_checkpointing", "wall_clock_breakdown", "steps_per_print"):
             out[key] = _coerce(key, value)
             continue
         if key in _DEEPSPEED_TOP_LEVEL:
@@ -515,4 +583,4 @@ def resolve_config(config: ZeroConfig | dict | str | Path | None) -> ZeroConfig:
     raise ZeroConfigError(f"config must be a ZeroConfig, dict, JSON path or None, got {type(config).__name__}")
 
 
-__all__ = ["ZeroConfig", "resolve_config"]
+__all__ = ["ActivationCheckpointingConfig", "ZeroConfig", "resolve_config"]

@@ -115,7 +115,8 @@ def iter_tensors(reader: CheckpointReader, specs: list[Spec]) -> Iterator[tuple[
 
 
 def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, tag: str | None = None,
-                dtype: torch.dtype | None = None, include_optimizer: bool = False, verify: bool = True) -> Path:
+                dtype: torch.dtype | None = None, include_optimizer: bool = False, verify: bool = True,
+                model_parallel_rank: int | None = None) -> Path:
     """Write the full state dict of a sharded checkpoint to ``out`` (``.pt`` or ``.safetensors``).
 
     Args:
@@ -125,6 +126,8 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
         dtype: cast floating-point weights and buffers to this dtype (optimizer state stays as saved).
         include_optimizer: also write the optimizer state (see the module docstring for the layout).
         verify: check every rank file's sha256 first.
+        model_parallel_rank: for a checkpoint saved with model parallelism, whose tensor-parallel
+            slices to write (one state dict per model-parallel rank, as the model code holds them).
 
     Returns:
         The output path.
@@ -137,7 +140,7 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
     suffix = out.suffix.lower()
     if suffix not in (".safetensors", ".pt", ".pth", ".bin"):
         raise ValueError(f"{out}: unknown output format {suffix!r}; use .safetensors or .pt")
-    with CheckpointReader(ckpt_dir, tag) as reader:
+    with CheckpointReader(ckpt_dir, tag, model_parallel_rank) as reader:
         reader.check_files(range(reader.world_size) if verify else ())
         layout, specs = _plan(reader, dtype, include_optimizer)
         _check_entries(reader, specs)
@@ -381,9 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point weights")
     parser.add_argument("--include-optimizer", action="store_true", help="also write the optimizer state")
     parser.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the rank files")
+    parser.add_argument("--model-parallel-rank", type=int, default=None,
+                        help="checkpoint saved with model parallelism: write this model-parallel rank's slices")
     args = parser.parse_args(argv)
     path = consolidate(args.ckpt_dir, args.out, tag=args.tag, dtype=DTYPES.get(args.dtype) if args.dtype else None,
-                       include_optimizer=args.include_optimizer, verify=not args.no_verify)
+                       include_optimizer=args.include_optimizer, verify=not args.no_verify,
+                       model_parallel_rank=args.model_parallel_rank)
     sys.stdout.write(f"wrote {path} ({path.stat().st_size} bytes)\n")
     return 0
 

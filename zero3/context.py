@@ -14,6 +14,7 @@ communicator, coordinator) for the parameters it partitions while a model is bui
       coordinator    ParamCoordinator  gathers and releases (the one driver of parameter status)
       reducer        GradientReducer   full gradients -> averaged gradient shards (engine only)
       optimizer      PartitionedOptimizer | None   the user's optimizer over shards (engine only)
+      model_parallel ModelParallel | None   the tensor-parallel group beside ZeRO-3 (engine with an mpu)
       module, params, global_steps, micro_steps
 """
 
@@ -33,6 +34,7 @@ from .coordinator import ParamCoordinator
 from .errors import ZeroConfigError, ZeroStateError
 from .grad import GradientReducer
 from .metrics import StepMetrics
+from .model_parallel import ModelParallel, is_tensor_parallel
 from .optim import PartitionedOptimizer, validate_optimizer
 from .param import ZeroParameter, partition
 from .precision import lower_precision, torch_dtype
@@ -57,6 +59,7 @@ class RuntimeContext:
     params: list[ZeroParameter] = field(default_factory=list)
     reducer: GradientReducer | None = None
     optimizer: PartitionedOptimizer | None = None
+    model_parallel: ModelParallel | None = None  # an mpu's model-parallel group of > 1 ranks (model_parallel.py)
     lr_scheduler: Any = None  # stepped by engine.step() after every optimizer step that was not skipped
     global_steps: int = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
     micro_steps: int = 0  # engine.step() calls
@@ -107,11 +110,12 @@ class RuntimeContext:
             self.optimizer.copy_masters_to_shards()
         self.coordinator.refresh_persistent()
 
-    def grads(self) -> list[torch.Tensor]:
-        """Every gradient shard this rank holds, once each."""
+    def grads_with_kind(self) -> list[tuple[torch.Tensor, bool]]:
+        """Every gradient shard this rank holds, once each, with whether its parameter is
+        tensor-parallel (`model_parallel.is_tensor_parallel`)."""
         if self.optimizer is not None:
-            return self.optimizer.grads()
-        return [g for p in self.params if (g := p._zero.train_tensor.grad) is not None]
+            return self.optimizer.grads_with_kind()
+        return [(g, is_tensor_parallel(p)) for p in self.params if (g := p._zero.train_tensor.grad) is not None]
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds, by tier (see ``Engine.memory_report``)."""
@@ -146,13 +150,14 @@ class RuntimeContext:
 
 def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: Any,
                   comm: Communicator | None = None, model_parameters: Any = None,
-                  lr_scheduler: Any = None) -> RuntimeContext:
+                  lr_scheduler: Any = None, mpu: Any = None) -> RuntimeContext:
     """Partition ``model`` (adopting parameters built under Init), and build the full runtime.
 
     Without an ``optimizer``, the config's ``optimizer`` section builds one over ``model_parameters``
     (default: all of the model's); ``lr_scheduler`` (a scheduler, or a callable taking the optimizer)
-    or the config's ``scheduler`` section gives the learning-rate schedule. Validates everything that
-    can be rejected before it changes anything.
+    or the config's ``scheduler`` section gives the learning-rate schedule. ``mpu``: a Megatron-style
+    model-parallel unit whose model-parallel group clipping and checkpoints take into account
+    (model_parallel.py). Validates everything that can be rejected before it changes anything.
     """
     if model.__dict__.get("_zero3_context") is not None:
         raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "
@@ -170,6 +175,8 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
                                     else model.parameters())
     validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
+    if mpu is not None:
+        ctx.model_parallel = ModelParallel.from_mpu(mpu, config, ctx.group)
     ctx.module = model
     for name, p in model.named_parameters():
         if isinstance(p, ZeroParameter):
@@ -185,7 +192,8 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     ctx.reducer = GradientReducer(ctx.comm, config.reduce_bucket_size, reduce_dtype=torch_dtype(config.reduce_dtype),
                                   accumulation_steps=config.gradient_accumulation_steps)
     if optimizer is not None:
-        ctx.optimizer = PartitionedOptimizer(optimizer, ctx.params, config, ctx.comm, fp32_shards)
+        ctx.optimizer = PartitionedOptimizer(optimizer, ctx.params, config, ctx.comm, fp32_shards,
+                                             model_parallel=ctx.model_parallel)
         torch_opt = ctx.optimizer.optimizer
         if config.scheduler is not None:
             ctx.lr_scheduler = build_scheduler(config.scheduler, torch_opt)

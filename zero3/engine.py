@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from . import checkpointing
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Communicator, Kind, Tag
 from .config import ZeroConfig, resolve_config
@@ -24,6 +25,7 @@ from .coordinator import ParamCoordinator
 from .errors import ZeroConfigError, ZeroStateError
 from .hooks import ModuleHooks
 from .metrics import StepMetrics
+from .model_parallel import data_parallel_group
 from .optim import clip_shards
 from .param import ZeroParameter, raw_data
 from .precision import LossScaler
@@ -43,9 +45,9 @@ class Engine:
 
     def __init__(self, model: nn.Module, optimizer: Any, config: ZeroConfig, group: Any,
                  communicator: Communicator | None = None, model_parameters: Any = None,
-                 lr_scheduler: Any = None) -> None:
+                 lr_scheduler: Any = None, mpu: Any = None) -> None:
         self.context: RuntimeContext = build_context(model, optimizer, config, group, communicator, model_parameters,
-                                                     lr_scheduler)
+                                                     lr_scheduler, mpu)
         self.hooks = ModuleHooks(self.context)
         self.hooks.install(model)
         self.last_step_metrics = StepMetrics()
@@ -199,6 +201,8 @@ class Engine:
             ctx.coordinator.refresh_persistent()
             ctx.global_steps += 1
         ctx.comm.end_epoch()
+        if ctx.model_parallel is not None:
+            ctx.model_parallel.comm.end_epoch()
         self.last_step_metrics = copy.copy(ctx.metrics)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("zero3::step %s", self.last_step_metrics.as_dict())
@@ -358,9 +362,15 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
         model_parameters: the parameters (or param-group dicts) the config's optimizer is built over.
         lr_scheduler: a scheduler over ``optimizer``, or a callable taking the optimizer; or None, for
             the config's ``scheduler`` section. ``engine.step()`` steps it after each optimizer step.
-        mpu: a Megatron-style model-parallel unit (its ``get_data_parallel_group()`` is the group).
+        mpu: a Megatron-style model-parallel unit: its ``get_data_parallel_group()`` is the group
+            parameters are partitioned over; its tensor (or model) parallel group is counted in
+            gradient clipping and gives checkpoints one set of files per model-parallel rank
+            (docs/checkpointing.md).
         communicator: the `Communicator` every collective goes through (default: one over
             ``group``); tests pass a recording or fake one.
+
+    A config with an ``activation_checkpointing`` section configures ``zero3.checkpointing`` with it
+    (and ``mpu``) unless ``zero3.checkpointing.configure`` was called before, whose settings then stand.
 
     Raises:
         ZeroStateError: the model was already initialised.
@@ -370,11 +380,16 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
     if model is None:
         raise ZeroConfigError("zero3.initialize needs model=")
     if group is None and mpu is not None:
-        get = getattr(mpu, "get_data_parallel_group", None)
-        if get is None:
-            raise ZeroConfigError(f"mpu {type(mpu).__name__} has no get_data_parallel_group()")
-        group = get()
-    return Engine(model, optimizer, resolve_config(config), group, communicator, model_parameters, lr_scheduler)
+        group = data_parallel_group(mpu)
+    config = resolve_config(config)
+    engine = Engine(model, optimizer, config, group, communicator, model_parameters, lr_scheduler, mpu)
+    if config.activation_checkpointing is not None:
+        if checkpointing.is_configured():
+            logger.info("zero3: activation checkpointing was configured before initialize; its settings stand "
+                        "(%s), not the config's section", checkpointing.current_config())
+        else:
+            checkpointing.configure(mpu, deepspeed_config=config)
+    return engine
 
 
 def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -402,6 +417,6 @@ def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.
             "in the config and let engine.step() clip")
     if ctx.optimizer is not None:
         return ctx.optimizer.clip_grad_norm(max_norm, norm_type)
-    grads = ctx.grads()
-    device = grads[0].device if grads else torch.device("cpu")
-    return clip_shards(grads, max_norm, norm_type, ctx.comm, device)
+    grads = ctx.grads_with_kind()
+    device = grads[0][0].device if grads else torch.device("cpu")
+    return clip_shards(grads, max_norm, norm_type, ctx.comm, device, ctx.model_parallel)

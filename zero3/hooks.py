@@ -19,15 +19,30 @@ into an automatic `register_external_parameter`.
 
 Every hook checks and moves the step phase (`StepPhase`, state.py); `ModuleHooks.end_step` is the
 one way a step ends, whether it finished or was aborted by an exception.
+
+[Note: activation checkpointing and the end of a step]
+``zero3.checkpointing.checkpoint`` runs its function twice: under ``no_grad`` in the forward, and
+again inside the backward (the recompute), followed by a nested ``torch.autograd.backward``. Both
+runs go through the hooks above and are recorded like any other module visits. Two scopes tell the
+hooks what they cannot see by themselves:
+- `checkpoint_forward`: a root module that returns under ``no_grad`` inside it is being
+  checkpointed, not run for inference, so the step does not end there;
+- `nested_backward`: around the nested backward. Its graph task may be the only one zero3 queued a
+  callback on (when no hooked module ran in the enclosing backward before the recompute, e.g. the
+  layers after the checkpoint are all persistent); when it ends, the enclosing backward is still
+  running, so the step's end is handed on to that enclosing graph task instead of happening there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import sys
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +59,37 @@ from .state import CallState, StepPhase, check_phase
 from .trace import EventKind
 
 logger = logging.getLogger(__name__)
+
+
+_CHECKPOINT_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("zero3_checkpoint_forward", default=False)
+_NESTED_BACKWARD: contextvars.ContextVar[list["ModuleHooks"] | None] = contextvars.ContextVar(
+    "zero3_nested_backward", default=None)
+
+
+@contextlib.contextmanager
+def checkpoint_forward() -> Iterator[None]:
+    """The ``no_grad`` forward of an activation checkpoint runs inside (see [Note: activation
+    checkpointing and the end of a step])."""
+    token = _CHECKPOINT_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _CHECKPOINT_FORWARD.reset(token)
+
+
+@contextlib.contextmanager
+def nested_backward() -> Iterator[None]:
+    """A backward nested in a running one (an activation checkpoint's) runs inside: a step whose last
+    graph task ends in it ends with the enclosing backward instead (see [Note: activation
+    checkpointing and the end of a step]). Call it from the enclosing backward's node."""
+    deferred: list[ModuleHooks] = []
+    token = _NESTED_BACKWARD.set(deferred)
+    try:
+        yield
+    finally:
+        _NESTED_BACKWARD.reset(token)
+    for hooks in deferred:
+        hooks._ensure_final_callback()  # queued on the enclosing graph task, which is current again
 
 
 @dataclass(eq=False)
@@ -311,7 +357,8 @@ class ModuleHooks:
                 for t in (output,) if type(output) is torch.Tensor else pytree.tree_leaves(output):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(hook)
-        if not grad and rec.module is self.root and not self.stack and self.phase is StepPhase.FORWARD:
+        if not grad and rec.module is self.root and not self.stack and self.phase is StepPhase.FORWARD \
+                and not _CHECKPOINT_FORWARD.get():
             self.end_step()  # an inference forward is a whole step
         return None
 
@@ -398,10 +445,13 @@ class ModuleHooks:
         if task not in self._queued_tasks:
             return  # a callback of a backward from before the last end of step
         self._queued_tasks.discard(task)
-        if not self._queued_tasks and self.phase is StepPhase.BACKWARD:
+        deferred = _NESTED_BACKWARD.get()
+        if not self._queued_tasks and self.phase is StepPhase.BACKWARD and deferred is None:
             self.end_step()
         else:
             self.reducer.finish()  # this graph task's gradient shards are complete
+            if deferred is not None and not self._queued_tasks and self not in deferred:
+                deferred.append(self)  # the enclosing backward ends the step
 
 
 def _on_grad_weak(ref: "weakref.ref[ModuleHooks]", p: torch.Tensor) -> None:

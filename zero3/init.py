@@ -49,6 +49,8 @@ from .comm import Kind, Tag
 from .config import resolve_config
 from .context import RuntimeContext
 from .errors import ZeroConfigError, ZeroStateError
+from .model_parallel import data_parallel_group as mpu_data_parallel_group
+from .model_parallel import model_parallel_group
 from .param import (
     PartitionedParameter,
     ReleasedData,
@@ -122,7 +124,9 @@ class Init:
             apply to the construction's collectives. ``config`` and ``deepspeed_config`` are aliases.
         enabled: ``False`` makes the context a no-op (a plain model is built).
         dtype: cast floating-point parameters to this dtype before partitioning (overrides the config).
-        mpu: a Megatron-style model-parallel unit; its ``get_data_parallel_group()`` is the group.
+        mpu: a Megatron-style model-parallel unit; its ``get_data_parallel_group()`` is the group
+            (parameters are partitioned over data-parallel ranks only; a tensor-parallel layer builds
+            its own slice, which zero3 partitions further). Its model-parallel names are checked.
         group: alias of ``data_parallel_group``.
         sync: ``"rng"`` (broadcast rank 0's RNG state on entry) or ``"broadcast"`` (broadcast every
             parameter from rank 0).
@@ -162,8 +166,10 @@ class Init:
         self.enabled = enabled
         self._config = resolve_config(configs[0] if configs else None)
         self._group = data_parallel_group if data_parallel_group is not None else group
-        if self._group is None and mpu is not None:
-            self._group = _mpu_data_parallel_group(mpu)
+        if mpu is not None:
+            if self._group is None:
+                self._group = mpu_data_parallel_group(mpu)
+            model_parallel_group(mpu)  # a unit zero3.initialize would refuse is refused here already
         self._remote_device = _remote_device(remote_device)
         self._pin_memory = pin_memory
         self._dtype = dtype if dtype is not None else (torch_dtype(self._config.dtype)
@@ -213,14 +219,6 @@ class Init:
             self._token = None
             if not _STACK.get():
                 _remove_patches()
-
-
-def _mpu_data_parallel_group(mpu: Any) -> Any:
-    get = getattr(mpu, "get_data_parallel_group", None)
-    if get is None:
-        raise ZeroConfigError(f"mpu {type(mpu).__name__} has no get_data_parallel_group(); pass a Megatron-style "
-                              "model-parallel unit, or data_parallel_group=")
-    return get()
 
 
 def _remote_device(value: Any) -> torch.device | None:

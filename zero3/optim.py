@@ -36,6 +36,7 @@ import torch
 
 from .comm import Communicator, Kind, Tag
 from .errors import ZeroConfigError, ZeroStateError
+from .model_parallel import ModelParallel, is_tensor_parallel
 from .offload import OffloadPolicy
 from .param import ZeroParameter
 from .precision import LossScaler, unscale_
@@ -138,9 +139,11 @@ class PartitionedOptimizer:
     """
 
     def __init__(self, optimizer: Any, params: Sequence[ZeroParameter], config: ZeroConfig,
-                 comm: Communicator, fp32_shards: dict[int, torch.Tensor] | None = None) -> None:
+                 comm: Communicator, fp32_shards: dict[int, torch.Tensor] | None = None,
+                 model_parallel: ModelParallel | None = None) -> None:
         self.config = config
         self.comm = comm
+        self.model_parallel = model_parallel
         self.params = list(params)
         self.scaler = LossScaler.from_config(config)
         self.offload = OffloadPolicy.from_config(config)
@@ -226,12 +229,16 @@ class PartitionedOptimizer:
 
     def grads(self) -> list[torch.Tensor]:
         """Every gradient shard this rank holds (fp32 masters' under mixed precision), once each."""
+        return [g for g, _ in self.grads_with_kind()]
+
+    def grads_with_kind(self) -> list[tuple[torch.Tensor, bool]]:
+        """`grads`, each with whether its parameter is tensor-parallel (model_parallel.py)."""
         out, seen = [], set()
         for p in self.params:
             g = p._zero.train_tensor.grad
             if g is not None and id(g) not in seen:
                 seen.add(id(g))
-                out.append(g)
+                out.append((g, is_tensor_parallel(p)))
         return out
 
     def unscale_(self) -> bool:
@@ -289,7 +296,8 @@ class PartitionedOptimizer:
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale (fp16, once per window), then clip the gradient shards by their global norm."""
         self.unscale_()
-        return clip_shards(self.grads(), max_norm, norm_type, self.comm, self.comm_device)
+        return clip_shards(self.grads_with_kind(), max_norm, norm_type, self.comm, self.comm_device,
+                           self.model_parallel)
 
     def state_of(self, p: ZeroParameter) -> dict[str, torch.Tensor]:
         """This rank's optimizer state for ``p`` (e.g. ``exp_avg``), keyed as torch.optim keys it."""
@@ -319,24 +327,36 @@ class PartitionedOptimizer:
         return sum(fg.master.numel() * fg.master.element_size() for fg in self.groups)
 
 
-def clip_shards(grads: Sequence[torch.Tensor], max_norm: float, norm_type: float, comm: Communicator,
-                device: torch.device) -> torch.Tensor:
-    """Scale ``grads`` so their global ``norm_type``-norm over all ranks is at most ``max_norm``.
+def clip_shards(grads: Sequence[tuple[torch.Tensor, bool]], max_norm: float, norm_type: float,
+                comm: Communicator, device: torch.device, model_parallel: ModelParallel | None = None) -> torch.Tensor:
+    """Scale the gradient shards so their global ``norm_type``-norm is at most ``max_norm``; return it.
 
-    The norm is accumulated in fp32 and all-reduced on ``device`` (where the collective runs).
+    ``grads`` pairs each shard with whether its parameter is tensor-parallel. The norm is over the
+    full model: the shards' powers are summed over the data-parallel ranks (``comm``) and, with
+    ``model_parallel``, over the model-parallel ranks too, where a replicated parameter (the same on
+    every model-parallel rank) is counted only on model-parallel rank 0. Accumulated in fp32, reduced
+    on ``device`` (where the collectives run).
     """
     norm_type = float(norm_type)
-    gdev = grads[0].device if grads else device
+    tensors = [g for g, _ in grads]
+    gdev = tensors[0].device if tensors else device
     tag = Tag(Kind.ALL_REDUCE, "gradient norm (clipping)")
+    mp_tag = Tag(Kind.ALL_REDUCE, "gradient norm (clipping, model-parallel)")
     if norm_type == math.inf:
-        local = max((g.abs().max() for g in grads), default=torch.zeros((), device=gdev)).float()
+        local = max((g.abs().max() for g in tensors), default=torch.zeros((), device=gdev)).float()
         total = comm.all_reduce(local.to(device, copy=True), tag, op="max")
+        if model_parallel is not None:
+            total = model_parallel.comm.all_reduce(total.to(model_parallel.comm.device), mp_tag, op="max").to(device)
     else:
+        counted = [g for g, parallel in grads if model_parallel is None or parallel or model_parallel.rank == 0]
         local = torch.zeros((), dtype=torch.float32, device=gdev)
-        for g in grads:
+        for g in counted:
             local += g.float().abs().pow(norm_type).sum()
-        total = comm.all_reduce(local.to(device), tag).pow(1.0 / norm_type)
+        total = comm.all_reduce(local.to(device), tag)
+        if model_parallel is not None:
+            total = model_parallel.comm.all_reduce(total.to(model_parallel.comm.device), mp_tag).to(device)
+        total = total.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
+    for g in tensors:
         g.mul_(coef.to(device=g.device, dtype=g.dtype))
     return total

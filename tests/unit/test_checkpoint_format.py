@@ -156,6 +156,22 @@ def test_round_trip_restores_weights_moments_hyperparameters_scheduler_rng_and_c
     assert train(fresh, range(2, 4)) == train(engine, range(2, 4)), "training does not continue identically"
 
 
+def test_round_trip_restores_the_model_parallel_rng_trackers_states(tmp_path, monkeypatch):
+    import zero3.checkpointing as ckpt
+
+    monkeypatch.setattr(ckpt, "_TRACKER", ckpt.RNGStatesTracker("cpu"))
+    ckpt.get_cuda_rng_tracker().add(ckpt.MODEL_PARALLEL_RNG, 99)
+    engine = make_engine()
+    with ckpt.get_cuda_rng_tracker().fork():
+        torch.rand(5)  # the tracked stream moved on
+    engine.save_checkpoint(tmp_path)
+    with ckpt.get_cuda_rng_tracker().fork():
+        draws = torch.rand(3)
+    make_engine(seed=1).load_checkpoint(tmp_path)
+    with ckpt.get_cuda_rng_tracker().fork():
+        assert torch.equal(torch.rand(3), draws), "tracker state not restored"
+
+
 def test_saving_an_existing_tag_replaces_it(tmp_path):
     engine = make_engine()
     engine.save_checkpoint(tmp_path, tag="x")

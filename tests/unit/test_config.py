@@ -221,3 +221,42 @@ def test_invalid_value_inside_deepspeed_dict_names_the_value():
         ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": -1}})
     with pytest.raises(ValueError, match=r"max_live_parameters must be an int >= 0, got 'auto' \(str\)"):
         ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto"}})
+
+
+# -- activation_checkpointing ---------------------------------------------------------------------------
+AC_SECTION = {"partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": True,
+              "number_checkpoints": 8, "synchronize_checkpoint_boundary": True, "profile": True}
+
+
+def test_activation_checkpointing_section_is_absent_by_default_and_off_field_by_field():
+    from zero3.config import ActivationCheckpointingConfig
+
+    assert ZeroConfig().activation_checkpointing is None
+    off = ActivationCheckpointingConfig()
+    assert not any(getattr(off, k) for k in AC_SECTION if k != "number_checkpoints")
+    assert off.number_checkpoints is None
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda s: {"activation_checkpointing": s},  # our names (the same as DeepSpeed's)
+    lambda s: {"zero_optimization": {"stage": 3}, "train_batch_size": 8, "activation_checkpointing": s},
+])
+def test_activation_checkpointing_section_reads_every_deepspeed_key(wrap):
+    cfg = ZeroConfig.from_dict(wrap(dict(AC_SECTION, number_checkpoints=8.0)))
+    section = cfg.activation_checkpointing
+    for key, value in AC_SECTION.items():
+        assert getattr(section, key) == value and type(getattr(section, key)) is type(value), key
+
+
+@pytest.mark.parametrize("section,pattern", [
+    ({"partition_activation": True}, r"activation_checkpointing: unknown config key 'partition_activation'; "
+                                     r"did you mean 'partition_activations'\?"),
+    ({"profile": 1}, r"activation_checkpointing.profile must be a bool, got 1 \(int\)"),
+    ({"number_checkpoints": -2}, r"number_checkpoints must be None or an int >= 1, got -2"),
+    ({"contiguous_memory_optimization": True, "number_checkpoints": 2}, r"needs partition_activations"),
+    ({"contiguous_memory_optimization": True, "partition_activations": True}, r"needs number_checkpoints"),
+    (True, r"activation_checkpointing must be a dict"),
+])
+def test_activation_checkpointing_section_refuses_bad_values_by_name(section, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "activation_checkpointing": section})

@@ -1,7 +1,8 @@
 """DeepSpeed's names over zero3, for code written against DeepSpeed ZeRO-3: ``import zero3.deepspeed as
 deepspeed`` and ``deepspeed.zero.Init(...)``, ``deepspeed.initialize(model=..., config=...)`` (the
-4-tuple), ``deepspeed.zero.GatheredParameters``, ... keep working with their meaning. Only what zero3
-implements is here; anything else is an AttributeError, never a silent stand-in.
+4-tuple), ``deepspeed.zero.GatheredParameters``, ``deepspeed.checkpointing.checkpoint``, ... keep working
+with their meaning. Only what zero3 implements is here; anything else is an AttributeError, never a
+silent stand-in.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from ..engine import Engine
 from ..engine import initialize as _initialize
 from ..errors import ZeroConfigError
 from ..memory import see_memory_usage
-from . import zero
+from . import checkpointing, zero
 
-__all__ = ["initialize", "see_memory_usage", "zero"]
+__all__ = ["checkpointing", "initialize", "see_memory_usage", "zero"]
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
