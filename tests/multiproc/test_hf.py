@@ -38,7 +38,8 @@ PER_RANK, SEQ, STEPS = 2, 16, 5
 TOL = 1e-5
 LR = 1e-3
 MASK_ID = 3  # BERT's [MASK] in the synthetic vocabulary
-CAUSAL = ["gpt2", "llama", "mistral", "qwen2", "opt", "gpt_neox"]
+DECODER_ONLY = ["gpt2", "llama", "mistral", "qwen2", "opt", "gpt_neox", "mixtral"]
+ARCHS = DECODER_ONLY + ["t5", "bert"]
 CONFIGS = {"every parameter partitioned": {"param_persistence_threshold": 0}, "default config": {}}
 
 
@@ -63,6 +64,13 @@ def _arch(name: str) -> tuple[type, object]:
                                              word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)
     if name == "gpt_neox":  # partial rotary, parallel residual
         return t.GPTNeoXForCausalLM, t.GPTNeoXConfig(**decoder)
+    if name == "mixtral":  # mixture of experts: top-2 of 4 experts per token, experts fused in 3-D parameters
+        return t.MixtralForCausalLM, t.MixtralConfig(num_key_value_heads=2, num_local_experts=4,
+                                                     num_experts_per_tok=2, **decoder)
+    if name == "t5":  # encoder-decoder, relative position bias; its feed-forward reads wo.weight.dtype
+        return t.T5ForConditionalGeneration, t.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                        num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+                                                        pad_token_id=0, eos_token_id=1)
     if name == "bert":  # padding_idx row zeroed in post_init, decoder tied to the word embeddings
         return t.BertForMaskedLM, t.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                                num_hidden_layers=2, num_attention_heads=4,
@@ -170,7 +178,7 @@ def check_architecture(name: str) -> dict:
                     "same_names": [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()],
                     "all_partitioned": all(p.ds_status is zero3.ParamStatus.NOT_AVAILABLE for p in model.parameters()),
                     "dtype": model.dtype, "device": model.device}
-    if name != "bert":
+    if name in DECODER_ONLY:
         prompt = torch.randint(4, VOCAB, (1, 5), generator=torch.Generator().manual_seed(7))
         engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
         with torch.no_grad():
@@ -182,13 +190,13 @@ def check_architecture(name: str) -> dict:
     return report
 
 
-@pytest.mark.parametrize("name", CAUSAL + ["bert"])
+@pytest.mark.parametrize("name", ARCHS)
 def test_hf_model_builds_trains_and_generates_like_the_plain_model(pools, name):
     for rank, report in enumerate(pools.get(2).run(check_architecture, name, timeout=120)):
         assert report["same_names"] and report["all_partitioned"], rank
         assert report["built_differently"] == [], f"rank {rank}: Init built other values than the plain build"
         assert report["dtype"] == torch.float32 and report["device"] == torch.device("cpu"), rank
-        if name != "bert":
+        if name in DECODER_ONLY:
             assert report["cache"] == "DynamicCache" and report["logits_equal"], rank
         assert report["every parameter partitioned"]["persistent"] == 0
         for label in CONFIGS:
