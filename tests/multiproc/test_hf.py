@@ -272,6 +272,38 @@ def test_save_pretrained_directory_loads_finetunes_and_saves_back(pools, tmp_pat
     assert r["reloaded_generated"] == r["generated"] == reports[1]["generated"]
 
 
+def from_pretrained_under_init(name: str, workdir: str) -> dict:
+    """``AutoModelForCausalLM.from_pretrained`` inside ``zero3.Init``: HF builds the model, then registers
+    every loaded weight as a new parameter, which Init partitions when it exits."""
+    _quiet()
+    cls, cfg = _arch(name)
+    src = os.path.join(workdir, f"{name}-pretrained")
+    if dist.get_rank() == 0:
+        torch.manual_seed(1)
+        cls(cfg).save_pretrained(src)
+    dist.barrier()
+    with zero3.Init():
+        model = transformers.AutoModelForCausalLM.from_pretrained(src)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(src)
+    report = {"partitioned": all(p.ds_status is zero3.ParamStatus.NOT_AVAILABLE for p in model.parameters()),
+              "diffs": _gathered_diffs(model, plain), "ids": [p.ds_id for p in model.parameters()]}
+    zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    prompt = torch.randint(4, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        report["generated_equal"] = model.generate(prompt, **kw).tolist() == plain.generate(prompt, **kw).tolist()
+    return report
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_from_pretrained_under_init_partitions_the_loaded_weights_alike_on_every_rank(pools, tmp_path, name):
+    reports = pools.get(2).run(from_pretrained_under_init, name, str(tmp_path), timeout=120)
+    assert reports[0]["ids"] == reports[1]["ids"], "ranks numbered the parameters differently"
+    for r in reports:
+        assert r["partitioned"] and r["generated_equal"]
+        assert max(r["diffs"].values()) == 0.0, r["diffs"]
+
+
 # -- bf16 shards ------------------------------------------------------------------------------------
 def bf16_llama() -> dict:
     """bf16 shards: HF's ``model.dtype`` (and the attention masks it builds from it) say bf16, and the
