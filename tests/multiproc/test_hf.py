@@ -9,9 +9,12 @@ For each architecture (tiny configs, dropout off so both sides compute the same 
   parameter partitioned (``param_persistence_threshold: 0``) and with the default config;
 - greedy ``generate()`` (many root forwards under no_grad, a DynamicCache, left padding) gives the
   plain model's tokens; for BERT the masked-LM logits are compared instead.
-Then: a ``save_pretrained`` directory loaded with `zero3.pretrained.load_state_dict`, fine-tuned, and
-saved from the consolidated state dict is what ``AutoModelForCausalLM.from_pretrained`` reads back;
-and bf16 shards give bf16 ``model.dtype``, masks and logits.
+Then: HF activation checkpointing (both torch modes) trains like the plain model; ranks generating
+from different prompts stop at different lengths with ``synced_gpus=True``; a ``save_pretrained``
+directory loaded with `zero3.pretrained.load_state_dict`, fine-tuned, and saved from the consolidated
+state dict (or a sharded checkpoint consolidated by ``python -m zero3.consolidate``) is what
+``AutoModelForCausalLM.from_pretrained`` reads back; ``from_pretrained`` itself under ``zero3.Init``
+loads the same values on every rank; and bf16 shards give bf16 ``model.dtype``, masks and logits.
 
 transformers is an optional extra (``pip install -e '.[hf]'``; the ``test`` extra includes it): this
 module is skipped without it.
@@ -29,6 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import zero3  # noqa: E402
+from zero3.consolidate import main as consolidate_main  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 
@@ -131,10 +135,14 @@ def _gathered_diffs(model: torch.nn.Module, plain: torch.nn.Module) -> dict[str,
     return out
 
 
-def _train(name: str, zero_cfg: dict) -> dict:
-    """5 AdamW steps of zero3 (half the batch per rank) and of the plain model (the whole batch)."""
+def _train(name: str, zero_cfg: dict, checkpointing: dict | None = None) -> dict:
+    """5 AdamW steps of zero3 (half the batch per rank) and of the plain model (the whole batch);
+    ``checkpointing``: ``activation_checkpointing_enable`` kwargs for both models."""
     rank = dist.get_rank()
     plain, model = _build(name)
+    if checkpointing is not None:
+        for m in (plain, model):
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6), zero_cfg)
     ref_opt = torch.optim.AdamW(plain.parameters(), lr=LR, eps=1e-6)
     loss_diffs = []
@@ -211,6 +219,40 @@ def test_hf_model_builds_trains_and_generates_like_the_plain_model(pools, name):
                 assert r["generated"] == r["plain_generated"], (rank, label)
 
 
+def train_with_activation_checkpointing(use_reentrant: bool) -> dict:
+    _quiet()
+    return _train("llama", {"param_persistence_threshold": 0}, {"use_reentrant": use_reentrant})
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_hf_activation_checkpointing_trains_like_the_plain_model(pools, use_reentrant):
+    for r in pools.get(2).run(train_with_activation_checkpointing, use_reentrant, timeout=120):
+        assert max(r["loss"]) < TOL and max(r["params"].values()) < TOL, r
+        assert r["generated"] == r["plain_generated"]
+
+
+def generate_a_prompt_per_rank() -> dict:
+    """Each rank its own prompt; the end-of-sequence token is chosen so rank 0 stops after 3 new tokens
+    and rank 1 runs longer. Every forward is a collective, so ``synced_gpus=True`` keeps a finished
+    rank running forwards until every rank is done (HF turns it on by itself only for DeepSpeed/FSDP)."""
+    _quiet()
+    plain, model = _build("llama")
+    zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    prompts = [torch.randint(4, VOCAB, (1, 5), generator=torch.Generator().manual_seed(s)) for s in (11, 12)]
+    with torch.no_grad():
+        eos = plain.generate(prompts[0], max_new_tokens=3, do_sample=False, pad_token_id=0)[0, -1].item()
+        kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        mine = model.generate(prompts[dist.get_rank()], synced_gpus=True, **kw).tolist()
+        return {"generated": mine, "plain_generated": plain.generate(prompts[dist.get_rank()], **kw).tolist()}
+
+
+def test_ranks_generating_from_different_prompts_with_synced_gpus(pools):
+    reports = pools.get(2).run(generate_a_prompt_per_rank, timeout=120)
+    for r in reports:
+        assert r["generated"] == r["plain_generated"]
+    assert len(reports[0]["generated"][0]) < len(reports[1]["generated"][0]), "both ranks stopped together"
+
+
 # -- pretrained weights in, fine-tuned weights out --------------------------------------------------
 def pretrained_round_trip(name: str, workdir: str) -> dict:
     """``save_pretrained`` (a plain model, rank 0) -> load into a zero3 model -> 2 steps -> consolidate ->
@@ -237,6 +279,7 @@ def pretrained_round_trip(name: str, workdir: str) -> dict:
         engine.backward(loss)
         engine.step()
     state = engine.consolidated_state_dict()  # a collective; {} off rank 0
+    engine.save_checkpoint(os.path.join(workdir, f"{name}-ckpt"))  # for the streaming consolidation below
     prompt = torch.randint(4, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         report["generated"] = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
@@ -252,6 +295,12 @@ def pretrained_round_trip(name: str, workdir: str) -> dict:
         with torch.no_grad():
             report["reloaded_generated"] = back.generate(prompt, max_new_tokens=8, do_sample=False,
                                                          pad_token_id=0).tolist()
+        # Models too large for rank 0's memory: consolidate the sharded checkpoint one tensor at a time.
+        streamed = os.path.join(workdir, f"{name}-streamed")
+        consolidate_main([os.path.join(workdir, f"{name}-ckpt"), os.path.join(streamed, "model.safetensors")])
+        model.config.save_pretrained(streamed)
+        streamed_state = transformers.AutoModelForCausalLM.from_pretrained(streamed).state_dict()
+        report["streamed_equal"] = sorted(k for k, v in state.items() if torch.equal(streamed_state[k], v))
     else:
         report["diffs"] = _gathered_diffs(model, pretrained)  # the collective gathers, paired with rank 0's
     dist.barrier()
@@ -267,7 +316,7 @@ def test_save_pretrained_directory_loads_finetunes_and_saves_back(pools, tmp_pat
     r = reports[0]
     assert "model.safetensors" in r["files"] and "config.json" in r["files"]
     assert r["reloaded_type"] == _arch(name)[0].__name__
-    assert r["reload_equal"] == r["keys"]
+    assert r["reload_equal"] == r["keys"] == r["streamed_equal"]
     assert max(r["diffs"].values()) == 0.0, r["diffs"]
     assert r["reloaded_generated"] == r["generated"] == reports[1]["generated"]
 
