@@ -121,7 +121,10 @@ def run(args: argparse.Namespace) -> None:
 
     ids, mask, labels = encode(LINES)
     p_ids, p_mask = prompts(LINES)
-    gen = dict(attention_mask=p_mask, max_new_tokens=64, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    # Every forward is a collective: synced_gpus=True keeps a rank whose sequences ended running
+    # forwards until every rank's have (here all ranks use the same prompts, so they end together).
+    gen = dict(attention_mask=p_mask, max_new_tokens=64, do_sample=False, pad_token_id=PAD, eos_token_id=EOS,
+               synced_gpus=True)
     with torch.no_grad():
         before = model.generate(p_ids, **gen)
     if rank == 0:
@@ -166,7 +169,7 @@ def run(args: argparse.Namespace) -> None:
         back = AutoModelForCausalLM.from_pretrained(args.out)
         t0 = time.perf_counter()
         with torch.no_grad():
-            same = torch.equal(back.generate(p_ids, **gen), out)
+            same = torch.equal(back.generate(p_ids, **dict(gen, synced_gpus=False)), out)  # rank 0 alone
         print(f"5. saved {args.out}: {sorted(os.listdir(args.out))}; AutoModelForCausalLM.from_pretrained "
               f"generates the same text: {same} (in {time.perf_counter() - t0:.2f} s, one process, no gathers)",
               flush=True)
