@@ -336,11 +336,21 @@ def from_pretrained_under_init(name: str, workdir: str) -> dict:
     plain = transformers.AutoModelForCausalLM.from_pretrained(src)
     report = {"partitioned": all(p.ds_status is zero3.ParamStatus.NOT_AVAILABLE for p in model.parameters()),
               "diffs": _gathered_diffs(model, plain), "ids": [p.ds_id for p in model.parameters()]}
-    zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
     prompt = torch.randint(4, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
-        report["generated_equal"] = model.generate(prompt, **kw).tolist() == plain.generate(prompt, **kw).tolist()
+        expected = plain.generate(prompt, **kw).tolist()
+        before = engine.metrics.allgather_numel
+        report["generated_equal"] = model.generate(prompt, **kw).tolist() == expected
+        per_token = engine.metrics.allgather_numel - before
+        # The workaround docs/huggingface.md gives for generation: gather the whole model once around it.
+        with zero3.GatheredParameters(list(model.parameters())):
+            before = engine.metrics.allgather_numel
+            report["gathered_once_equal"] = model.generate(prompt, **kw).tolist() == expected
+            report["gathered_inside"] = engine.metrics.allgather_numel - before
+    report["gathered_per_generate"] = per_token
+    report["numel"] = sum(p.ds_numel for p in model.parameters())
     return report
 
 
@@ -349,8 +359,11 @@ def test_from_pretrained_under_init_partitions_the_loaded_weights_alike_on_every
     reports = pools.get(2).run(from_pretrained_under_init, name, str(tmp_path), timeout=120)
     assert reports[0]["ids"] == reports[1]["ids"], "ranks numbered the parameters differently"
     for r in reports:
-        assert r["partitioned"] and r["generated_equal"]
+        assert r["partitioned"] and r["generated_equal"] and r["gathered_once_equal"]
         assert max(r["diffs"].values()) == 0.0, r["diffs"]
+        # Every one of the 8 forwards gathers every weight (a tied one twice in the first, unplanned, one).
+        assert r["gathered_per_generate"] >= 8 * r["numel"], (r["gathered_per_generate"], r["numel"])
+        assert r["gathered_inside"] == 0, "inside GatheredParameters nothing is gathered again"
 
 
 # -- bf16 shards ------------------------------------------------------------------------------------
