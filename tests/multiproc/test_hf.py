@@ -5,8 +5,9 @@ For each architecture (tiny configs, dropout off so both sides compute the same 
 - ``model.dtype`` / ``model.device`` (HF properties that read parameter metadata) answer while every
   parameter is partitioned;
 - 5 AdamW steps, each rank on its half of the global batch, follow a single process trained on the
-  whole batch (global mean loss every step, final gathered parameters, 1e-5 relative), with every
-  parameter partitioned (``param_persistence_threshold: 0``) and with the default config;
+  whole batch (the global mean loss every step to 1e-5 relative, the final gathered parameters to
+  1e-5 absolute), with every parameter partitioned (``param_persistence_threshold: 0``) and with
+  the default config;
 - greedy ``generate()`` (many root forwards under no_grad, a DynamicCache, left padding) gives the
   plain model's tokens; for BERT the masked-LM logits are compared instead.
 Then: HF activation checkpointing (both torch modes) trains like the plain model; ranks generating
