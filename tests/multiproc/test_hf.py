@@ -27,6 +27,9 @@ import os
 
 import pytest
 
+# Before transformers is imported (huggingface_hub reads it then), in every process importing this
+# module, the ranks included: nothing is ever downloaded.
+os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
@@ -37,7 +40,6 @@ from zero3.consolidate import main as consolidate_main  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 
-os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded; spawned ranks inherit it
 VOCAB = 96
 PER_RANK, SEQ, STEPS = 2, 16, 5
 TOL = 1e-5
