@@ -85,6 +85,9 @@ def same_group(a: Any, b: Any) -> bool:
     return dist.get_process_group_ranks(ga) == dist.get_process_group_ranks(gb)
 
 
+_META = torch.device("meta")
+
+
 class Kind(enum.Enum):
     """What a collective is for; part of every verification header."""
 
@@ -620,7 +623,9 @@ class Communicator:
             return handle
         if self.quantize_weights and all(p._zero.shard.is_floating_point() for p in params):
             return self._gather_quantized(params, tag, handle)
-        if self.allgather_impl == "p2p" and all(p._zero.shard.device == raw_data(p).device and
+        # Meta tensors (a model built on the meta device, as from_pretrained does) have no backend for
+        # point-to-point messages; the collective path's meta kernels move nothing, as there is nothing.
+        if self.allgather_impl == "p2p" and all(p._zero.shard.device == raw_data(p).device != _META and
                                                 p._zero.shard.dtype == raw_data(p).dtype for p in params):
             return self._gather_direct(params, tag, handle)
         chunks = self._chunks(params)
@@ -778,7 +783,7 @@ class Communicator:
         for (None when done). With ``allgather_impl="p2p"`` each rank sends its piece to every other
         rank and receives theirs: the same bytes as a ring all-gather, without gloo's extra copies."""
         n, w = inp.numel(), self.world_size
-        if self.allgather_impl == "p2p":
+        if self.allgather_impl == "p2p" and inp.device != _META:  # meta: see all_gather_params
             rows: list[torch.Tensor] = []
             ops = []
             t = self._next_tag()
