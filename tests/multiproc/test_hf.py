@@ -352,6 +352,12 @@ def from_pretrained_under_init(name: str, workdir: str) -> dict:
             before = engine.metrics.allgather_numel
             report["gathered_once_equal"] = model.generate(prompt, **kw).tolist() == expected
             report["gathered_inside"] = engine.metrics.allgather_numel - before
+        # Generation mode: weights gathered by the first forward stay gathered for the following ones.
+        with engine.generation():
+            before = engine.metrics.allgather_numel
+            report["generation_mode_equal"] = model.generate(prompt, **kw).tolist() == expected
+            report["gathered_in_generation_mode"] = engine.metrics.allgather_numel - before
+        report["left_gathered"] = sum(p.ds_status is not zero3.ParamStatus.NOT_AVAILABLE for p in model.parameters())
     report["gathered_per_generate"] = per_token
     report["numel"] = sum(p.ds_numel for p in model.parameters())
     return report
@@ -367,6 +373,9 @@ def test_from_pretrained_under_init_partitions_the_loaded_weights_alike_on_every
         # Every one of the 8 forwards gathers every weight (a tied one twice in the first, unplanned, one).
         assert r["gathered_per_generate"] >= 8 * r["numel"], (r["gathered_per_generate"], r["numel"])
         assert r["gathered_inside"] == 0, "inside GatheredParameters nothing is gathered again"
+        assert r["generation_mode_equal"] and r["left_gathered"] == 0
+        # engine.generation() under the default budget (the whole model fits): each weight once.
+        assert r["gathered_in_generation_mode"] <= r["numel"], (r["gathered_in_generation_mode"], r["numel"])
 
 
 # -- bf16 shards ------------------------------------------------------------------------------------
