@@ -479,7 +479,11 @@ class Communicator:
     def _diverged(self, tag: Tag, slot: Slot, rows: list[WireHeader | None], voided: bool = False) -> None:
         """Every rank saw the same mismatching headers: describe and raise on all of them."""
         seq = self._seq
-        what = f"{tag.describe()} ({sum(slot.sizes):,} elements)"
+        what = f"{tag.describe()} ({sum(slot.sizes):,} elements"
+        if tag.ids:  # ranks may agree on everything but which parameters (they numbered them differently)
+            shown = ", ".join(map(str, tag.ids[:6])) + (f", ... ({len(tag.ids)} in all)" if len(tag.ids) > 6 else "")
+            what += f"; parameter ds_ids {shown}"
+        what += ")"
         if voided:
             what += ", issued where another rank had left the plan"
         details = self._objects((self.epoch, seq, what))
