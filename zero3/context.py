@@ -36,10 +36,11 @@ from .errors import ZeroConfigError, ZeroStateError
 from .grad import GradientReducer
 from .metrics import StepMetrics
 from .optim import PartitionedOptimizer, resident_bytes, validate_optimizer
-from .param import ZeroParameter, partition
+from .param import ZeroParameter, partition, raw_data
 from .precision import lower_precision, torch_dtype
 from .state import ParamStatus
 from .schedulers import build_optimizer, build_scheduler
+from .offload_states import OffloadPhase, StatesOffload
 from .swap import AsyncIO, BufferPool, ShardTier, SwapFile
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class RuntimeContext:
     global_steps: int = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
     micro_steps: int = 0  # engine.step() calls
     io: AsyncIO | None = None  # the threads of every swap file of this context (made with the first)
+    offloaded: StatesOffload | None = None  # engine.offload_states (made on its first call)
 
     @classmethod
     def minimal(cls, config: ZeroConfig, group: Any, comm: Communicator | None = None,
@@ -105,6 +107,13 @@ class RuntimeContext:
         return zp
 
     # -- what the optimizer side and checkpoints ask for -----------------------------------------
+    def require_states(self, what: str) -> None:
+        """Raise a clear error when ``engine.offload_states`` moved states that ``what`` needs (waits
+        for a non-blocking reload instead). Called when a step begins and at the entry points that
+        read the states, never per module."""
+        if self.offloaded is not None and self.offloaded.phase is not OffloadPhase.RESIDENT:
+            self.offloaded.check(what)
+
     @contextlib.contextmanager
     def resident(self, params: Sequence[ZeroParameter], write: bool = False) -> Iterator[None]:
         """Inside the block, ``params``' shards, masters and optimizer state are in memory even when
@@ -156,13 +165,15 @@ class RuntimeContext:
         masters = part.master_bytes() if part is not None else 0
         states = part.state_bytes() if part is not None else 0
         full = sum(p._zero.numel * p._zero.shard.element_size() for p in self.params)
-        gathered = sum(p._zero.numel * p._zero.shard.element_size() for p in self.params
-                       if p._zero.status is not ParamStatus.NOT_AVAILABLE)
+        gathered = sum(resident_bytes(raw_data(p)) for p in self.params if p._zero.status is not ParamStatus.NOT_AVAILABLE)
         persistent = sum(p._zero.numel * p._zero.shard.element_size() for p in self.coordinator.persistent)
         nvme = (tier.nvme_bytes if tier is not None else 0) + (part.nvme_bytes if part is not None else 0)
         cpu = masters + states if part is not None and part.offload.device == "cpu" else 0
         if self.config.offload_param == "cpu":
             cpu += shard
+        if self.offloaded is not None:  # engine.offload_states
+            nvme += self.offloaded.nvme_bytes
+            cpu += self.offloaded.moved_bytes - self.offloaded.nvme_bytes
         return {"param_shard_bytes": shard, "grad_shard_bytes": grad, "optimizer_state_bytes": masters + states,
                 "master_bytes": masters, "full_param_bytes": full, "gathered_param_bytes": gathered,
                 "persistent_param_bytes": persistent, "offloaded_bytes": cpu + nvme, "nvme_bytes": nvme,

@@ -24,6 +24,7 @@ from .coordinator import ParamCoordinator
 from .errors import ZeroConfigError, ZeroStateError
 from .hooks import ModuleHooks
 from .metrics import StepMetrics
+from .offload_states import StatesOffload
 from .optim import clip_shards
 from .param import ZeroParameter, raw_data
 from .precision import LossScaler
@@ -178,6 +179,7 @@ class Engine:
             an fp16 overflow on some rank made every rank skip the step (``engine.skipped_steps``).
         """
         ctx = self.context
+        ctx.require_states("engine.step()")
         if self.hooks.phase is not StepPhase.IDLE:
             self.hooks.end_step()
         else:
@@ -233,11 +235,64 @@ class Engine:
         for every token; everything is released on exit. Enter it between steps, on every rank."""
         if self.hooks.phase is not StepPhase.IDLE:
             raise ZeroStateError("engine.generation() must be entered between steps (after engine.step())")
+        self.context.require_states("engine.generation()")
         self.coordinator.begin_generation()
         try:
             yield self
         finally:
             self.coordinator.end_generation()
+
+    # -- the phase memory manager (zero3/offload_states.py) -----------------------------------------
+    def offload_states(self, include: Any = None, device: str = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False, *, nvme_path: str | None = None) -> int:
+        """Move model states out of memory between phases (training and generation), DeepSpeed's name.
+
+        Each unique storage behind the states is copied out and resized to 0 bytes, so every tensor,
+        view and optimizer-state key stays valid; `reload_states` copies the bytes back in place and
+        training continues exactly as if nothing happened. Until then a forward, ``engine.step()``,
+        gathers, checkpoints and accessors raise ``ZeroStateError`` naming what to reload. Call it
+        between steps (not inside a forward/backward, ``GatheredParameters`` or ``generation()``).
+
+        Args:
+            include: a subset of ``{"lp_params", "hp_params", "optim_states", "lp_grads"}`` (None: all):
+                parameter shards and the gathered persistent parameters; fp32 masters (when separate
+                from the shards); optimizer state; gradient shards (when a backward left some).
+            device: ``"nvme"`` (a swap file under ``nvme_path``, default the config's
+                ``offload_param`` or ``offload_optimizer`` ``nvme_path``) or ``"cpu"`` (host memory;
+                storages already in CPU memory stay, as there is nothing to free).
+            pin_memory: pin the host copies (``device="cpu"``, with CUDA).
+            non_blocking: return once the copies are started (their memory is freed as each
+                finishes); a later ``reload_states`` waits for them.
+            nvme_path: the directory for ``device="nvme"`` (zero3's addition to DeepSpeed's signature).
+
+        Returns:
+            The bytes moved.
+
+        Raises:
+            ZeroStateError: called during a step, inside ``GatheredParameters`` or ``generation()``,
+                or while states are already offloaded.
+            ZeroConfigError: an unknown kind or device, or no ``nvme_path`` for ``device="nvme"``.
+        """
+        if self.hooks.phase is not StepPhase.IDLE or self.coordinator.in_step:
+            raise ZeroStateError("engine.offload_states() must be called between steps (after engine.step() or an "
+                                 "inference forward), not inside a forward or backward")
+        if self.coordinator.generating:
+            raise ZeroStateError("engine.offload_states() inside engine.generation(): leave generation mode first")
+        held = [p._zero.name for p in self.params if p._zero.user_pins > 0]
+        if held:
+            raise ZeroStateError(f"engine.offload_states(): parameters {held[:5]} are held by GatheredParameters "
+                                 "(or param.all_gather()); close those first")
+        ctx = self.context
+        ctx.finish_gradients()
+        if ctx.offloaded is None:
+            ctx.offloaded = StatesOffload(ctx)
+        return ctx.offloaded.offload(include, device, pin_memory, non_blocking, nvme_path)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what `offload_states` moved, in place (a no-op when nothing is offloaded).
+        ``non_blocking``: return once the copies are started; whatever needs the states next waits."""
+        if self.context.offloaded is not None:
+            self.context.offloaded.reload(non_blocking)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -265,6 +320,7 @@ class Engine:
     def refresh_from_masters(self) -> None:
         """The master shards were written (checkpoint load, accessors): cast them into the parameter
         shards and re-gather the persistent parameters. A collective when persistent params exist."""
+        self.context.require_states("engine.refresh_from_masters()")
         self.context.refresh_from_masters()
 
     def optimizer_state(self, p: ZeroParameter) -> dict[str, torch.Tensor]:
@@ -392,6 +448,7 @@ def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.
             of a ``gradient_accumulation_steps`` window.
     """
     ctx = context_of(engine_or_model, "clip_grad_norm_")
+    ctx.require_states("clip_grad_norm_")
     ctx.finish_gradients()
     n = ctx.config.gradient_accumulation_steps
     if (ctx.micro_steps + 1) % n != 0:

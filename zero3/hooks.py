@@ -256,6 +256,7 @@ class ModuleHooks:
         if rec.module is self.root and not self.stack:
             self._forward_t0 = time.perf_counter()
         if self.phase is StepPhase.IDLE:
+            self.ctx.require_states(f"a forward of {rec.name or 'the model'}")  # once per step, not per module
             self._enter(StepPhase.FORWARD)
         if rec.leaf is not None and self.phase is StepPhase.FORWARD:
             rec.leaf.calls += 1

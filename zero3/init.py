@@ -505,7 +505,9 @@ class GatheredParameters:
     def __enter__(self) -> list[ZeroParameter]:
         if not self.enabled:
             return self.params
-        _owner(self.params).coordinator.gather_for_user(self.params)
+        ctx = _owner(self.params)
+        ctx.require_states("GatheredParameters")
+        ctx.coordinator.gather_for_user(self.params)
         return self.params
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

@@ -508,12 +508,12 @@ class PartitionedOptimizer:
         """Bytes of parameter shards in memory: the flat ``low`` buffers (gaps included) plus
         standalone shards (those on the drive count 0)."""
         flat = {p._zero.id for fg in self.groups if fg.low is not None for p in fg.params}
-        n = sum(fg.low.numel() * fg.low.element_size() for fg in self.groups if fg.low is not None)
+        n = sum(resident_bytes(fg.low) for fg in self.groups if fg.low is not None)
         return n + sum(resident_bytes(p._zero.shard) for p in self.params if p._zero.id not in flat)
 
     def master_bytes(self) -> int:
         """Bytes of the fp32 masters in memory (0 when the optimizer steps on the shards themselves)."""
-        flat = sum(fg.master.numel() * fg.master.element_size() for fg in self.groups if fg.master is not None)
+        flat = sum(resident_bytes(fg.master) for fg in self.groups if fg.master is not None)
         return flat + sum(resident_bytes(p._zero.master) for fg in self.groups if fg.master is None
                           for p in fg.params if p._zero.master is not None)
 
