@@ -352,13 +352,18 @@ class Engine:
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds, against the full (unpartitioned) model's.
 
-        ``param_shard_bytes``: parameter shards in their dtype (flat buffers with their alignment gaps
-        under mixed precision); ``grad_shard_bytes``: gradient shards (fp32 under mixed precision);
+        The first five count bytes in memory (those on NVMe count 0). ``param_shard_bytes``:
+        parameter shards in their dtype (flat buffers with their alignment gaps under mixed
+        precision); ``grad_shard_bytes``: gradient shards (fp32 under mixed precision);
         ``optimizer_state_bytes``: the optimizer's per-element state plus the fp32 master shards when
         they are separate from the parameter shards (the ZeRO paper's K bytes per parameter), of
         which ``master_bytes`` are the masters; ``gathered_param_bytes``: full tensors gathered now
         (persistent ones included); ``persistent_param_bytes``: full tensors kept gathered for the
-        whole run (not budgeted); ``offloaded_bytes``: state kept in an offload tier.
+        whole run (not budgeted); ``offloaded_bytes``: model state whose home is an offload tier:
+        host memory (``offload_optimizer``/``offload_param`` ``"cpu"``, also counted above, and
+        ``offload_states(device="cpu")``) plus NVMe; ``nvme_bytes``: the NVMe part (shards,
+        masters and optimizer state in swap files, and ``offload_states(device="nvme")``);
+        ``swap_buffer_bytes``: the parameter buffer pool allocated now.
         """
         return self.context.memory_report()
 
