@@ -115,15 +115,17 @@ class RuntimeContext:
             self.offloaded.check(what)
 
     @contextlib.contextmanager
-    def resident(self, params: Sequence[ZeroParameter], write: bool = False) -> Iterator[None]:
+    def resident(self, params: Sequence[ZeroParameter], write: bool = False,
+                 overwrite: bool = False) -> Iterator[None]:
         """Inside the block, ``params``' shards, masters and optimizer state are in memory even when
         their home is NVMe (read in, one parameter's worth at a time when called per parameter);
-        with ``write`` what the block changed goes back after it. Between steps only (checkpoints,
+        with ``write`` what the block changed goes back after it; with ``overwrite`` the block
+        replaces the whole shards, which are therefore not read. Between steps only (checkpoints,
         accessors, ``GatheredParameters(modifier_rank=...)``)."""
         ps = list(params)
         tier = self.coordinator.shards
         if tier is not None:
-            tier.load(ps)
+            tier.load(ps, read=not overwrite)
         try:
             with self.optimizer.loaded(ps, write) if self.optimizer is not None else contextlib.nullcontext():
                 yield

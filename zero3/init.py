@@ -442,7 +442,7 @@ def _assign(p: ZeroParameter, value: Any, state: _InitState) -> None:
         value = state.ctx.comm.broadcast(value.clone(), 0, Tag(Kind.BROADCAST, f"zero3.Init value of {z.name}"))
     shard = sharding.shard_tensor(value, z.world_size, z.rank).to(z.shard.device)
     if shard.dtype == z.shard.dtype:
-        with state.ctx.resident([p], write=True):
+        with state.ctx.resident([p], write=True, overwrite=True):
             z.shard.copy_(shard)
     elif z.swap is not None:
         raise ZeroStateError(f"{z.summary()}: its shard is on NVMe in {z.shard.dtype}; .data may only be assigned a "
@@ -462,7 +462,7 @@ def _write_back(state: _InitState) -> None:
     if state.sync == "broadcast" and state.ctx.world_size > 1:
         for p in touched:
             state.ctx.comm.broadcast(raw_data(p), 0, Tag(Kind.BROADCAST, f"zero3.Init value of {p._zero.name}"))
-    with state.ctx.resident(touched, write=True):
+    with state.ctx.resident(touched, write=True, overwrite=True):
         for p in touched:
             copy_full_into_shard(p)
     state.ctx.coordinator.release_for_user(touched)
@@ -530,7 +530,7 @@ class GatheredParameters:
                 n = p._zero.numel
                 raw_data(p).view(-1).copy_(flat[off: off + n])
                 off += n
-        with ctx.resident(self.params, write=True):
+        with ctx.resident(self.params, write=True, overwrite=True):
             for p in self.params:
                 copy_full_into_shard(p)
 

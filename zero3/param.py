@@ -155,7 +155,7 @@ class ZeroParameter(nn.Parameter):
         gathered values (changed the same way on every rank) are written back into the shards."""
         params = [p for p in _sorted_params(self, param_list) if p._zero.user_pins > 0]
         if has_been_updated:
-            with self._zero.ctx.resident(params, write=True):  # shards on NVMe come into memory
+            with self._zero.ctx.resident(params, write=True, overwrite=True):  # NVMe shards: memory, no read
                 for p in params:
                     copy_full_into_shard(p)
         self._zero.ctx.coordinator.release_for_user(params)

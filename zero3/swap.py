@@ -312,6 +312,7 @@ _MOVES = {
     (Residence.READING, Residence.IN_MEMORY),
     (Residence.IN_MEMORY, Residence.ON_NVME),  # a clean copy is dropped without a write
     (Residence.ON_NVME, Residence.WRITING),  # a new value is written over the region from other memory
+    (Residence.ON_NVME, Residence.IN_MEMORY),  # memory for a value that replaces it whole: nothing is read
 }
 
 
@@ -570,9 +571,10 @@ class ShardTier:
                     self._drop(p)
 
     # -- whole shards in their own memory (optimizer step, rare paths) --------------------------------
-    def load(self, params: Sequence[Any], wait: bool = True) -> None:
+    def load(self, params: Sequence[Any], wait: bool = True, read: bool = True) -> None:
         """Bring ``params``' shards into their own storage and keep them there until `unload`
-        (``wait=False``: the reads are only started; `wait` for them)."""
+        (``wait=False``: the reads are only started; `wait` for them; ``read=False``: the caller
+        overwrites the whole shard, so only its memory is allocated)."""
         todo = []
         for p in params:
             sw = p._zero.swap
@@ -586,6 +588,9 @@ class ShardTier:
                 sw.slot = None
                 sw.ahead = False
                 _point(p._zero.shard, own)
+            elif sw.state is Residence.ON_NVME and not read:
+                p._zero.shard.untyped_storage().resize_(sw.nbytes)
+                _move(sw, Residence.IN_MEMORY, p._zero.name)
             elif sw.state is Residence.ON_NVME:
                 self._read(p, None)
                 todo.append(p)
