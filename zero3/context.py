@@ -66,6 +66,7 @@ class RuntimeContext:
     micro_steps: int = 0  # engine.step() calls
     io: AsyncIO | None = None  # the threads of every swap file of this context (made with the first)
     offloaded: StatesOffload | None = None  # engine.offload_states (made on its first call)
+    _io_mark: tuple[int, int] = (0, 0)  # io's (read, written) bytes when the last step's were counted
 
     @classmethod
     def minimal(cls, config: ZeroConfig, group: Any, comm: Communicator | None = None,
@@ -91,6 +92,14 @@ class RuntimeContext:
                                comm.metrics)
         return cls(config=config, group=group, world_size=world, rank=rank, comm=comm, metrics=comm.metrics,
                    coordinator=ParamCoordinator(config, comm, comm.metrics, shards=shards), io=io)
+
+    def count_swap_io(self) -> None:
+        """Put the swap-file bytes read and written since the last call into the step's metrics."""
+        if self.io is not None:
+            read, written = self.io.read_bytes, self.io.write_bytes
+            self.metrics.nvme_read_bytes = read - self._io_mark[0]
+            self.metrics.nvme_write_bytes = written - self._io_mark[1]
+            self._io_mark = (read, written)
 
     def swap_io(self) -> AsyncIO:
         """The threads that read and write this context's swap files (made on first use)."""

@@ -201,6 +201,7 @@ class Engine:
             ctx.coordinator.refresh_persistent()
             ctx.global_steps += 1
         ctx.comm.end_epoch()
+        ctx.count_swap_io()
         self.last_step_metrics = copy.copy(ctx.metrics)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("zero3::step %s", self.last_step_metrics.as_dict())
