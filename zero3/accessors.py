@@ -32,7 +32,7 @@ from .state import ParamStatus
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _in_memory(write: bool, load: bool = True) -> Callable[[F], F]:
+def _in_memory(write: bool, kinds: tuple[str, ...], load: bool = True) -> Callable[[F], F]:
     """Run the accessor with its parameter's weights and optimizer state in memory (read from NVMe
     when they live there, unless ``load`` is false; written back after a setter), refusing while
     ``engine.offload_states`` has moved them."""
@@ -42,7 +42,7 @@ def _in_memory(write: bool, load: bool = True) -> Callable[[F], F]:
             ctx = param._zero.ctx if isinstance(param, ZeroParameter) else None
             if not isinstance(ctx, RuntimeContext):
                 return fn(param, *args, **kwargs)
-            ctx.require_states(fn.__name__)
+            ctx.require_states(fn.__name__, kinds)
             if not load:
                 return fn(param, *args, **kwargs)
             with ctx.resident([param], write):
@@ -114,14 +114,14 @@ def _state(ctx: RuntimeContext, param: ZeroParameter, key: str, what: str) -> to
 
 
 # -- full tensors (collectives) --------------------------------------------------------------------
-@_in_memory(write=False)
+@_in_memory(write=False, kinds=("lp_params", "hp_params"))
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     """The full fp32 weight the optimizer steps on (master under mixed precision). A collective."""
     p = _check(param, "safe_get_full_fp32_param")
     return _gather(p, p._zero.train_tensor)
 
 
-@_in_memory(write=False, load=False)
+@_in_memory(write=False, kinds=("lp_grads",), load=False)
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The full, reduced (averaged over ranks), accumulated gradient in fp32, or None if there is
     none (frozen parameter, or no backward since the last step). A collective; call it between
@@ -135,7 +135,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     return _gather(p, g).mul_(_inv_scale(ctx))
 
 
-@_in_memory(write=False)
+@_in_memory(write=False, kinds=("optim_states",))
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
     """The full optimizer state ``optim_state_key`` (e.g. ``"exp_avg"``) of ``param``. A collective."""
     p = _check(param, "safe_get_full_optimizer_state")
@@ -143,7 +143,7 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
     return _gather(p, _state(ctx, p, optim_state_key, "safe_get_full_optimizer_state"))
 
 
-@_in_memory(write=True)
+@_in_memory(write=True, kinds=("lp_params", "hp_params"))
 @torch.no_grad()
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set the full fp32 weight (master and low-precision shard) from ``value``, the same on every rank.
@@ -162,7 +162,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
         p.data.copy_(value.reshape(z.shape))
 
 
-@_in_memory(write=True)
+@_in_memory(write=True, kinds=("optim_states",))
 @torch.no_grad()
 def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Set optimizer state ``optim_state_key`` of ``param`` from the full ``value`` (same on every rank).
@@ -177,14 +177,14 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
 
 
 # -- this rank's slice only (no collective) ---------------------------------------------------------
-@_in_memory(write=False)
+@_in_memory(write=False, kinds=("lp_params", "hp_params"))
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     """A copy of this rank's unpadded slice of the fp32 weight (master under mixed precision)."""
     p = _check(param, "safe_get_local_fp32_param")
     return _local_slice(p, p._zero.train_tensor).detach().float().clone()
 
 
-@_in_memory(write=False, load=False)
+@_in_memory(write=False, kinds=("lp_grads",), load=False)
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     """A copy of this rank's unpadded slice of the accumulated gradient (fp32, unscaled), or None."""
     p = _check(param, "safe_get_local_grad")
@@ -195,7 +195,7 @@ def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     return _local_slice(p, g).float().mul(_inv_scale(ctx))
 
 
-@_in_memory(write=False)
+@_in_memory(write=False, kinds=("optim_states",))
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
     """A copy of this rank's unpadded slice of optimizer state ``optim_state_key``."""
     p = _check(param, "safe_get_local_optimizer_state")
@@ -203,7 +203,7 @@ def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: s
     return _local_slice(p, _state(ctx, p, optim_state_key, "safe_get_local_optimizer_state")).clone()
 
 
-@_in_memory(write=True)
+@_in_memory(write=True, kinds=("lp_params", "hp_params"))
 @torch.no_grad()
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set this rank's unpadded slice of the fp32 weight (and its low-precision shard). No collective;
@@ -220,7 +220,7 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
         z.shard.copy_(master)
 
 
-@_in_memory(write=True)
+@_in_memory(write=True, kinds=("optim_states",))
 @torch.no_grad()
 def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Set this rank's unpadded slice of optimizer state ``optim_state_key``. No collective."""

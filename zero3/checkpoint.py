@@ -242,7 +242,7 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
     shared: dict[str, Any] = {}
     error: BaseException | None = None
     try:  # 1. rank 0 prepares the staging directory and encodes what only it writes
-        ctx.require_states("save_checkpoint")
+        ctx.require_states("save_checkpoint", ("lp_params", "hp_params", "optim_states"))
         if rank == 0:
             shared["client_state"] = to_json(client_state, "client_state")
             sched = lr_scheduler.state_dict() if lr_scheduler is not None else None
@@ -657,7 +657,7 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
     plan: _LoadPlan | None = None
     error: BaseException | None = None
     try:
-        ctx.require_states("load_checkpoint")
+        ctx.require_states("load_checkpoint", ("lp_params", "hp_params", "optim_states"))
         reader = CheckpointReader(load_dir, tag)
         plan = _plan_load(ctx, reader, load_optimizer_states)
         reader.check_files(range(ctx.rank, reader.world_size, ctx.world_size) if verify else ())

@@ -322,7 +322,7 @@ def consolidated_state_dict(ctx: RuntimeContext, rank0_only: bool = True, *,
         ``{name: CPU tensor}`` in ``model.state_dict()`` order (``{}`` off rank 0 with ``rank0_only``).
     """
     assert ctx.module is not None
-    ctx.require_states("consolidated_state_dict")
+    ctx.require_states("consolidated_state_dict", ("lp_params", "hp_params"))
     keep = ctx.rank == 0 or not rank0_only
     full: dict[int, torch.Tensor] = {}
     done: set[int] = set()

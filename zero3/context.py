@@ -116,12 +116,12 @@ class RuntimeContext:
         return zp
 
     # -- what the optimizer side and checkpoints ask for -----------------------------------------
-    def require_states(self, what: str) -> None:
-        """Raise a clear error when ``engine.offload_states`` moved states that ``what`` needs (waits
-        for a non-blocking reload instead). Called when a step begins and at the entry points that
-        read the states, never per module."""
+    def require_states(self, what: str, kinds: Sequence[str] | None = None) -> None:
+        """Raise a clear error when ``engine.offload_states`` moved states of ``kinds`` (default: all)
+        that ``what`` needs (a non-blocking reload is waited for instead). Called when a step begins
+        and at the entry points that read the states, never per module."""
         if self.offloaded is not None and self.offloaded.phase is not OffloadPhase.RESIDENT:
-            self.offloaded.check(what)
+            self.offloaded.check(what, kinds)
 
     @contextlib.contextmanager
     def resident(self, params: Sequence[ZeroParameter], write: bool = False,

@@ -236,7 +236,7 @@ class Engine:
         for every token; everything is released on exit. Enter it between steps, on every rank."""
         if self.hooks.phase is not StepPhase.IDLE:
             raise ZeroStateError("engine.generation() must be entered between steps (after engine.step())")
-        self.context.require_states("engine.generation()")
+        self.context.require_states("engine.generation()", ("lp_params",))
         self.coordinator.begin_generation()
         try:
             yield self
@@ -321,7 +321,7 @@ class Engine:
     def refresh_from_masters(self) -> None:
         """The master shards were written (checkpoint load, accessors): cast them into the parameter
         shards and re-gather the persistent parameters. A collective when persistent params exist."""
-        self.context.require_states("engine.refresh_from_masters()")
+        self.context.require_states("engine.refresh_from_masters()", ("lp_params", "hp_params"))
         self.context.refresh_from_masters()
 
     def optimizer_state(self, p: ZeroParameter) -> dict[str, torch.Tensor]:
@@ -454,7 +454,7 @@ def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.
             of a ``gradient_accumulation_steps`` window.
     """
     ctx = context_of(engine_or_model, "clip_grad_norm_")
-    ctx.require_states("clip_grad_norm_")
+    ctx.require_states("clip_grad_norm_", ("lp_grads",))
     ctx.finish_gradients()
     n = ctx.config.gradient_accumulation_steps
     if (ctx.micro_steps + 1) % n != 0:

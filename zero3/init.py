@@ -506,7 +506,8 @@ class GatheredParameters:
         if not self.enabled:
             return self.params
         ctx = _owner(self.params)
-        ctx.require_states("GatheredParameters")
+        ctx.require_states("GatheredParameters", ("lp_params",) if self.modifier_rank is None else
+                           ("lp_params", "hp_params"))
         ctx.coordinator.gather_for_user(self.params)
         return self.params
 

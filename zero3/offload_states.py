@@ -13,9 +13,11 @@ precision) and every optimizer-state key stays the same object, so training cont
 
 Storages that hold nothing (shards or optimizer state that live on NVMe between steps anyway) are
 skipped, and so are, with ``device="cpu"``, storages already in CPU memory: there is nothing to free.
-While states are out, `StatesOffload.check` refuses whatever needs them (a forward, ``engine.step``,
-gathers, checkpoints, accessors) with an error naming what to reload; it runs when a step begins and
-at those entry points, never per module.
+While states are out, `StatesOffload.check` refuses whatever needs them with an error naming what
+to reload: a forward needs ``lp_params`` (and ``lp_grads``, which its backward adds into, when grad
+is on), so generation can run with the optimizer's state offloaded; ``engine.step`` needs every
+kind; checkpoints, accessors and gathers what they read. It runs when a step begins and at those
+entry points, never per module.
 """
 
 from __future__ import annotations
@@ -142,15 +144,18 @@ class StatesOffload:
         if not non_blocking:
             self._finish_reload()
 
-    def check(self, what: str) -> None:
-        """Raise unless the states are in memory (waiting for a non-blocking reload first)."""
+    def check(self, what: str, kinds: Iterable[str] | None = None) -> None:
+        """Raise when states of ``kinds`` (default: all) that ``what`` needs are out (a non-blocking
+        reload is waited for first)."""
         if self.phase is OffloadPhase.RELOADING:
             self._finish_reload()
         elif self.phase is OffloadPhase.OFFLOADED:
-            raise ZeroStateError(
-                f"{what} needs the model states, but engine.offload_states() moved "
-                f"{', '.join(k.value for k in self.kinds)} ({self.moved_bytes / 2**20:.1f} MiB) to {self._where()}; "
-                "call engine.reload_states() first")
+            needed = [k for k in self.kinds if kinds is None or k.value in kinds]
+            if needed:
+                raise ZeroStateError(
+                    f"{what} needs {', '.join(k.value for k in needed)}, but engine.offload_states() moved "
+                    f"{', '.join(k.value for k in self.kinds)} ({self.moved_bytes / 2**20:.1f} MiB) to "
+                    f"{self._where()}; call engine.reload_states() first")
 
     # -- accounting ----------------------------------------------------------------------------------
     @property

@@ -147,7 +147,7 @@ class ZeroParameter(nn.Parameter):
         """DeepSpeed's ``param.all_gather()``: gather this parameter (and those of ``param_list``)
         and keep them gathered until `partition`. A collective: call it on every rank."""
         params = _sorted_params(self, param_list)
-        self._zero.ctx.require_states("param.all_gather()")
+        self._zero.ctx.require_states("param.all_gather()", ("lp_params",))
         self._zero.ctx.coordinator.gather_for_user(params)
 
     def partition(self, param_list: Any = None, has_been_updated: bool = False) -> None:

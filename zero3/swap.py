@@ -396,13 +396,6 @@ class StorageTier:
             _move(rec, Residence.ON_NVME, f"swap {key!r}")
             rec.storage.resize_(0)
 
-    def forget(self, key: Hashable) -> None:
-        """Stop tracking ``key`` (its storage must be in memory); its region stays reserved."""
-        rec = self._records.pop(key, None)
-        if rec is not None:
-            self._settle(rec)
-            assert rec.state is Residence.IN_MEMORY, f"swap {key!r} forgotten while {rec.state.name}"
-
     def _settle(self, rec: _Stored) -> None:
         if rec.future is None:
             return
@@ -508,13 +501,6 @@ class ShardTier:
     def nvme_bytes(self) -> int:
         """Bytes of the shards on this tier (their regions hold them, whatever is also in memory)."""
         return sum(p._zero.swap.nbytes for p in self.shards.values() if p._zero.swap is not None)
-
-    @property
-    def memory_bytes(self) -> int:
-        """Bytes of tier shards in their own storage now (loaded, or read past a full pool)."""
-        return sum(p._zero.swap.nbytes for p in self.shards.values() if p._zero.swap is not None and
-                   p._zero.swap.slot is None and p._zero.swap.state in (Residence.IN_MEMORY, Residence.READING,
-                                                                          Residence.WRITING))
 
     # -- the gather path (coordinator) ---------------------------------------------------------------
     def read(self, params: Sequence[Any], *, ahead: bool = False, overflow: bool = False) -> list[Any]:

@@ -289,12 +289,11 @@ def test_offload_states_misuse_raises_naming_what_to_reload(tmp_path):
     engine.backward(loss)
     engine.step()
     engine.offload_states(include=["lp_params"], device="nvme", nvme_path=str(tmp_path))
-    where = re.escape(f"moved lp_params (") + r"[0-9.]+ MiB\) to NVMe \(" + re.escape(str(tmp_path)) + r"\); call " \
-        r"engine\.reload_states\(\) first"
+    where = re.escape(f"needs lp_params") + r".*moved lp_params \([0-9.]+ MiB\) to NVMe \(" + \
+        re.escape(str(tmp_path)) + r"\); call engine\.reload_states\(\) first"
     for call in (lambda: engine(x, y), lambda: engine.module(x, y), engine.step,
                  lambda: zero3.GatheredParameters([p]).__enter__(), lambda: engine.save_checkpoint(tmp_path / "c"),
-                 lambda: zero3.safe_get_full_fp32_param(p), lambda: zero3.clip_grad_norm_(engine, 1.0),
-                 lambda: engine.consolidated_state_dict()):
+                 lambda: zero3.safe_get_full_fp32_param(p), lambda: engine.consolidated_state_dict()):
         with pytest.raises(ZeroStateError, match=where):
             call()
     with pytest.raises(ZeroStateError, match=r"lp_params are already offloaded to NVMe .*reload_states\(\) before"):
@@ -302,3 +301,26 @@ def test_offload_states_misuse_raises_naming_what_to_reload(tmp_path):
     engine.reload_states()
     assert engine.coordinator.live_params == []
     _train(engine, 1, start=1)
+
+
+def test_with_optimizer_state_and_masters_offloaded_the_model_still_runs_forwards(tmp_path):
+    """The RL pattern: during generation only the weights are needed."""
+    engine = _engine({**BASE, "dtype": "bf16"})
+    _train(engine, 2)
+    x, y = synthetic_batch(5, 2, CFG)
+    with torch.no_grad():
+        before = engine(x, y)
+    engine.offload_states(include=["optim_states", "hp_params", "lp_grads"], device="nvme", nvme_path=str(tmp_path))
+    assert engine.memory_report()["optimizer_state_bytes"] == 0 and engine.memory_report()["param_shard_bytes"] > 0
+    with torch.no_grad():
+        assert torch.equal(engine(x, y), before)  # inference needs only lp_params
+        with engine.generation():
+            engine(x, y)
+    with pytest.raises(ZeroStateError, match=r"a forward of the model needs lp_grads, but"):
+        engine(x, y)  # with grad on, its backward would add into the gradient shards
+    with pytest.raises(ZeroStateError, match=r"engine\.step\(\) needs optim_states, hp_params, lp_grads"):
+        engine.step()
+    with pytest.raises(ZeroStateError, match=r"safe_get_full_optimizer_state needs optim_states"):
+        zero3.safe_get_full_optimizer_state(engine.params[0], "exp_avg")
+    engine.reload_states()
+    _train(engine, 1, start=2)
