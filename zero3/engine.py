@@ -250,9 +250,11 @@ class Engine:
 
         Each unique storage behind the states is copied out and resized to 0 bytes, so every tensor,
         view and optimizer-state key stays valid; `reload_states` copies the bytes back in place and
-        training continues exactly as if nothing happened. Until then a forward, ``engine.step()``,
-        gathers, checkpoints and accessors raise ``ZeroStateError`` naming what to reload. Call it
-        between steps (not inside a forward/backward, ``GatheredParameters`` or ``generation()``).
+        training continues exactly as if nothing happened. Until then whatever needs an offloaded
+        kind raises ``ZeroStateError`` naming what to reload: a forward needs ``lp_params`` (and
+        ``lp_grads`` with grad on), ``engine.step()`` every kind, gathers, checkpoints and accessors
+        what they read. Call it between steps (not inside a forward/backward,
+        ``GatheredParameters`` or ``generation()``).
 
         Args:
             include: a subset of ``{"lp_params", "hp_params", "optim_states", "lp_grads"}`` (None: all):
