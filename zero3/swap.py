@@ -42,6 +42,8 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 import torch
 
 from .errors import ZeroConfigError, ZeroStateError
+from .metrics import StepMetrics
+from .param import ZeroParameter
 
 logger = logging.getLogger(__name__)
 
@@ -316,7 +318,7 @@ _MOVES = {
 }
 
 
-def _move(record: Any, new: Residence, what: str) -> None:
+def _move(record: _Stored | ShardSwap, new: Residence, what: str) -> None:
     if (record.state, new) not in _MOVES:
         raise ZeroStateError(f"{what}: illegal swap state change {record.state.name} -> {new.name}")
     record.state = new
@@ -435,18 +437,18 @@ class ShardTier:
     side (`read`, `wait`, `done`, `drop_ahead`); the optimizer and context call `load`,
     `unload`, `store` and `read_copy` between steps."""
 
-    def __init__(self, io: AsyncIO, file: SwapFile, pool: BufferPool, metrics: Any) -> None:
+    def __init__(self, io: AsyncIO, file: SwapFile, pool: BufferPool, metrics: StepMetrics) -> None:
         self.io = io
         self.file = file
         self.pool = pool
         self.metrics = metrics
-        self.shards: dict[int, Any] = {}  # ZeroParam.id -> the ZeroParameter, for every shard on the tier
-        self._placing: list[tuple[Any, int]] = []  # shards being written by `offload`, oldest first
+        self.shards: dict[int, ZeroParameter] = {}  # ZeroParam.id -> the ZeroParameter, for every shard on the tier
+        self._placing: list[tuple[ZeroParameter, int]] = []  # shards being written by `offload`, oldest first
         self._placing_bytes = 0
         self._overflow_warned = False
 
     # -- placement -------------------------------------------------------------------------------------
-    def offload(self, p: Any) -> None:
+    def offload(self, p: ZeroParameter) -> None:
         """Move ``p``'s shard (in memory) to the drive: write it, then free its memory."""
         z = p._zero
         if z.swap is not None:
@@ -467,7 +469,7 @@ class ShardTier:
         self._write(p)
         self._behind(p, nbytes)
 
-    def _behind(self, p: Any, nbytes: int) -> None:
+    def _behind(self, p: ZeroParameter, nbytes: int) -> None:
         """Bound the memory of writes issued without waiting (placement, `store`): past the limit,
         wait for the oldest."""
         self._placing.append((p, nbytes))
@@ -479,7 +481,7 @@ class ShardTier:
             if q._zero.swap is not None:
                 self._settle(q)
 
-    def keep(self, p: Any) -> None:
+    def keep(self, p: ZeroParameter) -> None:
         """Bring ``p``'s shard into its own memory for good (it leaves the tier)."""
         z = p._zero
         if z.swap is None:
@@ -503,11 +505,11 @@ class ShardTier:
         return sum(p._zero.swap.nbytes for p in self.shards.values() if p._zero.swap is not None)
 
     # -- the gather path (coordinator) ---------------------------------------------------------------
-    def read(self, params: Sequence[Any], *, ahead: bool = False, overflow: bool = False) -> list[Any]:
+    def read(self, params: Sequence[ZeroParameter], *, ahead: bool = False, overflow: bool = False) -> list[ZeroParameter]:
         """Start reading the shards of ``params`` that are only on the drive into pool slots; returns
         those that got no slot. ``ahead``: for a later gather (`drop_ahead` may release them);
         ``overflow``: read what does not fit into the shard's own storage instead."""
-        missed = []
+        missed: list[ZeroParameter] = []
         for p in params:
             sw = p._zero.swap
             if sw is None:
@@ -530,7 +532,7 @@ class ShardTier:
                 self._warn_overflow(p)
         return missed
 
-    def wait(self, params: Sequence[Any]) -> None:
+    def wait(self, params: Sequence[ZeroParameter]) -> None:
         """Wait for the transfers of ``params``' shards: after a read they are readable."""
         t0 = time.perf_counter()
         for p in params:
@@ -538,14 +540,14 @@ class ShardTier:
                 self._settle(p)
         self.metrics.nvme_wait_seconds += time.perf_counter() - t0
 
-    def done(self, params: Iterable[Any]) -> None:
+    def done(self, params: Iterable[ZeroParameter]) -> None:
         """The gather of ``params`` is complete: free the memory of their shards (unless loaded)."""
         for p in params:
             sw = p._zero.swap
             if sw is not None and sw.state is Residence.IN_MEMORY and not sw.loads:
                 self._drop(p)
 
-    def drop_ahead(self, keep: Iterable[Any] = ()) -> None:
+    def drop_ahead(self, keep: Iterable[ZeroParameter] = ()) -> None:
         """Release every shard read ahead and not used yet (but those of ``keep``)."""
         kept = {q._zero.id for q in keep}
         for p in list(self.shards.values()):
@@ -557,7 +559,7 @@ class ShardTier:
                     self._drop(p)
 
     # -- whole shards in their own memory (optimizer step, rare paths) --------------------------------
-    def load(self, params: Sequence[Any], wait: bool = True, read: bool = True) -> None:
+    def load(self, params: Sequence[ZeroParameter], wait: bool = True, read: bool = True) -> None:
         """Bring ``params``' shards into their own storage and keep them there until `unload`
         (``wait=False``: the reads are only started; `wait` for them; ``read=False``: the caller
         overwrites the whole shard, so only its memory is allocated)."""
@@ -584,7 +586,7 @@ class ShardTier:
             for p in todo:
                 self._settle(p)
 
-    def unload(self, params: Sequence[Any], write: bool) -> None:
+    def unload(self, params: Sequence[ZeroParameter], write: bool) -> None:
         """End a `load`: the last one writes the shard back when ``write`` (asynchronously; its
         memory is freed when the write is done), else drops it."""
         for p in params:
@@ -601,7 +603,7 @@ class ShardTier:
             else:
                 self._drop(p)
 
-    def store(self, p: Any, values: torch.Tensor) -> None:
+    def store(self, p: ZeroParameter, values: torch.Tensor) -> None:
         """Write ``values`` (a full padded shard in the shard's dtype) as ``p``'s shard, without
         reading the old one (the optimizer's cast of the fp32 masters)."""
         sw = p._zero.swap
@@ -616,7 +618,7 @@ class ShardTier:
         sw.future = self.io.write(sw.file, sw.offset, data)
         self._behind(p, sw.nbytes)
 
-    def read_copy(self, p: Any) -> torch.Tensor:
+    def read_copy(self, p: ZeroParameter) -> torch.Tensor:
         """A new tensor holding ``p``'s shard (read from the drive unless in memory)."""
         sw = p._zero.swap
         if sw is None:
@@ -629,7 +631,7 @@ class ShardTier:
         return out
 
     # -- moves ----------------------------------------------------------------------------------------
-    def _read(self, p: Any, slot: Slot | None) -> None:
+    def _read(self, p: ZeroParameter, slot: Slot | None) -> None:
         sw = p._zero.swap
         shard = p._zero.shard
         _move(sw, Residence.READING, p._zero.name)
@@ -642,14 +644,14 @@ class ShardTier:
             data = byte_view(shard)
         sw.future = self.io.read(sw.file, sw.offset, data)
 
-    def _write(self, p: Any) -> None:
+    def _write(self, p: ZeroParameter) -> None:
         sw = p._zero.swap
         storage = p._zero.shard.untyped_storage()
         assert sw.slot is None, f"{p._zero.name}: only a shard in its own storage is written"
         _move(sw, Residence.WRITING, p._zero.name)
         sw.future = self.io.write(sw.file, sw.offset, storage_view(storage), then=lambda: storage.resize_(0))
 
-    def _drop(self, p: Any) -> None:
+    def _drop(self, p: ZeroParameter) -> None:
         """A clean in-memory shard: forget the bytes (the region holds them)."""
         sw = p._zero.swap
         if sw.slot is not None:
@@ -660,7 +662,7 @@ class ShardTier:
             p._zero.shard.untyped_storage().resize_(0)
         _move(sw, Residence.ON_NVME, p._zero.name)
 
-    def _settle(self, p: Any) -> None:
+    def _settle(self, p: ZeroParameter) -> None:
         sw = p._zero.swap
         if sw.future is None:
             return
@@ -668,7 +670,7 @@ class ShardTier:
         future.result()
         _move(sw, Residence.ON_NVME if sw.state is Residence.WRITING else Residence.IN_MEMORY, p._zero.name)
 
-    def _warn_overflow(self, p: Any) -> None:
+    def _warn_overflow(self, p: ZeroParameter) -> None:
         if not self._overflow_warned:
             self._overflow_warned = True
             logger.warning("zero3: the parameter buffer pool (%d x %d bytes) is full while %s is needed; its shard "
