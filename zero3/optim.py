@@ -197,8 +197,6 @@ class PartitionedOptimizer:
                                       "shards on NVMe the step is streamed group by group. Use an optimizer that "
                                       "updates each parameter from its own state (Adam, AdamW, SGD, ...)")
             self.subgroups = _subgroups(self.group_params, config.sub_group_size)
-        if self.states is not None:
-            self._offload_masters()
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build_masters(self, optimizer: Any, fp32_shards: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
@@ -238,9 +236,17 @@ class PartitionedOptimizer:
                                   f"{sorted(map(str, dtypes))}; "
                                   "build the model in one dtype (zero3.Init(dtype=...)) or set ZeroConfig.dtype")
         dtype = dtypes.pop() if dtypes else torch.float32
-        if self.offload.nvme:  # each master its own tensor, written to the drive as it is made
+        if self.offload.nvme:  # each master its own tensor, written to the drive as soon as it is made
+            assert self.states is not None
+            behind = 0
             for p in ps:
-                p._zero.master = self._fp32_copy(p, fp32_shards)
+                m = p._zero.master = self._fp32_copy(p, fp32_shards)
+                self.states.swap_out(("master", p._zero.id), m.untyped_storage())
+                behind += m.numel() * m.element_size()
+                if behind > (256 << 20):  # bounded write-behind: a large model's masters never all in memory
+                    self.states.wait()
+                    behind = 0
+            self.states.wait()
             return FlatGroup(params=ps, offsets=offsets, master=None, low=None)
         master = self.offload.alloc_master(total, device)
         low = None
@@ -266,20 +272,6 @@ class PartitionedOptimizer:
         pin = self.offload.pin_memory and torch.cuda.is_available()
         out = torch.empty(src.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
         return out.copy_(src)
-
-    def _offload_masters(self) -> None:
-        """Optimizer state on NVMe: write every separate master out (bounded write-behind)."""
-        assert self.states is not None
-        behind = 0
-        for p in self.params:
-            m = p._zero.master
-            if m is not None:
-                self.states.swap_out(("master", p._zero.id), m.untyped_storage())
-                behind += m.numel() * m.element_size()
-                if behind > (256 << 20):
-                    self.states.wait()
-                    behind = 0
-        self.states.wait()
 
     # -- one training window (micro-batches up to an optimizer step) ---------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
