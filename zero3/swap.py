@@ -309,12 +309,14 @@ class Residence(enum.Enum):
 
 _MOVES = {
     (Residence.IN_MEMORY, Residence.WRITING),
-    (Residence.WRITING, Residence.ON_NVME),
     (Residence.ON_NVME, Residence.READING),
     (Residence.READING, Residence.IN_MEMORY),
     (Residence.IN_MEMORY, Residence.ON_NVME),  # a clean copy is dropped without a write
     (Residence.ON_NVME, Residence.WRITING),  # a new value is written over the region from other memory
     (Residence.ON_NVME, Residence.IN_MEMORY),  # memory for a value that replaces it whole: nothing is read
+    (Residence.WRITING, Residence.IN_MEMORY),  # a write failed: the bytes are still (only) in memory
+    (Residence.READING, Residence.ON_NVME),  # a read failed: the bytes are still (only) on the drive
+    (Residence.WRITING, Residence.ON_NVME),  # written (or a failed `ShardTier.store`: its error is raised)
 }
 
 
@@ -402,7 +404,14 @@ class StorageTier:
         if rec.future is None:
             return
         future, rec.future = rec.future, None
-        future.result()
+        try:
+            future.result()
+        except BaseException:
+            rec.host = None
+            if rec.state is Residence.READING:
+                rec.storage.resize_(0)
+            _move(rec, Residence.IN_MEMORY if rec.state is Residence.WRITING else Residence.ON_NVME, "swap")
+            raise
         if rec.state is Residence.WRITING:
             _move(rec, Residence.ON_NVME, "swap")
         elif rec.state is Residence.READING:
@@ -667,7 +676,20 @@ class ShardTier:
         if sw.future is None:
             return
         future, sw.future = sw.future, None
-        future.result()
+        try:
+            future.result()
+        except BaseException:  # the bytes stay where they were: a failed write in memory, a failed read on the drive
+            if sw.state is Residence.READING:
+                if sw.slot is not None:
+                    self.pool.free(sw.slot)
+                    sw.slot = None
+                    _release(p._zero.shard)
+                else:
+                    p._zero.shard.untyped_storage().resize_(0)
+                sw.ahead = False
+            in_memory = sw.state is Residence.WRITING and p._zero.shard.untyped_storage().nbytes() > 0
+            _move(sw, Residence.IN_MEMORY if in_memory else Residence.ON_NVME, p._zero.name)  # `store`: lost
+            raise
         _move(sw, Residence.ON_NVME if sw.state is Residence.WRITING else Residence.IN_MEMORY, p._zero.name)
 
     def _warn_overflow(self, p: ZeroParameter) -> None:

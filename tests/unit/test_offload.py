@@ -138,6 +138,21 @@ def test_storage_tier_frees_the_storage_and_brings_it_back_under_every_view(tmp_
     assert tier.state("flat") is Residence.IN_MEMORY and tier.nvme_bytes == 0
 
 
+def test_a_failed_write_raises_and_leaves_the_bytes_in_memory(tmp_path, monkeypatch):
+    tier = StorageTier(AsyncIO(1), SwapFile(str(tmp_path), "test"))
+    t = torch.randn(100)
+    keep = t.clone()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "zero3: writing 400 bytes ... failed: No space left on device")
+
+    monkeypatch.setattr(SwapFile, "transfer", full_disk)
+    tier.swap_out("t", t.untyped_storage())
+    with pytest.raises(OSError, match="No space left on device"):
+        tier.wait()
+    assert tier.state("t") is Residence.IN_MEMORY and torch.equal(t, keep)
+
+
 # -- parameter and optimizer offload --------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_every_offload_combination_trains_like_no_offload_bit_for_bit(tmp_path, dtype):
