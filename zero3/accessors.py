@@ -11,11 +11,14 @@ persistent or gathered parameter is updated in place, so call them on every rank
 "fp32 param" means the tensor the optimizer steps on: the fp32 master under bf16/fp16 (exact, not
 the rounded low-precision weight), the shard itself under fp32. Gradients are the accumulated
 gradient shards, unscaled (divided by the fp16 loss scale if ``engine.backward`` scaled them).
+Weights and optimizer state offloaded to NVMe are read in for the call (and written back by the
+setters); the engine's states must not be offloaded by ``engine.offload_states``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -24,6 +27,28 @@ from .context import RuntimeContext
 from .errors import ZeroStateError
 from .param import ZeroParameter, raw_data
 from .state import ParamStatus
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _in_memory(write: bool, kinds: tuple[str, ...], load: bool = True) -> Callable[[F], F]:
+    """Run the accessor with its parameter's weights and optimizer state in memory (read from NVMe
+    when they live there, unless ``load`` is false; written back after a setter), refusing while
+    ``engine.offload_states`` has moved them."""
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(param: Any, *args: Any, **kwargs: Any) -> Any:
+            ctx = param._zero.ctx if isinstance(param, ZeroParameter) else None
+            if not isinstance(ctx, RuntimeContext):
+                return fn(param, *args, **kwargs)
+            ctx.require_states(fn.__name__, kinds)
+            if not load:
+                return fn(param, *args, **kwargs)
+            with ctx.resident([param], write):
+                return fn(param, *args, **kwargs)
+        return inner  # type: ignore[return-value]
+    return wrap
 
 
 def _check(param: Any, what: str) -> ZeroParameter:
@@ -89,12 +114,14 @@ def _state(ctx: RuntimeContext, param: ZeroParameter, key: str, what: str) -> to
 
 
 # -- full tensors (collectives) --------------------------------------------------------------------
+@_in_memory(write=False, kinds=("lp_params", "hp_params"))
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     """The full fp32 weight the optimizer steps on (master under mixed precision). A collective."""
     p = _check(param, "safe_get_full_fp32_param")
     return _gather(p, p._zero.train_tensor)
 
 
+@_in_memory(write=False, kinds=("lp_grads",), load=False)
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The full, reduced (averaged over ranks), accumulated gradient in fp32, or None if there is
     none (frozen parameter, or no backward since the last step). A collective; call it between
@@ -108,6 +135,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     return _gather(p, g).mul_(_inv_scale(ctx))
 
 
+@_in_memory(write=False, kinds=("optim_states",))
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
     """The full optimizer state ``optim_state_key`` (e.g. ``"exp_avg"``) of ``param``. A collective."""
     p = _check(param, "safe_get_full_optimizer_state")
@@ -115,6 +143,7 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
     return _gather(p, _state(ctx, p, optim_state_key, "safe_get_full_optimizer_state"))
 
 
+@_in_memory(write=True, kinds=("lp_params", "hp_params"))
 @torch.no_grad()
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set the full fp32 weight (master and low-precision shard) from ``value``, the same on every rank.
@@ -133,6 +162,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
         p.data.copy_(value.reshape(z.shape))
 
 
+@_in_memory(write=True, kinds=("optim_states",))
 @torch.no_grad()
 def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Set optimizer state ``optim_state_key`` of ``param`` from the full ``value`` (same on every rank).
@@ -147,12 +177,14 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
 
 
 # -- this rank's slice only (no collective) ---------------------------------------------------------
+@_in_memory(write=False, kinds=("lp_params", "hp_params"))
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     """A copy of this rank's unpadded slice of the fp32 weight (master under mixed precision)."""
     p = _check(param, "safe_get_local_fp32_param")
     return _local_slice(p, p._zero.train_tensor).detach().float().clone()
 
 
+@_in_memory(write=False, kinds=("lp_grads",), load=False)
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     """A copy of this rank's unpadded slice of the accumulated gradient (fp32, unscaled), or None."""
     p = _check(param, "safe_get_local_grad")
@@ -163,6 +195,7 @@ def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     return _local_slice(p, g).float().mul(_inv_scale(ctx))
 
 
+@_in_memory(write=False, kinds=("optim_states",))
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
     """A copy of this rank's unpadded slice of optimizer state ``optim_state_key``."""
     p = _check(param, "safe_get_local_optimizer_state")
@@ -170,6 +203,7 @@ def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: s
     return _local_slice(p, _state(ctx, p, optim_state_key, "safe_get_local_optimizer_state")).clone()
 
 
+@_in_memory(write=True, kinds=("lp_params", "hp_params"))
 @torch.no_grad()
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set this rank's unpadded slice of the fp32 weight (and its low-precision shard). No collective;
@@ -186,6 +220,7 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
         z.shard.copy_(master)
 
 
+@_in_memory(write=True, kinds=("optim_states",))
 @torch.no_grad()
 def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Set this rank's unpadded slice of optimizer state ``optim_state_key``. No collective."""

@@ -281,6 +281,7 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
     shared: dict[str, Any] = {}
     error: BaseException | None = None
     try:  # 1. the leader prepares the staging directory; rank 0 encodes what only it writes
+        ctx.require_states("save_checkpoint", ("lp_params", "hp_params", "optim_states"))
         if rank == 0:
             shared["client_state"] = to_json(client_state, "client_state")
             sched = lr_scheduler.state_dict() if lr_scheduler is not None else None
@@ -307,29 +308,11 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
         specs: list[tuple[str, torch.dtype, Sequence[int]]] = []
         tensors: list[torch.Tensor] = []
         ranges, states = [], []
-        for p in ctx.params:
-            z = p._zero
-            start, end = z.shard_range()
-            n = max(end - start, 0)
-            master = p._zero.train_tensor
+        for p in ctx.params:  # the layout first: shapes and dtypes only, nothing is read yet
+            start, n, kinds, pieces = _param_pieces(ctx, p)
             ranges.append([start, start + n])
-            pieces = [(f"param/{z.name}", master[:n])] if n else []
-            kinds: dict[str, Any] = {}
-            for key, v in ctx.optimizer_state(p).items():
-                skey = f"optim/{z.name}/{key}"
-                if _is_sharded_state(v, master):
-                    kinds[key] = {"kind": "sharded", "dtype": dtype_name(v.dtype)}
-                    if n:
-                        pieces.append((skey, v[:n]))
-                elif isinstance(v, torch.Tensor):
-                    kinds[key] = {"kind": "replicated", "dtype": dtype_name(v.dtype), "shape": list(v.shape)}
-                    pieces.append((skey, v))
-                else:
-                    kinds[key] = {"kind": "value", "value": to_json(v, f"optimizer state {key!r} of {z.name}")}
             states.append(kinds)
-            for key, t in pieces:
-                specs.append((key, t.dtype, tuple(t.shape)))
-                tensors.append(t)
+            specs += [(key, t.dtype, (k,) if k is not None else tuple(t.shape)) for key, t, k in pieces]
         if rank == 0:
             for key, b in buffers.items():
                 specs.append((f"buffer/{key}", b.dtype, tuple(b.shape)))
@@ -338,7 +321,11 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
         files_dir.mkdir(exist_ok=True)
         writer = SafetensorsWriter(files_dir / fname, specs, {"format": "pt", "zero3": FORMAT_NAME,
                                                             "rank": str(rank), "world_size": str(world)})
-        for (key, _, _), t in zip(specs, tensors):
+        for p in ctx.params:  # one parameter's state in memory at a time (read in when it lives on NVMe)
+            with ctx.resident([p]):
+                for key, t, k in _param_pieces(ctx, p)[3]:
+                    writer.write(key, t[:k] if k is not None else t)
+        for (key, _, _), t in zip(specs[len(specs) - len(tensors):], tensors):
             writer.write(key, t)
         size, digest = writer.close()
         info = {"file": fname, "rank": rank, "bytes": size, "sha256": digest, "ranges": ranges,
@@ -374,6 +361,31 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
     exchange(ctx, None, error, "save_checkpoint (publish)")
     logger.info("zero3::checkpoint saved %s (rank %d of %d)", root / tag, rank, world)
     return str(root / tag)
+
+
+def _param_pieces(ctx: RuntimeContext, p: Any) -> tuple[int, int, dict[str, Any],
+                                                         list[tuple[str, torch.Tensor, int | None]]]:
+    """(first owned element, owned count, optimizer-state kinds, what to write) of ``p`` on this
+    rank; each piece is (key, tensor, the leading elements of it to write or None for all). Reads
+    no data (which may be on NVMe until ``ctx.resident``)."""
+    z = p._zero
+    start, end = z.shard_range()
+    n = max(end - start, 0)
+    master = z.train_tensor
+    pieces: list[tuple[str, torch.Tensor, int | None]] = [(f"param/{z.name}", master, n)] if n else []
+    kinds: dict[str, Any] = {}
+    for key, v in ctx.optimizer_state(p).items():
+        skey = f"optim/{z.name}/{key}"
+        if _is_sharded_state(v, master):
+            kinds[key] = {"kind": "sharded", "dtype": dtype_name(v.dtype)}
+            if n:
+                pieces.append((skey, v, n))
+        elif isinstance(v, torch.Tensor):
+            kinds[key] = {"kind": "replicated", "dtype": dtype_name(v.dtype), "shape": list(v.shape)}
+            pieces.append((skey, v, None))
+        else:
+            kinds[key] = {"kind": "value", "value": to_json(v, f"optimizer state {key!r} of {z.name}")}
+    return start, n, kinds, pieces
 
 
 def _build_metadata(ctx: RuntimeContext, tag: str, infos: list[dict[str, Any]], shared: dict[str, Any]) -> dict[str, Any]:
@@ -732,6 +744,7 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
     error: BaseException | None = None
     mp = ctx.model_parallel
     try:
+        ctx.require_states("load_checkpoint", ("lp_params", "hp_params", "optim_states"))
         reader = CheckpointReader(load_dir, tag, None if mp is None else mp.rank)
         if reader.model_parallel_world_size != (1 if mp is None else mp.world_size):
             raise CheckpointMismatchError(
@@ -762,20 +775,21 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
 def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_scheduler: Any) -> None:
     meta = reader.meta
     for p in ctx.params:
-        z = p._zero
-        pm = reader.params[z.name]
-        start, end = z.shard_range()
-        n = max(end - start, 0)
-        master = p._zero.train_tensor
-        master[n:].zero_()
-        reader.read_flat(pm, f"param/{z.name}", start, start + n, master[:n])
-        if master is not z.shard:
-            z.shard.copy_(master)
-        if master.grad is not None:
-            master.grad = None
-        if plan.load_optimizer:
-            assert ctx.optimizer is not None
-            _load_state(ctx, reader, plan, pm, master, start, n)
+        with ctx.resident([p], write=True):  # one parameter at a time; written back when its home is NVMe
+            z = p._zero
+            pm = reader.params[z.name]
+            start, end = z.shard_range()
+            n = max(end - start, 0)
+            master = p._zero.train_tensor
+            master[n:].zero_()
+            reader.read_flat(pm, f"param/{z.name}", start, start + n, master[:n])
+            if master is not z.shard:
+                z.shard.copy_(master)
+            if master.grad is not None:
+                master.grad = None
+            if plan.load_optimizer:
+                assert ctx.optimizer is not None
+                _load_state(ctx, reader, plan, pm, master, start, n)
     _, buffers = _model_entries(ctx)
     for k, b in buffers.items():
         reader.read(0, f"buffer/{k}", 0, b)

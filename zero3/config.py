@@ -149,7 +149,7 @@ class ActivationCheckpointingConfig:
 ReduceImpl = Literal["auto", "reduce_scatter", "all_reduce", "p2p"]
 GatherImpl = Literal["auto", "all_gather", "p2p"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
-OffloadDevice = Literal["none", "cpu"]
+OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -294,10 +294,54 @@ class ZeroConfig:
 
     offload_optimizer: OffloadDevice = "none"
     """``cpu``: fp32 master shards, their gradients and the optimizer state live in CPU memory and the
-    optimizer steps there (DeepSpeed's ``offload_optimizer.device``)."""
+    optimizer steps there (DeepSpeed's ``offload_optimizer.device``). ``nvme``: the same, but between
+    steps the fp32 masters and the optimizer's per-element state live in files under
+    ``offload_optimizer_nvme_path``; the step streams them through memory ``sub_group_size``
+    elements at a time. Gradient shards stay in memory (docs/offload.md)."""
+
+    offload_optimizer_nvme_path: str | None = None
+    """Directory for the optimizer's swap files with ``offload_optimizer="nvme"`` (DeepSpeed's
+    ``offload_optimizer.nvme_path``). Files are unlinked as soon as they are opened, so they vanish
+    with the process."""
 
     offload_optimizer_pin_memory: bool = False
     """Pin the CPU master buffer (DeepSpeed's ``offload_optimizer.pin_memory``); ignored without CUDA."""
+
+    offload_param: OffloadDevice = "none"
+    """Where parameter shards live (DeepSpeed's ``offload_param.device``). ``cpu``: in CPU memory
+    (pinned with ``offload_param_pin_memory`` and CUDA), copied to the compute device by each
+    all-gather. ``nvme``: in files under ``offload_param_nvme_path`` (after the first
+    ``offload_param_max_in_cpu`` elements, which stay in CPU memory); each shard is read into the
+    buffer pool ahead of its all-gather along the recorded trace, and its memory is released again
+    when the gather is done. Persistent parameters keep their shards in memory."""
+
+    offload_param_nvme_path: str | None = None
+    """Directory for the parameter swap files with ``offload_param="nvme"`` (unlinked once opened)."""
+
+    offload_param_pin_memory: bool = False
+    """Pin the CPU shards and the buffer pool (DeepSpeed's ``offload_param.pin_memory``); only with CUDA."""
+
+    offload_param_buffer_count: int = 5
+    """Buffers in the pool that NVMe shards are read into (DeepSpeed's ``offload_param.buffer_count``)."""
+
+    offload_param_buffer_size: int = 100_000_000
+    """Elements (of the shard dtype) per pool buffer; shards are packed into the buffers, and each
+    offloaded shard must fit in one (DeepSpeed's ``offload_param.buffer_size``)."""
+
+    offload_param_max_in_cpu: int = 1_000_000_000
+    """With ``offload_param="nvme"``: this many shard elements (per rank, first parameters first)
+    stay in CPU memory instead (DeepSpeed's ``offload_param.max_in_cpu``; its default keeps a model
+    of up to 1e9 elements per rank entirely in memory, so set it, e.g. to 0, to use the drive)."""
+
+    sub_group_size: int = 1_000_000_000
+    """Elements per group that the optimizer step streams from NVMe at a time (state of at most
+    three groups is in memory: one being read, one stepping, one being written); DeepSpeed's
+    ``zero_optimization.sub_group_size``. Only used when optimizer state or parameter shards are on
+    NVMe."""
+
+    aio_thread_count: int = 1
+    """Threads that read and write the swap files (DeepSpeed's ``aio.thread_count``); file IO runs
+    outside the GIL, so reads overlap compute even with one."""
 
     def __post_init__(self) -> None:
         if isinstance(self.leaf_modules, list):
@@ -320,6 +364,14 @@ class ZeroConfig:
             raise ZeroConfigError(f"quantization_block_size must be >= 1, got {self.quantization_block_size!r}")
         if self.min_loss_scale <= 0:
             raise ZeroConfigError(f"min_loss_scale must be > 0, got {self.min_loss_scale!r}")
+        for name in ("offload_param_buffer_count", "offload_param_buffer_size", "sub_group_size", "aio_thread_count"):
+            if getattr(self, name) < 1:
+                raise ZeroConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for tier in ("offload_param", "offload_optimizer"):
+            if getattr(self, tier) == "nvme" and not getattr(self, f"{tier}_nvme_path"):
+                raise ZeroConfigError(
+                    f"{tier}='nvme' needs {tier}_nvme_path (DeepSpeed's zero_optimization.{tier}.nvme_path): "
+                    "a directory on the drive to hold the swap files")
 
     # -- construction from dicts and files -------------------------------------------------------
     @classmethod
@@ -334,8 +386,10 @@ class ZeroConfig:
             if key not in known:
                 raise ZeroConfigError(_unknown_key_message(key, known))
         out = {k: _coerce(k, v) for k, v in d.items()}
-        if isinstance(out.get("offload_optimizer"), dict):  # DeepSpeed's {device, pin_memory} form
-            out.update(_offload_optimizer(out.pop("offload_optimizer"), "offload_optimizer"))
+        if isinstance(out.get("offload_optimizer"), dict):  # DeepSpeed's {device, pin_memory, ...} form
+            out.update(_offload_section(out.pop("offload_optimizer"), "offload_optimizer"))
+        if isinstance(out.get("offload_param"), dict):
+            out.update(_offload_section(out.pop("offload_param"), "offload_param"))
         return cls(**out)
 
     @classmethod
@@ -368,6 +422,9 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
     elif ann == "bool | None":
         if value is not None and not isinstance(value, bool):
             raise ZeroConfigError(f"{name} must be None or a bool, got {value!r}")
+    elif ann == "str | None":
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ZeroConfigError(f"{name} must be None or a non-empty path string, got {value!r}")
     elif ann in ("bool", bool):
         if not isinstance(value, bool):
             raise ZeroConfigError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
@@ -422,6 +479,7 @@ _DEEPSPEED_ZERO_KEYS = {
     "overlap_comm": "overlap_comm",
     "reduce_bucket_size": "reduce_bucket_size",
     "allgather_bucket_size": "allgather_bucket_size",
+    "sub_group_size": "sub_group_size",
 }
 # DeepSpeed keys we understand but that change nothing here (logged, not an error).
 _DEEPSPEED_ZERO_IGNORED = {
@@ -433,7 +491,7 @@ _DEEPSPEED_TOP_LEVEL = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "gradient_clipping", "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown",
     "bf16", "fp16", "zero_allow_untested_optimizer", "prescale_gradients", "communication_data_type",
-    "bfloat16", "activation_checkpointing",
+    "bfloat16", "activation_checkpointing", "aio",
 }
 
 
@@ -448,8 +506,16 @@ _DEEPSPEED_FP16_KEYS = {
 _DEEPSPEED_FP16_IGNORED = {"auto_cast", "fp16_master_weights_and_grads"}
 _DEEPSPEED_BF16_IGNORED = {"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
                            "bf16_optimizer_states"}
-_DEEPSPEED_OFFLOAD_IGNORED = {"buffer_count", "fast_init", "ratio", "nvme_path", "pipeline_read",
-                              "pipeline_write", "pipeline"}
+# DeepSpeed's offload sections: key -> our field suffix (None: accepted, no effect here, logged).
+_DEEPSPEED_OFFLOAD_KEYS: dict[str, dict[str, str | None]] = {
+    "offload_optimizer": {"device": "", "nvme_path": "_nvme_path", "pin_memory": "_pin_memory", "ratio": None,
+                          "buffer_count": None, "fast_init": None, "pipeline_read": None, "pipeline_write": None,
+                          "pipeline": None},
+    "offload_param": {"device": "", "nvme_path": "_nvme_path", "pin_memory": "_pin_memory",
+                      "buffer_count": "_buffer_count", "buffer_size": "_buffer_size", "max_in_cpu": "_max_in_cpu"},
+}
+# DeepSpeed's ``aio`` section: only the thread count means something here.
+_DEEPSPEED_AIO_IGNORED = {"block_size", "queue_depth", "single_submit", "overlap_events", "intra_op_parallelism"}
 
 
 def _enabled(section: str, value: Any) -> bool:
@@ -502,26 +568,51 @@ def _precision(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _offload_optimizer(value: Any, section: str) -> dict[str, Any]:
-    """DeepSpeed's ``offload_optimizer: {device, pin_memory}`` onto our two fields."""
+def _offload_section(value: Any, section: str) -> dict[str, Any]:
+    """DeepSpeed's ``offload_optimizer`` / ``offload_param`` dict onto our flat fields.
+
+    ``section`` is how the user spelled it (``zero_optimization.offload_param``); its last part names
+    the fields. A key that changes behaviour we do not have is refused (``ratio`` other than 1)."""
     if value is None:
         return {}
+    kind = section.rsplit(".", 1)[-1]
+    keys = _DEEPSPEED_OFFLOAD_KEYS[kind]
     if not isinstance(value, dict):
         raise ZeroConfigError(f"{section} must be a dict such as {{'device': 'cpu', 'pin_memory': true}}, "
                               f"got {value!r}")
     out: dict[str, Any] = {}
     for key, v in value.items():
-        if key == "device":
-            if v == "nvme":
-                raise ZeroConfigError(f"{section}.device 'nvme' is not supported by zero3; use 'cpu' or 'none'")
-            out["offload_optimizer"] = v
-        elif key == "pin_memory":
-            out["offload_optimizer_pin_memory"] = v
-        elif key in _DEEPSPEED_OFFLOAD_IGNORED:
+        if key not in keys:
+            raise ZeroConfigError(f"{section}: " + _unknown_key_message(key, set(keys)))
+        suffix = keys[key]
+        if key == "ratio" and v != 1:
+            raise ZeroConfigError(f"{section}.ratio {v!r} is not supported by zero3 (it offloads all of the "
+                                  "optimizer state or none of it); remove it or set it to 1")
+        if suffix is None:
             logger.info("zero3: DeepSpeed key %s.%s has no effect in zero3; ignored", section, key)
+            continue
+        field_name = kind + suffix
+        out[field_name] = _coerce(field_name, v)
+    return out
+
+
+def _aio(value: Any) -> dict[str, Any]:
+    """DeepSpeed's ``aio`` section: ``thread_count`` sets ``aio_thread_count``; GPUDirect is refused."""
+    if not isinstance(value, dict):
+        raise ZeroConfigError(f"aio must be a dict such as {{'thread_count': 1}}, got {value!r}")
+    out: dict[str, Any] = {}
+    for key, v in value.items():
+        if key == "thread_count":
+            out["aio_thread_count"] = _coerce("aio_thread_count", v)
+        elif key == "use_gds":
+            if v:
+                raise ZeroConfigError("aio.use_gds (GPUDirect Storage) is not supported by zero3; swap files "
+                                      "are read into host buffers. Remove it or set it to false")
+        elif key in _DEEPSPEED_AIO_IGNORED:
+            logger.info("zero3: DeepSpeed key aio.%s has no effect in zero3; ignored", key)
         else:
-            raise ZeroConfigError(f"{section}: " + _unknown_key_message(
-                key, {"device", "pin_memory"} | _DEEPSPEED_OFFLOAD_IGNORED))
+            raise ZeroConfigError("aio: " + _unknown_key_message(key, _DEEPSPEED_AIO_IGNORED | {"thread_count",
+                                                                                              "use_gds"}))
     return out
 
 
@@ -537,11 +628,14 @@ def _from_deepspeed(d: dict[str, Any]) -> dict[str, Any]:
         if key in ("optimizer", "scheduler", "activation_checkpointing", "wall_clock_breakdown", "steps_per_print"):
             out[key] = _coerce(key, value)
             continue
+        if key == "aio":
+            out.update(_aio(value))
+            continue
         if key in _DEEPSPEED_TOP_LEVEL:
             logger.info("zero3: DeepSpeed key %r is not used by ZeroConfig; ignored", key)
             continue
-        if key == "offload_optimizer" and isinstance(value, dict):
-            out.update(_offload_optimizer(value, key))
+        if key in _DEEPSPEED_OFFLOAD_KEYS and isinstance(value, dict):
+            out.update(_offload_section(value, key))
             continue
         if key in ours:
             out[key] = _coerce(key, value)
@@ -558,14 +652,14 @@ def _from_deepspeed(d: dict[str, Any]) -> dict[str, Any]:
             continue
         if key in _DEEPSPEED_ZERO_KEYS:
             out[_DEEPSPEED_ZERO_KEYS[key]] = _coerce(key, value)
-        elif key == "offload_optimizer":
-            out.update(_offload_optimizer(value, "zero_optimization.offload_optimizer"))
+        elif key in _DEEPSPEED_OFFLOAD_KEYS:
+            out.update(_offload_section(value, f"zero_optimization.{key}"))
         elif key in _DEEPSPEED_ZERO_IGNORED:
             logger.info("zero3: zero_optimization.%s has no effect in zero3; ignored", key)
         elif key in ours:
             out[key] = _coerce(key, value)
         else:
-            known = set(_DEEPSPEED_ZERO_KEYS) | _DEEPSPEED_ZERO_IGNORED | ours | {"stage", "offload_optimizer"}
+            known = set(_DEEPSPEED_ZERO_KEYS) | _DEEPSPEED_ZERO_IGNORED | ours | {"stage"} | set(_DEEPSPEED_OFFLOAD_KEYS)
             raise ZeroConfigError("zero_optimization: " + _unknown_key_message(key, known))
     return out
 

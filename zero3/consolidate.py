@@ -325,6 +325,7 @@ def consolidated_state_dict(ctx: RuntimeContext, rank0_only: bool = True, *,
         ``{name: CPU tensor}`` in ``model.state_dict()`` order (``{}`` off rank 0 with ``rank0_only``).
     """
     assert ctx.module is not None
+    ctx.require_states("consolidated_state_dict", ("lp_params", "hp_params"))
     keep = ctx.rank == 0 or not rank0_only
     full: dict[int, torch.Tensor] = {}
     done: set[int] = set()
@@ -351,6 +352,11 @@ def consolidated_state_dict(ctx: RuntimeContext, rank0_only: bool = True, *,
 
 def _gather_masters(ctx: RuntimeContext, params: list[ZeroParameter], rank0_only: bool) -> list[torch.Tensor]:
     """Full master tensors (on the CPU) of ``params``, one collective per dtype; ``[]`` where not received."""
+    with ctx.resident(params):  # read in when they live on NVMe
+        return _gather_resident(ctx, params, rank0_only)
+
+
+def _gather_resident(ctx: RuntimeContext, params: list[ZeroParameter], rank0_only: bool) -> list[torch.Tensor]:
     masters = [p._zero.train_tensor for p in params]
     receive = ctx.rank == 0 or not rank0_only
     out: dict[int, torch.Tensor] = {}

@@ -15,15 +15,17 @@ communicator, coordinator) for the parameters it partitions while a model is bui
       reducer        GradientReducer   full gradients -> averaged gradient shards (engine only)
       optimizer      PartitionedOptimizer | None   the user's optimizer over shards (engine only)
       model_parallel ModelParallel | None   the tensor-parallel group beside ZeRO-3 (engine with an mpu)
+      io             AsyncIO | None    the threads of the swap files (NVMe offload only)
       module, params, global_steps, micro_steps
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -35,11 +37,13 @@ from .errors import ZeroConfigError, ZeroStateError
 from .grad import GradientReducer
 from .metrics import StepMetrics
 from .model_parallel import ModelParallel, is_tensor_parallel
-from .optim import PartitionedOptimizer, validate_optimizer
-from .param import ZeroParameter, partition
+from .optim import PartitionedOptimizer, resident_bytes, validate_optimizer
+from .param import ZeroParameter, partition, raw_data
 from .precision import lower_precision, torch_dtype
 from .state import ParamStatus
 from .schedulers import build_optimizer, build_scheduler
+from .offload_states import OffloadPhase, StatesOffload
+from .swap import AsyncIO, BufferPool, ShardTier, SwapFile
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +67,9 @@ class RuntimeContext:
     lr_scheduler: Any = None  # stepped by engine.step() after every optimizer step that was not skipped
     global_steps: int = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
     micro_steps: int = 0  # engine.step() calls
+    io: AsyncIO | None = None  # the threads of every swap file of this context (made with the first)
+    offloaded: StatesOffload | None = None  # engine.offload_states (made on its first call)
+    _io_mark: tuple[int, int] = (0, 0)  # io's (read, written) bytes when the last step's were counted
 
     @classmethod
     def minimal(cls, config: ZeroConfig, group: Any, comm: Communicator | None = None,
@@ -82,8 +89,30 @@ class RuntimeContext:
                                 quantize_gradients=config.quantized_gradient_bits
                                 if config.zero_quantized_gradients and own_group else 0,
                                 quant_block=config.quantization_block_size)
+        io = shards = None
+        if config.offload_param == "nvme":
+            io = AsyncIO(config.aio_thread_count)
+            pool = BufferPool(config.offload_param_buffer_count,
+                              config.offload_param_buffer_size * torch_dtype(config.dtype).itemsize,
+                              pin=config.offload_param_pin_memory)
+            shards = ShardTier(io, SwapFile(config.offload_param_nvme_path or "", f"params-rank{rank}"), pool,
+                               comm.metrics)
         return cls(config=config, group=group, world_size=world, rank=rank, comm=comm, metrics=comm.metrics,
-                   coordinator=ParamCoordinator(config, comm, comm.metrics))
+                   coordinator=ParamCoordinator(config, comm, comm.metrics, shards=shards), io=io)
+
+    def count_swap_io(self) -> None:
+        """Put the swap-file bytes read and written since the last call into the step's metrics."""
+        if self.io is not None:
+            read, written = self.io.read_bytes, self.io.write_bytes
+            self.metrics.nvme_read_bytes = read - self._io_mark[0]
+            self.metrics.nvme_write_bytes = written - self._io_mark[1]
+            self._io_mark = (read, written)
+
+    def swap_io(self) -> AsyncIO:
+        """The threads that read and write this context's swap files (made on first use)."""
+        if self.io is None:
+            self.io = AsyncIO(self.config.aio_thread_count)
+        return self.io
 
     def partition(self, p: nn.Parameter, name: str, *, shard_device: torch.device | None = None,
                   dtype: torch.dtype | None = None) -> ZeroParameter:
@@ -94,6 +123,32 @@ class RuntimeContext:
         return zp
 
     # -- what the optimizer side and checkpoints ask for -----------------------------------------
+    def require_states(self, what: str, kinds: Sequence[str] | None = None) -> None:
+        """Raise a clear error when ``engine.offload_states`` moved states of ``kinds`` (default: all)
+        that ``what`` needs (a non-blocking reload is waited for instead). Called when a step begins
+        and at the entry points that read the states, never per module."""
+        if self.offloaded is not None and self.offloaded.phase is not OffloadPhase.RESIDENT:
+            self.offloaded.check(what, kinds)
+
+    @contextlib.contextmanager
+    def resident(self, params: Sequence[ZeroParameter], write: bool = False,
+                 overwrite: bool = False) -> Iterator[None]:
+        """Inside the block, ``params``' shards, masters and optimizer state are in memory even when
+        their home is NVMe (read in, one parameter's worth at a time when called per parameter);
+        with ``write`` what the block changed goes back after it; with ``overwrite`` the block
+        replaces the whole shards, which are therefore not read. Between steps only (checkpoints,
+        accessors, ``GatheredParameters(modifier_rank=...)``)."""
+        ps = list(params)
+        tier = self.coordinator.shards
+        if tier is not None:
+            tier.load(ps, read=not overwrite)
+        try:
+            with self.optimizer.loaded(ps, write) if self.optimizer is not None else contextlib.nullcontext():
+                yield
+        finally:
+            if tier is not None:
+                tier.unload(ps, write)
+
     def finish_gradients(self) -> None:
         """Every gradient reduction issued so far has landed in the gradient shards."""
         if self.reducer is not None:
@@ -120,27 +175,28 @@ class RuntimeContext:
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds, by tier (see ``Engine.memory_report``)."""
         part = self.optimizer
+        tier = self.coordinator.shards
         if part is not None:
             shard = part.shard_bytes()
         else:
-            shard = sum(p._zero.shard.numel() * p._zero.shard.element_size() for p in self.params)
-        grad = sum(g.numel() * g.element_size() for p in self.params
-                   if (g := p._zero.train_tensor.grad) is not None)
+            shard = sum(resident_bytes(p._zero.shard) for p in self.params)
+        grad = sum(resident_bytes(g) for p in self.params if (g := p._zero.train_tensor.grad) is not None)
         masters = part.master_bytes() if part is not None else 0
-        states = 0
-        if part is not None:
-            for state in part.optimizer.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        states += v.numel() * v.element_size()
+        states = part.state_bytes() if part is not None else 0
         full = sum(p._zero.numel * p._zero.shard.element_size() for p in self.params)
-        gathered = sum(p._zero.numel * p._zero.shard.element_size() for p in self.params
-                       if p._zero.status is not ParamStatus.NOT_AVAILABLE)
+        gathered = sum(resident_bytes(raw_data(p)) for p in self.params if p._zero.status is not ParamStatus.NOT_AVAILABLE)
         persistent = sum(p._zero.numel * p._zero.shard.element_size() for p in self.coordinator.persistent)
-        offloaded = masters + states if part is not None and part.offload.enabled else 0
+        nvme = (tier.nvme_bytes if tier is not None else 0) + (part.nvme_bytes if part is not None else 0)
+        cpu = masters + states if part is not None and part.offload.device == "cpu" else 0
+        if self.config.offload_param == "cpu":
+            cpu += shard
+        if self.offloaded is not None:  # engine.offload_states
+            nvme += self.offloaded.nvme_bytes
+            cpu += self.offloaded.moved_bytes - self.offloaded.nvme_bytes
         return {"param_shard_bytes": shard, "grad_shard_bytes": grad, "optimizer_state_bytes": masters + states,
                 "master_bytes": masters, "full_param_bytes": full, "gathered_param_bytes": gathered,
-                "persistent_param_bytes": persistent, "offloaded_bytes": offloaded}
+                "persistent_param_bytes": persistent, "offloaded_bytes": cpu + nvme, "nvme_bytes": nvme,
+                "swap_buffer_bytes": tier.pool.allocated_bytes if tier is not None else 0}
 
     @property
     def grad_scale(self) -> float:
@@ -174,6 +230,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         optimizer = build_optimizer(config.optimizer, model_parameters if model_parameters is not None
                                     else model.parameters())
     validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
+    _check_nvme_shards(model, config)
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
     if mpu is not None:
         ctx.model_parallel = ModelParallel.from_mpu(mpu, config, ctx.group)
@@ -191,16 +248,20 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     fp32_shards = lower_precision(ctx.params, torch_dtype(config.dtype)) if config.dtype != "fp32" else {}
     ctx.reducer = GradientReducer(ctx.comm, config.reduce_bucket_size, reduce_dtype=torch_dtype(config.reduce_dtype),
                                   accumulation_steps=config.gradient_accumulation_steps)
+    ctx.coordinator.choose_persistent(ctx.params)
+    ctx.coordinator.place_shards(ctx.params)  # offload_param: CPU memory or the drive, before the optimizer
     if optimizer is not None:
         ctx.optimizer = PartitionedOptimizer(optimizer, ctx.params, config, ctx.comm, fp32_shards,
-                                             model_parallel=ctx.model_parallel)
+                                             model_parallel=ctx.model_parallel,
+                                             shards=ctx.coordinator.shards,
+                                             io=ctx.swap_io() if config.offload_optimizer == "nvme" else None)
         torch_opt = ctx.optimizer.optimizer
         if config.scheduler is not None:
             ctx.lr_scheduler = build_scheduler(config.scheduler, torch_opt)
         elif lr_scheduler is not None:
             ctx.lr_scheduler = lr_scheduler(torch_opt) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
                 else lr_scheduler
-    ctx.coordinator.mark_persistent(ctx.params)  # gathers: after every shard has its final buffer
+    ctx.coordinator.gather_persistent()  # gathers: after every shard has its final buffer
     model.__dict__["_zero3_context"] = ctx
     LIVE_CONTEXTS.add(ctx)
     return ctx
@@ -209,6 +270,25 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
 LIVE_CONTEXTS: "weakref.WeakSet[RuntimeContext]" = weakref.WeakSet()
 """Every engine's context while it lives: what ``zero3.see_memory_usage`` reports model state from
 (the one process-wide registry; it holds no context alive)."""
+
+
+def _check_nvme_shards(model: nn.Module, config: ZeroConfig) -> None:
+    """Shards that ``zero3.Init(remote_device="nvme")`` wrote to the drive stay there: the engine
+    must keep them on NVMe, in the dtype they were written in."""
+    for name, p in model.named_parameters():
+        z = getattr(p, "_zero", None)
+        if z is None or z.swap is None:
+            continue
+        if config.offload_param != "nvme":
+            raise ZeroConfigError(
+                f"parameter {name!r} was partitioned onto NVMe by zero3.Init(remote_device='nvme'), but initialize's "
+                f"config has offload_param={config.offload_param!r}; pass initialize the config given to Init "
+                "(zero_optimization.offload_param.device 'nvme'), or build without remote_device='nvme'")
+        want = torch_dtype(config.dtype)
+        if z.shard.is_floating_point() and z.shard.dtype != want:
+            raise ZeroConfigError(
+                f"parameter {name!r} was written to NVMe by zero3.Init in {z.shard.dtype}, but the config's dtype is "
+                f"{config.dtype!r}; pass the same config to zero3.Init (config_dict_or_path=...) and initialize")
 
 
 def _check_group(ctx: RuntimeContext, name: str, p: ZeroParameter) -> None:

@@ -22,6 +22,18 @@ began), so alternating control flow does not re-record every step.
 
 Every gathered, non-persistent parameter is in ``_live`` from the moment its gather is issued until
 it is released; ``metrics.live_numel`` is their element count and `check_valid` recomputes it.
+
+[Note: reading shards ahead]
+With ``offload_param="nvme"`` a shard is only on the drive until it is needed (swap.py
+[Note: swapping]). Every gather first makes its shards readable (`_readable`); when a trace is
+followed, the order of the step's gathers is known (each action's demand fetch, then its prefetch:
+`gather_order`), and after every event the coordinator reads the shards of the next gathers into
+the buffer pool, as far as the pool has room, so the drive works while the modules compute. A
+shard's slot is freed as soon as its gather is done, which is what makes room for the next reads.
+While following, the pool holds only shards of gathers in flight and of the next gathers in order,
+so a gather that finds the pool full waits for the gathers in flight; only after a divergence (or
+when one module needs more than the pool) are shards read ahead dropped, or read into their own
+memory.
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ from .metrics import StepMetrics
 from .param import ZeroParameter
 from .schedule import PlanConfig, Schedule, eviction_order, plan
 from .state import ParamStatus
+from .swap import Residence, ShardTier
 from .trace import Event, EventKind, ParamInfo, Trace, TraceRecorder, export_graph
 
 logger = logging.getLogger(__name__)
@@ -81,15 +94,31 @@ class _Following:
     schedule: Schedule
     cursor: int = 0
     next_use: dict[int, list[int]] = field(default_factory=dict)  # param id -> PRE event indices
+    gathers: tuple[tuple[int, tuple[int, ...]], ...] = ()  # NVMe shards: `gather_order` of the schedule
+    ahead: int = 0  # the next entry of `gathers` to read ahead ...
+    ahead_at: int = 0  # ... and the next parameter in it
+
+
+def gather_order(schedule: Schedule) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The step's all-gathers in the order they are issued: (event index, parameter ids) of each
+    action's demand fetch, then of its prefetch."""
+    out = []
+    for a in schedule.actions:
+        if a.fetch:
+            out.append((a.index, a.fetch))
+        if a.prefetch:
+            out.append((a.index, a.prefetch))
+    return tuple(out)
 
 
 class ParamCoordinator:
     def __init__(self, config: ZeroConfig, comm: Communicator, metrics: StepMetrics,
-                 params: Sequence[ZeroParameter] = ()) -> None:
+                 params: Sequence[ZeroParameter] = (), shards: ShardTier | None = None) -> None:
         self.config = config
         self.plan_config = plan_config(config)
         self.comm = comm
         self.metrics = metrics
+        self.shards = shards  # the NVMe tier of parameter shards (offload_param="nvme"), else None
         self._live: dict[int, ZeroParameter] = {}
         self._recorder = TraceRecorder()
         self._by_id: dict[int, ZeroParameter] = {}
@@ -128,9 +157,10 @@ class ParamCoordinator:
     def _live_size(self) -> int:
         return self.metrics.live_bytes if self.plan_config.unit == "bytes" else self.metrics.live_numel
 
-    # -- persistent parameters -------------------------------------------------------------------
-    def mark_persistent(self, params: Sequence[ZeroParameter]) -> None:
-        """Small params stay gathered for the whole run; greedy in the given order under the model cap."""
+    # -- persistent parameters and where shards live ----------------------------------------------
+    def choose_persistent(self, params: Sequence[ZeroParameter]) -> None:
+        """Small params stay gathered for the whole run; greedy in the given order under the model cap.
+        They are gathered by `gather_persistent`."""
         budget = self.config.model_persistence_threshold
         for p in params:
             n = p._zero.numel
@@ -138,8 +168,35 @@ class ParamCoordinator:
                 budget -= n
                 p._zero.persistent = True
                 self.persistent.append(p)
-                if self.comm.world_size == 1:
-                    zparam.alias_shard(p)  # one rank: the shard is the full tensor, no refresh ever needed
+
+    def place_shards(self, params: Sequence[ZeroParameter]) -> None:
+        """Put every shard in the tier ``offload_param`` asks for: CPU memory (pinned if asked, with
+        CUDA), or the drive, except persistent parameters and the first ``offload_param_max_in_cpu``
+        elements (in parameter order), which stay in memory. Shards already on the drive (written by
+        ``zero3.Init(remote_device="nvme")``) are adopted, or read back when they belong in memory."""
+        tier = self.config.offload_param
+        pin = self.config.offload_param_pin_memory and torch.cuda.is_available()
+        budget = self.config.offload_param_max_in_cpu
+        for p in sorted(params, key=lambda q: q._zero.id):
+            z = p._zero
+            if tier == "cpu" and (z.shard.device.type != "cpu" or (pin and not z.shard.is_pinned())):
+                z.replace_shard(z.shard.detach().to("cpu").pin_memory() if pin else z.shard.detach().to("cpu"))
+            if self.shards is None:
+                continue
+            if z.persistent or z.shard_numel <= budget:
+                if not z.persistent:
+                    budget -= z.shard_numel
+                self.shards.keep(p)
+            else:
+                self.shards.offload(p)
+        if self.shards is not None:
+            self.shards.flush()
+
+    def gather_persistent(self) -> None:
+        """Gather the persistent params (at world size 1 the full tensor is a view of the shard)."""
+        if self.comm.world_size == 1:
+            for p in self.persistent:
+                zparam.alias_shard(p)  # one rank: the shard is the full tensor, no refresh ever needed
         self.refresh_persistent()
 
     def refresh_persistent(self) -> None:
@@ -188,6 +245,8 @@ class ParamCoordinator:
             if expected is not None and expected.kind is kind and expected.module == module and expected.params == ids:
                 following.cursor += 1
                 self._apply(following.schedule, i, kind, params)
+                if following.gathers:
+                    self._read_ahead(following, i)
                 return
             self._diverge(following.trace, i, expected, kind, module, params)
         if kind in _PRE:
@@ -280,6 +339,8 @@ class ParamCoordinator:
         self._diverged = True
         keep = {p._zero.id for p in params} if kind in _PRE else set()
         self.release(p for p in list(self._live.values()) if p._zero.id not in keep)
+        if self.shards is not None:
+            self.shards.drop_ahead()
 
     # -- step boundaries -------------------------------------------------------------------------
     def _begin_step(self, kind: EventKind, module: str) -> None:
@@ -294,6 +355,9 @@ class ParamCoordinator:
         if chosen is not None:
             self._following = _Following(chosen[0], chosen[1], next_use=_uses(chosen[0]))
             self.last_trace, self.last_schedule = chosen
+            if self.shards is not None and self.shards.shards:
+                self._following.gathers = gather_order(chosen[1])
+                self._read_ahead(self._following, -1)
 
     @property
     def in_step(self) -> bool:
@@ -311,6 +375,8 @@ class ParamCoordinator:
                     self._wait(p._zero.handle, drop=True)
         if not self.generating or aborted:
             self.release(list(self._live.values()))
+        if self.shards is not None:
+            self.shards.drop_ahead()
         key, self._step_key = self._step_key, None
         followed, self._following = self._following, None
         events = self._recorder.events
@@ -420,14 +486,15 @@ class ParamCoordinator:
                 self.metrics.add_live(z.numel, z.nbytes)
 
     def _issue(self, params: list[ZeroParameter], tag: Tag, count: bool = True) -> _Inflight:
+        if self.shards is not None:
+            self._readable(params)
         work = self.comm.all_gather_params(params, tag, count=count)
         handle = _Inflight(work, params)
         for p in params:
             zparam.begin_gather(p, handle)
         return handle
 
-    @staticmethod
-    def _wait(handle: _Inflight, drop: bool = False) -> None:
+    def _wait(self, handle: _Inflight, drop: bool = False) -> None:
         """Wait for an issued gather; ``drop`` (an aborted step): do not let a failed or void
         collective raise again, the parameters are released unused right after."""
         if handle.done:
@@ -440,6 +507,50 @@ class ParamCoordinator:
         handle.done = True
         for p in handle.params:
             zparam.finish_gather(p)
+        if self.shards is not None:
+            self.shards.done(handle.params)  # their shards' pool slots make room for the next reads
+
+    # -- shards on NVMe ([Note: reading shards ahead]) -----------------------------------------------
+    def _readable(self, params: list[ZeroParameter]) -> None:
+        """Make the shards of ``params`` readable for their gather (reading what is only on the drive)."""
+        tier = self.shards
+        assert tier is not None
+        missed = tier.read(params)
+        if missed:  # the pool is full: gathers in flight hold it; their shards go once they are done
+            for q in list(self._live.values()):
+                if q._zero.status is ParamStatus.INFLIGHT:
+                    self._wait(q._zero.handle)
+            missed = tier.read(missed)
+        if missed:  # still full: shards read ahead for later gathers (only after a divergence)
+            tier.drop_ahead(keep=params)
+            if self._following is not None:
+                self._following.ahead = self._following.ahead_at = 0  # read them again later
+            tier.read(missed, overflow=True)
+        tier.wait(params)
+
+    def _read_ahead(self, following: _Following, i: int) -> None:
+        """Read the shards of the gathers after event ``i``, in order, while the pool has room."""
+        tier = self.shards
+        assert tier is not None
+        seq = following.gathers
+        k, at = following.ahead, following.ahead_at
+        while k < len(seq) and seq[k][0] <= i:  # gathers issued by now: no longer ahead
+            k, at = k + 1, 0
+        while k < len(seq):
+            ids = seq[k][1]
+            while at < len(ids):
+                p = self._by_id[ids[at]]
+                sw = p._zero.swap
+                if sw is not None:
+                    if sw.state is not Residence.ON_NVME and sw.state is not Residence.WRITING:
+                        following.ahead, following.ahead_at = k, at
+                        return  # still in memory for an earlier gather: wait until that one is done
+                    if tier.read([p], ahead=True):
+                        following.ahead, following.ahead_at = k, at
+                        return  # the pool is full
+                at += 1
+            k, at = k + 1, 0
+        following.ahead, following.ahead_at = k, at
 
     def release(self, params: Iterable[ZeroParameter]) -> None:
         """Free every param that nothing pins (an in-flight gather is waited first)."""

@@ -26,6 +26,7 @@ from .errors import ZeroConfigError, ZeroStateError
 from .hooks import ModuleHooks
 from .metrics import StepMetrics
 from .model_parallel import data_parallel_group
+from .offload_states import StatesOffload
 from .optim import clip_shards
 from .param import ZeroParameter, raw_data
 from .precision import LossScaler
@@ -180,6 +181,7 @@ class Engine:
             an fp16 overflow on some rank made every rank skip the step (``engine.skipped_steps``).
         """
         ctx = self.context
+        ctx.require_states("engine.step()")
         if self.hooks.phase is not StepPhase.IDLE:
             self.hooks.end_step()
         else:
@@ -203,6 +205,7 @@ class Engine:
         ctx.comm.end_epoch()
         if ctx.model_parallel is not None:
             ctx.model_parallel.comm.end_epoch()
+        ctx.count_swap_io()
         self.last_step_metrics = copy.copy(ctx.metrics)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("zero3::step %s", self.last_step_metrics.as_dict())
@@ -237,11 +240,66 @@ class Engine:
         for every token; everything is released on exit. Enter it between steps, on every rank."""
         if self.hooks.phase is not StepPhase.IDLE:
             raise ZeroStateError("engine.generation() must be entered between steps (after engine.step())")
+        self.context.require_states("engine.generation()", ("lp_params",))
         self.coordinator.begin_generation()
         try:
             yield self
         finally:
             self.coordinator.end_generation()
+
+    # -- the phase memory manager (zero3/offload_states.py) -----------------------------------------
+    def offload_states(self, include: Any = None, device: str = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False, *, nvme_path: str | None = None) -> int:
+        """Move model states out of memory between phases (training and generation), DeepSpeed's name.
+
+        Each unique storage behind the states is copied out and resized to 0 bytes, so every tensor,
+        view and optimizer-state key stays valid; `reload_states` copies the bytes back in place and
+        training continues exactly as if nothing happened. Until then whatever needs an offloaded
+        kind raises ``ZeroStateError`` naming what to reload: a forward needs ``lp_params`` (and
+        ``lp_grads`` with grad on), ``engine.step()`` every kind, gathers, checkpoints and accessors
+        what they read. Call it between steps (not inside a forward/backward,
+        ``GatheredParameters`` or ``generation()``).
+
+        Args:
+            include: a subset of ``{"lp_params", "hp_params", "optim_states", "lp_grads"}`` (None: all):
+                parameter shards and the gathered persistent parameters; fp32 masters (when separate
+                from the shards); optimizer state; gradient shards (when a backward left some).
+            device: ``"nvme"`` (a swap file under ``nvme_path``, default the config's
+                ``offload_param`` or ``offload_optimizer`` ``nvme_path``) or ``"cpu"`` (host memory;
+                storages already in CPU memory stay, as there is nothing to free).
+            pin_memory: pin the host copies (``device="cpu"``, with CUDA).
+            non_blocking: return once the copies are started (their memory is freed as each
+                finishes); a later ``reload_states`` waits for them.
+            nvme_path: the directory for ``device="nvme"`` (zero3's addition to DeepSpeed's signature).
+
+        Returns:
+            The bytes moved.
+
+        Raises:
+            ZeroStateError: called during a step, inside ``GatheredParameters`` or ``generation()``,
+                or while states are already offloaded.
+            ZeroConfigError: an unknown kind or device, or no ``nvme_path`` for ``device="nvme"``.
+        """
+        if self.hooks.phase is not StepPhase.IDLE or self.coordinator.in_step:
+            raise ZeroStateError("engine.offload_states() must be called between steps (after engine.step() or an "
+                                 "inference forward), not inside a forward or backward")
+        if self.coordinator.generating:
+            raise ZeroStateError("engine.offload_states() inside engine.generation(): leave generation mode first")
+        held = [p._zero.name for p in self.params if p._zero.user_pins > 0]
+        if held:
+            raise ZeroStateError(f"engine.offload_states(): parameters {held[:5]} are held by GatheredParameters "
+                                 "(or param.all_gather()); close those first")
+        ctx = self.context
+        ctx.finish_gradients()
+        if ctx.offloaded is None:
+            ctx.offloaded = StatesOffload(ctx)
+        return ctx.offloaded.offload(include, device, pin_memory, non_blocking, nvme_path)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what `offload_states` moved, in place (a no-op when nothing is offloaded).
+        ``non_blocking``: return once the copies are started; whatever needs the states next waits."""
+        if self.context.offloaded is not None:
+            self.context.offloaded.reload(non_blocking)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -269,6 +327,7 @@ class Engine:
     def refresh_from_masters(self) -> None:
         """The master shards were written (checkpoint load, accessors): cast them into the parameter
         shards and re-gather the persistent parameters. A collective when persistent params exist."""
+        self.context.require_states("engine.refresh_from_masters()", ("lp_params", "hp_params"))
         self.context.refresh_from_masters()
 
     def optimizer_state(self, p: ZeroParameter) -> dict[str, torch.Tensor]:
@@ -300,13 +359,18 @@ class Engine:
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds, against the full (unpartitioned) model's.
 
-        ``param_shard_bytes``: parameter shards in their dtype (flat buffers with their alignment gaps
-        under mixed precision); ``grad_shard_bytes``: gradient shards (fp32 under mixed precision);
+        The first five count bytes in memory (those on NVMe count 0). ``param_shard_bytes``:
+        parameter shards in their dtype (flat buffers with their alignment gaps under mixed
+        precision); ``grad_shard_bytes``: gradient shards (fp32 under mixed precision);
         ``optimizer_state_bytes``: the optimizer's per-element state plus the fp32 master shards when
         they are separate from the parameter shards (the ZeRO paper's K bytes per parameter), of
         which ``master_bytes`` are the masters; ``gathered_param_bytes``: full tensors gathered now
         (persistent ones included); ``persistent_param_bytes``: full tensors kept gathered for the
-        whole run (not budgeted); ``offloaded_bytes``: state kept in an offload tier.
+        whole run (not budgeted); ``offloaded_bytes``: model state whose home is an offload tier:
+        host memory (``offload_optimizer``/``offload_param`` ``"cpu"``, also counted above, and
+        ``offload_states(device="cpu")``) plus NVMe; ``nvme_bytes``: the NVMe part (shards,
+        masters and optimizer state in swap files, and ``offload_states(device="nvme")``);
+        ``swap_buffer_bytes``: the parameter buffer pool allocated now.
         """
         return self.context.memory_report()
 
@@ -407,6 +471,7 @@ def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.
             of a ``gradient_accumulation_steps`` window.
     """
     ctx = context_of(engine_or_model, "clip_grad_norm_")
+    ctx.require_states("clip_grad_norm_", ("lp_grads",))
     ctx.finish_gradients()
     n = ctx.config.gradient_accumulation_steps
     if (ctx.micro_steps + 1) % n != 0:

@@ -302,6 +302,9 @@ class ModuleHooks:
         if rec.module is self.root and not self.stack:
             self._forward_t0 = time.perf_counter()
         if self.phase is StepPhase.IDLE:
+            # once per step, not per module; a backward adds into the gradient shards
+            self.ctx.require_states(f"a forward of {rec.name or 'the model'}",
+                                    ("lp_params", "lp_grads") if torch.is_grad_enabled() else ("lp_params",))
             self._enter(StepPhase.FORWARD)
         if rec.leaf is not None and self.phase is StepPhase.FORWARD:
             rec.leaf.calls += 1

@@ -76,6 +76,7 @@ class _InitState:
     dtype: torch.dtype | None
     sync: SyncMode
     pin_memory: bool = False
+    cpu_budget: int = 0  # remote_device="nvme": shard elements still allowed to stay in CPU memory (max_in_cpu)
     # Modules that registered a parameter, in registration order (a dict, not a set: partitioning
     # hands out ds_ids, which must follow the same order on every rank; a set's follows addresses).
     modules: "WeakKeyDictionary[nn.Module, None]" = field(default_factory=WeakKeyDictionary)
@@ -120,9 +121,12 @@ class Init:
             else the world group, or none when ``torch.distributed`` is not initialised).
         mem_efficient_linear: accepted for compatibility: zero3 always frees the full weights that
             ``F.linear`` saves for backward (a released parameter's storage is resized to 0 bytes).
-        remote_device: where shards live: None or ``"none"`` (where the parameter was created),
-            ``"cpu"``, or any torch device.
-        pin_memory: pin CPU shards (with CUDA available).
+        remote_device: where shards live: ``"none"`` (where the parameter was created), ``"cpu"``,
+            ``"nvme"`` (written to ``offload_param.nvme_path`` of the config as they are made, past
+            ``max_in_cpu`` elements and except parameters small enough to become persistent), or
+            any torch device. None: the config's ``offload_param.device``.
+        pin_memory: pin CPU shards (with CUDA available); also on when the config's
+            ``offload_param.pin_memory`` is.
         config_dict_or_path: a zero3 or DeepSpeed config (dict or JSON path); its ``bf16`` / ``fp16``
             setting makes shards low precision as they are created, and its ``collective`` settings
             apply to the construction's collectives. ``config`` and ``deepspeed_config`` are aliases.
@@ -174,8 +178,15 @@ class Init:
             if self._group is None:
                 self._group = mpu_data_parallel_group(mpu)
             model_parallel_group(mpu)  # a unit zero3.initialize would refuse is refused here already
+        if remote_device is None and self._config.offload_param != "none":
+            remote_device = self._config.offload_param  # DeepSpeed: the config's offload_param device
         self._remote_device = _remote_device(remote_device)
-        self._pin_memory = pin_memory
+        try:  # this context's own gathers and swap files follow remote_device, not the config's device
+            self._config = self._config.replace(offload_param="nvme" if remote_device == "nvme" else "none")
+        except ZeroConfigError as exc:
+            raise ZeroConfigError(f"zero3.Init(remote_device='nvme') needs offload_param.nvme_path in the config "
+                                  f"passed as config_dict_or_path: {exc}") from None
+        self._pin_memory = pin_memory or self._config.offload_param_pin_memory
         self._dtype = dtype if dtype is not None else (torch_dtype(self._config.dtype)
                                                        if self._config.dtype != "fp32" else None)
         self._sync: SyncMode = sync
@@ -187,13 +198,15 @@ class Init:
     def _state(self) -> _InitState:
         ctx = RuntimeContext.minimal(self._config, self._group)
         return _InitState(ctx=ctx, remote_device=self._remote_device, dtype=self._dtype, sync=self._sync,
-                          pin_memory=self._pin_memory)
+                          pin_memory=self._pin_memory, cpu_budget=self._config.offload_param_max_in_cpu)
 
     def _partition_built(self, module: nn.Module) -> None:
         """``Init(module=m)``: partition a built module; rank 0's values win (a broadcast each)."""
         state = self._state()
         state.sync = "broadcast"
         _partition_module(module, state, recurse=True)
+        if state.ctx.coordinator.shards is not None:
+            state.ctx.coordinator.shards.flush()
 
     def __enter__(self) -> "Init":
         if not self.enabled:
@@ -217,6 +230,8 @@ class Init:
             if exc_type is None:
                 for m in list(state.modules):
                     _partition_module(m, state, recurse=False)
+            if state.ctx.coordinator.shards is not None:
+                state.ctx.coordinator.shards.flush()  # every shard written before the model is used
         finally:
             construction_handler.reset(self._handler_token)
             _STACK.reset(self._token)
@@ -226,16 +241,17 @@ class Init:
 
 
 def _remote_device(value: Any) -> torch.device | None:
+    """Where shards are made: None (where the parameter is), or a device; 'nvme' shards are made on the
+    CPU and then written to the drive."""
     if value is None or value == "none":
         return None
     if value == "nvme":
-        raise ZeroConfigError("zero3.Init(remote_device='nvme') needs parameter offload to NVMe, which this zero3 "
-                              "does not have yet; use 'cpu' or None")
+        return torch.device("cpu")
     try:
         return torch.device(value)
     except (RuntimeError, TypeError):
-        raise ZeroConfigError(f"zero3.Init(remote_device={value!r}) must be None, 'none', 'cpu' or a torch device"
-                              ) from None
+        raise ZeroConfigError(f"zero3.Init(remote_device={value!r}) must be None, 'none', 'cpu', 'nvme' or a torch "
+                              "device") from None
 
 
 def _current() -> _InitState | None:
@@ -355,8 +371,16 @@ def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) ->
             if state.sync == "broadcast" and ctx.world_size > 1:
                 ctx.comm.broadcast(p.data, 0, Tag(Kind.BROADCAST, f"zero3.Init value of {name}"))
             zp = ctx.partition(p, name, shard_device=state.remote_device, dtype=state.dtype)
-            if state.pin_memory and zp._zero.shard.device.type == "cpu" and torch.cuda.is_available():
-                zp._zero.replace_shard(zp._zero.shard.pin_memory())
+            z = zp._zero
+            tier = ctx.coordinator.shards
+            if tier is not None and z.numel > ctx.config.param_persistence_threshold:
+                if z.shard_numel <= state.cpu_budget:  # the engine keeps as many in memory (max_in_cpu)
+                    state.cpu_budget -= z.shard_numel
+                else:
+                    tier.offload(zp)
+                    continue
+            if state.pin_memory and z.shard.device.type == "cpu" and torch.cuda.is_available():
+                z.replace_shard(z.shard.pin_memory())
 
 
 def _param_of(target: Any, state: _InitState) -> ZeroParameter | None:
@@ -421,7 +445,11 @@ def _assign(p: ZeroParameter, value: Any, state: _InitState) -> None:
         value = state.ctx.comm.broadcast(value.clone(), 0, Tag(Kind.BROADCAST, f"zero3.Init value of {z.name}"))
     shard = sharding.shard_tensor(value, z.world_size, z.rank).to(z.shard.device)
     if shard.dtype == z.shard.dtype:
-        z.shard.copy_(shard)
+        with state.ctx.resident([p], write=True, overwrite=True):
+            z.shard.copy_(shard)
+    elif z.swap is not None:
+        raise ZeroStateError(f"{z.summary()}: its shard is on NVMe in {z.shard.dtype}; .data may only be assigned a "
+                             f"{z.shard.dtype} tensor under zero3.Init(remote_device='nvme'), got {shard.dtype}")
     else:
         z.replace_shard(shard)
         set_placeholder_dtype(p, shard.dtype)
@@ -437,8 +465,9 @@ def _write_back(state: _InitState) -> None:
     if state.sync == "broadcast" and state.ctx.world_size > 1:
         for p in touched:
             state.ctx.comm.broadcast(raw_data(p), 0, Tag(Kind.BROADCAST, f"zero3.Init value of {p._zero.name}"))
-    for p in touched:
-        copy_full_into_shard(p)
+    with state.ctx.resident(touched, write=True, overwrite=True):
+        for p in touched:
+            copy_full_into_shard(p)
     state.ctx.coordinator.release_for_user(touched)
 
 
@@ -479,7 +508,10 @@ class GatheredParameters:
     def __enter__(self) -> list[ZeroParameter]:
         if not self.enabled:
             return self.params
-        _owner(self.params).coordinator.gather_for_user(self.params)
+        ctx = _owner(self.params)
+        ctx.require_states("GatheredParameters", ("lp_params",) if self.modifier_rank is None else
+                           ("lp_params", "hp_params"))
+        ctx.coordinator.gather_for_user(self.params)
         return self.params
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -502,8 +534,9 @@ class GatheredParameters:
                 n = p._zero.numel
                 raw_data(p).view(-1).copy_(flat[off: off + n])
                 off += n
-        for p in self.params:
-            copy_full_into_shard(p)
+        with ctx.resident(self.params, write=True, overwrite=True):
+            for p in self.params:
+                copy_full_into_shard(p)
 
 
 def _owner(params: list[ZeroParameter]) -> RuntimeContext:

@@ -2,7 +2,8 @@
 
 Resident memory is what the process holds (RSS and the machine's available memory on CPU;
 allocated, reserved and their peaks on CUDA); model state is what zero3's engines in this process
-hold, by tier. On CPU, RSS includes what glibc keeps after frees; measure with
+hold, by tier: the in-memory tiers count only bytes in memory, and ``offloaded`` counts what lives in
+an offload tier (host memory with CPU offload, or NVMe, shown apart). On CPU, RSS includes what glibc keeps after frees; measure with
 ``MALLOC_MMAP_THRESHOLD_=131072`` set for the process to see live tensors (docs/debugging.md).
 """
 
@@ -20,7 +21,7 @@ from .context import LIVE_CONTEXTS
 logger = logging.getLogger("zero3.memory")
 
 _TIERS = ("gathered_param_bytes", "param_shard_bytes", "master_bytes", "optimizer_state_bytes", "grad_shard_bytes",
-          "offloaded_bytes")
+          "offloaded_bytes", "nvme_bytes")
 
 
 def see_memory_usage(message: str, force: bool = False, *, all_ranks: bool = False) -> dict[str, Any] | None:
@@ -43,7 +44,7 @@ def see_memory_usage(message: str, force: bool = False, *, all_ranks: bool = Fal
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if all_ranks or rank == 0:
         logger.info("%s | %s | model state: gathered %s, shards %s, masters %s, optimizer %s, gradients %s, "
-                    "offloaded %s", message, _resident_text(figures), *(_mib(state[k]) for k in _TIERS))
+                    "offloaded %s (NVMe %s)", message, _resident_text(figures), *(_mib(state[k]) for k in _TIERS))
     return figures
 
 

@@ -38,6 +38,10 @@ class StepMetrics:
     plan_departures: int = 0  # times this rank left the agreed collective plan
     anomalies: int = 0  # planned collectives whose headers showed another rank leaving or a mismatch
     dummy_collectives: int = 0  # void planned collectives issued to switch every rank at one point
+    nvme_reads_ahead: int = 0  # parameter shards read from NVMe ahead of their all-gather
+    nvme_wait_seconds: float = 0.0  # time blocked waiting for parameter shards to arrive from NVMe
+    nvme_read_bytes: int = 0  # bytes read from swap files (shards, optimizer state) during the step
+    nvme_write_bytes: int = 0  # bytes written to swap files during the step
 
     def add_live(self, numel: int, nbytes: int) -> None:
         self.live_numel += numel

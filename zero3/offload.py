@@ -6,6 +6,10 @@ master gradients accumulate there, the optimizer creates its moments next to the
 CPU too) and steps there; after the step the masters are copied explicitly into the parameter-shard
 buffer on the parameters' device. On a CPU-only machine both buffers are CPU tensors, yet two
 allocations with an explicit copy, so the tests run the same path.
+
+``offload_optimizer="nvme"`` is the same on the CPU side, with each master a tensor of its own that,
+like the optimizer's per-element state, lives in a swap file between steps (swap.py, and optim.py
+[Note: streamed optimizer step]).
 """
 
 from __future__ import annotations
@@ -32,7 +36,12 @@ class OffloadPolicy:
 
     @property
     def enabled(self) -> bool:
-        return self.device == "cpu"
+        """Masters and optimizer state live on the CPU side (in CPU memory, or behind it on NVMe)."""
+        return self.device in ("cpu", "nvme")
+
+    @property
+    def nvme(self) -> bool:
+        return self.device == "nvme"
 
     def alloc_master(self, numel: int, shard_device: torch.device) -> torch.Tensor:
         """A zeroed fp32 buffer for masters: on the CPU (pinned if asked and CUDA exists) when

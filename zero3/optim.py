@@ -2,9 +2,10 @@
 flat buffers, the fp16 overflow check, global-norm clipping.
 
 [Note: flat master buffers]
-With ``dtype="fp32"`` and no offload the optimizer steps on the parameter shards themselves
-(`shard_optimizer`). Otherwise (bf16/fp16, or ``offload_optimizer="cpu"``) each param group of the
-user's optimizer gets a `FlatGroup`: two buffers with one layout,
+With ``dtype="fp32"`` the optimizer steps on the parameter shards themselves (`shard_optimizer`),
+unless the optimizer is offloaded while the shards are not (then the masters are separate, on the
+CPU side). Otherwise (bf16/fp16, or ``offload_optimizer="cpu"``) each param group of the user's
+optimizer gets a `FlatGroup`: two buffers with one layout,
 
 - ``master``: fp32, one allocation per group, on the shard's device (on the CPU when offloaded,
   pinned if asked and CUDA exists); each trainable parameter's master shard is a view into it, and
@@ -22,13 +23,31 @@ optimizer step one ``low.copy_(master)`` per group casts all the new weights bac
 
 The gradient of a master shard (``master.grad``, fp32, on the master's device) is where the reducer
 accumulates (grad.py); it is allocated lazily and dropped by ``zero_grad``.
+
+With ``offload_param="nvme"`` the shards stay standalone tensors (each goes to the drive on its own,
+swap.py), so a `FlatGroup` has no ``low`` buffer and the masters are cast into each shard's region.
+With ``offload_optimizer="nvme"`` there are no flat buffers: each master is a tensor of its own, so
+that it and the optimizer's per-element state can go to the drive between steps and come back
+``sub_group_size`` elements at a time ([Note: streamed optimizer step]).
+
+[Note: streamed optimizer step]
+When the tensors the optimizer steps on, or its state, live on NVMe, ``step`` walks the trainable
+parameters in sub-groups (consecutive parameters of one param group, at most ``sub_group_size``
+shard elements). For each, the param groups are narrowed to the sub-group's tensors (the others'
+``params`` are empty for that call) and the user's optimizer steps; its state is keyed by tensor,
+so it persists across the calls, and every built-in torch optimizer updates each parameter from
+its own state only, so the result is the same, bit for bit, as one step over everything. The
+sub-group after the next is read while one steps, and the one before is written: at most three
+sub-groups' tensors are in memory. Optimizer step hooks run once per sub-group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +59,7 @@ from .model_parallel import ModelParallel, is_tensor_parallel
 from .offload import OffloadPolicy
 from .param import ZeroParameter
 from .precision import LossScaler, unscale_
+from .swap import AsyncIO, Residence, ShardTier, StorageTier, SwapFile
 
 if TYPE_CHECKING:
     from .config import ZeroConfig
@@ -120,12 +140,14 @@ def _call_factory(factory: Any, groups: list[dict[str, Any]]) -> torch.optim.Opt
 
 @dataclass(eq=False)
 class FlatGroup:
-    """One param group's shards on this rank: fp32 masters and parameter shards, one layout."""
+    """One param group's shards on this rank: fp32 masters and parameter shards, one layout.
+    ``master`` is None when each master is a tensor of its own (optimizer state on NVMe), ``low``
+    when each shard is (parameter shards on NVMe)."""
 
     params: list[ZeroParameter]
     offsets: list[int]
-    master: torch.Tensor
-    low: torch.Tensor
+    master: torch.Tensor | None
+    low: torch.Tensor | None
 
     def masters(self) -> list[torch.Tensor]:
         return [p._zero.train_tensor for p in self.params]
@@ -140,13 +162,20 @@ class PartitionedOptimizer:
 
     def __init__(self, optimizer: Any, params: Sequence[ZeroParameter], config: ZeroConfig,
                  comm: Communicator, fp32_shards: dict[int, torch.Tensor] | None = None,
-                 model_parallel: ModelParallel | None = None) -> None:
+                 model_parallel: ModelParallel | None = None, *, shards: ShardTier | None = None,
+                 io: AsyncIO | None = None) -> None:
         self.config = config
         self.comm = comm
         self.model_parallel = model_parallel
         self.params = list(params)
         self.scaler = LossScaler.from_config(config)
         self.offload = OffloadPolicy.from_config(config)
+        self.shards = shards  # the NVMe tier of parameter shards (the coordinator's), or None
+        self.states: StorageTier | None = None  # the NVMe tier of masters and optimizer state, or None
+        if self.offload.nvme:
+            assert io is not None, "offload_optimizer='nvme' needs the context's AsyncIO"
+            self.states = StorageTier(io, SwapFile(config.offload_optimizer_nvme_path or "",
+                                                   f"optimizer-rank{comm.rank}"))
         self.groups: list[FlatGroup] = []
         self.skipped_steps = 0
         self.comm_device = self.params[0].data.device if self.params else torch.device("cpu")
@@ -154,14 +183,26 @@ class PartitionedOptimizer:
         self._overflow = False  # ... and whether some rank saw inf/nan then
         self._scaled_backward = False  # fp16: engine.backward scaled a loss in this window
         self._last_overflow = False
-        self.flat = config.dtype != "fp32" or self.offload.enabled
-        if self.flat:
-            self.optimizer = self._build_flat(optimizer, fp32_shards or {})
+        # Separate fp32 masters: under mixed precision, and when the optimizer is offloaded but the
+        # shards are not (offloaded shards already live on the CPU side, where the optimizer steps).
+        self.separate_masters = config.dtype != "fp32" or (self.offload.enabled and config.offload_param == "none")
+        if self.separate_masters:
+            self.optimizer = self._build_masters(optimizer, fp32_shards or {})
         else:
             self.optimizer = shard_optimizer(optimizer, self.params)
+        by_train = {id(p._zero.train_tensor): p for p in self.params}
+        self.group_params = [[by_train[id(t)] for t in g["params"] if id(t) in by_train]
+                             for g in self.optimizer.param_groups]
+        self.streamed = self.states is not None or (self.shards is not None and not self.separate_masters)
+        if self.streamed:
+            if isinstance(self.optimizer, torch.optim.LBFGS):
+                raise ZeroConfigError("LBFGS needs every parameter at once; with optimizer state or parameter "
+                                      "shards on NVMe the step is streamed group by group. Use an optimizer that "
+                                      "updates each parameter from its own state (Adam, AdamW, SGD, ...)")
+            self.subgroups = _subgroups(self.group_params, config.sub_group_size)
 
     # -- set-up ----------------------------------------------------------------------------------
-    def _build_flat(self, optimizer: Any, fp32_shards: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
+    def _build_masters(self, optimizer: Any, fp32_shards: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
         by_id = {id(p): p for p in self.params}
         if isinstance(optimizer, torch.optim.Optimizer):
             _check_fresh(optimizer)
@@ -197,16 +238,43 @@ class PartitionedOptimizer:
             raise ZeroConfigError(f"one optimizer param group holds shards of several dtypes "
                                   f"{sorted(map(str, dtypes))}; "
                                   "build the model in one dtype (zero3.Init(dtype=...)) or set ZeroConfig.dtype")
+        dtype = dtypes.pop() if dtypes else torch.float32
+        if self.offload.nvme:  # each master its own tensor, written to the drive as soon as it is made
+            assert self.states is not None
+            behind = 0
+            for p in ps:
+                m = p._zero.master = self._fp32_copy(p, fp32_shards)
+                self.states.swap_out(("master", p._zero.id), m.untyped_storage())
+                behind += m.numel() * m.element_size()
+                if behind > (256 << 20):  # bounded write-behind: a large model's masters never all in memory
+                    self.states.wait()
+                    behind = 0
+            self.states.wait()
+            return FlatGroup(params=ps, offsets=offsets, master=None, low=None)
         master = self.offload.alloc_master(total, device)
-        low = torch.zeros(total, dtype=dtypes.pop() if dtypes else torch.float32, device=device)
+        low = None
+        if self.shards is None:
+            pin = self.config.offload_param_pin_memory and device.type == "cpu" and torch.cuda.is_available()
+            low = torch.zeros(total, dtype=dtype, device=device, pin_memory=pin)
         for p, off in zip(ps, offsets):
             z = p._zero
             s = z.shard_numel
-            master[off: off + s].copy_(fp32_shards.get(z.id, z.shard))
-            low[off: off + s].copy_(z.shard)
-            z.replace_shard(low[off: off + s])
+            master[off: off + s].copy_(fp32_shards[z.id] if z.id in fp32_shards else self._shard_values(p))
+            if low is not None:
+                low[off: off + s].copy_(z.shard)
+                z.replace_shard(low[off: off + s])
             z.master = master[off: off + s]
         return FlatGroup(params=ps, offsets=offsets, master=master, low=low)
+
+    def _shard_values(self, p: ZeroParameter) -> torch.Tensor:
+        """``p``'s shard values (read back from the drive when its shard is there)."""
+        return self.shards.read_copy(p) if self.shards is not None and p._zero.swap is not None else p._zero.shard
+
+    def _fp32_copy(self, p: ZeroParameter, fp32_shards: dict[int, torch.Tensor]) -> torch.Tensor:
+        src = fp32_shards[p._zero.id] if p._zero.id in fp32_shards else self._shard_values(p)
+        pin = self.offload.pin_memory and torch.cuda.is_available()
+        out = torch.empty(src.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+        return out.copy_(src)
 
     # -- one training window (micro-batches up to an optimizer step) ---------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -262,7 +330,8 @@ class PartitionedOptimizer:
         return self._overflow
 
     def step(self) -> bool:
-        """Unscale and agree on overflow (fp16), clip (``gradient_clipping``), step, copy back.
+        """Unscale and agree on overflow (fp16), clip (``gradient_clipping``), step, copy back
+        (streamed from NVMe when state lives there: [Note: streamed optimizer step]).
 
         Returns False when an overflow skipped the step (on every rank), else True.
         """
@@ -277,10 +346,122 @@ class PartitionedOptimizer:
                 return False
         if self.config.gradient_clipping > 0:
             self.clip_grad_norm(self.config.gradient_clipping)
-        self.optimizer.step()
-        self.copy_masters_to_shards()
+        if self.streamed:
+            self._streamed_step()
+        else:
+            self.optimizer.step()
+            self.copy_masters_to_shards()
         self.zero_grad()
         return True
+
+    # -- state on NVMe ---------------------------------------------------------------------------
+    def _streamed_step(self) -> None:
+        """See [Note: streamed optimizer step]."""
+        groups = self.optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        subs = self.subgroups
+        writing: deque[list[ZeroParameter]] = deque()
+        try:
+            if subs:
+                self._bring_in(subs[0][1])
+            for k, (gi, ps) in enumerate(subs):
+                self._wait_in(ps)
+                while len(writing) > 1:
+                    self._wait_out(writing.popleft())
+                if k + 1 < len(subs):
+                    self._bring_in(subs[k + 1][1])
+                for j, g in enumerate(groups):
+                    g["params"] = [p._zero.train_tensor for p in ps] if j == gi else []
+                self.optimizer.step()
+                self._send_out(ps)
+                writing.append(ps)
+            while writing:
+                self._wait_out(writing.popleft())
+        finally:
+            for g, params in zip(groups, saved):
+                g["params"] = params
+
+    def _state_keys(self, ps: Sequence[ZeroParameter], resident: Residence | None = None) -> list[Hashable]:
+        """Swap keys of ``ps``' separate masters and per-element optimizer state (in ``resident`` only)."""
+        assert self.states is not None
+        keys: list[Hashable] = []
+        for p in ps:
+            z = p._zero
+            if z.master is not None:
+                keys.append(("master", z.id))
+            for name, v in self.optimizer.state.get(z.train_tensor, {}).items():
+                if _per_element(v, z.shard_numel):
+                    keys.append((z.id, name))
+        if resident is None:
+            return keys
+        return [k for k in keys if self.states.state(k) is resident]
+
+    def _bring_in(self, ps: Sequence[ZeroParameter]) -> None:
+        if self.shards is not None and not self.separate_masters:
+            self.shards.load(ps, wait=False)
+        if self.states is not None:
+            for key in self._state_keys(ps, Residence.ON_NVME):
+                self.states.swap_in(key)
+
+    def _wait_in(self, ps: Sequence[ZeroParameter]) -> None:
+        if self.shards is not None and not self.separate_masters:
+            self.shards.wait(ps)
+        if self.states is not None:
+            self.states.wait(self._state_keys(ps))
+
+    def _send_out(self, ps: Sequence[ZeroParameter]) -> None:
+        if self.separate_masters:
+            for p in ps:
+                self._write_shard(p, p._zero.train_tensor)
+        elif self.shards is not None:
+            self.shards.unload(ps, write=True)
+        if self.states is not None:
+            self._send_out_states(ps)
+
+    def _wait_out(self, ps: Sequence[ZeroParameter]) -> None:
+        if self.shards is not None:
+            self.shards.wait(ps)
+        if self.states is not None:
+            self.states.wait(self._state_keys(ps))
+
+    def _write_shard(self, p: ZeroParameter, master: torch.Tensor) -> None:
+        """Cast ``master`` into ``p``'s shard, in memory or in its region on the drive."""
+        if self.shards is not None and p._zero.swap is not None:
+            self.shards.store(p, master)
+        else:
+            p._zero.shard.copy_(master)
+
+    @contextlib.contextmanager
+    def loaded(self, params: Sequence[ZeroParameter], write: bool) -> Iterator[None]:
+        """Keep ``params``' masters and optimizer state in memory inside the block (read from the
+        drive with ``offload_optimizer="nvme"``); with ``write``, what the block changed (or put in
+        their place, as a checkpoint load does) goes back to the drive after it."""
+        if self.states is None:
+            yield
+            return
+        ps = [p for p in params if p.requires_grad]
+        for key in self._state_keys(ps, Residence.ON_NVME):
+            self.states.swap_in(key)
+        self.states.wait(self._state_keys(ps))
+        try:
+            yield
+        finally:
+            if write:
+                self._send_out_states(ps)
+            else:
+                for key in self._state_keys(ps, Residence.IN_MEMORY):
+                    self.states.drop(key)
+            self.states.wait(self._state_keys(ps))
+
+    def _send_out_states(self, ps: Sequence[ZeroParameter]) -> None:
+        assert self.states is not None
+        for p in ps:
+            z = p._zero
+            if z.master is not None:
+                self.states.swap_out(("master", z.id), z.master.untyped_storage())
+            for name, v in self.optimizer.state.get(z.train_tensor, {}).items():
+                if _per_element(v, z.shard_numel):
+                    self.states.swap_out((z.id, name), v.untyped_storage())
 
     @property
     def overflow(self) -> bool:
@@ -304,9 +485,17 @@ class PartitionedOptimizer:
         return self.optimizer.state.get(p._zero.train_tensor, {})
 
     def copy_masters_to_shards(self) -> None:
-        """One cast-and-copy per group: fp32 masters into the parameter shards (zero3/offload.py)."""
+        """One cast-and-copy per group: fp32 masters into the parameter shards (zero3/offload.py);
+        per parameter when shards or masters are tensors of their own."""
         for fg in self.groups:
-            self.offload.copy_back(fg.low, fg.master)
+            if fg.low is not None and fg.master is not None:
+                self.offload.copy_back(fg.low, fg.master)
+                continue
+            for p in fg.params:
+                with self.loaded([p], write=False):
+                    self._write_shard(p, p._zero.train_tensor)
+        if self.shards is not None:
+            self.shards.flush()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -316,15 +505,55 @@ class PartitionedOptimizer:
 
     # -- accounting ------------------------------------------------------------------------------
     def shard_bytes(self) -> int:
-        """Bytes of parameter shards: the flat ``low`` buffers (gaps included) plus standalone shards."""
-        flat = {p._zero.id for fg in self.groups for p in fg.params}
-        n = sum(fg.low.numel() * fg.low.element_size() for fg in self.groups)
-        return n + sum(p._zero.shard.numel() * p._zero.shard.element_size() for p in self.params
-                       if p._zero.id not in flat)
+        """Bytes of parameter shards in memory: the flat ``low`` buffers (gaps included) plus
+        standalone shards (those on the drive count 0)."""
+        flat = {p._zero.id for fg in self.groups if fg.low is not None for p in fg.params}
+        n = sum(resident_bytes(fg.low) for fg in self.groups if fg.low is not None)
+        return n + sum(resident_bytes(p._zero.shard) for p in self.params if p._zero.id not in flat)
 
     def master_bytes(self) -> int:
-        """Bytes of the fp32 master buffers (0 when the optimizer steps on the shards themselves)."""
-        return sum(fg.master.numel() * fg.master.element_size() for fg in self.groups)
+        """Bytes of the fp32 masters in memory (0 when the optimizer steps on the shards themselves)."""
+        flat = sum(resident_bytes(fg.master) for fg in self.groups if fg.master is not None)
+        return flat + sum(resident_bytes(p._zero.master) for fg in self.groups if fg.master is None
+                          for p in fg.params if p._zero.master is not None)
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer's per-element state in memory."""
+        return sum(resident_bytes(v) for state in self.optimizer.state.values() for v in state.values()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes of masters and optimizer state whose home is the drive."""
+        return self.states.nvme_bytes if self.states is not None else 0
+
+
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` in memory: 0 while its storage is released (offloaded or swapped out)."""
+    return t.numel() * t.element_size() if t.untyped_storage().nbytes() > 0 else 0
+
+
+def _per_element(v: Any, shard_numel: int) -> bool:
+    """Optimizer state with one value per shard element (Adam's moments; not a step counter)."""
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == shard_numel
+
+
+def _subgroups(group_params: list[list[ZeroParameter]], limit: int) -> list[tuple[int, list[ZeroParameter]]]:
+    """Consecutive parameters of each param group, at most ``limit`` shard elements per sub-group
+    (a larger parameter is a sub-group of its own)."""
+    out: list[tuple[int, list[ZeroParameter]]] = []
+    for gi, ps in enumerate(group_params):
+        cur: list[ZeroParameter] = []
+        n = 0
+        for p in ps:
+            if cur and n + p._zero.shard_numel > limit:
+                out.append((gi, cur))
+                cur, n = [], 0
+            cur.append(p)
+            n += p._zero.shard_numel
+        if cur:
+            out.append((gi, cur))
+    return out
 
 
 def clip_shards(grads: Sequence[tuple[torch.Tensor, bool]], max_norm: float, norm_type: float,

@@ -65,6 +65,7 @@ class ZeroParam:
     master: torch.Tensor | None = None  # fp32 master shard (a view into a flat buffer), if separate
     prefetched: bool = False  # gathered ahead of use and not used yet (prefetch accounting)
     aliased: bool = False  # world size 1, persistent: the full data is a view of the shard (alias_shard)
+    swap: Any = None  # the `swap.ShardSwap` of a shard that lives on NVMe (None: the shard is in memory)
     ctx: Any = None  # the RuntimeContext that owns the parameter (context.py imports this module)
     numel: int = field(init=False)  # full, unpadded; read on every fetch and release, so stored
     shard_numel: int = field(init=False)  # padded; the same on every rank and for every shard dtype
@@ -146,6 +147,7 @@ class ZeroParameter(nn.Parameter):
         """DeepSpeed's ``param.all_gather()``: gather this parameter (and those of ``param_list``)
         and keep them gathered until `partition`. A collective: call it on every rank."""
         params = _sorted_params(self, param_list)
+        self._zero.ctx.require_states("param.all_gather()", ("lp_params",))
         self._zero.ctx.coordinator.gather_for_user(params)
 
     def partition(self, param_list: Any = None, has_been_updated: bool = False) -> None:
@@ -153,8 +155,9 @@ class ZeroParameter(nn.Parameter):
         gathered values (changed the same way on every rank) are written back into the shards."""
         params = [p for p in _sorted_params(self, param_list) if p._zero.user_pins > 0]
         if has_been_updated:
-            for p in params:
-                copy_full_into_shard(p)
+            with self._zero.ctx.resident(params, write=True, overwrite=True):  # NVMe shards: memory, no read
+                for p in params:
+                    copy_full_into_shard(p)
         self._zero.ctx.coordinator.release_for_user(params)
 
     def __deepcopy__(self, memo: dict) -> Any:
@@ -354,7 +357,8 @@ def partition(p: nn.Parameter, *, name: str, world_size: int, rank: int, group: 
 
 
 def copy_full_into_shard(p: ZeroParameter) -> None:
-    """After the full data was modified, make this rank's shard (and master) match it."""
+    """After the full data was modified, make this rank's shard (and master) match it. Both must be
+    in memory (``RuntimeContext.resident``)."""
     z = p._zero
     z.shard.copy_(sharding.shard_tensor(raw_data(p), z.world_size, z.rank))
     if z.master is not None:

@@ -60,6 +60,8 @@ def lower_precision(params: Iterable[ZeroParameter], dtype: torch.dtype) -> dict
         if z.status is not ParamStatus.NOT_AVAILABLE:
             raise ZeroStateError(f"{z.summary()} is gathered while the engine casts it to {dtype}; close "
                                  "GatheredParameters contexts before zero3.initialize")
+        if z.swap is not None:
+            continue  # on NVMe, in ``dtype`` already (context.py checks): masters read it back when built
         if p.requires_grad:
             fp32[z.id] = z.shard if z.shard.dtype == torch.float32 else z.shard.float()
         if z.shard.dtype == dtype:

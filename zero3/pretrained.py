@@ -195,6 +195,8 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
     plan: list[tuple[str, torch.Tensor | ZeroParameter]] = []
     error: BaseException | None = None
     try:
+        if params and hasattr(params[0]._zero.ctx, "require_states"):
+            params[0]._zero.ctx.require_states("pretrained.load_state_dict", ("lp_params", "hp_params"))
         source = open_source(state_dict_or_path)
         result, plan = _plan(module, source, strict)
     except Exception as exc:  # noqa: BLE001 - agreed across ranks below
@@ -284,11 +286,12 @@ def _load_partitioned(source: _Source, key: str, p: ZeroParameter) -> None:
     z = p._zero
     start, end = z.shard_range()
     n = max(end - start, 0)
-    dest = z.train_tensor
-    dest[n:].zero_()
-    source.read(key, start, dest[:n])
-    if dest is not z.shard:
-        z.shard.copy_(dest)
+    with z.ctx.resident([p], write=True):  # written back when the shard or master lives on NVMe
+        dest = z.train_tensor
+        dest[n:].zero_()
+        source.read(key, start, dest[:n])
+        if dest is not z.shard:
+            z.shard.copy_(dest)
     if z.status is not ParamStatus.NOT_AVAILABLE:  # persistent, gathered: refreshed by the caller
         assert z.persistent, f"{z.name} is gathered while loading"
 

@@ -47,7 +47,7 @@ def test_init_takes_deepspeeds_names_and_builds_low_precision_shards_from_the_co
     ({"zero_quantized_weights": True}, "zero_quantized_weights=True (quantized weight gathers"),
     ({"param_swapper": object()}, "param_swapper"),
     ({"no_such_option": 1}, "no_such_option"),
-    ({"remote_device": "nvme"}, "remote_device='nvme'"),
+    ({"remote_device": "nvme"}, "remote_device='nvme') needs offload_param.nvme_path"),
     ({"remote_device": "floppy"}, "remote_device='floppy'"),
     ({"config": {}, "config_dict_or_path": {}}, "more than one"),
 ])

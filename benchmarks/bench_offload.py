@@ -1,0 +1,418 @@
+"""Offload on 2 gloo CPU ranks: resident memory with and without NVMe offload, engine.offload_states,
+and a bounded search for the largest GPT that trains with AdamW on this machine.
+
+    python benchmarks/bench_offload.py --nvme-path DIR                 # memory figures (a few minutes)
+    python benchmarks/bench_offload.py --nvme-path DIR --quick         # a smaller model (about a minute)
+    python benchmarks/bench_offload.py --nvme-path DIR --capacity      # the capacity search (long)
+
+Every variant runs in a fresh pair of rank processes (one torch thread each) started with
+``MALLOC_MMAP_THRESHOLD_=131072`` (set here before spawning), so freed tensors go back to the OS
+and RSS follows live memory (docs/debugging.md). The model is built under ``zero3.Init`` with the
+variant's config (so shards on NVMe are written as they are made) and trained with AdamW on the
+same synthetic batches; every variant must end with the same loss.
+
+Memory figures (default): per rank, the highest over both ranks: RSS after the build, RSS between
+steps (after the last step), peak RSS (``ru_maxrss``), model state in memory and on NVMe
+(``engine.memory_report()``), the step time (slower rank, after a barrier), the time blocked
+waiting for shards from NVMe, and the bytes read and written per step. The last row runs without
+offload and moves everything out with ``offload_states(device="nvme")`` and back.
+
+Capacity (``--capacity``): GPTs with ``n_embd`` 2048 (16 heads, vocab 256, one sequence of 32
+tokens per rank; `DefaultInitGPT`: PyTorch's default init) and a growing number of layers, fp32,
+AdamW, without offload and with parameters and optimizer state on NVMe. For each mode the search
+starts at the size a simple memory/disk model predicts, then moves one step (``--capacity-step``
+layers) up while attempts succeed, or down while they fail, at most ``--max-attempts`` times. An
+attempt succeeds when both ranks finish the optimizer steps asked for (``--capacity-steps``,
+default 1; the first step also creates AdamW's moments). An attempt is stopped (and counted as failed, with the reason) after
+``--attempt-timeout`` seconds, when the machine's MemAvailable falls below ``--memory-guard`` GiB
+(so this never drives the machine into its OOM killer), or when the drive's free space falls below
+``--disk-floor`` GiB. Sizes whose predicted swap files exceed ``--disk-budget`` GiB (default: half
+the free space when the search starts) are not attempted. Figures are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from gpt import GPT, Block  # noqa: E402  (examples/gpt.py)
+
+GIB, MIB = 1 << 30, 1 << 20
+
+
+class DefaultInitGPT(GPT):
+    """examples/gpt.py's GPT with PyTorch's default initialisation of its layers: the same modules,
+    parameters, memory and work per step, without GPT-2's re-initialisation (under zero3.Init that
+    gathers and rewrites every weight once more, which only lengthens the build of a large model)."""
+
+    def __init__(self, cfg: Any) -> None:
+        torch.nn.Module.__init__(self)
+        self.cfg = cfg
+        self.wte = torch.nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = torch.nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.h = torch.nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.ln_f = torch.nn.LayerNorm(cfg.n_embd)
+        self.lm_head = torch.nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as in GPT
+
+
+# -- inside a rank ----------------------------------------------------------------------------------
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=3600))
+    import zero3
+    from gpt import GPTConfig, synthetic_batch
+
+    fig: dict[str, Any] = {"rank": rank, "steps": [], "losses": []}
+
+    def save() -> None:
+        with open(f"{out}.{rank}.tmp", "w") as fh:
+            json.dump(fig, fh)
+        os.replace(f"{out}.{rank}.tmp", f"{out}.{rank}")
+
+    cfg = GPTConfig(**spec["model"])
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with zero3.Init(config_dict_or_path=spec["zero"]):
+        model = (DefaultInitGPT if spec.get("default_init") else GPT)(cfg)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), spec["zero"])
+    fig.update(build_s=time.perf_counter() - t0, rss_built=_rss(), params=sum(p.ds_numel for p in engine.params))
+    save()
+    batch = spec["batch"]
+    waits, ahead, reads, writes = [], [], [], []
+    for step in range(spec["steps"]):
+        x, y = synthetic_batch(step % 4, batch * world, cfg)
+        dist.barrier()
+        t = time.perf_counter()
+        loss = engine(x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch])
+        engine.backward(loss)
+        engine.step()
+        took = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        m = engine.last_step_metrics
+        fig["steps"].append(took.item())
+        fig["losses"].append(loss.item())
+        waits.append(m.nvme_wait_seconds)
+        ahead.append(m.nvme_reads_ahead)
+        reads.append(m.nvme_read_bytes)
+        writes.append(m.nvme_write_bytes)
+        fig["rss_between_steps"] = _rss()
+        save()
+    report = engine.memory_report()
+    fig.update(report=report, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               nvme_wait=waits, reads_ahead=ahead, read_bytes=reads, write_bytes=writes)
+    if spec.get("extra_step"):  # one more step; with "states", after offload_states and reload_states
+        if spec.get("states"):
+            fig["moved"] = engine.offload_states(device="nvme", nvme_path=spec["nvme_path"])
+            fig["rss_offloaded"] = _rss()
+            engine.reload_states()
+            fig["rss_reloaded"] = _rss()
+        x, y = synthetic_batch(spec["steps"] % 4, batch * world, cfg)
+        loss = engine(x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch])
+        engine.backward(loss)
+        engine.step()
+        fig["extra_loss"] = loss.item()
+    fig["done"] = True
+    save()
+    dist.destroy_process_group()
+
+
+# -- the parent: one variant in fresh processes, with guards ----------------------------------------------
+def _mem_available() -> int:
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_variant(spec: dict[str, Any], timeout: float, guard: dict[str, float]) -> dict[str, Any]:
+    """Run ``spec`` on 2 fresh ranks; returns each rank's figures, the outcome and the lowest
+    MemAvailable and free disk seen while it ran."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    work = tempfile.mkdtemp(prefix="bench_offload-")
+    out = os.path.join(work, "rank")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, spec, out)) for r in range(2)]
+    t0 = time.time()
+    for p in procs:
+        p.start()
+    outcome, low_mem, low_disk = "ok", _mem_available(), shutil.disk_usage(spec["nvme_path"]).free
+    while any(p.is_alive() for p in procs):
+        time.sleep(0.1)
+        low_mem = min(low_mem, _mem_available())
+        low_disk = min(low_disk, shutil.disk_usage(spec["nvme_path"]).free)
+        reason = None
+        if time.time() - t0 > timeout:
+            reason = f"stopped: past the {timeout:.0f} s time limit"
+        elif low_mem < guard["memory"]:
+            reason = f"stopped: MemAvailable fell below the {guard['memory'] / GIB:.1f} GiB guard"
+        elif low_disk < guard["disk"]:
+            reason = f"stopped: free disk fell below the {guard['disk'] / GIB:.0f} GiB floor"
+        elif any(p.exitcode not in (None, 0) for p in procs):
+            reason = "failed: a rank exited with " + ", ".join(str(p.exitcode) for p in procs if p.exitcode)
+        if reason is not None:
+            outcome = reason
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            break
+    for p in procs:
+        p.join(timeout=30)
+    ranks = []
+    for r in range(2):
+        try:
+            with open(f"{out}.{r}") as fh:
+                ranks.append(json.load(fh))
+        except (OSError, ValueError):
+            ranks.append({})
+    shutil.rmtree(work, ignore_errors=True)
+    if outcome == "ok" and not all(f.get("done") for f in ranks):
+        outcome = "failed: a rank did not finish (exit codes " + ", ".join(str(p.exitcode) for p in procs) + ")"
+    return {"ranks": ranks, "outcome": outcome, "low_mem": low_mem, "low_disk": low_disk,
+            "wall": time.time() - t0}
+
+
+# -- the memory figures --------------------------------------------------------------------------------------
+def _zero_config(n_embd: int, nvme_path: str, param: bool, optimizer: bool, pool_blocks: float = 2.0,
+                 sub_groups_per_block: int = 2) -> dict:
+    """One Block per prefetch and per gradient bucket, three Blocks live at most; with NVMe offload a
+    buffer pool of about ``pool_blocks`` Blocks' shards and optimizer sub-groups of a fraction of one."""
+    block = 12 * n_embd * n_embd + 13 * n_embd
+    cfg: dict[str, Any] = {"max_reuse_distance": 0, "prefetch_bucket_size": block, "max_live_parameters": 3 * block,
+                           "reduce_bucket_size": block}
+    if param:
+        largest = 4 * n_embd * n_embd // 2  # c_fc / c_proj weight shard at 2 ranks
+        count = max(2, int(pool_blocks * (block // 2) / largest) + 1)
+        cfg["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0, "buffer_count": count,
+                                "buffer_size": largest}
+    if optimizer:
+        cfg["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path}
+        cfg["sub_group_size"] = block // sub_groups_per_block
+    return cfg
+
+
+def memory_figures(args: argparse.Namespace) -> None:
+    model = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "vocab_size": 512,
+             "block_size": 64}
+    variants = [("no offload", False, False, False), ("parameters on NVMe", True, False, False),
+                ("optimizer state on NVMe", False, True, False), ("parameters and optimizer state on NVMe", True, True,
+                                                                  False),
+                ("no offload; offload_states(nvme) between steps", False, False, True)]
+    guard = {"memory": args.memory_guard * GIB, "disk": args.disk_floor * GIB}
+    rows = []
+    for name, param, optimizer, states in variants:
+        spec = {"model": model, "batch": 2, "steps": args.steps, "nvme_path": args.nvme_path, "states": states,
+                "extra_step": not (param or optimizer), "zero": _zero_config(args.n_embd, args.nvme_path, param,
+                                                                               optimizer)}
+        res = run_variant(spec, args.attempt_timeout, guard)
+        rows.append((name, res))
+        print(f"  {name}: {res['outcome']} ({res['wall']:.0f} s)", file=sys.stderr, flush=True)
+    first = rows[0][1]["ranks"][0]
+    print(f"# bench_offload  {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}  "
+          f"2 gloo ranks x 1 thread, MALLOC_MMAP_THRESHOLD_=131072; GPT n_layer={args.n_layer} n_embd={args.n_embd} "
+          f"({first.get('params', 0):,} parameters), fp32, AdamW, 2 sequences of 64 tokens per rank, "
+          f"{args.steps} steps; swap files under {args.nvme_path}\n")
+    print("Per rank, the higher of the two ranks. Model state in memory = parameter shards + gradient shards + "
+          "optimizer state (memory_report, between steps); step = median of the steps after the first.\n")
+    print("| variant | RSS after build (MiB) | RSS between steps (MiB) | peak RSS (MiB) | model state in memory "
+          "(MiB) | on NVMe (MiB) | buffer pool (MiB) | step (s) | NVMe wait / step (s) | shards read ahead / step | "
+          "read / written per step (MiB) | loss after last step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    base_rss = None
+    for name, res in rows:
+        ranks = [f for f in res["ranks"] if f.get("done")]
+        if len(ranks) < 2:
+            print(f"| {name} | {res['outcome']} |||||||||||")
+            continue
+        rep = [f["report"] for f in ranks]
+        state = max(r["param_shard_bytes"] + r["grad_shard_bytes"] + r["optimizer_state_bytes"] for r in rep)
+        rss = max(f["rss_between_steps"] for f in ranks)
+        base_rss = rss if base_rss is None else base_rss
+        later = ranks[0]["steps"][1:] or ranks[0]["steps"]
+        print(f"| {name} | {max(f['rss_built'] for f in ranks) / MIB:.0f} | {rss / MIB:.0f} | "
+              f"{max(f['peak_rss'] for f in ranks) / MIB:.0f} | {state / MIB:.1f} | "
+              f"{max(r['nvme_bytes'] for r in rep) / MIB:.1f} | {max(r['swap_buffer_bytes'] for r in rep) / MIB:.1f} | "
+              f"{statistics.median(later):.2f} | {statistics.median(ranks[0]['nvme_wait'][1:] or [0]):.2f} | "
+              f"{statistics.median(ranks[0]['reads_ahead'][1:] or [0]):.0f} | "
+              f"{statistics.median(ranks[0]['read_bytes'][1:] or [0]) / MIB:.0f} / "
+              f"{statistics.median(ranks[0]['write_bytes'][1:] or [0]) / MIB:.0f} | {ranks[0]['losses'][-1]:.6f} |")
+    print()
+    for name, res in rows:
+        ranks = [f for f in res["ranks"] if f.get("done")]
+        if len(ranks) < 2 or base_rss is None:
+            continue
+        if "moved" in ranks[0]:
+            plain = [f for f in rows[0][1]["ranks"] if f.get("done")]
+            for f in ranks:
+                same = len(plain) == 2 and plain[f["rank"]].get("extra_loss") == f["extra_loss"]
+                print(f"- {name}, rank {f['rank']}: offload_states moved {f['moved'] / MIB:.1f} MiB; RSS "
+                      f"{f['rss_between_steps'] / MIB:.0f} -> {f['rss_offloaded'] / MIB:.0f} MiB after offload_states "
+                      f"(-{(f['rss_between_steps'] - f['rss_offloaded']) / MIB:.1f}), {f['rss_reloaded'] / MIB:.0f} MiB "
+                      f"after reload_states; the next step's loss {f['extra_loss']:.6f} "
+                      f"{'equals' if same else 'DIFFERS FROM'} the uninterrupted run's")
+        elif ranks[0]["report"]["nvme_bytes"]:
+            for f in ranks:
+                saved = base_rss - f["rss_between_steps"]
+                nvme = f["report"]["nvme_bytes"]
+                print(f"- {name}, rank {f['rank']}: RSS between steps {saved / MIB:.1f} MiB below no offload's "
+                      f"(highest rank); on NVMe {nvme / MIB:.1f} MiB, buffer pool "
+                      f"{f['report']['swap_buffer_bytes'] / MIB:.1f} MiB")
+
+
+# -- the capacity search ----------------------------------------------------------------------------------------
+CAP_EMBD, CAP_HEAD, CAP_VOCAB, CAP_BLOCK = 2048, 16, 256, 32
+
+
+def gpt_params(n_layer: int, c: int = CAP_EMBD) -> int:
+    """Parameters of examples/gpt.py's GPT (tied embeddings)."""
+    return n_layer * (12 * c * c + 13 * c) + (CAP_VOCAB + CAP_BLOCK) * c + 2 * c
+
+
+def _predicted_layers(mode: str, available: int, disk: int) -> int:
+    """The largest layer count a simple model says fits: fp32 AdamW holds 16 bytes per parameter
+    (parameter, gradient, two moments) over both ranks; without offload all of it is in memory,
+    with NVMe offload the gradients (4 bytes) stay in memory and 12 bytes go to the drive. Each rank
+    also holds about 1.5 GiB more (torch, gathered blocks, gradient buckets), 2 GiB with offload (the
+    buffer pool and the optimizer's sub-groups too)."""
+    overhead = 2 * int((1.5 if mode == "none" else 2.0) * GIB)
+    n = 1
+    while True:
+        p = gpt_params(n + 1)
+        mem = (16 if mode == "none" else 4) * p + overhead
+        if mem > available or (mode == "nvme" and 12 * p > disk):
+            return n
+        n += 1
+
+
+def capacity(args: argparse.Namespace) -> None:
+    guard = {"memory": args.memory_guard * GIB, "disk": args.disk_floor * GIB}
+    free = shutil.disk_usage(args.nvme_path).free
+    budget = int(args.disk_budget * GIB) if args.disk_budget else free // 2
+    available = _mem_available() - int(guard["memory"]) - int(args.memory_margin * GIB)
+    model = {"n_embd": CAP_EMBD, "n_head": CAP_HEAD, "vocab_size": CAP_VOCAB, "block_size": CAP_BLOCK}
+    attempts: list[tuple[str, int, dict[str, Any]]] = []
+    best: dict[str, tuple[int, dict[str, Any]] | None] = {}
+    print(f"# bench_offload --capacity  {datetime.datetime.now().isoformat(timespec='seconds')}  torch "
+          f"{torch.__version__}; MemAvailable {(_mem_available()) / GIB:.1f} GiB at the start, free disk under "
+          f"{args.nvme_path} {free / GIB:.1f} GiB, disk budget {budget / GIB:.1f} GiB", file=sys.stderr, flush=True)
+    for mode in args.modes.split(","):
+        n = _predicted_layers(mode, available, budget)
+        best[mode] = None
+        up: bool | None = None  # the search's direction, set by the first attempt
+        for _ in range(args.max_attempts):
+            if n < 1:
+                break
+            if mode == "nvme" and 12 * gpt_params(n) > budget:
+                attempts.append((mode, n, {"outcome": "not attempted: its swap files would exceed the disk budget",
+                                           "ranks": [{}, {}]}))
+                if up:
+                    break  # a larger one would not fit either
+                n -= args.capacity_step
+                continue
+            spec = {"model": {**model, "n_layer": n}, "batch": 1, "steps": args.capacity_steps, "default_init": True,
+                    "nvme_path": args.nvme_path, "zero": _zero_config(CAP_EMBD, args.nvme_path, mode == "nvme",
+                                                                      mode == "nvme", pool_blocks=1.0,
+                                                                      sub_groups_per_block=8)}
+            print(f"  {mode}: n_layer={n} ({gpt_params(n) / 1e9:.2f}B parameters) ...", file=sys.stderr, flush=True)
+            res = run_variant(spec, args.attempt_timeout, guard)
+            ok = res["outcome"] == "ok"
+            print(f"    {res['outcome']} after {res['wall']:.0f} s", file=sys.stderr, flush=True)
+            attempts.append((mode, n, res))
+            if ok:
+                best[mode] = (n, res)
+            if up is None:
+                up = ok
+            elif up != ok:
+                break  # the boundary: one size trained, the next one up did not
+            n = n + args.capacity_step if ok else n - args.capacity_step
+    print(f"# bench_offload --capacity  {datetime.datetime.now().isoformat(timespec='seconds')}  torch "
+          f"{torch.__version__}  2 gloo ranks x 1 thread, MALLOC_MMAP_THRESHOLD_=131072; GPT n_embd={CAP_EMBD} "
+          f"n_head={CAP_HEAD} vocab={CAP_VOCAB} (DefaultInitGPT), 1 sequence of {CAP_BLOCK} tokens per rank, fp32, "
+          f"AdamW, {args.capacity_steps} step(s); guards: "
+          f"MemAvailable >= {args.memory_guard} GiB, free disk >= {args.disk_floor} GiB, {args.attempt_timeout:.0f} s per "
+          f"attempt; disk budget {budget / GIB:.1f} GiB (free at the start: {free / GIB:.1f} GiB)\n")
+    print("| mode | n_layer | parameters | outcome | build (s) | step 1 (s) | step 2 (s) | peak RSS / rank (GiB) | "
+          "lowest MemAvailable (GiB) | on NVMe / rank (GiB) |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    for mode, n, res in attempts:
+        ranks = res["ranks"]
+        f = ranks[0] if ranks and ranks[0] else {}
+        steps = f.get("steps", [])
+        rep = f.get("report", {})
+        low = res.get("low_mem")
+        print(f"| {'no offload' if mode == 'none' else 'params + optimizer on NVMe'} | {n} | "
+              f"{gpt_params(n) / 1e9:.2f}B | {res['outcome']} | {f.get('build_s', float('nan')):.0f} | "
+              + " | ".join(f"{steps[i]:.1f}" if len(steps) > i else "-" for i in range(2)) + " | "
+              + (f"{max(r.get('peak_rss', 0) for r in ranks) / GIB:.2f}" if rep else "-") + " | "
+              + (f"{low / GIB:.1f}" if low is not None else "-") + " | "
+              + (f"{rep.get('nvme_bytes', 0) / GIB:.2f}" if rep else "-") + " |")
+    print()
+    for mode, found in best.items():
+        label = "no offload" if mode == "none" else "parameters + optimizer state on NVMe"
+        if found is None:
+            print(f"- {label}: no size trained within the attempts")
+            continue
+        n, res = found
+        steps = res["ranks"][0]["steps"]
+        print(f"- {label}: largest that trained: n_layer={n}, {gpt_params(n):,} parameters; step 1 "
+              f"{steps[0]:.1f} s" + (f", step 2 {steps[1]:.1f} s" if len(steps) > 1 else ""))
+    if best.get("none") and best.get("nvme"):
+        print(f"- ratio: {gpt_params(best['nvme'][0]) / gpt_params(best['none'][0]):.2f}x the parameters")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nvme-path", required=True, help="directory for the swap files (files are unlinked at once)")
+    ap.add_argument("--quick", action="store_true", help="a smaller model for the memory figures")
+    ap.add_argument("--n-layer", type=int, default=6)
+    ap.add_argument("--n-embd", type=int, default=768)
+    ap.add_argument("--n-head", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--capacity", action="store_true", help="run the capacity search instead")
+    ap.add_argument("--modes", default="none,nvme", help="capacity: which modes, in order")
+    ap.add_argument("--capacity-step", type=int, default=4, help="capacity: layers between attempts")
+    ap.add_argument("--capacity-steps", type=int, default=1, help="capacity: optimizer steps per attempt")
+    ap.add_argument("--max-attempts", type=int, default=4, help="capacity: attempts per mode")
+    ap.add_argument("--attempt-timeout", type=float, default=570.0, help="seconds before an attempt is stopped")
+    ap.add_argument("--memory-guard", type=float, default=1.5, help="GiB of MemAvailable below which a run is stopped")
+    ap.add_argument("--memory-margin", type=float, default=1.0, help="capacity: GiB kept out of the size prediction")
+    ap.add_argument("--disk-floor", type=float, default=20.0, help="GiB of free disk below which a run is stopped")
+    ap.add_argument("--disk-budget", type=float, default=0.0, help="capacity: GiB of swap files (0: half the free space)")
+    args = ap.parse_args()
+    if args.quick:
+        args.n_layer, args.n_embd, args.n_head, args.steps = 4, 512, 8, 3
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the spawned ranks
+    os.makedirs(args.nvme_path, exist_ok=True)
+    if args.capacity:
+        capacity(args)
+    else:
+        memory_figures(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""Offload at world size 1: the config keys, the swap primitives, parameter and optimizer offload to
+CPU and NVMe against training without offload (bit for bit), and offload_states/reload_states."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import zero3
+from zero3 import ZeroConfig, ZeroConfigError, ZeroStateError
+from zero3.swap import ALIGN, AsyncIO, BufferPool, Residence, StorageTier, SwapFile, byte_view
+
+from gpt import GPT, GPTConfig, synthetic_batch
+
+CFG = GPTConfig(block_size=16)
+BASE = {"param_persistence_threshold": 100, "max_reuse_distance": 0, "prefetch_bucket_size": 3000}
+
+
+def nvme(path, **kw):
+    return {"device": "nvme", "nvme_path": str(path), **kw}
+
+
+def _engine(cfg: dict, init: bool = False):
+    torch.manual_seed(0)
+    if init:
+        with zero3.Init(config_dict_or_path=cfg):
+            model = GPT(CFG)
+    else:
+        model = GPT(CFG)
+    return zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), cfg)
+
+
+def _train(engine, steps, start=0) -> list[float]:
+    losses = []
+    for step in range(start, start + steps):
+        x, y = synthetic_batch(step, 2, CFG)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _weights(engine) -> list[torch.Tensor]:
+    out = []
+    for p in engine.params:
+        with zero3.GatheredParameters([p]):
+            out.append(p.detach().clone())
+    return out
+
+
+# -- config -------------------------------------------------------------------------------------------
+def test_deepspeed_offload_keys_map_onto_fields(tmp_path, caplog):
+    ds = {"zero_optimization": {"stage": 3, "sub_group_size": 5e6,
+                                "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True,
+                                                  "buffer_count": 4, "buffer_size": 1e6, "max_in_cpu": 0},
+                                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4,
+                                                      "pipeline_read": True, "ratio": 1}},
+          "aio": {"thread_count": 2, "block_size": 1048576, "queue_depth": 8}}
+    with caplog.at_level(logging.INFO, logger="zero3.config"):
+        cfg = ZeroConfig.from_dict(ds)
+    assert (cfg.offload_param, cfg.offload_param_nvme_path, cfg.offload_param_pin_memory) == ("nvme", str(tmp_path), True)
+    assert (cfg.offload_param_buffer_count, cfg.offload_param_buffer_size, cfg.offload_param_max_in_cpu) == (4, 10**6, 0)
+    assert (cfg.offload_optimizer, cfg.offload_optimizer_nvme_path) == ("nvme", str(tmp_path))
+    assert (cfg.sub_group_size, cfg.aio_thread_count) == (5 * 10**6, 2)
+    assert "offload_optimizer.buffer_count has no effect" in caplog.text and "aio.queue_depth" in caplog.text
+    assert ZeroConfig.from_dict(cfg.to_dict()) == cfg
+    ours = ZeroConfig.from_dict({"offload_param": {"device": "cpu", "pin_memory": False}})
+    assert (ours.offload_param, ours.offload_param_pin_memory) == ("cpu", False)
+
+
+@pytest.mark.parametrize("d,pattern", [
+    ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, r"offload_param='nvme' needs offload_param_nvme_path"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, r"ratio 0\.5 is not supported"),
+    ({"zero_optimization": {"offload_param": {"device": "cpu", "buffer_szie": 1}}},
+     r"unknown config key 'buffer_szie'; did you mean 'buffer_size'"),
+    ({"aio": {"use_gds": True}}, r"aio\.use_gds \(GPUDirect Storage\) is not supported"),
+    ({"offload_param": "disk"}, r"offload_param must be one of \('none', 'cpu', 'nvme'\), got 'disk'"),
+    ({"offload_param_buffer_count": 0}, r"offload_param_buffer_count must be >= 1, got 0"),
+    ({"offload_param_nvme_path": ""}, r"offload_param_nvme_path must be None or a non-empty path string"),
+])
+def test_invalid_offload_config_names_the_key_and_value(d, pattern):
+    with pytest.raises(ZeroConfigError, match=pattern):
+        ZeroConfig.from_dict(d)
+
+
+# -- the swap primitives ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,numel,offset", [(torch.float32, 3000, 0), (torch.bfloat16, 5, 1), (torch.uint8, 3 * ALIGN, 7)])
+def test_swap_file_round_trips_aligned_and_unaligned_memory(tmp_path, dtype, numel, offset):
+    io = AsyncIO(2)
+    f = SwapFile(str(tmp_path), "test")
+    assert list(tmp_path.iterdir()) == []  # unlinked at once: nothing is left behind, even after a crash
+    src = torch.arange(numel + offset).to(dtype)[offset:]  # offset: an unaligned start
+    other = torch.full((100,), 3.0)
+    off_a = f.region("a", src.numel() * src.element_size())
+    off_b = f.region("b", other.numel() * 4)
+    assert off_a % ALIGN == 0 and off_b % ALIGN == 0 and off_b >= off_a + src.numel() * src.element_size()
+    io.write(f, off_a, byte_view(src)).result()
+    io.write(f, off_b, byte_view(other)).result()
+    back = torch.empty_like(src)
+    io.read(f, off_a, byte_view(back)).result()
+    assert torch.equal(back, src)
+    assert io.write_bytes == src.numel() * src.element_size() + 400 and io.read_bytes == src.numel() * src.element_size()
+
+
+def test_buffer_pool_packs_slots_reuses_a_buffer_once_free_and_refuses_when_full():
+    pool = BufferPool(2, 3 * ALIGN)
+    a, b, c = pool.alloc(100), pool.alloc(ALIGN + 1), pool.alloc(ALIGN)  # 1 + 2 blocks fill buffer 0; c starts buffer 1
+    assert (a.buffer, b.buffer, c.buffer) == (0, 0, 1) and a.data.data_ptr() % ALIGN == 0
+    assert b.data.data_ptr() == a.data.data_ptr() + ALIGN
+    assert pool.alloc(3 * ALIGN) is None  # buffer 0 is full and buffer 1 is in use
+    assert pool.alloc(4 * ALIGN) is None  # never fits one buffer
+    pool.free(a)
+    pool.free(b)
+    d = pool.alloc(3 * ALIGN)  # buffer 0 is free again: reused from its start
+    assert d.buffer == 0 and d.data.data_ptr() == a.data.data_ptr()
+    assert pool.in_use == 4 * ALIGN and pool.allocated_bytes == 6 * ALIGN
+    pool.free(c)
+    assert pool.release_memory() == 3 * ALIGN and pool.allocated_bytes == 3 * ALIGN
+
+
+def test_storage_tier_frees_the_storage_and_brings_it_back_under_every_view(tmp_path):
+    tier = StorageTier(AsyncIO(1), SwapFile(str(tmp_path), "test"))
+    flat = torch.randn(1000)
+    view = flat[10:20].view(2, 5)
+    expected = flat.clone()
+    tier.swap_out("flat", flat.untyped_storage())
+    tier.wait()
+    assert flat.untyped_storage().nbytes() == 0 and tier.state("flat") is Residence.ON_NVME
+    assert tier.nvme_bytes == 4000
+    tier.swap_in("flat")
+    tier.wait(["flat"])
+    assert torch.equal(flat, expected) and torch.equal(view, expected[10:20].view(2, 5))
+    assert tier.state("flat") is Residence.IN_MEMORY and tier.nvme_bytes == 0
+
+
+def test_a_failed_write_raises_and_leaves_the_bytes_in_memory(tmp_path, monkeypatch):
+    tier = StorageTier(AsyncIO(1), SwapFile(str(tmp_path), "test"))
+    t = torch.randn(100)
+    keep = t.clone()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "zero3: writing 400 bytes ... failed: No space left on device")
+
+    monkeypatch.setattr(SwapFile, "transfer", full_disk)
+    tier.swap_out("t", t.untyped_storage())
+    with pytest.raises(OSError, match="No space left on device"):
+        tier.wait()
+    assert tier.state("t") is Residence.IN_MEMORY and torch.equal(t, keep)
+
+
+# -- parameter and optimizer offload --------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_every_offload_combination_trains_like_no_offload_bit_for_bit(tmp_path, dtype):
+    base = {**BASE, "dtype": dtype, "gradient_clipping": 0.5}
+    refs = {init: _engine(base, init=init) for init in (False, True)}  # Init(bf16) seeds masters from bf16
+    expected = {init: _train(ref, 4) for init, ref in refs.items()}
+    params = nvme(tmp_path, max_in_cpu=3000, buffer_size=20000)
+    for extra in ({"offload_param": {"device": "cpu"}},
+                  {"offload_param": params},
+                  {"offload_optimizer": nvme(tmp_path), "sub_group_size": 5000},
+                  {"offload_param": params, "offload_optimizer": nvme(tmp_path), "sub_group_size": 5000}):
+        for init in (False, True):
+            engine = _engine({**base, **extra}, init=init)
+            assert _train(engine, 4) == expected[init], (extra, init)
+            for w, r in zip(_weights(engine), _weights(refs[init])):
+                assert torch.equal(w, r), (extra, init)
+
+
+def test_nvme_shards_hold_no_memory_between_gathers_and_are_read_ahead_along_the_trace(tmp_path):
+    engine = _engine({**BASE, "offload_param": nvme(tmp_path, max_in_cpu=0, buffer_size=20000, buffer_count=2),
+                      "offload_optimizer": nvme(tmp_path)})
+    tier = engine.coordinator.shards
+    on_nvme = [p for p in engine.params if p._zero.swap is not None]
+    assert on_nvme and all(p.ds_persist for p in engine.params if p._zero.swap is None)  # only persistent ones stay
+    peak = []
+    real = tier.read
+
+    def read(params, **kw):
+        missed = real(params, **kw)
+        peak.append(tier.pool.in_use)
+        return missed
+
+    tier.read = read
+    _train(engine, 3)
+    m = engine.last_step_metrics
+    assert m.nvme_reads_ahead > 0  # the trace is followed from the second step: shards were read ahead
+    assert max(peak) <= tier.pool.capacity and tier.pool.in_use == 0
+    assert all(p._zero.shard.untyped_storage().nbytes() == 0 for p in on_nvme)
+    report = engine.memory_report()
+    assert report["param_shard_bytes"] == sum(p._zero.shard.numel() * 4 for p in engine.params if p.ds_persist)
+    assert report["optimizer_state_bytes"] == 0  # AdamW's moments live on the drive between steps
+    assert report["nvme_bytes"] == report["offloaded_bytes"] > 0
+
+
+def test_init_writes_shards_to_nvme_as_the_model_is_built(tmp_path):
+    cfg = {**BASE, "offload_param": nvme(tmp_path, max_in_cpu=0, buffer_size=20000)}
+    torch.manual_seed(0)
+    with zero3.Init(config_dict_or_path=cfg):
+        model = GPT(CFG)
+    big = [p for p in model.parameters() if p.ds_numel > 100]
+    assert big and all(p._zero.swap is not None and p.ds_tensor.untyped_storage().nbytes() == 0 for p in big)
+    with pytest.raises(ZeroConfigError, match=r"partitioned onto NVMe by zero3\.Init.*offload_param='none'"):
+        zero3.initialize(model, None, BASE)
+    with zero3.GatheredParameters(big[:1]):  # read back for the gather, released after
+        assert big[0].abs().sum() > 0
+    assert big[0].ds_tensor.untyped_storage().nbytes() == 0
+
+
+def test_init_remote_device_nvme_needs_a_path_and_shards_must_fit_one_pool_buffer(tmp_path):
+    with pytest.raises(ZeroConfigError, match=r"remote_device='nvme'\) needs offload_param\.nvme_path"):
+        zero3.Init(remote_device="nvme")
+    cfg = {"param_persistence_threshold": 0, "offload_param": nvme(tmp_path, max_in_cpu=0, buffer_size=100)}
+    with pytest.raises(ZeroConfigError, match=r"shard of Linear\.weight \(4096 elements.*buffer_size >= 4096"):
+        with zero3.Init(remote_device="nvme", config_dict_or_path=cfg):
+            nn.Linear(64, 64)
+
+
+def test_checkpoints_and_accessors_read_and_write_state_that_lives_on_nvme(tmp_path):
+    cfg = {**BASE, "offload_param": nvme(tmp_path, max_in_cpu=0, buffer_size=20000),
+           "offload_optimizer": nvme(tmp_path)}
+    engine = _engine(cfg)
+    _train(engine, 2)
+    i, p = next((i, q) for i, q in enumerate(engine.params) if q._zero.swap is not None)
+    before = zero3.safe_get_full_optimizer_state(p, "exp_avg")
+    assert p.ds_tensor.untyped_storage().nbytes() == 0  # read for the call only
+    assert engine.optimizer_state(p)["exp_avg"].untyped_storage().nbytes() == 0
+    engine.save_checkpoint(tmp_path / "ckpt")
+    other = _engine(cfg)
+    other.load_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(zero3.safe_get_full_optimizer_state(other.params[i], "exp_avg"), before)
+    assert _train(other, 2, start=2) == _train(engine, 2, start=2)
+    zero3.safe_set_full_fp32_param(p, torch.zeros(p.ds_shape))
+    assert torch.equal(zero3.safe_get_full_fp32_param(p), torch.zeros(p.ds_shape))
+
+
+# -- offload_states / reload_states --------------------------------------------------------------------
+@pytest.mark.parametrize("extra", [{}, {"dtype": "bf16"}], ids=["fp32", "bf16"])
+def test_offload_states_round_trip_frees_the_storages_and_training_continues_exactly(tmp_path, extra):
+    cfg = {**BASE, **extra}
+    expected = _train(_engine(cfg), 8)
+    engine = _engine(cfg)
+    got = _train(engine, 3)
+    x, y = synthetic_batch(99, 2, CFG)
+    engine.backward(engine(x, y))  # leaves gradient shards: lp_grads has something to move
+    grads = [p._zero.train_tensor.grad.clone() for p in engine.params]
+    before = engine.memory_report()
+    moved = engine.offload_states(device="nvme", nvme_path=str(tmp_path))
+    after = engine.memory_report()
+    held = before["param_shard_bytes"] + before["optimizer_state_bytes"] + before["grad_shard_bytes"]
+    assert held <= moved <= held + before["gathered_param_bytes"]  # one rank: persistent params are views of shards
+    for key in ("param_shard_bytes", "optimizer_state_bytes", "master_bytes", "grad_shard_bytes", "gathered_param_bytes"):
+        assert after[key] == 0, key
+    assert after["nvme_bytes"] == after["offloaded_bytes"] == moved
+    assert all(p._zero.shard.untyped_storage().nbytes() == 0 for p in engine.params)
+    engine.reload_states()
+    assert engine.memory_report() == before
+    assert all(torch.equal(p._zero.train_tensor.grad, g) for p, g in zip(engine.params, grads))
+    engine.zero_grad()
+    got += _train(engine, 5, start=3)
+    assert got == expected
+
+
+def test_offload_states_subset_non_blocking_and_cpu(tmp_path):
+    engine = _engine(BASE)
+    _train(engine, 2)
+    state = engine.optimizer_state(engine.params[0])["exp_avg"]
+    keep = state.clone()
+    engine.offload_states(include=["optim_states"], device="nvme", nvme_path=str(tmp_path), non_blocking=True)
+    assert engine.params[0]._zero.shard.untyped_storage().nbytes() > 0  # lp_params were not included
+    engine.reload_states(non_blocking=True)
+    x, y = synthetic_batch(2, 2, CFG)
+    engine.backward(engine(x, y))  # waits for the reads when the step begins
+    assert torch.equal(state, keep) and engine.optimizer_state(engine.params[0])["exp_avg"] is state
+    engine.step()
+    assert engine.offload_states(device="cpu") == 0  # CPU tensors are in CPU memory already: nothing to free
+    with pytest.raises(ZeroStateError, match=r"moved lp_params, hp_params, optim_states, lp_grads \(0\.0 MiB\) to CPU "
+                                             r"memory; call engine\.reload_states\(\) first"):
+        engine.step()
+    engine.reload_states()
+    engine.reload_states()  # nothing offloaded: a no-op
+
+
+def test_offload_states_misuse_raises_naming_what_to_reload(tmp_path):
+    engine = _engine(BASE)
+    _train(engine, 1)
+    p = engine.params[3]
+    with zero3.GatheredParameters([p]), pytest.raises(ZeroStateError, match=r"held by GatheredParameters"):
+        engine.offload_states(device="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(ZeroConfigError, match=r"'weights' is not a state kind; use a subset of"):
+        engine.offload_states(include=["weights"])
+    with pytest.raises(ZeroConfigError, match=r"device must be 'cpu' or 'nvme'"):
+        engine.offload_states(device="disk")
+    with pytest.raises(ZeroConfigError, match=r"needs a directory for its swap file"):
+        engine.offload_states(device="nvme")
+    x, y = synthetic_batch(0, 2, CFG)
+    loss = engine(x, y)
+    with pytest.raises(ZeroStateError, match=r"between steps"):
+        engine.offload_states(device="nvme", nvme_path=str(tmp_path))
+    engine.backward(loss)
+    engine.step()
+    engine.offload_states(include=["lp_params"], device="nvme", nvme_path=str(tmp_path))
+    where = re.escape(f"needs lp_params") + r".*moved lp_params \([0-9.]+ MiB\) to NVMe \(" + \
+        re.escape(str(tmp_path)) + r"\); call engine\.reload_states\(\) first"
+    for call in (lambda: engine(x, y), lambda: engine.module(x, y), engine.step,
+                 lambda: zero3.GatheredParameters([p]).__enter__(), lambda: engine.save_checkpoint(tmp_path / "c"),
+                 lambda: zero3.safe_get_full_fp32_param(p), lambda: engine.consolidated_state_dict()):
+        with pytest.raises(ZeroStateError, match=where):
+            call()
+    with pytest.raises(ZeroStateError, match=r"lp_params are already offloaded to NVMe .*reload_states\(\) before"):
+        engine.offload_states(device="cpu")
+    engine.reload_states()
+    assert engine.coordinator.live_params == []
+    _train(engine, 1, start=1)
+
+
+def test_with_optimizer_state_and_masters_offloaded_the_model_still_runs_forwards(tmp_path):
+    """The RL pattern: during generation only the weights are needed."""
+    engine = _engine({**BASE, "dtype": "bf16"})
+    _train(engine, 2)
+    x, y = synthetic_batch(5, 2, CFG)
+    with torch.no_grad():
+        before = engine(x, y)
+    engine.offload_states(include=["optim_states", "hp_params", "lp_grads"], device="nvme", nvme_path=str(tmp_path))
+    assert engine.memory_report()["optimizer_state_bytes"] == 0 and engine.memory_report()["param_shard_bytes"] > 0
+    with torch.no_grad():
+        assert torch.equal(engine(x, y), before)  # inference needs only lp_params
+        with engine.generation():
+            engine(x, y)
+    with pytest.raises(ZeroStateError, match=r"a forward of the model needs lp_grads, but"):
+        engine(x, y)  # with grad on, its backward would add into the gradient shards
+    with pytest.raises(ZeroStateError, match=r"engine\.step\(\) needs optim_states, hp_params, lp_grads"):
+        engine.step()
+    with pytest.raises(ZeroStateError, match=r"safe_get_full_optimizer_state needs optim_states"):
+        zero3.safe_get_full_optimizer_state(engine.params[0], "exp_avg")
+    engine.reload_states()
+    _train(engine, 1, start=2)

@@ -1,0 +1,235 @@
+"""``engine.offload_states`` / ``engine.reload_states``: move model states out of memory between
+phases (an RL loop's generation and training, evaluation between epochs), DeepSpeed's names.
+
+[Note: offloading states]
+The states are tensors of four kinds (`StateKind`): ``lp_params`` (parameter shards, and the full
+tensors of persistent parameters, which stay gathered), ``hp_params`` (fp32 masters, when they are
+separate from the shards), ``optim_states`` (every tensor in the optimizer's state) and ``lp_grads``
+(gradient shards, when a backward left some). They are moved by their unique underlying storages:
+each storage's bytes are copied out (to a swap file on NVMe, or to host memory for a device storage
+with ``device="cpu"``) and the storage is resized to 0 bytes; reloading resizes it back and copies
+the bytes in place. Every tensor, every view (shards are views into flat buffers under mixed
+precision) and every optimizer-state key stays the same object, so training continues bit for bit.
+
+Storages that hold nothing (shards or optimizer state that live on NVMe between steps anyway) are
+skipped, and so are, with ``device="cpu"``, storages already in CPU memory: there is nothing to free.
+While states are out, `StatesOffload.check` refuses whatever needs them with an error naming what
+to reload: a forward needs ``lp_params`` (and ``lp_grads``, which its backward adds into, when grad
+is on), so generation can run with the optimizer's state offloaded; ``engine.step`` needs every
+kind; checkpoints, accessors and gathers what they read. It runs when a step begins and at those
+entry points, never per module.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import ZeroConfigError, ZeroStateError
+from .param import raw_data
+from .state import ParamStatus
+from .swap import StorageTier, SwapFile, storage_view
+
+logger = logging.getLogger(__name__)
+
+
+class StateKind(str, enum.Enum):
+    """The kinds of model state `engine.offload_states` moves (DeepSpeed's ``OffloadStateTypeEnum``
+    names, as ``include`` takes them)."""
+
+    LP_PARAMS = "lp_params"
+    HP_PARAMS = "hp_params"
+    OPTIM_STATES = "optim_states"
+    LP_GRADS = "lp_grads"
+
+
+class OffloadPhase(enum.Enum):
+    """Where the states that `StatesOffload` manages are.
+
+    - RESIDENT: in memory; nothing is refused.
+    - OFFLOADED: the included kinds are out (with ``non_blocking`` their writes may still run);
+      everything that needs them is refused.
+    - RELOADING: ``reload_states(non_blocking=True)`` started the copies back; the next thing that
+      needs the states waits for them.
+    """
+
+    RESIDENT = enum.auto()
+    OFFLOADED = enum.auto()
+    RELOADING = enum.auto()
+
+
+@dataclass(eq=False)
+class _Moved:
+    storage: torch.UntypedStorage
+    kind: StateKind
+    nbytes: int
+    host: torch.Tensor | None = None  # device="cpu": the host copy of a device storage
+
+
+class StatesOffload:
+    """The phase memory manager of one engine (see [Note: offloading states])."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx  # the engine's RuntimeContext (context.py imports this module)
+        self.phase = OffloadPhase.RESIDENT
+        self.device = ""
+        self.kinds: tuple[StateKind, ...] = ()
+        self._moved: list[_Moved] = []
+        self._tier: StorageTier | None = None
+        self._path = ""
+
+    # -- the two calls -------------------------------------------------------------------------------
+    def offload(self, include: Iterable[str] | None, device: str, pin_memory: bool, non_blocking: bool,
+                nvme_path: str | None) -> int:
+        """Move the ``include``d kinds out; returns the bytes moved. See `Engine.offload_states`."""
+        kinds = _kinds(include)
+        if device not in ("cpu", "nvme"):
+            raise ZeroConfigError(f"offload_states(device={device!r}): device must be 'cpu' or 'nvme'")
+        if self.phase is not OffloadPhase.RESIDENT:
+            raise ZeroStateError(f"offload_states: {', '.join(k.value for k in self.kinds)} are already offloaded "
+                                 f"to {self._where()}; call engine.reload_states() before offloading again")
+        self._settle_swaps()
+        if device == "nvme":
+            tier = self._nvme(nvme_path)
+        moved: list[_Moved] = []
+        seen: set[int] = set()
+        for kind in kinds:
+            for t in _tensors(self.ctx, kind):
+                storage = t.untyped_storage()
+                if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                    continue  # holds nothing (on NVMe between steps), or already taken under another tensor
+                seen.add(storage.data_ptr())
+                if device == "cpu" and storage.device.type == "cpu":
+                    continue  # already in CPU memory
+                moved.append(_Moved(storage, kind, storage.nbytes()))
+        for i, m in enumerate(moved):
+            if device == "nvme":
+                tier.swap_out(i, m.storage)
+            else:
+                pin = pin_memory and torch.cuda.is_available()
+                m.host = torch.empty(m.nbytes, dtype=torch.uint8, pin_memory=pin)
+                m.host.copy_(storage_view(m.storage), non_blocking=non_blocking and pin)
+                m.storage.resize_(0)
+        if device == "nvme" and not non_blocking:
+            tier.wait()
+        freed = 0
+        if StateKind.LP_PARAMS in kinds and self.ctx.coordinator.shards is not None:
+            freed = self.ctx.coordinator.shards.pool.release_memory()  # scratch, allocated again when needed
+        self._moved, self.kinds, self.device = moved, kinds, device
+        self.phase = OffloadPhase.OFFLOADED
+        total = sum(m.nbytes for m in moved)
+        logger.info("zero3::offload_states %s -> %s: %d storages, %.1f MiB (and %.1f MiB of swap buffers freed)",
+                    ", ".join(k.value for k in kinds), self._where(), len(moved), total / 2**20, freed / 2**20)
+        return total
+
+    def reload(self, non_blocking: bool) -> None:
+        """Bring back what `offload` moved (a no-op when nothing is offloaded)."""
+        if self.phase is OffloadPhase.RESIDENT:
+            return
+        if self.phase is OffloadPhase.OFFLOADED:
+            for i, m in enumerate(self._moved):
+                if self.device == "nvme":
+                    assert self._tier is not None
+                    self._tier.swap_in(i)
+                else:
+                    assert m.host is not None
+                    m.storage.resize_(m.nbytes)
+                    storage_view(m.storage).copy_(m.host, non_blocking=non_blocking and m.host.is_pinned())
+            self.phase = OffloadPhase.RELOADING
+        if not non_blocking:
+            self._finish_reload()
+
+    def check(self, what: str, kinds: Iterable[str] | None = None) -> None:
+        """Raise when states of ``kinds`` (default: all) that ``what`` needs are out (a non-blocking
+        reload is waited for first)."""
+        if self.phase is OffloadPhase.RELOADING:
+            self._finish_reload()
+        elif self.phase is OffloadPhase.OFFLOADED:
+            needed = [k for k in self.kinds if kinds is None or k.value in kinds]
+            if needed:
+                raise ZeroStateError(
+                    f"{what} needs {', '.join(k.value for k in needed)}, but engine.offload_states() moved "
+                    f"{', '.join(k.value for k in self.kinds)} ({self.moved_bytes / 2**20:.1f} MiB) to "
+                    f"{self._where()}; call engine.reload_states() first")
+
+    # -- accounting ----------------------------------------------------------------------------------
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes out of memory now (0 unless OFFLOADED)."""
+        return sum(m.nbytes for m in self._moved) if self.phase is OffloadPhase.OFFLOADED else 0
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self.moved_bytes if self.device == "nvme" else 0
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _finish_reload(self) -> None:
+        if self._tier is not None and self.device == "nvme":
+            self._tier.wait()
+            self._tier = None  # its file is closed, and the drive space freed, once nothing refers to it
+        if self.device == "cpu" and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+        self._moved = []
+        self.kinds = ()
+        self.phase = OffloadPhase.RESIDENT
+
+    def _nvme(self, nvme_path: str | None) -> StorageTier:
+        cfg = self.ctx.config
+        path = nvme_path or cfg.offload_param_nvme_path or cfg.offload_optimizer_nvme_path
+        if not path:
+            raise ZeroConfigError("offload_states(device='nvme') needs a directory for its swap file: pass "
+                                  "nvme_path=..., or set offload_param.nvme_path or offload_optimizer.nvme_path "
+                                  "in the config")
+        # A new file each time: the last one is closed (and its space freed) once nothing refers to it.
+        self._tier = StorageTier(self.ctx.swap_io(), SwapFile(path, f"states-rank{self.ctx.rank}"))
+        self._path = path
+        return self._tier
+
+    def _where(self) -> str:
+        return f"NVMe ({self._path})" if self.device == "nvme" else "CPU memory"
+
+    def _settle_swaps(self) -> None:
+        """Finish the writes the NVMe tiers may still have in flight: their storages are settled."""
+        if self.ctx.coordinator.shards is not None:
+            self.ctx.coordinator.shards.flush()
+        if self.ctx.optimizer is not None and self.ctx.optimizer.states is not None:
+            self.ctx.optimizer.states.wait()
+
+
+def _kinds(include: Iterable[str] | None) -> tuple[StateKind, ...]:
+    if include is None:
+        return tuple(StateKind)
+    if isinstance(include, str):
+        include = [include]
+    out: list[StateKind] = []
+    for name in include:
+        value = name.value if isinstance(name, StateKind) else name
+        try:
+            kind = StateKind(value)
+        except ValueError:
+            raise ZeroConfigError(f"offload_states(include=...): {name!r} is not a state kind; use a subset of "
+                                  f"{[k.value for k in StateKind]} (None: all of them)") from None
+        if kind not in out:
+            out.append(kind)
+    return tuple(out)
+
+
+def _tensors(ctx: Any, kind: StateKind) -> list[torch.Tensor]:
+    """The tensors of one kind of state (views included: the caller takes each storage once)."""
+    part = ctx.optimizer
+    if kind is StateKind.LP_PARAMS:
+        out = [p._zero.shard for p in ctx.params]
+        out += [raw_data(p) for p in ctx.params if p._zero.status is ParamStatus.AVAILABLE]
+        return out
+    if kind is StateKind.HP_PARAMS:
+        return [p._zero.master for p in ctx.params if p._zero.master is not None]
+    if kind is StateKind.OPTIM_STATES:
+        if part is None:
+            return []
+        return [v for state in part.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return [g for p in ctx.params if (g := p._zero.train_tensor.grad) is not None]
