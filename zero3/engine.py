@@ -200,7 +200,8 @@ class Engine:
         if boundary:
             ctx.coordinator.refresh_persistent()
             ctx.global_steps += 1
-        ctx.comm.end_epoch()
+        for comm in ctx.data_comms:
+            comm.end_epoch()
         if ctx.model_parallel is not None:
             ctx.model_parallel.comm.end_epoch()
         self.last_step_metrics = copy.copy(ctx.metrics)
@@ -306,7 +307,9 @@ class Engine:
         they are separate from the parameter shards (the ZeRO paper's K bytes per parameter), of
         which ``master_bytes`` are the masters; ``gathered_param_bytes``: full tensors gathered now
         (persistent ones included); ``persistent_param_bytes``: full tensors kept gathered for the
-        whole run (not budgeted); ``offloaded_bytes``: state kept in an offload tier.
+        whole run (not budgeted); ``offloaded_bytes``: state kept in an offload tier;
+        ``secondary_param_bytes``: hpZ secondary slices held now (only inside a training step; the
+        step's peak is ``last_step_metrics.peak_secondary_bytes``).
         """
         return self.context.memory_report()
 

@@ -500,6 +500,7 @@ class GatheredParameters:
                 off += n
         for p in self.params:
             copy_full_into_shard(p)
+        ctx.coordinator.drop_secondaries(self.params)
 
 
 def _owner(params: list[ZeroParameter]) -> RuntimeContext:
