@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -143,15 +144,19 @@ def plot(saved: dict[str, Any]) -> None:
     hi = max(max(saved[n]["losses"]) for n in names)
     curves = _png.Panel("loss (mean over 4 ranks), example GPT, 2 nodes x 2 ranks", (0, steps - 1),
                         (float(int(lo)), float(int(hi) + 1)), x_label="step")
-    rel = _png.Panel("loss / exact loss - 1 (%), 10-step means", (0, steps - 1), (-2.0, 2.0), x_label="step")
+    relative = {}
     for n in names:
         losses = saved[n]["losses"]
         curves.add(LABELS[n], list(range(steps)), losses, COLORS[n])
         if n != "exact" and "exact" in saved:
             exact = saved["exact"]["losses"]
-            xs = list(range(9, steps))
-            ys = [100 * (_mean(losses[i - 9: i + 1]) / _mean(exact[i - 9: i + 1]) - 1) for i in xs]
-            rel.add(LABELS[n], xs, ys, COLORS[n])
+            relative[n] = [100 * (_mean(losses[i - 9: i + 1]) / _mean(exact[i - 9: i + 1]) - 1) for i in range(9, steps)]
+    # The y range covers the last three quarters of the run; early loss spikes are clipped (left panel).
+    bound = max([1.0] + [math.ceil(abs(y)) for ys in relative.values() for y in ys[steps // 4:]])
+    rel = _png.Panel(f"loss / exact loss - 1 (%), 10-step means, clipped at +-{bound:g}%", (0, steps - 1),
+                     (-bound, bound), x_label="step")
+    for n, ys in relative.items():
+        rel.add(LABELS[n], list(range(9, steps)), ys, COLORS[n])
     _png.Figure([curves, rel]).save(CURVES_PNG)
     print(f"\nwrote {os.path.relpath(CURVES_PNG, ROOT)}\n")
     print("| option | last loss | mean of last 10 | vs exact (last / last 10) | all-gather intra / inter | "

@@ -141,3 +141,51 @@ def test_qgz_gradient_messages_carry_at_most_027_of_fp32s_bytes(runs):
             assert qgz["recv"]["gradient reduction"][scope] <= 0.27 * exact["recv"]["gradient reduction"][scope]
         assert qgz["recv"]["all-gather"] == exact["recv"]["all-gather"]
         assert max(abs(a - b) / abs(b) for a, b in zip(qgz["losses"], exact["losses"])) < 0.01
+
+
+def quantization_errors() -> dict:
+    """One backward of `Net` exact, under qwZ and under qgZ from the same weights and batch: the
+    largest error of the weights a qwZ gather hands out and of the qgZ-reduced gradient shards, each
+    against its bound (half an int8 step of the largest magnitude: per sender, summed over the W - 1
+    senders and averaged for gradients)."""
+    from torch import nn
+
+    import torch
+
+    import zero3
+    from _wire import Net
+
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(16, 64, generator=g), torch.randn(16, 8, generator=g)
+    torch.manual_seed(0)
+    plain = Net()
+    nn.functional.mse_loss(plain(x), y).backward()
+    biggest = {name: p.grad.abs().max().reshape(1) for name, p in plain.named_parameters()}
+    for t in biggest.values():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    shards, out = {}, {}
+    for name, extra in (("exact", {}), ("qgz", {"zero_quantized_gradients": True}),
+                        ("qwz", {"zero_quantized_weights": True})):
+        torch.manual_seed(0)
+        model = Net()
+        engine = zero3.initialize(model, None, {**BASE, **extra})
+        nn.functional.mse_loss(engine(x), y).backward()
+        shards[name] = {n: p.ds_tensor.grad.clone() for n, p in model.named_parameters()}
+        if name == "qwz":
+            with zero3.GatheredParameters(list(model.parameters())):
+                got = {n: p.detach().clone() for n, p in model.named_parameters()}
+            ref = {n: p.detach() for n, p in plain.named_parameters()}
+            out["weights"] = [(float((got[n] - ref[n]).abs().max()), float(ref[n].abs().max()) / 254) for n in got]
+        engine.remove_hooks()
+    out["grads"] = [(float((shards["qgz"][n] - shards["exact"][n]).abs().max()),
+                     float(biggest[n]) / 254 * (W - 1) / W) for n in shards["exact"]]
+    return out
+
+
+def test_quantized_weights_and_gradients_stay_within_half_an_int8_step(pools):
+    for r in pools.get(W).run(quantization_errors):
+        for what in ("weights", "grads"):
+            for error, bound in r[what]:
+                assert error <= bound * (1 + 1e-4) + 1e-12, (what, error, bound)
+            assert any(error > 0 for error, _ in r[what])  # it is quantized
