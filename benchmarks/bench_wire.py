@@ -218,7 +218,8 @@ def worker(args: argparse.Namespace) -> None:
     import zero3
     from gpt import GPT, GPTConfig, synthetic_batch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    # Every agent of a benchmark runs on this machine: its cores are shared by all the ranks.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
     dist.init_process_group("gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
