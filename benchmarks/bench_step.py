@@ -2,11 +2,13 @@
 
     python benchmarks/bench_step.py            # full run (3 repeats, 20 measured steps), 3-6 minutes
     python benchmarks/bench_step.py --quick    # ~30 s smoke run (small model, 1 repeat, 4 steps)
+    python benchmarks/bench_step.py --models small,big --variants zero3,fsdp2,ddp --repeats 2 --steps 10
+        # issue 13's comparison: both GPTs (3.7M and 86.7M parameters), default configs, side by side
 
 Every variant trains the same GPT (examples/gpt.py) on the same synthetic batches with AdamW, in its
 own fresh pair of rank processes (so the peak RSS is the variant's own), one variant after the
-other in one invocation; the order is reversed on every other repeat. Variants: zero3 with prefetch
-on and off (the budgets are in `zero3_config`), DDP, FSDP2, and two extra zero3 rows that isolate
+other in one invocation; the order is reversed on every other repeat. Variants: zero3 with its default
+config, zero3 with prefetch on and off under tight budgets (in `zero3_config`), DDP, FSDP2, and two extra zero3 rows that isolate
 single knobs: ``verify_collectives=False``, and that plus ``reduce_bucket_size`` = one Block.
 
 Per step, each rank starts after a barrier and times forward + backward + optimizer step; the step
@@ -50,9 +52,10 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-VARIANTS = ("zero3-prefetch", "zero3-noprefetch", "ddp", "fsdp2")
+VARIANTS = ("zero3", "zero3-prefetch", "zero3-noprefetch", "ddp", "fsdp2")
 EXTRA_VARIANTS = ("zero3-prefetch-noverify", "zero3-prefetch-tuned")
 LABELS = {
+    "zero3": "zero3, default config",
     "zero3-prefetch": "zero3, prefetch on",
     "zero3-noprefetch": "zero3, prefetch off",
     "zero3-prefetch-noverify": "zero3, prefetch on, verify_collectives=False",
@@ -88,8 +91,16 @@ def block_numel(n_embd: int) -> int:
     return 12 * c * c + 13 * c
 
 
+MODELS = {  # --models presets: the two GPTs of issue 13's table
+    "small": {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab": 2048},  # 3.7M parameters
+    "big": {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 2048},  # 86.7M parameters
+}
+
+
 def zero3_config(variant: str, args: argparse.Namespace) -> dict:
     variant = variant.partition("@")[0]
+    if variant == "zero3":  # ZeroConfig's defaults (verification on, as on every gloo run)
+        return json.loads(args.zero3_extra) if args.zero3_extra else {}
     blk = block_numel(args.n_embd)
     cfg = {
         "param_persistence_threshold": args.persistence,
@@ -599,7 +610,23 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
         lines += ["", "zero3 step breakdown (ms, medians over ranks and steps, from engine.last_step_metrics; the "
                   "waits are inside forward/backward; rest = step - forward - backward - optimizer: reduction "
                   "landing, persistent refresh, Python between phases):", ""] + breakdown
-    return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" if not n.startswith("  ") else n for n in notes)
+    text = "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" if not n.startswith("  ") else n for n in notes)
+    return text, rows
+
+
+def goals(results: dict[str, dict[str, dict]]) -> str:
+    """Issue 13's goals, read off this run: every zero3 variant's median step against FSDP2's and DDP's."""
+    lines = ["| model | variant | median step (s) | vs FSDP2 | vs DDP | peak RSS/rank vs FSDP2 |",
+             "|---|---|---:|---:|---:|---:|"]
+    for model, rows in results.items():
+        fsdp, ddp = rows.get("fsdp2", {}), rows.get("ddp", {})
+        for variant, row in rows.items():
+            if not variant.startswith("zero3") or "median" not in row:
+                continue
+            vs = lambda other, key="median": f"{row[key] / other[key]:.2f}x" if key in other else "n/a"  # noqa: E731
+            lines.append(f"| {model} | {label(variant)} | {row['median']:.3f} | {vs(fsdp)} | {vs(ddp)} | "
+                         f"{vs(fsdp, 'maxrss')} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -619,6 +646,9 @@ def main() -> None:
     ap.add_argument("--persistence", type=int, default=0, help="zero3 param_persistence_threshold (elements)")
     ap.add_argument("--zero3-extra", default="", metavar="JSON",
                     help='extra zero3 config merged into every zero3 variant, e.g. \'{"reduce_bucket_size": 1000000}\'')
+    ap.add_argument("--models", default="", metavar="LIST",
+                    help=f"comma list of presets from {sorted(MODELS)} (overriding --n-layer/--n-embd/--n-head/"
+                         "--vocab), each measured in turn, then a side-by-side table of the goals")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default=",".join(VARIANTS + EXTRA_VARIANTS),
                     help=f"comma list from {VARIANTS + EXTRA_VARIANTS}")
@@ -641,7 +671,25 @@ def main() -> None:
         variants = [w for v in variants for w in ((v, v + "@baseline") if v.startswith("zero3") else (v,))]
     # Before any rank is spawned: children inherit it, and glibc reads it at start-up.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    models = [m for m in args.models.split(",") if m] if args.models else []
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"unknown model {m!r}; --models takes a comma list of {sorted(MODELS)}")
+    results = {}
+    for model in models or [None]:
+        margs = argparse.Namespace(**{**vars(args), **MODELS.get(model, {})})
+        if model:
+            print(f"\n## model {model}", flush=True)
+        text, rows = measure(variants, margs)
+        print(text, flush=True)
+        results[model or f"{margs.n_layer}x{margs.n_embd}"] = rows
+    print("\n## Side by side (issue 13's goals: zero3 <= 0.9x FSDP2 on both models, <= 1.3x DDP on the big one; "
+          "peak memory no worse)\n", flush=True)
+    print(goals(results), flush=True)
 
+
+def measure(variants: list[str], args: argparse.Namespace) -> tuple[str, dict]:
+    """Run every variant ``args.repeats`` times (order reversed on odd repeats); the summary and its rows."""
     import torch
 
     t_start = time.monotonic()
@@ -667,10 +715,11 @@ def main() -> None:
                   f"({time.monotonic() - t0:.0f} s wall)", flush=True)
             runs[v].append(res)
     print(f"# total {time.monotonic() - t_start:.0f} s\n", flush=True)
-    print(summarise(runs, args), flush=True)
     if args.json:
-        with open(args.json, "w") as fh:
+        path = args.json if not args.models else f"{os.path.splitext(args.json)[0]}-{args.n_layer}x{args.n_embd}.json"
+        with open(path, "w") as fh:
             json.dump({"args": vars(args), "runs": runs}, fh, indent=1)
+    return summarise(runs, args)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,9 @@ def same_group(a: Any, b: Any) -> bool:
     return dist.get_process_group_ranks(ga) == dist.get_process_group_ranks(gb)
 
 
+_META = torch.device("meta")
+
+
 class Kind(enum.Enum):
     """What a collective is for; part of every verification header."""
 
@@ -568,7 +571,11 @@ class Communicator:
     def _diverged(self, tag: Tag, slot: Slot, rows: list[WireHeader | None], voided: bool = False) -> None:
         """Every rank saw the same mismatching headers: describe and raise on all of them."""
         seq = self._seq
-        what = f"{tag.describe()} ({sum(slot.sizes):,} elements)"
+        what = f"{tag.describe()} ({sum(slot.sizes):,} elements"
+        if tag.ids:  # ranks may agree on everything but which parameters (they numbered them differently)
+            shown = ", ".join(map(str, tag.ids[:6])) + (f", ... ({len(tag.ids)} in all)" if len(tag.ids) > 6 else "")
+            what += f"; parameter ds_ids {shown}"
+        what += ")"
         if voided:
             what += ", issued where another rank had left the plan"
         details = self._objects((self.epoch, seq, what), VERIFICATION)
@@ -714,7 +721,9 @@ class Communicator:
             return handle
         if self.quantize_weights and all(p._zero.shard.is_floating_point() for p in params):
             return self._gather_quantized(params, tag, handle)
-        if self.allgather_impl == "p2p" and all(p._zero.shard.device == raw_data(p).device and
+        # Meta tensors (a model built on the meta device, as from_pretrained does) have no backend for
+        # point-to-point messages; the collective path's meta kernels move nothing, as there is nothing.
+        if self.allgather_impl == "p2p" and all(p._zero.shard.device == raw_data(p).device != _META and
                                                 p._zero.shard.dtype == raw_data(p).dtype for p in params):
             return self._gather_direct(params, tag, handle)
         chunks = self._chunks(params)
@@ -959,8 +968,9 @@ class Communicator:
         The last ``header_numel`` elements of each row are counted as verification, the rest as ``kind``."""
         n, w = inp.numel(), self.world_size
         size = inp.element_size()
-        self._count_peers(kind, (n - header_numel) * size, header_numel * size, self.allgather_impl == "p2p")
-        if self.allgather_impl == "p2p":
+        pairwise = self.allgather_impl == "p2p" and inp.device != _META  # meta: see all_gather_params
+        self._count_peers(kind, (n - header_numel) * size, header_numel * size, pairwise)
+        if pairwise:
             rows: list[torch.Tensor] = []
             ops = []
             t = self._next_tag()
@@ -1144,22 +1154,27 @@ class Communicator:
         slot = Slot(Kind.GRAD_REDUCE.value, sizes, str(dtype), False)
         route = self._route(tag, slot)
         header = self._planned_header(Kind.GRAD_REDUCE, tag.ids, sizes) if route is Route.PLANNED else None
-        out = torch.zeros(total + counted, dtype=dtype, device=device)
+        # The first peer's message lands straight in the result (two ranks: no other buffer, and
+        # this rank's own part is added on arrival, with no copy). a + b == b + a exactly, and with
+        # more ranks every element's sum runs in the same order, so results repeat bit for bit.
+        out = torch.empty(total + counted, dtype=dtype, device=device)
         grads = [p.grad.reshape(-1).to(dtype) if p.grad is not None else None for p in pieces]
-        off, col = 0, total
-        for piece, g in zip(pieces, grads):
-            lo, hi = _piece(piece.numel, piece.shard_numel, r)
-            if g is not None and hi > lo:
-                out[off: off + hi - lo].copy_(g[lo:hi])
-            if piece.counted:
-                out[col] = 1.0 if g is not None else 0.0
-                col += 1
-            off += piece.shard_numel
-        work, received = self._exchange_grads(pieces, grads, out[total:], header, dtype, device, tag)
+        presence = torch.tensor([1.0 if g is not None else 0.0 for piece, g in zip(pieces, grads) if piece.counted],
+                                dtype=dtype, device=device)
+        first = 1 if r == 0 else 0
+        work, received = self._exchange_grads(pieces, grads, presence, header, dtype, device, tag, first_into=out)
 
-        def total_up() -> None:  # in rank order, the same way on every rank
+        def total_up() -> None:
+            off = 0
+            for piece, g in zip(pieces, grads):
+                lo, hi = _piece(piece.numel, piece.shard_numel, r)
+                if g is not None and hi > lo:
+                    out[off: off + hi - lo].add_(g[lo:hi])
+                off += piece.shard_numel
+            if counted:
+                out[total:].add_(presence)
             for q in range(w):
-                if q != r:
+                if q not in (r, first):
                     out.add_(received[q])
 
         work.then = total_up
@@ -1265,15 +1280,18 @@ class Communicator:
 
     def _exchange_grads(self, pieces: Sequence[GradPiece], grads: Sequence[torch.Tensor | None],
                         presence: torch.Tensor, header: PayloadHeader | None, dtype: torch.dtype,
-                        device: torch.device, tag: Tag | None) -> tuple[_Pairwise, dict[int, torch.Tensor]]:
+                        device: torch.device, tag: Tag | None, first_into: torch.Tensor | None = None
+                        ) -> tuple[_Pairwise, dict[int, torch.Tensor]]:
         """Post a direct reduction's messages: to each peer, its part of every gradient (zeros where
         there is none) and this rank's presence bits; from each peer, its part of this rank's range
-        into a zeroed buffer laid out like the result. Then the header, if any."""
+        into a buffer laid out like the result (``first_into`` for the lowest other rank), its
+        padding zeroed. Then the header, if any."""
         w, r = self.world_size, self.rank
         total = sum(p.shard_numel for p in pieces)
         t = self._next_tag()
         ops, keep = [], list(grads)
-        zeros = torch.zeros(max((p.shard_numel for p in pieces), default=0), dtype=dtype, device=device)
+        zeros = (torch.zeros(max((p.shard_numel for p in pieces), default=0), dtype=dtype, device=device)
+                 if any(g is None for g in grads) else None)
         received: dict[int, torch.Tensor] = {}
         got: dict[int, torch.Tensor] = {}
         size = torch.empty((), dtype=dtype).element_size()
@@ -1285,7 +1303,9 @@ class Communicator:
             if header is not None:
                 self._count(VERIFICATION, q, HEADER_BYTES, True)
             g_rank = self.global_rank(q)
-            received[q] = torch.zeros(total + presence.numel(), dtype=dtype, device=device)
+            into = first_into if first_into is not None and q == min(p for p in range(w) if p != r) else None
+            received[q] = into if into is not None else torch.empty(total + presence.numel(), dtype=dtype,
+                                                                    device=device)
             off = 0
             for piece, g in zip(pieces, grads):
                 qlo, qhi = _piece(piece.numel, piece.shard_numel, q)
@@ -1295,6 +1315,8 @@ class Communicator:
                 lo, hi = _piece(piece.numel, piece.shard_numel, r)
                 if hi > lo:
                     ops.append(dist.P2POp(dist.irecv, received[q][off: off + hi - lo], g_rank, self.group, t))
+                if hi - lo < piece.shard_numel:  # this rank's padding: nothing arrives there
+                    received[q][off + max(hi - lo, 0): off + piece.shard_numel].zero_()
                 off += piece.shard_numel
             if presence.numel():
                 ops += [dist.P2POp(dist.isend, presence, g_rank, self.group, t),

@@ -8,7 +8,9 @@ those, so nothing leaks into modules built afterwards. A module's parameters are
 moment its outermost ``__init__`` returns (after its own ``reset_parameters``), so construction
 holds at most one module's full parameters plus this rank's shards, even for
 ``nn.Sequential(*[nn.Linear(...) for _ in range(n)])``. Parameters registered after ``__init__``
-are partitioned when the context exits.
+(Hugging Face's ``from_pretrained`` registers every loaded weight so) are partitioned when the
+context exits, in registration order: partitioning numbers them (``ds_id``), and collectives name
+parameters by those numbers, so every rank must number them alike.
 
 Initialisation stays consistent across ranks because entering `Init` broadcasts rank 0's RNG state
 (``sync="rng"``, the default): every rank then draws the same full tensors and keeps its own slice.
@@ -37,7 +39,7 @@ import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal
-from weakref import WeakSet
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
@@ -74,7 +76,9 @@ class _InitState:
     dtype: torch.dtype | None
     sync: SyncMode
     pin_memory: bool = False
-    modules: "WeakSet[nn.Module]" = field(default_factory=WeakSet)
+    # Modules that registered a parameter, in registration order (a dict, not a set: partitioning
+    # hands out ds_ids, which must follow the same order on every rank; a set's follows addresses).
+    modules: "WeakKeyDictionary[nn.Module, None]" = field(default_factory=WeakKeyDictionary)
     touched: dict[int, ZeroParameter] = field(default_factory=dict)  # kept gathered: views handed out
 
 
@@ -252,7 +256,7 @@ def _sync_rng(ctx: RuntimeContext) -> None:
 def _on_param_registered(module: nn.Module, name: str, param: Any) -> None:
     state = _current()
     if state is not None and param is not None:
-        state.modules.add(module)
+        state.modules[module] = None
 
 
 def _wrap_init(cls: type, patches: _Patches) -> None:

@@ -194,6 +194,19 @@ def test_parameter_added_to_an_already_partitioned_child_is_partitioned_at_exit(
     assert torch.equal(_gathered(parent[0].scale), torch.full((2,), 3.0))
 
 
+def test_parameters_registered_after_construction_are_partitioned_in_registration_order():
+    """ds_ids name each parameter in collectives, so every rank must hand them out in the same order.
+    Registration order is the program's, the same on every rank; the order of a set of modules is
+    their memory addresses', which differs between processes (Hugging Face's from_pretrained under
+    Init registers every loaded weight after construction, and the ranks disagreed)."""
+    with zero3.Init():
+        modules = [nn.Module() for _ in range(64)]
+        for i, m in reversed(list(enumerate(modules))):  # registered against allocation order
+            m.w = nn.Parameter(torch.full((2,), float(i)))
+    ids = [m.w.ds_id for m in reversed(modules)]
+    assert ids == sorted(ids)
+
+
 # -- (f) GatheredParameters with and without a modifier rank -----------------------------------
 @pytest.fixture
 def init_linear():
