@@ -16,6 +16,8 @@ steps on 2 nodes x 2 ranks, once per option: exact (fp32 on the wire), hpZ (``--
 qgZ (int8), and all three. The losses (mean over ranks, every step) are merged into
 docs/multinode_loss.json, drawn into docs/multinode_loss.png (loss curves, and each option's loss
 relative to exact's, 10-step means) and tabled with the last step's received bytes by kind and node.
+The example trains on this repository's text, so saved curves of another corpus (the repository
+changed between the parts of a run) are dropped, not mixed.
 
 ``step-time``: the 86.7M GPT (12 layers x 768, vocab 2048, block 128: 86,727,168 parameters) for
 ``--warmup`` + ``--steps`` steps per option (its steps take seconds on 2 cores: keep them few), on
@@ -113,6 +115,11 @@ def run_curves(args: argparse.Namespace) -> None:
             with open(out) as fh:
                 run = json.load(fh)
         run["launch_seconds"] = time.perf_counter() - t0
+        stale = [n for n, r in saved.items() if r.get("corpus") != run["corpus"]]
+        if stale:  # trained on other text (the repository changed since): not comparable
+            print(f"dropping saved curves {stale}: they were trained on another version of the corpus", flush=True)
+            for n in stale:
+                del saved[n]
         saved[name] = run
         print(f"{LABELS[name]}: {args.steps} steps in {run['seconds']:.0f} s (launch {run['launch_seconds']:.0f} s), "
               f"last loss {run['losses'][-1]:.4f}", flush=True)

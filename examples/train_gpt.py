@@ -17,7 +17,8 @@ The model is built under ``zero3.Init`` (each rank only ever holds its shards pl
 trained on the bytes of this repository's own text files, with AdamW and gradient clipping. Rank 0
 prints the loss per step, then the last step's received bytes by kind and node (intra / inter);
 every rank prints the parameter, gradient and optimizer bytes it holds against the full model's.
-``--log-json PATH``: rank 0 also writes the losses and those figures there. docs/multinode.md.
+``--log-json PATH``: rank 0 also writes the losses and those figures there, with the corpus's size
+and CRC (the corpus is this repository's text, so it changes with the repository). docs/multinode.md.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import os
 import socket
 import sys
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -114,7 +116,9 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                   flush=True)
         if args.log_json:
             with open(args.log_json, "w") as fh:
-                json.dump({"losses": losses, "seconds": elapsed, "world": world, "nodes": list(engine.comm.nodes),
+                corpus_id = {"bytes": corpus.numel(), "crc32": zlib.crc32(bytes(corpus.tolist()))}
+                json.dump({"losses": losses, "seconds": elapsed, "world": world, "corpus": corpus_id,
+                           "nodes": list(engine.comm.nodes),
                            "hpz": engine.comm.hpz, "recv_bytes": m.recv_bytes,
                            "peak_secondary_bytes": m.peak_secondary_bytes, "n_params": n_params}, fh)
 
