@@ -18,11 +18,14 @@ import os
 from collections import Counter
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch import nn
 
+import zero3
 from zero3.metrics import VERIFICATION
 
-from _wire import BASE, measure, numels
+from _wire import BASE, Net, measure, numels
 
 pytestmark = pytest.mark.multiproc
 
@@ -148,13 +151,6 @@ def quantization_errors() -> dict:
     largest error of the weights a qwZ gather hands out and of the qgZ-reduced gradient shards, each
     against its bound (half an int8 step of the largest magnitude: per sender, summed over the W - 1
     senders and averaged for gradients)."""
-    from torch import nn
-
-    import torch
-
-    import zero3
-    from _wire import Net
-
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(16, 64, generator=g), torch.randn(16, 8, generator=g)
