@@ -53,15 +53,23 @@ from .comm_verify import (
     headers_from_values,
 )
 from .errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroStateError
-from .metrics import StepMetrics
-from . import quantize
+from .metrics import VERIFICATION, StepMetrics
+from . import quantize, sharding
 from .param import ZeroParameter, alloc_full, raw_data
+from .topology import node_identity, node_ids
 
 logger = logging.getLogger(__name__)
 
-# torch 2.13 renamed the flat collectives; keep working on the older names (torch >= 2.4).
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# torch 2.13 renamed the flat collectives; keep working on the older names (torch >= 2.4). Looked up at
+# each call, so a test can wrap torch.distributed's functions to count bytes independently.
+def _all_gather_flat(*args: Any, **kwargs: Any) -> Any:
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_flat(*args: Any, **kwargs: Any) -> Any:
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
 
 HEADER_VALUES = 16  # a PayloadHeader as small integers (the reduction form)
 
@@ -92,6 +100,7 @@ class Kind(enum.Enum):
     """What a collective is for; part of every verification header."""
 
     PARAM_GATHER = "all-gather"
+    SECONDARY_GATHER = "secondary all-gather"  # hpZ: from the secondary shards, inside a node group
     GRAD_REDUCE = "gradient reduction"
     ALL_REDUCE = "all-reduce"
     BROADCAST = "broadcast"
@@ -169,9 +178,25 @@ class _Pairwise:
 
 
 @dataclass(eq=False)
+class Secondary:
+    """hpZ: what a rank keeps of one parameter from a forward gather until the step ends, its
+    secondary slice (`sharding.secondary_range`): in the parameter's dtype, padded; or under qwZ the
+    quantized bytes of the N primary shards the slice spans, as they arrived (each shard's values,
+    then its scales), so backward computes with the very weights forward did."""
+
+    data: torch.Tensor
+    quantized: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+@dataclass(eq=False)
 class GatherWork:
     """An issued all-gather of parameter shards. ``wait()`` is idempotent; when it returns, every
-    parameter's storage holds its full, verified data (the caller then marks them AVAILABLE)."""
+    parameter's storage holds its full, verified data (the caller then marks them AVAILABLE), and
+    with ``keep_secondary`` ``secondaries`` holds each parameter's hpZ secondary slice."""
 
     comm: "Communicator"
     params: Sequence[ZeroParameter] = ()
@@ -181,6 +206,9 @@ class GatherWork:
     slot: _Slot | None = None
     direct: Any = None  # pairwise messages received straight into the parameters' storage
     quantized: Any = None  # (rows, layout) of a quantized gather, dequantized into storage on wait
+    span: int = 1  # primary shards per row piece: N for an hpZ secondary gather, else 1
+    keep_secondary: bool = False
+    secondaries: dict[int, Secondary] = field(default_factory=dict)  # param record id -> its secondary slice
     done: bool = False
 
     def wait(self) -> None:
@@ -197,7 +225,7 @@ class GatherWork:
                 assert self.tag is not None
                 comm._voided(self.tag, self.slot.sizes)
             if self.quantized is not None:
-                comm._dequantize_gather(self.params, *self.quantized)
+                comm._dequantize_gather(self.params, *self.quantized, span=self.span)
         elif self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
         else:
@@ -210,9 +238,12 @@ class GatherWork:
         elif self.event is None:
             for chunk in self.chunks:
                 comm._copy_out(chunk)
+        if self.keep_secondary:
+            self.secondaries = comm._secondaries(self.params, self.quantized)
         comm.metrics.wait_seconds += time.perf_counter() - t0
         self.chunks = []
         self.event = None
+        self.quantized = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,12 +321,19 @@ class Communicator:
         quantize_gradients: 8 or 4: reduction messages carry blockwise int8/int4 values; each is
             dequantized before it is added, so nothing accumulates; 0: off.
         quant_block: elements per quantization block.
+        nodes: the node of every rank of the group (topology.py); None: every rank sends its
+            `node_identity` to the others now (a collective: build communicators on every rank).
+        dedicated: ``group`` is already zero3's own group with ``timeout_s`` (`hierarchical` makes one).
+
+    Every byte received is counted in ``metrics.recv_bytes`` by kind and by node scope (intra /
+    inter): pairwise messages exactly, collectives by the logical bytes each peer contributes.
     """
 
     def __init__(self, group: Any, *, world_size: int, rank: int, metrics: StepMetrics, overlap: bool = True,
                  bucket_numel: int = 1 << 62, reduce_impl: str = "auto", allgather_impl: str = "auto",
                  verify: bool | None = None, timeout_s: float = 0.0, plans: int = 8,
-                 quantize_weights: bool = False, quantize_gradients: int = 0, quant_block: int = 512) -> None:
+                 quantize_weights: bool = False, quantize_gradients: int = 0, quant_block: int = 512,
+                 nodes: Sequence[int] | None = None, dedicated: bool = False) -> None:
         self.world_size = world_size
         self.rank = rank
         self.overlap = overlap
@@ -305,7 +343,7 @@ class Communicator:
         self.backend = dist.get_backend(group) if distributed else "none"
         self.timeout_s = float(timeout_s)
         self.group = group
-        if distributed and self.timeout_s > 0:
+        if distributed and self.timeout_s > 0 and not dedicated:
             # Our own group: its timeout bounds every wait, and breaking it leaves the user's intact.
             self.group = dist.new_group(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD),
                                         timeout=datetime.timedelta(seconds=self.timeout_s), backend=self.backend,
@@ -334,6 +372,59 @@ class Communicator:
         self._outstanding: deque[_Slot] = deque()
         self._plans = PlanCache(plans)
         self.report = FailureReport(_group_name(self.group), world_size, rank) if distributed else None
+        if nodes is None:
+            nodes = node_ids(self._objects(node_identity(), None)) if distributed else (0,) * world_size
+        if len(nodes) != world_size:
+            raise ZeroConfigError(f"nodes must name the node of each of the {world_size} ranks, got {list(nodes)}")
+        self.nodes = tuple(nodes)
+        self._scope = tuple("intra" if n == self.nodes[rank] else "inter" for n in self.nodes)
+        self.hpz = 1  # ranks per hpZ secondary group (`hierarchical`); 1: no secondary shards
+        self.secondary_span = 1  # on a secondary group's communicator: primary shards per secondary slice
+
+    # -- byte accounting ---------------------------------------------------------------------------
+    def _count(self, kind: Kind | str, peer: int, nbytes: int, pairwise: bool) -> None:
+        """``nbytes`` received from group rank ``peer``: in ``metrics.recv_bytes[kind][scope]``, and in
+        ``p2p_recv_bytes`` when it was a pairwise message."""
+        key = kind.value if isinstance(kind, Kind) else kind
+        counts = self.metrics.recv_bytes.get(key)
+        if counts is None:
+            counts = self.metrics.recv_bytes[key] = {"intra": 0, "inter": 0}
+        counts[self._scope[peer]] += nbytes
+        if pairwise:
+            self.metrics.p2p_recv_bytes += nbytes
+
+    def _count_peers(self, kind: Kind | str, nbytes: int, header_bytes: int = 0, pairwise: bool = False) -> None:
+        """The same ``nbytes`` (plus ``header_bytes`` of verification) from every other rank."""
+        for q in range(self.world_size):
+            if q != self.rank:
+                self._count(kind, q, nbytes, pairwise)
+                if header_bytes:
+                    self._count(VERIFICATION, q, header_bytes, pairwise)
+
+    def hierarchical(self, size: int) -> "Communicator":
+        """hpZ: a communicator over this rank's secondary group, the block of ``size`` consecutive
+        group ranks it is in (`topology.hpz_group_size`), sharing this one's settings and metrics.
+
+        Each rank creates only its own block's process group (``use_local_synchronization``), so the
+        blocks need no common order; every rank of a block must call this at the same point
+        (``zero3.initialize`` does). From now on this communicator's parameter gathers can keep
+        secondary slices (``keep_secondary``), which the returned one gathers (`all_gather_secondary`).
+        """
+        w = self.world_size
+        if size < 2 or size >= w or w % size:
+            raise ZeroConfigError(f"an hpZ group of {size} ranks needs 1 < size < world size {w} dividing it")
+        first = self.rank // size * size
+        ranks = [self.global_rank(first + j) for j in range(size)]
+        kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=self.timeout_s)} if self.timeout_s > 0 else {}
+        group = dist.new_group(ranks, backend=self.backend, use_local_synchronization=True, **kwargs)
+        node = Communicator(group, world_size=size, rank=self.rank - first, metrics=self.metrics,
+                            overlap=self.overlap, bucket_numel=self.bucket_numel, reduce_impl=self.reduce_impl,
+                            allgather_impl=self.allgather_impl, verify=self.verify, timeout_s=self.timeout_s,
+                            plans=self._plans.capacity, quantize_weights=self.quantize_weights,
+                            quant_block=self.quant_block, nodes=self.nodes[first: first + size], dedicated=True)
+        node.secondary_span = w // size
+        self.hpz = size
+        return node
 
     def global_rank(self, group_rank: int) -> int:
         """The default-group rank of ``group_rank`` in this communicator's group."""
@@ -474,6 +565,7 @@ class Communicator:
         t0 = time.perf_counter()
         self._blocking(lambda: _all_gather_flat(out, mine.to_tensor(self.device), group=self.group), tag)
         self.metrics.header_seconds += time.perf_counter() - t0
+        self._count_peers(VERIFICATION, WIRE_WORDS * 8)
         return WireHeader.rows(out)
 
     def _diverged(self, tag: Tag, slot: Slot, rows: list[WireHeader | None], voided: bool = False) -> None:
@@ -486,7 +578,7 @@ class Communicator:
         what += ")"
         if voided:
             what += ", issued where another rank had left the plan"
-        details = self._objects((self.epoch, seq, what))
+        details = self._objects((self.epoch, seq, what), VERIFICATION)
         lines = "; ".join(f"rank {r}: step {e} collective #{s} {w}" for r, (e, s, w) in enumerate(details))
         if self.report is not None:
             self.report.post(f"{self.epoch}|raised ZeroDivergenceError at collective #{seq} ({what})")
@@ -604,14 +696,16 @@ class Communicator:
         ) from exc
 
     # -- parameter all-gather --------------------------------------------------------------------
-    def all_gather_params(self, params: Sequence[ZeroParameter], tag: Tag, count: bool = True) -> GatherWork:
+    def all_gather_params(self, params: Sequence[ZeroParameter], tag: Tag, count: bool = True,
+                          keep_secondary: bool = False) -> GatherWork:
         """Issue the all-gather of ``params``' shards into their own storage (split at ``bucket_numel``).
 
         The caller owns the parameters' status (NOT_AVAILABLE -> INFLIGHT -> AVAILABLE); this only
         moves bytes. Their storage is allocated when the data is copied out. ``count``: add it to
-        the step's gather metrics (persistent refreshes are counted apart).
+        the step's gather metrics (persistent refreshes are counted apart). ``keep_secondary`` (hpZ,
+        after `hierarchical`): the work's ``wait()`` also cuts each parameter's `Secondary` slice.
         """
-        handle = GatherWork(comm=self, params=params, tag=tag)
+        handle = GatherWork(comm=self, params=params, tag=tag, keep_secondary=keep_secondary and self.hpz > 1)
         if not params:
             return handle
         numel = sum(p._zero.numel for p in params)
@@ -679,9 +773,8 @@ class Communicator:
                 full[lo:hi].copy_(p._zero.shard[: hi - lo])
             fulls.append(full)
         mine = [p._zero.shard for p in params]
-        work, headers = self._exchange_pieces(mine, fulls, slot.sizes, header, tag)
+        work, headers = self._exchange_pieces(Kind.PARAM_GATHER, mine, fulls, slot.sizes, header, tag)
         handle.direct = work
-        self.metrics.p2p_recv_bytes += sum(p._zero.nbytes for p in params) * (self.world_size - 1) // self.world_size
         if header is not None:
             handle.slot = self._register(Kind.PARAM_GATHER, slot.sizes, [work], headers)
         return handle
@@ -690,49 +783,132 @@ class Communicator:
         """qwZ: every rank's shards travel as int8 blocks with fp32 scales (about a quarter of fp32's
         bytes); each rank's gathered weight is the dequantized value of every piece, its own included,
         so every rank computes with the same weights. Shards, masters and the optimizer stay exact."""
-        layout = [(p._zero.shard_numel, quantize.blocks(p._zero.shard_numel, self.quant_block)) for p in params]
-        size = sum(s + 4 * nb for s, nb in layout)
+        layout = [_quantized_layout(p._zero.shard_numel, self.quant_block) for p in params]
+        size = sum(v + 4 * nb for _, v, nb in layout)
         slot = Slot(Kind.PARAM_GATHER.value, (size,), "quantized", False)
         route = self._route(tag, slot)
         header = self._planned_header(Kind.PARAM_GATHER, tag.ids, slot.sizes) if route is Route.PLANNED else None
-        payload = torch.empty(size + (HEADER_BYTES if self.verify else 0), dtype=torch.uint8, device=self.device)
+        payload = torch.zeros(size + (HEADER_BYTES if self.verify else 0), dtype=torch.uint8, device=self.device)
         off = 0
-        for p, (s, nb) in zip(params, layout):
+        for p, (s, v, nb) in zip(params, layout):
             values, scales = quantize.quantize(p._zero.shard, self.quant_block)
             payload[off: off + s].copy_(values.view(torch.uint8))
-            payload[off + s: off + s + 4 * nb].copy_(scales.view(torch.uint8))
-            off += s + 4 * nb
+            payload[off + v: off + v + 4 * nb].copy_(scales.view(torch.uint8))
+            off += v + 4 * nb
+        return self._gather_payload(Kind.PARAM_GATHER, params, payload, size, layout, header, tag, handle)
+
+    def _gather_payload(self, kind: Kind, params: Sequence[ZeroParameter], payload: torch.Tensor, size: int,
+                        layout: list[tuple[int, int, int]], header: PayloadHeader | None, tag: Tag,
+                        handle: GatherWork) -> GatherWork:
+        """All-gather a quantized ``payload`` (``size`` bytes, then the header room when verifying);
+        the work's ``wait()`` dequantizes every row into the parameters."""
         if self.verify:
             payload[size:].copy_(header_as(torch.uint8, header, self.device) if header is not None
                                  else torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=self.device))
-        rows, work = self._gather_wire(payload, True, tag)
+        rows, work = self._gather_wire(payload, True, tag, kind, HEADER_BYTES if self.verify else 0)
         handle.direct = work if work is not None else _Pairwise([])
         handle.quantized = (rows, layout)
-        self.metrics.p2p_recv_bytes += size * (self.world_size - 1)
         if header is not None:
-            handle.slot = self._register(Kind.PARAM_GATHER, slot.sizes, [handle.direct],
+            handle.slot = self._register(kind, (size,), [handle.direct],
                                          lambda: headers_from(torch.stack([row[-HEADER_BYTES:] for row in rows])))
         return handle
 
     def _dequantize_gather(self, params: Sequence[ZeroParameter], rows: list[torch.Tensor],
-                           layout: list[tuple[int, int]]) -> None:
-        for r, row in enumerate(rows):
+                           layout: list[tuple[int, int, int]], span: int = 1) -> None:
+        """Write every row's quantized pieces into the parameters' storage. Row q holds, per parameter,
+        the pieces of primary ranks ``q * span`` .. ``q * span + span - 1`` (``span`` > 1: the rows of an
+        hpZ secondary gather, each a secondary slice of ``span`` primary shards)."""
+        for q, row in enumerate(rows):
             off = 0
-            for p, (s, nb) in zip(params, layout):
+            for p, (s, v, nb) in zip(params, layout):
                 z = p._zero
-                lo, hi = _piece(z.numel, s, r)
-                full = alloc_full(p) if r == 0 else raw_data(p).view(-1)
-                if hi > lo:
-                    values = row[off: off + s].view(torch.int8)
-                    scales = row[off + s: off + s + 4 * nb].view(torch.float32)
-                    full[lo:hi].copy_(quantize.dequantize(values, scales, s, self.quant_block)[: hi - lo])
-                off += s + 4 * nb
+                full = alloc_full(p) if q == 0 else raw_data(p).view(-1)
+                for i in range(span):
+                    lo, hi = _piece(z.numel, s, q * span + i)
+                    if hi > lo:
+                        values = row[off: off + s].view(torch.int8)
+                        scales = row[off + v: off + v + 4 * nb].view(torch.float32)
+                        full[lo:hi].copy_(quantize.dequantize(values, scales, s, self.quant_block)[: hi - lo])
+                    off += v + 4 * nb
 
-    def _exchange_pieces(self, mine: Sequence[torch.Tensor], into: Sequence[torch.Tensor], numels: Sequence[int],
-                         header: PayloadHeader | None, tag: Tag | None) -> tuple[Any, Any]:
+    # -- hpZ: secondary slices and the gathers inside a secondary group ---------------------------
+    def _secondaries(self, params: Sequence[ZeroParameter], quantized: Any) -> dict[int, Secondary]:
+        """Each parameter's secondary slice, cut from a finished gather: from the quantized rows as
+        they arrived under qwZ, else from the gathered storage (a copy of 1/``hpz`` of it)."""
+        size = self.hpz
+        span, local = self.world_size // size, self.rank % size
+        out: dict[int, Secondary] = {}
+        if quantized is not None:
+            rows, layout = quantized
+            off = 0
+            for p, (s, v, nb) in zip(params, layout):
+                seg = v + 4 * nb
+                pieces = [rows[local * span + i][off: off + seg] for i in range(span)]
+                out[p._zero.id] = Secondary(torch.cat(pieces), quantized=True)
+                off += seg
+            return out
+        for p in params:
+            z = p._zero
+            data = torch.zeros(sharding.secondary_numel(z.numel, self.world_size, size), dtype=raw_data(p).dtype,
+                               device=raw_data(p).device)
+            lo, hi = sharding.secondary_range(z.numel, self.world_size, size, local)
+            if hi > lo:
+                data[: hi - lo].copy_(raw_data(p).view(-1)[lo:hi])
+            out[z.id] = Secondary(data, quantized=False)
+        return out
+
+    def all_gather_secondary(self, params: Sequence[ZeroParameter], tag: Tag) -> GatherWork:
+        """hpZ, on a secondary group's communicator (`hierarchical`): gather ``params`` from the
+        secondary slices its ranks keep (``p._zero.secondary``, all quantized or all not), so the bytes
+        stay inside the group (the node). Quantized slices travel as they are and are dequantized
+        like a qwZ gather's rows; the others go as pairwise pieces straight into storage."""
+        handle = GatherWork(comm=self, params=params, tag=Tag(Kind.SECONDARY_GATHER, tag.label, tag.ids),
+                            span=self.secondary_span)
+        if not params:
+            return handle
+        m = self.metrics
+        m.allgather_calls += 1
+        m.allgather_numel += sum(p._zero.numel for p in params)
+        m.allgather_bytes += sum(p._zero.nbytes for p in params)
+        kind, span, w = Kind.SECONDARY_GATHER, self.secondary_span, self.world_size
+        secondaries: list[Secondary] = [p._zero.secondary for p in params]
+        if secondaries[0].quantized:
+            layout = [_quantized_layout(p._zero.shard_numel, self.quant_block) for p in params]
+            size = sum(span * (v + 4 * nb) for _, v, nb in layout)
+            slot = Slot(kind.value, (size,), "quantized", False)
+            route = self._route(handle.tag, slot)
+            header = self._planned_header(kind, tag.ids, slot.sizes) if route is Route.PLANNED else None
+            payload = torch.empty(size + (HEADER_BYTES if self.verify else 0), dtype=torch.uint8, device=self.device)
+            off = 0
+            for sec in secondaries:
+                payload[off: off + sec.nbytes].copy_(sec.data)
+                off += sec.nbytes
+            return self._gather_payload(kind, params, payload, size, layout, header, handle.tag, handle)
+        dtype = secondaries[0].data.dtype
+        slot = Slot(kind.value, tuple(p._zero.numel for p in params), str(dtype), False, span)
+        route = self._route(handle.tag, slot)
+        header = self._planned_header(kind, tag.ids, slot.sizes) if route is Route.PLANNED else None
+        fulls = []
+        for p, sec in zip(params, secondaries):
+            full = alloc_full(p)
+            lo, hi = sharding.secondary_range(p._zero.numel, span * w, w, self.rank)
+            if hi > lo:
+                full[lo:hi].copy_(sec.data[: hi - lo])
+            fulls.append(full)
+        work, headers = self._exchange_pieces(kind, [sec.data for sec in secondaries], fulls, slot.sizes, header,
+                                              handle.tag, span)
+        handle.direct = work
+        if header is not None:
+            handle.slot = self._register(kind, slot.sizes, [work], headers)
+        return handle
+
+    def _exchange_pieces(self, kind: Kind, mine: Sequence[torch.Tensor], into: Sequence[torch.Tensor],
+                         numels: Sequence[int], header: PayloadHeader | None, tag: Tag | None,
+                         span: int = 1) -> tuple[Any, Any]:
         """Post the pairwise messages of a direct gather: for every tensor of ``numels``, this rank's
         real piece from ``mine[i]`` to every peer, and every peer's piece into its range of ``into[i]``;
-        then the header, if any. Returns (work, a reader of every rank's header)."""
+        then the header, if any. A piece is ``span`` primary shards of ``ceil(n / (span * world))``
+        elements (1: this group's own shards). Returns (work, a reader of every rank's header)."""
         w, r = self.world_size, self.rank
         t = self._next_tag()
         ops = []
@@ -741,13 +917,14 @@ class Communicator:
                 continue
             g = self.global_rank(q)
             for src, dst, n in zip(mine, into, numels):
-                s = -(-n // w)
+                s = span * -(-n // (span * w))
                 lo, hi = _piece(n, s, r)
                 if hi > lo:
                     ops.append(dist.P2POp(dist.isend, src[: hi - lo], g, self.group, t))
                 qlo, qhi = _piece(n, s, q)
                 if qhi > qlo:
                     ops.append(dist.P2POp(dist.irecv, dst[qlo:qhi], g, self.group, t))
+                    self._count(kind, q, (qhi - qlo) * dst.element_size(), True)
         got: dict[int, torch.Tensor] = {}
         if header is not None:
             own = torch.frombuffer(bytearray(header.to_bytes()), dtype=torch.uint8).to(self.device)
@@ -756,6 +933,7 @@ class Communicator:
                     got[q] = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
                     ops += [dist.P2POp(dist.isend, own, self.global_rank(q), self.group, t),
                             dist.P2POp(dist.irecv, got[q], self.global_rank(q), self.group, t)]
+                    self._count(VERIFICATION, q, HEADER_BYTES, True)
 
         def headers() -> list[PayloadHeader | None]:
             return [header if q == r else PayloadHeader.from_bytes(bytes(got[q].cpu().tolist())) for q in range(w)]
@@ -782,12 +960,17 @@ class Communicator:
         self._p2p_tag = (self._p2p_tag + 1) & 0xFFFFFF  # the same on every rank: the sequence is verified
         return self._p2p_tag
 
-    def _gather_wire(self, inp: torch.Tensor, async_op: bool, tag: Tag | None) -> tuple[list[torch.Tensor], Any]:
+    def _gather_wire(self, inp: torch.Tensor, async_op: bool, tag: Tag | None, kind: Kind,
+                     header_numel: int) -> tuple[list[torch.Tensor], Any]:
         """Every rank's ``inp`` (the same size everywhere), as one row per rank; and the work to wait
         for (None when done). With ``allgather_impl="p2p"`` each rank sends its piece to every other
-        rank and receives theirs: the same bytes as a ring all-gather, without gloo's extra copies."""
+        rank and receives theirs: the same bytes as a ring all-gather, without gloo's extra copies.
+        The last ``header_numel`` elements of each row are counted as verification, the rest as ``kind``."""
         n, w = inp.numel(), self.world_size
-        if self.allgather_impl == "p2p" and inp.device != _META:  # meta: see all_gather_params
+        size = inp.element_size()
+        pairwise = self.allgather_impl == "p2p" and inp.device != _META  # meta: see all_gather_params
+        self._count_peers(kind, (n - header_numel) * size, header_numel * size, pairwise)
+        if pairwise:
             rows: list[torch.Tensor] = []
             ops = []
             t = self._next_tag()
@@ -808,11 +991,17 @@ class Communicator:
         work = self._blocking(lambda: _all_gather_flat(out, inp, group=self.group, async_op=async_op), tag)
         return list(out.view(w, n).unbind(0)), (work if async_op else None)
 
-    def _reduce_wire(self, flat: torch.Tensor, out: torch.Tensor, async_op: bool, tag: Tag | None) -> Any:
+    def _reduce_wire(self, flat: torch.Tensor, out: torch.Tensor, async_op: bool, tag: Tag | None,
+                     header_numel: int) -> Any:
         """Sum every rank's ``flat`` (rank-major: chunk r is for rank r) and leave this rank's summed
         chunk in ``out`` (reduce-scatter), or with ``all_reduce`` sum it whole in place. Returns the
-        work (None when done)."""
+        work (None when done). ``header_numel``: header room in each chunk (in the whole ``flat`` for
+        ``all_reduce``), counted as verification."""
         w, r = self.world_size, self.rank
+        per_peer = flat.numel() if self.reduce_impl == "all_reduce" else flat.numel() // w
+        size = flat.element_size()
+        self._count_peers(Kind.GRAD_REDUCE, (per_peer - header_numel) * size, header_numel * size,
+                          self.reduce_impl == "p2p")
         if self.reduce_impl == "p2p":
             chunks = flat.view(w, -1)
             n = chunks.shape[1]
@@ -850,7 +1039,7 @@ class Communicator:
                           else torch.zeros(hdr, dtype=dtype, device=device))
         inp = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         with _label("zero3::all_gather"):
-            chunk.rows, chunk.work = self._gather_wire(inp, async_op, None)
+            chunk.rows, chunk.work = self._gather_wire(inp, async_op, None, Kind.PARAM_GATHER, hdr)
 
     def _copy_out(self, chunk: _Chunk, keep_header: bool = False) -> None:
         """Copy each parameter's piece of every rank's row into its own storage (one copy each)."""
@@ -882,23 +1071,28 @@ class Communicator:
             self._wire_exchange(mine, tag)
             return _Slot(self._seq, kind, slot.sizes, [], lambda: [], void=True)
         works: list[Any] = []
-        if kind is Kind.PARAM_GATHER and slot.dtype == "quantized":
+        gather = kind in (Kind.PARAM_GATHER, Kind.SECONDARY_GATHER)
+        w, h = self.world_size, HEADER_VALUES * self.world_size
+        if gather and slot.dtype == "quantized":
             payload = torch.zeros(slot.sizes[0] + HEADER_BYTES, dtype=torch.uint8, device=self.device)
             payload[slot.sizes[0]:].copy_(header_as(torch.uint8, header, self.device))
-            works.append(self._gather_wire(payload, True, tag)[1])
-        elif kind is Kind.PARAM_GATHER and self.allgather_impl == "p2p":  # a direct gather's messages, into scratch
-            pieces = [torch.zeros(-(-n // self.world_size), dtype=dtype, device=self.device) for n in slot.sizes]
+            works.append(self._gather_wire(payload, True, tag, kind, HEADER_BYTES)[1])
+        elif gather and (self.allgather_impl == "p2p" or kind is Kind.SECONDARY_GATHER):
+            # a direct gather's messages (pieces of `span` primary shards), into scratch
+            span = slot.span
+            pieces = [torch.zeros(span * -(-n // (span * w)), dtype=dtype, device=self.device) for n in slot.sizes]
             scratch = [torch.empty(n, dtype=dtype, device=self.device) for n in slot.sizes]
-            works.append(self._exchange_pieces(pieces, scratch, slot.sizes, header, tag)[0])
-        elif kind is Kind.PARAM_GATHER:
+            works.append(self._exchange_pieces(kind, pieces, scratch, slot.sizes, header, tag, span)[0])
+        elif gather:
+            hdr = bitcast_elements(dtype)
             for total in slot.sizes:
                 inp = torch.cat([torch.zeros(total, dtype=dtype, device=self.device),
                                  header_as(dtype, header, self.device)])
-                works.append(self._gather_wire(inp, True, tag)[1])
+                works.append(self._gather_wire(inp, True, tag, kind, hdr)[1])
         elif kind is Kind.GRAD_REDUCE and slot.dtype.startswith("quantized"):
             payload = torch.zeros(slot.sizes[0] + HEADER_BYTES, dtype=torch.uint8, device=self.device)
             payload[slot.sizes[0]:].copy_(header_as(torch.uint8, header, self.device))
-            works.append(self._exchange_payloads({q: payload for q in range(self.world_size)}, tag)[0])
+            works.append(self._exchange_payloads({q: payload for q in range(self.world_size)}, tag, HEADER_BYTES)[0])
         elif kind is Kind.GRAD_REDUCE and self.reduce_impl == "p2p":  # a direct reduction's messages
             pieces = [GradPiece(n, -(-n // self.world_size), None) for n in slot.sizes[:-1]]
             presence = torch.zeros(slot.sizes[-1], dtype=dtype, device=self.device)
@@ -907,10 +1101,11 @@ class Communicator:
         elif kind is Kind.GRAD_REDUCE:  # the same wire as a real reduction of the planned size
             flat = torch.zeros(slot.sizes[0], dtype=dtype, device=self.device)
             out = torch.empty(slot.sizes[0] // self.world_size, dtype=dtype, device=self.device)
-            works.append(self._reduce_wire(flat, out, True, tag))
+            works.append(self._reduce_wire(flat, out, True, tag, h))
         else:  # ALL_REDUCE: one flat all-reduce of the planned size
             flat = torch.zeros(slot.sizes[0], dtype=dtype, device=self.device)
             works.append(self._blocking(lambda: dist.all_reduce(flat, group=self.group, async_op=True), tag))
+            self._count_peers(kind, (flat.numel() - h) * flat.element_size(), h * flat.element_size())
         self.metrics.dummy_collectives += 1
         return _Slot(self._seq, kind, slot.sizes, works, lambda: [], void=True)
 
@@ -983,7 +1178,6 @@ class Communicator:
                     out.add_(received[q])
 
         work.then = total_up
-        self.metrics.p2p_recv_bytes += sum(p.shard_numel for p in pieces) * (w - 1) * out.element_size()
         rw = ReduceWork(comm=self, buffer=ReduceBuffer(flat=out, rows=out.view(1, -1),
                                                        shard_numel=total + counted), out=out, tag=tag, work=work)
         if header is not None:
@@ -999,8 +1193,8 @@ class Communicator:
         part, in fp32, so the error is one rounding per message and never compounds. The reduced
         shard stays fp32."""
         w, r, bits, block = self.world_size, self.rank, self.quantize_gradients, self.quant_block
-        layout = [(p.shard_numel, quantize.wire_bytes(p.shard_numel, block, bits) - 4 * quantize.blocks(p.shard_numel, block),
-                   quantize.blocks(p.shard_numel, block)) for p in pieces]
+        layout = [(p.shard_numel, quantize.value_bytes(p.shard_numel, bits), quantize.blocks(p.shard_numel, block))
+                  for p in pieces]
         size = sum(v + 4 * nb for _, v, nb in layout) + 4 * counted
         slot = Slot(Kind.GRAD_REDUCE.value, (size,), f"quantized{bits}", False)
         route = self._route(tag, slot)
@@ -1022,7 +1216,7 @@ class Communicator:
                     part = torch.zeros(sh, dtype=torch.float32, device=device)
                     part[: hi - lo].copy_(g[lo:hi])
                     values, scales = quantize.quantize(part, block, bits)
-                    payload[off: off + v].copy_(values.view(torch.uint8))
+                    payload[off: off + values.numel()].copy_(values.view(torch.uint8))
                     payload[off + v: off + v + 4 * nb].copy_(scales.view(torch.uint8))
                 off += v + 4 * nb
                 col += sh
@@ -1033,7 +1227,7 @@ class Communicator:
             payloads[q] = payload
         if counted:
             out[total:] = bits_present
-        work, received = self._exchange_payloads(payloads, tag)
+        work, received = self._exchange_payloads(payloads, tag, HEADER_BYTES if self.verify else 0)
 
         def total_up() -> None:  # every message dequantized, then added in fp32, in rank order
             for q in range(w):
@@ -1050,7 +1244,6 @@ class Communicator:
                     out[total:].add_(row[off: off + 4 * counted].view(torch.float32))
 
         work.then = total_up
-        self.metrics.p2p_recv_bytes += size * (w - 1)
         rw = ReduceWork(comm=self, buffer=ReduceBuffer(flat=out, rows=out.view(1, -1), shard_numel=total + counted),
                         out=out, tag=tag, work=work)
         if header is not None:
@@ -1061,12 +1254,14 @@ class Communicator:
             self._wait_work(work, tag)
         return rw
 
-    def _exchange_payloads(self, payloads: dict[int, torch.Tensor], tag: Tag | None
+    def _exchange_payloads(self, payloads: dict[int, torch.Tensor], tag: Tag | None, header_bytes: int
                            ) -> tuple[_Pairwise, dict[int, torch.Tensor]]:
-        """Send ``payloads[q]`` (the same size for every q) to each other rank q and receive each one's
-        payload for this rank: pairwise messages, or one all-to-all for collective wires."""
+        """Send ``payloads[q]`` (the same size for every q, its last ``header_bytes`` a header) to each
+        other rank q and receive each one's payload for this rank: pairwise messages, or one
+        all-to-all for collective wires."""
         w, r = self.world_size, self.rank
         n = payloads[r].numel()
+        self._count_peers(Kind.GRAD_REDUCE, n - header_bytes, header_bytes, self.reduce_impl == "p2p")
         if self.reduce_impl == "p2p":
             t = self._next_tag()
             received = {q: torch.empty(n, dtype=torch.uint8, device=self.device) for q in range(w) if q != r}
@@ -1099,9 +1294,14 @@ class Communicator:
                  if any(g is None for g in grads) else None)
         received: dict[int, torch.Tensor] = {}
         got: dict[int, torch.Tensor] = {}
+        size = torch.empty((), dtype=dtype).element_size()
+        mine = sum(hi - lo for lo, hi in (_piece(p.numel, p.shard_numel, r) for p in pieces)) + presence.numel()
         for q in range(w):
             if q == r:
                 continue
+            self._count(Kind.GRAD_REDUCE, q, mine * size, True)
+            if header is not None:
+                self._count(VERIFICATION, q, HEADER_BYTES, True)
             g_rank = self.global_rank(q)
             into = first_into if first_into is not None and q == min(p for p in range(w) if p != r) else None
             received[q] = into if into is not None else torch.empty(total + presence.numel(), dtype=dtype,
@@ -1174,7 +1374,7 @@ class Communicator:
             else:
                 out = torch.empty(s + h, dtype=flat.dtype, device=flat.device)
                 hdr_rows = out[s:].view(w, HEADER_VALUES) if h else None
-            work = self._reduce_wire(flat, out, self.overlap, tag)
+            work = self._reduce_wire(flat, out, self.overlap, tag, h)
         rw = ReduceWork(comm=self, buffer=buf, out=out, tag=tag, work=work)
         if header is not None:
             assert hdr_rows is not None
@@ -1200,6 +1400,7 @@ class Communicator:
                 header_values(header, t.dtype, t.device))
         with _label("zero3::all_reduce"):
             work = self._blocking(lambda: dist.all_reduce(payload, op=reduce_op, group=self.group, async_op=True), tag)
+        self._count_peers(Kind.ALL_REDUCE, n * t.element_size(), h * t.element_size())
         if route is Route.PLANNED:
             slot_rec = self._register(Kind.ALL_REDUCE, slot.sizes, [work],
                                       lambda: headers_from_values(payload[n:].view(self.world_size, HEADER_VALUES)))
@@ -1224,6 +1425,8 @@ class Communicator:
             self._route_header_first(tag, t)
             with _label("zero3::broadcast"):
                 self._blocking(lambda: dist.broadcast(t, src=self.global_rank(src), group=self.group), tag)
+            if self.rank != src:
+                self._count(Kind.BROADCAST, src, t.numel() * t.element_size(), False)
         return t
 
     def all_gather_tensor(self, t: torch.Tensor, tag: Tag) -> torch.Tensor:
@@ -1235,6 +1438,7 @@ class Communicator:
         out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
         with _label("zero3::all_gather_tensor"):
             self._blocking(lambda: _all_gather_flat(out, flat, group=self.group), tag)
+        self._count_peers(Kind.TENSOR_GATHER, flat.numel() * flat.element_size())
         return out.view(self.world_size, -1)
 
     def gather_to_rank0(self, t: torch.Tensor, tag: Tag) -> torch.Tensor | None:
@@ -1248,6 +1452,7 @@ class Communicator:
             if self.rank == 0:
                 rows = torch.empty(self.world_size, flat.numel(), dtype=flat.dtype, device=flat.device)
                 self._blocking(lambda: dist.gather(flat, list(rows.unbind(0)), dst=dst, group=self.group), tag)
+                self._count_peers(Kind.GATHER_TO_ROOT, flat.numel() * flat.element_size())
                 return rows
             self._blocking(lambda: dist.gather(flat, None, dst=dst, group=self.group), tag)
         return None
@@ -1258,12 +1463,14 @@ class Communicator:
         if self.world_size == 1:
             return [obj]
         self._route_header_first(tag, torch.empty(0))
-        return self._objects(obj)
+        return self._objects(obj, Kind.OBJECTS)
 
     def _route_header_first(self, tag: Tag, t: torch.Tensor) -> None:
         self._route(tag, Slot(tag.kind.value, (t.numel(),), str(t.dtype), True))
 
-    def _objects(self, obj: Any) -> list[Any]:
+    def _objects(self, obj: Any, kind: Kind | str | None) -> list[Any]:
+        """Every rank's picklable ``obj`` (two all-gathers: sizes, then the padded bytes). ``kind``:
+        what to count the bytes as (None: not counted, the topology exchange while constructing)."""
         data = pickle.dumps(obj)
         sizes = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
         mine_size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
@@ -1275,6 +1482,8 @@ class Communicator:
         rows = torch.empty(self.world_size * longest, dtype=torch.uint8, device=self.device)
         mine_dev = mine.to(self.device)
         self._blocking(lambda: _all_gather_flat(rows, mine_dev, group=self.group), None)
+        if kind is not None:
+            self._count_peers(kind, 8 + longest)
         rows = rows.view(self.world_size, longest).cpu()
         return [pickle.loads(bytes(byte_view(rows[r])[: int(sizes[r])])) for r in range(self.world_size)]
 
@@ -1302,6 +1511,12 @@ def _piece(numel: int, shard_numel: int, rank: int) -> tuple[int, int]:
     """The real (unpadded) range of a tensor of ``numel`` elements that ``rank`` holds."""
     lo = min(rank * shard_numel, numel)
     return lo, min(lo + shard_numel, numel)
+
+
+def _quantized_layout(shard_numel: int, block: int) -> tuple[int, int, int]:
+    """(elements, value bytes, blocks) of one int8-quantized shard in a message: its values, padded to
+    4 bytes, then one fp32 scale per block."""
+    return shard_numel, quantize.value_bytes(shard_numel, 8), quantize.blocks(shard_numel, block)
 
 
 def _make_chunk(params: list[ZeroParameter]) -> _Chunk:

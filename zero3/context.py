@@ -10,6 +10,7 @@ communicator, coordinator) for the parameters it partitions while a model is bui
       config         ZeroConfig
       group, rank, world_size
       comm           Communicator      every collective
+      node_comm      Communicator | None   hpZ: collectives inside this rank's secondary group (a node)
       metrics        StepMetrics       counters of the current step
       coordinator    ParamCoordinator  gathers and releases (the one driver of parameter status)
       reducer        GradientReducer   full gradients -> averaged gradient shards (engine only)
@@ -44,6 +45,7 @@ from .state import ParamStatus
 from .schedulers import build_optimizer, build_scheduler
 from .offload_states import OffloadPhase, StatesOffload
 from .swap import AsyncIO, BufferPool, ShardTier, SwapFile
+from .topology import hpz_group_size
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class RuntimeContext:
     reducer: GradientReducer | None = None
     optimizer: PartitionedOptimizer | None = None
     model_parallel: ModelParallel | None = None  # an mpu's model-parallel group of > 1 ranks (model_parallel.py)
+    node_comm: Communicator | None = None  # hpZ: this rank's secondary group (coordinator.py [Note: hpZ ...])
     lr_scheduler: Any = None  # stepped by engine.step() after every optimizer step that was not skipped
     global_steps: int = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
     micro_steps: int = 0  # engine.step() calls
@@ -121,6 +124,12 @@ class RuntimeContext:
                        shard_device=shard_device, dtype=dtype)
         self.coordinator.register([zp])
         return zp
+
+    @property
+    def data_comms(self) -> list[Communicator]:
+        """The communicators of the data-parallel ranks (the group's, and hpZ's node group's): an epoch
+        ends, or is abandoned, on all of them together."""
+        return [self.comm] if self.node_comm is None else [self.comm, self.node_comm]
 
     # -- what the optimizer side and checkpoints ask for -----------------------------------------
     def require_states(self, what: str, kinds: Sequence[str] | None = None) -> None:
@@ -186,6 +195,7 @@ class RuntimeContext:
         full = sum(p._zero.numel * p._zero.shard.element_size() for p in self.params)
         gathered = sum(resident_bytes(raw_data(p)) for p in self.params if p._zero.status is not ParamStatus.NOT_AVAILABLE)
         persistent = sum(p._zero.numel * p._zero.shard.element_size() for p in self.coordinator.persistent)
+        secondary = sum(p._zero.secondary.nbytes for p in self.params if p._zero.secondary is not None)
         nvme = (tier.nvme_bytes if tier is not None else 0) + (part.nvme_bytes if part is not None else 0)
         cpu = masters + states if part is not None and part.offload.device == "cpu" else 0
         if self.config.offload_param == "cpu":
@@ -196,7 +206,8 @@ class RuntimeContext:
         return {"param_shard_bytes": shard, "grad_shard_bytes": grad, "optimizer_state_bytes": masters + states,
                 "master_bytes": masters, "full_param_bytes": full, "gathered_param_bytes": gathered,
                 "persistent_param_bytes": persistent, "offloaded_bytes": cpu + nvme, "nvme_bytes": nvme,
-                "swap_buffer_bytes": tier.pool.allocated_bytes if tier is not None else 0}
+                "swap_buffer_bytes": tier.pool.allocated_bytes if tier is not None else 0,
+                "secondary_param_bytes": secondary}
 
     @property
     def grad_scale(self) -> float:
@@ -232,6 +243,12 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
     _check_nvme_shards(model, config)
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
+    hpz = hpz_group_size(config.zero_hpz_partition_size, ctx.comm.nodes)  # the same on every rank
+    if hpz > 1:
+        ctx.node_comm = ctx.comm.hierarchical(hpz)
+        ctx.coordinator.enable_hpz(ctx.node_comm)
+        logger.info("zero3: hpZ: secondary groups of %d ranks (%d nodes); this rank keeps 1/%d of each weight "
+                    "gathered in forward until the step ends", hpz, len(set(ctx.comm.nodes)), hpz)
     if mpu is not None:
         ctx.model_parallel = ModelParallel.from_mpu(mpu, config, ctx.group)
     ctx.module = model

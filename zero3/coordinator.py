@@ -34,6 +34,15 @@ While following, the pool holds only shards of gathers in flight and of the next
 so a gather that finds the pool full waits for the gathers in flight; only after a divergence (or
 when one module needs more than the pool) are shards read ahead dropped, or read into their own
 memory.
+
+[Note: hpZ secondary shards]
+With ``zero_hpz_partition_size`` (ZeRO++ hpZ), every parameter gathered from its primary shards
+during a training step (grad enabled when the step began) keeps a secondary slice once its gather
+completes: 1/L of it, L the ranks of its secondary group (a node; comm.py `Secondary`). Any later
+gather of it in the same step (backward, or a tied weight's second use) comes from the secondary
+slices, over the node's communicator, so it never crosses nodes. The slices are not counted in the
+live budget; ``metrics.secondary_bytes`` is what they hold, and they are all dropped when the step
+ends (and a parameter's as soon as a user rewrites its shards).
 """
 
 from __future__ import annotations
@@ -81,9 +90,10 @@ def plan_config(config: ZeroConfig) -> PlanConfig:
 
 @dataclass(eq=False)
 class _Inflight:
-    """One issued gather: the communicator's work and the parameters it fills."""
+    """One issued gather: the communicators' works (two or three under hpZ: from primary shards and
+    from secondary slices) and the parameters they fill."""
 
-    work: GatherWork
+    works: list[GatherWork]
     params: list[ZeroParameter]
     done: bool = False
 
@@ -120,6 +130,9 @@ class ParamCoordinator:
         self.metrics = metrics
         self.shards = shards  # the NVMe tier of parameter shards (offload_param="nvme"), else None
         self._live: dict[int, ZeroParameter] = {}
+        self.node_comm: Communicator | None = None  # hpZ: the secondary group's communicator (`enable_hpz`)
+        self._keep_secondary = False  # this step keeps secondary slices (hpZ, a training step)
+        self._secondary: dict[int, ZeroParameter] = {}  # params holding a secondary slice now
         self._recorder = TraceRecorder()
         self._by_id: dict[int, ZeroParameter] = {}
         self.persistent: list[ZeroParameter] = []
@@ -145,6 +158,19 @@ class ParamCoordinator:
     def register(self, params: Iterable[ZeroParameter]) -> None:
         for p in params:
             self._by_id[p._zero.id] = p
+
+    def enable_hpz(self, node_comm: Communicator) -> None:
+        """From the next step on, keep secondary slices and gather from them over ``node_comm``
+        ([Note: hpZ secondary shards])."""
+        self.node_comm = node_comm
+
+    def drop_secondaries(self, params: Iterable[ZeroParameter] | None = None) -> None:
+        """Forget the secondary slices of ``params`` (None: all): the step ended, or their shards were
+        rewritten."""
+        for p in list(self._secondary.values()) if params is None else params:
+            if self._secondary.pop(p._zero.id, None) is not None:
+                self.metrics.add_secondary(-p._zero.secondary.nbytes)
+                p._zero.secondary = None
 
     def param_of(self, pid: int) -> ZeroParameter | None:
         """The registered parameter with record id ``pid``."""
@@ -346,6 +372,7 @@ class ParamCoordinator:
     def _begin_step(self, kind: EventKind, module: str) -> None:
         self._step_key = f"{kind.value}:{module or '<root>'}:{'grad' if torch.is_grad_enabled() else 'no_grad'}"
         self._diverged = False
+        self._keep_secondary = self.node_comm is not None and torch.is_grad_enabled()
         candidates = self._traces.get(self._step_key) or []
         # Predict with what followed the previous step's trace last time (alternating orders hit).
         wanted = self._successor.get((self._step_key, self._last_seen.get(self._step_key)))
@@ -377,6 +404,8 @@ class ParamCoordinator:
             self.release(list(self._live.values()))
         if self.shards is not None:
             self.shards.drop_ahead()
+        self.drop_secondaries()
+        self._keep_secondary = False
         key, self._step_key = self._step_key, None
         followed, self._following = self._following, None
         events = self._recorder.events
@@ -486,24 +515,47 @@ class ParamCoordinator:
                 self.metrics.add_live(z.numel, z.nbytes)
 
     def _issue(self, params: list[ZeroParameter], tag: Tag, count: bool = True) -> _Inflight:
+        """One gather of ``params``; under hpZ those with a secondary slice come from it, inside the
+        node (at most one gather per slice form, the same split on every rank)."""
         if self.shards is not None:
             self._readable(params)
-        work = self.comm.all_gather_params(params, tag, count=count)
-        handle = _Inflight(work, params)
+        keep = self._keep_secondary and not self.generating
+        if self.node_comm is None or all(p._zero.secondary is None for p in params):
+            works = [self.comm.all_gather_params(params, tag, count=count, keep_secondary=keep)]
+        else:
+            works = []
+            for quantized in (False, True):
+                part = [p for p in params if p._zero.secondary is not None and p._zero.secondary.quantized is quantized]
+                if part:
+                    works.append(self.node_comm.all_gather_secondary(part, _subtag(tag, part)))
+            primary = [p for p in params if p._zero.secondary is None]
+            if primary:
+                works.append(self.comm.all_gather_params(primary, _subtag(tag, primary), count=count,
+                                                         keep_secondary=keep))
+        handle = _Inflight(works, params)
         for p in params:
             zparam.begin_gather(p, handle)
         return handle
 
     def _wait(self, handle: _Inflight, drop: bool = False) -> None:
-        """Wait for an issued gather; ``drop`` (an aborted step): do not let a failed or void
-        collective raise again, the parameters are released unused right after."""
+        """Wait for an issued gather (and keep the secondary slices it cut); ``drop`` (an aborted
+        step): do not let a failed or void collective raise again, the parameters are released
+        unused right after."""
         if handle.done:
             return
-        try:
-            handle.work.wait()
-        except ZeroError:
-            if not drop:
-                raise  # the params stay INFLIGHT; the aborted step's end drops them
+        for work in handle.works:
+            try:
+                work.wait()
+            except ZeroError:
+                if not drop:
+                    raise  # the params stay INFLIGHT; the aborted step's end drops them
+                continue
+            for pid, secondary in work.secondaries.items():
+                p = self._by_id[pid]
+                self.drop_secondaries([p])
+                p._zero.secondary = secondary
+                self._secondary[pid] = p
+                self.metrics.add_secondary(secondary.nbytes)
         handle.done = True
         for p in handle.params:
             zparam.finish_gather(p)
@@ -661,6 +713,11 @@ class ParamCoordinator:
         for p in self._live.values():
             if p._zero.status is ParamStatus.NOT_AVAILABLE or p._zero.persistent:
                 raise AssertionError(f"{p._zero.summary()} is in the live set but not gathered")
+
+
+def _subtag(tag: Tag, params: Sequence[ZeroParameter]) -> Tag:
+    """``tag`` for the part ``params`` of a gather that was split."""
+    return Tag(tag.kind, tag.label, tuple(p._zero.id for p in params))
 
 
 def _uses(trace: Trace) -> dict[int, list[int]]:

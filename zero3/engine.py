@@ -202,7 +202,8 @@ class Engine:
         if boundary:
             ctx.coordinator.refresh_persistent()
             ctx.global_steps += 1
-        ctx.comm.end_epoch()
+        for comm in ctx.data_comms:
+            comm.end_epoch()
         if ctx.model_parallel is not None:
             ctx.model_parallel.comm.end_epoch()
         ctx.count_swap_io()
@@ -371,6 +372,8 @@ class Engine:
         ``offload_states(device="cpu")``) plus NVMe; ``nvme_bytes``: the NVMe part (shards,
         masters and optimizer state in swap files, and ``offload_states(device="nvme")``);
         ``swap_buffer_bytes``: the parameter buffer pool allocated now.
+        ``secondary_param_bytes``: hpZ secondary slices held now (only inside a training step; the
+        step's peak is ``last_step_metrics.peak_secondary_bytes``).
         """
         return self.context.memory_report()
 

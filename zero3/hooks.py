@@ -234,7 +234,7 @@ class ModuleHooks:
         inference = self.phase is StepPhase.FORWARD and not torch.is_grad_enabled()
         self.stack.clear()
         self._queued_tasks.clear()  # autograd skips the final callbacks of a backward that raised
-        comm = self.ctx.comm
+        comms = self.ctx.data_comms
         try:
             if not aborted and self._leaves and self.phase is StepPhase.BACKWARD:
                 self._flush_leaves()
@@ -251,10 +251,11 @@ class ModuleHooks:
         finally:
             self.coordinator.end_step(aborted=aborted)
             self._enter(StepPhase.IDLE)
-            if aborted:
-                comm.abandon_epoch(reason)
-            elif inference:
-                comm.end_epoch()  # an inference forward is a whole epoch: nothing else follows it
+            for comm in comms:
+                if aborted:
+                    comm.abandon_epoch(reason)
+                elif inference:
+                    comm.end_epoch()  # an inference forward is a whole epoch: nothing else follows it
 
     def abort_step(self, exc: BaseException, where: str) -> None:
         """A forward or backward raised ``exc``: end the step aborted and tell the other ranks."""

@@ -99,7 +99,8 @@ _PATCHES: contextvars.ContextVar[_Patches | None] = contextvars.ContextVar("zero
 
 
 _UNSUPPORTED = {
-    "zero_param_parallel_group": "hierarchical partitioning (hpZ)",
+    "zero_param_parallel_group": "hpZ's secondary groups come from zero_hpz_partition_size in the config given to "
+                                 "zero3.initialize (it builds them per node); a group passed to Init",
     "zero_quantized_weights": "quantized weight gathers apply to training: set zero_quantized_weights in the config "
                               "given to zero3.initialize; construction's gathers stay exact, and",
     "zero_quantized_nontrainable_weights": "quantized weight gathers",
@@ -537,6 +538,7 @@ class GatheredParameters:
         with ctx.resident(self.params, write=True, overwrite=True):
             for p in self.params:
                 copy_full_into_shard(p)
+        ctx.coordinator.drop_secondaries(self.params)
 
 
 def _owner(params: list[ZeroParameter]) -> RuntimeContext:

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+SCOPES = ("intra", "inter")
+"""Where a peer runs: on this rank's node, or on another (topology.py)."""
+
+VERIFICATION = "verification"
+"""The `recv_bytes` kind of verification headers: blocking header exchanges and the headers that
+ride inside planned collectives (comm_verify.py); the other kinds count payload only."""
 
 
 @dataclass
@@ -28,7 +35,16 @@ class StepMetrics:
     forward_seconds: float = 0.0  # wall time inside the root module's forwards
     backward_seconds: float = 0.0  # wall time from the first backward hook to the end of backward
     optimizer_seconds: float = 0.0  # wall time of the optimizer step (unscale, clip, step, copy back)
-    p2p_recv_bytes: int = 0  # bytes this rank received in pairwise gather and reduction messages
+    p2p_recv_bytes: int = 0  # bytes this rank received in pairwise (isend/irecv) messages, exactly
+    recv_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Bytes this rank received, by collective kind (``Kind.value``: "all-gather", "secondary
+    all-gather", "gradient reduction", ... and "verification") and by scope ("intra" / "inter" node).
+    Pairwise messages count exactly what arrived from each peer; a collective (gloo's all-gather,
+    all-reduce, broadcast, ...) counts the logical bytes each peer contributes (an all-gather of n
+    bytes per rank: n from every other rank; an all-reduce of n bytes: n from every other rank),
+    not what its algorithm moves (docs/multinode.md#byte-accounting)."""
+    secondary_bytes: int = 0  # hpZ secondary shards held now (a gauge; dropped when the step ends)
+    peak_secondary_bytes: int = 0
     reduce_calls: int = 0
     reduce_numel: int = 0
     divergences: int = 0
@@ -51,13 +67,24 @@ class StepMetrics:
         if self.live_bytes > self.peak_live_bytes:
             self.peak_live_bytes = self.live_bytes
 
+    def add_secondary(self, nbytes: int) -> None:
+        self.secondary_bytes += nbytes
+        if self.secondary_bytes > self.peak_secondary_bytes:
+            self.peak_secondary_bytes = self.secondary_bytes
+
+    def received(self, kind: str, scope: str | None = None) -> int:
+        """Bytes received of ``kind`` (``Kind.value`` or `VERIFICATION`), in ``scope`` or in both."""
+        counts = self.recv_bytes.get(kind, {})
+        return sum(counts.get(s, 0) for s in SCOPES) if scope is None else counts.get(scope, 0)
+
     def reset(self, step: int) -> None:
-        """Start a new step; the live gauge carries over (what is still gathered stays counted)."""
-        live, live_b = self.live_numel, self.live_bytes
+        """Start a new step; the live and secondary gauges carry over (what is still held stays counted)."""
+        live, live_b, secondary = self.live_numel, self.live_bytes, self.secondary_bytes
         self.__init__()  # type: ignore[misc]
         self.step = step
         self.live_numel = self.peak_live_numel = live
         self.live_bytes = self.peak_live_bytes = live_b
+        self.secondary_bytes = self.peak_secondary_bytes = secondary
 
     def as_dict(self) -> dict:
         return asdict(self)

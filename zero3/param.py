@@ -66,6 +66,7 @@ class ZeroParam:
     prefetched: bool = False  # gathered ahead of use and not used yet (prefetch accounting)
     aliased: bool = False  # world size 1, persistent: the full data is a view of the shard (alias_shard)
     swap: Any = None  # the `swap.ShardSwap` of a shard that lives on NVMe (None: the shard is in memory)
+    secondary: Any = None  # hpZ: comm.Secondary, this rank's slice kept from a forward gather (coordinator.py)
     ctx: Any = None  # the RuntimeContext that owns the parameter (context.py imports this module)
     numel: int = field(init=False)  # full, unpadded; read on every fetch and release, so stored
     shard_numel: int = field(init=False)  # padded; the same on every rank and for every shard dtype
@@ -158,6 +159,7 @@ class ZeroParameter(nn.Parameter):
             with self._zero.ctx.resident(params, write=True, overwrite=True):  # NVMe shards: memory, no read
                 for p in params:
                     copy_full_into_shard(p)
+            self._zero.ctx.coordinator.drop_secondaries(params)
         self._zero.ctx.coordinator.release_for_user(params)
 
     def __deepcopy__(self, memo: dict) -> Any:

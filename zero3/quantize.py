@@ -21,10 +21,17 @@ def blocks(numel: int, block: int) -> int:
     return -(-numel // block)
 
 
-def wire_bytes(numel: int, block: int, bits: int) -> int:
-    """Bytes `quantize` puts on the wire for ``numel`` elements."""
+def value_bytes(numel: int, bits: int) -> int:
+    """Bytes a message gives the values of ``numel`` elements: one per element (int8) or one per two
+    (int4), rounded up to a multiple of 4 so the fp32 scales that follow start 4-byte aligned (torch
+    views bytes as float32 only at aligned offsets)."""
     values = numel if bits == 8 else -(-numel // 2)
-    return values + 4 * blocks(numel, block)
+    return -(-values // 4) * 4
+
+
+def wire_bytes(numel: int, block: int, bits: int) -> int:
+    """Bytes one quantized piece of ``numel`` elements takes in a message: `value_bytes`, then the scales."""
+    return value_bytes(numel, bits) + 4 * blocks(numel, block)
 
 
 def quantize(x: torch.Tensor, block: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,3 +67,26 @@ def _check_rank(rank: int, world_size: int) -> None:
     _check_world(world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+
+
+def secondary_numel(numel: int, world_size: int, group_size: int) -> int:
+    """hpZ: elements of each secondary slice (padded). A secondary group of ``group_size`` ranks splits
+    a tensor in ``group_size`` slices of ``N = world_size / group_size`` consecutive primary shards
+    each, so a slice is a union of whole primary shards: what the forward gathered (or its quantized
+    bytes) is kept as it arrived, with the primary padding."""
+    _check_group(world_size, group_size)
+    return (world_size // group_size) * shard_numel(numel, world_size)
+
+
+def secondary_range(numel: int, world_size: int, group_size: int, local_rank: int) -> tuple[int, int]:
+    """Range of real elements the secondary slice of rank ``local_rank`` of its group covers; may be empty."""
+    _check_rank(local_rank, group_size)
+    n = secondary_numel(numel, world_size, group_size)
+    start = min(local_rank * n, numel)
+    return start, min(start + n, numel)
+
+
+def _check_group(world_size: int, group_size: int) -> None:
+    _check_world(world_size)
+    if group_size < 1 or world_size % group_size:
+        raise ValueError(f"group_size must divide world_size {world_size}, got {group_size}")

@@ -34,9 +34,9 @@ class Recording(Communicator):
         self.kinds.append(tag.kind)
         self.labels.append(tag.label)
 
-    def all_gather_params(self, params, tag, count=True):
+    def all_gather_params(self, params, tag, count=True, keep_secondary=False):
         self._note(tag)
-        return super().all_gather_params(params, tag, count)
+        return super().all_gather_params(params, tag, count, keep_secondary)
 
     def reduce_grads(self, pieces, dtype, device, tag):
         self._note(tag)

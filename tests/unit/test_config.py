@@ -260,3 +260,19 @@ def test_activation_checkpointing_section_reads_every_deepspeed_key(wrap):
 def test_activation_checkpointing_section_refuses_bad_values_by_name(section, pattern):
     with pytest.raises(ValueError, match=pattern):
         ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "activation_checkpointing": section})
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0, True, "auto", None])
+def test_hpz_partition_size_must_be_minus_one_or_a_positive_int(bad):
+    with pytest.raises(ZeroConfigError, match=re.escape(f"zero_hpz_partition_size must be an int >= 1 (1: off) or "
+                                                        f"-1 (the ranks per node), got {bad!r}")):
+        ZeroConfig(zero_hpz_partition_size=bad)
+
+
+def test_zero_plus_plus_keys_are_read_from_deepspeeds_zero_optimization_section():
+    cfg = ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8,
+                                                      "zero_quantized_weights": True,
+                                                      "zero_quantized_gradients": True}})
+    assert (cfg.zero_hpz_partition_size, cfg.zero_quantized_weights, cfg.zero_quantized_gradients) == (8, True, True)
+    assert ZeroConfig().zero_hpz_partition_size == 1  # off, as in DeepSpeed
+    assert ZeroConfig(zero_hpz_partition_size=-1).zero_hpz_partition_size == -1

@@ -46,6 +46,7 @@ def test_init_takes_deepspeeds_names_and_builds_low_precision_shards_from_the_co
 @pytest.mark.parametrize("kwargs,needle", [
     ({"zero_quantized_weights": True}, "zero_quantized_weights=True (quantized weight gathers"),
     ({"param_swapper": object()}, "param_swapper"),
+    ({"zero_param_parallel_group": object()}, "come from zero_hpz_partition_size in the config"),
     ({"no_such_option": 1}, "no_such_option"),
     ({"remote_device": "nvme"}, "remote_device='nvme') needs offload_param.nvme_path"),
     ({"remote_device": "floppy"}, "remote_device='floppy'"),
