@@ -714,7 +714,16 @@ class Communicator:
             m.allgather_calls += 1
             m.allgather_numel += numel
             m.allgather_bytes += sum(p._zero.nbytes for p in params)
-        if self.world_size == 1:
+        if self.world_size == 1:  # the "gather" is a copy from the shard (host to device when offloaded)
+            device = raw_data(params[0]).device
+            if device.type == "cuda" and self.overlap:
+                side = self._side(device)
+                with torch.cuda.stream(side):
+                    for chunk in self._chunks(params):
+                        self._copy_out(chunk)
+                    handle.event = torch.cuda.Event()
+                    handle.event.record(side)
+                return handle
             for chunk in self._chunks(params):
                 self._copy_out(chunk)
             handle.done = True
@@ -737,10 +746,7 @@ class Communicator:
         device = raw_data(params[0]).device  # where the gathered tensor lives (shards may be on the CPU)
         use_stream = device.type == "cuda" and self.overlap
         if use_stream:
-            if self._side_stream is None:
-                self._side_stream = torch.cuda.Stream(device=device)
-            self._side_stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(self._side_stream):
+            with torch.cuda.stream(self._side(device)):
                 for chunk in chunks:
                     self._issue(chunk, hdr, header, async_op=False)
                     self._copy_out(chunk, keep_header=header is not None)
@@ -1040,6 +1046,13 @@ class Communicator:
         inp = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         with _label("zero3::all_gather"):
             chunk.rows, chunk.work = self._gather_wire(inp, async_op, None, Kind.PARAM_GATHER, hdr)
+
+    def _side(self, device: torch.device) -> Any:
+        """The side stream, after it waited for the compute stream ([Note: streams and buffer lifetime])."""
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=device)
+        self._side_stream.wait_stream(torch.cuda.current_stream(device))
+        return self._side_stream
 
     def _copy_out(self, chunk: _Chunk, keep_header: bool = False) -> None:
         """Copy each parameter's piece of every rank's row into its own storage (one copy each)."""
