@@ -53,9 +53,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 VARIANTS = ("zero3", "zero3-prefetch", "zero3-noprefetch", "ddp", "fsdp2")
-EXTRA_VARIANTS = ("zero3-prefetch-noverify", "zero3-prefetch-tuned")
+EXTRA_VARIANTS = ("zero3-noverify", "zero3-prefetch-noverify", "zero3-prefetch-tuned")
 LABELS = {
     "zero3": "zero3, default config",
+    "zero3-noverify": "zero3, default config, verify_collectives=False",
     "zero3-prefetch": "zero3, prefetch on",
     "zero3-noprefetch": "zero3, prefetch off",
     "zero3-prefetch-noverify": "zero3, prefetch on, verify_collectives=False",
@@ -99,8 +100,11 @@ MODELS = {  # --models presets: the two GPTs of issue 13's table
 
 def zero3_config(variant: str, args: argparse.Namespace) -> dict:
     variant = variant.partition("@")[0]
-    if variant == "zero3":  # ZeroConfig's defaults (verification on, as on every gloo run)
-        return json.loads(args.zero3_extra) if args.zero3_extra else {}
+    if variant in ("zero3", "zero3-noverify"):  # ZeroConfig's defaults (verification on, as on every gloo run)
+        cfg = json.loads(args.zero3_extra) if args.zero3_extra else {}
+        if variant == "zero3-noverify":  # the same, verification off: what the checks cost
+            cfg["verify_collectives"] = False
+        return cfg
     blk = block_numel(args.n_embd)
     cfg = {
         "param_persistence_threshold": args.persistence,
@@ -626,6 +630,11 @@ def goals(results: dict[str, dict[str, dict]]) -> str:
             vs = lambda other, key="median": f"{row[key] / other[key]:.2f}x" if key in other else "n/a"  # noqa: E731
             lines.append(f"| {model} | {label(variant)} | {row['median']:.3f} | {vs(fsdp)} | {vs(ddp)} | "
                          f"{vs(fsdp, 'maxrss')} |")
+    for model, rows in results.items():  # issue 9's goal: the checks cost at most 3% of the step
+        on, off = rows.get("zero3", {}), rows.get("zero3-noverify", {})
+        if "median" in on and "median" in off:
+            lines.append(f"\n{model}: verification on / off (default config) = {on['median'] / off['median']:.3f}x "
+                         f"({on['median']:.3f} s / {off['median']:.3f} s)")
     return "\n".join(lines)
 
 
