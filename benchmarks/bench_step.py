@@ -53,10 +53,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 VARIANTS = ("zero3", "zero3-prefetch", "zero3-noprefetch", "ddp", "fsdp2")
-EXTRA_VARIANTS = ("zero3-noverify", "zero3-prefetch-noverify", "zero3-prefetch-tuned")
+EXTRA_VARIANTS = ("zero3-noverify", "zero3-collectives", "zero3-prefetch-noverify", "zero3-prefetch-tuned")
 LABELS = {
     "zero3": "zero3, default config",
     "zero3-noverify": "zero3, default config, verify_collectives=False",
+    "zero3-collectives": "zero3, default config, gloo's all_gather and all_reduce instead of pairwise messages",
     "zero3-prefetch": "zero3, prefetch on",
     "zero3-noprefetch": "zero3, prefetch off",
     "zero3-prefetch-noverify": "zero3, prefetch on, verify_collectives=False",
@@ -100,10 +101,12 @@ MODELS = {  # --models presets: the two GPTs of issue 13's table
 
 def zero3_config(variant: str, args: argparse.Namespace) -> dict:
     variant = variant.partition("@")[0]
-    if variant in ("zero3", "zero3-noverify"):  # ZeroConfig's defaults (verification on, as on every gloo run)
+    if variant in ("zero3", "zero3-noverify", "zero3-collectives"):  # ZeroConfig's defaults (verification on)
         cfg = json.loads(args.zero3_extra) if args.zero3_extra else {}
         if variant == "zero3-noverify":  # the same, verification off: what the checks cost
             cfg["verify_collectives"] = False
+        if variant == "zero3-collectives":  # the collectives gloo runs used before pairwise messages
+            cfg.update(allgather_impl="all_gather", reduce_scatter_impl="all_reduce")
         return cfg
     blk = block_numel(args.n_embd)
     cfg = {
