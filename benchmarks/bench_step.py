@@ -399,6 +399,9 @@ def _rank_main(rank: int, world: int, port: int, variant: str, args: argparse.Na
     _debug(f"rank {rank} started")
     if variant.endswith("@baseline"):  # a fresh process: the baseline tree's zero3 shadows the installed one
         sys.path.insert(0, os.path.abspath(args.baseline))
+        # and its own examples/gpt.py (today's imports modules the baseline's zero3 may not have;
+        # the GPT itself is the same with the options these benchmarks use)
+        sys.path.insert(0, os.path.join(os.path.abspath(args.baseline), "examples"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch
     import torch.distributed as dist
