@@ -370,7 +370,8 @@ def run_variant(rank: int, world: int, variant: str, args: argparse.Namespace) -
         last = metrics[-1]
         out["zero3_last"] = last
         out["wait_seconds"] = [m["wait_seconds"] for m in metrics]
-        out["breakdown"] = {k: [m.get(k, 0.0) for m in metrics] for k in BREAKDOWN}
+        if "forward_seconds" in last:  # a baseline from before the timers has no breakdown
+            out["breakdown"] = {k: [m.get(k, 0.0) for m in metrics] for k in BREAKDOWN}
         out["zero3_peak_live_bytes_max"] = max(m["peak_live_bytes"] for m in metrics)
         out["zero3_allgather_bytes_steps"] = sorted({m["allgather_bytes"] for m in metrics})
     if fsdp_tracker is not None and fsdp_tracker.ok:
