@@ -662,6 +662,11 @@ class ShardTier:
 
     def _drop(self, p: ZeroParameter) -> None:
         """A clean in-memory shard: forget the bytes (the region holds them)."""
+        self._free_bytes(p)
+        _move(p._zero.swap, Residence.ON_NVME, p._zero.name)
+
+    def _free_bytes(self, p: ZeroParameter) -> None:
+        """Give back the memory of a shard's bytes: its pool slot, or its own storage."""
         sw = p._zero.swap
         if sw.slot is not None:
             self.pool.free(sw.slot)
@@ -669,7 +674,6 @@ class ShardTier:
             _release(p._zero.shard)
         else:
             p._zero.shard.untyped_storage().resize_(0)
-        _move(sw, Residence.ON_NVME, p._zero.name)
 
     def _settle(self, p: ZeroParameter) -> None:
         sw = p._zero.swap
@@ -680,12 +684,7 @@ class ShardTier:
             future.result()
         except BaseException:  # the bytes stay where they were: a failed write in memory, a failed read on the drive
             if sw.state is Residence.READING:
-                if sw.slot is not None:
-                    self.pool.free(sw.slot)
-                    sw.slot = None
-                    _release(p._zero.shard)
-                else:
-                    p._zero.shard.untyped_storage().resize_(0)
+                self._free_bytes(p)
                 sw.ahead = False
             in_memory = sw.state is Residence.WRITING and p._zero.shard.untyped_storage().nbytes() > 0
             _move(sw, Residence.IN_MEMORY if in_memory else Residence.ON_NVME, p._zero.name)  # `store`: lost
