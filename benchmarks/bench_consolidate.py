@@ -9,7 +9,7 @@ consolidates it several ways, each in a fresh process. Peak memory is the ``ru_m
 process, read with ``getrusage(RUSAGE_CHILDREN)`` in a wrapper process that runs only it.
 ``MALLOC_MMAP_THRESHOLD_=131072`` makes glibc mmap every buffer over 128 KiB and return its pages
 when it is freed, so RSS tracks live tensors rather than what the heap keeps. "baseline" is the
-same measurement for a process that only imports ``zero3.consolidate`` (the interpreter plus
+same measurement for a process that only imports ``zero3.checkpoint.consolidate`` (the interpreter plus
 torch), and "added" is peak minus baseline: what consolidation itself costs. The issue's target is
 added < 2 x largest tensor + a small constant. Figures are printed, never asserted.
 """
@@ -85,11 +85,11 @@ def main() -> None:
         ckpt_bytes = sum(f.stat().st_size for f in (ckpt / "bench").iterdir())
         print(f"model {model_bytes / 2**20:.0f} MiB fp32, largest tensor {largest / 2**20:.0f} MiB, "
               f"checkpoint {ckpt_bytes / 2**20:.0f} MiB (saved in {time.perf_counter() - t0:.1f} s)")
-        baseline, _ = measure(["-c", "import zero3.consolidate"])
+        baseline, _ = measure(["-c", "import zero3.checkpoint.consolidate"])
         print(f"baseline (python + torch + zero3 import): {baseline / 2**20:.0f} MiB")
         print(f"{'variant':<44} {'peak MiB':>9} {'added MiB':>10} {'added/largest':>14} {'added/model':>12} "
               f"{'seconds':>8}")
-        cli = ["-m", "zero3.consolidate", str(ckpt)]
+        cli = ["-m", "zero3.checkpoint.consolidate", str(ckpt)]
         variants = [
             ("safetensors fp32", [*cli, str(work / "out.safetensors")]),
             ("pt fp32", [*cli, str(work / "out.pt")]),

@@ -173,12 +173,12 @@ class WireCounter:
 
     def install(self) -> None:
         """Wrap torch's flat all-gathers (FSDP2 looks them up on ``dist`` at call time) and zero3's
-        alias of them (bound when ``zero3.comm`` was imported), each exactly once."""
+        alias of them (bound when ``zero3.comm.communicator`` was imported), each exactly once."""
         import torch.distributed as dist
 
         targets: list[tuple[Any, str]] = [(dist, "all_gather_single"), (dist, "all_gather_into_tensor")]
         try:
-            import zero3.comm as zc
+            import zero3.comm.communicator as zc
 
             targets.append((zc, "_all_gather_flat"))
         except Exception:  # noqa: BLE001 - zero3 internals may move; its metrics still work

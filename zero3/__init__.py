@@ -1,6 +1,14 @@
-"""zero3: a small, explainable ZeRO stage-3 parameter-partitioning runtime for PyTorch."""
+"""zero3: a small, explainable ZeRO stage-3 parameter-partitioning runtime for PyTorch.
 
-from . import checkpointing, pretrained
+The package is in layers (docs/design.md has the map): ``planning`` and ``partition`` at the bottom,
+``comm``, ``offload``, ``optim`` and ``runtime`` above them, ``checkpoint`` and ``activation`` on top,
+``deepspeed`` for DeepSpeed's names. What is imported here is the public API.
+"""
+
+import sys as _sys
+
+from .activation import checkpointing
+from .checkpoint import pretrained
 from .accessors import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
@@ -23,15 +31,15 @@ from .checkpoint import (
 from .config import ZeroConfig
 from .engine import Engine, clip_grad_norm_, initialize
 from .errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroError, ZeroStateError
-from .init import GatheredParameters, Init, register_external_parameter
-from .leaf import set_leaf_modules
+from .runtime.init import GatheredParameters, Init, register_external_parameter
+from .runtime.leaf import set_leaf_modules
 from .memory import see_memory_usage
 from .metrics import StepMetrics
-from .param import ZeroParameter, is_partitioned
-from .param import is_partitioned as is_zero_param
-from .schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
-from .precision import LossScaler
-from .state import ParamStatus
+from .partition.param import ZeroParameter, is_partitioned
+from .partition.param import is_partitioned as is_zero_param
+from .optim.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from .optim.precision import LossScaler
+from .partition.state import ParamStatus
 
 __all__ = [
     "CheckpointCorruptError",
@@ -75,3 +83,7 @@ __all__ = [
     "see_memory_usage",
     "set_leaf_modules",
 ]
+
+# DeepSpeed's and earlier zero3's module names stay importable: ``import zero3.checkpointing``.
+_sys.modules[__name__ + ".checkpointing"] = checkpointing
+_sys.modules[__name__ + ".pretrained"] = pretrained

@@ -22,11 +22,11 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from .comm import Kind, Tag
-from .context import RuntimeContext
+from .comm.communicator import Kind, Tag
+from .runtime.context import RuntimeContext
 from .errors import ZeroStateError
-from .param import ZeroParameter, raw_data
-from .state import ParamStatus
+from .partition.param import ZeroParameter, raw_data
+from .partition.state import ParamStatus
 
 
 F = TypeVar("F", bound=Callable[..., Any])

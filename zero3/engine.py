@@ -15,22 +15,22 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from . import checkpointing
-from .checkpoint import load_checkpoint, save_checkpoint
-from .comm import Communicator, Kind, Tag
+from .activation import checkpointing
+from .checkpoint.checkpoint import load_checkpoint, save_checkpoint
+from .comm.communicator import Communicator, Kind, Tag
 from .config import ZeroConfig, resolve_config
-from .consolidate import consolidated_state_dict
-from .context import RuntimeContext, build_context, context_of
-from .coordinator import ParamCoordinator
+from .checkpoint.consolidate import consolidated_state_dict
+from .runtime.context import RuntimeContext, build_context, context_of
+from .runtime.coordinator import ParamCoordinator
 from .errors import ZeroConfigError, ZeroStateError
-from .hooks import ModuleHooks
+from .runtime.hooks import ModuleHooks
 from .metrics import StepMetrics
-from .model_parallel import data_parallel_group
-from .offload_states import StatesOffload
-from .optim import clip_shards
-from .param import ZeroParameter, raw_data
-from .precision import LossScaler
-from .state import ParamStatus, StepPhase
+from .comm.model_parallel import data_parallel_group
+from .offload.states import StatesOffload
+from .optim.optimizer import clip_shards
+from .partition.param import ZeroParameter, raw_data
+from .optim.precision import LossScaler
+from .partition.state import ParamStatus, StepPhase
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .context import LIVE_CONTEXTS
+from .runtime.context import LIVE_CONTEXTS
 
 logger = logging.getLogger("zero3.memory")
 

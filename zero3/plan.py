@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from .config import ZeroConfig, resolve_config
-from .coordinator import plan_config, trace_from_json
-from .schedule import PlanStats, Schedule, plan
-from .trace import ParamInfo, Trace
+from .runtime.coordinator import plan_config, trace_from_json
+from .planning.schedule import PlanStats, Schedule, plan
+from .planning.trace import ParamInfo, Trace
 
 
 @dataclass(frozen=True)
@@ -170,8 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prediction = predict(trace, config, args.world_size)
     sys.stdout.write(prediction.table() + "\n")
     if args.export:
-        from .coordinator import trace_to_json
-        from .trace import export_graph
+        from .runtime.coordinator import trace_to_json
+        from .planning.trace import export_graph
 
         if args.export.endswith(".json"):
             Path(args.export).write_text(trace_to_json(trace))

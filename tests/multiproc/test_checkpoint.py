@@ -23,9 +23,9 @@ import torch.distributed as dist
 from gpt import GPT, GPTConfig, synthetic_batch
 
 import zero3
-from zero3 import _safetensors as ck
-from zero3 import sharding
-from zero3.consolidate import main as consolidate_main
+from zero3.checkpoint import safetensors as ck
+from zero3.partition import sharding
+from zero3.checkpoint.consolidate import main as consolidate_main
 
 pytestmark = pytest.mark.multiproc
 
@@ -337,7 +337,7 @@ def test_pretrained_safetensors_each_rank_reads_only_its_slices(pools, saved, tm
 KILL_CHILD = textwrap.dedent("""
     import sys, time, torch, zero3
     from torch import nn
-    from zero3 import checkpoint as ck
+    from zero3.checkpoint import checkpoint as ck
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

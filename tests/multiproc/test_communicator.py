@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import zero3
-from zero3.comm import Communicator, Kind, group_info
+from zero3.comm.communicator import Communicator, Kind, group_info
 from zero3.metrics import StepMetrics
 
 from gpt import GPT, GPTConfig, synthetic_batch
@@ -112,7 +112,7 @@ def exchange_without_numpy() -> list:
         group, world, rank = group_info(None)
         comm = Communicator(group, world_size=world, rank=rank, metrics=StepMetrics())
         return comm.exchange_objects({"rank": rank, "blob": "x" * (10 + 1000 * rank)},
-                                     zero3.comm.Tag(Kind.OBJECTS, "test"))
+                                     zero3.comm.communicator.Tag(Kind.OBJECTS, "test"))
     finally:
         torch.Tensor.numpy = real
 

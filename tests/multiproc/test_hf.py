@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import zero3  # noqa: E402
-from zero3.consolidate import main as consolidate_main  # noqa: E402
+from zero3.checkpoint.consolidate import main as consolidate_main  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 

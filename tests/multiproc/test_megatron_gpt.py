@@ -16,7 +16,7 @@ import torch.distributed as dist
 import megatron_gpt as m
 import zero3
 import zero3.checkpointing as ckpt
-from zero3.consolidate import consolidate
+from zero3.checkpoint.consolidate import consolidate
 
 pytestmark = pytest.mark.multiproc
 

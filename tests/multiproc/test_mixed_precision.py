@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from gpt import GPT, GPTConfig, synthetic_batch
 
 import zero3
-from zero3.optim import ALIGN_ELEMENTS
+from zero3.optim.optimizer import ALIGN_ELEMENTS
 
 pytestmark = pytest.mark.multiproc
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from zero3.schedule import PlanConfig
-from zero3.trace import Event, EventKind, ParamInfo, Trace
+from zero3.planning.schedule import PlanConfig
+from zero3.planning.trace import Event, EventKind, ParamInfo, Trace
 
 MODULES = ("", "a", "a.b", "a.c", "a.b.d", "b", "b.a", "b.b", "c", "c.a", "c.a.b")
 HUGE = 10**12

@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from torch import nn
 
-from zero3.comm import Communicator
+from zero3.comm.communicator import Communicator
 from zero3.config import ZeroConfig
-from zero3.coordinator import ParamCoordinator
+from zero3.runtime.coordinator import ParamCoordinator
 from zero3.metrics import StepMetrics
-from zero3.param import partition
-from zero3.state import ParamStatus
-from zero3.trace import EventKind
+from zero3.partition.param import partition
+from zero3.partition.state import ParamStatus
+from zero3.planning.trace import EventKind
 
 OPEN = {EventKind.PRE_FORWARD: EventKind.POST_FORWARD, EventKind.PRE_BACKWARD: EventKind.POST_BACKWARD}
 
@@ -96,7 +96,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: hasattr(self, "coord") and not self.open and not self.step_events)
     @rule(max_live=st.integers(0, 1500), reuse=st.integers(0, 1500), bucket=st.integers(0, 800))
     def change_budget(self, max_live, reuse, bucket):
-        from zero3.coordinator import plan_config
+        from zero3.runtime.coordinator import plan_config
 
         self.config = self.config.replace(max_live_parameters=max_live, max_reuse_distance=reuse,
                                           prefetch_bucket_size=bucket)

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from hypothesis import example, given, settings
 from strategies import cases, traces
 
-from zero3.schedule import Decision, PlanConfig, PlanStats, Schedule, plan, replay
-from zero3.trace import Event, EventKind, ParamInfo, Trace, module_graph
+from zero3.planning.schedule import Decision, PlanConfig, PlanStats, Schedule, plan, replay
+from zero3.planning.trace import Event, EventKind, ParamInfo, Trace, module_graph
 
 INF = math.inf
 RELEASES = {Decision.RELEASED_AFTER_USE, Decision.EVICTED_FOR_BUDGET, Decision.PREFETCH_WASTED}

@@ -13,8 +13,8 @@ import torch
 from gpt import GPT, GPTConfig, synthetic_batch
 
 import zero3
-from zero3 import checkpoint as ck
-from zero3.consolidate import main as consolidate_main
+from zero3.checkpoint import checkpoint as ck
+from zero3.checkpoint.consolidate import main as consolidate_main
 
 CFG = GPTConfig()
 BATCH = 4

@@ -332,7 +332,7 @@ def test_synchronize_waits_for_the_device_at_the_four_boundaries(monkeypatch, sy
 def test_profile_times_and_logs_every_forward_and_backward(caplog, profile):
     ckpt.configure(None, profile=profile)
     blocks = _blocks(2)
-    with caplog.at_level(logging.INFO, logger="zero3.checkpointing"):
+    with caplog.at_level(logging.INFO, logger="zero3.activation.checkpointing"):
         _grads(blocks, torch.randn(4, 8, requires_grad=True), True)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("zero3::checkpoint ")]
     t = ckpt.timings()

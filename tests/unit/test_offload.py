@@ -12,7 +12,7 @@ from torch import nn
 
 import zero3
 from zero3 import ZeroConfig, ZeroConfigError, ZeroStateError
-from zero3.swap import ALIGN, AsyncIO, BufferPool, Residence, StorageTier, SwapFile, byte_view
+from zero3.offload.nvme import ALIGN, AsyncIO, BufferPool, Residence, StorageTier, SwapFile, byte_view
 
 from gpt import GPT, GPTConfig, synthetic_batch
 

@@ -18,7 +18,7 @@ from torch import nn
 
 import zero3
 from zero3 import LossScaler, ZeroConfig, ZeroConfigError, ZeroStateError
-from zero3.optim import ALIGN_ELEMENTS
+from zero3.optim.optimizer import ALIGN_ELEMENTS
 
 CFG = GPTConfig(block_size=16)
 BATCH = 4
@@ -246,7 +246,7 @@ def test_model_built_under_init_in_bf16_gets_masters_from_its_bf16_shards():
 ], ids=["bf16", "fp16_dynamic", "fp16_static"])
 def test_mixed_precision_training_equals_the_hand_written_recipe_bit_for_bit(dtype, scaling, scale):
     full, engine = pair(dtype, **scaling)
-    ref = Recipe(full, zero3.precision.torch_dtype(dtype), scale=scale)
+    ref = Recipe(full, zero3.optim.precision.torch_dtype(dtype), scale=scale)
     sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=2, gamma=0.1)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref.opt, step_size=2, gamma=0.1)
     for step in range(4):

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zero3 import quantize
+from zero3.comm import codec as quantize
 
 
 @given(numel=st.integers(1, 2000), block=st.sampled_from([1, 7, 64, 512]), bits=st.sampled_from([8, 4]),

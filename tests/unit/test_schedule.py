@@ -1,4 +1,4 @@
-"""Unit tests for zero3.schedule: exact plans for small hand-written traces."""
+"""Unit tests for zero3.planning.schedule: exact plans for small hand-written traces."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from zero3.schedule import Action, Decision, PlanConfig, PlanStats, Schedule, eviction_order, plan, replay
-from zero3.trace import Event, EventKind, ParamInfo, Trace
+from zero3.planning.schedule import Action, Decision, PlanConfig, PlanStats, Schedule, eviction_order, plan, replay
+from zero3.planning.trace import Event, EventKind, ParamInfo, Trace
 
 PF, QF, PB, QB = EventKind.PRE_FORWARD, EventKind.POST_FORWARD, EventKind.PRE_BACKWARD, EventKind.POST_BACKWARD
 BIG = 10**9
@@ -273,7 +273,7 @@ def test_explain_filters_by_param_and_module() -> None:
 
 
 def test_plan_logs_a_debug_summary(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="zero3.schedule"):
+    with caplog.at_level(logging.DEBUG, logger="zero3.planning.schedule"):
         plan(two_layer(), cfg(200, 0, 0))
     assert any(r.getMessage().startswith("zero3::plan (two_layer v0) 12 events") for r in caplog.records)
 

@@ -1,4 +1,4 @@
-"""Partition math (zero3.sharding): property tests over shapes, dtypes and world sizes."""
+"""Partition math (zero3.partition.sharding): property tests over shapes, dtypes and world sizes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero3 import sharding
+from zero3.partition import sharding
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.bool]
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import zero3
-from zero3.state import CallState, StepPhase, check_phase
+from zero3.partition.state import CallState, StepPhase, check_phase
 
 from gpt import GPT, GPTConfig, synthetic_batch
 

@@ -7,8 +7,9 @@ import logging
 import pytest
 import torch
 
-from zero3 import ZeroConfigError, sharding
-from zero3.topology import AUTO, hpz_group_size, node_identity, node_ids
+from zero3 import ZeroConfigError
+from zero3.partition import sharding
+from zero3.comm.topology import AUTO, hpz_group_size, node_identity, node_ids
 
 
 def test_torchruns_group_rank_tells_two_agents_on_one_host_apart(monkeypatch):
@@ -47,7 +48,7 @@ def test_hpz_group_size_refuses_layouts_it_cannot_split(requested, nodes, needle
 
 
 def test_an_explicit_hpz_group_spanning_nodes_is_allowed_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="zero3.topology"):
+    with caplog.at_level(logging.WARNING, logger="zero3.comm.topology"):
         assert hpz_group_size(2, (0, 1, 0, 1)) == 2
     assert "cross nodes" in caplog.text
 

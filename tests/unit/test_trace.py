@@ -1,4 +1,4 @@
-"""Unit tests for zero3.trace: the immutable trace, visit pairing, recorder and graph export."""
+"""Unit tests for zero3.planning.trace: the immutable trace, visit pairing, recorder and graph export."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-from zero3.trace import (
+from zero3.planning.trace import (
     Direction,
     Event,
     EventKind,

@@ -13,7 +13,8 @@ from ..engine import Engine
 from ..engine import initialize as _initialize
 from ..errors import ZeroConfigError
 from ..memory import see_memory_usage
-from . import checkpointing, zero
+from . import checkpointing
+from . import zero
 
 __all__ = ["checkpointing", "initialize", "see_memory_usage", "zero"]
 

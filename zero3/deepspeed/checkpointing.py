@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..checkpointing import (
+from ..activation.checkpointing import (
     CudaRNGStatesTracker,
     checkpoint,
     configure,

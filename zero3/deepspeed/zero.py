@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..init import GatheredParameters, Init, register_external_parameter
-from ..leaf import set_leaf_modules as set_z3_leaf_modules
-from ..param import is_partitioned as is_zero_param
+from ..runtime.init import GatheredParameters, Init, register_external_parameter
+from ..runtime.leaf import set_leaf_modules as set_z3_leaf_modules
+from ..partition.param import is_partitioned as is_zero_param
 
 __all__ = ["GatheredParameters", "Init", "is_zero_param", "register_external_parameter", "set_z3_leaf_modules"]

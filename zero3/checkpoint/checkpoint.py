@@ -61,11 +61,11 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ._safetensors import (
+from ..partition.views import byte_view
+from .safetensors import (
     SafetensorsHeader,
     SafetensorsWriter,
     atomic_write_bytes,
-    byte_view,
     dtype_name,
     fsync_dir,
     parse_dtype,
@@ -73,7 +73,7 @@ from ._safetensors import (
     read_tensor_range,
     sha256_file,
 )
-from .errors import (
+from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
@@ -82,11 +82,11 @@ from .errors import (
     ZeroDivergenceError,
     ZeroStateError,
 )
-from .checkpointing import get_cuda_rng_tracker
-from .comm import Kind, Tag
-from .context import RuntimeContext
-from .param import ZeroParameter
-from .state import ParamStatus
+from ..activation.checkpointing import get_cuda_rng_tracker
+from ..comm.communicator import Kind, Tag
+from ..runtime.context import RuntimeContext
+from ..partition.param import ZeroParameter
+from ..partition.state import ParamStatus
 
 logger = logging.getLogger(__name__)
 

@@ -56,16 +56,16 @@ from typing import Iterable, Sequence
 
 import torch
 
-from . import param as zparam
-from .comm import Communicator, GatherWork, Kind, Tag
-from .config import ZeroConfig
-from .errors import ZeroError, ZeroStateError
-from .metrics import StepMetrics
-from .param import ZeroParameter
-from .schedule import PlanConfig, Schedule, eviction_order, plan
-from .state import ParamStatus
-from .swap import Residence, ShardTier
-from .trace import Event, EventKind, ParamInfo, Trace, TraceRecorder, export_graph
+from ..partition import param as zparam
+from ..comm.communicator import Communicator, GatherWork, Kind, Tag
+from ..config import ZeroConfig
+from ..errors import ZeroError, ZeroStateError
+from ..metrics import StepMetrics
+from ..partition.param import ZeroParameter
+from ..planning.schedule import PlanConfig, Schedule, eviction_order, plan
+from ..partition.state import ParamStatus
+from ..offload.nvme import Residence, ShardTier
+from ..planning.trace import Event, EventKind, ParamInfo, Trace, TraceRecorder, export_graph
 
 logger = logging.getLogger(__name__)
 

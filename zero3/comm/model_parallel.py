@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import Communicator
-from .config import ZeroConfig
-from .errors import ZeroConfigError
-from .metrics import StepMetrics
+from .communicator import Communicator
+from ..config import ZeroConfig
+from ..errors import ZeroConfigError
+from ..metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -53,16 +53,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .comm import Communicator, Kind, Tag
-from .errors import ZeroConfigError, ZeroStateError
-from .model_parallel import ModelParallel, is_tensor_parallel
-from .offload import OffloadPolicy
-from .param import ZeroParameter
+from ..comm.communicator import Communicator, Kind, Tag
+from ..errors import ZeroConfigError, ZeroStateError
+from ..comm.model_parallel import ModelParallel, is_tensor_parallel
+from ..offload.policy import OffloadPolicy
+from ..partition.param import ZeroParameter
 from .precision import LossScaler, unscale_
-from .swap import AsyncIO, Residence, ShardTier, StorageTier, SwapFile
+from ..offload.nvme import AsyncIO, Residence, ShardTier, StorageTier, SwapFile
 
 if TYPE_CHECKING:
-    from .config import ZeroConfig
+    from ..config import ZeroConfig
 
 logger = logging.getLogger(__name__)
 

@@ -31,21 +31,21 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from .comm import Communicator, group_info, same_group
-from .config import ZeroConfig
+from ..comm.communicator import Communicator, group_info, same_group
+from ..config import ZeroConfig
 from .coordinator import ParamCoordinator
-from .errors import ZeroConfigError, ZeroStateError
+from ..errors import ZeroConfigError, ZeroStateError
 from .grad import GradientReducer
-from .metrics import StepMetrics
-from .model_parallel import ModelParallel, is_tensor_parallel
-from .optim import PartitionedOptimizer, resident_bytes, validate_optimizer
-from .param import ZeroParameter, partition, raw_data
-from .precision import lower_precision, torch_dtype
-from .state import ParamStatus
-from .schedulers import build_optimizer, build_scheduler
-from .offload_states import OffloadPhase, StatesOffload
-from .swap import AsyncIO, BufferPool, ShardTier, SwapFile
-from .topology import hpz_group_size
+from ..metrics import StepMetrics
+from ..comm.model_parallel import ModelParallel, is_tensor_parallel
+from ..optim.optimizer import PartitionedOptimizer, resident_bytes, validate_optimizer
+from ..partition.param import ZeroParameter, partition, raw_data
+from ..optim.precision import lower_precision, torch_dtype
+from ..partition.state import ParamStatus
+from ..optim.schedulers import build_optimizer, build_scheduler
+from ..offload.states import OffloadPhase, StatesOffload
+from ..offload.nvme import AsyncIO, BufferPool, ShardTier, SwapFile
+from ..comm.topology import hpz_group_size
 
 logger = logging.getLogger(__name__)
 

@@ -50,12 +50,12 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from .comm import Communicator, Kind, Tag
-from .config import ActivationCheckpointingConfig, resolve_config
-from .errors import ZeroStateError
-from .hooks import checkpoint_forward, nested_backward
-from .metrics import StepMetrics
-from .model_parallel import model_parallel_group
+from ..comm.communicator import Communicator, Kind, Tag
+from ..config import ActivationCheckpointingConfig, resolve_config
+from ..errors import ZeroStateError
+from ..runtime.hooks import checkpoint_forward, nested_backward
+from ..metrics import StepMetrics
+from ..comm.model_parallel import model_parallel_group
 
 logger = logging.getLogger(__name__)
 

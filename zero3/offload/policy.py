@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .config import ZeroConfig
+    from ..config import ZeroConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from . import sharding
-from .errors import ZeroStateError
+from ..errors import ZeroStateError
 from .state import ParamStatus, check_transition
 
 _ids = itertools.count()

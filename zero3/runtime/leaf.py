@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from .errors import ZeroConfigError, ZeroStateError
+from ..errors import ZeroConfigError, ZeroStateError
 
 LEAF_ATTR = "_zero3_leaf"
 

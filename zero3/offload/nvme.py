@@ -41,9 +41,9 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 
-from .errors import ZeroConfigError, ZeroStateError
-from .metrics import StepMetrics
-from .param import ZeroParameter
+from ..errors import ZeroConfigError, ZeroStateError
+from ..metrics import StepMetrics
+from ..partition.param import ZeroParameter
 
 logger = logging.getLogger(__name__)
 

@@ -46,14 +46,14 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 from torch.utils import _pytree as pytree
 
-from . import sharding
-from .comm import Kind, Tag
-from .config import resolve_config
+from ..partition import sharding
+from ..comm.communicator import Kind, Tag
+from ..config import resolve_config
 from .context import RuntimeContext
-from .errors import ZeroConfigError, ZeroStateError
-from .model_parallel import data_parallel_group as mpu_data_parallel_group
-from .model_parallel import model_parallel_group
-from .param import (
+from ..errors import ZeroConfigError, ZeroStateError
+from ..comm.model_parallel import data_parallel_group as mpu_data_parallel_group
+from ..comm.model_parallel import model_parallel_group
+from ..partition.param import (
     PartitionedParameter,
     ReleasedData,
     ZeroParameter,
@@ -62,7 +62,7 @@ from .param import (
     raw_data,
     set_placeholder_dtype,
 )
-from .precision import torch_dtype
+from ..optim.precision import torch_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from .errors import ZeroConfigError, ZeroStateError
-from .param import raw_data
-from .state import ParamStatus
-from .swap import StorageTier, SwapFile, storage_view
+from ..errors import ZeroConfigError, ZeroStateError
+from ..partition.param import raw_data
+from ..partition.state import ParamStatus
+from .nvme import StorageTier, SwapFile, storage_view
 
 logger = logging.getLogger(__name__)
 

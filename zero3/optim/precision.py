@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import ZeroStateError
-from .param import ZeroParameter, set_placeholder_dtype
-from .state import ParamStatus
+from ..errors import ZeroStateError
+from ..partition.param import ZeroParameter, set_placeholder_dtype
+from ..partition.state import ParamStatus
 
 if TYPE_CHECKING:
-    from .config import ZeroConfig
+    from ..config import ZeroConfig
 
 logger = logging.getLogger(__name__)
 

@@ -51,12 +51,12 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .context import RuntimeContext
-from .errors import ZeroError, ZeroStateError
+from ..errors import ZeroError, ZeroStateError
 from .init import external_parameters, register_external_parameter
 from .leaf import is_leaf
-from .param import PartitionedParameter, ZeroParameter
-from .state import CallState, StepPhase, check_phase
-from .trace import EventKind
+from ..partition.param import PartitionedParameter, ZeroParameter
+from ..partition.state import CallState, StepPhase, check_phase
+from ..planning.trace import EventKind
 
 logger = logging.getLogger(__name__)
 

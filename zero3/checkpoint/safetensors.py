@@ -7,7 +7,6 @@ disk one at a time; the ``safetensors`` package is not required.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import hashlib
 import json
@@ -18,7 +17,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .errors import CheckpointCorruptError
+from ..partition.views import byte_view
+from ..errors import CheckpointCorruptError
 
 _CHUNK_BYTES = 16 << 20
 _MAX_HEADER_BYTES = 100 << 20
@@ -46,16 +46,6 @@ def parse_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
     return dtype
-
-
-# -- raw bytes of tensors -------------------------------------------------------------------------
-def byte_view(t: torch.Tensor) -> memoryview:
-    """A writable view of the bytes of a contiguous CPU tensor (no copy; keep ``t`` alive)."""
-    assert t.device.type == "cpu" and t.is_contiguous(), "byte_view needs a contiguous CPU tensor"
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(bytearray(0))
-    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
 def _readinto_exact(fh: BinaryIO, path: Path, offset: int, mv: memoryview) -> None:

@@ -15,7 +15,7 @@ import socket
 from collections import Counter
 from typing import Sequence
 
-from .errors import ZeroConfigError
+from ..errors import ZeroConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ._safetensors import byte_view
-from .comm_verify import (
+from .verify import (
     HEADER_BYTES,
     LEAVING,
     VOIDED,
@@ -52,10 +51,12 @@ from .comm_verify import (
     headers_from,
     headers_from_values,
 )
-from .errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroStateError
-from .metrics import VERIFICATION, StepMetrics
-from . import quantize, sharding
-from .param import ZeroParameter, alloc_full, raw_data
+from ..errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroStateError
+from ..metrics import VERIFICATION, StepMetrics
+from . import codec as quantize
+from ..partition import sharding
+from ..partition.param import ZeroParameter, alloc_full, raw_data
+from ..partition.views import byte_view
 from .topology import node_identity, node_ids
 
 logger = logging.getLogger(__name__)
@@ -1567,7 +1568,7 @@ def _rebuild_error(rank: int, kind: str, message: str) -> BaseException:
     """Another rank's error, as an exception of the same type where that type is known."""
     import builtins
 
-    from . import errors
+    from .. import errors
 
     known = getattr(errors, kind, None) or getattr(builtins, kind, None)
     if isinstance(known, type) and issubclass(known, Exception):

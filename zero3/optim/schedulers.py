@@ -21,8 +21,8 @@ from typing import Any, Iterable
 
 import torch
 
-from .config import OptimizerSpec, SchedulerSpec
-from .errors import ZeroConfigError
+from ..config import OptimizerSpec, SchedulerSpec
+from ..errors import ZeroConfigError
 
 logger = logging.getLogger(__name__)
 

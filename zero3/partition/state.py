@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from .errors import ZeroStateError
+from ..errors import ZeroStateError
 
 
 class ParamStatus(Enum):

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Communicator, GradPiece, Kind, ReduceWork, Tag
-from .param import ZeroParameter, raw_data
+from ..comm.communicator import Communicator, GradPiece, Kind, ReduceWork, Tag
+from ..partition.param import ZeroParameter, raw_data
 
 
 class GradientReducer:

@@ -23,12 +23,12 @@ from typing import Any, BinaryIO, NamedTuple
 import torch
 from torch import nn
 
-from ._safetensors import SafetensorsHeader, read_safetensors_header, read_tensor_range
+from .safetensors import SafetensorsHeader, read_safetensors_header, read_tensor_range
 from .checkpoint import exchange
-from .context import RuntimeContext
-from .errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError, ZeroStateError
-from .param import ZeroParameter
-from .state import ParamStatus
+from ..runtime.context import RuntimeContext
+from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError, ZeroStateError
+from ..partition.param import ZeroParameter
+from ..partition.state import ParamStatus
 
 
 class LoadResult(NamedTuple):

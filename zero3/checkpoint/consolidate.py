@@ -1,0 +1,401 @@
+"""Full state dicts from sharded checkpoints (offline, streaming) and from a live engine.
+
+``python -m zero3.consolidate CKPT_DIR OUT [--tag T] [--dtype bf16|fp16|fp32] [--include-optimizer]``
+needs no model code: the checkpoint's metadata lists every tensor, with its shape and the ranges each
+rank file holds. Tensors are produced one at a time. Each full tensor is read range by range straight
+into its final buffer, written, and freed, so peak memory stays near the largest tensor (1.5x it
+with a ``--dtype`` cast), not the model.
+- ``.safetensors`` output: the header is computed up front and written first, then each tensor's
+  bytes. Tied parameters are written once under their first name; the aliases go in
+  ``__metadata__["zero3_aliases"]`` (safetensors cannot store shared tensors).
+- ``.pt`` output: a zip archive of the kind ``torch.save`` writes (records ``data/N``, then ``data.pkl``),
+  written record by record. ``torch.load`` (with ``weights_only=True`` and ``mmap=True`` too) returns a
+  plain state dict in which tied names share one tensor, as ``model.state_dict()`` does.
+
+With ``--include-optimizer`` the optimizer state is added: in ``.pt`` the file holds ``{"model": ...,
+"optimizer": {"state": {name: {key: tensor}}, "param_groups": [...]}}``; in ``.safetensors`` the
+extra keys are ``optimizer/<param name>/<key>``, and the param groups go in ``__metadata__``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import json
+import os
+import pickle
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .safetensors import SafetensorsWriter, dtype_name, parse_dtype
+from .checkpoint import CheckpointReader, ParamMeta, from_json
+from ..comm.communicator import Kind, Tag
+from ..runtime.context import RuntimeContext
+from ..partition.param import ZeroParameter
+
+Spec = tuple[str, torch.dtype, tuple[int, ...]]
+"""(key written, dtype written, shape) of one output tensor."""
+Row = tuple[str, str, str]
+"""One state_dict key: (key, "param" or "buffer", canonical param name or the key)."""
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# -- offline: checkpoint directory -> tensors -------------------------------------------------------
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _read_param(reader: CheckpointReader, pm: ParamMeta, key: str, dtype: torch.dtype) -> torch.Tensor:
+    full = torch.empty(pm.numel, dtype=dtype)
+    reader.read_flat(pm, key, 0, pm.numel, full)
+    return full.view(pm.shape)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
+
+
+def _plan(reader: CheckpointReader, dtype: torch.dtype | None,
+          include_optimizer: bool) -> tuple[list[Row], list[Spec]]:
+    """(layout rows [key, kind, source], specs [(written key, dtype, shape)]) for the output."""
+    def out_dtype(d: torch.dtype) -> torch.dtype:
+        return dtype if dtype is not None and d.is_floating_point else d
+
+    layout: list[Row] = [(row[0], row[1], row[2]) for row in reader.layout]
+    specs: list[Spec] = []
+    written: set[str] = set()
+    for key, kind, src in layout:
+        if kind == "param" and src not in written:
+            pm = reader.params[src]
+            specs.append((src, out_dtype(pm.master_dtype), pm.shape))
+            written.add(src)
+        elif kind == "buffer":
+            shape, bdtype = reader.buffers[src]
+            specs.append((key, out_dtype(bdtype), shape))
+    if include_optimizer:
+        for name, pm in reader.params.items():
+            for k, info in pm.state.items():
+                if info["kind"] == "sharded":
+                    specs.append((f"optimizer/{name}/{k}", parse_dtype(info["dtype"]), pm.shape))
+                elif info["kind"] == "replicated":
+                    specs.append((f"optimizer/{name}/{k}", parse_dtype(info["dtype"]), tuple(info["shape"])))
+    return layout, specs
+
+
+def iter_tensors(reader: CheckpointReader, specs: list[Spec]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(key, tensor)`` for each spec, building one tensor at a time."""
+    for key, dtype, _ in specs:
+        if key.startswith("optimizer/"):
+            name, _, skey = key[len("optimizer/"):].rpartition("/")
+            pm = reader.params[name]
+            info = pm.state[skey]
+            if info["kind"] == "sharded":
+                yield key, _read_param(reader, pm, f"optim/{name}/{skey}", dtype)
+            else:
+                t = torch.empty(tuple(info["shape"]), dtype=dtype)
+                reader.read(0, f"optim/{name}/{skey}", 0, t)
+                yield key, t
+        elif key in reader.params:
+            pm = reader.params[key]
+            yield key, _cast(_read_param(reader, pm, f"param/{key}", pm.master_dtype), dtype)
+        else:
+            shape, bdtype = reader.buffers[key]
+            t = torch.empty(shape, dtype=bdtype)
+            reader.read(0, f"buffer/{key}", 0, t)
+            yield key, _cast(t, dtype)
+
+
+def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, tag: str | None = None,
+                dtype: torch.dtype | None = None, include_optimizer: bool = False, verify: bool = True,
+                model_parallel_rank: int | None = None) -> Path:
+    """Write the full state dict of a sharded checkpoint to ``out`` (``.pt`` or ``.safetensors``).
+
+    Args:
+        ckpt_dir: the directory given to ``save_checkpoint``.
+        out: output file; the suffix picks the format (``.safetensors``, or ``.pt``/``.pth``/``.bin``).
+        tag: which checkpoint (default: ``latest``).
+        dtype: cast floating-point weights and buffers to this dtype (optimizer state stays as saved).
+        include_optimizer: also write the optimizer state (see the module docstring for the layout).
+        verify: check every rank file's sha256 first.
+        model_parallel_rank: for a checkpoint saved with model parallelism, whose tensor-parallel
+            slices to write (one state dict per model-parallel rank, as the model code holds them).
+
+    Returns:
+        The output path.
+
+    Raises:
+        CheckpointError subclasses (``ValueError``): a missing, corrupted or unsupported checkpoint.
+        ValueError: an unknown output suffix.
+    """
+    out = Path(out)
+    suffix = out.suffix.lower()
+    if suffix not in (".safetensors", ".pt", ".pth", ".bin"):
+        raise ValueError(f"{out}: unknown output format {suffix!r}; use .safetensors or .pt")
+    with CheckpointReader(ckpt_dir, tag, model_parallel_rank) as reader:
+        reader.check_files(range(reader.world_size) if verify else ())
+        layout, specs = _plan(reader, dtype, include_optimizer)
+        _check_entries(reader, specs)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if suffix == ".safetensors":
+            _write_safetensors(reader, out, layout, specs, include_optimizer)
+        else:
+            _write_pt(reader, out, layout, specs, include_optimizer)
+    return out
+
+
+def _check_entries(reader: CheckpointReader, specs: list[Spec]) -> None:
+    """Every piece the output needs is in its rank file's header, with the recorded size and dtype."""
+    for key, _, _ in specs:
+        if key.startswith("optimizer/"):
+            name, _, skey = key[len("optimizer/"):].rpartition("/")
+            pm = reader.params[name]
+            info = pm.state[skey]
+            if info["kind"] == "sharded":
+                for j, _, s, e in reader.flat_sources(pm, 0, pm.numel):
+                    reader.check_entry(j, f"optim/{name}/{skey}", e - s, parse_dtype(info["dtype"]))
+            else:
+                reader.check_entry(0, f"optim/{name}/{skey}", _numel(tuple(info["shape"])), parse_dtype(info["dtype"]))
+        elif key in reader.params:
+            pm = reader.params[key]
+            for j, _, s, e in reader.flat_sources(pm, 0, pm.numel):
+                reader.check_entry(j, f"param/{key}", e - s, pm.master_dtype)
+        else:
+            shape, bdtype = reader.buffers[key]
+            reader.check_entry(0, f"buffer/{key}", _numel(shape), bdtype)
+
+
+def _groups(reader: CheckpointReader) -> list[dict[str, Any]] | None:
+    opt = reader.meta.get("optimizer")
+    return None if opt is None else [from_json(g) for g in opt["param_groups"]]
+
+
+def _write_safetensors(reader: CheckpointReader, out: Path, layout: list[Row], specs: list[Spec],
+                       include_optimizer: bool) -> None:
+    aliases = {key: src for key, kind, src in layout if kind == "param" and key != src}
+    meta = {"format": "pt", "zero3_tag": reader.tag, "zero3_global_steps": str(reader.meta["global_steps"]),
+            "zero3_aliases": json.dumps(aliases)}
+    if include_optimizer:
+        opt = reader.meta.get("optimizer")
+        meta["zero3_optimizer"] = json.dumps(opt)
+    writer = SafetensorsWriter(out, specs, meta, checksum=False)
+    try:
+        for key, t in iter_tensors(reader, specs):
+            writer.write(key, t)
+            del t
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+
+
+# -- streaming .pt ------------------------------------------------------------------------------------
+_STORAGE_TYPES = {
+    torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
+    torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
+    torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage", torch.bool: "BoolStorage",
+}
+
+
+class _Stored:
+    """A tensor already written to the archive as record ``data/<key>``; pickled as a reference to it."""
+
+    __slots__ = ("dtype", "key", "shape")
+
+    def __init__(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.key, self.dtype, self.shape = key, dtype, shape
+
+
+class _StorageRef:
+    __slots__ = ("stored",)
+
+    def __init__(self, stored: _Stored) -> None:
+        self.stored = stored
+
+
+class PtWriter:
+    """Writes a ``torch.save``-compatible archive one tensor at a time.
+
+    `add` writes a tensor's bytes as a record at once and returns a placeholder; `finish` pickles the
+    object (placeholders in it become tensors on load) and closes the archive, renaming it into place.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        self._zip: Any = torch._C.PyTorchFileWriter(str(self.tmp))
+        self._count = 0
+
+    def add(self, tensor: torch.Tensor) -> _Stored:
+        t = tensor.detach().to("cpu").contiguous()
+        if t.dtype not in _STORAGE_TYPES:
+            raise TypeError(f"cannot write dtype {dtype_name(t.dtype)} to a .pt file")
+        if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        key = str(self._count)
+        self._count += 1
+        self._zip.write_record(f"data/{key}", t.data_ptr(), t.numel() * t.element_size())  # t is alive: no copy
+        return _Stored(key, t.dtype, tuple(t.shape))
+
+    def finish(self, obj: Any) -> None:
+        writer = self
+
+        class _Pickler(pickle.Pickler):
+            def persistent_id(self, o: Any) -> Any:
+                if isinstance(o, _StorageRef):
+                    s = o.stored
+                    return ("storage", getattr(torch, _STORAGE_TYPES[s.dtype]), s.key, "cpu", _numel(s.shape))
+                return None
+
+            def reducer_override(self, o: Any) -> Any:
+                if isinstance(o, torch.Tensor):
+                    o = writer.add(o)
+                if isinstance(o, _Stored):
+                    stride, acc = [], 1
+                    for d in reversed(o.shape):
+                        stride.append(acc)
+                        acc *= d
+                    return (torch._utils._rebuild_tensor_v2,
+                            (_StorageRef(o), 0, o.shape, tuple(reversed(stride)), False, collections.OrderedDict()))
+                return NotImplemented
+
+        buf = io.BytesIO()
+        _Pickler(buf, protocol=2).dump(obj)
+        data = buf.getvalue()
+        self._zip.write_record("data.pkl", data, len(data))
+        self._zip.write_record(".format_version", b"1", 1)
+        self._zip.write_record(".storage_alignment", b"64", 2)
+        self._zip.write_record("byteorder", sys.byteorder.encode(), len(sys.byteorder))
+        self._zip.write_end_of_file()
+        del self._zip
+        with open(self.tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        self._zip = None
+        self.tmp.unlink(missing_ok=True)
+
+
+def _write_pt(reader: CheckpointReader, out: Path, layout: list[Row], specs: list[Spec], include_optimizer: bool) -> None:
+    writer = PtWriter(out)
+    stored: dict[str, _Stored] = {}
+    try:
+        for key, t in iter_tensors(reader, specs):
+            stored[key] = writer.add(t)
+            del t
+        model = {key: stored[src if kind == "param" else key] for key, kind, src in layout}
+        obj: Any = model
+        if include_optimizer:
+            state: dict[str, dict[str, Any]] = {}
+            for name, pm in reader.params.items():
+                for k, info in pm.state.items():
+                    value = stored.get(f"optimizer/{name}/{k}")
+                    state.setdefault(name, {})[k] = value if value is not None else from_json(info.get("value"))
+            obj = {"model": model, "optimizer": {"state": state, "param_groups": _groups(reader)}}
+        writer.finish(obj)
+    except BaseException:
+        writer.abort()
+        raise
+
+
+# -- live: engine -> state dict -------------------------------------------------------------------
+def consolidated_state_dict(ctx: RuntimeContext, rank0_only: bool = True, *,
+                            dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The full state dict of the engine's model (fp32 master weights), built module by module.
+
+    A collective. Each module's master shards are gathered with one collective, straight onto rank 0
+    (``rank0_only``) or onto every rank, so the other ranks never hold more than their shards. Tied
+    parameters stay tied: both names map to the same tensor object, as in ``model.state_dict()``.
+
+    Args:
+        ctx: the engine's runtime context (``engine.context``).
+        rank0_only: only rank 0 gets the tensors; the others get ``{}``.
+        dtype: cast floating-point tensors to this dtype (default: the master dtype, fp32).
+
+    Returns:
+        ``{name: CPU tensor}`` in ``model.state_dict()`` order (``{}`` off rank 0 with ``rank0_only``).
+    """
+    assert ctx.module is not None
+    ctx.require_states("consolidated_state_dict", ("lp_params", "hp_params"))
+    keep = ctx.rank == 0 or not rank0_only
+    full: dict[int, torch.Tensor] = {}
+    done: set[int] = set()
+    for module in ctx.module.modules():
+        params = []
+        for p in module._parameters.values():
+            if isinstance(p, ZeroParameter) and id(p) not in done:
+                done.add(id(p))
+                params.append(p)
+        if params:
+            for p, t in zip(params, _gather_masters(ctx, params, rank0_only)):
+                if keep:
+                    full[id(p)] = _cast(t, dtype)
+    if not keep:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in ctx.module.state_dict(keep_vars=True).items():
+        if isinstance(value, ZeroParameter):
+            out[key] = full[id(value)]
+        elif isinstance(value, torch.Tensor):
+            out[key] = _cast(value.detach().to("cpu", copy=True), dtype)
+    return out
+
+
+def _gather_masters(ctx: RuntimeContext, params: list[ZeroParameter], rank0_only: bool) -> list[torch.Tensor]:
+    """Full master tensors (on the CPU) of ``params``, one collective per dtype; ``[]`` where not received."""
+    with ctx.resident(params):  # read in when they live on NVMe
+        return _gather_resident(ctx, params, rank0_only)
+
+
+def _gather_resident(ctx: RuntimeContext, params: list[ZeroParameter], rank0_only: bool) -> list[torch.Tensor]:
+    masters = [p._zero.train_tensor for p in params]
+    receive = ctx.rank == 0 or not rank0_only
+    out: dict[int, torch.Tensor] = {}
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, m in enumerate(masters):
+        by_dtype.setdefault(m.dtype, []).append(i)
+    for idx in by_dtype.values():
+        flat = torch.cat([masters[i].detach().reshape(-1) for i in idx])
+        tag = Tag(Kind.GATHER_TO_ROOT if rank0_only else Kind.TENSOR_GATHER, "consolidated_state_dict",
+                  tuple(params[i]._zero.id for i in idx))
+        rows = ctx.comm.gather_to_rank0(flat, tag) if rank0_only else ctx.comm.all_gather_tensor(flat, tag)
+        if rows is None:
+            continue
+        off = 0
+        for i in idx:
+            p = params[i]
+            s = masters[i].numel()
+            out[i] = rows[:, off: off + s].reshape(-1)[: p._zero.numel].view(p._zero.shape).to("cpu", copy=True)
+            off += s
+    return [out[i] for i in range(len(params))] if receive else []
+
+
+# -- CLI ----------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m zero3.consolidate",
+        description="Write the full state dict of a zero3 sharded checkpoint, streaming one tensor at a time.")
+    parser.add_argument("ckpt_dir", help="directory given to engine.save_checkpoint")
+    parser.add_argument("out", help="output file: .safetensors or .pt")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one 'latest' names)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point weights")
+    parser.add_argument("--include-optimizer", action="store_true", help="also write the optimizer state")
+    parser.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the rank files")
+    parser.add_argument("--model-parallel-rank", type=int, default=None,
+                        help="checkpoint saved with model parallelism: write this model-parallel rank's slices")
+    args = parser.parse_args(argv)
+    path = consolidate(args.ckpt_dir, args.out, tag=args.tag, dtype=DTYPES.get(args.dtype) if args.dtype else None,
+                       include_optimizer=args.include_optimizer, verify=not args.no_verify,
+                       model_parallel_rank=args.model_parallel_rank)
+    sys.stdout.write(f"wrote {path} ({path.stat().st_size} bytes)\n")
+    return 0
+
