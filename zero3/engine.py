@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from .activation import checkpointing
-from .checkpoint.checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint.load import load_checkpoint
+from .checkpoint.save import save_checkpoint
 from .comm.communicator import Communicator, Kind, Tag
 from .config import ZeroConfig, resolve_config
-from .checkpoint.consolidate import consolidated_state_dict
+from .checkpoint.live_state_dict import consolidated_state_dict
 from .runtime.context import RuntimeContext, build_context, context_of
 from .runtime.coordinator import ParamCoordinator
 from .errors import ZeroConfigError, ZeroStateError
@@ -335,11 +336,11 @@ class Engine:
         """This rank's optimizer state for ``p`` (e.g. ``exp_avg``), keyed as torch.optim keys it."""
         return self.context.optimizer_state(p)
 
-    # -- checkpoints (zero3/checkpoint.py, zero3/consolidate.py) ------------------------------------
+    # -- checkpoints (zero3/checkpoint/: save.py, load.py, live_state_dict.py) -------------------
     def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: Any = None,
                         **kwargs: Any) -> str:
         """Write a sharded checkpoint (a collective), with the engine's lr scheduler unless another is
-        given; see `zero3.checkpoint.save_checkpoint`."""
+        given; see `zero3.checkpoint.save.save_checkpoint`."""
         kwargs.setdefault("lr_scheduler", self.lr_scheduler)
         return save_checkpoint(self.context, save_dir, tag, client_state, **kwargs)
 
@@ -347,7 +348,7 @@ class Engine:
         """Load a checkpoint saved at any world size (a collective); returns ``(path, client_state)``.
 
         The engine's lr scheduler is restored too unless another is given. See
-        `zero3.checkpoint.load_checkpoint`.
+        `zero3.checkpoint.load.load_checkpoint`.
         """
         kwargs.setdefault("lr_scheduler", self.lr_scheduler)
         return load_checkpoint(self.context, load_dir, tag, **kwargs)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zero3
+import zero3.activation.rng
 import zero3.checkpointing as ckpt
 from gpt import GPT, GPTConfig, synthetic_batch
 
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.gpu,
 @pytest.fixture(autouse=True)
 def _fresh_state(monkeypatch):
     monkeypatch.setattr(ckpt, "_STATE", ckpt._State())
-    monkeypatch.setattr(ckpt, "_TRACKER", ckpt.RNGStatesTracker())
+    monkeypatch.setattr(zero3.activation.rng, "_TRACKER", ckpt.RNGStatesTracker())
 
 
 def _blocks() -> nn.ModuleList:

@@ -337,7 +337,7 @@ def test_pretrained_safetensors_each_rank_reads_only_its_slices(pools, saved, tm
 KILL_CHILD = textwrap.dedent("""
     import sys, time, torch, zero3
     from torch import nn
-    from zero3.checkpoint import checkpoint as ck
+    from zero3.checkpoint import safetensors as ck
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -13,7 +13,8 @@ import torch
 from gpt import GPT, GPTConfig, synthetic_batch
 
 import zero3
-from zero3.checkpoint import checkpoint as ck
+from zero3.checkpoint import format as ck
+from zero3.checkpoint.safetensors import SafetensorsWriter
 from zero3.checkpoint.consolidate import main as consolidate_main
 
 CFG = GPTConfig()
@@ -157,9 +158,10 @@ def test_round_trip_restores_weights_moments_hyperparameters_scheduler_rng_and_c
 
 
 def test_round_trip_restores_the_model_parallel_rng_trackers_states(tmp_path, monkeypatch):
+    import zero3.activation.rng
     import zero3.checkpointing as ckpt
 
-    monkeypatch.setattr(ckpt, "_TRACKER", ckpt.RNGStatesTracker("cpu"))
+    monkeypatch.setattr(zero3.activation.rng, "_TRACKER", ckpt.RNGStatesTracker("cpu"))
     ckpt.get_cuda_rng_tracker().add(ckpt.MODEL_PARALLEL_RNG, 99)
     engine = make_engine()
     with ckpt.get_cuda_rng_tracker().fork():
@@ -194,7 +196,7 @@ def test_failed_save_keeps_latest_on_the_previous_checkpoint(tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     with monkeypatch.context() as m:
-        m.setattr(ck.SafetensorsWriter, "close", disk_full)
+        m.setattr(SafetensorsWriter, "close", disk_full)
         with pytest.raises(OSError, match="No space left"):
             engine.save_checkpoint(tmp_path, tag="bad")
     assert (tmp_path / "latest").read_text().strip() == "good" and not (tmp_path / "bad").exists()

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zero3
+import zero3.activation.rng
 import zero3.checkpointing as ckpt
 import zero3.deepspeed as deepspeed
 from zero3 import ZeroConfigError, ZeroStateError
@@ -26,7 +27,7 @@ from gpt import GPT, GPTConfig, synthetic_batch
 def _fresh_state(monkeypatch):
     """Each test starts unconfigured, with an empty tracker (both are process-wide)."""
     monkeypatch.setattr(ckpt, "_STATE", ckpt._State())
-    monkeypatch.setattr(ckpt, "_TRACKER", ckpt.RNGStatesTracker("cpu"))
+    monkeypatch.setattr(zero3.activation.rng, "_TRACKER", ckpt.RNGStatesTracker("cpu"))
 
 
 def _blocks(n: int = 3, dropout: float = 0.3) -> nn.ModuleList:

@@ -32,18 +32,17 @@ with frozen embeddings: torch's reentrant checkpoint silently gives them none in
 
 [Note: why this module has process-wide state]
 DeepSpeed's API is process-wide: ``configure`` once, then ``checkpoint`` anywhere in the model code,
-and one RNG tracker (``get_cuda_rng_tracker``) that model code forks. The settings, the
+and one RNG tracker (``get_cuda_rng_tracker``, in rng.py) that model code forks. The settings, the
 model-parallel communicator, the contiguous buffers and the timings therefore live in one `_State`
-object, replaced as a whole by `configure`; nothing else in zero3 keeps module-level state.
+object, replaced as a whole by `configure`; besides it and the tracker nothing in zero3 keeps
+module-level state.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -56,94 +55,11 @@ from ..errors import ZeroStateError
 from ..runtime.hooks import checkpoint_forward, nested_backward
 from ..metrics import StepMetrics
 from ..comm.model_parallel import model_parallel_group
+from .rng import MODEL_PARALLEL_RNG, CudaRNGStatesTracker, RNGStatesTracker, get_cuda_rng_tracker
 
 logger = logging.getLogger(__name__)
 
-MODEL_PARALLEL_RNG = "model-parallel-rng"
-"""The tracker state `model_parallel_cuda_manual_seed` adds (DeepSpeed's and Megatron's name)."""
-
 _SEED_OFFSET = 2718  # model-parallel seed = seed + 2718 + model-parallel rank, as Megatron and DeepSpeed
-
-
-# -- the RNG tracker ---------------------------------------------------------------------------------
-class RNGStatesTracker:
-    """Named RNG states that model code can switch to (Megatron's ``CudaRNGStatesTracker``).
-
-    ``add(name, seed)`` creates a state; ``with tracker.fork(name):`` runs code on it (dropout inside
-    a tensor-parallel region draws a different mask on every model-parallel rank) and stores where it
-    got to. It tracks the CUDA generator of the current device when CUDA is available, else the CPU
-    generator. `checkpoint` saves and restores these states with the others.
-    """
-
-    def __init__(self, device: str | torch.device | None = None) -> None:
-        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        self._states: dict[str, torch.Tensor] = {}
-        self._seeds: set[int] = set()
-
-    def _get(self) -> torch.Tensor:
-        return torch.cuda.get_rng_state() if self.device.type == "cuda" else torch.get_rng_state()
-
-    def _set(self, state: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state)
-        else:
-            torch.set_rng_state(state)
-
-    def reset(self) -> None:
-        """Forget every state and seed."""
-        self._states = {}
-        self._seeds = set()
-
-    def get_states(self) -> dict[str, torch.Tensor]:
-        """A copy of the name -> state map (the states themselves are never modified in place)."""
-        return dict(self._states)
-
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        """Replace every state by ``states`` (from `get_states`)."""
-        self._states = dict(states)
-
-    def add(self, name: str, seed: int) -> None:
-        """Track a new state ``name`` seeded with ``seed``; the current RNG state is not touched.
-
-        Raises:
-            ValueError: ``name`` or ``seed`` is already tracked.
-        """
-        if seed in self._seeds:
-            raise ValueError(f"RNG tracker: seed {seed} is already used by another state")
-        if name in self._states:
-            raise ValueError(f"RNG tracker: a state named {name!r} already exists")
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
-        self._seeds.add(seed)
-        self._states[name] = gen.get_state()
-
-    @contextlib.contextmanager
-    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
-        """Run the body on state ``name``, keep where it got to, then restore the previous state.
-
-        Raises:
-            ValueError: no state ``name`` (call `add` or `model_parallel_cuda_manual_seed` first).
-        """
-        if name not in self._states:
-            raise ValueError(f"RNG tracker: no state named {name!r} (tracked: {sorted(self._states)}); add it "
-                             "first, e.g. with zero3.checkpointing.model_parallel_cuda_manual_seed(seed)")
-        outer = self._get()
-        self._set(self._states[name])
-        try:
-            yield
-        finally:
-            self._states[name] = self._get()
-            self._set(outer)
-
-
-CudaRNGStatesTracker = RNGStatesTracker  # DeepSpeed's name for the class
-
-_TRACKER = RNGStatesTracker()
-
-
-def get_cuda_rng_tracker() -> RNGStatesTracker:
-    """The process's RNG tracker (DeepSpeed's name; it tracks the CPU generator without CUDA)."""
-    return _TRACKER
 
 
 # -- settings -------------------------------------------------------------------------------------------
@@ -295,12 +211,13 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     inside them (``with get_cuda_rng_tracker().fork():``). Forgets every other tracked state.
     """
     mp_seed = seed + _SEED_OFFSET + _STATE.mp.rank
-    if _TRACKER.device.type == "cuda":
+    tracker = get_cuda_rng_tracker()
+    if tracker.device.type == "cuda":
         torch.cuda.manual_seed(seed)
     else:
         torch.manual_seed(seed)
-    _TRACKER.reset()
-    _TRACKER.add(MODEL_PARALLEL_RNG, mp_seed)
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, mp_seed)
     logger.info("zero3: model-parallel rank %d: default seed %d, model-parallel seed %d", _STATE.mp.rank, seed,
                 mp_seed)
 
@@ -315,13 +232,13 @@ class _RngStates:
     @classmethod
     def capture(cls, devices: set[int]) -> _RngStates:
         cuda = {d: torch.cuda.get_rng_state(d) for d in devices}
-        return cls(torch.get_rng_state(), cuda, _TRACKER.get_states())
+        return cls(torch.get_rng_state(), cuda, get_cuda_rng_tracker().get_states())
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         for d, state in self.cuda.items():
             torch.cuda.set_rng_state(state, d)
-        _TRACKER.set_states(self.tracker)
+        get_cuda_rng_tracker().set_states(self.tracker)
 
 
 def _cuda_devices(tensors: list[torch.Tensor]) -> set[int]:

@@ -1,4 +1,4 @@
-"""Full state dicts from sharded checkpoints (offline, streaming) and from a live engine.
+"""The full state dict of a sharded checkpoint, offline and streaming (a live engine's: live_state_dict.py).
 
 ``python -m zero3.consolidate CKPT_DIR OUT [--tag T] [--dtype bf16|fp16|fp32] [--include-optimizer]``
 needs no model code: the checkpoint's metadata lists every tensor, with its shape and the ranges each
@@ -32,18 +32,15 @@ from typing import Any
 
 import torch
 
+from ..optim.precision import DTYPES
+from .format import from_json
+from .reader import CheckpointReader, ParamMeta
 from .safetensors import SafetensorsWriter, dtype_name, parse_dtype
-from .checkpoint import CheckpointReader, ParamMeta, from_json
-from ..comm.communicator import Kind, Tag
-from ..runtime.context import RuntimeContext
-from ..partition.param import ZeroParameter
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 """(key written, dtype written, shape) of one output tensor."""
 Row = tuple[str, str, str]
 """One state_dict key: (key, "param" or "buffer", canonical param name or the key)."""
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # -- offline: checkpoint directory -> tensors -------------------------------------------------------
@@ -60,7 +57,8 @@ def _read_param(reader: CheckpointReader, pm: ParamMeta, key: str, dtype: torch.
     return full.view(pm.shape)
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def cast_floating(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` cast to ``dtype`` if it is floating-point and ``dtype`` is given, else ``t`` itself."""
     return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
 
 
@@ -106,12 +104,12 @@ def iter_tensors(reader: CheckpointReader, specs: list[Spec]) -> Iterator[tuple[
                 yield key, t
         elif key in reader.params:
             pm = reader.params[key]
-            yield key, _cast(_read_param(reader, pm, f"param/{key}", pm.master_dtype), dtype)
+            yield key, cast_floating(_read_param(reader, pm, f"param/{key}", pm.master_dtype), dtype)
         else:
             shape, bdtype = reader.buffers[key]
             t = torch.empty(shape, dtype=bdtype)
             reader.read(0, f"buffer/{key}", 0, t)
-            yield key, _cast(t, dtype)
+            yield key, cast_floating(t, dtype)
 
 
 def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, tag: str | None = None,
@@ -305,78 +303,6 @@ def _write_pt(reader: CheckpointReader, out: Path, layout: list[Row], specs: lis
     except BaseException:
         writer.abort()
         raise
-
-
-# -- live: engine -> state dict -------------------------------------------------------------------
-def consolidated_state_dict(ctx: RuntimeContext, rank0_only: bool = True, *,
-                            dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The full state dict of the engine's model (fp32 master weights), built module by module.
-
-    A collective. Each module's master shards are gathered with one collective, straight onto rank 0
-    (``rank0_only``) or onto every rank, so the other ranks never hold more than their shards. Tied
-    parameters stay tied: both names map to the same tensor object, as in ``model.state_dict()``.
-
-    Args:
-        ctx: the engine's runtime context (``engine.context``).
-        rank0_only: only rank 0 gets the tensors; the others get ``{}``.
-        dtype: cast floating-point tensors to this dtype (default: the master dtype, fp32).
-
-    Returns:
-        ``{name: CPU tensor}`` in ``model.state_dict()`` order (``{}`` off rank 0 with ``rank0_only``).
-    """
-    assert ctx.module is not None
-    ctx.require_states("consolidated_state_dict", ("lp_params", "hp_params"))
-    keep = ctx.rank == 0 or not rank0_only
-    full: dict[int, torch.Tensor] = {}
-    done: set[int] = set()
-    for module in ctx.module.modules():
-        params = []
-        for p in module._parameters.values():
-            if isinstance(p, ZeroParameter) and id(p) not in done:
-                done.add(id(p))
-                params.append(p)
-        if params:
-            for p, t in zip(params, _gather_masters(ctx, params, rank0_only)):
-                if keep:
-                    full[id(p)] = _cast(t, dtype)
-    if not keep:
-        return {}
-    out: dict[str, torch.Tensor] = {}
-    for key, value in ctx.module.state_dict(keep_vars=True).items():
-        if isinstance(value, ZeroParameter):
-            out[key] = full[id(value)]
-        elif isinstance(value, torch.Tensor):
-            out[key] = _cast(value.detach().to("cpu", copy=True), dtype)
-    return out
-
-
-def _gather_masters(ctx: RuntimeContext, params: list[ZeroParameter], rank0_only: bool) -> list[torch.Tensor]:
-    """Full master tensors (on the CPU) of ``params``, one collective per dtype; ``[]`` where not received."""
-    with ctx.resident(params):  # read in when they live on NVMe
-        return _gather_resident(ctx, params, rank0_only)
-
-
-def _gather_resident(ctx: RuntimeContext, params: list[ZeroParameter], rank0_only: bool) -> list[torch.Tensor]:
-    masters = [p._zero.train_tensor for p in params]
-    receive = ctx.rank == 0 or not rank0_only
-    out: dict[int, torch.Tensor] = {}
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, m in enumerate(masters):
-        by_dtype.setdefault(m.dtype, []).append(i)
-    for idx in by_dtype.values():
-        flat = torch.cat([masters[i].detach().reshape(-1) for i in idx])
-        tag = Tag(Kind.GATHER_TO_ROOT if rank0_only else Kind.TENSOR_GATHER, "consolidated_state_dict",
-                  tuple(params[i]._zero.id for i in idx))
-        rows = ctx.comm.gather_to_rank0(flat, tag) if rank0_only else ctx.comm.all_gather_tensor(flat, tag)
-        if rows is None:
-            continue
-        off = 0
-        for i in idx:
-            p = params[i]
-            s = masters[i].numel()
-            out[i] = rows[:, off: off + s].reshape(-1)[: p._zero.numel].view(p._zero.shape).to("cpu", copy=True)
-            off += s
-    return [out[i] for i in range(len(params))] if receive else []
 
 
 # -- CLI ----------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .safetensors import SafetensorsHeader, read_safetensors_header, read_tensor_range
-from .checkpoint import exchange
+from .exchange import exchange
 from ..runtime.context import RuntimeContext
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError, ZeroStateError
 from ..partition.param import ZeroParameter

@@ -484,6 +484,48 @@ class PartitionedOptimizer:
         """This rank's optimizer state for ``p`` (e.g. ``exp_avg``), keyed as torch.optim keys it."""
         return self.optimizer.state.get(p._zero.train_tensor, {})
 
+    # -- checkpoints: the state as plain tensors and dicts -----------------------------------------
+    @property
+    def class_name(self) -> str:
+        """The class name of the user's optimizer (a checkpoint records it)."""
+        return type(self.optimizer).__name__
+
+    def shard_state(self, p: ZeroParameter) -> dict[str, Any]:
+        """A new dict of this rank's optimizer state for ``p``: the live tensors and values, keyed as
+        torch.optim keys them ({} before the first step)."""
+        return dict(self.optimizer.state.get(p._zero.train_tensor, {}))
+
+    def load_shard_state(self, p: ZeroParameter, state: dict[str, Any]) -> None:
+        """Make ``state`` (tensors it keeps, and values) ``p``'s whole optimizer state; empty: none."""
+        if state:
+            self.optimizer.state[p._zero.train_tensor] = dict(state)
+        else:
+            self.optimizer.state.pop(p._zero.train_tensor, None)
+
+    def keeps_step_on_device(self, p: ZeroParameter) -> bool:
+        """Whether ``p``'s param group keeps its 0-d state (Adam's ``step``) on the parameter's device
+        (``capturable`` or ``fused``) rather than on the CPU, where torch.optim creates it otherwise."""
+        master = p._zero.train_tensor
+        group = next((g for g in self.optimizer.param_groups if any(t is master for t in g["params"])), {})
+        return bool(group.get("capturable") or group.get("fused"))
+
+    def group_hyperparameters(self) -> list[dict[str, Any]]:
+        """Each param group's settings (lr, betas, ...), in the group's key order, without ``params``."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def group_param_names(self) -> list[list[str]]:
+        """Each param group's parameters, by name (``<unnamed SHAPE>`` for a tensor not of the model)."""
+        names = {id(p._zero.train_tensor): p._zero.name for p in self.params}
+        return [[names.get(id(t), f"<unnamed {tuple(t.shape)}>") for t in g["params"]]
+                for g in self.optimizer.param_groups]
+
+    def load_group_hyperparameters(self, groups: Sequence[dict[str, Any]]) -> None:
+        """Set each param group's settings from ``groups`` (as `group_hyperparameters` returns them)."""
+        for group, saved in zip(self.optimizer.param_groups, groups):
+            for k, v in saved.items():
+                if k != "params":
+                    group[k] = v
+
     def copy_masters_to_shards(self) -> None:
         """One cast-and-copy per group: fp32 masters into the parameter shards (zero3/offload.py);
         per parameter when shards or masters are tensors of their own."""

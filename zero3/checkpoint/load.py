@@ -1,0 +1,272 @@
+"""Loading a sharded checkpoint into a live engine, at any world size: each rank reads the element
+ranges it now owns (format.py [Note: checkpoint format]).
+
+A load validates everything before it changes a single parameter: the metadata and its format
+version; that the names and shapes of the model's parameters and buffers match; that every file is
+present, with its size; that each file's sha256 matches (rank ``r`` hashes files ``r, r + world, ...``
+in a streaming pass, so together the ranks read the checkpoint once); and that each needed tensor
+is in its file's header. The ranks exchange their errors with one ``all_gather_object``, so every
+rank raises the same error and none hangs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import ZeroStateError
+from ..partition.param import ZeroParameter
+from ..partition.state import ParamStatus
+from .exchange import exchange
+from .format import CheckpointMismatchError, from_json
+from .layout import is_sharded_state, model_entries, optimizer_groups
+from .reader import CheckpointReader
+from .rng_state import restore_rng_state
+from .safetensors import parse_dtype
+
+if TYPE_CHECKING:
+    from ..optim.optimizer import PartitionedOptimizer
+    from ..runtime.context import RuntimeContext
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+@dataclasses.dataclass
+class _LoadPlan:
+    load_optimizer: bool
+    replicated_file: int
+    needed: dict[int, list[tuple[str, int, torch.dtype]]] = dataclasses.field(default_factory=dict)
+
+    def need(self, j: int, key: str, numel: int, dtype: torch.dtype) -> None:
+        self.needed.setdefault(j, []).append((key, numel, dtype))
+
+
+def _plan_load(ctx: RuntimeContext, reader: CheckpointReader, load_optimizer_states: bool) -> _LoadPlan:
+    names = {p._zero.name: p for p in ctx.params}
+    problems = []
+    missing = [n for n in names if n not in reader.params]
+    unexpected = [n for n in reader.params if n not in names]
+    if missing:
+        problems.append(f"parameters missing from the checkpoint: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"parameters not in the model: {', '.join(unexpected)}")
+    for n, p in names.items():
+        if n in reader.params and reader.params[n].shape != tuple(p._zero.shape):
+            problems.append(f"{n}: shape {list(reader.params[n].shape)} in the checkpoint, "
+                            f"{list(p._zero.shape)} in the model")
+    _, buffers = model_entries(ctx)
+    for k, b in buffers.items():
+        if k not in reader.buffers:
+            problems.append(f"buffer missing from the checkpoint: {k}")
+        elif reader.buffers[k][0] != tuple(b.shape):
+            problems.append(f"buffer {k}: shape {list(reader.buffers[k][0])} in the checkpoint, {list(b.shape)} "
+                            "in the model")
+    extra_buffers = [k for k in reader.buffers if k not in buffers]
+    if extra_buffers:
+        problems.append(f"buffers not in the model: {', '.join(extra_buffers)}")
+    if problems:
+        raise CheckpointMismatchError(f"{reader.metadata_path}: checkpoint of another model: " + "; ".join(problems)
+                                      + ". Load it into the model it was saved from, or load matching weights "
+                                      "with zero3.pretrained.load_state_dict(..., strict=False)")
+    opt_meta = reader.meta.get("optimizer")
+    load_opt = load_optimizer_states and ctx.optimizer is not None
+    if load_opt:
+        if opt_meta is None:
+            raise CheckpointMismatchError(f"{reader.metadata_path}: the checkpoint has no optimizer state (it was "
+                                          "saved without an optimizer); pass load_optimizer_states=False")
+        assert ctx.optimizer is not None
+        ours = optimizer_groups(ctx.optimizer)
+        if opt_meta["class"] != ctx.optimizer.class_name:
+            raise CheckpointMismatchError(
+                f"{reader.metadata_path}: optimizer {opt_meta['class']} in the checkpoint, "
+                f"{ctx.optimizer.class_name} in the engine; pass load_optimizer_states=False to load weights only")
+        theirs = opt_meta["param_groups"]
+        if [g["params"] for g in theirs] != [g["params"] for g in ours]:
+            raise CheckpointMismatchError(
+                f"{reader.metadata_path}: optimizer param groups differ: checkpoint "
+                f"{[len(g['params']) for g in theirs]} params per group, engine {[len(g['params']) for g in ours]} "
+                f"(first difference: {_first_group_difference(theirs, ours)})")
+    same_world = reader.world_size == ctx.world_size
+    plan = _LoadPlan(load_optimizer=load_opt, replicated_file=ctx.rank if same_world else 0)
+    for n, p in names.items():
+        pm = reader.params[n]
+        start, end = p._zero.shard_range()
+        sharded = [k for k, v in pm.state.items() if v["kind"] == "sharded"] if load_opt else []
+        for j, _, s, e in reader.flat_sources(pm, start, end):
+            plan.need(j, f"param/{n}", pm.ranges[j][1] - pm.ranges[j][0], pm.master_dtype)
+            for k in sharded:
+                plan.need(j, f"optim/{n}/{k}", pm.ranges[j][1] - pm.ranges[j][0], parse_dtype(pm.state[k]["dtype"]))
+        if load_opt:
+            for k, v in pm.state.items():
+                if v["kind"] == "replicated":
+                    numel = 1
+                    for d in v["shape"]:
+                        numel *= d
+                    plan.need(plan.replicated_file, f"optim/{n}/{k}", numel, parse_dtype(v["dtype"]))
+    for k, (shape, dtype) in reader.buffers.items():
+        numel = 1
+        for d in shape:
+            numel *= d
+        plan.need(0, f"buffer/{k}", numel, dtype)
+    gathered = [p._zero.name for p in ctx.params
+                if p._zero.status is not ParamStatus.NOT_AVAILABLE and not p._zero.persistent]
+    if gathered:
+        raise ZeroStateError(f"load_checkpoint while parameters are gathered ({', '.join(gathered[:5])}); call it "
+                             "between steps, outside forward/backward and GatheredParameters")
+    return plan
+
+
+def _first_group_difference(theirs: list[dict[str, Any]], ours: list[dict[str, Any]]) -> str:
+    for i in range(max(len(theirs), len(ours))):
+        a = set(theirs[i]["params"]) if i < len(theirs) else set()
+        b = set(ours[i]["params"]) if i < len(ours) else set()
+        if a != b:
+            return (f"group {i}: only in the checkpoint {sorted(a - b)[:3]}, only in the engine {sorted(b - a)[:3]}")
+    return "parameter order within a group"
+
+
+def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: str | None = None, *,
+                    lr_scheduler: Any = None, load_optimizer_states: bool = True,
+                    verify: bool = True) -> tuple[str, Any]:
+    """Load a checkpoint written by `save_checkpoint` at any world size into the engine of ``ctx``.
+
+    A collective. At the saving world size the result is bit-for-bit what was saved; at another, each
+    rank reads only the element ranges it now owns (weights and optimizer moments). Everything is
+    validated first, on every rank, and nothing changes if anything is wrong.
+
+    Args:
+        ctx: the runtime context of the engine to load into (the same model; any world size).
+        load_dir: the directory given to `save_checkpoint`.
+        tag: which checkpoint; default: the one ``load_dir/latest`` names.
+        lr_scheduler: if given, its state is restored from the checkpoint.
+        load_optimizer_states: False loads only the weights (and buffers, step counter).
+        verify: check every file's sha256 (one streaming read of the checkpoint, split across ranks);
+            sizes are always checked.
+
+    Returns:
+        ``(path of the loaded checkpoint, client_state)``.
+
+    Raises:
+        CheckpointNotFoundError, CheckpointCorruptError, CheckpointVersionError, CheckpointMismatchError
+        (all ``ValueError``), on every rank, naming the file and the problem.
+        ZeroStateError: called while parameters are gathered.
+    """
+    reader: CheckpointReader | None = None
+    plan: _LoadPlan | None = None
+    error: BaseException | None = None
+    mp = ctx.model_parallel
+    try:
+        ctx.require_states("load_checkpoint", ("lp_params", "hp_params", "optim_states"))
+        reader = CheckpointReader(load_dir, tag, None if mp is None else mp.rank)
+        if reader.model_parallel_world_size != (1 if mp is None else mp.world_size):
+            raise CheckpointMismatchError(
+                f"{reader.path}: saved by {reader.model_parallel_world_size} model-parallel ranks, loaded by "
+                f"{1 if mp is None else mp.world_size}; zero3 cannot re-split tensor-parallel slices (any "
+                "data-parallel size works)")
+        plan = _plan_load(ctx, reader, load_optimizer_states)
+        reader.check_files(range(ctx.rank, reader.world_size, ctx.world_size) if verify else ())
+        for j, keys in plan.needed.items():
+            for key, numel, dtype in keys:
+                reader.check_entry(j, key, numel, dtype)
+    except Exception as exc:  # noqa: BLE001 - agreed across ranks below
+        error = exc
+    try:
+        exchange(ctx, None, error, "load_checkpoint validation")
+    except BaseException:
+        if reader is not None:
+            reader.close()
+        raise
+    assert reader is not None and plan is not None
+    with reader, torch.no_grad():
+        _apply(ctx, reader, plan, lr_scheduler)
+    logger.info("zero3::checkpoint loaded %s (saved by %d ranks) on rank %d of %d", reader.path,
+                reader.world_size, ctx.rank, ctx.world_size)
+    return str(reader.path), from_json(reader.meta.get("client_state"))
+
+
+def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_scheduler: Any) -> None:
+    meta = reader.meta
+    for p in ctx.params:
+        with ctx.resident([p], write=True):  # one parameter at a time; written back when its home is NVMe
+            z = p._zero
+            pm = reader.params[z.name]
+            start, end = z.shard_range()
+            n = max(end - start, 0)
+            master = p._zero.train_tensor
+            master[n:].zero_()
+            reader.read_flat(pm, f"param/{z.name}", start, start + n, master[:n])
+            if master is not z.shard:
+                z.shard.copy_(master)
+            if master.grad is not None:
+                master.grad = None
+            if plan.load_optimizer:
+                assert ctx.optimizer is not None
+                _load_state(ctx.optimizer, reader, plan, p, start, n)
+    _, buffers = model_entries(ctx)
+    for k, b in buffers.items():
+        reader.read(0, f"buffer/{k}", 0, b)
+    for p in ctx.params:
+        p._zero.train_tensor.grad = None
+    if ctx.optimizer is not None:
+        ctx.optimizer.zero_grad()
+    ctx.coordinator.refresh_persistent()
+    ctx.global_steps = int(meta["global_steps"])
+    if meta.get("micro_steps") is not None:
+        ctx.micro_steps = int(meta["micro_steps"])
+    if plan.load_optimizer:
+        assert ctx.optimizer is not None
+        ctx.optimizer.load_group_hyperparameters(
+            [{k: from_json(v) for k, v in saved.items() if k != "params"} for saved in meta["optimizer"]["param_groups"]])
+    if lr_scheduler is not None:
+        if meta.get("lr_scheduler") is None:
+            logger.warning("zero3::checkpoint %s holds no scheduler state; the scheduler is unchanged", reader.path)
+        else:
+            lr_scheduler.load_state_dict(from_json(meta["lr_scheduler"]))
+    scaler = ctx.optimizer.scaler if ctx.optimizer is not None else None
+    if scaler is not None and hasattr(scaler, "load_state_dict") and meta.get("loss_scaler") is not None:
+        scaler.load_state_dict(from_json(meta["loss_scaler"]))
+    if reader.world_size == ctx.world_size:
+        restore_rng_state(from_json(meta["rng"][ctx.rank]))
+    else:
+        logger.info("zero3::checkpoint saved by %d ranks, loaded on %d: RNG states are not restored",
+                    reader.world_size, ctx.world_size)
+
+
+def _load_state(optimizer: PartitionedOptimizer, reader: CheckpointReader, plan: _LoadPlan, p: ZeroParameter,
+                start: int, n: int) -> None:
+    """Read ``p``'s optimizer state from the checkpoint into the tensors it has (when their shapes
+    fit) or new ones, and make that its whole state."""
+    master = p._zero.train_tensor
+    pm = reader.params[p._zero.name]
+    old = optimizer.shard_state(p)
+    on_device = optimizer.keeps_step_on_device(p)
+    new: dict[str, Any] = {}
+    for key, info in pm.state.items():
+        skey = f"optim/{pm.name}/{key}"
+        if info["kind"] == "value":
+            new[key] = from_json(info["value"])
+            continue
+        dtype = parse_dtype(info["dtype"])
+        cur = old.get(key)
+        if info["kind"] == "sharded":
+            t = cur if is_sharded_state(cur, master) else torch.zeros(master.numel(), dtype=dtype,
+                                                                      device=master.device)
+            t[n:].zero_()
+            reader.read_flat(pm, skey, start, start + n, t[:n])
+        else:
+            shape = tuple(info["shape"])
+            if isinstance(cur, torch.Tensor) and tuple(cur.shape) == shape:
+                t = cur
+            else:
+                t = torch.empty(shape, dtype=dtype, device=master.device if on_device or shape else "cpu")
+            reader.read(plan.replicated_file, skey, 0, t)
+        new[key] = t
+    optimizer.load_shard_state(p, new)
+
+
+__all__ = ["load_checkpoint"]
