@@ -89,7 +89,7 @@ def _spec(section: str, value: Any, cls: type) -> Any:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ActivationCheckpointingConfig:
     """DeepSpeed's ``activation_checkpointing`` section: how ``zero3.checkpointing.checkpoint`` keeps
-    the inputs it saves for the recompute (docs/checkpointing.md). The keys are DeepSpeed's."""
+    the inputs it saves for the recompute (docs/activation_checkpointing.md). The keys are DeepSpeed's."""
 
     partition_activations: bool = False
     """Keep only this rank's 1/mp slice of each saved floating-point input (mp: the model-parallel
@@ -264,7 +264,7 @@ class ZeroConfig:
     activation_checkpointing: ActivationCheckpointingConfig | None = None
     """DeepSpeed's ``activation_checkpointing`` section, read by ``zero3.checkpointing.configure(mpu,
     deepspeed_config=...)``; ``zero3.initialize`` configures activation checkpointing from it when it is
-    given (docs/checkpointing.md). None: the section is absent."""
+    given (docs/activation_checkpointing.md). None: the section is absent."""
 
     # -- precision, optimizer step and gradient accumulation (docs/mixed_precision.md) ---------------
     dtype: DtypeName = "fp32"

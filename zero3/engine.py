@@ -433,7 +433,7 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
         mpu: a Megatron-style model-parallel unit: its ``get_data_parallel_group()`` is the group
             parameters are partitioned over; its tensor (or model) parallel group is counted in
             gradient clipping and gives checkpoints one set of files per model-parallel rank
-            (docs/checkpointing.md).
+            (docs/activation_checkpointing.md).
         communicator: the `Communicator` every collective goes through (default: one over
             ``group``); tests pass a recording or fake one.
 
