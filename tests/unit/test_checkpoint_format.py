@@ -134,6 +134,25 @@ def test_json_encoding_round_trips_tensors_tuples_and_non_string_keys():
         ck.to_json({"obj": object()}, "client_state")
 
 
+
+def test_the_optimizer_hands_its_state_to_checkpoints_as_plain_tensors_and_dicts():
+    engine = make_engine()
+    train(engine, range(1))
+    opt, p = engine.context.optimizer, engine.params[0]
+    state = opt.shard_state(p)
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["exp_avg"] is engine.optimizer_state(p)["exp_avg"]
+    state.pop("step")  # a copy: the optimizer's own dict is untouched
+    assert "step" in engine.optimizer_state(p)
+    assert opt.class_name == "AdamW" and not opt.keeps_step_on_device(p)
+    assert [len(names) for names in opt.group_param_names()] == [len(g["params"]) for g in engine.optimizer.param_groups]
+    assert opt.group_hyperparameters()[0]["lr"] == 3e-3 and "params" not in opt.group_hyperparameters()[0]
+    opt.load_group_hyperparameters([{**g, "lr": 1e-4} for g in opt.group_hyperparameters()])
+    assert engine.optimizer.param_groups[0]["lr"] == 1e-4
+    opt.load_shard_state(p, {"exp_avg": state["exp_avg"]})
+    assert set(engine.optimizer_state(p)) == {"exp_avg"}
+    opt.load_shard_state(p, {})
+    assert engine.optimizer_state(p) == {}
+
 # -- round trip ---------------------------------------------------------------------------------------
 def test_round_trip_restores_weights_moments_hyperparameters_scheduler_rng_and_client_state(tmp_path):
     engine = make_engine()

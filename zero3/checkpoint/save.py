@@ -159,7 +159,8 @@ def _param_pieces(ctx: RuntimeContext, p: Any) -> tuple[int, int, dict[str, Any]
     master = z.train_tensor
     pieces: list[tuple[str, torch.Tensor, int | None]] = [(f"param/{z.name}", master, n)] if n else []
     kinds: dict[str, Any] = {}
-    for key, v in (ctx.optimizer.shard_state(p) if ctx.optimizer is not None else {}).items():
+    state = ctx.optimizer.shard_state(p) if ctx.optimizer is not None else {}
+    for key, v in state.items():
         skey = f"optim/{z.name}/{key}"
         if is_sharded_state(v, master):
             kinds[key] = {"kind": "sharded", "dtype": dtype_name(v.dtype)}
