@@ -10,6 +10,10 @@ reduce-scatter, all-to-all plus a local sum, and pairwise isend/irecv plus a loc
 parameter all-gather as gloo's all-gather and as pairwise isend/irecv. Wall time is rank 0's;
 CPU time is the process's (every thread, gloo's included). Results are checked equal first.
 Figures are printed, never asserted.
+
+Like for like: before each timed call (untimed) every way gets a fresh copy of the W x S gradients,
+which it may overwrite as a reduction bucket can be (the all-reduce reduces it in place, the pairwise
+way sums into its own chunk); inside the timed call every way allocates its own output, if any.
 """
 
 from __future__ import annotations
@@ -38,38 +42,37 @@ def _rank(rank: int, world: int, port: int, numel: int, rounds: int) -> None:
     shard = torch.randn(s)
     peers = [q for q in range(world) if q != rank]
 
-    def all_reduce() -> torch.Tensor:
-        f = flat.clone()
-        dist.all_reduce(f)
-        return f[rank * s:(rank + 1) * s]
+    def all_reduce(work: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(work)
+        return work[rank * s:(rank + 1) * s]
 
-    def reduce_scatter() -> torch.Tensor:
+    def reduce_scatter(work: torch.Tensor) -> torch.Tensor:
         out = torch.empty(s)
-        _reduce_scatter(out, flat)
+        _reduce_scatter(out, work)
         return out
 
-    def all_to_all() -> torch.Tensor:
+    def all_to_all(work: torch.Tensor) -> torch.Tensor:
         out = torch.empty(world * s)
-        dist.all_to_all_single(out, flat)
+        dist.all_to_all_single(out, work)
         return out.view(world, s).sum(0)
 
-    def p2p_reduce() -> torch.Tensor:
+    def p2p_reduce(work: torch.Tensor) -> torch.Tensor:
         got = {q: torch.empty(s) for q in peers}
-        ops = [op for q in peers for op in (dist.P2POp(dist.isend, flat[q * s:(q + 1) * s], q),
+        ops = [op for q in peers for op in (dist.P2POp(dist.isend, work[q * s:(q + 1) * s], q),
                                             dist.P2POp(dist.irecv, got[q], q))]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
-        out = flat[rank * s:(rank + 1) * s].clone()
+        out = work[rank * s:(rank + 1) * s]
         for q in peers:
             out += got[q]
         return out
 
-    def all_gather() -> torch.Tensor:
+    def all_gather(work: torch.Tensor) -> torch.Tensor:
         out = torch.empty(world * s)
         _all_gather(out, shard)
         return out
 
-    def p2p_gather() -> torch.Tensor:
+    def p2p_gather(work: torch.Tensor) -> torch.Tensor:
         out = torch.empty(world * s)
         out[rank * s:(rank + 1) * s].copy_(shard)
         ops = [op for q in peers for op in (dist.P2POp(dist.isend, shard, q),
@@ -81,16 +84,18 @@ def _rank(rank: int, world: int, port: int, numel: int, rounds: int) -> None:
     ways = {"reduction: gloo all-reduce of W x S": all_reduce, "reduction: gloo reduce-scatter": reduce_scatter,
             "reduction: all-to-all + sum": all_to_all, "reduction: pairwise isend/irecv + sum": p2p_reduce,
             "all-gather: gloo all-gather": all_gather, "all-gather: pairwise isend/irecv": p2p_gather}
-    want = all_reduce()
+    want = all_reduce(flat.clone())
     for name in ("reduction: gloo reduce-scatter", "reduction: all-to-all + sum", "reduction: pairwise isend/irecv + sum"):
-        torch.testing.assert_close(ways[name](), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(p2p_gather(), all_gather(), rtol=0, atol=0)
+        torch.testing.assert_close(ways[name](flat.clone()), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(p2p_gather(flat.clone()), all_gather(flat.clone()), rtol=0, atol=0)
     times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in ways}
+    work = torch.empty_like(flat)
     for _ in range(rounds):
         for name, fn in ways.items():
+            work.copy_(flat)  # untimed: the gradients each way may overwrite
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-            fn()
+            fn(work)
             times[name][0].append(time.perf_counter() - t0)
             times[name][1].append(time.process_time() - c0)
     if rank == 0:

@@ -1,15 +1,18 @@
 """Training-step benchmark: zero3 (prefetch on / off) against DDP and FSDP2 on 2 CPU ranks (gloo).
 
     python benchmarks/bench_step.py            # full run (3 repeats, 20 measured steps), 3-6 minutes
-    python benchmarks/bench_step.py --quick    # ~30 s smoke run (small model, 1 repeat, 4 steps)
+    python benchmarks/bench_step.py --quick    # smoke run (small model, 1 repeat, 4 steps), ~1 min quiet
     python benchmarks/bench_step.py --models small,big --variants zero3,fsdp2,ddp --repeats 2 --steps 10
         # issue 13's comparison: both GPTs (3.7M and 86.7M parameters), default configs, side by side
 
 Every variant trains the same GPT (examples/gpt.py) on the same synthetic batches with AdamW, in its
 own fresh pair of rank processes (so the peak RSS is the variant's own), one variant after the
 other in one invocation; the order is reversed on every other repeat. Variants: zero3 with its default
-config, zero3 with prefetch on and off under tight budgets (in `zero3_config`), DDP, FSDP2, and two extra zero3 rows that isolate
-single knobs: ``verify_collectives=False``, and that plus ``reduce_bucket_size`` = one Block.
+config, zero3 with prefetch on and off under tight budgets (in `zero3_config`), DDP, FSDP2 with and
+without ``reshard_after_forward`` (its default, True, gathers every Block again for backward; False
+keeps them gathered from forward to backward), and extra zero3 rows that isolate single knobs:
+``verify_collectives=False``, and that plus ``reduce_bucket_size`` = one Block. Every table names the
+batch (sequences per rank).
 
 Per step, each rank starts after a barrier and times forward + backward + optimizer step; the step
 time is the slower rank's, and the table shows the median over all measured steps of all repeats,
@@ -17,18 +20,22 @@ with the per-repeat medians and the median process CPU time per step (all thread
 less sensitive to a busy host than wall time, blind to time spent waiting on the other rank).
 Figures are printed, never asserted: these machines are noisy, so read the ratios of one run.
 
-Memory: ranks run with ``MALLOC_MMAP_THRESHOLD_=131072`` (set here before the ranks are spawned), so
-every tensor above 128 KiB is mmapped and its pages go back to the OS when it is freed; RSS then
-tracks live tensors instead of what glibc's heap keeps. "Peak RSS" is ``ru_maxrss`` inside each rank
-(max over ranks); "peak - built" subtracts the RSS measured right after the model, its wrapper
-and the optimizer were built (before any step), i.e. what training adds on top of the model state.
+Timed runs use glibc's default allocator (``MALLOC_MMAP_THRESHOLD_`` removed from their
+environment): an mmap per large tensor costs page faults on every step, which no real run pays.
+Memory is measured in a pass of its own, one fresh pair of ranks per variant after the timed repeats,
+for ``--memory-steps`` steps, with ``MALLOC_MMAP_THRESHOLD_=131072`` (or the value found in the
+environment), so every tensor above 128 KiB is mmapped and its pages go back to the OS when it is
+freed; RSS then tracks live tensors instead of what glibc's heap keeps. "Peak RSS" is
+``ru_maxrss`` inside each rank (max over ranks); "peak - built" subtracts the RSS measured right after
+the model, its wrapper and the optimizer were built (before any step), i.e. what training adds on
+top of the model state. FSDP2's gathered-parameter peak comes from one extra step of that pass.
 
 All-gather bytes are *received per rank* per step: a collective whose output holds B bytes brings
 B x (N-1)/N bytes to each rank. The ideal is 2 x parameter bytes x (N-1)/N (every parameter
 gathered once for forward and once for backward). zero3's figure comes from
 ``engine.last_step_metrics`` (unpadded bytes of the parameters gathered, plus persistent refreshes);
-every variant's "wire" figure counts the flat all-gather calls themselves (padding included; for
-zero3 the header checks of ``verify_collectives`` included in the call count).
+every variant's "wire" figure counts the flat all-gather calls themselves, each call once (padding
+included; zero3's ``verify_collectives`` header exchanges counted apart, as "+headers").
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any
@@ -52,7 +60,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-VARIANTS = ("zero3", "zero3-prefetch", "zero3-noprefetch", "ddp", "fsdp2")
+VARIANTS = ("zero3", "zero3-prefetch", "zero3-noprefetch", "ddp", "fsdp2", "fsdp2-noreshard")
 EXTRA_VARIANTS = ("zero3-noverify", "zero3-collectives", "zero3-prefetch-noverify", "zero3-prefetch-tuned")
 LABELS = {
     "zero3": "zero3, default config",
@@ -63,8 +71,11 @@ LABELS = {
     "zero3-prefetch-noverify": "zero3, prefetch on, verify_collectives=False",
     "zero3-prefetch-tuned": "zero3, prefetch on, verify off, reduce_bucket_size = 1 Block",
     "ddp": "DDP",
-    "fsdp2": "FSDP2 (fully_shard per Block + root)",
+    "fsdp2": "FSDP2 (fully_shard per Block + root), reshard_after_forward=True",
+    "fsdp2-noreshard": "FSDP2 (fully_shard per Block + root), reshard_after_forward=False",
 }
+MMAP_THRESHOLD = "131072"
+"""MALLOC_MMAP_THRESHOLD_ of the memory pass, unless the environment sets another."""
 MIB = 1024 * 1024
 BREAKDOWN = ("forward_seconds", "backward_seconds", "wait_seconds", "reduce_wait_seconds", "header_seconds",
              "optimizer_seconds")
@@ -139,10 +150,16 @@ def maxrss_bytes() -> int:
 
 
 class WireCounter:
-    """Counts the flat all-gather collectives a rank issues (calls and output bytes), per step."""
+    """Counts the flat all-gather collectives a rank issues (calls and output bytes), per step.
+
+    A call is counted once however many wrapped functions it passes through: zero3's
+    ``_all_gather_flat`` calls ``dist.all_gather_single``, and both are wrapped (an older tree may
+    bind the alias at import instead), so only the outermost wrapped call of a thread counts.
+    """
 
     def __init__(self, world: int) -> None:
         self.world = world
+        self._inside = threading.local()
         self.reset()
 
     def reset(self) -> None:
@@ -155,25 +172,31 @@ class WireCounter:
         import torch
 
         def counted(output: Any, *a: Any, **k: Any) -> Any:
-            nbytes = output.numel() * output.element_size()
-            if output.dtype == torch.int64 and output.numel() in (3 * self.world, 4 * self.world, 8 * self.world):
-                # zero3's verify_collectives header exchange (3, then 4, now 8 int64 per rank over
-                # the versions): a blocking exchange, timed.
-                self.header_calls += 1
-                t0 = time.perf_counter()
-                result = fn(output, *a, **k)
-                self.header_seconds += time.perf_counter() - t0
-                return result
-            self.calls += 1
-            self.out_bytes += nbytes
-            return fn(output, *a, **k)
+            if getattr(self._inside, "active", False):  # already counted by an outer wrapper
+                return fn(output, *a, **k)
+            self._inside.active = True
+            try:
+                if output.dtype == torch.int64 and output.numel() in (3 * self.world, 4 * self.world,
+                                                                      8 * self.world):
+                    # zero3's verify_collectives header exchange (3, then 4, now 8 int64 per rank
+                    # over the versions): a blocking exchange, timed.
+                    self.header_calls += 1
+                    t0 = time.perf_counter()
+                    result = fn(output, *a, **k)
+                    self.header_seconds += time.perf_counter() - t0
+                    return result
+                self.calls += 1
+                self.out_bytes += output.numel() * output.element_size()
+                return fn(output, *a, **k)
+            finally:
+                self._inside.active = False
 
         counted._bench_counted = True  # type: ignore[attr-defined]
         return counted
 
     def install(self) -> None:
         """Wrap torch's flat all-gathers (FSDP2 looks them up on ``dist`` at call time) and zero3's
-        alias of them (bound when ``zero3.comm.communicator`` was imported), each exactly once."""
+        entry to them (an alias bound at import in some trees), each function exactly once."""
         import torch.distributed as dist
 
         targets: list[tuple[Any, str]] = [(dist, "all_gather_single"), (dist, "all_gather_into_tensor")]
@@ -254,7 +277,9 @@ class FSDPLiveTracker:
 # one variant on one rank
 
 
-def run_variant(rank: int, world: int, variant: str, args: argparse.Namespace) -> dict:
+def run_variant(rank: int, world: int, variant: str, args: argparse.Namespace, memory: bool) -> dict:
+    """One variant on one rank: timed steps, or (``memory``) the memory pass's steps and FSDP2's
+    tracked extra step."""
     import torch
     import torch.distributed as dist
 
@@ -290,7 +315,7 @@ def run_variant(rank: int, world: int, variant: str, args: argparse.Namespace) -
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         step_model = DDP(model)
         opt = torch.optim.AdamW(step_model.parameters(), lr=args.lr)
-    elif variant == "fsdp2":
+    elif variant in ("fsdp2", "fsdp2-noreshard"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -298,16 +323,19 @@ def run_variant(rank: int, world: int, variant: str, args: argparse.Namespace) -
         model = GPT(cfg)
         n_params = sum(p.numel() for p in model.parameters())
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        # Expected traffic: blocks are resharded after forward (gathered twice), the root is not
-        # (FSDP2 keeps the root's parameters through backward), so root params are gathered once.
+        reshard = variant == "fsdp2"
+        # Expected traffic: resharded blocks are gathered twice (forward, backward), blocks kept
+        # after forward once; the root is never resharded after forward (FSDP2 keeps its parameters
+        # through backward), so root params are gathered once.
         root_numel = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("h."))
-        out["fsdp2_expected_gather_numel"] = 2 * (n_params - root_numel) + root_numel
+        out["fsdp2_expected_gather_numel"] = (2 if reshard else 1) * (n_params - root_numel) + root_numel
         for block in model.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        fsdp_tracker = FSDPLiveTracker()
-        fsdp_tracker.install(model)
+        if memory:
+            fsdp_tracker = FSDPLiveTracker()
+            fsdp_tracker.install(model)
         step_model = model
     else:
         raise ValueError(f"unknown variant {variant!r}")
@@ -317,7 +345,8 @@ def run_variant(rank: int, world: int, variant: str, args: argparse.Namespace) -
     out["rss_built"] = rss_bytes()
     out["maxrss_built"] = maxrss_bytes()
 
-    total_steps = args.warmup + args.steps
+    warmup, steps = (0, args.memory_steps) if memory else (args.warmup, args.steps)
+    total_steps = warmup + steps
     batches = []
     for step in range(total_steps + 1):
         x, y = synthetic_batch(step, args.batch * world, cfg, seed=args.seed)
@@ -350,7 +379,7 @@ def run_variant(rank: int, world: int, variant: str, args: argparse.Namespace) -
         sums = torch.tensor([dc, loss.item()], dtype=torch.float64)
         dist.all_reduce(sums)
         cpu_sum, loss_sum = sums[0:1], sums[1:2]
-        if step >= args.warmup:
+        if step >= warmup:
             times.append(dt_max.item())
             cpu_times.append(cpu_sum.item() / world)
             losses.append(loss_sum.item() / world)
@@ -365,7 +394,7 @@ def run_variant(rank: int, world: int, variant: str, args: argparse.Namespace) -
     out["wire_calls"] = wires[-1][0]
     out["wire_header_calls"] = wires[-1][1]
     out["wire_out_bytes"] = wires[-1][2]
-    out["maxrss_steps"] = maxrss_bytes()  # peak over construction + all timed steps
+    out["maxrss_steps"] = maxrss_bytes()  # peak over construction + all steps of this run
     if metrics:
         last = metrics[-1]
         out["zero3_last"] = last
@@ -396,7 +425,8 @@ def _debug(msg: str) -> None:
         print(f"[{time.time() % 1000:8.2f}] {msg}", file=sys.stderr, flush=True)
 
 
-def _rank_main(rank: int, world: int, port: int, variant: str, args: argparse.Namespace, outdir: str) -> None:
+def _rank_main(rank: int, world: int, port: int, variant: str, args: argparse.Namespace, outdir: str,
+               memory: bool) -> None:
     _debug(f"rank {rank} started")
     if variant.endswith("@baseline"):  # a fresh process: the baseline tree's zero3 shadows the installed one
         sys.path.insert(0, os.path.abspath(args.baseline))
@@ -412,7 +442,7 @@ def _rank_main(rank: int, world: int, port: int, variant: str, args: argparse.Na
     path = os.path.join(outdir, f"rank{rank}.json")
     _debug(f"rank {rank} process group up")
     try:
-        result = run_variant(rank, world, variant, args)
+        result = run_variant(rank, world, variant, args, memory)
     except BaseException as exc:  # noqa: BLE001 - reported in the table
         with open(path, "w") as fh:
             json.dump({"variant": variant, "rank": rank, "error": f"{type(exc).__name__}: {exc}",
@@ -437,14 +467,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(variant: str, args: argparse.Namespace) -> list[dict]:
-    """Run one variant in a fresh set of rank processes; return each rank's result (or error)."""
+def launch(variant: str, args: argparse.Namespace, memory: bool = False) -> list[dict]:
+    """Run one variant in a fresh set of rank processes, timed or (``memory``) the memory pass;
+    return each rank's result (or error)."""
     import torch.multiprocessing as mp
 
     outdir = tempfile.mkdtemp(prefix=f"bench-{variant}-")
-    _debug(f"launch {variant}")
-    ctx = mp.start_processes(_rank_main, args=(args.nproc, free_port(), variant, args, outdir),
-                             nprocs=args.nproc, join=False, start_method="spawn")
+    _debug(f"launch {variant}{' (memory)' if memory else ''}")
+    # The children inherit the environment when spawned, and glibc reads it at their start-up.
+    if memory:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = args.mmap_threshold
+    try:
+        ctx = mp.start_processes(_rank_main, args=(args.nproc, free_port(), variant, args, outdir, memory),
+                                 nprocs=args.nproc, join=False, start_method="spawn")
+    finally:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     deadline = time.monotonic() + args.timeout
     error = None
     try:
@@ -478,7 +515,10 @@ def fmt_mib(b: float | None) -> str:
     return "n/a" if b is None else f"{b / MIB:.1f}"
 
 
-def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> str:
+def summarise(runs: dict[str, list[list[dict]]], mem: dict[str, list[dict]],
+              args: argparse.Namespace) -> tuple[str, dict]:
+    """The tables of one model: ``runs`` holds each variant's timed repeats (each a list of rank
+    results), ``mem`` its memory pass's rank results."""
     lines = []
     rows = {}
     for variant, reps in runs.items():
@@ -487,6 +527,9 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
             rows[variant] = {"error": errors[0], "traceback": next((r.get("traceback") for rep in reps for r in rep
                                                                       if r.get("traceback")), None)}
             continue
+        mem_ranks = mem.get(variant, [])
+        mem_error = next((r["error"] for r in mem_ranks if "error" in r), None if mem_ranks else "not run")
+        mem_ok = mem_ranks if mem_error is None else []
         times = [t for rep in reps for t in rep[0]["times"]]
         rep_medians = [statistics.median(rep[0]["times"]) for rep in reps]
         q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
@@ -500,9 +543,12 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
             "header_ms": statistics.median(t for rep in reps for r in rep for t in r["header_seconds"]) * 1e3,
             "wait_ms": (statistics.median(t for rep in reps for r in rep for t in r["wait_seconds"]) * 1e3
                         if "wait_seconds" in reps[0][0] else None),
-            "maxrss": max(r["maxrss_steps"] for rep in reps for r in rep),
-            "growth": max(r["maxrss_steps"] - r["rss_built"] for rep in reps for r in rep),
-            "built": max(r["rss_built"] for rep in reps for r in rep),
+            "maxrss": max((r["maxrss_steps"] for r in mem_ok), default=None),
+            "growth": max((r["maxrss_steps"] - r["rss_built"] for r in mem_ok), default=None),
+            "built": max((r["rss_built"] for r in mem_ok), default=None),
+            "m0": mem_ok[0] if mem_ok else None,
+            "memory_error": mem_error,
+            "batch": args.batch,
             "loss": reps[0][0]["losses"][-1],
             "losses_agree_across_repeats": len({round(rep[0]["losses"][-1], 6) for rep in reps}) == 1,
             "r0": reps[0][0],
@@ -520,19 +566,20 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
     else:
         pbytes = ideal = None
 
-    timing = ["| variant | median step per repeat (s) | p10 – p90 over all steps (s) | CPU s/step/rank | CPU vs DDP "
-              "| zero3 gather wait / header checks (ms/step) |",
-              "|---|---:|---:|---:|---:|---:|"]
-    head = ("| variant | median step (s) | vs DDP (median; best repeat) | peak RSS/rank (MiB) | peak - built (MiB) | "
-            "gathered param peak (MiB) | all-gather recv/rank/step (MiB) | vs ideal | wire calls/step "
-            "(+headers) | prefetch hit rate | loss after last step |")
+    batch = args.batch
+    timing = ["| variant | batch/rank | median step per repeat (s) | p10 – p90 over all steps (s) | CPU s/step/rank "
+              "| CPU vs DDP | zero3 gather wait / header checks (ms/step) |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    head = ("| variant | batch/rank | median step (s) | vs DDP (median; best repeat) | peak RSS/rank (MiB) | "
+            "peak - built (MiB) | gathered param peak (MiB) | all-gather recv/rank/step (MiB) | vs ideal | "
+            "wire calls/step (+headers) | prefetch hit rate | loss after last step |")
     lines.append(head)
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for variant in runs:
         row = rows[variant]
         name = label(variant)
         if "error" in row:
-            lines.append(f"| {name} | FAILED: {row['error']} | | | | | | | | | |")
+            lines.append(f"| {name} | {batch} | FAILED: {row['error']} | | | | | | | | | |")
             continue
         r0 = row["r0"]
         med = row["median"]
@@ -541,7 +588,7 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
         zero3_ms = "n/a"
         if row["wait_ms"] is not None:
             zero3_ms = f"{row['wait_ms']:.0f} / {row['header_ms']:.0f}"
-        timing.append(f"| {name} | {reps} | {row['p10']:.3f} – {row['p90']:.3f} | {row['cpu']:.3f} | "
+        timing.append(f"| {name} | {batch} | {reps} | {row['p10']:.3f} – {row['p90']:.3f} | {row['cpu']:.3f} | "
                       + (f"{row['cpu'] / ddp_cpu:.2f}x" if ddp_cpu else "n/a") + f" | {zero3_ms} |")
         gathered = "n/a"
         recv = "n/a"
@@ -565,8 +612,8 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
                 hit = f"{m['prefetch_hits'] / denom:.0%} ({m['prefetch_hits']}/{denom})" if denom else "n/a"
             else:
                 hit = f"0% (0/{denom}, off)"
-        elif variant == "fsdp2":
-            peak = r0.get("fsdp2_peak_unsharded_bytes")
+        elif variant.startswith("fsdp2"):
+            peak = (row["m0"] or {}).get("fsdp2_peak_unsharded_bytes")
             gathered = fmt_mib(peak) if peak is not None else "n/a"
             recv = f"{wire_recv / MIB:.2f} (expected {r0['fsdp2_expected_gather_numel'] * r0['param_bytes'] / r0['n_params'] * frac / MIB:.2f})"
             vs_ideal = f"{wire_recv / ideal:.2f}x"
@@ -577,7 +624,7 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
         loss = f"{row['loss']:.6f}"
         if ddp_loss is not None and variant != "ddp":
             loss += f" (Δ {row['loss'] - ddp_loss:+.1e})"
-        lines.append(f"| {name} | {med:.3f} | {ratio} | {fmt_mib(row['maxrss'])} | "
+        lines.append(f"| {name} | {batch} | {med:.3f} | {ratio} | {fmt_mib(row['maxrss'])} | "
                      f"{fmt_mib(row['growth'])} | {gathered} | {recv} | {vs_ideal} | {calls} | {hit} | {loss} |")
     notes = []
     if any_ok is not None:
@@ -587,9 +634,12 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
     for variant, row in rows.items():
         if "r0" in row:
             r0 = row["r0"]
-            notes.append(f"{label(variant)}: RSS at rank start {fmt_mib(r0['rss_start'])} MiB, after building "
-                         f"model+wrapper+optimizer {fmt_mib(row['built'])} MiB (max over ranks/repeats)"
-                         + ("" if row["losses_agree_across_repeats"] else "; last loss differs across repeats"))
+            if row["m0"] is not None:
+                notes.append(f"{label(variant)}: memory pass: RSS at rank start {fmt_mib(row['m0']['rss_start'])} "
+                             f"MiB, after building model+wrapper+optimizer {fmt_mib(row['built'])} MiB (max over ranks)"
+                             + ("" if row["losses_agree_across_repeats"] else "; last loss differs across repeats"))
+            else:
+                notes.append(f"{label(variant)}: memory pass FAILED: {row['memory_error']}")
             if variant.startswith("zero3"):
                 m = r0["zero3_last"]
                 notes.append(f"  zero3 last step: {m['allgather_calls']} all-gathers, {m['allgather_bytes']:,} B "
@@ -604,8 +654,8 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
     lines += ["", "Timing detail (step = slower rank's wall time; CPU = process CPU time, all threads, mean of "
               "ranks; zero3 gather wait = metrics.wait_seconds, header checks = time blocked in the "
               "verify_collectives exchanges, medians per rank-step):", ""] + timing
-    breakdown = ["| variant | step | forward | backward | of which: gather wait | reduction wait | header exchanges "
-                 "| optimizer | rest |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    breakdown = ["| variant | batch/rank | step | forward | backward | of which: gather wait | reduction wait "
+                 "| header exchanges | optimizer | rest |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for variant in runs:
         row = rows[variant]
         if "r0" not in row or "breakdown" not in row["r0"]:
@@ -614,7 +664,7 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
                for k in BREAKDOWN}
         step_ms = row["median"] * 1e3
         rest = step_ms - med["forward_seconds"] - med["backward_seconds"] - med["optimizer_seconds"]
-        breakdown.append(f"| {label(variant)} | {step_ms:.0f} | {med['forward_seconds']:.0f} | "
+        breakdown.append(f"| {label(variant)} | {batch} | {step_ms:.0f} | {med['forward_seconds']:.0f} | "
                          f"{med['backward_seconds']:.0f} | {med['wait_seconds']:.0f} | {med['reduce_wait_seconds']:.0f} "
                          f"| {med['header_seconds']:.0f} | {med['optimizer_seconds']:.0f} | {rest:.0f} |")
     if len(breakdown) > 2:
@@ -627,16 +677,21 @@ def summarise(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> st
 
 def goals(results: dict[str, dict[str, dict]]) -> str:
     """Issue 13's goals, read off this run: every zero3 variant's median step against FSDP2's and DDP's."""
-    lines = ["| model | variant | median step (s) | vs FSDP2 | vs DDP | peak RSS/rank vs FSDP2 |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| model | batch/rank | variant | median step (s) | vs FSDP2 | vs FSDP2 without reshard | vs DDP | "
+             "peak RSS/rank vs FSDP2 | vs FSDP2 without reshard |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for model, rows in results.items():
-        fsdp, ddp = rows.get("fsdp2", {}), rows.get("ddp", {})
+        fsdp, keep, ddp = rows.get("fsdp2", {}), rows.get("fsdp2-noreshard", {}), rows.get("ddp", {})
         for variant, row in rows.items():
             if not variant.startswith("zero3") or "median" not in row:
                 continue
-            vs = lambda other, key="median": f"{row[key] / other[key]:.2f}x" if key in other else "n/a"  # noqa: E731
-            lines.append(f"| {model} | {label(variant)} | {row['median']:.3f} | {vs(fsdp)} | {vs(ddp)} | "
-                         f"{vs(fsdp, 'maxrss')} |")
+
+            def vs(other: dict, key: str = "median") -> str:
+                mine, theirs = row.get(key), other.get(key)
+                return f"{mine / theirs:.2f}x" if mine is not None and theirs is not None else "n/a"
+
+            lines.append(f"| {model} | {row['batch']} | {label(variant)} | {row['median']:.3f} | {vs(fsdp)} | "
+                         f"{vs(keep)} | {vs(ddp)} | {vs(fsdp, 'maxrss')} | {vs(keep, 'maxrss')} |")
     for model, rows in results.items():  # issue 9's goal: the checks cost at most 3% of the step
         on, off = rows.get("zero3", {}), rows.get("zero3-noverify", {})
         if "median" in on and "median" in off:
@@ -647,9 +702,11 @@ def goals(results: dict[str, dict[str, dict]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="~30 s smoke run: small model, 1 repeat, few steps")
+    ap.add_argument("--quick", action="store_true", help="smoke run: small model, 1 repeat, few steps")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20, help="measured steps per run")
+    ap.add_argument("--memory-steps", type=int, default=3,
+                    help="steps of each variant's memory pass (its own run, MALLOC_MMAP_THRESHOLD_ set)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3, help="runs per variant; order reversed on odd repeats")
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
@@ -675,7 +732,7 @@ def main() -> None:
                          "zero3 variant also runs with it, labelled [baseline], interleaved in the same run")
     args = ap.parse_args()
     if args.quick:
-        args.steps, args.warmup, args.repeats = 4, 1, 1
+        args.steps, args.warmup, args.repeats, args.memory_steps = 4, 1, 1, 2
         args.n_layer, args.n_embd, args.batch, args.block, args.vocab = 2, 128, 4, 64, 256
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
@@ -685,8 +742,8 @@ def main() -> None:
         if not os.path.isfile(os.path.join(args.baseline, "zero3", "__init__.py")):
             ap.error(f"--baseline {args.baseline!r} holds no zero3/__init__.py")
         variants = [w for v in variants for w in ((v, v + "@baseline") if v.startswith("zero3") else (v,))]
-    # Before any rank is spawned: children inherit it, and glibc reads it at start-up.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    # Timed ranks run under glibc's defaults; `launch` sets this for the memory pass's ranks only.
+    args.mmap_threshold = os.environ.pop("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD)
     models = [m for m in args.models.split(",") if m] if args.models else []
     for m in models:
         if m not in MODELS:
@@ -711,8 +768,8 @@ def measure(variants: list[str], args: argparse.Namespace) -> tuple[str, dict]:
     t_start = time.monotonic()
     print(f"# bench_step  {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}  "
           f"python {platform.python_version()}  {os.cpu_count()} CPUs  {args.nproc} gloo ranks x "
-          f"{max(1, (os.cpu_count() or 1) // args.nproc)} threads  MALLOC_MMAP_THRESHOLD_="
-          f"{os.environ['MALLOC_MMAP_THRESHOLD_']}", flush=True)
+          f"{max(1, (os.cpu_count() or 1) // args.nproc)} threads  timed: glibc's default allocator; memory "
+          f"pass: MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}, {args.memory_steps} steps", flush=True)
     print(f"# GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} block={args.block} "
           f"vocab={args.vocab}; batch {args.batch}/rank; AdamW lr {args.lr}; {args.warmup} warm-up + "
           f"{args.steps} measured steps; {args.repeats} repeat(s)", flush=True)
@@ -730,12 +787,20 @@ def measure(variants: list[str], args: argparse.Namespace) -> tuple[str, dict]:
             print(f"  repeat {rep} {v:<24} {'FAILED ' + err if err else f'median {med:.3f} s'}  "
                   f"({time.monotonic() - t0:.0f} s wall)", flush=True)
             runs[v].append(res)
+    mem: dict[str, list[dict]] = {}
+    for v in variants:
+        t0 = time.monotonic()
+        mem[v] = launch(v, args, memory=True)
+        err = next((r["error"] for r in mem[v] if "error" in r), None)
+        peak = max((r["maxrss_steps"] for r in mem[v] if "maxrss_steps" in r), default=None)
+        print(f"  memory {v:<25} {'FAILED ' + err if err else f'peak RSS {fmt_mib(peak)} MiB'}  "
+              f"({time.monotonic() - t0:.0f} s wall)", flush=True)
     print(f"# total {time.monotonic() - t_start:.0f} s\n", flush=True)
     if args.json:
         path = args.json if not args.models else f"{os.path.splitext(args.json)[0]}-{args.n_layer}x{args.n_embd}.json"
         with open(path, "w") as fh:
-            json.dump({"args": vars(args), "runs": runs}, fh, indent=1)
-    return summarise(runs, args)
+            json.dump({"args": vars(args), "runs": runs, "memory": mem}, fh, indent=1)
+    return summarise(runs, mem, args)
 
 
 if __name__ == "__main__":

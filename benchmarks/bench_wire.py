@@ -47,7 +47,6 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 CURVES_JSON = os.path.join(ROOT, "docs", "multinode_loss.json")
 CURVES_PNG = os.path.join(ROOT, "docs", "multinode_loss.png")
@@ -61,8 +60,8 @@ OPTIONS = {  # name: (example flags, config keys)
                                                 "zero_quantized_gradients": True}),
 }
 LABELS = {"exact": "exact", "hpz": "hpZ", "qwz": "qwZ", "qgz": "qgZ", "qwz+qgz": "qwZ+qgZ", "all": "hpZ+qwZ+qgZ"}
-COLORS = {"exact": (0, 0, 0), "hpz": (214, 39, 40), "qwz": (31, 119, 180), "qgz": (44, 160, 44),
-          "qwz+qgz": (148, 103, 189), "all": (255, 127, 14)}
+COLORS = {"exact": "black", "hpz": "tab:red", "qwz": "tab:blue", "qgz": "tab:green", "qwz+qgz": "tab:purple",
+          "all": "tab:orange"}
 KINDS = ("all-gather", "secondary all-gather", "gradient reduction")
 
 
@@ -105,6 +104,7 @@ def torchrun(nodes: int, nproc: int, args: list[str], log_dir: str, timeout: flo
 
 
 def run_curves(args: argparse.Namespace) -> None:
+    _pyplot()  # the runs end in a figure: know before minutes of training that it can be drawn
     saved = _load_curves()
     for name in args.variants:
         with tempfile.TemporaryDirectory(prefix="zero3-wire-") as tmp:
@@ -139,32 +139,50 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend; a clear exit when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("drawing docs/multinode_loss.png needs matplotlib: pip install -e '.[plot]' "
+                         "(or pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot(saved: dict[str, Any]) -> None:
     """Draw docs/multinode_loss.png and print the table of the saved curves."""
-    import _png
-
+    plt = _pyplot()
     names = [n for n in OPTIONS if n in saved]
     if not names:
         raise SystemExit(f"no curves in {CURVES_JSON}: run `bench_wire.py curves` first")
     steps = len(saved[names[0]]["losses"])
     lo = min(min(saved[n]["losses"]) for n in names)
     hi = max(max(saved[n]["losses"]) for n in names)
-    curves = _png.Panel("loss (mean over 4 ranks), example GPT, 2 nodes x 2 ranks", (0, steps - 1),
-                        (float(int(lo)), float(int(hi) + 1)), x_label="step")
+    fig, (curves, rel) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
     relative = {}
     for n in names:
         losses = saved[n]["losses"]
-        curves.add(LABELS[n], list(range(steps)), losses, COLORS[n])
+        curves.plot(range(steps), losses, color=COLORS[n], linewidth=0.8, label=LABELS[n])
         if n != "exact" and "exact" in saved:
             exact = saved["exact"]["losses"]
             relative[n] = [100 * (_mean(losses[i - 9: i + 1]) / _mean(exact[i - 9: i + 1]) - 1) for i in range(9, steps)]
     # The y range covers the last three quarters of the run; early loss spikes are clipped (left panel).
     bound = max([1.0] + [math.ceil(abs(y)) for ys in relative.values() for y in ys[steps // 4:]])
-    rel = _png.Panel(f"loss / exact loss - 1 (%), 10-step means, clipped at +-{bound:g}%", (0, steps - 1),
-                     (-bound, bound), x_label="step")
     for n, ys in relative.items():
-        rel.add(LABELS[n], list(range(9, steps)), ys, COLORS[n])
-    _png.Figure([curves, rel]).save(CURVES_PNG)
+        rel.plot(range(9, steps), ys, color=COLORS[n], linewidth=0.8, label=LABELS[n])
+    curves.set(title="loss (mean over 4 ranks), example GPT, 2 nodes x 2 ranks", xlabel="step", ylabel="loss",
+               xlim=(0, steps - 1), ylim=(float(int(lo)), float(int(hi) + 1)))
+    rel.set(title=f"loss / exact loss - 1, 10-step means, clipped at ±{bound:g}%", xlabel="step",
+            ylabel="%", xlim=(0, steps - 1), ylim=(-bound, bound))
+    for ax in (curves, rel):
+        ax.grid(color="0.9")
+        ax.legend(frameon=False)
+        ax.title.set_fontsize(10)
+    fig.savefig(CURVES_PNG, dpi=100)
+    plt.close(fig)
     print(f"\nwrote {os.path.relpath(CURVES_PNG, ROOT)}\n")
     print("| option | last loss | mean of last 10 | vs exact (last / last 10) | all-gather intra / inter | "
           "secondary all-gather intra / inter | gradient reduction intra / inter | peak secondary | train s |")
