@@ -64,13 +64,6 @@ LAYERS: dict[str, Layer] = {
 DISTRIBUTED = ("zero3.comm", *ENTRY)
 """The only modules that may import ``torch.distributed`` (or reach it as ``torch.distributed``)."""
 
-KNOWN_VIOLATIONS: set[tuple[str, str]] = {
-    # (importer, imported): breaches of LAYERS in files being restructured now. An entry that no
-    # longer occurs fails the test, so the list only shrinks.
-    ("zero3.checkpoint.checkpoint", "zero3.activation.checkpointing"),  # the RNG tracker moves to activation.rng
-}
-
-
 @dataclass(frozen=True)
 class Import:
     module: str
@@ -222,11 +215,8 @@ def test_only_the_communicator_calls_collectives() -> None:
 
 def test_every_import_keeps_to_the_layers() -> None:
     found = layer_violations(_package_sources())
-    new = [f"{imp.module}:{imp.line} imports {imp.target}: {rule}" for imp, rule in found
-           if (imp.module, imp.target) not in KNOWN_VIOLATIONS]
-    assert new == [], "imports across layers that LAYERS does not allow:\n" + "\n".join(new)
-    gone = KNOWN_VIOLATIONS - {(imp.module, imp.target) for imp, _ in found}
-    assert not gone, f"fixed, so remove from KNOWN_VIOLATIONS: {sorted(gone)}"
+    breaches = [f"{imp.module}:{imp.line} imports {imp.target}: {rule}" for imp, rule in found]
+    assert breaches == [], "imports across layers that LAYERS does not allow:\n" + "\n".join(breaches)
 
 
 def test_the_checks_see_cycles_lazy_imports_and_stray_collectives() -> None:
