@@ -64,6 +64,7 @@ LAYERS: dict[str, Layer] = {
 DISTRIBUTED = ("zero3.comm", *ENTRY)
 """The only modules that may import ``torch.distributed`` (or reach it as ``torch.distributed``)."""
 
+
 @dataclass(frozen=True)
 class Import:
     module: str
