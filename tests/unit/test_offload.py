@@ -12,7 +12,7 @@ from torch import nn
 
 import zero3
 from zero3 import ZeroConfig, ZeroConfigError, ZeroStateError
-from zero3.offload.nvme import ALIGN, AsyncIO, BufferPool, Residence, StorageTier, SwapFile, byte_view
+from zero3.offload.nvme import ALIGN, AsyncIO, BufferPool, Residence, StorageTier, SwapFile, uint8_view
 
 from gpt import GPT, GPTConfig, synthetic_batch
 
@@ -99,10 +99,10 @@ def test_swap_file_round_trips_aligned_and_unaligned_memory(tmp_path, dtype, num
     off_a = f.region("a", src.numel() * src.element_size())
     off_b = f.region("b", other.numel() * 4)
     assert off_a % ALIGN == 0 and off_b % ALIGN == 0 and off_b >= off_a + src.numel() * src.element_size()
-    io.write(f, off_a, byte_view(src)).result()
-    io.write(f, off_b, byte_view(other)).result()
+    io.write(f, off_a, uint8_view(src)).result()
+    io.write(f, off_b, uint8_view(other)).result()
     back = torch.empty_like(src)
-    io.read(f, off_a, byte_view(back)).result()
+    io.read(f, off_a, uint8_view(back)).result()
     assert torch.equal(back, src)
     assert io.write_bytes == src.numel() * src.element_size() + 400 and io.read_bytes == src.numel() * src.element_size()
 

@@ -10,16 +10,16 @@ storage, so both stay valid across any number of swaps. There are two ways back 
 
 - resize the tensor's own storage back and read in place (`StorageTier`; and `ShardTier.load` for
   the optimizer step and the rare paths: checkpoints, accessors, ``GatheredParameters``);
-- for a parameter shard needed by an all-gather: read it into a slot of the `BufferPool`
+- for a parameter shard needed by an all-gather: read it into a span of the `BufferPool`
   (``offload_param_buffer_count`` reusable buffers of ``offload_param_buffer_size`` elements, into
-  which shards are packed) and point the shard tensor at the slot (``Tensor.set_``) until the
+  which shards are packed) and point the shard tensor at the span (``Tensor.set_``) until the
   gather is done, then at a fresh 0-byte storage again. The pool bounds what reading ahead holds,
   is allocated once, and on CUDA is the pinned host staging of the copy to the device.
 
 Swap files are opened with O_DIRECT where the filesystem allows it (reads then measure the drive,
 not the page cache, and model state does not crowd the page cache) and unlinked at once, so they
 vanish with the process even when it is killed. O_DIRECT needs `ALIGN`-aligned memory, offsets and
-lengths: regions and pool slots are aligned, other memory (torch's allocator aligns to 64 bytes) is
+lengths: regions and pool spans are aligned, other memory (torch's allocator aligns to 64 bytes) is
 copied through a per-thread aligned bounce buffer. Reads and writes run on ``aio_thread_count``
 threads (`AsyncIO`); file IO releases the GIL, so they overlap compute on the calling thread.
 """
@@ -48,7 +48,7 @@ from ..partition.param import ZeroParameter
 logger = logging.getLogger(__name__)
 
 ALIGN = 4096
-"""Bytes: alignment of swap-file regions, pool slots and direct IO (a multiple of any drive's
+"""Bytes: alignment of swap-file regions, pool spans and direct IO (a multiple of any drive's
 logical block size)."""
 
 BOUNCE_BYTES = 8 << 20
@@ -60,7 +60,7 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def byte_view(t: torch.Tensor) -> torch.Tensor:
+def uint8_view(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous tensor as a 1-D uint8 tensor sharing its memory."""
     return t.detach().reshape(-1).view(torch.uint8)
 
@@ -221,7 +221,7 @@ class AsyncIO:
 
 # -- the buffer pool ---------------------------------------------------------------------------------
 @dataclass(eq=False)
-class Slot:
+class PoolSpan:
     """A piece of a pool buffer: ``data`` is its (aligned, rounded-up) bytes."""
 
     buffer: int
@@ -230,8 +230,8 @@ class Slot:
 
 class BufferPool:
     """``count`` reusable buffers of ``nbytes`` each, `ALIGN`-aligned (pinned on request with CUDA)
-    and allocated on first use. Slots are packed into the open buffer in the order they are asked
-    for; a buffer is refilled from its start once every slot in it was freed, so a first-in
+    and allocated on first use. Spans are packed into the open buffer in the order they are asked
+    for; a buffer is refilled from its start once every span in it was freed, so a first-in
     first-out stream of shards (the order of a step's gathers) fills the pool."""
 
     def __init__(self, count: int, nbytes: int, pin: bool = False) -> None:
@@ -239,10 +239,10 @@ class BufferPool:
         self.nbytes = aligned(nbytes)
         self.pin = pin
         self._buffers: list[torch.Tensor | None] = [None] * count
-        self._live = [0] * count  # slots handed out and not freed, per buffer
+        self._live = [0] * count  # spans handed out and not freed, per buffer
         self._top = [0] * count  # first free byte, per buffer
         self._open = 0
-        self.in_use = 0  # bytes in live slots
+        self.in_use = 0  # bytes in live spans
 
     @property
     def capacity(self) -> int:
@@ -252,8 +252,8 @@ class BufferPool:
     def allocated_bytes(self) -> int:
         return sum(b.numel() for b in self._buffers if b is not None)
 
-    def alloc(self, nbytes: int) -> Slot | None:
-        """A slot of at least ``nbytes``, or None when no buffer has room for it now."""
+    def alloc(self, nbytes: int) -> PoolSpan | None:
+        """A span of at least ``nbytes``, or None when no buffer has room for it now."""
         need = aligned(nbytes)
         if need > self.nbytes:
             return None
@@ -273,15 +273,15 @@ class BufferPool:
         self._top[b] = start + need
         self._live[b] += 1
         self.in_use += need
-        return Slot(b, buf[start: start + need])
+        return PoolSpan(b, buf[start: start + need])
 
-    def free(self, slot: Slot) -> None:
-        assert self._live[slot.buffer] > 0, "pool slot freed twice"
-        self._live[slot.buffer] -= 1
-        self.in_use -= slot.data.numel()
+    def free(self, span: PoolSpan) -> None:
+        assert self._live[span.buffer] > 0, "pool span freed twice"
+        self._live[span.buffer] -= 1
+        self.in_use -= span.data.numel()
 
     def release_memory(self) -> int:
-        """Give back the buffers no slot uses (they are allocated again when needed); the bytes freed."""
+        """Give back the buffers no span uses (they are allocated again when needed); the bytes freed."""
         freed = 0
         for i, b in enumerate(self._buffers):
             if b is not None and self._live[i] == 0:
@@ -294,7 +294,7 @@ class BufferPool:
 class Residence(enum.Enum):
     """Where the bytes of a swapped storage (`StorageTier`) or shard (`ShardTier`) are.
 
-    - IN_MEMORY: in memory (its own storage, or for a shard possibly a pool slot); the file may
+    - IN_MEMORY: in memory (its own storage, or for a shard possibly a pool span); the file may
       hold an older copy.
     - WRITING: being written to its region; its memory is released when the write is done.
     - ON_NVME: only in its region of the swap file; the storage holds 0 bytes.
@@ -433,14 +433,14 @@ class ShardSwap:
     offset: int
     nbytes: int
     state: Residence = Residence.ON_NVME
-    slot: Slot | None = None  # the pool slot it was read into (None: its own storage)
+    span: PoolSpan | None = None  # the pool span it was read into (None: its own storage)
     future: Future | None = None
     ahead: bool = False  # read ahead of its gather and not used yet
     loads: int = 0  # open `ShardTier.load` calls
 
 
 class ShardTier:
-    """Parameter shards on NVMe: written once when placed, read into pool slots for all-gathers
+    """Parameter shards on NVMe: written once when placed, read into pool spans for all-gathers
     (ahead of them when the coordinator follows a trace), loaded into their own storage for the
     optimizer step and the rare paths. See [Note: swapping]. Only the coordinator calls the gather
     side (`read`, `wait`, `done`, `drop_ahead`); the optimizer and context call `load`,
@@ -515,8 +515,8 @@ class ShardTier:
 
     # -- the gather path (coordinator) ---------------------------------------------------------------
     def read(self, params: Sequence[ZeroParameter], *, ahead: bool = False, overflow: bool = False) -> list[ZeroParameter]:
-        """Start reading the shards of ``params`` that are only on the drive into pool slots; returns
-        those that got no slot. ``ahead``: for a later gather (`drop_ahead` may release them);
+        """Start reading the shards of ``params`` that are only on the drive into pool spans; returns
+        those that got no span. ``ahead``: for a later gather (`drop_ahead` may release them);
         ``overflow``: read what does not fit into the shard's own storage instead."""
         missed: list[ZeroParameter] = []
         for p in params:
@@ -529,15 +529,15 @@ class ShardTier:
                 self._settle(p)
             if sw.state is not Residence.ON_NVME:
                 continue
-            slot = self.pool.alloc(sw.nbytes)
-            if slot is None and not overflow:
+            span = self.pool.alloc(sw.nbytes)
+            if span is None and not overflow:
                 missed.append(p)
                 continue
-            self._read(p, slot)
+            self._read(p, span)
             sw.ahead = ahead
             if ahead:
                 self.metrics.nvme_reads_ahead += 1
-            elif slot is None:
+            elif span is None:
                 self._warn_overflow(p)
         return missed
 
@@ -579,10 +579,10 @@ class ShardTier:
                 continue
             self._settle(p)
             sw.loads += 1
-            if sw.state is Residence.IN_MEMORY and sw.slot is not None:  # read ahead into the pool: move it
+            if sw.state is Residence.IN_MEMORY and sw.span is not None:  # read ahead into the pool: move it
                 own = p._zero.shard.detach().clone()
-                self.pool.free(sw.slot)
-                sw.slot = None
+                self.pool.free(sw.span)
+                sw.span = None
                 sw.ahead = False
                 _point(p._zero.shard, own)
             elif sw.state is Residence.ON_NVME and not read:
@@ -621,7 +621,7 @@ class ShardTier:
         if sw.state is Residence.IN_MEMORY:
             sw.ahead = False
             self._drop(p)
-        data = byte_view(values.detach().to("cpu", p._zero.shard.dtype, copy=True))  # the caller may free ``values``
+        data = uint8_view(values.detach().to("cpu", p._zero.shard.dtype, copy=True))  # the caller may free ``values``
         assert data.numel() == sw.nbytes, f"{p._zero.name}: {data.numel()} bytes stored into a {sw.nbytes}-byte shard"
         _move(sw, Residence.WRITING, p._zero.name)
         sw.future = self.io.write(sw.file, sw.offset, data)
@@ -636,27 +636,27 @@ class ShardTier:
         if sw.state is Residence.IN_MEMORY:
             return p._zero.shard.detach().clone()
         out = torch.empty_like(p._zero.shard, device="cpu")
-        self.io.read(sw.file, sw.offset, byte_view(out)).result()
+        self.io.read(sw.file, sw.offset, uint8_view(out)).result()
         return out
 
     # -- moves ----------------------------------------------------------------------------------------
-    def _read(self, p: ZeroParameter, slot: Slot | None) -> None:
+    def _read(self, p: ZeroParameter, span: PoolSpan | None) -> None:
         sw = p._zero.swap
         shard = p._zero.shard
         _move(sw, Residence.READING, p._zero.name)
-        sw.slot = slot
-        if slot is not None:
-            _point(shard, slot.data[: sw.nbytes].view(shard.dtype))
-            data = slot.data[: sw.nbytes]
+        sw.span = span
+        if span is not None:
+            _point(shard, span.data[: sw.nbytes].view(shard.dtype))
+            data = span.data[: sw.nbytes]
         else:
             shard.untyped_storage().resize_(sw.nbytes)
-            data = byte_view(shard)
+            data = uint8_view(shard)
         sw.future = self.io.read(sw.file, sw.offset, data)
 
     def _write(self, p: ZeroParameter) -> None:
         sw = p._zero.swap
         storage = p._zero.shard.untyped_storage()
-        assert sw.slot is None, f"{p._zero.name}: only a shard in its own storage is written"
+        assert sw.span is None, f"{p._zero.name}: only a shard in its own storage is written"
         _move(sw, Residence.WRITING, p._zero.name)
         sw.future = self.io.write(sw.file, sw.offset, storage_view(storage), then=lambda: storage.resize_(0))
 
@@ -666,11 +666,11 @@ class ShardTier:
         _move(p._zero.swap, Residence.ON_NVME, p._zero.name)
 
     def _free_bytes(self, p: ZeroParameter) -> None:
-        """Give back the memory of a shard's bytes: its pool slot, or its own storage."""
+        """Give back the memory of a shard's bytes: its pool span, or its own storage."""
         sw = p._zero.swap
-        if sw.slot is not None:
-            self.pool.free(sw.slot)
-            sw.slot = None
+        if sw.span is not None:
+            self.pool.free(sw.span)
+            sw.span = None
             _release(p._zero.shard)
         else:
             p._zero.shard.untyped_storage().resize_(0)
@@ -707,7 +707,7 @@ def _point(t: torch.Tensor, data: torch.Tensor) -> None:
 
 
 def _release(t: torch.Tensor) -> None:
-    """Give ``t`` (pointing at a pool slot) a fresh storage of 0 bytes, keeping its shape."""
+    """Give ``t`` (pointing at a pool span) a fresh storage of 0 bytes, keeping its shape."""
     n = t.numel()
     with torch.no_grad():
         t.set_(torch.UntypedStorage(n * t.element_size(), device=t.device), 0, (n,), (1,))
