@@ -12,7 +12,8 @@ from torch import nn
 
 import zero3
 from zero3 import ZeroConfig, ZeroConfigError, ZeroStateError
-from zero3.offload.nvme import ALIGN, AsyncIO, BufferPool, Residence, StorageTier, SwapFile, uint8_view
+from zero3.offload.nvme import ALIGN, AsyncIO, BufferPool, StorageTier, SwapFile, uint8_view
+from zero3.partition.state import Residence
 
 from gpt import GPT, GPTConfig, synthetic_batch
 
@@ -130,12 +131,12 @@ def test_storage_tier_frees_the_storage_and_brings_it_back_under_every_view(tmp_
     expected = flat.clone()
     tier.swap_out("flat", flat.untyped_storage())
     tier.wait()
-    assert flat.untyped_storage().nbytes() == 0 and tier.state("flat") is Residence.ON_NVME
+    assert flat.untyped_storage().nbytes() == 0 and tier.state("flat") is Residence.DRIVE
     assert tier.nvme_bytes == 4000
     tier.swap_in("flat")
     tier.wait(["flat"])
     assert torch.equal(flat, expected) and torch.equal(view, expected[10:20].view(2, 5))
-    assert tier.state("flat") is Residence.IN_MEMORY and tier.nvme_bytes == 0
+    assert tier.state("flat").in_memory and tier.nvme_bytes == 0
 
 
 def test_a_failed_write_raises_and_leaves_the_bytes_in_memory(tmp_path, monkeypatch):
@@ -150,7 +151,7 @@ def test_a_failed_write_raises_and_leaves_the_bytes_in_memory(tmp_path, monkeypa
     tier.swap_out("t", t.untyped_storage())
     with pytest.raises(OSError, match="No space left on device"):
         tier.wait()
-    assert tier.state("t") is Residence.IN_MEMORY and torch.equal(t, keep)
+    assert tier.state("t").in_memory and torch.equal(t, keep)
 
 
 # -- parameter and optimizer offload --------------------------------------------------------------------

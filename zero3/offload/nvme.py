@@ -27,7 +27,6 @@ threads (`AsyncIO`); file IO releases the GIL, so they overlap compute on the ca
 from __future__ import annotations
 
 import ctypes
-import enum
 import errno
 import logging
 import os
@@ -44,6 +43,8 @@ import torch
 from ..errors import ZeroConfigError, ZeroStateError
 from ..metrics import StepMetrics
 from ..partition.param import ZeroParameter
+from ..partition.state import Residence, check_move
+from .residence import ShardStore
 
 logger = logging.getLogger(__name__)
 
@@ -291,39 +292,16 @@ class BufferPool:
 
 
 # -- any storage, swapped in place --------------------------------------------------------------------
-class Residence(enum.Enum):
-    """Where the bytes of a swapped storage (`StorageTier`) or shard (`ShardTier`) are.
-
-    - IN_MEMORY: in memory (its own storage, or for a shard possibly a pool span); the file may
-      hold an older copy.
-    - WRITING: being written to its region; its memory is released when the write is done.
-    - ON_NVME: only in its region of the swap file; the storage holds 0 bytes.
-    - READING: being read back; not readable until waited.
-    """
-
-    IN_MEMORY = enum.auto()
-    WRITING = enum.auto()
-    ON_NVME = enum.auto()
-    READING = enum.auto()
-
-
-_MOVES = {
-    (Residence.IN_MEMORY, Residence.WRITING),
-    (Residence.ON_NVME, Residence.READING),
-    (Residence.READING, Residence.IN_MEMORY),
-    (Residence.IN_MEMORY, Residence.ON_NVME),  # a clean copy is dropped without a write
-    (Residence.ON_NVME, Residence.WRITING),  # a new value is written over the region from other memory
-    (Residence.ON_NVME, Residence.IN_MEMORY),  # memory for a value that replaces it whole: nothing is read
-    (Residence.WRITING, Residence.IN_MEMORY),  # a write failed: the bytes are still (only) in memory
-    (Residence.READING, Residence.ON_NVME),  # a read failed: the bytes are still (only) on the drive
-    (Residence.WRITING, Residence.ON_NVME),  # written (or a failed `ShardTier.store`: its error is raised)
-}
-
-
-def _move(record: _Stored | ShardSwap, new: Residence, what: str) -> None:
-    if (record.state, new) not in _MOVES:
-        raise ZeroStateError(f"{what}: illegal swap state change {record.state.name} -> {new.name}")
+def _move(record: _Stored, new: Residence, what: str) -> None:
+    check_move(what, record.state, new)
     record.state = new
+
+
+def _place(storage: torch.UntypedStorage) -> Residence:
+    """The memory place of a storage's bytes."""
+    if storage.device.type != "cpu":
+        return Residence.DEVICE
+    return Residence.PINNED_HOST if storage.is_pinned() else Residence.HOST
 
 
 @dataclass(eq=False)
@@ -331,7 +309,7 @@ class _Stored:
     storage: torch.UntypedStorage
     nbytes: int
     offset: int
-    state: Residence = Residence.IN_MEMORY
+    state: Residence
     future: Future | None = None
     host: torch.Tensor | None = None  # the host copy of a device storage while it is moved
 
@@ -354,14 +332,14 @@ class StorageTier:
     def nvme_bytes(self) -> int:
         """Bytes whose only copy is on the drive (written, or being read back)."""
         return sum(r.nbytes for r in self._records.values()
-                   if r.state in (Residence.WRITING, Residence.ON_NVME, Residence.READING))
+                   if r.state in (Residence.WRITING, Residence.DRIVE, Residence.READING))
 
     def swap_out(self, key: Hashable, storage: torch.UntypedStorage) -> None:
         """Start writing ``storage`` to ``key``'s region; it holds 0 bytes once the write is done."""
         rec = self._records.get(key)
         if rec is None or rec.storage is not storage:
             nbytes = storage.nbytes()
-            rec = self._records[key] = _Stored(storage, nbytes, self.file.region(key, nbytes))
+            rec = self._records[key] = _Stored(storage, nbytes, self.file.region(key, nbytes), _place(storage))
         self._settle(rec)
         if storage.nbytes() != rec.nbytes:
             raise ZeroStateError(f"swap {key!r}: the storage holds {storage.nbytes()} bytes, its region {rec.nbytes}")
@@ -396,8 +374,8 @@ class StorageTier:
         """Release ``key``'s storage without writing: the caller did not change it since it was read."""
         rec = self._records[key]
         self._settle(rec)
-        if rec.state is Residence.IN_MEMORY:
-            _move(rec, Residence.ON_NVME, f"swap {key!r}")
+        if rec.state.in_memory:
+            _move(rec, Residence.DRIVE, f"swap {key!r}")
             rec.storage.resize_(0)
 
     def _settle(self, rec: _Stored) -> None:
@@ -410,29 +388,29 @@ class StorageTier:
             rec.host = None
             if rec.state is Residence.READING:
                 rec.storage.resize_(0)
-            _move(rec, Residence.IN_MEMORY if rec.state is Residence.WRITING else Residence.ON_NVME, "swap")
+            _move(rec, _place(rec.storage) if rec.state is Residence.WRITING else Residence.DRIVE, "swap")
             raise
         if rec.state is Residence.WRITING:
-            _move(rec, Residence.ON_NVME, "swap")
+            _move(rec, Residence.DRIVE, "swap")
         elif rec.state is Residence.READING:
             if rec.host is not None:
                 rec.storage.resize_(rec.nbytes)
                 storage_view(rec.storage).copy_(rec.host)
                 rec.host = None
-            _move(rec, Residence.IN_MEMORY, "swap")
+            _move(rec, _place(rec.storage), "swap")
 
 
 # -- parameter shards (driven by the coordinator) ------------------------------------------------------
 @dataclass(eq=False)
 class ShardSwap:
-    """An NVMe-tier parameter shard (``ZeroParam.swap``): its region, where its bytes are now, and why
-    it is in memory. Its region always holds the current value unless it is IN_MEMORY with
-    ``loads`` (a writer may be changing it; the last `ShardTier.unload` writes it back)."""
+    """An NVMe-tier parameter shard (``ZeroParam.swap``): its region and why it is in memory (where
+    its bytes are now is ``ZeroParam.residence``). Its region always holds the current value unless
+    it is in memory with ``loads`` (a writer may be changing it; the last `ShardTier.unload` writes
+    it back)."""
 
     file: SwapFile
     offset: int
     nbytes: int
-    state: Residence = Residence.ON_NVME
     span: PoolSpan | None = None  # the pool span it was read into (None: its own storage)
     future: Future | None = None
     ahead: bool = False  # read ahead of its gather and not used yet
@@ -444,10 +422,12 @@ class ShardTier:
     (ahead of them when the coordinator follows a trace), loaded into their own storage for the
     optimizer step and the rare paths. See [Note: swapping]. Only the coordinator calls the gather
     side (`read`, `wait`, `done`, `drop_ahead`); the optimizer and context call `load`,
-    `unload`, `store` and `read_copy` between steps."""
+    `unload`, `store` and `read_copy` between steps. Every move of a shard's bytes goes through
+    ``shard_store`` (residence.py [Note: shard residence]); this class does the IO and the pool."""
 
-    def __init__(self, io: AsyncIO, file: SwapFile, pool: BufferPool, metrics: StepMetrics) -> None:
+    def __init__(self, io: AsyncIO, file: SwapFile, pool: BufferPool, metrics: StepMetrics, store: ShardStore) -> None:
         self.io = io
+        self.shard_store = store
         self.file = file
         self.pool = pool
         self.metrics = metrics
@@ -463,17 +443,14 @@ class ShardTier:
         if z.swap is not None:
             self.shards[z.id] = p  # already there (written by zero3.Init): adopt it
             return
-        shard = z.shard
-        if shard.device.type != "cpu" or shard.storage_offset() != 0 or \
-                shard.untyped_storage().nbytes() != shard.numel() * shard.element_size():
-            z.replace_shard(shard.detach().to("cpu", copy=True))  # its own CPU storage, nothing else's
+        self.shard_store.own_cpu_storage(p)
         nbytes = z.shard.numel() * z.shard.element_size()
         if aligned(nbytes) > self.pool.nbytes:
             raise ZeroConfigError(
                 f"the shard of {z.name} ({z.shard_numel} elements, {nbytes} bytes) does not fit in one buffer of the "
                 f"parameter pool ({self.pool.nbytes} bytes: offload_param_buffer_size elements of the config dtype); "
                 f"set offload_param_buffer_size >= {z.shard_numel}")
-        z.swap = ShardSwap(self.file, self.file.region(("shard", z.id), nbytes), nbytes, state=Residence.IN_MEMORY)
+        z.swap = ShardSwap(self.file, self.file.region(("shard", z.id), nbytes), nbytes)
         self.shards[z.id] = p
         self._write(p)
         self._behind(p, nbytes)
@@ -505,7 +482,7 @@ class ShardTier:
         self._placing_bytes = 0
         for p in list(self.shards.values()):
             sw = p._zero.swap
-            if sw is not None and sw.state is Residence.WRITING:
+            if sw is not None and p._zero.residence is Residence.WRITING:
                 self._settle(p)
 
     @property
@@ -525,9 +502,9 @@ class ShardTier:
                 continue
             if not ahead:
                 sw.ahead = False
-            if sw.state is Residence.WRITING:
+            if p._zero.residence is Residence.WRITING:
                 self._settle(p)
-            if sw.state is not Residence.ON_NVME:
+            if p._zero.residence is not Residence.DRIVE:
                 continue
             span = self.pool.alloc(sw.nbytes)
             if span is None and not overflow:
@@ -553,7 +530,7 @@ class ShardTier:
         """The gather of ``params`` is complete: free the memory of their shards (unless loaded)."""
         for p in params:
             sw = p._zero.swap
-            if sw is not None and sw.state is Residence.IN_MEMORY and not sw.loads:
+            if sw is not None and p._zero.residence.in_memory and not sw.loads:
                 self._drop(p)
 
     def drop_ahead(self, keep: Iterable[ZeroParameter] = ()) -> None:
@@ -579,16 +556,15 @@ class ShardTier:
                 continue
             self._settle(p)
             sw.loads += 1
-            if sw.state is Residence.IN_MEMORY and sw.span is not None:  # read ahead into the pool: move it
-                own = p._zero.shard.detach().clone()
-                self.pool.free(sw.span)
-                sw.span = None
+            where = p._zero.residence
+            if where.in_memory and sw.span is not None:  # read ahead into the pool: move it
+                span, sw.span = sw.span, None
                 sw.ahead = False
-                _point(p._zero.shard, own)
-            elif sw.state is Residence.ON_NVME and not read:
-                p._zero.shard.untyped_storage().resize_(sw.nbytes)
-                _move(sw, Residence.IN_MEMORY, p._zero.name)
-            elif sw.state is Residence.ON_NVME:
+                self.shard_store.copy_out_of_span(p)
+                self.pool.free(span)
+            elif where is Residence.DRIVE and not read:
+                self.shard_store.allocate(p, sw.nbytes)
+            elif where is Residence.DRIVE:
                 self._read(p, None)
                 todo.append(p)
         if wait:
@@ -618,12 +594,12 @@ class ShardTier:
         sw = p._zero.swap
         assert sw is not None and not sw.loads, f"{p._zero.name}: store needs an unloaded tier shard"
         self._settle(p)
-        if sw.state is Residence.IN_MEMORY:
+        if p._zero.residence.in_memory:
             sw.ahead = False
             self._drop(p)
         data = uint8_view(values.detach().to("cpu", p._zero.shard.dtype, copy=True))  # the caller may free ``values``
         assert data.numel() == sw.nbytes, f"{p._zero.name}: {data.numel()} bytes stored into a {sw.nbytes}-byte shard"
-        _move(sw, Residence.WRITING, p._zero.name)
+        self.shard_store.move(p, Residence.WRITING)
         sw.future = self.io.write(sw.file, sw.offset, data)
         self._behind(p, sw.nbytes)
 
@@ -633,7 +609,7 @@ class ShardTier:
         if sw is None:
             return p._zero.shard
         self._settle(p)
-        if sw.state is Residence.IN_MEMORY:
+        if p._zero.residence.in_memory:
             return p._zero.shard.detach().clone()
         out = torch.empty_like(p._zero.shard, device="cpu")
         self.io.read(sw.file, sw.offset, uint8_view(out)).result()
@@ -643,37 +619,33 @@ class ShardTier:
     def _read(self, p: ZeroParameter, span: PoolSpan | None) -> None:
         sw = p._zero.swap
         shard = p._zero.shard
-        _move(sw, Residence.READING, p._zero.name)
-        sw.span = span
         if span is not None:
-            _point(shard, span.data[: sw.nbytes].view(shard.dtype))
+            self.shard_store.point(p, span.data[: sw.nbytes].view(shard.dtype))
             data = span.data[: sw.nbytes]
         else:
-            shard.untyped_storage().resize_(sw.nbytes)
+            self.shard_store.allocate(p, sw.nbytes, Residence.READING)
             data = uint8_view(shard)
+        sw.span = span
         sw.future = self.io.read(sw.file, sw.offset, data)
 
     def _write(self, p: ZeroParameter) -> None:
         sw = p._zero.swap
         storage = p._zero.shard.untyped_storage()
         assert sw.span is None, f"{p._zero.name}: only a shard in its own storage is written"
-        _move(sw, Residence.WRITING, p._zero.name)
+        self.shard_store.move(p, Residence.WRITING)
         sw.future = self.io.write(sw.file, sw.offset, storage_view(storage), then=lambda: storage.resize_(0))
 
     def _drop(self, p: ZeroParameter) -> None:
         """A clean in-memory shard: forget the bytes (the region holds them)."""
-        self._free_bytes(p)
-        _move(p._zero.swap, Residence.ON_NVME, p._zero.name)
+        self._free_bytes(p, Residence.DRIVE)
 
-    def _free_bytes(self, p: ZeroParameter) -> None:
-        """Give back the memory of a shard's bytes: its pool span, or its own storage."""
+    def _free_bytes(self, p: ZeroParameter, to: Residence) -> None:
+        """Give back the memory of a shard's bytes (its pool span, or its own storage); they are ``to``."""
         sw = p._zero.swap
-        if sw.span is not None:
-            self.pool.free(sw.span)
-            sw.span = None
-            _release(p._zero.shard)
-        else:
-            p._zero.shard.untyped_storage().resize_(0)
+        span, sw.span = sw.span, None
+        if span is not None:
+            self.pool.free(span)
+        self.shard_store.free(p, to, from_span=span is not None)
 
     def _settle(self, p: ZeroParameter) -> None:
         sw = p._zero.swap
@@ -683,13 +655,15 @@ class ShardTier:
         try:
             future.result()
         except BaseException:  # the bytes stay where they were: a failed write in memory, a failed read on the drive
-            if sw.state is Residence.READING:
-                self._free_bytes(p)
+            if p._zero.residence is Residence.READING:
+                self._free_bytes(p, Residence.DRIVE)
                 sw.ahead = False
-            in_memory = sw.state is Residence.WRITING and p._zero.shard.untyped_storage().nbytes() > 0
-            _move(sw, Residence.IN_MEMORY if in_memory else Residence.ON_NVME, p._zero.name)  # `store`: lost
+            elif p._zero.shard.untyped_storage().nbytes() > 0:
+                self.shard_store.move(p)  # a failed write: still in memory
+            else:
+                self.shard_store.move(p, Residence.DRIVE)  # a failed `store`: lost
             raise
-        _move(sw, Residence.ON_NVME if sw.state is Residence.WRITING else Residence.IN_MEMORY, p._zero.name)
+        self.shard_store.move(p, Residence.DRIVE if p._zero.residence is Residence.WRITING else None)
 
     def _warn_overflow(self, p: ZeroParameter) -> None:
         if not self._overflow_warned:
@@ -699,16 +673,3 @@ class ShardTier:
                            "offload_param_buffer_count or offload_param_buffer_size to avoid it)",
                            self.pool.count, self.pool.nbytes, p._zero.name)
 
-
-def _point(t: torch.Tensor, data: torch.Tensor) -> None:
-    """Make ``t`` use ``data``'s memory (same size and dtype)."""
-    with torch.no_grad():
-        t.set_(data)
-
-
-def _release(t: torch.Tensor) -> None:
-    """Give ``t`` (pointing at a pool span) a fresh storage of 0 bytes, keeping its shape."""
-    n = t.numel()
-    with torch.no_grad():
-        t.set_(torch.UntypedStorage(n * t.element_size(), device=t.device), 0, (n,), (1,))
-    t.untyped_storage().resize_(0)

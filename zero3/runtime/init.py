@@ -380,8 +380,8 @@ def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) ->
                 else:
                     tier.offload(zp)
                     continue
-            if state.pin_memory and z.shard.device.type == "cpu" and torch.cuda.is_available():
-                z.replace_shard(z.shard.pin_memory())
+            if state.pin_memory:
+                ctx.store.pin(zp)
 
 
 def _param_of(target: Any, state: _InitState) -> ZeroParameter | None:
@@ -452,7 +452,7 @@ def _assign(p: ZeroParameter, value: Any, state: _InitState) -> None:
         raise ZeroStateError(f"{z.summary()}: its shard is on NVMe in {z.shard.dtype}; .data may only be assigned a "
                              f"{z.shard.dtype} tensor under zero3.Init(remote_device='nvme'), got {shard.dtype}")
     else:
-        z.replace_shard(shard)
+        state.ctx.store.rebind(p, shard)
         set_placeholder_dtype(p, shard.dtype)
 
 
