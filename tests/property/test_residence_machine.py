@@ -22,7 +22,9 @@ from torch import nn
 
 from zero3.errors import ZeroStateError
 from zero3.metrics import StepMetrics
-from zero3.offload.nvme import ALIGN, AsyncIO, BufferPool, ShardTier, SwapFile, storage_view
+from zero3.offload.nvme import ShardTier
+from zero3.offload.pool import BufferPool
+from zero3.offload.swapfile import ALIGN, AsyncIO, SwapFile, storage_view
 from zero3.offload.policy import PlacementPolicy
 from zero3.offload.residence import ShardStore
 from zero3.partition import param as zparam

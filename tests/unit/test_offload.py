@@ -12,7 +12,9 @@ from torch import nn
 
 import zero3
 from zero3 import ZeroConfig, ZeroConfigError, ZeroStateError
-from zero3.offload.nvme import ALIGN, AsyncIO, BufferPool, StorageTier, SwapFile, uint8_view
+from zero3.offload.nvme import StorageTier
+from zero3.offload.pool import BufferPool
+from zero3.offload.swapfile import ALIGN, AsyncIO, SwapFile, uint8_view
 from zero3.partition.state import Residence
 
 from gpt import GPT, GPTConfig, synthetic_batch

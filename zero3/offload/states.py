@@ -33,7 +33,8 @@ import torch
 from ..errors import ZeroConfigError, ZeroStateError
 from ..partition.param import ZeroParameter, raw_data
 from ..partition.state import ParamStatus
-from .nvme import StorageTier, SwapFile, storage_view
+from .nvme import StorageTier
+from .swapfile import SwapFile, storage_view
 
 logger = logging.getLogger(__name__)
 

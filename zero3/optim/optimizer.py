@@ -60,7 +60,8 @@ from ..offload.residence import ShardStore
 from ..partition.param import ZeroParameter
 from ..partition.state import MEMORY, Residence
 from .precision import LossScaler, unscale_
-from ..offload.nvme import AsyncIO, ShardTier, StorageTier, SwapFile
+from ..offload.nvme import ShardTier, StorageTier
+from ..offload.swapfile import AsyncIO, SwapFile
 
 if TYPE_CHECKING:
     from ..config import ZeroConfig

@@ -44,7 +44,9 @@ from ..optim.precision import lower_precision, torch_dtype
 from ..partition.state import ParamStatus
 from ..optim.schedulers import build_optimizer, build_scheduler
 from ..offload.states import OffloadPhase, StatesOffload
-from ..offload.nvme import AsyncIO, BufferPool, ShardTier, SwapFile
+from ..offload.nvme import ShardTier
+from ..offload.pool import BufferPool
+from ..offload.swapfile import AsyncIO, SwapFile
 from ..offload.policy import PlacementPolicy
 from ..offload.residence import ShardStore
 from ..comm.topology import hpz_group_size

@@ -187,7 +187,7 @@ class Init:
         except ZeroConfigError as exc:
             raise ZeroConfigError(f"zero3.Init(remote_device='nvme') needs offload_param.nvme_path in the config "
                                   f"passed as config_dict_or_path: {exc}") from None
-        self._pin_memory = pin_memory or self._config.offload_param_pin_memory
+        self._pin_memory = pin_memory  # or the config's offload_param.pin_memory (the context's placement)
         self._dtype = dtype if dtype is not None else (torch_dtype(self._config.dtype)
                                                        if self._config.dtype != "fp32" else None)
         self._sync: SyncMode = sync
@@ -199,7 +199,8 @@ class Init:
     def _state(self) -> _InitState:
         ctx = RuntimeContext.minimal(self._config, self._group)
         return _InitState(ctx=ctx, remote_device=self._remote_device, dtype=self._dtype, sync=self._sync,
-                          pin_memory=self._pin_memory, cpu_budget=self._config.offload_param_max_in_cpu)
+                          pin_memory=self._pin_memory or ctx.store.placement.param_pin_memory,
+                          cpu_budget=ctx.store.placement.param_max_in_cpu)
 
     def _partition_built(self, module: nn.Module) -> None:
         """``Init(module=m)``: partition a built module; rank 0's values win (a broadcast each)."""
