@@ -31,7 +31,7 @@ import torch
 
 from ..errors import ZeroConfigError, ZeroStateError
 from ..metrics import StepMetrics
-from ..partition.param import ZeroParameter
+from ..partition.param import ZeroParameter, residence_of
 from ..partition.state import Residence, check_move
 from .pool import BufferPool, PoolSpan
 from .residence import ShardStore
@@ -44,13 +44,6 @@ logger = logging.getLogger(__name__)
 def _move(record: _Stored, new: Residence, what: str) -> None:
     check_move(what, record.state, new)
     record.state = new
-
-
-def _place(storage: torch.UntypedStorage) -> Residence:
-    """The memory place of a storage's bytes."""
-    if storage.device.type != "cpu":
-        return Residence.DEVICE
-    return Residence.PINNED_HOST if storage.is_pinned() else Residence.HOST
 
 
 @dataclass(eq=False)
@@ -88,7 +81,7 @@ class StorageTier:
         rec = self._records.get(key)
         if rec is None or rec.storage is not storage:
             nbytes = storage.nbytes()
-            rec = self._records[key] = _Stored(storage, nbytes, self.file.region(key, nbytes), _place(storage))
+            rec = self._records[key] = _Stored(storage, nbytes, self.file.region(key, nbytes), residence_of(storage))
         self._settle(rec)
         if storage.nbytes() != rec.nbytes:
             raise ZeroStateError(f"swap {key!r}: the storage holds {storage.nbytes()} bytes, its region {rec.nbytes}")
@@ -137,7 +130,7 @@ class StorageTier:
             rec.host = None
             if rec.state is Residence.READING:
                 rec.storage.resize_(0)
-            _move(rec, _place(rec.storage) if rec.state is Residence.WRITING else Residence.DRIVE, "swap")
+            _move(rec, residence_of(rec.storage) if rec.state is Residence.WRITING else Residence.DRIVE, "swap")
             raise
         if rec.state is Residence.WRITING:
             _move(rec, Residence.DRIVE, "swap")
@@ -146,7 +139,7 @@ class StorageTier:
                 rec.storage.resize_(rec.nbytes)
                 storage_view(rec.storage).copy_(rec.host)
                 rec.host = None
-            _move(rec, _place(rec.storage), "swap")
+            _move(rec, residence_of(rec.storage), "swap")
 
 
 # -- parameter shards (driven by the coordinator) ------------------------------------------------------

@@ -104,8 +104,8 @@ class ZeroParam:
                 f"ds_status={self.status.name}, rank={self.rank}/{self.world_size})")
 
 
-def residence_of(t: torch.Tensor) -> Residence:
-    """The memory place of a tensor's bytes."""
+def residence_of(t: torch.Tensor | torch.UntypedStorage) -> Residence:
+    """The memory place of a tensor's (or a storage's) bytes."""
     if t.device.type != "cpu":
         return Residence.DEVICE
     return Residence.PINNED_HOST if t.is_pinned() else Residence.HOST
