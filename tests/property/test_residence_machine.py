@@ -56,7 +56,8 @@ class ResidenceMachine(RuleBasedStateMachine):
         self.dirty: list[bool] = []  # changed in memory since loaded
         self.taken: dict[int, torch.Tensor] = {}  # index -> host copy of a shard offload_states took
         for i, n in enumerate(sizes):
-            p = partition(nn.Parameter(torch.randn(n, generator=self.gen)), name=f"p{i}", world_size=1, rank=0, group=None)
+            p = partition(nn.Parameter(torch.randn(n, generator=self.gen)), name=f"p{i}", world_size=1, rank=0,
+                          group=None)
             self.params.append(p)
             self.model.append(p._zero.shard.clone())
             self.loads.append(0)

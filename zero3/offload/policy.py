@@ -36,8 +36,8 @@ class PlacementPolicy:
     param_buffer_count: int = 5  # the NVMe read pool: buffers ...
     param_buffer_size: int = 100_000_000  # ... of this many elements of the config dtype
     param_max_in_cpu: int = 1_000_000_000  # NVMe tier: shard elements that stay in memory
-    device: str = "none"  # offload_optimizer: where masters and optimizer state live
-    pin_memory: bool = False  # pin the CPU masters
+    optimizer_device: str = "none"  # offload_optimizer: where masters and optimizer state live
+    optimizer_pin_memory: bool = False  # pin the CPU masters
     optimizer_nvme_path: str = ""
     aio_threads: int = 1
     mixed_precision: bool = False  # a config dtype other than fp32: shards are cast, masters separate
@@ -49,7 +49,8 @@ class PlacementPolicy:
                    param_buffer_count=config.offload_param_buffer_count,
                    param_buffer_size=config.offload_param_buffer_size,
                    param_max_in_cpu=config.offload_param_max_in_cpu,
-                   device=config.offload_optimizer, pin_memory=config.offload_optimizer_pin_memory,
+                   optimizer_device=config.offload_optimizer,
+                   optimizer_pin_memory=config.offload_optimizer_pin_memory,
                    optimizer_nvme_path=config.offload_optimizer_nvme_path or "",
                    aio_threads=config.aio_thread_count, mixed_precision=config.dtype != "fp32")
 
@@ -69,30 +70,30 @@ class PlacementPolicy:
 
     # -- masters and optimizer state -----------------------------------------------------------------
     @property
-    def enabled(self) -> bool:
+    def optimizer_offloaded(self) -> bool:
         """Masters and optimizer state live on the CPU side (in CPU memory, or behind it on NVMe)."""
-        return self.device in ("cpu", "nvme")
+        return self.optimizer_device in ("cpu", "nvme")
 
     @property
-    def nvme(self) -> bool:
+    def optimizer_on_drive(self) -> bool:
         """Masters and optimizer state live on the drive between steps."""
-        return self.device == "nvme"
+        return self.optimizer_device == "nvme"
 
     @property
     def separate_masters(self) -> bool:
         """fp32 masters apart from the shards: under mixed precision, and when the optimizer is
         offloaded but the shards are not (offloaded shards already live on the CPU side, where the
         optimizer steps)."""
-        return self.mixed_precision or (self.enabled and self.param_device == "none")
+        return self.mixed_precision or (self.optimizer_offloaded and self.param_device == "none")
 
     @property
     def pin_masters(self) -> bool:
-        return self.pin_memory and torch.cuda.is_available()
+        return self.optimizer_pin_memory and torch.cuda.is_available()
 
     def alloc_master(self, numel: int, shard_device: torch.device) -> torch.Tensor:
         """A zeroed fp32 buffer for masters: on the CPU (pinned if asked and CUDA exists) when
         offloading, else next to the parameter shards."""
-        if not self.enabled:
+        if not self.optimizer_offloaded:
             return torch.zeros(numel, dtype=torch.float32, device=shard_device)
         return torch.zeros(numel, dtype=torch.float32, device="cpu", pin_memory=self.pin_masters)
 

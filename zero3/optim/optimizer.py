@@ -172,12 +172,12 @@ class PartitionedOptimizer:
         self.params = list(params)
         self.scaler = LossScaler.from_config(config)
         self.store = store  # rebinds shards into the flat buffers
-        self.offload = store.placement
+        self.placement = store.placement
         self.shards = shards  # the NVMe tier of parameter shards (the coordinator's), or None
         self.states: StorageTier | None = None  # the NVMe tier of masters and optimizer state, or None
-        if self.offload.nvme:
+        if self.placement.optimizer_on_drive:
             assert io is not None, "offload_optimizer='nvme' needs the context's AsyncIO"
-            self.states = StorageTier(io, SwapFile(self.offload.optimizer_nvme_path,
+            self.states = StorageTier(io, SwapFile(self.placement.optimizer_nvme_path,
                                                    f"optimizer-rank{comm.rank}"))
         self.groups: list[FlatGroup] = []
         self.skipped_steps = 0
@@ -188,7 +188,7 @@ class PartitionedOptimizer:
         self._last_overflow = False
         # Separate fp32 masters: under mixed precision, and when the optimizer is offloaded but the
         # shards are not (offloaded shards already live on the CPU side, where the optimizer steps).
-        self.separate_masters = self.offload.separate_masters
+        self.separate_masters = self.placement.separate_masters
         if self.separate_masters:
             self.optimizer = self._build_masters(optimizer, fp32_shards or {})
         else:
@@ -242,7 +242,7 @@ class PartitionedOptimizer:
                                   f"{sorted(map(str, dtypes))}; "
                                   "build the model in one dtype (zero3.Init(dtype=...)) or set ZeroConfig.dtype")
         dtype = dtypes.pop() if dtypes else torch.float32
-        if self.offload.nvme:  # each master its own tensor, written to the drive as soon as it is made
+        if self.placement.optimizer_on_drive:  # each master its own tensor, written to the drive as soon as it is made
             assert self.states is not None
             behind = 0
             for p in ps:
@@ -254,10 +254,10 @@ class PartitionedOptimizer:
                     behind = 0
             self.states.wait()
             return FlatGroup(params=ps, offsets=offsets, master=None, low=None)
-        master = self.offload.alloc_master(total, device)
+        master = self.placement.alloc_master(total, device)
         low = None
         if self.shards is None:
-            pin = self.offload.pin_param_shards and device.type == "cpu"
+            pin = self.placement.pin_param_shards and device.type == "cpu"
             low = torch.zeros(total, dtype=dtype, device=device, pin_memory=pin)
         for p, off in zip(ps, offsets):
             z = p._zero
@@ -275,7 +275,7 @@ class PartitionedOptimizer:
 
     def _fp32_copy(self, p: ZeroParameter, fp32_shards: dict[int, torch.Tensor]) -> torch.Tensor:
         src = fp32_shards[p._zero.id] if p._zero.id in fp32_shards else self._shard_values(p)
-        out = torch.empty(src.shape, dtype=torch.float32, device="cpu", pin_memory=self.offload.pin_masters)
+        out = torch.empty(src.shape, dtype=torch.float32, device="cpu", pin_memory=self.placement.pin_masters)
         return out.copy_(src)
 
     # -- one training window (micro-batches up to an optimizer step) ---------------------------
@@ -491,7 +491,7 @@ class PartitionedOptimizer:
         per parameter when shards or masters are tensors of their own."""
         for fg in self.groups:
             if fg.low is not None and fg.master is not None:
-                self.offload.copy_back(fg.low, fg.master)
+                self.placement.copy_back(fg.low, fg.master)
                 continue
             for p in fg.params:
                 with self.loaded([p], write=False):

@@ -276,7 +276,8 @@ def begin_gather(p: ZeroParameter, handle: Any) -> None:
     """NOT_AVAILABLE -> INFLIGHT: a gather of ``p`` was issued; ``handle`` is what to wait on. Its
     shard must be in memory (one on the drive is read first, one taken by offload_states reloaded)."""
     if not p._zero.residence.in_memory:
-        raise ZeroStateError(f"{p._zero.summary()}: gathered while its shard is {p._zero.residence.name}, not in memory")
+        raise ZeroStateError(f"{p._zero.summary()}: gathered while its shard is {p._zero.residence.name}, "
+                             "not in memory")
     p._zero.set_status(ParamStatus.INFLIGHT)
     p._zero.handle = handle
 

@@ -204,7 +204,7 @@ class RuntimeContext:
         persistent = sum(p._zero.numel * p._zero.shard.element_size() for p in self.coordinator.persistent)
         secondary = sum(p._zero.secondary.nbytes for p in self.params if p._zero.secondary is not None)
         nvme = (tier.nvme_bytes if tier is not None else 0) + (part.nvme_bytes if part is not None else 0)
-        cpu = masters + states if part is not None and self.store.placement.device == "cpu" else 0
+        cpu = masters + states if part is not None and self.store.placement.optimizer_device == "cpu" else 0
         if self.store.placement.params_on_host:
             cpu += shard
         if self.offloaded is not None:  # engine.offload_states
@@ -278,7 +278,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         ctx.optimizer = PartitionedOptimizer(optimizer, ctx.params, config, ctx.comm, fp32_shards,
                                              model_parallel=ctx.model_parallel,
                                              shards=ctx.coordinator.shards, store=ctx.store,
-                                             io=ctx.swap_io() if ctx.store.placement.nvme else None)
+                                             io=ctx.swap_io() if ctx.store.placement.optimizer_on_drive else None)
         torch_opt = ctx.optimizer.optimizer
         if config.scheduler is not None:
             ctx.lr_scheduler = build_scheduler(config.scheduler, torch_opt)
