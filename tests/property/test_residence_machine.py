@@ -143,10 +143,13 @@ class ResidenceMachine(RuleBasedStateMachine):
         p = self.params[i]
         if self._on_tier(i) or not p._zero.residence.in_memory:
             return
-        self.store.take([p])
         storage = p._zero.shard.untyped_storage()
-        self.taken[i] = storage_view(storage).clone()  # the bytes offload_states keeps
-        storage.resize_(0)
+
+        def move_out():
+            self.taken[i] = storage_view(storage).clone()  # the bytes offload_states keeps
+            storage.resize_(0)
+
+        self.store.take([p], move_out)
 
     @rule(data=st.data())
     def give_back(self, data):
@@ -173,7 +176,7 @@ class ResidenceMachine(RuleBasedStateMachine):
         self._same(p, before)
 
     @rule(data=st.data())
-    def refused_rebind_and_gather(self, data):
+    def refused_rebind_take_and_gather(self, data):
         i = data.draw(st.integers(0, len(self.params) - 1))
         p = self.params[i]
         if p._zero.residence in MEMORY:
@@ -184,6 +187,11 @@ class ResidenceMachine(RuleBasedStateMachine):
         self._same(p, before)
         with pytest.raises(ZeroStateError, match="not in memory"):
             zparam.begin_gather(p, None)
+        self._same(p, before)
+        moved = []
+        with pytest.raises(ZeroStateError, match="illegal residence change"):
+            self.store.take([self.params[0], p] if i else [p], lambda: moved.append(True))
+        assert not moved
         self._same(p, before)
 
     def _same(self, p, before):

@@ -372,10 +372,9 @@ class ShardTier:
 
     def _write(self, p: ZeroParameter) -> None:
         sw = p._zero.swap
-        storage = p._zero.shard.untyped_storage()
         assert sw.span is None, f"{p._zero.name}: only a shard in its own storage is written"
-        self.shard_store.move(p, Residence.WRITING)
-        sw.future = self.io.write(sw.file, sw.offset, storage_view(storage), then=lambda: storage.resize_(0))
+        data, release = self.shard_store.begin_write(p)
+        sw.future = self.io.write(sw.file, sw.offset, data, then=release)
 
     def _drop(self, p: ZeroParameter) -> None:
         """A clean in-memory shard: forget the bytes (the region holds them)."""

@@ -18,12 +18,15 @@ data taken too), never while a gather of it is in flight.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..errors import ZeroStateError
 from ..partition.param import ZeroParameter, residence_of
 from ..partition.state import ParamStatus, Residence, check_move
 from .policy import PlacementPolicy
+from .swapfile import storage_view
 
 
 class ShardStore:
@@ -99,6 +102,14 @@ class ShardStore:
         p._zero.shard.untyped_storage().resize_(nbytes)
         p._zero.residence = to
 
+    def begin_write(self, p: ZeroParameter) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Memory -> WRITING: the bytes of the shard's own storage, and what frees them once they are
+        written (run on the IO thread; the shard becomes DRIVE when the write is waited for)."""
+        check_move(p._zero.name, p._zero.residence, Residence.WRITING)
+        storage = p._zero.shard.untyped_storage()
+        p._zero.residence = Residence.WRITING
+        return storage_view(storage), lambda: storage.resize_(0)
+
     def free(self, p: ZeroParameter, to: Residence, from_span: bool) -> None:
         """Give back the memory of the shard's bytes (``from_span``: it points at a pool span, which
         the caller frees; it gets a fresh 0-byte storage of its own) and record them ``to``."""
@@ -119,14 +130,15 @@ class ShardStore:
         self.move(p)
 
     # -- engine.offload_states -------------------------------------------------------------------------
-    def take(self, params: list[ZeroParameter]) -> None:
-        """offload_states is taking the storages of ``params``' shards (in memory) out: they are
-        refused until `give_back`. All are checked before any changes."""
+    def take(self, params: list[ZeroParameter], move_out: Callable[[], None]) -> None:
+        """offload_states: ``move_out`` takes the storages of ``params``' shards (in memory) out, and
+        they are refused until `give_back`. All are checked before anything moves."""
         for p in params:
             z = p._zero
             if z.status is ParamStatus.INFLIGHT:
                 raise ZeroStateError(f"{z.summary()}: offload_states while a gather of it is in flight")
             check_move(z.summary(), z.residence, Residence.STATES_OUT)
+        move_out()
         for p in params:
             self._left[p._zero.id] = p._zero.residence
             p._zero.residence = Residence.STATES_OUT

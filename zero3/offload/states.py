@@ -103,8 +103,7 @@ class StatesOffload:
             raise ZeroStateError(f"offload_states: {', '.join(k.value for k in self.kinds)} are already offloaded "
                                  f"to {self._where()}; call engine.reload_states() before offloading again")
         self._settle_swaps()
-        if device == "nvme":
-            tier = self._nvme(nvme_path)
+        tier = self._nvme(nvme_path) if device == "nvme" else None
         moved: list[_Moved] = []
         seen: set[int] = set()
         for kind in kinds:
@@ -118,16 +117,9 @@ class StatesOffload:
                 moved.append(_Moved(storage, kind, storage.nbytes()))
         ptrs = {m.storage.data_ptr() for m in moved}
         taken = [p for p in self.ctx.params if p._zero.shard.untyped_storage().data_ptr() in ptrs]
-        self.ctx.store.take(taken)
-        for i, m in enumerate(moved):
-            if device == "nvme":
-                tier.swap_out(i, m.storage)
-            else:
-                pin = pin_memory and torch.cuda.is_available()
-                m.host = torch.empty(m.nbytes, dtype=torch.uint8, pin_memory=pin)
-                m.host.copy_(storage_view(m.storage), non_blocking=non_blocking and pin)
-                m.storage.resize_(0)
-        if device == "nvme" and not non_blocking:
+        pin = pin_memory and torch.cuda.is_available()
+        self.ctx.store.take(taken, lambda: _move_out(moved, tier, pin, non_blocking))
+        if tier is not None and not non_blocking:
             tier.wait()
         freed = 0
         if StateKind.LP_PARAMS in kinds and self.ctx.coordinator.shards is not None:
@@ -216,6 +208,17 @@ class StatesOffload:
             self.ctx.coordinator.shards.flush()
         if self.ctx.optimizer is not None and self.ctx.optimizer.states is not None:
             self.ctx.optimizer.states.wait()
+
+
+def _move_out(moved: list[_Moved], tier: StorageTier | None, pin: bool, non_blocking: bool) -> None:
+    """Start moving every storage out: to ``tier``'s swap file, or (None) into host copies."""
+    for i, m in enumerate(moved):
+        if tier is not None:
+            tier.swap_out(i, m.storage)
+        else:
+            m.host = torch.empty(m.nbytes, dtype=torch.uint8, pin_memory=pin)
+            m.host.copy_(storage_view(m.storage), non_blocking=non_blocking and pin)
+            m.storage.resize_(0)
 
 
 def _kinds(include: Iterable[str] | None) -> tuple[StateKind, ...]:
