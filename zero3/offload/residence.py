@@ -10,10 +10,8 @@ is a method here, checked against the table of legal moves before anything chang
 move raises and leaves the shard as it was. The drive tier (nvme.py `ShardTier`), the placement of
 shards, the casts and the optimizer's buffers ask for moves; they never write the record.
 
-How it meets ``ParamStatus``: a shard is gathered only from memory (``param.begin_gather``); it is
-rebound to another tensor only while its parameter is NOT_AVAILABLE; offload_states may take it
-while the parameter is NOT_AVAILABLE or AVAILABLE (a persistent parameter stays gathered, its full
-data taken too), never while a gather of it is in flight.
+Writing new *values* into a shard in memory (the optimizer step, ``copy_full_into_shard``) moves
+nothing and stays with those writers. How residence meets ``ParamStatus`` is told at `Residence`.
 """
 
 from __future__ import annotations

@@ -46,9 +46,12 @@ class Residence(Enum):
     - WRITING: being written to its swap-file region; the memory is freed once the write is done.
     - DRIVE: only in its swap-file region; the storage holds 0 bytes.
     - READING: being read back from the drive; not readable until waited for.
-    - STATES_OUT: ``engine.offload_states`` took the bytes out of memory until ``reload_states``
-      (also while the parameter is AVAILABLE: a persistent parameter keeps its status).
-    A shard is gathered (``ParamStatus`` NOT_AVAILABLE -> INFLIGHT) only from a memory place.
+    - STATES_OUT: ``engine.offload_states`` took the bytes out of memory until ``reload_states``.
+    With ``ParamStatus``: a shard is gathered (NOT_AVAILABLE -> INFLIGHT) only from a memory place
+    (`param.begin_gather`); it is rebound to another tensor only while NOT_AVAILABLE and in memory;
+    it is taken out (STATES_OUT) while NOT_AVAILABLE or AVAILABLE (a persistent parameter stays
+    gathered, its full data taken with it), never while INFLIGHT; an AVAILABLE parameter's shard may
+    be on the drive (dropped once its gather was done).
     """
 
     DEVICE = auto()
@@ -87,7 +90,7 @@ def legal_move(old: Residence, new: Residence) -> bool:
 
 
 def check_move(what: str, old: Residence, new: Residence) -> None:
-    if (old, new) not in _MOVES:
+    if not legal_move(old, new):
         raise ZeroStateError(f"{what}: illegal residence change {old.name} -> {new.name}")
 
 
