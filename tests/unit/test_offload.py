@@ -15,6 +15,7 @@ from zero3 import ZeroConfig, ZeroConfigError, ZeroStateError
 from zero3.offload.nvme import StorageTier
 from zero3.offload.pool import BufferPool
 from zero3.offload.swapfile import ALIGN, AsyncIO, SwapFile, uint8_view
+from zero3.offload.policy import PlacementPolicy
 from zero3.partition.state import Residence
 
 from gpt import GPT, GPTConfig, synthetic_batch
@@ -74,6 +75,22 @@ def test_deepspeed_offload_keys_map_onto_fields(tmp_path, caplog):
     assert ZeroConfig.from_dict(cfg.to_dict()) == cfg
     ours = ZeroConfig.from_dict({"offload_param": {"device": "cpu", "pin_memory": False}})
     assert (ours.offload_param, ours.offload_param_pin_memory) == ("cpu", False)
+
+
+def test_placement_policy_answers_where_everything_lives(tmp_path):
+    cfg = ZeroConfig.from_dict({"dtype": "bf16", "aio": {"thread_count": 3},
+                                "offload_param": nvme(tmp_path / "p", max_in_cpu=10, buffer_count=2),
+                                "offload_optimizer": {"device": "cpu", "pin_memory": True}})
+    placement = PlacementPolicy.from_config(cfg)
+    assert placement.params_on_drive and not placement.params_on_host and placement.param_buffer_count == 2
+    assert placement.optimizer_offloaded and not placement.optimizer_on_drive and placement.separate_masters
+    assert placement.pin_masters == torch.cuda.is_available() and placement.aio_threads == 3
+    assert placement.states_nvme_path(None) == str(tmp_path / "p") and placement.states_nvme_path("x") == "x"
+    budget = placement.in_memory_budget()
+    assert [budget.keeps(n) for n in (4, 7, 6, 1)] == [True, False, True, False] and budget.left == 0
+    both_on_host = PlacementPolicy.from_config(ZeroConfig(offload_optimizer="cpu", offload_param="cpu"))
+    only_optimizer = PlacementPolicy.from_config(ZeroConfig(offload_optimizer="cpu"))
+    assert not both_on_host.separate_masters and only_optimizer.separate_masters
 
 
 @pytest.mark.parametrize("d,pattern", [

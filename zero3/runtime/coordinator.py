@@ -201,16 +201,14 @@ class ParamCoordinator:
         CUDA), or the drive, except persistent parameters and the first ``offload_param_max_in_cpu``
         elements (in parameter order), which stay in memory. Shards already on the drive (written by
         ``zero3.Init(remote_device="nvme")``) are adopted, or read back when they belong in memory."""
-        budget = store.placement.param_max_in_cpu
+        budget = store.placement.in_memory_budget()
         for p in sorted(params, key=lambda q: q._zero.id):
             z = p._zero
             if store.placement.params_on_host:
                 store.place_on_host(p)
             if self.shards is None:
                 continue
-            if z.persistent or z.shard_numel <= budget:
-                if not z.persistent:
-                    budget -= z.shard_numel
+            if z.persistent or budget.keeps(z.shard_numel):
                 self.shards.keep(p)
             else:
                 self.shards.offload(p)
