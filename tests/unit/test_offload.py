@@ -16,6 +16,7 @@ from zero3.offload.nvme import StorageTier
 from zero3.offload.pool import BufferPool
 from zero3.offload.swapfile import ALIGN, AsyncIO, SwapFile, uint8_view
 from zero3.offload.policy import PlacementPolicy
+from zero3.partition import param as zparam
 from zero3.partition.state import Residence
 
 from gpt import GPT, GPTConfig, synthetic_batch
@@ -359,3 +360,20 @@ def test_with_optimizer_state_and_masters_offloaded_the_model_still_runs_forward
         zero3.safe_get_full_optimizer_state(engine.params[0], "exp_avg")
     engine.reload_states()
     _train(engine, 1, start=2)
+
+
+def test_offload_states_takes_the_shards_out_of_memory_and_reload_puts_them_back_where_they_were(tmp_path):
+    engine = _engine({**BASE, "dtype": "bf16"})
+    _train(engine, 1)
+    where = [p._zero.residence for p in engine.params]
+    persistent = [p for p in engine.params if p.ds_persist]
+    assert persistent and all(p.ds_status is zero3.ParamStatus.AVAILABLE for p in persistent)
+    engine.offload_states(include=["lp_params"], device="nvme", nvme_path=str(tmp_path))
+    assert all(p._zero.residence is Residence.STATES_OUT for p in engine.params)
+    assert all(p.ds_status is zero3.ParamStatus.AVAILABLE for p in persistent)  # taken while gathered, explicitly
+    with pytest.raises(ZeroStateError, match="not in memory"):
+        zparam.begin_gather(next(p for p in engine.params if not p.ds_persist), None)
+    with pytest.raises(ZeroStateError, match="already offloaded"):
+        engine.offload_states(device="cpu")
+    engine.reload_states()
+    assert [p._zero.residence for p in engine.params] == where
