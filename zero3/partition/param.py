@@ -105,10 +105,12 @@ class ZeroParam:
 
 
 def residence_of(t: torch.Tensor | torch.UntypedStorage) -> Residence:
-    """The memory place of a tensor's (or a storage's) bytes."""
+    """The memory place of a tensor's (or a storage's) bytes. Whether memory is pinned is a CUDA
+    driver call that may create a context, so it is asked only once torch's CUDA state is
+    initialised; before, host memory counts as HOST (a label: no move depends on pinned or not)."""
     if t.device.type != "cpu":
         return Residence.DEVICE
-    return Residence.PINNED_HOST if t.is_pinned() else Residence.HOST
+    return Residence.PINNED_HOST if torch.cuda.is_initialized() and t.is_pinned() else Residence.HOST
 
 
 class ZeroParameter(nn.Parameter):
