@@ -12,7 +12,12 @@ from torch import nn
 
 import zero3
 from zero3 import ZeroConfig, ZeroConfigError, ZeroStateError
-from zero3.offload.nvme import ALIGN, AsyncIO, BufferPool, Residence, StorageTier, SwapFile, byte_view
+from zero3.offload.nvme import StorageTier
+from zero3.offload.pool import BufferPool
+from zero3.offload.swapfile import ALIGN, AsyncIO, SwapFile, uint8_view
+from zero3.offload.policy import PlacementPolicy
+from zero3.partition import param as zparam
+from zero3.partition.state import Residence
 
 from gpt import GPT, GPTConfig, synthetic_batch
 
@@ -73,6 +78,22 @@ def test_deepspeed_offload_keys_map_onto_fields(tmp_path, caplog):
     assert (ours.offload_param, ours.offload_param_pin_memory) == ("cpu", False)
 
 
+def test_placement_policy_answers_where_everything_lives(tmp_path):
+    cfg = ZeroConfig.from_dict({"dtype": "bf16", "aio": {"thread_count": 3},
+                                "offload_param": nvme(tmp_path / "p", max_in_cpu=10, buffer_count=2),
+                                "offload_optimizer": {"device": "cpu", "pin_memory": True}})
+    placement = PlacementPolicy.from_config(cfg)
+    assert placement.params_on_drive and not placement.params_on_host and placement.param_buffer_count == 2
+    assert placement.optimizer_offloaded and not placement.optimizer_on_drive and placement.separate_masters
+    assert placement.pin_masters == torch.cuda.is_available() and placement.aio_threads == 3
+    assert placement.states_nvme_path(None) == str(tmp_path / "p") and placement.states_nvme_path("x") == "x"
+    budget = placement.in_memory_budget()
+    assert [budget.keeps(n) for n in (4, 7, 6, 1)] == [True, False, True, False] and budget.left == 0
+    both_on_host = PlacementPolicy.from_config(ZeroConfig(offload_optimizer="cpu", offload_param="cpu"))
+    only_optimizer = PlacementPolicy.from_config(ZeroConfig(offload_optimizer="cpu"))
+    assert not both_on_host.separate_masters and only_optimizer.separate_masters
+
+
 @pytest.mark.parametrize("d,pattern", [
     ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, r"offload_param='nvme' needs offload_param_nvme_path"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, r"ratio 0\.5 is not supported"),
@@ -99,10 +120,10 @@ def test_swap_file_round_trips_aligned_and_unaligned_memory(tmp_path, dtype, num
     off_a = f.region("a", src.numel() * src.element_size())
     off_b = f.region("b", other.numel() * 4)
     assert off_a % ALIGN == 0 and off_b % ALIGN == 0 and off_b >= off_a + src.numel() * src.element_size()
-    io.write(f, off_a, byte_view(src)).result()
-    io.write(f, off_b, byte_view(other)).result()
+    io.write(f, off_a, uint8_view(src)).result()
+    io.write(f, off_b, uint8_view(other)).result()
     back = torch.empty_like(src)
-    io.read(f, off_a, byte_view(back)).result()
+    io.read(f, off_a, uint8_view(back)).result()
     assert torch.equal(back, src)
     assert io.write_bytes == src.numel() * src.element_size() + 400 and io.read_bytes == src.numel() * src.element_size()
 
@@ -130,12 +151,12 @@ def test_storage_tier_frees_the_storage_and_brings_it_back_under_every_view(tmp_
     expected = flat.clone()
     tier.swap_out("flat", flat.untyped_storage())
     tier.wait()
-    assert flat.untyped_storage().nbytes() == 0 and tier.state("flat") is Residence.ON_NVME
+    assert flat.untyped_storage().nbytes() == 0 and tier.state("flat") is Residence.DRIVE
     assert tier.nvme_bytes == 4000
     tier.swap_in("flat")
     tier.wait(["flat"])
     assert torch.equal(flat, expected) and torch.equal(view, expected[10:20].view(2, 5))
-    assert tier.state("flat") is Residence.IN_MEMORY and tier.nvme_bytes == 0
+    assert tier.state("flat").in_memory and tier.nvme_bytes == 0
 
 
 def test_a_failed_write_raises_and_leaves_the_bytes_in_memory(tmp_path, monkeypatch):
@@ -150,7 +171,7 @@ def test_a_failed_write_raises_and_leaves_the_bytes_in_memory(tmp_path, monkeypa
     tier.swap_out("t", t.untyped_storage())
     with pytest.raises(OSError, match="No space left on device"):
         tier.wait()
-    assert tier.state("t") is Residence.IN_MEMORY and torch.equal(t, keep)
+    assert tier.state("t").in_memory and torch.equal(t, keep)
 
 
 # -- parameter and optimizer offload --------------------------------------------------------------------
@@ -339,3 +360,20 @@ def test_with_optimizer_state_and_masters_offloaded_the_model_still_runs_forward
         zero3.safe_get_full_optimizer_state(engine.params[0], "exp_avg")
     engine.reload_states()
     _train(engine, 1, start=2)
+
+
+def test_offload_states_takes_the_shards_out_of_memory_and_reload_puts_them_back_where_they_were(tmp_path):
+    engine = _engine({**BASE, "dtype": "bf16"})
+    _train(engine, 1)
+    where = [p._zero.residence for p in engine.params]
+    persistent = [p for p in engine.params if p.ds_persist]
+    assert persistent and all(p.ds_status is zero3.ParamStatus.AVAILABLE for p in persistent)
+    engine.offload_states(include=["lp_params"], device="nvme", nvme_path=str(tmp_path))
+    assert all(p._zero.residence is Residence.STATES_OUT for p in engine.params)
+    assert all(p.ds_status is zero3.ParamStatus.AVAILABLE for p in persistent)  # taken while gathered, explicitly
+    with pytest.raises(ZeroStateError, match="not in memory"):
+        zparam.begin_gather(next(p for p in engine.params if not p.ds_persist), None)
+    with pytest.raises(ZeroStateError, match="already offloaded"):
+        engine.offload_states(device="cpu")
+    engine.reload_states()
+    assert [p._zero.residence for p in engine.params] == where

@@ -1,2 +1,2 @@
-"""Offload: where a shard's bytes and the optimizer's state live (device, host memory, NVMe drive),
-the NVMe tier, and `offload_states` / `reload_states` between phases."""
+"""Offload: where model state lives (`policy`), the one writer of shard residence (`residence`), the
+NVMe tier (`swapfile`, `pool`, `nvme`), and `offload_states` / `reload_states` between phases (`states`)."""

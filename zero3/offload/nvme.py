@@ -1,6 +1,6 @@
-"""Offload to NVMe: swap files, asynchronous reads and writes, the buffer pool, and the two tiers
-built on them: `StorageTier` (any storage, swapped in place) and `ShardTier` (parameter shards,
-read ahead of their all-gathers; driven by the coordinator only).
+"""Offload to NVMe: the two tiers built on swap files (swapfile.py) and the buffer pool (pool.py):
+`StorageTier` (any storage, swapped in place) and `ShardTier` (parameter shards, read ahead of
+their all-gathers; driven by the coordinator only).
 
 [Note: swapping]
 A tensor that lives on NVMe keeps its Python object, shape and dtype; only its storage holds 0
@@ -10,319 +10,39 @@ storage, so both stay valid across any number of swaps. There are two ways back 
 
 - resize the tensor's own storage back and read in place (`StorageTier`; and `ShardTier.load` for
   the optimizer step and the rare paths: checkpoints, accessors, ``GatheredParameters``);
-- for a parameter shard needed by an all-gather: read it into a slot of the `BufferPool`
+- for a parameter shard needed by an all-gather: read it into a span of the `BufferPool`
   (``offload_param_buffer_count`` reusable buffers of ``offload_param_buffer_size`` elements, into
-  which shards are packed) and point the shard tensor at the slot (``Tensor.set_``) until the
+  which shards are packed) and point the shard tensor at the span (``Tensor.set_``) until the
   gather is done, then at a fresh 0-byte storage again. The pool bounds what reading ahead holds,
   is allocated once, and on CUDA is the pinned host staging of the copy to the device.
 
-Swap files are opened with O_DIRECT where the filesystem allows it (reads then measure the drive,
-not the page cache, and model state does not crowd the page cache) and unlinked at once, so they
-vanish with the process even when it is killed. O_DIRECT needs `ALIGN`-aligned memory, offsets and
-lengths: regions and pool slots are aligned, other memory (torch's allocator aligns to 64 bytes) is
-copied through a per-thread aligned bounce buffer. Reads and writes run on ``aio_thread_count``
-threads (`AsyncIO`); file IO releases the GIL, so they overlap compute on the calling thread.
+Swap files, their O_DIRECT alignment and the IO threads: swapfile.py.
 """
 
 from __future__ import annotations
 
-import ctypes
-import enum
-import errno
 import logging
-import os
-import threading
 import time
-import uuid
-import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 import torch
 
 from ..errors import ZeroConfigError, ZeroStateError
 from ..metrics import StepMetrics
-from ..partition.param import ZeroParameter
+from ..partition.param import ZeroParameter, residence_of
+from ..partition.state import Residence, check_move
+from .pool import BufferPool, PoolSpan
+from .residence import ShardStore
+from .swapfile import AsyncIO, SwapFile, aligned, storage_view, uint8_view
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 4096
-"""Bytes: alignment of swap-file regions, pool slots and direct IO (a multiple of any drive's
-logical block size)."""
-
-BOUNCE_BYTES = 8 << 20
-"""Bytes of each IO thread's aligned bounce buffer, through which unaligned memory is copied."""
-
-
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of `ALIGN`."""
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor as a 1-D uint8 tensor sharing its memory."""
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
-def storage_view(storage: torch.UntypedStorage) -> torch.Tensor:
-    """Every byte of ``storage`` as a 1-D uint8 tensor sharing it."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
-    """An uninitialised 1-D uint8 CPU tensor of ``nbytes`` starting at an `ALIGN`-aligned address,
-    pinned when asked and CUDA is available."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
-    skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip: skip + nbytes]
-
-
-# -- files and threads -----------------------------------------------------------------------------
-class SwapFile:
-    """One swap file under ``directory``, unlinked as soon as it is opened, O_DIRECT where the
-    filesystem allows it. It is carved into fixed regions: each key gets one the first time it is
-    written, and every later write of that key goes to the same place."""
-
-    def __init__(self, directory: str, purpose: str) -> None:
-        try:
-            os.makedirs(directory, exist_ok=True)
-        except OSError as exc:
-            raise ZeroConfigError(f"cannot create the swap directory {directory!r} ({purpose}): {exc.strerror}; "
-                                  "set an nvme_path on a writable drive") from exc
-        self.path = os.path.join(directory, f"zero3-{os.getpid()}-{purpose}-{uuid.uuid4().hex[:8]}.swap")
-        self.purpose = purpose
-        self.fd, self.direct = _open(self.path)
-        os.unlink(self.path)  # the data lives as long as the descriptor, and no longer
-        weakref.finalize(self, os.close, self.fd)
-        self._regions: dict[Hashable, tuple[int, int]] = {}
-        self.size = 0  # bytes of all regions (what the file holds once every region was written)
-
-    def region(self, key: Hashable, nbytes: int) -> int:
-        """The offset of ``key``'s region of ``nbytes`` (allocated on first use, aligned)."""
-        got = self._regions.get(key)
-        if got is not None:
-            assert got[1] == nbytes, f"swap region {key!r} was {got[1]} bytes, now {nbytes}"
-            return got[0]
-        offset = self.size
-        self.size += aligned(nbytes)
-        self._regions[key] = (offset, nbytes)
-        return offset
-
-    def transfer(self, write: bool, offset: int, data: torch.Tensor, bounce: torch.Tensor) -> None:
-        """Write ``data`` (a 1-D uint8 CPU tensor) at ``offset``, or read into it; blocking."""
-        n = data.numel()
-        if n == 0:
-            return
-        if not self.direct:
-            self._full(write, data, offset, n)
-            return
-        done = 0
-        if data.data_ptr() % ALIGN == 0:
-            done = n - n % ALIGN
-            if done:
-                self._full(write, data[:done], offset, done)
-        while done < n:  # the unaligned part, through the bounce buffer
-            k = min(n - done, bounce.numel())
-            span = bounce[: aligned(k)]
-            if write:
-                span[:k].copy_(data[done: done + k])
-                self._full(True, span, offset + done, span.numel())
-            else:
-                self._full(False, span, offset + done, k)
-                data[done: done + k].copy_(span[:k])
-            done += k
-
-    def _full(self, write: bool, data: torch.Tensor, offset: int, need: int) -> None:
-        view = _memory(data)
-        total = 0
-        while total < need:
-            try:
-                if write:
-                    got = os.pwritev(self.fd, [view[total:]], offset + total)
-                else:
-                    got = os.preadv(self.fd, [view[total:]], offset + total)
-            except OSError as exc:
-                raise OSError(exc.errno, f"zero3: {'writing' if write else 'reading'} {need} bytes at offset "
-                              f"{offset} of the {self.purpose} swap file under {os.path.dirname(self.path)!r} "
-                              f"failed: {exc.strerror}") from exc
-            if got == 0:
-                raise OSError(errno.EIO, f"zero3: the {self.purpose} swap file ended at {offset + total} bytes, "
-                              f"{need - total} bytes short of what was written there")
-            total += got
-
-
-def _memory(data: torch.Tensor) -> memoryview:
-    """The bytes of a 1-D uint8 CPU tensor as a writable memoryview, without ``Tensor.numpy()`` (which
-    marks the storage as never resizable again, and swapping resizes storages). The caller keeps
-    ``data`` alive while the view is used."""
-    assert data.device.type == "cpu" and data.dtype == torch.uint8 and data.is_contiguous()
-    return memoryview((ctypes.c_char * data.numel()).from_address(data.data_ptr())).cast("B")
-
-
-def _open(path: str) -> tuple[int, bool]:
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
-    direct = getattr(os, "O_DIRECT", 0)
-    if direct:
-        try:
-            fd = os.open(path, flags | direct, 0o600)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise ZeroConfigError(f"cannot create the swap file {path!r}: {exc.strerror}") from exc
-        else:
-            probe = aligned_empty(ALIGN)
-            probe.zero_()
-            try:  # some filesystems accept O_DIRECT at open and refuse the IO
-                os.pwritev(fd, [_memory(probe)], 0)
-                return fd, True
-            except OSError:
-                os.close(fd)
-                os.unlink(path)
-    try:
-        return os.open(path, flags, 0o600), False
-    except OSError as exc:
-        raise ZeroConfigError(f"cannot create the swap file {path!r}: {exc.strerror}") from exc
-
-
-class AsyncIO:
-    """The threads that read and write swap files; every call returns a ``Future``.
-
-    ``then`` runs on the IO thread right after the transfer (releasing the memory that was written).
-    Byte counters are cumulative; readers subtract a baseline.
-    """
-
-    def __init__(self, threads: int) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zero3-io")
-        weakref.finalize(self, self._pool.shutdown, False)
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self.read_bytes = 0
-        self.write_bytes = 0
-
-    def read(self, file: SwapFile, offset: int, data: torch.Tensor) -> Future:
-        return self._pool.submit(self._run, False, file, offset, data, None)
-
-    def write(self, file: SwapFile, offset: int, data: torch.Tensor, then: Callable[[], Any] | None = None) -> Future:
-        return self._pool.submit(self._run, True, file, offset, data, then)
-
-    def _run(self, write: bool, file: SwapFile, offset: int, data: torch.Tensor, then: Callable[[], Any] | None) -> None:
-        bounce = getattr(self._local, "bounce", None)
-        if bounce is None:
-            bounce = self._local.bounce = aligned_empty(BOUNCE_BYTES)
-        file.transfer(write, offset, data, bounce)
-        with self._lock:
-            if write:
-                self.write_bytes += data.numel()
-            else:
-                self.read_bytes += data.numel()
-        if then is not None:
-            then()
-
-
-# -- the buffer pool ---------------------------------------------------------------------------------
-@dataclass(eq=False)
-class Slot:
-    """A piece of a pool buffer: ``data`` is its (aligned, rounded-up) bytes."""
-
-    buffer: int
-    data: torch.Tensor
-
-
-class BufferPool:
-    """``count`` reusable buffers of ``nbytes`` each, `ALIGN`-aligned (pinned on request with CUDA)
-    and allocated on first use. Slots are packed into the open buffer in the order they are asked
-    for; a buffer is refilled from its start once every slot in it was freed, so a first-in
-    first-out stream of shards (the order of a step's gathers) fills the pool."""
-
-    def __init__(self, count: int, nbytes: int, pin: bool = False) -> None:
-        self.count = count
-        self.nbytes = aligned(nbytes)
-        self.pin = pin
-        self._buffers: list[torch.Tensor | None] = [None] * count
-        self._live = [0] * count  # slots handed out and not freed, per buffer
-        self._top = [0] * count  # first free byte, per buffer
-        self._open = 0
-        self.in_use = 0  # bytes in live slots
-
-    @property
-    def capacity(self) -> int:
-        return self.count * self.nbytes
-
-    @property
-    def allocated_bytes(self) -> int:
-        return sum(b.numel() for b in self._buffers if b is not None)
-
-    def alloc(self, nbytes: int) -> Slot | None:
-        """A slot of at least ``nbytes``, or None when no buffer has room for it now."""
-        need = aligned(nbytes)
-        if need > self.nbytes:
-            return None
-        b = self._open
-        if self._live[b] == 0:
-            self._top[b] = 0
-        if self._top[b] + need > self.nbytes:
-            empty = [i for i in range(self.count) if self._live[i] == 0 and i != b]
-            if not empty:
-                return None
-            b = self._open = min(empty, key=lambda i: self._buffers[i] is None)  # reuse allocated buffers first
-            self._top[b] = 0
-        buf = self._buffers[b]
-        if buf is None:
-            buf = self._buffers[b] = aligned_empty(self.nbytes, self.pin)
-        start = self._top[b]
-        self._top[b] = start + need
-        self._live[b] += 1
-        self.in_use += need
-        return Slot(b, buf[start: start + need])
-
-    def free(self, slot: Slot) -> None:
-        assert self._live[slot.buffer] > 0, "pool slot freed twice"
-        self._live[slot.buffer] -= 1
-        self.in_use -= slot.data.numel()
-
-    def release_memory(self) -> int:
-        """Give back the buffers no slot uses (they are allocated again when needed); the bytes freed."""
-        freed = 0
-        for i, b in enumerate(self._buffers):
-            if b is not None and self._live[i] == 0:
-                freed += b.numel()
-                self._buffers[i] = None
-        return freed
-
 
 # -- any storage, swapped in place --------------------------------------------------------------------
-class Residence(enum.Enum):
-    """Where the bytes of a swapped storage (`StorageTier`) or shard (`ShardTier`) are.
-
-    - IN_MEMORY: in memory (its own storage, or for a shard possibly a pool slot); the file may
-      hold an older copy.
-    - WRITING: being written to its region; its memory is released when the write is done.
-    - ON_NVME: only in its region of the swap file; the storage holds 0 bytes.
-    - READING: being read back; not readable until waited.
-    """
-
-    IN_MEMORY = enum.auto()
-    WRITING = enum.auto()
-    ON_NVME = enum.auto()
-    READING = enum.auto()
-
-
-_MOVES = {
-    (Residence.IN_MEMORY, Residence.WRITING),
-    (Residence.ON_NVME, Residence.READING),
-    (Residence.READING, Residence.IN_MEMORY),
-    (Residence.IN_MEMORY, Residence.ON_NVME),  # a clean copy is dropped without a write
-    (Residence.ON_NVME, Residence.WRITING),  # a new value is written over the region from other memory
-    (Residence.ON_NVME, Residence.IN_MEMORY),  # memory for a value that replaces it whole: nothing is read
-    (Residence.WRITING, Residence.IN_MEMORY),  # a write failed: the bytes are still (only) in memory
-    (Residence.READING, Residence.ON_NVME),  # a read failed: the bytes are still (only) on the drive
-    (Residence.WRITING, Residence.ON_NVME),  # written (or a failed `ShardTier.store`: its error is raised)
-}
-
-
-def _move(record: _Stored | ShardSwap, new: Residence, what: str) -> None:
-    if (record.state, new) not in _MOVES:
-        raise ZeroStateError(f"{what}: illegal swap state change {record.state.name} -> {new.name}")
+def _move(record: _Stored, new: Residence, what: str) -> None:
+    check_move(what, record.state, new)
     record.state = new
 
 
@@ -331,7 +51,7 @@ class _Stored:
     storage: torch.UntypedStorage
     nbytes: int
     offset: int
-    state: Residence = Residence.IN_MEMORY
+    state: Residence
     future: Future | None = None
     host: torch.Tensor | None = None  # the host copy of a device storage while it is moved
 
@@ -354,14 +74,14 @@ class StorageTier:
     def nvme_bytes(self) -> int:
         """Bytes whose only copy is on the drive (written, or being read back)."""
         return sum(r.nbytes for r in self._records.values()
-                   if r.state in (Residence.WRITING, Residence.ON_NVME, Residence.READING))
+                   if r.state in (Residence.WRITING, Residence.DRIVE, Residence.READING))
 
     def swap_out(self, key: Hashable, storage: torch.UntypedStorage) -> None:
         """Start writing ``storage`` to ``key``'s region; it holds 0 bytes once the write is done."""
         rec = self._records.get(key)
         if rec is None or rec.storage is not storage:
             nbytes = storage.nbytes()
-            rec = self._records[key] = _Stored(storage, nbytes, self.file.region(key, nbytes))
+            rec = self._records[key] = _Stored(storage, nbytes, self.file.region(key, nbytes), residence_of(storage))
         self._settle(rec)
         if storage.nbytes() != rec.nbytes:
             raise ZeroStateError(f"swap {key!r}: the storage holds {storage.nbytes()} bytes, its region {rec.nbytes}")
@@ -396,8 +116,8 @@ class StorageTier:
         """Release ``key``'s storage without writing: the caller did not change it since it was read."""
         rec = self._records[key]
         self._settle(rec)
-        if rec.state is Residence.IN_MEMORY:
-            _move(rec, Residence.ON_NVME, f"swap {key!r}")
+        if rec.state.in_memory:
+            _move(rec, Residence.DRIVE, f"swap {key!r}")
             rec.storage.resize_(0)
 
     def _settle(self, rec: _Stored) -> None:
@@ -410,44 +130,46 @@ class StorageTier:
             rec.host = None
             if rec.state is Residence.READING:
                 rec.storage.resize_(0)
-            _move(rec, Residence.IN_MEMORY if rec.state is Residence.WRITING else Residence.ON_NVME, "swap")
+            _move(rec, residence_of(rec.storage) if rec.state is Residence.WRITING else Residence.DRIVE, "swap")
             raise
         if rec.state is Residence.WRITING:
-            _move(rec, Residence.ON_NVME, "swap")
+            _move(rec, Residence.DRIVE, "swap")
         elif rec.state is Residence.READING:
             if rec.host is not None:
                 rec.storage.resize_(rec.nbytes)
                 storage_view(rec.storage).copy_(rec.host)
                 rec.host = None
-            _move(rec, Residence.IN_MEMORY, "swap")
+            _move(rec, residence_of(rec.storage), "swap")
 
 
 # -- parameter shards (driven by the coordinator) ------------------------------------------------------
 @dataclass(eq=False)
 class ShardSwap:
-    """An NVMe-tier parameter shard (``ZeroParam.swap``): its region, where its bytes are now, and why
-    it is in memory. Its region always holds the current value unless it is IN_MEMORY with
-    ``loads`` (a writer may be changing it; the last `ShardTier.unload` writes it back)."""
+    """An NVMe-tier parameter shard (``ZeroParam.swap``): its region and why it is in memory (where
+    its bytes are now is ``ZeroParam.residence``). Its region always holds the current value unless
+    it is in memory with ``loads`` (a writer may be changing it; the last `ShardTier.unload` writes
+    it back)."""
 
     file: SwapFile
     offset: int
     nbytes: int
-    state: Residence = Residence.ON_NVME
-    slot: Slot | None = None  # the pool slot it was read into (None: its own storage)
+    span: PoolSpan | None = None  # the pool span it was read into (None: its own storage)
     future: Future | None = None
     ahead: bool = False  # read ahead of its gather and not used yet
     loads: int = 0  # open `ShardTier.load` calls
 
 
 class ShardTier:
-    """Parameter shards on NVMe: written once when placed, read into pool slots for all-gathers
+    """Parameter shards on NVMe: written once when placed, read into pool spans for all-gathers
     (ahead of them when the coordinator follows a trace), loaded into their own storage for the
     optimizer step and the rare paths. See [Note: swapping]. Only the coordinator calls the gather
     side (`read`, `wait`, `done`, `drop_ahead`); the optimizer and context call `load`,
-    `unload`, `store` and `read_copy` between steps."""
+    `unload`, `store` and `read_copy` between steps. Every move of a shard's bytes goes through
+    ``shard_store`` (residence.py [Note: shard residence]); this class does the IO and the pool."""
 
-    def __init__(self, io: AsyncIO, file: SwapFile, pool: BufferPool, metrics: StepMetrics) -> None:
+    def __init__(self, io: AsyncIO, file: SwapFile, pool: BufferPool, metrics: StepMetrics, store: ShardStore) -> None:
         self.io = io
+        self.shard_store = store
         self.file = file
         self.pool = pool
         self.metrics = metrics
@@ -463,17 +185,14 @@ class ShardTier:
         if z.swap is not None:
             self.shards[z.id] = p  # already there (written by zero3.Init): adopt it
             return
-        shard = z.shard
-        if shard.device.type != "cpu" or shard.storage_offset() != 0 or \
-                shard.untyped_storage().nbytes() != shard.numel() * shard.element_size():
-            z.replace_shard(shard.detach().to("cpu", copy=True))  # its own CPU storage, nothing else's
+        self.shard_store.own_cpu_storage(p)
         nbytes = z.shard.numel() * z.shard.element_size()
         if aligned(nbytes) > self.pool.nbytes:
             raise ZeroConfigError(
                 f"the shard of {z.name} ({z.shard_numel} elements, {nbytes} bytes) does not fit in one buffer of the "
                 f"parameter pool ({self.pool.nbytes} bytes: offload_param_buffer_size elements of the config dtype); "
                 f"set offload_param_buffer_size >= {z.shard_numel}")
-        z.swap = ShardSwap(self.file, self.file.region(("shard", z.id), nbytes), nbytes, state=Residence.IN_MEMORY)
+        z.swap = ShardSwap(self.file, self.file.region(("shard", z.id), nbytes), nbytes)
         self.shards[z.id] = p
         self._write(p)
         self._behind(p, nbytes)
@@ -505,7 +224,7 @@ class ShardTier:
         self._placing_bytes = 0
         for p in list(self.shards.values()):
             sw = p._zero.swap
-            if sw is not None and sw.state is Residence.WRITING:
+            if sw is not None and p._zero.residence is Residence.WRITING:
                 self._settle(p)
 
     @property
@@ -515,8 +234,8 @@ class ShardTier:
 
     # -- the gather path (coordinator) ---------------------------------------------------------------
     def read(self, params: Sequence[ZeroParameter], *, ahead: bool = False, overflow: bool = False) -> list[ZeroParameter]:
-        """Start reading the shards of ``params`` that are only on the drive into pool slots; returns
-        those that got no slot. ``ahead``: for a later gather (`drop_ahead` may release them);
+        """Start reading the shards of ``params`` that are only on the drive into pool spans; returns
+        those that got no span. ``ahead``: for a later gather (`drop_ahead` may release them);
         ``overflow``: read what does not fit into the shard's own storage instead."""
         missed: list[ZeroParameter] = []
         for p in params:
@@ -525,19 +244,19 @@ class ShardTier:
                 continue
             if not ahead:
                 sw.ahead = False
-            if sw.state is Residence.WRITING:
+            if p._zero.residence is Residence.WRITING:
                 self._settle(p)
-            if sw.state is not Residence.ON_NVME:
+            if p._zero.residence is not Residence.DRIVE:
                 continue
-            slot = self.pool.alloc(sw.nbytes)
-            if slot is None and not overflow:
+            span = self.pool.alloc(sw.nbytes)
+            if span is None and not overflow:
                 missed.append(p)
                 continue
-            self._read(p, slot)
+            self._read(p, span)
             sw.ahead = ahead
             if ahead:
                 self.metrics.nvme_reads_ahead += 1
-            elif slot is None:
+            elif span is None:
                 self._warn_overflow(p)
         return missed
 
@@ -553,7 +272,7 @@ class ShardTier:
         """The gather of ``params`` is complete: free the memory of their shards (unless loaded)."""
         for p in params:
             sw = p._zero.swap
-            if sw is not None and sw.state is Residence.IN_MEMORY and not sw.loads:
+            if sw is not None and p._zero.residence.in_memory and not sw.loads:
                 self._drop(p)
 
     def drop_ahead(self, keep: Iterable[ZeroParameter] = ()) -> None:
@@ -579,16 +298,15 @@ class ShardTier:
                 continue
             self._settle(p)
             sw.loads += 1
-            if sw.state is Residence.IN_MEMORY and sw.slot is not None:  # read ahead into the pool: move it
-                own = p._zero.shard.detach().clone()
-                self.pool.free(sw.slot)
-                sw.slot = None
+            where = p._zero.residence
+            if where.in_memory and sw.span is not None:  # read ahead into the pool: move it
+                span, sw.span = sw.span, None
                 sw.ahead = False
-                _point(p._zero.shard, own)
-            elif sw.state is Residence.ON_NVME and not read:
-                p._zero.shard.untyped_storage().resize_(sw.nbytes)
-                _move(sw, Residence.IN_MEMORY, p._zero.name)
-            elif sw.state is Residence.ON_NVME:
+                self.shard_store.copy_out_of_span(p)
+                self.pool.free(span)
+            elif where is Residence.DRIVE and not read:
+                self.shard_store.allocate(p, sw.nbytes)
+            elif where is Residence.DRIVE:
                 self._read(p, None)
                 todo.append(p)
         if wait:
@@ -618,12 +336,12 @@ class ShardTier:
         sw = p._zero.swap
         assert sw is not None and not sw.loads, f"{p._zero.name}: store needs an unloaded tier shard"
         self._settle(p)
-        if sw.state is Residence.IN_MEMORY:
+        if p._zero.residence.in_memory:
             sw.ahead = False
             self._drop(p)
-        data = byte_view(values.detach().to("cpu", p._zero.shard.dtype, copy=True))  # the caller may free ``values``
+        data = uint8_view(values.detach().to("cpu", p._zero.shard.dtype, copy=True))  # the caller may free ``values``
         assert data.numel() == sw.nbytes, f"{p._zero.name}: {data.numel()} bytes stored into a {sw.nbytes}-byte shard"
-        _move(sw, Residence.WRITING, p._zero.name)
+        self.shard_store.move(p, Residence.WRITING)
         sw.future = self.io.write(sw.file, sw.offset, data)
         self._behind(p, sw.nbytes)
 
@@ -633,47 +351,42 @@ class ShardTier:
         if sw is None:
             return p._zero.shard
         self._settle(p)
-        if sw.state is Residence.IN_MEMORY:
+        if p._zero.residence.in_memory:
             return p._zero.shard.detach().clone()
         out = torch.empty_like(p._zero.shard, device="cpu")
-        self.io.read(sw.file, sw.offset, byte_view(out)).result()
+        self.io.read(sw.file, sw.offset, uint8_view(out)).result()
         return out
 
     # -- moves ----------------------------------------------------------------------------------------
-    def _read(self, p: ZeroParameter, slot: Slot | None) -> None:
+    def _read(self, p: ZeroParameter, span: PoolSpan | None) -> None:
         sw = p._zero.swap
         shard = p._zero.shard
-        _move(sw, Residence.READING, p._zero.name)
-        sw.slot = slot
-        if slot is not None:
-            _point(shard, slot.data[: sw.nbytes].view(shard.dtype))
-            data = slot.data[: sw.nbytes]
+        if span is not None:
+            self.shard_store.point(p, span.data[: sw.nbytes].view(shard.dtype))
+            data = span.data[: sw.nbytes]
         else:
-            shard.untyped_storage().resize_(sw.nbytes)
-            data = byte_view(shard)
+            self.shard_store.allocate(p, sw.nbytes, Residence.READING)
+            data = uint8_view(shard)
+        sw.span = span
         sw.future = self.io.read(sw.file, sw.offset, data)
 
     def _write(self, p: ZeroParameter) -> None:
         sw = p._zero.swap
-        storage = p._zero.shard.untyped_storage()
-        assert sw.slot is None, f"{p._zero.name}: only a shard in its own storage is written"
-        _move(sw, Residence.WRITING, p._zero.name)
-        sw.future = self.io.write(sw.file, sw.offset, storage_view(storage), then=lambda: storage.resize_(0))
+        assert sw.span is None, f"{p._zero.name}: only a shard in its own storage is written"
+        data, release = self.shard_store.begin_write(p)
+        sw.future = self.io.write(sw.file, sw.offset, data, then=release)
 
     def _drop(self, p: ZeroParameter) -> None:
         """A clean in-memory shard: forget the bytes (the region holds them)."""
-        self._free_bytes(p)
-        _move(p._zero.swap, Residence.ON_NVME, p._zero.name)
+        self._free_bytes(p, Residence.DRIVE)
 
-    def _free_bytes(self, p: ZeroParameter) -> None:
-        """Give back the memory of a shard's bytes: its pool slot, or its own storage."""
+    def _free_bytes(self, p: ZeroParameter, to: Residence) -> None:
+        """Give back the memory of a shard's bytes (its pool span, or its own storage); they are ``to``."""
         sw = p._zero.swap
-        if sw.slot is not None:
-            self.pool.free(sw.slot)
-            sw.slot = None
-            _release(p._zero.shard)
-        else:
-            p._zero.shard.untyped_storage().resize_(0)
+        span, sw.span = sw.span, None
+        if span is not None:
+            self.pool.free(span)
+        self.shard_store.free(p, to, from_span=span is not None)
 
     def _settle(self, p: ZeroParameter) -> None:
         sw = p._zero.swap
@@ -683,13 +396,15 @@ class ShardTier:
         try:
             future.result()
         except BaseException:  # the bytes stay where they were: a failed write in memory, a failed read on the drive
-            if sw.state is Residence.READING:
-                self._free_bytes(p)
+            if p._zero.residence is Residence.READING:
+                self._free_bytes(p, Residence.DRIVE)
                 sw.ahead = False
-            in_memory = sw.state is Residence.WRITING and p._zero.shard.untyped_storage().nbytes() > 0
-            _move(sw, Residence.IN_MEMORY if in_memory else Residence.ON_NVME, p._zero.name)  # `store`: lost
+            elif p._zero.shard.untyped_storage().nbytes() > 0:
+                self.shard_store.move(p)  # a failed write: still in memory
+            else:
+                self.shard_store.move(p, Residence.DRIVE)  # a failed `store`: lost
             raise
-        _move(sw, Residence.ON_NVME if sw.state is Residence.WRITING else Residence.IN_MEMORY, p._zero.name)
+        self.shard_store.move(p, Residence.DRIVE if p._zero.residence is Residence.WRITING else None)
 
     def _warn_overflow(self, p: ZeroParameter) -> None:
         if not self._overflow_warned:
@@ -699,16 +414,3 @@ class ShardTier:
                            "offload_param_buffer_count or offload_param_buffer_size to avoid it)",
                            self.pool.count, self.pool.nbytes, p._zero.name)
 
-
-def _point(t: torch.Tensor, data: torch.Tensor) -> None:
-    """Make ``t`` use ``data``'s memory (same size and dtype)."""
-    with torch.no_grad():
-        t.set_(data)
-
-
-def _release(t: torch.Tensor) -> None:
-    """Give ``t`` (pointing at a pool slot) a fresh storage of 0 bytes, keeping its shape."""
-    n = t.numel()
-    with torch.no_grad():
-        t.set_(torch.UntypedStorage(n * t.element_size(), device=t.device), 0, (n,), (1,))
-    t.untyped_storage().resize_(0)

@@ -1,4 +1,4 @@
-"""Optimizer offload: where the fp32 master buffers live, and how new weights get back.
+"""Placement: where parameter shards, fp32 masters and optimizer state live, and how new weights get back.
 
 With ``offload_optimizer="cpu"`` each param group's fp32 master buffer (optim.py
 [Note: flat master buffers]) is a separate CPU allocation, pinned when asked and CUDA exists. The
@@ -24,32 +24,82 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
-class OffloadPolicy:
-    """Where master shards and optimizer state live (``device``) and whether to pin them."""
+class PlacementPolicy:
+    """Where every piece of model state lives, decided once from the config: parameter shards
+    (device, host memory or the drive, pinned or not, how many stay in memory, the pool they are
+    read into), fp32 masters and optimizer state (next to the shards, host memory or the drive),
+    and the swap directories. Everything that places state asks it instead of reading config fields."""
 
-    device: str = "none"
-    pin_memory: bool = False
+    param_device: str = "none"  # offload_param: "none", "cpu" or "nvme"
+    param_pin_memory: bool = False
+    param_nvme_path: str = ""
+    param_buffer_count: int = 5  # the NVMe read pool: buffers ...
+    param_buffer_size: int = 100_000_000  # ... of this many elements of the config dtype
+    param_max_in_cpu: int = 1_000_000_000  # NVMe tier: shard elements that stay in memory
+    optimizer_device: str = "none"  # offload_optimizer: where masters and optimizer state live
+    optimizer_pin_memory: bool = False  # pin the CPU masters
+    optimizer_nvme_path: str = ""
+    aio_threads: int = 1
+    mixed_precision: bool = False  # a config dtype other than fp32: shards are cast, masters separate
 
     @classmethod
-    def from_config(cls, config: ZeroConfig) -> OffloadPolicy:
-        return cls(device=config.offload_optimizer, pin_memory=config.offload_optimizer_pin_memory)
+    def from_config(cls, config: ZeroConfig) -> PlacementPolicy:
+        return cls(param_device=config.offload_param, param_pin_memory=config.offload_param_pin_memory,
+                   param_nvme_path=config.offload_param_nvme_path or "",
+                   param_buffer_count=config.offload_param_buffer_count,
+                   param_buffer_size=config.offload_param_buffer_size,
+                   param_max_in_cpu=config.offload_param_max_in_cpu,
+                   optimizer_device=config.offload_optimizer,
+                   optimizer_pin_memory=config.offload_optimizer_pin_memory,
+                   optimizer_nvme_path=config.offload_optimizer_nvme_path or "",
+                   aio_threads=config.aio_thread_count, mixed_precision=config.dtype != "fp32")
+
+    # -- parameter shards ----------------------------------------------------------------------------
+    @property
+    def params_on_host(self) -> bool:
+        return self.param_device == "cpu"
 
     @property
-    def enabled(self) -> bool:
+    def params_on_drive(self) -> bool:
+        return self.param_device == "nvme"
+
+    def in_memory_budget(self) -> InMemoryBudget:
+        """NVMe tier: the budget of shard elements that stay in CPU memory instead (``max_in_cpu``)."""
+        return InMemoryBudget(self.param_max_in_cpu)
+
+    @property
+    def pin_param_shards(self) -> bool:
+        """CPU shards (and the flat shard buffers on the CPU) are pinned: asked for, and CUDA exists."""
+        return self.param_pin_memory and torch.cuda.is_available()
+
+    # -- masters and optimizer state -----------------------------------------------------------------
+    @property
+    def optimizer_offloaded(self) -> bool:
         """Masters and optimizer state live on the CPU side (in CPU memory, or behind it on NVMe)."""
-        return self.device in ("cpu", "nvme")
+        return self.optimizer_device in ("cpu", "nvme")
 
     @property
-    def nvme(self) -> bool:
-        return self.device == "nvme"
+    def optimizer_on_drive(self) -> bool:
+        """Masters and optimizer state live on the drive between steps."""
+        return self.optimizer_device == "nvme"
+
+    @property
+    def separate_masters(self) -> bool:
+        """fp32 masters apart from the shards: under mixed precision, and when the optimizer is
+        offloaded but the shards are not (offloaded shards already live on the CPU side, where the
+        optimizer steps)."""
+        return self.mixed_precision or (self.optimizer_offloaded and self.param_device == "none")
+
+    @property
+    def pin_masters(self) -> bool:
+        return self.optimizer_pin_memory and torch.cuda.is_available()
 
     def alloc_master(self, numel: int, shard_device: torch.device) -> torch.Tensor:
         """A zeroed fp32 buffer for masters: on the CPU (pinned if asked and CUDA exists) when
         offloading, else next to the parameter shards."""
-        if not self.enabled:
+        if not self.optimizer_offloaded:
             return torch.zeros(numel, dtype=torch.float32, device=shard_device)
-        pin = self.pin_memory and torch.cuda.is_available()
-        return torch.zeros(numel, dtype=torch.float32, device="cpu", pin_memory=pin)
+        return torch.zeros(numel, dtype=torch.float32, device="cpu", pin_memory=self.pin_masters)
 
     @staticmethod
     def copy_back(low: torch.Tensor, master: torch.Tensor) -> None:
@@ -57,3 +107,24 @@ class OffloadPolicy:
         non-blocking; it is ordered on the current stream before the next all-gather, whose side
         stream waits for the current one (comm.py [Note: streams and buffer lifetime])."""
         low.copy_(master, non_blocking=master.is_pinned())
+
+    # -- engine.offload_states -----------------------------------------------------------------------
+    def states_nvme_path(self, explicit: str | None) -> str:
+        """The directory of offload_states(device="nvme")'s swap file: the one passed, else the
+        parameters', else the optimizer's ("" when none is set)."""
+        return explicit or self.param_nvme_path or self.optimizer_nvme_path
+
+
+@dataclass(slots=True)
+class InMemoryBudget:
+    """Shard elements still allowed to stay in CPU memory under an NVMe tier, handed out to shards
+    first come, first served (parameter order, the same on every rank)."""
+
+    left: int
+
+    def keeps(self, shard_numel: int) -> bool:
+        """Whether a shard of ``shard_numel`` elements stays in memory (it is counted when it does)."""
+        if shard_numel > self.left:
+            return False
+        self.left -= shard_numel
+        return True

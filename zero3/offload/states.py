@@ -31,9 +31,10 @@ from typing import Any
 import torch
 
 from ..errors import ZeroConfigError, ZeroStateError
-from ..partition.param import raw_data
+from ..partition.param import ZeroParameter, raw_data
 from ..partition.state import ParamStatus
-from .nvme import StorageTier, SwapFile, storage_view
+from .nvme import StorageTier
+from .swapfile import SwapFile, storage_view
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,13 @@ class OffloadPhase(enum.Enum):
     RELOADING = enum.auto()
 
 
+_PHASES = {
+    (OffloadPhase.RESIDENT, OffloadPhase.OFFLOADED),
+    (OffloadPhase.OFFLOADED, OffloadPhase.RELOADING),
+    (OffloadPhase.RELOADING, OffloadPhase.RESIDENT),
+}
+
+
 @dataclass(eq=False)
 class _Moved:
     storage: torch.UntypedStorage
@@ -80,6 +88,7 @@ class StatesOffload:
         self.device = ""
         self.kinds: tuple[StateKind, ...] = ()
         self._moved: list[_Moved] = []
+        self._taken: list[ZeroParameter] = []  # whose shards' storages are moved (their residence STATES_OUT)
         self._tier: StorageTier | None = None
         self._path = ""
 
@@ -94,8 +103,7 @@ class StatesOffload:
             raise ZeroStateError(f"offload_states: {', '.join(k.value for k in self.kinds)} are already offloaded "
                                  f"to {self._where()}; call engine.reload_states() before offloading again")
         self._settle_swaps()
-        if device == "nvme":
-            tier = self._nvme(nvme_path)
+        tier = self._nvme(nvme_path) if device == "nvme" else None
         moved: list[_Moved] = []
         seen: set[int] = set()
         for kind in kinds:
@@ -107,21 +115,17 @@ class StatesOffload:
                 if device == "cpu" and storage.device.type == "cpu":
                     continue  # already in CPU memory
                 moved.append(_Moved(storage, kind, storage.nbytes()))
-        for i, m in enumerate(moved):
-            if device == "nvme":
-                tier.swap_out(i, m.storage)
-            else:
-                pin = pin_memory and torch.cuda.is_available()
-                m.host = torch.empty(m.nbytes, dtype=torch.uint8, pin_memory=pin)
-                m.host.copy_(storage_view(m.storage), non_blocking=non_blocking and pin)
-                m.storage.resize_(0)
-        if device == "nvme" and not non_blocking:
+        ptrs = {m.storage.data_ptr() for m in moved}
+        taken = [p for p in self.ctx.params if p._zero.shard.untyped_storage().data_ptr() in ptrs]
+        pin = pin_memory and torch.cuda.is_available()
+        self.ctx.store.take(taken, lambda: _move_out(moved, tier, pin, non_blocking))
+        if tier is not None and not non_blocking:
             tier.wait()
         freed = 0
         if StateKind.LP_PARAMS in kinds and self.ctx.coordinator.shards is not None:
             freed = self.ctx.coordinator.shards.pool.release_memory()  # scratch, allocated again when needed
-        self._moved, self.kinds, self.device = moved, kinds, device
-        self.phase = OffloadPhase.OFFLOADED
+        self._moved, self._taken, self.kinds, self.device = moved, taken, kinds, device
+        self._enter(OffloadPhase.OFFLOADED)
         total = sum(m.nbytes for m in moved)
         logger.info("zero3::offload_states %s -> %s: %d storages, %.1f MiB (and %.1f MiB of swap buffers freed)",
                     ", ".join(k.value for k in kinds), self._where(), len(moved), total / 2**20, freed / 2**20)
@@ -140,7 +144,7 @@ class StatesOffload:
                     assert m.host is not None
                     m.storage.resize_(m.nbytes)
                     storage_view(m.storage).copy_(m.host, non_blocking=non_blocking and m.host.is_pinned())
-            self.phase = OffloadPhase.RELOADING
+            self._enter(OffloadPhase.RELOADING)
         if not non_blocking:
             self._finish_reload()
 
@@ -174,13 +178,18 @@ class StatesOffload:
             self._tier = None  # its file is closed, and the drive space freed, once nothing refers to it
         if self.device == "cpu" and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()
-        self._moved = []
+        self.ctx.store.give_back(self._taken)
+        self._moved, self._taken = [], []
         self.kinds = ()
-        self.phase = OffloadPhase.RESIDENT
+        self._enter(OffloadPhase.RESIDENT)
+
+    def _enter(self, new: OffloadPhase) -> None:
+        if (self.phase, new) not in _PHASES:
+            raise ZeroStateError(f"offload_states: illegal phase change {self.phase.name} -> {new.name}")
+        self.phase = new
 
     def _nvme(self, nvme_path: str | None) -> StorageTier:
-        cfg = self.ctx.config
-        path = nvme_path or cfg.offload_param_nvme_path or cfg.offload_optimizer_nvme_path
+        path = self.ctx.store.placement.states_nvme_path(nvme_path)
         if not path:
             raise ZeroConfigError("offload_states(device='nvme') needs a directory for its swap file: pass "
                                   "nvme_path=..., or set offload_param.nvme_path or offload_optimizer.nvme_path "
@@ -199,6 +208,17 @@ class StatesOffload:
             self.ctx.coordinator.shards.flush()
         if self.ctx.optimizer is not None and self.ctx.optimizer.states is not None:
             self.ctx.optimizer.states.wait()
+
+
+def _move_out(moved: list[_Moved], tier: StorageTier | None, pin: bool, non_blocking: bool) -> None:
+    """Start moving every storage out: to ``tier``'s swap file, or (None) into host copies."""
+    for i, m in enumerate(moved):
+        if tier is not None:
+            tier.swap_out(i, m.storage)
+        else:
+            m.host = torch.empty(m.nbytes, dtype=torch.uint8, pin_memory=pin)
+            m.host.copy_(storage_view(m.storage), non_blocking=non_blocking and pin)
+            m.storage.resize_(0)
 
 
 def _kinds(include: Iterable[str] | None) -> tuple[StateKind, ...]:

@@ -47,7 +47,7 @@ import contextlib
 import logging
 import math
 from collections import deque
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Collection, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,10 +56,12 @@ import torch
 from ..comm.communicator import Communicator, Kind, Tag
 from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import ModelParallel, is_tensor_parallel
-from ..offload.policy import OffloadPolicy
+from ..offload.residence import ShardStore
 from ..partition.param import ZeroParameter
+from ..partition.state import MEMORY, Residence
 from .precision import LossScaler, unscale_
-from ..offload.nvme import AsyncIO, Residence, ShardTier, StorageTier, SwapFile
+from ..offload.nvme import ShardTier, StorageTier
+from ..offload.swapfile import AsyncIO, SwapFile
 
 if TYPE_CHECKING:
     from ..config import ZeroConfig
@@ -162,19 +164,20 @@ class PartitionedOptimizer:
 
     def __init__(self, optimizer: Any, params: Sequence[ZeroParameter], config: ZeroConfig,
                  comm: Communicator, fp32_shards: dict[int, torch.Tensor] | None = None,
-                 model_parallel: ModelParallel | None = None, *, shards: ShardTier | None = None,
-                 io: AsyncIO | None = None) -> None:
+                 model_parallel: ModelParallel | None = None, *, store: ShardStore,
+                 shards: ShardTier | None = None, io: AsyncIO | None = None) -> None:
         self.config = config
         self.comm = comm
         self.model_parallel = model_parallel
         self.params = list(params)
         self.scaler = LossScaler.from_config(config)
-        self.offload = OffloadPolicy.from_config(config)
+        self.store = store  # rebinds shards into the flat buffers
+        self.placement = store.placement
         self.shards = shards  # the NVMe tier of parameter shards (the coordinator's), or None
         self.states: StorageTier | None = None  # the NVMe tier of masters and optimizer state, or None
-        if self.offload.nvme:
+        if self.placement.optimizer_on_drive:
             assert io is not None, "offload_optimizer='nvme' needs the context's AsyncIO"
-            self.states = StorageTier(io, SwapFile(config.offload_optimizer_nvme_path or "",
+            self.states = StorageTier(io, SwapFile(self.placement.optimizer_nvme_path,
                                                    f"optimizer-rank{comm.rank}"))
         self.groups: list[FlatGroup] = []
         self.skipped_steps = 0
@@ -185,7 +188,7 @@ class PartitionedOptimizer:
         self._last_overflow = False
         # Separate fp32 masters: under mixed precision, and when the optimizer is offloaded but the
         # shards are not (offloaded shards already live on the CPU side, where the optimizer steps).
-        self.separate_masters = config.dtype != "fp32" or (self.offload.enabled and config.offload_param == "none")
+        self.separate_masters = self.placement.separate_masters
         if self.separate_masters:
             self.optimizer = self._build_masters(optimizer, fp32_shards or {})
         else:
@@ -239,7 +242,7 @@ class PartitionedOptimizer:
                                   f"{sorted(map(str, dtypes))}; "
                                   "build the model in one dtype (zero3.Init(dtype=...)) or set ZeroConfig.dtype")
         dtype = dtypes.pop() if dtypes else torch.float32
-        if self.offload.nvme:  # each master its own tensor, written to the drive as soon as it is made
+        if self.placement.optimizer_on_drive:  # each master its own tensor, written to the drive as soon as it is made
             assert self.states is not None
             behind = 0
             for p in ps:
@@ -251,10 +254,10 @@ class PartitionedOptimizer:
                     behind = 0
             self.states.wait()
             return FlatGroup(params=ps, offsets=offsets, master=None, low=None)
-        master = self.offload.alloc_master(total, device)
+        master = self.placement.alloc_master(total, device)
         low = None
         if self.shards is None:
-            pin = self.config.offload_param_pin_memory and device.type == "cpu" and torch.cuda.is_available()
+            pin = self.placement.pin_param_shards and device.type == "cpu"
             low = torch.zeros(total, dtype=dtype, device=device, pin_memory=pin)
         for p, off in zip(ps, offsets):
             z = p._zero
@@ -262,7 +265,7 @@ class PartitionedOptimizer:
             master[off: off + s].copy_(fp32_shards[z.id] if z.id in fp32_shards else self._shard_values(p))
             if low is not None:
                 low[off: off + s].copy_(z.shard)
-                z.replace_shard(low[off: off + s])
+                self.store.rebind(p, low[off: off + s])
             z.master = master[off: off + s]
         return FlatGroup(params=ps, offsets=offsets, master=master, low=low)
 
@@ -272,8 +275,7 @@ class PartitionedOptimizer:
 
     def _fp32_copy(self, p: ZeroParameter, fp32_shards: dict[int, torch.Tensor]) -> torch.Tensor:
         src = fp32_shards[p._zero.id] if p._zero.id in fp32_shards else self._shard_values(p)
-        pin = self.offload.pin_memory and torch.cuda.is_available()
-        out = torch.empty(src.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+        out = torch.empty(src.shape, dtype=torch.float32, device="cpu", pin_memory=self.placement.pin_masters)
         return out.copy_(src)
 
     # -- one training window (micro-batches up to an optimizer step) ---------------------------
@@ -381,7 +383,7 @@ class PartitionedOptimizer:
             for g, params in zip(groups, saved):
                 g["params"] = params
 
-    def _state_keys(self, ps: Sequence[ZeroParameter], resident: Residence | None = None) -> list[Hashable]:
+    def _state_keys(self, ps: Sequence[ZeroParameter], resident: Collection[Residence] | None = None) -> list[Hashable]:
         """Swap keys of ``ps``' separate masters and per-element optimizer state (in ``resident`` only)."""
         assert self.states is not None
         keys: list[Hashable] = []
@@ -394,13 +396,13 @@ class PartitionedOptimizer:
                     keys.append((z.id, name))
         if resident is None:
             return keys
-        return [k for k in keys if self.states.state(k) is resident]
+        return [k for k in keys if self.states.state(k) in resident]
 
     def _bring_in(self, ps: Sequence[ZeroParameter]) -> None:
         if self.shards is not None and not self.separate_masters:
             self.shards.load(ps, wait=False)
         if self.states is not None:
-            for key in self._state_keys(ps, Residence.ON_NVME):
+            for key in self._state_keys(ps, {Residence.DRIVE}):
                 self.states.swap_in(key)
 
     def _wait_in(self, ps: Sequence[ZeroParameter]) -> None:
@@ -440,7 +442,7 @@ class PartitionedOptimizer:
             yield
             return
         ps = [p for p in params if p.requires_grad]
-        for key in self._state_keys(ps, Residence.ON_NVME):
+        for key in self._state_keys(ps, {Residence.DRIVE}):
             self.states.swap_in(key)
         self.states.wait(self._state_keys(ps))
         try:
@@ -449,7 +451,7 @@ class PartitionedOptimizer:
             if write:
                 self._send_out_states(ps)
             else:
-                for key in self._state_keys(ps, Residence.IN_MEMORY):
+                for key in self._state_keys(ps, MEMORY):
                     self.states.drop(key)
             self.states.wait(self._state_keys(ps))
 
@@ -531,7 +533,7 @@ class PartitionedOptimizer:
         per parameter when shards or masters are tensors of their own."""
         for fg in self.groups:
             if fg.low is not None and fg.master is not None:
-                self.offload.copy_back(fg.low, fg.master)
+                self.placement.copy_back(fg.low, fg.master)
                 continue
             for p in fg.params:
                 with self.loaded([p], write=False):

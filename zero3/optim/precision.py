@@ -34,6 +34,7 @@ from ..partition.state import ParamStatus
 
 if TYPE_CHECKING:
     from ..config import ZeroConfig
+    from ..offload.residence import ShardStore
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def lower_precision(params: Iterable[ZeroParameter], dtype: torch.dtype) -> dict[int, torch.Tensor]:
+def lower_precision(params: Iterable[ZeroParameter], dtype: torch.dtype, store: ShardStore) -> dict[int, torch.Tensor]:
     """Cast every floating-point shard (and the empty full-size placeholder) to ``dtype``.
 
     Returns the full-precision (fp32) shard of every trainable parameter, keyed by ``ZeroParam.id``:
@@ -66,7 +67,7 @@ def lower_precision(params: Iterable[ZeroParameter], dtype: torch.dtype) -> dict
             fp32[z.id] = z.shard if z.shard.dtype == torch.float32 else z.shard.float()
         if z.shard.dtype == dtype:
             continue
-        z.replace_shard(z.shard.to(dtype))
+        store.cast(p, dtype)
         set_placeholder_dtype(p, dtype)
     return fp32
 

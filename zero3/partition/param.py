@@ -31,7 +31,7 @@ from torch import nn
 
 from . import sharding
 from ..errors import ZeroStateError
-from .state import ParamStatus, check_transition
+from .state import ParamStatus, Residence, check_transition
 
 _ids = itertools.count()
 
@@ -52,7 +52,8 @@ class ZeroParam:
     name: str
     shape: torch.Size
     dtype: torch.dtype
-    shard: torch.Tensor  # 1D, this rank's padded shard; the optimizer steps on it unless `master` is set
+    shard: torch.Tensor  # 1D, this rank's padded shard; the optimizer steps on it unless `master` is set.
+    # `shard`, `dtype` (after creation) and `residence` have one writer: offload/residence.py `ShardStore`.
     world_size: int
     rank: int
     group: Any  # the process group it is partitioned over (None: a single process)
@@ -65,15 +66,17 @@ class ZeroParam:
     master: torch.Tensor | None = None  # fp32 master shard (a view into a flat buffer), if separate
     prefetched: bool = False  # gathered ahead of use and not used yet (prefetch accounting)
     aliased: bool = False  # world size 1, persistent: the full data is a view of the shard (alias_shard)
-    swap: Any = None  # the `swap.ShardSwap` of a shard that lives on NVMe (None: the shard is in memory)
+    swap: Any = None  # the `nvme.ShardSwap` of a shard whose tier is the drive (None: it belongs in memory)
     secondary: Any = None  # hpZ: comm.Secondary, this rank's slice kept from a forward gather (coordinator.py)
     ctx: Any = None  # the RuntimeContext that owns the parameter (context.py imports this module)
     numel: int = field(init=False)  # full, unpadded; read on every fetch and release, so stored
     shard_numel: int = field(init=False)  # padded; the same on every rank and for every shard dtype
+    residence: Residence = field(init=False)  # where the shard's bytes are
 
     def __post_init__(self) -> None:
         self.numel = self.shape.numel()
         self.shard_numel = self.shard.numel()
+        self.residence = residence_of(self.shard)
 
     @property
     def nbytes(self) -> int:
@@ -93,23 +96,21 @@ class ZeroParam:
         check_transition(self.name, self.status, new)
         self.status = new
 
-    def replace_shard(self, new: torch.Tensor) -> None:
-        """Rebind the shard to ``new`` (a cast copy, or a view into a flat buffer) with the same padded
-        size; the record's dtype follows it. Only while the full data is not gathered."""
-        if new.dim() != 1 or new.numel() != self.shard_numel:
-            raise ZeroStateError(f"{self.summary()}: a new shard must be 1-D with {self.shard_numel} elements, "
-                                 f"got shape {tuple(new.shape)}")
-        if self.status is not ParamStatus.NOT_AVAILABLE:
-            raise ZeroStateError(f"{self.summary()}: its shard cannot be replaced while it is gathered")
-        self.shard = new
-        self.dtype = new.dtype
-
     def shard_range(self) -> tuple[int, int]:
         return sharding.shard_range(self.numel, self.world_size, self.rank)
 
     def summary(self) -> str:
         return (f"{self.name or '<unnamed>'} (ds_id={self.id}, ds_shape={tuple(self.shape)}, "
                 f"ds_status={self.status.name}, rank={self.rank}/{self.world_size})")
+
+
+def residence_of(t: torch.Tensor | torch.UntypedStorage) -> Residence:
+    """The memory place of a tensor's (or a storage's) bytes. Whether memory is pinned is a CUDA
+    driver call that may create a context, so it is asked only once torch's CUDA state is
+    initialised; before, host memory counts as HOST (a label: no move depends on pinned or not)."""
+    if t.device.type != "cpu":
+        return Residence.DEVICE
+    return Residence.PINNED_HOST if torch.cuda.is_initialized() and t.is_pinned() else Residence.HOST
 
 
 class ZeroParameter(nn.Parameter):
@@ -274,7 +275,11 @@ def is_partitioned(p: Any) -> bool:
 
 # -- storage and status of the full tensor (called by the coordinator only) -----------------------
 def begin_gather(p: ZeroParameter, handle: Any) -> None:
-    """NOT_AVAILABLE -> INFLIGHT: a gather of ``p`` was issued; ``handle`` is what to wait on."""
+    """NOT_AVAILABLE -> INFLIGHT: a gather of ``p`` was issued; ``handle`` is what to wait on. Its
+    shard must be in memory (one on the drive is read first, one taken by offload_states reloaded)."""
+    if not p._zero.residence.in_memory:
+        raise ZeroStateError(f"{p._zero.summary()}: gathered while its shard is {p._zero.residence.name}, "
+                             "not in memory")
     p._zero.set_status(ParamStatus.INFLIGHT)
     p._zero.handle = handle
 

@@ -44,7 +44,11 @@ from ..optim.precision import lower_precision, torch_dtype
 from ..partition.state import ParamStatus
 from ..optim.schedulers import build_optimizer, build_scheduler
 from ..offload.states import OffloadPhase, StatesOffload
-from ..offload.nvme import AsyncIO, BufferPool, ShardTier, SwapFile
+from ..offload.nvme import ShardTier
+from ..offload.pool import BufferPool
+from ..offload.swapfile import AsyncIO, SwapFile
+from ..offload.policy import PlacementPolicy
+from ..offload.residence import ShardStore
 from ..comm.topology import hpz_group_size
 
 logger = logging.getLogger(__name__)
@@ -61,6 +65,7 @@ class RuntimeContext:
     comm: Communicator
     metrics: StepMetrics
     coordinator: ParamCoordinator
+    store: ShardStore  # the one writer of parameter shards; its `placement` says where all state lives
     module: nn.Module | None = None
     params: list[ZeroParameter] = field(default_factory=list)
     reducer: GradientReducer | None = None
@@ -93,15 +98,17 @@ class RuntimeContext:
                                 if config.zero_quantized_gradients and own_group else 0,
                                 quant_block=config.quantization_block_size)
         io = shards = None
-        if config.offload_param == "nvme":
-            io = AsyncIO(config.aio_thread_count)
-            pool = BufferPool(config.offload_param_buffer_count,
-                              config.offload_param_buffer_size * torch_dtype(config.dtype).itemsize,
-                              pin=config.offload_param_pin_memory)
-            shards = ShardTier(io, SwapFile(config.offload_param_nvme_path or "", f"params-rank{rank}"), pool,
-                               comm.metrics)
+        placement = PlacementPolicy.from_config(config)
+        store = ShardStore(placement)
+        if placement.params_on_drive:
+            io = AsyncIO(placement.aio_threads)
+            pool = BufferPool(placement.param_buffer_count,
+                              placement.param_buffer_size * torch_dtype(config.dtype).itemsize,
+                              pin=placement.param_pin_memory)
+            shards = ShardTier(io, SwapFile(placement.param_nvme_path, f"params-rank{rank}"), pool,
+                               comm.metrics, store)
         return cls(config=config, group=group, world_size=world, rank=rank, comm=comm, metrics=comm.metrics,
-                   coordinator=ParamCoordinator(config, comm, comm.metrics, shards=shards), io=io)
+                   coordinator=ParamCoordinator(config, comm, comm.metrics, shards=shards), store=store, io=io)
 
     def count_swap_io(self) -> None:
         """Put the swap-file bytes read and written since the last call into the step's metrics."""
@@ -114,7 +121,7 @@ class RuntimeContext:
     def swap_io(self) -> AsyncIO:
         """The threads that read and write this context's swap files (made on first use)."""
         if self.io is None:
-            self.io = AsyncIO(self.config.aio_thread_count)
+            self.io = AsyncIO(self.store.placement.aio_threads)
         return self.io
 
     def partition(self, p: nn.Parameter, name: str, *, shard_device: torch.device | None = None,
@@ -197,8 +204,8 @@ class RuntimeContext:
         persistent = sum(p._zero.numel * p._zero.shard.element_size() for p in self.coordinator.persistent)
         secondary = sum(p._zero.secondary.nbytes for p in self.params if p._zero.secondary is not None)
         nvme = (tier.nvme_bytes if tier is not None else 0) + (part.nvme_bytes if part is not None else 0)
-        cpu = masters + states if part is not None and part.offload.device == "cpu" else 0
-        if self.config.offload_param == "cpu":
+        cpu = masters + states if part is not None and self.store.placement.optimizer_device == "cpu" else 0
+        if self.store.placement.params_on_host:
             cpu += shard
         if self.offloaded is not None:  # engine.offload_states
             nvme += self.offloaded.nvme_bytes
@@ -241,7 +248,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         optimizer = build_optimizer(config.optimizer, model_parameters if model_parameters is not None
                                     else model.parameters())
     validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
-    _check_nvme_shards(model, config)
+    _check_nvme_shards(model, config, PlacementPolicy.from_config(config))
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
     hpz = hpz_group_size(config.zero_hpz_partition_size, ctx.comm.nodes)  # the same on every rank
     if hpz > 1:
@@ -262,16 +269,16 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         ctx.params.append(p)
     ctx.coordinator.register(ctx.params)
     # bf16/fp16: cast the shards now (before anything is gathered); their fp32 values seed the masters
-    fp32_shards = lower_precision(ctx.params, torch_dtype(config.dtype)) if config.dtype != "fp32" else {}
+    fp32_shards = lower_precision(ctx.params, torch_dtype(config.dtype), ctx.store) if config.dtype != "fp32" else {}
     ctx.reducer = GradientReducer(ctx.comm, config.reduce_bucket_size, reduce_dtype=torch_dtype(config.reduce_dtype),
                                   accumulation_steps=config.gradient_accumulation_steps)
     ctx.coordinator.choose_persistent(ctx.params)
-    ctx.coordinator.place_shards(ctx.params)  # offload_param: CPU memory or the drive, before the optimizer
+    ctx.coordinator.place_shards(ctx.params, ctx.store)  # offload_param: CPU memory or the drive, before the optimizer
     if optimizer is not None:
         ctx.optimizer = PartitionedOptimizer(optimizer, ctx.params, config, ctx.comm, fp32_shards,
                                              model_parallel=ctx.model_parallel,
-                                             shards=ctx.coordinator.shards,
-                                             io=ctx.swap_io() if config.offload_optimizer == "nvme" else None)
+                                             shards=ctx.coordinator.shards, store=ctx.store,
+                                             io=ctx.swap_io() if ctx.store.placement.optimizer_on_drive else None)
         torch_opt = ctx.optimizer.optimizer
         if config.scheduler is not None:
             ctx.lr_scheduler = build_scheduler(config.scheduler, torch_opt)
@@ -289,14 +296,14 @@ LIVE_CONTEXTS: "weakref.WeakSet[RuntimeContext]" = weakref.WeakSet()
 (the one process-wide registry; it holds no context alive)."""
 
 
-def _check_nvme_shards(model: nn.Module, config: ZeroConfig) -> None:
+def _check_nvme_shards(model: nn.Module, config: ZeroConfig, placement: PlacementPolicy) -> None:
     """Shards that ``zero3.Init(remote_device="nvme")`` wrote to the drive stay there: the engine
     must keep them on NVMe, in the dtype they were written in."""
     for name, p in model.named_parameters():
         z = getattr(p, "_zero", None)
         if z is None or z.swap is None:
             continue
-        if config.offload_param != "nvme":
+        if not placement.params_on_drive:
             raise ZeroConfigError(
                 f"parameter {name!r} was partitioned onto NVMe by zero3.Init(remote_device='nvme'), but initialize's "
                 f"config has offload_param={config.offload_param!r}; pass initialize the config given to Init "

@@ -63,8 +63,9 @@ from ..errors import ZeroError, ZeroStateError
 from ..metrics import StepMetrics
 from ..partition.param import ZeroParameter
 from ..planning.schedule import PlanConfig, Schedule, eviction_order, plan
-from ..partition.state import ParamStatus
-from ..offload.nvme import Residence, ShardTier
+from ..partition.state import ParamStatus, Residence
+from ..offload.nvme import ShardTier
+from ..offload.residence import ShardStore
 from ..planning.trace import Event, EventKind, ParamInfo, Trace, TraceRecorder, export_graph
 
 logger = logging.getLogger(__name__)
@@ -195,23 +196,19 @@ class ParamCoordinator:
                 p._zero.persistent = True
                 self.persistent.append(p)
 
-    def place_shards(self, params: Sequence[ZeroParameter]) -> None:
+    def place_shards(self, params: Sequence[ZeroParameter], store: ShardStore) -> None:
         """Put every shard in the tier ``offload_param`` asks for: CPU memory (pinned if asked, with
         CUDA), or the drive, except persistent parameters and the first ``offload_param_max_in_cpu``
         elements (in parameter order), which stay in memory. Shards already on the drive (written by
         ``zero3.Init(remote_device="nvme")``) are adopted, or read back when they belong in memory."""
-        tier = self.config.offload_param
-        pin = self.config.offload_param_pin_memory and torch.cuda.is_available()
-        budget = self.config.offload_param_max_in_cpu
+        budget = store.placement.in_memory_budget()
         for p in sorted(params, key=lambda q: q._zero.id):
             z = p._zero
-            if tier == "cpu" and (z.shard.device.type != "cpu" or (pin and not z.shard.is_pinned())):
-                z.replace_shard(z.shard.detach().to("cpu").pin_memory() if pin else z.shard.detach().to("cpu"))
+            if store.placement.params_on_host:
+                store.place_on_host(p)
             if self.shards is None:
                 continue
-            if z.persistent or z.shard_numel <= budget:
-                if not z.persistent:
-                    budget -= z.shard_numel
+            if z.persistent or budget.keeps(z.shard_numel):
                 self.shards.keep(p)
             else:
                 self.shards.offload(p)
@@ -594,7 +591,7 @@ class ParamCoordinator:
                 p = self._by_id[ids[at]]
                 sw = p._zero.swap
                 if sw is not None:
-                    if sw.state is not Residence.ON_NVME and sw.state is not Residence.WRITING:
+                    if p._zero.residence is not Residence.DRIVE and p._zero.residence is not Residence.WRITING:
                         following.ahead, following.ahead_at = k, at
                         return  # still in memory for an earlier gather: wait until that one is done
                     if tier.read([p], ahead=True):

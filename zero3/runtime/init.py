@@ -63,6 +63,7 @@ from ..partition.param import (
     set_placeholder_dtype,
 )
 from ..optim.precision import torch_dtype
+from ..offload.policy import InMemoryBudget
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,8 @@ class _InitState:
     remote_device: torch.device | None
     dtype: torch.dtype | None
     sync: SyncMode
+    cpu_budget: InMemoryBudget  # remote_device="nvme": shard elements still allowed to stay in CPU memory
     pin_memory: bool = False
-    cpu_budget: int = 0  # remote_device="nvme": shard elements still allowed to stay in CPU memory (max_in_cpu)
     # Modules that registered a parameter, in registration order (a dict, not a set: partitioning
     # hands out ds_ids, which must follow the same order on every rank; a set's follows addresses).
     modules: "WeakKeyDictionary[nn.Module, None]" = field(default_factory=WeakKeyDictionary)
@@ -187,7 +188,7 @@ class Init:
         except ZeroConfigError as exc:
             raise ZeroConfigError(f"zero3.Init(remote_device='nvme') needs offload_param.nvme_path in the config "
                                   f"passed as config_dict_or_path: {exc}") from None
-        self._pin_memory = pin_memory or self._config.offload_param_pin_memory
+        self._pin_memory = pin_memory  # or the config's offload_param.pin_memory (the context's placement)
         self._dtype = dtype if dtype is not None else (torch_dtype(self._config.dtype)
                                                        if self._config.dtype != "fp32" else None)
         self._sync: SyncMode = sync
@@ -199,7 +200,8 @@ class Init:
     def _state(self) -> _InitState:
         ctx = RuntimeContext.minimal(self._config, self._group)
         return _InitState(ctx=ctx, remote_device=self._remote_device, dtype=self._dtype, sync=self._sync,
-                          pin_memory=self._pin_memory, cpu_budget=self._config.offload_param_max_in_cpu)
+                          pin_memory=self._pin_memory or ctx.store.placement.param_pin_memory,
+                          cpu_budget=ctx.store.placement.in_memory_budget())
 
     def _partition_built(self, module: nn.Module) -> None:
         """``Init(module=m)``: partition a built module; rank 0's values win (a broadcast each)."""
@@ -375,13 +377,11 @@ def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) ->
             z = zp._zero
             tier = ctx.coordinator.shards
             if tier is not None and z.numel > ctx.config.param_persistence_threshold:
-                if z.shard_numel <= state.cpu_budget:  # the engine keeps as many in memory (max_in_cpu)
-                    state.cpu_budget -= z.shard_numel
-                else:
+                if not state.cpu_budget.keeps(z.shard_numel):  # the engine keeps as many in memory (max_in_cpu)
                     tier.offload(zp)
                     continue
-            if state.pin_memory and z.shard.device.type == "cpu" and torch.cuda.is_available():
-                z.replace_shard(z.shard.pin_memory())
+            if state.pin_memory:
+                ctx.store.pin(zp)
 
 
 def _param_of(target: Any, state: _InitState) -> ZeroParameter | None:
@@ -452,7 +452,7 @@ def _assign(p: ZeroParameter, value: Any, state: _InitState) -> None:
         raise ZeroStateError(f"{z.summary()}: its shard is on NVMe in {z.shard.dtype}; .data may only be assigned a "
                              f"{z.shard.dtype} tensor under zero3.Init(remote_device='nvme'), got {shard.dtype}")
     else:
-        z.replace_shard(shard)
+        state.ctx.store.rebind(p, shard)
         set_placeholder_dtype(p, shard.dtype)
 
 
