@@ -46,6 +46,7 @@ from ..optim.schedulers import build_optimizer, build_scheduler
 from ..offload.states import OffloadPhase, StatesOffload
 from ..offload.nvme import AsyncIO, BufferPool, ShardTier, SwapFile
 from ..comm.topology import hpz_group_size
+from .placement import place_shards
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +267,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     ctx.reducer = GradientReducer(ctx.comm, config.reduce_bucket_size, reduce_dtype=torch_dtype(config.reduce_dtype),
                                   accumulation_steps=config.gradient_accumulation_steps)
     ctx.coordinator.choose_persistent(ctx.params)
-    ctx.coordinator.place_shards(ctx.params)  # offload_param: CPU memory or the drive, before the optimizer
+    place_shards(config, ctx.coordinator.shards, ctx.params)  # CPU memory or the drive, before the optimizer
     if optimizer is not None:
         ctx.optimizer = PartitionedOptimizer(optimizer, ctx.params, config, ctx.comm, fp32_shards,
                                              model_parallel=ctx.model_parallel,

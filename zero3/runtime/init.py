@@ -47,6 +47,7 @@ from torch.nn.modules import module as module_mod
 from torch.utils import _pytree as pytree
 
 from ..partition import sharding
+from ..planning.persistence import MemoryBudget, PersistenceRule
 from ..comm.communicator import Kind, Tag
 from ..config import resolve_config
 from .context import RuntimeContext
@@ -76,7 +77,10 @@ class _InitState:
     dtype: torch.dtype | None
     sync: SyncMode
     pin_memory: bool = False
-    cpu_budget: int = 0  # remote_device="nvme": shard elements still allowed to stay in CPU memory (max_in_cpu)
+    # remote_device="nvme": the engine's rules (planning/persistence.py) in construction order: which
+    # parameters will be persistent, and which other shards stay in memory (max_in_cpu)
+    persistence: PersistenceRule = field(default_factory=lambda: PersistenceRule(0, 0))
+    in_memory: MemoryBudget = field(default_factory=lambda: MemoryBudget(0))
     # Modules that registered a parameter, in registration order (a dict, not a set: partitioning
     # hands out ds_ids, which must follow the same order on every rank; a set's follows addresses).
     modules: "WeakKeyDictionary[nn.Module, None]" = field(default_factory=WeakKeyDictionary)
@@ -199,7 +203,10 @@ class Init:
     def _state(self) -> _InitState:
         ctx = RuntimeContext.minimal(self._config, self._group)
         return _InitState(ctx=ctx, remote_device=self._remote_device, dtype=self._dtype, sync=self._sync,
-                          pin_memory=self._pin_memory, cpu_budget=self._config.offload_param_max_in_cpu)
+                          pin_memory=self._pin_memory,
+                          persistence=PersistenceRule(self._config.param_persistence_threshold,
+                                                      self._config.model_persistence_threshold),
+                          in_memory=MemoryBudget(self._config.offload_param_max_in_cpu))
 
     def _partition_built(self, module: nn.Module) -> None:
         """``Init(module=m)``: partition a built module; rank 0's values win (a broadcast each)."""
@@ -374,12 +381,9 @@ def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) ->
             zp = ctx.partition(p, name, shard_device=state.remote_device, dtype=state.dtype)
             z = zp._zero
             tier = ctx.coordinator.shards
-            if tier is not None and z.numel > ctx.config.param_persistence_threshold:
-                if z.shard_numel <= state.cpu_budget:  # the engine keeps as many in memory (max_in_cpu)
-                    state.cpu_budget -= z.shard_numel
-                else:
-                    tier.offload(zp)
-                    continue
+            if tier is not None and not state.in_memory.stays(state.persistence.admit(z.numel), z.shard_numel):
+                tier.offload(zp)  # as the engine will place it (placement.py), if it sees the same order
+                continue
             if state.pin_memory and z.shard.device.type == "cpu" and torch.cuda.is_available():
                 z.replace_shard(z.shard.pin_memory())
 
