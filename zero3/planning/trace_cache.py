@@ -1,4 +1,12 @@
-"""The recorded traces a coordinator follows, and where it is in the one it follows now.
+"""The running step's trace: what it recorded, the cached trace it follows, and the cache of traces.
+
+[Note: following a trace]
+Each event is compared with the next event of the followed trace (kind, module, parameter ids). On
+a match the coordinator runs the planned action: releases, then the demand fetch (what is not
+already gathered or in flight), then the prefetch bucket. On a mismatch nothing raises: the
+divergence is logged once, the coordinator releases every gathered parameter no running module
+needs (what was prefetched for nothing included), and fetches on demand until the step ends. The
+step is still recorded; if its order is new it becomes another cached trace.
 
 A step is keyed by how it began (its first event and whether grad was on). Each key keeps the
 distinct event orders seen under it, most recently used first, with the `Schedule` planned for
@@ -7,18 +15,18 @@ first), so alternating control flow does not re-record every step. Which order t
 key follows is predicted from what followed the previous step's order last time (an A, B, A, B
 alternation hits every time); without a prediction, the most recently used order.
 
-Pure data: no torch, no parameters (the coordinator, runtime/coordinator.py, freezes and acts).
+Pure data: no torch, no parameters (the coordinator, runtime/coordinator.py, acts on the plan).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .schedule import PlanConfig, Schedule, plan
-from .trace import Event, Trace
+from .trace import Event, EventKind, ParamInfo, Trace, TraceRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -128,3 +136,84 @@ class TraceCache:
             if not self._traces[last_key]:
                 del self._traces[last_key]
             total -= 1
+
+
+class StepTraces:
+    """The running step's recording and the trace it follows, over a `TraceCache`."""
+
+    def __init__(self, max_traces: int) -> None:
+        self.cache = TraceCache(max_traces)
+        self._recorder = TraceRecorder()
+        self.key: str | None = None  # the running step's key (None: between steps)
+        self.following: Following | None = None
+        self.diverged = False  # the running (or the last) step left its trace
+        self._announced: set[tuple[str, int, int]] = set()
+        self.last: Entry | None = None  # the trace and schedule of the last step that had one
+
+    def begin(self, key: str) -> Following | None:
+        """A step of ``key`` begins: follow the trace the cache predicts for it, if any."""
+        self.key = key
+        self.diverged = False
+        chosen = self.cache.predict(key)
+        self.following = None if chosen is None else Following.of(chosen)
+        if chosen is not None:
+            self.last = chosen
+        return self.following
+
+    def record(self, kind: EventKind, module: str, ids: tuple[int, ...]) -> None:
+        self._recorder.record(kind, module, ids)
+
+    def match(self, kind: EventKind, module: str, ids: tuple[int, ...], step: int) -> int | None:
+        """The index of this event in the followed trace when it is the one expected (the cursor
+        moves past it); None when no trace is followed, or the step leaves it here (logged once)."""
+        following = self.following
+        if following is None:
+            return None
+        i = following.cursor
+        expected = following.expected
+        if expected is not None and expected.kind is kind and expected.module == module and expected.params == ids:
+            following.cursor += 1
+            return i
+        trace = following.trace
+        if (trace.key, trace.version, i) not in self._announced:
+            self._announced.add((trace.key, trace.version, i))
+            want = "the end of the trace" if expected is None else \
+                f"{expected.kind.value} {expected.module or '<root>'!r}"
+            logger.warning("zero3: step %d left trace %r v%d at event %d: expected %s, got %s %r; fetching on "
+                           "demand for the rest of the step", step, trace.key, trace.version, i, want,
+                           kind.value, module or "<root>")
+        self.following = None
+        self.diverged = True
+        return None
+
+    def end(self, aborted: bool, params: Callable[[], Mapping[int, ParamInfo]], config: PlanConfig) -> None:
+        """The step ended: unless ``aborted``, keep its trace (the one it followed, a cached one with
+        the same events, or a new one over ``params()``, planned with ``config``)."""
+        key, self.key = self.key, None
+        followed, self.following = self.following, None
+        events = self._recorder.events
+        try:
+            if key is not None and not aborted and events:
+                completed = (followed.trace, followed.schedule) \
+                    if followed is not None and not self.diverged and followed.completed else None
+                entry = self.cache.keep(key, events, completed, lambda v: self._recorder.freeze(key, v, params()),
+                                        config)
+                if entry is not None:
+                    self.last = entry
+        finally:
+            self._recorder.clear()
+
+    def explain(self, target: tuple[str, object], config: PlanConfig) -> list[str]:
+        """Why the last planned step gathered, kept and released what it did (``engine.explain``)."""
+        kind, value = target
+        if self.last is None:
+            return ["no step has been recorded yet: every fetch so far was on demand, released right after use"]
+        schedule = self.last[1]
+        header = [f"trace {schedule.trace_key!r} v{schedule.trace_version}, budgets {config}"]
+        if self.diverged:
+            header.append("note: the last step left this trace and fetched on demand after the divergence")
+        if kind == "param":
+            return header + schedule.explain(param_id=value)  # type: ignore[arg-type]
+        if kind == "module":
+            return header + schedule.explain(module=value)  # type: ignore[arg-type]
+        return header + schedule.explain()

@@ -11,16 +11,8 @@ Every step is recorded (trace.py); when a step ends its events are frozen into a
 ``schedule.plan`` computed for it: prefetch buckets, reuse-distance keeps and Belady evictions under
 a hard live budget. Without a matching trace the coordinator fetches on demand and releases right
 after use, under the same hard budget and with the same eviction policy (`schedule.eviction_order`).
-Generation mode (planning/generation.py) keeps what it gathered across forwards instead.
-
-[Note: following a trace]
-Each event is compared with the next event of the followed trace (kind, module, parameter ids). On
-a match the planned action runs: releases, then the demand fetch (what is not already gathered or
-in flight), then the prefetch bucket. On a mismatch the coordinator never raises: it logs the
-divergence once, releases every gathered parameter no running module needs (what was prefetched
-for nothing included), and fetches on demand until the step ends. The step is still recorded; if
-its order is new it becomes another cached trace (up to ``max_traces``, keyed by how the step
-began), so alternating control flow does not re-record every step.
+Generation mode (planning/generation.py) keeps what it gathered across forwards instead. What
+happens when a step leaves the trace it follows: trace_cache.py [Note: following a trace].
 
 Every gathered, non-persistent parameter is in ``_live`` from the moment its gather is issued until
 it is released; ``metrics.live_numel`` is their element count and `check_valid` recomputes it.
@@ -47,8 +39,8 @@ from ..planning.persistence import choose_persistent
 from ..planning.schedule import PlanConfig, Schedule, eviction_order
 from ..partition.state import ParamStatus
 from ..offload.nvme import ShardTier
-from ..planning.trace import Event, EventKind, ParamInfo, Trace, TraceRecorder, write_trace
-from ..planning.trace_cache import Following, TraceCache
+from ..planning.trace import EventKind, ParamInfo, Trace, write_trace
+from ..planning.trace_cache import StepTraces
 from .hpz import SecondarySlices
 from .read_ahead import ReadAhead
 
@@ -94,18 +86,11 @@ class ParamCoordinator:
         self._reading = ReadAhead(shards) if shards is not None else None
         self._hpz: SecondarySlices | None = None  # hpZ (`enable_hpz`)
         self._live: dict[int, ZeroParameter] = {}
-        self._recorder = TraceRecorder()
         self._by_id: dict[int, ZeroParameter] = {}
         self.persistent: list[ZeroParameter] = []
         self.register(params)
-        self.cache = TraceCache(config.max_traces)
-        self._step_key: str | None = None
-        self._following: Following | None = None
-        self._diverged = False
-        self._announced: set[tuple[str, int, int]] = set()
+        self.steps = StepTraces(config.max_traces)  # what the running step recorded and follows
         self._event: tuple[EventKind, str] | None = None  # the event a gather serves (for its tag)
-        self.last_trace: Trace | None = None
-        self.last_schedule: Schedule | None = None
         self._generation: GenerationPrefetch | None = None  # generation mode (`begin_generation`)
 
     def register(self, params: Iterable[ZeroParameter]) -> None:
@@ -130,7 +115,16 @@ class ParamCoordinator:
     @property
     def record_count(self) -> int:
         """Traces recorded (new orders)."""
-        return self.cache.record_count
+        return self.steps.cache.record_count
+
+    @property
+    def last_trace(self) -> Trace | None:
+        """The trace the last step followed or recorded (None: no step recorded yet)."""
+        return self.steps.last[0] if self.steps.last is not None else None
+
+    @property
+    def last_schedule(self) -> Schedule | None:
+        return self.steps.last[1] if self.steps.last is not None else None
 
     @property
     def generating(self) -> bool:
@@ -192,24 +186,22 @@ class ParamCoordinator:
         if self._generation is not None:
             self._generation_event(self._generation, kind, params)
             return
-        if self._step_key is None:
+        if self.steps.key is None:
             self._begin_step(kind, module)
         if ids is None:
             ids = tuple(sorted({p._zero.id for p in params}))
-        self._recorder.record(kind, module, ids)
+        self.steps.record(kind, module, ids)
         self._event = (kind, module)
-        self._pin(kind, params)
-        following = self._following
-        if following is not None:
-            i = following.cursor
-            expected = following.expected
-            if expected is not None and expected.kind is kind and expected.module == module and expected.params == ids:
-                following.cursor += 1
-                self._apply(following.schedule, i, kind, params)
-                if self._reading is not None:
-                    self._reading.advance(i, self._by_id.__getitem__)
-                return
-            self._diverge(following.trace, i, expected, kind, module, params)
+        _pin(kind, params)
+        following = self.steps.following
+        i = self.steps.match(kind, module, ids, self.metrics.step)
+        if following is not None and i is not None:
+            self._apply(following.schedule, i, kind, params)
+            if self._reading is not None:
+                self._reading.advance(i, self._by_id.__getitem__)
+            return
+        if following is not None:  # the step left its trace here
+            self._left_trace(kind, params)
         if kind in _PRE:
             self.fetch(params)
         else:
@@ -219,7 +211,7 @@ class ParamCoordinator:
     def begin_generation(self) -> None:
         """Keep gathered parameters across forwards (a decode loop) until `end_generation`, under
         the live cap, prefetching along the learnt cycle (planning/generation.py)."""
-        if self._step_key is not None:
+        if self.steps.key is not None:
             raise ZeroStateError("engine.generation() entered in the middle of a step; enter it between steps")
         self._generation = GenerationPrefetch()
 
@@ -229,7 +221,7 @@ class ParamCoordinator:
         self.release(list(self._live.values()))
 
     def _generation_event(self, policy: GenerationPrefetch, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
-        self._pin(kind, params)
+        _pin(kind, params)
         if kind not in _PRE:
             return
         ids = [p._zero.id for p in params]
@@ -245,23 +237,6 @@ class ParamCoordinator:
                 if self._live_size + sum(self._size(q) for q in missing) <= self.plan_config.max_live:
                     self.prefetch(missing)
 
-    def _pin(self, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
-        if kind is EventKind.PRE_FORWARD:
-            for p in params:
-                p._zero.active_forward += 1
-        elif kind is EventKind.POST_FORWARD:
-            for p in params:
-                z = p._zero
-                if z.active_forward <= 0:
-                    raise ZeroStateError(f"post-forward of {z.summary()} without a matching pre-forward")
-                z.active_forward -= 1
-        elif kind is EventKind.PRE_BACKWARD:
-            for p in params:
-                p._zero.active_backward += 1
-        else:
-            for p in params:
-                p._zero.active_backward = max(0, p._zero.active_backward - 1)
-
     def _apply(self, schedule: Schedule, i: int, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
         action = schedule.actions[i]
         if action.release:
@@ -271,19 +246,9 @@ class ParamCoordinator:
         if action.prefetch:
             self.prefetch([self._by_id[pid] for pid in action.prefetch])
 
-    def _diverge(self, trace: Trace, i: int, expected: Event | None, kind: EventKind, module: str,
-                 params: Sequence[ZeroParameter]) -> None:
+    def _left_trace(self, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
+        """The step left its trace: release what no running module needs, read nothing ahead."""
         self.metrics.divergences += 1
-        key = (trace.key, trace.version, i)
-        if key not in self._announced:
-            self._announced.add(key)
-            want = "the end of the trace" if expected is None else \
-                f"{expected.kind.value} {expected.module or '<root>'!r}"
-            logger.warning("zero3: step %d left trace %r v%d at event %d: expected %s, got %s %r; fetching on "
-                           "demand for the rest of the step", self.metrics.step, trace.key, trace.version, i, want,
-                           kind.value, module or "<root>")
-        self._following = None
-        self._diverged = True
         keep = {p._zero.id for p in params} if kind in _PRE else set()
         self.release(p for p in list(self._live.values()) if p._zero.id not in keep)
         if self._reading is not None:
@@ -291,21 +256,16 @@ class ParamCoordinator:
 
     # -- step boundaries -------------------------------------------------------------------------
     def _begin_step(self, kind: EventKind, module: str) -> None:
-        self._step_key = f"{kind.value}:{module or '<root>'}:{'grad' if torch.is_grad_enabled() else 'no_grad'}"
-        self._diverged = False
+        grad = torch.is_grad_enabled()
+        following = self.steps.begin(f"{kind.value}:{module or '<root>'}:{'grad' if grad else 'no_grad'}")
         if self._hpz is not None:
-            self._hpz.keeping = torch.is_grad_enabled()
-        chosen = self.cache.predict(self._step_key)
-        self._following = None
-        if chosen is not None:
-            self._following = Following.of(chosen)
-            self.last_trace, self.last_schedule = chosen
-            if self._reading is not None:
-                self._reading.follow(chosen[1], self._by_id.__getitem__)
+            self._hpz.keeping = grad
+        if following is not None and self._reading is not None:
+            self._reading.follow(following.schedule, self._by_id.__getitem__)
 
     @property
     def in_step(self) -> bool:
-        return self._step_key is not None
+        return self.steps.key is not None
 
     def end_step(self, aborted: bool = False) -> None:
         """The coordinator's part of the end of a step, normal or aborted (step.py `StepLifecycle`
@@ -325,27 +285,11 @@ class ParamCoordinator:
         if self._hpz is not None:
             self._hpz.drop()
             self._hpz.keeping = False
-        key, self._step_key = self._step_key, None
-        followed, self._following = self._following, None
-        events = self._recorder.events
-        try:
-            if key is not None and not aborted and events:
-                self._keep_trace(key, followed, events)
-        finally:
-            self._recorder.clear()
+        self.steps.end(aborted, self._param_infos, self.plan_config)
 
-    def _keep_trace(self, key: str, followed: Following | None, events: tuple[Event, ...]) -> None:
-        completed = (followed.trace, followed.schedule) \
-            if followed is not None and not self._diverged and followed.completed else None
-
-        def freeze(version: int) -> Trace:
-            infos = {pid: ParamInfo(id=pid, name=p._zero.name, numel=p._zero.numel, nbytes=p._zero.nbytes,
-                                    persistent=p._zero.persistent) for pid, p in self._by_id.items()}
-            return self._recorder.freeze(key, version, infos)
-
-        entry = self.cache.keep(key, events, completed, freeze, self.plan_config)
-        if entry is not None:
-            self.last_trace, self.last_schedule = entry
+    def _param_infos(self) -> dict[int, ParamInfo]:
+        return {pid: ParamInfo(id=pid, name=p._zero.name, numel=p._zero.numel, nbytes=p._zero.nbytes,
+                               persistent=p._zero.persistent) for pid, p in self._by_id.items()}
 
     # -- fetch and release -------------------------------------------------------------------------
     def fetch(self, params: Iterable[ZeroParameter], label: str | None = None) -> None:
@@ -477,7 +421,8 @@ class ParamCoordinator:
         never); in generation mode, its last use (planning/generation.py)."""
         if self._generation is not None:
             return self._generation.next_use(pid)
-        return None if self._following is None else self._following.next_use(pid)
+        following = self.steps.following
+        return None if following is None else following.next_use(pid)
 
     # -- user requests (GatheredParameters) and parameters found mid-forward -------------------------
     def gather_for_user(self, params: Sequence[ZeroParameter]) -> None:
@@ -499,23 +444,12 @@ class ParamCoordinator:
 
     def leave_visit(self, params: Sequence[ZeroParameter]) -> None:
         """The end of a forward that only joined params mid-way (no recorded PRE event)."""
-        self._pin(EventKind.POST_FORWARD, params)
+        _pin(EventKind.POST_FORWARD, params)
         self.release(params)
 
     # -- explain and export ------------------------------------------------------------------------
     def explain(self, target: tuple[str, object]) -> list[str]:
-        kind, value = target
-        schedule = self.last_schedule
-        if schedule is None:
-            return ["no step has been recorded yet: every fetch so far was on demand, released right after use"]
-        header = [f"trace {schedule.trace_key!r} v{schedule.trace_version}, budgets {self.plan_config}"]
-        if self._diverged:
-            header.append("note: the last step left this trace and fetched on demand after the divergence")
-        if kind == "param":
-            return header + schedule.explain(param_id=value)  # type: ignore[arg-type]
-        if kind == "module":
-            return header + schedule.explain(module=value)  # type: ignore[arg-type]
-        return header + schedule.explain()
+        return self.steps.explain(target, self.plan_config)
 
     def export_trace(self, path: str) -> None:
         if self.last_trace is None:
@@ -535,3 +469,22 @@ class ParamCoordinator:
         for p in self._live.values():
             if p._zero.status is ParamStatus.NOT_AVAILABLE or p._zero.persistent:
                 raise AssertionError(f"{p._zero.summary()} is in the live set but not gathered")
+
+
+def _pin(kind: EventKind, params: Sequence[ZeroParameter]) -> None:
+    """Count the module visits that hold ``params`` (a held parameter is never released)."""
+    if kind is EventKind.PRE_FORWARD:
+        for p in params:
+            p._zero.active_forward += 1
+    elif kind is EventKind.POST_FORWARD:
+        for p in params:
+            z = p._zero
+            if z.active_forward <= 0:
+                raise ZeroStateError(f"post-forward of {z.summary()} without a matching pre-forward")
+            z.active_forward -= 1
+    elif kind is EventKind.PRE_BACKWARD:
+        for p in params:
+            p._zero.active_backward += 1
+    else:
+        for p in params:
+            p._zero.active_backward = max(0, p._zero.active_backward - 1)
