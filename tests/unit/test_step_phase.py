@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import zero3
-from zero3.partition.state import CallState, StepPhase, check_phase
+from zero3.runtime.hooks import CallState
+from zero3.runtime.step import StepPhase, check_phase
 
 from gpt import GPT, GPTConfig, synthetic_batch
 
