@@ -1,7 +1,7 @@
 """Reading parameter shards from the drive ahead of their gathers (``offload_param="nvme"``).
 
 [Note: reading shards ahead]
-With ``offload_param="nvme"`` a shard is only on the drive until it is needed (swap.py
+With ``offload_param="nvme"`` a shard is only on the drive until it is needed (offload/nvme.py
 [Note: swapping]). Every gather first makes its shards readable (`ReadAhead.readable`); when a trace
 is followed, the order of the step's gathers is known (each action's demand fetch, then its
 prefetch: `gather_order`), and after every event the coordinator reads the shards of the next

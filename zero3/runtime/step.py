@@ -67,11 +67,14 @@ class StepLifecycle:
         self.phase = StepPhase.IDLE
         self._close_calls = close_calls
         self._backward_t0 = 0.0  # when the running backward began
+        self._aborted = False  # the last step was aborted and no other began since
 
     def enter(self, phase: StepPhase) -> None:
         """Move to ``phase`` (checked against the table of legal changes); times the backward."""
         if phase is not self.phase:
             check_phase(self.phase, phase)
+            if self.phase is StepPhase.IDLE:
+                self._aborted = False  # a new step begins
             if phase is StepPhase.BACKWARD:
                 self._backward_t0 = time.perf_counter()
             elif self.phase is StepPhase.BACKWARD:
@@ -88,7 +91,11 @@ class StepLifecycle:
         self._end(aborted=False, reason=None)
 
     def abort(self, exc: BaseException, where: str) -> None:
-        """A forward or backward raised ``exc``: end the step aborted and tell the other ranks."""
+        """A forward or backward raised ``exc``: end the step aborted and tell the other ranks. Once
+        per step: the root module's post-forward hook aborts as the exception leaves the model, and
+        ``engine.forward`` asks again when it catches it."""
+        if self._aborted:
+            return
         if isinstance(exc, ZeroError) and not isinstance(exc, ZeroStateError):
             reason = f"raised {type(exc).__name__} in its {where} (step {self.ctx.global_steps})"
         else:
@@ -121,6 +128,7 @@ class StepLifecycle:
         reducer = ctx.reducer
         assert reducer is not None
         inference = self.phase is StepPhase.FORWARD and not torch.is_grad_enabled()
+        self._aborted = aborted
         try:
             self._close_calls(aborted, self.phase)
             if aborted:
