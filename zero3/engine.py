@@ -31,7 +31,8 @@ from .offload.states import StatesOffload
 from .optim.optimizer import clip_shards
 from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
-from .partition.state import ParamStatus, StepPhase
+from .partition.state import ParamStatus
+from .runtime.step import StepPhase
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ class Engine:
         try:
             return self.module(*args, **kwargs)
         except BaseException as exc:
-            self.hooks.abort_step(exc, "forward")
+            self.hooks.step.abort(exc, "forward")
             raise
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -166,7 +167,7 @@ class Engine:
         try:
             loss.backward(**kwargs)
         except BaseException as exc:
-            self.hooks.abort_step(exc, "backward")
+            self.hooks.step.abort(exc, "backward")
             raise
 
     def step(self) -> bool:
@@ -184,7 +185,7 @@ class Engine:
         ctx = self.context
         ctx.require_states("engine.step()")
         if self.hooks.phase is not StepPhase.IDLE:
-            self.hooks.end_step()
+            self.hooks.step.end()
         else:
             ctx.finish_gradients()
         boundary = self.is_gradient_accumulation_boundary()
@@ -203,10 +204,7 @@ class Engine:
         if boundary:
             ctx.coordinator.refresh_persistent()
             ctx.global_steps += 1
-        for comm in ctx.data_comms:
-            comm.end_epoch()
-        if ctx.model_parallel is not None:
-            ctx.model_parallel.comm.end_epoch()
+        self.hooks.step.end_epochs()
         ctx.count_swap_io()
         self.last_step_metrics = copy.copy(ctx.metrics)
         if logger.isEnabledFor(logging.DEBUG):
@@ -310,9 +308,9 @@ class Engine:
             self.context.optimizer.zero_grad()
 
     def remove_hooks(self) -> None:
-        """Take every hook off; parameters stay partitioned until gathered."""
+        """Take every hook off (a step in the middle ends aborted); parameters stay partitioned until
+        gathered."""
         self.hooks.remove()
-        self.context.coordinator.end_step(aborted=True)
         self.context.coordinator.unmark_persistent()
         self.module.__dict__.pop("_zero3_context", None)
 

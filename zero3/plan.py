@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from .config import ZeroConfig, resolve_config
-from .runtime.coordinator import plan_config, trace_from_json
+from .runtime.coordinator import plan_config
 from .planning.schedule import PlanStats, Schedule, plan
-from .planning.trace import ParamInfo, Trace
+from .planning.trace import ParamInfo, Trace, trace_from_json, write_trace
 
 
 @dataclass(frozen=True)
@@ -170,13 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prediction = predict(trace, config, args.world_size)
     sys.stdout.write(prediction.table() + "\n")
     if args.export:
-        from .runtime.coordinator import trace_to_json
-        from .planning.trace import export_graph
-
-        if args.export.endswith(".json"):
-            Path(args.export).write_text(trace_to_json(trace))
-        else:
-            export_graph(trace, args.export)
+        write_trace(trace, args.export)
     return 0
 
 

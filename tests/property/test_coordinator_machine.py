@@ -96,13 +96,14 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: hasattr(self, "coord") and not self.open and not self.step_events)
     @rule(max_live=st.integers(0, 1500), reuse=st.integers(0, 1500), bucket=st.integers(0, 800))
     def change_budget(self, max_live, reuse, bucket):
+        from zero3.planning.trace_cache import TraceCache
         from zero3.runtime.coordinator import plan_config
 
         self.config = self.config.replace(max_live_parameters=max_live, max_reuse_distance=reuse,
                                           prefetch_bucket_size=bucket)
         self.coord.config = self.config
         self.coord.plan_config = plan_config(self.config)
-        self.coord.invalidate_traces()
+        self.coord.steps.cache = TraceCache(self.config.max_traces)  # schedules planned under the old budgets go
 
     # -- invariants -----------------------------------------------------------------------------
     @invariant()

@@ -88,7 +88,7 @@ def test_placement_policy_answers_where_everything_lives(tmp_path):
     assert placement.pin_masters == torch.cuda.is_available() and placement.aio_threads == 3
     assert placement.states_nvme_path(None) == str(tmp_path / "p") and placement.states_nvme_path("x") == "x"
     budget = placement.in_memory_budget()
-    assert [budget.keeps(n) for n in (4, 7, 6, 1)] == [True, False, True, False] and budget.left == 0
+    assert [budget.stays(False, n) for n in (4, 7, 6, 1)] == [True, False, True, False] and budget.budget == 0
     both_on_host = PlacementPolicy.from_config(ZeroConfig(offload_optimizer="cpu", offload_param="cpu"))
     only_optimizer = PlacementPolicy.from_config(ZeroConfig(offload_optimizer="cpu"))
     assert not both_on_host.separate_masters and only_optimizer.separate_masters

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import zero3
-from zero3.partition.state import CallState, StepPhase, check_phase
+from zero3.runtime.hooks import CallState
+from zero3.runtime.step import StepPhase, check_phase
 
 from gpt import GPT, GPTConfig, synthetic_batch
 
@@ -89,4 +90,86 @@ def test_an_aborted_forward_ends_the_step_without_recording_it() -> None:
     assert engine.coordinator.live_params == [] and engine.coordinator.record_count == 0
     engine(x).backward()
     engine.step()
+    assert engine.coordinator.record_count == 1
+
+
+class SpyComm:
+    """Stands in for the model-parallel communicator: records what the step lifecycle asks of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str | None]] = []
+
+    def abandon_epoch(self, reason: str | None = None) -> None:
+        self.calls.append(("abandon_epoch", reason))
+
+    def end_epoch(self) -> None:
+        self.calls.append(("end_epoch", None))
+
+
+def _with_spy_model_parallel(engine) -> SpyComm:
+    from zero3.comm.model_parallel import ModelParallel
+
+    spy = SpyComm()
+    engine.context.model_parallel = ModelParallel(group=None, world_size=2, rank=0, comm=spy)
+    return spy
+
+
+def _assert_all_released(engine) -> None:
+    assert engine.hooks.phase is StepPhase.IDLE and engine.hooks.stack == []
+    assert not engine.coordinator.in_step and engine.coordinator.live_params == []
+    engine.coordinator.check_valid()
+    for p in engine.params:
+        z = p._zero
+        assert z.status is zero3.ParamStatus.NOT_AVAILABLE, z.summary()
+        assert (z.active_forward, z.active_backward, z.user_pins, z.prefetched) == (0, 0, 0, False), z.summary()
+        assert z.secondary is None
+
+
+def test_an_aborted_step_abandons_the_model_parallel_epoch() -> None:
+    model = Boom()
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    spy = _with_spy_model_parallel(engine)
+    x = torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine(x, fail=True)
+    assert len(spy.calls) == 1 and spy.calls[0][0] == "abandon_epoch" and "boom" in spy.calls[0][1]
+    assert "in its forward (step 0)" in spy.calls[0][1]
+    engine(x).backward()
+    engine.step()
+    assert spy.calls[1:] == [("end_epoch", None)]  # a finished step ends it with engine.step(), once
+
+
+def test_remove_hooks_between_forward_and_backward_ends_the_step_aborted() -> None:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              {"param_persistence_threshold": 0, "max_reuse_distance": 10**9,
+                               "prefetch_bucket_size": 10**5})
+    x, y = synthetic_batch(0, 2, CFG)
+    engine(x, y).backward()
+    engine.step()  # recorded: the next step follows it, keeping what backward reuses
+    spy = _with_spy_model_parallel(engine)
+    loss = engine(x, y)
+    assert engine.coordinator.in_step and engine.coordinator.live_params, "nothing kept for the backward"
+    engine.remove_hooks()
+    _assert_all_released(engine)
+    assert [c[0] for c in spy.calls] == ["abandon_epoch"] and "removed its hooks" in spy.calls[0][1]
+    assert engine.coordinator.record_count == 1
+    assert all(not p.ds_persist for p in engine.params)
+    del loss
+
+
+def test_remove_hooks_in_the_middle_of_a_forward_leaves_every_parameter_released() -> None:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              {"param_persistence_threshold": 0, "prefetch_bucket_size": 10**5})
+    x, y = synthetic_batch(0, 2, CFG)
+    for _ in range(2):  # the second step follows the first one's trace and prefetches
+        engine(x, y).backward()
+        engine.step()
+    engine.module.h[1].register_forward_pre_hook(lambda *a: engine.remove_hooks())
+    with pytest.raises(zero3.ZeroStateError):  # the rest of the forward finds its parameters partitioned
+        engine.module(x, y)
+    _assert_all_released(engine)
     assert engine.coordinator.record_count == 1

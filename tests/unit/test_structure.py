@@ -53,7 +53,7 @@ LAYERS: dict[str, Layer] = {
     "zero3.config": _layer("errors", "deepspeed.config"),
     "zero3.deepspeed.config": _layer("errors"),
     "zero3.comm": _layer(*_BASE, "config", "partition"),
-    "zero3.offload": _layer(*_BASE, "config", "partition"),
+    "zero3.offload": _layer(*_BASE, "config", "partition", "planning"),
     "zero3.optim": _layer(*_BASE, "config", "partition", "comm", "offload"),
     "zero3.runtime": _layer(*_BELOW_RUNTIME),
     # the RNG tracker is what checkpoint may take from activation, so it stays free of the hooks.

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..planning.persistence import MemoryBudget
+
 if TYPE_CHECKING:
     from ..config import ZeroConfig
 
@@ -63,9 +65,9 @@ class PlacementPolicy:
     def params_on_drive(self) -> bool:
         return self.param_device == "nvme"
 
-    def in_memory_budget(self) -> InMemoryBudget:
+    def in_memory_budget(self) -> MemoryBudget:
         """NVMe tier: the budget of shard elements that stay in CPU memory instead (``max_in_cpu``)."""
-        return InMemoryBudget(self.param_max_in_cpu)
+        return MemoryBudget(self.param_max_in_cpu)
 
     @property
     def pin_param_shards(self) -> bool:
@@ -113,18 +115,3 @@ class PlacementPolicy:
         """The directory of offload_states(device="nvme")'s swap file: the one passed, else the
         parameters', else the optimizer's ("" when none is set)."""
         return explicit or self.param_nvme_path or self.optimizer_nvme_path
-
-
-@dataclass(slots=True)
-class InMemoryBudget:
-    """Shard elements still allowed to stay in CPU memory under an NVMe tier, handed out to shards
-    first come, first served (parameter order, the same on every rank)."""
-
-    left: int
-
-    def keeps(self, shard_numel: int) -> bool:
-        """Whether a shard of ``shard_numel`` elements stays in memory (it is counted when it does)."""
-        if shard_numel > self.left:
-            return False
-        self.left -= shard_numel
-        return True

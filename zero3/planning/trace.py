@@ -18,6 +18,7 @@ weights); a param is one node, however many modules use it.
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import os
 import types
@@ -38,10 +39,13 @@ __all__ = [
     "ParamInfo",
     "Trace",
     "TraceRecorder",
+    "trace_from_json",
+    "trace_to_json",
     "Visit",
     "export_graph",
     "graph_to_dot",
     "module_graph",
+    "write_trace",
 ]
 
 
@@ -261,6 +265,36 @@ class TraceRecorder:
             ValueError: see `Trace.validate`.
         """
         return Trace(key, version, tuple(self._events), dict(params))
+
+
+# -- JSON ----------------------------------------------------------------------------------------
+
+
+def trace_to_json(trace: Trace) -> str:
+    """A trace as JSON (events and param sizes), the input format of ``python -m zero3.plan``."""
+    return json.dumps({
+        "format": "zero3-trace", "version": 1, "key": trace.key, "trace_version": trace.version,
+        "params": [{"id": p.id, "name": p.name, "numel": p.numel, "nbytes": p.nbytes, "persistent": p.persistent}
+                   for p in trace.params.values()],
+        "events": [[e.kind.value, e.module, list(e.params)] for e in trace.events],
+    })
+
+
+def trace_from_json(text: str) -> Trace:
+    data = json.loads(text)
+    if data.get("format") != "zero3-trace" or data.get("version") != 1:
+        raise ValueError(f"not a zero3 trace file (format {data.get('format')!r}, version {data.get('version')!r})")
+    params = {p["id"]: ParamInfo(**p) for p in data["params"]}
+    events = tuple(Event(EventKind(k), m, tuple(ps)) for k, m, ps in data["events"])
+    return Trace(data["key"], data["trace_version"], events, params)
+
+
+def write_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
+    """Write ``trace``: ``.json`` (`trace_to_json`), else the module graph (`export_graph`)."""
+    if str(path).endswith(".json"):
+        Path(path).write_text(trace_to_json(trace))
+    else:
+        export_graph(trace, path)
 
 
 # -- graph view ------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from ..offload.swapfile import AsyncIO, SwapFile
 from ..offload.policy import PlacementPolicy
 from ..offload.residence import ShardStore
 from ..comm.topology import hpz_group_size
+from .placement import place_shards
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class RuntimeContext:
     reducer: GradientReducer | None = None
     optimizer: PartitionedOptimizer | None = None
     model_parallel: ModelParallel | None = None  # an mpu's model-parallel group of > 1 ranks (model_parallel.py)
-    node_comm: Communicator | None = None  # hpZ: this rank's secondary group (coordinator.py [Note: hpZ ...])
+    node_comm: Communicator | None = None  # hpZ: this rank's secondary group (hpz.py [Note: hpZ ...])
     lr_scheduler: Any = None  # stepped by engine.step() after every optimizer step that was not skipped
     global_steps: int = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
     micro_steps: int = 0  # engine.step() calls
@@ -273,7 +274,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     ctx.reducer = GradientReducer(ctx.comm, config.reduce_bucket_size, reduce_dtype=torch_dtype(config.reduce_dtype),
                                   accumulation_steps=config.gradient_accumulation_steps)
     ctx.coordinator.choose_persistent(ctx.params)
-    ctx.coordinator.place_shards(ctx.params, ctx.store)  # offload_param: CPU memory or the drive, before the optimizer
+    place_shards(ctx.store, ctx.coordinator.shards, ctx.params)  # CPU memory or the drive, before the optimizer
     if optimizer is not None:
         ctx.optimizer = PartitionedOptimizer(optimizer, ctx.params, config, ctx.comm, fp32_shards,
                                              model_parallel=ctx.model_parallel,

@@ -3,55 +3,27 @@
 It is the one driver of parameter status: every NOT_AVAILABLE -> INFLIGHT -> AVAILABLE ->
 NOT_AVAILABLE change of a partitioned parameter goes through it (param.py has the primitives, the
 communicator only moves bytes). The hooks (hooks.py) report module events; ``GatheredParameters``
-pins and unpins; the optimizer side asks for persistent parameters to be refreshed.
+pins and unpins; the optimizer side asks for persistent parameters to be refreshed; the step's
+lifecycle (step.py) ends every step through `ParamCoordinator.end_step`.
 
-Every step is recorded (trace.py); when a step ends its events are frozen into a `Trace`, and the
-next step that begins the same way follows the `Schedule` that ``schedule.plan`` computed for it:
-prefetch buckets, reuse-distance keeps and Belady evictions under a hard live budget. Without a
-matching trace the coordinator fetches on demand and releases right after use, under the same hard
-budget and with the same eviction policy (`schedule.eviction_order`).
-
-[Note: following a trace]
-Each event is compared with the next event of the followed trace (kind, module, parameter ids). On
-a match the planned action runs: releases, then the demand fetch (what is not already gathered or
-in flight), then the prefetch bucket. On a mismatch the coordinator never raises: it logs the
-divergence once, releases every gathered parameter no running module needs (what was prefetched
-for nothing included), and fetches on demand until the step ends. The step is still recorded; if
-its order is new it becomes another cached trace (up to ``max_traces``, keyed by how the step
-began), so alternating control flow does not re-record every step.
+Every step is recorded (trace.py); when a step ends its events are frozen into a `Trace` and cached
+(planning/trace_cache.py), and the next step that begins the same way follows the `Schedule` that
+``schedule.plan`` computed for it: prefetch buckets, reuse-distance keeps and Belady evictions under
+a hard live budget. Without a matching trace the coordinator fetches on demand and releases right
+after use, under the same hard budget and with the same eviction policy (`schedule.eviction_order`).
+Generation mode (planning/generation.py) keeps what it gathered across forwards instead. What
+happens when a step leaves the trace it follows: trace_cache.py [Note: following a trace].
 
 Every gathered, non-persistent parameter is in ``_live`` from the moment its gather is issued until
 it is released; ``metrics.live_numel`` is their element count and `check_valid` recomputes it.
-
-[Note: reading shards ahead]
-With ``offload_param="nvme"`` a shard is only on the drive until it is needed (swap.py
-[Note: swapping]). Every gather first makes its shards readable (`_readable`); when a trace is
-followed, the order of the step's gathers is known (each action's demand fetch, then its prefetch:
-`gather_order`), and after every event the coordinator reads the shards of the next gathers into
-the buffer pool, as far as the pool has room, so the drive works while the modules compute. A
-shard's slot is freed as soon as its gather is done, which is what makes room for the next reads.
-While following, the pool holds only shards of gathers in flight and of the next gathers in order,
-so a gather that finds the pool full waits for the gathers in flight; only after a divergence (or
-when one module needs more than the pool) are shards read ahead dropped, or read into their own
-memory.
-
-[Note: hpZ secondary shards]
-With ``zero_hpz_partition_size`` (ZeRO++ hpZ), every parameter gathered from its primary shards
-during a training step (grad enabled when the step began) keeps a secondary slice once its gather
-completes: 1/L of it, L the ranks of its secondary group (a node; comm.py `Secondary`). Any later
-gather of it in the same step (backward, or a tied weight's second use) comes from the secondary
-slices, over the node's communicator, so it never crosses nodes. The slices are not counted in the
-live budget; ``metrics.secondary_bytes`` is what they hold, and they are all dropped when the step
-ends (and a parameter's as soon as a user rewrites its shards).
+Shards on the drive are read ahead of their gathers (read_ahead.py [Note: reading shards ahead]);
+under hpZ gathers keep and use secondary slices (hpz.py [Note: hpZ secondary shards]).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
@@ -62,11 +34,15 @@ from ..config import ZeroConfig
 from ..errors import ZeroError, ZeroStateError
 from ..metrics import StepMetrics
 from ..partition.param import ZeroParameter
-from ..planning.schedule import PlanConfig, Schedule, eviction_order, plan
-from ..partition.state import ParamStatus, Residence
+from ..planning.generation import GenerationPrefetch
+from ..planning.persistence import choose_persistent
+from ..planning.schedule import PlanConfig, Schedule, eviction_order
+from ..partition.state import ParamStatus
 from ..offload.nvme import ShardTier
-from ..offload.residence import ShardStore
-from ..planning.trace import Event, EventKind, ParamInfo, Trace, TraceRecorder, export_graph
+from ..planning.trace import EventKind, ParamInfo, Trace, write_trace
+from ..planning.trace_cache import StepTraces
+from .hpz import SecondarySlices
+from .read_ahead import ReadAhead
 
 logger = logging.getLogger(__name__)
 
@@ -99,29 +75,6 @@ class _Inflight:
     done: bool = False
 
 
-@dataclass(eq=False)
-class _Following:
-    trace: Trace
-    schedule: Schedule
-    cursor: int = 0
-    next_use: dict[int, list[int]] = field(default_factory=dict)  # param id -> PRE event indices
-    gathers: tuple[tuple[int, tuple[int, ...]], ...] = ()  # NVMe shards: `gather_order` of the schedule
-    ahead: int = 0  # the next entry of `gathers` to read ahead ...
-    ahead_at: int = 0  # ... and the next parameter in it
-
-
-def gather_order(schedule: Schedule) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """The step's all-gathers in the order they are issued: (event index, parameter ids) of each
-    action's demand fetch, then of its prefetch."""
-    out = []
-    for a in schedule.actions:
-        if a.fetch:
-            out.append((a.index, a.fetch))
-        if a.prefetch:
-            out.append((a.index, a.prefetch))
-    return tuple(out)
-
-
 class ParamCoordinator:
     def __init__(self, config: ZeroConfig, comm: Communicator, metrics: StepMetrics,
                  params: Sequence[ZeroParameter] = (), shards: ShardTier | None = None) -> None:
@@ -130,31 +83,15 @@ class ParamCoordinator:
         self.comm = comm
         self.metrics = metrics
         self.shards = shards  # the NVMe tier of parameter shards (offload_param="nvme"), else None
+        self._reading = ReadAhead(shards) if shards is not None else None
+        self._hpz: SecondarySlices | None = None  # hpZ (`enable_hpz`)
         self._live: dict[int, ZeroParameter] = {}
-        self.node_comm: Communicator | None = None  # hpZ: the secondary group's communicator (`enable_hpz`)
-        self._keep_secondary = False  # this step keeps secondary slices (hpZ, a training step)
-        self._secondary: dict[int, ZeroParameter] = {}  # params holding a secondary slice now
-        self._recorder = TraceRecorder()
         self._by_id: dict[int, ZeroParameter] = {}
         self.persistent: list[ZeroParameter] = []
         self.register(params)
-        self._traces: OrderedDict[str, list[tuple[Trace, Schedule]]] = OrderedDict()
-        self._versions = 0
-        self._step_key: str | None = None
-        self._following: _Following | None = None
-        self._diverged = False
-        self._announced: set[tuple[str, int, int]] = set()
-        self._last_seen: dict[str, int] = {}  # key -> version of the trace the last such step had
-        self._successor: dict[tuple[str, int | None], int] = {}  # (key, previous version) -> next
+        self.steps = StepTraces(config.max_traces)  # what the running step recorded and follows
         self._event: tuple[EventKind, str] | None = None  # the event a gather serves (for its tag)
-        self.record_count = 0  # traces recorded (new orders)
-        self.last_trace: Trace | None = None
-        self.last_schedule: Schedule | None = None
-        self.generating = False  # generation mode: keep what was gathered across forwards, under the cap
-        self._clock = 0
-        self._last_use: dict[int, int] = {}  # param id -> clock of its last use (generation mode)
-        self._cycle: list[list[ZeroParameter]] = []  # generation mode: the PRE events of one forward, in order
-        self._cycle_at = 0  # where in that cycle the next PRE event should be
+        self._generation: GenerationPrefetch | None = None  # generation mode (`begin_generation`)
 
     def register(self, params: Iterable[ZeroParameter]) -> None:
         for p in params:
@@ -162,20 +99,36 @@ class ParamCoordinator:
 
     def enable_hpz(self, node_comm: Communicator) -> None:
         """From the next step on, keep secondary slices and gather from them over ``node_comm``
-        ([Note: hpZ secondary shards])."""
-        self.node_comm = node_comm
+        (hpz.py [Note: hpZ secondary shards])."""
+        self._hpz = SecondarySlices(node_comm, self.metrics)
 
     def drop_secondaries(self, params: Iterable[ZeroParameter] | None = None) -> None:
         """Forget the secondary slices of ``params`` (None: all): the step ended, or their shards were
         rewritten."""
-        for p in list(self._secondary.values()) if params is None else params:
-            if self._secondary.pop(p._zero.id, None) is not None:
-                self.metrics.add_secondary(-p._zero.secondary.nbytes)
-                p._zero.secondary = None
+        if self._hpz is not None:
+            self._hpz.drop(params)
 
     def param_of(self, pid: int) -> ZeroParameter | None:
         """The registered parameter with record id ``pid``."""
         return self._by_id.get(pid)
+
+    @property
+    def record_count(self) -> int:
+        """Traces recorded (new orders)."""
+        return self.steps.cache.record_count
+
+    @property
+    def last_trace(self) -> Trace | None:
+        """The trace the last step followed or recorded (None: no step recorded yet)."""
+        return self.steps.last[0] if self.steps.last is not None else None
+
+    @property
+    def last_schedule(self) -> Schedule | None:
+        return self.steps.last[1] if self.steps.last is not None else None
+
+    @property
+    def generating(self) -> bool:
+        return self._generation is not None
 
     def _size(self, p: ZeroParameter) -> int:
         return p._zero.nbytes if self.plan_config.unit == "bytes" else p._zero.numel
@@ -184,36 +137,16 @@ class ParamCoordinator:
     def _live_size(self) -> int:
         return self.metrics.live_bytes if self.plan_config.unit == "bytes" else self.metrics.live_numel
 
-    # -- persistent parameters and where shards live ----------------------------------------------
+    # -- persistent parameters ---------------------------------------------------------------------
     def choose_persistent(self, params: Sequence[ZeroParameter]) -> None:
-        """Small params stay gathered for the whole run; greedy in the given order under the model cap.
-        They are gathered by `gather_persistent`."""
-        budget = self.config.model_persistence_threshold
-        for p in params:
-            n = p._zero.numel
-            if n <= self.config.param_persistence_threshold and n <= budget:
-                budget -= n
+        """Mark the persistent params (planning/persistence.py, in the given order); they stay
+        gathered for the whole run, gathered by `gather_persistent`."""
+        chosen = choose_persistent((p._zero.numel for p in params), self.config.param_persistence_threshold,
+                                   self.config.model_persistence_threshold)
+        for p, persistent in zip(params, chosen):
+            if persistent:
                 p._zero.persistent = True
                 self.persistent.append(p)
-
-    def place_shards(self, params: Sequence[ZeroParameter], store: ShardStore) -> None:
-        """Put every shard in the tier ``offload_param`` asks for: CPU memory (pinned if asked, with
-        CUDA), or the drive, except persistent parameters and the first ``offload_param_max_in_cpu``
-        elements (in parameter order), which stay in memory. Shards already on the drive (written by
-        ``zero3.Init(remote_device="nvme")``) are adopted, or read back when they belong in memory."""
-        budget = store.placement.in_memory_budget()
-        for p in sorted(params, key=lambda q: q._zero.id):
-            z = p._zero
-            if store.placement.params_on_host:
-                store.place_on_host(p)
-            if self.shards is None:
-                continue
-            if z.persistent or budget.keeps(z.shard_numel):
-                self.shards.keep(p)
-            else:
-                self.shards.offload(p)
-        if self.shards is not None:
-            self.shards.flush()
 
     def gather_persistent(self) -> None:
         """Gather the persistent params (at world size 1 the full tensor is a view of the shard)."""
@@ -250,28 +183,25 @@ class ParamCoordinator:
 
         ``ids`` are the params' sorted ids when the caller has them cached.
         """
-        if self.generating:
-            self._generation_event(kind, params)
+        if self._generation is not None:
+            self._generation_event(self._generation, kind, params)
             return
-        if self._step_key is None:
+        if self.steps.key is None:
             self._begin_step(kind, module)
         if ids is None:
             ids = tuple(sorted({p._zero.id for p in params}))
-        self._recorder.record(kind, module, ids)
+        self.steps.record(kind, module, ids)
         self._event = (kind, module)
-        self._pin(kind, params)
-        following = self._following
-        if following is not None:
-            i = following.cursor
-            events = following.trace.events
-            expected = events[i] if i < len(events) else None
-            if expected is not None and expected.kind is kind and expected.module == module and expected.params == ids:
-                following.cursor += 1
-                self._apply(following.schedule, i, kind, params)
-                if following.gathers:
-                    self._read_ahead(following, i)
-                return
-            self._diverge(following.trace, i, expected, kind, module, params)
+        _pin(kind, params)
+        following = self.steps.following
+        i = self.steps.match(kind, module, ids, self.metrics.step)
+        if following is not None and i is not None:
+            self._apply(following.schedule, i, kind, params)
+            if self._reading is not None:
+                self._reading.advance(i, self._by_id.__getitem__)
+            return
+        if following is not None:  # the step left its trace here
+            self._left_trace(kind, params)
         if kind in _PRE:
             self.fetch(params)
         else:
@@ -279,64 +209,33 @@ class ParamCoordinator:
 
     # -- generation mode -----------------------------------------------------------------------------
     def begin_generation(self) -> None:
-        """Keep gathered parameters across forwards (a decode loop) until `end_generation`; when the
-        live cap forces a release, the most recently used goes first: in a loop that visits the
-        modules in the same order every token, it is the one needed furthest ahead (Belady), so only
-        what does not fit is gathered again."""
-        if self._step_key is not None:
+        """Keep gathered parameters across forwards (a decode loop) until `end_generation`, under
+        the live cap, prefetching along the learnt cycle (planning/generation.py)."""
+        if self.steps.key is not None:
             raise ZeroStateError("engine.generation() entered in the middle of a step; enter it between steps")
-        self.generating = True
+        self._generation = GenerationPrefetch()
 
     def end_generation(self) -> None:
         """Leave generation mode: release everything it kept."""
-        self.generating = False
-        self._last_use.clear()
-        self._cycle, self._cycle_at = [], 0
+        self._generation = None
         self.release(list(self._live.values()))
 
-    def _generation_event(self, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
-        self._pin(kind, params)
+    def _generation_event(self, policy: GenerationPrefetch, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
+        _pin(kind, params)
         if kind not in _PRE:
             return
-        self._clock += 1
-        for p in params:
-            self._last_use[p._zero.id] = self._clock
+        ids = [p._zero.id for p in params]
+        policy.use(ids)
         self.fetch(params, label="generation")
-        # Learn the cycle of one forward, then prefetch one event ahead along it.
-        cycle, at = self._cycle, self._cycle_at
-        if at < len(cycle) and [q._zero.id for q in cycle[at]] == [q._zero.id for q in params]:
-            at += 1
-        elif cycle and [q._zero.id for q in cycle[0]] == [q._zero.id for q in params]:
-            at = 1  # a new forward began
-        else:
-            del cycle[at:]  # a new order: record it from here
-            cycle.append(list(params))
-            at = len(cycle)
-        self._cycle_at = at
-        if self.plan_config.prefetch_bucket_size and len(cycle) > 1:
-            upcoming = cycle[at % len(cycle)]
-            missing = [q for q in upcoming if q._zero.status is ParamStatus.NOT_AVAILABLE and not q._zero.persistent]
-            if missing and sum(self._size(q) for q in missing) <= self.plan_config.prefetch_bucket_size:
+        upcoming = policy.advance(ids)
+        bucket = self.plan_config.prefetch_bucket_size
+        if bucket and upcoming is not None:
+            missing = [q for q in map(self._by_id.__getitem__, upcoming)
+                       if q._zero.status is ParamStatus.NOT_AVAILABLE and not q._zero.persistent]
+            if missing and sum(self._size(q) for q in missing) <= bucket:
                 self._make_room(missing)
                 if self._live_size + sum(self._size(q) for q in missing) <= self.plan_config.max_live:
                     self.prefetch(missing)
-
-    def _pin(self, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
-        if kind is EventKind.PRE_FORWARD:
-            for p in params:
-                p._zero.active_forward += 1
-        elif kind is EventKind.POST_FORWARD:
-            for p in params:
-                z = p._zero
-                if z.active_forward <= 0:
-                    raise ZeroStateError(f"post-forward of {z.summary()} without a matching pre-forward")
-                z.active_forward -= 1
-        elif kind is EventKind.PRE_BACKWARD:
-            for p in params:
-                p._zero.active_backward += 1
-        else:
-            for p in params:
-                p._zero.active_backward = max(0, p._zero.active_backward - 1)
 
     def _apply(self, schedule: Schedule, i: int, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
         action = schedule.actions[i]
@@ -347,48 +246,30 @@ class ParamCoordinator:
         if action.prefetch:
             self.prefetch([self._by_id[pid] for pid in action.prefetch])
 
-    def _diverge(self, trace: Trace, i: int, expected: Event | None, kind: EventKind, module: str,
-                 params: Sequence[ZeroParameter]) -> None:
+    def _left_trace(self, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
+        """The step left its trace: release what no running module needs, read nothing ahead."""
         self.metrics.divergences += 1
-        key = (trace.key, trace.version, i)
-        if key not in self._announced:
-            self._announced.add(key)
-            want = "the end of the trace" if expected is None else \
-                f"{expected.kind.value} {expected.module or '<root>'!r}"
-            logger.warning("zero3: step %d left trace %r v%d at event %d: expected %s, got %s %r; fetching on "
-                           "demand for the rest of the step", self.metrics.step, trace.key, trace.version, i, want,
-                           kind.value, module or "<root>")
-        self._following = None
-        self._diverged = True
         keep = {p._zero.id for p in params} if kind in _PRE else set()
         self.release(p for p in list(self._live.values()) if p._zero.id not in keep)
-        if self.shards is not None:
-            self.shards.drop_ahead()
+        if self._reading is not None:
+            self._reading.stop()
 
     # -- step boundaries -------------------------------------------------------------------------
     def _begin_step(self, kind: EventKind, module: str) -> None:
-        self._step_key = f"{kind.value}:{module or '<root>'}:{'grad' if torch.is_grad_enabled() else 'no_grad'}"
-        self._diverged = False
-        self._keep_secondary = self.node_comm is not None and torch.is_grad_enabled()
-        candidates = self._traces.get(self._step_key) or []
-        # Predict with what followed the previous step's trace last time (alternating orders hit).
-        wanted = self._successor.get((self._step_key, self._last_seen.get(self._step_key)))
-        chosen = next((e for e in candidates if e[0].version == wanted), None) or \
-            (candidates[0] if candidates else None)
-        self._following = None
-        if chosen is not None:
-            self._following = _Following(chosen[0], chosen[1], next_use=_uses(chosen[0]))
-            self.last_trace, self.last_schedule = chosen
-            if self.shards is not None and self.shards.shards:
-                self._following.gathers = gather_order(chosen[1])
-                self._read_ahead(self._following, -1)
+        grad = torch.is_grad_enabled()
+        following = self.steps.begin(f"{kind.value}:{module or '<root>'}:{'grad' if grad else 'no_grad'}")
+        if self._hpz is not None:
+            self._hpz.keeping = grad
+        if following is not None and self._reading is not None:
+            self._reading.follow(following.schedule, self._by_id.__getitem__)
 
     @property
     def in_step(self) -> bool:
-        return self._step_key is not None
+        return self.steps.key is not None
 
     def end_step(self, aborted: bool = False) -> None:
-        """The one end of a step, normal or aborted: unpin and release everything no user context
+        """The coordinator's part of the end of a step, normal or aborted (step.py `StepLifecycle`
+        is the one end of a step and calls it): unpin and release everything no user context
         (GatheredParameters) holds; then, unless ``aborted``, keep or cache the step's trace."""
         for p in self._by_id.values():
             z = p._zero
@@ -399,69 +280,16 @@ class ParamCoordinator:
                     self._wait(p._zero.handle, drop=True)
         if not self.generating or aborted:
             self.release(list(self._live.values()))
-        if self.shards is not None:
-            self.shards.drop_ahead()
-        self.drop_secondaries()
-        self._keep_secondary = False
-        key, self._step_key = self._step_key, None
-        followed, self._following = self._following, None
-        events = self._recorder.events
-        try:
-            if key is not None and not aborted and events:
-                self._keep_trace(key, followed, events)
-        finally:
-            self._recorder.clear()
+        if self._reading is not None:
+            self._reading.stop()
+        if self._hpz is not None:
+            self._hpz.drop()
+            self._hpz.keeping = False
+        self.steps.end(aborted, self._param_infos, self.plan_config)
 
-    def _keep_trace(self, key: str, followed: _Following | None, events: tuple[Event, ...]) -> None:
-        if followed is not None and not self._diverged and followed.cursor == len(followed.trace.events):
-            self._touch(key, (followed.trace, followed.schedule))
-            return
-        for entry in self._traces.get(key, []):
-            if entry[0].events == events:
-                self._touch(key, entry)
-                return
-        self._versions += 1
-        infos = {pid: ParamInfo(id=pid, name=p._zero.name, numel=p._zero.numel, nbytes=p._zero.nbytes,
-                                persistent=p._zero.persistent) for pid, p in self._by_id.items()}
-        trace = self._recorder.freeze(key, self._versions, infos)
-        entry = (trace, plan(trace, self.plan_config))
-        self._traces.setdefault(key, []).insert(0, entry)
-        self._traces.move_to_end(key, last=False)
-        self._seen(key, trace.version)
-        self._evict_traces()
-        self.record_count += 1
-        self.last_trace, self.last_schedule = entry
-        logger.info("zero3: recorded trace %r v%d (%d events); planned peak live %d %s, %d all-gathers",
-                    key, trace.version, len(events), entry[1].stats.peak_live, self.plan_config.unit,
-                    entry[1].stats.num_allgathers)
-
-    def _seen(self, key: str, version: int) -> None:
-        self._successor[(key, self._last_seen.get(key))] = version
-        self._last_seen[key] = version
-
-    def _touch(self, key: str, entry: tuple[Trace, Schedule]) -> None:
-        self._seen(key, entry[0].version)
-        entries = self._traces[key]
-        entries.remove(entry)
-        entries.insert(0, entry)
-        self._traces.move_to_end(key, last=False)
-
-    def _evict_traces(self) -> None:
-        total = sum(len(v) for v in self._traces.values())
-        while total > self.config.max_traces:
-            last_key = next(reversed(self._traces))
-            self._traces[last_key].pop()
-            if not self._traces[last_key]:
-                del self._traces[last_key]
-            total -= 1
-
-    def invalidate_traces(self) -> None:
-        """Forget every cached trace (e.g. after budgets change)."""
-        self._traces.clear()
-
-    @property
-    def traces(self) -> list[Trace]:
-        return [t for entries in self._traces.values() for t, _ in entries]
+    def _param_infos(self) -> dict[int, ParamInfo]:
+        return {pid: ParamInfo(id=pid, name=p._zero.name, numel=p._zero.numel, nbytes=p._zero.nbytes,
+                               persistent=p._zero.persistent) for pid, p in self._by_id.items()}
 
     # -- fetch and release -------------------------------------------------------------------------
     def fetch(self, params: Iterable[ZeroParameter], label: str | None = None) -> None:
@@ -512,23 +340,14 @@ class ParamCoordinator:
                 self.metrics.add_live(z.numel, z.nbytes)
 
     def _issue(self, params: list[ZeroParameter], tag: Tag, count: bool = True) -> _Inflight:
-        """One gather of ``params``; under hpZ those with a secondary slice come from it, inside the
-        node (at most one gather per slice form, the same split on every rank)."""
-        if self.shards is not None:
-            self._readable(params)
-        keep = self._keep_secondary and not self.generating
-        if self.node_comm is None or all(p._zero.secondary is None for p in params):
-            works = [self.comm.all_gather_params(params, tag, count=count, keep_secondary=keep)]
+        """One gather of ``params`` (under hpZ, from secondary slices where they have one)."""
+        if self._reading is not None:
+            self._reading.readable(params, self._wait_in_flight)
+        hpz = self._hpz
+        if hpz is None:
+            works = [self.comm.all_gather_params(params, tag, count=count, keep_secondary=False)]
         else:
-            works = []
-            for quantized in (False, True):
-                part = [p for p in params if p._zero.secondary is not None and p._zero.secondary.quantized is quantized]
-                if part:
-                    works.append(self.node_comm.all_gather_secondary(part, _subtag(tag, part)))
-            primary = [p for p in params if p._zero.secondary is None]
-            if primary:
-                works.append(self.comm.all_gather_params(primary, _subtag(tag, primary), count=count,
-                                                         keep_secondary=keep))
+            works = hpz.gather(self.comm, params, tag, count, keep=hpz.keeping and not self.generating)
         handle = _Inflight(works, params)
         for p in params:
             zparam.begin_gather(p, handle)
@@ -548,58 +367,18 @@ class ParamCoordinator:
                     raise  # the params stay INFLIGHT; the aborted step's end drops them
                 continue
             for pid, secondary in work.secondaries.items():
-                p = self._by_id[pid]
-                self.drop_secondaries([p])
-                p._zero.secondary = secondary
-                self._secondary[pid] = p
-                self.metrics.add_secondary(secondary.nbytes)
+                assert self._hpz is not None
+                self._hpz.adopt(self._by_id[pid], secondary)
         handle.done = True
         for p in handle.params:
             zparam.finish_gather(p)
         if self.shards is not None:
             self.shards.done(handle.params)  # their shards' pool slots make room for the next reads
 
-    # -- shards on NVMe ([Note: reading shards ahead]) -----------------------------------------------
-    def _readable(self, params: list[ZeroParameter]) -> None:
-        """Make the shards of ``params`` readable for their gather (reading what is only on the drive)."""
-        tier = self.shards
-        assert tier is not None
-        missed = tier.read(params)
-        if missed:  # the pool is full: gathers in flight hold it; their shards go once they are done
-            for q in list(self._live.values()):
-                if q._zero.status is ParamStatus.INFLIGHT:
-                    self._wait(q._zero.handle)
-            missed = tier.read(missed)
-        if missed:  # still full: shards read ahead for later gathers (only after a divergence)
-            tier.drop_ahead(keep=params)
-            if self._following is not None:
-                self._following.ahead = self._following.ahead_at = 0  # read them again later
-            tier.read(missed, overflow=True)
-        tier.wait(params)
-
-    def _read_ahead(self, following: _Following, i: int) -> None:
-        """Read the shards of the gathers after event ``i``, in order, while the pool has room."""
-        tier = self.shards
-        assert tier is not None
-        seq = following.gathers
-        k, at = following.ahead, following.ahead_at
-        while k < len(seq) and seq[k][0] <= i:  # gathers issued by now: no longer ahead
-            k, at = k + 1, 0
-        while k < len(seq):
-            ids = seq[k][1]
-            while at < len(ids):
-                p = self._by_id[ids[at]]
-                sw = p._zero.swap
-                if sw is not None:
-                    if p._zero.residence is not Residence.DRIVE and p._zero.residence is not Residence.WRITING:
-                        following.ahead, following.ahead_at = k, at
-                        return  # still in memory for an earlier gather: wait until that one is done
-                    if tier.read([p], ahead=True):
-                        following.ahead, following.ahead_at = k, at
-                        return  # the pool is full
-                at += 1
-            k, at = k + 1, 0
-        following.ahead, following.ahead_at = k, at
+    def _wait_in_flight(self) -> None:
+        for q in list(self._live.values()):
+            if q._zero.status is ParamStatus.INFLIGHT:
+                self._wait(q._zero.handle)
 
     def release(self, params: Iterable[ZeroParameter]) -> None:
         """Free every param that nothing pins (an in-flight gather is waited first)."""
@@ -638,18 +417,12 @@ class ParamCoordinator:
             self._free(p)
 
     def _next_use(self, pid: int) -> int | None:
-        """Index of the next PRE event using param ``pid`` in the followed trace (None: unknown or never).
-        In generation mode the modules repeat in a cycle, so the later a parameter was last used, the
-        later it is used next: its last use stands in for its next one."""
-        if self.generating:
-            return self._last_use.get(pid, 0)
-        following = self._following
-        if following is None:
-            return None
-        for j in following.next_use.get(pid, ()):
-            if j >= following.cursor:
-                return j
-        return None
+        """Index of the next PRE event using param ``pid`` in the followed trace (None: unknown or
+        never); in generation mode, its last use (planning/generation.py)."""
+        if self._generation is not None:
+            return self._generation.next_use(pid)
+        following = self.steps.following
+        return None if following is None else following.next_use(pid)
 
     # -- user requests (GatheredParameters) and parameters found mid-forward -------------------------
     def gather_for_user(self, params: Sequence[ZeroParameter]) -> None:
@@ -671,31 +444,17 @@ class ParamCoordinator:
 
     def leave_visit(self, params: Sequence[ZeroParameter]) -> None:
         """The end of a forward that only joined params mid-way (no recorded PRE event)."""
-        self._pin(EventKind.POST_FORWARD, params)
+        _pin(EventKind.POST_FORWARD, params)
         self.release(params)
 
     # -- explain and export ------------------------------------------------------------------------
     def explain(self, target: tuple[str, object]) -> list[str]:
-        kind, value = target
-        schedule = self.last_schedule
-        if schedule is None:
-            return ["no step has been recorded yet: every fetch so far was on demand, released right after use"]
-        header = [f"trace {schedule.trace_key!r} v{schedule.trace_version}, budgets {self.plan_config}"]
-        if self._diverged:
-            header.append("note: the last step left this trace and fetched on demand after the divergence")
-        if kind == "param":
-            return header + schedule.explain(param_id=value)  # type: ignore[arg-type]
-        if kind == "module":
-            return header + schedule.explain(module=value)  # type: ignore[arg-type]
-        return header + schedule.explain()
+        return self.steps.explain(target, self.plan_config)
 
     def export_trace(self, path: str) -> None:
         if self.last_trace is None:
             raise ZeroStateError("no trace recorded yet: run at least one full step first")
-        if str(path).endswith(".json"):
-            Path(path).write_text(trace_to_json(self.last_trace))
-        else:
-            export_graph(self.last_trace, path)
+        write_trace(self.last_trace, path)
 
     # -- invariants --------------------------------------------------------------------------------
     @property
@@ -712,34 +471,20 @@ class ParamCoordinator:
                 raise AssertionError(f"{p._zero.summary()} is in the live set but not gathered")
 
 
-def _subtag(tag: Tag, params: Sequence[ZeroParameter]) -> Tag:
-    """``tag`` for the part ``params`` of a gather that was split."""
-    return Tag(tag.kind, tag.label, tuple(p._zero.id for p in params))
-
-
-def _uses(trace: Trace) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for j, e in enumerate(trace.events):
-        if e.kind in _PRE:
-            for pid in e.params:
-                out.setdefault(pid, []).append(j)
-    return out
-
-
-def trace_to_json(trace: Trace) -> str:
-    """A trace as JSON (events and param sizes), the input format of ``python -m zero3.plan``."""
-    return json.dumps({
-        "format": "zero3-trace", "version": 1, "key": trace.key, "trace_version": trace.version,
-        "params": [{"id": p.id, "name": p.name, "numel": p.numel, "nbytes": p.nbytes, "persistent": p.persistent}
-                   for p in trace.params.values()],
-        "events": [[e.kind.value, e.module, list(e.params)] for e in trace.events],
-    })
-
-
-def trace_from_json(text: str) -> Trace:
-    data = json.loads(text)
-    if data.get("format") != "zero3-trace" or data.get("version") != 1:
-        raise ValueError(f"not a zero3 trace file (format {data.get('format')!r}, version {data.get('version')!r})")
-    params = {p["id"]: ParamInfo(**p) for p in data["params"]}
-    events = tuple(Event(EventKind(k), m, tuple(ps)) for k, m, ps in data["events"])
-    return Trace(data["key"], data["trace_version"], events, params)
+def _pin(kind: EventKind, params: Sequence[ZeroParameter]) -> None:
+    """Count the module visits that hold ``params`` (a held parameter is never released)."""
+    if kind is EventKind.PRE_FORWARD:
+        for p in params:
+            p._zero.active_forward += 1
+    elif kind is EventKind.POST_FORWARD:
+        for p in params:
+            z = p._zero
+            if z.active_forward <= 0:
+                raise ZeroStateError(f"post-forward of {z.summary()} without a matching pre-forward")
+            z.active_forward -= 1
+    elif kind is EventKind.PRE_BACKWARD:
+        for p in params:
+            p._zero.active_backward += 1
+    else:
+        for p in params:
+            p._zero.active_backward = max(0, p._zero.active_backward - 1)

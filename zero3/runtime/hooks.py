@@ -17,8 +17,8 @@ Accessing a partitioned parameter of *another* module inside a forward (``self.w
 root's forward) is caught by the `_ParamDict` that replaces each module's ``_parameters`` and turns
 into an automatic `register_external_parameter`.
 
-Every hook checks and moves the step phase (`StepPhase`, state.py); `ModuleHooks.end_step` is the
-one way a step ends, whether it finished or was aborted by an exception.
+Every hook checks and moves the step phase through the step's lifecycle (`StepLifecycle`, step.py),
+the one way a step ends, whether it finished, was aborted by an exception or lost its hooks.
 
 [Note: activation checkpointing and the end of a step]
 ``zero3.checkpointing.checkpoint`` runs its function twice: under ``no_grad`` in the forward, and
@@ -44,6 +44,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import Enum, auto
 from typing import Any
 
 import torch
@@ -51,12 +52,12 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .context import RuntimeContext
-from ..errors import ZeroError, ZeroStateError
+from ..errors import ZeroStateError
 from .init import external_parameters, register_external_parameter
 from .leaf import is_leaf
 from ..partition.param import PartitionedParameter, ZeroParameter
-from ..partition.state import CallState, StepPhase, check_phase
 from ..planning.trace import EventKind
+from .step import StepLifecycle, StepPhase
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,25 @@ def nested_backward() -> Iterator[None]:
         _NESTED_BACKWARD.reset(token)
     for hooks in deferred:
         hooks._ensure_final_callback()  # queued on the enclosing graph task, which is current again
+
+
+class CallState(Enum):
+    """One forward call of a module with gathered parameters (`_Call`).
+
+    - OPEN: its PRE_FORWARD event was recorded; its parameters are pinned until POST_FORWARD.
+    - JOINED: it had no parameters to gather at entry but its forward used another module's
+      partitioned parameter, which was pinned for it (an automatic external parameter); no event
+      was recorded, so closing it only unpins.
+    - FORWARD_DONE: its forward returned; a gradient reaching its outputs will open its backward.
+    - BACKWARD_OPEN: PRE_BACKWARD recorded; its parameters are pinned until POST_BACKWARD.
+    - BACKWARD_DONE: POST_BACKWARD recorded; nothing more happens to this call.
+    """
+
+    OPEN = auto()
+    JOINED = auto()
+    FORWARD_DONE = auto()
+    BACKWARD_OPEN = auto()
+    BACKWARD_DONE = auto()
 
 
 @dataclass(eq=False)
@@ -155,7 +175,7 @@ class ModuleHooks:
         self.ctx = ctx
         self.coordinator = ctx.coordinator
         self.reducer = ctx.reducer
-        self.phase = StepPhase.IDLE
+        self.step = StepLifecycle(ctx, self._close_calls)  # the phase, and the one end of a step
         self.stack: list[_Call] = []
         self._handles: list[Any] = []
         self._records: dict[int, _ModuleRecord] = {}
@@ -165,7 +185,6 @@ class ModuleHooks:
         self._leaves: list[_Leaf] = []
         self._leaf_of: dict[int, _Leaf] = {}  # id(param) -> the leaf it belongs to
         self._forward_t0 = 0.0  # when the running root forward began
-        self._backward_t0 = 0.0  # when the running backward began
 
     # -- install / remove -----------------------------------------------------------------------
     def install(self, model: nn.Module) -> None:
@@ -207,6 +226,7 @@ class ModuleHooks:
                 functools.partial(_on_grad_weak, weakref.ref(self))))
 
     def remove(self) -> None:
+        """Take every hook off; a step in the middle ends aborted (`StepLifecycle.close`)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -215,55 +235,23 @@ class ModuleHooks:
             if isinstance(m._parameters, _ParamDict):
                 m._parameters = dict(m._parameters)
         self._records.clear()
+        self.step.close()
 
     # -- the step phase --------------------------------------------------------------------------
-    def _enter(self, phase: StepPhase) -> None:
-        if phase is not self.phase:
-            check_phase(self.phase, phase)
-            if phase is StepPhase.BACKWARD:
-                self._backward_t0 = time.perf_counter()
-            elif self.phase is StepPhase.BACKWARD:
-                self.ctx.metrics.backward_seconds += time.perf_counter() - self._backward_t0
-            self.phase = phase
+    @property
+    def phase(self) -> StepPhase:
+        return self.step.phase
 
-    def end_step(self, aborted: bool = False, reason: str | None = None) -> None:
-        """The one end of a step. Normally: complete the gradient shards, release everything,
-        cache the step's trace. Aborted (a forward or backward raised): drop queued gradients and
-        the half-recorded step instead, and let the other ranks know (``reason``). Either way the
-        phase is IDLE afterwards."""
-        inference = self.phase is StepPhase.FORWARD and not torch.is_grad_enabled()
+    def _close_calls(self, aborted: bool, phase: StepPhase) -> None:
+        """The hooks' part of the end of a step (`StepLifecycle`): forget the open calls and queued
+        graph tasks; at the end of a backward, reduce the leaf modules not reduced yet."""
         self.stack.clear()
         self._queued_tasks.clear()  # autograd skips the final callbacks of a backward that raised
-        comms = self.ctx.data_comms
-        try:
-            if not aborted and self._leaves and self.phase is StepPhase.BACKWARD:
-                self._flush_leaves()
-            for leaf in self._leaves:
-                leaf.calls, leaf.flushed = 0, False
-                leaf.grads.clear()
-            if aborted:
-                try:
-                    self.reducer.discard()
-                except ZeroError:
-                    pass  # the step is gone anyway; the first error is what the caller sees
-            else:
-                self.reducer.finish()
-        finally:
-            self.coordinator.end_step(aborted=aborted)
-            self._enter(StepPhase.IDLE)
-            for comm in comms:
-                if aborted:
-                    comm.abandon_epoch(reason)
-                elif inference:
-                    comm.end_epoch()  # an inference forward is a whole epoch: nothing else follows it
-
-    def abort_step(self, exc: BaseException, where: str) -> None:
-        """A forward or backward raised ``exc``: end the step aborted and tell the other ranks."""
-        if isinstance(exc, ZeroError) and not isinstance(exc, ZeroStateError):
-            reason = f"raised {type(exc).__name__} in its {where} (step {self.ctx.global_steps})"
-        else:
-            reason = f"raised {type(exc).__name__}: {str(exc)[:200]} in its {where} (step {self.ctx.global_steps})"
-        self.end_step(aborted=True, reason=reason)
+        if not aborted and self._leaves and phase is StepPhase.BACKWARD:
+            self._flush_leaves()
+        for leaf in self._leaves:
+            leaf.calls, leaf.flushed = 0, False
+            leaf.grads.clear()
 
     # -- forward --------------------------------------------------------------------------------
     def _params_of(self, rec: _ModuleRecord) -> list[ZeroParameter]:
@@ -306,7 +294,7 @@ class ModuleHooks:
             # once per step, not per module; a backward adds into the gradient shards
             self.ctx.require_states(f"a forward of {rec.name or 'the model'}",
                                     ("lp_params", "lp_grads") if torch.is_grad_enabled() else ("lp_params",))
-            self._enter(StepPhase.FORWARD)
+            self.step.enter(StepPhase.FORWARD)
         if rec.leaf is not None and self.phase is StepPhase.FORWARD:
             rec.leaf.calls += 1
         params = self._params_of(rec)
@@ -342,7 +330,7 @@ class ModuleHooks:
         if output is None and rec.module is self.root and self.phase is not StepPhase.IDLE:
             exc = sys.exc_info()[1]
             if exc is not None:  # always_call runs us while the root's forward raises: abort the step
-                self.abort_step(exc, "forward")
+                self.step.abort(exc, "forward")
                 return None
         call = self._pop(rec)
         if call is None:  # the pre-hook raised (always_call runs us anyway): nothing to close
@@ -363,7 +351,7 @@ class ModuleHooks:
                         t.register_hook(hook)
         if not grad and rec.module is self.root and not self.stack and self.phase is StepPhase.FORWARD \
                 and not _CHECKPOINT_FORWARD.get():
-            self.end_step()  # an inference forward is a whole step
+            self.step.end()  # an inference forward is a whole step
         return None
 
     def _pop(self, rec: _ModuleRecord) -> _Call | None:
@@ -395,7 +383,7 @@ class ModuleHooks:
 
     # -- backward -------------------------------------------------------------------------------
     def _pre_backward(self, call: _Call, grad: torch.Tensor) -> None:
-        self._enter(StepPhase.BACKWARD)
+        self.step.enter(StepPhase.BACKWARD)
         self._ensure_final_callback()
         if call.state is CallState.FORWARD_DONE:
             call.state = CallState.BACKWARD_OPEN
@@ -424,7 +412,7 @@ class ModuleHooks:
                 self._flush_leaf(leaf)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        self._enter(StepPhase.BACKWARD)
+        self.step.enter(StepPhase.BACKWARD)
         self._ensure_final_callback()
         grad = p.grad
         p.grad = None
@@ -451,7 +439,7 @@ class ModuleHooks:
         self._queued_tasks.discard(task)
         deferred = _NESTED_BACKWARD.get()
         if not self._queued_tasks and self.phase is StepPhase.BACKWARD and deferred is None:
-            self.end_step()
+            self.step.end()
         else:
             self.reducer.finish()  # this graph task's gradient shards are complete
             if deferred is not None and not self._queued_tasks and self not in deferred:

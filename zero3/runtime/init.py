@@ -47,6 +47,7 @@ from torch.nn.modules import module as module_mod
 from torch.utils import _pytree as pytree
 
 from ..partition import sharding
+from ..planning.persistence import MemoryBudget, PersistenceRule
 from ..comm.communicator import Kind, Tag
 from ..config import resolve_config
 from .context import RuntimeContext
@@ -63,7 +64,6 @@ from ..partition.param import (
     set_placeholder_dtype,
 )
 from ..optim.precision import torch_dtype
-from ..offload.policy import InMemoryBudget
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,11 @@ class _InitState:
     remote_device: torch.device | None
     dtype: torch.dtype | None
     sync: SyncMode
-    cpu_budget: InMemoryBudget  # remote_device="nvme": shard elements still allowed to stay in CPU memory
     pin_memory: bool = False
+    # remote_device="nvme": the engine's rules (planning/persistence.py) in construction order: which
+    # parameters will be persistent, and which other shards stay in memory (max_in_cpu)
+    persistence: PersistenceRule = field(default_factory=lambda: PersistenceRule(0, 0))
+    in_memory: MemoryBudget = field(default_factory=lambda: MemoryBudget(0))
     # Modules that registered a parameter, in registration order (a dict, not a set: partitioning
     # hands out ds_ids, which must follow the same order on every rank; a set's follows addresses).
     modules: "WeakKeyDictionary[nn.Module, None]" = field(default_factory=WeakKeyDictionary)
@@ -201,7 +204,9 @@ class Init:
         ctx = RuntimeContext.minimal(self._config, self._group)
         return _InitState(ctx=ctx, remote_device=self._remote_device, dtype=self._dtype, sync=self._sync,
                           pin_memory=self._pin_memory or ctx.store.placement.param_pin_memory,
-                          cpu_budget=ctx.store.placement.in_memory_budget())
+                          persistence=PersistenceRule(self._config.param_persistence_threshold,
+                                                      self._config.model_persistence_threshold),
+                          in_memory=ctx.store.placement.in_memory_budget())
 
     def _partition_built(self, module: nn.Module) -> None:
         """``Init(module=m)``: partition a built module; rank 0's values win (a broadcast each)."""
@@ -376,10 +381,9 @@ def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) ->
             zp = ctx.partition(p, name, shard_device=state.remote_device, dtype=state.dtype)
             z = zp._zero
             tier = ctx.coordinator.shards
-            if tier is not None and z.numel > ctx.config.param_persistence_threshold:
-                if not state.cpu_budget.keeps(z.shard_numel):  # the engine keeps as many in memory (max_in_cpu)
-                    tier.offload(zp)
-                    continue
+            if tier is not None and not state.in_memory.stays(state.persistence.admit(z.numel), z.shard_numel):
+                tier.offload(zp)  # as the engine will place it (placement.py), if it sees the same order
+                continue
             if state.pin_memory:
                 ctx.store.pin(zp)
 

@@ -1,0 +1,59 @@
+"""The one persistence rule (planning/persistence.py): ``zero3.Init`` and the engine decide alike."""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import zero3
+from zero3.planning.persistence import MemoryBudget, PersistenceRule, choose_persistent
+
+
+@given(numels=st.lists(st.integers(0, 500), max_size=30), param_threshold=st.integers(0, 600),
+       model_threshold=st.integers(0, 3000))
+def test_the_rule_is_greedy_in_order_under_both_thresholds(numels, param_threshold, model_threshold) -> None:
+    chosen = choose_persistent(numels, param_threshold, model_threshold)
+    assert all(n <= param_threshold for n, c in zip(numels, chosen) if c)
+    assert sum(n for n, c in zip(numels, chosen) if c) <= model_threshold
+    left = model_threshold
+    for n, c in zip(numels, chosen):  # greedy: a small parameter is left out only when the cap is used up
+        assert c == (n <= param_threshold and n <= left)
+        left -= n if c else 0
+    rule = PersistenceRule(param_threshold, model_threshold)
+    assert [rule.admit(n) for n in numels] == chosen  # one at a time (Init) == all at once (the engine)
+
+
+def test_persistent_shards_stay_in_memory_without_using_up_max_in_cpu() -> None:
+    budget = MemoryBudget(10)
+    assert [budget.stays(p, n) for p, n in [(True, 50), (False, 6), (False, 6), (True, 1), (False, 4)]] == \
+        [True, True, False, True, True]
+
+
+@settings(max_examples=12, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 12)), min_size=1, max_size=6),
+       param_threshold=st.integers(0, 150), model_threshold=st.integers(0, 300), max_in_cpu=st.integers(0, 200))
+def test_init_and_the_engine_keep_the_same_shards_in_memory(sizes, param_threshold, model_threshold,
+                                                             max_in_cpu) -> None:
+    """A model built under ``zero3.Init(remote_device="nvme")`` has on the drive exactly the shards
+    that initialize would have put there: the persistent ones (the engine's choice) and the first
+    ``max_in_cpu`` elements stay in memory, as Init decided while building."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = {"param_persistence_threshold": param_threshold, "model_persistence_threshold": model_threshold,
+               "offload_param": {"device": "nvme", "nvme_path": tmp, "max_in_cpu": max_in_cpu,
+                                 "buffer_size": 1000}}
+        torch.manual_seed(0)
+        with zero3.Init(config_dict_or_path=cfg):
+            model = nn.Sequential(*[nn.Linear(i, o) for i, o in sizes])
+        built_in_memory = {name for name, p in model.named_parameters() if p._zero.swap is None}
+        engine = zero3.initialize(model, None, cfg)
+        persistent = {p._zero.name for p in engine.coordinator.persistent}
+        in_memory = {name for name, p in model.named_parameters() if p._zero.swap is None}
+        assert persistent <= in_memory
+        assert built_in_memory == in_memory
+        expected = choose_persistent([p.ds_numel for p in model.parameters()], param_threshold, model_threshold)
+        assert persistent == {name for (name, _), c in zip(model.named_parameters(), expected) if c}
+        engine.remove_hooks()

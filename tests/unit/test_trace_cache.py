@@ -1,0 +1,63 @@
+"""Unit tests for the pure pieces the coordinator delegates to: the trace cache and its successor
+prediction (planning/trace_cache.py), and generation mode's prefetch policy (planning/generation.py)."""
+
+from __future__ import annotations
+
+from zero3.planning.generation import GenerationPrefetch
+from zero3.planning.schedule import PlanConfig
+from zero3.planning.trace import EventKind, ParamInfo, TraceRecorder, trace_from_json, trace_to_json
+from zero3.planning.trace_cache import StepTraces
+
+PF, QF = EventKind.PRE_FORWARD, EventKind.POST_FORWARD
+INFOS = {i: ParamInfo(i, f"w{i}", 10, 40) for i in range(3)}
+CONFIG = PlanConfig(max_live=100, max_reuse_distance=0, prefetch_bucket_size=0)
+
+
+def _step(steps: StepTraces, modules: list[tuple[str, int]]) -> int | None:
+    """Run one step of ``modules``; returns the version of the trace it followed (None: none)."""
+    followed = steps.begin("pre_forward:<root>:grad")
+    version = followed.trace.version if followed is not None else None
+    for name, pid in modules:
+        for kind in (PF, QF):
+            steps.record(kind, name, (pid,))
+            steps.match(kind, name, (pid,), step=0)
+    steps.end(False, lambda: INFOS, CONFIG)
+    return version
+
+
+def test_alternating_orders_are_recorded_once_each_and_predicted() -> None:
+    steps = StepTraces(max_traces=4)
+    a, b = [("a", 0), ("b", 1)], [("b", 1), ("a", 0)]
+    followed = [_step(steps, order) for order in (a, b, a, b, a, b)]
+    assert steps.cache.record_count == 2
+    assert followed == [None, 1, 2, 2, 1, 2]  # from the fourth step on, each successor is predicted
+    assert not steps.diverged
+
+
+def test_the_least_recently_used_trace_goes_beyond_max_traces() -> None:
+    steps = StepTraces(max_traces=1)
+    _step(steps, [("a", 0)])
+    _step(steps, [("b", 1)])
+    assert steps.cache.record_count == 2
+    assert steps.cache.predict("pre_forward:<root>:grad")[0].version == 2
+    assert _step(steps, [("a", 0)]) == 2 and steps.diverged  # v1 is gone: recorded again, as v3
+    assert steps.cache.record_count == 3
+
+
+def test_trace_json_round_trips() -> None:
+    rec = TraceRecorder()
+    rec.record(PF, "a", (0, 2))
+    rec.record(QF, "a", (0, 2))
+    trace = rec.freeze("k", 3, INFOS)
+    assert trace_from_json(trace_to_json(trace)) == trace
+
+
+def test_generation_prefetches_the_next_event_of_the_learnt_cycle() -> None:
+    policy = GenerationPrefetch()
+    assert policy.advance((0,)) is None  # one event: no cycle yet
+    assert policy.advance((1,)) == (0,)  # 0, 1: after 1 comes 0 again
+    assert policy.advance((0,)) == (1,)  # a new forward began
+    assert policy.advance((2,)) == (0,)  # a new order from here: 0, 2
+    policy.use((0,))
+    policy.use((1,))
+    assert policy.next_use(1) > policy.next_use(0) > policy.next_use(2) == 0

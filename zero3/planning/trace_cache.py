@@ -1,0 +1,219 @@
+"""The running step's trace: what it recorded, the cached trace it follows, and the cache of traces.
+
+[Note: following a trace]
+Each event is compared with the next event of the followed trace (kind, module, parameter ids). On
+a match the coordinator runs the planned action: releases, then the demand fetch (what is not
+already gathered or in flight), then the prefetch bucket. On a mismatch nothing raises: the
+divergence is logged once, the coordinator releases every gathered parameter no running module
+needs (what was prefetched for nothing included), and fetches on demand until the step ends. The
+step is still recorded; if its order is new it becomes another cached trace.
+
+A step is keyed by how it began (its first event and whether grad was on). Each key keeps the
+distinct event orders seen under it, most recently used first, with the `Schedule` planned for
+each; ``max_traces`` bounds all of them together (least recently used key's oldest order goes
+first), so alternating control flow does not re-record every step. Which order the next step of a
+key follows is predicted from what followed the previous step's order last time (an A, B, A, B
+alternation hits every time); without a prediction, the most recently used order.
+
+Pure data: no torch, no parameters (the coordinator, runtime/coordinator.py, acts on the plan).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from .schedule import PlanConfig, Schedule, plan
+from .trace import Event, EventKind, ParamInfo, Trace, TraceRecorder
+
+logger = logging.getLogger(__name__)
+
+Entry = tuple[Trace, Schedule]
+
+
+def _uses(trace: Trace) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for j, e in enumerate(trace.events):
+        if e.kind.is_pre:
+            for pid in e.params:
+                out.setdefault(pid, []).append(j)
+    return out
+
+
+@dataclass(eq=False)
+class Following:
+    """A step that follows a cached trace: the next event expected, and when each parameter is
+    used next (what the live budget's evictions ask)."""
+
+    trace: Trace
+    schedule: Schedule
+    cursor: int = 0
+    next_uses: dict[int, list[int]] = field(default_factory=dict)  # param id -> PRE event indices
+
+    @classmethod
+    def of(cls, entry: Entry) -> Following:
+        return cls(entry[0], entry[1], next_uses=_uses(entry[0]))
+
+    @property
+    def expected(self) -> Event | None:
+        """The next event of the trace (None: past its end)."""
+        events = self.trace.events
+        return events[self.cursor] if self.cursor < len(events) else None
+
+    @property
+    def completed(self) -> bool:
+        return self.cursor == len(self.trace.events)
+
+    def next_use(self, pid: int) -> int | None:
+        """Index of the next PRE event using param ``pid`` (None: never again in this trace)."""
+        for j in self.next_uses.get(pid, ()):
+            if j >= self.cursor:
+                return j
+        return None
+
+
+class TraceCache:
+    """Cached traces and schedules by step key, least recently used evicted (see the module docstring)."""
+
+    def __init__(self, max_traces: int) -> None:
+        self.max_traces = max_traces
+        self._traces: OrderedDict[str, list[Entry]] = OrderedDict()
+        self._versions = 0
+        self._last_seen: dict[str, int] = {}  # key -> version of the trace the last such step had
+        self._successor: dict[tuple[str, int | None], int] = {}  # (key, previous version) -> next
+        self.record_count = 0  # traces recorded (new orders)
+
+    def predict(self, key: str) -> Entry | None:
+        """The trace a step of ``key`` will most likely follow (None: none cached)."""
+        candidates = self._traces.get(key) or []
+        wanted = self._successor.get((key, self._last_seen.get(key)))
+        return next((e for e in candidates if e[0].version == wanted), None) or \
+            (candidates[0] if candidates else None)
+
+    def keep(self, key: str, events: tuple[Event, ...], completed: Entry | None,
+             freeze: Callable[[int], Trace], config: PlanConfig) -> Entry | None:
+        """A step of ``key`` ended with ``events``; ``completed``: the trace it followed to the end
+        without a divergence. Reuse the cached trace with these events, or freeze a new one
+        (``freeze(version)``) and plan it. Returns the new entry (None: one was reused)."""
+        if completed is not None:
+            self._touch(key, completed)
+            return None
+        for entry in self._traces.get(key, []):
+            if entry[0].events == events:
+                self._touch(key, entry)
+                return None
+        self._versions += 1
+        trace = freeze(self._versions)
+        entry = (trace, plan(trace, config))
+        self._traces.setdefault(key, []).insert(0, entry)
+        self._traces.move_to_end(key, last=False)
+        self._seen(key, trace.version)
+        self._evict()
+        self.record_count += 1
+        logger.info("zero3: recorded trace %r v%d (%d events); planned peak live %d %s, %d all-gathers",
+                    key, trace.version, len(events), entry[1].stats.peak_live, config.unit,
+                    entry[1].stats.num_allgathers)
+        return entry
+
+    def _seen(self, key: str, version: int) -> None:
+        self._successor[(key, self._last_seen.get(key))] = version
+        self._last_seen[key] = version
+
+    def _touch(self, key: str, entry: Entry) -> None:
+        self._seen(key, entry[0].version)
+        entries = self._traces[key]
+        entries.remove(entry)
+        entries.insert(0, entry)
+        self._traces.move_to_end(key, last=False)
+
+    def _evict(self) -> None:
+        total = sum(len(v) for v in self._traces.values())
+        while total > self.max_traces:
+            last_key = next(reversed(self._traces))
+            self._traces[last_key].pop()
+            if not self._traces[last_key]:
+                del self._traces[last_key]
+            total -= 1
+
+
+class StepTraces:
+    """The running step's recording and the trace it follows, over a `TraceCache`."""
+
+    def __init__(self, max_traces: int) -> None:
+        self.cache = TraceCache(max_traces)
+        self._recorder = TraceRecorder()
+        self.key: str | None = None  # the running step's key (None: between steps)
+        self.following: Following | None = None
+        self.diverged = False  # the running (or the last) step left its trace
+        self._announced: set[tuple[str, int, int]] = set()
+        self.last: Entry | None = None  # the trace and schedule of the last step that had one
+
+    def begin(self, key: str) -> Following | None:
+        """A step of ``key`` begins: follow the trace the cache predicts for it, if any."""
+        self.key = key
+        self.diverged = False
+        chosen = self.cache.predict(key)
+        self.following = None if chosen is None else Following.of(chosen)
+        if chosen is not None:
+            self.last = chosen
+        return self.following
+
+    def record(self, kind: EventKind, module: str, ids: tuple[int, ...]) -> None:
+        self._recorder.record(kind, module, ids)
+
+    def match(self, kind: EventKind, module: str, ids: tuple[int, ...], step: int) -> int | None:
+        """The index of this event in the followed trace when it is the one expected (the cursor
+        moves past it); None when no trace is followed, or the step leaves it here (logged once)."""
+        following = self.following
+        if following is None:
+            return None
+        i = following.cursor
+        expected = following.expected
+        if expected is not None and expected.kind is kind and expected.module == module and expected.params == ids:
+            following.cursor += 1
+            return i
+        trace = following.trace
+        if (trace.key, trace.version, i) not in self._announced:
+            self._announced.add((trace.key, trace.version, i))
+            want = "the end of the trace" if expected is None else \
+                f"{expected.kind.value} {expected.module or '<root>'!r}"
+            logger.warning("zero3: step %d left trace %r v%d at event %d: expected %s, got %s %r; fetching on "
+                           "demand for the rest of the step", step, trace.key, trace.version, i, want,
+                           kind.value, module or "<root>")
+        self.following = None
+        self.diverged = True
+        return None
+
+    def end(self, aborted: bool, params: Callable[[], Mapping[int, ParamInfo]], config: PlanConfig) -> None:
+        """The step ended: unless ``aborted``, keep its trace (the one it followed, a cached one with
+        the same events, or a new one over ``params()``, planned with ``config``)."""
+        key, self.key = self.key, None
+        followed, self.following = self.following, None
+        events = self._recorder.events
+        try:
+            if key is not None and not aborted and events:
+                completed = (followed.trace, followed.schedule) \
+                    if followed is not None and not self.diverged and followed.completed else None
+                entry = self.cache.keep(key, events, completed, lambda v: self._recorder.freeze(key, v, params()),
+                                        config)
+                if entry is not None:
+                    self.last = entry
+        finally:
+            self._recorder.clear()
+
+    def explain(self, target: tuple[str, object], config: PlanConfig) -> list[str]:
+        """Why the last planned step gathered, kept and released what it did (``engine.explain``)."""
+        kind, value = target
+        if self.last is None:
+            return ["no step has been recorded yet: every fetch so far was on demand, released right after use"]
+        schedule = self.last[1]
+        header = [f"trace {schedule.trace_key!r} v{schedule.trace_version}, budgets {config}"]
+        if self.diverged:
+            header.append("note: the last step left this trace and fetched on demand after the divergence")
+        if kind == "param":
+            return header + schedule.explain(param_id=value)  # type: ignore[arg-type]
+        if kind == "module":
+            return header + schedule.explain(module=value)  # type: ignore[arg-type]
+        return header + schedule.explain()

@@ -1,0 +1,149 @@
+"""The lifecycle of a step: its phase (`StepPhase`), and the one end and the one abort of it.
+
+A step begins with the first forward (or backward) the hooks see. Whoever ends it (the end of the
+backward, an inference forward returning, ``engine.step()``, an exception in forward or backward,
+the hooks being removed in the middle of it) ends it through `StepLifecycle`, which does every part
+in one order: the hooks forget their open calls (and, at the end of a backward, reduce the leaf
+modules' gradients); the gradient reducer finishes (or, aborted, drops what is queued); the
+coordinator releases everything and keeps the step's trace (aborted: drops it); the phase is IDLE.
+An inference forward is a whole epoch of the data-parallel communicators and ends it; an aborted
+step abandons the epoch of every communicator, the model-parallel one included, and tells the other
+ranks why. ``engine.step()`` ends the epochs of a training step (`end_epochs`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from enum import Enum, auto
+
+import torch
+
+from ..comm.communicator import Communicator
+from ..errors import ZeroError, ZeroStateError
+from .context import RuntimeContext
+
+
+class StepPhase(Enum):
+    """Where the model is in a training step, as the hooks see it (hooks.py).
+
+    - IDLE: between steps. Only persistent parameters and those held by ``GatheredParameters`` are
+      gathered; no module visit is open and no gradient is pending.
+    - FORWARD: at least one forward ran since the step began (several may run before a backward);
+      gathered parameters are those of running modules, prefetches and reuse keeps.
+    - BACKWARD: a backward is running (forwards may run inside it: activation-checkpoint recompute);
+      gradients are being reduced into shards.
+    A step returns to IDLE when its backward ends, when an inference forward (no grad) returns, when
+    ``engine.step()`` runs, or when it is aborted (an exception in forward or backward, or the hooks
+    removed).
+    """
+
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD = auto()
+
+
+_PHASES = {
+    (StepPhase.IDLE, StepPhase.FORWARD),
+    (StepPhase.IDLE, StepPhase.BACKWARD),  # a backward through a graph built before the step began
+    (StepPhase.FORWARD, StepPhase.BACKWARD),
+    (StepPhase.FORWARD, StepPhase.IDLE),
+    (StepPhase.BACKWARD, StepPhase.IDLE),
+}
+
+
+def check_phase(old: StepPhase, new: StepPhase) -> None:
+    if old is not new and (old, new) not in _PHASES:
+        raise ZeroStateError(f"illegal step phase change {old.name} -> {new.name}")
+
+
+class StepLifecycle:
+    """The phase of the running step, and its one end (`end`) and one abort (`abort`)."""
+
+    def __init__(self, ctx: RuntimeContext, close_calls: Callable[[bool, StepPhase], None]) -> None:
+        """``close_calls(aborted, phase)``: the hooks' part of an end, run first."""
+        assert ctx.reducer is not None, "a step lifecycle needs a context with a gradient reducer"
+        self.ctx = ctx
+        self.phase = StepPhase.IDLE
+        self._close_calls = close_calls
+        self._backward_t0 = 0.0  # when the running backward began
+        self._aborted = False  # the last step was aborted and no other began since
+
+    def enter(self, phase: StepPhase) -> None:
+        """Move to ``phase`` (checked against the table of legal changes); times the backward."""
+        if phase is not self.phase:
+            check_phase(self.phase, phase)
+            if self.phase is StepPhase.IDLE:
+                self._aborted = False  # a new step begins
+            if phase is StepPhase.BACKWARD:
+                self._backward_t0 = time.perf_counter()
+            elif self.phase is StepPhase.BACKWARD:
+                self.ctx.metrics.backward_seconds += time.perf_counter() - self._backward_t0
+            self.phase = phase
+
+    @property
+    def open(self) -> bool:
+        """A step is running (some hook saw it begin, or the coordinator recorded an event of it)."""
+        return self.phase is not StepPhase.IDLE or self.ctx.coordinator.in_step
+
+    def end(self) -> None:
+        """The step finished: complete the gradient shards, release everything, cache the trace."""
+        self._end(aborted=False, reason=None)
+
+    def abort(self, exc: BaseException, where: str) -> None:
+        """A forward or backward raised ``exc``: end the step aborted and tell the other ranks. Once
+        per step: the root module's post-forward hook aborts as the exception leaves the model, and
+        ``engine.forward`` asks again when it catches it."""
+        if self._aborted:
+            return
+        if isinstance(exc, ZeroError) and not isinstance(exc, ZeroStateError):
+            reason = f"raised {type(exc).__name__} in its {where} (step {self.ctx.global_steps})"
+        else:
+            reason = f"raised {type(exc).__name__}: {str(exc)[:200]} in its {where} (step {self.ctx.global_steps})"
+        self._end(aborted=True, reason=reason)
+
+    def close(self) -> None:
+        """The hooks are being removed: a running step ends aborted; between steps only what the
+        coordinator still holds (generation mode) is released."""
+        if self.open:
+            self._end(aborted=True, reason=f"removed its hooks in the middle of step {self.ctx.global_steps}")
+        else:
+            self.ctx.coordinator.end_step(aborted=True)
+
+    def end_epochs(self) -> None:
+        """``engine.step()``: the epoch of every communicator ends with the optimizer step."""
+        for comm in self._epoch_comms():
+            comm.end_epoch()
+
+    def _epoch_comms(self) -> list[Communicator]:
+        mp = self.ctx.model_parallel
+        return self.ctx.data_comms + ([mp.comm] if mp is not None else [])
+
+    def _end(self, aborted: bool, reason: str | None) -> None:
+        """The one end of a step. Normally: complete the gradient shards, release everything, cache
+        the step's trace. Aborted: drop queued gradients and the half-recorded step instead, and
+        abandon every communicator's epoch (``reason`` for the other ranks). Either way the phase is
+        IDLE afterwards."""
+        ctx = self.ctx
+        reducer = ctx.reducer
+        assert reducer is not None
+        inference = self.phase is StepPhase.FORWARD and not torch.is_grad_enabled()
+        self._aborted = aborted
+        try:
+            self._close_calls(aborted, self.phase)
+            if aborted:
+                try:
+                    reducer.discard()
+                except ZeroError:
+                    pass  # the step is gone anyway; the first error is what the caller sees
+            else:
+                reducer.finish()
+        finally:
+            ctx.coordinator.end_step(aborted=aborted)
+            self.enter(StepPhase.IDLE)
+            if aborted:
+                for comm in self._epoch_comms():
+                    comm.abandon_epoch(reason)
+            elif inference:
+                for comm in ctx.data_comms:
+                    comm.end_epoch()  # an inference forward is a whole epoch: nothing else follows it
