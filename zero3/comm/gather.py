@@ -45,7 +45,7 @@ from .works import (
 
 
 class GatherTransport:
-    """How one communicator moves a gather's bytes: ``all_gather`` collectives (this class)."""
+    """How one communicator moves a gather's bytes (chosen once, at construction)."""
 
     def __init__(self, wire: Wire) -> None:
         self.wire = wire
@@ -59,6 +59,25 @@ class GatherTransport:
         """Every rank's ``inp`` (the same size everywhere), as one row per rank; and the work to wait
         for (None when done). The last ``header_numel`` elements of each row are counted as
         verification, the rest as ``kind``."""
+        raise NotImplementedError
+
+    def dummy(self, shape: RequestShape, header: PayloadHeader, tag: Tag) -> list[Any]:
+        """A void stand-in for a planned gather of ``shape`` (see [Note: verified collectives]):
+        quantized rows, or a direct gather's pieces (hpZ's secondary gathers always are)."""
+        dtype = getattr(torch, shape.dtype.removeprefix("torch."), torch.uint8)
+        if shape.dtype == "quantized":
+            w = self.wire
+            payload = torch.zeros(shape.sizes[0] + HEADER_BYTES, dtype=torch.uint8, device=w.device)
+            payload[shape.sizes[0]:].copy_(header_as(torch.uint8, header, w.device))
+            return [self.rows(payload, True, tag, Kind(shape.kind), HEADER_BYTES)[1]]
+        return [_dummy_pieces(self.wire, shape, header, tag, dtype)]
+
+
+class CollectiveGather(GatherTransport):
+    """``allgather_impl="all_gather"``: one flat all-gather per bucket."""
+
+    def rows(self, inp: torch.Tensor, async_op: bool, tag: Tag | None, kind: Kind,
+             header_numel: int) -> tuple[list[torch.Tensor], Any]:
         w = self.wire
         n, size = inp.numel(), inp.element_size()
         w.counter.peers(kind, (n - header_numel) * size, header_numel * size, False)
@@ -67,21 +86,15 @@ class GatherTransport:
         return list(out.view(w.world_size, n).unbind(0)), (work if async_op else None)
 
     def dummy(self, shape: RequestShape, header: PayloadHeader, tag: Tag) -> list[Any]:
-        """A void stand-in for a planned gather of ``shape`` (see [Note: verified collectives])."""
+        if shape.dtype == "quantized" or Kind(shape.kind) is Kind.SECONDARY_GATHER:
+            return super().dummy(shape, header, tag)
         w = self.wire
-        kind = Kind(shape.kind)
         dtype = getattr(torch, shape.dtype.removeprefix("torch."), torch.uint8)
-        if shape.dtype == "quantized":
-            payload = torch.zeros(shape.sizes[0] + HEADER_BYTES, dtype=torch.uint8, device=w.device)
-            payload[shape.sizes[0]:].copy_(header_as(torch.uint8, header, w.device))
-            return [self.rows(payload, True, tag, kind, HEADER_BYTES)[1]]
-        if kind is Kind.SECONDARY_GATHER:
-            return [_dummy_pieces(w, shape, header, tag, dtype)]
         hdr = bitcast_elements(dtype)
         works = []
         for total in shape.sizes:
             inp = torch.cat([torch.zeros(total, dtype=dtype, device=w.device), header_as(dtype, header, w.device)])
-            works.append(self.rows(inp, True, tag, kind, hdr)[1])
+            works.append(self.rows(inp, True, tag, Kind(shape.kind), hdr)[1])
         return works
 
 
@@ -92,6 +105,10 @@ class PairwiseGather(GatherTransport):
     on the meta device) have no backend for messages: they take the collective path, whose meta
     kernels move nothing, as there is nothing."""
 
+    def __init__(self, wire: Wire) -> None:
+        super().__init__(wire)
+        self._meta = CollectiveGather(wire)
+
     def direct(self, params: Sequence[ZeroParameter]) -> bool:
         return all(p._zero.shard.device == raw_data(p).device != META and p._zero.shard.dtype == raw_data(p).dtype
                    for p in params)
@@ -99,7 +116,7 @@ class PairwiseGather(GatherTransport):
     def rows(self, inp: torch.Tensor, async_op: bool, tag: Tag | None, kind: Kind,
              header_numel: int) -> tuple[list[torch.Tensor], Any]:
         if inp.device == META:
-            return super().rows(inp, async_op, tag, kind, header_numel)
+            return self._meta.rows(inp, async_op, tag, kind, header_numel)
         w = self.wire
         n, size = inp.numel(), inp.element_size()
         w.counter.peers(kind, (n - header_numel) * size, header_numel * size, True)
@@ -119,12 +136,6 @@ class PairwiseGather(GatherTransport):
             return rows, None
         return rows, work
 
-    def dummy(self, shape: RequestShape, header: PayloadHeader, tag: Tag) -> list[Any]:
-        if shape.dtype == "quantized":
-            return super().dummy(shape, header, tag)
-        dtype = getattr(torch, shape.dtype.removeprefix("torch."), torch.uint8)
-        return [_dummy_pieces(self.wire, shape, header, tag, dtype)]
-
 
 def _dummy_pieces(w: Wire, shape: RequestShape, header: PayloadHeader, tag: Tag, dtype: torch.dtype) -> Any:
     """A direct gather's messages (pieces of ``span`` primary shards), of zeros, into scratch."""
@@ -136,7 +147,7 @@ def _dummy_pieces(w: Wire, shape: RequestShape, header: PayloadHeader, tag: Tag,
 
 def gather_transport(impl: str, wire: Wire) -> GatherTransport:
     """The transport for a resolved ``allgather_impl``."""
-    return PairwiseGather(wire) if impl == "p2p" else GatherTransport(wire)
+    return PairwiseGather(wire) if impl == "p2p" else CollectiveGather(wire)
 
 
 class ParamGatherer:
