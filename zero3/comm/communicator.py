@@ -141,10 +141,6 @@ class Communicator:
         return self._state.mode
 
     @property
-    def epoch(self) -> int:
-        return self._state.epoch
-
-    @property
     def side_stream(self) -> Any:
         """The CUDA side stream gathers ran on (None until one did)."""
         return self._gatherer.side.stream

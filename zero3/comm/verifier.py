@@ -77,10 +77,6 @@ class Verifier:
         self._log: list[RequestShape] = []
         self._outstanding: deque[UnverifiedCollective] = deque()
 
-    @property
-    def mode(self) -> EpochMode:
-        return self.state.mode
-
     # -- epochs ----------------------------------------------------------------------------------
     def end_epoch(self) -> None:
         """The runtime finished an epoch: leave the plan if it is not done, remember what this epoch
