@@ -41,7 +41,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.modules[f"m{m}"] = [self.params[i] for i in idx]
         self.metrics = StepMetrics()
         self.config = ZeroConfig(max_live_parameters=max_live, max_reuse_distance=reuse, prefetch_bucket_size=bucket)
-        comm = Communicator(None, CommConfig(overlap=True, bucket_numel=10**9), world_size=1, rank=0, metrics=self.metrics)
+        comm = Communicator(None, CommConfig(overlap=True, bucket_numel=10**9), world_size=1, rank=0,
+                            metrics=self.metrics)
         self.coord = ParamCoordinator(self.config, comm, self.metrics, self.params)
         self.open: list[tuple[str, EventKind]] = []  # the reference model: open visits, in order
         self.step_events: list[tuple[EventKind, str]] = []

@@ -222,7 +222,8 @@ class Communicator:
         with label("zero3::all_reduce"):
             work = self._all_reduce_wire(payload, reduce_op, tag, Kind.ALL_REDUCE, h)
         if header is not None:
-            slot = self._verifier.register(shape, [work], lambda: headers_from_values(payload[n:].view(w, HEADER_VALUES)))
+            slot = self._verifier.register(shape, [work],
+                                           lambda: headers_from_values(payload[n:].view(w, HEADER_VALUES)))
             self._verifier.verify_through(slot)
             if slot.void:
                 self._verifier.voided(tag, shape.sizes)
