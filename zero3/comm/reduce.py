@@ -91,7 +91,8 @@ class ReduceTransport:
     def _dummy_exact(self, shape: RequestShape, header: PayloadHeader, tag: Tag, dtype: torch.dtype) -> Any:
         raise NotImplementedError
 
-    def _work(self, req: ReduceRequest, out: torch.Tensor, shard_numel: int, keep: Any, work: Any) -> ReduceWork:
+    def work(self, req: ReduceRequest, out: torch.Tensor, shard_numel: int, keep: Any, work: Any) -> ReduceWork:
+        """What the caller waits for: ``out``'s first ``shard_numel`` elements, averaged; ``keep`` lives until then."""
         return ReduceWork(ctx=self.ctx, world_size=self.wire.world_size, out=out, shard_numel=shard_numel, keep=keep,
                           tag=req.tag, work=work)
 
@@ -124,7 +125,7 @@ class FlatReduce(ReduceTransport):
         with label("zero3::reduce"):
             out, hdr_rows = self._output(flat, s, h)
             work = self._wire(flat, out, self.overlap, req.tag, h)
-        rw = self._work(req, out, s, buf, work)
+        rw = self.work(req, out, s, buf, work)
         if header is not None:
             assert hdr_rows is not None
             rw.slot = self.verifier.register(shape, [work] if work is not None else [],
@@ -255,7 +256,7 @@ class PairwiseReduce(ReduceTransport):
                     out.add_(received[q])
 
         work.then = total_up
-        rw = self._work(req, out, total + counted, out, work)
+        rw = self.work(req, out, total + counted, out, work)
         if header is not None:
             rw.slot = self.verifier.register(shape, [work], work.headers)
         if not self.overlap:
@@ -395,7 +396,7 @@ class QuantizedReduction:
                     out[total:].add_(received[q][off: off + 4 * counted].view(torch.float32))
 
         work.then = total_up
-        rw = tr._work(req, out, total + counted, out, work)
+        rw = tr.work(req, out, total + counted, out, work)
         if header is not None:
             rw.slot = verifier.register(shape, [work], lambda: [
                 header if q == r else PayloadHeader.from_bytes(bytes(received[q][-HEADER_BYTES:].cpu().tolist()))
