@@ -13,6 +13,7 @@ The class is a facade over small pieces, each in the file named after its job:
 - verifier.py: the verification state machine ([Note: verified collectives] in verify.py);
 - counter.py: byte counting; failure.py: timeouts and failure reports; works.py: waiting;
 - codec.py: qwZ / qgZ coding; hpz.py: secondary slices and the secondary group's communicator;
+- collectives.py: the small collectives (all-reduce, broadcast, object exchange, ...);
 - streams.py: the CUDA side stream; wire.py: what the transports share.
 """
 
@@ -29,6 +30,7 @@ from ..errors import ZeroConfigError
 from ..metrics import StepMetrics
 from ..partition.param import ZeroParameter
 from .codec import QuantizedCodec
+from .collectives import SmallCollectives
 from .config import CommConfig
 from .counter import ByteCounter
 from .failure import FailureMonitor, rebuild_error
@@ -38,9 +40,8 @@ from .reduce import GradPiece, QuantizedReduction, ReduceBuffer, ReduceRequest, 
 from .tags import Kind, Tag
 from .topology import hpz_group_size, node_identity, node_ids
 from .verifier import Verifier
-from .verify import EpochMode, EpochState, FailureReport, PayloadHeader, RequestShape, header_values, \
-    headers_from_values
-from .wire import HEADER_VALUES, Wire, all_gather_flat, group_info, group_name, label, same_group
+from .verify import EpochMode, EpochState, FailureReport, PayloadHeader, RequestShape
+from .wire import Wire, group_info, group_name, same_group
 from .works import GatherWork, ReduceWork, WaitContext
 
 __all__ = ["CommConfig", "Communicator", "GatherWork", "GradPiece", "Kind", "ReduceBuffer", "ReduceWork",
@@ -121,6 +122,7 @@ class Communicator:
         self._reduction: ReduceTransport | QuantizedReduction = (
             QuantizedReduction(self._reduce_transport, codec) if cfg.quantize_gradients and world_size > 1
             else self._reduce_transport)
+        self._small = SmallCollectives(self._wire, self._verifier, self.verify)
         self._cutter = SecondaryCutter(world_size, self._hpz, rank) if self._hpz > 1 else None
 
     # -- what the runtime reads ------------------------------------------------------------------
@@ -169,10 +171,7 @@ class Communicator:
             return self._gatherer.transport.dummy(shape, header, tag)
         if kind is Kind.GRAD_REDUCE:
             return self._reduce_transport.dummy(shape, header, tag)
-        # ALL_REDUCE: one flat all-reduce of the planned size
-        dtype = getattr(torch, shape.dtype.removeprefix("torch."), torch.uint8)
-        flat = torch.zeros(shape.sizes[0], dtype=dtype, device=self.device)
-        return [self._all_reduce_wire(flat, dist.ReduceOp.SUM, tag, kind, HEADER_VALUES * self.world_size)]
+        return self._small.dummy_all_reduce(shape, header, tag)
 
     # -- parameters and gradients ----------------------------------------------------------------
     def all_gather_params(self, params: Sequence[ZeroParameter], tag: Tag, count: bool = True,
@@ -204,96 +203,32 @@ class Communicator:
         self.metrics.reduce_numel += req.total * self.world_size
         return self._reduction.reduce(req)
 
-    # -- small collectives -----------------------------------------------------------------------
+    # -- small collectives (collectives.py) -------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, tag: Tag, op: str = "sum") -> torch.Tensor:
         """Reduce ``t`` in place over the ranks (``op``: ``sum`` or ``max``); returns ``t``."""
-        if self.world_size == 1:
-            return t
-        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        w = self.world_size
-        h = HEADER_VALUES * w if self.verify else 0
-        n = t.numel()
-        shape = RequestShape(Kind.ALL_REDUCE.value, (n + h,), str(t.dtype), False)
-        header = self._verifier.planned(tag, shape)
-        payload = torch.zeros(n + h, dtype=t.dtype, device=t.device)
-        payload[:n].copy_(t.reshape(-1))
-        if header is not None:
-            payload[n:].view(w, HEADER_VALUES)[self.rank].copy_(header_values(header, t.dtype, t.device))
-        with label("zero3::all_reduce"):
-            work = self._all_reduce_wire(payload, reduce_op, tag, Kind.ALL_REDUCE, h)
-        if header is not None:
-            slot = self._verifier.register(shape, [work],
-                                           lambda: headers_from_values(payload[n:].view(w, HEADER_VALUES)))
-            self._verifier.verify_through(slot)
-            if slot.void:
-                self._verifier.voided(tag, shape.sizes)
-        else:
-            self._monitor.wait(work, tag)
-        t.copy_(payload[:n].view_as(t))
-        return t
-
-    def _all_reduce_wire(self, flat: torch.Tensor, op: Any, tag: Tag, kind: Kind, h: int) -> Any:
-        work = self._monitor.blocking(lambda: dist.all_reduce(flat, op=op, group=self.group, async_op=True), tag)
-        self._wire.counter.peers(kind, (flat.numel() - h) * flat.element_size(), h * flat.element_size())
-        return work
+        return self._small.all_reduce(t, tag, op)
 
     def agree(self, tag: Tag) -> None:
         """Every rank reached this point and every collective before it was verified (a blocking
         header exchange). The engine calls it before the optimizer changes any shard."""
-        if not self.verify:
-            return
-        self._verifier.route(tag, RequestShape(Kind.AGREE.value, (0,), "int64", True))
+        self._small.agree(tag)
 
     def broadcast(self, t: torch.Tensor, src: int, tag: Tag) -> torch.Tensor:
         """Broadcast ``t`` in place from group rank ``src``; returns ``t``."""
-        if self.world_size > 1:
-            self._header_first(tag, t)
-            with label("zero3::broadcast"):
-                self._monitor.blocking(lambda: dist.broadcast(t, src=self.global_rank(src), group=self.group), tag)
-            if self.rank != src:
-                self._wire.counter.count(Kind.BROADCAST, src, t.numel() * t.element_size(), False)
-        return t
+        return self._small.broadcast(t, src, tag)
 
     def all_gather_tensor(self, t: torch.Tensor, tag: Tag) -> torch.Tensor:
         """Every rank's ``t`` (same size everywhere), stacked: shape ``(world, t.numel())``."""
-        flat = t.reshape(-1).contiguous()
-        if self.world_size == 1:
-            return flat.view(1, -1)
-        self._header_first(tag, flat)
-        out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
-        with label("zero3::all_gather_tensor"):
-            self._monitor.blocking(lambda: all_gather_flat(out, flat, group=self.group), tag)
-        self._wire.counter.peers(Kind.TENSOR_GATHER, flat.numel() * flat.element_size())
-        return out.view(self.world_size, -1)
+        return self._small.all_gather_tensor(t, tag)
 
     def gather_to_rank0(self, t: torch.Tensor, tag: Tag) -> torch.Tensor | None:
         """Every rank's ``t`` stacked on group rank 0 (``(world, t.numel())``); None elsewhere."""
-        flat = t.reshape(-1).contiguous()
-        if self.world_size == 1:
-            return flat.view(1, -1)
-        self._header_first(tag, flat)
-        dst = self.global_rank(0)
-        with label("zero3::gather"):
-            if self.rank == 0:
-                rows = torch.empty(self.world_size, flat.numel(), dtype=flat.dtype, device=flat.device)
-                self._monitor.blocking(lambda: dist.gather(flat, list(rows.unbind(0)), dst=dst, group=self.group),
-                                       tag)
-                self._wire.counter.peers(Kind.GATHER_TO_ROOT, flat.numel() * flat.element_size())
-                return rows
-            self._monitor.blocking(lambda: dist.gather(flat, None, dst=dst, group=self.group), tag)
-        return None
+        return self._small.gather_to_rank0(t, tag)
 
     def exchange_objects(self, obj: Any, tag: Tag) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (needs no numpy, unlike torch's object
         collectives)."""
-        if self.world_size == 1:
-            return [obj]
-        self._header_first(tag, torch.empty(0))
-        return self._wire.objects(obj, Kind.OBJECTS)
-
-    def _header_first(self, tag: Tag, t: torch.Tensor) -> None:
-        """Route a request whose first wire collective is the blocking header exchange."""
-        self._verifier.route(tag, RequestShape(tag.kind.value, (t.numel(),), str(t.dtype), True))
+        return self._small.exchange_objects(obj, tag)
 
     def agree_on_errors(self, payload: Any, error: BaseException | None, tag: Tag) -> list[Any]:
         """All-gather ``payload`` and raise on every rank if any rank had an ``error``.
