@@ -38,7 +38,7 @@ def test_cuda_training_matches_reference_with_side_stream():
         ref_opt.step()
         ref_opt.zero_grad()
         assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
-    assert engine.comm._side_stream is not None, "the side stream was not used"
+    assert engine.comm.side_stream is not None, "the side stream was not used"
     assert engine.last_step_metrics.prefetch_hits > 0
 
 

@@ -119,12 +119,12 @@ class SkippableGPT(GPT):
         return super().forward(idx, targets)
 
 
-def skip_a_layer(ranks_that_skip: list[int], threshold: int) -> dict:
+def skip_a_layer(ranks_that_skip: list[int], threshold: int, wire: dict | None = None) -> dict:
     torch.manual_seed(0)
     with zero3.Init():
         model = SkippableGPT(CFG)
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6),
-                              {"collective_timeout": TIMEOUT, "param_persistence_threshold": threshold})
+                              {"collective_timeout": TIMEOUT, "param_persistence_threshold": threshold, **(wire or {})})
     _train(engine, 3)
     planned = engine.comm.mode.name
     before = _snapshot(engine)
@@ -133,6 +133,7 @@ def skip_a_layer(ranks_that_skip: list[int], threshold: int) -> dict:
     out = _outcome(lambda: _train(engine, 2, start=3, seen=seen))
     out["unchanged"] = _unchanged(before, engine)
     out["departures"] = sum(m.plan_departures for m in seen)
+    out["dummies"] = sum(m.dummy_collectives for m in seen)
     out["planned_before"] = planned
     model.skip = None
     if out["error"] is None:  # the engine keeps training normally afterwards
@@ -151,6 +152,20 @@ def test_every_rank_skipping_the_same_layer_is_not_an_error(pools):
     for r in pools.get(2).run(skip_a_layer, [0, 1], 0, timeout=POOL_TIMEOUT):
         assert r["error"] is None, r
         assert r["planned_before"] == "IDLE" and r["departures"] >= 1, r  # it did leave the agreed plan
+        assert r["after"]["error"] is None, r["after"]
+
+
+@pytest.mark.parametrize("wire", [{"allgather_impl": "all_gather", "reduce_scatter_impl": "reduce_scatter"},
+                                  {"allgather_impl": "all_gather", "reduce_scatter_impl": "all_reduce"},
+                                  {"allgather_impl": "all_gather", "reduce_scatter_impl": "reduce_scatter",
+                                   "zero_quantized_weights": True, "zero_quantized_gradients": True}],
+                         ids=["all_gather+reduce_scatter", "all_gather+all_reduce", "qwZ+qgZ collectives"])
+def test_leaving_the_plan_on_collective_wires_issues_their_void_stand_ins(pools, wire):
+    """The void stand-ins a rank issues where it leaves the plan use the wire the communicator was
+    built with (gloo's default is pairwise; these are the collective ones)."""
+    for r in pools.get(2).run(skip_a_layer, [0, 1], 0, wire, timeout=POOL_TIMEOUT):
+        assert r["error"] is None, r
+        assert r["departures"] >= 1 and r["dummies"] >= 1, r
         assert r["after"]["error"] is None, r["after"]
 
 

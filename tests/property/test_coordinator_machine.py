@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch import nn
 
 from zero3.comm.communicator import Communicator
+from zero3.comm.config import CommConfig
 from zero3.config import ZeroConfig
 from zero3.runtime.coordinator import ParamCoordinator
 from zero3.metrics import StepMetrics
@@ -40,7 +41,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.modules[f"m{m}"] = [self.params[i] for i in idx]
         self.metrics = StepMetrics()
         self.config = ZeroConfig(max_live_parameters=max_live, max_reuse_distance=reuse, prefetch_bucket_size=bucket)
-        comm = Communicator(None, world_size=1, rank=0, overlap=True, bucket_numel=10**9, metrics=self.metrics)
+        comm = Communicator(None, CommConfig(overlap=True, bucket_numel=10**9), world_size=1, rank=0,
+                            metrics=self.metrics)
         self.coord = ParamCoordinator(self.config, comm, self.metrics, self.params)
         self.open: list[tuple[str, EventKind]] = []  # the reference model: open visits, in order
         self.step_events: list[tuple[EventKind, str]] = []

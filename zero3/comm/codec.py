@@ -11,7 +11,12 @@ precision).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
+
+from ..partition.param import ZeroParameter, alloc_full, raw_data
+from .wire import piece
 
 LEVELS = {8: 127, 4: 7}
 """Largest integer magnitude per bit width (symmetric: -L..L)."""
@@ -81,3 +86,77 @@ def _unpack4(packed: torch.Tensor, numel: int) -> torch.Tensor:
     low = (packed & 0x0F).to(torch.int16) - 8
     high = (packed >> 4).to(torch.int16) - 8
     return torch.stack([low, high], dim=1).view(-1)[:numel].to(torch.int8)
+
+
+Layout = list[tuple[int, int, int]]
+"""Per tensor of a quantized message: (elements, value bytes, blocks); its bytes are the values
+(padded to 4 bytes) then one fp32 scale per block (`wire_bytes`)."""
+
+
+class QuantizedCodec:
+    """ZeRO++'s wire coding of one communicator: qwZ gathers (int8) and qgZ reductions (``grad_bits``),
+    blockwise with ``block`` elements per scale. Encodes into and decodes from flat uint8 messages."""
+
+    def __init__(self, block: int, grad_bits: int = 0) -> None:
+        self.block = block
+        self.grad_bits = grad_bits
+
+    # -- qwZ: parameter shards -------------------------------------------------------------------
+    def shard_layout(self, shard_numels: Sequence[int]) -> Layout:
+        """The layout of int8-quantized shards of ``shard_numels`` elements."""
+        return [(s, value_bytes(s, 8), blocks(s, self.block)) for s in shard_numels]
+
+    @staticmethod
+    def size(layout: Layout) -> int:
+        return sum(v + 4 * nb for _, v, nb in layout)
+
+    def encode_shards(self, shards: Sequence[torch.Tensor], layout: Layout, payload: torch.Tensor) -> None:
+        """Write every shard's int8 values and scales into ``payload`` (uint8), back to back."""
+        off = 0
+        for shard, (s, v, nb) in zip(shards, layout):
+            values, scales = quantize(shard, self.block)
+            payload[off: off + s].copy_(values.view(torch.uint8))
+            payload[off + v: off + v + 4 * nb].copy_(scales.view(torch.uint8))
+            off += v + 4 * nb
+
+    def decode_rows(self, params: Sequence[ZeroParameter], rows: list[torch.Tensor], layout: Layout,
+                    span: int = 1) -> None:
+        """Write every row's quantized pieces into the parameters' storage. Row q holds, per parameter,
+        the pieces of primary ranks ``q * span`` .. ``q * span + span - 1`` (``span`` > 1: the rows of an
+        hpZ secondary gather, each a secondary slice of ``span`` primary shards)."""
+        for q, row in enumerate(rows):
+            off = 0
+            for p, (s, v, nb) in zip(params, layout):
+                z = p._zero
+                full = alloc_full(p) if q == 0 else raw_data(p).view(-1)
+                for i in range(span):
+                    lo, hi = piece(z.numel, s, q * span + i)
+                    if hi > lo:
+                        values = row[off: off + s].view(torch.int8)
+                        scales = row[off + v: off + v + 4 * nb].view(torch.float32)
+                        full[lo:hi].copy_(dequantize(values, scales, s, self.block)[: hi - lo])
+                    off += v + 4 * nb
+
+    # -- qgZ: gradient parts ---------------------------------------------------------------------
+    def grad_layout(self, shard_numels: Sequence[int]) -> Layout:
+        bits = self.grad_bits
+        return [(s, value_bytes(s, bits), blocks(s, self.block)) for s in shard_numels]
+
+    def encode_part(self, part: torch.Tensor, payload: torch.Tensor, off: int, v: int, nb: int) -> None:
+        """Quantize one gradient part (``grad_bits``) into ``payload`` at ``off``."""
+        values, scales = quantize(part, self.block, self.grad_bits)
+        payload[off: off + values.numel()].copy_(values.view(torch.uint8))
+        payload[off + v: off + v + 4 * nb].copy_(scales.view(torch.uint8))
+
+    def add_row(self, row: torch.Tensor, layout: Layout, out: torch.Tensor) -> int:
+        """Add the dequantized parts of one received message to ``out``, in fp32; returns the offset
+        of what follows them in ``row``."""
+        bits, off, col = self.grad_bits, 0, 0
+        for sh, v, nb in layout:
+            values = row[off: off + v] if bits == 4 else row[off: off + v].view(torch.int8)
+            scales = row[off + v: off + v + 4 * nb].view(torch.float32)
+            out[col: col + sh].add_(dequantize(values, scales, sh, self.block, bits))
+            off += v + 4 * nb
+            col += sh
+        return off
+

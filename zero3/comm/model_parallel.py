@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .communicator import Communicator
+from .config import CommConfig
 from ..config import ZeroConfig
 from ..errors import ZeroConfigError
 from ..metrics import StepMetrics
@@ -49,18 +50,17 @@ class ModelParallel:
     comm: Communicator
 
     @classmethod
-    def from_mpu(cls, mpu: Any, config: ZeroConfig, dp_group: Any) -> ModelParallel | None:
+    def from_mpu(cls, mpu: Any, config: ZeroConfig, dp_group: Any, metrics: StepMetrics) -> ModelParallel | None:
         """The engine's view of ``mpu``'s model-parallel group; None when it names none or it has one
         rank (nothing differs from plain data parallelism then). Its communicator runs on a process group of its
         own with ``collective_timeout`` and verifies as ``verify_collectives`` says, like the
-        data-parallel one; its counters are kept apart from the step's."""
+        data-parallel one; it counts into ``metrics`` (the step's)."""
         found = model_parallel_group(mpu)
         if found is None or found[1] == 1:
             return None
         group, world, rank = found
         check_orthogonal(dp_group, group)
-        comm = Communicator(group, world_size=world, rank=rank, metrics=StepMetrics(), overlap=False,
-                            verify=config.verify_collectives, timeout_s=config.collective_timeout, plans=4)
+        comm = Communicator(group, CommConfig.model_parallel(config), metrics=metrics, world_size=world, rank=rank)
         logger.info("zero3: model-parallel rank %d of %d beside ZeRO-3 data parallelism", rank, world)
         return cls(group=group, world_size=world, rank=rank, comm=comm)
 

@@ -3,7 +3,7 @@
 A rank names its node by the host it runs on plus torchrun's ``GROUP_RANK`` (the agent's node rank)
 when that is set, so two torchrun agents started on one machine (``--nnodes 2``, as the tests and the
 benchmark do) count as two nodes, while ranks that a script spawns itself on one host are one node.
-The communicator exchanges these names once when it is built (comm.py) and keeps the node of every
+The communicator exchanges these names once when it is built (communicator.py) and keeps the node of every
 rank of its group; what follows from them is decided here, without a process group.
 """
 

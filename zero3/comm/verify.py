@@ -1,16 +1,16 @@
-"""What the communicator needs to verify collectives cheaply: headers, slots, plans, failure reports.
+"""What the verifier needs to verify collectives cheaply: headers, request shapes, plans, failure reports.
 
 [Note: verified collectives]
 Ranks must issue the same collectives in the same order with the same sizes: a size mismatch on
 gloo returns garbage on one rank and aborts the other (measured), and a rank that stops taking part
-leaves the others blocked. The communicator (comm.py) therefore verifies every collective, in one of
+leaves the others blocked. The communicator (verifier.py) therefore verifies every collective, in one of
 two modes per *epoch* (the collectives between two ``engine.step()`` ends, or one inference forward):
 
 - CHECKED: before each collective the ranks exchange a fixed-size header (`WireHeader`: epoch,
   sequence number, kind, a hash of the parameter ids carried, size) in one blocking all-gather, and
   only issue the data collective when every header agrees. A mismatch raises `ZeroDivergenceError`
   on every rank at once, with each rank's description.
-- PLANNED: every epoch's sequence of collective *shapes* (kind, sizes, dtype: a `Slot`) is recorded.
+- PLANNED: every epoch's sequence of collective *shapes* (kind, sizes, dtype: a `RequestShape`) is recorded.
   The next epoch that begins with the same request follows it when every rank agrees, in one header
   exchange at the start of the epoch, on a digest of the same plan. Collectives then carry a 16-byte
   `PayloadHeader` inside their own payload (bit-cast into a gather's input, or as small integers
@@ -80,8 +80,18 @@ class EpochMode(enum.Enum):
     BROKEN = enum.auto()
 
 
+@dataclass(eq=False, slots=True)
+class EpochState:
+    """Where this rank is in the verified sequence: shared by the verifier (which advances it) and
+    the failure monitor (which names the collective that failed and closes the group)."""
+
+    mode: EpochMode = EpochMode.IDLE
+    epoch: int = 0
+    seq: int = 0  # the next collective's sequence number in this epoch
+
+
 @dataclass(frozen=True, slots=True)
-class Slot:
+class RequestShape:
     """The shape of one collective request: what every rank's wire collectives look like."""
 
     kind: str
@@ -96,7 +106,7 @@ def content_hash(kind: str, ids: tuple[int, ...], sizes: tuple[int, ...]) -> int
     return zlib.crc32(repr((kind, ids, sizes)).encode())
 
 
-def plan_digest(slots: list[Slot] | tuple[Slot, ...]) -> int:
+def plan_digest(slots: list[RequestShape] | tuple[RequestShape, ...]) -> int:
     """A non-zero 63-bit digest of a plan's shapes (0 means "no plan")."""
     h = zlib.crc32(repr(tuple(slots)).encode())
     return (h << 20 | (len(slots) & 0xFFFFF)) or 1
@@ -195,16 +205,16 @@ class WireHeader:
 
 
 class PlanCache:
-    """Recorded epochs (lists of `Slot`), keyed by the epoch's first request; a successor predictor
+    """Recorded epochs (lists of `RequestShape`), keyed by the epoch's first request; a successor predictor
     picks, among plans with one key, the one that followed the previous epoch's plan last time."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
-        self._plans: OrderedDict[tuple[int, int], tuple[Slot, ...]] = OrderedDict()  # (key, digest) -> slots
+        self._plans: OrderedDict[tuple[int, int], tuple[RequestShape, ...]] = OrderedDict()  # (key, digest) -> slots
         self._last: dict[int, int] = {}
         self._successor: dict[tuple[int, int], int] = {}
 
-    def choose(self, key: int) -> tuple[tuple[Slot, ...], int] | None:
+    def choose(self, key: int) -> tuple[tuple[RequestShape, ...], int] | None:
         """The plan to propose for an epoch starting with request ``key``: (slots, digest)."""
         wanted = self._successor.get((key, self._last.get(key, 0)))
         if wanted is not None and (key, wanted) in self._plans:
@@ -214,7 +224,7 @@ class PlanCache:
                 return slots, digest
         return None
 
-    def record(self, key: int, slots: list[Slot]) -> None:
+    def record(self, key: int, slots: list[RequestShape]) -> None:
         if not slots:
             return
         digest = plan_digest(slots)

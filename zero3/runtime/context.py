@@ -32,6 +32,8 @@ import torch
 from torch import nn
 
 from ..comm.communicator import Communicator, group_info, same_group
+from ..comm.config import CommConfig
+from ..comm.hpz import secondary_communicator
 from ..config import ZeroConfig
 from .coordinator import ParamCoordinator
 from ..errors import ZeroConfigError, ZeroStateError
@@ -89,15 +91,8 @@ class RuntimeContext:
         group, world, rank = group_info(group)
         metrics = StepMetrics()
         if comm is None:
-            comm = Communicator(group, world_size=world, rank=rank, metrics=metrics, overlap=config.overlap_comm,
-                                bucket_numel=config.allgather_bucket_size, reduce_impl=config.reduce_scatter_impl,
-                                allgather_impl=config.allgather_impl, verify=config.verify_collectives,
-                                timeout_s=config.collective_timeout if own_group else 0.0,
-                                plans=2 * config.max_traces + 2,
-                                quantize_weights=config.zero_quantized_weights and own_group,
-                                quantize_gradients=config.quantized_gradient_bits
-                                if config.zero_quantized_gradients and own_group else 0,
-                                quant_block=config.quantization_block_size)
+            comm = Communicator(group, CommConfig.from_config(config, own_group), metrics=metrics, world_size=world,
+                                rank=rank)
         io = shards = None
         placement = PlacementPolicy.from_config(config)
         store = ShardStore(placement)
@@ -251,14 +246,18 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
     _check_nvme_shards(model, config, PlacementPolicy.from_config(config))
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
-    hpz = hpz_group_size(config.zero_hpz_partition_size, ctx.comm.nodes)  # the same on every rank
+    hpz = ctx.comm.hpz  # zero_hpz_partition_size resolved against the ranks' nodes: the same on every rank
+    if comm is not None and hpz != hpz_group_size(config.zero_hpz_partition_size, comm.nodes):
+        raise ZeroConfigError(f"the communicator passed to zero3.initialize has hpZ groups of {hpz} ranks, but the "
+                              f"config asks for zero_hpz_partition_size={config.zero_hpz_partition_size}; build it "
+                              "with CommConfig.from_config(config)")
     if hpz > 1:
-        ctx.node_comm = ctx.comm.hierarchical(hpz)
+        ctx.node_comm = secondary_communicator(ctx.comm)
         ctx.coordinator.enable_hpz(ctx.node_comm)
         logger.info("zero3: hpZ: secondary groups of %d ranks (%d nodes); this rank keeps 1/%d of each weight "
                     "gathered in forward until the step ends", hpz, len(set(ctx.comm.nodes)), hpz)
     if mpu is not None:
-        ctx.model_parallel = ModelParallel.from_mpu(mpu, config, ctx.group)
+        ctx.model_parallel = ModelParallel.from_mpu(mpu, config, ctx.group, ctx.metrics)
     ctx.module = model
     for name, p in model.named_parameters():
         if isinstance(p, ZeroParameter):

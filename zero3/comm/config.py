@@ -1,0 +1,87 @@
+"""The communicator's settings, in one frozen, validated record built from a `ZeroConfig` in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from ..config import ZeroConfig
+from ..errors import ZeroConfigError
+
+REDUCE_IMPLS = ("auto", "reduce_scatter", "all_reduce", "p2p")
+GATHER_IMPLS = ("auto", "all_gather", "p2p")
+
+
+@dataclass(frozen=True, slots=True)
+class CommConfig:
+    """How a `Communicator` moves bytes.
+
+    Attributes:
+        overlap: issue parameter gathers and reductions asynchronously (side stream on CUDA).
+        bucket_numel: largest number of elements one parameter all-gather moves.
+        reduce_impl: ``reduce_scatter``, ``all_reduce`` (then slice), ``p2p`` (pairwise sends and
+            receives, then a local sum) or ``auto`` (p2p on gloo, reduce-scatter elsewhere).
+        allgather_impl: ``all_gather``, ``p2p`` or ``auto`` (p2p on gloo, all-gather elsewhere).
+        verify: verify every collective (verify.py); None: on for gloo, off for NCCL.
+        timeout_s: when > 0 and world size > 1, collectives run on a process group of their own
+            with this timeout (a rank that stops taking part is reported instead of waited for).
+        plans: how many epoch plans to remember.
+        quantize_weights: parameter gathers carry blockwise int8 values and a scale per block
+            (codec.py); the gathered weights are dequantized, shards stay exact.
+        quantize_gradients: 8 or 4: reduction messages carry blockwise int8/int4 values; each is
+            dequantized before it is added, so nothing accumulates; 0: off.
+        quant_block: elements per quantization block.
+        hpz_partition_size: ranks per hpZ secondary group as ``zero_hpz_partition_size`` asks
+            (1: off, -1: the ranks of a node); the communicator resolves it against its ranks' nodes.
+    """
+
+    overlap: bool = True
+    bucket_numel: int = 1 << 62
+    reduce_impl: Literal["auto", "reduce_scatter", "all_reduce", "p2p"] = "auto"
+    allgather_impl: Literal["auto", "all_gather", "p2p"] = "auto"
+    verify: bool | None = None
+    timeout_s: float = 0.0
+    plans: int = 8
+    quantize_weights: bool = False
+    quantize_gradients: int = 0
+    quant_block: int = 512
+    hpz_partition_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.reduce_impl not in REDUCE_IMPLS:
+            raise ZeroConfigError(f"reduce_impl must be one of {REDUCE_IMPLS}, got {self.reduce_impl!r}")
+        if self.allgather_impl not in GATHER_IMPLS:
+            raise ZeroConfigError(f"allgather_impl must be one of {GATHER_IMPLS}, got {self.allgather_impl!r}")
+        if self.quantize_gradients not in (0, 4, 8):
+            raise ZeroConfigError(f"quantize_gradients must be 0, 4 or 8, got {self.quantize_gradients!r}")
+        if self.quant_block < 1:
+            raise ZeroConfigError(f"quant_block must be >= 1, got {self.quant_block!r}")
+        if not (self.hpz_partition_size == -1 or self.hpz_partition_size >= 1):
+            raise ZeroConfigError(f"hpz_partition_size must be -1 or >= 1, got {self.hpz_partition_size!r}")
+        if self.timeout_s < 0:
+            raise ZeroConfigError(f"timeout_s must be >= 0, got {self.timeout_s!r}")
+        object.__setattr__(self, "bucket_numel", max(1, int(self.bucket_numel)))
+        object.__setattr__(self, "timeout_s", float(self.timeout_s))
+        object.__setattr__(self, "plans", max(1, int(self.plans)))
+
+    @classmethod
+    def from_config(cls, cfg: ZeroConfig, own_group: bool = True) -> CommConfig:
+        """The data-parallel communicator's settings. ``own_group``: the engine's communicator, on a
+        process group of its own with ``collective_timeout`` and ZeRO++'s wire codings and hpZ
+        groups; False for ``zero3.Init``, which uses the caller's group and sends exact values."""
+        return cls(overlap=cfg.overlap_comm, bucket_numel=cfg.allgather_bucket_size,
+                   reduce_impl=cfg.reduce_scatter_impl, allgather_impl=cfg.allgather_impl,
+                   verify=cfg.verify_collectives, timeout_s=cfg.collective_timeout if own_group else 0.0,
+                   plans=2 * cfg.max_traces + 2, quantize_weights=cfg.zero_quantized_weights and own_group,
+                   quantize_gradients=cfg.quantized_gradient_bits if cfg.zero_quantized_gradients and own_group
+                   else 0, quant_block=cfg.quantization_block_size,
+                   hpz_partition_size=cfg.zero_hpz_partition_size if own_group else 1)
+
+    @classmethod
+    def model_parallel(cls, cfg: ZeroConfig) -> CommConfig:
+        """The model-parallel group's settings: blocking, verified and timed out like the data-parallel one."""
+        return cls(overlap=False, verify=cfg.verify_collectives, timeout_s=cfg.collective_timeout, plans=4)
+
+    def replace(self, **changes: object) -> CommConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,83 @@
+"""Failures and timeouts: a collective that cannot finish becomes one clear error naming the silent rank.
+
+A rank that stops taking part (returned early, raised in its own code, died) is found by the
+timeout of zero3's own process group (``collective_timeout``); the ranks then read, from the
+process group's store, what the others reported (`FailureReport`) and name the silent rank
+([Note: verified collectives] in verify.py).
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any, Callable
+
+from .. import errors
+from ..errors import ZeroCommunicationError, ZeroStateError
+from .tags import Tag
+from .verify import EpochMode, EpochState, FailureReport
+
+
+class FailureMonitor:
+    """Runs every blocking call and wait of one communicator; the first failure closes its group
+    (``state.mode`` BROKEN) and raises `ZeroCommunicationError` with what the other ranks reported."""
+
+    def __init__(self, state: EpochState, report: FailureReport | None, world_size: int, rank: int,
+                 timeout_s: float) -> None:
+        self.state = state
+        self.report = report
+        self.world_size = world_size
+        self.rank = rank
+        self.timeout_s = timeout_s
+
+    def wait(self, work: Any, tag: Tag | None) -> None:
+        self.blocking(work.wait, tag)
+
+    def blocking(self, fn: Callable[[], Any], tag: Tag | None) -> Any:
+        try:
+            return fn()
+        except RuntimeError as exc:
+            if self.world_size > 1 and not isinstance(exc, ZeroStateError):
+                self.fail(exc, tag)
+            raise
+
+    def post(self, message: str) -> None:
+        """Tell the other ranks what happened here (through the store; nothing without one)."""
+        if self.report is not None:
+            self.report.post(message)
+
+    def fail(self, exc: BaseException, tag: Tag | None) -> None:
+        """A collective did not complete (timeout, or a peer closed its connection)."""
+        state = self.state
+        if state.mode is EpochMode.BROKEN:
+            raise ZeroCommunicationError(f"zero3's process group is closed after an earlier failure: {exc}")
+        state.mode = EpochMode.BROKEN
+        where = f"collective #{state.seq} of step {state.epoch}" + (f" ({tag.describe()})" if tag else "")
+        peers: dict[int, str] = {}
+        if self.report is not None:
+            self.report.post(f"{state.epoch}|timed out or lost its peers while waiting in {where}")
+            peers = self.report.read(min(2.0, max(0.2, 0.1 * self.timeout_s)))
+        lines = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            epoch, _, msg = peers.get(r, "").partition("|")
+            if msg and epoch.isdigit() and int(epoch) >= state.epoch - 1:
+                lines.append(f"rank {r} {msg}")
+            else:
+                lines.append(f"rank {r} reported nothing: it stopped taking part (returned early, is stuck in its "
+                             "own code, or died)")
+        limit = f"collective_timeout={self.timeout_s:g} s" if self.timeout_s > 0 else "the process group's timeout"
+        raise ZeroCommunicationError(
+            f"rank {self.rank} waited in {where} and not every rank took part within {limit}: "
+            + "; ".join(lines) + f". ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}) zero3's own process "
+            "group is closed now; every further collective of this engine raises. The default process group is not "
+            "affected, but a rank that died is gone: save what you need and restart from the last checkpoint."
+        ) from exc
+
+
+def rebuild_error(rank: int, kind: str, message: str) -> BaseException:
+    """Another rank's error, as an exception of the same type where that type is known."""
+    known = getattr(errors, kind, None) or getattr(builtins, kind, None)
+    if isinstance(known, type) and issubclass(known, Exception):
+        return known(f"{message} [raised on rank {rank}]")
+    return RuntimeError(f"rank {rank} failed with {kind}: {message}")

@@ -1,0 +1,226 @@
+"""Issued gathers and reductions: what a caller holds until it needs the data, and what ``wait`` does.
+
+Each way a gather can travel is its own small class (`ChunkedGather`, `StreamGather`,
+`DirectGather`, `QuantizedGather`, `ReadyGather`), so ``wait`` never guesses its mode from which
+fields happen to be set. Every one waits in the same order: verify (verifier.py), wait for the
+wire, raise if its slot was void, put the data into the parameters' storage, cut hpZ secondaries.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from ..errors import ZeroStateError
+from ..metrics import StepMetrics
+from ..partition.param import ZeroParameter, alloc_full
+from .failure import FailureMonitor
+from .streams import wait_on_compute
+from .tags import Tag
+from .verifier import UnverifiedCollective, Verifier
+
+if TYPE_CHECKING:
+    from .codec import QuantizedCodec
+    from .secondary import Secondary, SecondaryCutter
+
+
+@dataclass(frozen=True, slots=True)
+class WaitContext:
+    """What a work needs when it is waited for: its communicator's verifier, failure monitor and metrics."""
+
+    verifier: Verifier
+    monitor: FailureMonitor
+    metrics: StepMetrics
+
+
+@dataclass(eq=False)
+class GatherChunk:
+    """One all-gather of a bucket of parameters: every rank's row holds its shards, then header room."""
+
+    params: list[ZeroParameter]
+    offsets: list[int]
+    total: int  # sum of shard sizes
+    rows: list[torch.Tensor] | None = None  # every rank's piece (its shards, then header room), by rank
+    work: Any = None
+
+    @classmethod
+    def of(cls, params: list[ZeroParameter]) -> GatherChunk:
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += p._zero.shard_numel
+        return cls(params=params, offsets=offsets, total=total)
+
+    def copy_out(self, world_size: int, keep_header: bool = False) -> None:
+        """Copy each parameter's piece of every rank's row into its own storage (one copy each)."""
+        if world_size == 1:
+            for p in self.params:
+                alloc_full(p).copy_(p._zero.shard[: p._zero.numel])
+            return
+        assert self.rows is not None
+        for p, off in zip(self.params, self.offsets):
+            z = p._zero
+            full = alloc_full(p)
+            s, n = z.shard_numel, z.numel
+            for r, row in enumerate(self.rows):
+                lo = r * s
+                if lo >= n:
+                    break
+                hi = min(lo + s, n)
+                full[lo:hi].copy_(row[off: off + hi - lo])
+        self.rows = [row[self.total:] for row in self.rows] if keep_header else None
+
+
+@dataclass(eq=False)
+class GatherWork:
+    """An issued all-gather of parameter shards. ``wait()`` is idempotent; when it returns, every
+    parameter's storage holds its full, verified data (the caller then marks them AVAILABLE), and
+    with a ``cutter`` (hpZ) ``secondaries`` holds each parameter's secondary slice."""
+
+    ctx: WaitContext
+    params: Sequence[ZeroParameter] = ()
+    tag: Tag | None = None
+    slot: UnverifiedCollective | None = None
+    cutter: SecondaryCutter | None = None
+    secondaries: dict[int, Secondary] = field(default_factory=dict)  # param record id -> its secondary slice
+    done: bool = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        ctx = self.ctx
+        t0 = time.perf_counter()
+        if self.slot is not None:
+            ctx.verifier.verify_through(self.slot)
+        self._arrive(ctx)
+        if self.slot is not None and self.slot.void:  # issued where another rank left the plan
+            assert self.tag is not None
+            ctx.verifier.voided(self.tag, self.slot.sizes)
+        self._finish()
+        if self.cutter is not None:
+            self.secondaries = self._cut(self.cutter)
+        ctx.metrics.wait_seconds += time.perf_counter() - t0
+        self._release()
+
+    def _arrive(self, ctx: WaitContext) -> None:
+        """Wait for the wire."""
+
+    def _finish(self) -> None:
+        """Put what arrived into the parameters' storage."""
+
+    def _cut(self, cutter: SecondaryCutter) -> dict[int, Secondary]:
+        return cutter.from_storage(self.params)
+
+    def _release(self) -> None:
+        """Drop the buffers the data came in."""
+
+
+class ReadyGather(GatherWork):
+    """Nothing to wait for: no parameters, or a world-size-1 copy done when issued."""
+
+
+@dataclass(eq=False)
+class ChunkedGather(GatherWork):
+    """All-gathers of buckets into rows, copied out into storage on wait."""
+
+    chunks: list[GatherChunk] = field(default_factory=list)
+    world_size: int = 1
+
+    def _arrive(self, ctx: WaitContext) -> None:
+        for chunk in self.chunks:
+            if chunk.work is not None:
+                ctx.monitor.wait(chunk.work, self.tag)
+
+    def _finish(self) -> None:
+        for chunk in self.chunks:
+            chunk.copy_out(self.world_size)
+
+    def _release(self) -> None:
+        self.chunks = []
+
+
+@dataclass(eq=False)
+class StreamGather(GatherWork):
+    """Gathered and copied out on the CUDA side stream; the compute stream waits for its event
+    ([Note: streams and buffer lifetime] in streams.py)."""
+
+    event: Any = None
+
+    def _arrive(self, ctx: WaitContext) -> None:
+        wait_on_compute(self.event)
+
+    def _release(self) -> None:
+        self.event = None
+
+
+@dataclass(eq=False)
+class DirectGather(GatherWork):
+    """Pairwise messages received straight into the parameters' storage."""
+
+    work: Any = None
+
+    def _arrive(self, ctx: WaitContext) -> None:
+        ctx.monitor.wait(self.work, self.tag)
+
+
+@dataclass(eq=False)
+class QuantizedGather(DirectGather):
+    """qwZ rows (every rank's quantized pieces), dequantized into storage on wait. ``span``: primary
+    shards per row piece (N for an hpZ secondary gather, else 1)."""
+
+    rows: list[torch.Tensor] | None = None
+    layout: list[tuple[int, int, int]] = field(default_factory=list)
+    codec: QuantizedCodec | None = None
+    span: int = 1
+
+    def _finish(self) -> None:
+        assert self.codec is not None and self.rows is not None
+        self.codec.decode_rows(self.params, self.rows, self.layout, self.span)
+
+    def _cut(self, cutter: SecondaryCutter) -> dict[int, Secondary]:
+        assert self.rows is not None
+        return cutter.from_rows(self.params, self.rows, self.layout)
+
+    def _release(self) -> None:
+        self.rows = None
+
+
+@dataclass(eq=False)
+class ReduceWork:
+    """An issued averaging reduction; ``wait()`` returns this rank's ``shard_numel`` elements (idempotent)."""
+
+    ctx: WaitContext
+    world_size: int
+    out: torch.Tensor
+    shard_numel: int
+    keep: Any = None  # the input, alive until the reduction is done
+    tag: Tag | None = None
+    work: Any = None
+    slot: UnverifiedCollective | None = None
+    result: torch.Tensor | None = None
+    failed: bool = False
+
+    def wait(self) -> torch.Tensor:
+        if self.result is None:
+            if self.failed:
+                raise ZeroStateError(f"{self.tag.describe() if self.tag else 'a reduction'} failed earlier "
+                                     "(see the first error)")
+            self.failed = True  # until it succeeds: a failed wait issues nothing the second time
+            ctx = self.ctx
+            t0 = time.perf_counter()
+            if self.slot is not None:
+                ctx.verifier.verify_through(self.slot)
+            elif self.work is not None:
+                ctx.monitor.wait(self.work, self.tag)
+            if self.slot is not None and self.slot.void:
+                assert self.tag is not None
+                ctx.verifier.voided(self.tag, self.slot.sizes)
+            ctx.metrics.reduce_wait_seconds += time.perf_counter() - t0
+            self.result = self.out[: self.shard_numel].div_(self.world_size)
+            self.keep = None  # the input may go now
+            self.failed = False
+        return self.result
