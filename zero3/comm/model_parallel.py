@@ -60,7 +60,7 @@ class ModelParallel:
         group, world, rank = found
         check_orthogonal(dp_group, group)
         comm = Communicator(group, world_size=world, rank=rank, metrics=StepMetrics(), overlap=False,
-                            verify=config.verify_collectives, timeout_s=config.collective_timeout, plans=4)
+                            verify=config.comm.verify_collectives, timeout_s=config.comm.collective_timeout, plans=4)
         logger.info("zero3: model-parallel rank %d of %d beside ZeRO-3 data parallelism", rank, world)
         return cls(group=group, world_size=world, rank=rank, comm=comm)
 

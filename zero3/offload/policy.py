@@ -32,7 +32,7 @@ class OffloadPolicy:
 
     @classmethod
     def from_config(cls, config: ZeroConfig) -> OffloadPolicy:
-        return cls(device=config.offload_optimizer, pin_memory=config.offload_optimizer_pin_memory)
+        return cls(device=config.offload.offload_optimizer, pin_memory=config.offload.offload_optimizer_pin_memory)
 
     @property
     def enabled(self) -> bool:

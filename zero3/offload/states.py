@@ -180,7 +180,7 @@ class StatesOffload:
 
     def _nvme(self, nvme_path: str | None) -> StorageTier:
         cfg = self.ctx.config
-        path = nvme_path or cfg.offload_param_nvme_path or cfg.offload_optimizer_nvme_path
+        path = nvme_path or cfg.offload.offload_param_nvme_path or cfg.offload.offload_optimizer_nvme_path
         if not path:
             raise ZeroConfigError("offload_states(device='nvme') needs a directory for its swap file: pass "
                                   "nvme_path=..., or set offload_param.nvme_path or offload_optimizer.nvme_path "

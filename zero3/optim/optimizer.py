@@ -174,7 +174,7 @@ class PartitionedOptimizer:
         self.states: StorageTier | None = None  # the NVMe tier of masters and optimizer state, or None
         if self.offload.nvme:
             assert io is not None, "offload_optimizer='nvme' needs the context's AsyncIO"
-            self.states = StorageTier(io, SwapFile(config.offload_optimizer_nvme_path or "",
+            self.states = StorageTier(io, SwapFile(config.offload.offload_optimizer_nvme_path or "",
                                                    f"optimizer-rank{comm.rank}"))
         self.groups: list[FlatGroup] = []
         self.skipped_steps = 0
@@ -185,7 +185,8 @@ class PartitionedOptimizer:
         self._last_overflow = False
         # Separate fp32 masters: under mixed precision, and when the optimizer is offloaded but the
         # shards are not (offloaded shards already live on the CPU side, where the optimizer steps).
-        self.separate_masters = config.dtype != "fp32" or (self.offload.enabled and config.offload_param == "none")
+        self.separate_masters = (config.precision.dtype != "fp32"
+                                 or (self.offload.enabled and config.offload.offload_param == "none"))
         if self.separate_masters:
             self.optimizer = self._build_masters(optimizer, fp32_shards or {})
         else:
@@ -199,7 +200,7 @@ class PartitionedOptimizer:
                 raise ZeroConfigError("LBFGS needs every parameter at once; with optimizer state or parameter "
                                       "shards on NVMe the step is streamed group by group. Use an optimizer that "
                                       "updates each parameter from its own state (Adam, AdamW, SGD, ...)")
-            self.subgroups = _subgroups(self.group_params, config.sub_group_size)
+            self.subgroups = _subgroups(self.group_params, config.offload.sub_group_size)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build_masters(self, optimizer: Any, fp32_shards: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
@@ -254,7 +255,7 @@ class PartitionedOptimizer:
         master = self.offload.alloc_master(total, device)
         low = None
         if self.shards is None:
-            pin = self.config.offload_param_pin_memory and device.type == "cpu" and torch.cuda.is_available()
+            pin = self.config.offload.offload_param_pin_memory and device.type == "cpu" and torch.cuda.is_available()
             low = torch.zeros(total, dtype=dtype, device=device, pin_memory=pin)
         for p, off in zip(ps, offsets):
             z = p._zero
@@ -344,8 +345,8 @@ class PartitionedOptimizer:
                 self.skipped_steps += 1
                 self.zero_grad()
                 return False
-        if self.config.gradient_clipping > 0:
-            self.clip_grad_norm(self.config.gradient_clipping)
+        if self.config.training.gradient_clipping > 0:
+            self.clip_grad_norm(self.config.training.gradient_clipping)
         if self.streamed:
             self._streamed_step()
         else:

@@ -83,22 +83,23 @@ class RuntimeContext:
         group, world, rank = group_info(group)
         metrics = StepMetrics()
         if comm is None:
-            comm = Communicator(group, world_size=world, rank=rank, metrics=metrics, overlap=config.overlap_comm,
-                                bucket_numel=config.allgather_bucket_size, reduce_impl=config.reduce_scatter_impl,
-                                allgather_impl=config.allgather_impl, verify=config.verify_collectives,
-                                timeout_s=config.collective_timeout if own_group else 0.0,
-                                plans=2 * config.max_traces + 2,
-                                quantize_weights=config.zero_quantized_weights and own_group,
-                                quantize_gradients=config.quantized_gradient_bits
-                                if config.zero_quantized_gradients and own_group else 0,
-                                quant_block=config.quantization_block_size)
+            cc = config.comm
+            comm = Communicator(group, world_size=world, rank=rank, metrics=metrics, overlap=cc.overlap_comm,
+                                bucket_numel=cc.allgather_bucket_size, reduce_impl=cc.reduce_scatter_impl,
+                                allgather_impl=cc.allgather_impl, verify=cc.verify_collectives,
+                                timeout_s=cc.collective_timeout if own_group else 0.0,
+                                plans=2 * config.budget.max_traces + 2,
+                                quantize_weights=cc.zero_quantized_weights and own_group,
+                                quantize_gradients=cc.quantized_gradient_bits
+                                if cc.zero_quantized_gradients and own_group else 0,
+                                quant_block=cc.quantization_block_size)
         io = shards = None
-        if config.offload_param == "nvme":
-            io = AsyncIO(config.aio_thread_count)
-            pool = BufferPool(config.offload_param_buffer_count,
-                              config.offload_param_buffer_size * torch_dtype(config.dtype).itemsize,
-                              pin=config.offload_param_pin_memory)
-            shards = ShardTier(io, SwapFile(config.offload_param_nvme_path or "", f"params-rank{rank}"), pool,
+        if config.offload.offload_param == "nvme":
+            io = AsyncIO(config.offload.aio_thread_count)
+            pool = BufferPool(config.offload.offload_param_buffer_count,
+                              config.offload.offload_param_buffer_size * torch_dtype(config.precision.dtype).itemsize,
+                              pin=config.offload.offload_param_pin_memory)
+            shards = ShardTier(io, SwapFile(config.offload.offload_param_nvme_path or "", f"params-rank{rank}"), pool,
                                comm.metrics)
         return cls(config=config, group=group, world_size=world, rank=rank, comm=comm, metrics=comm.metrics,
                    coordinator=ParamCoordinator(config, comm, comm.metrics, shards=shards), io=io)
@@ -114,7 +115,7 @@ class RuntimeContext:
     def swap_io(self) -> AsyncIO:
         """The threads that read and write this context's swap files (made on first use)."""
         if self.io is None:
-            self.io = AsyncIO(self.config.aio_thread_count)
+            self.io = AsyncIO(self.config.offload.aio_thread_count)
         return self.io
 
     def partition(self, p: nn.Parameter, name: str, *, shard_device: torch.device | None = None,
@@ -198,7 +199,7 @@ class RuntimeContext:
         secondary = sum(p._zero.secondary.nbytes for p in self.params if p._zero.secondary is not None)
         nvme = (tier.nvme_bytes if tier is not None else 0) + (part.nvme_bytes if part is not None else 0)
         cpu = masters + states if part is not None and part.offload.device == "cpu" else 0
-        if self.config.offload_param == "cpu":
+        if self.config.offload.offload_param == "cpu":
             cpu += shard
         if self.offloaded is not None:  # engine.offload_states
             nvme += self.offloaded.nvme_bytes
@@ -229,21 +230,21 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     if model.__dict__.get("_zero3_context") is not None:
         raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "
                              "first, or keep using the engine it returned")
-    if optimizer is not None and config.optimizer is not None:
+    if optimizer is not None and config.training.optimizer is not None:
         raise ZeroConfigError("zero3.initialize got an optimizer and a config with an 'optimizer' section; pass one")
-    if lr_scheduler is not None and config.scheduler is not None:
+    if lr_scheduler is not None and config.training.scheduler is not None:
         raise ZeroConfigError("zero3.initialize got lr_scheduler and a config with a 'scheduler' section; pass one")
-    if lr_scheduler is not None and optimizer is None and config.optimizer is None:
+    if lr_scheduler is not None and optimizer is None and config.training.optimizer is None:
         raise ZeroConfigError("zero3.initialize got an lr_scheduler but no optimizer (nor an 'optimizer' section)")
     if model_parameters is not None and callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(model_parameters)  # DeepSpeed's client optimizer callable: over full parameters
-    if optimizer is None and config.optimizer is not None:
-        optimizer = build_optimizer(config.optimizer, model_parameters if model_parameters is not None
+    if optimizer is None and config.training.optimizer is not None:
+        optimizer = build_optimizer(config.training.optimizer, model_parameters if model_parameters is not None
                                     else model.parameters())
     validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
     _check_nvme_shards(model, config)
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
-    hpz = hpz_group_size(config.zero_hpz_partition_size, ctx.comm.nodes)  # the same on every rank
+    hpz = hpz_group_size(config.comm.zero_hpz_partition_size, ctx.comm.nodes)  # the same on every rank
     if hpz > 1:
         ctx.node_comm = ctx.comm.hierarchical(hpz)
         ctx.coordinator.enable_hpz(ctx.node_comm)
@@ -262,19 +263,21 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         ctx.params.append(p)
     ctx.coordinator.register(ctx.params)
     # bf16/fp16: cast the shards now (before anything is gathered); their fp32 values seed the masters
-    fp32_shards = lower_precision(ctx.params, torch_dtype(config.dtype)) if config.dtype != "fp32" else {}
-    ctx.reducer = GradientReducer(ctx.comm, config.reduce_bucket_size, reduce_dtype=torch_dtype(config.reduce_dtype),
-                                  accumulation_steps=config.gradient_accumulation_steps)
+    dtype = config.precision.dtype
+    fp32_shards = lower_precision(ctx.params, torch_dtype(dtype)) if dtype != "fp32" else {}
+    ctx.reducer = GradientReducer(ctx.comm, config.comm.reduce_bucket_size,
+                                  reduce_dtype=torch_dtype(config.precision.reduce_dtype),
+                                  accumulation_steps=config.training.gradient_accumulation_steps)
     ctx.coordinator.choose_persistent(ctx.params)
     ctx.coordinator.place_shards(ctx.params)  # offload_param: CPU memory or the drive, before the optimizer
     if optimizer is not None:
         ctx.optimizer = PartitionedOptimizer(optimizer, ctx.params, config, ctx.comm, fp32_shards,
                                              model_parallel=ctx.model_parallel,
                                              shards=ctx.coordinator.shards,
-                                             io=ctx.swap_io() if config.offload_optimizer == "nvme" else None)
+                                             io=ctx.swap_io() if config.offload.offload_optimizer == "nvme" else None)
         torch_opt = ctx.optimizer.optimizer
-        if config.scheduler is not None:
-            ctx.lr_scheduler = build_scheduler(config.scheduler, torch_opt)
+        if config.training.scheduler is not None:
+            ctx.lr_scheduler = build_scheduler(config.training.scheduler, torch_opt)
         elif lr_scheduler is not None:
             ctx.lr_scheduler = lr_scheduler(torch_opt) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
                 else lr_scheduler
@@ -296,16 +299,16 @@ def _check_nvme_shards(model: nn.Module, config: ZeroConfig) -> None:
         z = getattr(p, "_zero", None)
         if z is None or z.swap is None:
             continue
-        if config.offload_param != "nvme":
+        if config.offload.offload_param != "nvme":
             raise ZeroConfigError(
                 f"parameter {name!r} was partitioned onto NVMe by zero3.Init(remote_device='nvme'), but initialize's "
-                f"config has offload_param={config.offload_param!r}; pass initialize the config given to Init "
+                f"config has offload_param={config.offload.offload_param!r}; pass initialize the config given to Init "
                 "(zero_optimization.offload_param.device 'nvme'), or build without remote_device='nvme'")
-        want = torch_dtype(config.dtype)
+        want = torch_dtype(config.precision.dtype)
         if z.shard.is_floating_point() and z.shard.dtype != want:
             raise ZeroConfigError(
                 f"parameter {name!r} was written to NVMe by zero3.Init in {z.shard.dtype}, but the config's dtype is "
-                f"{config.dtype!r}; pass the same config to zero3.Init (config_dict_or_path=...) and initialize")
+                f"{config.precision.dtype!r}; pass the same config to zero3.Init (config_dict_or_path=...) and initialize")
 
 
 def _check_group(ctx: RuntimeContext, name: str, p: ZeroParameter) -> None:

@@ -77,14 +77,15 @@ def plan_config(config: ZeroConfig) -> PlanConfig:
 
     In byte mode an unset ``*_bytes`` knob is its element knob counted as 4-byte elements.
     """
-    if config.max_live_bytes is None:
-        return PlanConfig(max_live=config.max_live_parameters, max_reuse_distance=config.max_reuse_distance,
-                          prefetch_bucket_size=config.prefetch_bucket_size, unit="numel")
-    reuse = config.max_reuse_distance_bytes
-    bucket = config.prefetch_bucket_bytes
-    return PlanConfig(max_live=config.max_live_bytes,
-                      max_reuse_distance=reuse if reuse is not None else 4 * config.max_reuse_distance,
-                      prefetch_bucket_size=bucket if bucket is not None else 4 * config.prefetch_bucket_size,
+    budget = config.budget
+    if budget.max_live_bytes is None:
+        return PlanConfig(max_live=budget.max_live_parameters, max_reuse_distance=budget.max_reuse_distance,
+                          prefetch_bucket_size=budget.prefetch_bucket_size, unit="numel")
+    reuse = budget.max_reuse_distance_bytes
+    bucket = budget.prefetch_bucket_bytes
+    return PlanConfig(max_live=budget.max_live_bytes,
+                      max_reuse_distance=reuse if reuse is not None else 4 * budget.max_reuse_distance,
+                      prefetch_bucket_size=bucket if bucket is not None else 4 * budget.prefetch_bucket_size,
                       unit="bytes")
 
 
@@ -187,10 +188,10 @@ class ParamCoordinator:
     def choose_persistent(self, params: Sequence[ZeroParameter]) -> None:
         """Small params stay gathered for the whole run; greedy in the given order under the model cap.
         They are gathered by `gather_persistent`."""
-        budget = self.config.model_persistence_threshold
+        budget = self.config.budget.model_persistence_threshold
         for p in params:
             n = p._zero.numel
-            if n <= self.config.param_persistence_threshold and n <= budget:
+            if n <= self.config.budget.param_persistence_threshold and n <= budget:
                 budget -= n
                 p._zero.persistent = True
                 self.persistent.append(p)
@@ -200,9 +201,9 @@ class ParamCoordinator:
         CUDA), or the drive, except persistent parameters and the first ``offload_param_max_in_cpu``
         elements (in parameter order), which stay in memory. Shards already on the drive (written by
         ``zero3.Init(remote_device="nvme")``) are adopted, or read back when they belong in memory."""
-        tier = self.config.offload_param
-        pin = self.config.offload_param_pin_memory and torch.cuda.is_available()
-        budget = self.config.offload_param_max_in_cpu
+        tier = self.config.offload.offload_param
+        pin = self.config.offload.offload_param_pin_memory and torch.cuda.is_available()
+        budget = self.config.offload.offload_param_max_in_cpu
         for p in sorted(params, key=lambda q: q._zero.id):
             z = p._zero
             if tier == "cpu" and (z.shard.device.type != "cpu" or (pin and not z.shard.is_pinned())):
@@ -451,7 +452,7 @@ class ParamCoordinator:
 
     def _evict_traces(self) -> None:
         total = sum(len(v) for v in self._traces.values())
-        while total > self.config.max_traces:
+        while total > self.config.budget.max_traces:
             last_key = next(reversed(self._traces))
             self._traces[last_key].pop()
             if not self._traces[last_key]:

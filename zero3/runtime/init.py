@@ -179,17 +179,17 @@ class Init:
             if self._group is None:
                 self._group = mpu_data_parallel_group(mpu)
             model_parallel_group(mpu)  # a unit zero3.initialize would refuse is refused here already
-        if remote_device is None and self._config.offload_param != "none":
-            remote_device = self._config.offload_param  # DeepSpeed: the config's offload_param device
+        if remote_device is None and self._config.offload.offload_param != "none":
+            remote_device = self._config.offload.offload_param  # DeepSpeed: the config's offload_param device
         self._remote_device = _remote_device(remote_device)
         try:  # this context's own gathers and swap files follow remote_device, not the config's device
             self._config = self._config.replace(offload_param="nvme" if remote_device == "nvme" else "none")
         except ZeroConfigError as exc:
             raise ZeroConfigError(f"zero3.Init(remote_device='nvme') needs offload_param.nvme_path in the config "
                                   f"passed as config_dict_or_path: {exc}") from None
-        self._pin_memory = pin_memory or self._config.offload_param_pin_memory
-        self._dtype = dtype if dtype is not None else (torch_dtype(self._config.dtype)
-                                                       if self._config.dtype != "fp32" else None)
+        self._pin_memory = pin_memory or self._config.offload.offload_param_pin_memory
+        self._dtype = dtype if dtype is not None else (torch_dtype(self._config.precision.dtype)
+                                                       if self._config.precision.dtype != "fp32" else None)
         self._sync: SyncMode = sync
         self._token: Any = None
         self._handler_token: Any = None
@@ -199,7 +199,7 @@ class Init:
     def _state(self) -> _InitState:
         ctx = RuntimeContext.minimal(self._config, self._group)
         return _InitState(ctx=ctx, remote_device=self._remote_device, dtype=self._dtype, sync=self._sync,
-                          pin_memory=self._pin_memory, cpu_budget=self._config.offload_param_max_in_cpu)
+                          pin_memory=self._pin_memory, cpu_budget=self._config.offload.offload_param_max_in_cpu)
 
     def _partition_built(self, module: nn.Module) -> None:
         """``Init(module=m)``: partition a built module; rank 0's values win (a broadcast each)."""
@@ -374,7 +374,7 @@ def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) ->
             zp = ctx.partition(p, name, shard_device=state.remote_device, dtype=state.dtype)
             z = zp._zero
             tier = ctx.coordinator.shards
-            if tier is not None and z.numel > ctx.config.param_persistence_threshold:
+            if tier is not None and z.numel > ctx.config.budget.param_persistence_threshold:
                 if z.shard_numel <= state.cpu_budget:  # the engine keeps as many in memory (max_in_cpu)
                     state.cpu_budget -= z.shard_numel
                 else:
