@@ -108,6 +108,24 @@ def did_you_mean(key: str, known: set[str] | frozenset[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def unknown_key_message(key: str, known: set[str] | frozenset[str]) -> str:
-    """``unknown config key 'x'; did you mean 'y'?`` and the known keys."""
-    return f"unknown config key {key!r}{did_you_mean(key, known)} Known keys: {', '.join(sorted(known))}"
+def unknown_key_message(key: str, known: set[str] | frozenset[str], kind: str = "") -> str:
+    """``unknown config key 'x'; did you mean 'y'?`` and the known keys (``kind``: e.g. "DeepSpeed ")."""
+    return f"unknown config key {key!r}{did_you_mean(key, known)} Known {kind}keys: {', '.join(sorted(known))}"
+
+
+class KnobValues:
+    """The knobs one config dict sets, each with how it was spelled there. One knob can be spelled
+    several ways (``max_live_parameters``, ``zero_optimization.stage3_max_live_parameters``,
+    ``offload_param.pin_memory``); two spellings with different values are refused, naming both,
+    instead of letting whichever comes last win."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+        self._spelled: dict[str, str] = {}
+
+    def set(self, knob: str, value: Any, spelled: str) -> None:
+        if knob in self.values and self.values[knob] != value:
+            raise ZeroConfigError(f"{knob} is given twice with different values: as {self._spelled[knob]} "
+                                  f"({self.values[knob]!r}) and as {spelled} ({value!r}); keep one of them")
+        self.values[knob] = value
+        self._spelled.setdefault(knob, spelled)

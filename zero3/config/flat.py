@@ -37,3 +37,4 @@ def group_by_section(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for name, value in flat.items():
         out[SECTION_OF[name]][name] = value
     return out
+

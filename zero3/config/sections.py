@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import ZeroConfigError
-from .fields import check_fields, coerce, field_types, unknown_key_message
+from .fields import KnobValues, check_fields, coerce, field_types, unknown_key_message
 
 logger = logging.getLogger(__name__)
 
@@ -256,20 +256,19 @@ class OffloadConfig:
                     "a directory on the drive to hold the swap files")
 
     @staticmethod
-    def section_fields(value: Any, section: str) -> dict[str, Any]:
-        """DeepSpeed's ``offload_optimizer`` / ``offload_param`` dict onto our flat fields.
+    def read_section(value: Any, section: str, out: KnobValues) -> None:
+        """DeepSpeed's ``offload_optimizer`` / ``offload_param`` dict onto our flat knobs in ``out``.
 
         ``section`` is how the user spelled it (``zero_optimization.offload_param``); its last part
-        names the fields. A key that changes behaviour we do not have is refused (``ratio`` other
+        names the knobs. A key that changes behaviour we do not have is refused (``ratio`` other
         than 1)."""
         if value is None:
-            return {}
+            return
         kind = section.rsplit(".", 1)[-1]
         keys = OFFLOAD_SECTION_KEYS[kind]
         if not isinstance(value, dict):
             raise ZeroConfigError(f"{section} must be a dict such as {{'device': 'cpu', 'pin_memory': true}}, "
                                   f"got {value!r}")
-        out: dict[str, Any] = {}
         for key, v in value.items():
             if key not in keys:
                 raise ZeroConfigError(f"{section}: " + unknown_key_message(key, set(keys)))
@@ -280,6 +279,5 @@ class OffloadConfig:
             if suffix is None:
                 logger.info("zero3: DeepSpeed key %s.%s has no effect in zero3; ignored", section, key)
                 continue
-            field_name = kind + suffix
-            out[field_name] = coerce(field_types(OffloadConfig)[field_name], v)
-        return out
+            knob = kind + suffix
+            out.set(knob, coerce(field_types(OffloadConfig)[knob], v), f"{section}.{key}")

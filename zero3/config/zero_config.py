@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ZeroConfigError
-from .fields import did_you_mean, unknown_key_message
+from .fields import KnobValues, did_you_mean, unknown_key_message
 from .flat import FLAT_NAMES, SECTION_OF, SECTIONS, coerce_flat, group_by_section
-from .sections import BudgetConfig, CommConfig, OffloadConfig, PrecisionConfig
+from .sections import OFFLOAD_SECTION_KEYS, BudgetConfig, CommConfig, OffloadConfig, PrecisionConfig
 from .training import ActivationCheckpointingConfig, TrainingConfig
 
 
@@ -83,14 +83,17 @@ class ZeroConfig:
 
         if deepspeed_config.is_deepspeed_dict(d):
             return cls(**deepspeed_config.translate(d))
-        for key in d:
-            if key not in FLAT_NAMES:
+        out = KnobValues()
+        for key, value in d.items():
+            if key in OFFLOAD_SECTION_KEYS and isinstance(value, dict):  # DeepSpeed's {device, ...} form
+                OffloadConfig.read_section(value, key, out)
+            elif key in FLAT_NAMES:
+                out.set(key, coerce_flat(key, value), key)
+            elif isinstance(value, dict):
+                raise ZeroConfigError(deepspeed_config.unknown_section_message(key))
+            else:
                 raise ZeroConfigError(unknown_key_message(key, FLAT_NAMES))
-        out = {k: coerce_flat(k, v) for k, v in d.items()}
-        for tier in ("offload_optimizer", "offload_param"):
-            if isinstance(out.get(tier), dict):  # DeepSpeed's {device, pin_memory, ...} form
-                out.update(OffloadConfig.section_fields(out.pop(tier), tier))
-        return cls(**out)
+        return cls(**out.values)
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ZeroConfig":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..config.fields import unknown_key_message
+from ..config.fields import KnobValues, did_you_mean, unknown_key_message
 from ..config.flat import FLAT_NAMES, coerce_flat
 from ..config.sections import OFFLOAD_SECTION_KEYS, OffloadConfig
 from ..errors import ZeroConfigError
@@ -46,6 +46,11 @@ TOP_LEVEL = {
     "bf16", "fp16", "zero_allow_untested_optimizer", "prescale_gradients", "communication_data_type",
     "bfloat16", "activation_checkpointing", "aio",
 }
+# ZeRO++ keys of ``zero_optimization`` that are also our knobs' names.
+ZERO_PLUS_PLUS = {"zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"}
+# Top-level keys whose value is a dict: DeepSpeed's sections, and ours (offload in DeepSpeed's form).
+SECTIONS = {"zero_optimization", "bf16", "bfloat16", "fp16", "optimizer", "scheduler", "activation_checkpointing",
+            "aio", *OFFLOAD_SECTION_KEYS}
 # Top-level DeepSpeed keys whose value is one of our knobs, under the same name.
 _SAME_NAME = {"gradient_accumulation_steps", "gradient_clipping", "optimizer", "scheduler",
               "activation_checkpointing", "wall_clock_breakdown", "steps_per_print"}
@@ -71,6 +76,13 @@ def is_deepspeed_dict(d: dict[str, Any]) -> bool:
     return "zero_optimization" in d or any(k in TOP_LEVEL for k in d)
 
 
+def unknown_section_message(key: str) -> str:
+    """The error for a top-level key holding a dict that names no section: a misspelled section
+    (``zero_optimizaton``) is compared with the section names, not with every knob."""
+    return (f"unknown config section {key!r}{did_you_mean(key, SECTIONS)} "
+            f"Known sections: {', '.join(sorted(SECTIONS))}")
+
+
 def _enabled(section: str, value: Any) -> bool:
     if not isinstance(value, dict):
         raise ZeroConfigError(f"{section} must be a dict such as {{'enabled': true}}, got {value!r}")
@@ -82,12 +94,13 @@ def _enabled(section: str, value: Any) -> bool:
 
 
 def _section(section: str, value: dict[str, Any], mapped: dict[str, str], ignored: set[str]) -> dict[str, Any]:
+    """``{key: value}`` of the keys of ``section`` that map onto our knobs; logs the ignored ones."""
     out: dict[str, Any] = {}
     for key, v in value.items():
         if key == "enabled":
             continue
         if key in mapped:
-            out[mapped[key]] = coerce_flat(mapped[key], v)
+            out[key] = coerce_flat(mapped[key], v)
         elif key in ignored:
             logger.info("zero3: DeepSpeed key %s.%s has no effect in zero3; ignored", section, key)
         else:
@@ -95,10 +108,9 @@ def _section(section: str, value: dict[str, Any], mapped: dict[str, str], ignore
     return out
 
 
-def _precision(d: dict[str, Any]) -> dict[str, Any]:
+def _precision(d: dict[str, Any], out: KnobValues) -> None:
     """dtype, loss-scaling and reduce-dtype knobs from DeepSpeed's ``bf16``/``fp16`` sections and
     ``communication_data_type``. Settings inside a section that is not enabled are ignored."""
-    out: dict[str, Any] = {}
     bf16 = [k for k in ("bf16", "bfloat16") if k in d and _enabled(k, d[k])]
     for k in ("bf16", "bfloat16"):
         if k in d:
@@ -107,28 +119,27 @@ def _precision(d: dict[str, Any]) -> dict[str, Any]:
     if bf16 and fp16:
         raise ZeroConfigError(f"{bf16[0]}.enabled and fp16.enabled are both true; enable one of them")
     if bf16:
-        out["dtype"] = "bf16"
+        out.set("dtype", "bf16", f"{bf16[0]}.enabled")
     if "fp16" in d:
         scaling = _section("fp16", d["fp16"], _FP16_KEYS, _FP16_IGNORED)
         if fp16:
-            out["dtype"] = "fp16"
-            out.update(scaling)
+            out.set("dtype", "fp16", "fp16.enabled")
+            for key, value in scaling.items():
+                out.set(_FP16_KEYS[key], value, f"fp16.{key}")
     if "communication_data_type" in d and d["communication_data_type"] is not None:
         name = d["communication_data_type"]
         if name not in _DTYPE_ALIASES:
             raise ZeroConfigError(f"communication_data_type must be one of {sorted(_DTYPE_ALIASES)}, got {name!r}")
-        out["reduce_dtype"] = _DTYPE_ALIASES[name]
-    return out
+        out.set("reduce_dtype", _DTYPE_ALIASES[name], "communication_data_type")
 
 
-def _aio(value: Any) -> dict[str, Any]:
+def _aio(value: Any, out: KnobValues) -> None:
     """DeepSpeed's ``aio`` section: ``thread_count`` sets ``aio_thread_count``; GPUDirect is refused."""
     if not isinstance(value, dict):
         raise ZeroConfigError(f"aio must be a dict such as {{'thread_count': 1}}, got {value!r}")
-    out: dict[str, Any] = {}
     for key, v in value.items():
         if key == "thread_count":
-            out["aio_thread_count"] = coerce_flat("aio_thread_count", v)
+            out.set("aio_thread_count", coerce_flat("aio_thread_count", v), "aio.thread_count")
         elif key == "use_gds":
             if v:
                 raise ZeroConfigError("aio.use_gds (GPUDirect Storage) is not supported by zero3; swap files "
@@ -137,51 +148,57 @@ def _aio(value: Any) -> dict[str, Any]:
             logger.info("zero3: DeepSpeed key aio.%s has no effect in zero3; ignored", key)
         else:
             raise ZeroConfigError("aio: " + unknown_key_message(key, _AIO_IGNORED | {"thread_count", "use_gds"}))
-    return out
 
 
-def _zero_optimization(zero: Any) -> dict[str, Any]:
+def _zero_optimization(zero: Any, out: KnobValues) -> None:
     """Our knobs from DeepSpeed's ``zero_optimization`` section (stage 3 only)."""
     if not isinstance(zero, dict):
         raise ZeroConfigError(f"zero_optimization must be a dict, got {zero!r}")
     stage = zero.get("stage", 3)
-    if stage != 3:
+    if type(stage) is not int or stage != 3:
         raise ZeroConfigError(f"zero_optimization.stage must be 3 (zero3 implements stage 3 only), got {stage!r}")
-    out: dict[str, Any] = {}
     for key, value in zero.items():
+        spelled = f"zero_optimization.{key}"
         if key == "stage":
             continue
         if key in ZERO_KEYS:
-            out[ZERO_KEYS[key]] = coerce_flat(ZERO_KEYS[key], value)
+            out.set(ZERO_KEYS[key], coerce_flat(ZERO_KEYS[key], value), spelled)
         elif key in OFFLOAD_SECTION_KEYS:
-            out.update(OffloadConfig.section_fields(value, f"zero_optimization.{key}"))
+            OffloadConfig.read_section(value, spelled, out)
         elif key in ZERO_IGNORED:
             logger.info("zero3: zero_optimization.%s has no effect in zero3; ignored", key)
+        elif key in TOP_LEVEL:
+            raise ZeroConfigError(f"{spelled}: {key!r} is a top-level key of a DeepSpeed config, not a "
+                                  "zero_optimization one; move it out of zero_optimization")
         elif key in FLAT_NAMES:
-            out[key] = coerce_flat(key, value)
+            out.set(key, coerce_flat(key, value), spelled)
         else:
-            known = set(ZERO_KEYS) | ZERO_IGNORED | FLAT_NAMES | {"stage"} | set(OFFLOAD_SECTION_KEYS)
-            raise ZeroConfigError("zero_optimization: " + unknown_key_message(key, known))
-    return out
+            known = set(ZERO_KEYS) | ZERO_IGNORED | ZERO_PLUS_PLUS | {"stage"} | set(OFFLOAD_SECTION_KEYS)
+            raise ZeroConfigError("zero_optimization: " + unknown_key_message(key, known, "DeepSpeed ")
+                                  + "; zero3's own knob names are read here too")
 
 
 def translate(d: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments of ``ZeroConfig(...)`` that the DeepSpeed config ``d`` means."""
-    out: dict[str, Any] = _precision(d)
+    out = KnobValues()
+    _precision(d, out)
     for key, value in d.items():
         if key == "zero_optimization" or key in _PRECISION_KEYS:
             continue
         if key in _SAME_NAME:
-            out[key] = coerce_flat(key, value)
+            out.set(key, coerce_flat(key, value), key)
         elif key == "aio":
-            out.update(_aio(value))
+            _aio(value, out)
         elif key in TOP_LEVEL:
             logger.info("zero3: DeepSpeed key %r is not used by ZeroConfig; ignored", key)
         elif key in OFFLOAD_SECTION_KEYS and isinstance(value, dict):
-            out.update(OffloadConfig.section_fields(value, key))
+            OffloadConfig.read_section(value, key, out)
         elif key in FLAT_NAMES:
-            out[key] = coerce_flat(key, value)
+            out.set(key, coerce_flat(key, value), key)
+        elif isinstance(value, dict):
+            raise ZeroConfigError(unknown_section_message(key))
         else:
-            raise ZeroConfigError(unknown_key_message(key, FLAT_NAMES | TOP_LEVEL | {"zero_optimization"}))
-    out.update(_zero_optimization(d.get("zero_optimization", {})))
-    return out
+            raise ZeroConfigError(unknown_key_message(key, TOP_LEVEL | {"zero_optimization"}, "DeepSpeed ")
+                                  + "; zero3's own knob names are read here too")
+    _zero_optimization(d.get("zero_optimization", {}), out)
+    return out.values
