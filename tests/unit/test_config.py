@@ -123,7 +123,9 @@ def test_from_dict_maps_deepspeed_zero_optimization_keys():
 
 
 def test_deepspeed_dict_without_zero_section_gives_defaults():
-    assert ZeroConfig.from_dict({"train_batch_size": 8}) == ZeroConfig()
+    # The batch sizes are kept (issue 20: the world size fixes the missing ones at initialize).
+    assert ZeroConfig.from_dict({"train_batch_size": 8}) == ZeroConfig(train_batch_size=8)
+    assert ZeroConfig.from_dict({"train_batch_size": 8}).replace(train_batch_size=None) == ZeroConfig()
 
 
 def test_deepspeed_dict_without_stage_is_accepted_as_stage3():
@@ -357,3 +359,49 @@ def test_deepspeed_translation_lives_beside_the_deepspeed_names():
 
     assert translate({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e6},
                       "bf16": {"enabled": True}}) == {"dtype": "bf16", "max_live_parameters": 1_000_000}
+
+
+# -- batch sizes (DeepSpeed's rule: train_batch = micro x accumulation x data-parallel ranks) -----------
+@pytest.mark.parametrize("given,world,fixed", [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (32, 4, 4)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, (32, 4, 2)),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, (24, 4, 3)),
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 2, (16, 2, 4)),
+    ({"train_batch_size": 8}, 4, (8, 2, 1)),  # one given: no accumulation, as in DeepSpeed
+    ({"train_micro_batch_size_per_gpu": 3}, 2, (6, 3, 1)),
+])
+def test_any_two_batch_knobs_fix_the_third_given_the_world_size(given, world, fixed):
+    cfg = ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, **given})
+    t = cfg.for_world_size(world).training
+    assert (t.train_batch_size, t.train_micro_batch_size_per_gpu, t.gradient_accumulation_steps) == fixed
+
+
+def test_without_batch_sizes_the_world_size_changes_nothing():
+    cfg = ZeroConfig(gradient_accumulation_steps=3)
+    assert cfg.for_world_size(8) is cfg and cfg.training.gradient_accumulation_steps == 3
+    assert ZeroConfig().training.gradient_accumulation_steps == 1
+    pending = ZeroConfig(train_batch_size=8, train_micro_batch_size_per_gpu=2)
+    assert pending.training.gradient_accumulation_steps is None  # until the world size is known
+
+
+@pytest.mark.parametrize("given,world,pattern", [
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 4,
+     r"train_batch_size \(16\) must equal train_micro_batch_size_per_gpu \(2\) x gradient_accumulation_steps \(4\) "
+     r"x 4 data-parallel rank\(s\) = 32"),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, 1,
+     r"train_batch_size \(10\) is not a whole multiple of train_micro_batch_size_per_gpu \(4\) x 1 data-parallel "
+     r"rank\(s\): no gradient_accumulation_steps gives it"),
+    ({"train_batch_size": 2, "gradient_accumulation_steps": 1}, 4,
+     r"train_batch_size \(2\) is not a whole multiple of gradient_accumulation_steps \(1\) x 4 data-parallel"),
+])
+def test_batch_knobs_that_cannot_agree_are_refused_by_name(given, world, pattern):
+    with pytest.raises(ZeroConfigError, match=pattern):
+        ZeroConfig(**given).for_world_size(world)
+
+
+@pytest.mark.parametrize("key", ["train_batch_size", "train_micro_batch_size_per_gpu"])
+def test_batch_sizes_must_be_positive_ints(key):
+    with pytest.raises(ZeroConfigError, match=rf"{key} must be >= 1, got 0"):
+        ZeroConfig.from_dict({"zero_optimization": {}, key: 0})
+    with pytest.raises(ZeroConfigError, match=rf"{key} must be None or an int >= 0, got 'auto'"):
+        ZeroConfig.from_dict({"zero_optimization": {}, key: "auto"})

@@ -298,7 +298,8 @@ def test_a_misspelled_section_is_compared_with_the_section_names(config):
 def test_the_unknown_key_error_lists_the_names_of_the_dicts_kind():
     with pytest.raises(ZeroConfigError) as ours:
         zero3.ZeroConfig.from_dict({"max_live_parameter": 5})
-    assert "prefetch_bucket_size" in str(ours.value) and "train_batch_size" not in str(ours.value)
+    listed = str(ours.value).split("Known keys: ")[1].split(", ")
+    assert "prefetch_bucket_size" in listed and "zero_optimization" not in listed and "bf16" not in listed
     with pytest.raises(ZeroConfigError) as theirs:
         zero3.ZeroConfig.from_dict({"train_batch_sizes": 8, "zero_optimization": {"stage": 3}})
     listed = str(theirs.value).split("Known DeepSpeed keys: ")[1].split(";")[0].split(", ")
@@ -308,3 +309,18 @@ def test_the_unknown_key_error_lists_the_names_of_the_dicts_kind():
     listed = str(zero.value).split("Known DeepSpeed keys: ")[1].split(";")[0].split(", ")
     assert "did you mean 'stage3_prefetch_bucket_size'" in str(zero.value)
     assert "zero_hpz_partition_size" in listed and "max_live_parameters" not in listed
+
+
+def test_initialize_fixes_the_batch_sizes_from_the_data_parallel_world_size():
+    engine = zero3.initialize(nn.Linear(4, 4), None, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2})
+    training = engine.config.training
+    assert (training.train_batch_size, training.train_micro_batch_size_per_gpu) == (8, 2)
+    assert training.gradient_accumulation_steps == 4 == engine.gradient_accumulation_steps()
+
+
+def test_initialize_refuses_batch_sizes_that_disagree_before_anything_changes():
+    model = nn.Linear(4, 4)
+    with pytest.raises(ZeroConfigError, match=r"must equal .* = 4"):
+        zero3.initialize(model, None, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+                                       "gradient_accumulation_steps": 2})
+    assert not zero3.is_zero_param(model.weight)

@@ -4,6 +4,7 @@ its saved inputs (`ActivationCheckpointingConfig`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -93,9 +94,18 @@ class TrainingConfig:
     scheduler: SchedulerSpec | None = None
     """DeepSpeed's ``scheduler`` section: the learning-rate schedule ``engine.step()`` steps."""
 
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int | None = None
     """Micro-batches per optimizer step: ``engine.step()`` is called after every micro-batch and steps
-    the optimizer on every N-th call; each micro-batch's reduced gradient is divided by N."""
+    the optimizer on every N-th call; each micro-batch's reduced gradient is divided by N. Not given:
+    fixed by the two batch sizes when both are given (at ``zero3.initialize``, see `for_world_size`),
+    else 1."""
+
+    train_batch_size: int | None = None
+    """DeepSpeed's global batch: ``train_micro_batch_size_per_gpu`` x ``gradient_accumulation_steps``
+    x the data-parallel world size. Any two of the three fix the third; all three must agree."""
+
+    train_micro_batch_size_per_gpu: int | None = None
+    """Samples per rank in one forward and backward (one ``engine.step()`` call)."""
 
     gradient_clipping: float = 0.0
     """When > 0, ``engine.step()`` clips the gradients to this global L2 norm (fp32, after unscaling)
@@ -120,9 +130,49 @@ class TrainingConfig:
         object.__setattr__(self, "optimizer", _spec("optimizer", self.optimizer, OptimizerSpec))
         object.__setattr__(self, "scheduler", _spec("scheduler", self.scheduler, SchedulerSpec))
         check_fields(self)
-        for name in ("gradient_accumulation_steps", "steps_per_print"):
-            if getattr(self, name) < 1:
+        for name in ("gradient_accumulation_steps", "steps_per_print", "train_batch_size",
+                     "train_micro_batch_size_per_gpu"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ZeroConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.gradient_accumulation_steps is None and None in (self.train_batch_size,
+                                                                 self.train_micro_batch_size_per_gpu):
+            object.__setattr__(self, "gradient_accumulation_steps", 1)  # nothing else could fix it
+
+    def for_world_size(self, world_size: int) -> "TrainingConfig":
+        """This section with the batch sizes and accumulation steps fixed by DeepSpeed's rule
+        ``train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps *
+        world_size`` (``world_size``: data-parallel ranks, known at ``zero3.initialize``); itself when
+        neither batch size is given. Raises `ZeroConfigError` when the given ones cannot agree."""
+        batch, micro = self.train_batch_size, self.train_micro_batch_size_per_gpu
+        steps = self.gradient_accumulation_steps
+        if batch is None and micro is None:
+            return self
+        if steps is None:  # both batch sizes given
+            steps = _whole(batch, micro * world_size, "gradient_accumulation_steps",
+                           f"train_micro_batch_size_per_gpu ({micro}) x {world_size} data-parallel rank(s)", batch)
+        elif micro is None:
+            micro = _whole(batch, steps * world_size, "train_micro_batch_size_per_gpu",
+                           f"gradient_accumulation_steps ({steps}) x {world_size} data-parallel rank(s)", batch)
+        elif batch is None:
+            batch = micro * steps * world_size
+        elif batch != micro * steps * world_size:
+            raise ZeroConfigError(f"train_batch_size ({batch}) must equal train_micro_batch_size_per_gpu ({micro}) x "
+                                  f"gradient_accumulation_steps ({steps}) x {world_size} data-parallel rank(s) = "
+                                  f"{micro * steps * world_size}; fix one of them or leave one out")
+        if (batch, micro, steps) == (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                                     self.gradient_accumulation_steps):
+            return self
+        return dataclasses.replace(self, train_batch_size=batch, train_micro_batch_size_per_gpu=micro,
+                                   gradient_accumulation_steps=steps)
+
+
+def _whole(batch: int, per_unit: int, name: str, unit: str, given: int) -> int:
+    """``batch / per_unit`` when it is a whole number >= 1 (the knob ``name``), else an error."""
+    n, rest = divmod(batch, per_unit)
+    if rest or n < 1:
+        raise ZeroConfigError(f"train_batch_size ({given}) is not a whole multiple of {unit}: no {name} gives it; "
+                              "fix the batch sizes or give all three")
+    return n
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -109,6 +109,12 @@ class ZeroConfig:
         sections = {name: getattr(self, name) for name in SECTIONS}
         return ZeroConfig(**{**sections, "activation_checkpointing": self.activation_checkpointing, **changes})
 
+    def for_world_size(self, world_size: int) -> "ZeroConfig":
+        """This config with the batch sizes fixed for ``world_size`` data-parallel ranks
+        (`TrainingConfig.for_world_size`); itself when there is nothing to fix."""
+        training = self.training.for_world_size(world_size)
+        return self if training is self.training else self.replace(training=training)
+
     def to_dict(self) -> dict[str, Any]:
         """Every knob by its flat name: what ``from_dict`` reads back into an equal config."""
         out = {name: getattr(getattr(self, section), name) for name, section in SECTION_OF.items()}

@@ -53,7 +53,8 @@ SECTIONS = {"zero_optimization", "bf16", "bfloat16", "fp16", "optimizer", "sched
             "aio", *OFFLOAD_SECTION_KEYS}
 # Top-level DeepSpeed keys whose value is one of our knobs, under the same name.
 _SAME_NAME = {"gradient_accumulation_steps", "gradient_clipping", "optimizer", "scheduler",
-              "activation_checkpointing", "wall_clock_breakdown", "steps_per_print"}
+              "activation_checkpointing", "wall_clock_breakdown", "steps_per_print", "train_batch_size",
+              "train_micro_batch_size_per_gpu"}
 _PRECISION_KEYS = {"bf16", "bfloat16", "fp16", "communication_data_type"}
 
 _DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16",

@@ -242,6 +242,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         optimizer = build_optimizer(config.training.optimizer, model_parameters if model_parameters is not None
                                     else model.parameters())
     validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
+    config = config.for_world_size(group_info(group)[1])  # DeepSpeed's batch-size rule needs the world size
     _check_nvme_shards(model, config)
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
     hpz = hpz_group_size(config.comm.zero_hpz_partition_size, ctx.comm.nodes)  # the same on every rank
