@@ -268,7 +268,8 @@ def test_one_knob_spelled_twice_with_different_values_is_refused_naming_both(con
 
 
 def test_one_knob_spelled_twice_with_the_same_value_is_accepted():
-    cfg = zero3.ZeroConfig.from_dict({"max_live_parameters": 7, "zero_optimization": {"stage3_max_live_parameters": 7e0}})
+    cfg = zero3.ZeroConfig.from_dict({"max_live_parameters": 7,
+                                      "zero_optimization": {"stage3_max_live_parameters": 7e0}})
     assert cfg.budget.max_live_parameters == 7
 
 
