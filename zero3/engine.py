@@ -126,7 +126,7 @@ class Engine:
         return self.context.optimizer.overflow if self.context.optimizer is not None else False
 
     def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
+        return self.config.training.gradient_accumulation_steps
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -197,7 +197,7 @@ class Engine:
             stepped = ctx.optimizer.step()
             if stepped and ctx.lr_scheduler is not None:
                 ctx.lr_scheduler.step()
-            if self.config.wall_clock_breakdown and torch.cuda.is_available() and self.device.type == "cuda":
+            if self.config.training.wall_clock_breakdown and torch.cuda.is_available() and self.device.type == "cuda":
                 torch.cuda.synchronize()
             ctx.metrics.optimizer_seconds += time.perf_counter() - t0
         ctx.micro_steps += 1
@@ -209,7 +209,8 @@ class Engine:
         self.last_step_metrics = copy.copy(ctx.metrics)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("zero3::step %s", self.last_step_metrics.as_dict())
-        if boundary and self.config.wall_clock_breakdown and ctx.global_steps % self.config.steps_per_print == 0:
+        training = self.config.training
+        if boundary and training.wall_clock_breakdown and ctx.global_steps % training.steps_per_print == 0:
             m = self.last_step_metrics
             logger.info("zero3::timers step %d | forward %.1f ms | backward %.1f ms | gather wait %.1f ms | "
                         "reduction wait %.1f ms | header exchanges %.1f ms | optimizer %.1f ms", ctx.global_steps,
@@ -220,7 +221,7 @@ class Engine:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next ``engine.step()`` steps the optimizer (its micro-batch ends a window)."""
-        return (self.context.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        return (self.context.micro_steps + 1) % self.config.training.gradient_accumulation_steps == 0
 
     @property
     def loss_scale(self) -> float:
@@ -475,7 +476,7 @@ def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.
     ctx = context_of(engine_or_model, "clip_grad_norm_")
     ctx.require_states("clip_grad_norm_", ("lp_grads",))
     ctx.finish_gradients()
-    n = ctx.config.gradient_accumulation_steps
+    n = ctx.config.training.gradient_accumulation_steps
     if (ctx.micro_steps + 1) % n != 0:
         raise ZeroStateError(
             f"clip_grad_norm_ called after micro-batch {ctx.micro_steps % n + 1} of {n} "

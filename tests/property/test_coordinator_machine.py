@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch import nn
 
 from zero3.comm.communicator import Communicator
-from zero3.comm.config import CommConfig
+from zero3.comm.settings import CommSettings
 from zero3.config import ZeroConfig
 from zero3.runtime.coordinator import ParamCoordinator
 from zero3.metrics import StepMetrics
@@ -41,7 +41,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.modules[f"m{m}"] = [self.params[i] for i in idx]
         self.metrics = StepMetrics()
         self.config = ZeroConfig(max_live_parameters=max_live, max_reuse_distance=reuse, prefetch_bucket_size=bucket)
-        comm = Communicator(None, CommConfig(overlap=True, bucket_numel=10**9), world_size=1, rank=0,
+        comm = Communicator(None, CommSettings(overlap=True, bucket_numel=10**9), world_size=1, rank=0,
                             metrics=self.metrics)
         self.coord = ParamCoordinator(self.config, comm, self.metrics, self.params)
         self.open: list[tuple[str, EventKind]] = []  # the reference model: open visits, in order
@@ -105,7 +105,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
                                           prefetch_bucket_size=bucket)
         self.coord.config = self.config
         self.coord.plan_config = plan_config(self.config)
-        self.coord.steps.cache = TraceCache(self.config.max_traces)  # schedules planned under the old budgets go
+        self.coord.steps.cache = TraceCache(self.config.budget.max_traces)  # schedules planned under the old budgets go
 
     # -- invariants -----------------------------------------------------------------------------
     @invariant()

@@ -25,7 +25,7 @@ DEEPSPEED_DEFAULTS = {
 
 @pytest.mark.parametrize("name,expected", sorted(DEEPSPEED_DEFAULTS.items()))
 def test_default_equals_deepspeed_default(name, expected):
-    value = getattr(ZeroConfig(), name)
+    value = ZeroConfig().to_dict()[name]
     assert value == expected
     assert type(value) is type(expected)
 
@@ -33,8 +33,8 @@ def test_default_equals_deepspeed_default(name, expected):
 def test_config_is_immutable():
     cfg = ZeroConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.max_live_parameters = 5  # type: ignore[misc]
-    assert cfg.max_live_parameters == 1_000_000_000
+        cfg.budget.max_live_parameters = 5  # type: ignore[misc]
+    assert cfg.budget.max_live_parameters == 1_000_000_000
 
 
 def test_config_rejects_new_attributes():
@@ -56,7 +56,7 @@ def test_from_dict_with_our_names_sets_exactly_those_fields():
          "param_persistence_threshold": 7, "reduce_scatter_impl": "all_reduce"}
     cfg = ZeroConfig.from_dict(d)
     for k, v in d.items():
-        assert getattr(cfg, k) == v
+        assert cfg.to_dict()[k] == v
     untouched = ZeroConfig().to_dict()
     for k, v in cfg.to_dict().items():
         if k not in d:
@@ -65,8 +65,8 @@ def test_from_dict_with_our_names_sets_exactly_those_fields():
 
 def test_from_dict_coerces_integral_floats_to_int():
     cfg = ZeroConfig.from_dict({"max_live_parameters": 1e6, "reduce_bucket_size": 5e8})
-    assert cfg.max_live_parameters == 1_000_000 and type(cfg.max_live_parameters) is int
-    assert cfg.reduce_bucket_size == 500_000_000 and type(cfg.reduce_bucket_size) is int
+    assert cfg.budget.max_live_parameters == 1_000_000 and type(cfg.budget.max_live_parameters) is int
+    assert cfg.comm.reduce_bucket_size == 500_000_000 and type(cfg.comm.reduce_bucket_size) is int
 
 
 def test_from_dict_rejects_non_integral_float():
@@ -81,7 +81,7 @@ def test_to_dict_round_trips():
 
 def test_replace_validates_the_new_value():
     cfg = ZeroConfig()
-    assert cfg.replace(max_live_parameters=3).max_live_parameters == 3
+    assert cfg.replace(max_live_parameters=3).budget.max_live_parameters == 3
     with pytest.raises(ValueError, match=r"max_live_parameters.*-3"):
         cfg.replace(max_live_parameters=-3)
 
@@ -117,18 +117,20 @@ def test_from_dict_maps_deepspeed_zero_optimization_keys():
         "overlap_comm": False,
     }
     for k, v in expected.items():
-        got = getattr(cfg, k)
+        got = cfg.to_dict()[k]
         assert got == v, k
         assert type(got) is type(v), (k, type(got))
 
 
 def test_deepspeed_dict_without_zero_section_gives_defaults():
-    assert ZeroConfig.from_dict({"train_batch_size": 8}) == ZeroConfig()
+    # The batch sizes are kept (issue 20: the world size fixes the missing ones at initialize).
+    assert ZeroConfig.from_dict({"train_batch_size": 8}) == ZeroConfig(train_batch_size=8)
+    assert ZeroConfig.from_dict({"train_batch_size": 8}).replace(train_batch_size=None) == ZeroConfig()
 
 
 def test_deepspeed_dict_without_stage_is_accepted_as_stage3():
     cfg = ZeroConfig.from_dict({"zero_optimization": {"stage3_max_live_parameters": 10}})
-    assert cfg.max_live_parameters == 10
+    assert cfg.budget.max_live_parameters == 10
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, "3"])
@@ -146,7 +148,7 @@ def test_from_json_reads_a_file(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(DEEPSPEED_DICT))
     assert ZeroConfig.from_json(path) == ZeroConfig.from_dict(DEEPSPEED_DICT)
-    assert ZeroConfig.from_json(str(path)).max_live_parameters == 1_000_000
+    assert ZeroConfig.from_json(str(path)).budget.max_live_parameters == 1_000_000
 
 
 def test_from_json_with_invalid_json_names_the_file(tmp_path):
@@ -273,6 +275,133 @@ def test_zero_plus_plus_keys_are_read_from_deepspeeds_zero_optimization_section(
     cfg = ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8,
                                                       "zero_quantized_weights": True,
                                                       "zero_quantized_gradients": True}})
-    assert (cfg.zero_hpz_partition_size, cfg.zero_quantized_weights, cfg.zero_quantized_gradients) == (8, True, True)
-    assert ZeroConfig().zero_hpz_partition_size == 1  # off, as in DeepSpeed
-    assert ZeroConfig(zero_hpz_partition_size=-1).zero_hpz_partition_size == -1
+    assert (cfg.comm.zero_hpz_partition_size, cfg.comm.zero_quantized_weights, cfg.comm.zero_quantized_gradients) == (8, True, True)
+    assert ZeroConfig().comm.zero_hpz_partition_size == 1  # off, as in DeepSpeed
+    assert ZeroConfig(zero_hpz_partition_size=-1).comm.zero_hpz_partition_size == -1
+
+
+# -- sections -------------------------------------------------------------------------------------------
+def test_flat_keywords_are_filed_under_their_sections():
+    from zero3.config import BudgetConfig, CommConfig, OffloadConfig, PrecisionConfig, TrainingConfig
+
+    cfg = ZeroConfig(max_live_parameters=5, dtype="bf16", overlap_comm=False, offload_param="cpu",
+                     gradient_accumulation_steps=3, leaf_modules=["Expert"])
+    assert cfg.budget == BudgetConfig(max_live_parameters=5)
+    assert cfg.precision == PrecisionConfig(dtype="bf16")
+    assert cfg.comm == CommConfig(overlap_comm=False)
+    assert cfg.offload == OffloadConfig(offload_param="cpu")
+    assert cfg.training == TrainingConfig(gradient_accumulation_steps=3, leaf_modules=("Expert",))
+    assert ZeroConfig(budget=BudgetConfig(max_live_parameters=5), dtype="bf16", overlap_comm=False,
+                      offload=OffloadConfig(offload_param="cpu"), gradient_accumulation_steps=3,
+                      leaf_modules=("Expert",)) == cfg
+
+
+def test_flat_keywords_change_a_given_section_and_replace_takes_both_forms():
+    from zero3.config import BudgetConfig
+
+    cfg = ZeroConfig(budget=BudgetConfig(max_live_parameters=5, max_traces=2), max_traces=3)
+    assert (cfg.budget.max_live_parameters, cfg.budget.max_traces) == (5, 3)
+    assert cfg.replace(budget=BudgetConfig()).budget == BudgetConfig()
+    assert cfg.replace(dtype="fp16").budget is cfg.budget and cfg.replace(dtype="fp16").precision.dtype == "fp16"
+    assert dataclasses.replace(cfg, budget=BudgetConfig()) == cfg.replace(budget=BudgetConfig())
+
+
+def test_the_runtime_reads_knobs_only_through_their_sections():
+    cfg = ZeroConfig()
+    assert not hasattr(cfg, "max_live_parameters") and not hasattr(cfg, "dtype")
+    assert [f.name for f in dataclasses.fields(cfg)] == ["budget", "comm", "precision", "offload", "training",
+                                                         "activation_checkpointing"]
+
+
+def test_unknown_keyword_and_wrong_section_type_are_refused_by_name():
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'max_live_parameter'; "
+                                        r"did you mean 'max_live_parameters'\?"):
+        ZeroConfig(max_live_parameter=5)
+    with pytest.raises(ZeroConfigError, match=r"budget must be a BudgetConfig, got \{'max_traces': 2\}"):
+        ZeroConfig(budget={"max_traces": 2})  # type: ignore[arg-type]
+
+
+def test_a_section_validates_its_fields_by_their_types():
+    from zero3.config import CommConfig, OffloadConfig, PrecisionConfig
+
+    with pytest.raises(ZeroConfigError, match=r"allgather_impl must be one of \('auto', 'all_gather', 'p2p'\), "
+                                              r"got 'ring'"):
+        CommConfig(allgather_impl="ring")
+    with pytest.raises(ZeroConfigError, match=r"verify_collectives must be None or a bool, got 1"):
+        CommConfig(verify_collectives=1)
+    with pytest.raises(ZeroConfigError, match=r"collective_timeout must be a finite number >= 0, got inf"):
+        CommConfig(collective_timeout=float("inf"))
+    with pytest.raises(ZeroConfigError, match=r"offload_param_nvme_path must be None or a non-empty path string"):
+        OffloadConfig(offload_param_nvme_path="")
+    with pytest.raises(ZeroConfigError, match=r"min_loss_scale must be > 0, got 0.0"):
+        PrecisionConfig(min_loss_scale=0.0)
+    with pytest.raises(ZeroConfigError, match=r"leaf_modules must be a list of non-empty strings, got \(''"):
+        ZeroConfig(leaf_modules=("",))
+
+
+def test_every_section_field_has_a_docstring():
+    import ast
+    import inspect
+
+    from zero3.config import flat
+    from zero3.config.training import ActivationCheckpointingConfig
+
+    for cls in [*flat.SECTIONS.values(), ActivationCheckpointingConfig, ZeroConfig]:
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+        for node, after in zip(body, body[1:] + [None]):
+            if isinstance(node, ast.AnnAssign):
+                assert isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant), \
+                    f"{cls.__name__}.{node.target.id} has no docstring"
+
+
+def test_deepspeed_translation_lives_beside_the_deepspeed_names():
+    from zero3.config.deepspeed import translate
+
+    assert translate({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e6},
+                      "bf16": {"enabled": True}}) == {"dtype": "bf16", "max_live_parameters": 1_000_000}
+
+
+# -- batch sizes (DeepSpeed's rule: train_batch = micro x accumulation x data-parallel ranks) -----------
+@pytest.mark.parametrize("given,world,fixed", [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (32, 4, 4)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, (32, 4, 2)),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, (24, 4, 3)),
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 2, (16, 2, 4)),
+    ({"train_batch_size": 8}, 4, (8, 2, 1)),  # one given: no accumulation, as in DeepSpeed
+    ({"train_micro_batch_size_per_gpu": 3}, 2, (6, 3, 1)),
+])
+def test_any_two_batch_knobs_fix_the_third_given_the_world_size(given, world, fixed):
+    cfg = ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, **given})
+    t = cfg.for_world_size(world).training
+    assert (t.train_batch_size, t.train_micro_batch_size_per_gpu, t.gradient_accumulation_steps) == fixed
+
+
+def test_without_batch_sizes_the_world_size_changes_nothing():
+    cfg = ZeroConfig(gradient_accumulation_steps=3)
+    assert cfg.for_world_size(8) is cfg and cfg.training.gradient_accumulation_steps == 3
+    assert ZeroConfig().training.gradient_accumulation_steps == 1
+    pending = ZeroConfig(train_batch_size=8, train_micro_batch_size_per_gpu=2)
+    assert pending.training.gradient_accumulation_steps is None  # until the world size is known
+
+
+@pytest.mark.parametrize("given,world,pattern", [
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 4,
+     r"train_batch_size \(16\) must equal train_micro_batch_size_per_gpu \(2\) x gradient_accumulation_steps \(4\) "
+     r"x 4 data-parallel rank\(s\) = 32"),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, 1,
+     r"train_batch_size \(10\) is not a whole multiple of train_micro_batch_size_per_gpu \(4\) x 1 data-parallel "
+     r"rank\(s\): no gradient_accumulation_steps gives it"),
+    ({"train_batch_size": 2, "gradient_accumulation_steps": 1}, 4,
+     r"train_batch_size \(2\) is not a whole multiple of gradient_accumulation_steps \(1\) x 4 data-parallel"),
+])
+def test_batch_knobs_that_cannot_agree_are_refused_by_name(given, world, pattern):
+    with pytest.raises(ZeroConfigError, match=pattern):
+        ZeroConfig(**given).for_world_size(world)
+
+
+@pytest.mark.parametrize("key", ["train_batch_size", "train_micro_batch_size_per_gpu"])
+def test_batch_sizes_must_be_positive_ints(key):
+    with pytest.raises(ZeroConfigError, match=rf"{key} must be >= 1, got 0"):
+        ZeroConfig.from_dict({"zero_optimization": {}, key: 0})
+    with pytest.raises(ZeroConfigError, match=rf"{key} must be None or an int >= 0, got 'auto'"):
+        ZeroConfig.from_dict({"zero_optimization": {}, key: "auto"})

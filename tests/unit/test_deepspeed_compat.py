@@ -244,3 +244,84 @@ def test_an_optimizer_both_given_and_configured_is_refused_before_anything_chang
         zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                          {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     assert not zero3.is_zero_param(model.weight)
+
+
+# -- config translation (zero3/deepspeed/config.py) --------------------------------------------------
+@pytest.mark.parametrize("config,names", [
+    ({"max_live_parameters": 5, "zero_optimization": {"stage3_max_live_parameters": 7}},
+     ["max_live_parameters (5)", "zero_optimization.stage3_max_live_parameters (7)"]),
+    ({"zero_optimization": {"stage3_max_live_parameters": 7, "max_live_parameters": 5}},
+     ["zero_optimization.stage3_max_live_parameters (7)", "zero_optimization.max_live_parameters (5)"]),
+    ({"bf16": {"enabled": True}, "dtype": "fp16"}, ["bf16.enabled ('bf16')", "dtype ('fp16')"]),
+    ({"aio": {"thread_count": 2}, "aio_thread_count": 3}, ["aio.thread_count (2)", "aio_thread_count (3)"]),
+    ({"offload_param": {"device": "cpu"}, "offload_param_pin_memory": False,
+      "zero_optimization": {"offload_param": {"pin_memory": True}}},
+     ["offload_param_pin_memory (False)", "zero_optimization.offload_param.pin_memory (True)"]),
+    ({"offload_optimizer": {"device": "cpu", "pin_memory": False}, "offload_optimizer_pin_memory": True},  # ours
+     ["offload_optimizer.pin_memory (False)", "offload_optimizer_pin_memory (True)"]),
+])
+def test_one_knob_spelled_twice_with_different_values_is_refused_naming_both(config, names):
+    with pytest.raises(ZeroConfigError, match="given twice with different values") as err:
+        zero3.ZeroConfig.from_dict(config)
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_one_knob_spelled_twice_with_the_same_value_is_accepted():
+    cfg = zero3.ZeroConfig.from_dict({"max_live_parameters": 7,
+                                      "zero_optimization": {"stage3_max_live_parameters": 7e0}})
+    assert cfg.budget.max_live_parameters == 7
+
+
+@pytest.mark.parametrize("key", ["gradient_clipping", "gradient_accumulation_steps", "optimizer", "train_batch_size"])
+def test_a_top_level_deepspeed_key_inside_zero_optimization_is_refused(key):
+    with pytest.raises(ZeroConfigError, match=rf"zero_optimization.{key}: '{key}' is a top-level key of a DeepSpeed "
+                                              r"config, not a zero_optimization one; move it out"):
+        zero3.ZeroConfig.from_dict({"zero_optimization": {"stage": 3, key: 1.0}})
+
+
+@pytest.mark.parametrize("stage", [3.0, True])
+def test_a_stage_that_only_equals_3_is_refused(stage):
+    with pytest.raises(ZeroConfigError, match=rf"zero_optimization.stage must be 3 .*got {stage!r}"):
+        zero3.ZeroConfig.from_dict({"zero_optimization": {"stage": stage}})
+
+
+@pytest.mark.parametrize("config", [
+    {"zero_optimizaton": {"stage": 3}},  # not recognised as DeepSpeed's: the flat names' path
+    {"train_batch_size": 8, "zero_optimizaton": {"stage": 3}},
+])
+def test_a_misspelled_section_is_compared_with_the_section_names(config):
+    with pytest.raises(ZeroConfigError, match=r"unknown config section 'zero_optimizaton'; did you mean "
+                                              r"'zero_optimization'\? Known sections: .*activation_checkpointing"):
+        zero3.ZeroConfig.from_dict(config)
+
+
+def test_the_unknown_key_error_lists_the_names_of_the_dicts_kind():
+    with pytest.raises(ZeroConfigError) as ours:
+        zero3.ZeroConfig.from_dict({"max_live_parameter": 5})
+    listed = str(ours.value).split("Known keys: ")[1].split(", ")
+    assert "prefetch_bucket_size" in listed and "zero_optimization" not in listed and "bf16" not in listed
+    with pytest.raises(ZeroConfigError) as theirs:
+        zero3.ZeroConfig.from_dict({"train_batch_sizes": 8, "zero_optimization": {"stage": 3}})
+    listed = str(theirs.value).split("Known DeepSpeed keys: ")[1].split(";")[0].split(", ")
+    assert "train_micro_batch_size_per_gpu" in listed and "prefetch_bucket_size" not in listed
+    with pytest.raises(ZeroConfigError) as zero:
+        zero3.ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket": 1}})
+    listed = str(zero.value).split("Known DeepSpeed keys: ")[1].split(";")[0].split(", ")
+    assert "did you mean 'stage3_prefetch_bucket_size'" in str(zero.value)
+    assert "zero_hpz_partition_size" in listed and "max_live_parameters" not in listed
+
+
+def test_initialize_fixes_the_batch_sizes_from_the_data_parallel_world_size():
+    engine = zero3.initialize(nn.Linear(4, 4), None, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2})
+    training = engine.config.training
+    assert (training.train_batch_size, training.train_micro_batch_size_per_gpu) == (8, 2)
+    assert training.gradient_accumulation_steps == 4 == engine.gradient_accumulation_steps()
+
+
+def test_initialize_refuses_batch_sizes_that_disagree_before_anything_changes():
+    model = nn.Linear(4, 4)
+    with pytest.raises(ZeroConfigError, match=r"must equal .* = 4"):
+        zero3.initialize(model, None, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+                                       "gradient_accumulation_steps": 2})
+    assert not zero3.is_zero_param(model.weight)

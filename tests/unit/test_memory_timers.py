@@ -66,4 +66,4 @@ def test_timers_do_not_log_without_wall_clock_breakdown(caplog):
 def test_deepspeed_config_keys_set_the_timers():
     cfg = zero3.ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "wall_clock_breakdown": True,
                                       "steps_per_print": 5})
-    assert cfg.wall_clock_breakdown is True and cfg.steps_per_print == 5
+    assert cfg.training.wall_clock_breakdown is True and cfg.training.steps_per_print == 5

@@ -68,14 +68,14 @@ def test_deepspeed_offload_keys_map_onto_fields(tmp_path, caplog):
           "aio": {"thread_count": 2, "block_size": 1048576, "queue_depth": 8}}
     with caplog.at_level(logging.INFO, logger="zero3.config"):
         cfg = ZeroConfig.from_dict(ds)
-    assert (cfg.offload_param, cfg.offload_param_nvme_path, cfg.offload_param_pin_memory) == ("nvme", str(tmp_path), True)
-    assert (cfg.offload_param_buffer_count, cfg.offload_param_buffer_size, cfg.offload_param_max_in_cpu) == (4, 10**6, 0)
-    assert (cfg.offload_optimizer, cfg.offload_optimizer_nvme_path) == ("nvme", str(tmp_path))
-    assert (cfg.sub_group_size, cfg.aio_thread_count) == (5 * 10**6, 2)
+    assert (cfg.offload.offload_param, cfg.offload.offload_param_nvme_path, cfg.offload.offload_param_pin_memory) == ("nvme", str(tmp_path), True)
+    assert (cfg.offload.offload_param_buffer_count, cfg.offload.offload_param_buffer_size, cfg.offload.offload_param_max_in_cpu) == (4, 10**6, 0)
+    assert (cfg.offload.offload_optimizer, cfg.offload.offload_optimizer_nvme_path) == ("nvme", str(tmp_path))
+    assert (cfg.offload.sub_group_size, cfg.offload.aio_thread_count) == (5 * 10**6, 2)
     assert "offload_optimizer.buffer_count has no effect" in caplog.text and "aio.queue_depth" in caplog.text
     assert ZeroConfig.from_dict(cfg.to_dict()) == cfg
     ours = ZeroConfig.from_dict({"offload_param": {"device": "cpu", "pin_memory": False}})
-    assert (ours.offload_param, ours.offload_param_pin_memory) == ("cpu", False)
+    assert (ours.offload.offload_param, ours.offload.offload_param_pin_memory) == ("cpu", False)
 
 
 def test_placement_policy_answers_where_everything_lives(tmp_path):

@@ -77,11 +77,11 @@ def masters_of(engine):
 # -- config ---------------------------------------------------------------------------------------
 def test_precision_defaults_change_nothing_and_fp16_defaults_equal_deepspeed():
     cfg = ZeroConfig()
-    assert (cfg.dtype, cfg.reduce_dtype, cfg.gradient_accumulation_steps, cfg.gradient_clipping,
-            cfg.offload_optimizer) == ("fp32", "fp32", 1, 0.0, "none")
+    assert (cfg.precision.dtype, cfg.precision.reduce_dtype, cfg.training.gradient_accumulation_steps, cfg.training.gradient_clipping,
+            cfg.offload.offload_optimizer) == ("fp32", "fp32", 1, 0.0, "none")
     # DeepSpeed fp16 defaults: loss_scale 0 (dynamic), 2**16, window 1000, hysteresis 2, min 1
-    assert (cfg.loss_scale, cfg.initial_scale_power, cfg.loss_scale_window, cfg.hysteresis,
-            cfg.min_loss_scale) == (0.0, 16, 1000, 2, 1.0)
+    assert (cfg.precision.loss_scale, cfg.precision.initial_scale_power, cfg.precision.loss_scale_window, cfg.precision.hysteresis,
+            cfg.precision.min_loss_scale) == (0.0, 16, 1000, 2, 1.0)
 
 
 DEEPSPEED = {
@@ -97,25 +97,25 @@ DEEPSPEED = {
 
 def test_deepspeed_precision_accumulation_clipping_and_offload_keys_map_onto_fields():
     cfg = ZeroConfig.from_dict(DEEPSPEED)
-    assert cfg.dtype == "fp16" and cfg.reduce_dtype == "bf16"
-    assert (cfg.loss_scale, cfg.initial_scale_power, cfg.loss_scale_window, cfg.hysteresis,
-            cfg.consecutive_hysteresis, cfg.min_loss_scale) == (0.0, 12, 500, 1, True, 0.5)
-    assert cfg.gradient_accumulation_steps == 4
-    assert cfg.gradient_clipping == 1.0 and type(cfg.gradient_clipping) is float
-    assert (cfg.offload_optimizer, cfg.offload_optimizer_pin_memory) == ("cpu", True)
+    assert cfg.precision.dtype == "fp16" and cfg.precision.reduce_dtype == "bf16"
+    assert (cfg.precision.loss_scale, cfg.precision.initial_scale_power, cfg.precision.loss_scale_window, cfg.precision.hysteresis,
+            cfg.precision.consecutive_hysteresis, cfg.precision.min_loss_scale) == (0.0, 12, 500, 1, True, 0.5)
+    assert cfg.training.gradient_accumulation_steps == 4
+    assert cfg.training.gradient_clipping == 1.0 and type(cfg.training.gradient_clipping) is float
+    assert (cfg.offload.offload_optimizer, cfg.offload.offload_optimizer_pin_memory) == ("cpu", True)
     assert ZeroConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_deepspeed_bf16_section_sets_dtype_and_a_disabled_section_changes_nothing():
-    assert ZeroConfig.from_dict({"bf16": {"enabled": True}}).dtype == "bf16"
-    assert ZeroConfig.from_dict({"bfloat16": {"enabled": True}}).dtype == "bf16"
+    assert ZeroConfig.from_dict({"bf16": {"enabled": True}}).precision.dtype == "bf16"
+    assert ZeroConfig.from_dict({"bfloat16": {"enabled": True}}).precision.dtype == "bf16"
     off = ZeroConfig.from_dict({"fp16": {"enabled": False, "initial_scale_power": 3}, "bf16": {"enabled": False}})
     assert off == ZeroConfig()
 
 
 def test_our_field_names_accept_the_offload_dict_form():
     cfg = ZeroConfig.from_dict({"dtype": "bf16", "offload_optimizer": {"device": "cpu", "pin_memory": False}})
-    assert (cfg.dtype, cfg.offload_optimizer, cfg.offload_optimizer_pin_memory) == ("bf16", "cpu", False)
+    assert (cfg.precision.dtype, cfg.offload.offload_optimizer, cfg.offload.offload_optimizer_pin_memory) == ("bf16", "cpu", False)
 
 
 @pytest.mark.parametrize("d,pattern", [

@@ -49,9 +49,7 @@ LAYERS: dict[str, Layer] = {
     "zero3.metrics": _layer(),
     "zero3.partition": _layer(*_BASE),
     "zero3.planning": _layer("errors"),
-    # config may read DeepSpeed's key translation, which therefore sits at config's level.
-    "zero3.config": _layer("errors", "deepspeed.config"),
-    "zero3.deepspeed.config": _layer("errors"),
+    "zero3.config": _layer("errors"),  # DeepSpeed's key translation included (config/deepspeed.py)
     "zero3.comm": _layer(*_BASE, "config", "partition"),
     "zero3.offload": _layer(*_BASE, "config", "partition", "planning"),
     "zero3.optim": _layer(*_BASE, "config", "partition", "comm", "offload"),

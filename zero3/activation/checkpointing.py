@@ -50,7 +50,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..comm.communicator import Communicator, Kind, Tag
-from ..comm.config import CommConfig
+from ..comm.settings import CommSettings
 from ..config import ActivationCheckpointingConfig, resolve_config
 from ..errors import ZeroStateError
 from ..runtime.hooks import checkpoint_forward, nested_backward
@@ -170,7 +170,7 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
         group, world, rank = found
         # No verification headers: these gathers run on the model's own model-parallel group, in
         # lockstep with the model's tensor-parallel collectives, which zero3 cannot verify either.
-        mp = _ModelParallelGroup(world, rank, Communicator(group, CommConfig(overlap=False, verify=False),
+        mp = _ModelParallelGroup(world, rank, Communicator(group, CommSettings(overlap=False, verify=False),
                                                            metrics=StepMetrics(), world_size=world, rank=rank))
     global _STATE
     _STATE = _State(config=config, configured=True, mp=mp,

@@ -31,7 +31,7 @@ from ..metrics import StepMetrics
 from ..partition.param import ZeroParameter
 from .codec import QuantizedCodec
 from .collectives import SmallCollectives
-from .config import CommConfig
+from .settings import CommSettings
 from .counter import ByteCounter
 from .failure import FailureMonitor, rebuild_error
 from .gather import ParamGatherer, gather_transport
@@ -44,7 +44,7 @@ from .verify import EpochMode, EpochState, FailureReport, PayloadHeader, Request
 from .wire import Wire, group_info, group_name, same_group
 from .works import GatherWork, ReduceWork, WaitContext
 
-__all__ = ["CommConfig", "Communicator", "GatherWork", "GradPiece", "Kind", "ReduceBuffer", "ReduceWork",
+__all__ = ["CommSettings", "Communicator", "GatherWork", "GradPiece", "Kind", "ReduceBuffer", "ReduceWork",
            "Secondary", "Tag", "group_info", "same_group"]
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class Communicator:
 
     Args:
         group: the process group (`group_info`); ``world_size`` and ``rank`` are read from it unless given.
-        config: the settings (`CommConfig`; ``CommConfig.from_config`` builds them from a `ZeroConfig`).
+        config: the settings (`CommSettings`; ``CommSettings.from_config`` builds them from a `ZeroConfig`).
         metrics: the step counters to update (the runtime context's).
         nodes: the node of every rank of the group (topology.py); None: every rank sends its
             `node_identity` to the others now (a collective: build communicators on every rank).
@@ -68,10 +68,10 @@ class Communicator:
     inter): pairwise messages exactly, collectives by the logical bytes each peer contributes.
     """
 
-    def __init__(self, group: Any, config: CommConfig | None = None, *, metrics: StepMetrics,
+    def __init__(self, group: Any, config: CommSettings | None = None, *, metrics: StepMetrics,
                  world_size: int | None = None, rank: int | None = None, nodes: Sequence[int] | None = None,
                  dedicated: bool = False, secondary_span: int = 1) -> None:
-        config = config if config is not None else CommConfig()
+        config = config if config is not None else CommSettings()
         if world_size is None or rank is None:
             group, world_size, rank = group_info(group)
         self.world_size = world_size

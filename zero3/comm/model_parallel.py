@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .communicator import Communicator
-from .config import CommConfig
+from .settings import CommSettings
 from ..config import ZeroConfig
 from ..errors import ZeroConfigError
 from ..metrics import StepMetrics
@@ -60,7 +60,7 @@ class ModelParallel:
             return None
         group, world, rank = found
         check_orthogonal(dp_group, group)
-        comm = Communicator(group, CommConfig.model_parallel(config), metrics=metrics, world_size=world, rank=rank)
+        comm = Communicator(group, CommSettings.model_parallel(config), metrics=metrics, world_size=world, rank=rank)
         logger.info("zero3: model-parallel rank %d of %d beside ZeRO-3 data parallelism", rank, world)
         return cls(group=group, world_size=world, rank=rank, comm=comm)
 

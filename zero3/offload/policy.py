@@ -46,15 +46,15 @@ class PlacementPolicy:
 
     @classmethod
     def from_config(cls, config: ZeroConfig) -> PlacementPolicy:
-        return cls(param_device=config.offload_param, param_pin_memory=config.offload_param_pin_memory,
-                   param_nvme_path=config.offload_param_nvme_path or "",
-                   param_buffer_count=config.offload_param_buffer_count,
-                   param_buffer_size=config.offload_param_buffer_size,
-                   param_max_in_cpu=config.offload_param_max_in_cpu,
-                   optimizer_device=config.offload_optimizer,
-                   optimizer_pin_memory=config.offload_optimizer_pin_memory,
-                   optimizer_nvme_path=config.offload_optimizer_nvme_path or "",
-                   aio_threads=config.aio_thread_count, mixed_precision=config.dtype != "fp32")
+        return cls(param_device=config.offload.offload_param, param_pin_memory=config.offload.offload_param_pin_memory,
+                   param_nvme_path=config.offload.offload_param_nvme_path or "",
+                   param_buffer_count=config.offload.offload_param_buffer_count,
+                   param_buffer_size=config.offload.offload_param_buffer_size,
+                   param_max_in_cpu=config.offload.offload_param_max_in_cpu,
+                   optimizer_device=config.offload.offload_optimizer,
+                   optimizer_pin_memory=config.offload.offload_optimizer_pin_memory,
+                   optimizer_nvme_path=config.offload.offload_optimizer_nvme_path or "",
+                   aio_threads=config.offload.aio_thread_count, mixed_precision=config.precision.dtype != "fp32")
 
     # -- parameter shards ----------------------------------------------------------------------------
     @property

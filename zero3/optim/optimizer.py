@@ -202,7 +202,7 @@ class PartitionedOptimizer:
                 raise ZeroConfigError("LBFGS needs every parameter at once; with optimizer state or parameter "
                                       "shards on NVMe the step is streamed group by group. Use an optimizer that "
                                       "updates each parameter from its own state (Adam, AdamW, SGD, ...)")
-            self.subgroups = _subgroups(self.group_params, config.sub_group_size)
+            self.subgroups = _subgroups(self.group_params, config.offload.sub_group_size)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build_masters(self, optimizer: Any, fp32_shards: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
@@ -346,8 +346,8 @@ class PartitionedOptimizer:
                 self.skipped_steps += 1
                 self.zero_grad()
                 return False
-        if self.config.gradient_clipping > 0:
-            self.clip_grad_norm(self.config.gradient_clipping)
+        if self.config.training.gradient_clipping > 0:
+            self.clip_grad_norm(self.config.training.gradient_clipping)
         if self.streamed:
             self._streamed_step()
         else:

@@ -101,13 +101,14 @@ class LossScaler:
     @classmethod
     def from_config(cls, config: ZeroConfig) -> LossScaler | None:
         """The scaler ``config`` asks for: None unless ``dtype`` is fp16."""
-        if config.dtype != "fp16":
+        precision = config.precision
+        if precision.dtype != "fp16":
             return None
-        if config.loss_scale > 0:
-            return cls(scale=config.loss_scale, dynamic=False)
-        return cls(scale=2.0 ** config.initial_scale_power, dynamic=True, window=config.loss_scale_window,
-                   hysteresis=config.hysteresis, consecutive_hysteresis=config.consecutive_hysteresis,
-                   min_scale=config.min_loss_scale)
+        if precision.loss_scale > 0:
+            return cls(scale=precision.loss_scale, dynamic=False)
+        return cls(scale=2.0 ** precision.initial_scale_power, dynamic=True, window=precision.loss_scale_window,
+                   hysteresis=precision.hysteresis, consecutive_hysteresis=precision.consecutive_hysteresis,
+                   min_scale=precision.min_loss_scale)
 
     def update(self, overflow: bool) -> None:
         """Account for one optimizer step that overflowed (and was skipped) or did not."""

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..comm.communicator import Communicator, group_info, same_group
-from ..comm.config import CommConfig
+from ..comm.settings import CommSettings
 from ..comm.hpz import secondary_communicator
 from ..config import ZeroConfig
 from .coordinator import ParamCoordinator
@@ -91,7 +91,7 @@ class RuntimeContext:
         group, world, rank = group_info(group)
         metrics = StepMetrics()
         if comm is None:
-            comm = Communicator(group, CommConfig.from_config(config, own_group), metrics=metrics, world_size=world,
+            comm = Communicator(group, CommSettings.from_config(config, own_group), metrics=metrics, world_size=world,
                                 rank=rank)
         io = shards = None
         placement = PlacementPolicy.from_config(config)
@@ -99,7 +99,7 @@ class RuntimeContext:
         if placement.params_on_drive:
             io = AsyncIO(placement.aio_threads)
             pool = BufferPool(placement.param_buffer_count,
-                              placement.param_buffer_size * torch_dtype(config.dtype).itemsize,
+                              placement.param_buffer_size * torch_dtype(config.precision.dtype).itemsize,
                               pin=placement.param_pin_memory)
             shards = ShardTier(io, SwapFile(placement.param_nvme_path, f"params-rank{rank}"), pool,
                                comm.metrics, store)
@@ -232,25 +232,26 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     if model.__dict__.get("_zero3_context") is not None:
         raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "
                              "first, or keep using the engine it returned")
-    if optimizer is not None and config.optimizer is not None:
+    if optimizer is not None and config.training.optimizer is not None:
         raise ZeroConfigError("zero3.initialize got an optimizer and a config with an 'optimizer' section; pass one")
-    if lr_scheduler is not None and config.scheduler is not None:
+    if lr_scheduler is not None and config.training.scheduler is not None:
         raise ZeroConfigError("zero3.initialize got lr_scheduler and a config with a 'scheduler' section; pass one")
-    if lr_scheduler is not None and optimizer is None and config.optimizer is None:
+    if lr_scheduler is not None and optimizer is None and config.training.optimizer is None:
         raise ZeroConfigError("zero3.initialize got an lr_scheduler but no optimizer (nor an 'optimizer' section)")
     if model_parameters is not None and callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(model_parameters)  # DeepSpeed's client optimizer callable: over full parameters
-    if optimizer is None and config.optimizer is not None:
-        optimizer = build_optimizer(config.optimizer, model_parameters if model_parameters is not None
+    if optimizer is None and config.training.optimizer is not None:
+        optimizer = build_optimizer(config.training.optimizer, model_parameters if model_parameters is not None
                                     else model.parameters())
     validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
+    config = config.for_world_size(group_info(group)[1])  # DeepSpeed's batch-size rule needs the world size
     _check_nvme_shards(model, config, PlacementPolicy.from_config(config))
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
     hpz = ctx.comm.hpz  # zero_hpz_partition_size resolved against the ranks' nodes: the same on every rank
-    if comm is not None and hpz != hpz_group_size(config.zero_hpz_partition_size, comm.nodes):
+    if comm is not None and hpz != hpz_group_size(config.comm.zero_hpz_partition_size, comm.nodes):
         raise ZeroConfigError(f"the communicator passed to zero3.initialize has hpZ groups of {hpz} ranks, but the "
-                              f"config asks for zero_hpz_partition_size={config.zero_hpz_partition_size}; build it "
-                              "with CommConfig.from_config(config)")
+                              f"config asks for zero_hpz_partition_size={config.comm.zero_hpz_partition_size}; build it "
+                              "with CommSettings.from_config(config)")
     if hpz > 1:
         ctx.node_comm = secondary_communicator(ctx.comm)
         ctx.coordinator.enable_hpz(ctx.node_comm)
@@ -269,9 +270,9 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         ctx.params.append(p)
     ctx.coordinator.register(ctx.params)
     # bf16/fp16: cast the shards now (before anything is gathered); their fp32 values seed the masters
-    fp32_shards = lower_precision(ctx.params, torch_dtype(config.dtype), ctx.store) if config.dtype != "fp32" else {}
-    ctx.reducer = GradientReducer(ctx.comm, config.reduce_bucket_size, reduce_dtype=torch_dtype(config.reduce_dtype),
-                                  accumulation_steps=config.gradient_accumulation_steps)
+    fp32_shards = lower_precision(ctx.params, torch_dtype(config.precision.dtype), ctx.store) if config.precision.dtype != "fp32" else {}
+    ctx.reducer = GradientReducer(ctx.comm, config.comm.reduce_bucket_size, reduce_dtype=torch_dtype(config.precision.reduce_dtype),
+                                  accumulation_steps=config.training.gradient_accumulation_steps)
     ctx.coordinator.choose_persistent(ctx.params)
     place_shards(ctx.store, ctx.coordinator.shards, ctx.params)  # CPU memory or the drive, before the optimizer
     if optimizer is not None:
@@ -280,8 +281,8 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
                                              shards=ctx.coordinator.shards, store=ctx.store,
                                              io=ctx.swap_io() if ctx.store.placement.optimizer_on_drive else None)
         torch_opt = ctx.optimizer.optimizer
-        if config.scheduler is not None:
-            ctx.lr_scheduler = build_scheduler(config.scheduler, torch_opt)
+        if config.training.scheduler is not None:
+            ctx.lr_scheduler = build_scheduler(config.training.scheduler, torch_opt)
         elif lr_scheduler is not None:
             ctx.lr_scheduler = lr_scheduler(torch_opt) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
                 else lr_scheduler
@@ -306,13 +307,13 @@ def _check_nvme_shards(model: nn.Module, config: ZeroConfig, placement: Placemen
         if not placement.params_on_drive:
             raise ZeroConfigError(
                 f"parameter {name!r} was partitioned onto NVMe by zero3.Init(remote_device='nvme'), but initialize's "
-                f"config has offload_param={config.offload_param!r}; pass initialize the config given to Init "
+                f"config has offload_param={config.offload.offload_param!r}; pass initialize the config given to Init "
                 "(zero_optimization.offload_param.device 'nvme'), or build without remote_device='nvme'")
-        want = torch_dtype(config.dtype)
+        want = torch_dtype(config.precision.dtype)
         if z.shard.is_floating_point() and z.shard.dtype != want:
             raise ZeroConfigError(
                 f"parameter {name!r} was written to NVMe by zero3.Init in {z.shard.dtype}, but the config's dtype is "
-                f"{config.dtype!r}; pass the same config to zero3.Init (config_dict_or_path=...) and initialize")
+                f"{config.precision.dtype!r}; pass the same config to zero3.Init (config_dict_or_path=...) and initialize")
 
 
 def _check_group(ctx: RuntimeContext, name: str, p: ZeroParameter) -> None:

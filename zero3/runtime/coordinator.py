@@ -54,14 +54,14 @@ def plan_config(config: ZeroConfig) -> PlanConfig:
 
     In byte mode an unset ``*_bytes`` knob is its element knob counted as 4-byte elements.
     """
-    if config.max_live_bytes is None:
-        return PlanConfig(max_live=config.max_live_parameters, max_reuse_distance=config.max_reuse_distance,
-                          prefetch_bucket_size=config.prefetch_bucket_size, unit="numel")
-    reuse = config.max_reuse_distance_bytes
-    bucket = config.prefetch_bucket_bytes
-    return PlanConfig(max_live=config.max_live_bytes,
-                      max_reuse_distance=reuse if reuse is not None else 4 * config.max_reuse_distance,
-                      prefetch_bucket_size=bucket if bucket is not None else 4 * config.prefetch_bucket_size,
+    if config.budget.max_live_bytes is None:
+        return PlanConfig(max_live=config.budget.max_live_parameters, max_reuse_distance=config.budget.max_reuse_distance,
+                          prefetch_bucket_size=config.budget.prefetch_bucket_size, unit="numel")
+    reuse = config.budget.max_reuse_distance_bytes
+    bucket = config.budget.prefetch_bucket_bytes
+    return PlanConfig(max_live=config.budget.max_live_bytes,
+                      max_reuse_distance=reuse if reuse is not None else 4 * config.budget.max_reuse_distance,
+                      prefetch_bucket_size=bucket if bucket is not None else 4 * config.budget.prefetch_bucket_size,
                       unit="bytes")
 
 
@@ -89,7 +89,7 @@ class ParamCoordinator:
         self._by_id: dict[int, ZeroParameter] = {}
         self.persistent: list[ZeroParameter] = []
         self.register(params)
-        self.steps = StepTraces(config.max_traces)  # what the running step recorded and follows
+        self.steps = StepTraces(config.budget.max_traces)  # what the running step recorded and follows
         self._event: tuple[EventKind, str] | None = None  # the event a gather serves (for its tag)
         self._generation: GenerationPrefetch | None = None  # generation mode (`begin_generation`)
 
@@ -141,8 +141,8 @@ class ParamCoordinator:
     def choose_persistent(self, params: Sequence[ZeroParameter]) -> None:
         """Mark the persistent params (planning/persistence.py, in the given order); they stay
         gathered for the whole run, gathered by `gather_persistent`."""
-        chosen = choose_persistent((p._zero.numel for p in params), self.config.param_persistence_threshold,
-                                   self.config.model_persistence_threshold)
+        chosen = choose_persistent((p._zero.numel for p in params), self.config.budget.param_persistence_threshold,
+                                   self.config.budget.model_persistence_threshold)
         for p, persistent in zip(params, chosen):
             if persistent:
                 p._zero.persistent = True

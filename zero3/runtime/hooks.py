@@ -193,10 +193,10 @@ class ModuleHooks:
         for name, m in model.named_modules():
             if id(m) in inside_leaf:
                 continue  # part of a leaf: no hooks of its own
-            if m is not model and not m._parameters and not is_leaf(m, self.ctx.config.leaf_modules):
+            if m is not model and not m._parameters and not is_leaf(m, self.ctx.config.training.leaf_modules):
                 continue  # nothing to gather: no hooks (a parameter it reads is its caller's, found by _ParamDict)
             rec = _ModuleRecord(module=m, name=name)
-            if is_leaf(m, self.ctx.config.leaf_modules):
+            if is_leaf(m, self.ctx.config.training.leaf_modules):
                 inside_leaf.update(id(d) for d in m.modules() if d is not m)
                 trainable = sorted({id(p): p for p in m.parameters() if p.requires_grad}.values(),
                                    key=lambda p: p._zero.id)

@@ -183,8 +183,8 @@ class Init:
             if self._group is None:
                 self._group = mpu_data_parallel_group(mpu)
             model_parallel_group(mpu)  # a unit zero3.initialize would refuse is refused here already
-        if remote_device is None and self._config.offload_param != "none":
-            remote_device = self._config.offload_param  # DeepSpeed: the config's offload_param device
+        if remote_device is None and self._config.offload.offload_param != "none":
+            remote_device = self._config.offload.offload_param  # DeepSpeed: the config's offload_param device
         self._remote_device = _remote_device(remote_device)
         try:  # this context's own gathers and swap files follow remote_device, not the config's device
             self._config = self._config.replace(offload_param="nvme" if remote_device == "nvme" else "none")
@@ -192,8 +192,8 @@ class Init:
             raise ZeroConfigError(f"zero3.Init(remote_device='nvme') needs offload_param.nvme_path in the config "
                                   f"passed as config_dict_or_path: {exc}") from None
         self._pin_memory = pin_memory  # or the config's offload_param.pin_memory (the context's placement)
-        self._dtype = dtype if dtype is not None else (torch_dtype(self._config.dtype)
-                                                       if self._config.dtype != "fp32" else None)
+        self._dtype = dtype if dtype is not None else (torch_dtype(self._config.precision.dtype)
+                                                       if self._config.precision.dtype != "fp32" else None)
         self._sync: SyncMode = sync
         self._token: Any = None
         self._handler_token: Any = None
@@ -204,8 +204,8 @@ class Init:
         ctx = RuntimeContext.minimal(self._config, self._group)
         return _InitState(ctx=ctx, remote_device=self._remote_device, dtype=self._dtype, sync=self._sync,
                           pin_memory=self._pin_memory or ctx.store.placement.param_pin_memory,
-                          persistence=PersistenceRule(self._config.param_persistence_threshold,
-                                                      self._config.model_persistence_threshold),
+                          persistence=PersistenceRule(self._config.budget.param_persistence_threshold,
+                                                      self._config.budget.model_persistence_threshold),
                           in_memory=ctx.store.placement.in_memory_budget())
 
     def _partition_built(self, module: nn.Module) -> None:

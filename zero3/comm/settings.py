@@ -1,4 +1,7 @@
-"""The communicator's settings, in one frozen, validated record built from a `ZeroConfig` in one place."""
+"""The settings of one communicator, in one frozen, validated record built in one place from a
+`ZeroConfig`'s ``comm`` section (the user's knobs, `zero3.config.CommConfig`) and the communicator's
+role: the engine's own group (ZeRO++ codings, hpZ, the collective timeout), ``zero3.Init``'s, or the
+model-parallel group's."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ GATHER_IMPLS = ("auto", "all_gather", "p2p")
 
 
 @dataclass(frozen=True, slots=True)
-class CommConfig:
+class CommSettings:
     """How a `Communicator` moves bytes.
 
     Attributes:
@@ -66,22 +69,22 @@ class CommConfig:
         object.__setattr__(self, "plans", max(1, int(self.plans)))
 
     @classmethod
-    def from_config(cls, cfg: ZeroConfig, own_group: bool = True) -> CommConfig:
+    def from_config(cls, cfg: ZeroConfig, own_group: bool = True) -> CommSettings:
         """The data-parallel communicator's settings. ``own_group``: the engine's communicator, on a
         process group of its own with ``collective_timeout`` and ZeRO++'s wire codings and hpZ
         groups; False for ``zero3.Init``, which uses the caller's group and sends exact values."""
-        return cls(overlap=cfg.overlap_comm, bucket_numel=cfg.allgather_bucket_size,
-                   reduce_impl=cfg.reduce_scatter_impl, allgather_impl=cfg.allgather_impl,
-                   verify=cfg.verify_collectives, timeout_s=cfg.collective_timeout if own_group else 0.0,
-                   plans=2 * cfg.max_traces + 2, quantize_weights=cfg.zero_quantized_weights and own_group,
-                   quantize_gradients=cfg.quantized_gradient_bits if cfg.zero_quantized_gradients and own_group
-                   else 0, quant_block=cfg.quantization_block_size,
-                   hpz_partition_size=cfg.zero_hpz_partition_size if own_group else 1)
+        return cls(overlap=cfg.comm.overlap_comm, bucket_numel=cfg.comm.allgather_bucket_size,
+                   reduce_impl=cfg.comm.reduce_scatter_impl, allgather_impl=cfg.comm.allgather_impl,
+                   verify=cfg.comm.verify_collectives, timeout_s=cfg.comm.collective_timeout if own_group else 0.0,
+                   plans=2 * cfg.budget.max_traces + 2, quantize_weights=cfg.comm.zero_quantized_weights and own_group,
+                   quantize_gradients=cfg.comm.quantized_gradient_bits if cfg.comm.zero_quantized_gradients and own_group
+                   else 0, quant_block=cfg.comm.quantization_block_size,
+                   hpz_partition_size=cfg.comm.zero_hpz_partition_size if own_group else 1)
 
     @classmethod
-    def model_parallel(cls, cfg: ZeroConfig) -> CommConfig:
+    def model_parallel(cls, cfg: ZeroConfig) -> CommSettings:
         """The model-parallel group's settings: blocking, verified and timed out like the data-parallel one."""
-        return cls(overlap=False, verify=cfg.verify_collectives, timeout_s=cfg.collective_timeout, plans=4)
+        return cls(overlap=False, verify=cfg.comm.verify_collectives, timeout_s=cfg.comm.collective_timeout, plans=4)
 
-    def replace(self, **changes: object) -> CommConfig:
+    def replace(self, **changes: object) -> CommSettings:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""`CommConfig`: the communicator's settings, built in one place from a `ZeroConfig`, frozen and validated;
+"""`CommSettings`: the communicator's settings, built in one place from a `ZeroConfig`, frozen and validated;
 and a world-size-1 `Communicator` built from them (every collective is local)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from zero3 import ZeroConfig, ZeroConfigError
 from zero3.comm.communicator import Communicator, GradPiece, Kind, Tag
-from zero3.comm.config import CommConfig
+from zero3.comm.settings import CommSettings
 from zero3.comm.verify import EpochMode
 from zero3.metrics import StepMetrics
 
@@ -20,21 +20,21 @@ def test_from_config_maps_the_flat_fields():
                      allgather_impl="p2p", verify_collectives=True, collective_timeout=7.5, max_traces=3,
                      zero_quantized_weights=True, zero_quantized_gradients=True, quantized_gradient_bits=4,
                      quantization_block_size=64, zero_hpz_partition_size=2)
-    c = CommConfig.from_config(cfg)
-    assert c == CommConfig(overlap=False, bucket_numel=1234, reduce_impl="all_reduce", allgather_impl="p2p",
+    c = CommSettings.from_config(cfg)
+    assert c == CommSettings(overlap=False, bucket_numel=1234, reduce_impl="all_reduce", allgather_impl="p2p",
                            verify=True, timeout_s=7.5, plans=8, quantize_weights=True, quantize_gradients=4,
                            quant_block=64, hpz_partition_size=2)
 
 
 def test_from_config_without_own_group_sends_exact_values_on_the_callers_group():
     cfg = ZeroConfig(zero_quantized_weights=True, zero_quantized_gradients=True, zero_hpz_partition_size=-1)
-    c = CommConfig.from_config(cfg, own_group=False)
+    c = CommSettings.from_config(cfg, own_group=False)
     assert (c.timeout_s, c.quantize_weights, c.quantize_gradients, c.hpz_partition_size) == (0.0, False, 0, 1)
-    assert CommConfig.from_config(ZeroConfig()).quantize_gradients == 0  # bits only when qgZ is on
+    assert CommSettings.from_config(ZeroConfig()).quantize_gradients == 0  # bits only when qgZ is on
 
 
 def test_model_parallel_settings_block_and_verify_like_the_data_parallel_ones():
-    c = CommConfig.model_parallel(ZeroConfig(verify_collectives=False, collective_timeout=9.0))
+    c = CommSettings.model_parallel(ZeroConfig(verify_collectives=False, collective_timeout=9.0))
     assert (c.overlap, c.verify, c.timeout_s, c.plans) == (False, False, 9.0, 4)
 
 
@@ -42,11 +42,11 @@ def test_model_parallel_settings_block_and_verify_like_the_data_parallel_ones():
                                     {"quant_block": 0}, {"timeout_s": -1.0}, {"hpz_partition_size": 0}])
 def test_invalid_settings_are_refused(change):
     with pytest.raises(ZeroConfigError):
-        CommConfig(**change)
+        CommSettings(**change)
 
 
 def test_config_is_frozen_and_normalised():
-    c = CommConfig(bucket_numel=0, plans=0, timeout_s=3)
+    c = CommSettings(bucket_numel=0, plans=0, timeout_s=3)
     assert (c.bucket_numel, c.plans, c.timeout_s) == (1, 1, 3.0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.overlap = False  # type: ignore[misc]
@@ -54,7 +54,7 @@ def test_config_is_frozen_and_normalised():
 
 def test_world_of_one_is_local_and_counts_nothing():
     metrics = StepMetrics()
-    comm = Communicator(None, CommConfig(), metrics=metrics, world_size=1, rank=0)
+    comm = Communicator(None, CommSettings(), metrics=metrics, world_size=1, rank=0)
     assert (comm.hpz, comm.secondary_span, comm.mode, comm.verify) == (1, 1, EpochMode.IDLE, False)
     g = torch.arange(6.0)
     out = comm.reduce_grads([GradPiece(6, 6, g, counted=True)], torch.float32, torch.device("cpu"),

@@ -1,0 +1,206 @@
+"""DeepSpeed's config keys translated into zero3's flat knob names.
+
+`zero3.ZeroConfig.from_dict` hands a dict here when it looks like DeepSpeed's (a
+``zero_optimization`` section or one of DeepSpeed's top-level keys); `translate` returns the
+keyword arguments of ``ZeroConfig(...)``. Keys zero3 understands but that change nothing here are
+logged at INFO; keys that would change behaviour zero3 lacks are refused by name.
+
+It lives in the config layer, not in `zero3.deepspeed` beside DeepSpeed's other names, because that
+package imports the engine, and the config layer (read by every other layer, and by the offline
+``python -m zero3.consolidate``) must not pull the runtime in.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .fields import KnobValues, did_you_mean, unknown_key_message
+from .flat import FLAT_NAMES, coerce_flat
+from .sections import OFFLOAD_SECTION_KEYS, OffloadConfig
+from ..errors import ZeroConfigError
+
+# The config's logger, as before the translation moved here, so log filters keep working.
+logger = logging.getLogger("zero3.config")
+
+# DeepSpeed ``zero_optimization`` keys mapped onto ours.
+ZERO_KEYS = {
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "stage3_model_persistence_threshold": "model_persistence_threshold",
+    "overlap_comm": "overlap_comm",
+    "reduce_bucket_size": "reduce_bucket_size",
+    "allgather_bucket_size": "allgather_bucket_size",
+    "sub_group_size": "sub_group_size",
+}
+# DeepSpeed keys we understand but that change nothing here (logged, not an error).
+ZERO_IGNORED = {
+    "contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients",
+    "sub_group_size", "stage3_gather_16bit_weights_on_model_save", "log_trace_cache_warnings",
+    "elastic_checkpoint", "ignore_unused_parameters", "load_from_fp32_weights",
+}
+TOP_LEVEL = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "gradient_clipping", "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown",
+    "bf16", "fp16", "zero_allow_untested_optimizer", "prescale_gradients", "communication_data_type",
+    "bfloat16", "activation_checkpointing", "aio",
+}
+# ZeRO++ keys of ``zero_optimization`` that are also our knobs' names.
+ZERO_PLUS_PLUS = {"zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"}
+# Top-level keys whose value is a dict: DeepSpeed's sections, and ours (offload in DeepSpeed's form).
+SECTIONS = {"zero_optimization", "bf16", "bfloat16", "fp16", "optimizer", "scheduler", "activation_checkpointing",
+            "aio", *OFFLOAD_SECTION_KEYS}
+# Top-level DeepSpeed keys whose value is one of our knobs, under the same name.
+_SAME_NAME = {"gradient_accumulation_steps", "gradient_clipping", "optimizer", "scheduler",
+              "activation_checkpointing", "wall_clock_breakdown", "steps_per_print", "train_batch_size",
+              "train_micro_batch_size_per_gpu"}
+_PRECISION_KEYS = {"bf16", "bfloat16", "fp16", "communication_data_type"}
+
+_DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16",
+                  "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+# DeepSpeed ``fp16`` section keys mapped onto ours; ``enabled`` selects dtype="fp16".
+_FP16_KEYS = {
+    "loss_scale": "loss_scale", "initial_scale_power": "initial_scale_power",
+    "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis",
+    "consecutive_hysteresis": "consecutive_hysteresis", "min_loss_scale": "min_loss_scale",
+}
+_FP16_IGNORED = {"auto_cast", "fp16_master_weights_and_grads"}
+_BF16_IGNORED = {"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+                 "bf16_optimizer_states"}
+# DeepSpeed's ``aio`` section: only the thread count means something here.
+_AIO_IGNORED = {"block_size", "queue_depth", "single_submit", "overlap_events", "intra_op_parallelism"}
+
+
+def is_deepspeed_dict(d: dict[str, Any]) -> bool:
+    """Whether ``d`` is written in DeepSpeed's keys (else in zero3's flat names)."""
+    return "zero_optimization" in d or any(k in TOP_LEVEL for k in d)
+
+
+def unknown_section_message(key: str) -> str:
+    """The error for a top-level key holding a dict that names no section: a misspelled section
+    (``zero_optimizaton``) is compared with the section names, not with every knob."""
+    return (f"unknown config section {key!r}{did_you_mean(key, SECTIONS)} "
+            f"Known sections: {', '.join(sorted(SECTIONS))}")
+
+
+def _enabled(section: str, value: Any) -> bool:
+    if not isinstance(value, dict):
+        raise ZeroConfigError(f"{section} must be a dict such as {{'enabled': true}}, got {value!r}")
+    enabled = value.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ZeroConfigError(f"{section}.enabled must be a bool, got {enabled!r} ({type(enabled).__name__}); "
+                              "replace 'auto' by true or false")
+    return enabled
+
+
+def _section(section: str, value: dict[str, Any], mapped: dict[str, str], ignored: set[str]) -> dict[str, Any]:
+    """``{key: value}`` of the keys of ``section`` that map onto our knobs; logs the ignored ones."""
+    out: dict[str, Any] = {}
+    for key, v in value.items():
+        if key == "enabled":
+            continue
+        if key in mapped:
+            out[key] = coerce_flat(mapped[key], v)
+        elif key in ignored:
+            logger.info("zero3: DeepSpeed key %s.%s has no effect in zero3; ignored", section, key)
+        else:
+            raise ZeroConfigError(f"{section}: " + unknown_key_message(key, set(mapped) | ignored | {"enabled"}))
+    return out
+
+
+def _precision(d: dict[str, Any], out: KnobValues) -> None:
+    """dtype, loss-scaling and reduce-dtype knobs from DeepSpeed's ``bf16``/``fp16`` sections and
+    ``communication_data_type``. Settings inside a section that is not enabled are ignored."""
+    bf16 = [k for k in ("bf16", "bfloat16") if k in d and _enabled(k, d[k])]
+    for k in ("bf16", "bfloat16"):
+        if k in d:
+            _section(k, d[k], {}, _BF16_IGNORED)
+    fp16 = "fp16" in d and _enabled("fp16", d["fp16"])
+    if bf16 and fp16:
+        raise ZeroConfigError(f"{bf16[0]}.enabled and fp16.enabled are both true; enable one of them")
+    if bf16:
+        out.set("dtype", "bf16", f"{bf16[0]}.enabled")
+    if "fp16" in d:
+        scaling = _section("fp16", d["fp16"], _FP16_KEYS, _FP16_IGNORED)
+        if fp16:
+            out.set("dtype", "fp16", "fp16.enabled")
+            for key, value in scaling.items():
+                out.set(_FP16_KEYS[key], value, f"fp16.{key}")
+    if "communication_data_type" in d and d["communication_data_type"] is not None:
+        name = d["communication_data_type"]
+        if name not in _DTYPE_ALIASES:
+            raise ZeroConfigError(f"communication_data_type must be one of {sorted(_DTYPE_ALIASES)}, got {name!r}")
+        out.set("reduce_dtype", _DTYPE_ALIASES[name], "communication_data_type")
+
+
+def _aio(value: Any, out: KnobValues) -> None:
+    """DeepSpeed's ``aio`` section: ``thread_count`` sets ``aio_thread_count``; GPUDirect is refused."""
+    if not isinstance(value, dict):
+        raise ZeroConfigError(f"aio must be a dict such as {{'thread_count': 1}}, got {value!r}")
+    for key, v in value.items():
+        if key == "thread_count":
+            out.set("aio_thread_count", coerce_flat("aio_thread_count", v), "aio.thread_count")
+        elif key == "use_gds":
+            if v:
+                raise ZeroConfigError("aio.use_gds (GPUDirect Storage) is not supported by zero3; swap files "
+                                      "are read into host buffers. Remove it or set it to false")
+        elif key in _AIO_IGNORED:
+            logger.info("zero3: DeepSpeed key aio.%s has no effect in zero3; ignored", key)
+        else:
+            raise ZeroConfigError("aio: " + unknown_key_message(key, _AIO_IGNORED | {"thread_count", "use_gds"}))
+
+
+def _zero_optimization(zero: Any, out: KnobValues) -> None:
+    """Our knobs from DeepSpeed's ``zero_optimization`` section (stage 3 only)."""
+    if not isinstance(zero, dict):
+        raise ZeroConfigError(f"zero_optimization must be a dict, got {zero!r}")
+    stage = zero.get("stage", 3)
+    if type(stage) is not int or stage != 3:
+        raise ZeroConfigError(f"zero_optimization.stage must be 3 (zero3 implements stage 3 only), got {stage!r}")
+    for key, value in zero.items():
+        spelled = f"zero_optimization.{key}"
+        if key == "stage":
+            continue
+        if key in ZERO_KEYS:
+            out.set(ZERO_KEYS[key], coerce_flat(ZERO_KEYS[key], value), spelled)
+        elif key in OFFLOAD_SECTION_KEYS:
+            OffloadConfig.read_section(value, spelled, out)
+        elif key in ZERO_IGNORED:
+            logger.info("zero3: zero_optimization.%s has no effect in zero3; ignored", key)
+        elif key in TOP_LEVEL:
+            raise ZeroConfigError(f"{spelled}: {key!r} is a top-level key of a DeepSpeed config, not a "
+                                  "zero_optimization one; move it out of zero_optimization")
+        elif key in FLAT_NAMES:
+            out.set(key, coerce_flat(key, value), spelled)
+        else:
+            known = set(ZERO_KEYS) | ZERO_IGNORED | ZERO_PLUS_PLUS | {"stage"} | set(OFFLOAD_SECTION_KEYS)
+            raise ZeroConfigError("zero_optimization: " + unknown_key_message(key, known, "DeepSpeed ")
+                                  + "; zero3's own knob names are read here too")
+
+
+def translate(d: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``ZeroConfig(...)`` that the DeepSpeed config ``d`` means."""
+    out = KnobValues()
+    _precision(d, out)
+    for key, value in d.items():
+        if key == "zero_optimization" or key in _PRECISION_KEYS:
+            continue
+        if key in _SAME_NAME:
+            out.set(key, coerce_flat(key, value), key)
+        elif key == "aio":
+            _aio(value, out)
+        elif key in TOP_LEVEL:
+            logger.info("zero3: DeepSpeed key %r is not used by ZeroConfig; ignored", key)
+        elif key in OFFLOAD_SECTION_KEYS and isinstance(value, dict):
+            OffloadConfig.read_section(value, key, out)
+        elif key in FLAT_NAMES:
+            out.set(key, coerce_flat(key, value), key)
+        elif isinstance(value, dict):
+            raise ZeroConfigError(unknown_section_message(key))
+        else:
+            raise ZeroConfigError(unknown_key_message(key, TOP_LEVEL | {"zero_optimization"}, "DeepSpeed ")
+                                  + "; zero3's own knob names are read here too")
+    _zero_optimization(d.get("zero_optimization", {}), out)
+    return out.values

@@ -1,0 +1,131 @@
+"""Validation and coercion of config fields by their declared types.
+
+Every section of `ZeroConfig` is a frozen dataclass whose annotations are the real types
+(``int``, ``float | None``, ``Literal[...]``...). ``check_fields`` reads them with
+``typing.get_type_hints`` and refuses a value of the wrong type, naming the key, the value and what
+is allowed; each section adds its bounds in ``__post_init__``. ``coerce`` turns what JSON can write
+(``5e8``, lists) into the declared type before construction.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import math
+import types
+import typing
+from dataclasses import fields
+from typing import Any, Literal, Union
+
+from ..errors import ZeroConfigError
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved annotation of every field of ``cls`` (cached: classes do not change)."""
+    return typing.get_type_hints(cls)
+
+
+def _split_optional(tp: Any) -> tuple[Any, bool]:
+    """(the type inside ``X | None``, True), or (``tp``, False) when None is not allowed."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_value(name: str, tp: Any, value: Any) -> None:
+    """Raise `ZeroConfigError` unless ``value`` is of type ``tp``. Counts (``int``) and amounts
+    (``float``) must also be >= 0; tighter bounds are the section's ``__post_init__``'s job."""
+    inner, optional = _split_optional(tp)
+    if optional and value is None:
+        return
+    if inner is int:
+        if optional:
+            if not _is_int(value) or value < 0:
+                raise ZeroConfigError(f"{name} must be None or an int >= 0, got {value!r}")
+        elif not _is_int(value):
+            raise ZeroConfigError(f"{name} must be an int >= 0, got {value!r} ({type(value).__name__})")
+        elif value < 0:
+            raise ZeroConfigError(f"{name} must be >= 0, got {value!r}")
+    elif inner is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ZeroConfigError(f"{name} must be a finite number >= 0, got {value!r} ({type(value).__name__})")
+        if value < 0:
+            raise ZeroConfigError(f"{name} must be >= 0, got {value!r}")
+    elif inner is bool:
+        if not isinstance(value, bool):
+            if optional:
+                raise ZeroConfigError(f"{name} must be None or a bool, got {value!r}")
+            raise ZeroConfigError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    elif inner is str:
+        if not isinstance(value, str) or not value:
+            raise ZeroConfigError(f"{name} must be None or a non-empty path string, got {value!r}"
+                                  if optional else f"{name} must be a non-empty string, got {value!r}")
+    elif typing.get_origin(inner) is Literal:
+        allowed = typing.get_args(inner)
+        if value not in allowed:
+            raise ZeroConfigError(f"{name} must be one of {allowed}, got {value!r}")
+    elif typing.get_origin(inner) is tuple:
+        if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+            raise ZeroConfigError(f"{name} must be a list of non-empty strings, got {value!r}")
+    elif isinstance(inner, type) and not isinstance(value, inner):
+        allowed = f"None or a {inner.__name__}" if optional else f"a {inner.__name__}"
+        raise ZeroConfigError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_fields(obj: Any, prefix: str = "", skip: frozenset[str] = frozenset()) -> None:
+    """`check_value` on every field of the dataclass ``obj`` except ``skip`` (checked by the caller).
+    ``prefix`` goes before each name in messages (``activation_checkpointing.``)."""
+    types_ = field_types(type(obj))
+    for f in fields(obj):
+        if f.name not in skip:
+            check_value(prefix + f.name, types_[f.name], getattr(obj, f.name))
+
+
+def coerce(tp: Any, value: Any) -> Any:
+    """What JSON writes, as the declared type ``tp``: an integral float (``5e8``) for a count, an
+    int for a float field (``"gradient_clipping": 1``), a list for a tuple. Anything else is
+    returned unchanged, for `check_value` to judge."""
+    inner, _ = _split_optional(tp)
+    if inner is float:
+        return float(value) if _is_int(value) else value
+    if typing.get_origin(inner) is tuple and isinstance(value, list):
+        return tuple(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def did_you_mean(key: str, known: set[str] | frozenset[str]) -> str:
+    """``; did you mean 'y'?`` with the known name closest to ``key``, or "" when none is close."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def unknown_key_message(key: str, known: set[str] | frozenset[str], kind: str = "") -> str:
+    """``unknown config key 'x'; did you mean 'y'?`` and the known keys (``kind``: e.g. "DeepSpeed ")."""
+    return f"unknown config key {key!r}{did_you_mean(key, known)} Known {kind}keys: {', '.join(sorted(known))}"
+
+
+class KnobValues:
+    """The knobs one config dict sets, each with how it was spelled there. One knob can be spelled
+    several ways (``max_live_parameters``, ``zero_optimization.stage3_max_live_parameters``,
+    ``offload_param.pin_memory``); two spellings with different values are refused, naming both,
+    instead of letting whichever comes last win."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+        self._spelled: dict[str, str] = {}
+
+    def set(self, knob: str, value: Any, spelled: str) -> None:
+        if knob in self.values and self.values[knob] != value:
+            raise ZeroConfigError(f"{knob} is given twice with different values: as {self._spelled[knob]} "
+                                  f"({self.values[knob]!r}) and as {spelled} ({value!r}); keep one of them")
+        self.values[knob] = value
+        self._spelled.setdefault(knob, spelled)

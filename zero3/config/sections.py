@@ -1,0 +1,283 @@
+"""The runtime's sections of `ZeroConfig`: what the coordinator may keep gathered (`BudgetConfig`),
+how ranks talk (`CommConfig`), in which precision (`PrecisionConfig`) and where state lives
+(`OffloadConfig`). Each is frozen and validated by its field types on construction.
+
+Budgets are counted in parameter *elements* (as DeepSpeed counts them) unless the field name says
+``bytes``. Defaults equal DeepSpeed's where the knob exists there.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..errors import ZeroConfigError
+from .fields import KnobValues, check_fields, coerce, field_types, unknown_key_message
+
+logger = logging.getLogger(__name__)
+
+ReduceImpl = Literal["auto", "reduce_scatter", "all_reduce", "p2p"]
+GatherImpl = Literal["auto", "all_gather", "p2p"]
+DtypeName = Literal["fp32", "bf16", "fp16"]
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+def _at_least(section: Any, bound: int, *names: str) -> None:
+    for name in names:
+        if getattr(section, name) < bound:
+            raise ZeroConfigError(f"{name} must be >= {bound}, got {getattr(section, name)!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BudgetConfig:
+    """How much the coordinator may keep gathered, prefetch and remember (docs/config.md)."""
+
+    prefetch_bucket_size: int = 50_000_000
+    """Elements prefetched ahead of use (in flight or gathered but not yet used). 0 disables prefetch."""
+
+    max_live_parameters: int = 1_000_000_000
+    """Hard cap on gathered, non-persistent parameter elements alive on a rank, demand fetches included.
+    Exceeded only when the modules running at that moment need more by themselves."""
+
+    max_reuse_distance: int = 1_000_000_000
+    """Keep a parameter after use if its next use comes within this many gathered elements."""
+
+    param_persistence_threshold: int = 100_000
+    """Parameters with at most this many elements stay gathered for the whole run."""
+
+    model_persistence_threshold: int = sys.maxsize
+    """Cap on the total elements kept persistent (greedy, in ``named_parameters`` order)."""
+
+    max_live_bytes: int | None = None
+    """Byte form of ``max_live_parameters``; when set, budgets are counted in bytes instead."""
+
+    max_reuse_distance_bytes: int | None = None
+    """Byte form of ``max_reuse_distance`` (used when ``max_live_bytes`` is set)."""
+
+    prefetch_bucket_bytes: int | None = None
+    """Byte form of ``prefetch_bucket_size`` (used when ``max_live_bytes`` is set)."""
+
+    max_traces: int = 4
+    """How many recorded step traces are cached (keyed by how the step began)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        _at_least(self, 1, "max_traces")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommConfig:
+    """How parameters are gathered and gradients reduced: buckets, transports, checks, ZeRO++."""
+
+    overlap_comm: bool = True
+    """Issue all-gathers asynchronously (side CUDA stream on GPU, ``async_op`` on CPU)."""
+
+    reduce_bucket_size: int = 500_000_000
+    """Gradient elements collected before one reduce-scatter is issued."""
+
+    allgather_bucket_size: int = 500_000_000
+    """Largest number of elements gathered by one collective; larger fetches are split."""
+
+    reduce_scatter_impl: ReduceImpl = "auto"
+    """How gradients are reduced: ``reduce_scatter``, ``all_reduce`` then slice, ``p2p`` (every rank
+    sends each other rank its chunk and sums what it receives), or ``auto``: p2p on gloo (measured
+    0.59x the wall time of gloo's reduce-scatter and 0.72x its all-reduce's; see
+    docs/performance.md), reduce-scatter elsewhere."""
+
+    allgather_impl: GatherImpl = "auto"
+    """How parameters are all-gathered: ``all_gather``, ``p2p`` (every rank sends its shards to every
+    other rank), or ``auto``: p2p on gloo (measured 0.60x the wall time of gloo's all-gather),
+    all-gather elsewhere."""
+
+    verify_collectives: bool | None = None
+    """Verify that every rank issues the same collectives (kind, size, parameters carried), so ranks
+    that run different modules all raise ``ZeroDivergenceError`` instead of hanging or mixing
+    gradients. Steps that repeat an agreed plan carry the check inside their payloads (one header
+    exchange per step); others exchange a header before each collective (comm_verify.py).
+    ``None``: on for gloo, off for NCCL (checking a payload costs a device-to-host sync)."""
+
+    collective_timeout: float = 300.0
+    """Seconds any zero3 collective may wait for the other ranks. zero3's collectives run on a
+    process group of their own with this timeout: when a rank stops taking part (returned early,
+    raised in its own code, died), every other rank raises ``ZeroCommunicationError`` naming it
+    instead of hanging. 0: use the caller's process group and its timeout."""
+
+    zero_quantized_weights: bool = False
+    """ZeRO++ qwZ: parameter all-gathers carry blockwise-quantized int8 weights plus one fp32 scale per
+    ``quantization_block_size`` elements (about a quarter of fp32's bytes); the gathered weights are
+    dequantized, while shards, masters and the optimizer stay exact."""
+
+    zero_quantized_gradients: bool = False
+    """ZeRO++ qgZ: gradient reduction messages carry blockwise-quantized values
+    (``quantized_gradient_bits``); each is dequantized before it is summed, in fp32, so the error is
+    one rounding per message and does not grow with the number of ranks; the reduced shard is fp32."""
+
+    quantized_gradient_bits: int = 8
+    """8 or 4: the integer width of ``zero_quantized_gradients`` messages."""
+
+    quantization_block_size: int = 512
+    """Elements per quantization block (one fp32 scale each) for qwZ and qgZ."""
+
+    zero_hpz_partition_size: int = 1
+    """ZeRO++ hpZ: ranks per secondary group. After a parameter is gathered in a training step's
+    forward, each rank keeps 1/L of it (L ranks per group) until the step ends, so its backward
+    gathers stay inside the group: a node, when L is the ranks per node. 1: off (DeepSpeed's
+    default); -1: the ranks per node, found from where the ranks run (torchrun's LOCAL_WORLD_SIZE);
+    else it must divide the data-parallel world size. Costs about 1/L of the gathered weights per
+    rank while a step runs (a quarter of that with ``zero_quantized_weights``); see
+    docs/multinode.md."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, skip=frozenset({"zero_hpz_partition_size"}))  # -1 is allowed: checked here
+        hpz = self.zero_hpz_partition_size
+        if isinstance(hpz, bool) or not isinstance(hpz, int) or not (hpz == -1 or hpz >= 1):
+            raise ZeroConfigError(f"zero_hpz_partition_size must be an int >= 1 (1: off) or -1 (the ranks per node), "
+                                  f"got {hpz!r}")
+        if self.quantized_gradient_bits not in (8, 4):
+            raise ZeroConfigError(f"quantized_gradient_bits must be 8 or 4, got {self.quantized_gradient_bits!r}")
+        _at_least(self, 1, "quantization_block_size")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrecisionConfig:
+    """Precision of shards, gathers and reductions, and fp16 loss scaling (docs/mixed_precision.md)."""
+
+    dtype: DtypeName = "fp32"
+    """Precision of parameter shards, all-gathers and compute. With ``bf16``/``fp16`` the optimizer
+    steps on fp32 master shards and copies them back; ``fp32`` casts nothing. DeepSpeed's
+    ``bf16.enabled`` / ``fp16.enabled`` set it."""
+
+    reduce_dtype: DtypeName = "fp32"
+    """Precision in which full gradients are reduce-scattered (DeepSpeed's ``communication_data_type``).
+    The reduced slices always accumulate into fp32 gradient shards when ``dtype`` is not fp32."""
+
+    loss_scale: float = 0.0
+    """fp16 only: a static loss scale; 0 selects dynamic loss scaling (DeepSpeed's ``fp16.loss_scale``)."""
+
+    initial_scale_power: int = 16
+    """fp16 dynamic loss scaling starts at ``2**initial_scale_power``."""
+
+    loss_scale_window: int = 1000
+    """fp16: the dynamic scale doubles after this many consecutive optimizer steps without overflow."""
+
+    hysteresis: int = 2
+    """fp16: overflowing steps tolerated (skipped without backing off) before the scale halves."""
+
+    consecutive_hysteresis: bool = False
+    """fp16: refill the hysteresis after every clean step (default: only when the scale grows)."""
+
+    min_loss_scale: float = 1.0
+    """fp16: the dynamic loss scale never drops below this."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        _at_least(self, 1, "loss_scale_window", "hysteresis")
+        if self.min_loss_scale <= 0:
+            raise ZeroConfigError(f"min_loss_scale must be > 0, got {self.min_loss_scale!r}")
+
+
+# DeepSpeed's offload sections (also accepted in our dicts): key -> our field suffix (None: accepted,
+# no effect here, logged).
+OFFLOAD_SECTION_KEYS: dict[str, dict[str, str | None]] = {
+    "offload_optimizer": {"device": "", "nvme_path": "_nvme_path", "pin_memory": "_pin_memory", "ratio": None,
+                          "buffer_count": None, "fast_init": None, "pipeline_read": None, "pipeline_write": None,
+                          "pipeline": None},
+    "offload_param": {"device": "", "nvme_path": "_nvme_path", "pin_memory": "_pin_memory",
+                      "buffer_count": "_buffer_count", "buffer_size": "_buffer_size", "max_in_cpu": "_max_in_cpu"},
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadConfig:
+    """Where parameter shards and optimizer state live: device, CPU memory or NVMe swap files
+    (docs/offload.md)."""
+
+    offload_optimizer: OffloadDevice = "none"
+    """``cpu``: fp32 master shards, their gradients and the optimizer state live in CPU memory and the
+    optimizer steps there (DeepSpeed's ``offload_optimizer.device``). ``nvme``: the same, but between
+    steps the fp32 masters and the optimizer's per-element state live in files under
+    ``offload_optimizer_nvme_path``; the step streams them through memory ``sub_group_size``
+    elements at a time. Gradient shards stay in memory (docs/offload.md)."""
+
+    offload_optimizer_nvme_path: str | None = None
+    """Directory for the optimizer's swap files with ``offload_optimizer="nvme"`` (DeepSpeed's
+    ``offload_optimizer.nvme_path``). Files are unlinked as soon as they are opened, so they vanish
+    with the process."""
+
+    offload_optimizer_pin_memory: bool = False
+    """Pin the CPU master buffer (DeepSpeed's ``offload_optimizer.pin_memory``); ignored without CUDA."""
+
+    offload_param: OffloadDevice = "none"
+    """Where parameter shards live (DeepSpeed's ``offload_param.device``). ``cpu``: in CPU memory
+    (pinned with ``offload_param_pin_memory`` and CUDA), copied to the compute device by each
+    all-gather. ``nvme``: in files under ``offload_param_nvme_path`` (after the first
+    ``offload_param_max_in_cpu`` elements, which stay in CPU memory); each shard is read into the
+    buffer pool ahead of its all-gather along the recorded trace, and its memory is released again
+    when the gather is done. Persistent parameters keep their shards in memory."""
+
+    offload_param_nvme_path: str | None = None
+    """Directory for the parameter swap files with ``offload_param="nvme"`` (unlinked once opened)."""
+
+    offload_param_pin_memory: bool = False
+    """Pin the CPU shards and the buffer pool (DeepSpeed's ``offload_param.pin_memory``); only with CUDA."""
+
+    offload_param_buffer_count: int = 5
+    """Buffers in the pool that NVMe shards are read into (DeepSpeed's ``offload_param.buffer_count``)."""
+
+    offload_param_buffer_size: int = 100_000_000
+    """Elements (of the shard dtype) per pool buffer; shards are packed into the buffers, and each
+    offloaded shard must fit in one (DeepSpeed's ``offload_param.buffer_size``)."""
+
+    offload_param_max_in_cpu: int = 1_000_000_000
+    """With ``offload_param="nvme"``: this many shard elements (per rank, first parameters first)
+    stay in CPU memory instead (DeepSpeed's ``offload_param.max_in_cpu``; its default keeps a model
+    of up to 1e9 elements per rank entirely in memory, so set it, e.g. to 0, to use the drive)."""
+
+    sub_group_size: int = 1_000_000_000
+    """Elements per group that the optimizer step streams from NVMe at a time (state of at most
+    three groups is in memory: one being read, one stepping, one being written); DeepSpeed's
+    ``zero_optimization.sub_group_size``. Only used when optimizer state or parameter shards are on
+    NVMe."""
+
+    aio_thread_count: int = 1
+    """Threads that read and write the swap files (DeepSpeed's ``aio.thread_count``); file IO runs
+    outside the GIL, so reads overlap compute even with one."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        _at_least(self, 1, "offload_param_buffer_count", "offload_param_buffer_size", "sub_group_size",
+                  "aio_thread_count")
+        for tier in ("offload_param", "offload_optimizer"):
+            if getattr(self, tier) == "nvme" and not getattr(self, f"{tier}_nvme_path"):
+                raise ZeroConfigError(
+                    f"{tier}='nvme' needs {tier}_nvme_path (DeepSpeed's zero_optimization.{tier}.nvme_path): "
+                    "a directory on the drive to hold the swap files")
+
+    @staticmethod
+    def read_section(value: Any, section: str, out: KnobValues) -> None:
+        """DeepSpeed's ``offload_optimizer`` / ``offload_param`` dict onto our flat knobs in ``out``.
+
+        ``section`` is how the user spelled it (``zero_optimization.offload_param``); its last part
+        names the knobs. A key that changes behaviour we do not have is refused (``ratio`` other
+        than 1)."""
+        if value is None:
+            return
+        kind = section.rsplit(".", 1)[-1]
+        keys = OFFLOAD_SECTION_KEYS[kind]
+        if not isinstance(value, dict):
+            raise ZeroConfigError(f"{section} must be a dict such as {{'device': 'cpu', 'pin_memory': true}}, "
+                                  f"got {value!r}")
+        for key, v in value.items():
+            if key not in keys:
+                raise ZeroConfigError(f"{section}: " + unknown_key_message(key, set(keys)))
+            suffix = keys[key]
+            if key == "ratio" and v != 1:
+                raise ZeroConfigError(f"{section}.ratio {v!r} is not supported by zero3 (it offloads all of the "
+                                      "optimizer state or none of it); remove it or set it to 1")
+            if suffix is None:
+                logger.info("zero3: DeepSpeed key %s.%s has no effect in zero3; ignored", section, key)
+                continue
+            knob = kind + suffix
+            out.set(knob, coerce(field_types(OffloadConfig)[knob], v), f"{section}.{key}")

@@ -1,0 +1,133 @@
+"""`ZeroConfig`: every knob of the runtime in one typed, validated, immutable object, made of sections.
+
+``ZeroConfig(max_live_parameters=5, dtype="bf16")`` takes every knob by its flat name and files it
+under its section (`flat.SECTION_OF`); the runtime reads ``config.budget.max_live_parameters``.
+``from_dict`` accepts our flat names or a DeepSpeed config (``zero_optimization`` with ``stage3_*``
+keys, translated by `zero3.config.deepspeed`), so an existing DeepSpeed JSON carries over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ZeroConfigError
+from .fields import KnobValues, did_you_mean, unknown_key_message
+from .flat import FLAT_NAMES, SECTION_OF, SECTIONS, coerce_flat, group_by_section
+from .sections import OFFLOAD_SECTION_KEYS, BudgetConfig, CommConfig, OffloadConfig, PrecisionConfig
+from .training import ActivationCheckpointingConfig, TrainingConfig
+from . import deepspeed as deepspeed_config
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class ZeroConfig:
+    """Configuration of the ZeRO-3 runtime. Defaults equal DeepSpeed's where the knob exists there.
+
+    Construct it with flat keyword arguments (``ZeroConfig(max_live_parameters=5)``), with sections
+    (``ZeroConfig(budget=BudgetConfig(...))``), or both: flat knobs then change the given sections.
+    """
+
+    budget: BudgetConfig
+    """What the coordinator may keep gathered, prefetch and remember."""
+
+    comm: CommConfig
+    """Buckets, transports, collective checks and ZeRO++ of gathers and reductions."""
+
+    precision: PrecisionConfig
+    """Shard, gather and reduction dtypes and fp16 loss scaling."""
+
+    offload: OffloadConfig
+    """Where shards and optimizer state live (device, CPU, NVMe)."""
+
+    training: TrainingConfig
+    """Accumulation, clipping, config-built optimizer and scheduler, timing logs, leaf modules."""
+
+    activation_checkpointing: ActivationCheckpointingConfig | None
+    """DeepSpeed's ``activation_checkpointing`` section, read by ``zero3.checkpointing.configure(mpu,
+    deepspeed_config=...)``; ``zero3.initialize`` configures activation checkpointing from it when it is
+    given (docs/activation_checkpointing.md). None: the section is absent."""
+
+    def __init__(self, *, budget: BudgetConfig | None = None, comm: CommConfig | None = None,
+                 precision: PrecisionConfig | None = None, offload: OffloadConfig | None = None,
+                 training: TrainingConfig | None = None,
+                 activation_checkpointing: ActivationCheckpointingConfig | dict | None = None,
+                 **knobs: Any) -> None:
+        for name in knobs:
+            if name not in SECTION_OF:
+                raise TypeError(f"ZeroConfig() got an unexpected keyword argument {name!r}"
+                                + did_you_mean(name, FLAT_NAMES))
+        given = {"budget": budget, "comm": comm, "precision": precision, "offload": offload, "training": training}
+        for section, changes in group_by_section(knobs).items():
+            cls, base = SECTIONS[section], given[section]
+            if base is None:
+                value = cls(**changes)
+            elif not isinstance(base, cls):
+                raise ZeroConfigError(f"{section} must be a {cls.__name__}, got {base!r}")
+            else:
+                value = dataclasses.replace(base, **changes) if changes else base
+            object.__setattr__(self, section, value)
+        if activation_checkpointing is not None:
+            activation_checkpointing = ActivationCheckpointingConfig.from_dict(activation_checkpointing)
+        object.__setattr__(self, "activation_checkpointing", activation_checkpointing)
+
+    # -- construction from dicts and files -------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ZeroConfig":
+        """Build from our flat names, or from a DeepSpeed config dict (``zero_optimization`` ...)."""
+        if not isinstance(d, dict):
+            raise ZeroConfigError(f"config must be a dict, got {type(d).__name__}")
+        if deepspeed_config.is_deepspeed_dict(d):
+            return cls(**deepspeed_config.translate(d))
+        out = KnobValues()
+        for key, value in d.items():
+            if key in OFFLOAD_SECTION_KEYS and isinstance(value, dict):  # DeepSpeed's {device, ...} form
+                OffloadConfig.read_section(value, key, out)
+            elif key in FLAT_NAMES:
+                out.set(key, coerce_flat(key, value), key)
+            elif isinstance(value, dict):
+                raise ZeroConfigError(deepspeed_config.unknown_section_message(key))
+            else:
+                raise ZeroConfigError(unknown_key_message(key, FLAT_NAMES))
+        return cls(**out.values)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ZeroConfig":
+        with open(path) as fh:
+            try:
+                data = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise ZeroConfigError(f"{path}: not valid JSON ({exc})") from exc
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> "ZeroConfig":
+        """A copy with ``changes`` (flat knobs or whole sections), validated."""
+        sections = {name: getattr(self, name) for name in SECTIONS}
+        return ZeroConfig(**{**sections, "activation_checkpointing": self.activation_checkpointing, **changes})
+
+    def for_world_size(self, world_size: int) -> "ZeroConfig":
+        """This config with the batch sizes fixed for ``world_size`` data-parallel ranks
+        (`TrainingConfig.for_world_size`); itself when there is nothing to fix."""
+        training = self.training.for_world_size(world_size)
+        return self if training is self.training else self.replace(training=training)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every knob by its flat name: what ``from_dict`` reads back into an equal config."""
+        out = {name: getattr(getattr(self, section), name) for name, section in SECTION_OF.items()}
+        out["activation_checkpointing"] = self.activation_checkpointing
+        return out
+
+
+def resolve_config(config: ZeroConfig | dict | str | Path | None) -> ZeroConfig:
+    """Accept a ZeroConfig, a dict, a JSON path, or None (defaults)."""
+    if config is None:
+        return ZeroConfig()
+    if isinstance(config, ZeroConfig):
+        return config
+    if isinstance(config, dict):
+        return ZeroConfig.from_dict(config)
+    if isinstance(config, (str, Path)):
+        return ZeroConfig.from_json(config)
+    raise ZeroConfigError(f"config must be a ZeroConfig, dict, JSON path or None, got {type(config).__name__}")
