@@ -203,3 +203,16 @@ def test_step_without_a_backward_is_refused_and_changes_nothing(accumulation):
             engine.lr_scheduler.last_batch_iteration) == state
     _train_step(engine)  # and training goes on
     assert engine.micro_steps == state[1] + 1
+
+
+def test_add_config_arguments_gives_initialize_its_config(tmp_path):
+    import argparse
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ADAMW))
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    assert args.deepspeed is True
+    engine, optimizer, _, _ = deepspeed.initialize(args=args, model=_model())
+    assert isinstance(engine.optimizer, torch.optim.AdamW)

@@ -7,6 +7,7 @@ silent stand-in.
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import torch.distributed as dist
@@ -20,7 +21,16 @@ from . import zero
 from .distributed import init_distributed
 from .distributed import launched as _launched
 
-__all__ = ["checkpointing", "init_distributed", "initialize", "see_memory_usage", "zero"]
+__all__ = ["add_config_arguments", "checkpointing", "init_distributed", "initialize", "see_memory_usage", "zero"]
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--deepspeed`` (a flag scripts test) and ``--deepspeed_config PATH`` (read by `initialize` from
+    ``args``), in a "DeepSpeed" argument group of ``parser``; returns ``parser``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="train with the config below")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="the DeepSpeed JSON config file")
+    return parser
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,

@@ -8,6 +8,7 @@ unchanged on one machine without a launcher.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -68,6 +69,14 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     else:
         # No launcher: one process is the whole world (DeepSpeed would try MPI discovery here).
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    atexit.register(_destroy)
     if verbose:
         logger.info("zero3: initialized torch.distributed (backend %s, rank %d of %d)", backend, dist.get_rank(),
                     dist.get_world_size())
+
+
+def _destroy() -> None:
+    """At exit, the group this module made goes before the interpreter tears down the objects that
+    still hold its work (gloo aborts the process when its threads outlive the group's owner)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
