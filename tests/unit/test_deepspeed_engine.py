@@ -216,3 +216,17 @@ def test_add_config_arguments_gives_initialize_its_config(tmp_path):
     assert args.deepspeed is True
     engine, optimizer, _, _ = deepspeed.initialize(args=args, model=_model())
     assert isinstance(engine.optimizer, torch.optim.AdamW)
+
+
+@pytest.mark.parametrize("how", ["built", "callable"])
+def test_a_schedule_passed_in_sets_the_first_steps_lr_too(how):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    kwargs = {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-2, "warmup_num_steps": 4}
+    sched = zero3.WarmupLR(opt, **kwargs) if how == "built" else (lambda o: zero3.WarmupLR(o, **kwargs))
+    engine = zero3.initialize(model, opt, lr_scheduler=sched)
+    assert engine.get_lr() == [1e-4] and engine.lr_scheduler.get_last_lr() == [1e-4]
+    _train_step(engine)
+    assert engine.get_lr() == [1e-4]  # DeepSpeed's iteration 0: gamma log(1) = 0
+    _train_step(engine)
+    assert engine.get_lr() == pytest.approx([1e-4 + (1e-2 - 1e-4) * math.log(2) / math.log(4)])
