@@ -535,13 +535,14 @@ def save_16bit_model(engine: Engine, path: str, exclude_frozen_parameters: bool 
     full = consolidated_state_dict(engine.context, rank0_only=True)
     if engine.global_rank == 0:
         params = dict(engine.module.named_parameters(remove_duplicate=False))
-        cast: dict[int, torch.Tensor] = {}
+        by_param: dict[int, torch.Tensor] = {}  # one tensor per parameter, under each name it has
         state = {}
         for key, value in full.items():
             p = params.get(key)
-            if p is not None and exclude_frozen_parameters and not p.requires_grad:
-                continue
-            state[key] = cast.setdefault(id(value), value.to(p.dtype)) if p is not None else value
+            if p is None:
+                state[key] = value
+            elif p.requires_grad or not exclude_frozen_parameters:
+                state[key] = by_param.setdefault(id(p), value.to(p.dtype))
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         torch.save(state, path)
         logger.info("zero3: saved the 16-bit model (%d tensors) to %s", len(state), path)
