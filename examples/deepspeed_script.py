@@ -54,8 +54,10 @@ def main() -> None:
     deepspeed.init_distributed()
     with open(args.deepspeed_config) as f:
         micro_batch = json.load(f)["train_micro_batch_size_per_gpu"]
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)  # on this rank's GPU when there is one
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(args=args, model=model,
                                                               model_parameters=model.parameters())
     start = 0
@@ -67,7 +69,7 @@ def main() -> None:
         total = 0.0
         for micro in range(engine.gradient_accumulation_steps()):
             x, y = batch(step, micro, engine.global_rank, micro_batch)
-            loss = engine(x, y)
+            loss = engine(x.to(engine.device), y.to(engine.device))
             engine.backward(loss)
             engine.step()
             total += loss.item() / engine.gradient_accumulation_steps()
