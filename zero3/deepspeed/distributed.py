@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import logging
 import os
 from typing import Any
@@ -76,7 +77,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
 
 def _destroy() -> None:
-    """At exit, the group this module made goes before the interpreter tears down the objects that
-    still hold its work (gloo aborts the process when its threads outlive the group's owner)."""
+    """At exit, before the interpreter tears down what is left: collect the engines a script left in
+    reference cycles (and their communication work) while the group still exists, then destroy the
+    group this module made. Otherwise gloo may abort the process at exit ("terminate called")."""
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
