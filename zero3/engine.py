@@ -192,8 +192,9 @@ class Engine:
 
         Raises:
             ZeroStateError: with an optimizer, no backward reached the model since the last
-                ``engine.step()`` (nothing changes then: no step, no schedule advance; DeepSpeed would
-                step on zero gradients). Without one, ``step()`` after an inference forward is fine.
+                ``engine.step()`` (nothing changes then: no step, no schedule advance; DeepSpeed's engine
+                checks nothing and its optimizer finds no gradients). Without one, ``step()`` after an
+                inference forward is fine.
         """
         ctx = self.context
         ctx.require_states("engine.step()")
