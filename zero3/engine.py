@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import time
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .activation import checkpointing
@@ -161,9 +163,17 @@ class Engine:
             raise
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``; with fp16, of the loss times the current loss scale (in fp32)."""
-        if self.context.optimizer is not None:
-            loss = self.context.optimizer.scale_loss(loss)
+        """``loss.backward()``; with fp16, of the loss times the current loss scale (in fp32).
+
+        Raises:
+            ZeroConfigError: the engine has no optimizer (DeepSpeed asserts the same): its gradients
+                would never be used. Without one the engine is for forward and generation.
+        """
+        if self.context.optimizer is None:
+            raise ZeroConfigError("engine.backward(): must provide optimizer during init in order to use backward "
+                                  "(pass optimizer= to initialize or add an 'optimizer' section to the config); "
+                                  "without one the engine is for forward and generation only")
+        loss = self.context.optimizer.scale_loss(loss)
         try:
             loss.backward(**kwargs)
         except BaseException as exc:
@@ -181,9 +191,19 @@ class Engine:
         Returns:
             True if the optimizer stepped; False between boundaries, without an optimizer, or when
             an fp16 overflow on some rank made every rank skip the step (``engine.skipped_steps``).
+
+        Raises:
+            ZeroStateError: with an optimizer, no backward reached the model since the last
+                ``engine.step()`` (nothing changes then: no step, no schedule advance; DeepSpeed's engine
+                checks nothing and its optimizer finds no gradients). Without one, ``step()`` after an
+                inference forward is fine.
         """
         ctx = self.context
         ctx.require_states("engine.step()")
+        if ctx.optimizer is not None and not self._backward_ran():
+            raise ZeroStateError(f"engine.step() without a backward since the last engine.step() (micro-batch "
+                                 f"{ctx.micro_steps}): call engine.backward(loss) (or loss.backward()) first; "
+                                 "nothing was stepped")
         if self.hooks.phase is not StepPhase.IDLE:
             self.hooks.step.end()
         else:
@@ -222,6 +242,54 @@ class Engine:
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next ``engine.step()`` steps the optimizer (its micro-batch ends a window)."""
         return (self.context.micro_steps + 1) % self.config.training.gradient_accumulation_steps == 0
+
+    def _backward_ran(self) -> bool:
+        """Whether a backward reached the model's parameters since the last ``step()``: one is running,
+        or the hooks timed one (``backward_seconds`` grows only then; the metrics restart each step)."""
+        return self.hooks.phase is StepPhase.BACKWARD or self.context.metrics.backward_seconds > 0.0
+
+    def __iter__(self) -> Iterator[Any]:
+        raise TypeError("zero3.initialize returns the engine alone, not a tuple; for DeepSpeed's 4-tuple "
+                        "(engine, optimizer, dataloader, lr_scheduler) use zero3.deepspeed.initialize")
+
+    # -- DeepSpeed's engine names, with their meaning ---------------------------------------------
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the whole world (``engine.rank`` is its data-parallel rank)."""
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else self.rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node: ``LOCAL_RANK`` as torchrun sets it, else 0."""
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    def zero_optimization_stage(self) -> int:
+        return 3
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """The config's ``train_micro_batch_size_per_gpu`` (DeepSpeed's batch keys)."""
+        micro = getattr(self.config, "train_micro_batch_size_per_gpu", None)  # a field only where the config has batch keys
+        if micro is None:
+            raise ZeroConfigError("engine.train_micro_batch_size_per_gpu(): the config does not give the micro-batch "
+                                  "size; set train_micro_batch_size_per_gpu in it")
+        return int(micro)
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks: micro-batch x accumulation x ranks."""
+        return self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps() * self.world_size
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm the last clipping computed (``gradient_clipping`` in ``step()``, or
+        `clip_grad_norm_`); None before any. Unlike DeepSpeed, no norm is computed without clipping."""
+        norm = self.context.optimizer.global_grad_norm if self.context.optimizer is not None else None
+        return float(norm) if norm is not None else None
+
+    def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the consolidated model, each parameter in its own (16-bit under bf16/fp16) dtype, as a
+        ``torch.save`` state dict at ``save_dir/save_filename``. A collective: every rank takes part in
+        the gathers, global rank 0 writes, and every rank returns (True) once the file is there."""
+        return save_16bit_model(self, os.path.join(os.fspath(save_dir), save_filename), exclude_frozen_parameters)
 
     @property
     def loss_scale(self) -> float:
@@ -449,6 +517,9 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
     if group is None and mpu is not None:
         group = data_parallel_group(mpu)
     config = resolve_config(config)
+    if config.scheduler is not None and optimizer is None and config.optimizer is None:
+        raise ZeroConfigError("zero3.initialize got a 'scheduler' section but no optimizer (nor an 'optimizer' "
+                              "section): a schedule needs an optimizer to set the lr of")
     engine = Engine(model, optimizer, config, group, communicator, model_parameters, lr_scheduler, mpu)
     if config.activation_checkpointing is not None:
         if checkpointing.is_configured():
@@ -457,6 +528,27 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
         else:
             checkpointing.configure(mpu, deepspeed_config=config)
     return engine
+
+
+def save_16bit_model(engine: Engine, path: str, exclude_frozen_parameters: bool = False) -> bool:
+    """`Engine.save_16bit_model`: the fp32 masters gathered onto rank 0 and cast to each parameter's
+    dtype (tied parameters stay one tensor); buffers as the module holds them."""
+    full = consolidated_state_dict(engine.context, rank0_only=True)
+    if engine.global_rank == 0:
+        params = dict(engine.module.named_parameters(remove_duplicate=False))
+        by_param: dict[int, torch.Tensor] = {}  # one tensor per parameter, under each name it has
+        state = {}
+        for key, value in full.items():
+            p = params.get(key)
+            if p is None:
+                state[key] = value
+            elif p.requires_grad or not exclude_frozen_parameters:
+                state[key] = by_param.setdefault(id(p), value.to(p.dtype))
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        torch.save(state, path)
+        logger.info("zero3: saved the 16-bit model (%d tensors) to %s", len(state), path)
+    engine.comm.agree(Tag(Kind.AGREE, f"save_16bit_model {path}"))
+    return True
 
 
 def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -150,8 +150,8 @@ def _expected_lrs(kind: str, base: float, params: dict, steps: int) -> list[floa
     out = []
     w = max(2, params["warmup_num_steps"])
     for i in range(steps):
-        if i == 0:
-            out.append(base)  # the optimizer's lr until the scheduler's first step
+        if i == 0:  # DeepSpeed's schedules write their start into the optimizer when built
+            out.append(0.0 if kind == "WarmupCosineLR" else params["warmup_min_lr"])
             continue
         it = i - 1
         warm = math.log(it + 1) / math.log(w) if params.get("warmup_type", "log") == "log" else it / w

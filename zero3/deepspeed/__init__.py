@@ -7,7 +7,10 @@ silent stand-in.
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
+
+import torch.distributed as dist
 
 from ..engine import Engine
 from ..engine import initialize as _initialize
@@ -15,8 +18,19 @@ from ..errors import ZeroConfigError
 from ..memory import see_memory_usage
 from . import checkpointing
 from . import zero
+from .distributed import init_distributed
+from .distributed import launched as _launched
 
-__all__ = ["checkpointing", "initialize", "see_memory_usage", "zero"]
+__all__ = ["add_config_arguments", "checkpointing", "init_distributed", "initialize", "see_memory_usage", "zero"]
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--deepspeed`` (a flag scripts test) and ``--deepspeed_config PATH`` (read by `initialize` from
+    ``args``), in a "DeepSpeed" argument group of ``parser``; returns ``parser``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="train with the config below")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="the DeepSpeed JSON config file")
+    return parser
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
@@ -28,7 +42,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     ``optimizer`` is the engine's sharded optimizer (``.overflow``, ``.param_groups``, ``.step``
     around the user's torch optimizer). The config comes from ``config``, ``config_params`` or
     ``args.deepspeed_config``. ``training_data`` is refused: build your own DataLoader with a
-    ``DistributedSampler``.
+    ``DistributedSampler``. ``dist_init_required``: True calls `init_distributed` (a no-op when a
+    process group exists); None does so when a launcher set ``RANK``/``WORLD_SIZE`` and no group
+    exists (a plain single process keeps zero3's mode without torch.distributed); False requires
+    an initialized group.
     """
     if training_data is not None or collate_fn is not None:
         raise ZeroConfigError("zero3.deepspeed.initialize does not build data loaders (training_data / "
@@ -36,6 +53,12 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     configs = [c for c in (config, config_params, getattr(args, "deepspeed_config", None)) if c is not None]
     if len(configs) > 1:
         raise ZeroConfigError("pass the config once: config, config_params or args.deepspeed_config")
+    if dist_init_required or (dist_init_required is None and _launched()):
+        init_distributed()
+    elif dist_init_required is False and not (dist.is_available() and dist.is_initialized()):
+        raise ZeroConfigError("deepspeed.initialize(dist_init_required=False) but torch.distributed is not "
+                              "initialized: call deepspeed.init_distributed() (or torch.distributed."
+                              "init_process_group) first, or leave dist_init_required unset")
     engine = _initialize(model, optimizer, configs[0] if configs else None, model_parameters=model_parameters,
                          lr_scheduler=lr_scheduler, mpu=mpu)
     return engine, engine.sharded_optimizer, None, engine.lr_scheduler

@@ -186,6 +186,7 @@ class PartitionedOptimizer:
         self._overflow = False  # ... and whether some rank saw inf/nan then
         self._scaled_backward = False  # fp16: engine.backward scaled a loss in this window
         self._last_overflow = False
+        self.global_grad_norm: torch.Tensor | None = None  # what the last clipping computed (no sync to read it here)
         # Separate fp32 masters: under mixed precision, and when the optimizer is offloaded but the
         # shards are not (offloaded shards already live on the CPU side, where the optimizer steps).
         self.separate_masters = self.placement.separate_masters
@@ -479,8 +480,10 @@ class PartitionedOptimizer:
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale (fp16, once per window), then clip the gradient shards by their global norm."""
         self.unscale_()
-        return clip_shards(self.grads_with_kind(), max_norm, norm_type, self.comm, self.comm_device,
+        norm = clip_shards(self.grads_with_kind(), max_norm, norm_type, self.comm, self.comm_device,
                            self.model_parallel)
+        self.global_grad_norm = norm
+        return norm
 
     def state_of(self, p: ZeroParameter) -> dict[str, torch.Tensor]:
         """This rank's optimizer state for ``p`` (e.g. ``exp_avg``), keyed as torch.optim keys it."""

@@ -7,10 +7,12 @@ same here: `build_optimizer` makes the torch optimizer (DeepSpeed's ``Adam`` is 
 optimizer step (not on an fp16-skipped step).
 
 The schedules follow DeepSpeed's definitions: iteration ``i`` counts ``step()`` calls from
-``last_batch_iteration`` + 1 (the optimizer's own ``lr`` is used until the first call);
-warm-up rises from the minimum to the maximum over ``warmup_num_steps`` (at least 2) as
-``log(i + 1) / log(warmup_num_steps)`` (``warmup_type="log"``) or ``i / warmup_num_steps``
-(``"linear"``).
+``last_batch_iteration`` + 1; warm-up rises from the minimum to the maximum over
+``warmup_num_steps`` (at least 2) as ``log(i + 1) / log(warmup_num_steps)``
+(``warmup_type="log"``) or ``i / warmup_num_steps`` (``"linear"``). A schedule built fresh
+(``last_batch_iteration=-1``) writes its starting lr into the optimizer at once, as DeepSpeed's do,
+so the first optimizer step already runs at it (``warmup_min_lr``; 0 for `WarmupCosineLR`), not
+at the optimizer's own ``lr``: a warm-up exists to avoid exactly that first full-lr step.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class WarmupLR:
         self.warmup_type = warmup_type
         self.last_batch_iteration = last_batch_iteration
         self._last_lr: list[float] | None = None
+        if last_batch_iteration == -1:
+            self._apply()
 
     def _warmup(self) -> float:
         i = self.last_batch_iteration
@@ -72,8 +76,9 @@ class WarmupLR:
         return self._warmup() if self.last_batch_iteration < self.warmup_num_steps else 1.0
 
     def get_lr(self) -> list[float]:
+        """The lr of each param group at ``last_batch_iteration`` (the minimum before the first step)."""
         if self.last_batch_iteration < 0:
-            return [g["lr"] for g in self.optimizer.param_groups]
+            return list(self.min_lrs)
         gamma = self._gamma()
         return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
 
@@ -85,6 +90,9 @@ class WarmupLR:
     def step(self, last_batch_iteration: int | None = None) -> None:
         self.last_batch_iteration = self.last_batch_iteration + 1 if last_batch_iteration is None \
             else last_batch_iteration
+        self._apply()
+
+    def _apply(self) -> None:
         for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
             group["lr"] = lr
         self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
@@ -114,16 +122,17 @@ class WarmupDecayLR(WarmupLR):
 
 class WarmupCosineLR(WarmupLR):
     """Warm up from ``warmup_min_ratio`` of the optimizer's lr to all of it, then a cosine decay to
-    ``cos_min_ratio`` of it at ``total_num_steps``."""
+    ``cos_min_ratio`` of it at ``total_num_steps``. Before the first step the lr is 0, DeepSpeed's
+    value (which DeepSpeed writes into the first param group only; here into every group)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
                  last_batch_iteration: int = -1) -> None:
-        super().__init__(optimizer, 0.0, 0.0, warmup_num_steps, warmup_type, last_batch_iteration)
+        self.base_lrs = [g["lr"] for g in optimizer.param_groups]  # before the base class writes the start
         self.total_num_steps = int(total_num_steps)
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.cos_min_ratio = float(cos_min_ratio)
-        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        super().__init__(optimizer, 0.0, 0.0, warmup_num_steps, warmup_type, last_batch_iteration)
 
     def _ratio(self) -> float:
         i = self.last_batch_iteration
@@ -136,7 +145,7 @@ class WarmupCosineLR(WarmupLR):
 
     def get_lr(self) -> list[float]:
         if self.last_batch_iteration < 0:
-            return [g["lr"] for g in self.optimizer.param_groups]
+            return [0.0] * len(self.base_lrs)
         ratio = self._ratio()
         return [lr * ratio for lr in self.base_lrs]
 

@@ -1,0 +1,248 @@
+"""DeepSpeed's engine names and its refusals, in one process (issue 20, items 3-5): the engine's
+attributes with DeepSpeed's meaning, ``save_16bit_model``, ``init_distributed`` and
+``dist_init_required``, the 4-tuple habit on ``zero3.initialize``, and training that would silently do
+nothing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero3
+import zero3.deepspeed as deepspeed
+from zero3.errors import ZeroConfigError, ZeroStateError
+
+ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _train_step(engine, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    loss = engine(torch.randn(3, 8, generator=g).to(dtype)).float().pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    return loss
+
+
+# -- item 4: the 4-tuple habit ----------------------------------------------------------------------
+def test_unpacking_zero3_initialize_like_deepspeed_says_where_the_tuple_is():
+    with pytest.raises(TypeError, match="zero3.initialize returns the engine alone.*zero3.deepspeed.initialize"):
+        engine, optimizer, _, scheduler = zero3.initialize(_model(), config=ADAMW)  # noqa: F841
+
+
+def test_deepspeed_initialize_returns_the_4_tuple():
+    engine, optimizer, loader, scheduler = deepspeed.initialize(model=_model(), config=ADAMW)
+    assert isinstance(engine, zero3.Engine) and optimizer is engine.sharded_optimizer and loader is None
+    assert scheduler is None
+
+
+# -- item 3: DeepSpeed's engine names ----------------------------------------------------------------
+def test_engine_names_with_deepspeeds_meaning(monkeypatch):
+    engine = zero3.initialize(_model(), config=ADAMW)
+    assert engine.global_rank == 0 and engine.zero_optimization_stage() == 3
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert engine.local_rank == 0
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert engine.local_rank == 3
+
+
+@pytest.mark.skipif(hasattr(zero3.ZeroConfig, "train_micro_batch_size_per_gpu"),
+                    reason="the config carries the batch keys: test_batch_sizes_follow_the_config covers it")
+def test_batch_sizes_without_batch_keys_in_the_config_name_the_key_to_set():
+    engine = zero3.initialize(_model(), config=ADAMW)
+    with pytest.raises(ZeroConfigError, match="set train_micro_batch_size_per_gpu"):
+        engine.train_micro_batch_size_per_gpu()
+    with pytest.raises(ZeroConfigError, match="set train_micro_batch_size_per_gpu"):
+        engine.train_batch_size()
+
+
+@pytest.mark.skipif(not hasattr(zero3.ZeroConfig, "train_micro_batch_size_per_gpu"),
+                    reason="this config has no batch keys yet")
+def test_batch_sizes_follow_the_config():
+    engine = zero3.initialize(_model(), config=dict(ADAMW, train_micro_batch_size_per_gpu=4,
+                                                    gradient_accumulation_steps=2))
+    assert engine.train_micro_batch_size_per_gpu() == 4 and engine.train_batch_size() == 8
+
+
+def test_global_grad_norm_is_the_last_clippings():
+    engine = zero3.initialize(_model(), config=dict(ADAMW, gradient_clipping=0.5))
+    assert engine.get_global_grad_norm() is None
+    ref = _model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(2):
+        _train_step(engine, step)
+        g = torch.Generator().manual_seed(step)
+        ref(torch.randn(3, 8, generator=g)).pow(2).mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        assert engine.get_global_grad_norm() == pytest.approx(norm.item(), rel=1e-6)
+
+
+def test_global_grad_norm_from_clip_grad_norm_():
+    engine = zero3.initialize(_model(), config=ADAMW)
+    loss = engine(torch.ones(2, 8)).sum()
+    engine.backward(loss)
+    norm = zero3.clip_grad_norm_(engine, 1e9)
+    assert engine.get_global_grad_norm() == pytest.approx(norm.item()) and math.isfinite(norm.item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_save_16bit_model_writes_the_consolidated_model_in_the_parameters_dtype(tmp_path, dtype):
+    config = dict(ADAMW, bf16={"enabled": dtype is torch.bfloat16})
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model.register_buffer("scale", torch.full((2,), 0.5))
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    _train_step(engine, dtype=dtype)
+    assert engine.save_16bit_model(tmp_path / "out", "model.bin") is True
+    saved = torch.load(tmp_path / "out" / "model.bin")
+    masters = engine.consolidated_state_dict()
+    assert list(saved) == list(masters) == ["scale", "0.weight", "0.bias", "2.weight", "2.bias"]
+    for key, value in saved.items():
+        expected = masters[key] if key == "scale" else masters[key].to(dtype)
+        assert value.dtype == expected.dtype and torch.equal(value, expected), key
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.emb(idx)))
+
+
+def test_save_16bit_model_keeps_tied_parameters_tied_and_can_drop_frozen_ones(tmp_path):
+    torch.manual_seed(0)
+    model = _Tied()
+    model.mid.bias.requires_grad_(False)
+    engine = zero3.initialize(model, config=ADAMW)
+    engine.save_16bit_model(tmp_path)
+    saved = torch.load(tmp_path / "pytorch_model.bin")
+    assert list(saved) == ["emb.weight", "mid.weight", "mid.bias", "head.weight"]
+    assert saved["emb.weight"].data_ptr() == saved["head.weight"].data_ptr()  # one storage, as torch.save keeps ties
+    engine.save_16bit_model(tmp_path, "trainable.bin", exclude_frozen_parameters=True)
+    assert list(torch.load(tmp_path / "trainable.bin")) == ["emb.weight", "mid.weight", "head.weight"]
+
+
+# -- init_distributed and dist_init_required ---------------------------------------------------------
+def test_dist_init_required_false_without_a_process_group_is_refused():
+    assert not dist.is_initialized()
+    with pytest.raises(ZeroConfigError, match="dist_init_required=False.*not initialized"):
+        deepspeed.initialize(model=_model(), config=ADAMW, dist_init_required=False)
+
+
+def test_dist_init_required_none_without_a_launcher_keeps_the_single_process_mode(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    engine, *_ = deepspeed.initialize(model=_model(), config=ADAMW)
+    assert not dist.is_initialized() and engine.world_size == 1
+
+
+def test_init_distributed_without_a_launcher_makes_a_world_of_one(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert not dist.is_initialized()
+    try:
+        deepspeed.init_distributed()
+        assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+        deepspeed.init_distributed()  # a no-op now
+        engine, *_ = deepspeed.initialize(model=_model(), config=ADAMW, dist_init_required=True)
+        assert engine.global_rank == 0 and engine.world_size == 1
+        _train_step(engine)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_init_distributed_with_a_partial_launcher_environment_names_what_is_missing(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ZeroConfigError, match="MASTER_ADDR, MASTER_PORT not set"):
+        deepspeed.init_distributed()
+    assert not dist.is_initialized()
+
+
+# -- item 5: training that would silently do nothing ---------------------------------------------------
+def test_backward_without_an_optimizer_is_refused_but_forward_and_generation_work():
+    engine = zero3.initialize(_model())
+    out = engine(torch.ones(2, 8))
+    with pytest.raises(ZeroConfigError, match="must provide optimizer during init in order to use backward"):
+        engine.backward(out.sum())
+    engine.step()  # ends the forward's step: nothing to step without an optimizer
+    with torch.no_grad(), engine.generation():
+        assert engine(torch.ones(2, 8)).shape == (2, 4)
+
+
+@pytest.mark.parametrize("how", ["section", "lr_scheduler"])
+def test_a_schedule_without_an_optimizer_is_refused_at_initialize(how):
+    model = _model()
+    sched = {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}
+    with pytest.raises(ZeroConfigError, match="no optimizer"):
+        if how == "section":
+            zero3.initialize(model, config={"scheduler": sched})
+        else:
+            zero3.initialize(model, lr_scheduler=lambda opt: zero3.WarmupLR(opt))
+    assert not zero3.is_zero_param(model[0].weight)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_step_without_a_backward_is_refused_and_changes_nothing(accumulation):
+    config = dict(ADAMW, gradient_accumulation_steps=accumulation,
+                  scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                            "warmup_num_steps": 4}})
+    engine, *_ = deepspeed.initialize(model=_model(), config=config)
+    for _ in range(accumulation):
+        _train_step(engine)
+    state = (engine.global_steps, engine.micro_steps, engine.get_lr(), engine.lr_scheduler.last_batch_iteration)
+    with pytest.raises(ZeroStateError, match="without a backward since the last engine.step"):
+        engine.step()
+    engine(torch.ones(2, 8))  # a forward alone is no backward either
+    with pytest.raises(ZeroStateError, match="without a backward"):
+        engine.step()
+    assert (engine.global_steps, engine.micro_steps, engine.get_lr(),
+            engine.lr_scheduler.last_batch_iteration) == state
+    _train_step(engine)  # and training goes on
+    assert engine.micro_steps == state[1] + 1
+
+
+def test_add_config_arguments_gives_initialize_its_config(tmp_path):
+    import argparse
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ADAMW))
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    assert args.deepspeed is True
+    engine, optimizer, _, _ = deepspeed.initialize(args=args, model=_model())
+    assert isinstance(engine.optimizer, torch.optim.AdamW)
+
+
+@pytest.mark.parametrize("how", ["built", "callable"])
+def test_a_schedule_passed_in_sets_the_first_steps_lr_too(how):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    kwargs = {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-2, "warmup_num_steps": 4}
+    sched = zero3.WarmupLR(opt, **kwargs) if how == "built" else (lambda o: zero3.WarmupLR(o, **kwargs))
+    engine = zero3.initialize(model, opt, lr_scheduler=sched)
+    assert engine.get_lr() == [1e-4] and engine.lr_scheduler.get_last_lr() == [1e-4]
+    _train_step(engine)
+    assert engine.get_lr() == [1e-4]  # DeepSpeed's iteration 0: gamma log(1) = 0
+    _train_step(engine)
+    assert engine.get_lr() == pytest.approx([1e-4 + (1e-2 - 1e-4) * math.log(2) / math.log(4)])
