@@ -268,10 +268,10 @@ class Engine:
 
     def train_micro_batch_size_per_gpu(self) -> int:
         """The config's ``train_micro_batch_size_per_gpu`` (DeepSpeed's batch keys)."""
-        micro = getattr(self.config, "train_micro_batch_size_per_gpu", None)  # a field only where the config has batch keys
+        micro = self.config.training.train_micro_batch_size_per_gpu  # fixed at initialize from any two of the three
         if micro is None:
             raise ZeroConfigError("engine.train_micro_batch_size_per_gpu(): the config does not give the micro-batch "
-                                  "size; set train_micro_batch_size_per_gpu in it")
+                                  "size; set train_micro_batch_size_per_gpu (or train_batch_size) in it")
         return int(micro)
 
     def train_batch_size(self) -> int:
@@ -517,7 +517,7 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
     if group is None and mpu is not None:
         group = data_parallel_group(mpu)
     config = resolve_config(config)
-    if config.scheduler is not None and optimizer is None and config.optimizer is None:
+    if config.training.scheduler is not None and optimizer is None and config.training.optimizer is None:
         raise ZeroConfigError("zero3.initialize got a 'scheduler' section but no optimizer (nor an 'optimizer' "
                               "section): a schedule needs an optimizer to set the lr of")
     engine = Engine(model, optimizer, config, group, communicator, model_parameters, lr_scheduler, mpu)

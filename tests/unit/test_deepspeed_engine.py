@@ -54,8 +54,6 @@ def test_engine_names_with_deepspeeds_meaning(monkeypatch):
     assert engine.local_rank == 3
 
 
-@pytest.mark.skipif(hasattr(zero3.ZeroConfig, "train_micro_batch_size_per_gpu"),
-                    reason="the config carries the batch keys: test_batch_sizes_follow_the_config covers it")
 def test_batch_sizes_without_batch_keys_in_the_config_name_the_key_to_set():
     engine = zero3.initialize(_model(), config=ADAMW)
     with pytest.raises(ZeroConfigError, match="set train_micro_batch_size_per_gpu"):
@@ -64,12 +62,12 @@ def test_batch_sizes_without_batch_keys_in_the_config_name_the_key_to_set():
         engine.train_batch_size()
 
 
-@pytest.mark.skipif(not hasattr(zero3.ZeroConfig, "train_micro_batch_size_per_gpu"),
-                    reason="this config has no batch keys yet")
 def test_batch_sizes_follow_the_config():
     engine = zero3.initialize(_model(), config=dict(ADAMW, train_micro_batch_size_per_gpu=4,
                                                     gradient_accumulation_steps=2))
     assert engine.train_micro_batch_size_per_gpu() == 4 and engine.train_batch_size() == 8
+    derived = zero3.initialize(_model(), config=dict(ADAMW, train_batch_size=12, gradient_accumulation_steps=3))
+    assert derived.train_micro_batch_size_per_gpu() == 4 and derived.gradient_accumulation_steps() == 3
 
 
 def test_global_grad_norm_is_the_last_clippings():
