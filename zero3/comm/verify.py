@@ -98,7 +98,7 @@ class RequestShape:
     sizes: tuple[int, ...]  # elements of each wire collective's input (header room included)
     dtype: str
     header_first: bool  # its first wire collective is a blocking header exchange
-    span: int = 1  # primary shards per piece of a direct gather (hpZ secondary gathers: N, see sharding.py)
+    span: int = 1  # primary shards per piece of a direct gather (hpZ secondary gathers: N, see partition/sharding.py)
 
 
 def content_hash(kind: str, ids: tuple[int, ...], sizes: tuple[int, ...]) -> int:

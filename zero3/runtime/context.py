@@ -73,8 +73,8 @@ class RuntimeContext:
     params: list[ZeroParameter] = field(default_factory=list)
     reducer: GradientReducer | None = None
     optimizer: PartitionedOptimizer | None = None
-    model_parallel: ModelParallel | None = None  # an mpu's model-parallel group of > 1 ranks (model_parallel.py)
-    node_comm: Communicator | None = None  # hpZ: this rank's secondary group (hpz.py [Note: hpZ ...])
+    model_parallel: ModelParallel | None = None  # an mpu's model-parallel group of > 1 ranks (comm/model_parallel.py)
+    node_comm: Communicator | None = None  # hpZ: this rank's secondary group (runtime/hpz.py, comm/hpz.py; [Note: hpZ secondary shards])
     lr_scheduler: Any = None  # stepped by engine.step() after every optimizer step that was not skipped
     global_steps: int = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
     micro_steps: int = 0  # engine.step() calls
@@ -227,7 +227,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     (default: all of the model's); ``lr_scheduler`` (a scheduler, or a callable taking the optimizer)
     or the config's ``scheduler`` section gives the learning-rate schedule. ``mpu``: a Megatron-style
     model-parallel unit whose model-parallel group clipping and checkpoints take into account
-    (model_parallel.py). Validates everything that can be rejected before it changes anything.
+    (comm/model_parallel.py). Validates everything that can be rejected before it changes anything.
     """
     if model.__dict__.get("_zero3_context") is not None:
         raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "
