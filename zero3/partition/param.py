@@ -67,7 +67,7 @@ class ZeroParam:
     prefetched: bool = False  # gathered ahead of use and not used yet (prefetch accounting)
     aliased: bool = False  # world size 1, persistent: the full data is a view of the shard (alias_shard)
     swap: Any = None  # the `nvme.ShardSwap` of a shard whose tier is the drive (None: it belongs in memory)
-    secondary: Any = None  # hpZ: comm/secondary.py Secondary, this rank's slice kept from a forward gather (runtime/hpz.py)
+    secondary: Any = None  # hpZ: a `Secondary` (comm/secondary.py), this rank's slice kept from a forward gather (runtime/hpz.py)
     ctx: Any = None  # the RuntimeContext that owns the parameter (runtime/context.py imports this module)
     numel: int = field(init=False)  # full, unpadded; read on every fetch and release, so stored
     shard_numel: int = field(init=False)  # padded; the same on every rank and for every shard dtype

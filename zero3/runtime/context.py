@@ -74,7 +74,7 @@ class RuntimeContext:
     reducer: GradientReducer | None = None
     optimizer: PartitionedOptimizer | None = None
     model_parallel: ModelParallel | None = None  # an mpu's model-parallel group of > 1 ranks (comm/model_parallel.py)
-    node_comm: Communicator | None = None  # hpZ: this rank's secondary group (runtime/hpz.py, comm/hpz.py; [Note: hpZ secondary shards])
+    node_comm: Communicator | None = None  # hpZ: this rank's secondary group (runtime/hpz.py [Note: hpZ secondary shards])
     lr_scheduler: Any = None  # stepped by engine.step() after every optimizer step that was not skipped
     global_steps: int = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
     micro_steps: int = 0  # engine.step() calls
