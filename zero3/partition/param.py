@@ -13,10 +13,10 @@ The parameter's Python class tells its state: `ZeroParameter` while gathered (no
 functions are disabled as for any ``nn.Parameter``), `PartitionedParameter` otherwise, whose
 ``__torch_function__`` turns any computation into a `ZeroStateError` naming the parameter.
 
-This module holds the record and the storage primitives; it decides nothing. Only the coordinator
-(runtime/coordinator.py) calls `begin_gather`, `finish_gather` and `release`, so every status change of a
-built model has one driver; `partition` (used by ``zero3.Init`` and ``initialize``) creates the
-record.
+This module holds the record and the storage primitives; it decides nothing. `partition` (used by
+``zero3.Init`` and ``initialize``) creates the record and releases the parameter at once; after that
+only the coordinator (runtime/coordinator.py) calls `begin_gather`, `finish_gather`, `release` and
+`alias_shard`, so every status change of a built model has one driver.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Hooks, the optimizer side, checkpoints, accessors, pretrained loading and ``GatheredParameters``
 receive the context (or find it on a parameter's record, ``ZeroParam.ctx``); nothing reaches into
-the `Engine`, which is a thin facade over it. ``zero3.Init`` makes a minimal context (group,
+the `Engine` (engine.py, the public class over the context; no layer may import it). ``zero3.Init`` makes a minimal context (group,
 communicator, coordinator) for the parameters it partitions while a model is built;
 ``zero3.initialize`` makes the full one and adopts every parameter of the model.
 
@@ -12,12 +12,14 @@ communicator, coordinator) for the parameters it partitions while a model is bui
       comm           Communicator      every collective
       node_comm      Communicator | None   hpZ: collectives inside this rank's secondary group (a node)
       metrics        StepMetrics       counters of the current step
-      coordinator    ParamCoordinator  gathers and releases (the one driver of parameter status)
+      coordinator    ParamCoordinator  gathers and releases (after partitioning, the one caller of the
+                                       status primitives of partition/param.py)
+      store          ShardStore        the one writer of shards and their residence (offload/residence.py)
       reducer        GradientReducer   full gradients -> averaged gradient shards (engine only)
       optimizer      PartitionedOptimizer | None   the user's optimizer over shards (engine only)
       model_parallel ModelParallel | None   the tensor-parallel group beside ZeRO-3 (engine with an mpu)
       io             AsyncIO | None    the threads of the swap files (NVMe offload only)
-      module, params, global_steps, micro_steps
+      lr_scheduler, offloaded (engine.offload_states), module, params, global_steps, micro_steps
 """
 
 from __future__ import annotations

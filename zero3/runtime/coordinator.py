@@ -1,7 +1,7 @@
 """`ParamCoordinator`: decides when parameters are gathered and released, and keeps the books.
 
-It is the one driver of parameter status: every NOT_AVAILABLE -> INFLIGHT -> AVAILABLE ->
-NOT_AVAILABLE change of a partitioned parameter goes through it (partition/param.py has the primitives, the
+It is the one driver of parameter status: once a parameter is partitioned, every NOT_AVAILABLE ->
+INFLIGHT -> AVAILABLE -> NOT_AVAILABLE change of it goes through it (partition/param.py has the primitives, the
 communicator only moves bytes). The hooks (hooks.py) report module events; ``GatheredParameters``
 pins and unpins; the optimizer side asks for persistent parameters to be refreshed; the step's
 lifecycle (step.py) ends every step through `ParamCoordinator.end_step`.
