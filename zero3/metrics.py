@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 SCOPES = ("intra", "inter")
-"""Where a peer runs: on this rank's node, or on another (topology.py)."""
+"""Where a peer runs: on this rank's node, or on another (comm/topology.py)."""
 
 VERIFICATION = "verification"
 """The `recv_bytes` kind of verification headers: blocking header exchanges and the headers that
-ride inside planned collectives (comm_verify.py); the other kinds count payload only."""
+ride inside planned collectives (comm/verify.py); the other kinds count payload only."""
 
 
 @dataclass

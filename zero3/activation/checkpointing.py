@@ -142,7 +142,7 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
     ``deepspeed_config`` if given, then each argument that is not None on top.
 
     Args:
-        mpu_: a Megatron-style model-parallel unit (model_parallel.py) whose model-parallel group
+        mpu_: a Megatron-style model-parallel unit (comm/model_parallel.py) whose model-parallel group
             partitioned activations are split over and `model_parallel_cuda_manual_seed` takes the
             rank from; None: no model parallelism (unlike DeepSpeed, None does not keep an earlier unit).
         deepspeed_config: a config (dict, JSON path or `ZeroConfig`) whose ``activation_checkpointing``

@@ -22,7 +22,7 @@ Empty ranges are not stored. A reader at any world size computes, from the range
 which element ranges of which files make up its new shard, and reads only those bytes.
 
 With model parallelism (an engine given an ``mpu`` whose model-parallel group has m > 1 ranks, see
-model_parallel.py) each model-parallel rank's data-parallel group writes the layout above into a
+comm/model_parallel.py) each model-parallel rank's data-parallel group writes the layout above into a
 sub-directory of its own, and the tag directory says how many there are:
 
     model_parallel.json                     {"format", "model_parallel_world_size": m}

@@ -1,7 +1,7 @@
 """hpZ: the communicator over a rank's secondary group (a block of consecutive ranks, usually a node).
 
 Backward gathers each weight from the secondary slices (secondary.py) the group's ranks kept from
-forward, over this communicator, so the bytes stay inside the node (coordinator.py [Note: hpZ
+forward, over this communicator, so the bytes stay inside the node (runtime/hpz.py [Note: hpZ
 secondary shards]). It is a communicator of its own, built once next to the data-parallel one; the
 data-parallel one only knows the group size (``Communicator.hpz``), fixed when it was built.
 """

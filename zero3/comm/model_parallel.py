@@ -10,8 +10,8 @@ group as well:
   on every model-parallel rank, so its squares are summed over that group too; a replicated one
   (LayerNorm, a row-parallel layer's bias) holds the same values on every model-parallel rank and is
   counted once, on model-parallel rank 0 (Megatron's rule);
-- checkpoints (checkpoint.py): one set of files per model-parallel rank;
-- activation checkpointing (checkpointing.py): partitioned activations are gathered over it.
+- checkpoints (zero3/checkpoint/): one set of files per model-parallel rank;
+- activation checkpointing (activation/checkpointing.py): partitioned activations are gathered over it.
 
 Megatron's unit has grown two sets of names over time; both work: ``get_tensor_model_parallel_group``
 / ``_rank`` / ``_world_size`` (preferred when present, as DeepSpeed does) or ``get_model_parallel_group``

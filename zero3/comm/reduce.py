@@ -25,7 +25,7 @@ from .works import ReduceWork, WaitContext
 @dataclass(frozen=True, slots=True)
 class GradPiece:
     """One parameter's full gradient in a reduction (None: zeros). ``counted``: reduce a presence count
-    with it (how many ranks had a gradient at all: leaf units, see grad.py)."""
+    with it (how many ranks had a gradient at all: leaf units, see runtime/grad.py)."""
 
     numel: int
     shard_numel: int

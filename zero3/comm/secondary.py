@@ -3,7 +3,7 @@
 A rank keeps, from each forward gather, 1/L of the parameter (L the ranks of its secondary group,
 a block of consecutive ranks, usually a node: `topology.hpz_group_size`); backward gathers the
 parameter from those slices over the secondary group's own communicator (hpz.py), so the bytes stay
-inside the node (coordinator.py [Note: hpZ secondary shards]).
+inside the node (runtime/hpz.py [Note: hpZ secondary shards]).
 """
 
 from __future__ import annotations

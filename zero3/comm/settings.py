@@ -26,7 +26,7 @@ class CommSettings:
         reduce_impl: ``reduce_scatter``, ``all_reduce`` (then slice), ``p2p`` (pairwise sends and
             receives, then a local sum) or ``auto`` (p2p on gloo, reduce-scatter elsewhere).
         allgather_impl: ``all_gather``, ``p2p`` or ``auto`` (p2p on gloo, all-gather elsewhere).
-        verify: verify every collective (verify.py); None: on for gloo, off for NCCL.
+        verify: verify every collective (verify.py); None: on for gloo, off for any other backend (NCCL).
         timeout_s: when > 0 and world size > 1, collectives run on a process group of their own
             with this timeout (a rank that stops taking part is reported instead of waited for).
         plans: how many epoch plans to remember.

@@ -3,8 +3,9 @@
 [Note: verified collectives]
 Ranks must issue the same collectives in the same order with the same sizes: a size mismatch on
 gloo returns garbage on one rank and aborts the other (measured), and a rank that stops taking part
-leaves the others blocked. The communicator (verifier.py) therefore verifies every collective, in one of
-two modes per *epoch* (the collectives between two ``engine.step()`` ends, or one inference forward):
+leaves the others blocked. So, with ``verify_collectives`` on (its default, None, means on for gloo
+and off for any other backend; always off at world size 1), the communicator (verifier.py) verifies
+every collective it issues, in one of two modes per *epoch* (the collectives between two ``engine.step()`` ends, or one inference forward):
 
 - CHECKED: before each collective the ranks exchange a fixed-size header (`WireHeader`: epoch,
   sequence number, kind, a hash of the parameter ids carried, size) in one blocking all-gather, and
@@ -98,7 +99,7 @@ class RequestShape:
     sizes: tuple[int, ...]  # elements of each wire collective's input (header room included)
     dtype: str
     header_first: bool  # its first wire collective is a blocking header exchange
-    span: int = 1  # primary shards per piece of a direct gather (hpZ secondary gathers: N, see sharding.py)
+    span: int = 1  # primary shards per piece of a direct gather (hpZ secondary gathers: N, see partition/sharding.py)
 
 
 def content_hash(kind: str, ids: tuple[int, ...], sizes: tuple[int, ...]) -> int:

@@ -4,7 +4,7 @@ their all-gathers; driven by the coordinator only).
 
 [Note: swapping]
 A tensor that lives on NVMe keeps its Python object, shape and dtype; only its storage holds 0
-bytes (as a released parameter's does, param.py [Note: parameter storage]) while its bytes sit in a
+bytes (as a released parameter's does, partition/param.py [Note: parameter storage]) while its bytes sit in a
 fixed region of a swap file. Optimizer state is keyed by the tensor object and views share its
 storage, so both stay valid across any number of swaps. There are two ways back into memory:
 

@@ -1,6 +1,6 @@
 """Placement: where parameter shards, fp32 masters and optimizer state live, and how new weights get back.
 
-With ``offload_optimizer="cpu"`` each param group's fp32 master buffer (optim.py
+With ``offload_optimizer="cpu"`` each param group's fp32 master buffer (optim/optimizer.py
 [Note: flat master buffers]) is a separate CPU allocation, pinned when asked and CUDA exists. The
 master gradients accumulate there, the optimizer creates its moments next to the masters (so on the
 CPU too) and steps there; after the step the masters are copied explicitly into the parameter-shard
@@ -8,7 +8,7 @@ buffer on the parameters' device. On a CPU-only machine both buffers are CPU ten
 allocations with an explicit copy, so the tests run the same path.
 
 ``offload_optimizer="nvme"`` is the same on the CPU side, with each master a tensor of its own that,
-like the optimizer's per-element state, lives in a swap file between steps (swap.py, and optim.py
+like the optimizer's per-element state, lives in a swap file between steps (nvme.py, and optim/optimizer.py
 [Note: streamed optimizer step]).
 """
 
@@ -107,7 +107,7 @@ class PlacementPolicy:
     def copy_back(low: torch.Tensor, master: torch.Tensor) -> None:
         """Cast-and-copy the masters into the parameter-shard buffer. From pinned memory the copy is
         non-blocking; it is ordered on the current stream before the next all-gather, whose side
-        stream waits for the current one (comm.py [Note: streams and buffer lifetime])."""
+        stream waits for the current one (comm/streams.py [Note: streams and buffer lifetime])."""
         low.copy_(master, non_blocking=master.is_pinned())
 
     # -- engine.offload_states -----------------------------------------------------------------------

@@ -83,7 +83,7 @@ class StatesOffload:
     """The phase memory manager of one engine (see [Note: offloading states])."""
 
     def __init__(self, ctx: Any) -> None:
-        self.ctx = ctx  # the engine's RuntimeContext (context.py imports this module)
+        self.ctx = ctx  # the engine's RuntimeContext (runtime/context.py imports this module)
         self.phase = OffloadPhase.RESIDENT
         self.device = ""
         self.kinds: tuple[StateKind, ...] = ()

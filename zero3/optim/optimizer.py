@@ -22,10 +22,10 @@ optimizer step one ``low.copy_(master)`` per group casts all the new weights bac
 (``requires_grad=False``) get no master, no gradient and no state: they keep a standalone shard.
 
 The gradient of a master shard (``master.grad``, fp32, on the master's device) is where the reducer
-accumulates (grad.py); it is allocated lazily and dropped by ``zero_grad``.
+accumulates (runtime/grad.py); it is allocated lazily and dropped by ``zero_grad``.
 
 With ``offload_param="nvme"`` the shards stay standalone tensors (each goes to the drive on its own,
-swap.py), so a `FlatGroup` has no ``low`` buffer and the masters are cast into each shard's region.
+offload/nvme.py), so a `FlatGroup` has no ``low`` buffer and the masters are cast into each shard's region.
 With ``offload_optimizer="nvme"`` there are no flat buffers: each master is a tensor of its own, so
 that it and the optimizer's per-element state can go to the drive between steps and come back
 ``sub_group_size`` elements at a time ([Note: streamed optimizer step]).
@@ -303,7 +303,7 @@ class PartitionedOptimizer:
         return [g for g, _ in self.grads_with_kind()]
 
     def grads_with_kind(self) -> list[tuple[torch.Tensor, bool]]:
-        """`grads`, each with whether its parameter is tensor-parallel (model_parallel.py)."""
+        """`grads`, each with whether its parameter is tensor-parallel (comm/model_parallel.py)."""
         out, seen = [], set()
         for p in self.params:
             g = p._zero.train_tensor.grad
@@ -532,7 +532,7 @@ class PartitionedOptimizer:
                     group[k] = v
 
     def copy_masters_to_shards(self) -> None:
-        """One cast-and-copy per group: fp32 masters into the parameter shards (zero3/offload.py);
+        """One cast-and-copy per group: fp32 masters into the parameter shards (offload/policy.py);
         per parameter when shards or masters are tensors of their own."""
         for fg in self.groups:
             if fg.low is not None and fg.master is not None:

@@ -3,12 +3,12 @@
 [Note: mixed precision dtype flow]
 With ``dtype="bf16"`` (or ``"fp16"``) a parameter's shard, its gathers and all compute are in that
 dtype; the optimizer never sees them. `lower_precision` casts the shards when the engine is built
-and keeps an fp32 copy of every trainable shard, which becomes its *master* (optim.py
+and keeps an fp32 copy of every trainable shard, which becomes its *master* (optimizer.py
 [Note: flat master buffers]). Each step then runs:
 
 1. forward/backward in ``dtype``; for fp16 ``engine.backward`` multiplies the loss by the loss scale;
-2. the full low-precision gradient is cast to ``reduce_dtype``, reduce-scattered, and this rank's
-   slice is added into the fp32 gradient of the master shard (grad.py); the full gradient is freed;
+2. the full low-precision gradient is cast to ``reduce_dtype``, reduced (comm/reduce.py), and this rank's
+   slice is added into the fp32 gradient of the master shard (runtime/grad.py); the full gradient is freed;
 3. at the accumulation boundary (fp16) the fp32 gradients are unscaled and checked for inf/nan, the
    ranks agree on overflow with an all-reduce (MAX of a 0/1 flag), and an overflowing step is
    skipped on every rank while `LossScaler` backs off;
@@ -62,7 +62,7 @@ def lower_precision(params: Iterable[ZeroParameter], dtype: torch.dtype, store: 
             raise ZeroStateError(f"{z.summary()} is gathered while the engine casts it to {dtype}; close "
                                  "GatheredParameters contexts before zero3.initialize")
         if z.swap is not None:
-            continue  # on NVMe, in ``dtype`` already (context.py checks): masters read it back when built
+            continue  # on NVMe, in ``dtype`` already (runtime/context.py checks): masters read it back when built
         if p.requires_grad:
             fp32[z.id] = z.shard if z.shard.dtype == torch.float32 else z.shard.float()
         if z.shard.dtype == dtype:

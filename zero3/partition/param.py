@@ -13,10 +13,10 @@ The parameter's Python class tells its state: `ZeroParameter` while gathered (no
 functions are disabled as for any ``nn.Parameter``), `PartitionedParameter` otherwise, whose
 ``__torch_function__`` turns any computation into a `ZeroStateError` naming the parameter.
 
-This module holds the record and the storage primitives; it decides nothing. Only the coordinator
-(coordinator.py) calls `begin_gather`, `finish_gather` and `release`, so every status change of a
-built model has one driver; `partition` (used by ``zero3.Init`` and ``initialize``) creates the
-record.
+This module holds the record and the storage primitives; it decides nothing. `partition` (used by
+``zero3.Init`` and ``initialize``) creates the record and releases the parameter at once; after that
+only the coordinator (runtime/coordinator.py) calls `begin_gather`, `finish_gather`, `release` and
+`alias_shard`, so every status change of a built model has one driver.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ construction_handler: contextvars.ContextVar[ConstructionHandler | None] = conte
     "zero3_construction_handler", default=None)
 """Set by ``zero3.Init`` while it builds a model: an op on a partitioned parameter (or on its
 ``.data``) is handed to it (``nn.init.normal_(p)``, ``p[idx]``, ``p.data = x``, reading values),
-which gathers the parameter around the op instead of raising (init.py [Note: touching partitioned
+which gathers the parameter around the op instead of raising (runtime/init.py [Note: touching partitioned
 parameters while building])."""
 
 
@@ -67,8 +67,8 @@ class ZeroParam:
     prefetched: bool = False  # gathered ahead of use and not used yet (prefetch accounting)
     aliased: bool = False  # world size 1, persistent: the full data is a view of the shard (alias_shard)
     swap: Any = None  # the `nvme.ShardSwap` of a shard whose tier is the drive (None: it belongs in memory)
-    secondary: Any = None  # hpZ: comm.Secondary, this rank's slice kept from a forward gather (coordinator.py)
-    ctx: Any = None  # the RuntimeContext that owns the parameter (context.py imports this module)
+    secondary: Any = None  # hpZ: a `Secondary` (comm/secondary.py), this rank's slice kept from a forward gather (runtime/hpz.py)
+    ctx: Any = None  # the RuntimeContext that owns the parameter (runtime/context.py imports this module)
     numel: int = field(init=False)  # full, unpadded; read on every fetch and release, so stored
     shard_numel: int = field(init=False)  # padded; the same on every rank and for every shard dtype
     residence: Residence = field(init=False)  # where the shard's bytes are

@@ -38,7 +38,7 @@ def check_transition(name: str, old: ParamStatus, new: ParamStatus) -> None:
 
 class Residence(Enum):
     """Where the bytes of a parameter shard are (``ZeroParam.residence``; offload/residence.py
-    `ShardStore` is its one writer), or those of a storage swapped by the NVMe tier (nvme.py).
+    `ShardStore` is its one writer), or those of a storage swapped by the NVMe tier (offload/nvme.py).
 
     - DEVICE: in accelerator memory.
     - HOST: in pageable CPU memory.

@@ -2,7 +2,7 @@
 
 One rule, used by ``zero3.Init`` (which writes every other shard to the drive while the model is
 built, ``remote_device="nvme"``) and by the engine (which marks the persistent parameters and places
-every shard, coordinator.py and placement.py), so the two cannot disagree on what they see in the
+every shard, runtime/coordinator.py and runtime/placement.py), so the two cannot disagree on what they see in the
 same order. Small parameters cost more in collective latency than they save in memory: a parameter
 of at most ``param_persistence_threshold`` elements is persistent while the persistent ones, taken
 greedily in the order given, sum to at most ``model_persistence_threshold`` elements. Of the shards

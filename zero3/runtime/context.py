@@ -2,7 +2,7 @@
 
 Hooks, the optimizer side, checkpoints, accessors, pretrained loading and ``GatheredParameters``
 receive the context (or find it on a parameter's record, ``ZeroParam.ctx``); nothing reaches into
-the `Engine`, which is a thin facade over it. ``zero3.Init`` makes a minimal context (group,
+the `Engine` (engine.py, the public class over the context; no layer may import it). ``zero3.Init`` makes a minimal context (group,
 communicator, coordinator) for the parameters it partitions while a model is built;
 ``zero3.initialize`` makes the full one and adopts every parameter of the model.
 
@@ -12,12 +12,14 @@ communicator, coordinator) for the parameters it partitions while a model is bui
       comm           Communicator      every collective
       node_comm      Communicator | None   hpZ: collectives inside this rank's secondary group (a node)
       metrics        StepMetrics       counters of the current step
-      coordinator    ParamCoordinator  gathers and releases (the one driver of parameter status)
+      coordinator    ParamCoordinator  gathers and releases (after partitioning, the one caller of the
+                                       status primitives of partition/param.py)
+      store          ShardStore        the one writer of shards and their residence (offload/residence.py)
       reducer        GradientReducer   full gradients -> averaged gradient shards (engine only)
       optimizer      PartitionedOptimizer | None   the user's optimizer over shards (engine only)
       model_parallel ModelParallel | None   the tensor-parallel group beside ZeRO-3 (engine with an mpu)
       io             AsyncIO | None    the threads of the swap files (NVMe offload only)
-      module, params, global_steps, micro_steps
+      lr_scheduler, offloaded (engine.offload_states), module, params, global_steps, micro_steps
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ class RuntimeContext:
     params: list[ZeroParameter] = field(default_factory=list)
     reducer: GradientReducer | None = None
     optimizer: PartitionedOptimizer | None = None
-    model_parallel: ModelParallel | None = None  # an mpu's model-parallel group of > 1 ranks (model_parallel.py)
-    node_comm: Communicator | None = None  # hpZ: this rank's secondary group (hpz.py [Note: hpZ ...])
+    model_parallel: ModelParallel | None = None  # an mpu's model-parallel group of > 1 ranks (comm/model_parallel.py)
+    node_comm: Communicator | None = None  # hpZ: this rank's secondary group (runtime/hpz.py [Note: hpZ secondary shards])
     lr_scheduler: Any = None  # stepped by engine.step() after every optimizer step that was not skipped
     global_steps: int = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
     micro_steps: int = 0  # engine.step() calls
@@ -227,7 +229,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     (default: all of the model's); ``lr_scheduler`` (a scheduler, or a callable taking the optimizer)
     or the config's ``scheduler`` section gives the learning-rate schedule. ``mpu``: a Megatron-style
     model-parallel unit whose model-parallel group clipping and checkpoints take into account
-    (model_parallel.py). Validates everything that can be rejected before it changes anything.
+    (comm/model_parallel.py). Validates everything that can be rejected before it changes anything.
     """
     if model.__dict__.get("_zero3_context") is not None:
         raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "

@@ -1,18 +1,18 @@
 """`ParamCoordinator`: decides when parameters are gathered and released, and keeps the books.
 
-It is the one driver of parameter status: every NOT_AVAILABLE -> INFLIGHT -> AVAILABLE ->
-NOT_AVAILABLE change of a partitioned parameter goes through it (param.py has the primitives, the
+It is the one driver of parameter status: once a parameter is partitioned, every NOT_AVAILABLE ->
+INFLIGHT -> AVAILABLE -> NOT_AVAILABLE change of it goes through it (partition/param.py has the primitives, the
 communicator only moves bytes). The hooks (hooks.py) report module events; ``GatheredParameters``
 pins and unpins; the optimizer side asks for persistent parameters to be refreshed; the step's
 lifecycle (step.py) ends every step through `ParamCoordinator.end_step`.
 
-Every step is recorded (trace.py); when a step ends its events are frozen into a `Trace` and cached
+Every step is recorded (planning/trace.py); when a step ends its events are frozen into a `Trace` and cached
 (planning/trace_cache.py), and the next step that begins the same way follows the `Schedule` that
 ``schedule.plan`` computed for it: prefetch buckets, reuse-distance keeps and Belady evictions under
 a hard live budget. Without a matching trace the coordinator fetches on demand and releases right
 after use, under the same hard budget and with the same eviction policy (`schedule.eviction_order`).
 Generation mode (planning/generation.py) keeps what it gathered across forwards instead. What
-happens when a step leaves the trace it follows: trace_cache.py [Note: following a trace].
+happens when a step leaves the trace it follows: planning/trace_cache.py [Note: following a trace].
 
 Every gathered, non-persistent parameter is in ``_live`` from the moment its gather is issued until
 it is released; ``metrics.live_numel`` is their element count and `check_valid` recomputes it.

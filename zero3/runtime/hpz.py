@@ -3,7 +3,7 @@
 [Note: hpZ secondary shards]
 With ``zero_hpz_partition_size``, every parameter gathered from its primary shards during a training
 step (grad enabled when the step began) keeps a secondary slice once its gather completes: 1/L of
-it, L the ranks of its secondary group (a node; comm.py `Secondary`). Any later gather of it in the
+it, L the ranks of its secondary group (a node; comm/secondary.py `Secondary`). Any later gather of it in the
 same step (backward, or a tied weight's second use) comes from the secondary slices, over the
 node's communicator, so it never crosses nodes. The slices are not counted in the live budget;
 ``metrics.secondary_bytes`` is what they hold, and they are all dropped when the step ends (and a
