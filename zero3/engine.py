@@ -1,7 +1,8 @@
 """`zero3.initialize` and the `Engine`: the public facade over one model's `RuntimeContext`.
 
-The engine holds no state of its own beyond the context (context.py) and the hooks (hooks.py); every
-method forwards to the part of the runtime that owns the work.
+The engine holds the context (runtime/context.py), the hooks (runtime/hooks.py) and the last step's
+metrics; it sequences a micro-batch's end (`Engine.step`) and forwards everything else to the part
+of the runtime that owns the work.
 """
 
 from __future__ import annotations
@@ -316,7 +317,7 @@ class Engine:
         finally:
             self.coordinator.end_generation()
 
-    # -- the phase memory manager (zero3/offload_states.py) -----------------------------------------
+    # -- the phase memory manager (zero3/offload/states.py) --------------------------------------------
     def offload_states(self, include: Any = None, device: str = "cpu", pin_memory: bool = True,
                        non_blocking: bool = False, *, nvme_path: str | None = None) -> int:
         """Move model states out of memory between phases (training and generation), DeepSpeed's name.
@@ -388,7 +389,7 @@ class Engine:
         """The tensor the optimizer steps on for ``p`` (this rank's padded 1-D shard, full precision).
 
         Under bf16/fp16 or optimizer offload it is the fp32 master, a view into its group's flat
-        buffer (zero3/optim.py [Note: flat master buffers]); a frozen parameter has none and gets its
+        buffer (zero3/optim/optimizer.py [Note: flat master buffers]); a frozen parameter has none and gets its
         shard. After writing into it, call `refresh_from_masters`.
         """
         return p._zero.train_tensor
@@ -526,7 +527,7 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
             logger.info("zero3: activation checkpointing was configured before initialize; its settings stand "
                         "(%s), not the config's section", checkpointing.current_config())
         else:
-            checkpointing.configure(mpu, deepspeed_config=config)
+            checkpointing.configure(mpu, deepspeed_config=config, metrics=engine.context.metrics)
     return engine
 
 

@@ -218,3 +218,22 @@ class ResidenceMachine(RuleBasedStateMachine):
 
 ResidenceMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None)
 TestResidenceMachine = ResidenceMachine.TestCase
+
+
+def test_a_shard_read_ahead_and_used_is_not_dropped_again(tmp_path):
+    """Found by the machine above: read ahead, waited, its gather done (the shard dropped back to the
+    drive), then `drop_ahead` tried to drop it a second time (DRIVE -> DRIVE)."""
+    store = ShardStore(PlacementPolicy())
+    tier = ShardTier(AsyncIO(1), SwapFile(str(tmp_path), "test"), BufferPool(2, 2 * ALIGN), StepMetrics(), store)
+    p = partition(nn.Parameter(torch.randn(5)), name="p0", world_size=1, rank=0, group=None)
+    before = p._zero.shard.clone()
+    tier.offload(p)
+    tier.flush()
+    tier.read([p], ahead=True, overflow=True)
+    tier.wait([p])
+    tier.done([p])
+    tier.drop_ahead()
+    assert p._zero.residence is Residence.DRIVE
+    tier.read([p])
+    tier.wait([p])
+    assert torch.equal(p._zero.shard, before)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from zero3.comm import codec as quantize
@@ -12,6 +12,7 @@ from zero3.comm import codec as quantize
 
 @given(numel=st.integers(1, 2000), block=st.sampled_from([1, 7, 64, 512]), bits=st.sampled_from([8, 4]),
        seed=st.integers(0, 2**16), scale=st.sampled_from([1e-6, 1.0, 1e4]))
+@example(numel=1661, block=7, bits=8, seed=1985, scale=1.0)  # 1.0000126 half-steps: fp32 rounding
 def test_dequantized_values_are_within_half_a_step_of_their_block(numel, block, bits, seed, scale):
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * scale
     values, scales = quantize.quantize(x, block, bits)
@@ -20,10 +21,14 @@ def test_dequantized_values_are_within_half_a_step_of_their_block(numel, block, 
     y = quantize.dequantize(values, scales, numel, block, bits)
     padded = torch.zeros(quantize.blocks(numel, block) * block)
     padded[:numel] = x
-    step = padded.view(-1, block).abs().amax(dim=1) / quantize.LEVELS[bits]  # one integer step per block
+    amax = padded.view(-1, block).abs().amax(dim=1)
+    step = amax / quantize.LEVELS[bits]  # one integer step per block
     err = torch.zeros_like(padded)
     err[:numel] = (y - x).abs()
-    assert bool((err.view(-1, block) <= 0.5 * step[:, None] * (1 + 1e-5) + 1e-30).all())
+    # Half a step, plus fp32 rounding of the scale and of the dequantized value (a few ulps of amax:
+    # 1.0000126 half-steps was seen at numel=1661, block=7, seed=1985, bits=8).
+    rounding = 4 * torch.finfo(torch.float32).eps * amax
+    assert bool((err.view(-1, block) <= (0.5 * step + rounding)[:, None] + 1e-30).all())
 
 
 def test_zero_blocks_and_exact_levels_round_trip_exactly():

@@ -135,7 +135,7 @@ _STATE = _State()
 def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bool | None = None,
               contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
               checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None,
-              profile: bool | None = None) -> None:
+              profile: bool | None = None, *, metrics: StepMetrics | None = None) -> None:
     """Configure activation checkpointing (DeepSpeed's ``deepspeed.checkpointing.configure``).
 
     Every call starts from the defaults (everything off): the ``activation_checkpointing`` section of
@@ -153,6 +153,8 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
         checkpoint_in_cpu: ``cpu_checkpointing``.
         synchronize: ``synchronize_checkpoint_boundary``.
         profile: ``profile``.
+        metrics: where the partitioned activations' gathers count their bytes (``zero3.initialize``
+            passes its engine's step metrics); None: counters of their own, which no step reports.
 
     Raises:
         ZeroConfigError: an invalid value or combination (named), or an invalid ``mpu_``.
@@ -171,7 +173,8 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
         # No verification headers: these gathers run on the model's own model-parallel group, in
         # lockstep with the model's tensor-parallel collectives, which zero3 cannot verify either.
         mp = _ModelParallelGroup(world, rank, Communicator(group, CommSettings(overlap=False, verify=False),
-                                                           metrics=StepMetrics(), world_size=world, rank=rank))
+                                                           metrics=metrics if metrics is not None else StepMetrics(),
+                                                           world_size=world, rank=rank))
     global _STATE
     _STATE = _State(config=config, configured=True, mp=mp,
                     buffers=_ContiguousBuffers(config.number_checkpoints)

@@ -1,5 +1,5 @@
 """``deepspeed.checkpointing`` names: activation checkpointing and the model-parallel RNG tracker
-(zero3/checkpointing.py)."""
+(zero3/activation/checkpointing.py, zero3/activation/rng.py)."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ from ..partition.param import ZeroParameter, residence_of
 from ..partition.state import Residence, check_move
 from .pool import BufferPool, PoolSpan
 from .residence import ShardStore
-from .swapfile import AsyncIO, SwapFile, aligned, storage_view, uint8_view
+from .swapfile import AsyncIO, SwapFile, aligned_nbytes, storage_view, uint8_view
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class ShardTier:
             return
         self.shard_store.own_cpu_storage(p)
         nbytes = z.shard.numel() * z.shard.element_size()
-        if aligned(nbytes) > self.pool.nbytes:
+        if aligned_nbytes(nbytes) > self.pool.nbytes:
             raise ZeroConfigError(
                 f"the shard of {z.name} ({z.shard_numel} elements, {nbytes} bytes) does not fit in one buffer of the "
                 f"parameter pool ({self.pool.nbytes} bytes: offload_param_buffer_size elements of the config dtype); "
@@ -272,7 +272,10 @@ class ShardTier:
         """The gather of ``params`` is complete: free the memory of their shards (unless loaded)."""
         for p in params:
             sw = p._zero.swap
-            if sw is not None and p._zero.residence.in_memory and not sw.loads:
+            if sw is None:
+                continue
+            sw.ahead = False  # used: no longer a read-ahead `drop_ahead` may take back
+            if p._zero.residence.in_memory and not sw.loads:
                 self._drop(p)
 
     def drop_ahead(self, keep: Iterable[ZeroParameter] = ()) -> None:

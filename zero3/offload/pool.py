@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .swapfile import aligned, aligned_empty
+from .swapfile import aligned_empty, aligned_nbytes
 
 
 @dataclass(eq=False)
@@ -26,7 +26,7 @@ class BufferPool:
 
     def __init__(self, count: int, nbytes: int, pin: bool = False) -> None:
         self.count = count
-        self.nbytes = aligned(nbytes)
+        self.nbytes = aligned_nbytes(nbytes)
         self.pin = pin
         self._buffers: list[torch.Tensor | None] = [None] * count
         self._live = [0] * count  # spans handed out and not freed, per buffer
@@ -44,7 +44,7 @@ class BufferPool:
 
     def alloc(self, nbytes: int) -> PoolSpan | None:
         """A span of at least ``nbytes``, or None when no buffer has room for it now."""
-        need = aligned(nbytes)
+        need = aligned_nbytes(nbytes)
         if need > self.nbytes:
             return None
         b = self._open

@@ -31,7 +31,7 @@ BOUNCE_BYTES = 8 << 20
 """Bytes of each IO thread's aligned bounce buffer, through which unaligned memory is copied."""
 
 
-def aligned(nbytes: int) -> int:
+def aligned_nbytes(nbytes: int) -> int:
     """``nbytes`` rounded up to a multiple of `ALIGN`."""
     return -(-nbytes // ALIGN) * ALIGN
 
@@ -81,7 +81,7 @@ class SwapFile:
             assert got[1] == nbytes, f"swap region {key!r} was {got[1]} bytes, now {nbytes}"
             return got[0]
         offset = self.size
-        self.size += aligned(nbytes)
+        self.size += aligned_nbytes(nbytes)
         self._regions[key] = (offset, nbytes)
         return offset
 
@@ -100,7 +100,7 @@ class SwapFile:
                 self._full(write, data[:done], offset, done)
         while done < n:  # the unaligned part, through the bounce buffer
             k = min(n - done, bounce.numel())
-            span = bounce[: aligned(k)]
+            span = bounce[: aligned_nbytes(k)]
             if write:
                 span[:k].copy_(data[done: done + k])
                 self._full(True, span, offset + done, span.numel())

@@ -72,7 +72,7 @@ ALIGN_ELEMENTS = 64
 """Offsets of views in a flat buffer are multiples of this many elements (see [Note: flat master buffers])."""
 
 
-def aligned(numel: int) -> int:
+def aligned_numel(numel: int) -> int:
     """``numel`` rounded up to a multiple of `ALIGN_ELEMENTS`."""
     return -(-numel // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
 
@@ -235,7 +235,7 @@ class PartitionedOptimizer:
         offsets, total = [], 0
         for p in ps:
             offsets.append(total)
-            total += aligned(p._zero.shard_numel)
+            total += aligned_numel(p._zero.shard_numel)
         device = ps[0]._zero.shard.device if ps else self.comm_device
         dtypes = {p._zero.shard.dtype for p in ps}
         if len(dtypes) > 1:
