@@ -382,6 +382,20 @@ def test_live_consolidated_state_dict_equals_reference_and_keeps_ties(trained):
     assert sd["wte.weight"] is sd["lm_head.weight"]
 
 
+def test_live_consolidated_state_dict_keeps_ties_of_gathered_persistent_parameters():
+    """With the default persistence threshold the tied embedding stays gathered, and ``state_dict()``
+    hands out copies of gathered parameters: the consolidated dict must still tie them."""
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = GPT(CFG)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    assert model.wte.weight.ds_persist
+    sd = engine.consolidated_state_dict()
+    assert sd["wte.weight"] is sd["lm_head.weight"]
+    torch.manual_seed(0)
+    assert torch.equal(sd["wte.weight"], GPT(CFG).wte.weight.detach())
+
+
 # -- pretrained ---------------------------------------------------------------------------------------
 def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     params = list(model.parameters())

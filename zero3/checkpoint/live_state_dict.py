@@ -52,9 +52,13 @@ def consolidated_state_dict(ctx: RuntimeContext, rank0_only: bool = True, *,
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
+    # By name, not by the state dict's values: a gathered parameter's value there is a copy
+    # (hooks.py `_clone_gathered`), which would untie tied parameters.
+    by_name = dict(ctx.module.named_parameters(remove_duplicate=False))
     for key, value in ctx.module.state_dict(keep_vars=True).items():
-        if isinstance(value, ZeroParameter):
-            out[key] = full[id(value)]
+        p = by_name.get(key)
+        if isinstance(p, ZeroParameter):
+            out[key] = full[id(p)]
         elif isinstance(value, torch.Tensor):
             out[key] = cast_floating(value.detach().to("cpu", copy=True), dtype)
     return out
