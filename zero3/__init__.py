@@ -28,6 +28,7 @@ from .checkpoint import (
     CheckpointNotFoundError,
     CheckpointVersionError,
 )
+from .comm.process_group import init_distributed
 from .config import ZeroConfig
 from .engine import Engine, clip_grad_norm_, initialize
 from .errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroError, ZeroStateError
@@ -65,6 +66,7 @@ __all__ = [
     "ZeroStateError",
     "checkpointing",
     "clip_grad_norm_",
+    "init_distributed",
     "initialize",
     "is_partitioned",
     "is_zero_param",

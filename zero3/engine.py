@@ -21,7 +21,9 @@ from torch import nn
 from .activation import checkpointing
 from .checkpoint.load import load_checkpoint
 from .checkpoint.save import save_checkpoint
+from .comm.agreement import agree_on_config
 from .comm.communicator import Communicator, Kind, Tag
+from .comm.process_group import ensure_default_group
 from .config import ZeroConfig, resolve_config
 from .checkpoint.live_state_dict import consolidated_state_dict
 from .runtime.context import RuntimeContext, build_context, context_of
@@ -510,14 +512,28 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
 
     Raises:
         ZeroStateError: the model was already initialised.
-        ZeroConfigError: invalid config, an optimizer both given and configured, or the model was
-            built under Init with another group.
+        ZeroConfigError: invalid config (on any rank: every rank raises, naming it), configs that
+            differ between ranks (naming each key), an optimizer both given and configured, the model
+            built under Init with another group, or ``WORLD_SIZE`` > 1 without a process group and
+            without the environment to make one (``MASTER_ADDR``/``MASTER_PORT``).
+
+    With no process group and a launcher's ``WORLD_SIZE`` > 1, the default group is made from the
+    environment first (`zero3.init_distributed`).
     """
     if model is None:
         raise ZeroConfigError("zero3.initialize needs model=")
+    ensure_default_group("zero3.initialize")
     if group is None and mpu is not None:
         group = data_parallel_group(mpu)
-    config = resolve_config(config)
+    # A config that is bad on one rank only still takes part in the agreement, so every rank raises.
+    resolved, error = None, None
+    try:
+        resolved = resolve_config(config)
+    except ZeroConfigError as exc:
+        error = exc
+    agree_on_config(group, resolved, error, "zero3.initialize")
+    assert resolved is not None
+    config = resolved
     if config.training.scheduler is not None and optimizer is None and config.training.optimizer is None:
         raise ZeroConfigError("zero3.initialize got a 'scheduler' section but no optimizer (nor an 'optimizer' "
                               "section): a schedule needs an optimizer to set the lr of")

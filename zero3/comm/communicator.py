@@ -91,7 +91,7 @@ class Communicator:
             reduce_impl=("p2p" if gloo else "reduce_scatter") if config.reduce_impl == "auto" else config.reduce_impl,
             allgather_impl=("p2p" if gloo else "all_gather") if config.allgather_impl == "auto"
             else config.allgather_impl,
-            verify=(gloo if config.verify is None else config.verify) and world_size > 1)
+            verify=config.verify and world_size > 1)
         self.verify = bool(self.config.verify)
         # NCCL moves only CUDA tensors: small tensors (headers, flags) live there.
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \

@@ -26,7 +26,8 @@ class CommSettings:
         reduce_impl: ``reduce_scatter``, ``all_reduce`` (then slice), ``p2p`` (pairwise sends and
             receives, then a local sum) or ``auto`` (p2p on gloo, reduce-scatter elsewhere).
         allgather_impl: ``all_gather``, ``p2p`` or ``auto`` (p2p on gloo, all-gather elsewhere).
-        verify: verify every collective (verify.py); None: on for gloo, off for any other backend (NCCL).
+        verify: verify every collective (verify.py), on every backend: unverified, ranks that issue
+            different collectives of the same size mix their data silently. None reads as True.
         timeout_s: when > 0 and world size > 1, collectives run on a process group of their own
             with this timeout (a rank that stops taking part is reported instead of waited for).
         plans: how many epoch plans to remember.
@@ -43,7 +44,7 @@ class CommSettings:
     bucket_numel: int = 1 << 62
     reduce_impl: Literal["auto", "reduce_scatter", "all_reduce", "p2p"] = "auto"
     allgather_impl: Literal["auto", "all_gather", "p2p"] = "auto"
-    verify: bool | None = None
+    verify: bool = True
     timeout_s: float = 0.0
     plans: int = 8
     quantize_weights: bool = False
@@ -64,6 +65,7 @@ class CommSettings:
             raise ZeroConfigError(f"hpz_partition_size must be -1 or >= 1, got {self.hpz_partition_size!r}")
         if self.timeout_s < 0:
             raise ZeroConfigError(f"timeout_s must be >= 0, got {self.timeout_s!r}")
+        object.__setattr__(self, "verify", self.verify is not False)  # on unless turned off
         object.__setattr__(self, "bucket_numel", max(1, int(self.bucket_numel)))
         object.__setattr__(self, "timeout_s", float(self.timeout_s))
         object.__setattr__(self, "plans", max(1, int(self.plans)))

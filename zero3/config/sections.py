@@ -95,8 +95,9 @@ class CommConfig:
     """Verify that every rank issues the same collectives (kind, size, parameters carried), so ranks
     that run different modules all raise ``ZeroDivergenceError`` instead of hanging or mixing
     gradients. Steps that repeat an agreed plan carry the check inside their payloads (one header
-    exchange per step); others exchange a header before each collective (comm/verify.py [Note: verified collectives]).
-    ``None``: on for gloo, off for NCCL (checking a payload costs a device-to-host sync)."""
+    exchange per step); others exchange a header before each collective (comm/verify.py [Note: verified
+    collectives]).
+    ``None`` (the default): on, on every backend, NCCL included; ``False`` turns it off."""
 
     collective_timeout: float = 300.0
     """Seconds any zero3 collective may wait for the other ranks. zero3's collectives run on a

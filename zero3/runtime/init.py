@@ -48,8 +48,10 @@ from torch.utils import _pytree as pytree
 
 from ..partition import sharding
 from ..planning.persistence import MemoryBudget, PersistenceRule
+from ..comm.agreement import agree_on_config
 from ..comm.communicator import Kind, Tag
-from ..config import resolve_config
+from ..comm.process_group import ensure_default_group
+from ..config import ZeroConfig, resolve_config
 from .context import RuntimeContext
 from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import data_parallel_group as mpu_data_parallel_group
@@ -146,7 +148,12 @@ class Init:
 
     Raises:
         ZeroConfigError: an argument zero3 does not support (named, with what it is for), two
-            configs, or a bad value.
+            configs, or a bad value; a config that is invalid on some rank or differs between ranks
+            (every rank raises, naming the rank or the key); ``WORLD_SIZE`` > 1 without a process
+            group and without ``MASTER_ADDR``/``MASTER_PORT`` to make one.
+
+    With no process group and a launcher's ``WORLD_SIZE`` > 1, the default group is made from the
+    environment first (`zero3.init_distributed`).
     """
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
@@ -177,20 +184,26 @@ class Init:
         if data_parallel_group is not None and group is not None and data_parallel_group is not group:
             raise ZeroConfigError("zero3.Init got both data_parallel_group and group; pass one")
         self.enabled = enabled
-        self._config = resolve_config(configs[0] if configs else None)
+        if enabled:
+            ensure_default_group("zero3.Init")
         self._group = data_parallel_group if data_parallel_group is not None else group
         if mpu is not None:
             if self._group is None:
                 self._group = mpu_data_parallel_group(mpu)
             model_parallel_group(mpu)  # a unit zero3.initialize would refuse is refused here already
-        if remote_device is None and self._config.offload.offload_param != "none":
-            remote_device = self._config.offload.offload_param  # DeepSpeed: the config's offload_param device
-        self._remote_device = _remote_device(remote_device)
-        try:  # this context's own gathers and swap files follow remote_device, not the config's device
-            self._config = self._config.replace(offload_param="nvme" if remote_device == "nvme" else "none")
+        # A config that is bad on one rank only still takes part in the agreement, so every rank raises.
+        resolved, error = None, None
+        try:
+            resolved, remote_device = _effective_config(configs[0] if configs else None, remote_device)
         except ZeroConfigError as exc:
-            raise ZeroConfigError(f"zero3.Init(remote_device='nvme') needs offload_param.nvme_path in the config "
-                                  f"passed as config_dict_or_path: {exc}") from None
+            error = exc
+        if enabled:
+            agree_on_config(self._group, resolved, error, "zero3.Init")
+        elif error is not None:
+            raise error
+        assert resolved is not None
+        self._config = resolved
+        self._remote_device = _remote_device(remote_device)
         self._pin_memory = pin_memory  # or the config's offload_param.pin_memory (the context's placement)
         self._dtype = dtype if dtype is not None else (torch_dtype(self._config.precision.dtype)
                                                        if self._config.precision.dtype != "fp32" else None)
@@ -246,6 +259,20 @@ class Init:
             self._token = None
             if not _STACK.get():
                 _remove_patches()
+
+
+def _effective_config(config: Any, remote_device: Any) -> tuple[ZeroConfig, Any]:
+    """The config `Init` builds with (its own gathers and swap files follow ``remote_device``, which
+    defaults to the config's ``offload_param`` device, as DeepSpeed's does), and that device."""
+    cfg = resolve_config(config)
+    if remote_device is None and cfg.offload.offload_param != "none":
+        remote_device = cfg.offload.offload_param
+    _remote_device(remote_device)  # a bad device is a config error of this rank's too
+    try:
+        return cfg.replace(offload_param="nvme" if remote_device == "nvme" else "none"), remote_device
+    except ZeroConfigError as exc:
+        raise ZeroConfigError(f"zero3.Init(remote_device='nvme') needs offload_param.nvme_path in the config "
+                              f"passed as config_dict_or_path: {exc}") from None
 
 
 def _remote_device(value: Any) -> torch.device | None:
