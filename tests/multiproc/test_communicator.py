@@ -34,9 +34,9 @@ class Recording(Communicator):
         self.kinds.append(tag.kind)
         self.labels.append(tag.label)
 
-    def all_gather_params(self, params, tag, count=True, keep_secondary=False):
+    def all_gather_params(self, params, tag, count=True, keep_secondary=False, quantize=False):
         self._note(tag)
-        return super().all_gather_params(params, tag, count, keep_secondary)
+        return super().all_gather_params(params, tag, count, keep_secondary, quantize)
 
     def reduce_grads(self, pieces, dtype, device, tag):
         self._note(tag)
@@ -69,12 +69,14 @@ def run_everything(tmp: str) -> dict:
     comm = Recording()
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                               {"param_persistence_threshold": 0}, communicator=comm)
+    adopted = sorted({k.name for k in comm.kinds})  # the model was built without Init: rank 0's values
+    comm.kinds.clear()
     rank = dist.get_rank()
     x, y = synthetic_batch(rank, 2, CFG)
     engine.backward(engine(x, y))
     zero3.clip_grad_norm_(engine, 1.0)
     engine.step()
-    seen = {"step": sorted({k.name for k in comm.kinds})}
+    seen = {"initialize": adopted, "step": sorted({k.name for k in comm.kinds})}
     comm.kinds.clear()
     with zero3.GatheredParameters([model.ln_f.weight], modifier_rank=0):
         if rank == 0:
@@ -93,6 +95,7 @@ def run_everything(tmp: str) -> dict:
 def test_every_collective_goes_through_the_communicator_passed_to_initialize(pools, tmp_path):
     results = pools.get(2).run(run_everything, str(tmp_path))
     for r in results:
+        assert r["initialize"] == ["BROADCAST"]
         assert r["step"] == ["ALL_REDUCE", "GRAD_REDUCE", "PARAM_GATHER"]
         assert r["other"] == ["BROADCAST", "GATHER_TO_ROOT", "OBJECTS", "PARAM_GATHER", "TENSOR_GATHER"]
         assert r["ln_f"] == [2.0] * CFG.n_embd

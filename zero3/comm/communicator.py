@@ -175,15 +175,23 @@ class Communicator:
 
     # -- parameters and gradients ----------------------------------------------------------------
     def all_gather_params(self, params: Sequence[ZeroParameter], tag: Tag, count: bool = True,
-                          keep_secondary: bool = False) -> GatherWork:
+                          keep_secondary: bool = False, quantize: bool = False) -> GatherWork:
         """Issue the all-gather of ``params``' shards into their own storage (split at ``bucket_numel``).
 
         The caller owns the parameters' status (NOT_AVAILABLE -> INFLIGHT -> AVAILABLE); this only
         moves bytes. Their storage is allocated when the data is copied out. ``count``: add it to
         the step's gather metrics (persistent refreshes are counted apart). ``keep_secondary`` (hpZ,
         ``hpz`` > 1): the work's ``wait()`` also cuts each parameter's `Secondary` slice.
+        ``quantize``: a training-path gather, which qwZ codes when ``quantize_weights`` is on; every
+        other gather (what users read, write back or save) carries exact values.
         """
-        return self._gatherer.all_gather_params(params, tag, count, self._cutter if keep_secondary else None)
+        return self._gatherer.all_gather_params(params, tag, count, self._cutter if keep_secondary else None,
+                                                quantize)
+
+    @property
+    def quantizes_weights(self) -> bool:
+        """Whether gathers asked to ``quantize`` hand out dequantized (int8-rounded) weights (qwZ)."""
+        return self.config.quantize_weights and self.world_size > 1
 
     def all_gather_secondary(self, params: Sequence[ZeroParameter], tag: Tag) -> GatherWork:
         """hpZ, on a secondary group's communicator (`hpz.secondary_communicator`): gather ``params``

@@ -1,7 +1,7 @@
 """Parameter all-gathers: where a gather is issued, on the gather transport chosen once per communicator.
 
 A gather of parameter shards goes one of four ways: a local copy (world size 1), int8 blocks with
-scales (qwZ, `QuantizedCodec`), pairwise pieces straight into the parameters' storage
+scales (qwZ, `QuantizedCodec`: training-path gathers only, as the caller says), pairwise pieces straight into the parameters' storage
 (`PairwiseGather` where it can), or buckets of at most ``bucket_numel`` elements gathered into rows
 and copied out (on the CUDA side stream with ``overlap_comm``). Each returns its own kind of
 `GatherWork` (works.py). hpZ secondary gathers (`all_gather_secondary`) run on the secondary
@@ -176,15 +176,16 @@ class ParamGatherer:
         m.allgather_bytes += sum(p._zero.nbytes for p in params)
 
     def all_gather_params(self, params: Sequence[ZeroParameter], tag: Tag, count: bool,
-                          cutter: SecondaryCutter | None) -> GatherWork:
-        """Issue the all-gather of ``params``' shards into their own storage (`Communicator.all_gather_params`)."""
+                          cutter: SecondaryCutter | None, quantize: bool) -> GatherWork:
+        """Issue the all-gather of ``params``' shards into their own storage (`Communicator.all_gather_params`);
+        qwZ codes it only when the caller asks (``quantize``: a training-path gather)."""
         if not params:
             return ReadyGather(self.ctx, params, tag, cutter=cutter, done=True)
         if count:
             self._count(params)
         if self.wire.world_size == 1:
             return self._local(params, tag)
-        if self.codec is not None and all(p._zero.shard.is_floating_point() for p in params):
+        if quantize and self.codec is not None and all(p._zero.shard.is_floating_point() for p in params):
             return self._quantized(params, tag, cutter)
         if self.transport.direct(params):
             return self._direct(params, tag, cutter)

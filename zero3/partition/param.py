@@ -363,6 +363,21 @@ def partition(p: nn.Parameter, *, name: str, world_size: int, rank: int, group: 
     return p  # type: ignore[return-value]
 
 
+def update_shard_from_full(p: ZeroParameter) -> bool:
+    """After the full data may have been modified (``GatheredParameters(modifier_rank=...)``), make
+    this rank's shard (and master) match it; returns whether the shard changed. A shard that already
+    holds those values keeps its master as it is, so a context that changes nothing leaves an fp32
+    master (finer than a bf16 shard) bit-identical. Both must be in memory (``RuntimeContext.resident``)."""
+    z = p._zero
+    new = sharding.shard_tensor(raw_data(p), z.world_size, z.rank).to(z.shard.device)
+    if new.dtype == z.shard.dtype and torch.equal(new, z.shard):
+        return False
+    z.shard.copy_(new)
+    if z.master is not None:
+        z.master.copy_(z.shard)
+    return True
+
+
 def copy_full_into_shard(p: ZeroParameter) -> None:
     """After the full data was modified, make this rank's shard (and master) match it. Both must be
     in memory (``RuntimeContext.resident``)."""

@@ -54,6 +54,7 @@ from ..offload.swapfile import AsyncIO, SwapFile
 from ..offload.policy import PlacementPolicy
 from ..offload.residence import ShardStore
 from ..comm.topology import hpz_group_size
+from .adopt import take_from_rank0
 from .placement import place_shards
 
 logger = logging.getLogger(__name__)
@@ -223,7 +224,8 @@ class RuntimeContext:
 def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: Any,
                   comm: Communicator | None = None, model_parameters: Any = None,
                   lr_scheduler: Any = None, mpu: Any = None) -> RuntimeContext:
-    """Partition ``model`` (adopting parameters built under Init), and build the full runtime.
+    """Partition ``model`` (adopting parameters built under Init; the others take rank 0's values
+    first, adopt.py), and build the full runtime.
 
     Without an ``optimizer``, the config's ``optimizer`` section builds one over ``model_parameters``
     (default: all of the model's); ``lr_scheduler`` (a scheduler, or a callable taking the optimizer)
@@ -262,6 +264,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     if mpu is not None:
         ctx.model_parallel = ModelParallel.from_mpu(mpu, config, ctx.group, ctx.metrics)
     ctx.module = model
+    take_from_rank0(ctx.comm, [(name, p) for name, p in model.named_parameters() if not isinstance(p, ZeroParameter)])
     for name, p in model.named_parameters():
         if isinstance(p, ZeroParameter):
             _check_group(ctx, name, p)

@@ -18,6 +18,14 @@ Every gathered, non-persistent parameter is in ``_live`` from the moment its gat
 it is released; ``metrics.live_numel`` is their element count and `check_valid` recomputes it.
 Shards on the drive are read ahead of their gathers (read_ahead.py [Note: reading shards ahead]);
 under hpZ gathers keep and use secondary slices (hpz.py [Note: hpZ secondary shards]).
+
+[Note: exact and quantized gathers]
+qwZ (``zero_quantized_weights``) codes only the training path's gathers: the fetches and prefetches
+of forward and backward (hook events, generation, parameters found mid-forward). What a user reads
+(`gather_for_user`: ``GatheredParameters``, ``param.all_gather()``) and the persistent parameters'
+refreshes are exact, so a ``GatheredParameters(modifier_rank=...)`` that changes nothing writes back
+the very values the shards hold. ``_rounded`` holds the parameters whose gathered data is
+dequantized; a user gather of one that nothing else holds gathers it again, exactly.
 """
 
 from __future__ import annotations
@@ -86,6 +94,7 @@ class ParamCoordinator:
         self._reading = ReadAhead(shards) if shards is not None else None
         self._hpz: SecondarySlices | None = None  # hpZ (`enable_hpz`)
         self._live: dict[int, ZeroParameter] = {}
+        self._rounded: set[int] = set()  # ids gathered by qwZ, holding dequantized values (see the Note)
         self._by_id: dict[int, ZeroParameter] = {}
         self.persistent: list[ZeroParameter] = []
         self.register(params)
@@ -164,7 +173,8 @@ class ParamCoordinator:
         todo = [p for p in self.persistent if p._zero.status is ParamStatus.NOT_AVAILABLE]
         if todo:
             self.metrics.persistent_refresh_numel += sum(p._zero.numel for p in todo)
-            self._wait(self._issue(todo, Tag(Kind.PARAM_GATHER, "persistent parameters"), count=False))
+            self._wait(self._issue(todo, Tag(Kind.PARAM_GATHER, "persistent parameters"), count=False,
+                                   training=False))
 
     def unmark_persistent(self) -> None:
         """Persistent params become ordinary again (hooks removed): release what nothing holds."""
@@ -292,8 +302,10 @@ class ParamCoordinator:
                                persistent=p._zero.persistent) for pid, p in self._by_id.items()}
 
     # -- fetch and release -------------------------------------------------------------------------
-    def fetch(self, params: Iterable[ZeroParameter], label: str | None = None) -> None:
-        """Make every param AVAILABLE: wait in-flight gathers, gather the rest in one collective."""
+    def fetch(self, params: Iterable[ZeroParameter], label: str | None = None, training: bool = True) -> None:
+        """Make every param AVAILABLE: wait in-flight gathers, gather the rest in one collective.
+        ``training``: forward and backward's fetch, quantized under qwZ; else exact ([Note: exact
+        and quantized gathers])."""
         missing: list[ZeroParameter] = []
         waiting: list[_Inflight] = []
         for p in params:
@@ -312,7 +324,7 @@ class ParamCoordinator:
             self._make_room(missing)
             self._add_live(missing)
             self.metrics.demand_fetches += len(missing)
-            waiting.append(self._issue(missing, self._tag(missing, label)))
+            waiting.append(self._issue(missing, self._tag(missing, label), training=training))
         for h in waiting:
             self._wait(h)
 
@@ -339,13 +351,16 @@ class ParamCoordinator:
                 self._live[z.id] = p
                 self.metrics.add_live(z.numel, z.nbytes)
 
-    def _issue(self, params: list[ZeroParameter], tag: Tag, count: bool = True) -> _Inflight:
-        """One gather of ``params`` (under hpZ, from secondary slices where they have one)."""
+    def _issue(self, params: list[ZeroParameter], tag: Tag, count: bool = True, training: bool = True) -> _Inflight:
+        """One gather of ``params``: a ``training`` one quantized under qwZ and, under hpZ, from
+        secondary slices where they have one; any other exact, from the primary shards."""
         if self._reading is not None:
             self._reading.readable(params, self._wait_in_flight)
         hpz = self._hpz
-        if hpz is None:
-            works = [self.comm.all_gather_params(params, tag, count=count, keep_secondary=False)]
+        if training and self.comm.quantizes_weights:
+            self._rounded.update(p._zero.id for p in params)
+        if hpz is None or not training:
+            works = [self.comm.all_gather_params(params, tag, count=count, keep_secondary=False, quantize=training)]
         else:
             works = hpz.gather(self.comm, params, tag, count, keep=hpz.keeping and not self.generating)
         handle = _Inflight(works, params)
@@ -396,6 +411,7 @@ class ParamCoordinator:
             z.prefetched = False
             self.metrics.wasted_prefetches += 1
         zparam.release(p)
+        self._rounded.discard(z.id)
         if self._live.pop(z.id, None) is not None:
             self.metrics.add_live(-z.numel, -z.nbytes)
         self.metrics.releases += 1
@@ -426,10 +442,14 @@ class ParamCoordinator:
 
     # -- user requests (GatheredParameters) and parameters found mid-forward -------------------------
     def gather_for_user(self, params: Sequence[ZeroParameter]) -> None:
-        """Pin ``params`` for a user context and make them AVAILABLE (a collective if any is missing)."""
+        """Pin ``params`` for a user context and make them AVAILABLE with their exact values (a
+        collective if any is missing). One that a qwZ gather left gathered and nothing holds is
+        released first and gathered again exactly; one a running module holds keeps the weights that
+        module computes with ([Note: exact and quantized gathers])."""
+        self.release([p for p in params if p._zero.id in self._rounded])  # pinned ones stay
         for p in params:
             p._zero.user_pins += 1
-        self.fetch(params, label="GatheredParameters")
+        self.fetch(params, label="GatheredParameters", training=False)
 
     def release_for_user(self, params: Sequence[ZeroParameter]) -> None:
         """Unpin a user context's params and release those nothing else holds."""

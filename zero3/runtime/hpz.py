@@ -48,10 +48,11 @@ class SecondarySlices:
 
     def gather(self, comm: Communicator, params: Sequence[ZeroParameter], tag: Tag, count: bool,
                keep: bool) -> list[GatherWork]:
-        """One gather of ``params``: those with a secondary slice from it, inside the node (at most one
-        gather per slice form, the same split on every rank), the rest from their primary shards."""
+        """One training-path gather of ``params`` (qwZ codes it when on): those with a secondary slice
+        from it, inside the node (at most one gather per slice form, the same split on every rank), the
+        rest from their primary shards."""
         if all(p._zero.secondary is None for p in params):
-            return [comm.all_gather_params(params, tag, count=count, keep_secondary=keep)]
+            return [comm.all_gather_params(params, tag, count=count, keep_secondary=keep, quantize=True)]
         works = []
         for quantized in (False, True):
             part = [p for p in params if p._zero.secondary is not None and p._zero.secondary.quantized is quantized]
@@ -59,7 +60,8 @@ class SecondarySlices:
                 works.append(self.node_comm.all_gather_secondary(part, _subtag(tag, part)))
         primary = [p for p in params if p._zero.secondary is None]
         if primary:
-            works.append(comm.all_gather_params(primary, _subtag(tag, primary), count=count, keep_secondary=keep))
+            works.append(comm.all_gather_params(primary, _subtag(tag, primary), count=count, keep_secondary=keep,
+                                                quantize=True))
         return works
 
 

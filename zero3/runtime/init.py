@@ -64,6 +64,7 @@ from ..partition.param import (
     copy_full_into_shard,
     raw_data,
     set_placeholder_dtype,
+    update_shard_from_full,
 )
 from ..optim.precision import torch_dtype
 
@@ -514,8 +515,11 @@ class GatheredParameters:
     A collective: every rank of the parameters' group must enter it with the same parameters.
     With ``modifier_rank=r``, rank r may change the full tensors; on exit they are broadcast from r
     and re-partitioned on every rank (this is how pretrained weights are loaded into a partitioned
-    model). With ``modifier_rank=None`` changes are discarded. Parameters already gathered (by a
-    running module, or persistent ones) stay gathered on exit. ``fwd_module``: the parameters are
+    model; a parameter whose values did not change keeps its shard and fp32 master bit for bit).
+    With ``modifier_rank=None`` changes are discarded. The values are exact even under qwZ
+    (``zero_quantized_weights`` codes forward and backward's gathers only), unless a running module
+    holds the parameter: then they are what that module computes with. Parameters already gathered
+    (by a running module, or persistent ones) stay gathered on exit. ``fwd_module``: the parameters are
     registered as external parameters of that module (its forward uses them), as in DeepSpeed.
     """
 
@@ -566,10 +570,10 @@ class GatheredParameters:
                 n = p._zero.numel
                 raw_data(p).view(-1).copy_(flat[off: off + n])
                 off += n
-        with ctx.resident(self.params, write=True, overwrite=True):
+        with ctx.resident(self.params, write=True):  # shards read in too: unchanged ones are left alone
             for p in self.params:
-                copy_full_into_shard(p)
-        ctx.coordinator.drop_secondaries(self.params)
+                update_shard_from_full(p)
+        ctx.coordinator.drop_secondaries(self.params)  # all of them, on every rank: the same hpZ split
 
 
 def _owner(params: list[ZeroParameter]) -> RuntimeContext:
