@@ -21,11 +21,14 @@ pytestmark = pytest.mark.multiproc
 TIMEOUT = 10.0  # collective_timeout, seconds: a rank that does not agree fails fast
 
 
-def _engine(path: str, dtype: str = "fp32") -> zero3.Engine:
+def _engine(path: str, dtype: str = "fp32", params_on_nvme: bool = False) -> zero3.Engine:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
     cfg = {"param_persistence_threshold": 0, "collective_timeout": TIMEOUT, "dtype": dtype, "sub_group_size": 600,
            "offload_optimizer": {"device": "nvme", "nvme_path": path}}
+    if params_on_nvme:
+        cfg["offload_param"] = {"device": "nvme", "nvme_path": path, "buffer_size": 2048, "buffer_count": 4,
+                                "max_in_cpu": 0}
     return zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg)
 
 
@@ -52,19 +55,30 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 class _Fault:
-    """On rank 1 only: the ``nth`` pwritev (or preadv) of the process fails with ENOSPC (EIO)."""
+    """On rank 1, inside the optimizer's streamed step only: its ``nth`` pwritev (or preadv) fails with
+    ENOSPC (EIO), as a full (or failing) drive would answer."""
 
-    def __init__(self, write: bool, nth: int) -> None:
+    def __init__(self, engine: zero3.Engine, write: bool, nth: int) -> None:
+        self.optimizer = engine.context.optimizer
         self.name, self.nth, self.calls = ("pwritev" if write else "preadv"), nth, 0
         self.code = errno.ENOSPC if write else errno.EIO
         self.original = getattr(os, self.name)
 
     def __enter__(self) -> None:
         if dist.get_rank() == 1:
-            setattr(os, self.name, self)
+            step = self.optimizer._streamed_step
+
+            def faulty() -> None:
+                setattr(os, self.name, self)
+                try:
+                    step()
+                finally:
+                    setattr(os, self.name, self.original)
+
+            self.optimizer._streamed_step = faulty
 
     def __exit__(self, *exc: object) -> None:
-        setattr(os, self.name, self.original)
+        self.optimizer.__dict__.pop("_streamed_step", None)
 
     def __call__(self, *args):
         self.calls += 1
@@ -77,13 +91,13 @@ FAULTS = [("first write, first step", True, 1),  # Adam's state does not exist y
           ("first write", True, 1), ("a later write", True, 4), ("a later read", False, 3)]
 
 
-def failing_steps(path: str, dtype: str) -> dict:
-    engine = _engine(os.path.join(path, f"run{dist.get_rank()}"), dtype)
+def failing_steps(path: str, dtype: str, params_on_nvme: bool) -> dict:
+    engine = _engine(os.path.join(path, f"run{dist.get_rank()}"), dtype, params_on_nvme)
     out = {}
     for name, write, nth in FAULTS:
         before, steps = _state(engine), engine.global_steps
         try:
-            with _Fault(write, nth):
+            with _Fault(engine, write, nth):
                 _step(engine, steps)
             out[name] = ("no error", "", False)
         except Exception as exc:  # noqa: BLE001 - reported to the test
@@ -92,16 +106,17 @@ def failing_steps(path: str, dtype: str) -> dict:
             _step(engine, 0)
     _step(engine, 1)  # the run goes on as if the failed steps never were
     _step(engine, 2)
-    reference = _engine(os.path.join(path, f"ref{dist.get_rank()}"), dtype)
+    reference = _engine(os.path.join(path, f"ref{dist.get_rank()}"), dtype, params_on_nvme)
     for i in range(3):
         _step(reference, i)
     out["continues"] = _same(_state(engine), _state(reference))
     return out
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_a_full_drive_on_one_rank_fails_the_step_on_every_rank_and_changes_nothing(pools, tmp_path, dtype):
-    results = pools.get(2).run(failing_steps, str(tmp_path), dtype, timeout=120)
+@pytest.mark.parametrize("dtype,params_on_nvme", [("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True)])
+def test_a_full_drive_on_one_rank_fails_the_step_on_every_rank_and_changes_nothing(pools, tmp_path, dtype,
+                                                                                    params_on_nvme):
+    results = pools.get(2).run(failing_steps, str(tmp_path), dtype, params_on_nvme, timeout=120)
     for name, write, _ in FAULTS:
         cause = "No space left on device" if write else "Input/output error"
         for rank, r in enumerate(results):

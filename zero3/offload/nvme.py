@@ -223,6 +223,7 @@ class ShardSwap:
     future: Future | None = None
     ahead: bool = False  # read ahead of its gather and not used yet
     loads: int = 0  # open `ShardTier.load` calls
+    spare: int | None = None  # its second region, written by a staged step
 
 
 class ShardTier:
@@ -231,7 +232,9 @@ class ShardTier:
     optimizer step and the rare paths. See [Note: swapping]. Only the coordinator calls the gather
     side (`read`, `wait`, `done`, `drop_ahead`); the optimizer and context call `load`,
     `unload`, `store` and `read_copy` between steps. Every move of a shard's bytes goes through
-    ``shard_store`` (residence.py [Note: shard residence]); this class does the IO and the pool."""
+    ``shard_store`` (residence.py [Note: shard residence]); this class does the IO and the pool.
+    `stage` / `commit` / `rollback` work as `StorageTier`'s: a staged step writes each shard to its
+    spare region, so a rollback finds the value from before in the region it was read from."""
 
     def __init__(self, io: AsyncIO, file: SwapFile, pool: BufferPool, metrics: StepMetrics, store: ShardStore) -> None:
         self.io = io
@@ -243,6 +246,7 @@ class ShardTier:
         self._placing: list[tuple[ZeroParameter, int]] = []  # shards being written by `offload`, oldest first
         self._placing_bytes = 0
         self._overflow_warned = False
+        self._staged: dict[int, bool] | None = None  # ZeroParam.id -> written, for the shards a staged step touched
 
     # -- placement -------------------------------------------------------------------------------------
     def offload(self, p: ZeroParameter) -> None:
@@ -408,6 +412,7 @@ class ShardTier:
         data = uint8_view(values.detach().to("cpu", p._zero.shard.dtype, copy=True))  # the caller may free ``values``
         assert data.numel() == sw.nbytes, f"{p._zero.name}: {data.numel()} bytes stored into a {sw.nbytes}-byte shard"
         self.shard_store.move(p, Residence.WRITING)
+        self._keep_region(p)
         sw.future = self.io.write(sw.file, sw.offset, data)
         self._behind(p, sw.nbytes)
 
@@ -423,6 +428,45 @@ class ShardTier:
         self.io.read(sw.file, sw.offset, uint8_view(out)).result()
         return out
 
+    # -- a staged step ----------------------------------------------------------------------------------
+    def stage(self) -> None:
+        """Start a staged step: until `commit` or `rollback`, writes keep the regions read from."""
+        assert self._staged is None, "a staged step is already open"
+        self.flush()  # raises a failed earlier write before anything is staged
+        self._staged = {}
+
+    def _keep_region(self, p: ZeroParameter) -> None:
+        """In a staged step, the first write of ``p``'s shard goes to its spare region."""
+        if self._staged is None or self._staged.get(p._zero.id):
+            return
+        sw = p._zero.swap
+        if sw.spare is None:
+            sw.spare = self.file.region(("spare", "shard", p._zero.id), sw.nbytes)
+        sw.offset, sw.spare = sw.spare, sw.offset
+        self._staged[p._zero.id] = True
+
+    def commit(self) -> None:
+        """End the staged step: what it wrote is each shard's value (the step waited for its writes)."""
+        self._staged = None
+
+    def rollback(self) -> None:
+        """Undo the staged step: every shard it touched is on the drive with its value from before."""
+        staged, self._staged = self._staged or {}, None
+        for zid, written in staged.items():
+            p = self.shards[zid]
+            sw = p._zero.swap
+            try:
+                self._settle(p)
+            except Exception:  # noqa: BLE001 - the failure being rolled back (or one like it); reported by it
+                pass
+            sw.loads, sw.ahead = 0, False
+            if written:
+                sw.offset, sw.spare = sw.spare, sw.offset
+            if p._zero.residence.in_memory:
+                self._free_bytes(p, Residence.DRIVE)
+        self._placing = [(q, n) for q, n in self._placing if q._zero.id not in staged]
+        self._placing_bytes = sum(n for _, n in self._placing)
+
     # -- moves ----------------------------------------------------------------------------------------
     def _read(self, p: ZeroParameter, span: PoolSpan | None) -> None:
         sw = p._zero.swap
@@ -434,12 +478,15 @@ class ShardTier:
             self.shard_store.allocate(p, sw.nbytes, Residence.READING)
             data = uint8_view(shard)
         sw.span = span
+        if self._staged is not None:
+            self._staged.setdefault(p._zero.id, False)
         sw.future = self.io.read(sw.file, sw.offset, data)
 
     def _write(self, p: ZeroParameter) -> None:
         sw = p._zero.swap
         assert sw.span is None, f"{p._zero.name}: only a shard in its own storage is written"
         data, release = self.shard_store.begin_write(p)
+        self._keep_region(p)
         sw.future = self.io.write(sw.file, sw.offset, data, then=release)
 
     def _drop(self, p: ZeroParameter) -> None:

@@ -4,26 +4,26 @@
 A streamed step (optimizer.py [Note: streamed optimizer step]) reads and writes swap files, and a
 drive can fail on one rank only (disk full, an I/O error). Without agreement that rank raises and
 the others have stepped: the shards are one step apart and the others learn of it only from their
-next collective. So the step is staged: every write of the optimizer's NVMe tier goes to a second
-region of its key (nvme.py `StorageTier.stage`), so the region read from still holds the value from
-before, and what the step changes in memory (parameter shards, optimizer state that is not on the
-drive such as Adam's step counter, the fp16 loss scale) is copied first. When the step is done, or
-failed, on this rank, the ranks exchange their errors (one small all-gather, also over the
-model-parallel group). If none failed, the second regions become the keys' regions; if one did,
-every rank rolls back: the keys point at their old regions, the copies are put back, state created
-by the step is removed, and the gradients are dropped. Every rank then raises the same error, of
-the failing rank's type, naming that rank and carrying its message (for a full disk: ``[Errno 28]
-... No space left on device``).
+next collective. So, when the optimizer state is on NVMe, the step is staged: every write of the
+optimizer's tier, and of the parameter shards' tier when they are on NVMe too, goes to a second
+region of its key (nvme.py `StorageTier.stage`, `ShardTier.stage`), so the region read from still
+holds the value from before; what the step changes in memory (parameter shards in memory, optimizer
+state that is not on the drive such as Adam's step counter, the fp16 loss scale) is copied first.
+When the step is done, or failed, on this rank, the ranks exchange their errors (one small
+all-gather, also over the model-parallel group). If none failed, the second regions become the
+keys' regions; if one did, every rank rolls back: the keys point at their old regions, the copies
+are put back, state the step created is removed, and the gradients are dropped. Every rank then
+raises the same error, of the failing rank's type, naming that rank and carrying its message (for a
+full disk: ``[Errno 28] ... No space left on device``).
 
-What it guarantees: after a failure anywhere in the step (a read or write of the optimizer's swap
-file, the optimizer itself), on every rank the parameter shards, fp32 masters, optimizer state and
-loss scale equal their values before the step, and the step counters do not advance. What it does
-not undo: optimizer step hooks the user registered have run on the ranks that got that far. The
-cost: the second region per key doubles the optimizer's swap file, and the copy of the in-memory
-shards is one shard's worth of memory per parameter, held during the step. Parameter shards on NVMe
-(``offload_param="nvme"``) are written in place, so a failure there is agreed and raised on every
-rank but not rolled back; the step is only staged when the optimizer state is on NVMe and the
-parameter shards are in memory.
+What it guarantees, with ``offload_optimizer="nvme"`` (any ``offload_param``): after a failure
+anywhere in the step on any rank (a read or write of a swap file, the optimizer itself), on every
+rank the parameter shards, fp32 masters, optimizer state and loss scale equal their values before
+the step, and the step counters do not advance. What it does not undo: optimizer step hooks the
+user registered have run on the ranks that got that far. The cost: a second region per key doubles
+the swap files, and the copy of the shards in memory is one shard's worth per parameter, held
+during the step. With only ``offload_param="nvme"`` (optimizer state in memory, updated in place)
+the step is agreed, so every rank raises naming the failing rank and its cause, but not rolled back.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 from ..comm.communicator import Communicator, Kind, Tag
 from ..comm.failure import rebuild_error
 from ..comm.model_parallel import ModelParallel
-from ..offload.nvme import StorageTier
+from ..offload.nvme import ShardTier, StorageTier
 from ..partition.param import ZeroParameter
 from .precision import LossScaler
 
@@ -45,11 +45,13 @@ from .precision import LossScaler
 @dataclasses.dataclass(frozen=True)
 class StepParts:
     """What a step changes: the user's optimizer, its trainable parameters, the tier of its state
-    (None: nothing is staged, only agreed), the loss scaler, and how to tell per-element state."""
+    (None: nothing is staged, only agreed), the tier of the parameter shards (None: in memory), the
+    loss scaler, and how to tell per-element state."""
 
     optimizer: torch.optim.Optimizer
     params: list[ZeroParameter]
     states: StorageTier | None
+    shards: ShardTier | None
     scaler: LossScaler | None
     per_element: Callable[[Any, int], bool]
 
@@ -58,7 +60,8 @@ class StepParts:
 class _Kept:
     """Copies of what a staged step changes in memory (the tier keeps what is on the drive): each
     parameter's optimizer state (per-element tensors by reference: their bytes are in the tier; None:
-    no state yet), each parameter shard, and the loss scaler's state."""
+    no state yet), each parameter shard in memory (a shard tier keeps those on NVMe), and the loss
+    scaler's state."""
 
     state: dict[int, dict[str, Any] | None]
     shards: dict[int, torch.Tensor]
@@ -76,12 +79,14 @@ class AgreedStep:
     def run(self, step: Callable[[], None], drop_grads: Callable[[], None], scaler_state: dict[str, Any] | None) -> None:
         """Run ``step`` (it calls no collective); raise on every rank, with nothing changed, if it
         failed on any. ``scaler_state``: the loss scaler's state before this step updated it."""
-        states = self.parts.states
+        states, shards = self.parts.states, self.parts.shards
         kept = self._keep(scaler_state) if states is not None else None
         error: BaseException | None = None
         try:
             if states is not None:
                 states.stage()
+                if shards is not None:
+                    shards.stage()
             step()
         except Exception as exc:  # noqa: BLE001 - agreed across ranks below
             error = exc
@@ -89,6 +94,8 @@ class AgreedStep:
         if not failures:
             if states is not None:
                 states.commit()
+                if shards is not None:
+                    shards.commit()
             return
         if kept is not None:
             self._roll_back(kept)
@@ -117,11 +124,14 @@ class AgreedStep:
             state[z.id] = None if st is None else {
                 k: v if per_element(v, z.shard_numel) else (v.clone() if isinstance(v, torch.Tensor) else v)
                 for k, v in st.items()}
-        return _Kept(state, {p._zero.id: p._zero.shard.clone() for p in self.parts.params}, scaler_state)
+        in_memory = {p._zero.id: p._zero.shard.clone() for p in self.parts.params if p._zero.swap is None}
+        return _Kept(state, in_memory, scaler_state)
 
     def _roll_back(self, kept: _Kept) -> None:
         assert self.parts.states is not None
         self.parts.states.rollback()
+        if self.parts.shards is not None:
+            self.parts.shards.rollback()
         opt = self.parts.optimizer
         for p in self.parts.params:
             z = p._zero
@@ -130,7 +140,8 @@ class AgreedStep:
                 opt.state.pop(z.train_tensor, None)
             else:
                 opt.state[z.train_tensor] = before
-            z.shard.copy_(kept.shards[z.id])
+            if z.id in kept.shards:
+                z.shard.copy_(kept.shards[z.id])
         if kept.scaler is not None:
             assert self.parts.scaler is not None
             self.parts.scaler.load_state_dict(kept.scaler)

@@ -208,10 +208,10 @@ class PartitionedOptimizer:
                                       "updates each parameter from its own state (Adam, AdamW, SGD, ...)")
             self.subgroups = _subgroups(self.group_params, config.offload.sub_group_size)
         # A step that reads and writes a drive happens on every rank or on none ([Note: agreed optimizer step]);
-        # it is staged (rolled back on failure) when only the optimizer state is on the drive.
+        # it is staged (rolled back on failure) when the optimizer state is on the drive.
         self.agreed = AgreedStep(StepParts(
             self.optimizer, [p for ps in self.group_params for p in ps],
-            self.states if self.shards is None else None, self.scaler, _per_element),
+            self.states, self.shards, self.scaler, _per_element),
             comm, model_parallel) if self.streamed else None
 
     # -- set-up ----------------------------------------------------------------------------------
