@@ -125,3 +125,25 @@ def test_a_full_drive_on_one_rank_fails_the_step_on_every_rank_and_changes_nothi
             assert "rank 1 failed" in msg and cause in msg and "taken on no rank" in msg, (name, rank, msg)
             assert unchanged, (name, rank, msg)
     assert all(r["continues"] for r in results), results
+
+
+def failing_step_with_optimizer_in_memory(path: str) -> tuple[str, str]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    cfg = {"param_persistence_threshold": 0, "collective_timeout": TIMEOUT,
+           "offload_param": {"device": "nvme", "nvme_path": os.path.join(path, f"r{dist.get_rank()}"),
+                             "buffer_size": 2048, "buffer_count": 4, "max_in_cpu": 0}}
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg)
+    try:
+        with _Fault(engine, True, 1):
+            _step(engine, 0)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+def test_with_only_the_parameters_on_nvme_a_failed_step_is_agreed_and_says_it_was_not_rolled_back(pools, tmp_path):
+    for rank, (kind, msg) in enumerate(pools.get(2).run(failing_step_with_optimizer_in_memory, str(tmp_path),
+                                                        timeout=120)):
+        assert kind == "OSError" and "rank 1 failed" in msg and "No space left on device" in msg, (rank, kind, msg)
+        assert "load the last checkpoint" in msg and "may now differ" in msg, (rank, msg)

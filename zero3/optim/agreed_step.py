@@ -101,10 +101,15 @@ class AgreedStep:
             self._roll_back(kept)
         drop_grads()
         rank, kind, message = failures[0]
-        raise rebuild_error(rank, kind, f"the optimizer step was taken on no rank: rank {rank} failed: {message}. "
-                            "Every rank's parameters and optimizer state are as before the step and its gradients "
-                            "were dropped; free space on (or repair) that rank's nvme_path drive, then go on with "
-                            "the next batch or load the last checkpoint") from error
+        if kept is not None:
+            what = (f"the optimizer step was taken on no rank: rank {rank} failed: {message}. Every rank's parameters "
+                    "and optimizer state are as before the step and its gradients were dropped; fix the cause (for a "
+                    "drive: free space on, or repair, that rank's nvme_path), then go on with the next batch or load "
+                    "the last checkpoint")
+        else:
+            what = (f"the optimizer step failed: rank {rank} failed: {message}. The optimizer state is in memory and "
+                    "was not staged, so the ranks may now differ: load the last checkpoint after fixing the cause")
+        raise rebuild_error(rank, kind, what) from error
 
     def _agree(self, error: BaseException | None) -> list[tuple[int, str, str]]:
         """Every rank's failure (global rank, exception type, message), lowest rank first."""
