@@ -138,3 +138,14 @@ def test_claiming_version_1_does_not_skip_the_check(saved, tmp_path):
     _edit(root, lambda meta: meta.update(format_version=1, global_steps=7))
     with pytest.raises(ck.CheckpointCorruptError, match="does not match the checksum"):
         make_engine(seed=1).load_checkpoint(root)
+
+
+def test_a_rank_file_of_another_save_is_refused(saved, tmp_path):
+    root = Path(shutil.copytree(saved, tmp_path / "ckpt"))
+    engine = make_engine()
+    step(engine)
+    engine.save_checkpoint(tmp_path / "other", tag="step2")  # same model and tag, another step
+    name = "rank_00000-of-00001.safetensors"
+    shutil.copy(tmp_path / "other" / "step2" / name, root / "step2" / name)
+    with pytest.raises(ck.CheckpointCorruptError, match="does not match the checksum"):
+        make_engine(seed=1).load_checkpoint(root, verify=False)

@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -90,7 +90,7 @@ class CheckpointReader:
                 "one) to consolidate it")
         self.version = int(version)
         self.metadata_sha256 = metadata_digest(raw)
-        self._check_first_stamp()
+        self._check_first_stamp(meta.get("files"))
         try:
             self.meta = meta
             self.world_size = int(meta["world_size"])
@@ -116,11 +116,16 @@ class CheckpointReader:
         self._headers: dict[int, SafetensorsHeader] = {}
         self._handles: dict[int, BinaryIO] = {}
 
-    def _check_first_stamp(self) -> None:
-        """Check metadata.json against the checksum in the first rank file of the directory (found by
-        name, not through the metadata being checked), so every reader of the metadata checks it
-        before using any of it; `header` checks every other file it opens."""
-        first = min(self.path.glob("rank_*-of-*.safetensors"), default=None)
+    def _check_first_stamp(self, files: Any) -> None:
+        """Check metadata.json against the checksum in its first rank file (the first of the directory
+        when the metadata lists none), so every reader of the metadata checks it before using any
+        of it; `header` checks every other file it opens."""
+        try:
+            listed = [self.path / f["file"] for f in files]
+        except (KeyError, TypeError):
+            listed = []
+        first = next((f for f in listed if f.is_file()), None) or min(self.path.glob("rank_*-of-*.safetensors"),
+                                                                          default=None)
         if first is None:
             return  # `check_files` reports the missing files
         header = read_safetensors_header(first)
