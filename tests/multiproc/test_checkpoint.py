@@ -292,8 +292,16 @@ def _bad_copies(ckpt: str, other_ckpt: str, root: Path) -> dict[str, str]:
     f.write_bytes(bytes(data))
     m = copy("version") / "metadata.json"
     meta = json.loads(m.read_text())
-    meta["format_version"] = 2
+    meta["format_version"] = 3  # 2 (the metadata checksum) is read since issue 19
     m.write_text(json.dumps(meta))
+    edits = {"edited_lr": lambda meta: meta["optimizer"]["param_groups"][0].update(lr=0.0),
+             "edited_steps": lambda meta: meta.update(global_steps=N + 1),
+             "renamed_key": lambda meta: meta.update(client_statex=meta.pop("client_state"))}
+    for name, edit in edits.items():  # metadata.json's checksum is in the rank files (issue 19, item 5)
+        m = copy(name) / "metadata.json"
+        meta = json.loads(m.read_text())
+        edit(meta)
+        m.write_text(json.dumps(meta, indent=1))
     cases["other_model"] = other_ckpt
     return cases
 
@@ -302,7 +310,10 @@ BAD = {
     "missing": ("CheckpointNotFoundError", ["rank_00001-of-00002.safetensors", "rank file missing"]),
     "truncated": ("CheckpointCorruptError", ["rank_00001-of-00002.safetensors", "truncated"]),
     "corrupted": ("CheckpointCorruptError", ["rank_00001-of-00002.safetensors", "sha256", "corrupted"]),
-    "version": ("CheckpointVersionError", ["metadata.json", "format version 2 is not supported"]),
+    "version": ("CheckpointVersionError", ["metadata.json", "format version 3 is not supported"]),
+    "edited_lr": ("CheckpointCorruptError", ["metadata.json", "does not match the checksum"]),
+    "edited_steps": ("CheckpointCorruptError", ["metadata.json", "does not match the checksum"]),
+    "renamed_key": ("CheckpointCorruptError", ["metadata.json", "does not match the checksum"]),
     "other_model": ("CheckpointMismatchError", ["another model", "h.2.attn.c_attn.weight", "wte.weight: shape"]),
 }
 

@@ -109,7 +109,12 @@ def test_save_writes_one_rank_file_metadata_with_sizes_and_checksums_and_latest(
     assert set(wte["optimizer_state"]) == {"step", "exp_avg", "exp_avg_sq"}
     f = meta["files"][0]
     data = (tag_dir / f["file"]).read_bytes()
-    assert f["bytes"] == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest()
+    # the recorded sha256 is of the file as written: with the placeholder where metadata.json's own
+    # checksum is stamped afterwards (integrity.py [Note: metadata checksum])
+    stamped = hashlib.sha256((tag_dir / "metadata.json").read_bytes()).hexdigest().encode()
+    assert data.count(stamped) == 1
+    written = data.replace(stamped, b"0" * 64)
+    assert f["bytes"] == len(data) and f["sha256"] == hashlib.sha256(written).hexdigest()
     assert meta["client_state"] == {"epoch": 1} and meta["config"]["param_persistence_threshold"] == 0
     assert meta["optimizer"]["class"] == "AdamW" and meta["optimizer"]["param_groups"][0]["lr"] == 3e-3
 

@@ -11,6 +11,7 @@ A checkpoint is a directory ``SAVE_DIR/TAG/``, and ``SAVE_DIR/latest`` names the
     rank_00000-of-00002.safetensors         what rank 0 owns
     rank_00001-of-00002.safetensors         what rank 1 owns
 
+Every rank file's header records the sha256 of metadata.json (integrity.py [Note: metadata checksum]).
 The rank files are plain safetensors files (``safetensors.safe_open`` reads them). zero3 writes and
 reads them itself (safetensors.py), so the package is not required. For a parameter ``name``, rank r's file holds
 only the *real* (unpadded) flat range that r owns (`sharding.shard_range`):
@@ -53,7 +54,10 @@ from ..partition.views import byte_view
 from .safetensors import dtype_name, parse_dtype
 
 FORMAT_NAME = "zero3-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Version 2: every rank file records metadata.json's sha256 (integrity.py [Note: metadata checksum]);
+version 1 (without it) is still read, with a warning."""
 METADATA_FILE = "metadata.json"
 MODEL_PARALLEL_FILE = "model_parallel.json"
 LATEST_FILE = "latest"
@@ -148,6 +152,7 @@ def _hashable(k: Any) -> Any:
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "READABLE_VERSIONS",
     "LATEST_FILE",
     "METADATA_FILE",
     "MODEL_PARALLEL_FILE",

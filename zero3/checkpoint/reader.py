@@ -1,5 +1,5 @@
-"""Reading a sharded checkpoint at any world size: its metadata (checked on opening), its files
-(sizes, sha256), and any element range of any saved tensor, straight into the caller's tensor.
+"""Reading a sharded checkpoint at any world size: its metadata (checked on opening, against the
+checksum the rank files record: integrity.py [Note: metadata checksum]), its files (sizes, sha256), and any element range of any saved tensor, straight into the caller's tensor.
 
 Needs no model, engine or process group: loading into an engine (load.py) and the offline
 consolidation (consolidate.py) read through it.
@@ -12,13 +12,13 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
 from .format import (
     FORMAT_NAME,
-    FORMAT_VERSION,
+    READABLE_VERSIONS,
     LATEST_FILE,
     METADATA_FILE,
     MODEL_PARALLEL_FILE,
@@ -29,8 +29,8 @@ from .format import (
     ParamMeta,
     model_parallel_dir,
 )
-from .safetensors import SafetensorsHeader, dtype_name, parse_dtype, read_safetensors_header, read_tensor_range, \
-    sha256_file
+from .integrity import STAMP_KEY, check_stamp, file_sha256, metadata_digest
+from .safetensors import SafetensorsHeader, dtype_name, parse_dtype, read_safetensors_header, read_tensor_range
 
 logger = logging.getLogger(__name__)
 
@@ -74,18 +74,23 @@ class CheckpointReader:
         self.metadata_path = self.path / METADATA_FILE
         if not self.metadata_path.is_file():
             raise CheckpointNotFoundError(f"{self.metadata_path}: missing (no checkpoint {tag!r} in {self.root})")
+        raw = self.metadata_path.read_bytes()
         try:
-            meta = json.loads(self.metadata_path.read_bytes())
+            meta = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise CheckpointCorruptError(f"{self.metadata_path}: not valid JSON ({exc})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
             raise CheckpointCorruptError(f"{self.metadata_path}: not zero3 checkpoint metadata "
                                          f"(format {meta.get('format') if isinstance(meta, dict) else None!r})")
         version = meta.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise CheckpointVersionError(
                 f"{self.metadata_path}: checkpoint format version {version!r} is not supported; this zero3 reads "
-                f"version {FORMAT_VERSION}. Use the zero3 release that wrote it (or a newer one) to consolidate it")
+                f"versions {', '.join(map(str, READABLE_VERSIONS))}. Use the zero3 release that wrote it (or a newer "
+                "one) to consolidate it")
+        self.version = int(version)
+        self.metadata_sha256 = metadata_digest(raw)
+        self._check_first_stamp(meta.get("files"))
         try:
             self.meta = meta
             self.world_size = int(meta["world_size"])
@@ -110,6 +115,24 @@ class CheckpointReader:
                                          f"{self.world_size}")
         self._headers: dict[int, SafetensorsHeader] = {}
         self._handles: dict[int, BinaryIO] = {}
+
+    def _check_first_stamp(self, files: Any) -> None:
+        """Check metadata.json against the checksum in its first rank file (the first of the directory
+        when the metadata lists none), so every reader of the metadata checks it before using any
+        of it; `header` checks every other file it opens."""
+        try:
+            listed = [self.path / f["file"] for f in files]
+        except (KeyError, TypeError):
+            listed = []
+        first = next((f for f in listed if f.is_file()), None) or min(self.path.glob("rank_*-of-*.safetensors"),
+                                                                          default=None)
+        if first is None:
+            return  # `check_files` reports the missing files
+        header = read_safetensors_header(first)
+        check_stamp(first, header.metadata.get(STAMP_KEY), self.metadata_sha256, self.metadata_path, self.version)
+        if header.metadata.get(STAMP_KEY) is None:
+            logger.warning("zero3::checkpoint %s was saved by a zero3 without the metadata checksum (format version "
+                           "1): metadata.json is not verified; save it again to add one", self.path)
 
     def _model_parallel(self, rank: int | None) -> int:
         """The model-parallel size the checkpoint was saved with (1: without), checked against ``rank``."""
@@ -159,15 +182,19 @@ class CheckpointReader:
                 raise CheckpointCorruptError(f"{path}: {size} bytes, but the metadata records {f['bytes']} "
                                              "(truncated or overwritten)")
         for j in hash_files:
+            self.header(j)  # its stamp: the metadata it belongs to
             expected = self.meta["files"][j]["sha256"]
-            digest = sha256_file(self.files[j])
+            digest = file_sha256(self.files[j])
             if digest != expected:
                 raise CheckpointCorruptError(f"{self.files[j]}: sha256 {digest[:16]}... does not match the metadata "
                                              f"({expected[:16]}...): the file is corrupted")
 
     def header(self, j: int) -> SafetensorsHeader:
         if j not in self._headers:
-            self._headers[j] = read_safetensors_header(self.files[j])
+            header = read_safetensors_header(self.files[j])
+            check_stamp(self.files[j], header.metadata.get(STAMP_KEY), self.metadata_sha256, self.metadata_path,
+                        self.version)
+            self._headers[j] = header
         return self._headers[j]
 
     def check_entry(self, j: int, key: str, numel: int, dtype: torch.dtype) -> None:

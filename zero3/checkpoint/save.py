@@ -2,7 +2,7 @@
 
 A save is atomic. Ranks write into ``SAVE_DIR/.TAG.partial/``: each file under a ``.tmp`` name, then
 fsync and rename. Rank 0 then writes metadata.json, which records every file's size and sha256,
-renames the directory to ``TAG``, and only then replaces ``latest`` (tmp, fsync, rename). A crash or
+records metadata.json's own sha256 in every rank file (integrity.py [Note: metadata checksum]), renames the directory to ``TAG``, and only then replaces ``latest`` (tmp, fsync, rename). A crash or
 ``kill -9`` at any point leaves the previous ``latest`` checkpoint intact, and the next save removes
 the partial directory.
 
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .exchange import exchange
+from .integrity import STAMP_KEY, UNSTAMPED, metadata_digest, stamp
 from .format import FORMAT_NAME, FORMAT_VERSION, LATEST_FILE, METADATA_FILE, MODEL_PARALLEL_FILE, check_tag, \
     model_parallel_dir, rank_file_name, to_json
 from .layout import is_sharded_state, model_entries, optimizer_groups
@@ -105,7 +106,8 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
         fname = rank_file_name(rank, world)
         files_dir.mkdir(exist_ok=True)
         writer = SafetensorsWriter(files_dir / fname, specs, {"format": "pt", "zero3": FORMAT_NAME,
-                                                            "rank": str(rank), "world_size": str(world)})
+                                                            "rank": str(rank), "world_size": str(world),
+                                                            STAMP_KEY: UNSTAMPED})
         for p in ctx.params:  # one parameter's state in memory at a time (read in when it lives on NVMe)
             with ctx.resident([p]):
                 for key, t, k in _param_pieces(ctx, p)[3]:
@@ -127,8 +129,11 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
 
     try:  # 3. rank 0 writes the metadata (of its model-parallel rank's files)
         if rank == 0:
-            meta = _build_metadata(ctx, tag, infos, shared)
-            atomic_write_bytes(files_dir / METADATA_FILE, json.dumps(meta, indent=1).encode())
+            raw = json.dumps(_build_metadata(ctx, tag, infos, shared), indent=1).encode()
+            atomic_write_bytes(files_dir / METADATA_FILE, raw)
+            digest = metadata_digest(raw)
+            for info in infos:  # [Note: metadata checksum]
+                stamp(files_dir / info["file"], digest)
             fsync_dir(files_dir)
     except Exception as exc:  # noqa: BLE001
         error = exc

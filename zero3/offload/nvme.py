@@ -54,17 +54,33 @@ class _Stored:
     state: Residence
     future: Future | None = None
     host: torch.Tensor | None = None  # the host copy of a device storage while it is moved
+    spare: int | None = None  # the key's second region, written by a staged step
+
+
+@dataclass(eq=False)
+class _Staged:
+    """What a staged step did to one key: the record before it (None: the key is new) and whether it
+    was written (then its region flipped to the spare one)."""
+
+    before: _Stored | None
+    written: bool = False
 
 
 class StorageTier:
     """Storages swapped to one file, by key: ``swap_out`` writes the bytes to the key's region and
     resizes the storage to 0; ``swap_in`` resizes it back and reads in place, so every tensor and
-    view on the storage stays valid. Device (CUDA) storages go through a host copy."""
+    view on the storage stays valid. Device (CUDA) storages go through a host copy.
+
+    Between `stage` and `commit` / `rollback` each key is written to its spare region, so the
+    region it was read from keeps the value from before: `rollback` points every key back at it and
+    frees what is in memory, so nothing the staged step did remains (optimizer.py [Note: agreed
+    optimizer step]). It costs a second region per key on the drive."""
 
     def __init__(self, io: AsyncIO, file: SwapFile) -> None:
         self.io = io
         self.file = file
         self._records: dict[Hashable, _Stored] = {}
+        self._staged: dict[Hashable, _Staged] | None = None  # the keys a staged step touched
 
     def state(self, key: Hashable) -> Residence | None:
         rec = self._records.get(key)
@@ -79,12 +95,19 @@ class StorageTier:
     def swap_out(self, key: Hashable, storage: torch.UntypedStorage) -> None:
         """Start writing ``storage`` to ``key``'s region; it holds 0 bytes once the write is done."""
         rec = self._records.get(key)
+        self._touch(key)
         if rec is None or rec.storage is not storage:
             nbytes = storage.nbytes()
             rec = self._records[key] = _Stored(storage, nbytes, self.file.region(key, nbytes), residence_of(storage))
         self._settle(rec)
         if storage.nbytes() != rec.nbytes:
             raise ZeroStateError(f"swap {key!r}: the storage holds {storage.nbytes()} bytes, its region {rec.nbytes}")
+        staged = self._staged.get(key) if self._staged is not None else None
+        if staged is not None and staged.before is rec and not staged.written:  # keep the region read from
+            if rec.spare is None:
+                rec.spare = self.file.region(("spare", key), rec.nbytes)
+            rec.offset, rec.spare = rec.spare, rec.offset
+            staged.written = True
         _move(rec, Residence.WRITING, f"swap {key!r}")
         if storage.device.type == "cpu":
             rec.future = self.io.write(self.file, rec.offset, storage_view(storage), then=lambda: storage.resize_(0))
@@ -96,6 +119,7 @@ class StorageTier:
     def swap_in(self, key: Hashable) -> None:
         """Start reading ``key`` back into its storage (allocated now); `wait` before using it."""
         rec = self._records[key]
+        self._touch(key)
         self._settle(rec)
         _move(rec, Residence.READING, f"swap {key!r}")
         if rec.storage.device.type == "cpu":
@@ -111,6 +135,48 @@ class StorageTier:
             rec = self._records.get(key)
             if rec is not None:
                 self._settle(rec)
+
+    def stage(self) -> None:
+        """Start a staged step: until `commit` or `rollback`, writes keep the regions read from."""
+        assert self._staged is None, "a staged step is already open"
+        self.wait()  # raises a failed earlier transfer before anything is staged
+        self._staged = {}
+
+    def _touch(self, key: Hashable) -> None:
+        if self._staged is not None and key not in self._staged:
+            rec = self._records.get(key)
+            assert rec is None or rec.state is Residence.DRIVE, f"swap {key!r}: staged while {rec.state.name}"
+            self._staged[key] = _Staged(rec)
+
+    def commit(self) -> None:
+        """End the staged step: what it wrote is the value of each key (its spare region is the old one).
+        The step waited for its writes, so nothing here can fail."""
+        self._staged = None
+
+    def rollback(self) -> list[Hashable]:
+        """Undo the staged step: every key it touched is on the drive with its value from before (a
+        key that did not exist is forgotten). Returns the keys forgotten."""
+        staged, self._staged = self._staged or {}, None
+        forgotten = []
+        for key, what in staged.items():
+            rec = self._records[key]
+            try:
+                self._settle(rec)
+            except Exception:  # noqa: BLE001 - the failure being rolled back (or one like it); reported by it
+                pass
+            rec.storage.resize_(0)
+            if what.before is None:
+                del self._records[key]
+                forgotten.append(key)
+                continue
+            if what.before is not rec:  # a new storage took the key: the old record is the value
+                self._records[key] = rec = what.before
+                rec.storage.resize_(0)
+            elif what.written:
+                rec.offset, rec.spare = rec.spare, rec.offset
+            if rec.state is not Residence.DRIVE:
+                _move(rec, Residence.DRIVE, f"swap {key!r} (rolled back)")
+        return forgotten
 
     def drop(self, key: Hashable) -> None:
         """Release ``key``'s storage without writing: the caller did not change it since it was read."""
@@ -157,6 +223,7 @@ class ShardSwap:
     future: Future | None = None
     ahead: bool = False  # read ahead of its gather and not used yet
     loads: int = 0  # open `ShardTier.load` calls
+    spare: int | None = None  # its second region, written by a staged step
 
 
 class ShardTier:
@@ -165,7 +232,9 @@ class ShardTier:
     optimizer step and the rare paths. See [Note: swapping]. Only the coordinator calls the gather
     side (`read`, `wait`, `done`, `drop_ahead`); the optimizer and context call `load`,
     `unload`, `store` and `read_copy` between steps. Every move of a shard's bytes goes through
-    ``shard_store`` (residence.py [Note: shard residence]); this class does the IO and the pool."""
+    ``shard_store`` (residence.py [Note: shard residence]); this class does the IO and the pool.
+    `stage` / `commit` / `rollback` work as `StorageTier`'s: a staged step writes each shard to its
+    spare region, so a rollback finds the value from before in the region it was read from."""
 
     def __init__(self, io: AsyncIO, file: SwapFile, pool: BufferPool, metrics: StepMetrics, store: ShardStore) -> None:
         self.io = io
@@ -177,6 +246,7 @@ class ShardTier:
         self._placing: list[tuple[ZeroParameter, int]] = []  # shards being written by `offload`, oldest first
         self._placing_bytes = 0
         self._overflow_warned = False
+        self._staged: dict[int, bool] | None = None  # ZeroParam.id -> written, for the shards a staged step touched
 
     # -- placement -------------------------------------------------------------------------------------
     def offload(self, p: ZeroParameter) -> None:
@@ -345,6 +415,7 @@ class ShardTier:
         data = uint8_view(values.detach().to("cpu", p._zero.shard.dtype, copy=True))  # the caller may free ``values``
         assert data.numel() == sw.nbytes, f"{p._zero.name}: {data.numel()} bytes stored into a {sw.nbytes}-byte shard"
         self.shard_store.move(p, Residence.WRITING)
+        self._keep_region(p)
         sw.future = self.io.write(sw.file, sw.offset, data)
         self._behind(p, sw.nbytes)
 
@@ -360,6 +431,45 @@ class ShardTier:
         self.io.read(sw.file, sw.offset, uint8_view(out)).result()
         return out
 
+    # -- a staged step ----------------------------------------------------------------------------------
+    def stage(self) -> None:
+        """Start a staged step: until `commit` or `rollback`, writes keep the regions read from."""
+        assert self._staged is None, "a staged step is already open"
+        self.flush()  # raises a failed earlier write before anything is staged
+        self._staged = {}
+
+    def _keep_region(self, p: ZeroParameter) -> None:
+        """In a staged step, the first write of ``p``'s shard goes to its spare region."""
+        if self._staged is None or self._staged.get(p._zero.id):
+            return
+        sw = p._zero.swap
+        if sw.spare is None:
+            sw.spare = self.file.region(("spare", "shard", p._zero.id), sw.nbytes)
+        sw.offset, sw.spare = sw.spare, sw.offset
+        self._staged[p._zero.id] = True
+
+    def commit(self) -> None:
+        """End the staged step: what it wrote is each shard's value (the step waited for its writes)."""
+        self._staged = None
+
+    def rollback(self) -> None:
+        """Undo the staged step: every shard it touched is on the drive with its value from before."""
+        staged, self._staged = self._staged or {}, None
+        for zid, written in staged.items():
+            p = self.shards[zid]
+            sw = p._zero.swap
+            try:
+                self._settle(p)
+            except Exception:  # noqa: BLE001 - the failure being rolled back (or one like it); reported by it
+                pass
+            sw.loads, sw.ahead = 0, False
+            if written:
+                sw.offset, sw.spare = sw.spare, sw.offset
+            if p._zero.residence.in_memory:
+                self._free_bytes(p, Residence.DRIVE)
+        self._placing = [(q, n) for q, n in self._placing if q._zero.id not in staged]
+        self._placing_bytes = sum(n for _, n in self._placing)
+
     # -- moves ----------------------------------------------------------------------------------------
     def _read(self, p: ZeroParameter, span: PoolSpan | None) -> None:
         sw = p._zero.swap
@@ -371,12 +481,15 @@ class ShardTier:
             self.shard_store.allocate(p, sw.nbytes, Residence.READING)
             data = uint8_view(shard)
         sw.span = span
+        if self._staged is not None:
+            self._staged.setdefault(p._zero.id, False)
         sw.future = self.io.read(sw.file, sw.offset, data)
 
     def _write(self, p: ZeroParameter) -> None:
         sw = p._zero.swap
         assert sw.span is None, f"{p._zero.name}: only a shard in its own storage is written"
         data, release = self.shard_store.begin_write(p)
+        self._keep_region(p)
         sw.future = self.io.write(sw.file, sw.offset, data, then=release)
 
     def _drop(self, p: ZeroParameter) -> None:

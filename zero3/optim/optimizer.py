@@ -38,7 +38,9 @@ shard elements). For each, the param groups are narrowed to the sub-group's tens
 so it persists across the calls, and every built-in torch optimizer updates each parameter from
 its own state only, so the result is the same, bit for bit, as one step over everything. The
 sub-group after the next is read while one steps, and the one before is written: at most three
-sub-groups' tensors are in memory. Optimizer step hooks run once per sub-group.
+sub-groups' tensors are in memory. Optimizer step hooks run once per sub-group. The ranks agree
+that every rank finished it before it counts, and roll it back otherwise (agreed_step.py
+[Note: agreed optimizer step]).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from ..comm.model_parallel import ModelParallel, is_tensor_parallel
 from ..offload.residence import ShardStore
 from ..partition.param import ZeroParameter
 from ..partition.state import MEMORY, Residence
+from .agreed_step import AgreedStep, StepParts
 from .precision import LossScaler, unscale_
 from ..offload.nvme import ShardTier, StorageTier
 from ..offload.swapfile import AsyncIO, SwapFile
@@ -204,6 +207,12 @@ class PartitionedOptimizer:
                                       "shards on NVMe the step is streamed group by group. Use an optimizer that "
                                       "updates each parameter from its own state (Adam, AdamW, SGD, ...)")
             self.subgroups = _subgroups(self.group_params, config.offload.sub_group_size)
+        # A step that reads and writes a drive happens on every rank or on none ([Note: agreed optimizer step]);
+        # it is staged (rolled back on failure) when the optimizer state is on the drive.
+        self.agreed = AgreedStep(StepParts(
+            self.optimizer, [p for ps in self.group_params for p in ps],
+            self.states, self.shards, self.scaler, _per_element),
+            comm, model_parallel) if self.streamed else None
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build_masters(self, optimizer: Any, fp32_shards: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
@@ -339,6 +348,7 @@ class PartitionedOptimizer:
         Returns False when an overflow skipped the step (on every rank), else True.
         """
         self._last_overflow = False
+        scaler_state = self.scaler.state_dict() if self.agreed is not None and self.scaler is not None else None
         if self.scaler is not None:
             overflow = self.unscale_()
             self.scaler.update(overflow)
@@ -349,7 +359,9 @@ class PartitionedOptimizer:
                 return False
         if self.config.training.gradient_clipping > 0:
             self.clip_grad_norm(self.config.training.gradient_clipping)
-        if self.streamed:
+        if self.agreed is not None:
+            self.agreed.run(self._streamed_step, self.zero_grad, scaler_state)
+        elif self.streamed:
             self._streamed_step()
         else:
             self.optimizer.step()

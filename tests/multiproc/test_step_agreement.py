@@ -1,0 +1,149 @@
+"""An optimizer step with its state on NVMe happens on every rank or on none (issue 19, item 6;
+agreed_step.py [Note: agreed optimizer step]): a drive that fails on rank 1 only, writing or reading
+its optimizer swap file in the middle of the step, makes every rank raise naming rank 1 and the
+cause, with every rank's shards, masters and optimizer state as before the step; the run then goes
+on exactly as one that never saw the failed steps."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero3
+
+pytestmark = pytest.mark.multiproc
+
+TIMEOUT = 10.0  # collective_timeout, seconds: a rank that does not agree fails fast
+
+
+def _engine(path: str, dtype: str = "fp32", params_on_nvme: bool = False) -> zero3.Engine:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    cfg = {"param_persistence_threshold": 0, "collective_timeout": TIMEOUT, "dtype": dtype, "sub_group_size": 600,
+           "offload_optimizer": {"device": "nvme", "nvme_path": path}}
+    if params_on_nvme:
+        cfg["offload_param"] = {"device": "nvme", "nvme_path": path, "buffer_size": 2048, "buffer_count": 4,
+                                "max_in_cpu": 0}
+    return zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg)
+
+
+def _step(engine: zero3.Engine, i: int) -> None:
+    torch.manual_seed(100 * i + dist.get_rank())
+    x = torch.randn(4, 16).to(engine.params[0]._zero.dtype)
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+
+
+def _state(engine: zero3.Engine) -> dict[str, torch.Tensor]:
+    out = {}
+    for p in engine.params:
+        with engine.context.resident([p]):  # masters and moments live on the drive between steps
+            out[f"{p._zero.name}/shard"] = p._zero.shard.detach().clone()
+            out[f"{p._zero.name}/master"] = engine.master_shard(p).clone()
+            for k, v in engine.optimizer_state(p).items():
+                out[f"{p._zero.name}/{k}"] = v.clone()
+    return out
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _Fault:
+    """On rank 1, inside the optimizer's streamed step only: its ``nth`` pwritev (or preadv) fails with
+    ENOSPC (EIO), as a full (or failing) drive would answer."""
+
+    def __init__(self, engine: zero3.Engine, write: bool, nth: int) -> None:
+        self.optimizer = engine.context.optimizer
+        self.name, self.nth, self.calls = ("pwritev" if write else "preadv"), nth, 0
+        self.code = errno.ENOSPC if write else errno.EIO
+        self.original = getattr(os, self.name)
+
+    def __enter__(self) -> None:
+        if dist.get_rank() == 1:
+            step = self.optimizer._streamed_step
+
+            def faulty() -> None:
+                setattr(os, self.name, self)
+                try:
+                    step()
+                finally:
+                    setattr(os, self.name, self.original)
+
+            self.optimizer._streamed_step = faulty
+
+    def __exit__(self, *exc: object) -> None:
+        self.optimizer.__dict__.pop("_streamed_step", None)
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls == self.nth:
+            raise OSError(self.code, os.strerror(self.code))
+        return self.original(*args)
+
+
+FAULTS = [("first write, first step", True, 1),  # Adam's state does not exist yet: the step creates it
+          ("first write", True, 1), ("a later write", True, 4), ("a later read", False, 3)]
+
+
+def failing_steps(path: str, dtype: str, params_on_nvme: bool) -> dict:
+    engine = _engine(os.path.join(path, f"run{dist.get_rank()}"), dtype, params_on_nvme)
+    out = {}
+    for name, write, nth in FAULTS:
+        before, steps = _state(engine), engine.global_steps
+        try:
+            with _Fault(engine, write, nth):
+                _step(engine, steps)
+            out[name] = ("no error", "", False)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[name] = (type(exc).__name__, str(exc), _same(_state(engine), before) and engine.global_steps == steps)
+        if name.endswith("first step"):
+            _step(engine, 0)
+    _step(engine, 1)  # the run goes on as if the failed steps never were
+    _step(engine, 2)
+    reference = _engine(os.path.join(path, f"ref{dist.get_rank()}"), dtype, params_on_nvme)
+    for i in range(3):
+        _step(reference, i)
+    out["continues"] = _same(_state(engine), _state(reference))
+    return out
+
+
+@pytest.mark.parametrize("dtype,params_on_nvme", [("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True)])
+def test_a_full_drive_on_one_rank_fails_the_step_on_every_rank_and_changes_nothing(pools, tmp_path, dtype,
+                                                                                    params_on_nvme):
+    results = pools.get(2).run(failing_steps, str(tmp_path), dtype, params_on_nvme, timeout=120)
+    for name, write, _ in FAULTS:
+        cause = "No space left on device" if write else "Input/output error"
+        for rank, r in enumerate(results):
+            kind, msg, unchanged = r[name]
+            assert kind == "OSError", (name, rank, kind, msg)
+            assert "rank 1 failed" in msg and cause in msg and "taken on no rank" in msg, (name, rank, msg)
+            assert unchanged, (name, rank, msg)
+    assert all(r["continues"] for r in results), results
+
+
+def failing_step_with_optimizer_in_memory(path: str) -> tuple[str, str]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    cfg = {"param_persistence_threshold": 0, "collective_timeout": TIMEOUT,
+           "offload_param": {"device": "nvme", "nvme_path": os.path.join(path, f"r{dist.get_rank()}"),
+                             "buffer_size": 2048, "buffer_count": 4, "max_in_cpu": 0}}
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg)
+    try:
+        with _Fault(engine, True, 1):
+            _step(engine, 0)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+def test_with_only_the_parameters_on_nvme_a_failed_step_is_agreed_and_says_it_was_not_rolled_back(pools, tmp_path):
+    for rank, (kind, msg) in enumerate(pools.get(2).run(failing_step_with_optimizer_in_memory, str(tmp_path),
+                                                        timeout=120)):
+        assert kind == "OSError" and "rank 1 failed" in msg and "No space left on device" in msg, (rank, kind, msg)
+        assert "load the last checkpoint" in msg and "may now differ" in msg, (rank, msg)
