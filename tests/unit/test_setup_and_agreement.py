@@ -85,3 +85,9 @@ def test_verification_is_on_by_default_and_false_turns_it_off():
     assert CommSettings.from_config(ZeroConfig()).verify is True
     assert CommSettings.from_config(ZeroConfig(verify_collectives=False)).verify is False
     assert CommSettings.model_parallel(ZeroConfig()).verify is True
+
+
+def test_each_ranks_swap_directory_may_differ_and_nothing_else():
+    a = ZeroConfig(offload_optimizer="nvme", offload_optimizer_nvme_path="/tmp/rank0")
+    assert config_digest(a) == config_digest(a.replace(offload_optimizer_nvme_path="/tmp/rank1"))
+    assert config_digest(a) != config_digest(a.replace(offload_optimizer="cpu", offload_optimizer_nvme_path=None))

@@ -6,6 +6,7 @@ no collective differs, train on quietly. A config that fails to resolve on one r
 others waiting in their first collective until a store timeout that names neither the rank nor the
 config. So each rank posts a digest of its effective config, or its config error, in one object
 exchange before anything else; on a difference the flat dicts are exchanged too, to name each key.
+Where a rank keeps its swap files (`RANK_LOCAL`) may differ between ranks and is left out.
 """
 
 from __future__ import annotations
@@ -23,9 +24,19 @@ from .tags import Kind, Tag
 from .wire import group_info
 
 
+RANK_LOCAL = frozenset({"offload_param_nvme_path", "offload_optimizer_nvme_path"})
+"""Knobs that may differ between ranks: each rank's own directory for its swap files (a local drive
+per node, or one directory per rank), which changes nothing the ranks do together."""
+
+
+def shared_knobs(config: ZeroConfig) -> dict[str, Any]:
+    """The flat knobs every rank must agree on (all but `RANK_LOCAL`)."""
+    return {k: v for k, v in config.to_dict().items() if k not in RANK_LOCAL}
+
+
 def config_digest(config: ZeroConfig) -> str:
-    """A digest of every knob of ``config`` (equal configs, equal digests, on any rank)."""
-    text = json.dumps(config.to_dict(), sort_keys=True, default=repr)
+    """A digest of the knobs the ranks must share (equal configs, equal digests, on any rank)."""
+    text = json.dumps(shared_knobs(config), sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -63,7 +74,7 @@ def agree_on_config(group: Any, config: ZeroConfig | None, error: ZeroConfigErro
     if len({d for d, _ in posted}) == 1:
         return
     assert config is not None
-    dicts = comm.exchange_objects(config.to_dict(), Tag(Kind.OBJECTS, f"{who} config difference"))
+    dicts = comm.exchange_objects(shared_knobs(config), Tag(Kind.OBJECTS, f"{who} config difference"))
     keys = differing_keys(dicts)
     detail = "; ".join(f"{k}: " + ", ".join(f"rank {r} = {d.get(k, '<unset>')!r}" for r, d in enumerate(dicts))
                        for k in keys)
