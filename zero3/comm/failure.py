@@ -28,6 +28,7 @@ class FailureMonitor:
         self.world_size = world_size
         self.rank = rank
         self.timeout_s = timeout_s
+        self._posted = ""  # this rank's last post
 
     def wait(self, work: Any, tag: Tag | None) -> None:
         self.blocking(work.wait, tag)
@@ -42,8 +43,21 @@ class FailureMonitor:
 
     def post(self, message: str) -> None:
         """Tell the other ranks what happened here (through the store; nothing without one)."""
+        self._posted = message
         if self.report is not None:
             self.report.post(message)
+
+    def reported(self, first: int, last: int) -> dict[int, str]:
+        """What each rank (this one included) posted for a step from ``first`` to ``last``, without
+        waiting: the causes a divergence message names."""
+        posts = dict(self.report.read(0.0)) if self.report is not None else {}
+        posts[self.rank] = self._posted
+        out = {}
+        for r, line in posts.items():
+            step, _, msg = line.partition("|")
+            if msg and step.isdigit() and first <= int(step) <= last:
+                out[r] = msg
+        return out
 
     def fail(self, exc: BaseException, tag: Tag | None) -> None:
         """A collective did not complete (timeout, or a peer closed its connection)."""
