@@ -38,21 +38,23 @@ class WaitContext:
 
 @dataclass(eq=False)
 class GatherChunk:
-    """One all-gather of a bucket of parameters: every rank's row holds its shards, then header room."""
+    """One all-gather of a bucket of parameters: every rank's row holds its shards, then header room.
+    ``span``: primary shards per piece (hpZ secondary slices: N consecutive shards, see sharding.py)."""
 
     params: list[ZeroParameter]
     offsets: list[int]
-    total: int  # sum of shard sizes
+    total: int  # sum of piece sizes
     rows: list[torch.Tensor] | None = None  # every rank's piece (its shards, then header room), by rank
     work: Any = None
+    span: int = 1
 
     @classmethod
-    def of(cls, params: list[ZeroParameter]) -> GatherChunk:
+    def of(cls, params: list[ZeroParameter], span: int = 1) -> GatherChunk:
         offsets, total = [], 0
         for p in params:
             offsets.append(total)
-            total += p._zero.shard_numel
-        return cls(params=params, offsets=offsets, total=total)
+            total += span * p._zero.shard_numel
+        return cls(params=params, offsets=offsets, total=total, span=span)
 
     def copy_out(self, world_size: int, keep_header: bool = False) -> None:
         """Copy each parameter's piece of every rank's row into its own storage (one copy each)."""
@@ -64,7 +66,7 @@ class GatherChunk:
         for p, off in zip(self.params, self.offsets):
             z = p._zero
             full = alloc_full(p)
-            s, n = z.shard_numel, z.numel
+            s, n = self.span * z.shard_numel, z.numel
             for r, row in enumerate(self.rows):
                 lo = r * s
                 if lo >= n:
