@@ -3,7 +3,8 @@
 Each way a gather can travel is its own small class (`ChunkedGather`, `StreamGather`,
 `DirectGather`, `QuantizedGather`, `ReadyGather`), so ``wait`` never guesses its mode from which
 fields happen to be set. Every one waits in the same order: verify (verifier.py), wait for the
-wire, raise if its slot was void, put the data into the parameters' storage, cut hpZ secondaries.
+wire, raise if its slot was void, put the data into the parameters' storage, cut hpZ secondaries;
+then it drops the torch works it waited for, so none outlives the process group (exit_release.py).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class GatherWork:
         if self.slot is not None and self.slot.void:  # issued where another rank left the plan
             assert self.tag is not None
             ctx.verifier.voided(self.tag, self.slot.sizes)
+        self.slot = None
         self._finish()
         if self.cutter is not None:
             self.secondaries = self._cut(self.cutter)
@@ -168,6 +170,9 @@ class DirectGather(GatherWork):
     def _arrive(self, ctx: WaitContext) -> None:
         ctx.monitor.wait(self.work, self.tag)
 
+    def _release(self) -> None:
+        self.work = None
+
 
 @dataclass(eq=False)
 class QuantizedGather(DirectGather):
@@ -189,6 +194,7 @@ class QuantizedGather(DirectGather):
 
     def _release(self) -> None:
         self.rows = None
+        self.work = None
 
 
 @dataclass(eq=False)
@@ -223,6 +229,6 @@ class ReduceWork:
                 ctx.verifier.voided(self.tag, self.slot.sizes)
             ctx.metrics.reduce_wait_seconds += time.perf_counter() - t0
             self.result = self.out[: self.shard_numel].div_(self.world_size)
-            self.keep = None  # the input may go now
+            self.keep = self.work = self.slot = None  # the input may go now; no finished work is held (exit_release.py)
             self.failed = False
         return self.result
