@@ -3,7 +3,7 @@
 A gloo worker thread that destroys a work object still holding a Python tensor while the interpreter
 finalizes aborts the process ("terminate called without an active exception") after a run that
 succeeded. zero3 drops its work handles as soon as they are waited and, at exit, collects what a
-script left behind while the interpreter is whole (comm/works.py `release_at_exit`). Each launch here
+script left behind while the interpreter is whole (comm/exit_release.py). Each launch here
 is a short 2-rank training run in fresh processes; every one must exit with code 0.
 """
 
@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -28,22 +29,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int = 2, persist: int = 0, timeout: float = 60) -> list[tuple[int, str]]:
+def launch(world: int = 2, timeout: float = 120) -> list[tuple[int, str]]:
     """One run of the script on ``world`` ranks: each rank's exit code and the tail of its stderr."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
-           "PERSIST": str(persist), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, SCRIPT], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    out = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            _, err = p.communicate()
-        out.append((p.returncode, err[-400:]))
-    return out
+    with tempfile.TemporaryDirectory(prefix="zero3-clean-exit-") as out_dir:
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+               "WORLD_SIZE": str(world), "CLEAN_EXIT_DIR": out_dir, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        procs = [subprocess.Popen([sys.executable, SCRIPT], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for r in range(world)]
+        out = []
+        for p in procs:
+            try:
+                _, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                _, err = p.communicate()
+            out.append((p.returncode, err[-400:]))
+        return out
 
 
 def _launches(n: int) -> None:

@@ -173,6 +173,7 @@ class Communicator:
         """At exit (exit_release.py): forget every work in flight and let go of the process group,
         destroying it where zero3 made it. The communicator is not usable afterwards."""
         self._verifier.forget()
+        self._monitor.report = None  # and the store it reads
         group, self.group, self._wire.group = self.group, None, None
         if self._own_group and group is not None and dist.is_initialized():
             try:
