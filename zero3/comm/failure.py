@@ -47,17 +47,10 @@ class FailureMonitor:
         if self.report is not None:
             self.report.post(message)
 
-    def reported(self, first: int, last: int) -> dict[int, str]:
-        """What each rank (this one included) posted for a step from ``first`` to ``last``, without
-        waiting: the causes a divergence message names."""
-        posts = dict(self.report.read(0.0)) if self.report is not None else {}
-        posts[self.rank] = self._posted
-        out = {}
-        for r, line in posts.items():
-            step, _, msg = line.partition("|")
-            if msg and step.isdigit() and first <= int(step) <= last:
-                out[r] = msg
-        return out
+    @property
+    def last_post(self) -> str:
+        """This rank's last post ("step|what happened"; empty before any)."""
+        return self._posted
 
     def fail(self, exc: BaseException, tag: Tag | None) -> None:
         """A collective did not complete (timeout, or a peer closed its connection)."""
@@ -87,6 +80,12 @@ class FailureMonitor:
             "group is closed now; every further collective of this engine raises. The default process group is not "
             "affected, but a rank that died is gone: save what you need and restart from the last checkpoint."
         ) from exc
+
+
+def posted_cause(post: str, first: int, last: int) -> str | None:
+    """What a rank's ``post`` says happened, when it was posted at a step from ``first`` to ``last``."""
+    step, _, what = post.partition("|")
+    return what if what and step.isdigit() and first <= int(step) <= last else None
 
 
 def rebuild_error(rank: int, kind: str, message: str) -> BaseException:

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ZeroCommunicationError, ZeroDivergenceError
 from ..metrics import VERIFICATION, StepMetrics
+from .failure import posted_cause
 from .tags import KIND_CODES, Kind, Tag
 from .verify import (
     LEAVING,
@@ -264,15 +265,15 @@ class Verifier:
         what += ")"
         if voided:
             what += ", issued where another rank had left the plan"
-        details = self.wire.objects((s.epoch, seq, what), VERIFICATION)
-        lines = "; ".join(f"rank {r}: step {e} collective #{q} {w}" for r, (e, q, w) in enumerate(details))
-        steps = sorted({e for e, _, _ in details})
+        details = self.wire.objects((s.epoch, seq, what, self.wire.monitor.last_post), VERIFICATION)
+        lines = "; ".join(f"rank {r}: step {e} collective #{q} {w}" for r, (e, q, w, _) in enumerate(details))
+        steps = sorted({e for e, _, _, _ in details})
         cause = ""
         if len(steps) > 1:  # a rank aborted a step (an exception it caught) and went on; the others did not
-            posted = self.wire.monitor.reported(steps[0], steps[-1])
-            where = ", ".join(f"rank {r} at step {e}" for r, (e, _, _) in enumerate(details))
+            posted = [(r, posted_cause(p, steps[0], steps[-1])) for r, (_, _, _, p) in enumerate(details)]
+            where = ", ".join(f"rank {r} at step {e}" for r, (e, _, _, _) in enumerate(details))
             cause = (f" The ranks are at different steps ({where})"
-                     + "".join(f"; rank {r} {m}" for r, m in sorted(posted.items()))
+                     + "".join(f"; rank {r} {m}" for r, m in posted if m)
                      + ". A rank that catches an exception from its forward or backward and goes on has aborted "
                      "that step while the others have not: raise it on every rank, or skip the batch on every rank.")
         self.wire.monitor.post(f"{s.epoch}|raised ZeroDivergenceError at collective #{seq} ({what})")
