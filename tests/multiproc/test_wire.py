@@ -70,7 +70,8 @@ def runs(pools):
     variants = {"exact": {}, "hpz": {"zero_hpz_partition_size": -1}, "qwz": {"zero_quantized_weights": True},
                 "qgz": {"zero_quantized_gradients": True}, "hpz_qwz": {"zero_hpz_partition_size": 2,
                                                                        "zero_quantized_weights": True},
-                "unverified": {"verify_collectives": False}}
+                "unverified": {"verify_collectives": False},
+                "hpz_collective": {"zero_hpz_partition_size": -1, "allgather_impl": "all_gather"}}
     return {name: pool.run(train, extra) for name, extra in variants.items()}
 
 
@@ -113,6 +114,20 @@ def test_hpz_keeps_backward_gathers_inside_the_node_and_changes_no_number(runs):
         assert bwd["all-gather"]["inter"] == 0 and bwd["secondary all-gather"]["inter"] == 0
         assert bwd["gradient reduction"]["inter"] == exact["recv"]["gradient reduction"]["inter"]
         assert hpz["recv"]["gradient reduction"] == exact["recv"]["gradient reduction"]
+
+
+def test_hpz_on_the_backends_all_gather_trains_like_pairwise_and_stays_inside_the_node(runs):
+    """allgather_impl="all_gather" (NCCL's choice): the secondary gather is one all-gather of every
+    rank's padded slices over the secondary group; the same numbers, the bytes inside the node."""
+    sizes = numels()
+    backward = sum(sizes.values()) - sizes["d.weight"] - sizes["d.bias"]
+    padded = sum(W * -(-sizes[name] // W) for name in sizes if not name.startswith("d."))  # N whole shards a slice
+    for pairwise, collective in zip(runs["hpz"], runs["hpz_collective"]):
+        assert collective["hpz"] == L and collective["losses"] == pairwise["losses"]
+        secondary = collective["recv"]["secondary all-gather"]
+        assert secondary["inter"] == 0 and secondary["intra"] == 4 * padded * (L - 1) / L
+        assert _close(secondary["intra"], 4 * backward * (L - 1) / L)
+        assert collective["backward_recv"]["secondary all-gather"]["inter"] == 0
 
 
 def test_hpz_memory_is_a_secondary_slice_of_every_gathered_weight_until_the_step_ends(runs):

@@ -33,6 +33,7 @@ from .codec import QuantizedCodec
 from .collectives import SmallCollectives
 from .settings import CommSettings
 from .counter import ByteCounter
+from .exit_release import track_for_exit
 from .failure import FailureMonitor, rebuild_error
 from .gather import ParamGatherer, gather_transport
 from .secondary import Secondary, SecondaryCutter
@@ -80,11 +81,13 @@ class Communicator:
         distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
         self.backend = dist.get_backend(group) if distributed else "none"
         self.group = group
+        self._own_group = dedicated  # made for zero3 (here, or by hpz.py): destroyed at exit (exit_release.py)
         if distributed and config.timeout_s > 0 and not dedicated:
             # Our own group: its timeout bounds every wait, and breaking it leaves the user's intact.
             self.group = dist.new_group(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD),
                                         timeout=datetime.timedelta(seconds=config.timeout_s), backend=self.backend,
                                         use_local_synchronization=True)
+            self._own_group = True
         # auto: gloo's collectives were measured ~2x slower than pairwise messages
         gloo = self.backend == "gloo"
         self.config = config.replace(
@@ -124,6 +127,8 @@ class Communicator:
             else self._reduce_transport)
         self._small = SmallCollectives(self._wire, self._verifier, self.verify)
         self._cutter = SecondaryCutter(world_size, self._hpz, rank) if self._hpz > 1 else None
+        if distributed:
+            track_for_exit(self)
 
     # -- what the runtime reads ------------------------------------------------------------------
     @property
@@ -163,6 +168,18 @@ class Communicator:
         if reason is not None:
             self._monitor.post(f"{self._state.epoch}|{reason}")
         self._verifier.abandon_epoch()
+
+    def release(self) -> None:
+        """At exit (exit_release.py): forget every work in flight and let go of the process group,
+        destroying it where zero3 made it. The communicator is not usable afterwards."""
+        self._verifier.forget()
+        self._monitor.report = None  # and the store it reads
+        group, self.group, self._wire.group = self.group, None, None
+        if self._own_group and group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):
+                pass  # destroyed already (destroy_process_group() of the default group destroys every group)
 
     def _dummy(self, shape: RequestShape, header: PayloadHeader, tag: Tag) -> list[Any]:
         """A void stand-in for a planned request a rank leaves the plan at, on the wire it used."""

@@ -28,6 +28,7 @@ class FailureMonitor:
         self.world_size = world_size
         self.rank = rank
         self.timeout_s = timeout_s
+        self._posted = ""  # this rank's last post
 
     def wait(self, work: Any, tag: Tag | None) -> None:
         self.blocking(work.wait, tag)
@@ -42,8 +43,14 @@ class FailureMonitor:
 
     def post(self, message: str) -> None:
         """Tell the other ranks what happened here (through the store; nothing without one)."""
+        self._posted = message
         if self.report is not None:
             self.report.post(message)
+
+    @property
+    def last_post(self) -> str:
+        """This rank's last post ("step|what happened"; empty before any)."""
+        return self._posted
 
     def fail(self, exc: BaseException, tag: Tag | None) -> None:
         """A collective did not complete (timeout, or a peer closed its connection)."""
@@ -73,6 +80,12 @@ class FailureMonitor:
             "group is closed now; every further collective of this engine raises. The default process group is not "
             "affected, but a rank that died is gone: save what you need and restart from the last checkpoint."
         ) from exc
+
+
+def posted_cause(post: str, first: int, last: int) -> str | None:
+    """What a rank's ``post`` says happened, when it was posted at a step from ``first`` to ``last``."""
+    step, _, what = post.partition("|")
+    return what if what and step.isdigit() and first <= int(step) <= last else None
 
 
 def rebuild_error(rank: int, kind: str, message: str) -> BaseException:

@@ -45,7 +45,10 @@ from .works import (
 
 
 class GatherTransport:
-    """How one communicator moves a gather's bytes (chosen once, at construction)."""
+    """How one communicator moves a gather's bytes (chosen once, at construction). ``pairwise``: it
+    sends pairwise messages (hpZ's secondary gathers then go as pieces straight into storage)."""
+
+    pairwise = False
 
     def __init__(self, wire: Wire) -> None:
         self.wire = wire
@@ -63,7 +66,7 @@ class GatherTransport:
 
     def dummy(self, shape: RequestShape, header: PayloadHeader, tag: Tag) -> list[Any]:
         """A void stand-in for a planned gather of ``shape`` (see [Note: verified collectives]):
-        quantized rows, or a direct gather's pieces (hpZ's secondary gathers always are)."""
+        quantized rows, or a direct gather's pieces."""
         dtype = getattr(torch, shape.dtype.removeprefix("torch."), torch.uint8)
         if shape.dtype == "quantized":
             w = self.wire
@@ -86,7 +89,7 @@ class CollectiveGather(GatherTransport):
         return list(out.view(w.world_size, n).unbind(0)), (work if async_op else None)
 
     def dummy(self, shape: RequestShape, header: PayloadHeader, tag: Tag) -> list[Any]:
-        if shape.dtype == "quantized" or Kind(shape.kind) is Kind.SECONDARY_GATHER:
+        if shape.dtype == "quantized":
             return super().dummy(shape, header, tag)
         w = self.wire
         dtype = getattr(torch, shape.dtype.removeprefix("torch."), torch.uint8)
@@ -104,6 +107,8 @@ class PairwiseGather(GatherTransport):
     agree in device and dtype receive their pieces straight into storage. Meta tensors (a model built
     on the meta device) have no backend for messages: they take the collective path, whose meta
     kernels move nothing, as there is nothing."""
+
+    pairwise = True
 
     def __init__(self, wire: Wire) -> None:
         super().__init__(wire)
@@ -333,6 +338,8 @@ class ParamGatherer:
                 payload[off: off + sec.nbytes].copy_(sec.data)
                 off += sec.nbytes
             return self._gather_payload(shape, params, payload, layout, header, sec_tag, None, span)
+        if not self.transport.pairwise:
+            return self._secondary_rows(params, secondaries, sec_tag)
         dtype = secondaries[0].data.dtype
         shape = RequestShape(kind.value, tuple(p._zero.numel for p in params), str(dtype), False, span)
         header = self.verifier.planned(sec_tag, shape)
@@ -346,6 +353,26 @@ class ParamGatherer:
         work = self.wire.exchange_pieces(kind, [sec.data for sec in secondaries], fulls, shape.sizes, header,
                                          sec_tag, span)
         return self._direct_work(params, sec_tag, None, shape, header, work)
+
+    def _secondary_rows(self, params: Sequence[ZeroParameter], secondaries: list[Secondary], tag: Tag) -> GatherWork:
+        """The backend's all-gather (``allgather_impl="all_gather"``, NCCL's choice): every rank's
+        padded slices, then the header, in one row per rank, copied out into storage on wait."""
+        chunk = GatherChunk.of(list(params), self.secondary_span)
+        data = secondaries[0].data
+        hdr = bitcast_elements(data.dtype) if self.verify else 0
+        shape = RequestShape(Kind.SECONDARY_GATHER.value, (chunk.total,), str(data.dtype), False)
+        header = self.verifier.planned(tag, shape)
+        pieces = [sec.data for sec in secondaries]
+        if hdr:
+            pieces.append(header_as(data.dtype, header, data.device) if header is not None
+                          else torch.zeros(hdr, dtype=data.dtype, device=data.device))
+        with label("zero3::all_gather"):
+            chunk.rows, chunk.work = self.transport.rows(torch.cat(pieces), True, None, Kind.SECONDARY_GATHER, hdr)
+        world = self.wire.world_size
+        handle = ChunkedGather(self.ctx, params, tag, chunks=[chunk], world_size=world)
+        if header is not None:
+            handle.slot = self.verifier.register(shape, [chunk.work], lambda: _chunk_headers([chunk], world, hdr, None))
+        return handle
 
 
 def _chunk_headers(chunks: list[GatherChunk], world: int, hdr: int, event: Any) -> list[PayloadHeader | None]:

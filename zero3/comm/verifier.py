@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ZeroCommunicationError, ZeroDivergenceError
 from ..metrics import VERIFICATION, StepMetrics
+from .failure import posted_cause
 from .tags import KIND_CODES, Kind, Tag
 from .verify import (
     LEAVING,
@@ -90,8 +91,13 @@ class Verifier:
 
     def abandon_epoch(self) -> None:
         """The step was aborted: leave the plan in-band so the others do not wait on slots this rank
-        will not issue, and forget this epoch."""
-        if not self.enabled or self.state.mode in (EpochMode.IDLE, EpochMode.BROKEN):
+        will not issue, and forget this epoch. It counts even when it issued no collective (every
+        parameter persistent, an error early in the forward): a rank that catches the exception and
+        goes on is then a step ahead, and the next header exchange names both steps."""
+        if not self.enabled or self.state.mode is EpochMode.BROKEN:
+            return
+        if self.state.mode is EpochMode.IDLE:
+            self._reset_epoch()
             return
         try:
             self._finish_plan()
@@ -119,6 +125,11 @@ class Verifier:
         self._plan = ()
         self._log = []
         self._outstanding.clear()
+
+    def forget(self) -> None:
+        """At exit: drop every slot in flight unwaited, and close (every later request raises)."""
+        self._outstanding.clear()
+        self.state.mode = EpochMode.BROKEN
 
     # -- requests --------------------------------------------------------------------------------
     def planned(self, tag: Tag, shape: RequestShape) -> PayloadHeader | None:
@@ -254,12 +265,21 @@ class Verifier:
         what += ")"
         if voided:
             what += ", issued where another rank had left the plan"
-        details = self.wire.objects((s.epoch, seq, what), VERIFICATION)
-        lines = "; ".join(f"rank {r}: step {e} collective #{q} {w}" for r, (e, q, w) in enumerate(details))
+        details = self.wire.objects((s.epoch, seq, what, self.wire.monitor.last_post), VERIFICATION)
+        lines = "; ".join(f"rank {r}: step {e} collective #{q} {w}" for r, (e, q, w, _) in enumerate(details))
+        steps = sorted({e for e, _, _, _ in details})
+        cause = ""
+        if len(steps) > 1:  # a rank aborted a step (an exception it caught) and went on; the others did not
+            posted = [(r, posted_cause(p, steps[0], steps[-1])) for r, (_, _, _, p) in enumerate(details)]
+            where = ", ".join(f"rank {r} at step {e}" for r, (e, _, _, _) in enumerate(details))
+            cause = (f" The ranks are at different steps ({where})"
+                     + "".join(f"; rank {r} {m}" for r, m in posted if m)
+                     + ". A rank that catches an exception from its forward or backward and goes on has aborted "
+                     "that step while the others have not: raise it on every rank, or skip the batch on every rank.")
         self.wire.monitor.post(f"{s.epoch}|raised ZeroDivergenceError at collective #{seq} ({what})")
         self._reset_epoch()
         raise ZeroDivergenceError(
-            f"ranks disagree on the next collective ({lines}). zero3 needs every rank to run the same "
+            f"ranks disagree on the next collective ({lines}).{cause} zero3 needs every rank to run the same "
             "modules in the same order with the same parameters (SPMD); make skipped branches run on every "
             "rank (e.g. with zero inputs), or make the part whose routing differs a leaf module "
             "(zero3.set_leaf_modules) so it is gathered and reduced as one unit.")
@@ -307,11 +327,13 @@ class Verifier:
             u = self._outstanding.popleft()
             for w in u.works:
                 self.wire.monitor.wait(w, None)
+            u.works = []
 
     def _verify_next(self) -> None:
         u = self._outstanding.popleft()
         for w in u.works:
             self.wire.monitor.wait(w, None)
+        u.works = []  # nothing zero3 holds may keep a finished work alive (exit_release.py)
         headers = u.read_headers()
         first = headers[0]
         ok = first is not None and first.epoch == self.state.epoch & 0xFFFF and first.seq == u.seq and \

@@ -3,9 +3,11 @@
 [Note: verified collectives]
 Ranks must issue the same collectives in the same order with the same sizes: a size mismatch on
 gloo returns garbage on one rank and aborts the other (measured), and a rank that stops taking part
-leaves the others blocked. So, with ``verify_collectives`` on (its default, None, means on for gloo
-and off for any other backend; always off at world size 1), the communicator (verifier.py) verifies
-every collective it issues, in one of two modes per *epoch* (the collectives between two ``engine.step()`` ends, or one inference forward):
+leaves the others blocked. So, with ``verify_collectives`` on (the default, on every backend; always
+off at world size 1), the communicator (verifier.py) verifies every collective it issues, in one of
+two modes per *epoch* (the collectives between two ``engine.step()`` ends, or one inference forward;
+an aborted step ends one too, even one that issued no collective, so a rank that catches an exception
+and goes on is an epoch ahead and its next header names another step: every rank raises, naming both):
 
 - CHECKED: before each collective the ranks exchange a fixed-size header (`WireHeader`: epoch,
   sequence number, kind, a hash of the parameter ids carried, size) in one blocking all-gather, and

@@ -83,7 +83,7 @@ class PairwiseWork:
             for w in self.works:
                 w.wait()
             self.done = True
-            self.keep = []
+            self.keep = self.works = []
             if self.then is not None:
                 self.then()
         return True

@@ -3,7 +3,8 @@
 Each way a gather can travel is its own small class (`ChunkedGather`, `StreamGather`,
 `DirectGather`, `QuantizedGather`, `ReadyGather`), so ``wait`` never guesses its mode from which
 fields happen to be set. Every one waits in the same order: verify (verifier.py), wait for the
-wire, raise if its slot was void, put the data into the parameters' storage, cut hpZ secondaries.
+wire, raise if its slot was void, put the data into the parameters' storage, cut hpZ secondaries;
+then it drops the torch works it waited for, so none outlives the process group (exit_release.py).
 """
 
 from __future__ import annotations
@@ -38,21 +39,23 @@ class WaitContext:
 
 @dataclass(eq=False)
 class GatherChunk:
-    """One all-gather of a bucket of parameters: every rank's row holds its shards, then header room."""
+    """One all-gather of a bucket of parameters: every rank's row holds its shards, then header room.
+    ``span``: primary shards per piece (hpZ secondary slices: N consecutive shards, see sharding.py)."""
 
     params: list[ZeroParameter]
     offsets: list[int]
-    total: int  # sum of shard sizes
+    total: int  # sum of piece sizes
     rows: list[torch.Tensor] | None = None  # every rank's piece (its shards, then header room), by rank
     work: Any = None
+    span: int = 1
 
     @classmethod
-    def of(cls, params: list[ZeroParameter]) -> GatherChunk:
+    def of(cls, params: list[ZeroParameter], span: int = 1) -> GatherChunk:
         offsets, total = [], 0
         for p in params:
             offsets.append(total)
-            total += p._zero.shard_numel
-        return cls(params=params, offsets=offsets, total=total)
+            total += span * p._zero.shard_numel
+        return cls(params=params, offsets=offsets, total=total, span=span)
 
     def copy_out(self, world_size: int, keep_header: bool = False) -> None:
         """Copy each parameter's piece of every rank's row into its own storage (one copy each)."""
@@ -64,7 +67,7 @@ class GatherChunk:
         for p, off in zip(self.params, self.offsets):
             z = p._zero
             full = alloc_full(p)
-            s, n = z.shard_numel, z.numel
+            s, n = self.span * z.shard_numel, z.numel
             for r, row in enumerate(self.rows):
                 lo = r * s
                 if lo >= n:
@@ -100,6 +103,7 @@ class GatherWork:
         if self.slot is not None and self.slot.void:  # issued where another rank left the plan
             assert self.tag is not None
             ctx.verifier.voided(self.tag, self.slot.sizes)
+        self.slot = None
         self._finish()
         if self.cutter is not None:
             self.secondaries = self._cut(self.cutter)
@@ -166,6 +170,9 @@ class DirectGather(GatherWork):
     def _arrive(self, ctx: WaitContext) -> None:
         ctx.monitor.wait(self.work, self.tag)
 
+    def _release(self) -> None:
+        self.work = None
+
 
 @dataclass(eq=False)
 class QuantizedGather(DirectGather):
@@ -187,6 +194,7 @@ class QuantizedGather(DirectGather):
 
     def _release(self) -> None:
         self.rows = None
+        self.work = None
 
 
 @dataclass(eq=False)
@@ -221,6 +229,6 @@ class ReduceWork:
                 ctx.verifier.voided(self.tag, self.slot.sizes)
             ctx.metrics.reduce_wait_seconds += time.perf_counter() - t0
             self.result = self.out[: self.shard_numel].div_(self.world_size)
-            self.keep = None  # the input may go now
+            self.keep = self.work = self.slot = None  # the input may go now; no finished work is held (exit_release.py)
             self.failed = False
         return self.result
