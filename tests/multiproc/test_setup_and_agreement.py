@@ -77,7 +77,7 @@ def _launched_rank(rank: int, port: int, entry: str, out: "mp.Queue") -> None:
 
 
 # One launch (spawning two ranks costs seconds): Init makes the group; initialize's call of the same
-# function is covered by its error in tests/unit/test_setup_and_agreement.py.
+# function is covered by its error in tests/unit/test_group_setup_and_config_digest.py.
 @pytest.mark.parametrize("entry", ["Init"])
 def test_torchrun_environment_without_init_process_group_makes_the_group(entry, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # gloo on the CPU, as the models here are, on any machine
