@@ -19,8 +19,7 @@ def _step(steps: StepTraces, modules: list[tuple[str, int]]) -> int | None:
     version = followed.trace.version if followed is not None else None
     for name, pid in modules:
         for kind in (PF, QF):
-            steps.record(kind, name, (pid,))
-            steps.match(kind, name, (pid,), step=0)
+            steps.observe(kind, name, (pid,), step=0)
     steps.end(False, lambda: INFOS, CONFIG)
     return version
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from . import sharding
 from ..errors import ZeroStateError
-from .state import ParamStatus, Residence, check_transition
+from .state import MEMORY, ParamStatus, Residence, check_transition
 
 _ids = itertools.count()
 
@@ -277,7 +277,7 @@ def is_partitioned(p: Any) -> bool:
 def begin_gather(p: ZeroParameter, handle: Any) -> None:
     """NOT_AVAILABLE -> INFLIGHT: a gather of ``p`` was issued; ``handle`` is what to wait on. Its
     shard must be in memory (one on the drive is read first, one taken by offload_states reloaded)."""
-    if not p._zero.residence.in_memory:
+    if p._zero.residence not in MEMORY:
         raise ZeroStateError(f"{p._zero.summary()}: gathered while its shard is {p._zero.residence.name}, "
                              "not in memory")
     p._zero.set_status(ParamStatus.INFLIGHT)

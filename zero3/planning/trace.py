@@ -75,8 +75,8 @@ class EventKind(enum.Enum):
 
     @property
     def is_pre(self) -> bool:
-        """True for the events that open a visit."""
-        return self in (EventKind.PRE_FORWARD, EventKind.PRE_BACKWARD)
+        """True for the events that open a visit (`OPENING`, for loops that run per event)."""
+        return self in OPENING
 
     @property
     def direction(self) -> Direction:
@@ -84,6 +84,10 @@ class EventKind(enum.Enum):
         if self in (EventKind.PRE_FORWARD, EventKind.POST_FORWARD):
             return Direction.FORWARD
         return Direction.BACKWARD
+
+
+OPENING = frozenset({EventKind.PRE_FORWARD, EventKind.PRE_BACKWARD})
+"""The event kinds that open a visit."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .schedule import PlanConfig, Schedule, plan
-from .trace import Event, EventKind, ParamInfo, Trace, TraceRecorder
+from .trace import OPENING, Event, EventKind, ParamInfo, Trace, TraceRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ Entry = tuple[Trace, Schedule]
 def _uses(trace: Trace) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
     for j, e in enumerate(trace.events):
-        if e.kind.is_pre:
+        if e.kind in OPENING:
             for pid in e.params:
                 out.setdefault(pid, []).append(j)
     return out
@@ -160,17 +160,17 @@ class StepTraces:
             self.last = chosen
         return self.following
 
-    def record(self, kind: EventKind, module: str, ids: tuple[int, ...]) -> None:
+    def observe(self, kind: EventKind, module: str, ids: tuple[int, ...], step: int) -> int | None:
+        """Record one hook event of the running step, and return its index in the followed trace when
+        it is the one expected (the cursor moves past it); None when no trace is followed, or the step
+        leaves it here (logged once). One call per hook event: this is the hook path."""
         self._recorder.record(kind, module, ids)
-
-    def match(self, kind: EventKind, module: str, ids: tuple[int, ...], step: int) -> int | None:
-        """The index of this event in the followed trace when it is the one expected (the cursor
-        moves past it); None when no trace is followed, or the step leaves it here (logged once)."""
         following = self.following
         if following is None:
             return None
         i = following.cursor
-        expected = following.expected
+        events = following.trace.events  # `Following.expected`, inline: this runs for every hook event
+        expected = events[i] if i < len(events) else None
         if expected is not None and expected.kind is kind and expected.module == module and expected.params == ids:
             following.cursor += 1
             return i

@@ -200,11 +200,10 @@ class ParamCoordinator:
             self._begin_step(kind, module)
         if ids is None:
             ids = tuple(sorted({p._zero.id for p in params}))
-        self.steps.record(kind, module, ids)
+        following = self.steps.following  # before `observe`, which drops it when the step leaves it
+        i = self.steps.observe(kind, module, ids, self.metrics.step)
         self._event = (kind, module)
         _pin(kind, params)
-        following = self.steps.following
-        i = self.steps.match(kind, module, ids, self.metrics.step)
         if following is not None and i is not None:
             self._apply(following.schedule, i, kind, params)
             if self._reading is not None:

@@ -290,12 +290,12 @@ class ModuleHooks:
     def _pre_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if rec.module is self.root and not self.stack:
             self._forward_t0 = time.perf_counter()
-        if self.phase is StepPhase.IDLE:
+        if self.step.phase is StepPhase.IDLE:
             # once per step, not per module; a backward adds into the gradient shards
             self.ctx.require_states(f"a forward of {rec.name or 'the model'}",
                                     ("lp_params", "lp_grads") if torch.is_grad_enabled() else ("lp_params",))
             self.step.enter(StepPhase.FORWARD)
-        if rec.leaf is not None and self.phase is StepPhase.FORWARD:
+        if rec.leaf is not None and self.step.phase is StepPhase.FORWARD:
             rec.leaf.calls += 1
         params = self._params_of(rec)
         call = _Call(record=rec, params=list(params), ids=rec.ids,
@@ -327,7 +327,7 @@ class ModuleHooks:
         return pytree.tree_unflatten(flat, spec)
 
     def _post_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if output is None and rec.module is self.root and self.phase is not StepPhase.IDLE:
+        if output is None and rec.module is self.root and self.step.phase is not StepPhase.IDLE:
             exc = sys.exc_info()[1]
             if exc is not None:  # always_call runs us while the root's forward raises: abort the step
                 self.step.abort(exc, "forward")
@@ -349,7 +349,7 @@ class ModuleHooks:
                 for t in (output,) if type(output) is torch.Tensor else pytree.tree_leaves(output):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(hook)
-        if not grad and rec.module is self.root and not self.stack and self.phase is StepPhase.FORWARD \
+        if not grad and rec.module is self.root and not self.stack and self.step.phase is StepPhase.FORWARD \
                 and not _CHECKPOINT_FORWARD.get():
             self.step.end()  # an inference forward is a whole step
         return None
@@ -383,7 +383,8 @@ class ModuleHooks:
 
     # -- backward -------------------------------------------------------------------------------
     def _pre_backward(self, call: _Call, grad: torch.Tensor) -> None:
-        self.step.enter(StepPhase.BACKWARD)
+        if self.step.phase is not StepPhase.BACKWARD:  # the hook path: no call when nothing changes
+            self.step.enter(StepPhase.BACKWARD)
         self._ensure_final_callback()
         if call.state is CallState.FORWARD_DONE:
             call.state = CallState.BACKWARD_OPEN
@@ -391,7 +392,7 @@ class ModuleHooks:
         return None
 
     def _post_backward(self, call: _Call) -> None:
-        if call.state is CallState.BACKWARD_OPEN and self.phase is StepPhase.BACKWARD:
+        if call.state is CallState.BACKWARD_OPEN and self.step.phase is StepPhase.BACKWARD:
             call.state = CallState.BACKWARD_DONE
             self.coordinator.event(EventKind.POST_BACKWARD, call.record.name, call.params, call.ids)
             leaf = call.record.leaf
@@ -412,7 +413,8 @@ class ModuleHooks:
                 self._flush_leaf(leaf)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        self.step.enter(StepPhase.BACKWARD)
+        if self.step.phase is not StepPhase.BACKWARD:
+            self.step.enter(StepPhase.BACKWARD)
         self._ensure_final_callback()
         grad = p.grad
         p.grad = None
@@ -438,7 +440,7 @@ class ModuleHooks:
             return  # a callback of a backward from before the last end of step
         self._queued_tasks.discard(task)
         deferred = _NESTED_BACKWARD.get()
-        if not self._queued_tasks and self.phase is StepPhase.BACKWARD and deferred is None:
+        if not self._queued_tasks and self.step.phase is StepPhase.BACKWARD and deferred is None:
             self.step.end()
         else:
             self.reducer.finish()  # this graph task's gradient shards are complete
