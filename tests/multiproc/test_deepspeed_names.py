@@ -61,3 +61,44 @@ def test_engine_names_and_refusals_on_two_ranks(pools, tmp_path):
     for r in results:
         assert r["stage"] == 3 and r["refused"] == 3 and r["keys"], r
         assert r["norm"] < 1e-5 and r["param"] < 1e-5, r
+
+
+def batch_names_and_misuse() -> dict:
+    """Items 2-5 on every rank: the batch accessors with DeepSpeed's keys, the 4-tuple habit on
+    ``zero3.initialize``, ``backward`` without an optimizer, a schedule without an optimizer."""
+    world = dist.get_world_size()
+    cfg = GPTConfig()
+    out: dict = {}
+    with deepspeed.zero.Init():
+        model = GPT(cfg)
+    engine, *_ = deepspeed.initialize(model=model, config=dict(DS, train_batch_size=8 * world,
+                                                               train_micro_batch_size_per_gpu=4))
+    out["batch"] = (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+                    engine.train_batch_size(), engine.local_rank)
+    with zero3.Init():
+        model = GPT(cfg)
+    try:
+        _engine, _opt, _, _sched = zero3.initialize(model, torch.optim.AdamW(model.parameters()))
+    except TypeError as e:
+        out["unpack"] = "zero3.deepspeed.initialize" in str(e)
+    with zero3.Init():
+        model = GPT(cfg)
+    no_opt = zero3.initialize(model)
+    x, y = synthetic_batch(0, PER_RANK, cfg)
+    try:
+        no_opt.backward(no_opt(x, y))
+    except zero3.ZeroConfigError as e:
+        out["backward"] = "must provide optimizer" in str(e)
+    with zero3.Init():
+        model = GPT(cfg)
+    try:
+        zero3.initialize(model, config={"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}})
+    except zero3.ZeroConfigError as e:
+        out["scheduler"] = "no optimizer" in str(e)
+    return out
+
+
+def test_batch_names_and_misuse_on_two_ranks(pools):
+    for r in pools.get(2).run(batch_names_and_misuse):
+        assert r["batch"] == (4, 2, 16, 0), r  # 16 = 4 per rank x 2 accumulation steps x 2 ranks
+        assert r.get("unpack") and r.get("backward") and r.get("scheduler"), r
