@@ -1,8 +1,11 @@
-"""One training step of a plain reference and of a zero3 engine on the same batch."""
+"""Shared test helpers: one training step of a plain reference and of a zero3 engine on the same batch,
+and a copy of an engine's master shards and optimizer state."""
 
 from __future__ import annotations
 
 import torch
+
+import zero3
 
 
 def step_both(ref, ref_opt, engine, x, y, rtol: float) -> torch.Tensor:
@@ -16,3 +19,13 @@ def step_both(ref, ref_opt, engine, x, y, rtol: float) -> torch.Tensor:
     engine.step()
     torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=0)
     return loss
+
+
+def snapshot(engine: zero3.Engine) -> dict[str, torch.Tensor]:
+    """Every master shard and optimizer state tensor of ``engine`` on this rank, copied, by name."""
+    out = {}
+    for p in engine.params:
+        out[p._zero.name] = engine.master_shard(p).clone()
+        for k, v in engine.optimizer_state(p).items():
+            out[f"{p._zero.name}/{k}"] = v.clone()
+    return out

@@ -13,6 +13,7 @@ import torch
 from gpt import GPT, GPTConfig, synthetic_batch
 
 import zero3
+from _reference import snapshot
 from zero3.checkpoint import format as ck
 from zero3.checkpoint.safetensors import SafetensorsWriter
 from zero3.checkpoint.consolidate import main as consolidate_main
@@ -56,15 +57,6 @@ def train_reference(ref: GPT, opt: torch.optim.Optimizer, steps: range) -> list[
         opt.zero_grad()
         losses.append(loss.item())
     return losses
-
-
-def snapshot(engine: zero3.Engine) -> dict[str, torch.Tensor]:
-    out = {}
-    for p in engine.params:
-        out[p._zero.name] = engine.master_shard(p).clone()
-        for k, v in engine.optimizer_state(p).items():
-            out[f"{p._zero.name}/{k}"] = v.clone()
-    return out
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import zero3
+from _reference import snapshot
 from zero3.checkpoint import format as ck
 from zero3.checkpoint.consolidate import main as consolidate_main
 from zero3.checkpoint.integrity import STAMP_KEY
@@ -29,15 +30,6 @@ def make_engine(seed: int = 0) -> zero3.Engine:
 def step(engine: zero3.Engine) -> None:
     engine.backward(engine(torch.ones(2, 16)).square().mean())
     engine.step()
-
-
-def snapshot(engine: zero3.Engine) -> dict[str, torch.Tensor]:
-    out = {}
-    for p in engine.params:
-        out[p._zero.name] = engine.master_shard(p).clone()
-        for k, v in engine.optimizer_state(p).items():
-            out[f"{p._zero.name}/{k}"] = v.clone()
-    return out
 
 
 @pytest.fixture(scope="module")
