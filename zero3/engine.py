@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .activation import checkpointing
+from .checkpoint.hf_save import save_pretrained
 from .checkpoint.load import load_checkpoint
 from .checkpoint.save import save_checkpoint
 from .comm.agreement import agree_on_config
@@ -406,7 +407,7 @@ class Engine:
         """This rank's optimizer state for ``p`` (e.g. ``exp_avg``), keyed as torch.optim keys it."""
         return self.context.optimizer_state(p)
 
-    # -- checkpoints (zero3/checkpoint/: save.py, load.py, live_state_dict.py) -------------------
+    # -- checkpoints (zero3/checkpoint/: save.py, load.py, live_state_dict.py, hf_save.py) ------
     def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: Any = None,
                         **kwargs: Any) -> str:
         """Write a sharded checkpoint (a collective), with the engine's lr scheduler unless another is
@@ -426,6 +427,11 @@ class Engine:
     def consolidated_state_dict(self, rank0_only: bool = True, **kwargs: Any) -> dict[str, torch.Tensor]:
         """The full fp32 state dict, module by module (a collective); see `zero3.consolidate`."""
         return consolidated_state_dict(self.context, rank0_only, **kwargs)
+
+    def save_pretrained(self, save_directory: Any, **kwargs: Any) -> Any:
+        """A Hugging Face ``save_pretrained`` directory written one tensor at a time (a collective);
+        see `zero3.checkpoint.hf_save.save_pretrained`."""
+        return save_pretrained(self, save_directory, **kwargs)
 
     # -- introspection --------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:

@@ -1,0 +1,351 @@
+"""``engine.save_pretrained(dir)``: the consolidated model as a Hugging Face directory, streamed.
+
+The directory is what ``transformers``' ``save_pretrained`` writes and ``from_pretrained`` reads:
+``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_size``
+bytes each with ``model.safetensors.index.json``, plus ``config.json`` and
+``generation_config.json`` for a transformers model. Unlike ``consolidated_state_dict``, nothing
+holds the whole model: the files are planned from names, shapes and dtypes alone, then each tensor
+is gathered onto rank 0 with one collective, written into the open file and dropped. Rank 0 thus
+holds one full tensor at a time (the largest one bounds its peak), every other rank only its shards.
+
+The keys are the ones transformers saves: ``model.state_dict()``'s (persistent buffers included)
+minus ``_keys_to_ignore_on_save``, each tied parameter once (the name its ``_tied_weights_keys`` do
+not list; in a plain module, its first name), and renamed or split back by the model's weight
+conversions (the fused MoE experts of Mixtral are written per expert, as its hub checkpoints are).
+A conversion that needs several tensors at once (many-to-one) is refused: it cannot stream.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..comm.communicator import Kind, Tag
+from ..errors import ZeroConfigError
+from ..partition.param import ZeroParameter
+from ..runtime.context import context_of
+from .consolidate import cast_floating
+from .exchange import exchange
+from .safetensors import SafetensorsWriter, atomic_write_bytes
+
+if TYPE_CHECKING:
+    from ..runtime.context import RuntimeContext
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+
+Spec = tuple[str, torch.dtype, tuple[int, ...]]
+"""(key written, dtype written, shape) of one output tensor."""
+Convert = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
+"""A state-dict key and its full tensor -> the tensors saved for it, by saved key."""
+
+
+def parse_shard_size(size: int | str) -> int:
+    """Bytes from an int or a string such as ``"5GB"`` (decimal units TB/GB/MB/KB, as transformers)."""
+    if isinstance(size, int):
+        return size
+    text = str(size).strip()
+    unit = text[-2:].upper()
+    if unit not in _UNITS:
+        raise ValueError(f"max_shard_size {size!r}: give bytes as an int or a string ending in TB, GB, MB or KB")
+    return int(float(text[:-2].strip()) * _UNITS[unit])
+
+
+# -- the plan: which tensors, under which names, in which file ---------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One state-dict entry to save: its key, where its values are, and the tensors written for it."""
+
+    key: str
+    tensor: torch.Tensor  # a ZeroParameter (gathered from its shards) or a tensor every rank holds
+    dtype: torch.dtype  # the dtype it is saved in
+    outputs: tuple[Spec, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSplit:
+    """The files and the tensors each holds, in writing order, as huggingface_hub splits them."""
+
+    files: dict[str, list[Spec]]
+    total_size: int
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.files) > 1
+
+    def weight_map(self) -> dict[str, str]:
+        return {spec[0]: name for name, specs in self.files.items() for spec in specs}
+
+
+def _nbytes(spec: Spec) -> int:
+    n = 1
+    for d in spec[2]:
+        n *= d
+    return n * torch.empty((), dtype=spec[1]).element_size()
+
+
+def split_shards(sources: Sequence[Source], max_shard_size: int) -> ShardSplit:
+    """Greedy in order: a tensor that would tip a file over ``max_shard_size`` starts the next one;
+    one larger than it gets a file of its own."""
+    shards: list[list[Spec]] = []
+    current: list[Spec] = []
+    size = total = 0
+    for spec in (spec for s in sources for spec in s.outputs):
+        n = _nbytes(spec)
+        total += n
+        if n > max_shard_size:
+            shards.append([spec])
+            continue
+        if size + n > max_shard_size and current:
+            shards.append(current)
+            current, size = [], 0
+        current.append(spec)
+        size += n
+    if current or not shards:
+        shards.append(current)
+    if len(shards) == 1:
+        return ShardSplit({WEIGHTS_NAME: shards[0]}, total)
+    return ShardSplit({f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors": s for i, s in enumerate(shards)}, total)
+
+
+def _kept_keys(module: nn.Module, keys: list[str], values: dict[str, torch.Tensor]) -> list[str]:
+    """``keys`` less the aliases of tied tensors and ``_keys_to_ignore_on_save``: of the names one
+    tensor has, those matching a ``_tied_weights_keys`` pattern go first (one always stays), as
+    transformers drops them; of any left, the first in state-dict order stays."""
+    patterns = [f"{prefix}.{k}" if prefix else k for prefix, sub in module.named_modules()
+                for k in (getattr(sub, "_tied_weights_keys", None) or ())]
+    by_tensor: dict[int, list[str]] = {}
+    for key in keys:
+        by_tensor.setdefault(id(values[key]), []).append(key)
+    dropped: set[str] = set()
+    for names in by_tensor.values():
+        left = len(names)
+        for name in sorted(names):
+            if left > 1 and any(re.search(pat, name) for pat in patterns):
+                dropped.add(name)
+                left -= 1
+        dropped.update([n for n in names if n not in dropped][1:])
+    ignored = set(getattr(module, "_keys_to_ignore_on_save", None) or ())
+    if dropped:
+        logger.info("zero3 save_pretrained: tied duplicates not written: %s", sorted(dropped))
+    return [k for k in keys if k not in dropped and k not in ignored]
+
+
+def _weight_conversion(module: nn.Module, specs: dict[str, Spec]) -> Convert | None:
+    """transformers' reverse weight conversion applied one tensor at a time, or None when the model
+    has none; raises when converting key by key would not give what converting all at once gives."""
+    tf = sys.modules.get("transformers")
+    if tf is None or not isinstance(module, tf.PreTrainedModel):
+        return None
+    from transformers.core_model_loading import revert_weight_conversion
+
+    def meta(spec: Spec) -> torch.Tensor:
+        return torch.empty(spec[2], dtype=spec[1], device="meta")
+
+    whole = revert_weight_conversion(module, {k: meta(s) for k, s in specs.items()})
+    if list(whole) == list(specs) and all(tuple(whole[k].shape) == specs[k][2] for k in specs):
+        return None
+    one_by_one: dict[str, tuple[int, ...]] = {}
+    for k, s in specs.items():
+        one_by_one.update({n: tuple(t.shape) for n, t in revert_weight_conversion(module, {k: meta(s)}).items()})
+    if one_by_one != {n: tuple(t.shape) for n, t in whole.items()}:
+        raise NotImplementedError(
+            f"save_pretrained: {type(module).__name__}'s weight conversion combines several tensors into one, "
+            "which cannot be written one tensor at a time; use engine.consolidated_state_dict() and "
+            "model.save_pretrained(dir, state_dict=...) on rank 0")
+    return lambda key, t: revert_weight_conversion(module, {key: t})
+
+
+def plan_sources(module: nn.Module, dtype: torch.dtype | None) -> tuple[list[Source], Convert | None]:
+    """The entries to save, in state-dict order, with the dtype each is saved in (``dtype`` for
+    floating-point ones when given, else the parameter's or buffer's own) and their output specs."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    # By name, not by the state dict's values: a gathered parameter's value there may be a copy.
+    values = {k: params.get(k, v) for k, v in module.state_dict(keep_vars=True).items()
+              if isinstance(v, torch.Tensor)}
+    keys = _kept_keys(module, list(values), values)
+    specs: dict[str, Spec] = {}
+    for k in keys:
+        t = values[k]
+        shape = tuple(t._zero.shape) if isinstance(t, ZeroParameter) else tuple(t.shape)
+        specs[k] = (k, dtype if dtype is not None and t.dtype.is_floating_point else t.dtype, shape)
+    convert = _weight_conversion(module, specs)
+    sources = []
+    for k in keys:
+        outputs: tuple[Spec, ...] = (specs[k],)
+        if convert is not None:
+            meta = torch.empty(specs[k][2], dtype=specs[k][1], device="meta")
+            outputs = tuple((n, t.dtype, tuple(t.shape)) for n, t in convert(k, meta).items())
+        sources.append(Source(k, values[k], specs[k][1], outputs))
+    return sources, convert
+
+
+# -- the data: one full tensor at a time ---------------------------------------------------------------
+def full_tensor(ctx: RuntimeContext, source: Source) -> torch.Tensor | None:
+    """``source``'s full tensor in its saved dtype on rank 0's CPU; None on the other ranks.
+
+    A partitioned parameter's master shards (fp32 under mixed precision: the trained values) are
+    gathered with one collective to rank 0 only; anything else is rank 0's own copy."""
+    t = source.tensor
+    if not isinstance(t, ZeroParameter):
+        return cast_floating(t.detach(), source.dtype).to("cpu") if ctx.rank == 0 else None
+    z = t._zero
+    with ctx.resident([t]):  # read in when it lives on NVMe
+        rows = ctx.comm.gather_to_rank0(z.train_tensor.detach().reshape(-1),
+                                        Tag(Kind.GATHER_TO_ROOT, f"save_pretrained {z.name}", (z.id,)))
+    if rows is None:
+        return None
+    return rows.reshape(-1)[: z.numel].view(z.shape).to(device="cpu", dtype=source.dtype)
+
+
+class _FileStream:
+    """Rank 0's writer of the planned files, in order: each file is opened when its first tensor
+    comes and renamed into place after its last (safetensors.py `SafetensorsWriter`)."""
+
+    def __init__(self, directory: Path, split: ShardSplit) -> None:
+        self.directory = directory
+        self._files = iter(split.files.items())
+        self._writer: SafetensorsWriter | None = None
+        self._left = 0
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        if self._writer is None:
+            name, specs = next(self._files)
+            self._writer = SafetensorsWriter(self.directory / name, specs, {"format": "pt"}, checksum=False)
+            self._left = len(specs)
+        self._writer.write(key, tensor)
+        self._left -= 1
+        if self._left == 0:
+            self._writer.close()
+            self._writer = None
+
+    def finish(self) -> None:
+        for name, specs in self._files:  # only an empty model has a file left: no tensors in it
+            SafetensorsWriter(self.directory / name, specs, {"format": "pt"}, checksum=False).close()
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+
+
+def _prepare_directory(directory: Path, split: ShardSplit) -> None:
+    """Create ``directory`` and remove weight files of an earlier save that this one does not replace."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for entry in directory.iterdir():
+        stale_shard = _SHARD_FILE.fullmatch(entry.name) and entry.name not in split.files
+        stale_index = entry.name == INDEX_NAME and not split.sharded
+        if entry.is_file() and (stale_shard or stale_index):
+            entry.unlink()
+
+
+def _write_configs(module: nn.Module, directory: Path, dtype: torch.dtype) -> None:
+    """``config.json`` (with ``dtype`` and ``architectures`` as transformers sets them) and, for a
+    model that generates, ``generation_config.json``; nothing for a module without a config."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return
+    config = copy.deepcopy(config)
+    config.dtype = str(dtype).removeprefix("torch.")
+    config.architectures = [type(module).__name__]
+    config.save_pretrained(directory)
+    can_generate = getattr(module, "can_generate", None)
+    generation = getattr(module, "generation_config", None)
+    if generation is not None and can_generate is not None and can_generate():
+        generation.save_pretrained(directory)
+
+
+def save_pretrained(engine_or_model: Any, save_directory: str | os.PathLike[str], *,
+                    max_shard_size: int | str = "5GB", state_dict_dtype: torch.dtype | None = None,
+                    safe_serialization: bool = True) -> Path:
+    """Write the model as a Hugging Face ``save_pretrained`` directory, one tensor at a time.
+
+    A collective: every rank calls it, each tensor is gathered onto rank 0, which writes the files;
+    every rank returns once they are all in place (or raises the same error).
+
+    Args:
+        engine_or_model: a zero3 Engine, or a model passed to ``zero3.initialize``.
+        save_directory: created if missing; shard files of an earlier save that this one does not
+            replace are removed, as transformers does.
+        max_shard_size: the most bytes per file (an int, or ``"5GB"``-style decimal units); a tensor
+            larger than that gets a file of its own.
+        state_dict_dtype: cast floating-point tensors to this dtype. Default: each parameter's own
+            dtype (bf16 for a bf16 model, as transformers saves it), from the fp32 masters where the
+            engine keeps them; buffers as the module holds them.
+        safe_serialization: must be True; transformers 5 writes and prefers safetensors only.
+
+    Returns:
+        The directory.
+    """
+    if not safe_serialization:
+        raise ValueError("save_pretrained writes safetensors only (safe_serialization=True)")
+    ctx = context_of(engine_or_model, "save_pretrained")
+    if ctx.model_parallel is not None:
+        raise ZeroConfigError("save_pretrained with tensor parallelism: every model-parallel rank holds other "
+                              "slices; use save_checkpoint and python -m zero3.consolidate --model-parallel-rank")
+    ctx.require_states("save_pretrained", ("lp_params", "hp_params"))
+    assert ctx.module is not None
+    module, directory = ctx.module, Path(save_directory)
+    sources, convert = plan_sources(module, state_dict_dtype)
+    split = split_shards(sources, parse_shard_size(max_shard_size))
+    error: BaseException | None = None
+    stream = None
+    if ctx.rank == 0:
+        try:
+            _prepare_directory(directory, split)
+            stream = _FileStream(directory, split)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank after the gathers
+            error = exc
+    for source in sources:
+        full = full_tensor(ctx, source)  # a collective: every rank, even after rank 0 failed
+        if full is None or stream is None:
+            continue
+        try:
+            outputs = convert(source.key, full) if convert is not None else {source.key: full}
+            del full
+            for key, _, _ in source.outputs:
+                stream.write(key, outputs.pop(key))
+        except Exception as exc:  # noqa: BLE001
+            stream.abort()
+            stream, error = None, exc
+    if stream is not None:
+        try:
+            stream.finish()
+            _finish_directory(module, directory, split, sources, state_dict_dtype)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    exchange(ctx, None, error, f"save_pretrained {directory}")
+    if ctx.rank == 0:
+        logger.info("zero3: saved %d tensors in %d file(s) to %s", len(split.weight_map()), len(split.files),
+                    directory)
+    return directory
+
+
+def _finish_directory(module: nn.Module, directory: Path, split: ShardSplit, sources: Sequence[Source],
+                      dtype: torch.dtype | None) -> None:
+    """The index (when sharded) and the configs, after the weight files."""
+    if split.sharded:
+        params = {id(p): p for p in module.parameters()}.values()
+        total_parameters = sum(p._zero.numel if isinstance(p, ZeroParameter) else p.numel() for p in params)
+        index = {"metadata": {"total_parameters": total_parameters, "total_size": split.total_size},
+                 "weight_map": split.weight_map()}
+        atomic_write_bytes(directory / INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+    floating = [s.dtype for s in sources if s.dtype.is_floating_point and isinstance(s.tensor, nn.Parameter)]
+    _write_configs(module, directory, dtype or (floating[0] if floating else torch.float32))
+
+
+__all__ = ["parse_shard_size", "save_pretrained", "split_shards"]
