@@ -214,33 +214,37 @@ def full_tensor(ctx: RuntimeContext, source: Source) -> torch.Tensor | None:
 
 
 class _FileStream:
-    """Rank 0's writer of the planned files, in order: each file is opened when its first tensor
-    comes and renamed into place after its last (safetensors.py `SafetensorsWriter`)."""
+    """Rank 0's writer of the planned files. Tensors come in state-dict order; each goes to its
+    file, opened when its first tensor comes and renamed into place after its last (safetensors.py
+    `SafetensorsWriter`). A tensor larger than ``max_shard_size`` has a file of its own, written
+    while the file around it is still open, so at most two files are open at once."""
 
     def __init__(self, directory: Path, split: ShardSplit) -> None:
         self.directory = directory
-        self._files = iter(split.files.items())
-        self._writer: SafetensorsWriter | None = None
-        self._left = 0
+        self.split = split
+        self._file_of = split.weight_map()
+        self._left = {name: len(specs) for name, specs in split.files.items()}
+        self._open: dict[str, SafetensorsWriter] = {}
+
+    def _writer(self, name: str) -> SafetensorsWriter:
+        return SafetensorsWriter(self.directory / name, self.split.files[name], {"format": "pt"}, checksum=False)
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
-        if self._writer is None:
-            name, specs = next(self._files)
-            self._writer = SafetensorsWriter(self.directory / name, specs, {"format": "pt"}, checksum=False)
-            self._left = len(specs)
-        self._writer.write(key, tensor)
-        self._left -= 1
-        if self._left == 0:
-            self._writer.close()
-            self._writer = None
+        name = self._file_of[key]
+        writer = self._open.get(name) or self._open.setdefault(name, self._writer(name))
+        writer.write(key, tensor)
+        self._left[name] -= 1
+        if self._left[name] == 0:
+            self._open.pop(name).close()
 
     def finish(self) -> None:
-        for name, specs in self._files:  # only an empty model has a file left: no tensors in it
-            SafetensorsWriter(self.directory / name, specs, {"format": "pt"}, checksum=False).close()
+        for name, specs in self.split.files.items():  # only an empty model has a file with no tensors
+            if not specs:
+                self._writer(name).close()
 
     def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.abort()
+        for writer in self._open.values():
+            writer.abort()
 
 
 def _prepare_directory(directory: Path, split: ShardSplit) -> None:

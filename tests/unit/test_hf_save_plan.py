@@ -1,0 +1,88 @@
+"""`zero3.checkpoint.hf_save` in one process: the size parsing and the file split that transformers
+uses (huggingface_hub's greedy split), and a plain module (no config) saved as safetensors only,
+each tied parameter once, loaded back bit-exact. The 2-rank tests with Hugging Face models are in
+tests/multiproc/test_hf_streaming_save.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch import nn
+
+import zero3
+from zero3.checkpoint.hf_save import Source, parse_shard_size, split_shards
+from zero3.checkpoint.safetensors import read_safetensors_header
+
+
+def test_shard_sizes_parse_as_transformers_does():
+    assert parse_shard_size("5GB") == 5 * 10**9
+    assert parse_shard_size(" 1.5mb ") == 1_500_000
+    assert parse_shard_size("20KB") == 20_000
+    assert parse_shard_size(123) == 123
+    with pytest.raises(ValueError, match="TB, GB, MB or KB"):
+        parse_shard_size("5GiB")
+
+
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=30), st.integers(8, 120))
+def test_split_matches_huggingface_hub(numels, max_bytes):
+    hub = pytest.importorskip("huggingface_hub")
+    state = {f"t{i}": torch.zeros(n) for i, n in enumerate(numels)}
+    want = hub.split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
+                                                  max_shard_size=max_bytes)
+    sources = [Source(k, v, v.dtype, ((k, v.dtype, tuple(v.shape)),)) for k, v in state.items()]
+    got = split_shards(sources, max_bytes)
+    assert {f: [s[0] for s in specs] for f, specs in got.files.items()} == want.filename_to_tensors
+    assert got.total_size == want.metadata["total_size"] and got.sharded == want.is_sharded
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 50, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.tensor([2.0]))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+
+def test_plain_module_saves_weights_only_each_tied_parameter_once(tmp_path):
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = Tied()
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    out = engine.save_pretrained(tmp_path / "out", max_shard_size=500)
+    files = sorted(p.name for p in out.iterdir())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    # The buffer comes first in the state dict; the embedding, larger than a file, gets its own,
+    # written while the one holding the buffer is still open.
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    assert files == [first, second, "model.safetensors.index.json"]
+    assert index["weight_map"] == {"scale": second, "embed.weight": first, "mid.weight": second, "mid.bias": second}
+    assert index["metadata"] == {"total_parameters": 50 * 8 + 8 * 8 + 8, "total_size": (50 * 8 + 8 * 8 + 8 + 1) * 4}
+    assert list(read_safetensors_header(out / second).entries) == ["scale", "mid.weight", "mid.bias"]
+    header = read_safetensors_header(out / first)
+    assert header.metadata == {"format": "pt"}
+    torch.manual_seed(1)
+    with zero3.Init():
+        fresh = Tied()
+    result = zero3.pretrained.load_state_dict(fresh, out)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        with zero3.GatheredParameters([p]), zero3.GatheredParameters([q]):
+            assert torch.equal(p, q), name
+    assert fresh.head.weight is fresh.embed.weight
+    # A second save with one file removes the shards of the first.
+    engine.save_pretrained(out)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
+def test_only_safetensors(tmp_path):
+    with zero3.Init():
+        model = Tied()
+    engine = zero3.initialize(model, None, {})
+    with pytest.raises(ValueError, match="safetensors only"):
+        engine.save_pretrained(tmp_path, safe_serialization=False)
