@@ -8,8 +8,9 @@ consolidated state dict gives (same weight map, same ``config.json``);
 ``AutoModelForCausalLM.from_pretrained`` in one process reads values bit-equal to the gathered
 parameters; loading the directory into a fresh `Init` model (`zero3.pretrained.load_state_dict`)
 and saving again writes byte-identical files. A bf16 model is saved in bf16 (its fp32 masters
-rounded, as HF's ``model.dtype``), or in fp32 with ``state_dict_dtype``. Throughout, rank 0 holds
-one gathered tensor at a time and rank 1 none.
+rounded, as HF's ``model.dtype``), or in fp32 with ``state_dict_dtype``. Mixtral's fused experts are
+written per expert, as transformers writes them. Throughout, rank 0 holds one gathered tensor at a
+time and rank 1 none; a save rank 0 cannot write fails on both ranks.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def _arch(name: str) -> tuple[type, object]:
         return t.GPT2LMHeadModel, t.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
                                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1,
                                                eos_token_id=2)
+    if name == "mixtral":  # experts fused in 3-D parameters, saved per expert as its hub checkpoints are
+        return t.MixtralForCausalLM, t.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                     num_local_experts=4, num_experts_per_tok=2,
+                                                     max_position_embeddings=64)
     return t.LlamaForCausalLM, t.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                              max_position_embeddings=64)
@@ -214,3 +220,38 @@ def test_bf16_model_is_saved_in_bf16_and_in_fp32_on_request(pools, tmp_path):
     assert r["bf16_differs"] == [] and r["fp32_differs"] == [] and r["masters_round_to_shards"]
     assert r["peak"] == r["largest"] == r["largest_bf16"], r  # the bf16 copy of one gathered master
     assert reports[1]["peak"] == 0
+
+
+def save_mixtral_then_fail(workdir: str) -> dict:
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    model, engine = _trained("mixtral", ZERO_CFG)
+    out, blocked = os.path.join(workdir, "mixtral"), os.path.join(workdir, "a-file")
+    engine.save_pretrained(out, max_shard_size=SHARD_BYTES)
+    truth = _gathered(model)
+    report: dict = {}
+    if dist.get_rank() == 0:
+        open(blocked, "w").close()
+        report["keys"] = sorted(_read_dir(out)["dtypes"])
+        ref = os.path.join(workdir, "mixtral-hf")
+        model.save_pretrained(ref, state_dict=dict(engine.consolidated_state_dict()), max_shard_size=SHARD_BYTES)
+        report["hf_keys"] = sorted(_read_dir(ref)["dtypes"])
+        state = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+        report["reload_differs"] = [k for k, v in truth.items() if not torch.equal(state[k], v)]
+    else:
+        engine.consolidated_state_dict()  # the collective paired with rank 0's
+    dist.barrier()
+    try:  # rank 0 cannot create the directory: a file is in the way
+        engine.save_pretrained(blocked)
+    except Exception as exc:  # noqa: BLE001
+        report["error"] = (type(exc).__name__, str(exc))
+    return report
+
+
+def test_mixtral_experts_saved_per_expert_and_a_failed_save_raises_on_every_rank(pools, tmp_path):
+    reports = pools.get(2).run(save_mixtral_then_fail, str(tmp_path), timeout=180)
+    r = reports[0]
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in r["keys"] and r["keys"] == r["hf_keys"]
+    assert r["reload_differs"] == []
+    for rank, rep in enumerate(reports):
+        assert rep["error"][0] == "FileExistsError" and "a-file" in rep["error"][1], (rank, rep["error"])

@@ -303,53 +303,68 @@ def save_pretrained(engine_or_model: Any, save_directory: str | os.PathLike[str]
                               "slices; use save_checkpoint and python -m zero3.consolidate --model-parallel-rank")
     ctx.require_states("save_pretrained", ("lp_params", "hp_params"))
     assert ctx.module is not None
-    module, directory = ctx.module, Path(save_directory)
-    sources, convert = plan_sources(module, state_dict_dtype)
+    directory = Path(save_directory)
+    sources, convert = plan_sources(ctx.module, state_dict_dtype)
     split = split_shards(sources, parse_shard_size(max_shard_size))
-    error: BaseException | None = None
-    stream = None
-    if ctx.rank == 0:
-        try:
-            _prepare_directory(directory, split)
-            stream = _FileStream(directory, split)
-        except Exception as exc:  # noqa: BLE001 - raised on every rank after the gathers
-            error = exc
+    writer = _DirectoryWriter(ctx.module, directory, split, convert) if ctx.rank == 0 else None
     for source in sources:
-        full = full_tensor(ctx, source)  # a collective: every rank, even after rank 0 failed
-        if full is None or stream is None:
-            continue
-        try:
-            outputs = convert(source.key, full) if convert is not None else {source.key: full}
+        full = full_tensor(ctx, source)  # a collective: every rank takes part, even after rank 0 failed
+        if writer is not None and full is not None:
+            writer.put(source, full)
             del full
-            for key, _, _ in source.outputs:
-                stream.write(key, outputs.pop(key))
-        except Exception as exc:  # noqa: BLE001
-            stream.abort()
-            stream, error = None, exc
-    if stream is not None:
-        try:
-            stream.finish()
-            _finish_directory(module, directory, split, sources, state_dict_dtype)
-        except Exception as exc:  # noqa: BLE001
-            error = exc
+    error = writer.finish(sources, state_dict_dtype) if writer is not None else None
     exchange(ctx, None, error, f"save_pretrained {directory}")
-    if ctx.rank == 0:
-        logger.info("zero3: saved %d tensors in %d file(s) to %s", len(split.weight_map()), len(split.files),
-                    directory)
     return directory
 
 
-def _finish_directory(module: nn.Module, directory: Path, split: ShardSplit, sources: Sequence[Source],
-                      dtype: torch.dtype | None) -> None:
-    """The index (when sharded) and the configs, after the weight files."""
-    if split.sharded:
-        params = {id(p): p for p in module.parameters()}.values()
+class _DirectoryWriter:
+    """Rank 0's side of a save: the weight files from the tensors the gathers bring, then the index
+    and the configs. After a failure it drops what comes (the other ranks are still gathering) and
+    `finish` returns the error, which every rank then raises."""
+
+    def __init__(self, module: nn.Module, directory: Path, split: ShardSplit, convert: Convert | None) -> None:
+        self.module, self.directory, self.split, self.convert = module, directory, split, convert
+        self.error: BaseException | None = None
+        self.stream: _FileStream | None = None
+        try:
+            _prepare_directory(directory, split)
+            self.stream = _FileStream(directory, split)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by save_pretrained
+            self.error = exc
+
+    def put(self, source: Source, full: torch.Tensor) -> None:
+        if self.stream is None:
+            return
+        try:
+            outputs = self.convert(source.key, full) if self.convert is not None else {source.key: full}
+            del full
+            for key, _, _ in source.outputs:
+                self.stream.write(key, outputs.pop(key))
+        except Exception as exc:  # noqa: BLE001
+            self.stream.abort()
+            self.stream, self.error = None, exc
+
+    def finish(self, sources: Sequence[Source], dtype: torch.dtype | None) -> BaseException | None:
+        if self.stream is None:
+            return self.error
+        try:
+            self.stream.finish()
+            if self.split.sharded:
+                self._write_index()
+            floating = [s.dtype for s in sources if s.dtype.is_floating_point and isinstance(s.tensor, nn.Parameter)]
+            _write_configs(self.module, self.directory, dtype or (floating[0] if floating else torch.float32))
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        logger.info("zero3: saved %d tensors in %d file(s) to %s", len(self.split.weight_map()),
+                    len(self.split.files), self.directory)
+        return None
+
+    def _write_index(self) -> None:
+        params = {id(p): p for p in self.module.parameters()}.values()
         total_parameters = sum(p._zero.numel if isinstance(p, ZeroParameter) else p.numel() for p in params)
-        index = {"metadata": {"total_parameters": total_parameters, "total_size": split.total_size},
-                 "weight_map": split.weight_map()}
-        atomic_write_bytes(directory / INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-    floating = [s.dtype for s in sources if s.dtype.is_floating_point and isinstance(s.tensor, nn.Parameter)]
-    _write_configs(module, directory, dtype or (floating[0] if floating else torch.float32))
+        index = {"metadata": {"total_parameters": total_parameters, "total_size": self.split.total_size},
+                 "weight_map": self.split.weight_map()}
+        atomic_write_bytes(self.directory / INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
 
 
 __all__ = ["parse_shard_size", "save_pretrained", "split_shards"]
