@@ -24,7 +24,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,8 +51,6 @@ _UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 """(key written, dtype written, shape) of one output tensor."""
-Convert = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
-"""A state-dict key and its full tensor -> the tensors saved for it, by saved key."""
 
 
 def parse_shard_size(size: int | str) -> int:
@@ -146,53 +144,61 @@ def _kept_keys(module: nn.Module, keys: list[str], values: dict[str, torch.Tenso
     return [k for k in keys if k not in dropped and k not in ignored]
 
 
-def _weight_conversion(module: nn.Module, specs: dict[str, Spec]) -> Convert | None:
-    """transformers' reverse weight conversion applied one tensor at a time, or None when the model
-    has none; raises when converting key by key would not give what converting all at once gives."""
-    tf = sys.modules.get("transformers")
-    if tf is None or not isinstance(module, tf.PreTrainedModel):
-        return None
-    from transformers.core_model_loading import revert_weight_conversion
+class _Conversion:
+    """transformers' reverse weight conversion (what ``save_pretrained`` applies before writing), run
+    on one full tensor at a time; built only for a model whose conversion changes something and
+    gives, key by key, exactly what it gives on the whole state dict."""
 
-    def meta(spec: Spec) -> torch.Tensor:
-        return torch.empty(spec[2], dtype=spec[1], device="meta")
+    def __init__(self, module: nn.Module, outputs: dict[str, tuple[Spec, ...]]) -> None:
+        self.module = module
+        self.outputs = outputs  # saved specs per state-dict key
 
-    whole = revert_weight_conversion(module, {k: meta(s) for k, s in specs.items()})
-    if list(whole) == list(specs) and all(tuple(whole[k].shape) == specs[k][2] for k in specs):
-        return None
-    one_by_one: dict[str, tuple[int, ...]] = {}
-    for k, s in specs.items():
-        one_by_one.update({n: tuple(t.shape) for n, t in revert_weight_conversion(module, {k: meta(s)}).items()})
-    if one_by_one != {n: tuple(t.shape) for n, t in whole.items()}:
-        raise NotImplementedError(
-            f"save_pretrained: {type(module).__name__}'s weight conversion combines several tensors into one, "
-            "which cannot be written one tensor at a time; use engine.consolidated_state_dict() and "
-            "model.save_pretrained(dir, state_dict=...) on rank 0")
-    return lambda key, t: revert_weight_conversion(module, {key: t})
+    @classmethod
+    def of(cls, module: nn.Module, specs: dict[str, Spec]) -> _Conversion | None:
+        tf = sys.modules.get("transformers")
+        if tf is None or not isinstance(module, tf.PreTrainedModel):
+            return None
+        from transformers.core_model_loading import revert_weight_conversion
+
+        def described(state: dict[str, torch.Tensor]) -> tuple[Spec, ...]:
+            return tuple((n, t.dtype, tuple(t.shape)) for n, t in state.items())
+
+        def meta(spec: Spec) -> torch.Tensor:
+            return torch.empty(spec[2], dtype=spec[1], device="meta")
+
+        whole = described(revert_weight_conversion(module, {k: meta(s) for k, s in specs.items()}))
+        if whole == tuple(specs.values()):
+            return None
+        outputs = {k: described(revert_weight_conversion(module, {k: meta(s)})) for k, s in specs.items()}
+        one_by_one = [spec for out in outputs.values() for spec in out]
+        if len(one_by_one) != len(whole) or set(one_by_one) != set(whole):
+            raise NotImplementedError(
+                f"save_pretrained: {type(module).__name__}'s weight conversion combines several tensors into one, "
+                "which cannot be written one tensor at a time; use engine.consolidated_state_dict() and "
+                "model.save_pretrained(dir, state_dict=...) on rank 0")
+        return cls(module, outputs)
+
+    def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.module, {key: tensor})
 
 
-def plan_sources(module: nn.Module, dtype: torch.dtype | None) -> tuple[list[Source], Convert | None]:
+def plan_sources(module: nn.Module, dtype: torch.dtype | None) -> tuple[list[Source], _Conversion | None]:
     """The entries to save, in state-dict order, with the dtype each is saved in (``dtype`` for
     floating-point ones when given, else the parameter's or buffer's own) and their output specs."""
     params = dict(module.named_parameters(remove_duplicate=False))
     # By name, not by the state dict's values: a gathered parameter's value there may be a copy.
     values = {k: params.get(k, v) for k, v in module.state_dict(keep_vars=True).items()
               if isinstance(v, torch.Tensor)}
-    keys = _kept_keys(module, list(values), values)
     specs: dict[str, Spec] = {}
-    for k in keys:
+    for k in _kept_keys(module, list(values), values):
         t = values[k]
         shape = tuple(t._zero.shape) if isinstance(t, ZeroParameter) else tuple(t.shape)
         specs[k] = (k, dtype if dtype is not None and t.dtype.is_floating_point else t.dtype, shape)
-    convert = _weight_conversion(module, specs)
-    sources = []
-    for k in keys:
-        outputs: tuple[Spec, ...] = (specs[k],)
-        if convert is not None:
-            meta = torch.empty(specs[k][2], dtype=specs[k][1], device="meta")
-            outputs = tuple((n, t.dtype, tuple(t.shape)) for n, t in convert(k, meta).items())
-        sources.append(Source(k, values[k], specs[k][1], outputs))
-    return sources, convert
+    convert = _Conversion.of(module, specs)
+    return [Source(k, values[k], spec[1], convert.outputs[k] if convert is not None else (spec,))
+            for k, spec in specs.items()], convert
 
 
 # -- the data: one full tensor at a time ---------------------------------------------------------------
@@ -322,7 +328,7 @@ class _DirectoryWriter:
     and the configs. After a failure it drops what comes (the other ranks are still gathering) and
     `finish` returns the error, which every rank then raises."""
 
-    def __init__(self, module: nn.Module, directory: Path, split: ShardSplit, convert: Convert | None) -> None:
+    def __init__(self, module: nn.Module, directory: Path, split: ShardSplit, convert: _Conversion | None) -> None:
         self.module, self.directory, self.split, self.convert = module, directory, split, convert
         self.error: BaseException | None = None
         self.stream: _FileStream | None = None
