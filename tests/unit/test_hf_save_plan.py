@@ -86,3 +86,23 @@ def test_only_safetensors(tmp_path):
     engine = zero3.initialize(model, None, {})
     with pytest.raises(ValueError, match="safetensors only"):
         engine.save_pretrained(tmp_path, safe_serialization=False)
+
+
+def test_a_conversion_that_combines_tensors_is_refused_before_any_file(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from transformers import core_model_loading
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    with zero3.Init():
+        model = transformers.LlamaForCausalLM(cfg)
+    engine = zero3.initialize(model, None, {})
+
+    def fuse_q_and_k(module, state):  # one name for two tensors: many-to-one
+        return {k.replace("k_proj", "q_proj"): v for k, v in state.items()} if len(state) > 1 else state
+
+    monkeypatch.setattr(core_model_loading, "revert_weight_conversion", fuse_q_and_k)
+    with pytest.raises(NotImplementedError, match="combines several tensors"):
+        engine.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()

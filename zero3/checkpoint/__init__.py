@@ -3,7 +3,8 @@ dict, and loading pretrained weights into a partitioned model.
 
 By job: `format` (names, metadata version, the errors re-exported here), `save`, `reader` (any
 world size, no engine), `load` (into a live engine), `consolidate` (offline, ``python -m
-zero3.consolidate``), `live_state_dict` (gathered from a live engine), `pretrained`, `safetensors`.
+zero3.consolidate``), `live_state_dict` (gathered from a live engine), `hf_save` (a Hugging Face
+directory streamed from a live engine, ``engine.save_pretrained``), `pretrained`, `safetensors`.
 
 Activation checkpointing (recompute in backward) is a different feature: `zero3.activation`.
 """
