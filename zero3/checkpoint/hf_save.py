@@ -237,7 +237,9 @@ class _FileStream:
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         name = self._file_of[key]
-        writer = self._open.get(name) or self._open.setdefault(name, self._writer(name))
+        writer = self._open.get(name)
+        if writer is None:
+            writer = self._open[name] = self._writer(name)
         writer.write(key, tensor)
         self._left[name] -= 1
         if self._left[name] == 0:
