@@ -106,3 +106,26 @@ def test_a_conversion_that_combines_tensors_is_refused_before_any_file(tmp_path,
     with pytest.raises(NotImplementedError, match="combines several tensors"):
         engine.save_pretrained(tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_masters_on_nvme_are_read_in_one_parameter_at_a_time(tmp_path):
+    """bf16 with parameters and optimizer state (fp32 masters) on NVMe: the fp32 save equals
+    ``consolidated_state_dict()`` and the default save is in bf16."""
+    cfg = {"bf16": {"enabled": True}, "param_persistence_threshold": 0,
+           "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "p")},
+           "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "o")}}
+    torch.manual_seed(0)
+    with zero3.Init(config=cfg):
+        model = Tied()
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg)
+    ids = torch.randint(0, 50, (2, 5))
+    engine.backward(model.head(model.mid(model.embed(ids))).float().logsumexp(-1).mean())
+    engine.step()
+    fp32 = engine.save_pretrained(tmp_path / "fp32", state_dict_dtype=torch.float32)
+    bf16 = engine.save_pretrained(tmp_path / "bf16")
+    want = engine.consolidated_state_dict()
+    load_file = pytest.importorskip("safetensors.torch").load_file
+    got = load_file(fp32 / "model.safetensors")
+    assert sorted(got) == ["embed.weight", "mid.bias", "mid.weight", "scale"]
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    assert {v.dtype for k, v in load_file(bf16 / "model.safetensors").items() if k != "scale"} == {torch.bfloat16}

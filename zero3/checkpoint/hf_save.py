@@ -212,11 +212,14 @@ def full_tensor(ctx: RuntimeContext, source: Source) -> torch.Tensor | None:
         return cast_floating(t.detach(), source.dtype).to("cpu") if ctx.rank == 0 else None
     z = t._zero
     with ctx.resident([t]):  # read in when it lives on NVMe
-        rows = ctx.comm.gather_to_rank0(z.train_tensor.detach().reshape(-1),
-                                        Tag(Kind.GATHER_TO_ROOT, f"save_pretrained {z.name}", (z.id,)))
-    if rows is None:
-        return None
-    return rows.reshape(-1)[: z.numel].view(z.shape).to(device="cpu", dtype=source.dtype)
+        shard = z.train_tensor.detach()
+        rows = ctx.comm.gather_to_rank0(shard.reshape(-1), Tag(Kind.GATHER_TO_ROOT, f"save_pretrained {z.name}",
+                                                               (z.id,)))
+        if rows is None:
+            return None
+        # A world of one gets its shard itself back, which leaving `resident` may page out: copied.
+        alias = rows.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+        return rows.reshape(-1)[: z.numel].view(z.shape).to(device="cpu", dtype=source.dtype, copy=alias)
 
 
 class _FileStream:
