@@ -2,7 +2,8 @@
 
 - Llama-shaped (untied embeddings) and GPT-2-shaped (tied) tiny models, written by ``save_pretrained`` in
   several files (``max_shard_size``), bf16 on disk, loaded into fp32 and into bf16 (and ``"auto"``):
-  every gathered parameter and every buffer equals transformers' load bit for bit, dtype included.
+  every gathered parameter and every buffer equals transformers' load bit for bit, dtype included,
+  and a forward through `zero3.initialize` gives its logits bit for bit.
 - Each rank's bytes read from the files, counted by wrapping the byte-range reader, are at most its
   own slices (in the file's dtype) plus the largest tensor.
 - Missing and unexpected keys: the same loading info and the same warning (transformers' load report)
@@ -107,13 +108,19 @@ def load_and_compare(arch: str, tied: bool, dtype, workdir: str) -> dict:
         model = zero3.from_pretrained(transformers.AutoModelForCausalLM, src, dtype=dtype,
                                       zero_config={"param_persistence_threshold": 0})
     ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+    bad = _compare(model, ref)
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits_equal = torch.equal(engine(input_ids=ids).logits, ref(input_ids=ids).logits)
     sizes = _tensor_bytes(src)
     owned = 0  # this rank's slices, in the file's dtype (2 bytes: bf16)
     for p in {id(p): p for p in model.parameters()}.values():
         start, end = p._zero.shard_range()
         owned += max(min(end, p._zero.numel) - start, 0) * 2
     return {"files": sorted(f for f in os.listdir(src) if f.endswith(".safetensors")), "type": type(model).__name__,
-            "dtype": model.dtype, "ref_dtype": ref.dtype, "bad": _compare(model, ref), "training": model.training,
+            "dtype": model.dtype, "ref_dtype": ref.dtype, "bad": bad, "training": model.training,
+            "logits_equal": logits_equal,
             "tied": model.lm_head.weight is model.get_input_embeddings().weight,
             "ref_tied": ref.lm_head.weight is ref.get_input_embeddings().weight,
             "read": counter.bytes, "owned": owned, "largest": max(sizes.values()), "total": sum(sizes.values()),
@@ -131,6 +138,7 @@ def test_streamed_load_equals_transformers_and_reads_only_own_slices(pools, tmp_
         assert len(r["files"]) > 1, r["files"]
         assert r["partitioned"] and not r["training"]
         assert r["bad"] == [], r["bad"]
+        assert r["logits_equal"], "the loaded model computes other logits than transformers' load"
         assert r["dtype"] == r["ref_dtype"] == (torch.bfloat16 if dtype == "auto" else dtype)
         assert r["tied"] == r["ref_tied"] == tied
         assert r["read"] <= r["owned"] + r["largest"], r

@@ -191,9 +191,9 @@ def _loading_info(modeling_utils: Any, model: nn.Module, keys: pretrained.LoadRe
 
     missing = set(model.state_dict(keep_vars=True))
     missing.difference_update([k for k in list(missing) if k not in set(keys.missing_keys)])
-    info = modeling_utils.LoadStateDictInfo(missing_keys=missing, unexpected_keys=set(sorted(keys.unexpected_keys, key=dot_natural_key)),
-                                            mismatched_keys=set(), error_msgs=[], conversion_errors={},
-                                            skipped_pp_keys=set())
+    unexpected = set(sorted(keys.unexpected_keys, key=dot_natural_key))
+    info = modeling_utils.LoadStateDictInfo(missing_keys=missing, unexpected_keys=unexpected, mismatched_keys=set(),
+                                            error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
     model._adjust_missing_and_unexpected_keys(info)
     return info
 

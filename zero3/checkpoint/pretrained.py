@@ -142,9 +142,10 @@ class RenamedSource(_Source):
 
 
 def open_source(state_dict_or_path: Any) -> _Source:
-    """An open source (returned as is); a mapping; a ``.safetensors`` file; a ``*.safetensors.index.json`` (sharded) or a directory with
-    ``model.safetensors`` / ``model.safetensors.index.json``; or a ``.pt``/``.pth``/``.bin`` file
-    (``torch.load(mmap=True, weights_only=True)``: only the touched pages are read)."""
+    """An open source (returned as is); a mapping; a ``.safetensors`` file; a ``*.safetensors.index.json``
+    (sharded) or a directory with ``model.safetensors`` / ``model.safetensors.index.json``; or a
+    ``.pt``/``.pth``/``.bin`` file (``torch.load(mmap=True, weights_only=True)``: only the touched pages
+    are read)."""
     if isinstance(state_dict_or_path, _Source):
         return state_dict_or_path
     if isinstance(state_dict_or_path, Mapping):
