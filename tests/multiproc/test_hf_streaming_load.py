@@ -191,3 +191,34 @@ def test_missing_and_unexpected_keys_warn_and_initialise_like_transformers(pools
         assert r["ours"] == r["theirs"] and any("LOAD REPORT" in m for m in r["ours"]), r["ours"]
         assert r["bad"] == [], "missing weights got other values than transformers' _init_weights"
         assert r["strict_error"] is not None and "lm_head.weight" in r["strict_error"]
+
+
+def base_model_and_fused_experts(workdir: str) -> dict:
+    """A ``GPT2Model`` checkpoint (no ``transformer.`` prefix) into ``GPT2LMHeadModel``: renamed as transformers
+    renames it; Mixtral's per-expert tensors, which transformers fuses on load: refused, naming them."""
+    transformers.logging.set_verbosity_error()
+    t = transformers
+    base, mix = os.path.join(workdir, "gpt2-base"), os.path.join(workdir, "mixtral")
+    if dist.get_rank() == 0:
+        torch.manual_seed(1)
+        t.GPT2Model(_config("gpt2", True)).save_pretrained(base)
+        t.MixtralForCausalLM(t.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+                                             num_experts_per_tok=1)).save_pretrained(mix)
+    dist.barrier()
+    torch.manual_seed(2)
+    model, info = zero3.from_pretrained(t.GPT2LMHeadModel, base, output_loading_info=True)
+    torch.manual_seed(2)
+    ref, ref_info = t.GPT2LMHeadModel.from_pretrained(base, output_loading_info=True)
+    try:
+        zero3.from_pretrained(t.AutoModelForCausalLM, mix)
+        refused = None
+    except zero3.ZeroConfigError as exc:
+        refused = str(exc)
+    return {"info": info, "ref_info": ref_info, "bad": _compare(model, ref), "refused": refused}
+
+
+def test_base_model_prefix_is_renamed_and_fused_experts_are_refused(pools, tmp_path):
+    for r in pools.get(2).run(base_model_and_fused_experts, str(tmp_path), timeout=120):
+        assert r["info"] == r["ref_info"] and r["bad"] == []
+        assert r["refused"] is not None and "experts.0" in r["refused"], r["refused"]
