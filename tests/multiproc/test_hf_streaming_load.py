@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -202,9 +203,10 @@ def base_model_and_fused_experts(workdir: str) -> dict:
     if dist.get_rank() == 0:
         torch.manual_seed(1)
         t.GPT2Model(_config("gpt2", True)).save_pretrained(base)
-        t.MixtralForCausalLM(t.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
-                                             num_experts_per_tok=1)).save_pretrained(mix)
+        mixtral = t.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+                                  num_experts_per_tok=1)
+        t.MixtralForCausalLM(mixtral).save_pretrained(mix)
     dist.barrier()
     torch.manual_seed(2)
     model, info = zero3.from_pretrained(t.GPT2LMHeadModel, base, output_loading_info=True)
@@ -222,3 +224,44 @@ def test_base_model_prefix_is_renamed_and_fused_experts_are_refused(pools, tmp_p
     for r in pools.get(2).run(base_model_and_fused_experts, str(tmp_path), timeout=120):
         assert r["info"] == r["ref_info"] and r["bad"] == []
         assert r["refused"] is not None and "experts.0" in r["refused"], r["refused"]
+
+
+def tied_pair_in_the_checkpoint(workdir: str, equal: bool) -> dict:
+    """A tied GPT-2 whose file holds ``lm_head.weight`` too (``save_pretrained`` leaves it out; other
+    writers do not): equal to ``wte`` it loads tied, as in transformers; different, transformers unties
+    the two and zero3 refuses on every rank."""
+    from safetensors.torch import load_file, save_file
+
+    transformers.logging.set_verbosity_error()
+    src = os.path.join(workdir, f"gpt2-both-{equal}")
+    _write("gpt2", True, torch.float32, src)
+    if dist.get_rank() == 0:
+        files = [f for f in os.listdir(src) if f.endswith(".safetensors")]
+        holder = next(f for f in files if "transformer.wte.weight" in load_file(os.path.join(src, f)))
+        state = load_file(os.path.join(src, holder))
+        wte = state["transformer.wte.weight"]
+        state["lm_head.weight"] = wte.clone() if equal else wte + 1
+        save_file(state, os.path.join(src, holder), metadata={"format": "pt"})
+        index = os.path.join(src, "model.safetensors.index.json")
+        with open(index) as fh:
+            raw = json.load(fh)
+        raw["weight_map"]["lm_head.weight"] = holder
+        with open(index, "w") as fh:
+            json.dump(raw, fh)
+    dist.barrier()
+    try:
+        model = zero3.from_pretrained(transformers.AutoModelForCausalLM, src)
+    except zero3.ZeroConfigError as exc:
+        return {"refused": str(exc)}
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src)
+    return {"refused": None, "bad": _compare(model, ref), "tied": model.lm_head.weight is model.transformer.wte.weight,
+            "ref_tied": ref.lm_head.weight is ref.transformer.wte.weight}
+
+
+@pytest.mark.parametrize("equal", [True, False], ids=["equal", "different"])
+def test_both_names_of_a_tied_pair_in_the_checkpoint(pools, tmp_path, equal):
+    for r in pools.get(2).run(tied_pair_in_the_checkpoint, str(tmp_path), equal, timeout=120):
+        if equal:
+            assert r["refused"] is None and r["bad"] == [] and r["tied"] and r["ref_tied"]
+        else:
+            assert r["refused"] is not None and "tie_word_embeddings=False" in r["refused"], r

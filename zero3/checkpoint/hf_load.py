@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from . import pretrained
+from .exchange import exchange
 from .format import CheckpointMismatchError, CheckpointNotFoundError
 from ..errors import ZeroConfigError
 from ..partition.param import ZeroParameter
@@ -91,12 +92,16 @@ def from_pretrained(cls_or_auto: Any, path: str | Path, *, config: Any = None, t
         raise ZeroConfigError(f"{model_cls.__name__} keeps modules in fp32 under dtype={dtype} "
                               "(_keep_in_fp32_modules); zero3.from_pretrained does not support that")
     source = _renamed_source(transformers, model, pretrained.open_source(path))
-    info = _loading_info(modeling_utils, model, pretrained.match_keys(model, source))
-    if strict and (info.missing_keys or info.unexpected_keys):
+    try:
+        _refuse_differing_tied_pair(model, source)
+        info = _loading_info(modeling_utils, model, pretrained.match_keys(model, source))
+        if strict and (info.missing_keys or info.unexpected_keys):
+            raise CheckpointMismatchError(f"zero3.from_pretrained({path}): missing keys {sorted(info.missing_keys)}, "
+                                          f"unexpected keys {sorted(info.unexpected_keys)}; nothing was loaded")
+    except BaseException:
         source.close()
-        raise CheckpointMismatchError(f"zero3.from_pretrained({path}): missing keys {sorted(info.missing_keys)}, "
-                                      f"unexpected keys {sorted(info.unexpected_keys)}; nothing was loaded")
-    loaded = pretrained.load_state_dict(model, source, strict=False)
+        raise
+    loaded = pretrained.load_state_dict(model, source, strict=False)  # closes the source
     _initialize_missing(model, set(loaded.missing_keys))
     modeling_utils.log_state_dict_report(model=model, pretrained_model_name_or_path=str(path),
                                          ignore_mismatched_sizes=False, loading_info=info,
@@ -181,6 +186,38 @@ def _renamed_source(transformers: Any, model: nn.Module, source: Any) -> Any:
         raise ZeroConfigError(f"{type(model).__name__}: checkpoint tensors {converted[:3]} need transformers' weight "
                               "conversion (fused or split on load); zero3.from_pretrained only renames keys")
     return pretrained.RenamedSource(source, new_to_old)
+
+
+def _refuse_differing_tied_pair(model: nn.Module, source: Any, chunk: int = 1 << 22) -> None:
+    """Both names of a tied pair in the checkpoint, with different values: transformers unties them (and
+    warns); zero3 tied them while building, so it refuses. Each rank compares only its own slice of the
+    two, ``chunk`` elements at a time, and the ranks agree on the outcome."""
+    keys = set(source.keys())
+    differ = []
+    for target, tied_to in getattr(model, "all_tied_weights_keys", {}).items():
+        if target not in keys or tied_to not in keys:
+            continue
+        p = model.get_parameter(tied_to)
+        start, end = p._zero.shard_range() if isinstance(p, ZeroParameter) else (0, p.numel())
+        end = min(end, p._zero.numel if isinstance(p, ZeroParameter) else end)
+        for lo in range(start, end, chunk):
+            n = min(chunk, end - lo)
+            a, b = torch.empty(n, dtype=p.dtype), torch.empty(n, dtype=p.dtype)
+            source.read(target, lo, a)
+            source.read(tied_to, lo, b)
+            if not torch.equal(a, b):
+                differ.append(f"{tied_to} and {target}")
+                break
+    params = [p for p in model.parameters() if isinstance(p, ZeroParameter)]
+    error = None
+    if differ:
+        error = ZeroConfigError(f"the checkpoint holds both {differ[0]}, with different values, but the config ties "
+                                "them; transformers would untie them, zero3.from_pretrained does not. Pass a config "
+                                "with tie_word_embeddings=False")
+    if params:
+        exchange(params[0]._zero.ctx, None, error, "zero3.from_pretrained tied weights")
+    if error is not None:
+        raise error
 
 
 def _loading_info(modeling_utils: Any, model: nn.Module, keys: pretrained.LoadResult) -> Any:
