@@ -6,9 +6,13 @@
   and a forward through `zero3.initialize` gives its logits bit for bit.
 - Each rank's bytes read from the files, counted by wrapping the byte-range reader, are at most its
   own slices (in the file's dtype) plus the largest tensor.
-- Missing and unexpected keys: the same loading info and the same warning (transformers' load report)
-  as transformers, missing weights initialised to transformers' values (same RNG draws), and
-  ``strict=True`` raises on every rank before anything is read.
+- Missing, unexpected and (with ``ignore_mismatched_sizes``) mismatched keys: the same loading info
+  and the same warning (transformers' load report) as transformers, those weights initialised to
+  transformers' values (same RNG draws), and ``strict=True`` raises on every rank before anything
+  is read.
+- A base model's checkpoint loads into the LM-head model (prefix renamed); weights transformers fuses
+  on load (Mixtral's experts) are refused; both names of a tied pair in the file load tied when equal
+  and are refused when they differ.
 """
 
 from __future__ import annotations
@@ -265,3 +269,33 @@ def test_both_names_of_a_tied_pair_in_the_checkpoint(pools, tmp_path, equal):
             assert r["refused"] is None and r["bad"] == [] and r["tied"] and r["ref_tied"]
         else:
             assert r["refused"] is not None and "tie_word_embeddings=False" in r["refused"], r
+
+
+def mismatched_sizes(workdir: str) -> dict:
+    """A config with a larger vocabulary than the checkpoint's: with ``ignore_mismatched_sizes`` the
+    embeddings are reported as mismatched and initialised as transformers initialises them; without it
+    both raise."""
+    transformers.logging.set_verbosity_error()
+    src = os.path.join(workdir, "llama-vocab")
+    _write("llama", False, torch.float32, src)
+    config = transformers.AutoConfig.from_pretrained(src)
+    config.vocab_size = VOCAB + 4
+    auto = transformers.AutoModelForCausalLM
+    torch.manual_seed(4)
+    model, info = zero3.from_pretrained(auto, src, config=config, ignore_mismatched_sizes=True,
+                                        output_loading_info=True)
+    torch.manual_seed(4)
+    ref, ref_info = auto.from_pretrained(src, config=config, ignore_mismatched_sizes=True, output_loading_info=True)
+    try:
+        zero3.from_pretrained(auto, src, config=config)
+        raised = None
+    except zero3.CheckpointMismatchError as exc:
+        raised = str(exc)
+    return {"info": info, "ref_info": ref_info, "bad": _compare(model, ref), "raised": raised}
+
+
+def test_ignore_mismatched_sizes_reinitialises_like_transformers(pools, tmp_path):
+    for r in pools.get(2).run(mismatched_sizes, str(tmp_path), timeout=120):
+        assert r["info"] == r["ref_info"] and r["bad"] == []
+        assert {k for k, _, _ in r["info"]["mismatched_keys"]} == {"lm_head.weight", "model.embed_tokens.weight"}
+        assert r["raised"] is not None and "shape mismatch" in r["raised"]

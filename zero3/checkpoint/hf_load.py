@@ -35,12 +35,13 @@ from ..runtime.init import GatheredParameters, Init
 logger = logging.getLogger(__name__)
 
 _UNSUPPORTED = ("device_map", "quantization_config", "tp_plan", "tp_size", "distributed_config", "gguf_file",
-                "state_dict", "ignore_mismatched_sizes", "adapter_kwargs", "use_kernels", "key_mapping")
+                "state_dict", "adapter_kwargs", "use_kernels", "key_mapping")
 
 
 def from_pretrained(cls_or_auto: Any, path: str | Path, *, config: Any = None, torch_dtype: Any = None,
                     dtype: Any = None, zero_config: Any = None, group: Any = None, strict: bool = False,
-                    output_loading_info: bool = False, **hf_kwargs: Any) -> Any:
+                    ignore_mismatched_sizes: bool = False, output_loading_info: bool = False,
+                    **hf_kwargs: Any) -> Any:
     """Load a ``save_pretrained`` directory into a model partitioned across the ranks of ``group``.
 
     A collective: call it on every rank. Each rank reads only its own slice of every tensor (plus
@@ -59,6 +60,8 @@ def from_pretrained(cls_or_auto: Any, path: str | Path, *, config: Any = None, t
         group: the process group to partition over (default: as `zero3.Init`).
         strict: missing or unexpected keys (after the model's ``_keys_to_ignore_on_load_*``) raise
             `CheckpointMismatchError` before anything is read.
+        ignore_mismatched_sizes: as in transformers: tensors whose shape differs from the model's are
+            skipped (and initialised like missing ones) and reported as mismatched, instead of raising.
         output_loading_info: also return transformers' loading-info dict (missing, unexpected,
             mismatched keys and error messages).
         hf_kwargs: passed to the config (``attn_implementation`` and config attributes, as in
@@ -66,7 +69,8 @@ def from_pretrained(cls_or_auto: Any, path: str | Path, *, config: Any = None, t
 
     Raises:
         CheckpointNotFoundError: no safetensors weights in ``path``.
-        CheckpointMismatchError: shape mismatches (transformers raises too), or keys with ``strict``.
+        CheckpointMismatchError: shape mismatches without ``ignore_mismatched_sizes`` (transformers raises
+            too), or missing/unexpected keys with ``strict``.
         ZeroConfigError: a transformers loading option zero3 does not support here, or a model
             whose weights need a conversion other than renaming.
     """
@@ -93,8 +97,9 @@ def from_pretrained(cls_or_auto: Any, path: str | Path, *, config: Any = None, t
                               "(_keep_in_fp32_modules); zero3.from_pretrained does not support that")
     source = _renamed_source(transformers, model, pretrained.open_source(path))
     try:
+        mismatched = _drop_mismatched(model, source) if ignore_mismatched_sizes else set()
         _refuse_differing_tied_pair(model, source)
-        info = _loading_info(modeling_utils, model, pretrained.match_keys(model, source))
+        info = _loading_info(modeling_utils, model, pretrained.match_keys(model, source), mismatched)
         if strict and (info.missing_keys or info.unexpected_keys):
             raise CheckpointMismatchError(f"zero3.from_pretrained({path}): missing keys {sorted(info.missing_keys)}, "
                                           f"unexpected keys {sorted(info.unexpected_keys)}; nothing was loaded")
@@ -104,7 +109,7 @@ def from_pretrained(cls_or_auto: Any, path: str | Path, *, config: Any = None, t
     loaded = pretrained.load_state_dict(model, source, strict=False)  # closes the source
     _initialize_missing(model, set(loaded.missing_keys))
     modeling_utils.log_state_dict_report(model=model, pretrained_model_name_or_path=str(path),
-                                         ignore_mismatched_sizes=False, loading_info=info,
+                                         ignore_mismatched_sizes=ignore_mismatched_sizes, loading_info=info,
                                          logger=modeling_utils.logger)
     model.eval()
     if model.can_generate() and hasattr(model, "adjust_generation_fn"):
@@ -188,6 +193,20 @@ def _renamed_source(transformers: Any, model: nn.Module, source: Any) -> Any:
     return pretrained.RenamedSource(source, new_to_old)
 
 
+def _drop_mismatched(model: nn.Module, source: pretrained.RenamedSource) -> set[tuple]:
+    """Leave out the checkpoint tensors whose shape is not the model's; transformers' mismatched-key triples."""
+    mismatched = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name not in source.old:
+            continue
+        want = tuple(tensor._zero.shape if isinstance(tensor, ZeroParameter) else tensor.shape)
+        have = tuple(source.shape(name))
+        if have != want:
+            mismatched.add((name, torch.Size(have), torch.Size(want)))
+            del source.old[name]
+    return mismatched
+
+
 def _refuse_differing_tied_pair(model: nn.Module, source: Any, chunk: int = 1 << 22) -> None:
     """Both names of a tied pair in the checkpoint, with different values: transformers unties them (and
     warns); zero3 tied them while building, so it refuses. Each rank compares only its own slice of the
@@ -220,17 +239,20 @@ def _refuse_differing_tied_pair(model: nn.Module, source: Any, chunk: int = 1 <<
         raise error
 
 
-def _loading_info(modeling_utils: Any, model: nn.Module, keys: pretrained.LoadResult) -> Any:
-    """transformers' ``LoadStateDictInfo``, adjusted by the model's ``_keys_to_ignore_on_load_*``."""
+def _loading_info(modeling_utils: Any, model: nn.Module, keys: pretrained.LoadResult, mismatched: set) -> Any:
+    """transformers' ``LoadStateDictInfo``, adjusted by the model's ``_keys_to_ignore_on_load_*``; the
+    mismatched keys are reported as such, not as missing (they are initialised as missing ones are)."""
     # The sets filled as transformers fills them (all keys, then the loaded ones discarded), so that they
     # iterate, and the report lists them, in the same order.
     from transformers.core_model_loading import dot_natural_key
 
     missing = set(model.state_dict(keep_vars=True))
-    missing.difference_update([k for k in list(missing) if k not in set(keys.missing_keys)])
+    skipped = {name for name, _, _ in mismatched}
+    missing.difference_update([k for k in list(missing) if k not in set(keys.missing_keys) or k in skipped])
     unexpected = set(sorted(keys.unexpected_keys, key=dot_natural_key))
-    info = modeling_utils.LoadStateDictInfo(missing_keys=missing, unexpected_keys=unexpected, mismatched_keys=set(),
-                                            error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
+    info = modeling_utils.LoadStateDictInfo(missing_keys=missing, unexpected_keys=unexpected,
+                                            mismatched_keys=mismatched, error_msgs=[], conversion_errors={},
+                                            skipped_pp_keys=set())
     model._adjust_missing_and_unexpected_keys(info)
     return info
 
