@@ -97,7 +97,9 @@ def from_pretrained(cls_or_auto: Any, path: str | Path, *, config: Any = None, t
                               "(_keep_in_fp32_modules); zero3.from_pretrained does not support that")
     source = _renamed_source(transformers, model, pretrained.open_source(path))
     try:
-        mismatched = _drop_mismatched(model, source) if ignore_mismatched_sizes else set()
+        mismatched: set = set()
+        if ignore_mismatched_sizes:
+            source, mismatched = _drop_mismatched(model, source)
         _refuse_differing_tied_pair(model, source)
         info = _loading_info(modeling_utils, model, pretrained.match_keys(model, source), mismatched)
         if strict and (info.missing_keys or info.unexpected_keys):
@@ -193,8 +195,9 @@ def _renamed_source(transformers: Any, model: nn.Module, source: Any) -> Any:
     return pretrained.RenamedSource(source, new_to_old)
 
 
-def _drop_mismatched(model: nn.Module, source: pretrained.RenamedSource) -> set[tuple]:
-    """Leave out the checkpoint tensors whose shape is not the model's; transformers' mismatched-key triples."""
+def _drop_mismatched(model: nn.Module, source: pretrained.RenamedSource) -> tuple[pretrained.RenamedSource, set]:
+    """The source without the tensors whose shape is not the model's, and transformers' mismatched-key
+    triples (name, checkpoint shape, model shape) for them."""
     mismatched = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name not in source.old:
@@ -203,8 +206,17 @@ def _drop_mismatched(model: nn.Module, source: pretrained.RenamedSource) -> set[
         have = tuple(source.shape(name))
         if have != want:
             mismatched.add((name, torch.Size(have), torch.Size(want)))
-            del source.old[name]
-    return mismatched
+    dropped = {name for name, _, _ in mismatched}
+    kept = {new: old for new, old in source.old.items() if new not in dropped}
+    return pretrained.RenamedSource(source.inner, kept), mismatched
+
+
+def _owned_range(p: torch.Tensor) -> tuple[int, int]:
+    """This rank's flat element range of ``p`` (all of it when ``p`` is not partitioned)."""
+    if not isinstance(p, ZeroParameter):
+        return 0, p.numel()
+    start, end = p._zero.shard_range()
+    return start, max(min(end, p._zero.numel), start)
 
 
 def _refuse_differing_tied_pair(model: nn.Module, source: Any, chunk: int = 1 << 22) -> None:
@@ -217,8 +229,7 @@ def _refuse_differing_tied_pair(model: nn.Module, source: Any, chunk: int = 1 <<
         if target not in keys or tied_to not in keys:
             continue
         p = model.get_parameter(tied_to)
-        start, end = p._zero.shard_range() if isinstance(p, ZeroParameter) else (0, p.numel())
-        end = min(end, p._zero.numel if isinstance(p, ZeroParameter) else end)
+        start, end = _owned_range(p)
         for lo in range(start, end, chunk):
             n = min(chunk, end - lo)
             a, b = torch.empty(n, dtype=p.dtype), torch.empty(n, dtype=p.dtype)
