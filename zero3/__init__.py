@@ -9,6 +9,7 @@ import sys as _sys
 
 from .activation import checkpointing
 from .checkpoint import pretrained
+from .checkpoint.hf_load import from_pretrained
 from .accessors import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
@@ -66,6 +67,7 @@ __all__ = [
     "ZeroStateError",
     "checkpointing",
     "clip_grad_norm_",
+    "from_pretrained",
     "init_distributed",
     "initialize",
     "is_partitioned",

@@ -116,10 +116,38 @@ class _SafetensorsSource(_Source):
         self._handles.clear()
 
 
+class RenamedSource(_Source):
+    """Another source's tensors under new names (``{new: old}``); names not in the map are dropped.
+
+    How a checkpoint written with other key names (Hugging Face's renamings, a base model's prefix)
+    is read without copying it."""
+
+    def __init__(self, inner: _Source, new_to_old: Mapping[str, str]) -> None:
+        self.inner = inner
+        self.old = dict(new_to_old)
+        new_of = {old: new for new, old in self.old.items()}
+        self.aliases = {k: new_of.get(v, v) for k, v in inner.aliases.items()}
+
+    def keys(self) -> list[str]:
+        return list(self.old)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.inner.shape(self.old[key])
+
+    def read(self, key: str, lo: int, dest: torch.Tensor) -> None:
+        self.inner.read(self.old[key], lo, dest)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def open_source(state_dict_or_path: Any) -> _Source:
-    """A mapping; a ``.safetensors`` file; a ``*.safetensors.index.json`` (sharded) or a directory with
-    ``model.safetensors`` / ``model.safetensors.index.json``; or a ``.pt``/``.pth``/``.bin`` file
-    (``torch.load(mmap=True, weights_only=True)``: only the touched pages are read)."""
+    """An open source (returned as is); a mapping; a ``.safetensors`` file; a ``*.safetensors.index.json``
+    (sharded) or a directory with ``model.safetensors`` / ``model.safetensors.index.json``; or a
+    ``.pt``/``.pth``/``.bin`` file (``torch.load(mmap=True, weights_only=True)``: only the touched pages
+    are read)."""
+    if isinstance(state_dict_or_path, _Source):
+        return state_dict_or_path
     if isinstance(state_dict_or_path, Mapping):
         return _DictSource(state_dict_or_path)
     if not isinstance(state_dict_or_path, (str, os.PathLike)):
@@ -221,6 +249,12 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
     return result
 
 
+def match_keys(module: nn.Module, source: _Source) -> LoadResult:
+    """The missing and unexpected keys `load_state_dict` would report, without loading anything
+    (shape mismatches raise here too)."""
+    return _plan(module, source, strict=False)[0]
+
+
 def _plan(module: nn.Module, source: _Source,
           strict: bool) -> tuple[LoadResult, list[tuple[str, torch.Tensor | ZeroParameter]]]:
     """Match the model's state dict keys to the source; (result, [(source key, target)]) or raise."""
@@ -296,4 +330,4 @@ def _load_partitioned(source: _Source, key: str, p: ZeroParameter) -> None:
         assert z.persistent, f"{z.name} is gathered while loading"
 
 
-__all__ = ["LoadResult", "load_state_dict", "open_source"]
+__all__ = ["LoadResult", "RenamedSource", "load_state_dict", "match_keys", "open_source"]
