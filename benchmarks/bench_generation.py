@@ -2,21 +2,27 @@
 
     python benchmarks/bench_generation.py            # 64 tokens, the example GPT widened to 4 x 256
     python benchmarks/bench_generation.py --tokens 16 --n-embd 128
+    python benchmarks/bench_generation.py --repeat 5   # every variant 5 times, interleaved: medians
 
 Every rank decodes the same prompt (the example GPT of examples/gpt.py, every parameter partitioned:
-``param_persistence_threshold`` 0). Variants, in one run: plain eval forwards (every forward gathers
-every weight), ``engine.generation()`` with the live budget at the whole model, and with it at half
-the model (only what does not fit is gathered again). Tokens per second is the slower rank's; the
-decoded tokens are compared with the same model run plainly in one process. Figures are printed,
-never asserted.
+``param_persistence_threshold`` 0). Variants, in one run: plain eval forwards (zero3's ordinary
+forwards, not in generation mode: each follows the step's recorded trace and gathers every weight
+again) at the default live budget and at half the model, ``engine.generation()`` with the live
+budget at the whole model, and with it at half the model (only what does not fit is gathered again,
+along the planned decode cycle). Tokens per second is the slower rank's, the median over
+``--repeat`` interleaved rounds (the machine may be shared: compare within a run); the decoded
+tokens are compared with the same model run plainly in one process. Figures are printed, never
+asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import socket
+import statistics
 import sys
 import time
 
@@ -46,11 +52,12 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     cfg = GPTConfig(block_size=args.tokens + 1, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head)
     torch.manual_seed(0)
     want = _decode(GPT(cfg).eval(), args.tokens, cfg.block_size)
-    rows = []
-    variants = (("plain eval forwards", None, False, True), ("generation(), budget = model", None, True, True),
+    variants = (("plain eval forwards", None, False, True), ("plain eval forwards, budget = half the model", 0.5, False, True),
+                ("generation(), budget = model", None, True, True),
                 ("generation(), budget = half the model", 0.5, True, True),
                 ("generation(), budget = half the model, no prefetch", 0.5, True, False))
-    for name, fraction, generation, prefetch in variants:
+    runs: dict[str, list[tuple[float, float, bool]]] = {name: [] for name, *_ in variants}
+    for _, (name, fraction, generation, prefetch) in itertools.product(range(args.repeat), variants):
         torch.manual_seed(0)
         with zero3.Init():
             model = GPT(cfg)
@@ -74,12 +81,13 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         gathered = engine.metrics.allgather_numel - before
-        rows.append((name, args.tokens / elapsed.item(), gathered / args.tokens / numel, torch.equal(got, want)))
+        runs[name].append((args.tokens / elapsed.item(), gathered / args.tokens / numel, torch.equal(got, want)))
         engine.remove_hooks()
+    rows = [(name, statistics.median(r[0] for r in rs), rs[0][1], all(r[2] for r in rs)) for name, rs in runs.items()]
     if rank == 0:
         print(f"# bench_generation  {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}  "
               f"{world} gloo ranks x 1 thread; GPT n_layer={cfg.n_layer} n_embd={cfg.n_embd} ({numel:,} parameters), "
-              f"greedy decode of {args.tokens} tokens\n")
+              f"greedy decode of {args.tokens} tokens, median of {args.repeat}\n")
         print("| variant | tokens/s | vs plain | weights gathered per token (x model) | tokens equal the plain model's |")
         print("|---|---:|---:|---:|---|")
         for name, tps, per_token, ok in rows:
@@ -93,6 +101,7 @@ def main() -> None:
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=1)
     args = ap.parse_args()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

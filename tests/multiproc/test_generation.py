@@ -65,3 +65,54 @@ def test_generation_mode_under_half_the_model_regathers_only_what_does_not_fit(p
         per_token = (r["kept_numel"] - r["numel"]) / (TOKENS - 1)
         assert per_token <= 0.62 * r["numel"], r  # about the half that does not fit, not the whole model
         assert r["kept_numel"] < 0.7 * r["plain_numel"], r
+
+
+def planned_run(budget_fraction: float | None, in_bytes: bool = False) -> dict:
+    """The default ``prefetch_bucket_size``: generation mode plans the decode cycle
+    (planning/generation.py [Note: decode plans])."""
+    torch.manual_seed(0)
+    want = decode(GPT(CFG).eval())
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = GPT(CFG)
+    model.eval()
+    numel = sum(p.numel() for p in model.parameters())
+    nbytes = sum(p._zero.nbytes for p in model.parameters())
+    cfg: dict = {"param_persistence_threshold": 0, "max_reuse_distance": 0}
+    if budget_fraction is not None:
+        if in_bytes:
+            cfg["max_live_bytes"] = int(nbytes * budget_fraction)
+        else:
+            cfg["max_live_parameters"] = int(numel * budget_fraction)
+    engine = zero3.initialize(model, None, cfg)
+    plain = decode(engine)
+    calls = engine.metrics.allgather_calls
+    with engine.generation():
+        engine.metrics.peak_live_numel = engine.metrics.live_numel
+        engine.metrics.peak_live_bytes = engine.metrics.live_bytes
+        kept = decode(engine)
+        plan = engine.coordinator._generation.plan
+        peak = (engine.metrics.peak_live_numel, engine.metrics.peak_live_bytes)
+    return {"plain_ok": torch.equal(plain, want), "kept_ok": torch.equal(kept, want), "numel": numel,
+            "nbytes": nbytes, "peak": peak, "calls": engine.metrics.allgather_calls - calls,
+            "buckets": None if plan is None else len(plan.buckets), "left": len(engine.coordinator.live_params)}
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5])
+def test_planned_generation_decodes_the_plain_tokens_within_the_budget(pools, fraction):
+    for r in pools.get(2).run(planned_run, fraction, timeout=120):
+        assert r["plain_ok"] and r["kept_ok"], r  # the same tokens as without generation mode
+        assert r["left"] == 0, r
+        if fraction is None:
+            assert r["buckets"] is None, r  # the model fits: nothing to plan
+            continue
+        assert r["peak"][0] <= fraction * r["numel"], r  # the cap holds, in flight included
+        assert r["buckets"] is not None and r["buckets"] >= 1, r
+        # learning forward, planning forward, then one collective per streamed bucket per token
+        assert r["calls"] <= 2 * 40 + (TOKENS - 2) * r["buckets"], r
+
+
+def test_planned_generation_under_a_byte_budget_holds_it(pools):
+    for r in pools.get(2).run(planned_run, 0.5, True, timeout=120):
+        assert r["kept_ok"], r
+        assert r["buckets"] is not None and r["peak"][1] <= 0.5 * r["nbytes"], r

@@ -219,10 +219,11 @@ class ParamCoordinator:
     # -- generation mode -----------------------------------------------------------------------------
     def begin_generation(self) -> None:
         """Keep gathered parameters across forwards (a decode loop) until `end_generation`, under
-        the live cap, prefetching along the learnt cycle (planning/generation.py)."""
+        the live cap, gathering along the learnt and planned cycle (planning/generation.py)."""
         if self.steps.key is not None:
             raise ZeroStateError("engine.generation() entered in the middle of a step; enter it between steps")
-        self._generation = GenerationPrefetch()
+        sizes = {pid: self._size(p) for pid, p in self._by_id.items() if not p._zero.persistent}
+        self._generation = GenerationPrefetch(sizes, self.plan_config)
 
     def end_generation(self) -> None:
         """Leave generation mode: release everything it kept."""
@@ -233,13 +234,16 @@ class ParamCoordinator:
         _pin(kind, params)
         if kind not in _PRE:
             return
-        ids = [p._zero.id for p in params]
-        policy.use(ids)
+        action = policy.step([p._zero.id for p in params])
+        if action.keep is not None:
+            self.release([p for pid, p in self._live.items() if pid not in action.keep])
+        if action.gather:
+            own = {p._zero.id for p in params}
+            params = [*params, *(self._by_id[pid] for pid in action.gather if pid not in own)]
         self.fetch(params, label="generation")
-        upcoming = policy.advance(ids)
         bucket = self.plan_config.prefetch_bucket_size
-        if bucket and upcoming is not None:
-            missing = [q for q in map(self._by_id.__getitem__, upcoming)
+        if bucket and action.prefetch:
+            missing = [q for q in map(self._by_id.__getitem__, action.prefetch)
                        if q._zero.status is ParamStatus.NOT_AVAILABLE and not q._zero.persistent]
             if missing and sum(self._size(q) for q in missing) <= bucket:
                 self._make_room(missing)
