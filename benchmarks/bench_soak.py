@@ -23,7 +23,9 @@ import json
 import os
 import socket
 import sys
+import statistics
 import tempfile
+import time
 import warnings
 
 import torch
@@ -40,6 +42,24 @@ def _rss_mib() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _heap_mib() -> tuple[float, float]:
+    """glibc's own account, over every arena: (bytes allocated and not freed, bytes freed but kept), MiB.
+    The first is what the process's malloc users hold; the second is what the allocator keeps."""
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return float("nan"), float("nan")
+    fn.restype = _MallInfo2
+    m = fn()
+    return (m.uordblks + m.hblkhd) / 2**20, m.fordblks / 2**20
 
 
 def _live_tensors() -> int:
@@ -61,16 +81,22 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6),
                               {"gradient_clipping": 1.0})
     samples = []
+    times: list[float] = []
     for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
         x, y = synthetic_batch(step * world + rank, args.batch, cfg)
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         if args.trim_every and step % args.trim_every == 0:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
+        times.append(time.perf_counter() - t0)
         if step % args.every == 0 or step == args.steps:
+            in_use, kept = _heap_mib()
             samples.append({"step": step, "rss_mib": _rss_mib(), "live_tensors": _live_tensors(),
-                            "loss": float(loss.detach())})
+                            "heap_in_use_mib": in_use, "heap_free_kept_mib": kept,
+                            "loss": float(loss.detach()),
+                            "median_step_s": statistics.median(times[-args.every:])})
     del engine, model, loss
     gc.collect()
     dist.destroy_process_group()
@@ -109,16 +135,21 @@ def main() -> None:
     print(f"# soak: example GPT 4x128, batch {args.batch}/rank, {world} gloo ranks, {args.steps} steps, "
           f"verification on, allocator: {'MALLOC_MMAP_THRESHOLD_=131072' if args.malloc_mmap else 'default'}"
           + (f", malloc_trim every {args.trim_every} steps" if args.trim_every else ""))
-    print("| step | " + " | ".join(f"rank {r} RSS (MiB) | rank {r} live tensors" for r in range(world)) + " | loss |")
-    print("|---:|" + "---:|---:|" * world + "---:|")
+    print("| step | " + " | ".join(f"rank {r} RSS (MiB) | rank {r} heap in use / freed-kept (MiB) | rank {r} live tensors"
+                                  for r in range(world)) + " | loss |")
+    print("|---:|" + "---:|---:|---:|" * world + "---:|")
     for i, row in enumerate(per_rank[0]):
-        cells = " | ".join(f"{per_rank[r][i]['rss_mib']:.1f} | {per_rank[r][i]['live_tensors']}" for r in range(world))
+        cells = " | ".join(f"{per_rank[r][i]['rss_mib']:.1f} | {per_rank[r][i]['heap_in_use_mib']:.1f} / "
+                           f"{per_rank[r][i]['heap_free_kept_mib']:.1f} | {per_rank[r][i]['live_tensors']}"
+                           for r in range(world))
         print(f"| {row['step']} | {cells} | {row['loss']:.4f} |")
     for r in range(world):
         base = next((s for s in per_rank[r] if s["step"] >= args.start), per_rank[r][0])
         last = per_rank[r][-1]
         print(f"rank {r}: RSS {base['rss_mib']:.1f} MiB at step {base['step']} -> {last['rss_mib']:.1f} MiB at step "
-              f"{last['step']} ({last['rss_mib'] - base['rss_mib']:+.1f} MiB); live tensors "
+              f"{last['step']} ({last['rss_mib'] - base['rss_mib']:+.1f} MiB); heap in use "
+              f"{last['heap_in_use_mib'] - base['heap_in_use_mib']:+.1f} MiB, freed-kept "
+              f"{last['heap_free_kept_mib'] - base['heap_free_kept_mib']:+.1f} MiB; live tensors "
               f"{base['live_tensors']} -> {last['live_tensors']}")
 
 

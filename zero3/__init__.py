@@ -30,6 +30,7 @@ from .checkpoint import (
     CheckpointVersionError,
 )
 from .comm.process_group import init_distributed
+from .comm import process_group as _process_group
 from .config import ZeroConfig
 from .engine import Engine, clip_grad_norm_, initialize
 from .errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroError, ZeroStateError
@@ -91,3 +92,8 @@ __all__ = [
 # DeepSpeed's and earlier zero3's module names stay importable: ``import zero3.checkpointing``.
 _sys.modules[__name__ + ".checkpointing"] = checkpointing
 _sys.modules[__name__ + ".pretrained"] = pretrained
+
+# A torch build without CUDA has no NCCL hang dumps to keep; its gloo groups made after this import
+# do not run torch's flight recorder (process_group.py [Note: the flight recorder and resident memory]).
+if _process_group.cpu_only_build() and not _process_group.group_exists():
+    _process_group.flight_recorder_off_by_default()

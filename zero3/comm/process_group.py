@@ -7,6 +7,18 @@ torchrun (and DeepSpeed's launcher) set ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`
 gloo). A script launched so that never calls ``init_process_group`` would otherwise run a world of one
 process on every rank, each training the whole model alone, so `Init` and `initialize` set the group up
 themselves when ``WORLD_SIZE`` > 1, and refuse when they cannot.
+
+[Note: the flight recorder and resident memory]
+torch's c10d flight recorder keeps a ring of the last collectives (``TORCH_FR_BUFFER_SIZE`` entries,
+read once, when the first process group is made) for hang dumps. Each entry is a few small heap
+allocations that live until the ring overwrites them; zero3 issues tens of collectives per step, and
+on glibc those long-lived small chunks land in the holes that freed gathered weights and gradients
+leave, so the heap cannot reuse the holes and grows without bound: the example GPT on 2 gloo ranks
+gained about 100 MiB of RSS per rank in 2,000 steps with the recorder on, and stayed flat with it off
+(benchmarks/bench_soak.py; docs/performance.md). zero3 therefore makes ``TORCH_FR_BUFFER_SIZE=0`` the
+default wherever it can decide before the first group exists and no NCCL hang dump is at stake: on
+importing zero3 in a torch build without CUDA, and when zero3 makes the default group with gloo.
+Setting ``TORCH_FR_BUFFER_SIZE`` (or ``TORCH_NCCL_TRACE_BUFFER_SIZE``) yourself always wins.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from ..errors import ZeroConfigError
 logger = logging.getLogger(__name__)
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+FLIGHT_RECORDER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
@@ -40,6 +53,44 @@ def launched_world_size() -> int:
         return int(value)
     except ValueError:
         raise ZeroConfigError(f"WORLD_SIZE={value!r} in the environment is not a number") from None
+
+
+def flight_recorder_off_by_default() -> bool:
+    """Turn torch's flight recorder off for process groups made from now on, unless the user chose
+    ([Note: the flight recorder and resident memory]). Returns whether this call turned it off."""
+    if any(v in os.environ for v in FLIGHT_RECORDER_VARS):
+        return False
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "0"
+    return True
+
+
+def cpu_only_build() -> bool:
+    """Whether this torch was built without CUDA and ROCm (so without NCCL)."""
+    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+
+
+def group_exists() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def warn_if_flight_recorder_on(who: str) -> None:
+    """One warning when the default group is gloo and may record every collective."""
+    global _warned_flight_recorder
+    if _warned_flight_recorder or not group_exists() or dist.get_backend() != "gloo" or not flight_recorder_may_be_on():
+        return
+    _warned_flight_recorder = True
+    logger.warning("%s: torch's flight recorder may be on for this gloo group (TORCH_FR_BUFFER_SIZE is not 0): "
+                   "its entries fragment glibc's heap, so RSS grows by about 100 MiB per 2,000 steps on a small "
+                   "model; set TORCH_FR_BUFFER_SIZE=0 before creating the process group (or import zero3 first)", who)
+
+
+_warned_flight_recorder = False
+
+
+def flight_recorder_may_be_on() -> bool:
+    """Whether the groups of this process may record collectives: neither variable says 0."""
+    value = next((os.environ[v] for v in FLIGHT_RECORDER_VARS if v in os.environ), None)
+    return value is None or value.strip() != "0"
 
 
 def init_distributed(backend: str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
@@ -62,6 +113,8 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta = D
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if backend == "gloo" and flight_recorder_off_by_default():
+        logger.debug("zero3: TORCH_FR_BUFFER_SIZE=0 for the gloo group it makes (process_group.py)")
     if rank >= 0 and world_size > 0:
         dist.init_process_group(backend, init_method=init_method or "env://", timeout=timeout, rank=rank,
                                 world_size=world_size)
@@ -89,7 +142,8 @@ def ensure_default_group(who: str) -> None:
         ZeroConfigError: ``WORLD_SIZE`` > 1 but ``RANK``, ``MASTER_ADDR`` or ``MASTER_PORT`` is not
             set (each missing one is named).
     """
-    if (dist.is_available() and dist.is_initialized()) or launched_world_size() <= 1:
+    if group_exists() or launched_world_size() <= 1:
+        warn_if_flight_recorder_on(who)
         return
     missing = [v for v in LAUNCHER_VARS if v not in os.environ]
     if missing or not dist.is_available():
