@@ -1,0 +1,179 @@
+"""Compiled blocks: zero3 and FSDP2, eager and with ``torch.compile`` per Block, on 2 CPU ranks (gloo).
+
+    python benchmarks/bench_compile.py                       # GPT 4x128, block 64, 8 sequences/rank
+    python benchmarks/bench_compile.py --variants zero3,zero3-compiled --steps 10 --backend aot_eager
+
+Variants, each in its own fresh pair of rank processes, one after the other in one invocation:
+
+- ``zero3``: the example GPT (examples/gpt.py) under ``zero3.Init`` and ``zero3.initialize``, eager;
+- ``zero3-compiled``: the same with ``zero3.compile_blocks(model, [Block], backend=...)`` before
+  ``initialize`` (each Block one zero3 unit, its inner forward compiled, zero3's hooks outside);
+- ``fsdp2``: ``fully_shard`` on each Block, then on the root, eager;
+- ``fsdp2-compiled``: the same, then ``block.compile(backend=...)`` on each Block, as FSDP2 users do
+  (it compiles the Block's ``_call_impl``; dynamo skips FSDP2's hooks, ``skip_fsdp_hooks``).
+
+Every variant does the same work: AdamW, forward + backward + optimizer step on ``--batch``
+sequences per rank of the same synthetic batches. Per step, each rank starts after a barrier; the
+step time is the slower rank's. Step 0 (which compiles) is reported on its own as the compile
+warm-up, the next ``--warmup`` steps are dropped, and the table shows the median of the ``--steps``
+timed steps. Every variant runs under glibc's default allocator (``MALLOC_MMAP_THRESHOLD_`` removed)
+with one intra-op thread per rank, and each compiled variant gets a fresh, empty inductor cache
+directory, so its warm-up is a cold compile. The last column is the largest difference of the
+per-step global loss from the eager run of the same runtime (zero3 or FSDP2). Figures are printed,
+never asserted: a shared machine is noisy, so read the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
+
+VARIANTS = ("zero3", "zero3-compiled", "fsdp2", "fsdp2-compiled")
+LABELS = {
+    "zero3": "zero3, eager",
+    "zero3-compiled": "zero3, compile_blocks (Block)",
+    "fsdp2": "FSDP2 (fully_shard per Block + root), eager",
+    "fsdp2-compiled": "FSDP2 (fully_shard per Block + root), block.compile()",
+}
+
+
+def _build(variant: str, args: argparse.Namespace, cfg, world: int):
+    """The model and one training step ``step(x, y) -> loss`` of ``variant``."""
+    import torch
+
+    import zero3
+    from gpt import GPT, Block
+
+    torch.manual_seed(0)
+    if variant.startswith("zero3"):
+        with zero3.Init():
+            model = GPT(cfg)
+        if variant.endswith("compiled"):
+            zero3.compile_blocks(model, [Block], backend=args.backend)
+        engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1),
+                                  {"param_persistence_threshold": 0})
+
+        def zero3_step(x, y):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+        return zero3_step
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = GPT(cfg)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if variant.endswith("compiled"):
+        for block in model.h:
+            block.compile(backend=args.backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
+
+    def fsdp2_step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return fsdp2_step
+
+
+def _rank(rank: int, world: int, variant: str, args: argparse.Namespace, store: str, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from gpt import GPTConfig, synthetic_batch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    cfg = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head,
+                    n_embd=args.n_embd)
+    step_fn = _build(variant, args, cfg, world)
+    times, losses, graphs_after_first = [], [], None
+    for step in range(1 + args.warmup + args.steps):
+        x, y = synthetic_batch(step, args.batch * world, cfg)
+        xs, ys = x[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = step_fn(xs, ys)
+        times.append(time.perf_counter() - t0)
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+        if step == 0:
+            graphs_after_first = counters["stats"]["unique_graphs"]
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as fh:
+        json.dump({"times": times, "losses": losses, "graphs": counters["stats"]["unique_graphs"],
+                   "graphs_after_first": graphs_after_first, "frames": counters["frames"]["total"],
+                   "graph_breaks": sum(counters["graph_break"].values())}, fh)
+    dist.destroy_process_group()
+
+
+def run_variant(variant: str, args: argparse.Namespace) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")  # cold compile, per variant
+        mp.spawn(_rank, args=(args.nproc, variant, args, os.path.join(tmp, "store"), tmp), nprocs=args.nproc)
+        ranks = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(args.nproc)]
+    step_s = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
+    timed = step_s[1 + args.warmup:]
+    return {"first_s": step_s[0], "median_s": statistics.median(timed), "min_s": min(timed),
+            "losses": ranks[0]["losses"], "graphs": ranks[0]["graphs"], "recompiled": any(
+                r["graphs"] != r["graphs_after_first"] for r in ranks),
+            "frames": ranks[0]["frames"], "graph_breaks": ranks[0]["graph_breaks"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--warmup", type=int, default=3, help="steps dropped after the compiling step 0")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled variants")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)  # glibc's default allocator for every variant
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile worker pool on a shared host
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    results = {v: run_variant(v, args) for v in variants}
+    print(f"GPT {args.n_layer}x{args.n_embd} ({args.n_head} heads), block {args.block}, {args.nproc} gloo ranks, "
+          f"batch {args.batch} sequences/rank, backend {args.backend}; median of {args.steps} steps after "
+          f"{1 + args.warmup} warm-up steps; step = the slower rank's forward + backward + AdamW step\n")
+    print("| variant | median step (ms) | fastest (ms) | vs zero3 eager | vs FSDP2 eager | step 0, with compile (s) "
+          "| graphs (recompiled after step 0) | graph breaks | max loss diff vs its eager run |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for v, r in results.items():
+        ratio = {base: (f"{r['median_s'] / results[base]['median_s']:.2f}x" if base in results else "-")
+                 for base in ("zero3", "fsdp2")}
+        eager = results.get(v.split("-")[0])
+        diff = max(abs(a - b) for a, b in zip(r["losses"], eager["losses"])) if eager else float("nan")
+        print(f"| {LABELS[v]} | {r['median_s'] * 1e3:.1f} | {r['min_s'] * 1e3:.1f} | {ratio['zero3']} | "
+              f"{ratio['fsdp2']} | {r['first_s']:.1f} | {r['graphs']} ({'yes' if r['recompiled'] else 'no'}) | "
+              f"{r['graph_breaks']} | {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
