@@ -3,7 +3,7 @@
     python benchmarks/bench_compile.py                       # GPT 4x128, block 64, 8 sequences/rank
     python benchmarks/bench_compile.py --variants zero3,zero3-compiled --steps 10 --backend aot_eager
 
-Variants, each in its own fresh pair of rank processes, one after the other in one invocation:
+Variants, built side by side in one pair of rank processes:
 
 - ``zero3``: the example GPT (examples/gpt.py) under ``zero3.Init`` and ``zero3.initialize``, eager;
 - ``zero3-compiled``: the same with ``zero3.compile_blocks(model, [Block], backend=...)`` before
@@ -13,14 +13,17 @@ Variants, each in its own fresh pair of rank processes, one after the other in o
   (it compiles the Block's ``_call_impl``; dynamo skips FSDP2's hooks, ``skip_fsdp_hooks``).
 
 Every variant does the same work: AdamW, forward + backward + optimizer step on ``--batch``
-sequences per rank of the same synthetic batches. Per step, each rank starts after a barrier; the
-step time is the slower rank's. Step 0 (which compiles) is reported on its own as the compile
-warm-up, the next ``--warmup`` steps are dropped, and the table shows the median of the ``--steps``
-timed steps. Every variant runs under glibc's default allocator (``MALLOC_MMAP_THRESHOLD_`` removed)
-with one intra-op thread per rank, and each compiled variant gets a fresh, empty inductor cache
-directory, so its warm-up is a cold compile. The last column is the largest difference of the
-per-step global loss from the eager run of the same runtime (zero3 or FSDP2). Figures are printed,
-never asserted: a shared machine is noisy, so read the ratios of one run.
+sequences per rank of the same synthetic batches. The variants' steps are interleaved, one round of
+all variants per step index, each variant in a different position of the round in turn, so that a
+busy host slows them alike. Each step starts after a barrier; its time is the slower rank's. Step 0
+(which compiles) is reported on its own as the compile warm-up, with inductor's and AOTAutograd's
+caches disabled so that it is a cold compile; the next ``--warmup`` steps are dropped, and the table
+shows the median of the ``--steps`` timed steps. All variants run under glibc's default allocator
+(``MALLOC_MMAP_THRESHOLD_`` removed) with one intra-op thread per rank. "graphs" counts the graphs
+dynamo compiled during the variant's steps, "recompiled" whether any frame or graph was compiled
+after its step 0. The last column is the largest difference of the per-step global loss from the
+eager run of the same runtime (zero3 or FSDP2). Figures are printed, never asserted: a shared
+machine is noisy, so read the ratios of one run.
 """
 
 from __future__ import annotations
@@ -92,51 +95,63 @@ def _build(variant: str, args: argparse.Namespace, cfg, world: int):
     return fsdp2_step
 
 
-def _rank(rank: int, world: int, variant: str, args: argparse.Namespace, store: str, out_dir: str) -> None:
-    import torch
-    import torch.distributed as dist
+def _counts() -> tuple[int, int, int]:
     from torch._dynamo.utils import counters
+
+    return (counters["frames"]["total"], counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+
+
+def _rank(rank: int, world: int, variants: list[str], args: argparse.Namespace, store: str, out_dir: str) -> None:
+    import torch
+    import torch._inductor.config
+    import torch.distributed as dist
 
     from gpt import GPTConfig, synthetic_batch
 
     torch.set_num_threads(1)
+    torch._inductor.config.force_disable_caches = True  # every compiled variant compiles cold
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     cfg = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head,
                     n_embd=args.n_embd)
-    step_fn = _build(variant, args, cfg, world)
-    times, losses, graphs_after_first = [], [], None
+    steps = {v: _build(v, args, cfg, world) for v in variants}
+    times = {v: [] for v in variants}
+    losses = {v: [] for v in variants}
+    compiles = {v: [] for v in variants}  # (frames, graphs, graph breaks) added by each step
     for step in range(1 + args.warmup + args.steps):
         x, y = synthetic_batch(step, args.batch * world, cfg)
         xs, ys = x[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = step_fn(xs, ys)
-        times.append(time.perf_counter() - t0)
-        loss = loss.detach().clone()
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world)
-        if step == 0:
-            graphs_after_first = counters["stats"]["unique_graphs"]
+        shift = step % len(variants)  # each variant in every position of the round in turn
+        for v in variants[shift:] + variants[:shift]:
+            before = _counts()
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = steps[v](xs, ys)
+            times[v].append(time.perf_counter() - t0)
+            compiles[v].append([b - a for a, b in zip(before, _counts())])
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            losses[v].append(loss.item() / world)
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as fh:
-        json.dump({"times": times, "losses": losses, "graphs": counters["stats"]["unique_graphs"],
-                   "graphs_after_first": graphs_after_first, "frames": counters["frames"]["total"],
-                   "graph_breaks": sum(counters["graph_break"].values())}, fh)
+        json.dump({"times": times, "losses": losses, "compiles": compiles}, fh)
     dist.destroy_process_group()
 
 
-def run_variant(variant: str, args: argparse.Namespace) -> dict:
+def run(variants: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    """All variants in one pair of ranks, their steps interleaved, so a busy host slows them alike."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")  # cold compile, per variant
-        mp.spawn(_rank, args=(args.nproc, variant, args, os.path.join(tmp, "store"), tmp), nprocs=args.nproc)
+        mp.spawn(_rank, args=(args.nproc, variants, args, os.path.join(tmp, "store"), tmp), nprocs=args.nproc)
         ranks = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(args.nproc)]
-    step_s = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
-    timed = step_s[1 + args.warmup:]
-    return {"first_s": step_s[0], "median_s": statistics.median(timed), "min_s": min(timed),
-            "losses": ranks[0]["losses"], "graphs": ranks[0]["graphs"], "recompiled": any(
-                r["graphs"] != r["graphs_after_first"] for r in ranks),
-            "frames": ranks[0]["frames"], "graph_breaks": ranks[0]["graph_breaks"]}
+    out = {}
+    for v in variants:
+        step_s = [max(r["times"][v][i] for r in ranks) for i in range(len(ranks[0]["times"][v]))]
+        timed = step_s[1 + args.warmup:]
+        added = [[max(r["compiles"][v][i][k] for r in ranks) for k in range(3)] for i in range(len(step_s))]
+        out[v] = {"first_s": step_s[0], "median_s": statistics.median(timed), "min_s": min(timed),
+                  "losses": ranks[0]["losses"][v], "graphs": sum(a[1] for a in added),
+                  "recompiled": any(a[0] or a[1] for a in added[1:]), "graph_breaks": sum(a[2] for a in added)}
+    return out
 
 
 def main() -> None:
@@ -158,7 +173,7 @@ def main() -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
-    results = {v: run_variant(v, args) for v in variants}
+    results = run(variants, args)
     print(f"GPT {args.n_layer}x{args.n_embd} ({args.n_head} heads), block {args.block}, {args.nproc} gloo ranks, "
           f"batch {args.batch} sequences/rank, backend {args.backend}; median of {args.steps} steps after "
           f"{1 + args.warmup} warm-up steps; step = the slower rank's forward + backward + AdamW step\n")
