@@ -6,6 +6,8 @@
 Variants, built side by side in one pair of rank processes:
 
 - ``zero3``: the example GPT (examples/gpt.py) under ``zero3.Init`` and ``zero3.initialize``, eager;
+- ``zero3-leaf``: the same with ``zero3.set_leaf_modules(model, [Block])``: gathers per Block as
+  with compiled blocks, eager, to tell what the coarser gathers bring from what compiling brings;
 - ``zero3-compiled``: the same with ``zero3.compile_blocks(model, [Block], backend=...)`` before
   ``initialize`` (each Block one zero3 unit, its inner forward compiled, zero3's hooks outside);
 - ``fsdp2``: ``fully_shard`` on each Block, then on the root, eager;
@@ -19,11 +21,11 @@ busy host slows them alike. Each step starts after a barrier; its time is the sl
 (which compiles) is reported on its own as the compile warm-up, with inductor's and AOTAutograd's
 caches disabled so that it is a cold compile; the next ``--warmup`` steps are dropped, and the table
 shows the median of the ``--steps`` timed steps. All variants run under glibc's default allocator
-(``MALLOC_MMAP_THRESHOLD_`` removed) with one intra-op thread per rank. "graphs" counts the graphs
-dynamo compiled during the variant's steps; "CPU / step" is the median over the timed steps of
-the process CPU time per step (all threads, mean over ranks), less sensitive to a busy host than
-wall time and blind to time spent waiting on the other rank, "recompiled" whether any frame or graph was compiled
-after its step 0. The last column is the largest difference of the per-step global loss from the
+(``MALLOC_MMAP_THRESHOLD_`` removed) with one intra-op thread per rank. "CPU / step" is the median
+over the timed steps of the process CPU time per step (all threads, mean over ranks): less sensitive
+to a busy host than wall time, blind to time spent waiting on the other rank. "graphs" counts the
+graphs dynamo compiled during the variant's steps, "recompiled" whether any frame or graph was
+compiled after its step 0. The last column is the largest difference of the per-step global loss from the
 eager run of the same runtime (zero3 or FSDP2). Figures are printed, never asserted: a shared
 machine is noisy, so read the ratios of one run.
 """
@@ -42,9 +44,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 
-VARIANTS = ("zero3", "zero3-compiled", "fsdp2", "fsdp2-compiled")
+VARIANTS = ("zero3", "zero3-leaf", "zero3-compiled", "fsdp2", "fsdp2-compiled")
 LABELS = {
     "zero3": "zero3, eager",
+    "zero3-leaf": "zero3, eager, Block a leaf module",
     "zero3-compiled": "zero3, compile_blocks (Block)",
     "fsdp2": "FSDP2 (fully_shard per Block + root), eager",
     "fsdp2-compiled": "FSDP2 (fully_shard per Block + root), block.compile()",
@@ -64,6 +67,8 @@ def _build(variant: str, args: argparse.Namespace, cfg, world: int):
             model = GPT(cfg)
         if variant.endswith("compiled"):
             zero3.compile_blocks(model, [Block], backend=args.backend)
+        elif variant.endswith("leaf"):
+            zero3.set_leaf_modules(model, [Block])
         engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1),
                                   {"param_persistence_threshold": 0})
 
