@@ -35,6 +35,7 @@ from .config import ZeroConfig
 from .engine import Engine, clip_grad_norm_, initialize
 from .errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroError, ZeroStateError
 from .runtime.init import GatheredParameters, Init, register_external_parameter
+from .runtime.compile import compile_blocks
 from .runtime.leaf import set_leaf_modules
 from .memory import see_memory_usage
 from .metrics import StepMetrics
@@ -68,6 +69,7 @@ __all__ = [
     "ZeroStateError",
     "checkpointing",
     "clip_grad_norm_",
+    "compile_blocks",
     "from_pretrained",
     "init_distributed",
     "initialize",

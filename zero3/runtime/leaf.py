@@ -36,23 +36,30 @@ def set_leaf_modules(model: nn.Module, targets: Iterable[type | str]) -> list[nn
     if model.__dict__.get("_zero3_context") is not None:
         raise ZeroStateError("set_leaf_modules must be called before zero3.initialize: the hooks are installed "
                              "then (or list the classes in the config key leaf_modules)")
+    marked = find_modules(model, targets, "set_leaf_modules")
+    for m in marked:
+        setattr(m, LEAF_ATTR, True)
+    return marked
+
+
+def find_modules(model: nn.Module, targets: Iterable[type | str], caller: str) -> list[nn.Module]:
+    """The modules of ``model`` that ``targets`` name: classes (every instance), class names or qualified
+    module names, in the order of the targets; ``caller`` names the public function in errors."""
     named = list(model.named_modules())
-    marked: list[nn.Module] = []
+    found: list[nn.Module] = []
     for target in targets:
         if isinstance(target, type):
-            found = [m for _, m in named if isinstance(m, target)]
+            hits = [m for _, m in named if isinstance(m, target)]
         elif isinstance(target, str):
-            found = [m for name, m in named if name == target or type(m).__name__ == target]
+            hits = [m for name, m in named if name == target or type(m).__name__ == target]
         else:
-            raise ZeroConfigError(f"set_leaf_modules: a target must be a module class or a name, got {target!r}")
-        if not found:
+            raise ZeroConfigError(f"{caller}: a target must be a module class or a name, got {target!r}")
+        if not hits:
             classes = sorted({type(m).__name__ for _, m in named})
-            raise ZeroConfigError(f"set_leaf_modules: {target!r} matches no module of the model (its classes: "
+            raise ZeroConfigError(f"{caller}: {target!r} matches no module of the model (its classes: "
                                   f"{', '.join(classes)})")
-        for m in found:
-            setattr(m, LEAF_ATTR, True)
-            marked.append(m)
-    return marked
+        found.extend(hits)
+    return found
 
 
 def is_leaf(module: nn.Module, class_names: Iterable[str] = ()) -> bool:
