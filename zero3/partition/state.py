@@ -23,6 +23,10 @@ class ParamStatus(Enum):
     INFLIGHT = auto()
     AVAILABLE = auto()
 
+    # Members are singletons compared by identity; Enum's own hash is a Python call, and every
+    # status change of every parameter hashes two members (`check_transition`).
+    __hash__ = object.__hash__
+
 
 _LEGAL = {
     (ParamStatus.NOT_AVAILABLE, ParamStatus.INFLIGHT),
@@ -61,6 +65,9 @@ class Residence(Enum):
     DRIVE = auto()
     READING = auto()
     STATES_OUT = auto()
+
+    __hash__ = object.__hash__  # identity, as `ParamStatus`: checked on every gather
+
 
     @property
     def in_memory(self) -> bool:

@@ -23,23 +23,14 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .schedule import PlanConfig, Schedule, plan
-from .trace import OPENING, Event, EventKind, ParamInfo, Trace, TraceRecorder
+from .trace import Event, EventKind, ParamInfo, Trace, TraceRecorder
 
 logger = logging.getLogger(__name__)
 
 Entry = tuple[Trace, Schedule]
-
-
-def _uses(trace: Trace) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for j, e in enumerate(trace.events):
-        if e.kind in OPENING:
-            for pid in e.params:
-                out.setdefault(pid, []).append(j)
-    return out
 
 
 @dataclass(eq=False)
@@ -50,11 +41,10 @@ class Following:
     trace: Trace
     schedule: Schedule
     cursor: int = 0
-    next_uses: dict[int, list[int]] = field(default_factory=dict)  # param id -> PRE event indices
 
     @classmethod
     def of(cls, entry: Entry) -> Following:
-        return cls(entry[0], entry[1], next_uses=_uses(entry[0]))
+        return cls(entry[0], entry[1])
 
     @property
     def expected(self) -> Event | None:
@@ -68,7 +58,7 @@ class Following:
 
     def next_use(self, pid: int) -> int | None:
         """Index of the next PRE event using param ``pid`` (None: never again in this trace)."""
-        for j in self.next_uses.get(pid, ()):
+        for j in self.trace.uses.get(pid, ()):
             if j >= self.cursor:
                 return j
         return None
@@ -164,14 +154,15 @@ class StepTraces:
         """Record one hook event of the running step, and return its index in the followed trace when
         it is the one expected (the cursor moves past it); None when no trace is followed, or the step
         leaves it here (logged once). One call per hook event: this is the hook path."""
-        self._recorder.record(kind, module, ids)
+        event = self._recorder.record(kind, module, ids)
         following = self.following
         if following is None:
             return None
         i = following.cursor
         events = following.trace.events  # `Following.expected`, inline: this runs for every hook event
         expected = events[i] if i < len(events) else None
-        if expected is not None and expected.kind is kind and expected.module == module and expected.params == ids:
+        if expected is event or (expected is not None and expected.kind is kind and expected.module == module
+                                 and expected.params == ids):
             following.cursor += 1
             return i
         trace = following.trace
