@@ -80,7 +80,7 @@ class ZeroParam:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.shard.element_size()
+        return self.numel * self.dtype.itemsize  # `dtype` follows the shard (`ShardStore.rebind`)
 
     @property
     def pinned(self) -> bool:

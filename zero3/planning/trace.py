@@ -57,7 +57,7 @@ class Direction(enum.Enum):
 
 
 class EventKind(enum.Enum):
-    """The hook that produced an event (hashed by identity: it keys the recorder's interned events).
+    """The hook that produced an event (hashed by identity: `is_pre` runs per event in the planner).
 
     - PRE_FORWARD: forward pre-hook. Opens a forward visit; the event's params must be gathered
       until the matching POST_FORWARD. Also fired by activation-checkpoint recompute in backward.
@@ -252,19 +252,10 @@ class Trace:
 
 
 class TraceRecorder:
-    """Mutable event log the runtime appends to while a step runs; `freeze` makes the `Trace`.
-
-    Events are interned: a step that repeats the last one records the very `Event` objects of the
-    trace it follows, so following it compares by identity first, and no event is built (and its
-    ids normalized) again on the hook path. The table holds what the model's modules have produced;
-    it is bounded by `MAX_INTERNED` (emptied when full) for models whose events never repeat.
-    """
-
-    MAX_INTERNED = 1 << 16
+    """Mutable event log the runtime appends to while a step runs; `freeze` makes the `Trace`."""
 
     def __init__(self) -> None:
         self._events: list[Event] = []
-        self._interned: dict[tuple[EventKind, str, tuple[int, ...]], Event] = {}
 
     def __len__(self) -> int:
         return len(self._events)
@@ -276,17 +267,20 @@ class TraceRecorder:
 
     def record(self, kind: EventKind, module: str, params: Iterable[int] = ()) -> Event:
         """Append one event; param ids are checked at `freeze`."""
-        ids = params if type(params) is tuple else tuple(params)
-        key = (kind, module, ids)
-        event = self._interned.get(key)
-        if event is None:
-            if len(self._interned) >= self.MAX_INTERNED:
-                self._interned.clear()
-            event = self._interned[key] = Event(kind, module, ids)
+        event = Event(kind, module, tuple(params))
         self._events.append(event)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("zero3::trace %s (%s) params=%s", kind.value, module, event.params)
+        self.log(event)
         return event
+
+    @staticmethod
+    def log(event: Event) -> None:
+        """The DEBUG line of every hook event, recorded now or followed in a cached trace."""
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("zero3::trace %s (%s) params=%s", event.kind.value, event.module, event.params)
+
+    def extend(self, events: Iterable[Event]) -> None:
+        """Append events recorded before (the part of a cached trace a step followed)."""
+        self._events.extend(events)
 
     def clear(self) -> None:
         """Drop the events (a new step, or an aborted one)."""

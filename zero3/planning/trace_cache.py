@@ -153,18 +153,24 @@ class StepTraces:
     def observe(self, kind: EventKind, module: str, ids: tuple[int, ...], step: int) -> int | None:
         """Record one hook event of the running step, and return its index in the followed trace when
         it is the one expected (the cursor moves past it); None when no trace is followed, or the step
-        leaves it here (logged once). One call per hook event: this is the hook path."""
-        event = self._recorder.record(kind, module, ids)
+        leaves it here (logged once). One call per hook event: this is the hook path.
+
+        While the step follows its trace, what it recorded is the trace's first ``cursor`` events, so
+        nothing is appended: the recorder gets that prefix when the step leaves the trace or ends.
+        """
         following = self.following
         if following is None:
+            self._recorder.record(kind, module, ids)
             return None
         i = following.cursor
         events = following.trace.events  # `Following.expected`, inline: this runs for every hook event
         expected = events[i] if i < len(events) else None
-        if expected is event or (expected is not None and expected.kind is kind and expected.module == module
-                                 and expected.params == ids):
+        if expected is not None and expected.kind is kind and expected.module == module and expected.params == ids:
             following.cursor += 1
+            TraceRecorder.log(expected)
             return i
+        self._recorder.extend(events[:i])
+        self._recorder.record(kind, module, ids)
         trace = following.trace
         if (trace.key, trace.version, i) not in self._announced:
             self._announced.add((trace.key, trace.version, i))
@@ -182,6 +188,8 @@ class StepTraces:
         the same events, or a new one over ``params()``, planned with ``config``)."""
         key, self.key = self.key, None
         followed, self.following = self.following, None
+        if followed is not None:  # it never left its trace: what it recorded is the part it followed
+            self._recorder.extend(followed.trace.events[:followed.cursor])
         events = self._recorder.events
         try:
             if key is not None and not aborted and events:
