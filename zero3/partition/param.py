@@ -301,7 +301,8 @@ def finish_gather(p: ZeroParameter) -> None:
 def release(p: ZeroParameter) -> None:
     """AVAILABLE -> NOT_AVAILABLE: resize the storage to 0 bytes; computing with ``p`` raises again."""
     p._zero.set_status(ParamStatus.NOT_AVAILABLE)
-    raw_data(p).untyped_storage().resize_(0)
+    # AVAILABLE, so still a plain `ZeroParameter`: its own storage is its data's, no guard to pass
+    p.untyped_storage().resize_(0)
     p.__class__ = PartitionedParameter
 
 
