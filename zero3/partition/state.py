@@ -28,15 +28,15 @@ class ParamStatus(Enum):
     __hash__ = object.__hash__
 
 
-_LEGAL = {
+LEGAL_STATUS_CHANGES = frozenset({
     (ParamStatus.NOT_AVAILABLE, ParamStatus.INFLIGHT),
     (ParamStatus.INFLIGHT, ParamStatus.AVAILABLE),
     (ParamStatus.AVAILABLE, ParamStatus.NOT_AVAILABLE),
-}
+})
 
 
 def check_transition(name: str, old: ParamStatus, new: ParamStatus) -> None:
-    if (old, new) not in _LEGAL:
+    if (old, new) not in LEGAL_STATUS_CHANGES:
         raise ZeroStateError(f"parameter {name!r}: illegal status change {old.name} -> {new.name}")
 
 

@@ -249,7 +249,7 @@ class ParamCoordinator:
     def _apply(self, schedule: Schedule, i: int, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
         action = schedule.actions[i]
         if action.release:
-            self.release(self._by_id[pid] for pid in action.release)
+            self.release([self._by_id[pid] for pid in action.release])
         if kind in _PRE:
             self.fetch(params)
         if action.prefetch:
