@@ -61,6 +61,12 @@ ZERO3_VARIANTS = {
 }
 
 
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+"""``--clock``: "thread" counts this thread's CPU time only, so time spent descheduled on a shared
+machine does not count (all the work a variant does still does)."""
+clock = time.perf_counter
+
+
 class Case:
     """A model factory plus a loss on a fixed input."""
 
@@ -228,17 +234,17 @@ class Runner:
         self.loss = float("nan")
 
     def step(self, record: bool) -> None:
-        t0 = time.perf_counter()
+        t0 = clock()
         loss = self.case.loss(self.model, self.data)
-        t1 = time.perf_counter()
+        t1 = clock()
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = clock()
         if self.engine is not None:
             self.engine.step()
         else:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
+        t3 = clock()
         self.loss = loss.item()
         if record:
             self.times.append(t3 - t0)
@@ -294,12 +300,16 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--floor", action="store_true",
                     help="add the row of `FloorHooks` (threshold-0 hook mechanisms without zero3) on chain models")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall: perf_counter; thread: this thread's CPU time (steadier on a busy machine)")
     ap.add_argument("--only", metavar="N", type=int, help="run only the N-th model (0: SimpleModel, 1: MLP, 2: GPT)")
     ap.add_argument("--baseline", metavar="DIR",
                     help="a source tree holding another zero3/ (e.g. a git worktree of an older commit): its "
                          "variants run interleaved with the current ones, labelled [baseline]")
     args = ap.parse_args()
     args.baseline_lib = load_baseline(args.baseline) if args.baseline else None
+    global clock
+    clock = CLOCKS[args.clock]
     if args.quick:
         args.rounds, args.steps_per_round, args.warmup = 3, 2, 2
     torch.set_num_threads(args.threads)
@@ -310,7 +320,7 @@ def main() -> None:
     ]
     print(f"# bench_hooks  {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}  "
           f"python {platform.python_version()}  {os.cpu_count()} CPUs, {args.threads} torch thread(s), "
-          f"world size 1 (no process group)\n", flush=True)
+          f"world size 1 (no process group), {args.clock} clock\n", flush=True)
     t0 = time.monotonic()
     for case in cases if args.only is None else [cases[args.only]]:
         print(bench_case(case, args) + "\n", flush=True)
