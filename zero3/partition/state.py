@@ -68,7 +68,6 @@ class Residence(Enum):
 
     __hash__ = object.__hash__  # identity, as `ParamStatus`: checked on every gather
 
-
     @property
     def in_memory(self) -> bool:
         return self in MEMORY

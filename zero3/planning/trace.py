@@ -182,6 +182,7 @@ def _pair_visits(events: tuple[Event, ...]) -> tuple[tuple[Visit, ...], tuple[in
 
 
 def _opening_uses(events: tuple[Event, ...]) -> dict[int, tuple[int, ...]]:
+    """Param id -> the indices of the opening events that use it, ascending (`Trace.uses`)."""
     out: dict[int, list[int]] = {}
     for j, e in enumerate(events):
         if e.kind in OPENING:
