@@ -20,6 +20,11 @@ copy from the shard):
   i.e. prefetch buckets of 5e7 elements and reuse distance 1e9).
 - threshold 0, no prefetch/reuse: ``prefetch_bucket_size`` = 0 and ``max_reuse_distance`` = 0, so
   each module's parameters are gathered on demand and released right after it: the worst case.
+
+With ``--floor``, one more row on the models that are a plain chain of modules (SimpleModel, the
+Sequential): what torch itself charges for the mechanisms a ZeRO-3 at threshold 0 rests on, with
+no zero3 code (`FloorHooks`). It is the lower bound of the "threshold 0" row for any design built
+on these hooks.
 Figures are printed, never asserted.
 """
 
@@ -56,12 +61,19 @@ ZERO3_VARIANTS = {
 }
 
 
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+"""``--clock``: "thread" counts this thread's CPU time only, so time spent descheduled on a shared
+machine does not count (all the work a variant does still does)."""
+clock = time.perf_counter
+
+
 class Case:
     """A model factory plus a loss on a fixed input."""
 
     def __init__(self, name: str, build: Callable[[], nn.Module], batch: Callable[[], tuple],
-                 loss: Callable[[nn.Module, tuple], torch.Tensor]) -> None:
+                 loss: Callable[[nn.Module, tuple], torch.Tensor], chain: bool = False) -> None:
         self.name, self.build, self.batch, self.loss = name, build, batch, loss
+        self.chain = chain  # a plain chain of modules, each called once on one tensor (`FloorHooks` fits)
 
 
 def mlp_case(n: int, width: int, rows: int) -> Case:
@@ -76,7 +88,7 @@ def mlp_case(n: int, width: int, rows: int) -> Case:
         return torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
 
     return Case(f"Sequential of {n} x (Linear({width},{width}) + GELU), input {rows}x{width}, MSE loss", build,
-                batch, lambda m, b: (m(b[0]) - b[1]).pow(2).mean())
+                batch, lambda m, b: (m(b[0]) - b[1]).pow(2).mean(), chain=True)
 
 
 class SimpleModel(nn.Module):
@@ -100,7 +112,7 @@ def simple_case(n: int, width: int, rows: int) -> Case:
         return torch.randn(rows, width, generator=g), torch.randint(0, width, (rows,), generator=g)
 
     return Case(f"DeepSpeed's SimpleModel: {n} x Linear({width},{width}) + cross-entropy, input {rows}x{width}",
-                lambda: SimpleModel(width, n), batch, lambda m, b: m(*b))
+                lambda: SimpleModel(width, n), batch, lambda m, b: m(*b), chain=True)
 
 
 def gpt_case(cfg: GPTConfig, rows: int) -> Case:
@@ -139,14 +151,82 @@ def load_baseline(tree: str) -> ModuleType:
     return importlib.import_module("zero3_baseline")
 
 
+class _FreeAfterBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs when the module's backward is done."""
+
+    @staticmethod
+    def forward(ctx, floor: "FloorHooks", module: nn.Module, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.floor, ctx.module = floor, module
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.floor.free(ctx.module)
+        return (None, None) + grads
+
+
+class FloorHooks:
+    """The threshold-0 mechanisms without any bookkeeping, on a plain model: every parameter's data is
+    a 0-byte storage between uses and its values live in a separate flat "shard"; a module's forward
+    pre-hook refills its parameters' storage from the shards (resize + copy, what a world-size-1
+    gather is) and wraps its inputs in an autograd function whose backward frees them again; its
+    forward hook puts a tensor hook on the output (where a pre-backward would gather); each
+    parameter's post-accumulate-grad hook hands its gradient to its shard, and AdamW steps on the
+    shards. No schedule, trace, status, counters or checks: a lower bound, not a runtime."""
+
+    def __init__(self, model: nn.Module, lr: float) -> None:
+        params = list(model.parameters())
+        self.shards = {id(p): p.detach().clone().view(-1) for p in params}
+        self.optimizer = torch.optim.AdamW([self.shards[id(p)] for p in params], lr=lr)
+        self.own = {id(m): list(m.parameters(recurse=False)) for m in model.modules()}
+        for m in model.modules():
+            if self.own[id(m)]:
+                self.free(m)
+                m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+                m.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def free(self, module: nn.Module) -> None:
+        for p in self.own[id(module)]:
+            p.untyped_storage().resize_(0)
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        for p in self.own[id(module)]:
+            if p.untyped_storage().nbytes() == 0:
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+                p.data.view(-1).copy_(self.shards[id(p)])
+        if torch.is_grad_enabled() and len(args) == 1 and args[0].requires_grad:
+            return (_FreeAfterBackward.apply(self, module, args[0])[0],), kwargs
+        return None
+
+    def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output):
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(_ignore)
+        return None
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        grad, p.grad = p.grad, None
+        shard = self.shards[id(p)]
+        if shard.grad is None:
+            shard.grad = grad.reshape(-1)
+        else:
+            shard.grad.add_(grad.reshape(-1))
+
+
+def _ignore(grad: torch.Tensor) -> None:
+    return None
+
+
 class Runner:
-    def __init__(self, name: str, case: Case, zero_cfg: dict | None, lr: float, lib: ModuleType = zero3) -> None:
+    def __init__(self, name: str, case: Case, zero_cfg: dict | None, lr: float, lib: ModuleType = zero3,
+                 floor: bool = False) -> None:
         torch.manual_seed(0)
         model = case.build()
         self.name = name
         self.data = case.batch()
         self.case = case
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        opt = FloorHooks(model, lr).optimizer if floor else torch.optim.AdamW(model.parameters(), lr=lr)
         self.engine = lib.initialize(model, opt, zero_cfg) if zero_cfg is not None else None
         self.model, self.opt = model, opt
         self.times: list[float] = []
@@ -154,17 +234,17 @@ class Runner:
         self.loss = float("nan")
 
     def step(self, record: bool) -> None:
-        t0 = time.perf_counter()
+        t0 = clock()
         loss = self.case.loss(self.model, self.data)
-        t1 = time.perf_counter()
+        t1 = clock()
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = clock()
         if self.engine is not None:
             self.engine.step()
         else:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
+        t3 = clock()
         self.loss = loss.item()
         if record:
             self.times.append(t3 - t0)
@@ -174,6 +254,8 @@ class Runner:
 def bench_case(case: Case, args: argparse.Namespace) -> str:
     runners = [Runner("plain", case, None, args.lr)]
     runners += [Runner(name, case, cfg, args.lr) for name, cfg in ZERO3_VARIANTS.items()]
+    if args.floor and case.chain:
+        runners.append(Runner("floor: threshold-0 hooks without zero3", case, None, args.lr, floor=True))
     if args.baseline_lib is not None:
         runners += [Runner(f"{name} [baseline]", case, cfg, args.lr, args.baseline_lib)
                     for name, cfg in ZERO3_VARIANTS.items()]
@@ -200,13 +282,9 @@ def bench_case(case: Case, args: argparse.Namespace) -> str:
     for r in runners:
         med = statistics.median(r.times)
         fwd, bwd, opt = (statistics.median(p[i] for p in r.phases) * 1e3 for i in range(3))
-        if r.engine is None:
-            over = per = "—"
-            gathers = "—"
-        else:
-            over = f"{(med - base) * 1e3:+.2f}"
-            per = f"{(med - base) / calls * 1e6:+.1f}"
-            gathers = str(r.engine.last_step_metrics.allgather_calls)
+        over = "—" if r is runners[0] else f"{(med - base) * 1e3:+.2f}"
+        per = "—" if r is runners[0] else f"{(med - base) / calls * 1e6:+.1f}"
+        gathers = "—" if r.engine is None else str(r.engine.last_step_metrics.allgather_calls)
         out.append(f"| {r.name} | {med * 1e3:.2f} | {med / base:.2f}x | {over} | {per} | "
                    f"{fwd:.2f} / {bwd:.2f} / {opt:.2f} | {gathers} | {r.loss:.7g} |")
     return "\n".join(out)
@@ -220,11 +298,18 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: less noise)")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--floor", action="store_true",
+                    help="add the row of `FloorHooks` (threshold-0 hook mechanisms without zero3) on chain models")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall: perf_counter; thread: this thread's CPU time (steadier on a busy machine)")
+    ap.add_argument("--only", metavar="N", type=int, help="run only the N-th model (0: SimpleModel, 1: MLP, 2: GPT)")
     ap.add_argument("--baseline", metavar="DIR",
                     help="a source tree holding another zero3/ (e.g. a git worktree of an older commit): its "
                          "variants run interleaved with the current ones, labelled [baseline]")
     args = ap.parse_args()
     args.baseline_lib = load_baseline(args.baseline) if args.baseline else None
+    global clock
+    clock = CLOCKS[args.clock]
     if args.quick:
         args.rounds, args.steps_per_round, args.warmup = 3, 2, 2
     torch.set_num_threads(args.threads)
@@ -235,9 +320,9 @@ def main() -> None:
     ]
     print(f"# bench_hooks  {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}  "
           f"python {platform.python_version()}  {os.cpu_count()} CPUs, {args.threads} torch thread(s), "
-          f"world size 1 (no process group)\n", flush=True)
+          f"world size 1 (no process group), {args.clock} clock\n", flush=True)
     t0 = time.monotonic()
-    for case in cases:
+    for case in cases if args.only is None else [cases[args.only]]:
         print(bench_case(case, args) + "\n", flush=True)
     print(f"# total {time.monotonic() - t0:.0f} s", flush=True)
 

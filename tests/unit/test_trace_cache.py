@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from zero3.planning.generation import GenerationPrefetch
 from zero3.planning.schedule import PlanConfig
-from zero3.planning.trace import EventKind, ParamInfo, TraceRecorder, trace_from_json, trace_to_json
+from zero3.planning.trace import Event, EventKind, ParamInfo, TraceRecorder, trace_from_json, trace_to_json
 from zero3.planning.trace_cache import StepTraces
 
 PF, QF = EventKind.PRE_FORWARD, EventKind.POST_FORWARD
@@ -41,6 +41,29 @@ def test_the_least_recently_used_trace_goes_beyond_max_traces() -> None:
     assert steps.cache.predict("pre_forward:<root>:grad")[0].version == 2
     assert _step(steps, [("a", 0)]) == 2 and steps.diverged  # v1 is gone: recorded again, as v3
     assert steps.cache.record_count == 3
+
+
+def test_a_step_that_follows_records_the_same_events_however_it_ends() -> None:
+    """A followed step appends nothing while it matches; its events are still what it ran: the
+    followed prefix plus what came after it left the trace, or the prefix alone if it ended early."""
+    steps = StepTraces(max_traces=8)
+    a, b = [("a", 0), ("b", 1), ("c", 2)], [("a", 0), ("c", 2), ("b", 1)]
+    _step(steps, a)
+    assert _step(steps, a) == 1 and steps.cache.record_count == 1  # followed to the end: nothing new
+    assert _step(steps, b) == 1 and steps.diverged  # left v1 at its third event
+    assert steps.last[0].events == tuple(Event(kind, name, (pid,)) for name, pid in b for kind in (PF, QF))
+    assert steps.last[0].version == 2
+    assert _step(steps, b[:1]) == 2 and not steps.diverged  # ended after the first module of v2
+    assert [(e.kind, e.module) for e in steps.last[0].events] == [(PF, "a"), (QF, "a")]
+    assert steps.cache.record_count == 3
+
+
+def test_trace_uses_are_the_opening_events_of_each_param() -> None:
+    rec = TraceRecorder()
+    for kind, name, pid in ((PF, "a", 0), (QF, "a", 0), (PF, "b", 1), (EventKind.PRE_BACKWARD, "a", 0)):
+        rec.record(kind, name, (pid,))
+    trace = rec.freeze("k", 1, INFOS)
+    assert dict(trace.uses) == {0: (0, 3), 1: (2,)}
 
 
 def test_trace_json_round_trips() -> None:

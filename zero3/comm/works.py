@@ -59,9 +59,9 @@ class GatherChunk:
 
     def copy_out(self, world_size: int, keep_header: bool = False) -> None:
         """Copy each parameter's piece of every rank's row into its own storage (one copy each)."""
-        if world_size == 1:
-            for p in self.params:
-                alloc_full(p).copy_(p._zero.shard[: p._zero.numel])
+        if world_size == 1:  # one batched copy from the shards, not one dispatch per parameter
+            torch._foreach_copy_([alloc_full(p) for p in self.params],
+                                 [p._zero.shard[: p._zero.numel] for p in self.params])
             return
         assert self.rows is not None
         for p, off in zip(self.params, self.offsets):

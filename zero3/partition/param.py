@@ -31,7 +31,7 @@ from torch import nn
 
 from . import sharding
 from ..errors import ZeroStateError
-from .state import MEMORY, ParamStatus, Residence, check_transition
+from .state import LEGAL_STATUS_CHANGES, MEMORY, ParamStatus, Residence, check_transition
 
 _ids = itertools.count()
 
@@ -80,7 +80,7 @@ class ZeroParam:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.shard.element_size()
+        return self.numel * self.dtype.itemsize  # `dtype` follows the shard (`ShardStore.rebind`)
 
     @property
     def pinned(self) -> bool:
@@ -93,7 +93,8 @@ class ZeroParam:
         return self.master if self.master is not None else self.shard
 
     def set_status(self, new: ParamStatus) -> None:
-        check_transition(self.name, self.status, new)
+        if (self.status, new) not in LEGAL_STATUS_CHANGES:  # the table, checked inline: 3 changes per gather
+            check_transition(self.name, self.status, new)  # raises, naming the parameter
         self.status = new
 
     def shard_range(self) -> tuple[int, int]:
@@ -301,7 +302,8 @@ def finish_gather(p: ZeroParameter) -> None:
 def release(p: ZeroParameter) -> None:
     """AVAILABLE -> NOT_AVAILABLE: resize the storage to 0 bytes; computing with ``p`` raises again."""
     p._zero.set_status(ParamStatus.NOT_AVAILABLE)
-    raw_data(p).untyped_storage().resize_(0)
+    # AVAILABLE, so still a plain `ZeroParameter`: its own storage is its data's, no guard to pass
+    p.untyped_storage().resize_(0)
     p.__class__ = PartitionedParameter
 
 

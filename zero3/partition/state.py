@@ -23,16 +23,20 @@ class ParamStatus(Enum):
     INFLIGHT = auto()
     AVAILABLE = auto()
 
+    # Members are singletons compared by identity; Enum's own hash is a Python call, and every
+    # status change of every parameter hashes two members (`check_transition`).
+    __hash__ = object.__hash__
 
-_LEGAL = {
+
+LEGAL_STATUS_CHANGES = frozenset({
     (ParamStatus.NOT_AVAILABLE, ParamStatus.INFLIGHT),
     (ParamStatus.INFLIGHT, ParamStatus.AVAILABLE),
     (ParamStatus.AVAILABLE, ParamStatus.NOT_AVAILABLE),
-}
+})
 
 
 def check_transition(name: str, old: ParamStatus, new: ParamStatus) -> None:
-    if (old, new) not in _LEGAL:
+    if (old, new) not in LEGAL_STATUS_CHANGES:
         raise ZeroStateError(f"parameter {name!r}: illegal status change {old.name} -> {new.name}")
 
 
@@ -61,6 +65,8 @@ class Residence(Enum):
     DRIVE = auto()
     READING = auto()
     STATES_OUT = auto()
+
+    __hash__ = object.__hash__  # identity, as `ParamStatus`: checked on every gather
 
     @property
     def in_memory(self) -> bool:

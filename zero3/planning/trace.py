@@ -57,7 +57,7 @@ class Direction(enum.Enum):
 
 
 class EventKind(enum.Enum):
-    """The hook that produced an event.
+    """The hook that produced an event (hashed by identity: `is_pre` runs per event in the planner).
 
     - PRE_FORWARD: forward pre-hook. Opens a forward visit; the event's params must be gathered
       until the matching POST_FORWARD. Also fired by activation-checkpoint recompute in backward.
@@ -72,6 +72,8 @@ class EventKind(enum.Enum):
     POST_FORWARD = "post_forward"
     PRE_BACKWARD = "pre_backward"
     POST_BACKWARD = "post_backward"
+
+    __hash__ = object.__hash__
 
     @property
     def is_pre(self) -> bool:
@@ -179,13 +181,25 @@ def _pair_visits(events: tuple[Event, ...]) -> tuple[tuple[Visit, ...], tuple[in
     return visits, tuple(event_visit)
 
 
+def _opening_uses(events: tuple[Event, ...]) -> dict[int, tuple[int, ...]]:
+    """Param id -> the indices of the opening events that use it, ascending (`Trace.uses`)."""
+    out: dict[int, list[int]] = {}
+    for j, e in enumerate(events):
+        if e.kind in OPENING:
+            for pid in e.params:
+                out.setdefault(pid, []).append(j)
+    return {pid: tuple(js) for pid, js in out.items()}
+
+
 @dataclass(frozen=True)
 class Trace:
     """A frozen, validated record of one step: events in order plus the params they use.
 
     `key` identifies what kind of step this is (the runtime caches one trace per key) and
     `version` counts re-recordings, so a `Schedule` can be matched to the trace it came from.
-    `visits` and `event_visit` (event index -> index into `visits`) are derived on construction.
+    `visits`, `event_visit` (event index -> index into `visits`) and `uses` (param id -> indices of
+    the opening events that use it, ascending) are derived on construction, once per recorded
+    order: a step that follows the trace asks `uses` for its evictions.
     """
 
     key: str
@@ -194,6 +208,7 @@ class Trace:
     params: Mapping[int, ParamInfo] = field(hash=False)
     visits: tuple[Visit, ...] = field(init=False, repr=False, compare=False, hash=False)
     event_visit: tuple[int, ...] = field(init=False, repr=False, compare=False, hash=False)
+    uses: Mapping[int, tuple[int, ...]] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "events", tuple(self.events))
@@ -202,6 +217,7 @@ class Trace:
         visits, event_visit = _pair_visits(self.events)
         object.__setattr__(self, "visits", visits)
         object.__setattr__(self, "event_visit", event_visit)
+        object.__setattr__(self, "uses", types.MappingProxyType(_opening_uses(self.events)))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # MappingProxyType does not pickle; rebuild from a plain dict (e.g. for a cross-rank check).
@@ -254,9 +270,18 @@ class TraceRecorder:
         """Append one event; param ids are checked at `freeze`."""
         event = Event(kind, module, tuple(params))
         self._events.append(event)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("zero3::trace %s (%s) params=%s", kind.value, module, event.params)
+        self.log(event)
         return event
+
+    @staticmethod
+    def log(event: Event) -> None:
+        """The DEBUG line of every hook event, recorded now or followed in a cached trace."""
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("zero3::trace %s (%s) params=%s", event.kind.value, event.module, event.params)
+
+    def extend(self, events: Iterable[Event]) -> None:
+        """Append events recorded before (the part of a cached trace a step followed)."""
+        self._events.extend(events)
 
     def clear(self) -> None:
         """Drop the events (a new step, or an aborted one)."""

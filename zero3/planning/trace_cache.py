@@ -23,23 +23,14 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .schedule import PlanConfig, Schedule, plan
-from .trace import OPENING, Event, EventKind, ParamInfo, Trace, TraceRecorder
+from .trace import Event, EventKind, ParamInfo, Trace, TraceRecorder
 
 logger = logging.getLogger(__name__)
 
 Entry = tuple[Trace, Schedule]
-
-
-def _uses(trace: Trace) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for j, e in enumerate(trace.events):
-        if e.kind in OPENING:
-            for pid in e.params:
-                out.setdefault(pid, []).append(j)
-    return out
 
 
 @dataclass(eq=False)
@@ -50,11 +41,10 @@ class Following:
     trace: Trace
     schedule: Schedule
     cursor: int = 0
-    next_uses: dict[int, list[int]] = field(default_factory=dict)  # param id -> PRE event indices
 
     @classmethod
     def of(cls, entry: Entry) -> Following:
-        return cls(entry[0], entry[1], next_uses=_uses(entry[0]))
+        return cls(entry[0], entry[1])
 
     @property
     def expected(self) -> Event | None:
@@ -68,7 +58,7 @@ class Following:
 
     def next_use(self, pid: int) -> int | None:
         """Index of the next PRE event using param ``pid`` (None: never again in this trace)."""
-        for j in self.next_uses.get(pid, ()):
+        for j in self.trace.uses.get(pid, ()):
             if j >= self.cursor:
                 return j
         return None
@@ -163,17 +153,24 @@ class StepTraces:
     def observe(self, kind: EventKind, module: str, ids: tuple[int, ...], step: int) -> int | None:
         """Record one hook event of the running step, and return its index in the followed trace when
         it is the one expected (the cursor moves past it); None when no trace is followed, or the step
-        leaves it here (logged once). One call per hook event: this is the hook path."""
-        self._recorder.record(kind, module, ids)
+        leaves it here (logged once). One call per hook event: this is the hook path.
+
+        While the step follows its trace, what it recorded is the trace's first ``cursor`` events, so
+        nothing is appended: the recorder gets that prefix when the step leaves the trace or ends.
+        """
         following = self.following
         if following is None:
+            self._recorder.record(kind, module, ids)
             return None
         i = following.cursor
         events = following.trace.events  # `Following.expected`, inline: this runs for every hook event
         expected = events[i] if i < len(events) else None
         if expected is not None and expected.kind is kind and expected.module == module and expected.params == ids:
             following.cursor += 1
+            TraceRecorder.log(expected)
             return i
+        self._recorder.extend(events[:i])
+        self._recorder.record(kind, module, ids)
         trace = following.trace
         if (trace.key, trace.version, i) not in self._announced:
             self._announced.add((trace.key, trace.version, i))
@@ -191,6 +188,8 @@ class StepTraces:
         the same events, or a new one over ``params()``, planned with ``config``)."""
         key, self.key = self.key, None
         followed, self.following = self.following, None
+        if followed is not None:  # it never left its trace: what it recorded is the part it followed
+            self._recorder.extend(followed.trace.events[:followed.cursor])
         events = self._recorder.events
         try:
             if key is not None and not aborted and events:

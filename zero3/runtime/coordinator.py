@@ -253,7 +253,7 @@ class ParamCoordinator:
     def _apply(self, schedule: Schedule, i: int, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
         action = schedule.actions[i]
         if action.release:
-            self.release(self._by_id[pid] for pid in action.release)
+            self.release([self._by_id[pid] for pid in action.release])
         if kind in _PRE:
             self.fetch(params)
         if action.prefetch:
@@ -348,11 +348,18 @@ class ParamCoordinator:
         return Tag(Kind.PARAM_GATHER, label, tuple(p._zero.id for p in params))
 
     def _add_live(self, params: Sequence[ZeroParameter]) -> None:
+        """Put ``params`` in the live set; the gauge moves once (only up, so its peak is the same as
+        one parameter at a time)."""
+        numel = nbytes = 0
+        live = self._live
         for p in params:
             z = p._zero
             if not z.persistent:
-                self._live[z.id] = p
-                self.metrics.add_live(z.numel, z.nbytes)
+                live[z.id] = p
+                numel += z.numel
+                nbytes += z.nbytes
+        if numel or nbytes:
+            self.metrics.add_live(numel, nbytes)
 
     def _issue(self, params: list[ZeroParameter], tag: Tag, count: bool = True, training: bool = True) -> _Inflight:
         """One gather of ``params``: a ``training`` one quantized under qwZ and, under hpZ, from

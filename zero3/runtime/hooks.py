@@ -308,6 +308,8 @@ class ModuleHooks:
         return None
 
     def _wrap_inputs(self, call: _Call, args: tuple, kwargs: dict) -> Any:
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # the most common case
+            return ((_PostBackward.apply(call, self, args[0])[0],), kwargs) if args[0].requires_grad else None
         if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common case, without pytree
             idx = [i for i, a in enumerate(args) if a.requires_grad]
             if not idx:
