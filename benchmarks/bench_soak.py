@@ -114,7 +114,12 @@ def main() -> None:
     ap.add_argument("--trim-every", type=int, default=0,
                     help="call glibc's malloc_trim(0) in each rank every N steps (0: never): is the growth "
                          "memory glibc holds after it was freed?")
+    ap.add_argument("--fr-buffer", type=int, default=None,
+                    help="run the ranks with TORCH_FR_BUFFER_SIZE=N (torch's flight recorder ring; zero3 makes 0 "
+                         "the default on CPU builds): 2000 reproduces the RSS creep of issue 19 item 10")
     args = ap.parse_args()
+    if args.fr_buffer is not None:
+        os.environ["TORCH_FR_BUFFER_SIZE"] = str(args.fr_buffer)  # inherited by the spawned ranks
     if args.malloc_mmap:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned ranks
     world = 2
@@ -134,15 +139,16 @@ def main() -> None:
     per_rank = [json.load(open(o)) for o in outs]
     print(f"# soak: example GPT 4x128, batch {args.batch}/rank, {world} gloo ranks, {args.steps} steps, "
           f"verification on, allocator: {'MALLOC_MMAP_THRESHOLD_=131072' if args.malloc_mmap else 'default'}"
-          + (f", malloc_trim every {args.trim_every} steps" if args.trim_every else ""))
+          + (f", malloc_trim every {args.trim_every} steps" if args.trim_every else "")
+          + f", TORCH_FR_BUFFER_SIZE={os.environ.get('TORCH_FR_BUFFER_SIZE', 'unset, so zero3 makes it 0 in a CPU build')}")
     print("| step | " + " | ".join(f"rank {r} RSS (MiB) | rank {r} heap in use / freed-kept (MiB) | rank {r} live tensors"
-                                  for r in range(world)) + " | loss |")
-    print("|---:|" + "---:|---:|---:|" * world + "---:|")
+                                  for r in range(world)) + " | median step, rank 0 (s) | loss |")
+    print("|---:|" + "---:|---:|---:|" * world + "---:|---:|")
     for i, row in enumerate(per_rank[0]):
         cells = " | ".join(f"{per_rank[r][i]['rss_mib']:.1f} | {per_rank[r][i]['heap_in_use_mib']:.1f} / "
                            f"{per_rank[r][i]['heap_free_kept_mib']:.1f} | {per_rank[r][i]['live_tensors']}"
                            for r in range(world))
-        print(f"| {row['step']} | {cells} | {row['loss']:.4f} |")
+        print(f"| {row['step']} | {cells} | {row['median_step_s']:.4f} | {row['loss']:.4f} |")
     for r in range(world):
         base = next((s for s in per_rank[r] if s["step"] >= args.start), per_rank[r][0])
         last = per_rank[r][-1]
