@@ -105,6 +105,8 @@ class SmallCollectives:
         self._header_first(tag, flat)
         dst = wire.global_rank(0)
         with label("zero3::gather"):
+            if flat.device.type == "cpu":
+                return self._gather_pairwise(flat, tag)
             if wire.rank == 0:
                 rows = torch.empty(wire.world_size, flat.numel(), dtype=flat.dtype, device=flat.device)
                 wire.monitor.blocking(lambda: dist.gather(flat, list(rows.unbind(0)), dst=dst, group=wire.group), tag)
@@ -112,6 +114,22 @@ class SmallCollectives:
                 return rows
             wire.monitor.blocking(lambda: dist.gather(flat, None, dst=dst, group=wire.group), tag)
         return None
+
+    def _gather_pairwise(self, flat: torch.Tensor, tag: Tag) -> torch.Tensor | None:
+        """`gather_to_rank0` as one message from each rank, received straight into its row. gloo's
+        ``gather`` receives into a temporary buffer of every row and then copies, so rank 0 held
+        the gathered tensor twice (a consolidated save held two copies of its largest tensor)."""
+        wire = self.wire
+        t = wire.next_tag()
+        if wire.rank != 0:
+            wire.monitor.wait(wire.send_recv([wire.p2p(dist.isend, flat, 0, t)], tag), tag)
+            return None
+        rows = torch.empty(wire.world_size, flat.numel(), dtype=flat.dtype, device=flat.device)
+        rows[0].copy_(flat)
+        wire.monitor.wait(wire.send_recv([wire.p2p(dist.irecv, rows[q], q, t) for q in range(1, wire.world_size)],
+                                         tag), tag)
+        wire.counter.peers(Kind.GATHER_TO_ROOT, flat.numel() * flat.element_size(), pairwise=True)
+        return rows
 
     def exchange_objects(self, obj: Any, tag: Tag) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (needs no numpy, unlike torch's object
