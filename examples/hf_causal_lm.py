@@ -146,6 +146,11 @@ def run(args: argparse.Namespace) -> None:
             if rank == 0:
                 print(f"3. step {step:3d}  loss {loss.item() / world:.4f}", flush=True)
     train_s = time.perf_counter() - t0
+    held, peak = engine.memory_report(), engine.last_step_metrics.peak_live_bytes
+    if rank == 0:
+        print(f"   between steps rank 0 holds {held['param_shard_bytes']:,} bytes of parameter shards and "
+              f"{held['optimizer_state_bytes']:,} of AdamW state on them; the last step had at most {peak:,} "
+              f"parameter bytes gathered at once", flush=True)
 
     # 4. Generate. Every forward of generate() is an inference step that gathers each module's weights.
     gathers = copy.copy(engine.metrics)
@@ -153,6 +158,7 @@ def run(args: argparse.Namespace) -> None:
     with torch.no_grad():
         out = model.generate(p_ids, **gen)
     gen_s = time.perf_counter() - t0
+    gen_peak = engine.last_step_metrics.peak_live_bytes  # of the last forward
     forwards = out.shape[1] - p_ids.shape[1]
     gathered = engine.metrics.allgather_numel - gathers.allgather_numel
     texts = [decode(row) for row in out.tolist()]
@@ -160,8 +166,8 @@ def run(args: argparse.Namespace) -> None:
         for line, text in zip(LINES, texts):
             print(f"4. {text!r}{'' if text == line else '   (expected ' + repr(line) + ')'}", flush=True)
         print(f"   {args.steps} steps in {train_s:.1f} s; generate(): {forwards} forwards in {gen_s:.2f} s, "
-              f"{gathered / forwards:,.0f} elements gathered per forward ({n_params:,} in the model)",
-              flush=True)
+              f"{gathered / forwards:,.0f} elements gathered per forward ({n_params:,} in the model), at most "
+              f"{gen_peak:,} bytes at once", flush=True)
 
     # 5. Save in the Hugging Face format, one gathered tensor at a time: no rank holds the whole model.
     engine.save_pretrained(args.out, max_shard_size=args.max_shard_size)  # a collective: every rank calls it
