@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.multiproc
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "hf_causal_lm.py"
+DOC = ROOT / "docs" / "huggingface.md"
 TIMEOUT_S = 300
 
 
@@ -26,6 +28,16 @@ def test_the_example_uses_the_streaming_load_and_save():
     source = SCRIPT.read_text()
     assert "zero3.from_pretrained(AutoModelForCausalLM" in source and "engine.save_pretrained(" in source
     assert "consolidated_state_dict" not in source and "load_state_dict" not in source
+
+
+def test_the_walk_through_quotes_the_script():
+    """Every line of the python excerpts in docs/huggingface.md's walk-through is a line of the script."""
+    doc = DOC.read_text()
+    walk = doc[doc.index("## Walk-through"):doc.index("### What memory each step needs")]
+    script = {line.strip() for line in SCRIPT.read_text().splitlines()}
+    quoted = [line.strip() for block in re.findall(r"```python\n(.*?)```", walk, re.S) for line in block.splitlines()]
+    assert len(quoted) > 10
+    assert [q for q in quoted if q not in script and q != "..."] == []
 
 
 def test_the_example_runs_end_to_end_and_the_saved_directory_generates_the_same_text(tmp_path):
