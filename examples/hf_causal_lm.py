@@ -8,14 +8,15 @@ Needs ``pip install -e '.[hf]'`` (transformers). Nothing is downloaded (``HF_HUB
 
 1. A stand-in for a downloaded checkpoint: rank 0 builds a tiny Llama (byte-level vocabulary) from
    its config and writes it with ``save_pretrained`` (skipped when ``--pretrained`` already holds one).
-2. Every rank builds the model from the config under ``zero3.Init``, so each keeps only its shards,
-   and ``zero3.pretrained.load_state_dict`` copies in the pretrained weights: each rank reads only
-   its slice of every tensor from ``model.safetensors``.
+2. ``zero3.from_pretrained(AutoModelForCausalLM, path)`` on every rank: it builds the model under
+   ``zero3.Init`` without random initialisation, and each rank reads only its slice of every tensor
+   from ``model.safetensors``, so no rank ever holds the full model.
 3. ``zero3.initialize`` with AdamW; each rank trains on its half of every batch.
 4. ``model.generate()`` (greedy) completes each line from its first word.
-5. ``engine.consolidated_state_dict()`` gathers the full weights onto rank 0, which writes them with
-   ``save_pretrained(state_dict=...)``; ``AutoModelForCausalLM.from_pretrained`` reads the directory
-   back and must generate the same text.
+5. ``engine.save_pretrained(out)`` gathers one tensor at a time onto rank 0, which writes it into
+   its shard file (``--max-shard-size``, small here so the tiny model is split into several files
+   with a ``model.safetensors.index.json``, as a large one would be); ``AutoModelForCausalLM.from_pretrained``
+   reads the directory back and must generate the same text.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def make_pretrained(path: str, seed: int) -> None:
 
 def run(args: argparse.Namespace) -> None:
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -101,21 +102,21 @@ def run(args: argparse.Namespace) -> None:
         print(f"1. pretrained stand-in written to {args.pretrained}: {sorted(os.listdir(args.pretrained))}", flush=True)
     dist.barrier()
 
-    # 2. Build from the config under Init (each rank keeps its shards), then load the weights.
-    config = AutoConfig.from_pretrained(args.pretrained)
-    with zero3.Init():
-        model = AutoModelForCausalLM.from_config(config)
-    loaded = zero3.pretrained.load_state_dict(model, args.pretrained)  # strict: raises on any mismatch
+    # 2. Stream the checkpoint in: built under Init (each rank keeps its shards), each rank reads its slices.
+    zero_config = {"param_persistence_threshold": args.persistence}
+    model, loaded = zero3.from_pretrained(AutoModelForCausalLM, args.pretrained, dtype=torch.float32,
+                                          zero_config=zero_config, strict=True,  # raises on any mismatch
+                                          output_loading_info=True)
+    model.train()  # from_pretrained returns the model in eval mode, as transformers does
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.steps)  # linear to 0
-    engine = zero3.initialize(model, optimizer, {"param_persistence_threshold": args.persistence},
-                              lr_scheduler=decay)  # engine.step() steps it
+    engine = zero3.initialize(model, optimizer, zero_config, lr_scheduler=decay)  # engine.step() steps it
     held = engine.memory_report()
     n_params = sum(p.ds_numel for p in engine.params)
     for r in range(world):
         if r == rank:
             print(f"2. rank {rank}: loaded {type(model).__name__} ({n_params:,} parameters; missing "
-                  f"{loaded.missing_keys}, unexpected {loaded.unexpected_keys}); holds "
+                  f"{sorted(loaded['missing_keys'])}, unexpected {sorted(loaded['unexpected_keys'])}); holds "
                   f"{held['param_shard_bytes']:,} of {held['full_param_bytes']:,} parameter bytes", flush=True)
         dist.barrier()
 
@@ -145,6 +146,11 @@ def run(args: argparse.Namespace) -> None:
             if rank == 0:
                 print(f"3. step {step:3d}  loss {loss.item() / world:.4f}", flush=True)
     train_s = time.perf_counter() - t0
+    held, peak = engine.memory_report(), engine.last_step_metrics.peak_live_bytes
+    if rank == 0:
+        print(f"   between steps rank 0 holds {held['param_shard_bytes']:,} bytes of parameter shards and "
+              f"{held['optimizer_state_bytes']:,} of AdamW state on them; the last step had at most {peak:,} "
+              f"parameter bytes gathered at once", flush=True)
 
     # 4. Generate. Every forward of generate() is an inference step that gathers each module's weights.
     gathers = copy.copy(engine.metrics)
@@ -152,6 +158,7 @@ def run(args: argparse.Namespace) -> None:
     with torch.no_grad():
         out = model.generate(p_ids, **gen)
     gen_s = time.perf_counter() - t0
+    gen_peak = engine.last_step_metrics.peak_live_bytes  # of the last forward
     forwards = out.shape[1] - p_ids.shape[1]
     gathered = engine.metrics.allgather_numel - gathers.allgather_numel
     texts = [decode(row) for row in out.tolist()]
@@ -159,13 +166,12 @@ def run(args: argparse.Namespace) -> None:
         for line, text in zip(LINES, texts):
             print(f"4. {text!r}{'' if text == line else '   (expected ' + repr(line) + ')'}", flush=True)
         print(f"   {args.steps} steps in {train_s:.1f} s; generate(): {forwards} forwards in {gen_s:.2f} s, "
-              f"{gathered / forwards:,.0f} elements gathered per forward ({n_params:,} in the model)",
-              flush=True)
+              f"{gathered / forwards:,.0f} elements gathered per forward ({n_params:,} in the model), at most "
+              f"{gen_peak:,} bytes at once", flush=True)
 
-    # 5. Consolidate onto rank 0 and save in the Hugging Face format.
-    state = engine.consolidated_state_dict()  # a collective: every rank calls it; {} off rank 0
+    # 5. Save in the Hugging Face format, one gathered tensor at a time: no rank holds the whole model.
+    engine.save_pretrained(args.out, max_shard_size=args.max_shard_size)  # a collective: every rank calls it
     if rank == 0:
-        model.save_pretrained(args.out, state_dict=state)
         back = AutoModelForCausalLM.from_pretrained(args.out)
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -197,6 +203,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--persistence", type=int, default=0,
                     help="param_persistence_threshold (elements); 0 partitions every parameter")
+    ap.add_argument("--max-shard-size", default="200KB",
+                    help="most bytes per saved file (transformers' max_shard_size; default: small enough "
+                    "to split this tiny model, for a real one use e.g. 5GB)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="zero3-hf-") as tmp:
