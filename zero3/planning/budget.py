@@ -108,7 +108,7 @@ def choose_static(params: Sequence[tuple[str, int, int]], budget: int, reduce_el
                           reduce_elems * reduce_element_bytes, ())
     others = [(nbytes, name) for (name, _, nbytes), keep in zip(params, chosen) if not keep]
     if others:
-        largest, name = max(others)
+        largest, name = max(others, key=lambda o: o[0])  # the first of the largest
         if largest > choice.room:
             raise ZeroConfigError(
                 f"memory_budget {budget:,} bytes is too small: parameter {name!r} alone needs {largest:,} bytes "
