@@ -51,7 +51,7 @@ def test_config_round_trip():
 def test_static_choice_shares_and_refusal():
     params = [("small", 10, 40), ("big.weight", 1000, 4000), ("other", 500, 2000)]
     choice = choose_static(params, 40_000, 4)
-    assert choice.reduce_bucket_bytes <= 40_000 / 8 and choice.persistent_bytes <= 40_000 / 16
+    assert choice.reduce_bucket_bytes <= 40_000 / 4 and choice.persistent_bytes <= 40_000 / 16
     assert choice.room == 40_000 - choice.persistent_bytes - choice.reduce_bucket_bytes
     assert any("room" in r for r in choice.reasons)
     with pytest.raises(ZeroConfigError, match=r"'big.weight' alone needs 4,000 bytes"):
