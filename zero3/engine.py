@@ -458,7 +458,8 @@ class Engine:
     def explain(self, target: Any = None) -> list[str]:
         """Why each parameter was gathered, prefetched, kept or released in the last planned step.
 
-        ``target`` is a parameter, a module, a parameter or module name, or None (everything).
+        ``target`` is a parameter, a module, a parameter or module name, ``"budget"`` (what
+        ``memory_budget`` chose and why), or None (everything, the budget's choice first).
         Steps that fell back to on-demand fetching (no trace yet, or a divergence) say so.
         """
         return self.coordinator.explain(self._resolve_target(target))
@@ -484,6 +485,8 @@ class Engine:
                     return ("param", p._zero.id)
             if target in dict(self.module.named_modules()):
                 return ("module", target)
+            if target == "budget":
+                return ("budget", None)
             raise ZeroConfigError(f"explain(): no parameter or module named {target!r}")
         raise ZeroConfigError(f"explain() takes a parameter, module, name or None, got {type(target).__name__}")
 

@@ -62,9 +62,21 @@ class BudgetConfig:
     max_traces: int = 4
     """How many recorded step traces are cached (keyed by how the step began)."""
 
+    memory_budget: int | Literal["auto"] | None = None
+    """Bytes per rank for persistent and gathered parameters and the reduce bucket, or ``"auto"``
+    (a share of the memory free at initialize): zero3 then chooses the six knobs (persistence and
+    reduce bucket at initialize, the live, reuse and prefetch budgets from the first step's trace;
+    planning/budget.py [Note: memory budget]) and ``engine.explain("budget")`` says what and why.
+    None (the default): the knobs as set. Refused together with any of them set (docs/config.md)."""
+
     def __post_init__(self) -> None:
-        check_fields(self)
+        check_fields(self, skip=frozenset({"memory_budget"}))
         _at_least(self, 1, "max_traces")
+        budget = self.memory_budget
+        if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int)
+                                                         or budget <= 0):
+            raise ZeroConfigError(f"memory_budget must be None, \"auto\" or an int > 0 (bytes per rank), "
+                                  f"got {budget!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -69,6 +69,7 @@ class ZeroConfig:
             else:
                 value = dataclasses.replace(base, **changes) if changes else base
             object.__setattr__(self, section, value)
+        _check_budget_alone(self.budget, self.comm)
         if activation_checkpointing is not None:
             activation_checkpointing = ActivationCheckpointingConfig.from_dict(activation_checkpointing)
         object.__setattr__(self, "activation_checkpointing", activation_checkpointing)
@@ -118,6 +119,25 @@ class ZeroConfig:
         out = {name: getattr(getattr(self, section), name) for name, section in SECTION_OF.items()}
         out["activation_checkpointing"] = self.activation_checkpointing
         return out
+
+
+BUDGET_KNOBS = ("max_live_parameters", "max_reuse_distance", "prefetch_bucket_size", "param_persistence_threshold",
+                "model_persistence_threshold", "max_live_bytes", "max_reuse_distance_bytes", "prefetch_bucket_bytes")
+"""The knobs ``memory_budget`` chooses (with ``reduce_bucket_size``): none may be set beside it."""
+
+
+def _check_budget_alone(budget: BudgetConfig, comm: CommConfig) -> None:
+    """``memory_budget`` chooses the budget knobs, so one set beside it (to a value other than its
+    default: a default cannot be told from unset) is refused rather than silently overridden."""
+    if budget.memory_budget is None:
+        return
+    defaults_b, defaults_c = BudgetConfig(), CommConfig()
+    given = [k for k in BUDGET_KNOBS if getattr(budget, k) != getattr(defaults_b, k)]
+    if comm.reduce_bucket_size != defaults_c.reduce_bucket_size:
+        given.append("reduce_bucket_size")
+    if given:
+        raise ZeroConfigError(f"memory_budget chooses {', '.join(given)} itself; remove "
+                              f"{'it' if len(given) == 1 else 'them'} or remove memory_budget")
 
 
 def resolve_config(config: ZeroConfig | dict | str | Path | None) -> ZeroConfig:

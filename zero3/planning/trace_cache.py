@@ -107,6 +107,15 @@ class TraceCache:
                     entry[1].stats.num_allgathers)
         return entry
 
+    def replan(self, config: PlanConfig) -> None:
+        """Plan every cached trace again with ``config`` (new budgets: ``memory_budget``'s choice)."""
+        for key, entries in self._traces.items():
+            self._traces[key] = [(trace, plan(trace, config)) for trace, _ in entries]
+
+    def find(self, trace: Trace) -> Entry | None:
+        """The cached entry of ``trace`` (None: evicted)."""
+        return next((e for e in self._traces.get(trace.key, []) if e[0] is trace), None)
+
     def _seen(self, key: str, version: int) -> None:
         self._successor[(key, self._last_seen.get(key))] = version
         self._last_seen[key] = version
@@ -201,6 +210,12 @@ class StepTraces:
                     self.last = entry
         finally:
             self._recorder.clear()
+
+    def replan(self, config: PlanConfig) -> None:
+        """Between steps: plan every cached trace again with ``config`` (`TraceCache.replan`)."""
+        self.cache.replan(config)
+        if self.last is not None:
+            self.last = self.cache.find(self.last[0]) or self.last
 
     def explain(self, target: tuple[str, object], config: PlanConfig) -> list[str]:
         """Why the last planned step gathered, kept and released what it did (``engine.explain``)."""

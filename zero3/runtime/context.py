@@ -55,6 +55,7 @@ from ..offload.policy import PlacementPolicy
 from ..offload.residence import ShardStore
 from ..comm.topology import hpz_group_size
 from .adopt import take_from_rank0
+from .budget import MemoryBudget
 from .placement import place_shards
 
 logger = logging.getLogger(__name__)
@@ -251,6 +252,10 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     config = config.for_world_size(group_info(group)[1])  # DeepSpeed's batch-size rule needs the world size
     _check_nvme_shards(model, config, PlacementPolicy.from_config(config))
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
+    config, budget = MemoryBudget.resolve(config, ctx.comm, list(model.named_parameters()), _device_of(model))
+    if budget is not None:
+        ctx.config = config
+        ctx.coordinator.use_budget(config, budget)
     hpz = ctx.comm.hpz  # zero_hpz_partition_size resolved against the ranks' nodes: the same on every rank
     if comm is not None and hpz != hpz_group_size(config.comm.zero_hpz_partition_size, comm.nodes):
         raise ZeroConfigError(f"the communicator passed to zero3.initialize has hpZ groups of {hpz} ranks, but the "
@@ -295,6 +300,11 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     model.__dict__["_zero3_context"] = ctx
     LIVE_CONTEXTS.add(ctx)
     return ctx
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """Where the model's parameters are (CPU for a model without any)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 LIVE_CONTEXTS: "weakref.WeakSet[RuntimeContext]" = weakref.WeakSet()

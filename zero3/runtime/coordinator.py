@@ -49,6 +49,7 @@ from ..partition.state import ParamStatus
 from ..offload.nvme import ShardTier
 from ..planning.trace import EventKind, ParamInfo, Trace, write_trace
 from ..planning.trace_cache import StepTraces
+from .budget import MemoryBudget
 from .hpz import SecondarySlices
 from .read_ahead import ReadAhead
 
@@ -101,6 +102,14 @@ class ParamCoordinator:
         self.steps = StepTraces(config.budget.max_traces)  # what the running step recorded and follows
         self._event: tuple[EventKind, str] | None = None  # the event a gather serves (for its tag)
         self._generation: GenerationPrefetch | None = None  # generation mode (`begin_generation`)
+        self.budget: MemoryBudget | None = None  # memory_budget (`use_budget`)
+
+    def use_budget(self, config: ZeroConfig, budget: MemoryBudget) -> None:
+        """Run with the knobs ``memory_budget`` fixed at initialize; after the first recorded trace,
+        with the schedule knobs it chooses from it (`end_step`)."""
+        self.config = config
+        self.plan_config = plan_config(config)
+        self.budget = budget
 
     def register(self, params: Iterable[ZeroParameter]) -> None:
         for p in params:
@@ -300,6 +309,14 @@ class ParamCoordinator:
             self._hpz.keeping = False
         self.steps.end(aborted, self._param_infos, self.plan_config)
 
+    def choose_budget(self) -> None:
+        """After a step ended (step.py): once a trace is recorded, let ``memory_budget`` choose the
+        schedule knobs from it and plan the cached traces again with them. Raises
+        `ZeroConfigError` (between steps) when the budget cannot hold the modules the step ran."""
+        if self.budget is not None and self.budget.schedule is None and self.last_trace is not None:
+            self.plan_config = self.budget.choose(self.last_trace)
+            self.steps.replan(self.plan_config)
+
     def _param_infos(self) -> dict[int, ParamInfo]:
         return {pid: ParamInfo(id=pid, name=p._zero.name, numel=p._zero.numel, nbytes=p._zero.nbytes,
                                persistent=p._zero.persistent) for pid, p in self._by_id.items()}
@@ -479,7 +496,10 @@ class ParamCoordinator:
 
     # -- explain and export ------------------------------------------------------------------------
     def explain(self, target: tuple[str, object]) -> list[str]:
-        return self.steps.explain(target, self.plan_config)
+        budget = [] if self.budget is None else self.budget.explain()
+        if target[0] == "budget":
+            return budget or ["budget: memory_budget is not set; the knobs are as configured"]
+        return (budget if target[0] == "all" else []) + self.steps.explain(target, self.plan_config)
 
     def export_trace(self, path: str) -> None:
         if self.last_trace is None:

@@ -147,3 +147,5 @@ class StepLifecycle:
             elif inference:
                 for comm in ctx.data_comms:
                     comm.end_epoch()  # an inference forward is a whole epoch: nothing else follows it
+        if not aborted:
+            ctx.coordinator.choose_budget()  # memory_budget: after the first trace, between steps

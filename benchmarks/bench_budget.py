@@ -1,0 +1,200 @@
+"""memory_budget alone against a sweep of hand-set knob combinations, on 2 CPU ranks (gloo).
+
+    python benchmarks/bench_budget.py                      # the small GPT (4x256), budget = half the model
+    python benchmarks/bench_budget.py --models small,big   # both GPTs of bench_step.py (big: 12x768)
+    python benchmarks/bench_budget.py --budget-fraction 0.25 --repeats 3 --steps 10
+
+One pair of rank processes runs every config of a model, one after another, each on a fresh model
+(seed 0) with AdamW on the same synthetic batches, after one untimed run that warms the processes
+up; the order is reversed on every other repeat. The
+budget is ``--budget-fraction`` of the model's fp32 bytes (the full, unpartitioned model's). The
+"budget" row sets only ``memory_budget``; the sweep rows set the six knobs by hand: persistence
+{0, 1e5 elements} x prefetch bucket {0, 1, 2 Blocks} x reuse distance {0, unbounded} x reduce bucket
+{1/4, 1 Block}, each with ``max_live_bytes`` = 7/8 of the budget (24 combinations). Each step starts
+after a barrier; its time is the slower rank's; a row shows the median over the measured steps of
+all repeats (and the fastest one, less sensitive to a busy host). "peak" is the gathered parameters' peak (``peak_live_bytes`` + persistent bytes, max
+over steps and ranks), which a row must keep within the budget to count as the best of the sweep
+(the reduce bucket is not counted in the sweep's peak: that favours the sweep). Figures are printed,
+never asserted: on a shared machine read the ratio of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
+
+MODELS = {  # the two GPTs of benchmarks/bench_step.py
+    "small": {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab": 2048},
+    "big": {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 2048},
+}
+MIB = 1024 * 1024
+
+
+def block_numel(n_embd: int) -> int:
+    """Elements of one GPT Block (as bench_step.py counts them)."""
+    return 12 * n_embd * n_embd + 13 * n_embd
+
+
+def configs(budget: int, n_embd: int) -> dict[str, dict]:
+    """The budget row and the hand-set sweep (see the module docstring)."""
+    blk = block_numel(n_embd)
+    out: dict[str, dict] = {"memory_budget": {"memory_budget": budget}}
+    for persist in (0, 100_000):
+        for prefetch in (0, 1, 2):
+            for reuse in (0, None):
+                for reduce in (blk // 4, blk):
+                    name = (f"persist={persist} prefetch={prefetch}blk reuse={'inf' if reuse is None else 0} "
+                            f"reduce={'1/4' if reduce < blk else '1'}blk")
+                    out[name] = {"param_persistence_threshold": persist, "max_live_bytes": budget * 7 // 8,
+                                 "prefetch_bucket_bytes": prefetch * blk * 4,
+                                 "max_reuse_distance_bytes": 10**15 if reuse is None else 0,
+                                 "reduce_bucket_size": reduce}
+    return out
+
+
+def run_config(rank: int, world: int, cfg: dict, args: argparse.Namespace, gpt_cfg: Any) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import zero3
+    from gpt import GPT, synthetic_batch
+
+    torch.manual_seed(0)
+    model = GPT(gpt_cfg)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
+    times, peaks = [], []
+    for step in range(args.warmup + args.steps):
+        x, y = synthetic_batch(step, args.batch * world, gpt_cfg)
+        xs, ys = x[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = engine(xs, ys)
+        engine.backward(loss)
+        engine.step()
+        dt = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if step >= args.warmup:
+            times.append(dt.item())
+        peaks.append(engine.last_step_metrics.peak_live_bytes + engine.memory_report()["persistent_param_bytes"])
+    peak = torch.tensor([max(peaks)])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    budget = engine.coordinator.budget
+    out = {"times": times, "peak": int(peak.item()), "loss": loss.item(),
+           "explain": engine.explain("budget") if budget is not None else [],
+           "reduce_bucket_bytes": budget.static.reduce_bucket_bytes if budget is not None else None}
+    engine.remove_hooks()
+    del engine, model
+    gc.collect()
+    return out
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, outdir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    from gpt import GPTConfig
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    results: dict[str, Any] = {}
+    for model in args.models.split(","):
+        m = MODELS[model]
+        gpt_cfg = GPTConfig(vocab_size=m["vocab"], block_size=args.block, n_layer=m["n_layer"], n_head=m["n_head"],
+                            n_embd=m["n_embd"])
+        torch.manual_seed(0)
+        from gpt import GPT
+        model_bytes = sum(p.numel() * 4 for p in GPT(gpt_cfg).parameters())
+        budget = int(model_bytes * args.budget_fraction)
+        table = configs(budget, m["n_embd"])
+        runs: dict[str, list[dict]] = {name: [] for name in table}
+        run_config(rank, world, table[list(table)[1]], args, gpt_cfg)  # untimed: warms the processes up
+        for repeat in range(args.repeats):
+            names = list(table) if repeat % 2 == 0 else list(reversed(table))
+            for name in names:
+                runs[name].append(run_config(rank, world, table[name], args, gpt_cfg))
+        results[model] = {"model_bytes": model_bytes, "budget": budget, "runs": runs}
+    if rank == 0:
+        with open(os.path.join(outdir, "results.json"), "w") as fh:
+            json.dump(results, fh)
+    dist.destroy_process_group()
+
+
+def summarise(results: dict) -> str:
+    lines = []
+    for model, res in results.items():
+        budget = res["budget"]
+        lines.append(f"\n## {model} GPT: {res['model_bytes'] / MIB:.2f} MiB of fp32 parameters, "
+                     f"memory_budget {budget / MIB:.2f} MiB per rank\n")
+        lines.append("| config | median step (ms) | fastest step (ms) | gathered peak (MiB) | within budget |")
+        lines.append("|---|---|---|---|---|")
+        rows = []
+        for name, runs in res["runs"].items():
+            times = [t for r in runs for t in r["times"]]
+            peak = max(r["peak"] for r in runs)
+            rows.append((name, statistics.median(times), peak, min(times)))
+            lines.append(f"| {name} | {statistics.median(times) * 1e3:.1f} | {min(times) * 1e3:.1f} | {peak / MIB:.2f} | "
+                         f"{'yes' if peak <= budget else 'NO'} |")
+        ours = rows[0]
+        sweep = [r for r in rows[1:] if r[2] <= budget]
+        best = min(sweep, key=lambda r: r[1]) if sweep else None
+        lines.append("")
+        if best is not None:
+            lines.append(f"best of the sweep within the budget ({len(sweep)} of {len(rows) - 1}): {best[0]}, "
+                         f"{best[1] * 1e3:.1f} ms; memory_budget alone: {ours[1] * 1e3:.1f} ms = "
+                         f"{ours[1] / best[1]:.3f}x the best; its peak {ours[2] / MIB:.2f} MiB <= budget "
+                         f"{budget / MIB:.2f}: {ours[2] <= budget}")
+            fastest = min(sweep, key=lambda r: r[3])
+            lines.append(f"by fastest step: best of the sweep {fastest[0]}, {fastest[3] * 1e3:.1f} ms; memory_budget "
+                         f"{ours[3] * 1e3:.1f} ms = {ours[3] / fastest[3]:.3f}x")
+        explain = res["runs"]["memory_budget"][0]["explain"]
+        lines += [f"    {line}" for line in explain]
+    return "\n".join(lines)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="small", help="comma list of: small, big")
+    ap.add_argument("--budget-fraction", type=float, default=0.5, help="budget as a share of the model's bytes")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6, help="measured steps per config and repeat")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per config; order reversed on odd repeats")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--json", help="also write the raw results here")
+    args = ap.parse_args()
+    import torch.multiprocessing as mp
+
+    outdir = tempfile.mkdtemp(prefix="bench-budget-")
+    mp.start_processes(rank_main, args=(args.nproc, free_port(), args, outdir), nprocs=args.nproc,
+                       start_method="spawn")
+    with open(os.path.join(outdir, "results.json")) as fh:
+        results = json.load(fh)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh)
+    print(summarise(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""memory_budget at world size 1: the config key, the choice at initialize and after the first step,
+what explain says, the peak under the budget, and losses equal to a run with the default knobs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import zero3
+from zero3 import ZeroConfigError
+from zero3.config import ZeroConfig
+from zero3.planning.budget import choose_static
+
+from gpt import GPT, GPTConfig, synthetic_batch
+
+CFG = GPTConfig(block_size=16)
+
+
+def model_bytes() -> int:
+    torch.manual_seed(0)
+    return sum(p.numel() * 4 for p in GPT(CFG).parameters())
+
+
+@pytest.mark.parametrize("value", [1, 5e6, "auto", None])
+def test_config_accepts(value):
+    expected = int(value) if isinstance(value, float) else value
+    assert ZeroConfig.from_dict({"memory_budget": value}).budget.memory_budget == expected
+
+
+@pytest.mark.parametrize("value", [0, -5, True, "big", 1.5])
+def test_config_refuses(value):
+    with pytest.raises(ZeroConfigError, match="memory_budget must be"):
+        ZeroConfig(memory_budget=value)
+
+
+@pytest.mark.parametrize("knob", ["max_live_parameters", "max_reuse_distance", "prefetch_bucket_size",
+                                  "param_persistence_threshold", "model_persistence_threshold", "reduce_bucket_size",
+                                  "max_live_bytes"])
+def test_config_refuses_a_knob_beside_it(knob):
+    with pytest.raises(ZeroConfigError, match=f"memory_budget chooses {knob} itself"):
+        ZeroConfig.from_dict({"memory_budget": 10**6, knob: 7})
+
+
+def test_config_round_trip():
+    config = ZeroConfig(memory_budget="auto")
+    assert ZeroConfig.from_dict(config.to_dict()) == config
+
+
+def test_static_choice_shares_and_refusal():
+    params = [("small", 10, 40), ("big.weight", 1000, 4000), ("other", 500, 2000)]
+    choice = choose_static(params, 40_000, 4)
+    assert choice.reduce_bucket_bytes <= 40_000 / 4 and choice.persistent_bytes <= 40_000 / 16
+    assert choice.room == 40_000 - choice.persistent_bytes - choice.reduce_bucket_bytes
+    assert any("room" in r for r in choice.reasons)
+    with pytest.raises(ZeroConfigError, match=r"'big.weight' alone needs 4,000 bytes"):
+        choose_static(params, 4000, 4)
+
+
+def _train(config: dict, steps: int = 3):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), config)
+    losses, peaks = [], []
+    for step in range(steps):
+        x, y = synthetic_batch(step, 4, CFG)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        peaks.append(engine.last_step_metrics.peak_live_bytes + engine.memory_report()["persistent_param_bytes"])
+    return engine, losses, peaks
+
+
+def test_half_the_model(caplog):
+    budget = model_bytes() // 2
+    with caplog.at_level(logging.INFO, logger="zero3"):
+        engine, losses, peaks = _train({"memory_budget": budget})
+    _, plain, _ = _train({})
+    assert losses == plain
+    static = engine.coordinator.budget.static
+    assert max(peaks) <= budget - static.reduce_bucket_bytes
+    assert sum("zero3: memory_budget" in r.getMessage() for r in caplog.records) == 1
+    lines = engine.explain("budget")
+    assert lines[0] == f"budget: memory_budget {budget:,} bytes per rank"
+    assert any("chose max_live_bytes" in line for line in lines)
+    assert engine.explain()[:len(lines)] == lines
+    chosen = engine.coordinator.budget.schedule.config
+    assert engine.coordinator.plan_config == chosen
+    assert engine.coordinator.last_schedule.config == chosen
+
+
+def test_before_the_first_step_and_without_budget():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    engine = zero3.initialize(model, None, {"memory_budget": "auto"})
+    assert engine.explain("budget")[-1].startswith("budget: no step recorded yet")
+    assert engine.coordinator.budget.static.budget > 0
+    plain = zero3.initialize(GPT(CFG), None, {})
+    assert plain.explain("budget") == ["budget: memory_budget is not set; the knobs are as configured"]
+
+
+class TwoWeights(torch.nn.Module):
+    """One module that gathers two large parameters at once."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(n))
+        self.b = torch.nn.Parameter(torch.randn(n))
+
+    def forward(self, x):
+        return (x * self.a * self.b).sum()
+
+
+def test_budget_below_a_module_raises_after_the_first_step():
+    # Each parameter fits at initialize, but the module gathers both at once.
+    n = 200_000
+    engine = zero3.initialize(TwoWeights(n), None, {"memory_budget": 6 * n})
+    with pytest.raises(ZeroConfigError, match=f"module '<root>' gathers {8 * n:,} bytes"):
+        with torch.no_grad():
+            engine(torch.ones(n))
+    with pytest.raises(ZeroConfigError, match="'a' alone needs"):
+        zero3.initialize(TwoWeights(n), None, {"memory_budget": 3 * n})

@@ -1,0 +1,214 @@
+"""``memory_budget``: the six budget knobs chosen from one number of bytes per rank.
+
+[Note: memory budget]
+The budget covers what a rank holds for ZeRO-3 beyond its shards: persistent parameters, gathered
+(or in-flight) parameters, and the gradient reduce bucket. It is split in two decisions, because
+persistence changes which modules the hooks record, so it has to be fixed before the first step:
+
+- At initialize, from the parameters' sizes (`choose_static`): the reduce bucket gets at most
+  ``REDUCE_SHARE`` of the budget (never more than DeepSpeed's default); parameters of at most
+  DeepSpeed's ``param_persistence_threshold`` elements stay persistent, greedily in
+  ``named_parameters`` order, while they sum to at most ``PERSISTENT_SHARE`` of the budget. What is
+  left is the *room* for gathered parameters.
+- After the first step, from its recorded trace (`choose_schedule`): every combination of a grid of
+  ``max_live``/``max_reuse_distance``/``prefetch_bucket`` (multiples of the largest module's bytes,
+  the same grid for every budget) is planned with `schedule.plan`; those whose planned peak fits
+  the room are compared by predicted exposed communication (`exposed_bytes`), then by all-gathers,
+  then by peak. Since the grid does not depend on the budget, a larger budget can only widen the
+  choice: the predicted exposure never grows with the budget, and the chosen plan's peak is within
+  the room by construction.
+
+Predicted exposed communication, in bytes (no timings exist before the second step): a demand
+fetch is fully exposed; a prefetch bucket is hidden behind the compute of the modules that run
+from its issue to its first use, with a module's compute counted as its parameters' bytes; every
+collective adds ``LATENCY_BYTES``. Pure: no torch, no process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import ZeroConfigError
+from .persistence import choose_persistent
+from .schedule import PlanConfig, Schedule, plan
+from .trace import Trace
+
+AUTO_FRACTION = 0.4
+"""``memory_budget="auto"``: this share of the memory free at initialize (CUDA: ``mem_get_info``;
+CPU: ``MemAvailable`` divided by the ranks on the node), the smallest over the ranks."""
+
+REDUCE_SHARE = 1 / 4
+"""Most of the budget the gradient reduce bucket may take (bench_budget.py: on the small GPT a bucket
+of one Block beat a quarter Block in 11 of 12 pairs of the sweep)."""
+
+PERSISTENT_SHARE = 1 / 16
+"""Most of the budget persistent parameters may take."""
+
+LATENCY_BYTES = 256 * 1024
+"""What one collective's fixed cost is counted as, in bytes on the wire."""
+
+DEFAULT_PARAM_PERSISTENCE = 100_000
+"""DeepSpeed's ``param_persistence_threshold``: parameters at most this large may be persistent."""
+
+DEFAULT_REDUCE_BUCKET = 500_000_000
+"""DeepSpeed's ``reduce_bucket_size`` (elements): never exceeded."""
+
+_LIVE_STEPS = (1, 2, 3, 4, 6, 8, 12, 16)
+_PREFETCH_STEPS = (1, 2, 4)
+_REUSE_STEPS = (2,)
+
+
+@dataclass(frozen=True, slots=True)
+class StaticChoice:
+    """What `choose_static` fixed at initialize (elements where DeepSpeed counts elements)."""
+
+    budget: int
+    param_persistence_threshold: int
+    model_persistence_threshold: int
+    reduce_bucket_size: int
+    persistent_bytes: int
+    reduce_bucket_bytes: int
+    reasons: tuple[str, ...]
+
+    @property
+    def room(self) -> int:
+        """Bytes left for gathered, non-persistent parameters."""
+        return self.budget - self.persistent_bytes - self.reduce_bucket_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleChoice:
+    """What `choose_schedule` chose from a trace, and what its plan predicts."""
+
+    config: PlanConfig
+    peak_bytes: int
+    exposed_bytes: int
+    allgathers: int
+    candidates: int
+    feasible: int
+    reasons: tuple[str, ...]
+
+
+def choose_static(params: Sequence[tuple[str, int, int]], budget: int, reduce_element_bytes: int) -> StaticChoice:
+    """Persistence thresholds and the reduce bucket for ``params`` (``(name, numel, nbytes)`` in
+    ``named_parameters`` order) under ``budget`` bytes (see [Note: memory budget]).
+
+    Raises:
+        ZeroConfigError: the budget cannot hold the largest non-persistent parameter gathered.
+    """
+    if budget <= 0:
+        raise ZeroConfigError(f"memory_budget must be > 0 bytes, got {budget!r}")
+    reduce_elems = max(1, min(DEFAULT_REDUCE_BUCKET, int(budget * REDUCE_SHARE) // reduce_element_bytes))
+    element = max((nbytes // numel for _, numel, nbytes in params if numel), default=4) or 1
+    model_threshold = int(budget * PERSISTENT_SHARE) // element
+    chosen = choose_persistent((numel for _, numel, _ in params), DEFAULT_PARAM_PERSISTENCE, model_threshold)
+    persistent = sum(nbytes for (_, _, nbytes), keep in zip(params, chosen) if keep)
+    choice = StaticChoice(budget, DEFAULT_PARAM_PERSISTENCE, model_threshold, reduce_elems, persistent,
+                          reduce_elems * reduce_element_bytes, ())
+    others = [(nbytes, name) for (name, _, nbytes), keep in zip(params, chosen) if not keep]
+    if others:
+        largest, name = max(others, key=lambda o: o[0])  # the first of the largest
+        if largest > choice.room:
+            raise ZeroConfigError(
+                f"memory_budget {budget:,} bytes is too small: parameter {name!r} alone needs {largest:,} bytes "
+                f"gathered, and persistent parameters ({persistent:,}) and the reduce bucket "
+                f"({choice.reduce_bucket_bytes:,}) take the rest; give at least "
+                f"{largest + persistent + choice.reduce_bucket_bytes:,} bytes")
+    reasons = (
+        f"memory_budget {budget:,} bytes per rank",
+        f"reduce_bucket_size {reduce_elems:,} elements ({choice.reduce_bucket_bytes:,} bytes): "
+        f"min(DeepSpeed's {DEFAULT_REDUCE_BUCKET:,}, {REDUCE_SHARE:g} of the budget)",
+        f"persistent: {sum(chosen)} parameters of <= {DEFAULT_PARAM_PERSISTENCE:,} elements, {persistent:,} bytes "
+        f"(model_persistence_threshold {model_threshold:,} elements = {PERSISTENT_SHARE:g} of the budget)",
+        f"room for gathered parameters: {choice.room:,} bytes",
+    )
+    return dataclasses.replace(choice, reasons=reasons)
+
+
+def _pre_bytes(trace: Trace) -> list[int]:
+    """Per event: the bytes of the non-persistent params a PRE event gathers (0 for POST)."""
+    infos = trace.params
+    return [sum(infos[p].nbytes for p in ev.params if not infos[p].persistent) if ev.kind.is_pre else 0
+            for ev in trace.events]
+
+
+def _compute_bytes(trace: Trace) -> list[int]:
+    """Per event: the compute proxy, every param a PRE event uses (persistent ones too)."""
+    infos = trace.params
+    return [sum(infos[p].nbytes for p in ev.params) if ev.kind.is_pre else 0 for ev in trace.events]
+
+
+def exposed_bytes(trace: Trace, schedule: Schedule) -> int:
+    """Predicted exposed communication of ``schedule`` (see [Note: memory budget])."""
+    compute = _compute_bytes(trace)
+    cum = [0]
+    for c in compute:
+        cum.append(cum[-1] + c)
+    infos = trace.params
+    exposed = 0
+    for action in schedule.actions:
+        i = action.index
+        if action.fetch:
+            exposed += sum(infos[p].nbytes for p in action.fetch) + LATENCY_BYTES
+        if action.prefetch:
+            first = min((j for p in action.prefetch for j in trace.uses.get(p, ()) if j > i), default=None)
+            window = 0 if first is None else cum[first] - cum[i + (0 if trace.events[i].kind.is_pre else 1)]
+            exposed += max(0, sum(infos[p].nbytes for p in action.prefetch) + LATENCY_BYTES - window)
+    return exposed
+
+
+def candidates(trace: Trace) -> list[PlanConfig]:
+    """The grid `choose_schedule` searches besides the floor (everything 0): multiples of the largest module's gathered bytes (the
+    same for every budget), plus "everything" for each knob."""
+    pre = _pre_bytes(trace)
+    largest = max(pre, default=0) or 1
+    total = sum(i.nbytes for i in trace.params.values() if not i.persistent) or 1
+    lives = sorted({min(total, k * largest) for k in _LIVE_STEPS} | {total})
+    buckets = sorted({0, total} | {min(total, k * largest) for k in _PREFETCH_STEPS})
+    reuses = sorted({0, total} | {min(total, k * largest) for k in _REUSE_STEPS})
+    return [PlanConfig(max_live=live, max_reuse_distance=reuse, prefetch_bucket_size=bucket, unit="bytes")
+            for live in lives for bucket in buckets if bucket <= live for reuse in reuses]
+
+
+def choose_schedule(trace: Trace, room: int) -> ScheduleChoice:
+    """The ``max_live``/``max_reuse_distance``/``prefetch_bucket`` (bytes) whose plan of ``trace``
+    peaks within ``room`` bytes and exposes the least communication (see [Note: memory budget]).
+
+    Raises:
+        ZeroConfigError: not even gathering one module at a time fits ``room``; names the module.
+    """
+    floor = plan(trace, PlanConfig(max_live=0, max_reuse_distance=0, prefetch_bucket_size=0, unit="bytes"))
+    if floor.stats.peak_live_bytes > room:
+        pre = _pre_bytes(trace)
+        at = max(range(len(pre)), key=pre.__getitem__)
+        raise ZeroConfigError(
+            f"memory_budget leaves {room:,} bytes for gathered parameters, but module "
+            f"{trace.events[at].module or '<root>'!r} gathers {pre[at]:,} bytes and the step needs "
+            f"{floor.stats.peak_live_bytes:,} bytes gathered at once (modules open together); raise memory_budget "
+            f"by at least {floor.stats.peak_live_bytes - room:,} bytes")
+    grid = candidates(trace)
+    best: tuple[tuple[int, int, int], PlanConfig, Schedule] | None = None
+    feasible = 0
+    for config in [floor.config, *grid]:
+        schedule = floor if config is floor.config else plan(trace, config)
+        peak = schedule.stats.peak_live_bytes
+        if peak > room:
+            continue
+        feasible += 1
+        score = (exposed_bytes(trace, schedule), schedule.stats.num_allgathers, peak)
+        if best is None or score < best[0]:
+            best = (score, config, schedule)
+    assert best is not None  # the floor fits
+    (exposed, gathers, peak), config, _ = best
+    reasons = (
+        f"searched {len(grid) + 1} plans of trace {trace.key!r} v{trace.version}; {feasible} peak within "
+        f"the room of {room:,} bytes",
+        f"chose max_live_bytes {config.max_live:,}, prefetch_bucket_bytes {config.prefetch_bucket_size:,}, "
+        f"max_reuse_distance_bytes {config.max_reuse_distance:,}",
+        f"why: least predicted exposed communication {exposed:,} bytes (demand fetches + prefetches not "
+        f"hidden behind the modules before their use), then fewest all-gathers ({gathers}), then lowest "
+        f"peak ({peak:,} bytes gathered)",
+    )
+    return ScheduleChoice(config, peak, exposed, gathers, len(grid) + 1, feasible, reasons)

@@ -1,0 +1,85 @@
+"""``memory_budget`` in the runtime: the number resolved at initialize, the knobs it fixes then, and
+the schedule knobs chosen from the first recorded trace (planning/budget.py [Note: memory budget]).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..comm.communicator import Communicator
+from ..comm.tags import Kind, Tag
+from ..config import ZeroConfig
+from ..optim.precision import torch_dtype
+from ..planning.budget import AUTO_FRACTION, ScheduleChoice, StaticChoice, choose_schedule, choose_static
+from ..planning.schedule import PlanConfig
+from ..planning.trace import Trace
+
+logger = logging.getLogger(__name__)
+
+
+def free_bytes(comm: Communicator, device: torch.device) -> int:
+    """The memory free to this rank now: CUDA's free device memory, else ``MemAvailable`` shared by
+    the ranks on this node."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as fh:
+        available = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    nodes = comm.nodes
+    return available // max(1, list(nodes).count(nodes[comm.rank]))
+
+
+class MemoryBudget:
+    """The budget's choices: the static ones from initialize, the schedule one after the first trace."""
+
+    def __init__(self, static: StaticChoice) -> None:
+        self.static = static
+        self.schedule: ScheduleChoice | None = None
+
+    @classmethod
+    def resolve(cls, config: ZeroConfig, comm: Communicator, named: Sequence[tuple[str, nn.Parameter]],
+                device: torch.device) -> tuple[ZeroConfig, MemoryBudget | None]:
+        """The config the runtime runs with: ``memory_budget`` replaced by the knobs it fixes at
+        initialize (persistence, reduce bucket, the live cap for the first step); and the budget
+        (None without ``memory_budget``). ``"auto"`` takes the smallest share over the ranks."""
+        budget = config.budget.memory_budget
+        if budget is None:
+            return config, None
+        if budget == "auto":
+            mine = int(AUTO_FRACTION * free_bytes(comm, device))
+            budget = min(comm.exchange_objects(mine, Tag(Kind.OBJECTS, "memory_budget auto")))
+            logger.info("zero3: memory_budget auto: %.1f MiB per rank (%g of the free memory, least over ranks)",
+                        budget / 2**20, AUTO_FRACTION)
+        itemsize = torch_dtype(config.precision.dtype).itemsize
+        sizes = [(name, n, n * itemsize) for name, p in named for n in [_numel(p)]]
+        static = choose_static(sizes, budget, torch_dtype(config.precision.reduce_dtype).itemsize)
+        resolved = config.replace(memory_budget=None, param_persistence_threshold=static.param_persistence_threshold,
+                                  model_persistence_threshold=static.model_persistence_threshold,
+                                  reduce_bucket_size=static.reduce_bucket_size, max_live_bytes=static.room,
+                                  max_reuse_distance_bytes=0, prefetch_bucket_bytes=0)
+        return resolved, cls(static)
+
+    def choose(self, trace: Trace) -> PlanConfig:
+        """The schedule knobs for ``trace`` (the first one recorded), logged once."""
+        self.schedule = choose_schedule(trace, self.static.room)
+        c = self.schedule
+        logger.info("zero3: memory_budget %d bytes: max_live_bytes %d, prefetch_bucket_bytes %d, "
+                    "max_reuse_distance_bytes %d; predicted peak %d gathered + %d persistent + %d reduce bucket, "
+                    "exposed communication %d bytes (engine.explain('budget') says why)", self.static.budget,
+                    c.config.max_live, c.config.prefetch_bucket_size, c.config.max_reuse_distance, c.peak_bytes,
+                    self.static.persistent_bytes, self.static.reduce_bucket_bytes, c.exposed_bytes)
+        return c.config
+
+    def explain(self) -> list[str]:
+        lines = [f"budget: {r}" for r in self.static.reasons]
+        if self.schedule is None:
+            return lines + ["budget: no step recorded yet; the first runs on demand within the room"]
+        return lines + [f"budget: {r}" for r in self.schedule.reasons]
+
+
+def _numel(p: nn.Parameter) -> int:
+    z = getattr(p, "_zero", None)
+    return z.numel if z is not None else p.numel()
