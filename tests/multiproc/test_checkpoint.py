@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _reference import snapshot
 from gpt import GPT, GPTConfig, synthetic_batch
 
 import zero3
@@ -65,16 +66,6 @@ def train(engine: zero3.Engine, steps: range) -> list[float]:
             dist.all_reduce(total)
         losses.append(total.item() / world)
     return losses
-
-
-def local_state(engine: zero3.Engine) -> dict[str, torch.Tensor]:
-    """This rank's master shards and optimizer state."""
-    out = {}
-    for p in engine.params:
-        out[p._zero.name] = engine.master_shard(p).clone()
-        for k, v in engine.optimizer_state(p).items():
-            out[f"{p._zero.name}/{k}"] = v.clone()
-    return out
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -126,14 +117,14 @@ def resume(ckpt: str, count_reads: bool = False) -> dict:
 def try_bad_loads(cases: dict[str, str]) -> dict:
     engine = make_engine(seed=1)
     train(engine, range(1))
-    before, steps = local_state(engine), engine.global_steps
+    before, steps = snapshot(engine), engine.global_steps
     out = {}
     for case, path in cases.items():
         try:
             engine.load_checkpoint(path)
             out[case] = ("no error", "", True)
         except Exception as exc:  # noqa: BLE001 - reported to the test
-            out[case] = (type(exc).__name__, str(exc), same(local_state(engine), before) and engine.global_steps == steps)
+            out[case] = (type(exc).__name__, str(exc), same(snapshot(engine), before) and engine.global_steps == steps)
     return out
 
 
@@ -404,6 +395,6 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     torch.manual_seed(1)
     engine = build()
     engine.load_checkpoint(ckpt)
-    assert same(local_state(engine), local_state(expected))
+    assert same(snapshot(engine), snapshot(expected))
     engine.save_checkpoint(ckpt, tag="next")  # and saving works again: the partial directory is gone
     assert sorted(os.listdir(ckpt)) == ["good", "latest", "next"]
