@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 FLIGHT_RECORDER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+_warned_flight_recorder = False  # warn_if_flight_recorder_on: once per process
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
@@ -82,9 +83,6 @@ def warn_if_flight_recorder_on(who: str) -> None:
     logger.warning("%s: torch's flight recorder may be on for this gloo group (TORCH_FR_BUFFER_SIZE is not 0): "
                    "its entries fragment glibc's heap, so RSS grows by about 100 MiB per 2,000 steps on a small "
                    "model; set TORCH_FR_BUFFER_SIZE=0 before creating the process group (or import zero3 first)", who)
-
-
-_warned_flight_recorder = False
 
 
 def flight_recorder_may_be_on() -> bool:
