@@ -159,15 +159,18 @@ def exposed_bytes(trace: Trace, schedule: Schedule) -> int:
     return exposed
 
 
-def candidates(trace: Trace) -> list[PlanConfig]:
-    """The grid `choose_schedule` searches besides the floor (everything 0): multiples of the largest module's gathered bytes (the
-    same for every budget), plus "everything" for each knob."""
+def candidates(trace: Trace, room: int | None = None) -> list[PlanConfig]:
+    """The grid `choose_schedule` searches besides the floor (everything 0): multiples of the largest
+    module's gathered bytes (the same for every budget), "everything" for each knob, and, given the
+    ``room``, the whole room as the live cap and as the prefetch bucket (so a room between two
+    multiples is not left unused)."""
     pre = _pre_bytes(trace)
     largest = max(pre, default=0) or 1
     total = sum(i.nbytes for i in trace.params.values() if not i.persistent) or 1
-    lives = sorted({min(total, k * largest) for k in _LIVE_STEPS} | {total})
-    buckets = sorted({0, total} | {min(total, k * largest) for k in _PREFETCH_STEPS})
-    reuses = sorted({0, total} | {min(total, k * largest) for k in _REUSE_STEPS})
+    whole = set() if room is None else {min(total, room)}
+    lives = sorted({min(total, k * largest) for k in _LIVE_STEPS} | {total} | whole)
+    buckets = sorted({0, total} | {min(total, k * largest) for k in _PREFETCH_STEPS} | whole)
+    reuses = sorted({0, total} | {min(total, k * largest) for k in _REUSE_STEPS} | whole)
     return [PlanConfig(max_live=live, max_reuse_distance=reuse, prefetch_bucket_size=bucket, unit="bytes")
             for live in lives for bucket in buckets if bucket <= live for reuse in reuses]
 
@@ -188,7 +191,7 @@ def choose_schedule(trace: Trace, room: int) -> ScheduleChoice:
             f"{trace.events[at].module or '<root>'!r} gathers {pre[at]:,} bytes and the step needs "
             f"{floor.stats.peak_live_bytes:,} bytes gathered at once (modules open together); raise memory_budget "
             f"by at least {floor.stats.peak_live_bytes - room:,} bytes")
-    grid = candidates(trace)
+    grid = candidates(trace, room)
     best: tuple[tuple[int, int, int], PlanConfig, Schedule] | None = None
     feasible = 0
     for config in [floor.config, *grid]:
