@@ -11,12 +11,13 @@ persistence changes which modules the hooks record, so it has to be fixed before
   ``named_parameters`` order, while they sum to at most ``PERSISTENT_SHARE`` of the budget. What is
   left is the *room* for gathered parameters.
 - After the first step, from its recorded trace (`choose_schedule`): every combination of a grid of
-  ``max_live``/``max_reuse_distance``/``prefetch_bucket`` (multiples of the largest module's bytes,
-  the same grid for every budget) is planned with `schedule.plan`; those whose planned peak fits
-  the room are compared by predicted exposed communication (`exposed_bytes`), then by all-gathers,
-  then by peak. Since the grid does not depend on the budget, a larger budget can only widen the
-  choice: the predicted exposure never grows with the budget, and the chosen plan's peak is within
-  the room by construction.
+  ``max_live``/``max_reuse_distance``/``prefetch_bucket`` is planned with `schedule.plan`; those
+  whose planned peak fits the room are compared by predicted exposed communication
+  (`exposed_bytes`), then by all-gathers, then by peak. The grid is multiples of the largest
+  module's bytes (the same for every budget) plus the room itself, so a room between two multiples
+  is used whole (on the small GPT of bench_budget.py the room is 2.4 of those multiples). The chosen
+  plan's peak is within the room by construction; a larger budget never predicts more exposure
+  than the fixed grid's best under a smaller one (only the smaller room's own size may do better).
 
 Predicted exposed communication, in bytes (no timings exist before the second step): a demand
 fetch is fully exposed; a prefetch bucket is hidden behind the compute of the modules that run
