@@ -61,7 +61,8 @@ def train_parity(steps: int, zero_cfg: dict, checkpoint: str | None = None, plai
     with zero3.GatheredParameters(params):
         for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
             worst_param = max(worst_param, (p - q).abs().max().item())
-    return {"loss": worst_loss, "norm": worst_norm, "param": worst_param, "memory": memory}
+    return {"loss": worst_loss, "norm": worst_norm, "param": worst_param, "memory": memory,
+            "reduce_calls": engine.last_step_metrics.reduce_calls}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -81,6 +82,17 @@ def test_every_wire_implementation_matches_single_process(pools, wire):
     results = pools.get(3).run(train_parity, 4, {"param_persistence_threshold": 0, **wire})
     for r in results:
         assert r["loss"] < 1e-5 and r["norm"] < 1e-5 and r["param"] < 1e-5, r
+
+
+@pytest.mark.parametrize("prefetch", [5000, 0])
+def test_reductions_start_at_module_ends_with_the_default_bucket(pools, prefetch):
+    """With DeepSpeed's reduce bucket (larger than the model) the queued gradients are still reduced
+    at a module's end once they reach the prefetch bucket (grad.py); without prefetch only the bucket
+    and the end of backward issue them. Same numbers either way."""
+    results = pools.get(2).run(train_parity, 3, {"param_persistence_threshold": 0, "prefetch_bucket_size": prefetch})
+    for r in results:
+        assert r["loss"] < 1e-5 and r["norm"] < 1e-5 and r["param"] < 1e-5, r
+        assert (r["reduce_calls"] > 1) if prefetch else (r["reduce_calls"] == 1), r
 
 
 @pytest.mark.parametrize("checkpoint", ["reentrant", "non_reentrant"])

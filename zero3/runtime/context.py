@@ -282,7 +282,8 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     # bf16/fp16: cast the shards now (before anything is gathered); their fp32 values seed the masters
     fp32_shards = lower_precision(ctx.params, torch_dtype(config.precision.dtype), ctx.store) if config.precision.dtype != "fp32" else {}
     ctx.reducer = GradientReducer(ctx.comm, config.comm.reduce_bucket_size, reduce_dtype=torch_dtype(config.precision.reduce_dtype),
-                                  accumulation_steps=config.training.gradient_accumulation_steps)
+                                  accumulation_steps=config.training.gradient_accumulation_steps,
+                                  boundary_numel=_prefetch_numel(config))
     ctx.coordinator.choose_persistent(ctx.params)
     place_shards(ctx.store, ctx.coordinator.shards, ctx.params)  # CPU memory or the drive, before the optimizer
     if optimizer is not None:
@@ -355,3 +356,13 @@ def context_of(obj: Any, what: str = "this call") -> RuntimeContext:
         return obj._zero.ctx
     raise ZeroStateError(f"{what} needs a zero3 Engine or a model passed to zero3.initialize, got "
                          f"{type(obj).__name__}")
+
+
+def _prefetch_numel(config: ZeroConfig) -> int:
+    """The prefetch bucket in elements (0: no prefetch), where the gradient reducer issues the queued
+    gradients at a module's end (grad.py)."""
+    b = config.budget
+    if b.max_live_bytes is None:
+        return b.prefetch_bucket_size
+    nbytes = b.prefetch_bucket_bytes if b.prefetch_bucket_bytes is not None else 4 * b.prefetch_bucket_size
+    return nbytes // torch_dtype(config.precision.dtype).itemsize

@@ -402,6 +402,7 @@ class ModuleHooks:
                 # Its only call's backward is done, so its parameters' gradients are accumulated (autograd
                 # runs AccumulateGrad nodes first once they are ready).
                 self._flush_leaf(leaf)
+            self.reducer.module_done()
 
     def _flush_leaf(self, leaf: _Leaf) -> None:
         if not leaf.flushed:
