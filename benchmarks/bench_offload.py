@@ -20,7 +20,7 @@ offload and moves everything out with ``offload_states(device="nvme")`` and back
 Capacity (``--capacity``): GPTs with ``n_embd`` 2048 (16 heads, vocab 256, one sequence of 32
 tokens per rank; `DefaultInitGPT`: PyTorch's default init) and a growing number of layers, fp32,
 AdamW, without offload and with parameters and optimizer state on NVMe. For each mode the search
-starts at the size a simple memory/disk model predicts, then moves one step (``--capacity-step``
+starts at the size a simple memory/disk model predicts (or at ``--start-layers``), then moves one step (``--capacity-step``
 layers) up while attempts succeed, or down while they fail, at most ``--max-attempts`` times. An
 attempt succeeds when both ranks finish the optimizer steps asked for (``--capacity-steps``,
 default 1; the first step also creates AdamW's moments). An attempt is stopped (and counted as failed, with the reason) after
@@ -315,13 +315,14 @@ def capacity(args: argparse.Namespace) -> None:
     budget = int(args.disk_budget * GIB) if args.disk_budget else free // 2
     available = _mem_available() - int(guard["memory"]) - int(args.memory_margin * GIB)
     model = {"n_embd": CAP_EMBD, "n_head": CAP_HEAD, "vocab_size": CAP_VOCAB, "block_size": CAP_BLOCK}
+    starts = {m: int(n) for m, _, n in (item.partition("=") for item in args.start_layers.split(",") if item)}
     attempts: list[tuple[str, int, dict[str, Any]]] = []
     best: dict[str, tuple[int, dict[str, Any]] | None] = {}
     print(f"# bench_offload --capacity  {datetime.datetime.now().isoformat(timespec='seconds')}  torch "
           f"{torch.__version__}; MemAvailable {(_mem_available()) / GIB:.1f} GiB at the start, free disk under "
           f"{args.nvme_path} {free / GIB:.1f} GiB, disk budget {budget / GIB:.1f} GiB", file=sys.stderr, flush=True)
     for mode in args.modes.split(","):
-        n = _predicted_layers(mode, available, budget)
+        n = starts.get(mode) or _predicted_layers(mode, available, budget)
         best[mode] = None
         up: bool | None = None  # the search's direction, set by the first attempt
         for _ in range(args.max_attempts):
@@ -397,6 +398,8 @@ def main() -> None:
     ap.add_argument("--modes", default="none,nvme", help="capacity: which modes, in order")
     ap.add_argument("--capacity-step", type=int, default=4, help="capacity: layers between attempts")
     ap.add_argument("--capacity-steps", type=int, default=1, help="capacity: optimizer steps per attempt")
+    ap.add_argument("--start-layers", default="", metavar="MODE=N,...",
+                    help="capacity: start a mode's search at N layers instead of the predicted size (e.g. nvme=77)")
     ap.add_argument("--max-attempts", type=int, default=4, help="capacity: attempts per mode")
     ap.add_argument("--attempt-timeout", type=float, default=570.0, help="seconds before an attempt is stopped")
     ap.add_argument("--memory-guard", type=float, default=1.5, help="GiB of MemAvailable below which a run is stopped")
