@@ -139,6 +139,72 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> N
     dist.destroy_process_group()
 
 
+def _deepspeed_config(n_embd: int, nvme_path: str, batch: int) -> dict:
+    """DeepSpeed ZeRO-3 with parameters and optimizer state on NVMe, the same budget knobs as
+    `_zero_config` (one Block per prefetch and reduce bucket, three Blocks live, reuse 0), AdamW
+    (DeepSpeed's CPU Adam, as its NVMe optimizer offload requires) at the same learning rate."""
+    block = 12 * n_embd * n_embd + 13 * n_embd
+    return {
+        "train_micro_batch_size_per_gpu": batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {
+            "stage": 3, "stage3_prefetch_bucket_size": block, "stage3_max_live_parameters": 3 * block,
+            "stage3_max_reuse_distance": 0, "reduce_bucket_size": block, "sub_group_size": block // 8,
+            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "pin_memory": False,
+                              "buffer_count": 5, "buffer_size": 4 * n_embd * n_embd, "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "pin_memory": False},
+        },
+        "aio": {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True},
+    }
+
+
+def _rank_deepspeed(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> None:
+    """`_rank` for DeepSpeed (``spec["system"] == "deepspeed"``): the same model, batches and step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=3600))
+    import deepspeed
+    from gpt import GPTConfig, synthetic_batch
+
+    fig: dict[str, Any] = {"rank": rank, "steps": [], "losses": [], "system": f"deepspeed {deepspeed.__version__}"}
+
+    def save() -> None:
+        with open(f"{out}.{rank}.tmp", "w") as fh:
+            json.dump(fig, fh)
+        os.replace(f"{out}.{rank}.tmp", f"{out}.{rank}")
+
+    cfg = GPTConfig(**spec["model"])
+    ds_config = spec["deepspeed"]
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device="nvme", pin_memory=False):
+        model = DefaultInitGPT(cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    fig.update(build_s=time.perf_counter() - t0, rss_built=_rss(), params=sum(p.ds_numel for p in model.parameters()))
+    save()
+    batch = spec["batch"]
+    for step in range(spec["steps"]):
+        x, y = synthetic_batch(step % 4, batch * world, cfg)
+        dist.barrier()
+        t = time.perf_counter()
+        loss = engine(x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch])
+        engine.backward(loss)
+        engine.step()
+        took = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        fig["steps"].append(took.item())
+        fig["losses"].append(loss.item())
+        fig["rss_between_steps"] = _rss()
+        save()
+    on_drive = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(spec["nvme_path"]) for f in fs)
+    fig.update(report={"nvme_bytes": on_drive / world},  # DeepSpeed's swap files, both ranks', per rank
+               peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    fig["done"] = True
+    save()
+    dist.destroy_process_group()
+
+
 # -- the parent: one variant in fresh processes, with guards ----------------------------------------------
 def _mem_available() -> int:
     with open("/proc/meminfo") as fh:
@@ -157,7 +223,8 @@ def run_variant(spec: dict[str, Any], timeout: float, guard: dict[str, float]) -
     work = tempfile.mkdtemp(prefix="bench_offload-")
     out = os.path.join(work, "rank")
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, spec, out)) for r in range(2)]
+    target = _rank_deepspeed if spec.get("system") == "deepspeed" else _rank
+    procs = [ctx.Process(target=target, args=(r, 2, port, spec, out)) for r in range(2)]
     t0 = time.time()
     for p in procs:
         p.start()
@@ -293,6 +360,10 @@ def gpt_params(n_layer: int, c: int = CAP_EMBD) -> int:
     return n_layer * (12 * c * c + 13 * c) + (CAP_VOCAB + CAP_BLOCK) * c + 2 * c
 
 
+LABELS = {"none": "no offload", "nvme": "zero3, params + optimizer on NVMe",
+          "ds-nvme": "DeepSpeed, params + optimizer on NVMe"}
+
+
 def _predicted_layers(mode: str, available: int, disk: int) -> int:
     """The largest layer count a simple model says fits: fp32 AdamW holds 16 bytes per parameter
     (parameter, gradient, two moments) over both ranks; without offload all of it is in memory,
@@ -304,7 +375,7 @@ def _predicted_layers(mode: str, available: int, disk: int) -> int:
     while True:
         p = gpt_params(n + 1)
         mem = (16 if mode == "none" else 4) * p + overhead
-        if mem > available or (mode == "nvme" and 12 * p > disk):
+        if mem > available or (mode != "none" and 12 * p > disk):
             return n
         n += 1
 
@@ -328,7 +399,7 @@ def capacity(args: argparse.Namespace) -> None:
         for _ in range(args.max_attempts):
             if n < 1:
                 break
-            if mode == "nvme" and 12 * gpt_params(n) > budget:
+            if mode != "none" and 12 * gpt_params(n) > budget:
                 attempts.append((mode, n, {"outcome": "not attempted: its swap files would exceed the disk budget",
                                            "ranks": [{}, {}]}))
                 if up:
@@ -339,8 +410,16 @@ def capacity(args: argparse.Namespace) -> None:
                     "nvme_path": args.nvme_path, "zero": _zero_config(CAP_EMBD, args.nvme_path, mode == "nvme",
                                                                       mode == "nvme", pool_blocks=1.0,
                                                                       sub_groups_per_block=8)}
+            if mode == "ds-nvme":  # DeepSpeed's swap files are named, not unlinked: a folder per attempt, removed after
+                ds_path = os.path.join(args.nvme_path, f"deepspeed-{n}")
+                os.makedirs(ds_path, exist_ok=True)
+                spec.update(system="deepspeed", nvme_path=ds_path, deepspeed=_deepspeed_config(CAP_EMBD, ds_path, 1))
             print(f"  {mode}: n_layer={n} ({gpt_params(n) / 1e9:.2f}B parameters) ...", file=sys.stderr, flush=True)
-            res = run_variant(spec, args.attempt_timeout, guard)
+            try:
+                res = run_variant(spec, args.attempt_timeout, guard)
+            finally:
+                if mode == "ds-nvme":
+                    shutil.rmtree(spec["nvme_path"], ignore_errors=True)
             ok = res["outcome"] == "ok"
             print(f"    {res['outcome']} after {res['wall']:.0f} s", file=sys.stderr, flush=True)
             attempts.append((mode, n, res))
@@ -366,7 +445,7 @@ def capacity(args: argparse.Namespace) -> None:
         steps = f.get("steps", [])
         rep = f.get("report", {})
         low = res.get("low_mem")
-        print(f"| {'no offload' if mode == 'none' else 'params + optimizer on NVMe'} | {n} | "
+        print(f"| {LABELS[mode]} | {n} | "
               f"{gpt_params(n) / 1e9:.2f}B | {res['outcome']} | {f.get('build_s', float('nan')):.0f} | "
               + " | ".join(f"{steps[i]:.1f}" if len(steps) > i else "-" for i in range(2)) + " | "
               + (f"{max(r.get('peak_rss', 0) for r in ranks) / GIB:.2f}" if rep else "-") + " | "
@@ -374,7 +453,7 @@ def capacity(args: argparse.Namespace) -> None:
               + (f"{rep.get('nvme_bytes', 0) / GIB:.2f}" if rep else "-") + " |")
     print()
     for mode, found in best.items():
-        label = "no offload" if mode == "none" else "parameters + optimizer state on NVMe"
+        label = LABELS[mode]
         if found is None:
             print(f"- {label}: no size trained within the attempts")
             continue
@@ -382,8 +461,10 @@ def capacity(args: argparse.Namespace) -> None:
         steps = res["ranks"][0]["steps"]
         print(f"- {label}: largest that trained: n_layer={n}, {gpt_params(n):,} parameters; step 1 "
               f"{steps[0]:.1f} s" + (f", step 2 {steps[1]:.1f} s" if len(steps) > 1 else ""))
-    if best.get("none") and best.get("nvme"):
-        print(f"- ratio: {gpt_params(best['nvme'][0]) / gpt_params(best['none'][0]):.2f}x the parameters")
+    for mode in ("nvme", "ds-nvme"):
+        if best.get("none") and best.get(mode):
+            print(f"- ratio, {LABELS[mode]}: {gpt_params(best[mode][0]) / gpt_params(best['none'][0]):.2f}x the "
+                  "parameters of no offload")
 
 
 def main() -> None:
@@ -395,7 +476,8 @@ def main() -> None:
     ap.add_argument("--n-head", type=int, default=12)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--capacity", action="store_true", help="run the capacity search instead")
-    ap.add_argument("--modes", default="none,nvme", help="capacity: which modes, in order")
+    ap.add_argument("--modes", default="none,nvme", help="capacity: which modes, in order: none, nvme (zero3), "
+                    "ds-nvme (DeepSpeed's offload_param and offload_optimizer nvme; run with a Python that has deepspeed)")
     ap.add_argument("--capacity-step", type=int, default=4, help="capacity: layers between attempts")
     ap.add_argument("--capacity-steps", type=int, default=1, help="capacity: optimizer steps per attempt")
     ap.add_argument("--start-layers", default="", metavar="MODE=N,...",
