@@ -78,6 +78,21 @@ def _rss() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _timed_step(engine: Any, xy: tuple[torch.Tensor, torch.Tensor], rank: int, batch: int, fig: dict[str, Any]) -> None:
+    """One training step on this rank's rows of ``xy`` after a barrier; appends the slower rank's
+    time and this rank's loss to ``fig`` (zero3's engine and DeepSpeed's take the same calls)."""
+    x, y = xy
+    dist.barrier()
+    t = time.perf_counter()
+    loss = engine(x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch])
+    engine.backward(loss)
+    engine.step()
+    took = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    fig["steps"].append(took.item())
+    fig["losses"].append(loss.item())
+
+
 def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -103,17 +118,8 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> N
     batch = spec["batch"]
     waits, ahead, reads, writes = [], [], [], []
     for step in range(spec["steps"]):
-        x, y = synthetic_batch(step % 4, batch * world, cfg)
-        dist.barrier()
-        t = time.perf_counter()
-        loss = engine(x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch])
-        engine.backward(loss)
-        engine.step()
-        took = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        _timed_step(engine, synthetic_batch(step % 4, batch * world, cfg), rank, batch, fig)
         m = engine.last_step_metrics
-        fig["steps"].append(took.item())
-        fig["losses"].append(loss.item())
         waits.append(m.nvme_wait_seconds)
         ahead.append(m.nvme_reads_ahead)
         reads.append(m.nvme_read_bytes)
@@ -185,16 +191,7 @@ def _rank_deepspeed(rank: int, world: int, port: int, spec: dict[str, Any], out:
     save()
     batch = spec["batch"]
     for step in range(spec["steps"]):
-        x, y = synthetic_batch(step % 4, batch * world, cfg)
-        dist.barrier()
-        t = time.perf_counter()
-        loss = engine(x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch])
-        engine.backward(loss)
-        engine.step()
-        took = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        fig["steps"].append(took.item())
-        fig["losses"].append(loss.item())
+        _timed_step(engine, synthetic_batch(step % 4, batch * world, cfg), rank, batch, fig)
         fig["rss_between_steps"] = _rss()
         save()
     on_drive = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(spec["nvme_path"]) for f in fs)
