@@ -1,0 +1,64 @@
+"""When the gradient reducer issues its queued gradients (runtime/grad.py): at a module's end once
+they reach the prefetch bucket, whatever DeepSpeed's larger reduce bucket says."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from zero3 import ZeroConfig
+from zero3.runtime.context import _prefetch_numel
+from zero3.runtime.grad import GradientReducer
+
+
+def _reducer(bucket: int, boundary: int) -> tuple[GradientReducer, list[int]]:
+    reducer = GradientReducer(SimpleNamespace(world_size=2), bucket, boundary_numel=boundary)
+    issued: list[int] = []
+
+    def flush() -> None:  # what was queued when a reduction was issued
+        issued.append(reducer._numel)
+        reducer._bucket, reducer._numel = [], 0
+
+    reducer.flush = flush  # type: ignore[method-assign]
+    return reducer, issued
+
+
+def _param(numel: int) -> SimpleNamespace:
+    return SimpleNamespace(_zero=SimpleNamespace(numel=numel))
+
+
+def test_module_end_issues_once_the_queue_reaches_the_boundary() -> None:
+    reducer, issued = _reducer(bucket=10**9, boundary=100)
+    reducer.add(_param(60), torch.zeros(1))
+    reducer.module_done()
+    assert issued == []  # 60 < 100: keep collecting
+    reducer.add(_param(60), torch.zeros(1))
+    assert issued == []  # the bucket (1e9) is far from full
+    reducer.module_done()
+    assert issued == [120]
+
+
+def test_a_full_bucket_still_issues_mid_module() -> None:
+    reducer, issued = _reducer(bucket=50, boundary=100)
+    reducer.add(_param(60), torch.zeros(1))
+    assert issued == [60]
+
+
+def test_without_a_boundary_only_the_bucket_issues() -> None:
+    reducer, issued = _reducer(bucket=1000, boundary=0)
+    for _ in range(5):
+        reducer.add(_param(150), torch.zeros(1))
+        reducer.module_done()
+    assert issued == []
+    reducer.add(_param(300), torch.zeros(1))
+    assert issued == [1050]
+
+
+def test_boundary_is_the_prefetch_bucket_in_elements() -> None:
+    assert _prefetch_numel(ZeroConfig(prefetch_bucket_size=1000)) == 1000
+    assert _prefetch_numel(ZeroConfig(prefetch_bucket_size=0)) == 0
+    # bytes mode: the byte knob over the element size, or 4 bytes per element of the element knob
+    assert _prefetch_numel(ZeroConfig(max_live_bytes=10**6, prefetch_bucket_bytes=4000, dtype="bf16")) == 2000
+    assert _prefetch_numel(ZeroConfig(max_live_bytes=10**6, prefetch_bucket_size=1000)) == 1000
+    assert _prefetch_numel(ZeroConfig(max_live_bytes=10**6, prefetch_bucket_size=1000, dtype="bf16")) == 2000
