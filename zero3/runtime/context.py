@@ -37,7 +37,7 @@ from ..comm.communicator import Communicator, group_info, same_group
 from ..comm.settings import CommSettings
 from ..comm.hpz import secondary_communicator
 from ..config import ZeroConfig
-from .coordinator import ParamCoordinator
+from .coordinator import ParamCoordinator, plan_config
 from ..errors import ZeroConfigError, ZeroStateError
 from .grad import GradientReducer
 from ..metrics import StepMetrics
@@ -361,8 +361,7 @@ def context_of(obj: Any, what: str = "this call") -> RuntimeContext:
 def _prefetch_numel(config: ZeroConfig) -> int:
     """The prefetch bucket in elements (0: no prefetch), where the gradient reducer issues the queued
     gradients at a module's end (grad.py)."""
-    b = config.budget
-    if b.max_live_bytes is None:
-        return b.prefetch_bucket_size
-    nbytes = b.prefetch_bucket_bytes if b.prefetch_bucket_bytes is not None else 4 * b.prefetch_bucket_size
-    return nbytes // torch_dtype(config.precision.dtype).itemsize
+    plan = plan_config(config)  # the planner's resolution of the element and byte knobs
+    if plan.unit == "numel":
+        return plan.prefetch_bucket_size
+    return plan.prefetch_bucket_size // torch_dtype(config.precision.dtype).itemsize
