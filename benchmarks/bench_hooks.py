@@ -151,37 +151,29 @@ def load_baseline(tree: str) -> ModuleType:
     return importlib.import_module("zero3_baseline")
 
 
-class _FreeAfterBackward(torch.autograd.Function):
-    """Identity on a module's inputs; its backward runs when the module's backward is done."""
-
-    @staticmethod
-    def forward(ctx, floor: "FloorHooks", module: nn.Module, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.floor, ctx.module = floor, module
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        ctx.floor.free(ctx.module)
-        return (None, None) + grads
-
-
 class FloorHooks:
     """The threshold-0 mechanisms without any bookkeeping, on a plain model: every parameter's data is
     a 0-byte storage between uses and its values live in a separate flat "shard"; a module's forward
     pre-hook refills its parameters' storage from the shards (resize + copy, what a world-size-1
-    gather is) and wraps its inputs in an autograd function whose backward frees them again; its
-    forward hook puts a tensor hook on the output (where a pre-backward would gather); each
-    parameter's post-accumulate-grad hook hands its gradient to its shard, and AdamW steps on the
-    shards. No schedule, trace, status, counters or checks: a lower bound, not a runtime."""
+    gather is); its forward hook puts a tensor hook on the output (where a pre-backward would
+    gather); each parameter's post-accumulate-grad hook hands its gradient to its shard and, once all
+    of its module's parameters have theirs, frees them (the post-backward zero3 takes from the
+    gradients, hooks.py [Note: post-backward from the gradients]); AdamW steps on the shards. No
+    schedule, trace, status, counters or checks: a lower bound, not a runtime."""
 
     def __init__(self, model: nn.Module, lr: float) -> None:
         params = list(model.parameters())
         self.shards = {id(p): p.detach().clone().view(-1) for p in params}
         self.optimizer = torch.optim.AdamW([self.shards[id(p)] for p in params], lr=lr)
         self.own = {id(m): list(m.parameters(recurse=False)) for m in model.modules()}
+        self.owner: dict[int, nn.Module] = {}
+        self.arrived: dict[int, set[int]] = {}
         for m in model.modules():
             if self.own[id(m)]:
                 self.free(m)
+                self.arrived[id(m)] = set()
+                for p in self.own[id(m)]:
+                    self.owner[id(p)] = m
                 m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
                 m.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
         for p in params:
@@ -196,8 +188,6 @@ class FloorHooks:
             if p.untyped_storage().nbytes() == 0:
                 p.untyped_storage().resize_(p.numel() * p.element_size())
                 p.data.view(-1).copy_(self.shards[id(p)])
-        if torch.is_grad_enabled() and len(args) == 1 and args[0].requires_grad:
-            return (_FreeAfterBackward.apply(self, module, args[0])[0],), kwargs
         return None
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output):
@@ -212,6 +202,12 @@ class FloorHooks:
             shard.grad = grad.reshape(-1)
         else:
             shard.grad.add_(grad.reshape(-1))
+        m = self.owner[id(p)]
+        arrived = self.arrived[id(m)]
+        arrived.add(id(p))
+        if len(arrived) == len(self.own[id(m)]):
+            arrived.clear()
+            self.free(m)
 
 
 def _ignore(grad: torch.Tensor) -> None:

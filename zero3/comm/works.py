@@ -60,8 +60,9 @@ class GatherChunk:
     def copy_out(self, world_size: int, keep_header: bool = False) -> None:
         """Copy each parameter's piece of every rank's row into its own storage (one copy each)."""
         if world_size == 1:  # one batched copy from the shards, not one dispatch per parameter
-            torch._foreach_copy_([alloc_full(p) for p in self.params],
-                                 [p._zero.shard[: p._zero.numel] for p in self.params])
+            torch._foreach_copy_([alloc_full(p) for p in self.params],  # one rank: no padding, no slice
+                                 [p._zero.shard if p._zero.shard_numel == p._zero.numel else p._zero.shard[: p._zero.numel]
+                                  for p in self.params])
             return
         assert self.rows is not None
         for p, off in zip(self.params, self.offsets):

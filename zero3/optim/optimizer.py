@@ -551,15 +551,20 @@ class PartitionedOptimizer:
                 self.placement.copy_back(fg.low, fg.master)
                 continue
             for p in fg.params:
+                z = p._zero
+                if z.master is None and z.swap is None:
+                    continue  # the optimizer stepped on the shard itself, in memory: nothing to copy
                 with self.loaded([p], write=False):
-                    self._write_shard(p, p._zero.train_tensor)
+                    self._write_shard(p, z.train_tensor)
         if self.shards is not None:
             self.shards.flush()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        for p in self.params:
-            p._zero.train_tensor.grad = None
+        for p in self.params:  # also those the wrapped optimizer does not hold
+            t = p._zero.train_tensor
+            if t.grad is not None:
+                t.grad = None
         self._unscaled = self._overflow = self._scaled_backward = False
 
     # -- accounting ------------------------------------------------------------------------------

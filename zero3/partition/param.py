@@ -69,6 +69,7 @@ class ZeroParam:
     swap: Any = None  # the `nvme.ShardSwap` of a shard whose tier is the drive (None: it belongs in memory)
     secondary: Any = None  # hpZ: a `Secondary` (comm/secondary.py), this rank's slice kept from a forward gather (runtime/hpz.py)
     ctx: Any = None  # the RuntimeContext that owns the parameter (runtime/context.py imports this module)
+    flat: torch.Tensor | None = None  # a flat view of the full data, kept across resizes (`alloc_full`)
     numel: int = field(init=False)  # full, unpadded; read on every fetch and release, so stored
     shard_numel: int = field(init=False)  # padded; the same on every rank and for every shard dtype
     residence: Residence = field(init=False)  # where the shard's bytes are
@@ -286,10 +287,17 @@ def begin_gather(p: ZeroParameter, handle: Any) -> None:
 
 
 def alloc_full(p: ZeroParameter) -> torch.Tensor:
-    """Give the placeholder real storage again; returns the flat full tensor (uninitialised) to fill."""
-    data = raw_data(p)
-    data.untyped_storage().resize_(p._zero.numel * data.element_size())
-    return data.view(-1)
+    """Give the placeholder real storage again; returns the flat full tensor (uninitialised) to fill.
+
+    The flat view is kept in ``ZeroParam.flat``: a view holds the storage itself, so it stays valid
+    through the resizes of every gather and release. It is dropped wherever the parameter's data is
+    replaced here, and `release` drops it if anything else replaced it."""
+    z = p._zero
+    flat = z.flat
+    if flat is None:
+        flat = z.flat = raw_data(p).view(-1)
+    flat.untyped_storage().resize_(z.numel * flat.element_size())
+    return flat
 
 
 def finish_gather(p: ZeroParameter) -> None:
@@ -301,9 +309,13 @@ def finish_gather(p: ZeroParameter) -> None:
 
 def release(p: ZeroParameter) -> None:
     """AVAILABLE -> NOT_AVAILABLE: resize the storage to 0 bytes; computing with ``p`` raises again."""
-    p._zero.set_status(ParamStatus.NOT_AVAILABLE)
+    z = p._zero
+    z.set_status(ParamStatus.NOT_AVAILABLE)
     # AVAILABLE, so still a plain `ZeroParameter`: its own storage is its data's, no guard to pass
-    p.untyped_storage().resize_(0)
+    storage = p.untyped_storage()
+    if z.flat is not None and z.flat.untyped_storage().data_ptr() != storage.data_ptr():
+        z.flat = None  # its data was replaced while gathered (``p.data = t``): view the new one next time
+    storage.resize_(0)
     p.__class__ = PartitionedParameter
 
 
@@ -316,6 +328,7 @@ def alias_shard(p: ZeroParameter) -> None:
         return
     with torch._C.DisableTorchFunctionSubclass():
         p.data = z.shard[: z.numel].view(z.shape)
+    z.flat = None
     z.set_status(ParamStatus.INFLIGHT)
     finish_gather(p)
     z.aliased = True
@@ -328,6 +341,7 @@ def unalias_shard(p: ZeroParameter) -> None:
     with torch._C.DisableTorchFunctionSubclass():
         p.data = placeholder
     z.aliased = False
+    z.flat = None
     if z.status is ParamStatus.AVAILABLE:
         placeholder.copy_(z.shard[: z.numel].view(z.shape))
 
@@ -340,6 +354,7 @@ def set_placeholder_dtype(p: ZeroParameter, dtype: torch.dtype) -> None:
     placeholder.untyped_storage().resize_(0)
     with torch._C.DisableTorchFunctionSubclass():
         p.data = placeholder
+    p._zero.flat = None
 
 
 def partition(p: nn.Parameter, *, name: str, world_size: int, rank: int, group: Any, ctx: Any = None,

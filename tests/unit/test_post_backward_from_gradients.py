@@ -1,0 +1,206 @@
+"""A module's post-backward taken from its parameters' gradients (hooks.py [Note: post-backward from
+the gradients]): which modules use it, that it releases during the backward, and that modules it
+does not fit (called twice, frozen or tied parameters, external ones) still train like plain torch."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import zero3
+from zero3 import ParamStatus
+
+from gpt import GPT, GPTConfig, synthetic_batch
+
+NO_PERSIST = {"param_persistence_threshold": 0}
+ON_DEMAND = {"param_persistence_threshold": 0, "prefetch_bucket_size": 0, "max_reuse_distance": 0}
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-6)
+
+
+def _train_both(ref: nn.Module, model: nn.Module, zcfg: dict, batches: list[tuple], loss_fn) -> zero3.Engine:
+    """Train ``ref`` plainly and ``model`` under zero3 on the same batches; losses and final weights
+    must match."""
+    ref_opt = _adamw([p for p in ref.parameters() if p.requires_grad])
+    engine = zero3.initialize(model, _adamw([p for p in model.parameters() if p.requires_grad]), zcfg)
+    for batch in batches:
+        ref_loss = loss_fn(ref, batch)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        engine.step()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-7)
+        assert engine.coordinator.live_params == []
+    with zero3.GatheredParameters(list(model.parameters())):
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7, msg=name)
+    return engine
+
+
+def _by_grads(engine: zero3.Engine) -> dict[str, bool]:
+    return {rec.name: rec.by_grads for rec in engine.hooks._records.values() if rec.params}
+
+
+def test_only_modules_whose_parameters_are_all_their_own_are_closed_by_their_gradients() -> None:
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=16)
+    model = GPT(cfg)
+    engine = zero3.initialize(model, _adamw(model.parameters()), NO_PERSIST)
+    x, y = synthetic_batch(0, 2, cfg)
+    engine(x, y).backward()
+    engine.step()
+    flags = _by_grads(engine)
+    tied = {name for name, m in model.named_modules() if getattr(m, "weight", None) is model.wte.weight}
+    assert len(tied) == 2  # the token embedding and the output head share one weight
+    for name, closed in flags.items():
+        assert closed is (name not in tied), name
+    assert sum(flags.values()) > 10
+
+
+def test_a_chain_releases_each_layer_during_the_backward_not_at_its_end() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    engine = zero3.initialize(model, _adamw(model.parameters()), ON_DEMAND)
+    seen: list[list[ParamStatus]] = []
+
+    def at_layer0_backward(grad: torch.Tensor) -> None:  # runs just before layer 0's backward node
+        seen.append([p.ds_status for layer in model[1:] for p in layer.parameters()])
+
+    x = torch.randn(3, 4)
+    h = model[0](x)
+    h.register_hook(at_layer0_backward)
+    model[2](model[1](h)).sum().backward()
+    engine.step()
+    assert seen == [[ParamStatus.NOT_AVAILABLE] * 4]  # layers 1 and 2 have their gradients: released
+
+
+def test_the_first_layer_is_closed_by_its_gradients_before_the_backward_ends(caplog) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    engine = zero3.initialize(model, None, NO_PERSIST)
+    with caplog.at_level(logging.DEBUG, logger="zero3"):
+        model(torch.randn(3, 4)).sum().backward()
+    kinds = [r.getMessage().split(" params=")[0] for r in caplog.records if r.getMessage().startswith("zero3::trace")]
+    assert kinds[-1] == "zero3::trace post_backward (0)"
+    engine.step()
+
+
+class _Twice(nn.Module):
+    """One Linear applied twice in a forward: two calls, one AccumulateGrad per parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.shared = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.shared(torch.tanh(self.shared(self.inp(x))))))
+
+
+class _Frozen(nn.Module):
+    """A module with one frozen and one trainable parameter: not closed by its gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 3)
+        self.a.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _mse(m: nn.Module, batch: tuple) -> torch.Tensor:
+    return (m(batch[0]) - batch[1]).pow(2).mean()
+
+
+@pytest.mark.parametrize("zcfg", [NO_PERSIST, ON_DEMAND], ids=["prefetch", "on_demand"])
+def test_a_module_called_twice_closes_both_calls_and_trains_like_plain_torch(zcfg) -> None:
+    torch.manual_seed(0)
+    ref = _Twice()
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)) for _ in range(3)]
+    engine = _train_both(ref, model, zcfg, batches, _mse)
+    assert _by_grads(engine)["shared"] is True
+    closed = []
+    real = engine.hooks._post_backward
+    engine.hooks._post_backward = lambda call: (closed.append(call.record.name), real(call))[1]
+    _mse(model, batches[0]).backward()
+    assert closed.count("shared") == 2
+    assert all(p.ds_status is ParamStatus.NOT_AVAILABLE for p in model.parameters())
+    engine.step()
+
+
+@pytest.mark.parametrize("zcfg", [NO_PERSIST, ON_DEMAND], ids=["prefetch", "on_demand"])
+def test_a_module_with_a_frozen_parameter_keeps_the_input_wrapper_and_trains_like_plain_torch(zcfg) -> None:
+    torch.manual_seed(0)
+    ref = _Frozen()
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)) for _ in range(3)]
+    engine = _train_both(ref, model, zcfg, batches, _mse)
+    assert _by_grads(engine) == {"a": True, "b": True}  # the record qualifies; each call checks requires_grad
+    calls = []
+    real = engine.hooks._wrap_inputs
+    engine.hooks._wrap_inputs = lambda call, args, kwargs: (calls.append(call.record.name), real(call, args, kwargs))[1]
+    _mse(model, batches[0]).backward()
+    engine.step()
+    assert calls == ["a"]  # its frozen bias gets no gradient, so its inputs are wrapped
+
+
+def test_data_replaced_while_gathered_is_what_the_next_gather_fills() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    engine = zero3.initialize(model, None, NO_PERSIST)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        model(x)  # every parameter has been gathered once: its flat view is kept
+    w = model[1].weight
+    with zero3.GatheredParameters([w], modifier_rank=0):
+        w.data = torch.full((2, 4), 0.5)
+    with zero3.GatheredParameters([w]):
+        assert torch.equal(w.detach(), torch.full((2, 4), 0.5))
+    with torch.no_grad():
+        out = model(x)
+    with zero3.GatheredParameters([model[0].weight, model[0].bias, model[1].bias]):
+        h = model[0](x)
+        expected = h @ torch.full((4, 2), 0.5) + model[1].bias.detach()
+    torch.testing.assert_close(out, expected)
+    assert engine.coordinator.live_params == []
+
+
+class _Peek(nn.Module):
+    """Its forward reads its child's weight outside the child's forward: an automatic external
+    parameter, found in the middle of a call that had been set to close by its own gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * self.scale + nn.functional.linear(x, self.lin.weight)
+        return self.out(torch.tanh(h))
+
+
+@pytest.mark.parametrize("zcfg", [NO_PERSIST, ON_DEMAND], ids=["prefetch", "on_demand"])
+def test_a_parameter_found_mid_forward_falls_back_and_trains_like_plain_torch(zcfg) -> None:
+    torch.manual_seed(0)
+    ref = _Peek()
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)) for _ in range(3)]
+    engine = _train_both(ref, model, zcfg, batches, _mse)
+    assert _by_grads(engine)[""] is False  # the root now gathers lin.weight too: wrapped from then on
+    assert _by_grads(engine)["lin"] is True
