@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from .schedule import PlanConfig, Schedule, plan
 from .trace import Event, EventKind, ParamInfo, Trace, TraceRecorder
+from .trace import logger as trace_logger
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class StepTraces:
         self.key: str | None = None  # the running step's key (None: between steps)
         self.following: Following | None = None
         self.diverged = False  # the running (or the last) step left its trace
+        self._debug = False  # whether the trace's DEBUG lines are on, read once per step (`begin`)
         self._announced: set[tuple[str, int, int]] = set()
         self.last: Entry | None = None  # the trace and schedule of the last step that had one
 
@@ -153,6 +155,7 @@ class StepTraces:
         """A step of ``key`` begins: follow the trace the cache predicts for it, if any."""
         self.key = key
         self.diverged = False
+        self._debug = trace_logger.isEnabledFor(logging.DEBUG)
         chosen = self.cache.predict(key)
         self.following = None if chosen is None else Following.of(chosen)
         if chosen is not None:
@@ -176,7 +179,8 @@ class StepTraces:
         expected = events[i] if i < len(events) else None
         if expected is not None and expected.kind is kind and expected.module == module and expected.params == ids:
             following.cursor += 1
-            TraceRecorder.log(expected)
+            if self._debug:
+                TraceRecorder.log(expected)
             return i
         self._recorder.extend(events[:i])
         self._recorder.record(kind, module, ids)

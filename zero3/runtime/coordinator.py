@@ -426,9 +426,11 @@ class ParamCoordinator:
         """Free every param that nothing pins (an in-flight gather is waited first)."""
         for p in params:
             z = p._zero
-            if z.pinned or z.status is ParamStatus.NOT_AVAILABLE:
+            status = z.status
+            if status is ParamStatus.NOT_AVAILABLE or z.persistent or z.active_forward > 0 \
+                    or z.active_backward > 0 or z.user_pins > 0:  # `ZeroParam.pinned`, inline: the hook path
                 continue
-            if z.status is ParamStatus.INFLIGHT:
+            if status is ParamStatus.INFLIGHT:
                 self._wait(z.handle)
             self._free(p)
 

@@ -153,7 +153,7 @@ class _Leaf:
     flushed: bool = False
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Call:
     """One forward call of a module; carries what its backward must gather and release."""
 
@@ -338,9 +338,9 @@ class ModuleHooks:
             self.step.enter(StepPhase.FORWARD)
         if rec.leaf is not None and self.step.phase is StepPhase.FORWARD:
             rec.leaf.calls += 1
-        params = self._params_of(rec)
-        call = _Call(record=rec, params=list(params), ids=rec.ids,
-                     state=CallState.OPEN if params else CallState.JOINED)
+        params = rec.params if rec.key == (len(rec.module._parameters), len(rec.module.__dict__.get(
+            "_external_params", ()))) else self._params_of(rec)  # the cache, checked inline: every call
+        call = _Call(rec, list(params), rec.ids, CallState.OPEN if params else CallState.JOINED)
         self.stack.append(call)
         if params:
             self.coordinator.event(EventKind.PRE_FORWARD, rec.name, params, rec.ids)
@@ -405,6 +405,9 @@ class ModuleHooks:
         return None
 
     def _pop(self, rec: _ModuleRecord) -> _Call | None:
+        stack = self.stack
+        if stack and stack[-1].record is rec:  # the usual case: the innermost call returns
+            return stack.pop()
         for i in range(len(self.stack) - 1, -1, -1):
             if self.stack[i].record is rec:
                 call = self.stack.pop(i)
