@@ -213,8 +213,14 @@ class ParamCoordinator:
         i = self.steps.observe(kind, module, ids, self.metrics.step)
         self._event = (kind, module)
         _pin(kind, params)
-        if following is not None and i is not None:
-            self._apply(following.schedule, i, kind, params)
+        if following is not None and i is not None:  # the schedule's action at this event
+            action = following.schedule.actions[i]
+            if action.release:
+                self.release([self._by_id[pid] for pid in action.release])
+            if kind in _PRE:
+                self.fetch(params)
+            if action.prefetch:
+                self.prefetch([self._by_id[pid] for pid in action.prefetch])
             if self._reading is not None:
                 self._reading.advance(i, self._by_id.__getitem__)
             return
@@ -258,15 +264,6 @@ class ParamCoordinator:
                 self._make_room(missing)
                 if self._live_size + sum(self._size(q) for q in missing) <= self.plan_config.max_live:
                     self.prefetch(missing)
-
-    def _apply(self, schedule: Schedule, i: int, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
-        action = schedule.actions[i]
-        if action.release:
-            self.release([self._by_id[pid] for pid in action.release])
-        if kind in _PRE:
-            self.fetch(params)
-        if action.prefetch:
-            self.prefetch([self._by_id[pid] for pid in action.prefetch])
 
     def _left_trace(self, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
         """The step left its trace: release what no running module needs, read nothing ahead."""

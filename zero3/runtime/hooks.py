@@ -489,7 +489,8 @@ class ModuleHooks:
     def _on_grad(self, p: torch.Tensor) -> None:
         if self.step.phase is not StepPhase.BACKWARD:
             self.step.enter(StepPhase.BACKWARD)
-        self._ensure_final_callback()
+        if torch._C._current_graph_task_id() not in self._queued_tasks:  # once per parameter: checked inline
+            self._ensure_final_callback()
         grad = p.grad
         p.grad = None
         if grad is not None:
