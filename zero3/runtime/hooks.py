@@ -2,7 +2,8 @@
 
 [Note: hook protocol]
 - forward pre-hook (``prepend=True``): push a `_Call` for this module on the forward stack, gather its
-  parameters (own + external) and, when grad is on, wrap the tensor inputs in `_PostBackward`.
+  parameters (own + external) and, when grad is on and its gradients do not close it (below), wrap
+  the tensor inputs in `_PostBackward`.
 - forward post-hook: pop the call, release the parameters (unless still used elsewhere) and hook the
   output tensors: the first gradient that reaches any of them is the module's *pre-backward*, which
   gathers the parameters again (once per call).
@@ -28,15 +29,15 @@ parameter in that graph has run (their gradients are summed into its input first
 a module's parameters has had its gradient accumulated, no node of the backward needs them again:
 that is the module's post-backward, and it costs a set insertion per parameter in the gradient hook
 that runs anyway, where `_PostBackward` costs an autograd function per call (apply in the forward,
-a Python node in the backward: about 15 µs a module here, half of a Linear(64,64)'s step).
+a Python node in the backward: about 15 µs a module call on the 2-core machine, bench_hooks.py).
 It is used for a module ("closed by its gradients") when every parameter it gathers is its own,
-belongs to no other hooked module (no tied weights, no external parameters), requires grad, and it
-is not a leaf module; any other module keeps `_PostBackward`. The order of events is the same as
-with `_PostBackward` on its inputs: the engine runs ready AccumulateGrad nodes before other ready
-nodes, so the last gradient of a module lands before the backward of the module that ran before it.
-Two differences: a module whose inputs need no grad (the first layer) gets its post-backward too,
-and one that ran in the forward but none of whose parameters gets a gradient (its output unused by
-the loss) does not; the end of the step releases those.
+belongs to no other module (no tied weights, no external parameters), requires grad, and it is
+not a leaf module; any other module keeps `_PostBackward`. The order of events is the same as with
+`_PostBackward` on its inputs: the engine's ready queue takes AccumulateGrad nodes first, so the
+last gradient of a module lands before the backward of the module that ran before it. Two
+differences: a module whose inputs need no grad (the first layer) gets its post-backward too, and
+one of whose parameters gets no gradient in a backward (an output unused by the loss) does not;
+the end of the step releases those.
 
 [Note: activation checkpointing and the end of a step]
 ``zero3.checkpointing.checkpoint`` runs its function twice: under ``no_grad`` in the forward, and
