@@ -123,14 +123,19 @@ def _mse(m: nn.Module, batch: tuple) -> torch.Tensor:
     return (m(batch[0]) - batch[1]).pow(2).mean()
 
 
+def _trained(make, seed: int, zcfg: dict) -> tuple[nn.Module, zero3.Engine, list[tuple]]:
+    """A model from ``make`` trained 3 steps under zero3 beside an identical plain copy (`_train_both`)."""
+    torch.manual_seed(0)
+    ref = make()
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(seed)
+    batches = [(torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)) for _ in range(3)]
+    return model, _train_both(ref, model, zcfg, batches, _mse), batches
+
+
 @pytest.mark.parametrize("zcfg", [NO_PERSIST, ON_DEMAND], ids=["prefetch", "on_demand"])
 def test_a_module_called_twice_closes_both_calls_and_trains_like_plain_torch(zcfg) -> None:
-    torch.manual_seed(0)
-    ref = _Twice()
-    model = copy.deepcopy(ref)
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)) for _ in range(3)]
-    engine = _train_both(ref, model, zcfg, batches, _mse)
+    model, engine, batches = _trained(_Twice, 1, zcfg)
     assert _by_grads(engine)["shared"] is True
     closed = []
     real = engine.hooks._post_backward
@@ -143,12 +148,7 @@ def test_a_module_called_twice_closes_both_calls_and_trains_like_plain_torch(zcf
 
 @pytest.mark.parametrize("zcfg", [NO_PERSIST, ON_DEMAND], ids=["prefetch", "on_demand"])
 def test_a_module_with_a_frozen_parameter_keeps_the_input_wrapper_and_trains_like_plain_torch(zcfg) -> None:
-    torch.manual_seed(0)
-    ref = _Frozen()
-    model = copy.deepcopy(ref)
-    g = torch.Generator().manual_seed(2)
-    batches = [(torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)) for _ in range(3)]
-    engine = _train_both(ref, model, zcfg, batches, _mse)
+    model, engine, batches = _trained(_Frozen, 2, zcfg)
     assert _by_grads(engine) == {"a": True, "b": True}  # the record qualifies; each call checks requires_grad
     calls = []
     real = engine.hooks._wrap_inputs
@@ -196,11 +196,6 @@ class _Peek(nn.Module):
 
 @pytest.mark.parametrize("zcfg", [NO_PERSIST, ON_DEMAND], ids=["prefetch", "on_demand"])
 def test_a_parameter_found_mid_forward_falls_back_and_trains_like_plain_torch(zcfg) -> None:
-    torch.manual_seed(0)
-    ref = _Peek()
-    model = copy.deepcopy(ref)
-    g = torch.Generator().manual_seed(3)
-    batches = [(torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)) for _ in range(3)]
-    engine = _train_both(ref, model, zcfg, batches, _mse)
+    _, engine, _ = _trained(_Peek, 3, zcfg)
     assert _by_grads(engine)[""] is False  # the root now gathers lin.weight too: wrapped from then on
     assert _by_grads(engine)["lin"] is True
