@@ -70,6 +70,7 @@ class ZeroParam:
     secondary: Any = None  # hpZ: a `Secondary` (comm/secondary.py), this rank's slice kept from a forward gather (runtime/hpz.py)
     ctx: Any = None  # the RuntimeContext that owns the parameter (runtime/context.py imports this module)
     flat: torch.Tensor | None = None  # a flat view of the full data, kept across resizes (`alloc_full`)
+    flat_storage: Any = None  # the storage ``flat`` views (an UntypedStorage), resized by gathers and releases
     numel: int = field(init=False)  # full, unpadded; read on every fetch and release, so stored
     shard_numel: int = field(init=False)  # padded; the same on every rank and for every shard dtype
     residence: Residence = field(init=False)  # where the shard's bytes are
@@ -296,7 +297,8 @@ def alloc_full(p: ZeroParameter) -> torch.Tensor:
     flat = z.flat
     if flat is None:
         flat = z.flat = raw_data(p).view(-1)
-    flat.untyped_storage().resize_(z.numel * flat.element_size())
+        z.flat_storage = flat.untyped_storage()
+    z.flat_storage.resize_(z.numel * flat.element_size())
     return flat
 
 
@@ -313,7 +315,7 @@ def release(p: ZeroParameter) -> None:
     z.set_status(ParamStatus.NOT_AVAILABLE)
     # AVAILABLE, so still a plain `ZeroParameter`: its own storage is its data's, no guard to pass
     storage = p.untyped_storage()
-    if z.flat is not None and z.flat.untyped_storage().data_ptr() != storage.data_ptr():
+    if z.flat is not None and z.flat_storage._cdata != storage._cdata:
         z.flat = None  # its data was replaced while gathered (``p.data = t``): view the new one next time
     storage.resize_(0)
     p.__class__ = PartitionedParameter

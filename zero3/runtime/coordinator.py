@@ -539,4 +539,6 @@ def _pin(kind: EventKind, params: Sequence[ZeroParameter]) -> None:
             p._zero.active_backward += 1
     else:
         for p in params:
-            p._zero.active_backward = max(0, p._zero.active_backward - 1)
+            z = p._zero
+            if z.active_backward > 0:
+                z.active_backward -= 1
