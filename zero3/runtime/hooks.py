@@ -240,18 +240,13 @@ class ModuleHooks:
             pd.owner = m
             pd.hooks = self
             m._parameters = pd
-        owners: dict[int, list[_ModuleRecord]] = {}
-        for rec in self._records.values():
-            if rec.leaf is None:
-                for p in dict.values(rec.module._parameters):
-                    if p is not None:
-                        owners.setdefault(id(p), []).append(rec)
-        for m in model.modules():  # a parameter shared with a module that has no hooks is not exclusive
-            if id(m) not in self._records:
-                for p in dict.values(m._parameters):
-                    if p is not None and id(p) in owners:
-                        owners[id(p)].append(None)  # type: ignore[arg-type]
-        self._owner = {pid: recs[0] for pid, recs in owners.items() if len(recs) == 1}
+        holders: dict[int, int] = {}  # id(param) -> how many modules hold it as their own (hooked or not)
+        for m in model.modules():
+            for p in dict.values(m._parameters):
+                if p is not None:
+                    holders[id(p)] = holders.get(id(p), 0) + 1
+        self._owner = {id(p): rec for rec in self._records.values() if rec.leaf is None
+                       for p in dict.values(rec.module._parameters) if p is not None and holders[id(p)] == 1}
         seen: set[int] = set()
         for p in model.parameters():
             if id(p) in seen or not p.requires_grad:
