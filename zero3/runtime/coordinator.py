@@ -424,8 +424,7 @@ class ParamCoordinator:
         for p in params:
             z = p._zero
             status = z.status
-            if status is ParamStatus.NOT_AVAILABLE or z.persistent or z.active_forward > 0 \
-                    or z.active_backward > 0 or z.user_pins > 0:  # `ZeroParam.pinned`, inline: the hook path
+            if status is ParamStatus.NOT_AVAILABLE or z.pinned:
                 continue
             if status is ParamStatus.INFLIGHT:
                 self._wait(z.handle)

@@ -125,8 +125,7 @@ class GradientReducer:
     def _accumulate(self, p: ZeroParameter, piece: torch.Tensor) -> None:
         """Add ``piece`` (this rank's averaged gradient slice, or at world size 1 the gradient) into
         the gradient of ``p``'s train tensor; the first one of a step is kept without a copy."""
-        z = p._zero
-        target = z.master if z.master is not None else z.shard  # `ZeroParam.train_tensor`, inline: once per gradient
+        target = p._zero.train_tensor
         if self.accumulation_steps > 1:  # in the precision the gradient accumulates in
             piece = piece.to(dtype=target.dtype) / self.accumulation_steps
         if target.grad is None:

@@ -208,7 +208,7 @@ class ModuleHooks:
         self._leaves: list[_Leaf] = []
         self._leaf_of: dict[int, _Leaf] = {}  # id(param) -> the leaf it belongs to
         self._owner: dict[int, _ModuleRecord] = {}  # id(param) -> the one hooked module that owns it
-        self._awaiting: list[_ModuleRecord] = []  # records with calls waiting for their gradients
+        self._awaiting: set[_ModuleRecord] = set()  # records with calls waiting for their gradients
         self._forward_t0 = 0.0  # when the running root forward began
 
     # -- install / remove -----------------------------------------------------------------------
@@ -334,8 +334,7 @@ class ModuleHooks:
             self.step.enter(StepPhase.FORWARD)
         if rec.leaf is not None and self.step.phase is StepPhase.FORWARD:
             rec.leaf.calls += 1
-        params = rec.params if rec.key == (len(rec.module._parameters), len(rec.module.__dict__.get(
-            "_external_params", ()))) else self._params_of(rec)  # the cache, checked inline: every call
+        params = self._params_of(rec)
         call = _Call(rec, list(params), rec.ids, CallState.OPEN if params else CallState.JOINED)
         self.stack.append(call)
         if params:
@@ -443,9 +442,7 @@ class ModuleHooks:
             call.state = CallState.BACKWARD_OPEN
             if call.by_grads:
                 rec = call.record
-                if not rec.awaiting:
-                    rec.arrived.clear()
-                    self._awaiting.append(rec)
+                self._awaiting.add(rec)
                 rec.awaiting.append(call)
             self.coordinator.event(EventKind.PRE_BACKWARD, call.record.name, call.params, call.ids)
         return None
@@ -467,7 +464,7 @@ class ModuleHooks:
         calls = list(rec.awaiting)
         rec.awaiting.clear()
         rec.arrived.clear()
-        self._awaiting.remove(rec)
+        self._awaiting.discard(rec)
         for call in calls:
             self._post_backward(call)
 
@@ -485,15 +482,12 @@ class ModuleHooks:
     def _on_grad(self, p: torch.Tensor) -> None:
         if self.step.phase is not StepPhase.BACKWARD:
             self.step.enter(StepPhase.BACKWARD)
-        if torch._C._current_graph_task_id() not in self._queued_tasks:  # once per parameter: checked inline
-            self._ensure_final_callback()
+        self._ensure_final_callback()
         grad = p.grad
         p.grad = None
         if grad is not None:
             leaf = self._leaf_of.get(id(p)) if self._leaf_of else None
-            if leaf is None:
-                self.reducer.add(p, grad)  # type: ignore[arg-type]
-            elif leaf.flushed:  # a gradient after its unit was reduced (not expected): reduce it alone
+            if leaf is None or leaf.flushed:  # flushed: a gradient after its unit was reduced (not expected)
                 self.reducer.add(p, grad)  # type: ignore[arg-type]
             else:
                 leaf.grads[id(p)] = grad
