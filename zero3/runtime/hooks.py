@@ -154,6 +154,15 @@ class _Leaf:
     flushed: bool = False
 
 
+# The members the hook path tests, as module globals: on Python 3.11 reading a member through its
+# class costs about 50 ns and a global about 5; a module call reads some 25 of them.
+_IDLE, _FORWARD, _BACKWARD = StepPhase.IDLE, StepPhase.FORWARD, StepPhase.BACKWARD
+_OPEN, _JOINED, _FORWARD_DONE = CallState.OPEN, CallState.JOINED, CallState.FORWARD_DONE
+_BACKWARD_OPEN, _BACKWARD_DONE = CallState.BACKWARD_OPEN, CallState.BACKWARD_DONE
+_PRE_FORWARD, _POST_FORWARD = EventKind.PRE_FORWARD, EventKind.POST_FORWARD
+_PRE_BACKWARD, _POST_BACKWARD = EventKind.PRE_BACKWARD, EventKind.POST_BACKWARD
+
+
 @dataclass(eq=False, slots=True)
 class _Call:
     """One forward call of a module; carries what its backward must gather and release."""
@@ -327,18 +336,18 @@ class ModuleHooks:
     def _pre_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if rec.module is self.root and not self.stack:
             self._forward_t0 = time.perf_counter()
-        if self.step.phase is StepPhase.IDLE:
+        if self.step.phase is _IDLE:
             # once per step, not per module; a backward adds into the gradient shards
             self.ctx.require_states(f"a forward of {rec.name or 'the model'}",
                                     ("lp_params", "lp_grads") if torch.is_grad_enabled() else ("lp_params",))
-            self.step.enter(StepPhase.FORWARD)
-        if rec.leaf is not None and self.step.phase is StepPhase.FORWARD:
+            self.step.enter(_FORWARD)
+        if rec.leaf is not None and self.step.phase is _FORWARD:
             rec.leaf.calls += 1
         params = self._params_of(rec)
-        call = _Call(rec, list(params), rec.ids, CallState.OPEN if params else CallState.JOINED)
+        call = _Call(rec, list(params), rec.ids, _OPEN if params else _JOINED)
         self.stack.append(call)
         if params:
-            self.coordinator.event(EventKind.PRE_FORWARD, rec.name, params, rec.ids)
+            self.coordinator.event(_PRE_FORWARD, rec.name, params, rec.ids)
             if torch.is_grad_enabled():
                 if rec.by_grads:
                     for p in params:
@@ -372,7 +381,7 @@ class ModuleHooks:
         return pytree.tree_unflatten(flat, spec)
 
     def _post_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if output is None and rec.module is self.root and self.step.phase is not StepPhase.IDLE:
+        if output is None and rec.module is self.root and self.step.phase is not _IDLE:
             exc = sys.exc_info()[1]
             if exc is not None:  # always_call runs us while the root's forward raises: abort the step
                 self.step.abort(exc, "forward")
@@ -384,17 +393,14 @@ class ModuleHooks:
             self.ctx.metrics.forward_seconds += time.perf_counter() - self._forward_t0
         grad = torch.is_grad_enabled()
         if call.params:
-            if call.state is CallState.OPEN:
-                self.coordinator.event(EventKind.POST_FORWARD, rec.name, call.params, call.ids)
+            if call.state is _OPEN:
+                self.coordinator.event(_POST_FORWARD, rec.name, call.params, call.ids)
             else:  # JOINED: only auto-detected external params, pinned mid-forward
                 self.coordinator.leave_visit(call.params)
-            call.state = CallState.FORWARD_DONE
+            call.state = _FORWARD_DONE
             if grad:
-                hook = functools.partial(self._pre_backward, call)
-                for t in (output,) if type(output) is torch.Tensor else pytree.tree_leaves(output):
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(hook)
-        if not grad and rec.module is self.root and not self.stack and self.step.phase is StepPhase.FORWARD \
+                _on_backward_entry(output, functools.partial(self._pre_backward, call))
+        if not grad and rec.module is self.root and not self.stack and self.step.phase is _FORWARD \
                 and not _CHECKPOINT_FORWARD.get():
             self.step.end()  # an inference forward is a whole step
         return None
@@ -434,23 +440,23 @@ class ModuleHooks:
             self.coordinator.fetch([p])
 
     # -- backward -------------------------------------------------------------------------------
-    def _pre_backward(self, call: _Call, grad: torch.Tensor) -> None:
-        if self.step.phase is not StepPhase.BACKWARD:  # the hook path: no call when nothing changes
-            self.step.enter(StepPhase.BACKWARD)
+    def _pre_backward(self, call: _Call, grads: Any) -> None:
+        if self.step.phase is not _BACKWARD:  # the hook path: no call when nothing changes
+            self.step.enter(_BACKWARD)
         self._ensure_final_callback()
-        if call.state is CallState.FORWARD_DONE:
-            call.state = CallState.BACKWARD_OPEN
+        if call.state is _FORWARD_DONE:
+            call.state = _BACKWARD_OPEN
             if call.by_grads:
                 rec = call.record
                 self._awaiting.add(rec)
                 rec.awaiting.append(call)
-            self.coordinator.event(EventKind.PRE_BACKWARD, call.record.name, call.params, call.ids)
+            self.coordinator.event(_PRE_BACKWARD, call.record.name, call.params, call.ids)
         return None
 
     def _post_backward(self, call: _Call) -> None:
-        if call.state is CallState.BACKWARD_OPEN and self.step.phase is StepPhase.BACKWARD:
-            call.state = CallState.BACKWARD_DONE
-            self.coordinator.event(EventKind.POST_BACKWARD, call.record.name, call.params, call.ids)
+        if call.state is _BACKWARD_OPEN and self.step.phase is _BACKWARD:
+            call.state = _BACKWARD_DONE
+            self.coordinator.event(_POST_BACKWARD, call.record.name, call.params, call.ids)
             leaf = call.record.leaf
             if leaf is not None and leaf.calls == 1:
                 # Its only call's backward is done, so its parameters' gradients are accumulated (autograd
@@ -480,8 +486,8 @@ class ModuleHooks:
                 self._flush_leaf(leaf)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if self.step.phase is not StepPhase.BACKWARD:
-            self.step.enter(StepPhase.BACKWARD)
+        if self.step.phase is not _BACKWARD:
+            self.step.enter(_BACKWARD)
         self._ensure_final_callback()
         grad = p.grad
         p.grad = None
@@ -510,12 +516,31 @@ class ModuleHooks:
             return  # a callback of a backward from before the last end of step
         self._queued_tasks.discard(task)
         deferred = _NESTED_BACKWARD.get()
-        if not self._queued_tasks and self.step.phase is StepPhase.BACKWARD and deferred is None:
+        if not self._queued_tasks and self.step.phase is _BACKWARD and deferred is None:
             self.step.end()
         else:
             self.reducer.finish()  # this graph task's gradient shards are complete
             if deferred is not None and not self._queued_tasks and self not in deferred:
                 deferred.append(self)  # the enclosing backward ends the step
+
+
+def _on_backward_entry(output: Any, hook: Any) -> None:
+    """Call ``hook`` when a gradient first reaches the backward of ``output`` (its tensors that need one).
+
+    A tensor made by an autograd node gets a pre-hook on that node: it fires at the same point as a
+    tensor hook (before the node, and for the value before any later in-place change: the in-place
+    op is a node of its own), and costs about 60% of `Tensor.register_hook` (no handle dict per
+    tensor). Outputs of one multi-output node share one hook. A leaf output has no node: it gets a
+    tensor hook."""
+    nodes: list[Any] = []
+    for t in (output,) if type(output) is torch.Tensor else pytree.tree_leaves(output):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            node = t.grad_fn
+            if node is None:
+                t.register_hook(hook)
+            elif not any(n is node for n in nodes):
+                nodes.append(node)
+                node.register_prehook(hook)
 
 
 def _on_grad_weak(ref: "weakref.ref[ModuleHooks]", p: torch.Tensor) -> None:
