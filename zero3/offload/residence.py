@@ -50,7 +50,7 @@ class ShardStore:
         where = residence_of(new)
         check_move(z.summary(), z.residence, where)
         z.shard = new
-        z.dtype = new.dtype
+        z.retype(new.dtype)
         z.residence = where
 
     def cast(self, p: ZeroParameter, dtype: torch.dtype) -> None:

@@ -33,6 +33,9 @@ from . import sharding
 from ..errors import ZeroStateError
 from .state import LEGAL_STATUS_CHANGES, MEMORY, ParamStatus, Residence, check_transition
 
+# Read three times per gather and release: a module global costs a tenth of a member read through its class.
+_NOT_AVAILABLE, _INFLIGHT, _AVAILABLE = ParamStatus.NOT_AVAILABLE, ParamStatus.INFLIGHT, ParamStatus.AVAILABLE
+
 _ids = itertools.count()
 
 ConstructionHandler = Callable[[Any, Callable, tuple, dict], tuple[bool, Any]]
@@ -74,15 +77,18 @@ class ZeroParam:
     numel: int = field(init=False)  # full, unpadded; read on every fetch and release, so stored
     shard_numel: int = field(init=False)  # padded; the same on every rank and for every shard dtype
     residence: Residence = field(init=False)  # where the shard's bytes are
+    nbytes: int = field(init=False)  # of the full data in `dtype`; read on every gather and release, so stored
 
     def __post_init__(self) -> None:
         self.numel = self.shape.numel()
         self.shard_numel = self.shard.numel()
         self.residence = residence_of(self.shard)
+        self.nbytes = self.numel * self.dtype.itemsize
 
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize  # `dtype` follows the shard (`ShardStore.rebind`)
+    def retype(self, dtype: torch.dtype) -> None:
+        """``dtype`` follows the shard (its one writer is `ShardStore.rebind`); ``nbytes`` follows it."""
+        self.dtype = dtype
+        self.nbytes = self.numel * dtype.itemsize
 
     @property
     def pinned(self) -> bool:
@@ -283,7 +289,7 @@ def begin_gather(p: ZeroParameter, handle: Any) -> None:
     if p._zero.residence not in MEMORY:
         raise ZeroStateError(f"{p._zero.summary()}: gathered while its shard is {p._zero.residence.name}, "
                              "not in memory")
-    p._zero.set_status(ParamStatus.INFLIGHT)
+    p._zero.set_status(_INFLIGHT)
     p._zero.handle = handle
 
 
@@ -304,7 +310,7 @@ def alloc_full(p: ZeroParameter) -> torch.Tensor:
 
 def finish_gather(p: ZeroParameter) -> None:
     """INFLIGHT -> AVAILABLE: the full data is in ``p.data``; computing with ``p`` is allowed."""
-    p._zero.set_status(ParamStatus.AVAILABLE)
+    p._zero.set_status(_AVAILABLE)
     p._zero.handle = None
     p.__class__ = ZeroParameter
 
@@ -312,7 +318,7 @@ def finish_gather(p: ZeroParameter) -> None:
 def release(p: ZeroParameter) -> None:
     """AVAILABLE -> NOT_AVAILABLE: resize the storage to 0 bytes; computing with ``p`` raises again."""
     z = p._zero
-    z.set_status(ParamStatus.NOT_AVAILABLE)
+    z.set_status(_NOT_AVAILABLE)
     # AVAILABLE, so still a plain `ZeroParameter`: its own storage is its data's, no guard to pass
     storage = p.untyped_storage()
     if z.flat is not None and z.flat_storage._cdata != storage._cdata:

@@ -56,8 +56,10 @@ from .read_ahead import ReadAhead
 logger = logging.getLogger(__name__)
 
 _PRE = (EventKind.PRE_FORWARD, EventKind.PRE_BACKWARD)
-# read on every hook event (`_pin`): a module global costs a tenth of a member read through its class
+# Members read on every hook event and per parameter in fetch and release: a module global costs a
+# tenth of a member read through its class (Python 3.11).
 _PRE_FORWARD, _POST_FORWARD, _PRE_BACKWARD = EventKind.PRE_FORWARD, EventKind.POST_FORWARD, EventKind.PRE_BACKWARD
+_NOT_AVAILABLE, _INFLIGHT = ParamStatus.NOT_AVAILABLE, ParamStatus.INFLIGHT
 
 
 def plan_config(config: ZeroConfig) -> PlanConfig:
@@ -330,10 +332,10 @@ class ParamCoordinator:
         for p in params:
             z = p._zero
             status = z.status
-            if status is ParamStatus.NOT_AVAILABLE:
+            if status is _NOT_AVAILABLE:
                 if not any(q is p for q in missing):
                     missing.append(p)
-            elif status is ParamStatus.INFLIGHT:
+            elif status is _INFLIGHT:
                 if z.handle not in waiting:
                     waiting.append(z.handle)
             if z.prefetched:
@@ -349,7 +351,7 @@ class ParamCoordinator:
 
     def prefetch(self, params: Sequence[ZeroParameter]) -> None:
         """Issue one all-gather for ``params`` ahead of use; it is waited when they are needed."""
-        todo = [p for p in params if p._zero.status is ParamStatus.NOT_AVAILABLE and not p._zero.persistent]
+        todo = [p for p in params if p._zero.status is _NOT_AVAILABLE and not p._zero.persistent]
         if not todo:
             return
         for p in todo:
@@ -426,9 +428,9 @@ class ParamCoordinator:
         for p in params:
             z = p._zero
             status = z.status
-            if status is ParamStatus.NOT_AVAILABLE or z.pinned:
+            if status is _NOT_AVAILABLE or z.pinned:
                 continue
-            if status is ParamStatus.INFLIGHT:
+            if status is _INFLIGHT:
                 self._wait(z.handle)
             self._free(p)
 
