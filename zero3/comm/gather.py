@@ -34,6 +34,7 @@ from .verify import (
 from .wire import META, PairwiseWork, Wire, all_gather_flat, label, piece
 from .works import (
     ChunkedGather,
+    copy_from_shards,
     DirectGather,
     GatherChunk,
     GatherWork,
@@ -175,10 +176,15 @@ class ParamGatherer:
         self.side = SideStream()
 
     def _count(self, params: Sequence[ZeroParameter]) -> None:
+        numel = nbytes = 0
+        for p in params:
+            z = p._zero
+            numel += z.numel
+            nbytes += z.nbytes
         m = self.metrics
         m.allgather_calls += 1
-        m.allgather_numel += sum(p._zero.numel for p in params)
-        m.allgather_bytes += sum(p._zero.nbytes for p in params)
+        m.allgather_numel += numel
+        m.allgather_bytes += nbytes
 
     def all_gather_params(self, params: Sequence[ZeroParameter], tag: Tag, count: bool,
                           cutter: SecondaryCutter | None, quantize: bool) -> GatherWork:
@@ -201,12 +207,10 @@ class ParamGatherer:
         device = raw_data(params[0]).device
         if device.type == "cuda" and self.overlap:
             with torch.cuda.stream(self.side.enter(device)):
-                for chunk in self._chunks(params):
-                    chunk.copy_out(1)
+                copy_from_shards(params)
                 event = self.side.record()
             return StreamGather(self.ctx, params, tag, event=event)
-        for chunk in self._chunks(params):
-            chunk.copy_out(1)
+        copy_from_shards(params)
         return ReadyGather(self.ctx, params, tag, done=True)
 
     def _chunked(self, params: Sequence[ZeroParameter], tag: Tag, cutter: SecondaryCutter | None) -> GatherWork:

@@ -37,6 +37,14 @@ class WaitContext:
     metrics: StepMetrics
 
 
+def copy_from_shards(params: Sequence[ZeroParameter]) -> None:
+    """World size 1: each parameter's full data is its shard (no padding to cut), copied into its own
+    storage in one batched copy, not one dispatch per parameter; no bucket buffer is needed."""
+    torch._foreach_copy_([alloc_full(p) for p in params],
+                         [p._zero.shard if p._zero.shard_numel == p._zero.numel else p._zero.shard[: p._zero.numel]
+                          for p in params])
+
+
 @dataclass(eq=False)
 class GatherChunk:
     """One all-gather of a bucket of parameters: every rank's row holds its shards, then header room.
@@ -59,12 +67,7 @@ class GatherChunk:
 
     def copy_out(self, world_size: int, keep_header: bool = False) -> None:
         """Copy each parameter's piece of every rank's row into its own storage (one copy each)."""
-        if world_size == 1:  # one batched copy from the shards, not one dispatch per parameter
-            torch._foreach_copy_([alloc_full(p) for p in self.params],  # one rank: no padding, no slice
-                                 [p._zero.shard if p._zero.shard_numel == p._zero.numel else p._zero.shard[: p._zero.numel]
-                                  for p in self.params])
-            return
-        assert self.rows is not None
+        assert self.rows is not None and world_size > 1, "world size 1 copies from the shards (copy_from_shards)"
         for p, off in zip(self.params, self.offsets):
             z = p._zero
             full = alloc_full(p)
