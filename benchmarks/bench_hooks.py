@@ -155,7 +155,7 @@ class FloorHooks:
     """The threshold-0 mechanisms without any bookkeeping, on a plain model: every parameter's data is
     a 0-byte storage between uses and its values live in a separate flat "shard"; a module's forward
     pre-hook refills its parameters' storage from the shards (resize + copy, what a world-size-1
-    gather is); its forward hook puts a tensor hook on the output (where a pre-backward would
+    gather is); its forward hook puts a pre-hook on the output's autograd node (where a pre-backward would
     gather); each parameter's post-accumulate-grad hook hands its gradient to its shard and, once all
     of its module's parameters have theirs, frees them (the post-backward zero3 takes from the
     gradients, hooks.py [Note: post-backward from the gradients]); AdamW steps on the shards. No
@@ -192,7 +192,10 @@ class FloorHooks:
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output):
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(_ignore)
+            if output.grad_fn is not None:  # the cheaper of the two, as zero3's `_on_backward_entry`
+                output.grad_fn.register_prehook(_ignore)
+            else:
+                output.register_hook(_ignore)
         return None
 
     def _on_grad(self, p: torch.Tensor) -> None:

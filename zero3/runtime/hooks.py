@@ -5,8 +5,9 @@
   parameters (own + external) and, when grad is on and its gradients do not close it (below), wrap
   the tensor inputs in `_PostBackward`.
 - forward post-hook: pop the call, release the parameters (unless still used elsewhere) and hook the
-  output tensors: the first gradient that reaches any of them is the module's *pre-backward*, which
-  gathers the parameters again (once per call).
+  output tensors (a pre-hook on each one's autograd node, a tensor hook on a leaf: `_on_backward_entry`):
+  the first gradient that reaches any of them is the module's *pre-backward*, which gathers the
+  parameters again (once per call).
 - a module's *post-backward* releases the call's parameters. Where its parameters tell when its
   backward is done (see [Note: post-backward from the gradients]) that is when the last of them has
   its gradient; otherwise the inputs are wrapped in `_PostBackward`, whose backward runs when the
