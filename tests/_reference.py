@@ -1,9 +1,12 @@
 """Shared test helpers: one training step of a plain reference and of a zero3 engine on the same batch,
-and a copy of an engine's master shards and optimizer state."""
+training both on a list of batches, and a copy of an engine's master shards and optimizer state."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
+from torch import nn
 
 import zero3
 
@@ -29,3 +32,27 @@ def snapshot(engine: zero3.Engine) -> dict[str, torch.Tensor]:
         for k, v in engine.optimizer_state(p).items():
             out[f"{p._zero.name}/{k}"] = v.clone()
     return out
+
+
+def train_both(ref: nn.Module, model: nn.Module, zcfg: dict, batches: list[Any],
+               loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> zero3.Engine:
+    """Train ``ref`` plainly and ``model`` under zero3 (world size 1, AdamW with ``eps=1e-6``) on the
+    same batches: the losses must match at every step, nothing may stay gathered after a step, and
+    the final weights must match."""
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, eps=1e-6)
+    engine = zero3.initialize(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                                       lr=1e-2, eps=1e-6), zcfg)
+    for batch in batches:
+        ref_loss = loss_fn(ref, batch)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        engine.step()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-7)
+        assert engine.coordinator.live_params == []
+    with zero3.GatheredParameters(list(model.parameters())):
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7, msg=name)
+    return engine

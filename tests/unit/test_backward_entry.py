@@ -12,26 +12,9 @@ from torch import nn
 
 import zero3
 
+from _reference import train_both
+
 ON_DEMAND = {"param_persistence_threshold": 0, "prefetch_bucket_size": 0, "max_reuse_distance": 0}
-
-
-def _train_both(ref: nn.Module, model: nn.Module, batches: list[torch.Tensor], loss_fn) -> zero3.Engine:
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
-    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), ON_DEMAND)
-    for x in batches:
-        ref_loss = loss_fn(ref, x)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model, x)
-        loss.backward()
-        engine.step()
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-7)
-        assert engine.coordinator.live_params == []
-    with zero3.GatheredParameters(list(model.parameters())):
-        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7, msg=name)
-    return engine
 
 
 class _Residual(nn.Module):
@@ -54,7 +37,7 @@ def test_outputs_changed_in_place_after_the_module_train_like_torch() -> None:
     ref = nn.Sequential(_Residual(), _Residual(), nn.Linear(8, 1))
     model = copy.deepcopy(ref)
     batches = [torch.randn(4, 8) for _ in range(3)]
-    _train_both(ref, model, batches, lambda m, x: m(x).square().mean())
+    train_both(ref, model, ON_DEMAND, batches, lambda m, x: m(x).square().mean())
 
 
 class _Halves(nn.Module):
@@ -101,7 +84,8 @@ def test_a_multi_output_node_opens_its_module_backward_once() -> None:
     torch.manual_seed(0)
     ref = _UsesOneHalf()
     model = copy.deepcopy(ref)
-    engine = _train_both(ref, model, [torch.randn(4, 8) for _ in range(2)], lambda m, x: m(x).square().mean())
+    batches = [torch.randn(4, 8) for _ in range(2)]
+    engine = train_both(ref, model, ON_DEMAND, batches, lambda m, x: m(x).square().mean())
     x = torch.randn(4, 8)
     fired = _pre_backwards(engine, lambda: (model(x).square().mean().backward(), engine.step()))
     assert fired.count("halves") == 1  # two output tensors, one node, one hook
@@ -133,7 +117,7 @@ def test_a_leaf_output_still_opens_its_module_backward() -> None:
     ref = Net()
     model = copy.deepcopy(ref)
     batches = [torch.randn(4, 8).requires_grad_() for _ in range(2)]
-    engine = _train_both(ref, model, batches, lambda m, x: m(x).square().mean())
+    engine = train_both(ref, model, ON_DEMAND, batches, lambda m, x: m(x).square().mean())
     x = torch.randn(4, 8).requires_grad_()
     fired = _pre_backwards(engine, lambda: (model(x).square().mean().backward(), engine.step()))
     assert fired.count("first") == 1  # its output is its input, a leaf: a tensor hook opens its backward

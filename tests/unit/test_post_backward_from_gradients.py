@@ -14,6 +14,7 @@ from torch import nn
 import zero3
 from zero3 import ParamStatus
 
+from _reference import train_both
 from gpt import GPT, GPTConfig, synthetic_batch
 
 NO_PERSIST = {"param_persistence_threshold": 0}
@@ -22,27 +23,6 @@ ON_DEMAND = {"param_persistence_threshold": 0, "prefetch_bucket_size": 0, "max_r
 
 def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-6)
-
-
-def _train_both(ref: nn.Module, model: nn.Module, zcfg: dict, batches: list[tuple], loss_fn) -> zero3.Engine:
-    """Train ``ref`` plainly and ``model`` under zero3 on the same batches; losses and final weights
-    must match."""
-    ref_opt = _adamw([p for p in ref.parameters() if p.requires_grad])
-    engine = zero3.initialize(model, _adamw([p for p in model.parameters() if p.requires_grad]), zcfg)
-    for batch in batches:
-        ref_loss = loss_fn(ref, batch)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
-        loss.backward()
-        engine.step()
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-7)
-        assert engine.coordinator.live_params == []
-    with zero3.GatheredParameters(list(model.parameters())):
-        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7, msg=name)
-    return engine
 
 
 def _by_grads(engine: zero3.Engine) -> dict[str, bool]:
@@ -124,13 +104,13 @@ def _mse(m: nn.Module, batch: tuple) -> torch.Tensor:
 
 
 def _trained(make, seed: int, zcfg: dict) -> tuple[nn.Module, zero3.Engine, list[tuple]]:
-    """A model from ``make`` trained 3 steps under zero3 beside an identical plain copy (`_train_both`)."""
+    """A model from ``make`` trained 3 steps under zero3 beside an identical plain copy (`train_both`)."""
     torch.manual_seed(0)
     ref = make()
     model = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(seed)
     batches = [(torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)) for _ in range(3)]
-    return model, _train_both(ref, model, zcfg, batches, _mse), batches
+    return model, train_both(ref, model, zcfg, batches, _mse), batches
 
 
 @pytest.mark.parametrize("zcfg", [NO_PERSIST, ON_DEMAND], ids=["prefetch", "on_demand"])
