@@ -442,11 +442,9 @@ class ParamCoordinator:
         zparam.release(p)
         if self._rounded:
             self._rounded.discard(z.id)
-        m = self.metrics
-        if self._live.pop(z.id, None) is not None:  # the gauge only goes down here: its peak stays
-            m.live_numel -= z.numel
-            m.live_bytes -= z.nbytes
-        m.releases += 1
+        if self._live.pop(z.id, None) is not None:
+            self.metrics.add_live(-z.numel, -z.nbytes)
+        self.metrics.releases += 1
 
     def _make_room(self, incoming: Sequence[ZeroParameter]) -> None:
         """Hard live budget: before a gather, release unpinned live params in `eviction_order`."""

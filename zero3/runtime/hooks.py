@@ -410,11 +410,11 @@ class ModuleHooks:
         stack = self.stack
         if stack and stack[-1].record is rec:  # the usual case: the innermost call returns
             return stack.pop()
-        for i in range(len(self.stack) - 1, -1, -1):
-            if self.stack[i].record is rec:
-                call = self.stack.pop(i)
-                if i != len(self.stack):  # an inner call raised and never reached its post-hook
-                    del self.stack[i:]
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i].record is rec:
+                call = stack.pop(i)
+                if i != len(stack):  # an inner call raised and never reached its post-hook
+                    del stack[i:]
                 return call
         return None
 
