@@ -31,7 +31,7 @@ from torch import nn
 
 from . import sharding
 from ..errors import ZeroStateError
-from .state import LEGAL_STATUS_CHANGES, MEMORY, ParamStatus, Residence, check_transition
+from .state import LEGAL_NEXT_STATUS, MEMORY, ParamStatus, Residence, check_transition
 
 # Read three times per gather and release: a module global costs a tenth of a member read through its class.
 _NOT_AVAILABLE, _INFLIGHT, _AVAILABLE = ParamStatus.NOT_AVAILABLE, ParamStatus.INFLIGHT, ParamStatus.AVAILABLE
@@ -101,7 +101,7 @@ class ZeroParam:
         return self.master if self.master is not None else self.shard
 
     def set_status(self, new: ParamStatus) -> None:
-        if (self.status, new) not in LEGAL_STATUS_CHANGES:  # the table, checked inline: 3 changes per gather
+        if new not in LEGAL_NEXT_STATUS[self.status]:  # the table, checked inline: 3 changes per gather
             check_transition(self.name, self.status, new)  # raises, naming the parameter
         self.status = new
 

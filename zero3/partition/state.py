@@ -35,8 +35,15 @@ LEGAL_STATUS_CHANGES = frozenset({
 })
 
 
+# The same table by the status changed from: what `ZeroParam.set_status` looks up on every change,
+# without building an (old, new) tuple (three changes per gather; tuples feed the cyclic GC).
+LEGAL_NEXT_STATUS: dict[ParamStatus, frozenset[ParamStatus]] = {
+    old: frozenset(new for o, new in LEGAL_STATUS_CHANGES if o is old) for old in ParamStatus
+}
+
+
 def check_transition(name: str, old: ParamStatus, new: ParamStatus) -> None:
-    if (old, new) not in LEGAL_STATUS_CHANGES:
+    if new not in LEGAL_NEXT_STATUS[old]:
         raise ZeroStateError(f"parameter {name!r}: illegal status change {old.name} -> {new.name}")
 
 

@@ -104,7 +104,9 @@ class ParamCoordinator:
         self.persistent: list[ZeroParameter] = []
         self.register(params)
         self.steps = StepTraces(config.budget.max_traces)  # what the running step recorded and follows
-        self._event: tuple[EventKind, str] | None = None  # the event a gather serves (for its tag)
+        # The event a gather serves (for its tag), as two fields: a tuple per event would feed the GC.
+        self._event_kind: EventKind | None = None
+        self._event_module = ""
         self._generation: GenerationPrefetch | None = None  # generation mode (`begin_generation`)
         self.budget: MemoryBudget | None = None  # memory_budget (`use_budget`)
 
@@ -215,7 +217,7 @@ class ParamCoordinator:
             ids = tuple(sorted({p._zero.id for p in params}))
         following = self.steps.following  # before `observe`, which drops it when the step leaves it
         i = self.steps.observe(kind, module, ids, self.metrics.step)
-        self._event = (kind, module)
+        self._event_kind, self._event_module = kind, module
         _pin(kind, params)
         if following is not None and i is not None:  # the schedule's action at this event
             action = following.schedule.actions[i]
@@ -327,20 +329,28 @@ class ParamCoordinator:
         """Make every param AVAILABLE: wait in-flight gathers, gather the rest in one collective.
         ``training``: forward and backward's fetch, quantized under qwZ; else exact ([Note: exact
         and quantized gathers])."""
-        missing: list[ZeroParameter] = []
-        waiting: list[_Inflight] = []
+        missing: list[ZeroParameter] | None = None  # built only when needed: most fetches find all gathered
+        waiting: list[_Inflight] | None = None
         for p in params:
             z = p._zero
             status = z.status
             if status is _NOT_AVAILABLE:
-                if not any(q is p for q in missing):
+                if missing is None:
+                    missing = [p]
+                elif not any(q is p for q in missing):
                     missing.append(p)
             elif status is _INFLIGHT:
-                if z.handle not in waiting:
+                if waiting is None:
+                    waiting = [z.handle]
+                elif z.handle not in waiting:
                     waiting.append(z.handle)
             if z.prefetched:
                 z.prefetched = False
                 self.metrics.prefetch_hits += 1
+        if missing is None and waiting is None:
+            return
+        if waiting is None:
+            waiting = []
         if missing:
             self._make_room(missing)
             self._add_live(missing)
@@ -362,7 +372,8 @@ class ParamCoordinator:
 
     def _tag(self, params: Sequence[ZeroParameter], label: str | None = None) -> Tag:
         if label is None:
-            label = "" if self._event is None else f"{self._event[0].value} {self._event[1] or '<root>'}"
+            kind = self._event_kind
+            label = "" if kind is None else f"{kind.value} {self._event_module or '<root>'}"
         return Tag(Kind.PARAM_GATHER, label, tuple(p._zero.id for p in params))
 
     def _add_live(self, params: Sequence[ZeroParameter]) -> None:

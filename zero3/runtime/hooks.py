@@ -166,13 +166,22 @@ _PRE_BACKWARD, _POST_BACKWARD = EventKind.PRE_BACKWARD, EventKind.POST_BACKWARD
 
 @dataclass(eq=False, slots=True)
 class _Call:
-    """One forward call of a module; carries what its backward must gather and release."""
+    """One forward call of a module; carries what its backward must gather and release.
 
+    A call is also the hook that opens its backward (`ModuleHooks._pre_backward`): one object per
+    module call where a ``functools.partial`` of a bound method makes three (partial, method, args
+    tuple). They live from forward to backward, so they count toward the cyclic GC's threshold,
+    which they pushed over once per step at threshold 0 (78 modules)."""
+
+    hooks: ModuleHooks
     record: _ModuleRecord
     params: list[ZeroParameter]
     ids: tuple[int, ...] | None = None  # sorted ids of params; None: recompute (params changed)
     state: CallState = CallState.OPEN
     by_grads: bool = False  # its post-backward comes from its parameters' gradients, not `_PostBackward`
+
+    def __call__(self, grads: Any) -> None:
+        self.hooks._pre_backward(self, grads)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -345,7 +354,7 @@ class ModuleHooks:
         if rec.leaf is not None and self.step.phase is _FORWARD:
             rec.leaf.calls += 1
         params = self._params_of(rec)
-        call = _Call(rec, list(params), rec.ids, _OPEN if params else _JOINED)
+        call = _Call(self, rec, params, rec.ids, _OPEN if params else _JOINED)  # the record's list, copied on change
         self.stack.append(call)
         if params:
             self.coordinator.event(_PRE_FORWARD, rec.name, params, rec.ids)
@@ -400,7 +409,7 @@ class ModuleHooks:
                 self.coordinator.leave_visit(call.params)
             call.state = _FORWARD_DONE
             if grad:
-                _on_backward_entry(output, functools.partial(self._pre_backward, call))
+                _on_backward_entry(output, call)
         if not grad and rec.module is self.root and not self.stack and self.step.phase is _FORWARD \
                 and not _CHECKPOINT_FORWARD.get():
             self.step.end()  # an inference forward is a whole step
@@ -429,7 +438,7 @@ class ModuleHooks:
             # wrapped in `_PostBackward` (the record's cache sees the external parameter).
             call.by_grads = False
             register_external_parameter(call.record.module, p)
-            call.params.append(p)
+            call.params = [*call.params, p]  # the record's list stays as it is
             call.ids = None
             key = (id(call.record.module), p._zero.id)
             if key not in self._announced:
@@ -533,8 +542,16 @@ def _on_backward_entry(output: Any, hook: Any) -> None:
     op is a node of its own), and costs about 60% of `Tensor.register_hook` (no handle dict per
     tensor). Outputs of one multi-output node share one hook. A leaf output has no node: it gets a
     tensor hook."""
+    if type(output) is torch.Tensor:  # the common case: one tensor, one hook, nothing built
+        if output.requires_grad:
+            node = output.grad_fn
+            if node is None:
+                output.register_hook(hook)
+            else:
+                node.register_prehook(hook)
+        return
     nodes: list[Any] = []
-    for t in (output,) if type(output) is torch.Tensor else pytree.tree_leaves(output):
+    for t in pytree.tree_leaves(output):
         if isinstance(t, torch.Tensor) and t.requires_grad:
             node = t.grad_fn
             if node is None:
