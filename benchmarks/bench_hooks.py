@@ -25,6 +25,8 @@ With ``--floor``, one more row on the models that are a plain chain of modules (
 Sequential): what torch itself charges for the mechanisms a ZeRO-3 at threshold 0 rests on, with
 no zero3 code (`FloorHooks`). It is the lower bound of the "threshold 0" row for any design built
 on these hooks.
+"GC runs/step" counts the collections of Python's cyclic GC that started during a variant's timed
+steps: objects a step keeps alive from forward to backward count toward its threshold (700).
 Figures are printed, never asserted.
 """
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib
 import os
 import platform
@@ -217,6 +220,17 @@ def _ignore(grad: torch.Tensor) -> None:
     return None
 
 
+_GC_RUNS = [0]  # collections of Python's cyclic GC, counted by the callback below (any generation)
+
+
+def _count_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _GC_RUNS[0] += 1
+
+
+gc.callbacks.append(_count_gc)
+
+
 class Runner:
     def __init__(self, name: str, case: Case, zero_cfg: dict | None, lr: float, lib: ModuleType = zero3,
                  floor: bool = False) -> None:
@@ -229,10 +243,12 @@ class Runner:
         self.engine = lib.initialize(model, opt, zero_cfg) if zero_cfg is not None else None
         self.model, self.opt = model, opt
         self.times: list[float] = []
+        self.gc_runs = 0  # cyclic GC collections that started during its recorded steps
         self.phases: list[tuple[float, float, float]] = []
         self.loss = float("nan")
 
     def step(self, record: bool) -> None:
+        collections = _GC_RUNS[0]
         t0 = clock()
         loss = self.case.loss(self.model, self.data)
         t1 = clock()
@@ -248,6 +264,7 @@ class Runner:
         if record:
             self.times.append(t3 - t0)
             self.phases.append((t1 - t0, t2 - t1, t3 - t2))
+            self.gc_runs += _GC_RUNS[0] - collections
 
 
 def bench_case(case: Case, args: argparse.Namespace) -> str:
@@ -276,8 +293,8 @@ def bench_case(case: Case, args: argparse.Namespace) -> str:
            f"after {args.warmup} warm-up steps.",
            "",
            "| variant | median step (ms) | vs plain | overhead/step (ms) | overhead per module call (µs) "
-           "| fwd / bwd / optim (ms) | all-gathers/step | loss after last step |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "| fwd / bwd / optim (ms) | all-gathers/step | GC runs/step | loss after last step |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runners:
         med = statistics.median(r.times)
         fwd, bwd, opt = (statistics.median(p[i] for p in r.phases) * 1e3 for i in range(3))
@@ -285,7 +302,7 @@ def bench_case(case: Case, args: argparse.Namespace) -> str:
         per = "—" if r is runners[0] else f"{(med - base) / calls * 1e6:+.1f}"
         gathers = "—" if r.engine is None else str(r.engine.last_step_metrics.allgather_calls)
         out.append(f"| {r.name} | {med * 1e3:.2f} | {med / base:.2f}x | {over} | {per} | "
-                   f"{fwd:.2f} / {bwd:.2f} / {opt:.2f} | {gathers} | {r.loss:.7g} |")
+                   f"{fwd:.2f} / {bwd:.2f} / {opt:.2f} | {gathers} | {r.gc_runs / len(r.times):.2f} | {r.loss:.7g} |")
     return "\n".join(out)
 
 
