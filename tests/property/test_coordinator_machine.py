@@ -19,7 +19,7 @@ from zero3.comm.settings import CommSettings
 from zero3.config import ZeroConfig
 from zero3.runtime.coordinator import ParamCoordinator
 from zero3.metrics import StepMetrics
-from zero3.partition.param import partition
+from zero3.partition.param import PartitionedParameter, ZeroParameter, partition
 from zero3.partition.state import ParamStatus
 from zero3.planning.trace import EventKind
 
@@ -126,6 +126,11 @@ class CoordinatorMachine(RuleBasedStateMachine):
             z = p._zero
             live = z.id in {q._zero.id for q in self.coord.live_params}
             assert live == (z.status is not ParamStatus.NOT_AVAILABLE), z.summary()
+            # The class tells the status (exactly nn.Parameter when gathered), the API answers the record.
+            assert type(p) is (nn.Parameter if z.status is ParamStatus.AVAILABLE else PartitionedParameter), z.summary()
+            assert isinstance(p, ZeroParameter)
+            assert (p.ds_id, p.ds_status, p.ds_persist, p.ds_numel) == (z.id, z.status, z.persistent, z.numel)
+            assert p.ds_tensor is z.shard
 
 
 CoordinatorMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

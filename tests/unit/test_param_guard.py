@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import copy
 import faulthandler
+import gc
 import math
 import os
+import pickle
 import signal
 import time
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -18,6 +21,7 @@ from torch import nn
 
 import zero3
 from zero3 import ParamStatus, ZeroStateError
+from zero3.partition.param import partition
 
 
 @pytest.fixture
@@ -245,6 +249,57 @@ def test_deepcopy_of_a_partitioned_parameter_raises_naming_it(partitioned):
     model, _, _ = partitioned
     with pytest.raises(ZeroStateError, match=r"cannot deepcopy partitioned parameter 0\.weight"):
         copy.deepcopy(model[0].weight)
+
+
+def test_a_gathered_parameter_is_a_plain_nn_parameter_that_keeps_the_zero3_api(partitioned):
+    """Gathered, the class is exactly nn.Parameter (torch's fast path), and the API still answers."""
+    model, _, original = partitioned
+    w = model[0].weight
+    with zero3.GatheredParameters([w]):
+        assert type(w) is nn.Parameter
+        assert isinstance(w, zero3.ZeroParameter) and zero3.is_partitioned(w)
+        assert w.ds_status is ParamStatus.AVAILABLE
+        assert (w.ds_shape, w.ds_numel, w.ds_persist) == (torch.Size([5, 3]), 15, False)
+        assert w.ds_tensor is w._zero.shard
+        assert "0.weight" in w.ds_summary() and "AVAILABLE" in w.ds_summary()
+        assert torch.equal(w, original["0.weight"])
+    assert type(w) is zero3.partition.param.PartitionedParameter
+    assert w.ds_status is ParamStatus.NOT_AVAILABLE
+    assert not isinstance(nn.Parameter(torch.zeros(2)), zero3.ZeroParameter)
+    assert not isinstance(torch.zeros(2), zero3.ZeroParameter)
+
+
+def test_deepspeed_all_gather_then_partition_works_on_the_gathered_parameter(partitioned):
+    """``p.all_gather()`` makes ``p`` a plain nn.Parameter; its ``partition()`` must still be there."""
+    model, _, original = partitioned
+    w = model[0].weight
+    w.all_gather()
+    assert type(w) is nn.Parameter and torch.equal(w, original["0.weight"])
+    w.partition()
+    assert w.ds_status is ParamStatus.NOT_AVAILABLE
+    assert w.untyped_storage().nbytes() == 0
+
+
+def test_copying_or_pickling_a_gathered_parameter_still_raises(partitioned):
+    model, _, _ = partitioned
+    w = model[0].weight
+    with zero3.GatheredParameters([w]):
+        with pytest.raises(ZeroStateError, match=r"cannot deepcopy partitioned parameter 0\.weight"):
+            copy.deepcopy(w)
+        with pytest.raises(ZeroStateError, match=r"cannot pickle partitioned parameter 0\.weight"):
+            pickle.dumps(w)
+
+
+def test_a_dropped_partitioned_parameter_is_freed_without_the_cyclic_gc():
+    """The API kept in its __dict__ holds it weakly: no reference cycle keeps it alive."""
+    p = partition(nn.Parameter(torch.ones(6)), name="p", world_size=1, rank=0, group=None)
+    ref = weakref.ref(p)
+    gc.disable()
+    try:
+        del p
+        assert ref() is None
+    finally:
+        gc.enable()
 
 
 def _run_isolated(body: Callable[[], None], timeout: float = 60.0) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -122,8 +123,28 @@ def residence_of(t: torch.Tensor | torch.UntypedStorage) -> Residence:
     return Residence.PINNED_HOST if torch.cuda.is_initialized() and t.is_pinned() else Residence.HOST
 
 
-class ZeroParameter(nn.Parameter):
-    """A partitioned ``nn.Parameter`` whose full data is currently gathered."""
+class _ZeroParameterType(type(nn.Parameter)):  # type: ignore[misc]
+    """Makes ``isinstance(p, ZeroParameter)`` true of every zero3 parameter, gathered ones included,
+    whose class is exactly ``nn.Parameter`` (see `ZeroParameter`)."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        if type(obj) is nn.Parameter:
+            return cls is ZeroParameter and "_zero" in obj.__dict__
+        return super().__instancecheck__(obj)
+
+
+class ZeroParameter(nn.Parameter, metaclass=_ZeroParameterType):
+    """A parameter zero3 partitioned: the type ``isinstance`` and annotations name, and its API.
+
+    No parameter keeps this class itself. Partitioned, its class is `PartitionedParameter`, whose
+    guard makes computing with it raise. Gathered, its class is exactly ``nn.Parameter``: torch
+    skips the ``__torch_function__`` lookup for that class (and for ``Tensor``) and does it on every
+    call that takes a tensor of any other class, at about 1,500 instructions a lookup; a threshold-0
+    step makes four per parameter (its module's op, reading and clearing ``.grad`` after
+    accumulation, ``untyped_storage()`` at release). A gathered parameter keeps this class's API
+    (the ``ds_*`` attributes, ``all_gather``, ``partition``, the refusals to copy or pickle) through
+    entries in its ``__dict__`` (`_expose_api`, `_refresh_api`), which the properties here shadow
+    while it is partitioned."""
 
     _zero: ZeroParam
 
@@ -309,22 +330,70 @@ def alloc_full(p: ZeroParameter) -> torch.Tensor:
 
 
 def finish_gather(p: ZeroParameter) -> None:
-    """INFLIGHT -> AVAILABLE: the full data is in ``p.data``; computing with ``p`` is allowed."""
-    p._zero.set_status(_AVAILABLE)
-    p._zero.handle = None
-    p.__class__ = ZeroParameter
+    """INFLIGHT -> AVAILABLE: the full data is in ``p.data``; computing with ``p`` is allowed. Its
+    class becomes exactly ``nn.Parameter`` (why: `ZeroParameter`)."""
+    z = p._zero
+    z.set_status(_AVAILABLE)
+    z.handle = None
+    _refresh_api(p)
+    p.__class__ = nn.Parameter
 
 
 def release(p: ZeroParameter) -> None:
     """AVAILABLE -> NOT_AVAILABLE: resize the storage to 0 bytes; computing with ``p`` raises again."""
     z = p._zero
     z.set_status(_NOT_AVAILABLE)
-    # AVAILABLE, so still a plain `ZeroParameter`: its own storage is its data's, no guard to pass
+    # AVAILABLE, so a plain ``nn.Parameter``: its own storage is its data's, no guard to pass
     storage = p.untyped_storage()
     if z.flat is not None and z.flat_storage._cdata != storage._cdata:
         z.flat = None  # its data was replaced while gathered (``p.data = t``): view the new one next time
     storage.resize_(0)
     p.__class__ = PartitionedParameter
+    p.__dict__["ds_tensor"] = None  # shadowed now; holds no shard a later rebind replaces
+
+
+# What a gathered parameter (class ``nn.Parameter``) answers of `ZeroParameter`'s API, from its __dict__.
+_API_METHODS = ("ds_summary", "all_gather", "partition", "__deepcopy__", "__reduce_ex__")
+
+
+class _ParamMethod:
+    """A `ZeroParameter` method kept in a parameter's ``__dict__``. It holds the parameter weakly: a
+    bound method there would be a reference cycle, and a model dropped would wait for the cyclic GC."""
+
+    __slots__ = ("func", "param")
+
+    def __init__(self, func: Callable[..., Any], p: ZeroParameter) -> None:
+        self.func = func
+        self.param = weakref.ref(p)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.func(self.param(), *args, **kwargs)
+
+
+def _expose_api(p: ZeroParameter) -> None:
+    """At partitioning: the parts of the API that never change."""
+    z, d = p._zero, p.__dict__
+    d.update(ds_id=z.id, ds_shape=z.shape, ds_numel=z.numel)
+    for name in _API_METHODS:
+        d[name] = _ParamMethod(getattr(ZeroParameter, name), p)
+    _refresh_api(p)
+
+
+def _refresh_api(p: ZeroParameter) -> None:
+    """At every gather: the parts that can change between gathers (the shard, by `ShardStore.rebind`
+    while partitioned; whether it is persistent), and the status, AVAILABLE: these entries are read
+    only while the parameter is gathered (partitioned, the properties shadow them). Writing one of
+    them on a gathered parameter is not refused (its class is torch's); the next gather rewrites it."""
+    z, d = p._zero, p.__dict__
+    d["ds_tensor"] = z.shard
+    d["ds_persist"] = z.persistent
+    d["ds_status"] = _AVAILABLE
+
+
+def set_persistent(p: ZeroParameter, persistent: bool) -> None:
+    """Mark or unmark ``p`` persistent (the coordinator's choice), gathered or not."""
+    p._zero.persistent = persistent
+    _refresh_api(p)
 
 
 def alias_shard(p: ZeroParameter) -> None:
@@ -383,7 +452,8 @@ def partition(p: nn.Parameter, *, name: str, world_size: int, rank: int, group: 
     placeholder = torch.empty(full.shape, dtype=full.dtype, device=full.device)
     p.data = placeholder
     p._zero = z
-    p.__class__ = ZeroParameter
+    _expose_api(p)  # type: ignore[arg-type]
+    p.__class__ = nn.Parameter  # AVAILABLE: the data is the full tensor until `release`
     release(p)  # type: ignore[arg-type]
     return p  # type: ignore[return-value]
 

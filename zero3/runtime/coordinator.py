@@ -169,7 +169,7 @@ class ParamCoordinator:
                                    self.config.budget.model_persistence_threshold)
         for p, persistent in zip(params, chosen):
             if persistent:
-                p._zero.persistent = True
+                zparam.set_persistent(p, True)
                 self.persistent.append(p)
 
     def gather_persistent(self) -> None:
@@ -194,7 +194,7 @@ class ParamCoordinator:
     def unmark_persistent(self) -> None:
         """Persistent params become ordinary again (hooks removed): release what nothing holds."""
         for p in self.persistent:
-            p._zero.persistent = False
+            zparam.set_persistent(p, False)
             if p._zero.aliased:
                 zparam.unalias_shard(p)
             if p._zero.status is ParamStatus.AVAILABLE and not p._zero.pinned:
