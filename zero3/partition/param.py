@@ -7,11 +7,13 @@ it; releasing resizes it to 0 again. Autograd may have saved views of the weight
 ``F.linear``); because the storage object is kept, those views see the re-gathered data in backward
 and the memory is really freed in between. Code that reads ``param.shape`` (PEFT, HF) sees the truth,
 and the familiar DeepSpeed names (``ds_id``, ``ds_shape``, ``ds_numel``, ``ds_tensor``,
-``ds_status``) are read-only views onto the record, not separate state.
+``ds_status``) read the record: through read-only properties while partitioned, and from entries of
+the parameter's ``__dict__`` that every gather rewrites from the record while gathered.
 
-The parameter's Python class tells its state: `ZeroParameter` while gathered (no overhead: torch
-functions are disabled as for any ``nn.Parameter``), `PartitionedParameter` otherwise, whose
-``__torch_function__`` turns any computation into a `ZeroStateError` naming the parameter.
+The parameter's Python class tells its state: exactly ``nn.Parameter`` while gathered (torch's
+own class: no ``__torch_function__`` lookup on any call, see `ZeroParameter`),
+`PartitionedParameter` otherwise, whose ``__torch_function__`` turns any computation into a
+`ZeroStateError` naming the parameter. ``isinstance(p, ZeroParameter)`` holds in both states.
 
 This module holds the record and the storage primitives; it decides nothing. `partition` (used by
 ``zero3.Init`` and ``initialize``) creates the record and releases the parameter at once; after that

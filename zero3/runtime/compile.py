@@ -15,7 +15,7 @@ every hook of every submodule, or fail. `compile_blocks` instead
 
 So every compiled graph holds a whole block's forward (and AOTAutograd's matching backward) and no
 zero3 code: the graph breaks sit exactly at the block boundaries. The parameters enter the graph as
-inputs while gathered (their class then is plain `ZeroParameter`, an ``nn.Parameter``); releasing
+inputs while gathered (their class then is exactly ``nn.Parameter``); releasing
 resizes their storage to 0 bytes and regathering refills the same storage, so the tensors the
 compiled backward saved see the gathered values again, as in eager mode. Dynamo guards on the
 parameters' metadata (shape, stride, dtype, class, ``requires_grad``), not on their addresses or on
