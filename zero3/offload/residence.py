@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from ..errors import ZeroStateError
-from ..partition.param import ZeroParameter, residence_of
+from ..partition.param import ZeroParameter, refresh_api, residence_of
 from ..partition.state import ParamStatus, Residence, check_move
 from .policy import PlacementPolicy
 from .swapfile import storage_view
@@ -52,6 +52,7 @@ class ShardStore:
         z.shard = new
         z.retype(new.dtype)
         z.residence = where
+        refresh_api(p)  # the gathered-state API entries must not keep the old shard alive
 
     def cast(self, p: ZeroParameter, dtype: torch.dtype) -> None:
         """Mixed precision: the shard becomes its copy in ``dtype``."""

@@ -145,7 +145,7 @@ class ZeroParameter(nn.Parameter, metaclass=_ZeroParameterType):
     step makes four per parameter (its module's op, reading and clearing ``.grad`` after
     accumulation, ``untyped_storage()`` at release). A gathered parameter keeps this class's API
     (the ``ds_*`` attributes, ``all_gather``, ``partition``, the refusals to copy or pickle) through
-    entries in its ``__dict__`` (`_expose_api`, `_refresh_api`), which the properties here shadow
+    entries in its ``__dict__`` (`_expose_api`, `refresh_api`), which the properties here shadow
     while it is partitioned."""
 
     _zero: ZeroParam
@@ -337,7 +337,7 @@ def finish_gather(p: ZeroParameter) -> None:
     z = p._zero
     z.set_status(_AVAILABLE)
     z.handle = None
-    _refresh_api(p)
+    refresh_api(p)
     p.__class__ = nn.Parameter
 
 
@@ -351,7 +351,6 @@ def release(p: ZeroParameter) -> None:
         z.flat = None  # its data was replaced while gathered (``p.data = t``): view the new one next time
     storage.resize_(0)
     p.__class__ = PartitionedParameter
-    p.__dict__["ds_tensor"] = None  # shadowed now; holds no shard a later rebind replaces
 
 
 # What a gathered parameter (class ``nn.Parameter``) answers of `ZeroParameter`'s API, from its __dict__.
@@ -378,14 +377,15 @@ def _expose_api(p: ZeroParameter) -> None:
     d.update(ds_id=z.id, ds_shape=z.shape, ds_numel=z.numel)
     for name in _API_METHODS:
         d[name] = _ParamMethod(getattr(ZeroParameter, name), p)
-    _refresh_api(p)
+    refresh_api(p)
 
 
-def _refresh_api(p: ZeroParameter) -> None:
-    """At every gather: the parts that can change between gathers (the shard, by `ShardStore.rebind`
-    while partitioned; whether it is persistent), and the status, AVAILABLE: these entries are read
-    only while the parameter is gathered (partitioned, the properties shadow them). Writing one of
-    them on a gathered parameter is not refused (its class is torch's); the next gather rewrites it."""
+def refresh_api(p: ZeroParameter) -> None:
+    """At every gather, and where the record changes (`ShardStore.rebind` replaces the shard, so the
+    entry never holds one the record dropped; `set_persistent`): the parts that can change, and the
+    status, AVAILABLE. These entries are read only while the parameter is gathered (partitioned, the
+    properties shadow them). Writing one of them on a gathered parameter is not refused (its class
+    is torch's); the next gather rewrites it."""
     z, d = p._zero, p.__dict__
     d["ds_tensor"] = z.shard
     d["ds_persist"] = z.persistent
@@ -395,7 +395,7 @@ def _refresh_api(p: ZeroParameter) -> None:
 def set_persistent(p: ZeroParameter, persistent: bool) -> None:
     """Mark or unmark ``p`` persistent (the coordinator's choice), gathered or not."""
     p._zero.persistent = persistent
-    _refresh_api(p)
+    refresh_api(p)
 
 
 def alias_shard(p: ZeroParameter) -> None:

@@ -542,16 +542,8 @@ def _on_backward_entry(output: Any, hook: Any) -> None:
     op is a node of its own), and costs about 60% of `Tensor.register_hook` (no handle dict per
     tensor). Outputs of one multi-output node share one hook. A leaf output has no node: it gets a
     tensor hook."""
-    if type(output) is torch.Tensor:  # the common case: one tensor, one hook, nothing built
-        if output.requires_grad:
-            node = output.grad_fn
-            if node is None:
-                output.register_hook(hook)
-            else:
-                node.register_prehook(hook)
-        return
     nodes: list[Any] = []
-    for t in pytree.tree_leaves(output):
+    for t in (output,) if type(output) is torch.Tensor else pytree.tree_leaves(output):
         if isinstance(t, torch.Tensor) and t.requires_grad:
             node = t.grad_fn
             if node is None:
