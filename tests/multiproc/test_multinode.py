@@ -90,7 +90,10 @@ def test_two_torchrun_agents_train_with_each_option_and_count_bytes_by_node(tmp_
 
 def test_the_example_gpt_runs_as_two_torchrun_nodes_with_hpz_qwz_and_qgz(tmp_path):
     log = tmp_path / "run.json"
+    # A live cap under the model's size, so that backward gathers again (from hpZ's secondary shards):
+    # under the example's default cap the whole model is held from forward to backward (hold.py).
     torchrun_two_nodes([str(ROOT / "examples" / "train_gpt.py"), "--steps", "4", "--n-layer", "2", "--n-embd", "64",
+                        "--max-live", "70000", "--prefetch", "30000",
                         "--hpz", "-1", "--qwz", "--qgz", "--log-json", str(log)], tmp_path)
     run = json.loads(log.read_text())
     assert run["world"] == 4 and run["nodes"] == [0, 0, 1, 1] and run["hpz"] == 2

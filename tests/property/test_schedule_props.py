@@ -75,6 +75,7 @@ class Checker:
         cap, limit, room = cfg.max_live, cfg.max_reuse_distance, cfg.prefetch_bucket_size
         live: set[int] = set()
         pending: set[int] = set()
+        held: dict[int, float] = {}  # param -> the use it is held for (hold.py [Note: holds])
         open_visits: dict[int, frozenset[int]] = {}
         s = dict.fromkeys(PlanStats.__dataclass_fields__, 0)
         s["persistent_numel"] = sum(i.numel for i in infos.values() if i.persistent)
@@ -102,13 +103,18 @@ class Checker:
         for i, (ev, act) in enumerate(zip(self.events, schedule.actions, strict=True)):
             assert (act.index, act.kind, act.module) == (i, ev.kind, ev.module)
             decisions = {r.param: r.decision for r in act.reasons if r.decision in RELEASES}
+            holds: set[int] = set()
             assert len(act.release) == len(set(act.release)) == len(decisions), f"event {i}: release reasons"
             assert set(act.release) == set(decisions)
             assert set(act.release) <= live, f"event {i}: releases params that are not live"
             for r in act.reasons:
-                if r.decision in (Decision.KEPT_REUSE, Decision.RELEASED_AFTER_USE):
+                if r.decision in (Decision.KEPT_REUSE, Decision.RELEASED_AFTER_USE, Decision.HELD_INSTEAD_OF_REGATHER):
                     want = self.distance(r.param, i)
                     assert (INF if r.distance is None else r.distance) == want, f"event {i}: distance {r}"
+            for p, j in list(held.items()):  # a held param is neither released nor gathered before its use
+                assert p not in act.release + act.fetch + act.prefetch, f"event {i}: held param {p} touched"
+                if i == j:
+                    del held[p]
             if ev.kind.is_pre:
                 params = self.need[i]
                 pinned = set().union(*open_visits.values())
@@ -131,13 +137,18 @@ class Checker:
                 others = set().union(*open_visits.values())
                 done = visit - others
                 after_use = {p for p in done if self.distance(p, i) > limit}
-                for p in after_use:
+                holds = {r.param for r in act.reasons if r.decision is Decision.HELD_INSTEAD_OF_REGATHER}
+                assert holds <= after_use, f"event {i}: holds {holds} within the reuse distance"
+                for p in after_use - holds:
                     assert decisions.get(p) is Decision.RELEASED_AFTER_USE, f"event {i}: {p} should be released"
+                for p in holds:
+                    held[p] = self.next_use(p, i)
+                    assert held[p] != INF, f"event {i}: holds {p}, which is never used again"
                 evicted = [p for p in act.release if p not in after_use]
                 for p in evicted:
                     assert decisions[p] in (Decision.EVICTED_FOR_BUDGET, Decision.PREFETCH_WASTED)
-                self.check_evictions(i, evicted, live - after_use, others, 0)
-                assert set(act.keep) == done - after_use - set(evicted), f"event {i}: keep {act.keep}"
+                self.check_evictions(i, evicted, live - (after_use - holds), others, 0)
+                assert set(act.keep) == (done - after_use - set(evicted)) | holds, f"event {i}: keep {act.keep}"
                 released(i, act.release, decisions)
             needed = set().union(*open_visits.values())
             over = self.total(live) > cap
@@ -160,7 +171,8 @@ class Checker:
             want = (
                 [(p, Decision.DEMAND_FETCH) for p in act.fetch]
                 + [(p, Decision.PREFETCH) for p in act.prefetch]
-                + [(p, Decision.KEPT_REUSE) for p in act.keep]
+                + [(p, Decision.KEPT_REUSE) for p in act.keep if p not in holds]
+                + [(p, Decision.HELD_INSTEAD_OF_REGATHER) for p in act.keep if p in holds]
                 + sorted(decisions.items())
             )
             got = [(r.param, r.decision) for r in act.reasons]
@@ -208,6 +220,28 @@ def test_every_plan_passes_the_independent_replay(case: tuple[Trace, PlanConfig]
     stats = Checker(trace, config).run(schedule)
     assert stats == schedule.stats
     assert schedule.stats.wasted_prefetches == 0  # the look-ahead rule never prefetches into an eviction
+
+
+@settings(deadline=None, max_examples=200)
+@given(case=cases())
+def test_holds_never_raise_the_peak_and_only_remove_gathers(case: tuple[Trace, PlanConfig]) -> None:
+    """hold.py [Note: holds]: against the same plan without its last pass, the peak of live size is
+    the same, and what is gathered is a subset: the same demand fetches, prefetches with only the
+    held params taken out."""
+    trace, config = case
+    held, core = plan(trace, config), plan(trace, config, holds=False)
+    assert Checker(trace, config).run(core) == core.stats
+    assert held.stats.peak_live == core.stats.peak_live
+    saved = 0
+    for a, b in zip(held.actions, core.actions, strict=True):
+        assert a.fetch == b.fetch and set(a.prefetch) <= set(b.prefetch)  # only prefetches are held for
+        assert set(a.release) <= set(b.release) and set(a.keep) >= set(b.keep)
+        saved += len(b.fetch) + len(b.prefetch) - len(a.fetch) - len(a.prefetch)
+    holds = sum(r.decision is Decision.HELD_INSTEAD_OF_REGATHER for a in held.actions for r in a.reasons)
+    assert saved == holds  # one gather saved per hold
+    assert core.stats.allgather_numel - held.stats.allgather_numel == sum(
+        trace.params[r.param].numel for a in held.actions for r in a.reasons
+        if r.decision is Decision.HELD_INSTEAD_OF_REGATHER)
 
 
 @settings(deadline=None, max_examples=100)

@@ -57,14 +57,14 @@ def test_two_layer_with_prefetch_has_exact_actions() -> None:
     assert rows(s) == [
         (E, E, (0,), E),  # root: prefetch l0 (bucket full at 100)
         (E, E, (1,), E),  # l0 uses the prefetch; prefetch l1
-        ((0,), E, E, E),  # l0's next use is 200 away > 0: release; l0 bwd would need 100 > bucket room
-        (E, E, (0,), E),  # l1 used; l0 prefetched for backward (live 200 <= 200)
+        (E, E, E, (0,)),  # l0's next use is 200 away > 0, but it would be prefetched again at once: held
+        (E, E, E, E),  # l1 used; l0 already live for backward (live 200 <= 200)
         (E, E, E, (1,)),  # l1's next use is 0 away (only the root's empty PRE between): keep
         (E, E, E, E),
         (E, E, E, E),
         (E, E, E, E),  # l1 backward: still live, no gather
         ((1,), E, E, E),  # no next use
-        (E, E, E, E),  # l0 backward: prefetched at event 3
+        (E, E, E, E),  # l0 backward: held since event 2
         ((0,), E, E, E),
         (E, E, E, E),
     ]
@@ -73,13 +73,15 @@ def test_two_layer_with_prefetch_has_exact_actions() -> None:
         peak_live=200,
         peak_live_numel=200,
         peak_live_bytes=800,
-        num_allgathers=3,
-        allgather_numel=300,
-        allgather_bytes=1200,
+        num_allgathers=2,
+        allgather_numel=200,
+        allgather_bytes=800,
         num_demand_fetches=0,
-        num_prefetched_params=3,
-        prefetch_hits=3,
+        num_prefetched_params=2,
+        prefetch_hits=2,
     )
+    core = plan(two_layer(), cfg(200, 0, 100), holds=False)  # the same plan without holds
+    assert (core.actions[2].release, core.actions[3].prefetch, core.stats.num_allgathers) == ((0,), (0,), 3)
 
 
 def test_two_layer_without_prefetch_demand_fetches() -> None:
@@ -206,7 +208,8 @@ def test_persistent_params_are_never_planned() -> None:
     trace = two_layer({2: ParamInfo(2, "l0.bias", 7, 14, persistent=True)}, l0=(0, 2))
     s = checked(trace, cfg(200, 0, 100))
     assert all(2 not in a.release + a.fetch + a.prefetch + a.keep for a in s.actions)
-    assert (s.stats.persistent_numel, s.stats.persistent_bytes, s.stats.allgather_numel) == (7, 14, 300)
+    # l0.w is held from forward to backward (it would be prefetched again at once): 200, not 300
+    assert (s.stats.persistent_numel, s.stats.persistent_bytes, s.stats.allgather_numel) == (7, 14, 200)
     assert plan(trace, cfg(200, 0, 100)).stats == s.stats  # deterministic
 
 
@@ -259,16 +262,23 @@ def test_replay_counts_a_prefetch_released_unused_as_wasted() -> None:
 def test_explain_filters_by_param_and_module() -> None:
     s = plan(two_layer(), cfg(200, 0, 100))
     assert s.explain(module="l1") == [
-        "event 3 PRE_FORWARD l1: param 0 (l0.w) PREFETCH: "
-        "prefetch for event 9: pending 100 <= prefetch_bucket_size 100",
         "event 4 POST_FORWARD l1: param 1 (l1.w) KEPT_REUSE: kept: next use in 0 <= max_reuse_distance 0 (at event 7)",
         "event 8 POST_BACKWARD l1: param 1 (l1.w) RELEASED_AFTER_USE: released: no next use, max_reuse_distance 0",
     ]
     assert s.explain(param_id=0)[1] == (
+        "event 2 POST_FORWARD l0: param 0 (l0.w) HELD_INSTEAD_OF_REGATHER: held: next use in 200 (at event 9) "
+        "is beyond max_reuse_distance, and releasing would gather it again at event 3; holding it keeps "
+        "live at most 200, within the plan's peak 200"
+    )
+    core = plan(two_layer(), cfg(200, 0, 100), holds=False)  # without the holds: released, then prefetched
+    assert core.explain(param_id=0)[1] == (
         "event 2 POST_FORWARD l0: param 0 (l0.w) RELEASED_AFTER_USE: "
         "released: next use in 200 > max_reuse_distance 0 (at event 9)"
     )
-    assert s.explain(param_id=0, module="l1") == s.explain(module="l1")[:1]  # prefetched at l1's PRE
+    assert core.explain(param_id=0, module="l1") == [
+        "event 3 PRE_FORWARD l1: param 0 (l0.w) PREFETCH: prefetch for event 9: pending 100 <= prefetch_bucket_size 100"
+    ]
+    assert s.explain(param_id=0, module="l1") == []
     assert s.explain(param_id=1, module="") == []
 
 
