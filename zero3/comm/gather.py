@@ -45,6 +45,14 @@ from .works import (
 )
 
 
+DIRECT_MIN_BYTES = 1 << 20
+"""The mean parameter size (bytes) from which a pairwise gather sends one message per parameter and
+peer straight into storage. Below it, each message's fixed cost (posting, waiting, gloo's framing)
+outweighs the two copies that a row per peer costs (the shards in, the pieces out). Measured on the
+4x256 GPT, whose Block buckets average 0.26 MB a parameter: rows took 0.95x the step time of pieces
+(docs/performance.md, "Holds and rows")."""
+
+
 class GatherTransport:
     """How one communicator moves a gather's bytes (chosen once, at construction). ``pairwise``: it
     sends pairwise messages (hpZ's secondary gathers then go as pieces straight into storage)."""
@@ -116,8 +124,13 @@ class PairwiseGather(GatherTransport):
         self._meta = CollectiveGather(wire)
 
     def direct(self, params: Sequence[ZeroParameter]) -> bool:
-        return all(p._zero.shard.device == raw_data(p).device != META and p._zero.shard.dtype == raw_data(p).dtype
-                   for p in params)
+        """Pieces straight into storage when shard and storage agree and the parameters are large
+        enough on average (`DIRECT_MIN_BYTES`); otherwise the bucket travels as one row per peer."""
+        if not all(p._zero.shard.device == raw_data(p).device != META and p._zero.shard.dtype == raw_data(p).dtype
+                   for p in params):
+            return False
+        nbytes = sum(p._zero.numel for p in params) * params[0]._zero.shard.element_size()
+        return nbytes >= DIRECT_MIN_BYTES * len(params)
 
     def rows(self, inp: torch.Tensor, async_op: bool, tag: Tag | None, kind: Kind,
              header_numel: int) -> tuple[list[torch.Tensor], Any]:
