@@ -86,10 +86,10 @@ def test_every_wire_implementation_matches_single_process(pools, wire):
 
 def _parity_with_gather_path(direct_min_bytes: int, steps: int, zero_cfg: dict) -> dict:
     """train_parity with pairwise gathers forced to pieces (0) or rows (huge), counting each path."""
-    from zero3.comm import gather
+    from zero3.comm import gather, wire
 
     counts = {"pieces": 0, "rows": 0}
-    saved = gather.DIRECT_MIN_BYTES, gather.ParamGatherer._direct, gather.ParamGatherer._chunked
+    saved = wire.DIRECT_MIN_BYTES, gather.ParamGatherer._direct, gather.ParamGatherer._chunked
 
     def counted(name, fn):
         def wrapper(self, *args, **kwargs):
@@ -97,22 +97,23 @@ def _parity_with_gather_path(direct_min_bytes: int, steps: int, zero_cfg: dict) 
             return fn(self, *args, **kwargs)
         return wrapper
 
-    gather.DIRECT_MIN_BYTES = direct_min_bytes
+    wire.DIRECT_MIN_BYTES = direct_min_bytes
     gather.ParamGatherer._direct = counted("pieces", saved[1])
     gather.ParamGatherer._chunked = counted("rows", saved[2])
     try:
         result = train_parity(steps, zero_cfg)
     finally:
-        gather.DIRECT_MIN_BYTES, gather.ParamGatherer._direct, gather.ParamGatherer._chunked = saved
+        wire.DIRECT_MIN_BYTES, gather.ParamGatherer._direct, gather.ParamGatherer._chunked = saved
     return {**result, **counts}
 
 
 @pytest.mark.parametrize("path", ["pieces", "rows"])
 def test_pairwise_gathers_by_pieces_and_by_rows_match_single_process(pools, path):
-    """`PairwiseGather.direct` picks pieces straight into storage for large parameters and one row
-    per peer for small ones (DIRECT_MIN_BYTES); either way the numbers are the single process's."""
+    """Pairwise gathers send pieces straight into storage for large parameters and one row per peer
+    for small ones (wire.DIRECT_MIN_BYTES); either way the numbers are the single process's."""
     results = pools.get(2).run(_parity_with_gather_path, 0 if path == "pieces" else 1 << 40, 3,
-                               {"param_persistence_threshold": 0, "allgather_impl": "p2p"})
+                               {"param_persistence_threshold": 0, "allgather_impl": "p2p",
+                                "reduce_scatter_impl": "p2p"})
     for r in results:
         assert r["loss"] < 1e-5 and r["norm"] < 1e-5 and r["param"] < 1e-5, r
         other = "rows" if path == "pieces" else "pieces"

@@ -31,6 +31,7 @@ from .verify import (
     header_as,
     headers_from,
 )
+from . import wire as _wire
 from .wire import META, PairwiseWork, Wire, all_gather_flat, label, piece
 from .works import (
     ChunkedGather,
@@ -43,14 +44,6 @@ from .works import (
     StreamGather,
     WaitContext,
 )
-
-
-DIRECT_MIN_BYTES = 1 << 20
-"""The mean parameter size (bytes) from which a pairwise gather sends one message per parameter and
-peer straight into storage. Below it, each message's fixed cost (posting, waiting, gloo's framing)
-outweighs the two copies that a row per peer costs (the shards in, the pieces out). Measured on the
-4x256 GPT, whose Block buckets average 0.26 MB a parameter: rows took 0.95x the step time of pieces
-(docs/performance.md, "Holds and rows")."""
 
 
 class GatherTransport:
@@ -125,12 +118,12 @@ class PairwiseGather(GatherTransport):
 
     def direct(self, params: Sequence[ZeroParameter]) -> bool:
         """Pieces straight into storage when shard and storage agree and the parameters are large
-        enough on average (`DIRECT_MIN_BYTES`); otherwise the bucket travels as one row per peer."""
+        enough on average (`wire.DIRECT_MIN_BYTES`); otherwise the bucket travels as one row per peer."""
         if not all(p._zero.shard.device == raw_data(p).device != META and p._zero.shard.dtype == raw_data(p).dtype
                    for p in params):
             return False
         nbytes = sum(p._zero.numel for p in params) * params[0]._zero.shard.element_size()
-        return nbytes >= DIRECT_MIN_BYTES * len(params)
+        return nbytes >= _wire.DIRECT_MIN_BYTES * len(params)
 
     def rows(self, inp: torch.Tensor, async_op: bool, tag: Tag | None, kind: Kind,
              header_numel: int) -> tuple[list[torch.Tensor], Any]:

@@ -66,6 +66,16 @@ def piece(numel: int, shard_numel: int, rank: int) -> tuple[int, int]:
     return lo, min(lo + shard_numel, numel)
 
 
+DIRECT_MIN_BYTES = 1 << 20
+"""The mean parameter size (bytes) from which a pairwise gather sends one message per parameter and
+peer, straight into the parameters' storage. Below it, each message's fixed cost (posting, waiting,
+gloo's framing) outweighs the two copies that one row per peer costs (the shards in, the pieces
+out), and the bucket travels as rows. Measured on the 4x256 GPT, whose Block buckets average
+0.26 MB a parameter, and the 12x768 one (2.4 MB): docs/performance.md, "Holds and rows". (The
+same rule for the direct reduction's messages measured slower, and was not kept.) Read at each
+call, so a test can move it."""
+
+
 class PairwiseWork:
     """Point-to-point sends and receives standing for one collective; ``wait()`` waits for all of
     them, then runs ``then`` (e.g. summing what arrived). ``keep`` holds tensors that must live
