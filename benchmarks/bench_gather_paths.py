@@ -1,0 +1,94 @@
+"""How a pairwise gather's messages are cut, side by side in one process: a message per parameter
+and peer ("pieces"), one row per peer for every gather ("rows"), or zero3's rule (`wire.DIRECT_MIN_BYTES`:
+rows where the parameters average under 1 MiB, "auto"). zero3 lean (bench_step.py's budget) on a GPT
+of bench_step.py, 2 gloo ranks, verification on.
+
+    torchrun --nproc_per_node 2 benchmarks/bench_gather_paths.py                 # 3.7M GPT, 36 rounds
+    torchrun --nproc_per_node 2 benchmarks/bench_gather_paths.py --model big --rounds 6
+
+The ways alternate every 2 steps, in a rotated order each round, so a busy host slows them alike.
+Rank 0 prints the median step (wall) and the median process CPU time per step of each way.
+Figures are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
+
+MODELS = {"small": (4, 256, 4), "big": (12, 768, 12)}  # n_layer, n_embd, n_head (bench_step.py's presets)
+WAYS = {"pieces": 0, "rows": 1 << 62, "auto": None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="small")
+    ap.add_argument("--rounds", type=int, default=36)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--ways", default="pieces,rows,auto")
+    args = ap.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    import zero3
+    from zero3.comm import wire
+    from gpt import GPT, GPTConfig, synthetic_batch
+
+    n_layer, n_embd, n_head = MODELS[args.model]
+    cfg = GPTConfig(vocab_size=2048, block_size=128, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    blk = 12 * n_embd * n_embd + 13 * n_embd  # one Block's elements
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              {"param_persistence_threshold": 0, "prefetch_bucket_size": blk,
+                               "max_reuse_distance": 0, "max_live_parameters": 3 * blk})
+    rank = dist.get_rank()
+    auto = wire.DIRECT_MIN_BYTES
+    ways = args.ways.split(",")
+
+    def use(way: str) -> None:
+        wire.DIRECT_MIN_BYTES = auto if WAYS[way] is None else WAYS[way]
+
+    def step(i: int) -> None:
+        x, y = synthetic_batch(i * 2 + rank, args.batch, cfg)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+
+    for way in ways:  # warm-up: the first step records the trace
+        use(way)
+        step(0)
+        step(1)
+    wall: dict[str, list[float]] = {w: [] for w in ways}
+    cpu: dict[str, list[float]] = {w: [] for w in ways}
+    for r in range(args.rounds):
+        for way in ways[r % len(ways):] + ways[:r % len(ways)]:
+            use(way)
+            dist.barrier()
+            for k in range(2):
+                t, c = time.perf_counter(), time.process_time()
+                step(k)
+                wall[way].append(time.perf_counter() - t)
+                cpu[way].append(time.process_time() - c)
+    use("auto")
+    if rank == 0:
+        print(f"# bench_gather_paths  model {args.model}  batch {args.batch}/rank  {args.rounds} rounds x 2 steps a way")
+        print("| way | median step (ms) | median CPU/step (ms) |")
+        print("|---|---:|---:|")
+        for way in ways:
+            print(f"| {way} | {statistics.median(wall[way]) * 1e3:.1f} | {statistics.median(cpu[way]) * 1e3:.1f} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
