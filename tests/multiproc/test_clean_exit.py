@@ -58,8 +58,11 @@ def _launches(n: int) -> None:
     assert not failed, f"{len(failed)} rank exits of {2 * n} failed:\n" + "\n".join(failed[:5])
 
 
-def test_twenty_short_runs_all_exit_cleanly():
-    _launches(20)
+def test_twelve_short_runs_all_exit_cleanly():
+    """Twelve launches (about 5 s each here): at the failure rate seen before the fix (4 of 16
+    launches) all twelve pass by chance with probability 0.75**12, about 3%. The slow test below
+    runs 300."""
+    _launches(12)
 
 
 @pytest.mark.slow
