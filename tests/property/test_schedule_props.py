@@ -10,8 +10,10 @@ import math
 from collections.abc import Iterable
 
 from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from strategies import cases, traces
 
+from zero3.planning.hold import RangeMax
 from zero3.planning.schedule import Decision, PlanConfig, PlanStats, Schedule, plan, replay
 from zero3.planning.trace import Event, EventKind, ParamInfo, Trace, module_graph
 
@@ -292,3 +294,19 @@ def test_module_graph_has_one_node_per_param_and_visit(trace: Trace) -> None:
     assert kinds.count("visit") == len(trace.visits)
     uses = sum(1 for *_, d in graph.edges(data=True) if d["kind"] == "uses")
     assert uses == sum(len(v.params) for v in trace.visits)
+
+
+@settings(deadline=None, max_examples=200)
+@given(values=st.lists(st.integers(0, 10**6), min_size=1, max_size=40),
+       ops=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(0, 10**5)), max_size=30))
+def test_range_max_agrees_with_a_list(values: list[int], ops: list[tuple[int, int, int]]) -> None:
+    """hold.py's RangeMax (range add, range max) against the same operations on a plain list."""
+    tree, plain = RangeMax(values), list(values)
+    n = len(values)
+    for a, b, v in ops:
+        lo, hi = sorted((a % (n + 1), b % (n + 1)))
+        assert tree.max(lo, hi) == (max(plain[lo:hi]) if hi > lo else RangeMax._LOW)
+        tree.add(lo, hi, v)
+        for t in range(lo, hi):
+            plain[t] += v
+    assert tree.max(0, n) == max(plain)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from .actions import Action, Decision, PlanStats, Reason, Schedule
 from .trace import ParamInfo, Trace
@@ -44,25 +44,23 @@ def hold_regathers(trace: Trace, schedule: Schedule) -> Schedule:
     acts = list(schedule.actions)
     n = len(acts)
     # The live size after each event (after its prefetch: the most an event holds), in the config's
-    # unit, in elements and in bytes; and how many evictions the schedule makes up to each event.
-    after = [[0] * n, [0] * n, [0] * n]
+    # unit; and how many evictions the schedule makes up to each event.
+    after = [0] * n
     evictions = [0] * (n + 1)
     gathered_at: dict[int, list[int]] = {}
-    live: set[int] = set()
+    live_size = 0
     evicting = (Decision.EVICTED_FOR_BUDGET, Decision.PREFETCH_WASTED)
     for a in acts:
-        live.difference_update(a.release)
-        live.update(a.fetch)
-        live.update(a.prefetch)
+        live_size += sum(size[p] for p in (*a.fetch, *a.prefetch)) - sum(size[p] for p in a.release)
         for p in (*a.fetch, *a.prefetch):
             gathered_at.setdefault(p, []).append(a.index)
-        after[0][a.index] = sum(size[p] for p in live)
-        after[1][a.index] = sum(infos[p].numel for p in live)
-        after[2][a.index] = sum(infos[p].nbytes for p in live)
+        after[a.index] = live_size
         evictions[a.index + 1] = evictions[a.index] + any(r.decision in evicting for r in a.reasons)
+    live_after = RangeMax(after)
 
     stats = dataclasses.asdict(schedule.stats)
     changed: dict[int, dict[str, list]] = {}
+    held: list[tuple[int, int, int]] = []  # (param, from event, to event): what each hold adds, for the peaks
 
     def edit(i: int) -> dict[str, list]:
         if i not in changed:
@@ -93,18 +91,17 @@ def hold_regathers(trace: Trace, schedule: Schedule) -> Schedule:
         if evictions[j + 1] != evictions[i]:
             continue
         s = size[p]
-        if max(after[0][i:k], default=0) + s > bound:
+        most = live_after.max(i, k)
+        if most + s > bound:
             continue
-        for t in range(i, k):
-            after[0][t] += s
-            after[1][t] += infos[p].numel
-            after[2][t] += infos[p].nbytes
+        live_after.add(i, k, s)
+        held.append((p, i, k))
         e = edit(i)
         e["release"].remove(p)
         e["keep"].append(p)
         e["reasons"] = [x for x in e["reasons"] if x.param != p]
         e["reasons"].append(Reason(param=p, decision=Decision.HELD_INSTEAD_OF_REGATHER, size=s,
-                                   live=max(after[0][i:k], default=s), limit=bound, next_use=j,
+                                   live=max(most, 0) + s, limit=bound, next_use=j,
                                    distance=r.distance, regather=k))
         e = edit(k)
         e["prefetch"].remove(p)
@@ -120,6 +117,62 @@ def hold_regathers(trace: Trace, schedule: Schedule) -> Schedule:
     for i, e in changed.items():
         acts[i] = Action(acts[i].index, acts[i].kind, acts[i].module, tuple(e["release"]), tuple(e["fetch"]),
                          tuple(e["prefetch"]), tuple(e["keep"]), tuple(e["reasons"]))
-    for key, profile in (("peak_live", after[0]), ("peak_live_numel", after[1]), ("peak_live_bytes", after[2])):
-        stats[key] = max(stats[key], max(profile, default=0))
+    stats["peak_live"] = max(stats["peak_live"], live_after.max(0, n))
+    for key, of in (("peak_live_numel", lambda p: infos[p].numel), ("peak_live_bytes", lambda p: infos[p].nbytes)):
+        stats[key] = max(stats[key], _peak_after(acts, of))
     return dataclasses.replace(schedule, actions=tuple(acts), stats=PlanStats(**stats))
+
+
+def _peak_after(acts: list[Action], of: Callable[[int], int]) -> int:
+    """The most live after any event of ``acts`` (the edited schedule), counting each param as ``of``."""
+    live = peak = 0
+    for a in acts:
+        live += sum(of(p) for p in (*a.fetch, *a.prefetch)) - sum(of(p) for p in a.release)
+        peak = max(peak, live)
+    return peak
+
+
+class RangeMax:
+    """A list of numbers with range add and range max in O(log n) (a segment tree whose nodes keep
+    their own pending add): each hold asks for the most live across its gap and then raises it."""
+
+    _LOW = -(1 << 62)
+
+    def __init__(self, values: list[int]) -> None:
+        size = 1
+        while size < len(values):
+            size *= 2
+        self.size = size
+        self.top = [self._LOW] * (2 * size)  # the max of a node's range, its own add included
+        self.pending = [0] * (2 * size)  # added to a node's whole range, not yet in its children
+        self.top[size: size + len(values)] = values
+        for node in range(size - 1, 0, -1):
+            self.top[node] = max(self.top[2 * node], self.top[2 * node + 1])
+
+    def max(self, lo: int, hi: int) -> int:
+        """The largest value in [lo, hi) (the lowest possible value when the range is empty)."""
+        return self._max(1, 0, self.size, lo, hi) if hi > lo else self._LOW
+
+    def add(self, lo: int, hi: int, value: int) -> None:
+        """Add ``value`` to every element of [lo, hi)."""
+        self._add(1, 0, self.size, lo, hi, value)
+
+    def _max(self, node: int, a: int, b: int, lo: int, hi: int) -> int:
+        if hi <= a or b <= lo:
+            return self._LOW
+        if lo <= a and b <= hi:
+            return self.top[node]
+        mid = (a + b) // 2
+        return self.pending[node] + max(self._max(2 * node, a, mid, lo, hi), self._max(2 * node + 1, mid, b, lo, hi))
+
+    def _add(self, node: int, a: int, b: int, lo: int, hi: int, value: int) -> None:
+        if hi <= a or b <= lo:
+            return
+        if lo <= a and b <= hi:
+            self.top[node] += value
+            self.pending[node] += value
+            return
+        mid = (a + b) // 2
+        self._add(2 * node, a, mid, lo, hi, value)
+        self._add(2 * node + 1, mid, b, lo, hi, value)
+        self.top[node] = self.pending[node] + max(self.top[2 * node], self.top[2 * node + 1])
