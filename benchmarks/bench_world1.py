@@ -1,0 +1,83 @@
+"""zero3 at world size 1 on bench_step.py's 3.7M GPT: the plain model, zero3's defaults and zero3
+lean (bench_step.py's budget), one process, no communication. Gathers are copies from the shards,
+so the lean row's excess over the defaults is what its extra gathers cost in bookkeeping alone;
+set beside bench_step.py's 2-rank CPU per step, the rest of the excess is communication.
+
+    python benchmarks/bench_world1.py
+    python benchmarks/bench_world1.py --rounds 5
+
+The three alternate every 2 steps, in a rotated order each round. Prints the median process CPU
+time per step of each. Figures are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--batch", type=int, default=4)
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    import zero3
+    from gpt import GPT, GPTConfig, synthetic_batch
+
+    cfg = GPTConfig(vocab_size=2048, block_size=128, n_layer=4, n_head=4, n_embd=256)
+    blk = 12 * 256 * 256 + 13 * 256  # one Block's elements
+    ways = {"plain": None, "zero3 defaults": {},
+            "zero3 lean": {"param_persistence_threshold": 0, "prefetch_bucket_size": blk,
+                           "max_reuse_distance": 0, "max_live_parameters": 3 * blk}}
+
+    def build(conf: dict | None):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if conf is None:
+            def plain(i: int) -> None:
+                x, y = synthetic_batch(i, args.batch, cfg)
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            return plain
+        engine = zero3.initialize(model, opt, conf)
+
+        def step(i: int) -> None:
+            x, y = synthetic_batch(i, args.batch, cfg)
+            engine.backward(engine(x, y))
+            engine.step()
+        return step
+
+    steps = {name: build(conf) for name, conf in ways.items()}
+    for step in steps.values():  # warm-up: the first step records the trace
+        for i in range(3):
+            step(i)
+    names = list(ways)
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            for i in range(2):
+                c = time.process_time()
+                steps[name](i)
+                cpu[name].append(time.process_time() - c)
+    print(f"# bench_world1  3.7M GPT  batch {args.batch}  world size 1  {args.rounds} rounds x 2 steps")
+    print("| way | median CPU/step (ms) |")
+    print("|---|---:|")
+    for name in names:
+        print(f"| {name} | {statistics.median(cpu[name]) * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
