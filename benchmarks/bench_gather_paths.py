@@ -22,14 +22,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_step
 
-MODELS = {"small": (4, 256, 4), "big": (12, 768, 12)}  # n_layer, n_embd, n_head (bench_step.py's presets)
 WAYS = {"pieces": 0, "rows": 1 << 62, "auto": None}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=sorted(MODELS), default="small")
+    ap.add_argument("--model", choices=("small", "big"), default="small")
     ap.add_argument("--rounds", type=int, default=36)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--ways", default="pieces,rows,auto")
@@ -42,16 +42,16 @@ def main() -> None:
     dist.init_process_group("gloo")
     import zero3
     from zero3.comm import wire
+    from bench_step import MODELS, zero3_config
     from gpt import GPT, GPTConfig, synthetic_batch
 
-    n_layer, n_embd, n_head = MODELS[args.model]
-    cfg = GPTConfig(vocab_size=2048, block_size=128, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    m = MODELS[args.model]
+    cfg = GPTConfig(vocab_size=m["vocab"], block_size=128, n_layer=m["n_layer"], n_head=m["n_head"],
+                    n_embd=m["n_embd"])
     torch.manual_seed(0)
     model = GPT(cfg)
-    blk = 12 * n_embd * n_embd + 13 * n_embd  # one Block's elements
-    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                              {"param_persistence_threshold": 0, "prefetch_bucket_size": blk,
-                               "max_reuse_distance": 0, "max_live_parameters": 3 * blk})
+    lean = zero3_config("zero3-prefetch", argparse.Namespace(n_embd=m["n_embd"], persistence=0, zero3_extra=None))
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), lean)
     rank = dist.get_rank()
     auto = wire.DIRECT_MIN_BYTES
     ways = args.ways.split(",")

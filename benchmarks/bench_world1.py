@@ -21,6 +21,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_step
 
 
 def main() -> None:
@@ -33,13 +34,14 @@ def main() -> None:
 
     torch.set_num_threads(1)
     import zero3
+    from bench_step import MODELS, zero3_config
     from gpt import GPT, GPTConfig, synthetic_batch
 
-    cfg = GPTConfig(vocab_size=2048, block_size=128, n_layer=4, n_head=4, n_embd=256)
-    blk = 12 * 256 * 256 + 13 * 256  # one Block's elements
-    ways = {"plain": None, "zero3 defaults": {},
-            "zero3 lean": {"param_persistence_threshold": 0, "prefetch_bucket_size": blk,
-                           "max_reuse_distance": 0, "max_live_parameters": 3 * blk}}
+    m = MODELS["small"]
+    cfg = GPTConfig(vocab_size=m["vocab"], block_size=128, n_layer=m["n_layer"], n_head=m["n_head"],
+                    n_embd=m["n_embd"])
+    lean = zero3_config("zero3-prefetch", argparse.Namespace(n_embd=m["n_embd"], persistence=0, zero3_extra=None))
+    ways = {"plain": None, "zero3 defaults": {}, "zero3 lean": lean}
 
     def build(conf: dict | None):
         torch.manual_seed(0)

@@ -36,8 +36,9 @@ __all__ = ["hold_regathers"]
 
 
 def hold_regathers(trace: Trace, schedule: Schedule) -> Schedule:
-    """`schedule` with every release that a later gather undoes turned into a hold, where the live
-    cap allows it; see [Note: holds]. Stats are adjusted to what the new schedule executes."""
+    """`schedule` with every release that a later prefetch undoes turned into a hold, where the
+    schedule's own peak allows it; see [Note: holds]. Stats are adjusted to what the new schedule
+    executes."""
     cfg = schedule.config
     infos: Mapping[int, ParamInfo] = trace.params
     size = {p: (i.nbytes if cfg.unit == "bytes" else i.numel) for p, i in infos.items() if not i.persistent}
@@ -59,14 +60,13 @@ def hold_regathers(trace: Trace, schedule: Schedule) -> Schedule:
     live_after = RangeMax(after)
 
     stats = dataclasses.asdict(schedule.stats)
-    changed: dict[int, dict[str, list]] = {}
-    held: list[tuple[int, int, int]] = []  # (param, from event, to event): what each hold adds, for the peaks
+    changed: dict[int, dict[str, list]] = {}  # event -> the fields a hold edits, as lists
 
     def edit(i: int) -> dict[str, list]:
         if i not in changed:
             a = acts[i]
-            changed[i] = {"release": list(a.release), "fetch": list(a.fetch), "prefetch": list(a.prefetch),
-                          "keep": list(a.keep), "reasons": list(a.reasons)}
+            changed[i] = {"release": list(a.release), "prefetch": list(a.prefetch), "keep": list(a.keep),
+                          "reasons": list(a.reasons)}
         return changed[i]
 
     # Candidates: a release after use whose param the schedule prefetches again before its next use.
@@ -95,7 +95,6 @@ def hold_regathers(trace: Trace, schedule: Schedule) -> Schedule:
         if most + s > bound:
             continue
         live_after.add(i, k, s)
-        held.append((p, i, k))
         e = edit(i)
         e["release"].remove(p)
         e["keep"].append(p)
@@ -115,8 +114,7 @@ def hold_regathers(trace: Trace, schedule: Schedule) -> Schedule:
     if not changed:
         return schedule
     for i, e in changed.items():
-        acts[i] = Action(acts[i].index, acts[i].kind, acts[i].module, tuple(e["release"]), tuple(e["fetch"]),
-                         tuple(e["prefetch"]), tuple(e["keep"]), tuple(e["reasons"]))
+        acts[i] = dataclasses.replace(acts[i], **{name: tuple(value) for name, value in e.items()})
     stats["peak_live"] = max(stats["peak_live"], live_after.max(0, n))
     for key, of in (("peak_live_numel", lambda p: infos[p].numel), ("peak_live_bytes", lambda p: infos[p].nbytes)):
         stats[key] = max(stats[key], _peak_after(acts, of))
