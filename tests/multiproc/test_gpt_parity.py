@@ -61,8 +61,10 @@ def train_parity(steps: int, zero_cfg: dict, checkpoint: str | None = None, plai
     with zero3.GatheredParameters(params):
         for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
             worst_param = max(worst_param, (p - q).abs().max().item())
+    m = engine.last_step_metrics
     return {"loss": worst_loss, "norm": worst_norm, "param": worst_param, "memory": memory,
-            "reduce_calls": engine.last_step_metrics.reduce_calls}
+            "reduce_calls": m.reduce_calls, "shared_read_bytes": m.shared_read_bytes,
+            "wire_gather_bytes": m.received("all-gather"), "impl": engine.comm.config.allgather_impl}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -72,6 +74,8 @@ def test_gpt_adamw_clipping_matches_single_process(pools, world):
         assert r["loss"] < 1e-5, r
         assert r["norm"] < 1e-5, r
         assert r["param"] < 1e-5, r
+        # auto on gloo, every rank on this host: the step's gathers read the peers' shared-memory arenas
+        assert r["impl"] == "shm" and r["shared_read_bytes"] > 0 and r["wire_gather_bytes"] == 0, r
 
 
 @pytest.mark.parametrize("wire", [{"allgather_impl": "all_gather", "reduce_scatter_impl": "all_reduce"},

@@ -324,7 +324,7 @@ def test_unknown_keyword_and_wrong_section_type_are_refused_by_name():
 def test_a_section_validates_its_fields_by_their_types():
     from zero3.config import CommConfig, OffloadConfig, PrecisionConfig
 
-    with pytest.raises(ZeroConfigError, match=r"allgather_impl must be one of \('auto', 'all_gather', 'p2p'\), "
+    with pytest.raises(ZeroConfigError, match=r"allgather_impl must be one of \('auto', 'all_gather', 'p2p', 'shm'\), "
                                               r"got 'ring'"):
         CommConfig(allgather_impl="ring")
     with pytest.raises(ZeroConfigError, match=r"verify_collectives must be None or a bool, got 1"):

@@ -37,6 +37,7 @@ from .exit_release import track_for_exit
 from .failure import FailureMonitor, rebuild_error
 from .gather import ParamGatherer, gather_transport
 from .secondary import Secondary, SecondaryCutter
+from .shared import SharedShards, SlotSpec
 from .reduce import GradPiece, QuantizedReduction, ReduceBuffer, ReduceRequest, ReduceTransport, reduce_transport
 from .tags import Kind, Tag
 from .topology import hpz_group_size, node_identity, node_ids
@@ -88,20 +89,12 @@ class Communicator:
                                         timeout=datetime.timedelta(seconds=config.timeout_s), backend=self.backend,
                                         use_local_synchronization=True)
             self._own_group = True
-        # auto: gloo's collectives were measured ~2x slower than pairwise messages
-        gloo = self.backend == "gloo"
-        self.config = config.replace(
-            reduce_impl=("p2p" if gloo else "reduce_scatter") if config.reduce_impl == "auto" else config.reduce_impl,
-            allgather_impl=("p2p" if gloo else "all_gather") if config.allgather_impl == "auto"
-            else config.allgather_impl,
-            verify=config.verify and world_size > 1)
-        self.verify = bool(self.config.verify)
         # NCCL moves only CUDA tensors: small tensors (headers, flags) live there.
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
         self._state = EpochState()
         report = FailureReport(group_name(self.group), world_size, rank) if distributed else None
-        self._monitor = FailureMonitor(self._state, report, world_size, rank, self.config.timeout_s)
+        self._monitor = FailureMonitor(self._state, report, world_size, rank, config.timeout_s)
         self._wire = Wire(self.group, world_size, rank, self.device, self._monitor,
                           ByteCounter(metrics, (0,) * world_size, rank))
         if nodes is None:
@@ -109,6 +102,10 @@ class Communicator:
         if len(nodes) != world_size:
             raise ZeroConfigError(f"nodes must name the node of each of the {world_size} ranks, got {list(nodes)}")
         self.nodes = tuple(nodes)
+        self.config = config.replace(reduce_impl=_reduce_impl(config, self.backend),
+                                     allgather_impl=_gather_impl(config, self.backend, self.nodes),
+                                     verify=config.verify and world_size > 1)
+        self.verify = bool(self.config.verify)
         self._wire.counter = ByteCounter(metrics, self.nodes, rank)
         self._hpz = hpz_group_size(self.config.hpz_partition_size, self.nodes)
         self._secondary_span = secondary_span
@@ -172,6 +169,8 @@ class Communicator:
     def release(self) -> None:
         """At exit (exit_release.py): forget every work in flight and let go of the process group,
         destroying it where zero3 made it. The communicator is not usable afterwards."""
+        if self._gatherer.shared is not None:
+            self._gatherer.shared.release()
         self._verifier.forget()
         self._monitor.report = None  # and the store it reads
         group, self.group, self._wire.group = self.group, None, None
@@ -189,6 +188,39 @@ class Communicator:
         if kind is Kind.GRAD_REDUCE:
             return self._reduce_transport.dummy(shape, header, tag)
         return self._small.dummy_all_reduce(shape, header, tag)
+
+    # -- shared-memory gathers (shared.py [Note: shared shards]) ---------------------------------
+    def share_shards(self, specs: Sequence[SlotSpec]) -> SharedShards | None:
+        """A collective, with ``allgather_impl="shm"``: make this rank's arena for ``specs`` (the same on
+        every rank) and open every peer's; the caller binds the shards to `SharedShards.slot` and calls
+        `SharedShards.adopt`. None (on every rank) without ``shm``, or when some rank could not."""
+        if self.config.allgather_impl != "shm" or self.world_size == 1 or not specs:
+            return None
+        shared = SharedShards.create(self.rank, self.world_size, specs,
+                                     lambda obj: self.exchange_objects(obj, Tag(Kind.OBJECTS, "shared shards")),
+                                     self._shared_barrier)
+        self._gatherer.shared = shared
+        return shared
+
+    @property
+    def shared(self) -> SharedShards | None:
+        """The arenas gathers read from, or None."""
+        return self._gatherer.shared
+
+    def step_began(self) -> None:
+        """A step began: its first shared gather opens the window (a barrier)."""
+        if self._gatherer.shared is not None:
+            self._gatherer.shared.arm()
+
+    def step_ended(self, aborted: bool) -> None:
+        """The step ended (every rank calls this at the same point unless ``aborted``): the window
+        closes with a barrier, so no rank changes a shard while another reads it."""
+        if self._gatherer.shared is not None:
+            self._gatherer.shared.close(aborted)
+
+    def _shared_barrier(self, values: list[int], label: str) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        return [int(v) for v in self._small.all_reduce(t, Tag(Kind.ALL_REDUCE, label), op="max").tolist()]
 
     # -- parameters and gradients ----------------------------------------------------------------
     def all_gather_params(self, params: Sequence[ZeroParameter], tag: Tag, count: bool = True,
@@ -273,3 +305,33 @@ class Communicator:
                     raise error
                 raise rebuild_error(r, *desc)
         return [p for p, _ in items]
+
+
+def _reduce_impl(config: CommSettings, backend: str) -> str:
+    """``auto``: pairwise on gloo (its collectives measured ~2x slower than pairwise messages)."""
+    if config.reduce_impl != "auto":
+        return config.reduce_impl
+    return "p2p" if backend == "gloo" else "reduce_scatter"
+
+
+def _gather_impl(config: CommSettings, backend: str, nodes: Sequence[int]) -> str:
+    """``auto``: on gloo, shared memory when every rank is on one node and no ZeRO++ wire coding
+    asks for the wire (else pairwise); the backend's all-gather elsewhere. An explicit ``shm``
+    where it cannot work is refused."""
+    one_node = len(set(nodes)) == 1
+    if config.allgather_impl == "shm":
+        if backend not in ("gloo", "none"):
+            raise ZeroConfigError(f"allgather_impl='shm' reads CPU shards from shared memory; the {backend} backend "
+                                  "moves device tensors: use 'auto', 'all_gather' or 'p2p'")
+        if not one_node:
+            raise ZeroConfigError(f"allgather_impl='shm' needs every rank on one node, but the ranks' nodes are "
+                                  f"{list(nodes)}: use 'auto' (shared memory where it can) or 'p2p'")
+        if config.quantize_weights:
+            raise ZeroConfigError("allgather_impl='shm' moves exact shards and zero_quantized_weights asks for int8 "
+                                  "ones on the wire: choose one")
+        return "shm"
+    if config.allgather_impl != "auto":
+        return config.allgather_impl
+    if backend != "gloo":
+        return "all_gather"
+    return "shm" if one_node and not config.quantize_weights and config.hpz_partition_size == 1 else "p2p"

@@ -20,6 +20,7 @@ from ..partition import sharding
 from ..partition.param import ZeroParameter, alloc_full, raw_data
 from .codec import Layout, QuantizedCodec
 from .secondary import Secondary, SecondaryCutter
+from .shared import SharedShards
 from .streams import SideStream
 from .tags import Kind, Tag
 from .verifier import Verifier
@@ -158,8 +159,8 @@ def _dummy_pieces(w: Wire, shape: RequestShape, header: PayloadHeader, tag: Tag,
 
 
 def gather_transport(impl: str, wire: Wire) -> GatherTransport:
-    """The transport for a resolved ``allgather_impl``."""
-    return PairwiseGather(wire) if impl == "p2p" else CollectiveGather(wire)
+    """The transport for a resolved ``allgather_impl`` (``shm``: pairwise for what its arenas do not hold)."""
+    return PairwiseGather(wire) if impl in ("p2p", "shm") else CollectiveGather(wire)
 
 
 class ParamGatherer:
@@ -180,6 +181,7 @@ class ParamGatherer:
         self.codec = codec  # qwZ (None: exact values)
         self.secondary_span = secondary_span
         self.side = SideStream()
+        self.shared: SharedShards | None = None  # same-node arenas ([Note: shared shards]); set by the communicator
 
     def _count(self, params: Sequence[ZeroParameter]) -> None:
         numel = nbytes = 0
@@ -202,6 +204,9 @@ class ParamGatherer:
             self._count(params)
         if self.wire.world_size == 1:
             return self._local(params, tag)
+        shared = self.shared
+        if shared is not None and cutter is None and shared.covers(params) and shared.open():
+            return self._from_arenas(shared, params, tag)
         if quantize and self.codec is not None and all(p._zero.shard.is_floating_point() for p in params):
             return self._quantized(params, tag, cutter)
         if self.transport.direct(params):
@@ -217,6 +222,30 @@ class ParamGatherer:
                 event = self.side.record()
             return StreamGather(self.ctx, params, tag, event=event)
         copy_from_shards(params)
+        return ReadyGather(self.ctx, params, tag, done=True)
+
+    def _from_arenas(self, shared: SharedShards, params: Sequence[ZeroParameter], tag: Tag) -> GatherWork:
+        """Every peer's piece read from its arena straight into the parameter's storage, this rank's
+        copied from its shard ([Note: shared shards]): done when issued, nothing to verify, nothing
+        on the wire (counted in ``metrics.shared_read_bytes``, not ``recv_bytes``)."""
+        w = self.wire
+        rank, world = w.rank, w.world_size
+        read = 0  # not wire bytes: `recv_bytes` leaves them out
+        with label("zero3::shared_gather"):
+            for p in params:
+                z = p._zero
+                full = alloc_full(p)
+                n, s = z.numel, z.shard_numel
+                for q in range(world):
+                    lo, hi = piece(n, s, q)
+                    if hi <= lo:
+                        break
+                    if q == rank:
+                        full[lo:hi].copy_(z.shard[: hi - lo])
+                        continue
+                    shared.read(q, z.id, full[lo:hi])
+                    read += (hi - lo) * full.element_size()
+        self.metrics.shared_read_bytes += read
         return ReadyGather(self.ctx, params, tag, done=True)
 
     def _chunked(self, params: Sequence[ZeroParameter], tag: Tag, cutter: SecondaryCutter | None) -> GatherWork:

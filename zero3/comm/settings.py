@@ -13,7 +13,7 @@ from ..config import ZeroConfig
 from ..errors import ZeroConfigError
 
 REDUCE_IMPLS = ("auto", "reduce_scatter", "all_reduce", "p2p")
-GATHER_IMPLS = ("auto", "all_gather", "p2p")
+GATHER_IMPLS = ("auto", "all_gather", "p2p", "shm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +25,9 @@ class CommSettings:
         bucket_numel: largest number of elements one parameter all-gather moves.
         reduce_impl: ``reduce_scatter``, ``all_reduce`` (then slice), ``p2p`` (pairwise sends and
             receives, then a local sum) or ``auto`` (p2p on gloo, reduce-scatter elsewhere).
-        allgather_impl: ``all_gather``, ``p2p`` or ``auto`` (p2p on gloo, all-gather elsewhere).
+        allgather_impl: ``all_gather``, ``p2p``, ``shm`` (same-node shards read from shared memory
+            during steps, comm/shared.py; p2p otherwise) or ``auto`` (on gloo: shm when every rank
+            is on one node, else p2p; all-gather elsewhere).
         verify: verify every collective (verify.py), on every backend: unverified, ranks that issue
             different collectives of the same size mix their data silently. None reads as True.
         timeout_s: when > 0 and world size > 1, collectives run on a process group of their own
@@ -43,7 +45,7 @@ class CommSettings:
     overlap: bool = True
     bucket_numel: int = 1 << 62
     reduce_impl: Literal["auto", "reduce_scatter", "all_reduce", "p2p"] = "auto"
-    allgather_impl: Literal["auto", "all_gather", "p2p"] = "auto"
+    allgather_impl: Literal["auto", "all_gather", "p2p", "shm"] = "auto"
     verify: bool = True
     timeout_s: float = 0.0
     plans: int = 8

@@ -19,7 +19,7 @@ from .fields import KnobValues, check_fields, coerce, field_types, unknown_key_m
 logger = logging.getLogger(__name__)
 
 ReduceImpl = Literal["auto", "reduce_scatter", "all_reduce", "p2p"]
-GatherImpl = Literal["auto", "all_gather", "p2p"]
+GatherImpl = Literal["auto", "all_gather", "p2p", "shm"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
@@ -100,8 +100,10 @@ class CommConfig:
 
     allgather_impl: GatherImpl = "auto"
     """How parameters are all-gathered: ``all_gather``, ``p2p`` (every rank sends its shards to every
-    other rank), or ``auto``: p2p on gloo (measured 0.60x the wall time of gloo's all-gather),
-    all-gather elsewhere."""
+    other rank), ``shm`` (ranks on one node keep their fp32 shards in shared memory and read each
+    other's during a step, comm/shared.py; p2p for the rest), or ``auto``: on gloo, shm when every
+    rank is on one node and no ZeRO++ coding is on, else p2p (measured 0.60x the wall time of gloo's
+    all-gather); all-gather elsewhere."""
 
     verify_collectives: bool | None = None
     """Verify that every rank issues the same collectives (kind, size, parameters carried), so ranks

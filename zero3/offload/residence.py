@@ -121,6 +121,16 @@ class ShardStore:
         z.shard.untyped_storage().resize_(0)
         z.residence = to
 
+    def own_memory(self, p: ZeroParameter) -> None:
+        """A shard in a shared-memory arena (comm/shared.py) moves into memory of its own: same
+        values, same tensor (the optimizer keeps stepping on it), same residence."""
+        z = p._zero
+        if z.status is not ParamStatus.NOT_AVAILABLE or not z.residence.in_memory:
+            raise ZeroStateError(f"{z.summary()}: its shard moves only while it is not gathered and in memory")
+        own = z.shard.detach().clone()
+        with torch.no_grad():
+            z.shard.set_(own)
+
     def copy_out_of_span(self, p: ZeroParameter) -> None:
         """A shard read into a pool span moves into memory of its own (same values, same tensor)."""
         own = p._zero.shard.detach().clone()

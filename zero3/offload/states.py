@@ -104,6 +104,13 @@ class StatesOffload:
                                  f"to {self._where()}; call engine.reload_states() before offloading again")
         self._settle_swaps()
         tier = self._nvme(nvme_path) if device == "nvme" else None
+        shared = self.ctx.comm.shared
+        if tier is not None and StateKind.LP_PARAMS in kinds and shared is not None and shared.params:
+            # A shared-memory arena is one mapped file: it cannot be resized away. Each shard gets memory of
+            # its own (the same tensor), and gathers go back on the wire (comm/shared.py).
+            for p in shared.params:
+                self.ctx.store.own_memory(p)
+            shared.turn_off()
         moved: list[_Moved] = []
         seen: set[int] = set()
         for kind in kinds:

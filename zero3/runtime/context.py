@@ -56,7 +56,7 @@ from ..offload.residence import ShardStore
 from ..comm.topology import hpz_group_size
 from .adopt import take_from_rank0
 from .budget import MemoryBudget
-from .placement import place_shards
+from .placement import place_shards, share_shards
 
 logger = logging.getLogger(__name__)
 
@@ -286,6 +286,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
                                   boundary_numel=_prefetch_numel(config))
     ctx.coordinator.choose_persistent(ctx.params)
     place_shards(ctx.store, ctx.coordinator.shards, ctx.params)  # CPU memory or the drive, before the optimizer
+    share_shards(ctx.comm, ctx.store, ctx.coordinator.shards, ctx.params)  # allgather_impl="shm": into the arena
     if optimizer is not None:
         ctx.optimizer = PartitionedOptimizer(optimizer, ctx.params, config, ctx.comm, fp32_shards,
                                              model_parallel=ctx.model_parallel,

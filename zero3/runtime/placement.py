@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..comm.communicator import Communicator
+from ..comm.shared import SlotSpec
 from ..offload.nvme import ShardTier
 from ..offload.residence import ShardStore
-from ..partition.param import ZeroParameter
+from ..partition.param import ZeroParameter, raw_data
+from ..partition.state import ParamStatus, Residence
 
 
 def place_shards(store: ShardStore, tier: ShardTier | None, params: Sequence[ZeroParameter]) -> None:
@@ -29,3 +32,33 @@ def place_shards(store: ShardStore, tier: ShardTier | None, params: Sequence[Zer
             tier.offload(p)
     if tier is not None:
         tier.flush()
+
+
+def share_shards(comm: Communicator, store: ShardStore, tier: ShardTier | None,
+                 params: Sequence[ZeroParameter]) -> int:
+    """``allgather_impl="shm"`` (comm/shared.py [Note: shared shards]): move every shard that can into
+    this rank's shared-memory arena, so peers on this node gather it by reading it there. A
+    collective: call on every rank, after `place_shards` and before the optimizer takes the shards.
+    A shard can when it is in plain CPU memory, gathered into storage of its own dtype, the
+    optimizer steps on it (no separate master, which would move it into a flat buffer) and no shard
+    goes to the drive. Returns how many moved."""
+    if comm.config.allgather_impl != "shm" or comm.world_size == 1:
+        return 0
+    if tier is not None or store.placement.separate_masters:
+        return 0  # the same on every rank: one config
+    movable = [p for p in sorted(params, key=lambda q: q._zero.id) if _movable(p)]
+    shared = comm.share_shards([SlotSpec(p._zero.id, p._zero.shard_numel, p._zero.shard.dtype) for p in movable])
+    if shared is None:
+        return 0
+    for p in movable:
+        slot = shared.slot(SlotSpec(p._zero.id, p._zero.shard_numel, p._zero.shard.dtype))
+        slot.copy_(p._zero.shard)
+        store.rebind(p, slot)
+    shared.adopt(movable)
+    return len(movable)
+
+
+def _movable(p: ZeroParameter) -> bool:
+    z = p._zero
+    return (z.status is ParamStatus.NOT_AVAILABLE and z.residence is Residence.HOST and z.shard.device.type == "cpu"
+            and z.shard.dtype == raw_data(p).dtype and z.swap is None)

@@ -75,6 +75,7 @@ class StepLifecycle:
             check_phase(self.phase, phase)
             if self.phase is StepPhase.IDLE:
                 self._aborted = False  # a new step begins
+                self.ctx.comm.step_began()
             if phase is StepPhase.BACKWARD:
                 self._backward_t0 = time.perf_counter()
             elif self.phase is StepPhase.BACKWARD:
@@ -140,6 +141,7 @@ class StepLifecycle:
                 reducer.finish()
         finally:
             ctx.coordinator.end_step(aborted=aborted)
+            ctx.comm.step_ended(aborted)  # after the step's last gather, before anything writes a shard
             self.enter(StepPhase.IDLE)
             if aborted:
                 for comm in self._epoch_comms():
