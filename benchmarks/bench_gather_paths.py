@@ -51,6 +51,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(cfg)
     lean = zero3_config("zero3-prefetch", argparse.Namespace(n_embd=m["n_embd"], persistence=0, zero3_extra=None))
+    lean["allgather_impl"] = "p2p"  # the wire's two ways (on one host, auto would read shared memory instead)
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), lean)
     rank = dist.get_rank()
     auto = wire.DIRECT_MIN_BYTES

@@ -61,7 +61,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 VARIANTS = ("zero3", "zero3-prefetch", "zero3-noprefetch", "ddp", "fsdp2", "fsdp2-noreshard")
-EXTRA_VARIANTS = ("zero3-noverify", "zero3-collectives", "zero3-prefetch-noverify", "zero3-prefetch-tuned")
+EXTRA_VARIANTS = ("zero3-noverify", "zero3-collectives", "zero3-prefetch-noverify", "zero3-prefetch-tuned",
+                  "zero3-prefetch-wire")
 LABELS = {
     "zero3": "zero3, default config",
     "zero3-noverify": "zero3, default config, verify_collectives=False",
@@ -70,6 +71,7 @@ LABELS = {
     "zero3-noprefetch": "zero3, prefetch off",
     "zero3-prefetch-noverify": "zero3, prefetch on, verify_collectives=False",
     "zero3-prefetch-tuned": "zero3, prefetch on, verify off, reduce_bucket_size = 1 Block",
+    "zero3-prefetch-wire": "zero3, prefetch on, gathers on the wire (allgather_impl=p2p, not shared memory)",
     "ddp": "DDP",
     "fsdp2": "FSDP2 (fully_shard per Block + root), reshard_after_forward=True",
     "fsdp2-noreshard": "FSDP2 (fully_shard per Block + root), reshard_after_forward=False",
@@ -133,6 +135,8 @@ def zero3_config(variant: str, args: argparse.Namespace) -> dict:
         cfg["verify_collectives"] = False
     if variant == "zero3-prefetch-tuned":
         cfg["reduce_bucket_size"] = blk
+    if variant == "zero3-prefetch-wire":  # what shared-memory gathers (auto on one host) buy
+        cfg["allgather_impl"] = "p2p"
     return cfg
 
 

@@ -189,3 +189,24 @@ def test_allgather_impl_resolves_to_shared_memory_only_where_every_rank_shares_a
 def test_an_explicit_shm_where_it_cannot_work_is_refused(backend, nodes, extra, match):
     with pytest.raises(ZeroConfigError, match=match):
         _gather_impl(CommSettings(allgather_impl="shm", **extra), backend, nodes)
+
+
+def test_without_shared_memory_on_this_host_auto_keeps_the_wire_and_shm_is_refused(monkeypatch):
+    import zero3.comm.communicator as communicator
+    monkeypatch.setattr(communicator, "shared_memory_available", lambda: False)
+    assert _gather_impl(CommSettings(), "gloo", (0, 0)) == "p2p"
+    with pytest.raises(ZeroConfigError, match="needs Linux's /dev/shm"):
+        _gather_impl(CommSettings(allgather_impl="shm"), "gloo", (0, 0))
+
+
+def test_dropping_an_arena_closes_the_peers_files_it_held():
+    import gc
+    a, b = _create_both(lambda rank: [SlotSpec(0, 5, torch.float32)])
+    fd = a._fds[1]
+    os.fstat(fd)
+    del a
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    b.release()
+    assert b._fds == {}

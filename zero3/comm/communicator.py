@@ -37,7 +37,7 @@ from .exit_release import track_for_exit
 from .failure import FailureMonitor, rebuild_error
 from .gather import ParamGatherer, gather_transport
 from .secondary import Secondary, SecondaryCutter
-from .shared import SharedShards, SlotSpec
+from .shared import SharedShards, SlotSpec, available as shared_memory_available
 from .reduce import GradPiece, QuantizedReduction, ReduceBuffer, ReduceRequest, ReduceTransport, reduce_transport
 from .tags import Kind, Tag
 from .topology import hpz_group_size, node_identity, node_ids
@@ -318,11 +318,14 @@ def _gather_impl(config: CommSettings, backend: str, nodes: Sequence[int]) -> st
     """``auto``: on gloo, shared memory when every rank is on one node and no ZeRO++ wire coding
     asks for the wire (else pairwise); the backend's all-gather elsewhere. An explicit ``shm``
     where it cannot work is refused."""
-    one_node = len(set(nodes)) == 1
+    one_node = len(set(nodes)) == 1 and shared_memory_available()
     if config.allgather_impl == "shm":
         if backend not in ("gloo", "none"):
             raise ZeroConfigError(f"allgather_impl='shm' reads CPU shards from shared memory; the {backend} backend "
                                   "moves device tensors: use 'auto', 'all_gather' or 'p2p'")
+        if not shared_memory_available():
+            raise ZeroConfigError("allgather_impl='shm' needs Linux's /dev/shm, os.preadv and os.posix_fallocate, "
+                                  "which this host lacks: use 'auto' or 'p2p'")
         if not one_node:
             raise ZeroConfigError(f"allgather_impl='shm' needs every rank on one node, but the ranks' nodes are "
                                   f"{list(nodes)}: use 'auto' (shared memory where it can) or 'p2p'")

@@ -17,6 +17,11 @@ inside a step, in a *window* (`WindowState`) that opens at the step's first gath
 before. A barrier is a verified all-reduce of each rank's count of shards still in their slots:
 ranks that disagree (one moved its shards out) turn the window off for good, on every rank.
 
+An aborted step (an exception in forward or backward) closes without the barrier, since the other
+ranks may never reach it; they learn of the abort from the communicator's epoch. A rank that
+catches such an exception and changes shards before its next collective could still race a peer
+that is reading: the one case the window does not cover.
+
 A rank creates its arena when the engine is built (`SharedShards.create`, a collective), opens
 every peer's, and unlinks its own file once all have opened theirs, so no file outlives the job.
 """
@@ -28,7 +33,9 @@ import enum
 import hashlib
 import logging
 import os
+import sys
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -42,6 +49,21 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SLOT_ALIGN = 64  # bytes: every slot starts on a cache line
+
+
+def available() -> bool:
+    """Whether this host can share shards: Linux's ``/dev/shm``, ``preadv`` and ``posix_fallocate``."""
+    return sys.platform.startswith("linux") and os.path.isdir(SHM_DIR) and hasattr(os, "preadv") \
+        and hasattr(os, "posix_fallocate")
+
+
+def _close_all(fds: dict[int, int]) -> None:
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 class WindowState(enum.Enum):
@@ -104,6 +126,8 @@ class SharedShards:
         self.offsets, self.nbytes = layout(specs)
         self.arena = arena  # uint8, this rank's file mapped shared
         self._fds = peers  # group rank -> read-only descriptor of its arena
+        # An engine dropped before the process ends closes them (and so lets its peers' arenas go).
+        self._finalizer = weakref.finalize(self, _close_all, peers)
         self._barrier = barrier  # (values: list[int], label) -> every rank's max of each value
         base = arena.data_ptr()
         self._ptr = {pid: base + off for pid, off in self.offsets.items()}
@@ -234,12 +258,8 @@ class SharedShards:
         self.release()
 
     def release(self) -> None:
-        for fd in self._fds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fds = {}
+        """Close the peers' arenas (at exit, or when turned off)."""
+        _close_all(self._fds)
 
     # -- reads -----------------------------------------------------------------------------------
     def read(self, peer: int, p_id: int, into: torch.Tensor) -> None:
