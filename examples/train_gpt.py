@@ -15,7 +15,8 @@ nccl`` on GPUs). ZeRO++'s options: ``--hpz -1`` (secondary partition per node), 
 
 The model is built under ``zero3.Init`` (each rank only ever holds its shards plus one module),
 trained on the bytes of this repository's own text files, with AdamW and gradient clipping. Rank 0
-prints the loss per step, then the last step's received bytes by kind and node (intra / inter);
+prints the loss per step, then the last step's received bytes by kind and node (intra / inter)
+and what its gathers read from peers' shared memory (ranks on one host);
 every rank prints the parameter, gradient and optimizer bytes it holds against the full model's.
 ``--log-json PATH``: rank 0 also writes the losses and those figures there, with the corpus's size
 and CRC (the corpus is this repository's text, so it changes with the repository). docs/multinode.md.
@@ -114,12 +115,15 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         for kind, scopes in sorted(m.recv_bytes.items()):
             print(f"  received {kind:>20}: {scopes['intra']:>12,} B intra-node  {scopes['inter']:>12,} B inter-node",
                   flush=True)
+        if m.shared_read_bytes:  # ranks on one host gather from each other's shared memory, not the wire
+            print(f"  read from peers' shared memory ({engine.comm.config.allgather_impl}): {m.shared_read_bytes:,} B",
+                  flush=True)
         if args.log_json:
             with open(args.log_json, "w") as fh:
                 corpus_id = {"bytes": corpus.numel(), "crc32": zlib.crc32(bytes(corpus.tolist()))}
                 json.dump({"losses": losses, "seconds": elapsed, "world": world, "corpus": corpus_id,
                            "nodes": list(engine.comm.nodes),
-                           "hpz": engine.comm.hpz, "recv_bytes": m.recv_bytes,
+                           "hpz": engine.comm.hpz, "recv_bytes": m.recv_bytes, "shared_read_bytes": m.shared_read_bytes,
                            "peak_secondary_bytes": m.peak_secondary_bytes, "n_params": n_params}, fh)
 
 

@@ -136,7 +136,8 @@ class SharedShards:
 
     # -- set-up ----------------------------------------------------------------------------------
     @classmethod
-    def create(cls, rank: int, world: int, specs: Sequence[SlotSpec], exchange: Any, barrier: Any) -> SharedShards | None:
+    def create(cls, rank: int, world: int, specs: Sequence[SlotSpec], exchange: Any,
+               barrier: Any) -> SharedShards | None:
         """A collective: every rank makes its arena, opens every peer's, and unlinks its own file.
         ``exchange(obj)`` gives every rank's object; ``barrier`` as in `SharedShards`. None (on every
         rank) when some rank could not (no room in ``/dev/shm``, say): the gathers then travel on the
