@@ -1,7 +1,7 @@
 """Shared-memory gathers (comm/shared.py, ``allgather_impl="shm"``) on 2 gloo ranks of one host: the
 same training as gathers on the wire, bit for bit, with shards changed between steps by the
-optimizer, by ``GatheredParameters(modifier_rank=0)`` and by a checkpoint load, inference forwards
-in between, and ``offload_states`` to NVMe (which moves the shards out of the arenas, after which
+optimizer, by ``GatheredParameters(modifier_rank=0)`` and by a checkpoint load, and once inside a
+step (``GatheredParameters`` between forward and backward), inference forwards in between, and ``offload_states`` to NVMe (which moves the shards out of the arenas, after which
 gathers travel on the wire again)."""
 
 from __future__ import annotations
@@ -29,10 +29,14 @@ def _engine(impl: str) -> zero3.Engine:
     return zero3.initialize(model, opt, {**LEAN, "allgather_impl": impl})
 
 
-def _step(engine: zero3.Engine, step: int) -> float:
+def _step(engine: zero3.Engine, step: int, modify_inside: bool = False) -> float:
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = synthetic_batch(step, PER_RANK * world, CFG)
     loss = engine(x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK])
+    if modify_inside:  # a collective write-back between forward and backward: the window pauses
+        with zero3.GatheredParameters([engine.module.ln_f.weight], modifier_rank=0):
+            if rank == 0:
+                engine.module.ln_f.weight.data.mul_(0.5)
     engine.backward(loss)
     engine.step()
     return loss.item()
@@ -54,7 +58,7 @@ def run(impl: str, tmp: str) -> dict:
     engine = _engine(impl)
     losses, evals, shared, wire = [], [], [], []
     for step in range(6):
-        losses.append(_step(engine, step))
+        losses.append(_step(engine, step, modify_inside=step == 4))
         m = engine.last_step_metrics
         shared.append(m.shared_read_bytes)
         wire.append(m.received("all-gather"))
@@ -82,6 +86,8 @@ def test_shared_memory_gathers_train_bit_for_bit_like_gathers_on_the_wire(pools,
         assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"]))
         # Every gather of every step read the arenas; none went on the wire, except GatheredParameters'
         # between steps 1 and 2 (outside a step: on the wire, counted with step 2). Without shm: all on the wire.
+        # (Step 4's GatheredParameters, inside the step, read the arenas too: 0 on the wire; its write is
+        # seen by backward's gather after the pause, or the weights above would differ.)
         assert all(n > 0 for n in a["shared"]) and a["wire"] == [0, 0, CFG.n_embd * 4 // 2, 0, 0, 0], a
         assert b["shared"] == [0] * 6 and all(n > 0 for n in b["wire"]), b
         assert a["state"] == "IDLE"  # between steps the window is closed

@@ -78,6 +78,13 @@ def test_the_window_opens_once_per_step_with_a_barrier_and_closes_with_another()
     s.open()
     s.close(aborted=True)  # an aborted step: the other ranks learn it from the epoch, not from a barrier
     assert len(barrier.calls) == 3 and s.state is WindowState.IDLE
+    s.pause()  # between steps: nothing to pause
+    assert len(barrier.calls) == 3 and s.state is WindowState.IDLE
+    s.arm()
+    s.open()
+    s.pause()  # a collective write inside the step: a barrier now, and the next read opens again
+    assert barrier.calls[-1] == "shared-memory window pauses" and s.state is WindowState.ARMED
+    assert s.open() and barrier.calls[-1] == "shared-memory window opens" and len(barrier.calls) == 6
 
 
 def test_a_shard_outside_its_slot_is_not_read_and_ranks_that_disagree_turn_the_window_off():

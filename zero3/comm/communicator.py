@@ -218,6 +218,11 @@ class Communicator:
         if self._gatherer.shared is not None:
             self._gatherer.shared.close(aborted)
 
+    def shards_will_change(self) -> None:
+        """Every rank is about to change shards (a collective write-back): no peer reads them meanwhile."""
+        if self._gatherer.shared is not None:
+            self._gatherer.shared.pause()
+
     def _shared_barrier(self, values: list[int], label: str) -> list[int]:
         t = torch.tensor(values, dtype=torch.int64, device=self.device)
         return [int(v) for v in self._small.all_reduce(t, Tag(Kind.ALL_REDUCE, label), op="max").tolist()]

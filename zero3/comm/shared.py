@@ -9,11 +9,14 @@ piece straight from the peer's arena into the parameter's storage (``os.preadv``
 peer's memory, so a rank's resident set does not grow by its peers' shards). Nothing travels on
 the wire and no peer takes part: a read is not a collective.
 
-What makes a read safe is *when* it happens. A shard changes only between steps (the optimizer,
-``GatheredParameters`` write-backs, checkpoint loads, ``offload_states``), so reads happen only
+What makes a read safe is *when* it happens. zero3 changes shards between steps (the optimizer,
+checkpoint loads, ``offload_states``; ``GatheredParameters`` write-backs and the ``safe_set_*``
+accessors are meant for between steps too, `RuntimeContext.resident`), so reads happen only
 inside a step, in a *window* (`WindowState`) that opens at the step's first gather with a barrier
 (every rank finished what it wrote before the step) and closes at the step's end with another
-(every rank finished reading before anyone writes). Gathers outside steps travel pairwise as
+(every rank finished reading before anyone writes). A ``GatheredParameters(modifier_rank=...)``
+inside a step pauses the window with a barrier before it writes (`pause`: it is a collective);
+a rank-local ``safe_set_*`` call inside a step is not covered. Gathers outside steps travel pairwise as
 before. A barrier is a verified all-reduce of each rank's count of shards still in their slots:
 ranks that disagree (one moved its shards out) turn the window off for good, on every rank.
 
@@ -86,6 +89,7 @@ _WINDOW = {
     (WindowState.ARMED, WindowState.OPEN),
     (WindowState.ARMED, WindowState.IDLE),
     (WindowState.OPEN, WindowState.IDLE),
+    (WindowState.OPEN, WindowState.ARMED),  # paused for a collective write inside the step
     (WindowState.IDLE, WindowState.OFF),
     (WindowState.ARMED, WindowState.OFF),
     (WindowState.OPEN, WindowState.OFF),
@@ -248,6 +252,13 @@ class SharedShards:
             self._barrier([0], "shared-memory window closes")
         if self.state is WindowState.OPEN or self.state is WindowState.ARMED:
             self._enter(WindowState.IDLE)
+
+    def pause(self) -> None:
+        """Every rank is about to change shards inside a step (``GatheredParameters(modifier_rank=...)``,
+        a collective): the closing barrier now, and the next read opens the window again."""
+        if self.state is WindowState.OPEN:
+            self._barrier([0], "shared-memory window pauses")
+            self._enter(WindowState.ARMED)
 
     def turn_off(self) -> None:
         """For good (the shards leave their arenas: ``offload_states``); releases the descriptors."""

@@ -561,6 +561,7 @@ class GatheredParameters:
 
     def _publish(self) -> None:
         ctx = _owner(self.params)
+        ctx.comm.shards_will_change()  # inside a step: peers stop reading shared shards first
         if self.modifier_rank != LOCAL_MODIFIER and ctx.world_size > 1:
             flat = torch.cat([raw_data(p).reshape(-1) for p in self.params])
             ctx.comm.broadcast(flat, self.modifier_rank, Tag(Kind.BROADCAST, "GatheredParameters(modifier_rank="
