@@ -15,15 +15,16 @@ accessors are meant for between steps too, `RuntimeContext.resident`), so reads 
 inside a step, in a *window* (`WindowState`) that opens at the step's first gather with a barrier
 (every rank finished what it wrote before the step) and closes at the step's end with another
 (every rank finished reading before anyone writes). A ``GatheredParameters(modifier_rank=...)``
-inside a step pauses the window with a barrier before it writes (`pause`: it is a collective);
-a rank-local ``safe_set_*`` call inside a step is not covered. Gathers outside steps travel pairwise as
-before. A barrier is a verified all-reduce of each rank's count of shards still in their slots:
-ranks that disagree (one moved its shards out) turn the window off for good, on every rank.
+inside a step pauses the window with a barrier before it writes (`pause`: it is a collective).
+Gathers outside steps travel pairwise as before. Each barrier is a verified all-reduce; the
+opening one carries each rank's count of shards still in their slots, and ranks that disagree
+(one moved its shards out) turn the window off for good, on every rank.
 
-An aborted step (an exception in forward or backward) closes without the barrier, since the other
-ranks may never reach it; they learn of the abort from the communicator's epoch. A rank that
-catches such an exception and changes shards before its next collective could still race a peer
-that is reading: the one case the window does not cover.
+Two cases the window does not cover. An aborted step (an exception in forward or backward) closes
+without the barrier, since the other ranks may never reach it (they learn of the abort from the
+communicator's epoch): a rank that catches the exception and changes shards before its next
+collective could race a peer that is still reading. And a rank-local ``safe_set_*`` call inside
+a step (documented for between steps, not enforced).
 
 A rank creates its arena when the engine is built (`SharedShards.create`, a collective), opens
 every peer's, and unlinks its own file once all have opened theirs, so no file outlives the job.
@@ -46,7 +47,6 @@ import torch
 
 from ..errors import ZeroStateError
 from ..partition.param import ZeroParameter
-from .tags import Kind, Tag
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ class WindowState(enum.Enum):
 
     - IDLE: between steps; gathers go on the wire.
     - ARMED: a step began; its first shared gather opens the window (a barrier).
-    - OPEN: reads allowed until the step ends (a barrier).
+    - OPEN: reads allowed until the step ends (a barrier), or a collective write pauses it (a
+      barrier, then ARMED again).
     - OFF: for good (ranks disagreed, or the shards left their arenas); gathers go on the wire.
     """
 
