@@ -54,7 +54,7 @@ class P:
 
 def _arena(specs, barrier) -> SharedShards:
     offsets, nbytes = layout(specs)
-    return SharedShards(0, 2, specs, torch.zeros(nbytes, dtype=torch.uint8), {}, barrier)
+    return SharedShards(specs, torch.zeros(nbytes, dtype=torch.uint8), {}, barrier)
 
 
 def test_the_window_opens_once_per_step_with_a_barrier_and_closes_with_another():
@@ -118,7 +118,7 @@ def _create_both(specs_of) -> list:
             got = list(box)
             sync.wait()
             return got
-        out[rank] = SharedShards.create(rank, 2, specs_of(rank), exchange, FakeBarrier())
+        out[rank] = SharedShards.create(rank, specs_of(rank), exchange, FakeBarrier())
 
     threads = [threading.Thread(target=make, args=(r,), name=f"rank{r}") for r in range(2)]
     for t in threads:

@@ -196,7 +196,7 @@ class Communicator:
         `SharedShards.adopt`. None (on every rank) without ``shm``, or when some rank could not."""
         if self.config.allgather_impl != "shm" or self.world_size == 1 or not specs:
             return None
-        shared = SharedShards.create(self.rank, self.world_size, specs,
+        shared = SharedShards.create(self.rank, specs,
                                      lambda obj: self.exchange_objects(obj, Tag(Kind.OBJECTS, "shared shards")),
                                      self._shared_barrier)
         self._gatherer.shared = shared

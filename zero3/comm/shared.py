@@ -123,12 +123,9 @@ def layout(specs: Sequence[SlotSpec]) -> tuple[dict[int, int], int]:
 class SharedShards:
     """This rank's arena and its peers' (see [Note: shared shards]). Built by `create`."""
 
-    def __init__(self, rank: int, world: int, specs: Sequence[SlotSpec], arena: torch.Tensor,
-                 peers: dict[int, int], barrier: Any) -> None:
-        self.rank = rank
-        self.world = world
-        self.specs = {s.id: s for s in specs}
-        self.offsets, self.nbytes = layout(specs)
+    def __init__(self, specs: Sequence[SlotSpec], arena: torch.Tensor, peers: dict[int, int],
+                 barrier: Any) -> None:
+        self.offsets = layout(specs)[0]
         self.arena = arena  # uint8, this rank's file mapped shared
         self._fds = peers  # group rank -> read-only descriptor of its arena
         # An engine dropped before the process ends closes them (and so lets its peers' arenas go).
@@ -141,8 +138,7 @@ class SharedShards:
 
     # -- set-up ----------------------------------------------------------------------------------
     @classmethod
-    def create(cls, rank: int, world: int, specs: Sequence[SlotSpec], exchange: Any,
-               barrier: Any) -> SharedShards | None:
+    def create(cls, rank: int, specs: Sequence[SlotSpec], exchange: Any, barrier: Any) -> SharedShards | None:
         """A collective: every rank makes its arena, opens every peer's, and unlinks its own file.
         ``exchange(obj)`` gives every rank's object; ``barrier`` as in `SharedShards`. None (on every
         rank) when some rank could not (no room in ``/dev/shm``, say): the gathers then travel on the
@@ -190,7 +186,7 @@ class SharedShards:
         assert arena is not None
         logger.info("zero3: shared-memory gathers: %d parameter shards, %.1f MiB per rank in %s",
                     len(specs), nbytes / 2**20, SHM_DIR)
-        return cls(rank, world, specs, arena, fds, barrier)
+        return cls(specs, arena, fds, barrier)
 
     def slot(self, spec: SlotSpec) -> torch.Tensor:
         """This rank's slot for ``spec`` as a tensor of its dtype (to bind the shard to)."""

@@ -47,11 +47,12 @@ def share_shards(comm: Communicator, store: ShardStore, tier: ShardTier | None,
     if tier is not None or store.placement.separate_masters:
         return 0  # the same on every rank: one config
     movable = [p for p in sorted(params, key=lambda q: q._zero.id) if _movable(p)]
-    shared = comm.share_shards([SlotSpec(p._zero.id, p._zero.shard_numel, p._zero.shard.dtype) for p in movable])
+    specs = [SlotSpec(p._zero.id, p._zero.shard_numel, p._zero.shard.dtype) for p in movable]
+    shared = comm.share_shards(specs)
     if shared is None:
         return 0
-    for p in movable:
-        slot = shared.slot(SlotSpec(p._zero.id, p._zero.shard_numel, p._zero.shard.dtype))
+    for p, spec in zip(movable, specs):
+        slot = shared.slot(spec)
         slot.copy_(p._zero.shard)
         store.rebind(p, slot)
     shared.adopt(movable)
