@@ -43,12 +43,25 @@ def _in_memory(write: bool, kinds: tuple[str, ...], load: bool = True) -> Callab
             if not isinstance(ctx, RuntimeContext):
                 return fn(param, *args, **kwargs)
             ctx.require_states(fn.__name__, kinds)
+            if write and "lp_params" in kinds:
+                _refuse_racing_write(ctx, param, fn.__name__)
             if not load:
                 return fn(param, *args, **kwargs)
             with ctx.resident([param], write):
                 return fn(param, *args, **kwargs)
         return inner  # type: ignore[return-value]
     return wrap
+
+
+def _refuse_racing_write(ctx: RuntimeContext, param: ZeroParameter, what: str) -> None:
+    """Refuse, before anything changes, a write to a shard the other ranks may be reading from shared
+    memory now (inside a step, comm/shared.py [Note: shared shards]): no collective orders it."""
+    shared = ctx.comm.shared
+    if shared is not None and shared.may_be_read(param):
+        raise ZeroStateError(
+            f"{what}: called inside a step while the other ranks may be reading {param._zero.summary()}'s "
+            "shard from shared memory (allgather_impl='shm'); call it between steps (after engine.step() "
+            "or before the next forward), or set allgather_impl='p2p'")
 
 
 def _check(param: Any, what: str) -> ZeroParameter:

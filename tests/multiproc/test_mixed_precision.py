@@ -340,36 +340,39 @@ def test_frozen_params_get_no_master_grad_or_state_and_the_rest_trains_like_the_
 
 
 # -- model-state bytes ------------------------------------------------------------------------------
-def formula_bytes(world: int, frozen: tuple[str, ...]) -> int:
+def formula_bytes(world: int, frozen: tuple[str, ...], shared: bool) -> int:
     """docs/mixed_precision.md: per rank, with s = ceil(numel / world) and a(s) = s rounded up to
-    ALIGN_ELEMENTS: trainable 2·a(s) (bf16 shard in its flat buffer) + 4·s (fp32 gradient shard)
-    + 4·a(s) (fp32 master in its flat buffer) + 8·s (AdamW moments); frozen 2·s (bf16 shard only)."""
+    ALIGN_ELEMENTS: trainable 2·a(s) (bf16 shard in its flat buffer; 2·s when ``shared``, in its
+    shared-memory slot) + 4·s (fp32 gradient shard) + 4·a(s) (fp32 master in its flat buffer)
+    + 8·s (AdamW moments); frozen 2·s (bf16 shard only)."""
     torch.manual_seed(0)
     total = 0
     for name, p in GPT(CFG).named_parameters():
         s = -(-p.numel() // world)
         a = -(-s // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
-        total += 2 * s if name in frozen else 2 * a + 4 * s + 4 * a + 8 * s
+        total += 2 * s if name in frozen else 2 * (s if shared else a) + 4 * s + 4 * a + 8 * s
     return total
 
 
-def measure_memory(frozen: tuple[str, ...]) -> dict:
-    engine = make_engine("bf16", frozen=frozen)
+def measure_memory(frozen: tuple[str, ...], impl: str) -> dict:
+    engine = make_engine("bf16", frozen=frozen, allgather_impl=impl)
     for step in range(2):
         micro_batch(engine, step)
         report = engine.memory_report()  # at step 1: gradient shards and moments both exist
         engine.step()
-    return report
+    return {**report, "shared": engine.comm.shared is not None and bool(engine.comm.shared.params)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_model_state_bytes_per_rank_equal_the_documented_formula(pools, world):
+@pytest.mark.parametrize("impl", ["p2p", "shm"])
+def test_model_state_bytes_per_rank_equal_the_documented_formula(pools, world, impl):
     frozen = ("wpe.weight",)
     torch.manual_seed(0)
     full_numel = sum(p.numel() for p in GPT(CFG).parameters())
-    for m in pools.get(world).run(measure_memory, frozen):
+    for m in pools.get(world).run(measure_memory, frozen, impl):
+        assert m["shared"] == (impl == "shm")
         held = m["param_shard_bytes"] + m["grad_shard_bytes"] + m["optimizer_state_bytes"]
-        assert held == formula_bytes(world, frozen), (held, formula_bytes(world, frozen), m)
+        assert held == formula_bytes(world, frozen, m["shared"]), (held, formula_bytes(world, frozen, m["shared"]), m)
         assert m["gathered_param_bytes"] == 0
         assert m["full_param_bytes"] == 2 * full_numel  # bf16 parameters
         # alignment of this tiny model's small shards aside: 18/N bytes per parameter, 2 (bf16 weight)
@@ -406,7 +409,8 @@ def train_offload(steps: int) -> dict:
         state = {p._zero.name: engine.optimizer_state(p) for p in engine.params}
         out[mode] = {"losses": losses, "params": full_params(engine),
                      "state": {n: s["exp_avg_sq"].clone() for n, s in state.items()},
-                     "distinct": fg.master.untyped_storage().data_ptr() != fg.low.untyped_storage().data_ptr(),
+                     "distinct": fg.master.untyped_storage().data_ptr() not in  # masters apart from the shards
+                     {p._zero.shard.untyped_storage().data_ptr() for p in fg.params},
                      "devices": {str(fg.master.device)} | {str(s["exp_avg"].device) for s in state.values()}}
     return out
 

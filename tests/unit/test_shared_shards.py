@@ -75,16 +75,46 @@ def test_the_window_opens_once_per_step_with_a_barrier_and_closes_with_another()
     s.close(aborted=False)  # armed, never opened: nothing was read, no barrier
     assert len(barrier.calls) == 2 and s.state is WindowState.IDLE
     s.arm()
-    s.open()
-    s.close(aborted=True)  # an aborted step: the other ranks learn it from the epoch, not from a barrier
-    assert len(barrier.calls) == 3 and s.state is WindowState.IDLE
+    assert not s.close(aborted=True)  # aborted before any read: no barrier, and no peer got past the opening
+    assert len(barrier.calls) == 2 and s.state is WindowState.IDLE
     s.pause()  # between steps: nothing to pause
-    assert len(barrier.calls) == 3 and s.state is WindowState.IDLE
+    assert len(barrier.calls) == 2 and s.state is WindowState.IDLE
     s.arm()
     s.open()
     s.pause()  # a collective write inside the step: a barrier now, and the next read opens again
     assert barrier.calls[-1] == "shared-memory window pauses" and s.state is WindowState.ARMED
-    assert s.open() and barrier.calls[-1] == "shared-memory window opens" and len(barrier.calls) == 6
+    assert s.open() and barrier.calls[-1] == "shared-memory window opens" and len(barrier.calls) == 5
+
+
+def test_a_step_aborted_while_reading_moves_the_shards_out_so_later_writes_miss_what_peers_read():
+    """No barrier closes an aborted step, so a peer may still be reading: the shards leave the arena
+    (same tensors, same values) and later writes land in memory of their own, not in the slots."""
+    from zero3.config import ZeroConfig
+    from zero3.offload.policy import PlacementPolicy
+    from zero3.offload.residence import ShardStore
+    from zero3.partition.state import Residence
+
+    specs = [SlotSpec(0, 10, torch.float32), SlotSpec(1, 7, torch.float32)]
+    barrier = FakeBarrier(others=[[2, -2]])
+    s = _arena(specs, barrier)
+    ps = [P(sp.id, s.slot(sp)) for sp in specs]
+    for p, v in zip(ps, (1.0, 2.0)):
+        p._zero.shard.fill_(v)
+        p._zero.residence = Residence.HOST
+    s.adopt(ps)
+    s.arm()
+    s.open()
+    assert s.close(aborted=True) and barrier.calls == ["shared-memory window opens"]  # no closing barrier
+    shards = [p._zero.shard for p in ps]
+    arena = s.arena
+    s.evacuate(ShardStore(PlacementPolicy.from_config(ZeroConfig())).own_memory)
+    assert s.state is WindowState.OFF and not s.covers(ps) and s.params == []
+    assert all(p._zero.shard is t for p, t in zip(ps, shards))  # the same tensors ...
+    assert ps[0]._zero.shard.eq(1.0).all() and ps[1]._zero.shard.eq(2.0).all()  # ... with their values
+    for p in ps:
+        p._zero.shard.fill_(9.0)  # a write after the abort (a checkpoint load, say)
+    peer_view = [arena[s.offsets[sp.id]: s.offsets[sp.id] + sp.nbytes].view(torch.float32) for sp in specs]
+    assert peer_view[0].eq(1.0).all() and peer_view[1].eq(2.0).all()  # what a late peer reads is untouched
 
 
 def test_a_shard_outside_its_slot_is_not_read_and_ranks_that_disagree_turn_the_window_off():

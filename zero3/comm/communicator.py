@@ -212,11 +212,11 @@ class Communicator:
         if self._gatherer.shared is not None:
             self._gatherer.shared.arm()
 
-    def step_ended(self, aborted: bool) -> None:
+    def step_ended(self, aborted: bool) -> bool:
         """The step ended (every rank calls this at the same point unless ``aborted``): the window
-        closes with a barrier, so no rank changes a shard while another reads it."""
-        if self._gatherer.shared is not None:
-            self._gatherer.shared.close(aborted)
+        closes with a barrier, so no rank changes a shard while another reads it. True when an
+        aborted step left peers possibly reading this rank's arena (`SharedShards.close`)."""
+        return self._gatherer.shared is not None and self._gatherer.shared.close(aborted)
 
     def shards_will_change(self) -> None:
         """Every rank is about to change shards (a collective write-back): no peer reads them meanwhile."""

@@ -20,11 +20,15 @@ Gathers outside steps travel pairwise as before. Each barrier is a verified all-
 opening one carries each rank's count of shards still in their slots, and ranks that disagree
 (one moved its shards out) turn the window off for good, on every rank.
 
-Two cases the window does not cover. An aborted step (an exception in forward or backward) closes
-without the barrier, since the other ranks may never reach it (they learn of the abort from the
-communicator's epoch): a rank that catches the exception and changes shards before its next
-collective could race a peer that is still reading. And a rank-local ``safe_set_*`` call inside
-a step (documented for between steps, not enforced).
+An aborted step (an exception in forward or backward) closes without the barrier, since the other
+ranks may never reach it (they learn of the abort from the communicator's epoch), so a peer may
+still be reading this rank's arena while this rank goes on and writes its shards (a checkpoint
+load, say). So when the window was open, the rank's shards move into memory of their own (same
+tensors) and sharing turns off for good (runtime/step.py): its later writes never touch what a
+peer reads, and the peers, which abort at their next collective with this rank, do the same, so
+every rank's gathers go on the wire from then on. A rank-local ``safe_set_*_fp32_param`` inside an
+open window is refused (`may_be_read`); a user's own in-place change of a shard tensor inside a
+step is not seen.
 
 A rank creates its arena when the engine is built (`SharedShards.create`, a collective), opens
 every peer's, and unlinks its own file once all have opened theirs, so no file outlives the job.
@@ -41,7 +45,7 @@ import sys
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -214,6 +218,11 @@ class SharedShards:
                 return False
         return True
 
+    def may_be_read(self, p: ZeroParameter) -> bool:
+        """Whether a peer may be reading ``p``'s shard now (the window is open and the shard is in
+        its slot): a rank-local write to it now would race that read."""
+        return self.state is WindowState.OPEN and self.bound(p)
+
     # -- the window ------------------------------------------------------------------------------
     def _enter(self, new: WindowState) -> None:
         if (self.state, new) not in _WINDOW:
@@ -242,13 +251,20 @@ class SharedShards:
         self._enter(WindowState.OPEN)
         return True
 
-    def close(self, aborted: bool) -> None:
-        """The step ended: the closing barrier (every rank finished reading), unless it was aborted
-        (the other ranks learn that from the communicator's epoch, not from here)."""
-        if self.state is WindowState.OPEN and not aborted:
+    def close(self, aborted: bool) -> bool:
+        """The step ended: the closing barrier (every rank finished reading). An aborted step has no
+        barrier (the other ranks may never reach it; they learn of the abort from the
+        communicator's epoch), so if the window was open a peer may still be reading this rank's
+        arena: returns True then, and the caller moves the shards out (`turn_off`) before anything
+        can write them. A window that was only armed saw no read: no peer got past the opening
+        barrier this rank never joined."""
+        if self.state is WindowState.OPEN and aborted:
+            return True
+        if self.state is WindowState.OPEN:
             self._barrier([0], "shared-memory window closes")
         if self.state is WindowState.OPEN or self.state is WindowState.ARMED:
             self._enter(WindowState.IDLE)
+        return False
 
     def pause(self) -> None:
         """Every rank is about to change shards inside a step (``GatheredParameters(modifier_rank=...)``,
@@ -256,6 +272,15 @@ class SharedShards:
         if self.state is WindowState.OPEN:
             self._barrier([0], "shared-memory window pauses")
             self._enter(WindowState.ARMED)
+
+    def evacuate(self, own_memory: Callable[[ZeroParameter], None]) -> None:
+        """Every shard still in its slot moves out (``own_memory``: into memory of its own, the same
+        tensor), and sharing turns off for good: after an aborted step peers may still read the
+        arena, and ``offload_states`` cannot empty a mapped file in place."""
+        for p in self.params:
+            if self.bound(p):
+                own_memory(p)
+        self.turn_off()
 
     def turn_off(self) -> None:
         """For good (the shards leave their arenas: ``offload_states``); releases the descriptors."""

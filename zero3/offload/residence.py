@@ -123,10 +123,11 @@ class ShardStore:
 
     def own_memory(self, p: ZeroParameter) -> None:
         """A shard in a shared-memory arena (comm/shared.py) moves into memory of its own: same
-        values, same tensor (the optimizer keeps stepping on it), same residence."""
+        values, same tensor (the optimizer keeps stepping on it), same residence. A gathered
+        parameter's full tensor is apart from its shard, so it may be gathered (persistent ones are)."""
         z = p._zero
-        if z.status is not ParamStatus.NOT_AVAILABLE or not z.residence.in_memory:
-            raise ZeroStateError(f"{z.summary()}: its shard moves only while it is not gathered and in memory")
+        if not z.residence.in_memory:
+            raise ZeroStateError(f"{z.summary()}: its shard moves into memory of its own only while it is in memory")
         own = z.shard.detach().clone()
         with torch.no_grad():
             z.shard.set_(own)

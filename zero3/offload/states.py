@@ -108,9 +108,7 @@ class StatesOffload:
         if tier is not None and StateKind.LP_PARAMS in kinds and shared is not None and shared.params:
             # A shared-memory arena is one mapped file: it cannot be resized away. Each shard gets memory of
             # its own (the same tensor), and gathers go back on the wire (comm/shared.py).
-            for p in shared.params:
-                self.ctx.store.own_memory(p)
-            shared.turn_off()
+            shared.evacuate(self.ctx.store.own_memory)
         moved: list[_Moved] = []
         seen: set[int] = set()
         for kind in kinds:

@@ -12,7 +12,9 @@ optimizer gets a `FlatGroup`: two buffers with one layout,
   the group's ``params`` list is replaced by those views (class, hyperparameters, ``param_groups``
   and therefore LR schedulers are untouched; the state is keyed by the master view);
 - ``low``: the parameter shards in the parameter dtype, on the shard's device; ``p._zero.shard`` is
-  a view into it, so the all-gathers read from it.
+  a view into it, so the all-gathers read from it. Not made for a group with a shard in a
+  shared-memory arena (comm/shared.py [Note: shared shards]): peers read the shards there, so
+  they stay, and the masters are cast into them one parameter at a time.
 
 Every view starts at a multiple of ``ALIGN_ELEMENTS`` (64) elements: 128 bytes in a 2-byte buffer,
 256 in the fp32 one. Every rank's buffer holds only its own shards, and ranks have identical layouts
@@ -266,7 +268,8 @@ class PartitionedOptimizer:
             return FlatGroup(params=ps, offsets=offsets, master=None, low=None)
         master = self.placement.alloc_master(total, device)
         low = None
-        if self.shards is None:
+        shared = self.comm.shared
+        if self.shards is None and not (shared is not None and any(shared.bound(p) for p in ps)):
             pin = self.placement.pin_param_shards and device.type == "cpu"
             low = torch.zeros(total, dtype=dtype, device=device, pin_memory=pin)
         for p, off in zip(ps, offsets):

@@ -39,12 +39,13 @@ def share_shards(comm: Communicator, store: ShardStore, tier: ShardTier | None,
     """``allgather_impl="shm"`` (comm/shared.py [Note: shared shards]): move every shard that can into
     this rank's shared-memory arena, so peers on this node gather it by reading it there. A
     collective: call on every rank, after `place_shards` and before the optimizer takes the shards.
-    A shard can when it is in plain CPU memory, gathered into storage of its own dtype, the
-    optimizer steps on it (no separate master, which would move it into a flat buffer) and no shard
-    goes to the drive. Returns how many moved."""
+    A shard can when it is in plain CPU memory, gathered into storage of its own dtype, and no shard
+    goes to the drive. Under mixed precision (or optimizer offload) the optimizer then leaves the
+    shards in their slots and casts its fp32 masters into them one by one, instead of moving them
+    into a flat buffer (optim/optimizer.py [Note: flat master buffers]). Returns how many moved."""
     if comm.config.allgather_impl != "shm" or comm.world_size == 1:
         return 0
-    if tier is not None or store.placement.separate_masters:
+    if tier is not None:
         return 0  # the same on every rank: one config
     movable = [p for p in sorted(params, key=lambda q: q._zero.id) if _movable(p)]
     specs = [SlotSpec(p._zero.id, p._zero.shard_numel, p._zero.shard.dtype) for p in movable]

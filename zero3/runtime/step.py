@@ -141,7 +141,9 @@ class StepLifecycle:
                 reducer.finish()
         finally:
             ctx.coordinator.end_step(aborted=aborted)
-            ctx.comm.step_ended(aborted)  # after the step's last gather, before anything writes a shard
+            if ctx.comm.step_ended(aborted):  # after the step's last gather, before anything writes a shard
+                assert ctx.comm.shared is not None
+                ctx.comm.shared.evacuate(ctx.store.own_memory)  # aborted: peers may still read (comm/shared.py)
             self.enter(StepPhase.IDLE)
             if aborted:
                 for comm in self._epoch_comms():
