@@ -247,3 +247,47 @@ def test_dropping_an_arena_closes_the_peers_files_it_held():
         os.fstat(fd)
     b.release()
     assert b._fds == {}
+
+
+def test_a_closing_barrier_that_fails_moves_the_shards_out_too():
+    """A peer that aborted never joins the closing barrier, which then raises here: this rank may
+    still be read by that peer's late reads, so its shards leave the arena before the error goes on."""
+    from zero3.config import ZeroConfig
+    from zero3.errors import ZeroCommunicationError
+    from zero3.offload.policy import PlacementPolicy
+    from zero3.offload.residence import ShardStore
+    from zero3.partition.state import Residence
+    from zero3.runtime.step import close_window
+
+    class PeerGone(FakeBarrier):
+        def __call__(self, values, label):
+            if label.endswith("closes"):
+                raise ZeroCommunicationError("rank 1 raised RuntimeError in its forward")
+            return super().__call__(values, label)
+
+    specs = [SlotSpec(0, 10, torch.float32)]
+    s = _arena(specs, PeerGone(others=[[1, -1]]))
+    ps = [P(0, s.slot(specs[0]))]
+    ps[0]._zero.residence = Residence.HOST
+    s.adopt(ps)
+    comm = type("Comm", (), {"shared": s, "step_ended": lambda self, aborted: s.close(aborted)})()
+    store = ShardStore(PlacementPolicy.from_config(ZeroConfig()))
+    s.arm()
+    assert s.open()
+    with pytest.raises(ZeroCommunicationError, match="rank 1 raised"):
+        close_window(comm, store, aborted=False)
+    assert s.state is WindowState.OFF and not s.bound(ps[0])
+    # and the usual ends: a clean close keeps sharing, an aborted open window moves out
+    s2 = _arena(specs, FakeBarrier(others=[[1, -1]]))
+    q = [P(0, s2.slot(specs[0]))]
+    q[0]._zero.residence = Residence.HOST
+    s2.adopt(q)
+    comm2 = type("Comm", (), {"shared": s2, "step_ended": lambda self, aborted: s2.close(aborted)})()
+    s2.arm()
+    s2.open()
+    close_window(comm2, store, aborted=False)
+    assert s2.state is WindowState.IDLE and s2.bound(q[0])
+    s2.arm()
+    s2.open()
+    close_window(comm2, store, aborted=True)
+    assert s2.state is WindowState.OFF and not s2.bound(q[0])

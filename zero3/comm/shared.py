@@ -23,8 +23,9 @@ opening one carries each rank's count of shards still in their slots, and ranks 
 An aborted step (an exception in forward or backward) closes without the barrier, since the other
 ranks may never reach it (they learn of the abort from the communicator's epoch), so a peer may
 still be reading this rank's arena while this rank goes on and writes its shards (a checkpoint
-load, say). So when the window was open, the rank's shards move into memory of their own (same
-tensors) and sharing turns off for good (runtime/step.py): its later writes never touch what a
+load, say). So when the window was open (or the closing barrier failed, a peer having aborted),
+the rank's shards move into memory of their own (same tensors) and sharing turns off for good
+(`evacuate`, from runtime/step.py `close_window`): its later writes never touch what a
 peer reads, and the peers, which abort at their next collective with this rank, do the same, so
 every rank's gathers go on the wire from then on. A rank-local ``safe_set_*_fp32_param`` inside an
 open window is refused (`may_be_read`); a user's own in-place change of a shard tensor inside a

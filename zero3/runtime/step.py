@@ -21,6 +21,7 @@ import torch
 
 from ..comm.communicator import Communicator
 from ..errors import ZeroError, ZeroStateError
+from ..offload.residence import ShardStore
 from .context import RuntimeContext
 
 
@@ -55,6 +56,22 @@ _PHASES = {
 def check_phase(old: StepPhase, new: StepPhase) -> None:
     if old is not new and (old, new) not in _PHASES:
         raise ZeroStateError(f"illegal step phase change {old.name} -> {new.name}")
+
+
+def close_window(comm: Communicator, store: ShardStore, aborted: bool) -> None:
+    """Close the step's shared-memory window (comm/shared.py [Note: shared shards]). When a peer may
+    still be reading this rank's arena (the step aborted with the window open, or the closing
+    barrier failed because a peer aborted), the rank's shards first move into memory of their own
+    and sharing turns off, so nothing this rank writes later lands where a peer reads."""
+    left_open = False
+    try:
+        left_open = comm.step_ended(aborted)
+    except BaseException:
+        left_open = True
+        raise
+    finally:
+        if left_open and comm.shared is not None:
+            comm.shared.evacuate(store.own_memory)
 
 
 class StepLifecycle:
@@ -141,9 +158,7 @@ class StepLifecycle:
                 reducer.finish()
         finally:
             ctx.coordinator.end_step(aborted=aborted)
-            if ctx.comm.step_ended(aborted):  # after the step's last gather, before anything writes a shard
-                assert ctx.comm.shared is not None
-                ctx.comm.shared.evacuate(ctx.store.own_memory)  # aborted: peers may still read (comm/shared.py)
+            close_window(ctx.comm, ctx.store, aborted)  # after the step's last gather, before anything writes a shard
             self.enter(StepPhase.IDLE)
             if aborted:
                 for comm in self._epoch_comms():
