@@ -14,7 +14,10 @@ ride inside planned collectives (comm/verify.py); the other kinds count payload 
 
 @dataclass
 class StepMetrics:
-    """What one step did. ``engine.last_step_metrics`` holds the last finished step's copy."""
+    """What one step did. ``engine.last_step_metrics`` holds the last finished step's copy. The
+    counters run from one ``engine.step()`` to the next, so they include what happened in between:
+    inference forwards, gathers outside a step, and a step that raised (it never reached
+    ``engine.step()``)."""
 
     step: int = 0
     allgather_calls: int = 0
