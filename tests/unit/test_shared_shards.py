@@ -291,3 +291,45 @@ def test_a_closing_barrier_that_fails_moves_the_shards_out_too():
     s2.open()
     close_window(comm2, store, aborted=True)
     assert s2.state is WindowState.OFF and not s2.bound(q[0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["arm", "open", "close", "abort", "pause", "off"]), max_size=30))
+def test_reads_happen_only_between_an_opening_barrier_and_a_closing_one_or_an_evacuation(ops):
+    """Any sequence of window calls: reads (`covers`) are allowed only while ARMED or OPEN, each entry
+    into OPEN is an opening barrier, each way out of OPEN is a barrier (close, pause) or an aborted
+    close that tells the caller to move the shards out; a window that was turned off stays off."""
+    specs = [SlotSpec(0, 4, torch.float32)]
+    barrier = FakeBarrier(others=[[1, -1]])
+    s = _arena(specs, barrier)
+    ps = [P(0, s.slot(specs[0]))]
+    s.adopt(ps)
+    opened = 0
+    for op in ops:
+        before, calls = s.state, len(barrier.calls)
+        if op == "arm":
+            s.arm()
+        elif op == "open":
+            s.open()
+        elif op == "close":
+            assert s.close(aborted=False) is False
+        elif op == "abort":
+            left_open = s.close(aborted=True)
+            assert left_open == (before is WindowState.OPEN)
+            if left_open:
+                s.turn_off()  # what close_window does (evacuate, without shards to move here)
+        elif op == "pause":
+            s.pause()
+        else:
+            s.turn_off()
+        new = barrier.calls[calls:]
+        if s.state is WindowState.OPEN and before is not WindowState.OPEN:
+            opened += 1
+            assert new == ["shared-memory window opens"]
+        if before is WindowState.OPEN and s.state in (WindowState.IDLE, WindowState.ARMED):
+            assert len(new) == 1 and new[0] in ("shared-memory window closes", "shared-memory window pauses")
+        if before is WindowState.OFF:
+            assert s.state is WindowState.OFF and new == []
+        if s.state in (WindowState.IDLE, WindowState.OFF):
+            assert not s.covers(ps)
+    assert barrier.calls.count("shared-memory window opens") == opened
