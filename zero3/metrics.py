@@ -40,6 +40,7 @@ class StepMetrics:
     optimizer_seconds: float = 0.0  # wall time of the optimizer step (unscale, clip, step, copy back)
     p2p_recv_bytes: int = 0  # bytes this rank received in pairwise (isend/irecv) messages, exactly
     shared_read_bytes: int = 0  # bytes of peers' shards read from their arenas (comm/shared.py); not in recv_bytes
+    shared_reduce_bytes: int = 0  # bytes of gradient parts read from peers' outboxes (comm/shared_reduce.py); not in recv_bytes
     recv_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     """Bytes this rank received, by collective kind (``Kind.value``: "all-gather", "secondary
     all-gather", "gradient reduction", ... and "verification") and by scope ("intra" / "inter" node).

@@ -38,6 +38,7 @@ from .failure import FailureMonitor, rebuild_error
 from .gather import ParamGatherer, gather_transport
 from .secondary import Secondary, SecondaryCutter
 from .shared import SharedShards, SlotSpec, available as shared_memory_available
+from .shared_reduce import SharedOutbox, SharedReduce
 from .reduce import GradPiece, QuantizedReduction, ReduceBuffer, ReduceRequest, ReduceTransport, reduce_transport
 from .tags import Kind, Tag
 from .topology import hpz_group_size, node_identity, node_ids
@@ -102,8 +103,9 @@ class Communicator:
         if len(nodes) != world_size:
             raise ZeroConfigError(f"nodes must name the node of each of the {world_size} ranks, got {list(nodes)}")
         self.nodes = tuple(nodes)
-        self.config = config.replace(reduce_impl=_reduce_impl(config, self.backend),
-                                     allgather_impl=_gather_impl(config, self.backend, self.nodes),
+        gather_impl = _gather_impl(config, self.backend, self.nodes)
+        self.config = config.replace(reduce_impl=_reduce_impl(config, self.backend, gather_impl),
+                                     allgather_impl=gather_impl,
                                      verify=config.verify and world_size > 1)
         self.verify = bool(self.config.verify)
         self._wire.counter = ByteCounter(metrics, self.nodes, rank)
@@ -117,8 +119,10 @@ class Communicator:
                                        ctx, metrics, overlap=cfg.overlap, bucket_numel=cfg.bucket_numel,
                                        verify=self.verify, codec=codec if cfg.quantize_weights else None,
                                        secondary_span=secondary_span)
-        self._reduce_transport: ReduceTransport = reduce_transport(cfg.reduce_impl, self._wire, self._verifier, ctx,
-                                                                   cfg.overlap, self.verify)
+        self._reduce_transport: ReduceTransport = (
+            SharedReduce(self._wire, self._verifier, ctx, cfg.overlap, self.verify)
+            if cfg.reduce_impl == "shm" and world_size > 1
+            else reduce_transport(cfg.reduce_impl, self._wire, self._verifier, ctx, cfg.overlap, self.verify))
         self._reduction: ReduceTransport | QuantizedReduction = (
             QuantizedReduction(self._reduce_transport, codec) if cfg.quantize_gradients and world_size > 1
             else self._reduce_transport)
@@ -171,6 +175,8 @@ class Communicator:
         destroying it where zero3 made it. The communicator is not usable afterwards."""
         if self._gatherer.shared is not None:
             self._gatherer.shared.release()
+        if isinstance(self._reduce_transport, SharedReduce):
+            self._reduce_transport.release()
         self._verifier.forget()
         self._monitor.report = None  # and the store it reads
         group, self.group, self._wire.group = self.group, None, None
@@ -200,6 +206,12 @@ class Communicator:
                                      lambda obj: self.exchange_objects(obj, Tag(Kind.OBJECTS, "shared shards")),
                                      self._shared_barrier)
         self._gatherer.shared = shared
+        transport = self._reduce_transport
+        if shared is not None and isinstance(transport, SharedReduce) and transport.outbox is None:
+            outbox = SharedOutbox.create(self.rank, lambda obj: self.exchange_objects(
+                obj, Tag(Kind.OBJECTS, "shared reductions")))
+            if outbox is not None:
+                transport.share(outbox, shared)
         return shared
 
     @property
@@ -216,6 +228,8 @@ class Communicator:
         """The step ended (every rank calls this at the same point unless ``aborted``): the window
         closes with a barrier, so no rank changes a shard while another reads it. True when an
         aborted step left peers possibly reading this rank's arena (`SharedShards.close`)."""
+        if aborted and isinstance(self._reduce_transport, SharedReduce):
+            self._reduce_transport.forget()
         return self._gatherer.shared is not None and self._gatherer.shared.close(aborted)
 
     def shards_will_change(self) -> None:
@@ -312,11 +326,25 @@ class Communicator:
         return [p for p, _ in items]
 
 
-def _reduce_impl(config: CommSettings, backend: str) -> str:
-    """``auto``: pairwise on gloo (its collectives measured ~2x slower than pairwise messages)."""
+def _reduce_impl(config: CommSettings, backend: str, gather_impl: str) -> str:
+    """``auto``: on gloo, through shared memory where the gathers are (shared_reduce.py), else
+    pairwise (gloo's collectives measured ~2x slower than pairwise messages); the backend's
+    reduce-scatter elsewhere. An explicit ``shm`` where it cannot work is refused."""
+    if config.reduce_impl == "shm":
+        if gather_impl != "shm":
+            raise ZeroConfigError("reduce_scatter_impl='shm' passes gradient parts through shared memory inside the "
+                                  "steps' shared-memory window, which only shared-memory gathers open; here "
+                                  f"allgather_impl resolves to {gather_impl!r}: set allgather_impl to 'shm' or "
+                                  "'auto', or use reduce_scatter_impl 'p2p'")
+        if config.quantize_gradients:
+            raise ZeroConfigError("reduce_scatter_impl='shm' moves exact gradient parts and zero_quantized_gradients "
+                                  "asks for int8/int4 ones on the wire: choose one")
+        return "shm"
     if config.reduce_impl != "auto":
         return config.reduce_impl
-    return "p2p" if backend == "gloo" else "reduce_scatter"
+    if backend != "gloo":
+        return "reduce_scatter"
+    return "shm" if gather_impl == "shm" and not config.quantize_gradients else "p2p"
 
 
 def _gather_impl(config: CommSettings, backend: str, nodes: Sequence[int]) -> str:

@@ -12,7 +12,7 @@ from typing import Literal
 from ..config import ZeroConfig
 from ..errors import ZeroConfigError
 
-REDUCE_IMPLS = ("auto", "reduce_scatter", "all_reduce", "p2p")
+REDUCE_IMPLS = ("auto", "reduce_scatter", "all_reduce", "p2p", "shm")
 GATHER_IMPLS = ("auto", "all_gather", "p2p", "shm")
 
 
@@ -24,7 +24,9 @@ class CommSettings:
         overlap: issue parameter gathers and reductions asynchronously (side stream on CUDA).
         bucket_numel: largest number of elements one parameter all-gather moves.
         reduce_impl: ``reduce_scatter``, ``all_reduce`` (then slice), ``p2p`` (pairwise sends and
-            receives, then a local sum) or ``auto`` (p2p on gloo, reduce-scatter elsewhere).
+            receives, then a local sum), ``shm`` (p2p whose parts pass through shared memory while
+            the gathers' window is open, comm/shared_reduce.py) or ``auto`` (on gloo: shm where the
+            gathers are shm and qgZ is off, else p2p; reduce-scatter elsewhere).
         allgather_impl: ``all_gather``, ``p2p``, ``shm`` (same-node shards read from shared memory
             during steps, comm/shared.py; p2p otherwise) or ``auto`` (on gloo: shm when every rank
             is on one node, else p2p; all-gather elsewhere).
@@ -44,7 +46,7 @@ class CommSettings:
 
     overlap: bool = True
     bucket_numel: int = 1 << 62
-    reduce_impl: Literal["auto", "reduce_scatter", "all_reduce", "p2p"] = "auto"
+    reduce_impl: Literal["auto", "reduce_scatter", "all_reduce", "p2p", "shm"] = "auto"
     allgather_impl: Literal["auto", "all_gather", "p2p", "shm"] = "auto"
     verify: bool = True
     timeout_s: float = 0.0

@@ -33,6 +33,8 @@ step is not seen.
 
 A rank creates its arena when the engine is built (`SharedShards.create`, a collective), opens
 every peer's, and unlinks its own file once all have opened theirs, so no file outlives the job.
+Gradient reductions pass through shared memory inside the same window (shared_reduce.py
+[Note: shared reductions]).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from .fields import KnobValues, check_fields, coerce, field_types, unknown_key_m
 
 logger = logging.getLogger(__name__)
 
-ReduceImpl = Literal["auto", "reduce_scatter", "all_reduce", "p2p"]
+ReduceImpl = Literal["auto", "reduce_scatter", "all_reduce", "p2p", "shm"]
 GatherImpl = Literal["auto", "all_gather", "p2p", "shm"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -94,9 +94,11 @@ class CommConfig:
 
     reduce_scatter_impl: ReduceImpl = "auto"
     """How gradients are reduced: ``reduce_scatter``, ``all_reduce`` then slice, ``p2p`` (every rank
-    sends each other rank its chunk and sums what it receives), or ``auto``: p2p on gloo (measured
-    0.59x the wall time of gloo's reduce-scatter and 0.72x its all-reduce's; see
-    docs/performance.md), reduce-scatter elsewhere."""
+    sends each other rank its chunk and sums what it receives), ``shm`` (the same chunks passed
+    through shared memory while the gathers' shared-memory window is open, comm/shared_reduce.py;
+    needs shm gathers), or ``auto``: on gloo, shm where the gathers are shm and qgZ is off, else
+    p2p (measured 0.59x the wall time of gloo's reduce-scatter and 0.72x its all-reduce's; see
+    docs/performance.md); reduce-scatter elsewhere."""
 
     allgather_impl: GatherImpl = "auto"
     """How parameters are all-gathered: ``all_gather``, ``p2p`` (every rank sends its shards to every
