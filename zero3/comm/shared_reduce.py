@@ -59,10 +59,13 @@ from .works import ReduceWork, WaitContext
 
 logger = logging.getLogger(__name__)
 
-SLOT_BYTES = 32 << 20
-"""Bytes per outbox slot: a bucket whose rows for the peers are larger travels pairwise. It bounds
-what the outbox holds (two slots) under configs with one bucket for the whole model (DeepSpeed's
-default ``reduce_bucket_size``); the lean budget's Block buckets on the 86.7M GPT need 14 MiB."""
+SLOT_BYTES = 4 << 20
+"""Bytes per outbox slot: a bucket whose rows for the peers are larger travels pairwise. Measured on
+2 ranks (docs/performance.md, "Gradient reductions through shared memory"): with 1.5 MiB rows (the
+3.7M GPT's Blocks) shared reductions took 0.96x the step of pairwise ones; with 14 MiB rows (the
+86.7M GPT's) they were even (0.995x, CPU 1.007x) and held 15-27 MiB more at the peak: there the
+three extra copies on the rank's own thread (rows in, own part, rows out) cost what gloo's threads
+spent in the background. 4 MiB lies between the two measured sizes; it was not tuned further."""
 
 ROUTE = "@shm"
 """Appended to a planned reduction's dtype when it goes through the outboxes."""
@@ -135,6 +138,8 @@ class SharedOutbox:
                 os.close(own_fd)
             logger.warning("zero3: shared-memory reductions off (%s); gradient reductions travel on the wire", failed)
             return None
+        logger.info("zero3: shared-memory reductions: an outbox of 2 slots of %.0f MiB per rank in %s (pages "
+                    "allocated as rows are written)", slot_bytes / 2**20, SHM_DIR)
         return cls(arena, own_fd, fds, slot_bytes)
 
     def rows(self, slot: int, count: int, row: int, dtype: torch.dtype) -> torch.Tensor:
