@@ -67,13 +67,33 @@ def available() -> bool:
         and hasattr(os, "posix_fallocate")
 
 
-def _close_all(fds: dict[int, int]) -> None:
+def close_fds(fds: dict[int, int]) -> None:
+    """Close every descriptor in ``fds`` (ignoring ones closed already) and empty it."""
     for fd in fds.values():
         try:
             os.close(fd)
         except OSError:
             pass
     fds.clear()
+
+
+def open_peers(rank: int, paths: Sequence[str], error: str | None,
+               exchange: Callable[[Any], list[Any]]) -> tuple[dict[int, int], str | None]:
+    """A collective: open every peer's file in ``paths`` (by group rank) read-only, unless ``error``
+    (a rank failed already), then agree. (descriptors by rank, None), or ({}, the first rank's
+    error) on every rank when some rank failed."""
+    fds: dict[int, int] = {}
+    if error is None:
+        try:
+            for q, peer_path in enumerate(paths):
+                if q != rank:
+                    fds[q] = os.open(peer_path, os.O_RDONLY)
+        except OSError as exc:
+            error = f"rank {rank}: {type(exc).__name__}: {exc}"
+    failed = next((e for e in exchange(error) if e is not None), None)
+    if failed is not None:
+        close_fds(fds)
+    return fds, failed
 
 
 class WindowState(enum.Enum):
@@ -136,7 +156,7 @@ class SharedShards:
         self.arena = arena  # uint8, this rank's file mapped shared
         self._fds = peers  # group rank -> read-only descriptor of its arena
         # An engine dropped before the process ends closes them (and so lets its peers' arenas go).
-        self._finalizer = weakref.finalize(self, _close_all, peers)
+        self._finalizer = weakref.finalize(self, close_fds, peers)
         self._barrier = barrier  # (values: list[int], label) -> every rank's max of each value
         base = arena.data_ptr()
         self._ptr = {pid: base + off for pid, off in self.offsets.items()}
@@ -153,7 +173,7 @@ class SharedShards:
         a clean fallback now rather than a SIGBUS at the first write."""
         nbytes = layout(specs)[1]
         path = os.path.join(SHM_DIR, f"zero3-{os.getpid()}-{uuid.uuid4().hex}")
-        arena, made, fds = None, False, {}
+        arena, made, fds, failed = None, False, {}, None
         try:
             error = None
             try:
@@ -170,24 +190,14 @@ class SharedShards:
             error = next((e for e, _, _ in keys if e is not None), None)
             if error is None and len({k for _, _, k in keys}) != 1:
                 error = "the ranks hold different parameter shards"
-            if error is None:
-                try:
-                    for q, (_, peer_path, _) in enumerate(keys):
-                        if q != rank:
-                            fds[q] = os.open(peer_path, os.O_RDONLY)
-                except OSError as exc:
-                    error = f"rank {rank}: {type(exc).__name__}: {exc}"
-            errors = exchange(error)  # every rank opened every peer's file (or failed): each unlinks its own
+            fds, failed = open_peers(rank, [p for _, p, _ in keys], error, exchange)
         finally:
-            if made:
+            if made:  # every rank opened every peer's file (or failed): each unlinks its own
                 try:
                     os.unlink(path)
                 except OSError:
                     pass
-        failed = next((e for e in errors if e is not None), None)
         if failed is not None:
-            for fd in fds.values():
-                os.close(fd)
             logger.warning("zero3: shared-memory gathers off (%s); parameter gathers travel on the wire", failed)
             return None
         assert arena is not None
@@ -296,7 +306,7 @@ class SharedShards:
 
     def release(self) -> None:
         """Close the peers' arenas (at exit, or when turned off)."""
-        _close_all(self._fds)
+        close_fds(self._fds)
 
     # -- reads -----------------------------------------------------------------------------------
     def read(self, peer: int, p_id: int, into: torch.Tensor) -> None:

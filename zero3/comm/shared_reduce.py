@@ -50,7 +50,7 @@ import torch.distributed as dist
 from ..errors import ZeroStateError
 from ..metrics import VERIFICATION
 from .reduce import PairwiseReduce, ReduceRequest
-from .shared import SHM_DIR, SharedShards, WindowState
+from .shared import SHM_DIR, SharedShards, WindowState, close_fds, open_peers
 from .tags import Kind, Tag
 from .verifier import Verifier
 from .verify import HEADER_BYTES, PayloadHeader, RequestShape
@@ -71,15 +71,6 @@ ROUTE = "@shm"
 """Appended to a planned reduction's dtype when it goes through the outboxes."""
 
 
-def _close_all(fds: dict[int, int]) -> None:
-    for fd in fds.values():
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    fds.clear()
-
-
 class SharedOutbox:
     """This rank's outbox (two slots of `SLOT_BYTES`, mapped) and read descriptors of its peers'."""
 
@@ -88,7 +79,7 @@ class SharedOutbox:
         self.slot_bytes = slot_bytes
         self._fds = dict(peers)  # group rank -> read-only descriptor of its outbox
         self._fds[-1] = own_fd  # this rank's, for posix_fallocate; closed with the others
-        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+        self._finalizer = weakref.finalize(self, close_fds, self._fds)
         self._allocated = [0, 0]  # bytes of each slot whose pages exist
 
     @classmethod
@@ -99,8 +90,7 @@ class SharedOutbox:
         ``slot_bytes``: `SLOT_BYTES` (read now, so a test can move it) unless given."""
         slot_bytes = SLOT_BYTES if slot_bytes is None else slot_bytes
         path = os.path.join(SHM_DIR, f"zero3-outbox-{os.getpid()}-{uuid.uuid4().hex}")
-        arena, own_fd, fds, made = None, -1, {}, False
-        errors: list[Any] = []
+        arena, own_fd, fds, made, failed = None, -1, {}, False, "set-up did not finish"
         try:
             error = None
             try:
@@ -117,23 +107,14 @@ class SharedOutbox:
                 if st.f_bavail * st.f_frsize < len(paths) * 2 * slot_bytes:
                     error = (f"{SHM_DIR} has {st.f_bavail * st.f_frsize / 2**20:.0f} MiB free, less than "
                              f"{len(paths) * 2 * slot_bytes / 2**20:.0f} MiB for {len(paths)} outboxes")
-            if error is None:
-                try:
-                    for q, (_, peer_path) in enumerate(paths):
-                        if q != rank:
-                            fds[q] = os.open(peer_path, os.O_RDONLY)
-                except OSError as exc:
-                    error = f"rank {rank}: {type(exc).__name__}: {exc}"
-            errors = exchange(error)
+            fds, failed = open_peers(rank, [p for _, p in paths], error, exchange)
         finally:
             if made:
                 try:
                     os.unlink(path)
                 except OSError:
                     pass
-        failed = next((e for e in errors if e is not None), None)
         if failed is not None or arena is None:
-            _close_all(fds)
             if own_fd >= 0:
                 os.close(own_fd)
             logger.warning("zero3: shared-memory reductions off (%s); gradient reductions travel on the wire", failed)
@@ -166,7 +147,7 @@ class SharedOutbox:
 
     def release(self) -> None:
         """Close every descriptor (at exit)."""
-        _close_all(self._fds)
+        close_fds(self._fds)
 
 
 class SharedReduce(PairwiseReduce):
