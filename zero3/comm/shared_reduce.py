@@ -64,8 +64,8 @@ SLOT_BYTES = 4 << 20
 2 ranks (docs/performance.md, "Gradient reductions through shared memory"): with 1.5 MiB rows (the
 3.7M GPT's Blocks) shared reductions took 0.96x the step of pairwise ones; with 14 MiB rows (the
 86.7M GPT's) they were even (0.995x, CPU 1.007x) and held 15-27 MiB more at the peak: there the
-three extra copies on the rank's own thread (rows in, own part, rows out) cost what gloo's threads
-spent in the background. 4 MiB lies between the two measured sizes; it was not tuned further."""
+three copies on the rank's own thread (rows in, own part, rows out) seem to cost what gloo's
+threads spend beside it. 4 MiB lies between the two measured sizes; it was not tuned further."""
 
 ROUTE = "@shm"
 """Appended to a planned reduction's dtype when it goes through the outboxes."""
