@@ -113,8 +113,11 @@ def test_shared_sums_equal_pairwise_sums_bit_for_bit(bucket):
         for i, p in enumerate(pieces):
             lo, hi = piece(p.numel, p.shard_numel, r)
             want = torch.zeros(p.shard_numel, dtype=torch.float64)
+            size = torch.zeros(p.shard_numel, dtype=torch.float64)  # what fp32 rounding scales with
             for q in range(world):
                 if grads[q][i] is not None and hi > lo:
                     want[: hi - lo] += grads[q][i][lo:hi].double()
-            assert torch.allclose(out[off: off + p.shard_numel].double(), want, rtol=1e-5, atol=1e-5)
+                    size[: hi - lo] += grads[q][i][lo:hi].double().abs()
+            err = (out[off: off + p.shard_numel].double() - want).abs()
+            assert bool((err <= 1e-6 * size * world).all()), (err, size)
             off += p.shard_numel

@@ -62,8 +62,9 @@ logger = logging.getLogger(__name__)
 SLOT_BYTES = 4 << 20
 """Bytes per outbox slot: a bucket whose rows for the peers are larger travels pairwise. Measured on
 2 ranks (docs/performance.md, "Gradient reductions through shared memory"): with 1.5 MiB rows (the
-3.7M GPT's Blocks) shared reductions took 0.96x the step of pairwise ones; with 14 MiB rows (the
-86.7M GPT's) they were even (0.995x, CPU 1.007x) and held 15-27 MiB more at the peak: there the
+3.7M GPT's Blocks) shared reductions took 0.96x the step of pairwise ones, with 3.5-4.7 MiB rows
+(quarter-Block buckets of the 86.7M GPT) 0.976x; with 14 MiB rows (the 86.7M GPT's Blocks) they
+were even (0.995x, CPU 1.007x) and held 15-27 MiB more at the peak: there the
 three copies on the rank's own thread (rows in, own part, rows out) seem to cost what gloo's
 threads spend beside it. 4 MiB lies between the two measured sizes; it was not tuned further."""
 
