@@ -175,8 +175,7 @@ class Communicator:
         destroying it where zero3 made it. The communicator is not usable afterwards."""
         if self._gatherer.shared is not None:
             self._gatherer.shared.release()
-        if isinstance(self._reduce_transport, SharedReduce):
-            self._reduce_transport.release()
+        self._reduce_transport.release()
         self._verifier.forget()
         self._monitor.report = None  # and the store it reads
         group, self.group, self._wire.group = self.group, None, None
@@ -228,8 +227,8 @@ class Communicator:
         """The step ended (every rank calls this at the same point unless ``aborted``): the window
         closes with a barrier, so no rank changes a shard while another reads it. True when an
         aborted step left peers possibly reading this rank's arena (`SharedShards.close`)."""
-        if aborted and isinstance(self._reduce_transport, SharedReduce):
-            self._reduce_transport.forget()
+        if aborted:
+            self._reduce_transport.step_aborted()
         return self._gatherer.shared is not None and self._gatherer.shared.close(aborted)
 
     def shards_will_change(self) -> None:

@@ -73,6 +73,12 @@ class ReduceTransport:
     def reduce(self, req: ReduceRequest) -> ReduceWork:
         raise NotImplementedError
 
+    def step_aborted(self) -> None:
+        """A step was aborted: drop anything held for the next reduction (none here)."""
+
+    def release(self) -> None:
+        """At exit: let go of what the transport holds beside the process group (none here)."""
+
     def exchange_payloads(self, payloads: dict[int, torch.Tensor], tag: Tag | None, header_bytes: int
                           ) -> tuple[PairwiseWork, dict[int, torch.Tensor]]:
         """Send ``payloads[q]`` (the same size for every q, its last ``header_bytes`` a header) to each
@@ -236,9 +242,7 @@ class PairwiseReduce(ReduceTransport):
         # this rank's own part is added on arrival, with no copy). a + b == b + a exactly, and with
         # more ranks every element's sum runs in the same order, so results repeat bit for bit.
         out = torch.empty(total + counted, dtype=dtype, device=device)
-        grads = [p.grad.reshape(-1).to(dtype) if p.grad is not None else None for p in pieces]
-        presence = torch.tensor([1.0 if g is not None else 0.0 for piece_, g in zip(pieces, grads) if piece_.counted],
-                                dtype=dtype, device=device)
+        grads, presence = flat_grads(pieces, dtype, device)
         first = 1 if r == 0 else 0
         work, received = self._exchange_grads(pieces, grads, presence, header, dtype, device, req.tag, first_into=out)
 
@@ -360,9 +364,7 @@ class QuantizedReduction:
         shape = RequestShape(Kind.GRAD_REDUCE.value, (size,), f"quantized{bits}", False)
         header = verifier.planned(req.tag, shape)
         out = torch.zeros(total + counted, dtype=torch.float32, device=device)
-        grads = [p.grad.reshape(-1).float() if p.grad is not None else None for p in pieces]
-        bits_present = torch.tensor([1.0 if g is not None else 0.0 for p, g in zip(pieces, grads) if p.counted],
-                                    dtype=torch.float32, device=device)
+        grads, bits_present = flat_grads(pieces, torch.float32, device)
         payloads: dict[int, torch.Tensor] = {}
         for q in range(w):
             payload = torch.zeros(size + (HEADER_BYTES if tr.verify else 0), dtype=torch.uint8, device=wire.device)
@@ -404,6 +406,16 @@ class QuantizedReduction:
         if not tr.overlap:
             wire.monitor.wait(work, req.tag)
         return rw
+
+
+def flat_grads(pieces: Sequence[GradPiece], dtype: torch.dtype, device: torch.device
+               ) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+    """Each piece's gradient flat in ``dtype`` (None where there is none), and this rank's presence
+    bits (1 or 0) of the counted pieces."""
+    grads = [p.grad.reshape(-1).to(dtype) if p.grad is not None else None for p in pieces]
+    presence = torch.tensor([1.0 if g is not None else 0.0 for p, g in zip(pieces, grads) if p.counted],
+                            dtype=dtype, device=device)
+    return grads, presence
 
 
 def _fill_rows(req: ReduceRequest, rows: torch.Tensor, w: int) -> None:

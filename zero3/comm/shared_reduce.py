@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from ..errors import ZeroStateError
 from ..metrics import VERIFICATION
-from .reduce import PairwiseReduce, ReduceRequest
+from .reduce import PairwiseReduce, ReduceRequest, flat_grads
 from .shared import SHM_DIR, SharedShards, WindowState, close_fds, open_peers
 from .tags import Kind, Tag
 from .verifier import Verifier
@@ -166,12 +166,12 @@ class SharedReduce(PairwiseReduce):
     def share(self, outbox: SharedOutbox, window: SharedShards) -> None:
         self.outbox, self.window = outbox, window
 
-    def forget(self) -> None:
-        """An aborted step (sharing is off for good then, or was not open) or exit: hold no work."""
+    def step_aborted(self) -> None:
+        """Sharing is off for good then (or was not open in that step): hold no work."""
         self._last = None
 
     def release(self) -> None:
-        self.forget()
+        self._last = None
         if self.outbox is not None:
             self.outbox.release()
             self.outbox = None
@@ -193,9 +193,7 @@ class SharedReduce(PairwiseReduce):
                              False)
         header = self.verifier.planned(req.tag, shape)
         slot = self._next_slot(req.tag)
-        grads = [p.grad.reshape(-1).to(dtype) if p.grad is not None else None for p in pieces]
-        presence = torch.tensor([1.0 if g is not None else 0.0 for piece_, g in zip(pieces, grads) if piece_.counted],
-                                dtype=dtype, device=device)
+        grads, presence = flat_grads(pieces, dtype, device)
         assert self.outbox is not None
         out = torch.empty(row, dtype=dtype, device=device)
         with label("zero3::shared_reduce"):
