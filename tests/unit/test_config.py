@@ -405,3 +405,20 @@ def test_batch_sizes_must_be_positive_ints(key):
         ZeroConfig.from_dict({"zero_optimization": {}, key: 0})
     with pytest.raises(ZeroConfigError, match=rf"{key} must be None or an int >= 0, got 'auto'"):
         ZeroConfig.from_dict({"zero_optimization": {}, key: "auto"})
+
+
+def test_staged_step_is_read_from_deepspeeds_offload_section_and_refused_where_nothing_is_staged():
+    from zero3.config import OffloadConfig
+
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x",
+                                                                  "staged_step": False}}}
+    cfg = resolve_config(ds)
+    assert cfg.offload.offload_optimizer == "nvme" and cfg.offload.offload_optimizer_staged_step is False
+    assert resolve_config({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x"}}
+                          ).offload.offload_optimizer_staged_step is True
+    for device in ("none", "cpu"):
+        with pytest.raises(ZeroConfigError, match=r"offload_optimizer_staged_step=False only applies with "
+                                                  rf"offload_optimizer='nvme' \(got offload_optimizer='{device}'\)"):
+            OffloadConfig(offload_optimizer=device, offload_optimizer_staged_step=False)
+    with pytest.raises(ZeroConfigError, match=r"offload_optimizer_staged_step must be a bool, got 'no'"):
+        OffloadConfig(offload_optimizer="nvme", offload_optimizer_nvme_path="/tmp/x", offload_optimizer_staged_step="no")

@@ -200,7 +200,7 @@ class PrecisionConfig:
 OFFLOAD_SECTION_KEYS: dict[str, dict[str, str | None]] = {
     "offload_optimizer": {"device": "", "nvme_path": "_nvme_path", "pin_memory": "_pin_memory", "ratio": None,
                           "buffer_count": None, "fast_init": None, "pipeline_read": None, "pipeline_write": None,
-                          "pipeline": None},
+                          "pipeline": None, "staged_step": "_staged_step"},
     "offload_param": {"device": "", "nvme_path": "_nvme_path", "pin_memory": "_pin_memory",
                       "buffer_count": "_buffer_count", "buffer_size": "_buffer_size", "max_in_cpu": "_max_in_cpu"},
 }
@@ -225,6 +225,15 @@ class OffloadConfig:
 
     offload_optimizer_pin_memory: bool = False
     """Pin the CPU master buffer (DeepSpeed's ``offload_optimizer.pin_memory``); ignored without CUDA."""
+
+    offload_optimizer_staged_step: bool = True
+    """With ``offload_optimizer="nvme"``: write every step to a second region of each swap-file key,
+    so a step that fails on any rank is rolled back on every rank (optim/agreed_step.py [Note: agreed
+    optimizer step]). The price is drive space: two regions of every key, reserved at the first step
+    (fp32 AdamW with parameters on NVMe too: 24 bytes a parameter instead of 12). ``False`` writes in
+    place: half the drive, and a failed step is still reported on every rank, naming the failing
+    rank, but not undone (load the last checkpoint). zero3's own key (``offload_optimizer.staged_step``
+    in a DeepSpeed dict); DeepSpeed itself writes in place."""
 
     offload_param: OffloadDevice = "none"
     """Where parameter shards live (DeepSpeed's ``offload_param.device``). ``cpu``: in CPU memory
@@ -266,6 +275,10 @@ class OffloadConfig:
         check_fields(self)
         _at_least(self, 1, "offload_param_buffer_count", "offload_param_buffer_size", "sub_group_size",
                   "aio_thread_count")
+        if not self.offload_optimizer_staged_step and self.offload_optimizer != "nvme":
+            raise ZeroConfigError(
+                f"offload_optimizer_staged_step=False only applies with offload_optimizer='nvme' (got "
+                f"offload_optimizer={self.offload_optimizer!r}): only a step on the drive is staged; remove it")
         for tier in ("offload_param", "offload_optimizer"):
             if getattr(self, tier) == "nvme" and not getattr(self, f"{tier}_nvme_path"):
                 raise ZeroConfigError(

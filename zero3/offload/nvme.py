@@ -103,6 +103,8 @@ class StorageTier:
         if storage.nbytes() != rec.nbytes:
             raise ZeroStateError(f"swap {key!r}: the storage holds {storage.nbytes()} bytes, its region {rec.nbytes}")
         staged = self._staged.get(key) if self._staged is not None else None
+        if staged is not None and staged.before is None and rec.spare is None:  # new: its next step's region now
+            rec.spare = self.file.reserve(("spare", key), rec.nbytes)
         if staged is not None and staged.before is rec and not staged.written:  # keep the region read from
             if rec.spare is None:
                 rec.spare = self.file.region(("spare", key), rec.nbytes)

@@ -41,6 +41,7 @@ class PlacementPolicy:
     optimizer_device: str = "none"  # offload_optimizer: where masters and optimizer state live
     optimizer_pin_memory: bool = False  # pin the CPU masters
     optimizer_nvme_path: str = ""
+    optimizer_staged_step: bool = True  # the drive's optimizer step writes second regions (rollback)
     aio_threads: int = 1
     mixed_precision: bool = False  # a config dtype other than fp32: shards are cast, masters separate
 
@@ -54,6 +55,7 @@ class PlacementPolicy:
                    optimizer_device=config.offload.offload_optimizer,
                    optimizer_pin_memory=config.offload.offload_optimizer_pin_memory,
                    optimizer_nvme_path=config.offload.offload_optimizer_nvme_path or "",
+                   optimizer_staged_step=config.offload.offload_optimizer_staged_step,
                    aio_threads=config.offload.aio_thread_count, mixed_precision=config.precision.dtype != "fp32")
 
     # -- parameter shards ----------------------------------------------------------------------------
@@ -84,6 +86,11 @@ class PlacementPolicy:
     def optimizer_on_drive(self) -> bool:
         """Masters and optimizer state live on the drive between steps."""
         return self.optimizer_device == "nvme"
+
+    @property
+    def staged_step(self) -> bool:
+        """The optimizer step is staged on the drive, and so rolled back on every rank if it fails on one."""
+        return self.optimizer_on_drive and self.optimizer_staged_step
 
     @property
     def separate_masters(self) -> bool:

@@ -85,6 +85,22 @@ class SwapFile:
         self._regions[key] = (offset, nbytes)
         return offset
 
+    def reserve(self, key: Hashable, nbytes: int) -> int:
+        """`region`, with its blocks allocated on the drive now (not when first written), so a drive
+        too small fails here; raises ``OSError`` (ENOSPC: the drive is full) naming the file."""
+        offset = self.region(key, nbytes)
+        try:
+            os.posix_fallocate(self.fd, offset, aligned_nbytes(nbytes))
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # no fallocate here: first write allocates
+                return offset
+            raise OSError(exc.errno, f"zero3: reserving {aligned_nbytes(nbytes)} bytes at offset {offset} of the "
+                          f"{self.purpose} swap file under {os.path.dirname(self.path)!r} failed: {exc.strerror}. "
+                          "A staged optimizer step keeps two regions of every key on the drive; free space there, or "
+                          "set offload_optimizer_staged_step=False to write in place (half the drive, no "
+                          "rollback)") from exc
+        return offset
+
     def transfer(self, write: bool, offset: int, data: torch.Tensor, bounce: torch.Tensor) -> None:
         """Write ``data`` (a 1-D uint8 CPU tensor) at ``offset``, or read into it; blocking."""
         n = data.numel()

@@ -23,7 +23,13 @@ the step, and the step counters do not advance. What it does not undo: optimizer
 user registered have run on the ranks that got that far. The cost: a second region per key doubles
 the swap files, and the copy of the shards in memory is one shard's worth per parameter, held
 during the step. With only ``offload_param="nvme"`` (optimizer state in memory, updated in place)
-the step is agreed, so every rank raises naming the failing rank and its cause, but not rolled back.
+the step is agreed, so every rank raises naming the failing rank and its cause, but not rolled back;
+the same holds with ``offload_optimizer_staged_step=False``, which writes the drive in place.
+
+The second regions are the drive's largest cost: every key holds two from the first step on. A key
+the step creates (Adam's moments, in the first step) has no value to keep yet, but its second region
+is reserved then all the same (`SwapFile.reserve`, which allocates the blocks), so a drive too small
+for training fails the first step, rolled back, and not the second one after an hour of it.
 """
 
 from __future__ import annotations
@@ -45,8 +51,9 @@ from .precision import LossScaler
 @dataclasses.dataclass(frozen=True)
 class StepParts:
     """What a step changes: the user's optimizer, its trainable parameters, the tier of its state
-    (None: nothing is staged, only agreed), the tier of the parameter shards (None: in memory), the
-    loss scaler, and how to tell per-element state."""
+    (None: nothing is staged, only agreed), the tier of the parameter shards (None: in memory or not
+    staged), the loss scaler, how to tell per-element state, and why an unstaged step is (for its
+    error)."""
 
     optimizer: torch.optim.Optimizer
     params: list[ZeroParameter]
@@ -54,6 +61,7 @@ class StepParts:
     shards: ShardTier | None
     scaler: LossScaler | None
     per_element: Callable[[Any, int], bool]
+    unstaged: str = "the optimizer state is in memory and was not staged"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +115,9 @@ class AgreedStep:
                     "drive: free space on, or repair, that rank's nvme_path), then go on with the next batch or load "
                     "the last checkpoint")
         else:
-            what = (f"the optimizer step failed: rank {rank} failed: {message}. The optimizer state is in memory and "
-                    "was not staged, so the ranks may now differ: load the last checkpoint after fixing the cause")
+            what = (f"the optimizer step failed: rank {rank} failed: {message}. The step was not staged ("
+                    f"{self.parts.unstaged}), so the ranks may now differ: load the last checkpoint after fixing "
+                    "the cause")
         raise rebuild_error(rank, kind, what) from error
 
     def _agree(self, error: BaseException | None) -> list[tuple[int, str, str]]:

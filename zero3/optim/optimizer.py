@@ -210,11 +210,14 @@ class PartitionedOptimizer:
                                       "updates each parameter from its own state (Adam, AdamW, SGD, ...)")
             self.subgroups = _subgroups(self.group_params, config.offload.sub_group_size)
         # A step that reads and writes a drive happens on every rank or on none ([Note: agreed optimizer step]);
-        # it is staged (rolled back on failure) when the optimizer state is on the drive.
+        # it is staged (rolled back on failure) when the optimizer state is on the drive, unless asked not to.
+        staged = self.placement.staged_step
+        unstaged = ("it wrote the drive in place (offload_optimizer_staged_step=False)" if self.states is not None
+                    else "the optimizer state is in memory and was not staged")
         self.agreed = AgreedStep(StepParts(
             self.optimizer, [p for ps in self.group_params for p in ps],
-            self.states, self.shards, self.scaler, _per_element),
-            comm, model_parallel) if self.streamed else None
+            self.states if staged else None, self.shards if staged else None, self.scaler, _per_element,
+            unstaged), comm, model_parallel) if self.streamed else None
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build_masters(self, optimizer: Any, fp32_shards: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
