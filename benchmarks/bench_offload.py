@@ -19,11 +19,14 @@ offload and moves everything out with ``offload_states(device="nvme")`` and back
 
 Capacity (``--capacity``): GPTs with ``n_embd`` 2048 (16 heads, vocab 256, one sequence of 32
 tokens per rank; `DefaultInitGPT`: PyTorch's default init) and a growing number of layers, fp32,
-AdamW, without offload and with parameters and optimizer state on NVMe. For each mode the search
+AdamW, without offload and with parameters and optimizer state on NVMe (mode ``nvme``: the
+default staged step; ``nvme-inplace``: ``staged_step`` false; ``ds-nvme``: DeepSpeed's). For each mode the search
 starts at the size a simple memory/disk model predicts (or at ``--start-layers``), then moves one step (``--capacity-step``
 layers) up while attempts succeed, or down while they fail, at most ``--max-attempts`` times. An
 attempt succeeds when both ranks finish the optimizer steps asked for (``--capacity-steps``,
-default 1; the first step also creates AdamW's moments). An attempt is stopped (and counted as failed, with the reason) after
+default 2: the first step creates AdamW's moments, and only from the second on does a step hold on
+the drive and in memory what every later step holds; figures taken with 1 step, before 2026-12-02,
+say so). An attempt is stopped (and counted as failed, with the reason) after
 ``--attempt-timeout`` seconds, when the machine's MemAvailable falls below ``--memory-guard`` GiB
 (so this never drives the machine into its OOM killer), or when the drive's free space falls below
 ``--disk-floor`` GiB. Sizes whose predicted swap files exceed ``--disk-budget`` GiB (default: half
@@ -226,6 +229,7 @@ def run_variant(spec: dict[str, Any], timeout: float, guard: dict[str, float]) -
     for p in procs:
         p.start()
     outcome, low_mem, low_disk = "ok", _mem_available(), shutil.disk_usage(spec["nvme_path"]).free
+    disk_start = low_disk
     while any(p.is_alive() for p in procs):
         time.sleep(0.1)
         low_mem = min(low_mem, _mem_available())
@@ -258,12 +262,12 @@ def run_variant(spec: dict[str, Any], timeout: float, guard: dict[str, float]) -
     if outcome == "ok" and not all(f.get("done") for f in ranks):
         outcome = "failed: a rank did not finish (exit codes " + ", ".join(str(p.exitcode) for p in procs) + ")"
     return {"ranks": ranks, "outcome": outcome, "low_mem": low_mem, "low_disk": low_disk,
-            "wall": time.time() - t0}
+            "disk_used": disk_start - low_disk, "wall": time.time() - t0}
 
 
 # -- the memory figures --------------------------------------------------------------------------------------
 def _zero_config(n_embd: int, nvme_path: str, param: bool, optimizer: bool, pool_blocks: float = 2.0,
-                 sub_groups_per_block: int = 2) -> dict:
+                 sub_groups_per_block: int = 2, staged: bool = True) -> dict:
     """One Block per prefetch and per gradient bucket, three Blocks live at most; with NVMe offload a
     buffer pool of about ``pool_blocks`` Blocks' shards and optimizer sub-groups of a fraction of one."""
     block = 12 * n_embd * n_embd + 13 * n_embd
@@ -275,7 +279,7 @@ def _zero_config(n_embd: int, nvme_path: str, param: bool, optimizer: bool, pool
         cfg["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0, "buffer_count": count,
                                 "buffer_size": largest}
     if optimizer:
-        cfg["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path}
+        cfg["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "staged_step": staged}
         cfg["sub_group_size"] = block // sub_groups_per_block
     return cfg
 
@@ -357,22 +361,28 @@ def gpt_params(n_layer: int, c: int = CAP_EMBD) -> int:
     return n_layer * (12 * c * c + 13 * c) + (CAP_VOCAB + CAP_BLOCK) * c + 2 * c
 
 
-LABELS = {"none": "no offload", "nvme": "zero3, params + optimizer on NVMe",
+LABELS = {"none": "no offload", "nvme": "zero3, params + optimizer on NVMe (staged step)",
+          "nvme-inplace": "zero3, params + optimizer on NVMe, staged_step false",
           "ds-nvme": "DeepSpeed, params + optimizer on NVMe"}
+
+DRIVE_BYTES = {"none": 0, "nvme": 24, "nvme-inplace": 12, "ds-nvme": 20}
+"""Bytes per parameter on the drive, both ranks, from the second step on (fp32 AdamW): zero3 holds
+the shard and two moments (12), twice when the step is staged (a second region of each, reserved at
+the first step); DeepSpeed's measured at 3.48B in the first run (about 20)."""
 
 
 def _predicted_layers(mode: str, available: int, disk: int) -> int:
     """The largest layer count a simple model says fits: fp32 AdamW holds 16 bytes per parameter
     (parameter, gradient, two moments) over both ranks; without offload all of it is in memory,
-    with NVMe offload the gradients (4 bytes) stay in memory and 12 bytes go to the drive. Each rank
-    also holds about 1.5 GiB more (torch, gathered blocks, gradient buckets), 2 GiB with offload (the
-    buffer pool and the optimizer's sub-groups too)."""
+    with NVMe offload the gradients (4 bytes) stay in memory and `DRIVE_BYTES` go to the drive. Each
+    rank also holds about 1.5 GiB more (torch, gathered blocks, gradient buckets), 2 GiB with offload
+    (the buffer pool and the optimizer's sub-groups too)."""
     overhead = 2 * int((1.5 if mode == "none" else 2.0) * GIB)
     n = 1
     while True:
         p = gpt_params(n + 1)
         mem = (16 if mode == "none" else 4) * p + overhead
-        if mem > available or (mode != "none" and 12 * p > disk):
+        if mem > available or DRIVE_BYTES[mode] * p > disk:
             return n
         n += 1
 
@@ -396,7 +406,7 @@ def capacity(args: argparse.Namespace) -> None:
         for _ in range(args.max_attempts):
             if n < 1:
                 break
-            if mode != "none" and 12 * gpt_params(n) > budget:
+            if DRIVE_BYTES[mode] * gpt_params(n) > budget:
                 attempts.append((mode, n, {"outcome": "not attempted: its swap files would exceed the disk budget",
                                            "ranks": [{}, {}]}))
                 if up:
@@ -404,9 +414,10 @@ def capacity(args: argparse.Namespace) -> None:
                 n -= args.capacity_step
                 continue
             spec = {"model": {**model, "n_layer": n}, "batch": 1, "steps": args.capacity_steps, "default_init": True,
-                    "nvme_path": args.nvme_path, "zero": _zero_config(CAP_EMBD, args.nvme_path, mode == "nvme",
-                                                                      mode == "nvme", pool_blocks=1.0,
-                                                                      sub_groups_per_block=8)}
+                    "nvme_path": args.nvme_path, "zero": _zero_config(CAP_EMBD, args.nvme_path, mode != "none",
+                                                                      mode != "none", pool_blocks=1.0,
+                                                                      sub_groups_per_block=8,
+                                                                      staged=mode != "nvme-inplace")}
             if mode == "ds-nvme":  # DeepSpeed's swap files are named, not unlinked: a folder per attempt, removed after
                 ds_path = os.path.join(args.nvme_path, f"deepspeed-{n}")
                 os.makedirs(ds_path, exist_ok=True)
@@ -434,8 +445,8 @@ def capacity(args: argparse.Namespace) -> None:
           f"MemAvailable >= {args.memory_guard} GiB, free disk >= {args.disk_floor} GiB, {args.attempt_timeout:.0f} s per "
           f"attempt; disk budget {budget / GIB:.1f} GiB (free at the start: {free / GIB:.1f} GiB)\n")
     print("| mode | n_layer | parameters | outcome | build (s) | step 1 (s) | step 2 (s) | peak RSS / rank (GiB) | "
-          "lowest MemAvailable (GiB) | on NVMe / rank (GiB) |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+          "lowest MemAvailable (GiB) | on NVMe / rank (GiB) | drive used, both ranks (GiB) |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for mode, n, res in attempts:
         ranks = res["ranks"]
         f = ranks[0] if ranks and ranks[0] else {}
@@ -447,7 +458,8 @@ def capacity(args: argparse.Namespace) -> None:
               + " | ".join(f"{steps[i]:.1f}" if len(steps) > i else "-" for i in range(2)) + " | "
               + (f"{max(r.get('peak_rss', 0) for r in ranks) / GIB:.2f}" if rep else "-") + " | "
               + (f"{low / GIB:.1f}" if low is not None else "-") + " | "
-              + (f"{rep.get('nvme_bytes', 0) / GIB:.2f}" if rep else "-") + " |")
+              + (f"{rep.get('nvme_bytes', 0) / GIB:.2f}" if rep else "-") + " | "
+              + (f"{res['disk_used'] / GIB:.1f}" if "disk_used" in res else "-") + " |")
     print()
     for mode, found in best.items():
         label = LABELS[mode]
@@ -458,7 +470,7 @@ def capacity(args: argparse.Namespace) -> None:
         steps = res["ranks"][0]["steps"]
         print(f"- {label}: largest that trained: n_layer={n}, {gpt_params(n):,} parameters; step 1 "
               f"{steps[0]:.1f} s" + (f", step 2 {steps[1]:.1f} s" if len(steps) > 1 else ""))
-    for mode in ("nvme", "ds-nvme"):
+    for mode in ("nvme", "nvme-inplace", "ds-nvme"):
         if best.get("none") and best.get(mode):
             print(f"- ratio, {LABELS[mode]}: {gpt_params(best[mode][0]) / gpt_params(best['none'][0]):.2f}x the "
                   "parameters of no offload")
@@ -473,10 +485,12 @@ def main() -> None:
     ap.add_argument("--n-head", type=int, default=12)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--capacity", action="store_true", help="run the capacity search instead")
-    ap.add_argument("--modes", default="none,nvme", help="capacity: which modes, in order: none, nvme (zero3), "
-                    "ds-nvme (DeepSpeed's offload_param and offload_optimizer nvme; run with a Python that has deepspeed)")
+    ap.add_argument("--modes", default="none,nvme,nvme-inplace", help="capacity: which modes, in order: none, "
+                    "nvme (zero3, staged step), nvme-inplace (zero3, offload_optimizer.staged_step false), ds-nvme (DeepSpeed's offload_param and offload_optimizer nvme; run with a Python that has deepspeed)")
     ap.add_argument("--capacity-step", type=int, default=4, help="capacity: layers between attempts")
-    ap.add_argument("--capacity-steps", type=int, default=1, help="capacity: optimizer steps per attempt")
+    ap.add_argument("--capacity-steps", type=int, default=2,
+                    help="capacity: optimizer steps per attempt (the first creates AdamW's moments; from the second "
+                         "on, every step holds what the rest of training holds)")
     ap.add_argument("--start-layers", default="", metavar="MODE=N,...",
                     help="capacity: start a mode's search at N layers instead of the predicted size (e.g. nvme=77)")
     ap.add_argument("--max-attempts", type=int, default=4, help="capacity: attempts per mode")
