@@ -174,6 +174,33 @@ def test_a_failed_write_raises_and_leaves_the_bytes_in_memory(tmp_path, monkeypa
     assert tier.state("t").in_memory and torch.equal(t, keep)
 
 
+def test_a_reserved_region_holds_its_blocks_before_it_is_written_and_a_full_drive_names_the_choice(
+        tmp_path, monkeypatch):
+    import errno
+    import os
+
+    f = SwapFile(str(tmp_path), "optimizer")
+    at = f.reserve("k", 10 * ALIGN + 5)
+    assert at == 0 and f.region("k", 10 * ALIGN + 5) == 0  # an ordinary region, with its blocks allocated now
+    assert os.fstat(f.fd).st_blocks * 512 >= 11 * ALIGN
+    assert f.reserve("j", 100) == 11 * ALIGN
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"reserving 4096 bytes at offset 49152 of the optimizer swap file under .*"
+                                      r"No space left on device\. A staged optimizer step keeps two regions of every "
+                                      r"key on the drive; .*offload_optimizer_staged_step=False"):
+        f.reserve("i", 1)
+
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)  # a filesystem without fallocate: the write allocates
+    assert f.reserve("h", 1) == 13 * ALIGN
+
+
 # -- parameter and optimizer offload --------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_every_offload_combination_trains_like_no_offload_bit_for_bit(tmp_path, dtype):

@@ -233,7 +233,7 @@ class OffloadConfig:
     (fp32 AdamW with parameters on NVMe too: 24 bytes a parameter instead of 12). ``False`` writes in
     place: half the drive, and a failed step is still reported on every rank, naming the failing
     rank, but not undone (load the last checkpoint). zero3's own key (``offload_optimizer.staged_step``
-    in a DeepSpeed dict); DeepSpeed itself writes in place."""
+    in a DeepSpeed dict); DeepSpeed has no such rollback."""
 
     offload_param: OffloadDevice = "none"
     """Where parameter shards live (DeepSpeed's ``offload_param.device``). ``cpu``: in CPU memory
