@@ -23,16 +23,22 @@ pytestmark = pytest.mark.multiproc
 TIMEOUT = 10.0  # collective_timeout, seconds: a rank that does not agree fails fast
 
 
-def _engine(path: str, dtype: str = "fp32", params_on_nvme: bool = False, staged: bool = True,
+def _engine(path: str, dtype: str = "fp32", params_on_nvme: bool | str = False, staged: bool = True,
             optimizer: str = "nvme") -> zero3.Engine:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    """``params_on_nvme``: True puts the shards on the drive at `initialize`; "init" builds the model
+    under `zero3.Init`, which writes them to a swap file of its own that the engine adopts."""
     cfg = {"param_persistence_threshold": 0, "collective_timeout": TIMEOUT, "dtype": dtype, "sub_group_size": 600}
     if optimizer == "nvme":
         cfg["offload_optimizer"] = {"device": "nvme", "nvme_path": path, "staged_step": staged}
     if params_on_nvme:
         cfg["offload_param"] = {"device": "nvme", "nvme_path": path, "buffer_size": 2048, "buffer_count": 4,
                                 "max_in_cpu": 0}
+    torch.manual_seed(0)
+    if params_on_nvme == "init":
+        with zero3.Init(config_dict_or_path=cfg):
+            model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    else:
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
     return zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg)
 
 
@@ -98,7 +104,7 @@ FAULTS = [("reserving a new key's second region, first step", "posix_fallocate",
           ("a later read", "preadv", 3, False)]
 
 
-def failing_steps(path: str, dtype: str, params_on_nvme: bool) -> dict:
+def failing_steps(path: str, dtype: str, params_on_nvme: bool | str) -> dict:
     engine = _engine(os.path.join(path, f"run{dist.get_rank()}"), dtype, params_on_nvme)
     out = {}
     for name, call, nth, then_first in FAULTS:
@@ -120,7 +126,8 @@ def failing_steps(path: str, dtype: str, params_on_nvme: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize("dtype,params_on_nvme", [("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True)])
+@pytest.mark.parametrize("dtype,params_on_nvme", [("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True),
+                                                  ("fp32", "init"), ("bf16", "init")])
 def test_a_full_drive_on_one_rank_fails_the_step_on_every_rank_and_changes_nothing(pools, tmp_path, dtype,
                                                                                     params_on_nvme):
     results = pools.get(2).run(failing_steps, str(tmp_path), dtype, params_on_nvme, timeout=120)
@@ -162,10 +169,11 @@ def _allocated(engine: zero3.Engine) -> int:
     """Bytes the drive holds for this rank's swap files (their allocated blocks)."""
     opt = engine.context.optimizer
     files = {id(t.file): t.file for t in (opt.states, opt.shards) if t is not None}
+    files.update((id(p._zero.swap.file), p._zero.swap.file) for p in engine.params if p._zero.swap is not None)
     return sum(os.fstat(f.fd).st_blocks * 512 for f in files.values())
 
 
-def staged_and_in_place(path: str, params_on_nvme: bool) -> dict:
+def staged_and_in_place(path: str, params_on_nvme: bool | str) -> dict:
     out: dict = {}
     for name, staged, optimizer in (("staged", True, "nvme"), ("in place", False, "nvme"), ("memory", True, "none")):
         engine = _engine(os.path.join(path, f"{name}{dist.get_rank()}"), "fp32", params_on_nvme, staged, optimizer)
@@ -177,7 +185,7 @@ def staged_and_in_place(path: str, params_on_nvme: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize("params_on_nvme", [False, True])
+@pytest.mark.parametrize("params_on_nvme", [False, True, "init"])
 def test_a_staged_step_reserves_two_regions_at_the_first_step_and_in_place_trains_the_same_on_half(
         pools, tmp_path, params_on_nvme):
     for rank, r in enumerate(pools.get(2).run(staged_and_in_place, str(tmp_path), params_on_nvme, timeout=120)):

@@ -445,8 +445,8 @@ class ShardTier:
         if self._staged is None or self._staged.get(p._zero.id):
             return
         sw = p._zero.swap
-        if sw.spare is None:
-            sw.spare = self.file.region(("spare", "shard", p._zero.id), sw.nbytes)
+        if sw.spare is None:  # in the shard's own file: one zero3.Init wrote is not this tier's
+            sw.spare = sw.file.region(("spare", "shard", p._zero.id), sw.nbytes)
         sw.offset, sw.spare = sw.spare, sw.offset
         self._staged[p._zero.id] = True
 
