@@ -52,8 +52,8 @@ from .precision import LossScaler
 class StepParts:
     """What a step changes: the user's optimizer, its trainable parameters, the tier of its state
     (None: nothing is staged, only agreed), the tier of the parameter shards (None: in memory or not
-    staged), the loss scaler, how to tell per-element state, and why an unstaged step is (for its
-    error)."""
+    staged), the loss scaler, how to tell per-element state, and, for the error of a step that is
+    not staged, why it is not."""
 
     optimizer: torch.optim.Optimizer
     params: list[ZeroParameter]
