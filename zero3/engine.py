@@ -448,6 +448,8 @@ class Engine:
         host memory (``offload_optimizer``/``offload_param`` ``"cpu"``, also counted above, and
         ``offload_states(device="cpu")``) plus NVMe; ``nvme_bytes``: the NVMe part (shards,
         masters and optimizer state in swap files, and ``offload_states(device="nvme")``);
+        ``nvme_file_bytes``: what this rank's swap files hold on the drive (allocated blocks: with the
+        default staged step twice the optimizer's and shards' ``nvme_bytes``, docs/offload.md);
         ``swap_buffer_bytes``: the parameter buffer pool allocated now.
         ``secondary_param_bytes``: hpZ secondary slices held now (only inside a training step; the
         step's peak is ``last_step_metrics.peak_secondary_bytes``).

@@ -166,11 +166,10 @@ def test_with_only_the_parameters_on_nvme_a_failed_step_is_agreed_and_says_it_wa
 
 
 def _allocated(engine: zero3.Engine) -> int:
-    """Bytes the drive holds for this rank's swap files (their allocated blocks)."""
-    opt = engine.context.optimizer
-    files = {id(t.file): t.file for t in (opt.states, opt.shards) if t is not None}
-    files.update((id(p._zero.swap.file), p._zero.swap.file) for p in engine.params if p._zero.swap is not None)
-    return sum(os.fstat(f.fd).st_blocks * 512 for f in files.values())
+    """Bytes the drive holds for this rank's swap files (their allocated blocks), as reported."""
+    report = engine.memory_report()
+    assert report["nvme_file_bytes"] >= report["nvme_bytes"], report
+    return report["nvme_file_bytes"]
 
 
 def staged_and_in_place(path: str, params_on_nvme: bool | str) -> dict:

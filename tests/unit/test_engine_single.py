@@ -474,7 +474,7 @@ def test_memory_report_equals_a_hand_computation(zcfg):
     persistent = sum(p.ds_numel * 4 for p in engine.params if p.ds_persist)
     expected = {"param_shard_bytes": full, "grad_shard_bytes": 0, "optimizer_state_bytes": 0, "master_bytes": 0,
                 "full_param_bytes": full, "gathered_param_bytes": persistent,
-                "persistent_param_bytes": persistent, "offloaded_bytes": 0, "nvme_bytes": 0, "swap_buffer_bytes": 0,
+                "persistent_param_bytes": persistent, "offloaded_bytes": 0, "nvme_bytes": 0, "nvme_file_bytes": 0, "swap_buffer_bytes": 0,
                 "secondary_param_bytes": 0}
     assert engine.memory_report() == expected
 

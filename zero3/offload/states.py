@@ -176,6 +176,11 @@ class StatesOffload:
     def nvme_bytes(self) -> int:
         return self.moved_bytes if self.device == "nvme" else 0
 
+    @property
+    def swap_file(self) -> SwapFile | None:
+        """The swap file of states moved to NVMe (None when none is open)."""
+        return self._tier.file if self._tier is not None else None
+
     # -- helpers -------------------------------------------------------------------------------------
     def _finish_reload(self) -> None:
         if self._tier is not None and self.device == "nvme":

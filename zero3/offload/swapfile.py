@@ -101,6 +101,12 @@ class SwapFile:
                           "rollback)") from exc
         return offset
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes the drive holds for this file now (its allocated blocks: what was written or reserved,
+        second regions and alignment included; filesystem metadata may add a few blocks)."""
+        return os.fstat(self.fd).st_blocks * 512
+
     def transfer(self, write: bool, offset: int, data: torch.Tensor, bounce: torch.Tensor) -> None:
         """Write ``data`` (a 1-D uint8 CPU tensor) at ``offset``, or read into it; blocking."""
         n = data.numel()

@@ -207,12 +207,17 @@ class RuntimeContext:
         cpu = masters + states if part is not None and self.store.placement.optimizer_device == "cpu" else 0
         if self.store.placement.params_on_host:
             cpu += shard
+        files = [p._zero.swap.file for p in self.params if p._zero.swap is not None]  # Init's file, or the tier's
+        files += [t.file for t in (tier, part.states if part is not None else None) if t is not None]
         if self.offloaded is not None:  # engine.offload_states
             nvme += self.offloaded.nvme_bytes
             cpu += self.offloaded.moved_bytes - self.offloaded.nvme_bytes
+            files.append(self.offloaded.swap_file)
+        drive = sum(f.allocated_bytes for f in {id(f): f for f in files if f is not None}.values())
         return {"param_shard_bytes": shard, "grad_shard_bytes": grad, "optimizer_state_bytes": masters + states,
                 "master_bytes": masters, "full_param_bytes": full, "gathered_param_bytes": gathered,
                 "persistent_param_bytes": persistent, "offloaded_bytes": cpu + nvme, "nvme_bytes": nvme,
+                "nvme_file_bytes": drive,
                 "swap_buffer_bytes": tier.pool.allocated_bytes if tier is not None else 0,
                 "secondary_param_bytes": secondary}
 
