@@ -267,13 +267,14 @@ def run_variant(spec: dict[str, Any], timeout: float, guard: dict[str, float]) -
 
 # -- the memory figures --------------------------------------------------------------------------------------
 def _zero_config(n_embd: int, nvme_path: str, param: bool, optimizer: bool, pool_blocks: float = 2.0,
-                 sub_groups_per_block: int = 2, staged: bool = True, live_blocks: int = 3) -> dict:
-    """One Block per prefetch and per gradient bucket, ``live_blocks`` Blocks live at most (3 unless set); with NVMe offload a
+                 sub_groups_per_block: int = 2, staged: bool = True, live_blocks: int = 3,
+                 buckets_per_block: int = 1) -> dict:
+    """One Block per prefetch, ``1 / buckets_per_block`` of one per gradient bucket, ``live_blocks`` Blocks live at most (3 unless set); with NVMe offload a
     buffer pool of about ``pool_blocks`` Blocks' shards and optimizer sub-groups of a fraction of one."""
     block = 12 * n_embd * n_embd + 13 * n_embd
     cfg: dict[str, Any] = {"max_reuse_distance": 0, "prefetch_bucket_size": block,
                            "max_live_parameters": live_blocks * block,
-                           "reduce_bucket_size": block}
+                           "reduce_bucket_size": block // buckets_per_block}
     if param:
         largest = 4 * n_embd * n_embd // 2  # c_fc / c_proj weight shard at 2 ranks
         count = max(2, int(pool_blocks * (block // 2) / largest) + 1)
@@ -419,7 +420,8 @@ def capacity(args: argparse.Namespace) -> None:
                                                                       mode != "none", pool_blocks=1.0,
                                                                       sub_groups_per_block=args.sub_groups,
                                                                       staged=mode != "nvme-inplace",
-                                                                      live_blocks=args.live_blocks)}
+                                                                      live_blocks=args.live_blocks,
+                                                                      buckets_per_block=args.buckets_per_block)}
             if mode == "ds-nvme":  # DeepSpeed's swap files are named, not unlinked: a folder per attempt, removed after
                 ds_path = os.path.join(args.nvme_path, f"deepspeed-{n}")
                 os.makedirs(ds_path, exist_ok=True)
@@ -495,6 +497,8 @@ def main() -> None:
                          "on, every step holds what the rest of training holds)")
     ap.add_argument("--sub-groups", type=int, default=8,
                     help="capacity, zero3 NVMe modes: optimizer sub-groups per Block (sub_group_size = Block / this)")
+    ap.add_argument("--buckets-per-block", type=int, default=1,
+                    help="capacity, zero3 modes (no offload included): reduce_bucket_size = Block / this")
     ap.add_argument("--live-blocks", type=int, default=3,
                     help="capacity, zero3 modes: max_live_parameters in Blocks (DeepSpeed's config keeps 3)")
     ap.add_argument("--start-layers", default="", metavar="MODE=N,...",
