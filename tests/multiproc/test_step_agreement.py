@@ -150,9 +150,14 @@ def failing_step_with_optimizer_in_memory(path: str) -> tuple[str, str]:
            "offload_param": {"device": "nvme", "nvme_path": os.path.join(path, f"r{dist.get_rank()}"),
                              "buffer_size": 2048, "buffer_count": 4, "max_in_cpu": 0}}
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg)
+    return _failed(engine, 0, 1)
+
+
+def _failed(engine: zero3.Engine, i: int, nth: int) -> tuple[str, str]:
+    """Step ``i`` with rank 1's ``nth`` write failing: the error's type and message on this rank."""
     try:
-        with _Fault(engine, "pwritev", 1):
-            _step(engine, 0)
+        with _Fault(engine, "pwritev", nth):
+            _step(engine, i)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return type(exc).__name__, str(exc)
     return "no error", ""
@@ -202,12 +207,7 @@ def test_a_staged_step_reserves_two_regions_at_the_first_step_and_in_place_train
 def failing_in_place_step(path: str) -> tuple[str, str]:
     engine = _engine(os.path.join(path, f"r{dist.get_rank()}"), staged=False)
     _step(engine, 0)
-    try:
-        with _Fault(engine, "pwritev", 2):
-            _step(engine, 1)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        return type(exc).__name__, str(exc)
-    return "no error", ""
+    return _failed(engine, 1, 2)
 
 
 def test_an_in_place_step_that_fails_on_one_rank_is_reported_on_every_rank_as_not_undone(pools, tmp_path):
