@@ -61,7 +61,7 @@ class StepParts:
     shards: ShardTier | None
     scaler: LossScaler | None
     per_element: Callable[[Any, int], bool]
-    unstaged: str = "the optimizer state is in memory and was not staged"
+    unstaged: str
 
 
 @dataclasses.dataclass(frozen=True)
