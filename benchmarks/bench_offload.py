@@ -20,7 +20,8 @@ offload and moves everything out with ``offload_states(device="nvme")`` and back
 Capacity (``--capacity``): GPTs with ``n_embd`` 2048 (16 heads, vocab 256, one sequence of 32
 tokens per rank; `DefaultInitGPT`: PyTorch's default init) and a growing number of layers, fp32,
 AdamW, without offload and with parameters and optimizer state on NVMe (mode ``nvme``: the
-default staged step; ``nvme-inplace``: ``staged_step`` false; ``ds-nvme``: DeepSpeed's). For each mode the search
+default staged step; ``nvme-inplace``: ``staged_step`` false; ``nvme-bwd`` and ``nvme-inplace-bwd``: the same
+with ``step_in_backward``, so no rank holds the model's gradient shards; ``ds-nvme``: DeepSpeed's). For each mode the search
 starts at the size a simple memory/disk model predicts (or at ``--start-layers``), then moves one step (``--capacity-step``
 layers) up while attempts succeed, or down while they fail, at most ``--max-attempts`` times. An
 attempt succeeds when both ranks finish the optimizer steps asked for (``--capacity-steps``,
@@ -268,7 +269,7 @@ def run_variant(spec: dict[str, Any], timeout: float, guard: dict[str, float]) -
 # -- the memory figures --------------------------------------------------------------------------------------
 def _zero_config(n_embd: int, nvme_path: str, param: bool, optimizer: bool, pool_blocks: float = 2.0,
                  sub_groups_per_block: int = 2, staged: bool = True, live_blocks: int = 3,
-                 buckets_per_block: int = 1) -> dict:
+                 buckets_per_block: int = 1, in_backward: bool = False) -> dict:
     """One Block per prefetch, ``1 / buckets_per_block`` of one per gradient bucket, ``live_blocks`` Blocks live at most (3 unless set); with NVMe offload a
     buffer pool of about ``pool_blocks`` Blocks' shards and optimizer sub-groups of a fraction of one."""
     block = 12 * n_embd * n_embd + 13 * n_embd
@@ -281,7 +282,8 @@ def _zero_config(n_embd: int, nvme_path: str, param: bool, optimizer: bool, pool
         cfg["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0, "buffer_count": count,
                                 "buffer_size": largest}
     if optimizer:
-        cfg["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "staged_step": staged}
+        cfg["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "staged_step": staged,
+                                    "step_in_backward": in_backward}
         cfg["sub_group_size"] = block // sub_groups_per_block
     return cfg
 
@@ -365,9 +367,11 @@ def gpt_params(n_layer: int, c: int = CAP_EMBD) -> int:
 
 LABELS = {"none": "no offload", "nvme": "zero3, params + optimizer on NVMe (staged step)",
           "nvme-inplace": "zero3, params + optimizer on NVMe, staged_step false",
+          "nvme-bwd": "zero3, params + optimizer on NVMe (staged step), step_in_backward",
+          "nvme-inplace-bwd": "zero3, params + optimizer on NVMe, staged_step false, step_in_backward",
           "ds-nvme": "DeepSpeed, params + optimizer on NVMe"}
 
-DRIVE_BYTES = {"none": 0, "nvme": 24, "nvme-inplace": 12, "ds-nvme": 20}
+DRIVE_BYTES = {"none": 0, "nvme": 24, "nvme-inplace": 12, "nvme-bwd": 24, "nvme-inplace-bwd": 12, "ds-nvme": 20}
 """Bytes per parameter on the drive, both ranks, from the second step on (fp32 AdamW): zero3 holds
 the shard and two moments (12), twice when the step is staged (a second region of each, reserved at
 the first step); DeepSpeed's measured at 3.48B in the first run (about 20)."""
@@ -376,14 +380,15 @@ the first step); DeepSpeed's measured at 3.48B in the first run (about 20)."""
 def _predicted_layers(mode: str, available: int, disk: int) -> int:
     """The largest layer count a simple model says fits: fp32 AdamW holds 16 bytes per parameter
     (parameter, gradient, two moments) over both ranks; without offload all of it is in memory,
-    with NVMe offload the gradients (4 bytes) stay in memory and `DRIVE_BYTES` go to the drive. Each
+    with NVMe offload the gradients (4 bytes) stay in memory (none with ``step_in_backward``, the
+    ``-bwd`` modes) and `DRIVE_BYTES` go to the drive. Each
     rank also holds about 1.5 GiB more (torch, gathered blocks, gradient buckets), 2 GiB with offload
     (the buffer pool and the optimizer's sub-groups too)."""
     overhead = 2 * int((1.5 if mode == "none" else 2.0) * GIB)
     n = 1
     while True:
         p = gpt_params(n + 1)
-        mem = (16 if mode == "none" else 4) * p + overhead
+        mem = (16 if mode == "none" else 0 if mode.endswith("-bwd") else 4) * p + overhead
         if mem > available or DRIVE_BYTES[mode] * p > disk:
             return n
         n += 1
@@ -419,7 +424,8 @@ def capacity(args: argparse.Namespace) -> None:
                     "nvme_path": args.nvme_path, "zero": _zero_config(CAP_EMBD, args.nvme_path, mode != "none",
                                                                       mode != "none", pool_blocks=1.0,
                                                                       sub_groups_per_block=args.sub_groups,
-                                                                      staged=mode != "nvme-inplace",
+                                                                      staged=mode in ("nvme", "nvme-bwd"),
+                                                                      in_backward=mode.endswith("-bwd"),
                                                                       live_blocks=args.live_blocks,
                                                                       buckets_per_block=args.buckets_per_block)}
             if mode == "ds-nvme":  # DeepSpeed's swap files are named, not unlinked: a folder per attempt, removed after
@@ -474,7 +480,7 @@ def capacity(args: argparse.Namespace) -> None:
         steps = res["ranks"][0]["steps"]
         print(f"- {label}: largest that trained: n_layer={n}, {gpt_params(n):,} parameters; step 1 "
               f"{steps[0]:.1f} s" + (f", step 2 {steps[1]:.1f} s" if len(steps) > 1 else ""))
-    for mode in ("nvme", "nvme-inplace", "ds-nvme"):
+    for mode in ("nvme", "nvme-inplace", "nvme-bwd", "nvme-inplace-bwd", "ds-nvme"):
         if best.get("none") and best.get(mode):
             print(f"- ratio, {LABELS[mode]}: {gpt_params(best[mode][0]) / gpt_params(best['none'][0]):.2f}x the "
                   "parameters of no offload")
@@ -490,7 +496,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--capacity", action="store_true", help="run the capacity search instead")
     ap.add_argument("--modes", default="none,nvme,nvme-inplace", help="capacity: which modes, in order: none, "
-                    "nvme (zero3, staged step), nvme-inplace (zero3, offload_optimizer.staged_step false), ds-nvme (DeepSpeed's offload_param and offload_optimizer nvme; run with a Python that has deepspeed)")
+                    "nvme (zero3, staged step), nvme-inplace (zero3, offload_optimizer.staged_step false), nvme-bwd and nvme-inplace-bwd (the same with offload_optimizer.step_in_backward), ds-nvme (DeepSpeed's offload_param and offload_optimizer nvme; run with a Python that has deepspeed)")
     ap.add_argument("--capacity-step", type=int, default=4, help="capacity: layers between attempts")
     ap.add_argument("--capacity-steps", type=int, default=2,
                     help="capacity: optimizer steps per attempt (the first creates AdamW's moments; from the second "

@@ -245,7 +245,7 @@ class Engine:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next ``engine.step()`` steps the optimizer (its micro-batch ends a window)."""
-        return (self.context.micro_steps + 1) % self.config.training.gradient_accumulation_steps == 0
+        return self.context.window_ends()
 
     def _backward_ran(self) -> bool:
         """Whether a backward reached the model's parameters since the last ``step()``: one is running,
@@ -422,7 +422,11 @@ class Engine:
         `zero3.checkpoint.load.load_checkpoint`.
         """
         kwargs.setdefault("lr_scheduler", self.lr_scheduler)
-        return load_checkpoint(self.context, load_dir, tag, **kwargs)
+        out = load_checkpoint(self.context, load_dir, tag, **kwargs)
+        opt = self.context.optimizer
+        if opt is not None and opt.backward_step is not None and kwargs.get("load_optimizer_states", True):
+            opt.backward_step.recovered()  # a step in backward aborted in place is behind us
+        return out
 
     def consolidated_state_dict(self, rank0_only: bool = True, **kwargs: Any) -> dict[str, torch.Tensor]:
         """The full fp32 state dict, module by module (a collective); see `zero3.consolidate`."""

@@ -422,3 +422,30 @@ def test_staged_step_is_read_from_deepspeeds_offload_section_and_refused_where_n
             OffloadConfig(offload_optimizer=device, offload_optimizer_staged_step=False)
     with pytest.raises(ZeroConfigError, match=r"offload_optimizer_staged_step must be a bool, got 'no'"):
         OffloadConfig(offload_optimizer="nvme", offload_optimizer_nvme_path="/tmp/x", offload_optimizer_staged_step="no")
+
+
+def test_step_in_backward_is_read_from_deepspeeds_offload_section_and_refused_beside_what_needs_every_gradient():
+    from zero3.config import OffloadConfig
+
+    nvme = {"device": "nvme", "nvme_path": "/tmp/x"}
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {**nvme, "step_in_backward": True}}}
+    cfg = resolve_config(ds)
+    assert cfg.offload.offload_optimizer_step_in_backward is True
+    assert resolve_config({"offload_optimizer": nvme}).offload.offload_optimizer_step_in_backward is False
+    for device in ("none", "cpu"):
+        with pytest.raises(ZeroConfigError, match=r"offload_optimizer_step_in_backward=True only applies with "
+                                                  rf"offload_optimizer='nvme' \(got offload_optimizer='{device}'\)"):
+            OffloadConfig(offload_optimizer=device, offload_optimizer_step_in_backward=True)
+    with pytest.raises(ZeroConfigError, match=r"offload_optimizer_step_in_backward must be a bool, got 1"):
+        OffloadConfig(offload_optimizer="nvme", offload_optimizer_nvme_path="/tmp/x", offload_optimizer_step_in_backward=1)
+    flat = {"offload_optimizer": {**nvme, "step_in_backward": True}}
+    with pytest.raises(ZeroConfigError, match=r"cannot be used with gradient_clipping=1.0: clipping by the global norm"):
+        resolve_config({**flat, "gradient_clipping": 1.0})
+    with pytest.raises(ZeroConfigError, match=r"cannot be used with dtype='fp16': the overflow check"):
+        resolve_config({**flat, "dtype": "fp16"})
+    with pytest.raises(ZeroConfigError, match=r"cannot be used with allgather_impl='shm': peers read"):
+        resolve_config({**flat, "allgather_impl": "shm"})
+    with pytest.raises(ZeroConfigError, match=r"cannot be used with reduce_scatter_impl='shm'"):
+        resolve_config({**flat, "reduce_scatter_impl": "shm"})
+    # bf16 is fine: its masters are fp32 and nothing is skipped
+    assert resolve_config({**flat, "dtype": "bf16", "gradient_clipping": 0.0}).precision.dtype == "bf16"

@@ -200,7 +200,8 @@ class PrecisionConfig:
 OFFLOAD_SECTION_KEYS: dict[str, dict[str, str | None]] = {
     "offload_optimizer": {"device": "", "nvme_path": "_nvme_path", "pin_memory": "_pin_memory", "ratio": None,
                           "buffer_count": None, "fast_init": None, "pipeline_read": None, "pipeline_write": None,
-                          "pipeline": None, "staged_step": "_staged_step"},
+                          "pipeline": None, "staged_step": "_staged_step",
+                          "step_in_backward": "_step_in_backward"},
     "offload_param": {"device": "", "nvme_path": "_nvme_path", "pin_memory": "_pin_memory",
                       "buffer_count": "_buffer_count", "buffer_size": "_buffer_size", "max_in_cpu": "_max_in_cpu"},
 }
@@ -234,6 +235,16 @@ class OffloadConfig:
     place: half the drive, and a failed step is still reported on every rank, naming the failing
     rank, but not undone (load the last checkpoint). zero3's own key (``offload_optimizer.staged_step``
     in a DeepSpeed dict); DeepSpeed has no such rollback."""
+
+    offload_optimizer_step_in_backward: bool = False
+    """With ``offload_optimizer="nvme"``: step each sub-group of the optimizer during the backward of
+    the micro-batch that ends an accumulation window, as soon as the gradients of all its parameters
+    are reduced, and drop those gradient shards right away, so a rank never holds the whole model's
+    gradient shards (4 bytes a parameter in fp32). The training is the same bit for bit; the step's
+    agreement (and, staged, its rollback) happens at ``engine.step()`` (optim/backward_step.py
+    [Note: optimizer step in backward]). Refused with ``gradient_clipping`` and fp16, which need
+    every gradient before any parameter changes. zero3's own key (``offload_optimizer.step_in_backward``
+    in a DeepSpeed dict)."""
 
     offload_param: OffloadDevice = "none"
     """Where parameter shards live (DeepSpeed's ``offload_param.device``). ``cpu``: in CPU memory
@@ -279,6 +290,11 @@ class OffloadConfig:
             raise ZeroConfigError(
                 f"offload_optimizer_staged_step=False only applies with offload_optimizer='nvme' (got "
                 f"offload_optimizer={self.offload_optimizer!r}): only a step on the drive is staged; remove it")
+        if self.offload_optimizer_step_in_backward and self.offload_optimizer != "nvme":
+            raise ZeroConfigError(
+                f"offload_optimizer_step_in_backward=True only applies with offload_optimizer='nvme' (got "
+                f"offload_optimizer={self.offload_optimizer!r}): the step in backward streams sub-groups of the "
+                "optimizer state from the drive; set offload_optimizer='nvme' or remove it")
         for tier in ("offload_param", "offload_optimizer"):
             if getattr(self, tier) == "nvme" and not getattr(self, f"{tier}_nvme_path"):
                 raise ZeroConfigError(

@@ -70,6 +70,7 @@ class ZeroConfig:
                 value = dataclasses.replace(base, **changes) if changes else base
             object.__setattr__(self, section, value)
         _check_budget_alone(self.budget, self.comm)
+        _check_step_in_backward(self)
         if activation_checkpointing is not None:
             activation_checkpointing = ActivationCheckpointingConfig.from_dict(activation_checkpointing)
         object.__setattr__(self, "activation_checkpointing", activation_checkpointing)
@@ -138,6 +139,29 @@ def _check_budget_alone(budget: BudgetConfig, comm: CommConfig) -> None:
     if given:
         raise ZeroConfigError(f"memory_budget chooses {', '.join(given)} itself; remove "
                               f"{'it' if len(given) == 1 else 'them'} or remove memory_budget")
+
+
+def _check_step_in_backward(config: "ZeroConfig") -> None:
+    """The optimizer step in backward changes parameters before the last gradient exists, so what
+    needs every gradient first is refused beside it."""
+    if not config.offload.offload_optimizer_step_in_backward:
+        return
+    if config.training.gradient_clipping > 0:
+        raise ZeroConfigError(
+            f"offload_optimizer_step_in_backward=True cannot be used with gradient_clipping="
+            f"{config.training.gradient_clipping!r}: clipping by the global norm needs every gradient before "
+            "any parameter steps; set gradient_clipping=0 or remove step_in_backward")
+    if config.precision.dtype == "fp16":
+        raise ZeroConfigError(
+            "offload_optimizer_step_in_backward=True cannot be used with dtype='fp16': the overflow check "
+            "needs every gradient before any parameter steps (a skipped step could not be undone); use "
+            "bf16 or fp32, or remove step_in_backward")
+    shared = [f"{k}='shm'" for k in ("allgather_impl", "reduce_scatter_impl") if getattr(config.comm, k) == "shm"]
+    if shared and config.offload.offload_param != "nvme":
+        raise ZeroConfigError(
+            f"offload_optimizer_step_in_backward=True cannot be used with {' and '.join(shared)}: peers read "
+            "the shards from shared memory during the step, and the step in backward writes them then; "
+            "use 'auto' (which gathers pairwise with step_in_backward) or 'p2p'")
 
 
 def resolve_config(config: ZeroConfig | dict | str | Path | None) -> ZeroConfig:

@@ -65,7 +65,7 @@ class StepParts:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Kept:
+class Kept:
     """Copies of what a staged step changes in memory (the tier keeps what is on the drive): each
     parameter's optimizer state (per-element tensors by reference: their bytes are in the tier; None:
     no state yet), each parameter shard in memory (a shard tier keeps those on NVMe), and the loss
@@ -87,17 +87,35 @@ class AgreedStep:
     def run(self, step: Callable[[], None], drop_grads: Callable[[], None], scaler_state: dict[str, Any] | None) -> None:
         """Run ``step`` (it calls no collective); raise on every rank, with nothing changed, if it
         failed on any. ``scaler_state``: the loss scaler's state before this step updated it."""
+        kept = self.keep(scaler_state)
+        error = self.stage()
+        if error is None:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - agreed across ranks below
+                error = exc
+        self.conclude(kept, error, drop_grads)
+
+    def keep(self, scaler_state: dict[str, Any] | None) -> Kept | None:
+        """Before anything changes: copies of what a staged step changes in memory (None: not staged)."""
+        return self._keep(scaler_state) if self.parts.states is not None else None
+
+    def stage(self) -> Exception | None:
+        """Open the staged step on the tiers (nothing when not staged); the error, if that failed."""
         states, shards = self.parts.states, self.parts.shards
-        kept = self._keep(scaler_state) if states is not None else None
-        error: BaseException | None = None
         try:
             if states is not None:
                 states.stage()
                 if shards is not None:
                     shards.stage()
-            step()
-        except Exception as exc:  # noqa: BLE001 - agreed across ranks below
-            error = exc
+        except Exception as exc:  # noqa: BLE001 - agreed across ranks by conclude
+            return exc
+        return None
+
+    def conclude(self, kept: Kept | None, error: BaseException | None, drop_grads: Callable[[], None]) -> None:
+        """After the step's last write finished (or failed) on this rank: agree with the other ranks,
+        then commit, or roll back (``kept``), drop the gradients and raise the first failure."""
+        states, shards = self.parts.states, self.parts.shards
         failures = self._agree(error)
         if not failures:
             if states is not None:
@@ -106,7 +124,7 @@ class AgreedStep:
                     shards.commit()
             return
         if kept is not None:
-            self._roll_back(kept)
+            self.roll_back(kept)
         drop_grads()
         rank, kind, message = failures[0]
         if kept is not None:
@@ -129,7 +147,7 @@ class AgreedStep:
             got = [f for group in self.model_parallel.comm.agree_on_errors(got, None, tag) for f in group]
         return sorted(f for f in got if f is not None)
 
-    def _keep(self, scaler_state: dict[str, Any] | None) -> _Kept:
+    def _keep(self, scaler_state: dict[str, Any] | None) -> Kept:
         opt, per_element = self.parts.optimizer, self.parts.per_element
         state: dict[int, dict[str, Any] | None] = {}
         for p in self.parts.params:
@@ -139,9 +157,10 @@ class AgreedStep:
                 k: v if per_element(v, z.shard_numel) else (v.clone() if isinstance(v, torch.Tensor) else v)
                 for k, v in st.items()}
         in_memory = {p._zero.id: p._zero.shard.clone() for p in self.parts.params if p._zero.swap is None}
-        return _Kept(state, in_memory, scaler_state)
+        return Kept(state, in_memory, scaler_state)
 
-    def _roll_back(self, kept: _Kept) -> None:
+    def roll_back(self, kept: Kept) -> None:
+        """Put back what the staged step changed, on this rank (no collective)."""
         assert self.parts.states is not None
         self.parts.states.rollback()
         if self.parts.shards is not None:

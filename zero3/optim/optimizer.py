@@ -51,7 +51,7 @@ import contextlib
 import logging
 import math
 from collections import deque
-from collections.abc import Collection, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,7 @@ from ..offload.residence import ShardStore
 from ..partition.param import ZeroParameter
 from ..partition.state import MEMORY, Residence
 from .agreed_step import AgreedStep, StepParts
+from .backward_step import BackwardStep
 from .precision import LossScaler, unscale_
 from ..offload.nvme import ShardTier, StorageTier
 from ..offload.swapfile import AsyncIO, SwapFile
@@ -170,7 +171,10 @@ class PartitionedOptimizer:
     def __init__(self, optimizer: Any, params: Sequence[ZeroParameter], config: ZeroConfig,
                  comm: Communicator, fp32_shards: dict[int, torch.Tensor] | None = None,
                  model_parallel: ModelParallel | None = None, *, store: ShardStore,
-                 shards: ShardTier | None = None, io: AsyncIO | None = None) -> None:
+                 shards: ShardTier | None = None, io: AsyncIO | None = None,
+                 window_ends: Callable[[], bool] | None = None) -> None:
+        """``window_ends()``: the running micro-batch ends an accumulation window (the step in
+        backward steps only then; needed with ``offload_optimizer_step_in_backward``)."""
         self.config = config
         self.comm = comm
         self.model_parallel = model_parallel
@@ -218,6 +222,12 @@ class PartitionedOptimizer:
             self.optimizer, [p for ps in self.group_params for p in ps],
             self.states if staged else None, self.shards if staged else None, self.scaler, _per_element,
             unstaged), comm, model_parallel) if self.streamed else None
+        self._writing: deque[list[ZeroParameter]] = deque()  # sub-groups stepped in backward, being written
+        self.backward_step: BackwardStep | None = None
+        if self.placement.step_in_backward:
+            assert self.agreed is not None and window_ends is not None
+            self.backward_step = BackwardStep(self.subgroups, self.agreed, self._step_one, self._wait_writes,
+                                              self.zero_grad, window_ends)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build_masters(self, optimizer: Any, fp32_shards: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
@@ -354,6 +364,10 @@ class PartitionedOptimizer:
         Returns False when an overflow skipped the step (on every rank), else True.
         """
         self._last_overflow = False
+        if self.backward_step is not None:  # the sub-groups stepped in backward: agree on them
+            self.backward_step.conclude()
+            self.zero_grad()
+            return True
         scaler_state = self.scaler.state_dict() if self.agreed is not None and self.scaler is not None else None
         if self.scaler is not None:
             overflow = self.unscale_()
@@ -391,9 +405,7 @@ class PartitionedOptimizer:
                     self._wait_out(writing.popleft())
                 if k + 1 < len(subs):
                     self._bring_in(subs[k + 1][1])
-                for j, g in enumerate(groups):
-                    g["params"] = [p._zero.train_tensor for p in ps] if j == gi else []
-                self.optimizer.step()
+                self._narrowed_step(gi, ps)
                 self._send_out(ps)
                 writing.append(ps)
             while writing:
@@ -401,6 +413,42 @@ class PartitionedOptimizer:
         finally:
             for g, params in zip(groups, saved):
                 g["params"] = params
+
+    def _narrowed_step(self, gi: int, ps: Sequence[ZeroParameter]) -> None:
+        """The user's optimizer steps on ``ps`` (of param group ``gi``) only: the other groups' and
+        parameters' ``params`` are empty for the call (the caller restores them)."""
+        for j, g in enumerate(self.optimizer.param_groups):
+            g["params"] = [p._zero.train_tensor for p in ps] if j == gi else []
+        self.optimizer.step()
+
+    def _step_one(self, gi: int, ps: list[ZeroParameter]) -> None:
+        """One sub-group, for the step in backward: read it in, step it, start its writes (at most
+        two sub-groups' writes in flight)."""
+        groups = self.optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        self._bring_in(ps)
+        try:
+            self._wait_in(ps)
+            while len(self._writing) > 1:
+                self._wait_out(self._writing.popleft())
+            self._narrowed_step(gi, ps)
+        finally:
+            for g, params in zip(groups, saved):
+                g["params"] = params
+        self._send_out(ps)
+        self._writing.append(ps)
+
+    def _wait_writes(self) -> None:
+        """Wait for the writes of every sub-group stepped in backward (the first failure raises, after
+        the others are waited for)."""
+        error: BaseException | None = None
+        while self._writing:
+            try:
+                self._wait_out(self._writing.popleft())
+            except Exception as exc:  # noqa: BLE001 - re-raised below, once every write settled
+                error = error or exc
+        if error is not None:
+            raise error
 
     def _state_keys(self, ps: Sequence[ZeroParameter], resident: Collection[Residence] | None = None) -> list[Hashable]:
         """Swap keys of ``ps``' separate masters and per-element optimizer state (in ``resident`` only)."""
@@ -497,6 +545,11 @@ class PartitionedOptimizer:
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale (fp16, once per window), then clip the gradient shards by their global norm."""
+        if self.backward_step is not None:
+            raise ZeroStateError(
+                "clip_grad_norm_ with offload_optimizer_step_in_backward: the optimizer steps during the backward "
+                "and drops the gradient shards, so there is nothing to clip; set offload_optimizer_step_in_backward"
+                "=False to clip")
         self.unscale_()
         norm = clip_shards(self.grads_with_kind(), max_norm, norm_type, self.comm, self.comm_device,
                            self.model_parallel)

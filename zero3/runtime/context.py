@@ -165,6 +165,10 @@ class RuntimeContext:
             if tier is not None:
                 tier.unload(ps, write)
 
+    def window_ends(self) -> bool:
+        """The running micro-batch ends an accumulation window: the next ``engine.step()`` steps."""
+        return (self.micro_steps + 1) % self.config.training.gradient_accumulation_steps == 0
+
     def finish_gradients(self) -> None:
         """Every gradient reduction issued so far has landed in the gradient shards."""
         if self.reducer is not None:
@@ -296,7 +300,10 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         ctx.optimizer = PartitionedOptimizer(optimizer, ctx.params, config, ctx.comm, fp32_shards,
                                              model_parallel=ctx.model_parallel,
                                              shards=ctx.coordinator.shards, store=ctx.store,
-                                             io=ctx.swap_io() if ctx.store.placement.optimizer_on_drive else None)
+                                             io=ctx.swap_io() if ctx.store.placement.optimizer_on_drive else None,
+                                             window_ends=ctx.window_ends)
+        if ctx.optimizer.backward_step is not None:
+            ctx.reducer.on_landed = ctx.optimizer.backward_step.landed
         torch_opt = ctx.optimizer.optimizer
         if config.training.scheduler is not None:
             ctx.lr_scheduler = build_scheduler(config.training.scheduler, torch_opt)

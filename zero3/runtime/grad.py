@@ -24,6 +24,8 @@ it is accumulated (the gradients are scaled, not the loss: docs/mixed_precision.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..comm.communicator import Communicator, GradPiece, Kind, ReduceWork, Tag
@@ -41,6 +43,9 @@ class GradientReducer:
         self._bucket: list[tuple[ZeroParameter, torch.Tensor | None, bool]] = []
         self._numel = 0
         self._in_flight: tuple[ReduceWork, list[tuple[ZeroParameter, int]], int] | None = None
+        self.on_landed: Callable[[ZeroParameter], None] | None = None
+        """Called after a parameter's reduced gradient is added into its shard's gradient (the
+        optimizer step in backward, optim/backward_step.py); None: nobody listens."""
 
     def add(self, p: ZeroParameter, grad: torch.Tensor) -> None:
         if self.comm.world_size == 1:  # the average over one rank is the gradient: no bucket, no copy
@@ -133,3 +138,5 @@ class GradientReducer:
             target.grad = piece if same else piece.to(device=target.device, dtype=target.dtype)
         else:
             target.grad.add_(piece.to(device=target.device, dtype=target.dtype))
+        if self.on_landed is not None:
+            self.on_landed(p)

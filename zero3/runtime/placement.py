@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from ..comm.communicator import Communicator
@@ -10,6 +11,8 @@ from ..offload.nvme import ShardTier
 from ..offload.residence import ShardStore
 from ..partition.param import ZeroParameter, raw_data
 from ..partition.state import ParamStatus, Residence
+
+logger = logging.getLogger(__name__)
 
 
 def place_shards(store: ShardStore, tier: ShardTier | None, params: Sequence[ZeroParameter]) -> None:
@@ -47,6 +50,10 @@ def share_shards(comm: Communicator, store: ShardStore, tier: ShardTier | None,
         return 0
     if tier is not None:
         return 0  # the same on every rank: one config
+    if store.placement.step_in_backward:  # shards change inside the step: peers must not read them then
+        logger.info("zero3: shared-memory gathers are off with offload_optimizer_step_in_backward (the step "
+                    "writes shards during the backward); gathers go pairwise")
+        return 0
     movable = [p for p in sorted(params, key=lambda q: q._zero.id) if _movable(p)]
     specs = [SlotSpec(p._zero.id, p._zero.shard_numel, p._zero.shard.dtype) for p in movable]
     shared = comm.share_shards(specs)

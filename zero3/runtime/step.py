@@ -166,5 +166,11 @@ class StepLifecycle:
             elif inference:
                 for comm in ctx.data_comms:
                     comm.end_epoch()  # an inference forward is a whole epoch: nothing else follows it
+        backward_step = ctx.optimizer.backward_step if ctx.optimizer is not None else None
+        if backward_step is not None:  # after everything is released: it reads and writes the drive
+            if aborted:
+                backward_step.aborted()
+            elif not inference:
+                backward_step.backward_ended()
         if not aborted:
             ctx.coordinator.choose_budget()  # memory_budget: after the first trace, between steps

@@ -1,0 +1,221 @@
+"""The optimizer step taken during the backward, one sub-group as soon as its gradients are complete.
+
+[Note: optimizer step in backward]
+With ``offload_optimizer="nvme"`` the optimizer state, masters and (usually) the parameter shards
+live on the drive, and what memory still holds that grows with the model is the gradient shards: 4
+bytes a parameter in fp32, held from the backward that makes them to the optimizer step. With
+``offload_optimizer_step_in_backward`` the streamed step's sub-groups (optimizer.py [Note: streamed
+optimizer step]) are stepped inside the backward of the micro-batch that ends an accumulation
+window instead: when the reducer has added the last reduced gradient of every parameter of a
+sub-group (`landed`), the sub-group is read in, stepped with the user's optimizer narrowed to it,
+written out, and its gradient shards are dropped. At most the sub-groups whose parameters are not
+all reduced yet hold gradients. What never got a gradient in the backward steps when it ends
+(`backward_ended`), so a parameter unused in a step is treated as the streamed step treats it (the
+optimizer skips it).
+
+Why it is exact: autograd runs a leaf's AccumulateGrad once per backward, after every use of it, and
+the reducer lands a parameter's slice once per backward, so a landed gradient is final, and every
+built-in torch optimizer updates each parameter from its own gradient and state only. The sub-group
+sees the same gradients, state and hyperparameters (the LR scheduler steps after ``engine.step()``
+as before) as in the streamed step, so the result is the same bit for bit. A parameter that gets a
+second gradient after its sub-group stepped (two backwards in one window, or a weight used both
+inside and outside a reentrant activation checkpoint) is not silently left out: the step fails,
+agreed, at ``engine.step()``.
+
+The agreement (agreed_step.py [Note: agreed optimizer step]) is split in time: the copies are taken
+and the tiers staged at the first landed gradient, the sub-groups step during the backward, and the
+ranks agree at ``engine.step()``, which commits, or rolls back on every rank (staged) or reports that
+the ranks may differ (``offload_optimizer_staged_step=False``). A backward aborted by an exception
+rolls back the staged step on the spot; in place, the parameters already stepped cannot be undone,
+so every later step is refused until a checkpoint is loaded.
+
+Refused with what needs every gradient before any parameter changes: ``gradient_clipping`` (the
+global norm) and fp16 (the overflow check, a skipped step). ``engine.clip_grad_norm_`` and
+gradient accessors find no gradient shards after such a backward.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Sequence
+
+from ..errors import ZeroStateError
+from ..partition.param import ZeroParameter
+from .agreed_step import AgreedStep, Kept
+
+logger = logging.getLogger(__name__)
+
+
+class BackwardStepPhase(enum.Enum):
+    """Where the step in backward is.
+
+    - IDLE: no boundary backward has landed a gradient since the last ``engine.step()``.
+    - STEPPING: the window's last backward runs; sub-groups step as their gradients complete.
+    - STEPPED: that backward ended with every sub-group that has a gradient stepped; the ranks
+      agree at ``engine.step()``.
+    - BROKEN: a backward aborted after stepping in place; nothing steps until a checkpoint loads.
+    """
+
+    IDLE = enum.auto()
+    STEPPING = enum.auto()
+    STEPPED = enum.auto()
+    BROKEN = enum.auto()
+
+
+_PHASES = {
+    (BackwardStepPhase.IDLE, BackwardStepPhase.STEPPING),
+    (BackwardStepPhase.STEPPING, BackwardStepPhase.STEPPED),
+    (BackwardStepPhase.STEPPING, BackwardStepPhase.IDLE),  # aborted: rolled back, or nothing stepped
+    (BackwardStepPhase.STEPPING, BackwardStepPhase.BROKEN),  # aborted after writing in place
+    (BackwardStepPhase.STEPPED, BackwardStepPhase.IDLE),  # engine.step() agreed, or a later abort rolled back
+    (BackwardStepPhase.STEPPED, BackwardStepPhase.BROKEN),
+    (BackwardStepPhase.BROKEN, BackwardStepPhase.IDLE),  # a checkpoint was loaded
+}
+
+
+class BackwardStep:
+    """Steps sub-groups during the backward ([Note: optimizer step in backward]).
+
+    ``subgroups``: the streamed step's (param group index, parameters); ``step_subgroup(gi, ps)``
+    reads one in, steps it and starts its writes; ``wait_writes()`` waits for every write; ``drop_grads``
+    drops every gradient shard; ``is_boundary()``: the running micro-batch ends a window.
+    """
+
+    def __init__(self, subgroups: Sequence[tuple[int, list[ZeroParameter]]], agreed: AgreedStep,
+                 step_subgroup: Callable[[int, list[ZeroParameter]], None], wait_writes: Callable[[], None],
+                 drop_grads: Callable[[], None], is_boundary: Callable[[], bool]) -> None:
+        self.subgroups = list(subgroups)
+        self.agreed = agreed
+        self._step_subgroup = step_subgroup
+        self._wait_writes = wait_writes
+        self._drop_grads = drop_grads
+        self._is_boundary = is_boundary
+        self._index = {p._zero.id: k for k, (_, ps) in enumerate(self.subgroups) for p in ps}
+        self.phase = BackwardStepPhase.IDLE
+        self._landed: list[set[int]] = []
+        self._stepped: list[bool] = []
+        self._kept: Kept | None = None
+        self._error: BaseException | None = None
+        self._wrote = False  # some sub-group was written (in place: what an abort cannot undo)
+        self.steps_in_backward = 0  # sub-groups stepped during backwards (metrics, tests)
+
+    def _enter(self, phase: BackwardStepPhase) -> None:
+        if (self.phase, phase) not in _PHASES:
+            raise ZeroStateError(f"illegal step-in-backward phase change {self.phase.name} -> {phase.name}")
+        self.phase = phase
+
+    # -- the backward --------------------------------------------------------------------------------
+    def landed(self, p: ZeroParameter) -> None:
+        """The reducer added ``p``'s reduced gradient into its shard's gradient."""
+        if self.phase is BackwardStepPhase.BROKEN:
+            raise ZeroStateError(self._broken_message())
+        if self.phase is BackwardStepPhase.IDLE:
+            if not self._is_boundary():
+                return  # accumulating: the window's last backward steps
+            self._open()
+        k = self._index.get(p._zero.id)
+        if k is None:
+            return  # frozen, or not in the optimizer
+        if self.phase is BackwardStepPhase.STEPPED or self._stepped[k]:
+            if self._error is None:
+                self._error = ZeroStateError(
+                    f"{p._zero.name} got a gradient after the optimizer stepped it in this backward "
+                    "(offload_optimizer_step_in_backward): a second backward in one accumulation window, or a "
+                    "weight used both inside and outside a reentrant activation checkpoint. The step is not "
+                    "taken with that gradient left out; call engine.step() after each window's last backward, "
+                    "or set offload_optimizer_step_in_backward=False")
+            return
+        got = self._landed[k]
+        got.add(p._zero.id)
+        if len(got) == len(self.subgroups[k][1]):
+            self._step(k)
+
+    def backward_ended(self) -> None:
+        """The step's backward is over: step what has gradients and is not stepped, wait for the writes."""
+        if self.phase is not BackwardStepPhase.STEPPING:
+            return
+        for k, (_, ps) in enumerate(self.subgroups):
+            if not self._stepped[k] and any(p._zero.train_tensor.grad is not None for p in ps):
+                self._step(k)
+        try:
+            self._wait_writes()
+        except Exception as exc:  # noqa: BLE001 - agreed at engine.step()
+            self._error = self._error or exc
+        self._enter(BackwardStepPhase.STEPPED)
+
+    def aborted(self) -> None:
+        """The step was aborted (an exception in forward or backward, on this rank or a peer): undo
+        what stepped (staged), or refuse later steps (in place, after a write)."""
+        if self.phase not in (BackwardStepPhase.STEPPING, BackwardStepPhase.STEPPED):
+            return
+        try:
+            self._wait_writes()
+        except Exception:  # noqa: BLE001 - the step is being undone; the abort's own error is what the caller sees
+            pass
+        if self._kept is not None:
+            self.agreed.roll_back(self._kept)
+            self._enter(BackwardStepPhase.IDLE)
+        elif self._wrote:
+            logger.error("zero3: %s", self._broken_message())
+            self._enter(BackwardStepPhase.BROKEN)
+        else:
+            self._enter(BackwardStepPhase.IDLE)
+        self._drop_grads()
+        self._reset()
+
+    # -- engine.step() ---------------------------------------------------------------------------------
+    def conclude(self) -> None:
+        """The window's optimizer step (a collective): agree on what the backward stepped, then commit
+        or roll back and raise. A window whose backward landed nothing (no gradient at all) agrees too,
+        so every rank runs the same collectives."""
+        if self.phase is BackwardStepPhase.BROKEN:
+            raise ZeroStateError(self._broken_message())
+        if self.phase is BackwardStepPhase.IDLE:
+            self._open()
+        if self.phase is BackwardStepPhase.STEPPING:
+            self.backward_ended()
+        kept, error = self._kept, self._error
+        self._enter(BackwardStepPhase.IDLE)
+        self._reset()
+        self.agreed.conclude(kept, error, self._drop_grads)
+
+    def recovered(self) -> None:
+        """A checkpoint was loaded: the parameters and state are whole again."""
+        if self.phase is BackwardStepPhase.BROKEN:
+            self._enter(BackwardStepPhase.IDLE)
+
+    # -- internals -------------------------------------------------------------------------------------
+    def _open(self) -> None:
+        self._enter(BackwardStepPhase.STEPPING)
+        self._landed = [set() for _ in self.subgroups]
+        self._stepped = [False] * len(self.subgroups)
+        self._kept = self.agreed.keep(None)
+        self._error = self.agreed.stage()
+        self._wrote = False
+
+    def _step(self, k: int) -> None:
+        gi, ps = self.subgroups[k]
+        self._stepped[k] = True
+        if self._error is None:  # after a failure nothing more is written: the step fails anyway
+            try:
+                self._wrote = True
+                self._step_subgroup(gi, ps)
+                self.steps_in_backward += 1
+            except Exception as exc:  # noqa: BLE001 - agreed at engine.step()
+                self._error = exc
+        for p in ps:
+            p._zero.train_tensor.grad = None
+
+    def _reset(self) -> None:
+        self._landed, self._stepped = [], []
+        self._kept, self._error, self._wrote = None, None, False
+
+    @staticmethod
+    def _broken_message() -> str:
+        return ("a backward was aborted after the optimizer stepped part of the model in place "
+                "(offload_optimizer_step_in_backward with offload_optimizer_staged_step=False), so the "
+                "parameters are part-way through a step: load the last checkpoint before training on")
+
+
+__all__ = ["BackwardStep", "BackwardStepPhase"]
