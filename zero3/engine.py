@@ -37,7 +37,6 @@ from .offload.states import StatesOffload
 from .optim.optimizer import clip_shards
 from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
-from .partition.state import ParamStatus
 from .runtime.step import StepPhase
 
 logger = logging.getLogger(__name__)
@@ -422,11 +421,7 @@ class Engine:
         `zero3.checkpoint.load.load_checkpoint`.
         """
         kwargs.setdefault("lr_scheduler", self.lr_scheduler)
-        out = load_checkpoint(self.context, load_dir, tag, **kwargs)
-        opt = self.context.optimizer
-        if opt is not None and opt.backward_step is not None and kwargs.get("load_optimizer_states", True):
-            opt.backward_step.recovered()  # a step in backward aborted in place is behind us
-        return out
+        return load_checkpoint(self.context, load_dir, tag, **kwargs)
 
     def consolidated_state_dict(self, rank0_only: bool = True, **kwargs: Any) -> dict[str, torch.Tensor]:
         """The full fp32 state dict, module by module (a collective); see `zero3.consolidate`."""

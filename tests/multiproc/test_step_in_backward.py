@@ -105,7 +105,7 @@ def parity(path: str, dtype: str, params_on_nvme: bool | str, staged: bool, gas:
                 engine.step()
         trainable = sum(p._zero.shard_numel for p in engine.params if p.requires_grad)
         stepped = engine.context.optimizer.backward_step.steps_in_backward if in_backward else 0
-        out[in_backward] = (_state(engine), peak[0], trainable, left, stepped, len(engine.context.optimizer.subgroups))
+        out[in_backward] = (_state(engine), peak[0], trainable, left, stepped, len(engine.context.optimizer.streamer.subgroups))
     return out
 
 
@@ -219,9 +219,10 @@ def test_a_failure_in_the_step_in_backward_is_undone_on_every_rank(pools, tmp_pa
         assert r["continues"], rank
 
 
-def aborted_in_place(path: str) -> tuple[str, str, int]:
+def aborted_in_place(path: str) -> tuple[str, str, int, bool]:
     engine = _engine(os.path.join(path, f"r{dist.get_rank()}"), True, staged=False)
     _window(engine, 0)
+    engine.save_checkpoint(os.path.join(path, "ckpt"), tag="after0")
     bstep = engine.context.optimizer.backward_step
     stepped = bstep.steps_in_backward
     x = torch.randn(4, 16, requires_grad=True)
@@ -232,14 +233,23 @@ def aborted_in_place(path: str) -> tuple[str, str, int]:
     except RuntimeError:
         pass
     stepped = bstep.steps_in_backward - stepped
+    kind, msg = "no error", ""
     try:
         _window(engine, 1)
     except ZeroStateError as exc:
-        return "ZeroStateError", str(exc), stepped
-    return "no error", "", stepped
+        kind, msg = "ZeroStateError", str(exc)
+    # the last checkpoint makes it whole again: it then trains as a run that never aborted
+    engine.load_checkpoint(os.path.join(path, "ckpt"), tag="after0")
+    _window(engine, 1)
+    reference = _engine(os.path.join(path, f"ref{dist.get_rank()}"), True, staged=False)
+    _window(reference, 0)
+    _window(reference, 1)
+    return kind, msg, stepped, _same(_state(engine), _state(reference))
 
 
-def test_an_aborted_backward_that_stepped_in_place_refuses_later_steps(pools, tmp_path):
-    for rank, (kind, msg, stepped) in enumerate(pools.get(2).run(aborted_in_place, str(tmp_path), timeout=120)):
+def test_an_aborted_backward_that_stepped_in_place_refuses_later_steps_until_a_checkpoint_loads(pools, tmp_path):
+    for rank, (kind, msg, stepped, same) in enumerate(pools.get(2).run(aborted_in_place, str(tmp_path),
+                                                                       timeout=120)):
         assert stepped > 0, rank
         assert kind == "ZeroStateError" and "load the last checkpoint" in msg and "part-way" in msg, (rank, kind, msg)
+        assert same, rank

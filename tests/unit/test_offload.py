@@ -404,3 +404,28 @@ def test_offload_states_takes_the_shards_out_of_memory_and_reload_puts_them_back
         engine.offload_states(device="cpu")
     engine.reload_states()
     assert [p._zero.residence for p in engine.params] == where
+
+
+@pytest.mark.parametrize("checkpoint", [None, "zero3", "reentrant", "non_reentrant"])
+def test_the_step_in_backward_trains_a_tied_gpt_as_the_step_after_it_at_world_size_1(tmp_path, checkpoint):
+    """GPT ties its embedding to its output (one parameter used twice) and, with ``checkpoint``,
+    recomputes each block inside the backward (a nested backward for "zero3" and "reentrant"): every
+    gradient still lands once, so the sub-groups stepped in backward give the same model, bit for bit."""
+    global CFG
+    saved, CFG = CFG, GPTConfig(block_size=16, checkpoint=checkpoint)
+    try:
+        runs = {}
+        for in_backward in (False, True):
+            cfg = {**BASE, "param_persistence_threshold": 0, "sub_group_size": 400, "reduce_bucket_size": 500,
+                   "offload_param": nvme(tmp_path / f"{in_backward}", max_in_cpu=0),
+                   "offload_optimizer": nvme(tmp_path / f"{in_backward}", step_in_backward=in_backward)}
+            engine = _engine(cfg, init=True)
+            losses = _train(engine, 3)
+            bstep = engine.context.optimizer.backward_step
+            runs[in_backward] = (losses, _weights(engine), bstep.steps_in_backward if bstep else 0,
+                                 len(engine.context.optimizer.streamer.subgroups))
+        (l0, w0, _, _), (l1, w1, stepped, subs) = runs[False], runs[True]
+        assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(w0, w1))
+        assert subs > 3 and stepped == 3 * subs, (stepped, subs)  # every sub-group of every step, inside backward
+    finally:
+        CFG = saved

@@ -184,6 +184,8 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
     assert reader is not None and plan is not None
     with reader, torch.no_grad():
         _apply(ctx, reader, plan, lr_scheduler)
+    if load_optimizer_states and ctx.optimizer is not None and ctx.optimizer.backward_step is not None:
+        ctx.optimizer.backward_step.recovered()  # a step in backward aborted in place is behind us
     logger.info("zero3::checkpoint loaded %s (saved by %d ranks) on rank %d of %d", reader.path,
                 reader.world_size, ctx.rank, ctx.world_size)
     return str(reader.path), from_json(reader.meta.get("client_state"))

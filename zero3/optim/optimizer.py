@@ -42,7 +42,9 @@ its own state only, so the result is the same, bit for bit, as one step over eve
 sub-group after the next is read while one steps, and the one before is written: at most three
 sub-groups' tensors are in memory. Optimizer step hooks run once per sub-group. The ranks agree
 that every rank finished it before it counts, and roll it back otherwise (agreed_step.py
-[Note: agreed optimizer step]).
+[Note: agreed optimizer step]). streamed.py `SubgroupStreamer` does the moves and the narrowed
+steps; with ``offload_optimizer_step_in_backward`` the same sub-groups step inside the backward
+instead (backward_step.py [Note: optimizer step in backward]).
 """
 
 from __future__ import annotations
@@ -50,8 +52,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections import deque
-from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,9 +63,9 @@ from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import ModelParallel, is_tensor_parallel
 from ..offload.residence import ShardStore
 from ..partition.param import ZeroParameter
-from ..partition.state import MEMORY, Residence
 from .agreed_step import AgreedStep, StepParts
 from .backward_step import BackwardStep
+from .streamed import SubgroupStreamer
 from .precision import LossScaler, unscale_
 from ..offload.nvme import ShardTier, StorageTier
 from ..offload.swapfile import AsyncIO, SwapFile
@@ -212,7 +213,9 @@ class PartitionedOptimizer:
                 raise ZeroConfigError("LBFGS needs every parameter at once; with optimizer state or parameter "
                                       "shards on NVMe the step is streamed group by group. Use an optimizer that "
                                       "updates each parameter from its own state (Adam, AdamW, SGD, ...)")
-            self.subgroups = _subgroups(self.group_params, config.offload.sub_group_size)
+        self.streamer = SubgroupStreamer(
+            self.optimizer, self.states, self.shards, self.separate_masters,
+            _subgroups(self.group_params, config.offload.sub_group_size) if self.streamed else [], _per_element)
         # A step that reads and writes a drive happens on every rank or on none ([Note: agreed optimizer step]);
         # it is staged (rolled back on failure) when the optimizer state is on the drive, unless asked not to.
         staged = self.placement.staged_step
@@ -222,12 +225,11 @@ class PartitionedOptimizer:
             self.optimizer, [p for ps in self.group_params for p in ps],
             self.states if staged else None, self.shards if staged else None, self.scaler, _per_element,
             unstaged), comm, model_parallel) if self.streamed else None
-        self._writing: deque[list[ZeroParameter]] = deque()  # sub-groups stepped in backward, being written
         self.backward_step: BackwardStep | None = None
         if self.placement.step_in_backward:
             assert self.agreed is not None and window_ends is not None
-            self.backward_step = BackwardStep(self.subgroups, self.agreed, self._step_one, self._wait_writes,
-                                              self.zero_grad, window_ends)
+            self.backward_step = BackwardStep(self.streamer.subgroups, self.agreed, self.streamer.step_one,
+                                              self.streamer.wait_writes, self.zero_grad, window_ends)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build_masters(self, optimizer: Any, fp32_shards: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
@@ -391,146 +393,14 @@ class PartitionedOptimizer:
 
     # -- state on NVMe ---------------------------------------------------------------------------
     def _streamed_step(self) -> None:
-        """See [Note: streamed optimizer step]."""
-        groups = self.optimizer.param_groups
-        saved = [g["params"] for g in groups]
-        subs = self.subgroups
-        writing: deque[list[ZeroParameter]] = deque()
-        try:
-            if subs:
-                self._bring_in(subs[0][1])
-            for k, (gi, ps) in enumerate(subs):
-                self._wait_in(ps)
-                while len(writing) > 1:
-                    self._wait_out(writing.popleft())
-                if k + 1 < len(subs):
-                    self._bring_in(subs[k + 1][1])
-                self._narrowed_step(gi, ps)
-                self._send_out(ps)
-                writing.append(ps)
-            while writing:
-                self._wait_out(writing.popleft())
-        finally:
-            for g, params in zip(groups, saved):
-                g["params"] = params
-
-    def _narrowed_step(self, gi: int, ps: Sequence[ZeroParameter]) -> None:
-        """The user's optimizer steps on ``ps`` (of param group ``gi``) only: the other groups' and
-        parameters' ``params`` are empty for the call (the caller restores them)."""
-        for j, g in enumerate(self.optimizer.param_groups):
-            g["params"] = [p._zero.train_tensor for p in ps] if j == gi else []
-        self.optimizer.step()
-
-    def _step_one(self, gi: int, ps: list[ZeroParameter]) -> None:
-        """One sub-group, for the step in backward: read it in, step it, start its writes (at most
-        two sub-groups' writes in flight)."""
-        groups = self.optimizer.param_groups
-        saved = [g["params"] for g in groups]
-        self._bring_in(ps)
-        try:
-            self._wait_in(ps)
-            while len(self._writing) > 1:
-                self._wait_out(self._writing.popleft())
-            self._narrowed_step(gi, ps)
-        finally:
-            for g, params in zip(groups, saved):
-                g["params"] = params
-        self._send_out(ps)
-        self._writing.append(ps)
-
-    def _wait_writes(self) -> None:
-        """Wait for the writes of every sub-group stepped in backward (the first failure raises, after
-        the others are waited for)."""
-        error: BaseException | None = None
-        while self._writing:
-            try:
-                self._wait_out(self._writing.popleft())
-            except Exception as exc:  # noqa: BLE001 - re-raised below, once every write settled
-                error = error or exc
-        if error is not None:
-            raise error
-
-    def _state_keys(self, ps: Sequence[ZeroParameter], resident: Collection[Residence] | None = None) -> list[Hashable]:
-        """Swap keys of ``ps``' separate masters and per-element optimizer state (in ``resident`` only)."""
-        assert self.states is not None
-        keys: list[Hashable] = []
-        for p in ps:
-            z = p._zero
-            if z.master is not None:
-                keys.append(("master", z.id))
-            for name, v in self.optimizer.state.get(z.train_tensor, {}).items():
-                if _per_element(v, z.shard_numel):
-                    keys.append((z.id, name))
-        if resident is None:
-            return keys
-        return [k for k in keys if self.states.state(k) in resident]
-
-    def _bring_in(self, ps: Sequence[ZeroParameter]) -> None:
-        if self.shards is not None and not self.separate_masters:
-            self.shards.load(ps, wait=False)
-        if self.states is not None:
-            for key in self._state_keys(ps, {Residence.DRIVE}):
-                self.states.swap_in(key)
-
-    def _wait_in(self, ps: Sequence[ZeroParameter]) -> None:
-        if self.shards is not None and not self.separate_masters:
-            self.shards.wait(ps)
-        if self.states is not None:
-            self.states.wait(self._state_keys(ps))
-
-    def _send_out(self, ps: Sequence[ZeroParameter]) -> None:
-        if self.separate_masters:
-            for p in ps:
-                self._write_shard(p, p._zero.train_tensor)
-        elif self.shards is not None:
-            self.shards.unload(ps, write=True)
-        if self.states is not None:
-            self._send_out_states(ps)
-
-    def _wait_out(self, ps: Sequence[ZeroParameter]) -> None:
-        if self.shards is not None:
-            self.shards.wait(ps)
-        if self.states is not None:
-            self.states.wait(self._state_keys(ps))
-
-    def _write_shard(self, p: ZeroParameter, master: torch.Tensor) -> None:
-        """Cast ``master`` into ``p``'s shard, in memory or in its region on the drive."""
-        if self.shards is not None and p._zero.swap is not None:
-            self.shards.store(p, master)
-        else:
-            p._zero.shard.copy_(master)
+        """See [Note: streamed optimizer step] (streamed.py moves and steps the sub-groups)."""
+        self.streamer.step_all()
 
     @contextlib.contextmanager
     def loaded(self, params: Sequence[ZeroParameter], write: bool) -> Iterator[None]:
-        """Keep ``params``' masters and optimizer state in memory inside the block (read from the
-        drive with ``offload_optimizer="nvme"``); with ``write``, what the block changed (or put in
-        their place, as a checkpoint load does) goes back to the drive after it."""
-        if self.states is None:
+        """See `SubgroupStreamer.loaded`."""
+        with self.streamer.loaded(params, write):
             yield
-            return
-        ps = [p for p in params if p.requires_grad]
-        for key in self._state_keys(ps, {Residence.DRIVE}):
-            self.states.swap_in(key)
-        self.states.wait(self._state_keys(ps))
-        try:
-            yield
-        finally:
-            if write:
-                self._send_out_states(ps)
-            else:
-                for key in self._state_keys(ps, MEMORY):
-                    self.states.drop(key)
-            self.states.wait(self._state_keys(ps))
-
-    def _send_out_states(self, ps: Sequence[ZeroParameter]) -> None:
-        assert self.states is not None
-        for p in ps:
-            z = p._zero
-            if z.master is not None:
-                self.states.swap_out(("master", z.id), z.master.untyped_storage())
-            for name, v in self.optimizer.state.get(z.train_tensor, {}).items():
-                if _per_element(v, z.shard_numel):
-                    self.states.swap_out((z.id, name), v.untyped_storage())
 
     @property
     def overflow(self) -> bool:
@@ -613,8 +483,8 @@ class PartitionedOptimizer:
                 z = p._zero
                 if z.master is None and z.swap is None:
                     continue  # the optimizer stepped on the shard itself, in memory: nothing to copy
-                with self.loaded([p], write=False):
-                    self._write_shard(p, z.train_tensor)
+                with self.streamer.loaded([p], write=False):
+                    self.streamer.write_shard(p, z.train_tensor)
         if self.shards is not None:
             self.shards.flush()
 
