@@ -429,3 +429,22 @@ def test_the_step_in_backward_trains_a_tied_gpt_as_the_step_after_it_at_world_si
         assert subs > 3 and stepped == 3 * subs, (stepped, subs)  # every sub-group of every step, inside backward
     finally:
         CFG = saved
+
+
+def test_a_checkpoint_between_a_backward_that_stepped_and_engine_step_is_refused(tmp_path):
+    cfg = {**BASE, "offload_optimizer": nvme(tmp_path / "swap", step_in_backward=True)}
+    engine = _engine(cfg)
+    _train(engine, 1)
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="one")
+    x, y = synthetic_batch(1, 2, CFG)
+    engine.backward(engine(x, y))
+    for call in (lambda: engine.save_checkpoint(str(tmp_path / "ckpt"), tag="two"),
+                 lambda: engine.load_checkpoint(str(tmp_path / "ckpt"), tag="one")):
+        with pytest.raises(ZeroStateError, match=r"between a backward that stepped the optimizer .* call engine.step\(\) "
+                                                 "first"):
+            call()
+    engine.step()  # nothing was lost: the step is agreed and taken, and checkpoints work again
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="two")
+    reference = _engine({**BASE, "offload_optimizer": nvme(tmp_path / "ref")})
+    _train(reference, 2)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(engine), _weights(reference)))

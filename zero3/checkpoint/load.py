@@ -162,6 +162,7 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
     mp = ctx.model_parallel
     try:
         ctx.require_states("load_checkpoint", ("lp_params", "hp_params", "optim_states"))
+        ctx.require_between_steps("load_checkpoint")
         reader = CheckpointReader(load_dir, tag, None if mp is None else mp.rank)
         if reader.model_parallel_world_size != (1 if mp is None else mp.world_size):
             raise CheckpointMismatchError(

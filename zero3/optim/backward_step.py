@@ -27,7 +27,8 @@ and the tiers staged at the first landed gradient, the sub-groups step during th
 ranks agree at ``engine.step()``, which commits, or rolls back on every rank (staged) or reports that
 the ranks may differ (``offload_optimizer_staged_step=False``). A backward aborted by an exception
 rolls back the staged step on the spot; in place, the parameters already stepped cannot be undone,
-so every later step is refused until a checkpoint is loaded.
+so every later step is refused until a checkpoint is loaded. Between such a backward and
+``engine.step()`` a checkpoint is refused (`check_between_steps`): the drive holds a step not agreed on.
 
 Refused with what needs every gradient before any parameter changes: ``gradient_clipping`` (the
 global norm) and fp16 (the overflow check, a skipped step). ``engine.clip_grad_norm_`` and
@@ -179,6 +180,14 @@ class BackwardStep:
         self._enter(BackwardStepPhase.IDLE)
         self._reset()
         self.agreed.conclude(kept, error, self._drop_grads)
+
+    def check_between_steps(self, what: str) -> None:
+        """Refuse ``what`` (a checkpoint) while a step taken in backward awaits ``engine.step()``: the
+        drive holds values the ranks have not agreed on yet."""
+        if self.phase in (BackwardStepPhase.STEPPING, BackwardStepPhase.STEPPED):
+            raise ZeroStateError(
+                f"{what} between a backward that stepped the optimizer (offload_optimizer_step_in_backward) and "
+                "engine.step(): the step is not agreed on yet; call engine.step() first")
 
     def recovered(self) -> None:
         """A checkpoint was loaded: the parameters and state are whole again."""

@@ -146,6 +146,11 @@ class RuntimeContext:
         if self.offloaded is not None and self.offloaded.phase is not OffloadPhase.RESIDENT:
             self.offloaded.check(what, kinds)
 
+    def require_between_steps(self, what: str) -> None:
+        """Refuse ``what`` while an optimizer step taken in backward awaits ``engine.step()``."""
+        if self.optimizer is not None and self.optimizer.backward_step is not None:
+            self.optimizer.backward_step.check_between_steps(what)
+
     @contextlib.contextmanager
     def resident(self, params: Sequence[ZeroParameter], write: bool = False,
                  overwrite: bool = False) -> Iterator[None]:
