@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero3
+from _engine_state import engine_state, same_state
 
 pytestmark = pytest.mark.multiproc
 
@@ -47,21 +48,6 @@ def _step(engine: zero3.Engine, i: int) -> None:
     x = torch.randn(4, 16).to(engine.params[0]._zero.dtype)
     engine.backward(engine(x).float().square().mean())
     engine.step()
-
-
-def _state(engine: zero3.Engine) -> dict[str, torch.Tensor]:
-    out = {}
-    for p in engine.params:
-        with engine.context.resident([p]):  # masters and moments live on the drive between steps
-            out[f"{p._zero.name}/shard"] = p._zero.shard.detach().clone()
-            out[f"{p._zero.name}/master"] = engine.master_shard(p).clone()
-            for k, v in engine.optimizer_state(p).items():
-                out[f"{p._zero.name}/{k}"] = v.clone()
-    return out
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 class _Fault:
@@ -108,13 +94,14 @@ def failing_steps(path: str, dtype: str, params_on_nvme: bool | str) -> dict:
     engine = _engine(os.path.join(path, f"run{dist.get_rank()}"), dtype, params_on_nvme)
     out = {}
     for name, call, nth, then_first in FAULTS:
-        before, steps = _state(engine), engine.global_steps
+        before, steps = engine_state(engine), engine.global_steps
         try:
             with _Fault(engine, call, nth):
                 _step(engine, steps)
             out[name] = ("no error", "", False)
         except Exception as exc:  # noqa: BLE001 - reported to the test
-            out[name] = (type(exc).__name__, str(exc), _same(_state(engine), before) and engine.global_steps == steps)
+            unchanged = same_state(engine_state(engine), before) and engine.global_steps == steps
+            out[name] = (type(exc).__name__, str(exc), unchanged)
         if then_first:
             _step(engine, 0)
     _step(engine, 1)  # the run goes on as if the failed steps never were
@@ -122,7 +109,7 @@ def failing_steps(path: str, dtype: str, params_on_nvme: bool | str) -> dict:
     reference = _engine(os.path.join(path, f"ref{dist.get_rank()}"), dtype, params_on_nvme)
     for i in range(3):
         _step(reference, i)
-    out["continues"] = _same(_state(engine), _state(reference))
+    out["continues"] = same_state(engine_state(engine), engine_state(reference))
     return out
 
 
@@ -185,7 +172,7 @@ def staged_and_in_place(path: str, params_on_nvme: bool | str) -> dict:
         for i in range(3):
             _step(engine, i)
             drive.append(_allocated(engine) if optimizer == "nvme" else 0)
-        out[name] = (_state(engine), drive)
+        out[name] = (engine_state(engine), drive)
     return out
 
 
@@ -194,7 +181,7 @@ def test_a_staged_step_reserves_two_regions_at_the_first_step_and_in_place_train
         pools, tmp_path, params_on_nvme):
     for rank, r in enumerate(pools.get(2).run(staged_and_in_place, str(tmp_path), params_on_nvme, timeout=120)):
         (staged, s_drive), (in_place, i_drive), (memory, _) = r["staged"], r["in place"], r["memory"]
-        assert _same(staged, in_place), rank  # the same training, bit for bit
+        assert same_state(staged, in_place), rank  # the same training, bit for bit
         for k, v in memory.items():  # and the same as with the optimizer in memory
             if k.endswith("/shard"):
                 assert torch.equal(v, staged[k]), (rank, k)

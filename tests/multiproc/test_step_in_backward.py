@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero3
+from _engine_state import engine_state, same_state
 from zero3.errors import ZeroStateError
 
 pytestmark = pytest.mark.multiproc
@@ -61,21 +62,6 @@ def _window(engine: zero3.Engine, i: int) -> None:
         engine.step()
 
 
-def _state(engine: zero3.Engine) -> dict[str, torch.Tensor]:
-    out = {}
-    for p in engine.params:
-        with engine.context.resident([p]):
-            out[f"{p._zero.name}/shard"] = p._zero.shard.detach().clone()
-            out[f"{p._zero.name}/master"] = engine.master_shard(p).clone()
-            for k, v in engine.optimizer_state(p).items():
-                out[f"{p._zero.name}/{k}"] = v.clone()
-    return out
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def _watch_gradients(engine: zero3.Engine) -> list[int]:
     """The most gradient-shard elements this rank held at once, updated whenever a gradient lands."""
     reducer, opt = engine.context.reducer, engine.context.optimizer
@@ -105,7 +91,8 @@ def parity(path: str, dtype: str, params_on_nvme: bool | str, staged: bool, gas:
                 engine.step()
         trainable = sum(p._zero.shard_numel for p in engine.params if p.requires_grad)
         stepped = engine.context.optimizer.backward_step.steps_in_backward if in_backward else 0
-        out[in_backward] = (_state(engine), peak[0], trainable, left, stepped, len(engine.context.optimizer.streamer.subgroups))
+        subs = len(engine.context.optimizer.streamer.subgroups)
+        out[in_backward] = (engine_state(engine), peak[0], trainable, left, stepped, subs)
     return out
 
 
@@ -118,7 +105,7 @@ def test_the_step_in_backward_trains_the_same_bit_for_bit_holding_fewer_gradient
                                               timeout=180)):
         (after, peak_after, trainable, left_after, _, _), (inside, peak_inside, _, left_inside, stepped, subs) = \
             r[False], r[True]
-        assert _same(after, inside), rank
+        assert same_state(after, inside), rank
         assert peak_after == trainable, (rank, peak_after, trainable)  # the whole model's gradient shards
         # one micro-batch a window: never the whole model's (with more, they accumulate between micro-batches)
         assert peak_inside < trainable if gas == 1 else peak_inside == trainable, (rank, peak_inside, trainable)
@@ -159,19 +146,20 @@ def failures(path: str, params_on_nvme: bool | str) -> dict:
     out: dict = {}
     inner = engine.context.optimizer.backward_step._step_subgroup
     for name, nth in (("first step, first sub-group", 1), ("later sub-group", 3)):
-        before, steps = _state(engine), engine.global_steps
+        before, steps = engine_state(engine), engine.global_steps
         _fail_writes_in(engine, nth)
         try:
             _window(engine, steps)
             out[name] = ("no error", "", False)
         except Exception as exc:  # noqa: BLE001 - reported to the test
-            out[name] = (type(exc).__name__, str(exc), _same(_state(engine), before) and engine.global_steps == steps)
+            unchanged = same_state(engine_state(engine), before) and engine.global_steps == steps
+            out[name] = (type(exc).__name__, str(exc), unchanged)
         engine.context.optimizer.backward_step._step_subgroup = inner
         if name.startswith("first"):
             _window(engine, 0)
             _window(reference, 0)
     # an exception in the middle of a backward on every rank: what stepped is undone
-    before, stepped = _state(engine), engine.context.optimizer.backward_step.steps_in_backward
+    before, stepped = engine_state(engine), engine.context.optimizer.backward_step.steps_in_backward
     x_hook = []
 
     def boom(g):
@@ -185,21 +173,21 @@ def failures(path: str, params_on_nvme: bool | str) -> dict:
         engine.backward(y.square().mean())
         out["abort"] = ("no error", "", False)
     except RuntimeError as exc:
-        out["abort"] = (type(exc).__name__, str(exc), _same(_state(engine), before))
+        out["abort"] = (type(exc).__name__, str(exc), same_state(engine_state(engine), before))
     out["stepped before the abort"] = engine.context.optimizer.backward_step.steps_in_backward - stepped
     # a second backward in one window: the second gradient would land on stepped sub-groups
-    before = _state(engine)
+    before = engine_state(engine)
     engine.backward(_loss(engine, 5))
     try:
         engine.backward(_loss(engine, 6))
         engine.step()
         out["twice"] = ("no error", "", False)
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        out["twice"] = (type(exc).__name__, str(exc), _same(_state(engine), before))
+        out["twice"] = (type(exc).__name__, str(exc), same_state(engine_state(engine), before))
     for i in (1, 2):
         _window(engine, i)
         _window(reference, i)
-    out["continues"] = _same(_state(engine), _state(reference))
+    out["continues"] = same_state(engine_state(engine), engine_state(reference))
     return out
 
 
@@ -244,7 +232,7 @@ def aborted_in_place(path: str) -> tuple[str, str, int, bool]:
     reference = _engine(os.path.join(path, f"ref{dist.get_rank()}"), True, staged=False)
     _window(reference, 0)
     _window(reference, 1)
-    return kind, msg, stepped, _same(_state(engine), _state(reference))
+    return kind, msg, stepped, same_state(engine_state(engine), engine_state(reference))
 
 
 def test_an_aborted_backward_that_stepped_in_place_refuses_later_steps_until_a_checkpoint_loads(pools, tmp_path):
