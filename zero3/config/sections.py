@@ -239,8 +239,9 @@ class OffloadConfig:
     offload_optimizer_step_in_backward: bool = False
     """With ``offload_optimizer="nvme"``: step each sub-group of the optimizer during the backward of
     the micro-batch that ends an accumulation window, as soon as the gradients of all its parameters
-    are reduced, and drop those gradient shards right away, so a rank never holds the whole model's
-    gradient shards (4 bytes a parameter in fp32). The training is the same bit for bit; the step's
+    are reduced, and drop those gradient shards right away, so a rank holds only the gradient
+    shards of sub-groups not yet complete (4 bytes a parameter in fp32; with ``sub_group_size``
+    below the model's size, say a layer's, that is a small part of them). The training is the same bit for bit; the step's
     agreement (and, staged, its rollback) happens at ``engine.step()`` (optim/backward_step.py
     [Note: optimizer step in backward]). Refused with ``gradient_clipping`` and fp16, which need
     every gradient before any parameter changes. zero3's own key (``offload_optimizer.step_in_backward``
