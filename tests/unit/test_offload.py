@@ -448,3 +448,15 @@ def test_a_checkpoint_between_a_backward_that_stepped_and_engine_step_is_refused
     reference = _engine({**BASE, "offload_optimizer": nvme(tmp_path / "ref")})
     _train(reference, 2)
     assert all(torch.equal(a, b) for a, b in zip(_weights(engine), _weights(reference)))
+
+
+def test_the_step_in_backward_with_one_sub_group_warns_that_it_holds_every_gradient(tmp_path, caplog):
+    cfg = {**BASE, "offload_optimizer": nvme(tmp_path, step_in_backward=True)}  # default sub_group_size: 1e9
+    with caplog.at_level(logging.WARNING, logger="zero3.optim.optimizer"):
+        engine = _engine(cfg)
+    assert len(engine.context.optimizer.streamer.subgroups) == 1
+    assert "with one sub-group (sub_group_size 1000000000" in caplog.text and "set sub_group_size below" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zero3.optim.optimizer"):
+        _engine({**cfg, "sub_group_size": 400})
+    assert "with one sub-group" not in caplog.text

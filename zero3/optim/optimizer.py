@@ -233,6 +233,11 @@ class PartitionedOptimizer:
             logger.info("zero3: the optimizer steps in backward: %d sub-groups of at most %d elements, each as soon "
                         "as its gradients are reduced (%s)", len(self.streamer.subgroups),
                         config.offload.sub_group_size, "staged" if staged else "in place")
+            if len(self.streamer.subgroups) == 1:
+                logger.warning("zero3: offload_optimizer_step_in_backward with one sub-group (sub_group_size %d >= "
+                               "this rank's trainable elements): it steps when the backward ends, holding every "
+                               "gradient shard until then; set sub_group_size below the model's size (a layer's) "
+                               "to drop them as the backward goes", config.offload.sub_group_size)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build_masters(self, optimizer: Any, fp32_shards: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
