@@ -3,8 +3,8 @@
 window's last backward as soon as its gradients are reduced, and its gradient shards go at once.
 Against the streamed step after backward on 2 ranks: the same shards, masters and moments bit for
 bit, with fewer gradient elements ever held; a failure in a sub-group on one rank fails the step on
-every rank at ``engine.step()`` with nothing changed (staged); an aborted backward is undone
-(staged) or refuses later steps (in place); a second gradient after a sub-group stepped fails the
+every rank at ``engine.step()`` with nothing changed (staged); an aborted backward, on every rank
+or on one, is undone (staged) or refuses later steps until a checkpoint loads (in place); a second gradient after a sub-group stepped fails the
 step instead of being left out."""
 
 from __future__ import annotations
@@ -205,6 +205,36 @@ def test_a_failure_in_the_step_in_backward_is_undone_on_every_rank(pools, tmp_pa
         assert kind == "ZeroStateError" and "got a gradient after the optimizer stepped it" in msg, (rank, msg)
         assert "taken on no rank" in msg and unchanged, (rank, msg)
         assert r["continues"], rank
+
+
+def abort_on_one_rank(path: str) -> tuple[str, str, bool, int]:
+    """An exception in the backward on rank 1 only: rank 0 learns of it at its next collective with
+    rank 1 (which closes the engine's group, as for any one-rank failure in a backward), and both
+    undo what they stepped."""
+    engine = _engine(os.path.join(path, f"r{dist.get_rank()}"), True)
+    _window(engine, 0)
+    bstep = engine.context.optimizer.backward_step
+    before, stepped = engine_state(engine), bstep.steps_in_backward
+    torch.manual_seed(7)
+    x = torch.randn(4, 16, requires_grad=True)
+    y = engine(x)
+    if dist.get_rank() == 1:
+        x.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom on rank 1")))
+    kind, msg = "no error", ""
+    try:
+        engine.backward(y.square().mean())
+        engine.step()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        kind, msg = type(exc).__name__, str(exc)
+    return kind, msg, same_state(engine_state(engine), before), bstep.steps_in_backward - stepped
+
+
+def test_an_exception_in_one_ranks_backward_undoes_the_step_in_backward_on_both(pools, tmp_path):
+    results = pools.get(2).run(abort_on_one_rank, str(tmp_path), timeout=120)
+    for rank, (kind, msg, unchanged, stepped) in enumerate(results):
+        assert kind != "no error" and unchanged, (rank, kind, msg)
+        assert stepped > 0, rank  # something had stepped, and was undone
+    assert results[1][:2] == ("RuntimeError", "boom on rank 1")
 
 
 def aborted_in_place(path: str) -> tuple[str, str, int, bool]:
