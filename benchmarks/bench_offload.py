@@ -21,7 +21,8 @@ Capacity (``--capacity``): GPTs with ``n_embd`` 2048 (16 heads, vocab 256, one s
 tokens per rank; `DefaultInitGPT`: PyTorch's default init) and a growing number of layers, fp32,
 AdamW, without offload and with parameters and optimizer state on NVMe (mode ``nvme``: the
 default staged step; ``nvme-inplace``: ``staged_step`` false; ``nvme-bwd`` and ``nvme-inplace-bwd``: the same
-with ``step_in_backward``, so no rank holds the model's gradient shards; ``ds-nvme``: DeepSpeed's). For each mode the search
+with ``step_in_backward``, which drops gradient shards as their sub-groups step; ``none-bwd``: no offload
+with ``step_in_backward``; ``ds-nvme``: DeepSpeed's). For each mode the search
 starts at the size a simple memory/disk model predicts (or at ``--start-layers``), then moves one step (``--capacity-step``
 layers) up while attempts succeed, or down while they fail, at most ``--max-attempts`` times. An
 attempt succeeds when both ranks finish the optimizer steps asked for (``--capacity-steps``,
@@ -284,6 +285,9 @@ def _zero_config(n_embd: int, nvme_path: str, param: bool, optimizer: bool, pool
     if optimizer:
         cfg["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "staged_step": staged,
                                     "step_in_backward": in_backward}
+    elif in_backward:
+        cfg["offload_optimizer"] = {"device": "none", "step_in_backward": True}
+    if optimizer or in_backward:
         cfg["sub_group_size"] = block // sub_groups_per_block
     return cfg
 
@@ -365,13 +369,15 @@ def gpt_params(n_layer: int, c: int = CAP_EMBD) -> int:
     return n_layer * (12 * c * c + 13 * c) + (CAP_VOCAB + CAP_BLOCK) * c + 2 * c
 
 
-LABELS = {"none": "no offload", "nvme": "zero3, params + optimizer on NVMe (staged step)",
+LABELS = {"none": "no offload", "none-bwd": "no offload, step_in_backward",
+          "nvme": "zero3, params + optimizer on NVMe (staged step)",
           "nvme-inplace": "zero3, params + optimizer on NVMe, staged_step false",
           "nvme-bwd": "zero3, params + optimizer on NVMe (staged step), step_in_backward",
           "nvme-inplace-bwd": "zero3, params + optimizer on NVMe, staged_step false, step_in_backward",
           "ds-nvme": "DeepSpeed, params + optimizer on NVMe"}
 
-DRIVE_BYTES = {"none": 0, "nvme": 24, "nvme-inplace": 12, "nvme-bwd": 24, "nvme-inplace-bwd": 12, "ds-nvme": 20}
+DRIVE_BYTES = {"none": 0, "none-bwd": 0, "nvme": 24, "nvme-inplace": 12, "nvme-bwd": 24, "nvme-inplace-bwd": 12,
+               "ds-nvme": 20}
 """Bytes per parameter on the drive, both ranks, from the second step on (fp32 AdamW): zero3 holds
 the shard and two moments (12), twice when the step is staged (a second region of each, reserved at
 the first step); DeepSpeed's measured at 3.48B in the first run (about 20)."""
@@ -384,11 +390,11 @@ def _predicted_layers(mode: str, available: int, disk: int) -> int:
     ``-bwd`` modes) and `DRIVE_BYTES` go to the drive. Each
     rank also holds about 1.5 GiB more (torch, gathered blocks, gradient buckets), 2 GiB with offload
     (the buffer pool and the optimizer's sub-groups too)."""
-    overhead = 2 * int((1.5 if mode == "none" else 2.0) * GIB)
+    overhead = 2 * int((1.5 if mode.startswith("none") else 2.0) * GIB)
     n = 1
     while True:
         p = gpt_params(n + 1)
-        mem = (16 if mode == "none" else 0 if mode.endswith("-bwd") else 4) * p + overhead
+        mem = {"none": 16, "none-bwd": 12}.get(mode, 0 if mode.endswith("-bwd") else 4) * p + overhead
         if mem > available or DRIVE_BYTES[mode] * p > disk:
             return n
         n += 1
@@ -421,8 +427,8 @@ def capacity(args: argparse.Namespace) -> None:
                 n -= args.capacity_step
                 continue
             spec = {"model": {**model, "n_layer": n}, "batch": 1, "steps": args.capacity_steps, "default_init": True,
-                    "nvme_path": args.nvme_path, "zero": _zero_config(CAP_EMBD, args.nvme_path, mode != "none",
-                                                                      mode != "none", pool_blocks=1.0,
+                    "nvme_path": args.nvme_path, "zero": _zero_config(CAP_EMBD, args.nvme_path, mode.startswith("nvme"),
+                                                                      mode.startswith("nvme"), pool_blocks=1.0,
                                                                       sub_groups_per_block=args.sub_groups,
                                                                       staged=mode in ("nvme", "nvme-bwd"),
                                                                       in_backward=mode.endswith("-bwd"),
@@ -480,7 +486,7 @@ def capacity(args: argparse.Namespace) -> None:
         steps = res["ranks"][0]["steps"]
         print(f"- {label}: largest that trained: n_layer={n}, {gpt_params(n):,} parameters; step 1 "
               f"{steps[0]:.1f} s" + (f", step 2 {steps[1]:.1f} s" if len(steps) > 1 else ""))
-    for mode in ("nvme", "nvme-inplace", "nvme-bwd", "nvme-inplace-bwd", "ds-nvme"):
+    for mode in ("none-bwd", "nvme", "nvme-inplace", "nvme-bwd", "nvme-inplace-bwd", "ds-nvme"):
         if best.get("none") and best.get(mode):
             print(f"- ratio, {LABELS[mode]}: {gpt_params(best[mode][0]) / gpt_params(best['none'][0]):.2f}x the "
                   "parameters of no offload")
@@ -496,7 +502,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--capacity", action="store_true", help="run the capacity search instead")
     ap.add_argument("--modes", default="none,nvme,nvme-inplace", help="capacity: which modes, in order: none, "
-                    "nvme (zero3, staged step), nvme-inplace (zero3, offload_optimizer.staged_step false), nvme-bwd and nvme-inplace-bwd (the same with offload_optimizer.step_in_backward), ds-nvme (DeepSpeed's offload_param and offload_optimizer nvme; run with a Python that has deepspeed)")
+                    "nvme (zero3, staged step), nvme-inplace (zero3, offload_optimizer.staged_step false), nvme-bwd and nvme-inplace-bwd (the same with offload_optimizer.step_in_backward), none-bwd (no offload, step_in_backward), ds-nvme (DeepSpeed's offload_param and offload_optimizer nvme; run with a Python that has deepspeed)")
     ap.add_argument("--capacity-step", type=int, default=4, help="capacity: layers between attempts")
     ap.add_argument("--capacity-steps", type=int, default=2,
                     help="capacity: optimizer steps per attempt (the first creates AdamW's moments; from the second "

@@ -27,12 +27,13 @@ TIMEOUT = 10.0
 
 
 def _engine(path: str, in_backward: bool, dtype: str = "fp32", params_on_nvme: bool | str = True,
-            staged: bool = True, gas: int = 1) -> zero3.Engine:
+            staged: bool = True, gas: int = 1, optimizer: str = "nvme") -> zero3.Engine:
     # small reduce buckets: reductions land, and sub-groups step, while the backward still runs
     cfg = {"param_persistence_threshold": 0, "collective_timeout": TIMEOUT, "dtype": dtype, "sub_group_size": 600,
            "gradient_accumulation_steps": gas, "reduce_bucket_size": 256,
-           "offload_optimizer": {"device": "nvme", "nvme_path": path, "staged_step": staged,
-                                 "step_in_backward": in_backward}}
+           "offload_optimizer": {"device": optimizer, "step_in_backward": in_backward}}
+    if optimizer == "nvme":
+        cfg["offload_optimizer"].update(nvme_path=path, staged_step=staged)
     if params_on_nvme:
         cfg["offload_param"] = {"device": "nvme", "nvme_path": path, "buffer_size": 2048, "buffer_count": 4,
                                 "max_in_cpu": 0}
@@ -77,11 +78,11 @@ def _watch_gradients(engine: zero3.Engine) -> list[int]:
     return peak
 
 
-def parity(path: str, dtype: str, params_on_nvme: bool | str, staged: bool, gas: int) -> dict:
+def parity(path: str, dtype: str, params_on_nvme: bool | str, staged: bool, gas: int, optimizer: str) -> dict:
     out = {}
     for in_backward in (False, True):
         engine = _engine(os.path.join(path, f"{in_backward}{dist.get_rank()}"), in_backward, dtype, params_on_nvme,
-                         staged, gas)
+                         staged, gas, optimizer)
         peak = _watch_gradients(engine)
         left = []
         for i in range(3):
@@ -96,12 +97,15 @@ def parity(path: str, dtype: str, params_on_nvme: bool | str, staged: bool, gas:
     return out
 
 
-@pytest.mark.parametrize("dtype,params_on_nvme,staged,gas", [
-    ("fp32", True, True, 1), ("fp32", "init", False, 1), ("bf16", False, True, 1), ("fp32", False, False, 1),
-    ("fp32", True, True, 2)])
+@pytest.mark.parametrize("dtype,params_on_nvme,staged,gas,optimizer", [
+    ("fp32", True, True, 1, "nvme"), ("fp32", "init", False, 1, "nvme"), ("bf16", False, True, 1, "nvme"),
+    ("fp32", False, False, 1, "nvme"), ("fp32", True, True, 2, "nvme"),
+    ("fp32", False, True, 1, "none"), ("bf16", False, True, 1, "none"), ("fp32", False, True, 1, "cpu"),
+    ("bf16", True, True, 2, "cpu")])
 def test_the_step_in_backward_trains_the_same_bit_for_bit_holding_fewer_gradients(pools, tmp_path, dtype,
-                                                                                  params_on_nvme, staged, gas):
-    for rank, r in enumerate(pools.get(2).run(parity, str(tmp_path), dtype, params_on_nvme, staged, gas,
+                                                                                  params_on_nvme, staged, gas,
+                                                                                  optimizer):
+    for rank, r in enumerate(pools.get(2).run(parity, str(tmp_path), dtype, params_on_nvme, staged, gas, optimizer,
                                               timeout=180)):
         (after, peak_after, trainable, left_after, _, _), (inside, peak_inside, _, left_inside, stepped, subs) = \
             r[False], r[True]
@@ -237,8 +241,8 @@ def test_an_exception_in_one_ranks_backward_undoes_the_step_in_backward_on_both(
     assert results[1][:2] == ("RuntimeError", "boom on rank 1")
 
 
-def aborted_in_place(path: str) -> tuple[str, str, int, bool]:
-    engine = _engine(os.path.join(path, f"r{dist.get_rank()}"), True, staged=False)
+def aborted_in_place(path: str, optimizer: str) -> tuple[str, str, int, bool]:
+    engine = _engine(os.path.join(path, f"r{dist.get_rank()}"), True, staged=False, optimizer=optimizer)
     _window(engine, 0)
     engine.save_checkpoint(os.path.join(path, "ckpt"), tag="after0")
     bstep = engine.context.optimizer.backward_step
@@ -259,14 +263,16 @@ def aborted_in_place(path: str) -> tuple[str, str, int, bool]:
     # the last checkpoint makes it whole again: it then trains as a run that never aborted
     engine.load_checkpoint(os.path.join(path, "ckpt"), tag="after0")
     _window(engine, 1)
-    reference = _engine(os.path.join(path, f"ref{dist.get_rank()}"), True, staged=False)
+    reference = _engine(os.path.join(path, f"ref{dist.get_rank()}"), True, staged=False, optimizer=optimizer)
     _window(reference, 0)
     _window(reference, 1)
     return kind, msg, stepped, same_state(engine_state(engine), engine_state(reference))
 
 
-def test_an_aborted_backward_that_stepped_in_place_refuses_later_steps_until_a_checkpoint_loads(pools, tmp_path):
-    for rank, (kind, msg, stepped, same) in enumerate(pools.get(2).run(aborted_in_place, str(tmp_path),
+@pytest.mark.parametrize("optimizer", ["nvme", "none"])
+def test_an_aborted_backward_that_stepped_in_place_refuses_later_steps_until_a_checkpoint_loads(pools, tmp_path,
+                                                                                                optimizer):
+    for rank, (kind, msg, stepped, same) in enumerate(pools.get(2).run(aborted_in_place, str(tmp_path), optimizer,
                                                                        timeout=120)):
         assert stepped > 0, rank
         assert kind == "ZeroStateError" and "load the last checkpoint" in msg and "part-way" in msg, (rank, kind, msg)

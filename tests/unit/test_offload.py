@@ -406,8 +406,9 @@ def test_offload_states_takes_the_shards_out_of_memory_and_reload_puts_them_back
     assert [p._zero.residence for p in engine.params] == where
 
 
-@pytest.mark.parametrize("checkpoint", [None, "zero3", "reentrant", "non_reentrant"])
-def test_the_step_in_backward_trains_a_tied_gpt_as_the_step_after_it_at_world_size_1(tmp_path, checkpoint):
+@pytest.mark.parametrize("checkpoint,optimizer", [(None, "nvme"), ("zero3", "nvme"), ("reentrant", "nvme"),
+                                                  ("non_reentrant", "nvme"), (None, "none"), ("reentrant", "none")])
+def test_the_step_in_backward_trains_a_tied_gpt_as_the_step_after_it_at_world_size_1(tmp_path, checkpoint, optimizer):
     """GPT ties its embedding to its output (one parameter used twice) and, with ``checkpoint``,
     recomputes each block inside the backward (a nested backward for "zero3" and "reentrant"): every
     gradient still lands once, so the sub-groups stepped in backward give the same model, bit for bit."""
@@ -417,8 +418,10 @@ def test_the_step_in_backward_trains_a_tied_gpt_as_the_step_after_it_at_world_si
         runs = {}
         for in_backward in (False, True):
             cfg = {**BASE, "param_persistence_threshold": 0, "sub_group_size": 400, "reduce_bucket_size": 500,
-                   "offload_param": nvme(tmp_path / f"{in_backward}", max_in_cpu=0),
-                   "offload_optimizer": nvme(tmp_path / f"{in_backward}", step_in_backward=in_backward)}
+                   "offload_optimizer": {"device": "none", "step_in_backward": in_backward}}
+            if optimizer == "nvme":
+                cfg.update(offload_param=nvme(tmp_path / f"{in_backward}", max_in_cpu=0),
+                           offload_optimizer=nvme(tmp_path / f"{in_backward}", step_in_backward=in_backward))
             engine = _engine(cfg, init=True)
             losses = _train(engine, 3)
             bstep = engine.context.optimizer.backward_step

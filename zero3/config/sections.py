@@ -237,11 +237,12 @@ class OffloadConfig:
     in a DeepSpeed dict); DeepSpeed has no such rollback."""
 
     offload_optimizer_step_in_backward: bool = False
-    """With ``offload_optimizer="nvme"``: step each sub-group of the optimizer during the backward of
+    """With any ``offload_optimizer`` device: step each sub-group of the optimizer during the backward of
     the micro-batch that ends an accumulation window, as soon as the gradients of all its parameters
     are reduced, and drop those gradient shards right away, so a rank holds only the gradient
     shards of sub-groups not yet complete (4 bytes a parameter in fp32; with ``sub_group_size``
-    below the model's size, say a layer's, that is a small part of them). The training is the same bit for bit; the step's
+    below the model's size, say a layer's, that is a small part of them). With the optimizer in
+    memory (no offload, or ``cpu``) the step is agreed but never staged. The training is the same bit for bit; the step's
     agreement (and, staged, its rollback) happens at ``engine.step()`` (optim/backward_step.py
     [Note: optimizer step in backward]). Refused with ``gradient_clipping`` and fp16, which need
     every gradient before any parameter changes. zero3's own key (``offload_optimizer.step_in_backward``
@@ -291,11 +292,6 @@ class OffloadConfig:
             raise ZeroConfigError(
                 f"offload_optimizer_staged_step=False only applies with offload_optimizer='nvme' (got "
                 f"offload_optimizer={self.offload_optimizer!r}): only a step on the drive is staged; remove it")
-        if self.offload_optimizer_step_in_backward and self.offload_optimizer != "nvme":
-            raise ZeroConfigError(
-                f"offload_optimizer_step_in_backward=True only applies with offload_optimizer='nvme' (got "
-                f"offload_optimizer={self.offload_optimizer!r}): the step in backward streams sub-groups of the "
-                "optimizer state from the drive; set offload_optimizer='nvme' or remove it")
         for tier in ("offload_param", "offload_optimizer"):
             if getattr(self, tier) == "nvme" and not getattr(self, f"{tier}_nvme_path"):
                 raise ZeroConfigError(

@@ -96,9 +96,9 @@ class PlacementPolicy:
 
     @property
     def step_in_backward(self) -> bool:
-        """Sub-groups of the drive's optimizer step run in the window's last backward, as their
-        gradients complete (optim/backward_step.py)."""
-        return self.optimizer_on_drive and self.optimizer_step_in_backward
+        """Sub-groups of the optimizer step run in the window's last backward, as their gradients
+        complete (optim/backward_step.py), wherever the optimizer state lives."""
+        return self.optimizer_step_in_backward
 
     @property
     def separate_masters(self) -> bool:

@@ -1,12 +1,13 @@
 """The optimizer step taken during the backward, one sub-group as soon as its gradients are complete.
 
 [Note: optimizer step in backward]
-With ``offload_optimizer="nvme"`` the optimizer state, masters and (usually) the parameter shards
-live on the drive, and what memory still holds that grows with the model is the gradient shards: 4
-bytes a parameter in fp32, held from the backward that makes them to the optimizer step. With
-``offload_optimizer_step_in_backward`` the streamed step's sub-groups (optimizer.py [Note: streamed
-optimizer step]) are stepped inside the backward of the micro-batch that ends an accumulation
-window instead: when the reducer has added the last reduced gradient of every parameter of a
+The gradient shards (4 bytes a parameter in fp32) are held from the backward that makes them to
+the optimizer step. With ``offload_optimizer="nvme"`` the optimizer state, masters and (usually)
+the parameter shards live on the drive, and they are what memory still holds that grows with the
+model; without offload they are a quarter of fp32 AdamW's 16 bytes. With
+``offload_optimizer_step_in_backward`` the optimizer steps in sub-groups (those of the streamed
+step, optimizer.py [Note: streamed optimizer step], with any offload device) inside the backward of
+the micro-batch that ends an accumulation window instead: when the reducer has added the last reduced gradient of every parameter of a
 sub-group (`landed`), the sub-group is read in, stepped with the user's optimizer narrowed to it,
 written out, and its gradient shards are dropped. At most the sub-groups whose parameters are not
 all reduced yet hold gradients. What never got a gradient in the backward steps when it ends
@@ -25,7 +26,8 @@ agreed, at ``engine.step()``.
 The agreement (agreed_step.py [Note: agreed optimizer step]) is split in time: the copies are taken
 and the tiers staged at the first landed gradient, the sub-groups step during the backward, and the
 ranks agree at ``engine.step()``, which commits, or rolls back on every rank (staged) or reports that
-the ranks may differ (``offload_optimizer_staged_step=False``). A backward aborted by an exception
+the ranks may differ (``offload_optimizer_staged_step=False``, or the optimizer state in memory,
+which is never staged). A backward aborted by an exception
 rolls back the staged step on the spot; in place, the parameters already stepped cannot be undone,
 so every later step is refused until a checkpoint is loaded. Between such a backward and
 ``engine.step()`` a checkpoint is refused (`check_between_steps`): the drive holds a step not agreed on.
@@ -223,8 +225,9 @@ class BackwardStep:
     @staticmethod
     def _broken_message() -> str:
         return ("a backward was aborted after the optimizer stepped part of the model in place "
-                "(offload_optimizer_step_in_backward with offload_optimizer_staged_step=False), so the "
-                "parameters are part-way through a step: load the last checkpoint before training on")
+                "(offload_optimizer_step_in_backward, not staged: the optimizer state is in memory, or "
+                "offload_optimizer_staged_step=False), so the parameters are part-way through a step: load the "
+                "last checkpoint before training on")
 
 
 __all__ = ["BackwardStep", "BackwardStepPhase"]

@@ -208,14 +208,14 @@ class PartitionedOptimizer:
         self.group_params = [[by_train[id(t)] for t in g["params"] if id(t) in by_train]
                              for g in self.optimizer.param_groups]
         self.streamed = self.states is not None or (self.shards is not None and not self.separate_masters)
-        if self.streamed:
-            if isinstance(self.optimizer, torch.optim.LBFGS):
-                raise ZeroConfigError("LBFGS needs every parameter at once; with optimizer state or parameter "
-                                      "shards on NVMe the step is streamed group by group. Use an optimizer that "
-                                      "updates each parameter from its own state (Adam, AdamW, SGD, ...)")
+        by_subgroup = self.streamed or self.placement.step_in_backward  # the step goes sub-group by sub-group
+        if by_subgroup and isinstance(self.optimizer, torch.optim.LBFGS):
+            raise ZeroConfigError("LBFGS needs every parameter at once; with optimizer state or parameter shards on "
+                                  "NVMe, or the step in backward, the step goes sub-group by sub-group. Use an "
+                                  "optimizer that updates each parameter from its own state (Adam, AdamW, SGD, ...)")
         self.streamer = SubgroupStreamer(
             self.optimizer, self.states, self.shards, self.separate_masters,
-            _subgroups(self.group_params, config.offload.sub_group_size) if self.streamed else [], _per_element)
+            _subgroups(self.group_params, config.offload.sub_group_size) if by_subgroup else [], _per_element)
         # A step that reads and writes a drive happens on every rank or on none ([Note: agreed optimizer step]);
         # it is staged (rolled back on failure) when the optimizer state is on the drive, unless asked not to.
         staged = self.placement.staged_step
@@ -224,7 +224,7 @@ class PartitionedOptimizer:
         self.agreed = AgreedStep(StepParts(
             self.optimizer, [p for ps in self.group_params for p in ps],
             self.states if staged else None, self.shards if staged else None, self.scaler, _per_element,
-            unstaged), comm, model_parallel) if self.streamed else None
+            unstaged), comm, model_parallel) if by_subgroup else None
         self.backward_step: BackwardStep | None = None
         if self.placement.step_in_backward:
             assert self.agreed is not None and window_ends is not None
