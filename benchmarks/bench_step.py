@@ -62,7 +62,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 VARIANTS = ("zero3", "zero3-prefetch", "zero3-noprefetch", "ddp", "fsdp2", "fsdp2-noreshard")
 EXTRA_VARIANTS = ("zero3-noverify", "zero3-collectives", "zero3-prefetch-noverify", "zero3-prefetch-tuned",
-                  "zero3-prefetch-wire", "zero3-prefetch-wirereduce")
+                  "zero3-prefetch-wire", "zero3-prefetch-wirereduce", "zero3-prefetch-bwd")
 LABELS = {
     "zero3": "zero3, default config",
     "zero3-noverify": "zero3, default config, verify_collectives=False",
@@ -73,6 +73,7 @@ LABELS = {
     "zero3-prefetch-tuned": "zero3, prefetch on, verify off, reduce_bucket_size = 1 Block",
     "zero3-prefetch-wire": "zero3, prefetch on, gathers and reductions on the wire (allgather_impl=p2p: no shared memory)",
     "zero3-prefetch-wirereduce": "zero3, prefetch on, shared gathers, reductions on the wire (reduce_scatter_impl=p2p)",
+    "zero3-prefetch-bwd": "zero3, prefetch on, the optimizer step in backward (sub-groups of one Block; gathers on the wire)",
     "ddp": "DDP",
     "fsdp2": "FSDP2 (fully_shard per Block + root), reshard_after_forward=True",
     "fsdp2-noreshard": "FSDP2 (fully_shard per Block + root), reshard_after_forward=False",
@@ -138,6 +139,9 @@ def zero3_config(variant: str, args: argparse.Namespace) -> dict:
         cfg["reduce_bucket_size"] = blk
     if variant == "zero3-prefetch-wire":  # what shared memory (auto on one host) buys: gathers, and with
         cfg["allgather_impl"] = "p2p"    # them (auto) reductions, on the wire
+    if variant == "zero3-prefetch-bwd":  # the optimizer in memory steps each Block's sub-group in backward
+        cfg["offload_optimizer"] = {"device": "none", "step_in_backward": True}
+        cfg["sub_group_size"] = blk // 2  # a Block's shard at 2 ranks
     if variant == "zero3-prefetch-wirereduce":  # what shared-memory reductions buy beside shared gathers
         cfg["reduce_scatter_impl"] = "p2p"
     return cfg
