@@ -68,3 +68,20 @@ def test_offload_states_frees_device_memory_and_training_continues_exactly(tmp_p
     engine.reload_states()
     got += _train(engine, 3, 3)
     assert got == expected
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_step_in_backward_trains_like_the_step_after_it_on_cuda(tmp_path, dtype):
+    """Sub-groups stepped inside the backward (optimizer on NVMe, in pinned CPU memory, or on the
+    device) give the same losses, bit for bit, as the same config stepping after the backward."""
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    for optimizer in ({**nvme, "pin_memory": True}, {"device": "cpu", "pin_memory": True}, {"device": "none"}):
+        runs = []
+        for in_backward in (False, True):
+            cfg = {**BASE, "dtype": dtype, "sub_group_size": 5000,
+                   "offload_optimizer": {**optimizer, "step_in_backward": in_backward}}
+            engine = _engine(cfg)
+            runs.append(_train(engine, 0, 4))
+            if in_backward:
+                assert engine.context.optimizer.backward_step.steps_in_backward > 4, optimizer
+        assert runs[0] == runs[1], (optimizer, runs)
