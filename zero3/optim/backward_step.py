@@ -1,18 +1,18 @@
 """The optimizer step taken during the backward, one sub-group as soon as its gradients are complete.
 
 [Note: optimizer step in backward]
-The gradient shards (4 bytes a parameter in fp32) are held from the backward that makes them to
-the optimizer step. With ``offload_optimizer="nvme"`` the optimizer state, masters and (usually)
-the parameter shards live on the drive, and they are what memory still holds that grows with the
-model; without offload they are a quarter of fp32 AdamW's 16 bytes. With
-``offload_optimizer_step_in_backward`` the optimizer steps in sub-groups (those of the streamed
-step, optimizer.py [Note: streamed optimizer step], with any offload device) inside the backward of
-the micro-batch that ends an accumulation window instead: when the reducer has added the last reduced gradient of every parameter of a
-sub-group (`landed`), the sub-group is read in, stepped with the user's optimizer narrowed to it,
-written out, and its gradient shards are dropped. At most the sub-groups whose parameters are not
-all reduced yet hold gradients. What never got a gradient in the backward steps when it ends
-(`backward_ended`), so a parameter unused in a step is treated as the streamed step treats it (the
-optimizer skips it).
+Gradient shards (4 bytes a parameter in fp32) live from the backward that makes them to the
+optimizer step. Without offload they are a quarter of fp32 AdamW's 16 bytes a parameter; with
+``offload_optimizer="nvme"``, where the state, masters and (usually) the shards are on the drive,
+they are most of what memory holds that grows with the model. With
+``offload_optimizer_step_in_backward`` the optimizer steps in sub-groups (the streamed step's,
+optimizer.py [Note: streamed optimizer step], with any offload device) inside the backward of the
+micro-batch that ends an accumulation window: when the reducer has added the last reduced gradient
+of every parameter of a sub-group (`landed`), the sub-group is read in, stepped with the user's
+optimizer narrowed to it, written out, and its gradient shards are dropped. So only sub-groups not
+yet complete hold gradients. A sub-group some of whose parameters got no gradient steps on the
+ones it has when the backward ends (`backward_ended`); one without any gradient does not step, as
+the optimizer skips parameters without a gradient in the streamed step.
 
 Why it is exact: autograd runs a leaf's AccumulateGrad once per backward, after every use of it, and
 the reducer lands a parameter's slice once per backward, so a landed gradient is final, and every
@@ -27,10 +27,10 @@ The agreement (agreed_step.py [Note: agreed optimizer step]) is split in time: t
 and the tiers staged at the first landed gradient, the sub-groups step during the backward, and the
 ranks agree at ``engine.step()``, which commits, or rolls back on every rank (staged) or reports that
 the ranks may differ (``offload_optimizer_staged_step=False``, or the optimizer state in memory,
-which is never staged). A backward aborted by an exception
-rolls back the staged step on the spot; in place, the parameters already stepped cannot be undone,
-so every later step is refused until a checkpoint is loaded. Between such a backward and
-``engine.step()`` a checkpoint is refused (`check_between_steps`): the drive holds a step not agreed on.
+which is never staged). A backward aborted by an exception rolls back the staged step on the spot;
+in place, the parameters already stepped cannot be undone, so every later step is refused until a
+checkpoint is loaded. Between such a backward and ``engine.step()`` a checkpoint is refused
+(`check_between_steps`): the parameters and state hold a step not agreed on.
 
 Refused with what needs every gradient before any parameter changes: ``gradient_clipping`` (the
 global norm) and fp16 (the overflow check, a skipped step). ``engine.clip_grad_norm_`` and
