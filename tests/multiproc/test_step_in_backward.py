@@ -277,3 +277,31 @@ def test_an_aborted_backward_that_stepped_in_place_refuses_later_steps_until_a_c
         assert stepped > 0, rank
         assert kind == "ZeroStateError" and "load the last checkpoint" in msg and "part-way" in msg, (rank, kind, msg)
         assert same, rank
+
+
+def with_comm_features(path: str, extra: dict) -> tuple[bool, int]:
+    states, stepped = [], 0
+    for in_backward in (False, True):
+        base = {} if "memory_budget" in extra else {"param_persistence_threshold": 0, "reduce_bucket_size": 256}
+        cfg = {**base, "collective_timeout": TIMEOUT, "sub_group_size": 600, **extra,
+               "offload_optimizer": {"device": "none", "step_in_backward": in_backward}}
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), cfg)
+        for i in range(3):
+            _window(engine, i)
+        states.append(engine_state(engine))
+        if in_backward:
+            stepped = engine.context.optimizer.backward_step.steps_in_backward
+    return same_state(*states), stepped
+
+
+@pytest.mark.parametrize("extra", [{"zero_quantized_gradients": True}, {"zero_quantized_weights": True},
+                                   {"memory_budget": 20000}, {"overlap_comm": False}])
+def test_the_step_in_backward_trains_the_same_beside_zeropp_memory_budget_and_blocking_reductions(pools, tmp_path,
+                                                                                                  extra):
+    """qgZ reduces through its own path, qwZ gathers quantized weights, memory_budget picks the knobs
+    after the first step, and without overlap every reduction lands at once: the gradients still land
+    through the reducer, once each."""
+    for rank, (same, stepped) in enumerate(pools.get(2).run(with_comm_features, str(tmp_path), extra, timeout=120)):
+        assert same and stepped >= 6, (rank, same, stepped)  # the same model; sub-groups stepped in each backward
