@@ -21,7 +21,10 @@ sees the same gradients, state and hyperparameters (the LR scheduler steps after
 as before) as in the streamed step, so the result is the same bit for bit. A parameter that gets a
 second gradient after its sub-group stepped (two backwards in one window, or a weight used both
 inside and outside a reentrant activation checkpoint) is not silently left out: the step fails,
-agreed, at ``engine.step()``.
+agreed, at ``engine.step()``. So does a parameter gathered again after its sub-group stepped and
+then used in the same backward (`gathered`, `used`, told by the coordinator): a recompute that reads
+a weight without a gradient through it would compute with the new value. One still gathered from
+before its step holds the old value and is fine.
 
 The agreement (agreed_step.py [Note: agreed optimizer step]) is split in time: the copies are taken
 and the tiers staged at the first landed gradient, the sub-groups step during the backward, and the
@@ -45,6 +48,7 @@ from collections.abc import Callable, Sequence
 
 from ..errors import ZeroStateError
 from ..partition.param import ZeroParameter
+from ..partition.state import ParamStatus
 from .agreed_step import AgreedStep, Kept
 
 logger = logging.getLogger(__name__)
@@ -98,6 +102,8 @@ class BackwardStep:
         self.phase = BackwardStepPhase.IDLE
         self._landed: list[set[int]] = []
         self._stepped: list[bool] = []
+        self._stepped_ids: set[int] = set()  # ZeroParam.id of every parameter stepped in this backward
+        self._regathered: set[int] = set()  # ... of those gathered again after their step
         self._kept: Kept | None = None
         self._error: BaseException | None = None
         self._wrote = False  # some sub-group was written (in place: what an abort cannot undo)
@@ -133,6 +139,31 @@ class BackwardStep:
         got.add(p._zero.id)
         if len(got) == len(self.subgroups[k][1]):
             self._step(k)
+
+    def gathered(self, params: Sequence[ZeroParameter]) -> None:
+        """A gather of ``params`` was issued: one that stepped in this backward now holds its new value."""
+        if self.phase is BackwardStepPhase.STEPPING and self._stepped_ids:
+            self._regathered.update(p._zero.id for p in params if p._zero.id in self._stepped_ids)
+
+    def used(self, params: Sequence[ZeroParameter]) -> None:
+        """``params`` are about to be used (a module's fetch). One that stepped in this backward and is
+        gathered now or was gathered since (or, at world size 1, a persistent one whose full data is
+        its shard) would be computed with its new value: a recompute that reads a weight without a gradient through it,
+        say. The step then fails at ``engine.step()`` rather than train on mixed values. A parameter
+        still gathered from before its step holds the old value, which is the right one."""
+        if self.phase is not BackwardStepPhase.STEPPING or self._error is not None or not self._stepped_ids:
+            return
+        for p in params:
+            z = p._zero
+            if z.id in self._stepped_ids and (z.status is ParamStatus.NOT_AVAILABLE or z.id in self._regathered
+                                              or z.aliased):
+                self._error = ZeroStateError(
+                    f"{z.name} was used after the optimizer stepped it in this backward "
+                    "(offload_optimizer_step_in_backward): a module that ran again in the backward (an activation "
+                    "checkpoint's recompute, say) reads it without a gradient through it, so it would compute with "
+                    "the new value. The step is not taken; set offload_optimizer_step_in_backward=False for this "
+                    "model")
+                return
 
     def backward_ended(self) -> None:
         """The step's backward is over: step what has gradients and is not stepped, wait for the writes."""
@@ -201,6 +232,7 @@ class BackwardStep:
         self._enter(BackwardStepPhase.STEPPING)
         self._landed = [set() for _ in self.subgroups]
         self._stepped = [False] * len(self.subgroups)
+        self._stepped_ids, self._regathered = set(), set()
         self._kept = self.agreed.keep(None)
         self._error = self.agreed.stage()
         self._wrote = False
@@ -208,6 +240,7 @@ class BackwardStep:
     def _step(self, k: int) -> None:
         gi, ps = self.subgroups[k]
         self._stepped[k] = True
+        self._stepped_ids.update(p._zero.id for p in ps)
         if self._error is None:  # after a failure nothing more is written: the step fails anyway
             try:
                 self._wrote = True
@@ -219,7 +252,7 @@ class BackwardStep:
             p._zero.train_tensor.grad = None
 
     def _reset(self) -> None:
-        self._landed, self._stepped = [], []
+        self._landed, self._stepped, self._stepped_ids, self._regathered = [], [], set(), set()
         self._kept, self._error, self._wrote = None, None, False
 
     @staticmethod
