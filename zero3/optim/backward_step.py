@@ -24,7 +24,7 @@ inside and outside a reentrant activation checkpoint) is not silently left out: 
 agreed, at ``engine.step()``. So does a parameter gathered again after its sub-group stepped and
 then used in the same backward (`gathered`, `used`, told by the coordinator): a recompute that reads
 a weight without a gradient through it would compute with the new value. One still gathered from
-before its step holds the old value and is fine.
+before its step holds the old value and is fine. (The coordinator tells it as its `GatherWatch`.)
 
 The agreement (agreed_step.py [Note: agreed optimizer step]) is split in time: the copies are taken
 and the tiers staged at the first landed gradient, the sub-groups step during the backward, and the

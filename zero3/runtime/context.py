@@ -309,8 +309,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
                                              window_ends=ctx.window_ends)
         if ctx.optimizer.backward_step is not None:
             ctx.reducer.on_landed = ctx.optimizer.backward_step.landed
-            ctx.coordinator.on_gather = ctx.optimizer.backward_step.gathered
-            ctx.coordinator.on_use = ctx.optimizer.backward_step.used
+            ctx.coordinator.watch = ctx.optimizer.backward_step
         torch_opt = ctx.optimizer.optimizer
         if config.training.scheduler is not None:
             ctx.lr_scheduler = build_scheduler(config.training.scheduler, torch_opt)

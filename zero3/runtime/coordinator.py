@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import torch
 
@@ -88,6 +88,16 @@ class _Inflight:
     done: bool = False
 
 
+class GatherWatch(Protocol):
+    """Told of every gather the coordinator issues and every use (fetch) of parameters: the optimizer
+    step in backward checks that nothing it stepped is gathered again and used in the same backward
+    (optim/backward_step.py `BackwardStep`)."""
+
+    def gathered(self, params: Sequence[ZeroParameter]) -> None: ...
+
+    def used(self, params: Sequence[ZeroParameter]) -> None: ...
+
+
 class ParamCoordinator:
     def __init__(self, config: ZeroConfig, comm: Communicator, metrics: StepMetrics,
                  params: Sequence[ZeroParameter] = (), shards: ShardTier | None = None) -> None:
@@ -109,11 +119,7 @@ class ParamCoordinator:
         self._event_module = ""
         self._generation: GenerationPrefetch | None = None  # generation mode (`begin_generation`)
         self.budget: MemoryBudget | None = None  # memory_budget (`use_budget`)
-        self.on_gather: Callable[[Sequence[ZeroParameter]], None] | None = None
-        self.on_use: Callable[[Sequence[ZeroParameter]], None] | None = None
-        """Told every gather issued and every fetch (a use) of params: the optimizer step in backward
-        checks that nothing it stepped is gathered again and used in the same backward
-        (optim/backward_step.py); None: nobody listens."""
+        self.watch: GatherWatch | None = None  # told of every gather and use (the optimizer step in backward)
 
     def use_budget(self, config: ZeroConfig, budget: MemoryBudget) -> None:
         """Run with the knobs ``memory_budget`` fixed at initialize; after the first recorded trace,
@@ -334,9 +340,8 @@ class ParamCoordinator:
         """Make every param AVAILABLE: wait in-flight gathers, gather the rest in one collective.
         ``training``: forward and backward's fetch, quantized under qwZ; else exact ([Note: exact
         and quantized gathers])."""
-        if self.on_use is not None:
-            params = list(params)
-            self.on_use(params)
+        if self.watch is not None:
+            self.watch.used(params := list(params))
         missing: list[ZeroParameter] | None = None  # built only when needed: most fetches find all gathered
         waiting: list[_Inflight] | None = None
         for p in params:
@@ -403,8 +408,8 @@ class ParamCoordinator:
         secondary slices where they have one; any other exact, from the primary shards."""
         if self._reading is not None:
             self._reading.readable(params, self._wait_in_flight)
-        if self.on_gather is not None:
-            self.on_gather(params)
+        if self.watch is not None:
+            self.watch.gathered(params)
         hpz = self._hpz
         if training and self.comm.quantizes_weights:
             self._rounded.update(p._zero.id for p in params)
