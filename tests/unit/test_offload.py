@@ -497,3 +497,23 @@ def test_a_weight_gathered_again_after_its_sub_group_stepped_fails_the_step_in_b
     run(False)  # the step after the backward trains it
     with pytest.raises(ZeroStateError, match=r"m.weight was used after the optimizer stepped it in this backward"):
         run(True)  # without the check it trains on, with n's gradient computed from the new m
+
+
+def test_with_the_step_in_backward_a_training_forward_needs_the_optimizer_state_back(tmp_path):
+    """offload_states lets a training forward run with the optimizer state out (engine.step() needs
+    it back); with the step in backward that forward's backward steps, so the forward asks for it."""
+    for in_backward in (False, True):
+        engine = _engine({**BASE, "offload_optimizer": {"device": "none", "step_in_backward": in_backward}})
+        _train(engine, 1)
+        engine.offload_states(include=["optim_states"], device="cpu")
+        x, y = synthetic_batch(1, 2, CFG)
+        if in_backward:
+            with pytest.raises(ZeroStateError, match=r"a forward of the model needs .*optim_states.* call "
+                                                     r"engine\.reload_states\(\) first"):
+                engine(x, y)
+        else:
+            engine.backward(engine(x, y))  # the state is needed only by engine.step()
+        engine.reload_states()
+        if in_backward:
+            engine.backward(engine(x, y))  # nothing was lost: after the reload it trains on
+        engine.step()

@@ -146,6 +146,17 @@ class RuntimeContext:
         if self.offloaded is not None and self.offloaded.phase is not OffloadPhase.RESIDENT:
             self.offloaded.check(what, kinds)
 
+    def forward_needs(self, grad: bool) -> tuple[str, ...] | None:
+        """The state kinds a forward needs (None: all): its parameters; with grad, the gradient
+        shards its backward adds into; and when that backward steps the optimizer (the step in
+        backward, at a window's end), everything the step reads and writes."""
+        if not grad:
+            return ("lp_params",)
+        opt = self.optimizer
+        if opt is not None and opt.backward_step is not None and self.window_ends():
+            return None
+        return ("lp_params", "lp_grads")
+
     def require_between_steps(self, what: str) -> None:
         """Refuse ``what`` while an optimizer step taken in backward awaits ``engine.step()``."""
         if self.optimizer is not None and self.optimizer.backward_step is not None:

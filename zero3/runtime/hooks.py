@@ -347,9 +347,9 @@ class ModuleHooks:
         if rec.module is self.root and not self.stack:
             self._forward_t0 = time.perf_counter()
         if self.step.phase is _IDLE:
-            # once per step, not per module; a backward adds into the gradient shards
+            # once per step, not per module
             self.ctx.require_states(f"a forward of {rec.name or 'the model'}",
-                                    ("lp_params", "lp_grads") if torch.is_grad_enabled() else ("lp_params",))
+                                    self.ctx.forward_needs(torch.is_grad_enabled()))
             self.step.enter(_FORWARD)
         if rec.leaf is not None and self.step.phase is _FORWARD:
             rec.leaf.calls += 1
