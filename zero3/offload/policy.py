@@ -42,7 +42,7 @@ class PlacementPolicy:
     optimizer_pin_memory: bool = False  # pin the CPU masters
     optimizer_nvme_path: str = ""
     optimizer_staged_step: bool = True  # the drive's optimizer step writes second regions (rollback)
-    optimizer_step_in_backward: bool = False  # sub-groups step during the window's last backward
+    step_in_backward: bool = False  # sub-groups of the optimizer step run in the window's last backward
     aio_threads: int = 1
     mixed_precision: bool = False  # a config dtype other than fp32: shards are cast, masters separate
 
@@ -57,7 +57,7 @@ class PlacementPolicy:
                    optimizer_pin_memory=config.offload.offload_optimizer_pin_memory,
                    optimizer_nvme_path=config.offload.offload_optimizer_nvme_path or "",
                    optimizer_staged_step=config.offload.offload_optimizer_staged_step,
-                   optimizer_step_in_backward=config.offload.offload_optimizer_step_in_backward,
+                   step_in_backward=config.offload.offload_optimizer_step_in_backward,
                    aio_threads=config.offload.aio_thread_count, mixed_precision=config.precision.dtype != "fp32")
 
     # -- parameter shards ----------------------------------------------------------------------------
@@ -93,12 +93,6 @@ class PlacementPolicy:
     def staged_step(self) -> bool:
         """The optimizer step is staged on the drive, and so rolled back on every rank if it fails on one."""
         return self.optimizer_on_drive and self.optimizer_staged_step
-
-    @property
-    def step_in_backward(self) -> bool:
-        """Sub-groups of the optimizer step run in the window's last backward, as their gradients
-        complete (optim/backward_step.py), wherever the optimizer state lives."""
-        return self.optimizer_step_in_backward
 
     @property
     def separate_masters(self) -> bool:

@@ -101,7 +101,6 @@ class BackwardStep:
         self._index = {p._zero.id: k for k, (_, ps) in enumerate(self.subgroups) for p in ps}
         self.phase = BackwardStepPhase.IDLE
         self._landed: list[set[int]] = []
-        self._stepped: list[bool] = []
         self._stepped_ids: set[int] = set()  # ZeroParam.id of every parameter stepped in this backward
         self._regathered: set[int] = set()  # ... of those gathered again after their step
         self._kept: Kept | None = None
@@ -126,7 +125,7 @@ class BackwardStep:
         k = self._index.get(p._zero.id)
         if k is None:
             return  # frozen, or not in the optimizer
-        if self.phase is BackwardStepPhase.STEPPED or self._stepped[k]:
+        if self.phase is BackwardStepPhase.STEPPED or self._is_stepped(k):
             if self._error is None:
                 self._error = ZeroStateError(
                     f"{p._zero.name} got a gradient after the optimizer stepped it in this backward "
@@ -170,7 +169,7 @@ class BackwardStep:
         if self.phase is not BackwardStepPhase.STEPPING:
             return
         for k, (_, ps) in enumerate(self.subgroups):
-            if not self._stepped[k] and any(p._zero.train_tensor.grad is not None for p in ps):
+            if not self._is_stepped(k) and any(p._zero.train_tensor.grad is not None for p in ps):
                 self._step(k)
         try:
             self._wait_writes()
@@ -231,7 +230,6 @@ class BackwardStep:
     def _open(self) -> None:
         self._enter(BackwardStepPhase.STEPPING)
         self._landed = [set() for _ in self.subgroups]
-        self._stepped = [False] * len(self.subgroups)
         self._stepped_ids, self._regathered = set(), set()
         self._kept = self.agreed.keep(None)
         self._error = self.agreed.stage()
@@ -239,7 +237,6 @@ class BackwardStep:
 
     def _step(self, k: int) -> None:
         gi, ps = self.subgroups[k]
-        self._stepped[k] = True
         self._stepped_ids.update(p._zero.id for p in ps)
         if self._error is None:  # after a failure nothing more is written: the step fails anyway
             try:
@@ -251,8 +248,11 @@ class BackwardStep:
         for p in ps:
             p._zero.train_tensor.grad = None
 
+    def _is_stepped(self, k: int) -> bool:
+        return self.subgroups[k][1][0]._zero.id in self._stepped_ids  # a sub-group steps whole
+
     def _reset(self) -> None:
-        self._landed, self._stepped, self._stepped_ids, self._regathered = [], [], set(), set()
+        self._landed, self._stepped_ids, self._regathered = [], set(), set()
         self._kept, self._error, self._wrote = None, None, False
 
     @staticmethod

@@ -52,7 +52,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -404,11 +404,9 @@ class PartitionedOptimizer:
         """See [Note: streamed optimizer step] (streamed.py moves and steps the sub-groups)."""
         self.streamer.step_all()
 
-    @contextlib.contextmanager
-    def loaded(self, params: Sequence[ZeroParameter], write: bool) -> Iterator[None]:
+    def loaded(self, params: Sequence[ZeroParameter], write: bool) -> contextlib.AbstractContextManager[None]:
         """See `SubgroupStreamer.loaded`."""
-        with self.streamer.loaded(params, write):
-            yield
+        return self.streamer.loaded(params, write)
 
     @property
     def overflow(self) -> bool:

@@ -41,42 +41,30 @@ class SubgroupStreamer:
     # -- whole steps ---------------------------------------------------------------------------------
     def step_all(self) -> None:
         """Every sub-group, the next read while one steps and the one before written."""
-        groups = self.optimizer.param_groups
-        saved = [g["params"] for g in groups]
         subs = self.subgroups
         writing: deque[list[ZeroParameter]] = deque()
-        try:
-            if subs:
-                self._bring_in(subs[0][1])
-            for k, (gi, ps) in enumerate(subs):
-                self._wait_in(ps)
-                while len(writing) > 1:
-                    self._wait_out(writing.popleft())
-                if k + 1 < len(subs):
-                    self._bring_in(subs[k + 1][1])
-                self._narrowed_step(gi, ps)
-                self._send_out(ps)
-                writing.append(ps)
-            while writing:
+        if subs:
+            self._bring_in(subs[0][1])
+        for k, (gi, ps) in enumerate(subs):
+            self._wait_in(ps)
+            while len(writing) > 1:
                 self._wait_out(writing.popleft())
-        finally:
-            for g, params in zip(groups, saved):
-                g["params"] = params
+            if k + 1 < len(subs):
+                self._bring_in(subs[k + 1][1])
+            self._narrowed_step(gi, ps)
+            self._send_out(ps)
+            writing.append(ps)
+        while writing:
+            self._wait_out(writing.popleft())
 
     def step_one(self, gi: int, ps: list[ZeroParameter]) -> None:
         """One sub-group (the step in backward): read it in, step it, start its writes (at most two
         sub-groups' writes in flight; `wait_writes` waits for them)."""
-        groups = self.optimizer.param_groups
-        saved = [g["params"] for g in groups]
         self._bring_in(ps)
-        try:
-            self._wait_in(ps)
-            while len(self._writing) > 1:
-                self._wait_out(self._writing.popleft())
-            self._narrowed_step(gi, ps)
-        finally:
-            for g, params in zip(groups, saved):
-                g["params"] = params
+        self._wait_in(ps)
+        while len(self._writing) > 1:
+            self._wait_out(self._writing.popleft())
+        self._narrowed_step(gi, ps)
         self._send_out(ps)
         self._writing.append(ps)
 
@@ -94,10 +82,16 @@ class SubgroupStreamer:
 
     def _narrowed_step(self, gi: int, ps: Sequence[ZeroParameter]) -> None:
         """The user's optimizer steps on ``ps`` (of param group ``gi``) only: the other groups' and
-        parameters' ``params`` are empty for the call (the caller restores them)."""
-        for j, g in enumerate(self.optimizer.param_groups):
-            g["params"] = [p._zero.train_tensor for p in ps] if j == gi else []
-        self.optimizer.step()
+        parameters' ``params`` are empty for the call, and every group's list is put back after it."""
+        groups = self.optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for j, g in enumerate(groups):
+                g["params"] = [p._zero.train_tensor for p in ps] if j == gi else []
+            self.optimizer.step()
+        finally:
+            for g, params in zip(groups, saved):
+                g["params"] = params
 
     # -- moves -----------------------------------------------------------------------------------------
     def state_keys(self, ps: Sequence[ZeroParameter], resident: Collection[Residence] | None = None) -> list[Hashable]:
