@@ -34,6 +34,28 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+class _NoStep:
+    """Stands for the optimizer when each parameter steps in its post-accumulate-grad hook."""
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+def _per_param_step_in_backward(model, make_optimizer) -> _NoStep:
+    optimizers = {p: make_optimizer([p]) for p in model.parameters()}
+
+    def _step(param) -> None:
+        optimizers[param].step()
+        optimizers[param].zero_grad(set_to_none=True)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(_step)
+    return _NoStep()
+
+
 def _rank(rank: int, world: int, port: int, system: str, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch
@@ -47,14 +69,17 @@ def _rank(rank: int, world: int, port: int, system: str, args: argparse.Namespac
     blk = 12 * 768 * 768 + 13 * 768
     torch.manual_seed(0)
     engine = None
-    if system == "zero3":
+    if system.startswith("zero3"):
         import zero3
 
         with zero3.Init():
             model = GPT(cfg)
-        engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                  {"param_persistence_threshold": 0, "prefetch_bucket_size": blk,
-                                   "max_reuse_distance": 0, "max_live_parameters": 3 * blk})
+        config = {"param_persistence_threshold": 0, "prefetch_bucket_size": blk,
+                  "max_reuse_distance": 0, "max_live_parameters": 3 * blk}
+        if system == "zero3-bwd":  # bench_step.py's zero3-prefetch-bwd
+            config.update(offload_optimizer={"device": "none", "step_in_backward": True},
+                          sub_group_size=blk // world)
+        engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -65,6 +90,8 @@ def _rank(rank: int, world: int, port: int, system: str, args: argparse.Namespac
             fully_shard(block, mesh=mesh, reshard_after_forward=True)
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if system == "fsdp2-bwd":  # torch's optimizer-in-backward pattern: one AdamW per parameter
+            opt = _per_param_step_in_backward(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     rows = [("built", _rss_mib(), _peak_mib())]
     b = args.batch
     for step in range(args.steps):
@@ -95,7 +122,7 @@ def _rank(rank: int, world: int, port: int, system: str, args: argparse.Namespac
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--systems", default="zero3,fsdp2", help="comma list of: zero3, fsdp2")
+    ap.add_argument("--systems", default="zero3,fsdp2", help="comma list of: zero3, zero3-bwd, fsdp2, fsdp2-bwd")
     ap.add_argument("--batch", type=int, default=4, help="sequences of 128 tokens per rank")
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()

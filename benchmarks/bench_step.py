@@ -62,7 +62,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 VARIANTS = ("zero3", "zero3-prefetch", "zero3-noprefetch", "ddp", "fsdp2", "fsdp2-noreshard")
 EXTRA_VARIANTS = ("zero3-noverify", "zero3-collectives", "zero3-prefetch-noverify", "zero3-prefetch-tuned",
-                  "zero3-prefetch-wire", "zero3-prefetch-wirereduce", "zero3-prefetch-bwd")
+                  "zero3-prefetch-wire", "zero3-prefetch-wirereduce", "zero3-prefetch-bwd", "fsdp2-bwd")
 LABELS = {
     "zero3": "zero3, default config",
     "zero3-noverify": "zero3, default config, verify_collectives=False",
@@ -73,10 +73,12 @@ LABELS = {
     "zero3-prefetch-tuned": "zero3, prefetch on, verify off, reduce_bucket_size = 1 Block",
     "zero3-prefetch-wire": "zero3, prefetch on, gathers and reductions on the wire (allgather_impl=p2p: no shared memory)",
     "zero3-prefetch-wirereduce": "zero3, prefetch on, shared gathers, reductions on the wire (reduce_scatter_impl=p2p)",
-    "zero3-prefetch-bwd": "zero3, prefetch on, the optimizer step in backward (sub-groups of one Block; gathers on the wire)",
+    "zero3-prefetch-bwd": "zero3, prefetch on, the optimizer step in backward (sub-groups of one Block)",
     "ddp": "DDP",
     "fsdp2": "FSDP2 (fully_shard per Block + root), reshard_after_forward=True",
     "fsdp2-noreshard": "FSDP2 (fully_shard per Block + root), reshard_after_forward=False",
+    "fsdp2-bwd": "FSDP2, reshard_after_forward=True, the optimizer step in backward (one AdamW per parameter, "
+                 "stepped in its post-accumulate-grad hook)",
 }
 MMAP_THRESHOLD = "131072"
 """MALLOC_MMAP_THRESHOLD_ of the memory pass, unless the environment sets another."""
@@ -326,7 +328,7 @@ def run_variant(rank: int, world: int, variant: str, args: argparse.Namespace, m
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         step_model = DDP(model)
         opt = torch.optim.AdamW(step_model.parameters(), lr=args.lr)
-    elif variant in ("fsdp2", "fsdp2-noreshard"):
+    elif variant in ("fsdp2", "fsdp2-noreshard", "fsdp2-bwd"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -334,7 +336,7 @@ def run_variant(rank: int, world: int, variant: str, args: argparse.Namespace, m
         model = GPT(cfg)
         n_params = sum(p.numel() for p in model.parameters())
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        reshard = variant == "fsdp2"
+        reshard = variant != "fsdp2-noreshard"
         # Expected traffic: resharded blocks are gathered twice (forward, backward), blocks kept
         # after forward once; the root is never resharded after forward (FSDP2 keeps its parameters
         # through backward), so root params are gathered once.
@@ -344,6 +346,8 @@ def run_variant(rank: int, world: int, variant: str, args: argparse.Namespace, m
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        if variant == "fsdp2-bwd":  # FSDP2 calls the sharded parameters' post-accumulate-grad hooks
+            opt = step_in_backward(model, args.lr)  # after their reduce-scatter (torch's own pattern)
         if memory:
             fsdp_tracker = FSDPLiveTracker()
             fsdp_tracker.install(model)
@@ -429,6 +433,32 @@ def run_variant(rank: int, world: int, variant: str, args: argparse.Namespace, m
         # ("terminate called without an active exception"). See docs/performance.md.
         engine.remove_hooks()
     return out
+
+
+class _StepsInBackward:
+    """The optimizer of ``fsdp2-bwd``: every parameter stepped in its hook already."""
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+def step_in_backward(model: Any, lr: float) -> _StepsInBackward:
+    """One AdamW per parameter, stepped (and its gradient dropped) as soon as the gradient is final:
+    the optimizer-in-backward pattern torch documents for FSDP2 and plain modules alike."""
+    import torch
+
+    optimizers = {p: torch.optim.AdamW([p], lr=lr) for p in model.parameters()}
+
+    def _step(param: Any) -> None:
+        optimizers[param].step()
+        optimizers[param].zero_grad(set_to_none=True)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(_step)
+    return _StepsInBackward()
 
 
 def _debug(msg: str) -> None:
