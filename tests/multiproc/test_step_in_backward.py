@@ -10,6 +10,7 @@ step instead of being left out."""
 from __future__ import annotations
 
 import errno
+import re
 import os
 
 import pytest
@@ -305,3 +306,60 @@ def test_the_step_in_backward_trains_the_same_beside_zeropp_memory_budget_and_bl
     through the reducer, once each."""
     for rank, (same, stepped) in enumerate(pools.get(2).run(with_comm_features, str(tmp_path), extra, timeout=120)):
         assert same and stepped >= 6, (rank, same, stepped)  # the same model; sub-groups stepped in each backward
+
+
+class _UsedTwice(nn.Module):
+    """``m`` runs in a checkpointed region with its output detached, then again with a gradient: its
+    gradient is sent to the reduction after the second use's backward, before the region's recompute
+    gathers ``m`` again (tests/unit/test_offload.py has the world-1 case, where it has stepped by then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = nn.Linear(8, 8)
+        self.n = nn.Linear(8, 8)
+
+    def region(self, x):
+        return self.n(self.m(x).detach())
+
+    def forward(self, x):
+        return self.m(zero3.checkpointing.checkpoint(self.region, x)).square().mean()
+
+
+def read_after_send(impl: str) -> dict:
+    out = {}
+    for in_backward in (False, True):
+        torch.manual_seed(0)
+        cfg = {"param_persistence_threshold": 0, "max_reuse_distance": 0, "collective_timeout": TIMEOUT,
+               "allgather_impl": impl, "reduce_bucket_size": 8,  # m's gradient goes to a reduction at once
+               "sub_group_size": 36,  # m's shard (weight and bias at 2 ranks): one sub-group
+               "offload_optimizer": {"device": "none", "step_in_backward": in_backward}}
+        model = _UsedTwice()
+        engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), cfg)
+        shared = engine.context.comm.shared is not None
+        try:
+            for i in range(2):
+                torch.manual_seed(10 * i + dist.get_rank())
+                engine.backward(engine(torch.randn(4, 8, requires_grad=True)))
+                engine.step()
+            out[in_backward] = (engine_state(engine), shared)
+        except ZeroStateError as exc:
+            out[in_backward] = (str(exc), shared)
+    return out
+
+
+def test_with_shared_shards_a_weight_read_after_its_gradient_was_sent_fails_the_step_in_backward(pools, tmp_path):
+    """With shared-memory gathers a peer may step ``m`` and write its shard once this rank sent m's
+    gradient; the recompute then reads that shard, so the step fails on every rank. Pairwise, the
+    recompute gets each rank's shard as that rank holds it then (before its step): the same as the
+    step after backward."""
+    for impl in ("shm", "p2p"):
+        for rank, r in enumerate(pools.get(2).run(read_after_send, impl, timeout=120)):
+            (after, _), (inside, shared) = r[False], r[True]
+            assert shared == (impl == "shm"), (rank, impl)
+            if impl == "shm":
+                assert isinstance(inside, str) and re.search(
+                    r"m\.weight was gathered from the peers' shared memory and used after this rank sent its "
+                    r"gradient", inside), (rank, inside)
+                assert not isinstance(after, str), (rank, after)
+            else:
+                assert same_state(after, inside), rank

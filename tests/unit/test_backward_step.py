@@ -130,6 +130,46 @@ def test_a_gradient_after_its_sub_group_stepped_reaches_the_agreement_as_an_erro
         in str(error)
 
 
+@given(st.integers(1, 10), st.lists(st.integers(1, 4), min_size=1, max_size=10), st.randoms(use_true_random=False),
+       st.lists(st.integers(0, 9), max_size=6))
+def test_with_shared_shards_a_use_after_the_gradient_was_sent_fails_the_step_and_one_before_does_not(n, sizes, rnd,
+                                                                                                   uses):
+    """Shared shards: each parameter's gradient is sent, and later lands, in any interleaving; a
+    module fetches (uses) some parameters, released, at any point. The step fails exactly when some
+    use of a parameter came after its gradient was sent, whether or not it had stepped by then."""
+    from zero3.partition.state import ParamStatus
+
+    params = _params(n)
+    for p in params:
+        p._zero.status, p._zero.aliased = ParamStatus.NOT_AVAILABLE, False
+    subgroups = _split(params, sizes)
+    bstep, agreement, steps, landed = _make(subgroups)
+    events = [("send", p) for p in params] + [("use", params[u % n]) for u in uses]
+    rnd.shuffle(events)
+    for p in params:  # a landing comes after its send: insert each at a random later point
+        events.insert(rnd.randint(events.index(("send", p)) + 1, len(events)), ("land", p))
+    sent: set[int] = set()
+    late = False
+    for what, p in events:
+        if what == "send":
+            bstep.sent([p])
+            sent.add(p._zero.id)
+        elif what == "land":
+            _land(bstep, landed, p)
+        else:
+            late = late or p._zero.id in sent
+            bstep.used([p])
+    if not late:
+        assert len(steps) == len(subgroups)  # every sub-group stepped inside the backward (after a failure: none more)
+    bstep.backward_ended()
+    bstep.conclude()
+    (error,) = agreement.concluded
+    assert (error is not None) == late, (events, error)
+    if late:
+        assert isinstance(error, ZeroStateError) and (
+            "after this rank sent its gradient" in str(error) or "was used after the optimizer stepped it" in str(error))
+
+
 def test_between_boundaries_nothing_steps_and_an_abort_rolls_back_what_did():
     params = _params(4)
     bstep, agreement, steps, landed = _make(_split(params, [2, 2]), boundary=False)

@@ -442,9 +442,8 @@ def test_step_in_backward_is_read_from_deepspeeds_offload_section_and_refused_be
         resolve_config({**flat, "gradient_clipping": 1.0})
     with pytest.raises(ZeroConfigError, match=r"cannot be used with dtype='fp16': the overflow check"):
         resolve_config({**flat, "dtype": "fp16"})
-    with pytest.raises(ZeroConfigError, match=r"cannot be used with allgather_impl='shm': peers read"):
-        resolve_config({**flat, "allgather_impl": "shm"})
-    with pytest.raises(ZeroConfigError, match=r"cannot be used with reduce_scatter_impl='shm'"):
-        resolve_config({**flat, "reduce_scatter_impl": "shm"})
+    # shared-memory gathers and reductions go beside it (optim/backward_step.py: reads after a send are checked)
+    shm = resolve_config({**flat, "allgather_impl": "shm", "reduce_scatter_impl": "shm"})
+    assert (shm.comm.allgather_impl, shm.comm.reduce_scatter_impl) == ("shm", "shm")
     # bf16 is fine: its masters are fp32 and nothing is skipped
     assert resolve_config({**flat, "dtype": "bf16", "gradient_clipping": 0.0}).precision.dtype == "bf16"

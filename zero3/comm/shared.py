@@ -9,14 +9,18 @@ piece straight from the peer's arena into the parameter's storage (``os.preadv``
 peer's memory, so a rank's resident set does not grow by its peers' shards). Nothing travels on
 the wire and no peer takes part: a read is not a collective.
 
-What makes a read safe is *when* it happens. zero3 changes shards between steps (the optimizer,
+What makes a read safe is *when* it happens. zero3 changes shards between steps (the optimizer, but for one case below;
 checkpoint loads, ``offload_states``; ``GatheredParameters`` write-backs and the ``safe_set_*``
 accessors are meant for between steps too, `RuntimeContext.resident`), so reads happen only
 inside a step, in a *window* (`WindowState`) that opens at the step's first gather with a barrier
 (every rank finished what it wrote before the step) and closes at the step's end with another
 (every rank finished reading before anyone writes). A ``GatheredParameters(modifier_rank=...)``
 inside a step pauses the window with a barrier before it writes (`pause`: it is a collective).
-Gathers outside steps travel pairwise as before. Each barrier is a verified all-reduce; the
+Gathers outside steps travel pairwise as before. The one writer inside a window is the optimizer
+step in backward (``offload_optimizer_step_in_backward``): it writes a parameter's shards only after
+every peer sent its part of that parameter's gradient, so after every read a peer made for its uses
+in that backward; a later read is caught (optim/backward_step.py [Note: optimizer step in backward]).
+Each barrier is a verified all-reduce; the
 opening one carries each rank's count of shards still in their slots, and ranks that disagree
 (one moved its shards out) turn the window off for good, on every rank.
 

@@ -156,12 +156,6 @@ def _check_step_in_backward(config: "ZeroConfig") -> None:
             "offload_optimizer_step_in_backward=True cannot be used with dtype='fp16': the overflow check "
             "needs every gradient before any parameter steps (a skipped step could not be undone); use "
             "bf16 or fp32, or remove step_in_backward")
-    shared = [f"{k}='shm'" for k in ("allgather_impl", "reduce_scatter_impl") if getattr(config.comm, k) == "shm"]
-    if shared and config.offload.offload_param != "nvme":
-        raise ZeroConfigError(
-            f"offload_optimizer_step_in_backward=True cannot be used with {' and '.join(shared)}: peers read "
-            "the shards from shared memory during the step, and the step in backward writes them then; "
-            "use 'auto' (which gathers pairwise with step_in_backward) or 'p2p'")
 
 
 def resolve_config(config: ZeroConfig | dict | str | Path | None) -> ZeroConfig:

@@ -26,6 +26,17 @@ then used in the same backward (`gathered`, `used`, told by the coordinator): a 
 a weight without a gradient through it would compute with the new value. One still gathered from
 before its step holds the old value and is fine. (The coordinator tells it as its `GatherWatch`.)
 
+With shared shards (``allgather_impl="shm"``, comm/shared.py [Note: shared shards]) a peer reads
+this rank's shards straight from its arena, at the peer's own time, and the step in backward writes
+them while that backward runs. It stays safe because of when a rank may step a parameter: only once
+its reduction landed, which needs every peer's part of its gradient, which a peer issues (`sent`)
+after its last use of it in this backward, and a shared read is done when its gather is issued. So
+every read a peer made for a use before that point precedes the write. A gather issued after this
+rank sent the parameter's gradient may read a peer's half-written shard (the peer lands and steps
+when it likes), so it counts as gathered again (`gathered`), and a use of it fails the step as
+above, even when this rank has not stepped it yet: both ranks run the same modules, so every rank
+that reads it so finds out.
+
 The agreement (agreed_step.py [Note: agreed optimizer step]) is split in time: the copies are taken
 and the tiers staged at the first landed gradient, the sub-groups step during the backward, and the
 ranks agree at ``engine.step()``, which commits, or rolls back on every rank (staged) or reports that
@@ -102,7 +113,8 @@ class BackwardStep:
         self.phase = BackwardStepPhase.IDLE
         self._landed: list[set[int]] = []
         self._stepped_ids: set[int] = set()  # ZeroParam.id of every parameter stepped in this backward
-        self._regathered: set[int] = set()  # ... of those gathered again after their step
+        self._sent_ids: set[int] = set()  # ... whose gradient went to a reduction (told only with shared shards)
+        self._regathered: set[int] = set()  # ... of those gathered again after their step (or send)
         self._kept: Kept | None = None
         self._error: BaseException | None = None
         self._wrote = False  # some sub-group was written (in place: what an abort cannot undo)
@@ -139,10 +151,22 @@ class BackwardStep:
         if len(got) == len(self.subgroups[k][1]):
             self._step(k)
 
+    def sent(self, params: Sequence[ZeroParameter]) -> None:
+        """(Shared shards only.) This rank's gradients of ``params`` went to a reduction: from now on a
+        peer may step them and write its shards, which this rank's gathers read in place."""
+        if self.phase is BackwardStepPhase.IDLE:
+            if not self._is_boundary():
+                return
+            self._open()
+        if self.phase is BackwardStepPhase.STEPPING:
+            self._sent_ids.update(p._zero.id for p in params if p._zero.id in self._index)
+
     def gathered(self, params: Sequence[ZeroParameter]) -> None:
-        """A gather of ``params`` was issued: one that stepped in this backward now holds its new value."""
-        if self.phase is BackwardStepPhase.STEPPING and self._stepped_ids:
-            self._regathered.update(p._zero.id for p in params if p._zero.id in self._stepped_ids)
+        """A gather of ``params`` was issued: one stepped in this backward now holds its new value; with
+        shared shards, one whose gradient was sent may hold a peer's half-written shard."""
+        if self.phase is BackwardStepPhase.STEPPING and (self._stepped_ids or self._sent_ids):
+            self._regathered.update(p._zero.id for p in params
+                                    if p._zero.id in self._stepped_ids or p._zero.id in self._sent_ids)
 
     def used(self, params: Sequence[ZeroParameter]) -> None:
         """``params`` are about to be used (a module's fetch). One that stepped in this backward and is
@@ -150,12 +174,22 @@ class BackwardStep:
         its shard) would be computed with its new value: a recompute that reads a weight without a gradient through it,
         say. The step then fails at ``engine.step()`` rather than train on mixed values. A parameter
         still gathered from before its step holds the old value, which is the right one."""
-        if self.phase is not BackwardStepPhase.STEPPING or self._error is not None or not self._stepped_ids:
+        if self.phase is not BackwardStepPhase.STEPPING or self._error is not None or \
+                not (self._stepped_ids or self._sent_ids):
             return
         for p in params:
             z = p._zero
-            if z.id in self._stepped_ids and (z.status is ParamStatus.NOT_AVAILABLE or z.id in self._regathered
-                                              or z.aliased):
+            late = z.status is ParamStatus.NOT_AVAILABLE or z.id in self._regathered
+            if z.id in self._sent_ids and z.id not in self._stepped_ids and late:
+                self._error = ZeroStateError(
+                    f"{z.name} was gathered from the peers' shared memory and used after this rank sent its "
+                    "gradient to the reduction in this backward (offload_optimizer_step_in_backward with "
+                    "shared-memory gathers): a peer may have stepped it and be writing its shard, so the value "
+                    "read is not defined. A module that ran again in the backward (an activation checkpoint's "
+                    "recompute, say) reads it. The step is not taken; set allgather_impl='p2p' or "
+                    "offload_optimizer_step_in_backward=False for this model")
+                return
+            if z.id in self._stepped_ids and (late or z.aliased):
                 self._error = ZeroStateError(
                     f"{z.name} was used after the optimizer stepped it in this backward "
                     "(offload_optimizer_step_in_backward): a module that ran again in the backward (an activation "
@@ -230,7 +264,7 @@ class BackwardStep:
     def _open(self) -> None:
         self._enter(BackwardStepPhase.STEPPING)
         self._landed = [set() for _ in self.subgroups]
-        self._stepped_ids, self._regathered = set(), set()
+        self._stepped_ids, self._sent_ids, self._regathered = set(), set(), set()
         self._kept = self.agreed.keep(None)
         self._error = self.agreed.stage()
         self._wrote = False
@@ -252,7 +286,7 @@ class BackwardStep:
         return self.subgroups[k][1][0]._zero.id in self._stepped_ids  # a sub-group steps whole
 
     def _reset(self) -> None:
-        self._landed, self._stepped_ids, self._regathered = [], set(), set()
+        self._landed, self._stepped_ids, self._sent_ids, self._regathered = [], set(), set(), set()
         self._kept, self._error, self._wrote = None, None, False
 
     @staticmethod

@@ -311,7 +311,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
                                   boundary_numel=_prefetch_numel(config))
     ctx.coordinator.choose_persistent(ctx.params)
     place_shards(ctx.store, ctx.coordinator.shards, ctx.params)  # CPU memory or the drive, before the optimizer
-    share_shards(ctx.comm, ctx.store, ctx.coordinator.shards, ctx.params)  # allgather_impl="shm": into the arena
+    shared = share_shards(ctx.comm, ctx.store, ctx.coordinator.shards, ctx.params)  # allgather_impl="shm"
     if optimizer is not None:
         ctx.optimizer = PartitionedOptimizer(optimizer, ctx.params, config, ctx.comm, fp32_shards,
                                              model_parallel=ctx.model_parallel,
@@ -321,6 +321,8 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         if ctx.optimizer.backward_step is not None:
             ctx.reducer.on_landed = ctx.optimizer.backward_step.landed
             ctx.coordinator.watch = ctx.optimizer.backward_step
+            if shared:  # peers read shards in place: a read after this rank's send is checked
+                ctx.reducer.on_sent = ctx.optimizer.backward_step.sent
         torch_opt = ctx.optimizer.optimizer
         if config.training.scheduler is not None:
             ctx.lr_scheduler = build_scheduler(config.training.scheduler, torch_opt)

@@ -50,10 +50,6 @@ def share_shards(comm: Communicator, store: ShardStore, tier: ShardTier | None,
         return 0
     if tier is not None:
         return 0  # the same on every rank: one config
-    if store.placement.step_in_backward:  # shards change inside the step: peers must not read them then
-        logger.info("zero3: shared-memory gathers are off with offload_optimizer_step_in_backward (the step "
-                    "writes shards during the backward); gathers and reductions go pairwise")
-        return 0
     movable = [p for p in sorted(params, key=lambda q: q._zero.id) if _movable(p)]
     specs = [SlotSpec(p._zero.id, p._zero.shard_numel, p._zero.shard.dtype) for p in movable]
     shared = comm.share_shards(specs)
