@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero3
+from _used_twice import UsedTwice
 from _engine_state import engine_state, same_state
 from zero3.errors import ZeroStateError
 
@@ -308,23 +309,6 @@ def test_the_step_in_backward_trains_the_same_beside_zeropp_memory_budget_and_bl
         assert same and stepped >= 6, (rank, same, stepped)  # the same model; sub-groups stepped in each backward
 
 
-class _UsedTwice(nn.Module):
-    """``m`` runs in a checkpointed region with its output detached, then again with a gradient: its
-    gradient is sent to the reduction after the second use's backward, before the region's recompute
-    gathers ``m`` again (tests/unit/test_offload.py has the world-1 case, where it has stepped by then)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.m = nn.Linear(8, 8)
-        self.n = nn.Linear(8, 8)
-
-    def region(self, x):
-        return self.n(self.m(x).detach())
-
-    def forward(self, x):
-        return self.m(zero3.checkpointing.checkpoint(self.region, x)).square().mean()
-
-
 def read_after_send(impl: str) -> dict:
     out = {}
     for in_backward in (False, True):
@@ -333,7 +317,7 @@ def read_after_send(impl: str) -> dict:
                "allgather_impl": impl, "reduce_bucket_size": 8,  # m's gradient goes to a reduction at once
                "sub_group_size": 36,  # m's shard (weight and bias at 2 ranks): one sub-group
                "offload_optimizer": {"device": "none", "step_in_backward": in_backward}}
-        model = _UsedTwice()
+        model = UsedTwice()
         engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), cfg)
         shared = engine.context.comm.shared is not None
         try:

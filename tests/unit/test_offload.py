@@ -19,6 +19,7 @@ from zero3.offload.policy import PlacementPolicy
 from zero3.partition import param as zparam
 from zero3.partition.state import Residence
 
+from _used_twice import UsedTwice
 from gpt import GPT, GPTConfig, synthetic_batch
 
 CFG = GPTConfig(block_size=16)
@@ -465,27 +466,10 @@ def test_the_step_in_backward_with_one_sub_group_warns_that_it_holds_every_gradi
     assert "with one sub-group" not in caplog.text
 
 
-class _UsedTwice(nn.Module):
-    """``m`` runs in a checkpointed region with its output detached, then again with a gradient: its
-    gradient is complete after the second use's backward, before the region's recompute runs ``m``
-    again, gathering it anew."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.m = nn.Linear(8, 8)
-        self.n = nn.Linear(8, 8)
-
-    def region(self, x):
-        return self.n(self.m(x).detach())
-
-    def forward(self, x):
-        return self.m(zero3.checkpointing.checkpoint(self.region, x)).square().mean()
-
-
 def test_a_weight_gathered_again_after_its_sub_group_stepped_fails_the_step_in_backward(tmp_path):
     def run(in_backward: bool):
         torch.manual_seed(0)
-        model = _UsedTwice()
+        model = UsedTwice()
         cfg = {"param_persistence_threshold": 0, "sub_group_size": 72,  # m's weight and bias: one sub-group
                "max_reuse_distance": 0,  # m is released after its backward: the recompute gathers it again
                "offload_optimizer": {"device": "none", "step_in_backward": in_backward}}
