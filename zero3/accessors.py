@@ -144,6 +144,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     ctx.finish_gradients()
     g = p._zero.train_tensor.grad
     if g is None:
+        ctx.check_gradient_read(p, "safe_get_full_grad")
         return None
     return _gather(p, g).mul_(_inv_scale(ctx))
 
@@ -204,6 +205,7 @@ def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     ctx = _context(p, "safe_get_local_grad")
     g = p._zero.train_tensor.grad
     if g is None:
+        ctx.check_gradient_read(p, "safe_get_local_grad")
         return None
     return _local_slice(p, g).float().mul(_inv_scale(ctx))
 

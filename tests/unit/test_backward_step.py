@@ -4,7 +4,8 @@ of the parameters' gradients land, each sub-group steps exactly once, at the lan
 parameter, or at the end of the backward when some of its parameters got a gradient and others
 never did; one without any gradient never steps; a stepped sub-group's gradients are gone; a
 gradient after its sub-group stepped reaches the agreement as an error; between boundaries nothing
-steps."""
+steps; a param group setting changed after a sub-group stepped with it fails the step, one changed
+before does not; a gradient accessor refuses a gradient the step used."""
 
 from __future__ import annotations
 
@@ -57,8 +58,9 @@ def _split(params: list, sizes: list[int]) -> list[tuple[int, list]]:
     return out
 
 
-def _make(subgroups, boundary=True):
+def _make(subgroups, boundary=True, groups=None):
     agreement = _Agreement()
+    groups = [{"params": [], "lr": 1e-3, "betas": (0.9, 0.999)}] if groups is None else groups
     steps: list[tuple[int, list[int], set[int]]] = []  # (sub-group index, its ids, ids landed so far)
     landed: set[int] = set()
     index = {id(ps): k for k, (_, ps) in enumerate(subgroups)}
@@ -68,7 +70,7 @@ def _make(subgroups, boundary=True):
 
     drops = []
     bstep = BackwardStep(subgroups, agreement, step_subgroup, lambda: None, lambda: drops.append(1),
-                         lambda: boundary)
+                         lambda: boundary, lambda: groups)
     return bstep, agreement, steps, landed
 
 
@@ -185,3 +187,68 @@ def test_between_boundaries_nothing_steps_and_an_abort_rolls_back_what_did():
     assert agreement.rolled_back == 1 and bstep.phase is BackwardStepPhase.IDLE and not agreement.concluded
     with pytest.raises(ZeroStateError, match="illegal step-in-backward phase change IDLE -> STEPPED"):
         bstep._enter(BackwardStepPhase.STEPPED)
+
+
+_SETTINGS = {"lr": 0.5, "betas": (0.8, 0.9), "weight_decay": torch.tensor(0.25), "amsgrad": True, "new_key": 1}
+
+
+@given(st.integers(1, 12), st.lists(st.integers(1, 4), min_size=1, max_size=12), st.randoms(use_true_random=False),
+       st.sampled_from(sorted(_SETTINGS)), st.sampled_from(["before", "during", "after", "never"]))
+def test_a_setting_changed_after_a_sub_group_stepped_with_it_fails_the_step(n, sizes, rnd, key, when):
+    groups = [{"params": [], "lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": torch.tensor(0.0),
+               "amsgrad": False}, {"params": [], "lr": 2e-3}]
+    which = rnd.randrange(len(groups))
+    params = _params(n)
+    bstep, agreement, steps, landed = _make(_split(params, sizes), groups=groups)
+    order = list(params)
+    rnd.shuffle(order)
+    cut = rnd.randrange(len(order) + 1)
+
+    stepped_at_change: list[int] = []
+
+    def change() -> None:
+        groups[which][key] = _SETTINGS[key]
+        stepped_at_change.append(len(steps))
+
+    if when == "before":  # before the backward: every sub-group steps with the new value
+        change()
+    for i, p in enumerate(order):
+        if when == "during" and i == cut:
+            change()
+        _land(bstep, landed, p)
+    bstep.backward_ended()
+    if when == "after":
+        change()
+    bstep.conclude()
+    error = agreement.concluded[-1]
+    if stepped_at_change and stepped_at_change[0] > 0:  # some sub-group stepped with the old value
+        assert isinstance(error, ZeroStateError), (when, key, steps)
+        assert f"param group {which}'s {key!r} changed" in str(error)
+    else:
+        assert error is None, (when, key, error)
+    assert bstep.phase is BackwardStepPhase.IDLE
+
+
+def test_a_param_group_added_after_the_step_in_backward_fails_the_step():
+    params = _params(3)
+    groups = [{"params": [], "lr": 1e-3}]
+    bstep, agreement, steps, landed = _make(_split(params, [1, 2]), groups=groups)
+    for p in params:
+        _land(bstep, landed, p)
+    bstep.backward_ended()
+    groups.append({"params": [], "lr": 1e-3})
+    bstep.conclude()
+    assert "went from 1 to 2" in str(agreement.concluded[-1])
+
+
+def test_a_gradient_accessor_refuses_a_gradient_the_step_used_and_only_that_one():
+    params = _params(4)
+    bstep, agreement, steps, landed = _make(_split(params, [2, 2]))
+    for p in params[:2]:
+        _land(bstep, landed, p)
+    with pytest.raises(ZeroStateError, match=r"safe_get_full_grad\(p0\).*used by the optimizer step"):
+        bstep.check_gradient_read(params[0], "safe_get_full_grad")
+    bstep.check_gradient_read(params[2], "safe_get_full_grad")  # not stepped: None means no gradient
+    bstep.backward_ended()
+    bstep.conclude()
+    bstep.check_gradient_read(params[0], "safe_get_full_grad")  # after engine.step(): gradients are gone anyway

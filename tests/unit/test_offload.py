@@ -454,6 +454,44 @@ def test_a_checkpoint_between_a_backward_that_stepped_and_engine_step_is_refused
     assert all(torch.equal(a, b) for a, b in zip(_weights(engine), _weights(reference)))
 
 
+def test_with_the_step_in_backward_a_setting_changed_before_engine_step_fails_the_step_and_a_scheduler_works(
+        tmp_path):
+    """The sub-groups step with the lr in force during the backward. A change between that backward and
+    engine.step() would apply to a step already taken: staged, the step is refused and undone, and the
+    gradient accessors refuse the gradients it used; a scheduler given to initialize (it steps after
+    engine.step()) and an lr set before the backward train as without the option."""
+    def lr_at(step):
+        return 1.0 / (1 + step)
+
+    cfg = {**BASE, "sub_group_size": 400}
+
+    def build(in_backward):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        c = {**cfg, "offload_optimizer": nvme(tmp_path / f"swap{in_backward}", step_in_backward=in_backward)}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+        return zero3.initialize(model, opt, c, lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lr_at))
+
+    reference, engine = build(False), build(True)
+    for e in (reference, engine):
+        _train(e, 2)
+    assert _weights(engine) and all(torch.equal(a, b) for a, b in zip(_weights(engine), _weights(reference)))
+    before = _weights(engine)
+    x, y = synthetic_batch(2, 2, CFG)
+    engine.backward(engine(x, y))
+    p = next(q for q in engine.params if q.numel() > 100)
+    with pytest.raises(ZeroStateError, match=r"safe_get_full_grad\(.*used by the optimizer step taken in this backward"):
+        zero3.safe_get_full_grad(p)
+    engine.optimizer.param_groups[0]["lr"] = 1e-3
+    with pytest.raises(ZeroStateError, match=r"taken on no rank.*param group 0's 'lr' changed from 0\.003.* to 0\.001"):
+        engine.step()
+    assert all(torch.equal(a, b) for a, b in zip(_weights(engine), before))  # undone
+    for e in (reference, engine):  # the lr set before the backward: both step with it
+        e.optimizer.param_groups[0]["lr"] = 1e-3
+        _train(e, 1, start=2)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(engine), _weights(reference)))
+
+
 def test_the_step_in_backward_with_one_sub_group_warns_that_it_holds_every_gradient(tmp_path, caplog):
     cfg = {**BASE, "offload_optimizer": nvme(tmp_path, step_in_backward=True)}  # default sub_group_size: 1e9
     with caplog.at_level(logging.WARNING, logger="zero3.optim.optimizer"):

@@ -41,21 +41,27 @@ The agreement (agreed_step.py [Note: agreed optimizer step]) is split in time: t
 and the tiers staged at the first landed gradient, the sub-groups step during the backward, and the
 ranks agree at ``engine.step()``, which commits, or rolls back on every rank (staged) or reports that
 the ranks may differ (``offload_optimizer_staged_step=False``, or the optimizer state in memory,
-which is never staged). A backward aborted by an exception rolls back the staged step on the spot;
+which is never staged). A param group setting (``lr``, say) changed between that backward and
+``engine.step()`` would apply to a step already taken: it fails the step the same way, rather than be
+ignored until the next one. A backward aborted by an exception rolls back the staged step on the spot;
 in place, the parameters already stepped cannot be undone, so every later step is refused until a
 checkpoint is loaded. Between such a backward and ``engine.step()`` a checkpoint is refused
 (`check_between_steps`): the parameters and state hold a step not agreed on.
 
 Refused with what needs every gradient before any parameter changes: ``gradient_clipping`` (the
-global norm) and fp16 (the overflow check, a skipped step). ``engine.clip_grad_norm_`` and
-gradient accessors find no gradient shards after such a backward.
+global norm) and fp16 (the overflow check, a skipped step). ``engine.clip_grad_norm_`` and the
+gradient accessors raise for a gradient the step used, rather than return None (no gradient).
 """
 
 from __future__ import annotations
 
+import copy
 import enum
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
 
 from ..errors import ZeroStateError
 from ..partition.param import ZeroParameter
@@ -97,18 +103,23 @@ class BackwardStep:
 
     ``subgroups``: the streamed step's (param group index, parameters); ``step_subgroup(gi, ps)``
     reads one in, steps it and starts its writes; ``wait_writes()`` waits for every write; ``drop_grads``
-    drops every gradient shard; ``is_boundary()``: the running micro-batch ends a window.
+    drops every gradient shard; ``is_boundary()``: the running micro-batch ends a window;
+    ``param_groups()``: the optimizer's param groups, whose settings (all but ``"params"``) the step
+    in backward uses and must still be in force at ``engine.step()``.
     """
 
     def __init__(self, subgroups: Sequence[tuple[int, list[ZeroParameter]]], agreed: AgreedStep,
                  step_subgroup: Callable[[int, list[ZeroParameter]], None], wait_writes: Callable[[], None],
-                 drop_grads: Callable[[], None], is_boundary: Callable[[], bool]) -> None:
+                 drop_grads: Callable[[], None], is_boundary: Callable[[], bool],
+                 param_groups: Callable[[], list[dict[str, Any]]]) -> None:
         self.subgroups = list(subgroups)
         self.agreed = agreed
         self._step_subgroup = step_subgroup
         self._wait_writes = wait_writes
         self._drop_grads = drop_grads
         self._is_boundary = is_boundary
+        self._param_groups = param_groups
+        self._settings: list[dict[str, Any]] | None = None  # the param groups' settings the first sub-group used
         self._index = {p._zero.id: k for k, (_, ps) in enumerate(self.subgroups) for p in ps}
         self.phase = BackwardStepPhase.IDLE
         self._landed: list[set[int]] = []
@@ -242,6 +253,8 @@ class BackwardStep:
             self._open()
         if self.phase is BackwardStepPhase.STEPPING:
             self.backward_ended()
+        if self._error is None and self._settings is not None:
+            self._error = _changed_settings(self._settings, self._param_groups())
         kept, error = self._kept, self._error
         self._enter(BackwardStepPhase.IDLE)
         self._reset()
@@ -254,6 +267,15 @@ class BackwardStep:
             raise ZeroStateError(
                 f"{what} between a backward that stepped the optimizer (offload_optimizer_step_in_backward) and "
                 "engine.step(): the step is not agreed on yet; call engine.step() first")
+
+    def check_gradient_read(self, p: ZeroParameter, what: str) -> None:
+        """Refuse ``what`` (a gradient accessor) for a parameter whose gradient the step in this backward
+        used and dropped: None would read as "no gradient", which is not what happened."""
+        if self.phase in (BackwardStepPhase.STEPPING, BackwardStepPhase.STEPPED) and p._zero.id in self._stepped_ids:
+            raise ZeroStateError(
+                f"{what}({p._zero.name}): its gradient was used by the optimizer step taken in this backward "
+                "(offload_optimizer_step_in_backward) and dropped, so there is none to read. Read gradients in a run "
+                "with offload_optimizer_step_in_backward=False")
 
     def recovered(self) -> None:
         """A checkpoint was loaded: the parameters and state are whole again."""
@@ -271,6 +293,8 @@ class BackwardStep:
 
     def _step(self, k: int) -> None:
         gi, ps = self.subgroups[k]
+        if self._settings is None:
+            self._settings = _settings(self._param_groups())
         self._stepped_ids.update(p._zero.id for p in ps)
         if self._error is None:  # after a failure nothing more is written: the step fails anyway
             try:
@@ -288,6 +312,7 @@ class BackwardStep:
     def _reset(self) -> None:
         self._landed, self._stepped_ids, self._sent_ids, self._regathered = [], set(), set(), set()
         self._kept, self._error, self._wrote = None, None, False
+        self._settings = None
 
     @staticmethod
     def _broken_message() -> str:
@@ -295,6 +320,39 @@ class BackwardStep:
                 "(offload_optimizer_step_in_backward, not staged: the optimizer state is in memory, or "
                 "offload_optimizer_staged_step=False), so the parameters are part-way through a step: load the "
                 "last checkpoint before training on")
+
+
+def _settings(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A copy of every param group's settings (``lr``, ``betas``, ...: all but ``"params"``)."""
+    return [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in param_groups]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and \
+            bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value that does not compare: count it as changed
+        return False
+
+
+def _changed_settings(used: list[dict[str, Any]], now: list[dict[str, Any]]) -> ZeroStateError | None:
+    """The error for a param group setting that changed after the step in backward used it, or None."""
+    hint = ("the step was taken during the backward with the earlier value. Change optimizer settings before the "
+            "window's last backward (an lr_scheduler given to zero3.initialize steps after engine.step(), which is "
+            "right), or set offload_optimizer_step_in_backward=False")
+    if len(now) != len(used):
+        return ZeroStateError(f"the optimizer's param groups went from {len(used)} to {len(now)} between the backward "
+                              f"that stepped them (offload_optimizer_step_in_backward) and engine.step(): {hint}")
+    for i, (before, group) in enumerate(zip(used, now)):
+        for key in sorted(set(before) | {k for k in group if k != "params"}):
+            old, new = before.get(key, "<unset>"), group.get(key, "<unset>")
+            if not _same(old, new):
+                return ZeroStateError(
+                    f"param group {i}'s {key!r} changed from {old!r} to {new!r} between the backward that stepped the "
+                    f"optimizer (offload_optimizer_step_in_backward) and engine.step(): {hint}")
+    return None
 
 
 __all__ = ["BackwardStep", "BackwardStepPhase"]

@@ -229,7 +229,8 @@ class PartitionedOptimizer:
         if self.placement.step_in_backward:
             assert self.agreed is not None and window_ends is not None
             self.backward_step = BackwardStep(self.streamer.subgroups, self.agreed, self.streamer.step_one,
-                                              self.streamer.wait_writes, self.zero_grad, window_ends)
+                                              self.streamer.wait_writes, self.zero_grad, window_ends,
+                                              lambda: self.optimizer.param_groups)
             logger.info("zero3: the optimizer steps in backward: %d sub-groups of at most %d elements, each as soon "
                         "as its gradients are reduced (%s)", len(self.streamer.subgroups),
                         config.offload.sub_group_size, "staged" if staged else "in place")

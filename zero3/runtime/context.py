@@ -190,6 +190,11 @@ class RuntimeContext:
         if self.reducer is not None:
             self.reducer.finish()
 
+    def check_gradient_read(self, p: ZeroParameter, what: str) -> None:
+        """Raise if ``p`` has no gradient because the optimizer step in this backward used it."""
+        if self.optimizer is not None and self.optimizer.backward_step is not None:
+            self.optimizer.backward_step.check_gradient_read(p, what)
+
     def optimizer_state(self, p: ZeroParameter) -> dict[str, torch.Tensor]:
         """This rank's optimizer state for ``p`` (e.g. ``exp_avg``); {} without an optimizer."""
         return self.optimizer.state_of(p) if self.optimizer is not None else {}
