@@ -11,8 +11,9 @@ again) at the default live budget and at half the model, ``engine.generation()``
 budget at the whole model, and with it at half the model (only what does not fit is gathered again,
 along the planned decode cycle). Tokens per second is the slower rank's, the median over
 ``--repeat`` interleaved rounds (the machine may be shared: compare within a run); the decoded
-tokens are compared with the same model run plainly in one process. Figures are printed, never
-asserted.
+tokens are compared with the same model run plainly in one process. A last row decodes with that
+model itself, no zero3 at all (every rank holds it whole): the ceiling for a mode that gathers
+nothing per token. Figures are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+
+UNWRAPPED = "torch without zero3 (the whole model on each rank)"
 
 
 def _decode(model, tokens: int, block: int) -> torch.Tensor:
@@ -55,9 +59,21 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     variants = (("plain eval forwards", None, False, True), ("plain eval forwards, budget = half the model", 0.5, False, True),
                 ("generation(), budget = model", None, True, True),
                 ("generation(), budget = half the model", 0.5, True, True),
-                ("generation(), budget = half the model, no prefetch", 0.5, True, False))
+                ("generation(), budget = half the model, no prefetch", 0.5, True, False),
+                (UNWRAPPED, None, False, False))
     runs: dict[str, list[tuple[float, float, bool]]] = {name: [] for name, *_ in variants}
     for _, (name, fraction, generation, prefetch) in itertools.product(range(args.repeat), variants):
+        if name == UNWRAPPED:  # the ceiling: the same decode with no hook, no gather
+            torch.manual_seed(0)
+            model = GPT(cfg).eval()
+            _decode(model, 2, cfg.block_size)
+            dist.barrier()
+            t0 = time.perf_counter()
+            got = _decode(model, args.tokens, cfg.block_size)
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            runs[name].append((args.tokens / elapsed.item(), 0.0, torch.equal(got, want)))
+            continue
         torch.manual_seed(0)
         with zero3.Init():
             model = GPT(cfg)
@@ -88,10 +104,13 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         print(f"# bench_generation  {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}  "
               f"{world} gloo ranks x 1 thread; GPT n_layer={cfg.n_layer} n_embd={cfg.n_embd} ({numel:,} parameters), "
               f"greedy decode of {args.tokens} tokens, median of {args.repeat}\n")
-        print("| variant | tokens/s | vs plain | weights gathered per token (x model) | tokens equal the plain model's |")
-        print("|---|---:|---:|---:|---|")
+        ceiling = next(tps for name, tps, _, _ in rows if name == UNWRAPPED)
+        print("| variant | tokens/s | vs plain | vs torch without zero3 | weights gathered per token (x model) | "
+              "tokens equal the plain model's |")
+        print("|---|---:|---:|---:|---:|---|")
         for name, tps, per_token, ok in rows:
-            print(f"| {name} | {tps:.1f} | {tps / rows[0][1]:.2f}x | {per_token:.2f} | {ok} |")
+            print(f"| {name} | {tps:.1f} | {tps / rows[0][1]:.2f}x | {tps / ceiling:.2f}x | "
+                  f"{'—' if name == UNWRAPPED else f'{per_token:.2f}'} | {ok} |")
     dist.destroy_process_group()
 
 

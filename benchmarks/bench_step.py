@@ -750,7 +750,9 @@ def main() -> None:
                     help="steps of each variant's memory pass (its own run, MALLOC_MMAP_THRESHOLD_ set)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3, help="runs per variant; order reversed on odd repeats")
-    ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    ap.add_argument("--batch", default="4", metavar="N|MODEL=N,...",
+                    help="sequences per rank: one number, or per --models preset (e.g. small=4,big=1: issue "
+                         "21's table), 4 for a preset not named")
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-head", type=int, default=4)
@@ -772,6 +774,11 @@ def main() -> None:
                     help="a source tree holding another zero3/ (e.g. a git worktree of an older commit): every "
                          "zero3 variant also runs with it, labelled [baseline], interleaved in the same run")
     args = ap.parse_args()
+    try:
+        batches = _batches(args.batch)
+    except ValueError as exc:
+        ap.error(str(exc))
+    args.batch = batches.get("", 4)
     if args.quick:
         args.steps, args.warmup, args.repeats, args.memory_steps = 4, 1, 1, 2
         args.n_layer, args.n_embd, args.batch, args.block, args.vocab = 2, 128, 4, 64, 256
@@ -789,9 +796,13 @@ def main() -> None:
     for m in models:
         if m not in MODELS:
             ap.error(f"unknown model {m!r}; --models takes a comma list of {sorted(MODELS)}")
+    for m in batches:
+        if m and m not in models:
+            ap.error(f"--batch names {m!r}, which is not in --models {args.models!r}")
     results = {}
     for model in models or [None]:
         margs = argparse.Namespace(**{**vars(args), **MODELS.get(model, {})})
+        margs.batch = batches.get(model or "", args.batch)
         if model:
             print(f"\n## model {model}", flush=True)
         text, rows = measure(variants, margs)
@@ -800,6 +811,17 @@ def main() -> None:
     print("\n## Side by side (issue 13's goals: zero3 <= 0.9x FSDP2 on both models, <= 1.3x DDP on the big one; "
           "peak memory no worse)\n", flush=True)
     print(goals(results), flush=True)
+
+
+def _batches(text: str) -> dict[str, int]:
+    """``--batch``: "4" -> {"": 4}; "small=4,big=1" -> {"small": 4, "big": 1}."""
+    out: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, _, value = part.rpartition("=")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--batch {text!r}: {part!r} is not N or MODEL=N with N a positive integer")
+        out[name] = int(value)
+    return out
 
 
 def measure(variants: list[str], args: argparse.Namespace) -> tuple[str, dict]:
