@@ -116,3 +116,59 @@ def test_planned_generation_under_a_byte_budget_holds_it(pools):
     for r in pools.get(2).run(planned_run, 0.5, True, timeout=120):
         assert r["kept_ok"], r
         assert r["buckets"] is not None and r["peak"][1] <= 0.5 * r["nbytes"], r
+
+
+def resident_run() -> dict:
+    """Generation mode with the whole model inside the live cap: after the first forward every decode
+    forward skips zero3 (hooks.py [Note: resident decode forwards]); a training step inside the mode
+    takes the full path, and the weights kept gathered afterwards are the stepped ones."""
+    from gpt import synthetic_batch
+
+    torch.manual_seed(0)
+    want = decode(GPT(CFG).eval())
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = GPT(CFG)
+    model.eval()
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 0, "max_reuse_distance": 0})
+    events = [0]
+    event = engine.coordinator.event
+
+    def counted(*args, **kwargs):
+        events[0] += 1
+        return event(*args, **kwargs)
+
+    engine.coordinator.event = counted
+    out: dict = {}
+    with engine.generation():
+        first = decode(engine, 1)
+        out["resident"] = engine.coordinator.generation_resident
+        e0, c0 = events[0], engine.metrics.allgather_calls
+        tokens = decode(engine)
+        out["tokens_ok"] = torch.equal(first, want[:, :2]) and torch.equal(tokens, want)
+        out["resident_events"], out["resident_gathers"] = events[0] - e0, engine.metrics.allgather_calls - c0
+        model.train()
+        e0 = events[0]
+        x, y = synthetic_batch(0, 2, CFG)
+        engine.backward(engine(x, y))
+        engine.step()
+        out["train_events"] = events[0] - e0
+        out["resident_after_step"] = engine.coordinator.generation_resident
+        model.eval()
+        decode(engine, 1)
+        out["resident_again"] = engine.coordinator.generation_resident
+        kept = [p.detach().clone() for p in model.parameters()]
+    with zero3.GatheredParameters(list(model.parameters())):
+        stepped = [p.detach().clone() for p in model.parameters()]
+    out["kept_is_stepped"] = all(torch.equal(a, b) for a, b in zip(kept, stepped))
+    return out
+
+
+def test_a_resident_decode_forward_skips_zero3_and_a_step_inside_the_mode_regathers_the_new_weights(pools):
+    for r in pools.get(2).run(resident_run, timeout=120):
+        assert r["resident"] and r["tokens_ok"], r
+        assert r["resident_events"] == 0 and r["resident_gathers"] == 0, r  # no hook work, no collective
+        assert r["train_events"] > 0, r  # a forward with grad on takes the full path
+        assert r["kept_is_stepped"], r  # not the weights from before the step
+        assert not r["resident_after_step"] and r["resident_again"], r  # the step released them; regathered

@@ -166,6 +166,10 @@ class GenerationPrefetch:
         self._at = 0  # where in that cycle the next PRE event should be
         self._size = size if config is not None and config.prefetch_bucket_size > 0 else None
         self._config = config
+        self.whole = len(size) if size is not None and config is not None and \
+            sum(size.values()) <= config.max_live else None
+        """How many parameters are the whole model when it fits the live cap at once (then, once all
+        are gathered, nothing is ever released or gathered again); None when it does not."""
         self.plan: DecodePlan | None = None  # None: not planned (yet), or the cycle fits, or no plan does
         self._planned = False  # the learnt cycle was planned
         self._actions: dict[int, GenerationAction] = {}  # event index -> action, under `plan`

@@ -118,6 +118,10 @@ class ParamCoordinator:
         self._event_kind: EventKind | None = None
         self._event_module = ""
         self._generation: GenerationPrefetch | None = None  # generation mode (`begin_generation`)
+        self.generation_resident = False
+        """Generation mode holds the whole model gathered for good (it fits the live cap and the
+        last forward left all of it live): a no-grad forward needs nothing of the coordinator
+        (hooks.py [Note: resident decode forwards])."""
         self.budget: MemoryBudget | None = None  # memory_budget (`use_budget`)
         self.watch: GatherWatch | None = None  # told of every gather and use (the optimizer step in backward)
 
@@ -192,7 +196,11 @@ class ParamCoordinator:
 
     def refresh_persistent(self) -> None:
         """The shards changed (optimizer step, loading): re-gather the persistent params from them.
-        Their traffic is counted apart from the step's gathers. A collective when there are any."""
+        Their traffic is counted apart from the step's gathers. A collective when there are any.
+        What generation mode keeps gathered is released, to be gathered again from the new shards
+        when next used (a step taken inside ``engine.generation()``)."""
+        if self.generating:
+            self.release(list(self._live.values()))
         for p in self.persistent:
             if p._zero.status is ParamStatus.AVAILABLE and not p._zero.aliased:
                 zparam.release(p)
@@ -256,10 +264,12 @@ class ParamCoordinator:
             raise ZeroStateError("engine.generation() entered in the middle of a step; enter it between steps")
         sizes = {pid: self._size(p) for pid, p in self._by_id.items() if not p._zero.persistent}
         self._generation = GenerationPrefetch(sizes, self.plan_config)
+        self.generation_resident = False
 
     def end_generation(self) -> None:
         """Leave generation mode: release everything it kept."""
         self._generation = None
+        self.generation_resident = False
         self.release(list(self._live.values()))
 
     def _generation_event(self, policy: GenerationPrefetch, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
@@ -316,6 +326,8 @@ class ParamCoordinator:
                     self._wait(p._zero.handle, drop=True)
         if not self.generating or aborted:
             self.release(list(self._live.values()))
+        elif self._generation is not None and not aborted:  # the same on every rank: the same gathers ran
+            self.generation_resident = len(self._live) == self._generation.whole
         if self._reading is not None:
             self._reading.stop()
         if self._hpz is not None:
@@ -407,7 +419,7 @@ class ParamCoordinator:
         """One gather of ``params``: a ``training`` one quantized under qwZ and, under hpZ, from
         secondary slices where they have one; any other exact, from the primary shards."""
         if self._reading is not None:
-            self._reading.readable(params, self._wait_in_flight)
+            self._reading.readable(params, self.wait_in_flight)
         if self.watch is not None:
             self.watch.gathered(params)
         hpz = self._hpz
@@ -444,7 +456,8 @@ class ParamCoordinator:
         if self.shards is not None:
             self.shards.done(handle.params)  # their shards' pool slots make room for the next reads
 
-    def _wait_in_flight(self) -> None:
+    def wait_in_flight(self) -> None:
+        """Land every gather still in flight (no collective: each was issued before)."""
         for q in list(self._live.values()):
             if q._zero.status is ParamStatus.INFLIGHT:
                 self._wait(q._zero.handle)
@@ -461,6 +474,7 @@ class ParamCoordinator:
             self._free(p)
 
     def _free(self, p: ZeroParameter) -> None:
+        self.generation_resident = False
         z = p._zero
         if z.prefetched:
             z.prefetched = False

@@ -40,6 +40,18 @@ differences: a module whose inputs need no grad (the first layer) gets its post-
 one of whose parameters gets no gradient in a backward (an output unused by the loss) does not;
 the end of the step releases those.
 
+[Note: resident decode forwards]
+In generation mode with the whole model inside the live cap, the first decode forward gathers every
+parameter and nothing releases one until the mode ends (coordinator.py `generation_resident`). A
+no-grad forward of the root after that needs nothing from zero3: no gather, no release, no
+collective, no step. So its root pre-hook lands any gather still in flight and counts the root call
+(`_resident_calls`), and every hook of that forward returns at once: the decode runs at the cost
+of the hook dispatch itself (bench_generation.py's "torch without zero3" row is the ceiling). It is
+decided at the root, for the whole forward, from state every rank reaches at the end of the same
+forward (the same gathers ran), so all ranks skip the same forwards and their collectives stay in
+step. A forward with grad on, a call of a submodule on its own, or any release (which clears the
+state) takes the full path.
+
 [Note: activation checkpointing and the end of a step]
 ``zero3.checkpointing.checkpoint`` runs its function twice: under ``no_grad`` in the forward, and
 again inside the backward (the recompute), followed by a nested ``torch.autograd.backward``. Both
@@ -229,6 +241,7 @@ class ModuleHooks:
         self._owner: dict[int, _ModuleRecord] = {}  # id(param) -> the one hooked module that owns it
         self._awaiting: set[_ModuleRecord] = set()  # records with calls waiting for their gradients
         self._forward_t0 = 0.0  # when the running root forward began
+        self._resident_calls = 0  # root calls open in a resident decode forward ([Note: resident decode forwards])
 
     # -- install / remove -----------------------------------------------------------------------
     def install(self, model: nn.Module) -> None:
@@ -344,6 +357,15 @@ class ModuleHooks:
         return out
 
     def _pre_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if self._resident_calls:  # [Note: resident decode forwards]
+            if rec.module is self.root:
+                self._resident_calls += 1
+            return None
+        if rec.module is self.root and not self.stack and self.coordinator.generation_resident and \
+                self.step.phase is _IDLE and not torch.is_grad_enabled():
+            self.coordinator.wait_in_flight()
+            self._resident_calls = 1
+            return None
         if rec.module is self.root and not self.stack:
             self._forward_t0 = time.perf_counter()
         if self.step.phase is _IDLE:
@@ -391,6 +413,10 @@ class ModuleHooks:
         return pytree.tree_unflatten(flat, spec)
 
     def _post_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self._resident_calls:
+            if rec.module is self.root:
+                self._resident_calls -= 1
+            return None
         if output is None and rec.module is self.root and self.step.phase is not _IDLE:
             exc = sys.exc_info()[1]
             if exc is not None:  # always_call runs us while the root's forward raises: abort the step
