@@ -170,6 +170,9 @@ class GenerationPrefetch:
             sum(size.values()) <= config.max_live else None
         """How many parameters are the whole model when it fits the live cap at once (then, once all
         are gathered, nothing is ever released or gathered again); None when it does not."""
+        self.resident = False
+        """Set by the coordinator: every one of those ``whole`` parameters is gathered, as the last
+        forward left them, and none was released since."""
         self.plan: DecodePlan | None = None  # None: not planned (yet), or the cycle fits, or no plan does
         self._planned = False  # the learnt cycle was planned
         self._actions: dict[int, GenerationAction] = {}  # event index -> action, under `plan`

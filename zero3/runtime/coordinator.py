@@ -118,10 +118,6 @@ class ParamCoordinator:
         self._event_kind: EventKind | None = None
         self._event_module = ""
         self._generation: GenerationPrefetch | None = None  # generation mode (`begin_generation`)
-        self.generation_resident = False
-        """Generation mode holds the whole model gathered for good (it fits the live cap and the
-        last forward left all of it live): a no-grad forward needs nothing of the coordinator
-        (hooks.py [Note: resident decode forwards])."""
         self.budget: MemoryBudget | None = None  # memory_budget (`use_budget`)
         self.watch: GatherWatch | None = None  # told of every gather and use (the optimizer step in backward)
 
@@ -169,6 +165,11 @@ class ParamCoordinator:
     def generating(self) -> bool:
         return self._generation is not None
 
+    @property
+    def generation_resident(self) -> bool:
+        """Generation mode holds the whole model for good (hooks.py [Note: resident decode forwards])."""
+        return self._generation is not None and self._generation.resident
+
     def _size(self, p: ZeroParameter) -> int:
         return p._zero.nbytes if self.plan_config.unit == "bytes" else p._zero.numel
 
@@ -197,8 +198,7 @@ class ParamCoordinator:
     def refresh_persistent(self) -> None:
         """The shards changed (optimizer step, loading): re-gather the persistent params from them.
         Their traffic is counted apart from the step's gathers. A collective when there are any.
-        What generation mode keeps gathered is released, to be gathered again from the new shards
-        when next used (a step taken inside ``engine.generation()``)."""
+        Generation mode's gathered ones are released, to be gathered anew when used."""
         if self.generating:
             self.release(list(self._live.values()))
         for p in self.persistent:
@@ -264,12 +264,10 @@ class ParamCoordinator:
             raise ZeroStateError("engine.generation() entered in the middle of a step; enter it between steps")
         sizes = {pid: self._size(p) for pid, p in self._by_id.items() if not p._zero.persistent}
         self._generation = GenerationPrefetch(sizes, self.plan_config)
-        self.generation_resident = False
 
     def end_generation(self) -> None:
         """Leave generation mode: release everything it kept."""
         self._generation = None
-        self.generation_resident = False
         self.release(list(self._live.values()))
 
     def _generation_event(self, policy: GenerationPrefetch, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
@@ -326,8 +324,8 @@ class ParamCoordinator:
                     self._wait(p._zero.handle, drop=True)
         if not self.generating or aborted:
             self.release(list(self._live.values()))
-        elif self._generation is not None and not aborted:  # the same on every rank: the same gathers ran
-            self.generation_resident = len(self._live) == self._generation.whole
+        elif self._generation is not None:  # the same on every rank: the same gathers ran
+            self._generation.resident = len(self._live) == self._generation.whole
         if self._reading is not None:
             self._reading.stop()
         if self._hpz is not None:
@@ -474,7 +472,8 @@ class ParamCoordinator:
             self._free(p)
 
     def _free(self, p: ZeroParameter) -> None:
-        self.generation_resident = False
+        if self._generation is not None:
+            self._generation.resident = False
         z = p._zero
         if z.prefetched:
             z.prefetched = False
