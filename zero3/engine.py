@@ -383,7 +383,7 @@ class Engine:
         """Take every hook off (a step in the middle ends aborted); parameters stay partitioned until
         gathered."""
         self.hooks.remove()
-        self.context.coordinator.unmark_persistent()
+        self.context.coordinator.persistent_params.unmark()
         self.module.__dict__.pop("_zero3_context", None)
 
     # -- state of one parameter, for accessors and checkpoints ----------------------------------

@@ -314,7 +314,8 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     ctx.reducer = GradientReducer(ctx.comm, config.comm.reduce_bucket_size, reduce_dtype=torch_dtype(config.precision.reduce_dtype),
                                   accumulation_steps=config.training.gradient_accumulation_steps,
                                   boundary_numel=_prefetch_numel(config))
-    ctx.coordinator.choose_persistent(ctx.params)
+    ctx.coordinator.persistent_params.choose(ctx.params, config.budget.param_persistence_threshold,
+                                             config.budget.model_persistence_threshold)
     place_shards(ctx.store, ctx.coordinator.shards, ctx.params)  # CPU memory or the drive, before the optimizer
     shared = share_shards(ctx.comm, ctx.store, ctx.coordinator.shards, ctx.params)  # allgather_impl="shm"
     if optimizer is not None:
@@ -334,7 +335,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         elif lr_scheduler is not None:
             ctx.lr_scheduler = lr_scheduler(torch_opt) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
                 else lr_scheduler
-    ctx.coordinator.gather_persistent()  # gathers: after every shard has its final buffer
+    ctx.coordinator.persistent_params.gather()  # gathers: after every shard has its final buffer
     model.__dict__["_zero3_context"] = ctx
     LIVE_CONTEXTS.add(ctx)
     return ctx

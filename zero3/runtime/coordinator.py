@@ -43,7 +43,6 @@ from ..errors import ZeroError, ZeroStateError
 from ..metrics import StepMetrics
 from ..partition.param import ZeroParameter
 from ..planning.generation import GenerationPrefetch
-from ..planning.persistence import choose_persistent
 from ..planning.schedule import PlanConfig, Schedule, eviction_order
 from ..partition.state import ParamStatus
 from ..offload.nvme import ShardTier
@@ -51,6 +50,7 @@ from ..planning.trace import EventKind, ParamInfo, Trace, write_trace
 from ..planning.trace_cache import StepTraces
 from .budget import MemoryBudget
 from .hpz import SecondarySlices
+from .persistent import PersistentParams
 from .read_ahead import ReadAhead
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class ParamCoordinator:
         self._live: dict[int, ZeroParameter] = {}
         self._rounded: set[int] = set()  # ids gathered by qwZ, holding dequantized values (see the Note)
         self._by_id: dict[int, ZeroParameter] = {}
-        self.persistent: list[ZeroParameter] = []
+        self.persistent_params = PersistentParams(comm.world_size, self._gather_persistent)
         self.register(params)
         self.steps = StepTraces(config.budget.max_traces)  # what the running step recorded and follows
         # The event a gather serves (for its tag), as two fields: a tuple per event would feed the GC.
@@ -177,48 +177,21 @@ class ParamCoordinator:
     def _live_size(self) -> int:
         return self.metrics.live_bytes if self.plan_config.unit == "bytes" else self.metrics.live_numel
 
-    # -- persistent parameters ---------------------------------------------------------------------
-    def choose_persistent(self, params: Sequence[ZeroParameter]) -> None:
-        """Mark the persistent params (planning/persistence.py, in the given order); they stay
-        gathered for the whole run, gathered by `gather_persistent`."""
-        chosen = choose_persistent((p._zero.numel for p in params), self.config.budget.param_persistence_threshold,
-                                   self.config.budget.model_persistence_threshold)
-        for p, persistent in zip(params, chosen):
-            if persistent:
-                zparam.set_persistent(p, True)
-                self.persistent.append(p)
-
-    def gather_persistent(self) -> None:
-        """Gather the persistent params (at world size 1 the full tensor is a view of the shard)."""
-        if self.comm.world_size == 1:
-            for p in self.persistent:
-                zparam.alias_shard(p)  # one rank: the shard is the full tensor, no refresh ever needed
-        self.refresh_persistent()
+    # -- persistent parameters (persistent.py) -------------------------------------------------------
+    @property
+    def persistent(self) -> list[ZeroParameter]:
+        return self.persistent_params.params
 
     def refresh_persistent(self) -> None:
-        """The shards changed (optimizer step, loading): re-gather the persistent params from them.
-        Their traffic is counted apart from the step's gathers. A collective when there are any.
-        Generation mode's gathered ones are released, to be gathered anew when used."""
+        """The shards changed (optimizer step, loading): re-gather the persistent params, and release
+        what generation mode keeps gathered, to be gathered anew when next used."""
         if self.generating:
             self.release(list(self._live.values()))
-        for p in self.persistent:
-            if p._zero.status is ParamStatus.AVAILABLE and not p._zero.aliased:
-                zparam.release(p)
-        todo = [p for p in self.persistent if p._zero.status is ParamStatus.NOT_AVAILABLE]
-        if todo:
-            self.metrics.persistent_refresh_numel += sum(p._zero.numel for p in todo)
-            self._wait(self._issue(todo, Tag(Kind.PARAM_GATHER, "persistent parameters"), count=False,
-                                   training=False))
+        self.persistent_params.refresh()
 
-    def unmark_persistent(self) -> None:
-        """Persistent params become ordinary again (hooks removed): release what nothing holds."""
-        for p in self.persistent:
-            zparam.set_persistent(p, False)
-            if p._zero.aliased:
-                zparam.unalias_shard(p)
-            if p._zero.status is ParamStatus.AVAILABLE and not p._zero.pinned:
-                zparam.release(p)
-        self.persistent = []
+    def _gather_persistent(self, params: list[ZeroParameter]) -> None:
+        self.metrics.persistent_refresh_numel += sum(p._zero.numel for p in params)
+        self._wait(self._issue(params, Tag(Kind.PARAM_GATHER, "persistent parameters"), count=False, training=False))
 
     # -- events from the hooks -------------------------------------------------------------------
     def event(self, kind: EventKind, module: str, params: Sequence[ZeroParameter],

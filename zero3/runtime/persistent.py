@@ -1,0 +1,64 @@
+"""The persistent parameters: gathered once and kept gathered for the whole run.
+
+Small parameters (``param_persistence_threshold``, up to ``model_persistence_threshold`` in all;
+the rule is planning/persistence.py's) cost more as per-module collectives than they hold, so they
+are gathered at initialize, stay out of every budget and every schedule, and are gathered again
+from their shards whenever the shards change (optimizer step, checkpoint load). At world size 1
+the full tensor is a view of the shard, so they never need gathering again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ..partition import param as zparam
+from ..partition.param import ZeroParameter
+from ..partition.state import ParamStatus
+from ..planning.persistence import choose_persistent
+
+
+class PersistentParams:
+    """Chooses, gathers, refreshes and lets go of the persistent parameters. ``gather(params)``
+    gathers ``params`` now (one collective, counted apart from the steps' gathers)."""
+
+    def __init__(self, world_size: int, gather: Callable[[list[ZeroParameter]], None]) -> None:
+        self._world_size = world_size
+        self._gather = gather
+        self.params: list[ZeroParameter] = []
+
+    def choose(self, params: Sequence[ZeroParameter], param_threshold: int, model_threshold: int) -> None:
+        """Mark the persistent ones among ``params``, in this order."""
+        for p, persistent in zip(params, choose_persistent((p._zero.numel for p in params), param_threshold,
+                                                           model_threshold)):
+            if persistent:
+                zparam.set_persistent(p, True)
+                self.params.append(p)
+
+    def gather(self) -> None:
+        """Gather them the first time (after every shard has its final buffer)."""
+        if self._world_size == 1:
+            for p in self.params:
+                zparam.alias_shard(p)  # one rank: the shard is the full tensor, no refresh ever needed
+        self.refresh()
+
+    def refresh(self) -> None:
+        """The shards changed: gather them again from the shards (a collective when there are any)."""
+        for p in self.params:
+            if p._zero.status is ParamStatus.AVAILABLE and not p._zero.aliased:
+                zparam.release(p)
+        todo = [p for p in self.params if p._zero.status is ParamStatus.NOT_AVAILABLE]
+        if todo:
+            self._gather(todo)
+
+    def unmark(self) -> None:
+        """They become ordinary parameters again (hooks removed): release what nothing holds."""
+        for p in self.params:
+            zparam.set_persistent(p, False)
+            if p._zero.aliased:
+                zparam.unalias_shard(p)
+            if p._zero.status is ParamStatus.AVAILABLE and not p._zero.pinned:
+                zparam.release(p)
+        self.params = []
+
+
+__all__ = ["PersistentParams"]
