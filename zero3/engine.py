@@ -317,6 +317,7 @@ class Engine:
         try:
             yield self
         finally:
+            self.hooks.generation_ended()
             self.coordinator.end_generation()
 
     # -- the phase memory manager (zero3/offload/states.py) --------------------------------------------

@@ -130,8 +130,12 @@ def resident_run() -> dict:
     with zero3.Init():
         model = GPT(CFG)
     model.eval()
+    mlp = model.h[1].mlp.c_fc
+    seen: list[bool] = []  # a user's pre-hook: is the weight gathered when it runs (zero3's pre-hook goes first)?
+    mlp.register_forward_pre_hook(lambda m, args: seen.append(m.weight.ds_status is zero3.ParamStatus.AVAILABLE))
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
                               {"param_persistence_threshold": 0, "max_reuse_distance": 0})
+    hooks_before = len(mlp._forward_pre_hooks), len(mlp._forward_hooks)
     events = [0]
     event = engine.coordinator.event
 
@@ -148,6 +152,7 @@ def resident_run() -> dict:
         tokens = decode(engine)
         out["tokens_ok"] = torch.equal(first, want[:, :2]) and torch.equal(tokens, want)
         out["resident_events"], out["resident_gathers"] = events[0] - e0, engine.metrics.allgather_calls - c0
+        out["hooks_resident"] = len(mlp._forward_pre_hooks), len(mlp._forward_hooks)  # only the user's
         model.train()
         e0 = events[0]
         x, y = synthetic_batch(0, 2, CFG)
@@ -159,6 +164,12 @@ def resident_run() -> dict:
         decode(engine, 1)
         out["resident_again"] = engine.coordinator.generation_resident
         kept = [p.detach().clone() for p in model.parameters()]
+        decode(engine, 1)
+    out["hooks_before_after"] = hooks_before, (len(mlp._forward_pre_hooks), len(mlp._forward_hooks))
+    out["user_hook_calls"], out["user_hook_saw_gathered"] = len(seen), all(seen)
+    e0 = events[0]
+    decode(engine, 1)
+    out["events_after"] = events[0] - e0
     with zero3.GatheredParameters(list(model.parameters())):
         stepped = [p.detach().clone() for p in model.parameters()]
     out["kept_is_stepped"] = all(torch.equal(a, b) for a, b in zip(kept, stepped))
@@ -172,3 +183,7 @@ def test_a_resident_decode_forward_skips_zero3_and_a_step_inside_the_mode_regath
         assert r["train_events"] > 0, r  # a forward with grad on takes the full path
         assert r["kept_is_stepped"], r  # not the weights from before the step
         assert not r["resident_after_step"] and r["resident_again"], r  # the step released them; regathered
+        assert r["hooks_resident"] == (1, 0), r  # zero3's forward hooks were off the submodules
+        before, after = r["hooks_before_after"]
+        assert before == after == (2, 1), r  # and back on when the mode ended
+        assert r["events_after"] > 0 and r["user_hook_calls"] == TOKENS + 4 and r["user_hook_saw_gathered"], r

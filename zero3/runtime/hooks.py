@@ -44,13 +44,17 @@ the end of the step releases those.
 In generation mode with the whole model inside the live cap, the first decode forward gathers every
 parameter and nothing releases one until the mode ends (coordinator.py `generation_resident`). A
 no-grad forward of the root after that needs nothing from zero3: no gather, no release, no
-collective, no step. So its root pre-hook lands any gather still in flight and counts the root call
-(`_resident_calls`), and every hook of that forward returns at once: the decode runs at the cost
-of the hook dispatch itself (bench_generation.py's "torch without zero3" row is the ceiling). It is
+collective, no step. So its root pre-hook lands any gather still in flight, counts the root call
+(`_resident_calls`) and takes zero3's forward hooks off every other module (`_SubmoduleHooks`):
+torch then calls them as if zero3 were not there (bench_generation.py's "torch without zero3" row
+is the ceiling). The next forward that is not such a one, and the end of generation mode, put them
+back before anything else. It is
 decided at the root, for the whole forward, from state every rank reaches at the end of the same
 forward (the same gathers ran), so all ranks skip the same forwards and their collectives stay in
-step. A forward with grad on, a call of a submodule on its own, or any release (which clears the
-state) takes the full path.
+step. A forward of the root with grad on, or after any release (which clears the state), takes
+the full path. While the hooks are off, a submodule called on its own (not through the root) runs
+without them: it finds its parameters gathered, unless a checkpoint load or a
+``GatheredParameters`` write released them, and then fails on their empty data.
 
 [Note: activation checkpointing and the end of a step]
 ``zero3.checkpointing.checkpoint`` runs its function twice: under ``no_grad`` in the forward, and
@@ -74,7 +78,7 @@ import logging
 import sys
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
@@ -155,6 +159,48 @@ class _ModuleRecord:
     by_grads: bool = False  # its calls are closed by its parameters' gradients (cached with ``params``)
     awaiting: list["_Call"] = field(default_factory=list)  # BACKWARD_OPEN calls closed by the gradients
     arrived: set[int] = field(default_factory=set)  # id(param) of gradients accumulated since they opened
+
+
+class _SubmoduleHooks:
+    """zero3's forward pre- and post-hooks on every hooked module but the root. A resident decode
+    forward ([Note: resident decode forwards]) takes them off, so torch calls those modules without
+    dispatching any hook of ours; the next forward that needs them puts them back first (the pre-hook
+    first among a module's pre-hooks again, the post-hook after the post-hooks it has then)."""
+
+    def __init__(self) -> None:
+        self._hooks: list[tuple[nn.Module, Callable[..., Any], Callable[..., Any]]] = []
+        self._handles: list[Any] = []
+        self.suspended = False
+
+    def add(self, m: nn.Module, pre: Callable[..., Any], post: Callable[..., Any]) -> None:
+        self._hooks.append((m, pre, post))
+        self._register(m, pre, post)
+
+    def _register(self, m: nn.Module, pre: Callable[..., Any], post: Callable[..., Any]) -> None:
+        self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+        # always_call: a forward that raises still closes its visit and releases its params.
+        self._handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+
+    def suspend(self) -> None:
+        if not self.suspended:
+            self._drop()
+            self.suspended = True
+
+    def resume(self) -> None:
+        if self.suspended:
+            for m, pre, post in self._hooks:
+                self._register(m, pre, post)
+            self.suspended = False
+
+    def remove(self) -> None:
+        self._drop()
+        self._hooks.clear()
+        self.suspended = False
+
+    def _drop(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
 
 @dataclass(eq=False)
@@ -242,6 +288,7 @@ class ModuleHooks:
         self._awaiting: set[_ModuleRecord] = set()  # records with calls waiting for their gradients
         self._forward_t0 = 0.0  # when the running root forward began
         self._resident_calls = 0  # root calls open in a resident decode forward ([Note: resident decode forwards])
+        self._submodule_hooks = _SubmoduleHooks()
 
     # -- install / remove -----------------------------------------------------------------------
     def install(self, model: nn.Module) -> None:
@@ -262,11 +309,12 @@ class ModuleHooks:
                 for p in trainable:
                     self._leaf_of[id(p)] = rec.leaf
             self._records[id(m)] = rec
-            self._handles.append(m.register_forward_pre_hook(
-                functools.partial(self._pre_forward, rec), prepend=True, with_kwargs=True))
-            # always_call: a forward that raises still closes its visit and releases its params.
-            self._handles.append(m.register_forward_hook(
-                functools.partial(self._post_forward, rec), with_kwargs=True, always_call=True))
+            pre, post = functools.partial(self._pre_forward, rec), functools.partial(self._post_forward, rec)
+            if m is model:
+                self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+                self._handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+            else:
+                self._submodule_hooks.add(m, pre, post)
             self._handles.append(m.register_state_dict_post_hook(_clone_gathered))
             pd = _ParamDict(m._parameters)
             pd.owner = m
@@ -289,11 +337,16 @@ class ModuleHooks:
             self._handles.append(p.register_post_accumulate_grad_hook(
                 functools.partial(_on_grad_weak, weakref.ref(self))))
 
+    def generation_ended(self) -> None:
+        """Generation mode ended: the submodules' hooks are back on."""
+        self._submodule_hooks.resume()
+
     def remove(self) -> None:
         """Take every hook off; a step in the middle ends aborted (`StepLifecycle.close`)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._submodule_hooks.remove()
         for rec in self._records.values():
             m = rec.module
             if isinstance(m._parameters, _ParamDict):
@@ -365,7 +418,10 @@ class ModuleHooks:
                 self.step.phase is _IDLE and not torch.is_grad_enabled():
             self.coordinator.wait_in_flight()
             self._resident_calls = 1
+            self._submodule_hooks.suspend()
             return None
+        if self._submodule_hooks.suspended:
+            self._submodule_hooks.resume()
         if rec.module is self.root and not self.stack:
             self._forward_t0 = time.perf_counter()
         if self.step.phase is _IDLE:
