@@ -67,15 +67,20 @@ def test_generation_mode_under_half_the_model_regathers_only_what_does_not_fit(p
         assert r["kept_numel"] < 0.7 * r["plain_numel"], r
 
 
-def planned_run(budget_fraction: float | None, in_bytes: bool = False) -> dict:
-    """The default ``prefetch_bucket_size``: generation mode plans the decode cycle
-    (planning/generation.py [Note: decode plans])."""
+def reference_and_partitioned() -> tuple[torch.Tensor, GPT]:
+    """The plain model's tokens, and the same model (same seed) built under ``zero3.Init``, in eval mode."""
     torch.manual_seed(0)
     want = decode(GPT(CFG).eval())
     torch.manual_seed(0)
     with zero3.Init():
         model = GPT(CFG)
-    model.eval()
+    return want, model.eval()
+
+
+def planned_run(budget_fraction: float | None, in_bytes: bool = False) -> dict:
+    """The default ``prefetch_bucket_size``: generation mode plans the decode cycle
+    (planning/generation.py [Note: decode plans])."""
+    want, model = reference_and_partitioned()
     numel = sum(p.numel() for p in model.parameters())
     nbytes = sum(p._zero.nbytes for p in model.parameters())
     cfg: dict = {"param_persistence_threshold": 0, "max_reuse_distance": 0}
@@ -124,12 +129,7 @@ def resident_run() -> dict:
     takes the full path, and the weights kept gathered afterwards are the stepped ones."""
     from gpt import synthetic_batch
 
-    torch.manual_seed(0)
-    want = decode(GPT(CFG).eval())
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = GPT(CFG)
-    model.eval()
+    want, model = reference_and_partitioned()
     mlp = model.h[1].mlp.c_fc
     seen: list[bool] = []  # a user's pre-hook: is the weight gathered when it runs (zero3's pre-hook goes first)?
     mlp.register_forward_pre_hook(lambda m, args: seen.append(m.weight.ds_status is zero3.ParamStatus.AVAILABLE))
