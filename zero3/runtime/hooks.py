@@ -54,7 +54,8 @@ forward (the same gathers ran), so all ranks skip the same forwards and their co
 step. A forward of the root with grad on, or after any release (which clears the state), takes
 the full path. While the hooks are off, a submodule called on its own (not through the root) runs
 without them: it finds its parameters gathered, unless a checkpoint load or a
-``GatheredParameters`` write released them, and then fails on their empty data.
+``GatheredParameters`` write released them, and then raises the `ZeroStateError` of a parameter
+used while not gathered (checked with a scratch script, not in the tests).
 
 [Note: activation checkpointing and the end of a step]
 ``zero3.checkpointing.checkpoint`` runs its function twice: under ``no_grad`` in the forward, and
