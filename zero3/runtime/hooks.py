@@ -22,7 +22,9 @@ root's forward) is caught by the `_ParamDict` that replaces each module's ``_par
 into an automatic `register_external_parameter`.
 
 Every hook checks and moves the step phase through the step's lifecycle (`StepLifecycle`, step.py),
-the one way a step ends, whether it finished, was aborted by an exception or lost its hooks.
+the one way a step ends, whether it finished, was aborted by an exception or lost its hooks. The
+one exception is a resident decode forward (below), which is no step at all: it gathers, releases
+and communicates nothing.
 
 [Note: post-backward from the gradients]
 Autograd runs a leaf parameter's AccumulateGrad once per backward, after every node that uses the

@@ -6,7 +6,9 @@ the hooks being removed in the middle of it) ends it through `StepLifecycle`, wh
 in one order: the hooks forget their open calls (and, at the end of a backward, reduce the leaf
 modules' gradients); the gradient reducer finishes (or, aborted, drops what is queued); the
 coordinator releases everything and keeps the step's trace (aborted: drops it); the phase is IDLE.
-An inference forward is a whole epoch of the data-parallel communicators and ends it; an aborted
+An inference forward is a whole epoch of the data-parallel communicators and ends it (a resident
+decode forward in generation mode, which communicates nothing, is no step: hooks.py [Note:
+resident decode forwards]); an aborted
 step abandons the epoch of every communicator, the model-parallel one included, and tells the other
 ranks why. ``engine.step()`` ends the epochs of a training step (`end_epochs`).
 """
