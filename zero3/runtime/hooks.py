@@ -417,15 +417,13 @@ class ModuleHooks:
             if rec.module is self.root:
                 self._resident_calls += 1
             return None
-        if rec.module is self.root and not self.stack and self.coordinator.generation_resident and \
-                self.step.phase is _IDLE and not torch.is_grad_enabled():
-            self.coordinator.wait_in_flight()
-            self._resident_calls = 1
-            self._submodule_hooks.suspend()
-            return None
-        if self._submodule_hooks.suspended:
+        if rec.module is self.root and not self.stack:  # a forward begins: the only place the hooks can be off
+            if self.coordinator.generation_resident and self.step.phase is _IDLE and not torch.is_grad_enabled():
+                self.coordinator.wait_in_flight()
+                self._resident_calls = 1
+                self._submodule_hooks.suspend()
+                return None
             self._submodule_hooks.resume()
-        if rec.module is self.root and not self.stack:
             self._forward_t0 = time.perf_counter()
         if self.step.phase is _IDLE:
             # once per step, not per module
