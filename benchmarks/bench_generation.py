@@ -3,6 +3,7 @@
     python benchmarks/bench_generation.py            # 64 tokens, the example GPT widened to 4 x 256
     python benchmarks/bench_generation.py --tokens 16 --n-embd 128
     python benchmarks/bench_generation.py --repeat 5   # every variant 5 times, interleaved: medians
+    python benchmarks/bench_generation.py --gather p2p # gathers on the wire, as across nodes
 
 Every rank decodes the same prompt (the example GPT of examples/gpt.py, every parameter partitioned:
 ``param_persistence_threshold`` 0). Variants, in one run: plain eval forwards (zero3's ordinary
@@ -79,7 +80,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             model = GPT(cfg)
         model.eval()
         numel = sum(p.numel() for p in model.parameters())
-        zcfg = {"param_persistence_threshold": 0, "max_reuse_distance": 0}
+        zcfg = {"param_persistence_threshold": 0, "max_reuse_distance": 0, "allgather_impl": args.gather}
         if not prefetch:
             zcfg["prefetch_bucket_size"] = 0
         if fraction is not None:
@@ -103,7 +104,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     if rank == 0:
         print(f"# bench_generation  {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}  "
               f"{world} gloo ranks x 1 thread; GPT n_layer={cfg.n_layer} n_embd={cfg.n_embd} ({numel:,} parameters), "
-              f"greedy decode of {args.tokens} tokens, median of {args.repeat}\n")
+              f"greedy decode of {args.tokens} tokens, median of {args.repeat}; allgather_impl {args.gather}\n")
         ceiling = next(tps for name, tps, _, _ in rows if name == UNWRAPPED)
         print("| variant | tokens/s | vs plain | vs torch without zero3 | weights gathered per token (x model) | "
               "tokens equal the plain model's |")
@@ -121,6 +122,8 @@ def main() -> None:
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--gather", default="auto", choices=("auto", "all_gather", "p2p", "shm"),
+                    help="zero3's allgather_impl (auto: shared memory on one node under gloo)")
     args = ap.parse_args()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -77,13 +77,13 @@ def reference_and_partitioned() -> tuple[torch.Tensor, GPT]:
     return want, model.eval()
 
 
-def planned_run(budget_fraction: float | None, in_bytes: bool = False) -> dict:
+def planned_run(budget_fraction: float | None, in_bytes: bool = False, gather: str = "auto") -> dict:
     """The default ``prefetch_bucket_size``: generation mode plans the decode cycle
     (planning/generation.py [Note: decode plans])."""
     want, model = reference_and_partitioned()
     numel = sum(p.numel() for p in model.parameters())
     nbytes = sum(p._zero.nbytes for p in model.parameters())
-    cfg: dict = {"param_persistence_threshold": 0, "max_reuse_distance": 0}
+    cfg: dict = {"param_persistence_threshold": 0, "max_reuse_distance": 0, "allgather_impl": gather}
     if budget_fraction is not None:
         if in_bytes:
             cfg["max_live_bytes"] = int(nbytes * budget_fraction)
@@ -92,6 +92,7 @@ def planned_run(budget_fraction: float | None, in_bytes: bool = False) -> dict:
     engine = zero3.initialize(model, None, cfg)
     plain = decode(engine)
     calls = engine.metrics.allgather_calls
+    gathered = engine.metrics.allgather_numel
     with engine.generation():
         engine.metrics.peak_live_numel = engine.metrics.live_numel
         engine.metrics.peak_live_bytes = engine.metrics.live_bytes
@@ -100,16 +101,19 @@ def planned_run(budget_fraction: float | None, in_bytes: bool = False) -> dict:
         peak = (engine.metrics.peak_live_numel, engine.metrics.peak_live_bytes)
     return {"plain_ok": torch.equal(plain, want), "kept_ok": torch.equal(kept, want), "numel": numel,
             "nbytes": nbytes, "peak": peak, "calls": engine.metrics.allgather_calls - calls,
+            "gathered": engine.metrics.allgather_numel - gathered,
             "buckets": None if plan is None else len(plan.buckets), "left": len(engine.coordinator.live_params)}
 
 
-@pytest.mark.parametrize("fraction", [None, 0.5])
-def test_planned_generation_decodes_the_plain_tokens_within_the_budget(pools, fraction):
-    for r in pools.get(2).run(planned_run, fraction, timeout=120):
+@pytest.mark.parametrize("fraction,gather", [(None, "auto"), (None, "p2p"), (0.5, "auto")])
+def test_planned_generation_decodes_the_plain_tokens_within_the_budget(pools, fraction, gather):
+    for r in pools.get(2).run(planned_run, fraction, False, gather, timeout=120):
         assert r["plain_ok"] and r["kept_ok"], r  # the same tokens as without generation mode
         assert r["left"] == 0, r
         if fraction is None:
             assert r["buckets"] is None, r  # the model fits: nothing to plan
+            # the whole model in one gather at the first module, each weight once, then none
+            assert r["calls"] == 1 and r["gathered"] == r["numel"], r
             continue
         assert r["peak"][0] <= fraction * r["numel"], r  # the cap holds, in flight included
         assert r["buckets"] is not None and r["buckets"] >= 1, r

@@ -9,6 +9,11 @@ While the cycle is being learnt (the first forward), every module's parameters a
 demand and kept: the later a parameter was last used, the later it is used next, so its last use
 stands in for its next use in `schedule.eviction_order` (Belady), and the event after the current
 one in the cycle is prefetched. With ``prefetch_bucket_size`` 0 this goes on for the whole session.
+When the whole model fits the cap (`GenerationPrefetch.whole`), the coordinator instead gathers all
+of it at the first module of that forward, in one gather: nothing will be released until the mode
+ends, and one gather costs one collective's latency where one per module costs dozens (on the wire,
+the first forward of a 4 x 256 GPT took 56 ms one module at a time and 19 ms so; bench_generation.py
+``--gather p2p``).
 
 Once a forward begins again, the cycle is planned when it does not fit the live cap. A cyclic
 pattern is the worst case of a recency policy: every module evicts one that the next token needs

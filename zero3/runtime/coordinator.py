@@ -253,6 +253,14 @@ class ParamCoordinator:
         if action.gather:
             own = {p._zero.id for p in params}
             params = [*params, *(self._by_id[pid] for pid in action.gather if pid not in own)]
+        elif not self._live and policy.whole and self.plan_config.prefetch_bucket_size:
+            # The whole model fits the live cap and none of it is gathered (the session's first
+            # forward, or the first after a step released it): it all stays gathered until the
+            # mode ends, so gather it now in one gather rather than one per module
+            # (planning/generation.py [Note: decode plans]).
+            own = {p._zero.id for p in params}
+            params = [*params, *(q for pid, q in self._by_id.items()
+                                 if pid not in own and not q._zero.persistent and q._zero.status is _NOT_AVAILABLE)]
         self.fetch(params, label="generation")
         bucket = self.plan_config.prefetch_bucket_size
         if bucket and action.prefetch:
