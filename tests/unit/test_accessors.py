@@ -134,3 +134,31 @@ def test_after_remove_hooks_weights_still_read_from_masters_but_grads_raise(trai
     assert torch.equal(zero3.safe_get_full_fp32_param(p), master)
     with pytest.raises(ZeroStateError, match="belongs to no engine"):
         zero3.safe_get_full_grad(p)
+
+
+def test_param_grad_between_backward_and_step_refuses_plain_torch_readers():
+    """Between a backward and the step a gradient lives in its shard's ``.grad``, never in
+    ``param.grad``: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` would clip nothing and
+    return 0, and ``model.zero_grad()`` would drop nothing. Both raise, naming zero3's calls; before
+    any backward, after the step and after ``engine.zero_grad()``, ``param.grad`` is None as in torch."""
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 0})
+    assert all(p.grad is None for p in model.parameters())  # no backward yet
+    x, y = synthetic_batch(0, 2, CFG)
+    engine.backward(engine(x, y))
+    with pytest.raises(ZeroStateError, match=r"param.grad of .*gradient exists.*zero3\.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(ZeroStateError, match=r"model\.zero_grad\(\) drops nothing"):
+        model.zero_grad()
+    ref(x, y).backward()  # what the error points to gives torch's answer on the unpartitioned model
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    got = zero3.clip_grad_norm_(model, 0.5)
+    assert want > 0.5 and torch.allclose(got, want, rtol=1e-5), (got, want)
+    engine.step()
+    assert all(p.grad is None for p in model.parameters())  # the step used them
+    engine.backward(engine(*synthetic_batch(1, 2, CFG)))
+    engine.zero_grad()
+    assert all(p.grad is None for p in model.parameters())  # dropped: None is the truth again

@@ -482,6 +482,8 @@ def test_with_the_step_in_backward_a_setting_changed_before_engine_step_fails_th
     p = next(q for q in engine.params if q.numel() > 100)
     with pytest.raises(ZeroStateError, match=r"safe_get_full_grad\(.*used by the optimizer step taken in this backward"):
         zero3.safe_get_full_grad(p)
+    with pytest.raises(ZeroStateError, match=r"param.grad\(.*used by the optimizer step taken in this backward"):
+        torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0)  # not a silent 0
     engine.optimizer.param_groups[0]["lr"] = 1e-3
     with pytest.raises(ZeroStateError, match=r"taken on no rank.*param group 0's 'lr' changed from 0\.003.* to 0\.001"):
         engine.step()

@@ -249,6 +249,8 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
                 # Its storage holds 0 bytes: hand out a guarded alias, never a bare tensor.
                 result = result.as_subclass(ReleasedData)
                 result._zero = args[0]._zero
+            elif prop == "grad" and name == "__get__" and result is None and isinstance(args[0], PartitionedParameter):
+                _check_grad_read(args[0])
             return result
     elif name in _METADATA_OK:
         with torch._C.DisableTorchFunctionSubclass():
@@ -281,6 +283,28 @@ class ReleasedData(torch.Tensor):
 
     _zero: ZeroParam
     __torch_function__ = classmethod(_guard)  # type: ignore[assignment]
+
+
+def _check_grad_read(p: ZeroParameter) -> None:
+    """``p.grad`` read None on a partitioned parameter: refuse it where None would be a wrong answer.
+
+    The reducer adds a parameter's gradient into its shard's ``.grad`` (`ZeroParam.train_tensor`),
+    never into ``p.grad``. Between a backward and the step, code written for plain torch that reads
+    ``p.grad`` (``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, which then clips nothing
+    and returns 0; ``model.zero_grad()``, which then drops nothing) would silently see no gradient."""
+    z = p._zero
+    if z.train_tensor.grad is None:
+        if z.ctx is not None and getattr(z.ctx, "optimizer", None) is not None:
+            z.ctx.check_gradient_read(p, "param.grad")  # used by the step in backward: not "none"
+        return
+    raise ZeroStateError(
+        f"param.grad of {z.summary()}: zero3 reduced this parameter's gradient into shards (each rank "
+        "holds its 1/world_size slice), so param.grad is None although a gradient exists; code written "
+        "for plain torch would read it as none (torch.nn.utils.clip_grad_norm_(model.parameters(), ...) "
+        "clips nothing and returns 0, model.zero_grad() drops nothing). Clip with "
+        "zero3.clip_grad_norm_(engine_or_model, max_norm) or the config's gradient_clipping; read the "
+        "gradient with zero3.safe_get_full_grad(param) (a collective) or zero3.safe_get_local_grad(param) "
+        "(this rank's slice); drop the gradients with the optimizer's zero_grad() (engine.zero_grad())")
 
 
 def _first_guarded(args: tuple, kwargs: dict) -> Any:
