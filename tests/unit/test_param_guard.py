@@ -96,6 +96,17 @@ def test_computing_with_a_partitioned_parameter_raises_naming_it(partitioned, ho
     assert w.ds_status is ParamStatus.NOT_AVAILABLE
 
 
+def test_load_state_dict_on_a_partitioned_model_raises_naming_zero3s_loader_which_loads_it(partitioned):
+    model, _, original = partitioned
+    changed = {k: v + 1 for k, v in original.items()}
+    with pytest.raises(RuntimeError, match=r"zero3\.pretrained\.load_state_dict\(model, state_dict\)"):
+        model.load_state_dict(changed)
+    assert all(p.ds_status is ParamStatus.NOT_AVAILABLE for p in model.parameters())
+    zero3.pretrained.load_state_dict(model, changed)
+    with zero3.GatheredParameters(list(model.parameters())):
+        assert all(torch.equal(v, changed[k]) for k, v in model.state_dict().items())
+
+
 def test_in_place_init_outside_init_context_raises(partitioned):
     model, _, _ = partitioned
     w = model[0].weight

@@ -269,7 +269,8 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
         "module's parameters only while that module runs. Outside a forward, wrap the code in "
         "`with zero3.GatheredParameters(params):` (add modifier_rank=0 to change them); if another "
         "module's forward uses it, call zero3.register_external_parameter(module, param). To save the "
-        "model, use engine.consolidated_state_dict() or engine.save_checkpoint().")
+        "model, use engine.consolidated_state_dict() or engine.save_checkpoint(); to load a full state "
+        "dict (model.load_state_dict), zero3.pretrained.load_state_dict(model, state_dict).")
 
 
 class PartitionedParameter(ZeroParameter):
