@@ -30,6 +30,7 @@ from .checkpoint.live_state_dict import consolidated_state_dict
 from .runtime.context import RuntimeContext, build_context, context_of
 from .runtime.coordinator import ParamCoordinator
 from .errors import ZeroConfigError, ZeroStateError
+from .optim import foreign as foreign_optimizers
 from .runtime.hooks import ModuleHooks
 from .metrics import StepMetrics
 from .comm.model_parallel import data_parallel_group
@@ -549,6 +550,7 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
         raise ZeroConfigError("zero3.initialize got a 'scheduler' section but no optimizer (nor an 'optimizer' "
                               "section): a schedule needs an optimizer to set the lr of")
     engine = Engine(model, optimizer, config, group, communicator, model_parameters, lr_scheduler, mpu)
+    foreign_optimizers.install()  # an optimizer over the parameters themselves steps nothing: refused
     if config.activation_checkpointing is not None:
         if checkpointing.is_configured():
             logger.info("zero3: activation checkpointing was configured before initialize; its settings stand "

@@ -187,6 +187,42 @@ def test_backward_without_an_optimizer_is_refused_but_forward_and_generation_wor
         assert engine(torch.ones(2, 8)).shape == (2, 4)
 
 
+@pytest.mark.parametrize("threshold", [0, 10**6])  # every parameter partitioned / every one kept gathered
+def test_an_optimizer_over_the_partitioned_parameters_themselves_is_refused_at_its_step(threshold):
+    """FSDP2's order (shard, then build the optimizer over model.parameters()) steps nothing under
+    zero3, whose gradients go to the shards: refused at the step, with nothing changed. The same
+    optimizer passed to initialize steps; an optimizer over other parameters is not touched."""
+    model = _model()
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": threshold})
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = [zero3.safe_get_full_fp32_param(p) for p in model.parameters()]
+    model(torch.ones(2, 8)).sum().backward()
+    with pytest.raises(ZeroStateError, match=r"AdamW.step\(\): this optimizer holds 4 zero3-partitioned parameters.*"
+                                             r"Build it before zero3.initialize and pass it in"):
+        opt.step()
+    assert all(torch.equal(a, zero3.safe_get_full_fp32_param(p)) for a, p in zip(before, model.parameters()))
+    other = nn.Linear(2, 2)
+    plain = torch.optim.SGD(other.parameters(), lr=0.1)
+    other(torch.ones(1, 2)).sum().backward()
+    w = other.weight.detach().clone()
+    plain.step()  # the hook is global; an optimizer over plain parameters steps as ever
+    assert not torch.equal(w, other.weight)
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    engine = zero3.initialize(model, opt, {"param_persistence_threshold": threshold})
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()  # passed in: zero3 steps it over the shards
+    assert not torch.equal(before[0], zero3.safe_get_full_fp32_param(model[0].weight))
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})  # plain parameters may join
+    opt.step()
+    with zero3.Init():
+        late = nn.Linear(2, 2)
+    opt.add_param_group({"params": list(late.parameters())})  # partitioned ones may not
+    with pytest.raises(ZeroStateError, match="holds 2 zero3-partitioned parameters.*add_param_group"):
+        opt.step()
+
+
 @pytest.mark.parametrize("how", ["section", "lr_scheduler"])
 def test_a_schedule_without_an_optimizer_is_refused_at_initialize(how):
     model = _model()
