@@ -70,6 +70,18 @@ hooks what they cannot see by themselves:
   callback on (when no hooked module ran in the enclosing backward before the recompute, e.g. the
   layers after the checkpoint are all persistent); when it ends, the enclosing backward is still
   running, so the step's end is handed on to that enclosing graph task instead of happening there.
+
+[Note: a second backward]
+Several losses over one forward, each with its own ``backward`` (the first with
+``retain_graph=True``), run the backward of the same calls more than once. The first backward ends
+the step and releases everything; the second runs through the same autograd nodes, whose hooks
+fire again. A call whose backward ended in an earlier step (`_Call.ended_in`) opens again: its
+parameters are gathered again, its gradients reduced again and added into the same shards, as
+torch adds them into ``.grad``. Within one backward a call never opens twice (a hook on a second
+output node that fires after the call closed finds it ended in this step). A leaf module counts
+the reopened call, so its gradients are reduced when its backward ends. With the optimizer step in
+backward the first backward already stepped: a gradient after that fails the step
+(optim/backward_step.py).
 """
 
 from __future__ import annotations
@@ -240,6 +252,7 @@ class _Call:
     ids: tuple[int, ...] | None = None  # sorted ids of params; None: recompute (params changed)
     state: CallState = CallState.OPEN
     by_grads: bool = False  # its post-backward comes from its parameters' gradients, not `_PostBackward`
+    ended_in: int = -1  # the step (`ModuleHooks._steps_ended`) its backward ended in ([Note: a second backward])
 
     def __call__(self, grads: Any) -> None:
         self.hooks._pre_backward(self, grads)
@@ -291,6 +304,7 @@ class ModuleHooks:
         self._awaiting: set[_ModuleRecord] = set()  # records with calls waiting for their gradients
         self._forward_t0 = 0.0  # when the running root forward began
         self._resident_calls = 0  # root calls open in a resident decode forward ([Note: resident decode forwards])
+        self._steps_ended = 0  # ends of step so far ([Note: a second backward])
         self._submodule_hooks = _SubmoduleHooks()
 
     # -- install / remove -----------------------------------------------------------------------
@@ -365,6 +379,7 @@ class ModuleHooks:
     def _close_calls(self, aborted: bool, phase: StepPhase) -> None:
         """The hooks' part of the end of a step (`StepLifecycle`): forget the open calls and queued
         graph tasks; at the end of a backward, reduce the leaf modules not reduced yet."""
+        self._steps_ended += 1
         self.stack.clear()
         self._queued_tasks.clear()  # autograd skips the final callbacks of a backward that raised
         for rec in self._awaiting:
@@ -537,7 +552,11 @@ class ModuleHooks:
         if self.step.phase is not _BACKWARD:  # the hook path: no call when nothing changes
             self.step.enter(_BACKWARD)
         self._ensure_final_callback()
-        if call.state is _FORWARD_DONE:
+        if call.state is _FORWARD_DONE or (call.state is _BACKWARD_DONE and call.ended_in != self._steps_ended):
+            if call.state is _BACKWARD_DONE:  # [Note: a second backward]
+                leaf = call.record.leaf
+                if leaf is not None:
+                    leaf.calls += 1
             call.state = _BACKWARD_OPEN
             if call.by_grads:
                 rec = call.record
@@ -549,6 +568,7 @@ class ModuleHooks:
     def _post_backward(self, call: _Call) -> None:
         if call.state is _BACKWARD_OPEN and self.step.phase is _BACKWARD:
             call.state = _BACKWARD_DONE
+            call.ended_in = self._steps_ended
             self.coordinator.event(_POST_BACKWARD, call.record.name, call.params, call.ids)
             leaf = call.record.leaf
             if leaf is not None and leaf.calls == 1:

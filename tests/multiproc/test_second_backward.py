@@ -1,0 +1,65 @@
+"""Several losses over one forward, each with its own backward (the first with ``retain_graph=True``):
+every module's backward gathers its parameters again and the gradients add up as torch adds them
+(runtime/hooks.py [Note: a second backward]), on 2 gloo ranks against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import zero3
+from gpt import GPT, GPTConfig, synthetic_batch
+
+pytestmark = pytest.mark.multiproc
+
+CFG = GPTConfig(block_size=16, n_layer=2, n_embd=32, n_head=2)
+MOE = GPTConfig(block_size=4, n_layer=2, n_embd=32, n_head=2, n_experts=4)
+
+
+def _losses(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    return ce, 0.01 * logits.float().pow(2).mean()
+
+
+def two_backwards(threshold: int, moe: bool = False, steps: int = 3) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = MOE if moe else CFG
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = GPT(cfg)
+    if moe:  # each MoE is reduced as one unit (a leaf module): the second backward counts its call again
+        zero3.set_leaf_modules(model, ["MoE"])
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6),
+                              {"param_persistence_threshold": threshold, "prefetch_bucket_size": 3000,
+                               "max_reuse_distance": 0})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, eps=1e-6)
+    gathers = []
+    for step in range(steps):
+        x, y = synthetic_batch(step, 2 * world, cfg)
+        ce, reg = _losses(engine(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2])
+        before = engine.metrics.allgather_numel
+        ce.backward(retain_graph=True)
+        reg.backward()
+        gathers.append(engine.metrics.allgather_numel - before)
+        engine.step()
+        total = sum(sum(_losses(ref(x[2 * r:2 * r + 2]), y[2 * r:2 * r + 2])) for r in range(world)) / world
+        total.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with zero3.GatheredParameters(list(model.parameters())):
+        worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    numel = sum(p.numel() for p in ref.parameters())
+    return {"worst": worst, "gathers": gathers, "numel": numel, "live": len(engine.coordinator.live_params)}
+
+
+@pytest.mark.parametrize("threshold,moe", [(0, False), (10**6, False), (0, True)])  # partitioned / kept gathered
+def test_two_losses_with_a_backward_each_train_as_in_one_process(pools, threshold, moe):
+    for r in pools.get(2).run(two_backwards, threshold, moe, timeout=120):
+        assert r["worst"] < 1e-5, r
+        assert r["live"] == 0, r  # both backwards released what they gathered
+        if threshold == 0:  # the second backward gathered the weights again (wte is tied: gathered once)
+            assert all(g > r["numel"] for g in r["gathers"]), r
