@@ -63,3 +63,61 @@ def test_two_losses_with_a_backward_each_train_as_in_one_process(pools, threshol
         assert r["live"] == 0, r  # both backwards released what they gathered
         if threshold == 0:  # the second backward gathered the weights again (wte is tied: gathered once)
             assert all(g > r["numel"] for g in r["gathers"]), r
+
+
+def _penalized(model, x: torch.Tensor) -> torch.Tensor:
+    """WGAN-GP's loss shape: the output plus a penalty on the gradient of the output by the input,
+    whose backward runs through the graph of that gradient (create_graph=True)."""
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return out.mean() + (g.norm(dim=1) - 1).pow(2).mean()
+
+
+def _critic() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 1))
+
+
+def gradient_penalty(how: str, steps: int = 3) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = _critic()
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = _critic()
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6),
+                              {"param_persistence_threshold": 10**6 if how == "persistent" else 0})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, eps=1e-6)
+    out: dict = {}
+    for step in range(steps):
+        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(step))
+        mine = x[4 * rank:4 * rank + 4]
+        if how == "refused" and step == 0:
+            try:
+                _penalized(engine, mine).backward()
+            except zero3.ZeroStateError as exc:
+                out["error"] = str(exc)
+            out["live_after_refusal"] = len(engine.coordinator.live_params)
+            continue  # nothing was reduced: the next steps (as the error advises) train as if it never ran
+        if how in ("gathered", "refused"):
+            with zero3.GatheredParameters(list(model.parameters())):
+                _penalized(engine, mine).backward()
+        else:
+            _penalized(engine, mine).backward()
+        engine.step()
+        (sum(_penalized(ref, x[4 * r:4 * r + 4]) for r in range(world)) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with zero3.GatheredParameters(list(model.parameters())):
+        out["worst"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return out
+
+
+@pytest.mark.parametrize("how", ["refused", "gathered", "persistent"])
+def test_a_gradient_penalty_is_refused_on_released_parameters_and_exact_on_kept_ones(pools, how):
+    for r in pools.get(2).run(gradient_penalty, how, timeout=120):
+        assert r["worst"] < 1e-5, r
+        if how == "refused":
+            assert "create_graph=True" in r["error"] and "GatheredParameters" in r["error"], r
+            assert r["live_after_refusal"] == 0, r

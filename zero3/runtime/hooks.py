@@ -81,7 +81,9 @@ torch adds them into ``.grad``. Within one backward a call never opens twice (a 
 output node that fires after the call closed finds it ended in this step). A leaf module counts
 the reopened call, so its gradients are reduced when its backward ends. With the optimizer step in
 backward the first backward already stepped: a gradient after that fails the step
-(optim/backward_step.py).
+(optim/backward_step.py). A backward with ``create_graph=True`` is another matter: the graph it
+builds saves the gathered weights, which the module's post-backward releases, so it is refused
+(`_refuse_create_graph`) unless the call's parameters are held by ``GatheredParameters``.
 """
 
 from __future__ import annotations
@@ -553,6 +555,8 @@ class ModuleHooks:
             self.step.enter(_BACKWARD)
         self._ensure_final_callback()
         if call.state is _FORWARD_DONE or (call.state is _BACKWARD_DONE and call.ended_in != self._steps_ended):
+            if torch.is_grad_enabled() and any(p._zero.user_pins == 0 for p in call.params):
+                self._refuse_create_graph(call)
             if call.state is _BACKWARD_DONE:  # [Note: a second backward]
                 leaf = call.record.leaf
                 if leaf is not None:
@@ -564,6 +568,21 @@ class ModuleHooks:
                 rec.awaiting.append(call)
             self.coordinator.event(_PRE_BACKWARD, call.record.name, call.params, call.ids)
         return None
+
+    def _refuse_create_graph(self, call: _Call) -> None:
+        """A backward with ``create_graph=True`` builds a graph of its own that saves the gathered
+        weights, which zero3 releases when the module's backward ends: the backward through that
+        graph (a gradient penalty, a Hessian-vector product) would then fail inside autograd on an
+        empty parameter. Refused before anything is reduced; the step ends aborted."""
+        exc = ZeroStateError(
+            f"a backward with create_graph=True (double backward: a gradient penalty, a Hessian-vector "
+            f"product) reached {call.record.name or 'the model'}, whose partitioned parameters zero3 "
+            "releases after their module's backward; the graph it builds saves them, so the backward "
+            "through it would fail. Keep those parameters gathered across both backwards: "
+            "`with zero3.GatheredParameters(list(model.parameters())):` around the forward and both "
+            "backwards, or a param_persistence_threshold above their size")
+        self.step.abort(exc, "backward")
+        raise exc
 
     def _post_backward(self, call: _Call) -> None:
         if call.state is _BACKWARD_OPEN and self.step.phase is _BACKWARD:
