@@ -31,6 +31,7 @@ from .runtime.context import RuntimeContext, build_context, context_of
 from .runtime.coordinator import ParamCoordinator
 from .errors import ZeroConfigError, ZeroStateError
 from .optim import foreign as foreign_optimizers
+from .optim import routed_step
 from .runtime.hooks import ModuleHooks
 from .metrics import StepMetrics
 from .comm.model_parallel import data_parallel_group
@@ -60,6 +61,8 @@ class Engine:
         self.hooks = ModuleHooks(self.context)
         self.hooks.install(model)
         self.last_step_metrics = StepMetrics()
+        if self.context.optimizer is not None:  # a plain loop's optimizer.step() is this engine's step
+            routed_step.route(self.context.optimizer.optimizer, self.step)
 
     # -- what the context holds, by name -----------------------------------------------------------
     @property

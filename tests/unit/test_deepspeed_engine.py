@@ -212,13 +212,18 @@ def test_an_optimizer_over_the_partitioned_parameters_themselves_is_refused_at_i
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     engine = zero3.initialize(model, opt, {"param_persistence_threshold": threshold})
     model(torch.ones(2, 8)).sum().backward()
-    opt.step()  # passed in: zero3 steps it over the shards
+    with pytest.raises(ZeroConfigError, match=r"AdamW.step\(closure\): zero3 does not take a closure"):
+        opt.step(lambda: 0.0)
+    opt.step()  # passed in: its step is engine.step() (optim/routed_step.py)
+    assert engine.global_steps == 1
     assert not torch.equal(before[0], zero3.safe_get_full_fp32_param(model[0].weight))
     opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})  # plain parameters may join
+    model(torch.ones(2, 8)).sum().backward()
     opt.step()
     with zero3.Init():
         late = nn.Linear(2, 2)
     opt.add_param_group({"params": list(late.parameters())})  # partitioned ones may not
+    model(torch.ones(2, 8)).sum().backward()
     with pytest.raises(ZeroStateError, match="holds 2 zero3-partitioned parameters.*add_param_group"):
         opt.step()
 

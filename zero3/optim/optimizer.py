@@ -65,6 +65,7 @@ from ..offload.residence import ShardStore
 from ..partition.param import ZeroParameter
 from .agreed_step import AgreedStep, StepParts
 from .backward_step import BackwardStep
+from .routed_step import torch_step
 from .streamed import SubgroupStreamer
 from .precision import LossScaler, unscale_
 from ..offload.nvme import ShardTier, StorageTier
@@ -395,7 +396,7 @@ class PartitionedOptimizer:
         elif self.streamed:
             self._streamed_step()
         else:
-            self.optimizer.step()
+            torch_step(self.optimizer)
             self.copy_masters_to_shards()
         self.zero_grad()
         return True

@@ -15,6 +15,7 @@ import torch
 from ..offload.nvme import ShardTier, StorageTier
 from ..partition.param import ZeroParameter
 from ..partition.state import MEMORY, Residence
+from .routed_step import torch_step
 
 
 class SubgroupStreamer:
@@ -88,7 +89,7 @@ class SubgroupStreamer:
         try:
             for j, g in enumerate(groups):
                 g["params"] = [p._zero.train_tensor for p in ps] if j == gi else []
-            self.optimizer.step()
+            torch_step(self.optimizer)
         finally:
             for g, params in zip(groups, saved):
                 g["params"] = params

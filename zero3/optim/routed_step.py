@@ -1,0 +1,41 @@
+"""``optimizer.step()`` on the user's optimizer object is ``engine.step()``.
+
+zero3 re-points the optimizer given to ``initialize`` at the shards (or their fp32 masters), and a
+plain torch loop keeps calling ``optimizer.step()`` on it. The optimizer's own step alone would
+update the shards but skip what ``engine.step()`` does around it: re-gather the persistent
+parameters (kept gathered, so a forward after it would compute with the old weights), copy the fp32
+masters into bf16/fp16 shards, unscale and agree on overflow (fp16), clip (``gradient_clipping``),
+stream sub-groups from NVMe, agree on the step, advance the schedule zero3 drives. So the object's
+``step`` is routed to the engine's; zero3 calls the class's ``step`` (`torch_step`), hooks included.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+
+from ..errors import ZeroConfigError
+
+
+def route(optimizer: torch.optim.Optimizer, engine_step: Callable[[], bool]) -> None:
+    """Make ``optimizer.step()`` call ``engine_step`` (``Engine.step``)."""
+
+    def step(self: torch.optim.Optimizer, closure: Any = None) -> None:
+        if closure is not None:
+            raise ZeroConfigError(
+                f"{type(self).__name__}.step(closure): zero3 does not take a closure (it would run forward and "
+                "backward again inside the step, e.g. LBFGS); call loss.backward() and then optimizer.step()")
+        self._opt_called = True  # type: ignore[attr-defined]  # the order check of torch's LR schedulers
+        engine_step()
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a scheduler built later does not re-wrap it
+    step.__doc__ = "engine.step(): zero3's step over the shards (optim/routed_step.py)."
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+
+
+def torch_step(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's own step (its class's, with torch's step hooks), not the routed one."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]  # what a scheduler's wrapper of step() would mark
+    type(optimizer).step(optimizer)
