@@ -228,6 +228,24 @@ def test_an_optimizer_over_the_partitioned_parameters_themselves_is_refused_at_i
         opt.step()
 
 
+def test_torch_amp_grad_scaler_is_refused_at_its_step_on_every_rank_and_nothing_steps():
+    """Its overflow check sees one rank's shards; zero3's fp16 section agrees on overflow instead."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = zero3.initialize(model, opt, {"param_persistence_threshold": 0})
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = [zero3.safe_get_full_fp32_param(p) for p in model.parameters()]
+    scaler.scale(model(torch.ones(2, 8)).sum()).backward()
+    with pytest.raises(ZeroConfigError, match=r"torch.amp.GradScaler over a zero3 optimizer.*fp16 section"):
+        scaler.step(opt)
+    assert all(torch.equal(a, zero3.safe_get_full_fp32_param(p)) for a, p in zip(before, model.parameters()))
+    assert not hasattr(opt, "found_inf")  # the flags GradScaler set are gone: engine.step() works again
+    engine.zero_grad()
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    assert engine.global_steps == 1
+
+
 @pytest.mark.parametrize("how", ["section", "lr_scheduler"])
 def test_a_schedule_without_an_optimizer_is_refused_at_initialize(how):
     model = _model()

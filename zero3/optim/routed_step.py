@@ -7,6 +7,7 @@ parameters (kept gathered, so a forward after it would compute with the old weig
 masters into bf16/fp16 shards, unscale and agree on overflow (fp16), clip (``gradient_clipping``),
 stream sub-groups from NVMe, agree on the step, advance the schedule zero3 drives. So the object's
 ``step`` is routed to the engine's; zero3 calls the class's ``step`` (`torch_step`), hooks included.
+``torch.amp.GradScaler`` is refused at that step: it decides on overflow from this rank's shards.
 """
 
 from __future__ import annotations
@@ -27,12 +28,23 @@ def route(optimizer: torch.optim.Optimizer, engine_step: Callable[[], bool]) -> 
             raise ZeroConfigError(
                 f"{type(self).__name__}.step(closure): zero3 does not take a closure (it would run forward and "
                 "backward again inside the step, e.g. LBFGS); call loss.backward() and then optimizer.step()")
+        if getattr(self, "found_inf", None) is not None:  # set by torch.amp.GradScaler.step (below)
+            del self.found_inf, self.grad_scale  # type: ignore[attr-defined]
+            raise ZeroConfigError(
+                "torch.amp.GradScaler over a zero3 optimizer: its overflow check reads only this rank's "
+                "gradient shards, so the ranks could skip different steps and keep different loss scales. "
+                "Use the config's fp16 section (loss scaling whose overflow check every rank agrees on; "
+                "DeepSpeed's \"fp16\": {\"enabled\": true}) with engine.backward(loss), or bf16, which needs no "
+                "scaler; nothing was stepped")
         self._opt_called = True  # type: ignore[attr-defined]  # the order check of torch's LR schedulers
         engine_step()
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a scheduler built later does not re-wrap it
     step.__doc__ = "engine.step(): zero3's step over the shards (optim/routed_step.py)."
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+    # torch.amp.GradScaler then calls step() on every rank, with its local overflow flag set on the
+    # optimizer, instead of skipping it on the ranks whose shards overflowed: refused above, on all.
+    optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
 
 
 def torch_step(optimizer: torch.optim.Optimizer) -> None:
