@@ -24,6 +24,16 @@ def step_both(ref, ref_opt, engine, x, y, rtol: float) -> torch.Tensor:
     return loss
 
 
+def twins(build: Callable[[], nn.Module], seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """``build()`` twice from ``seed``: plainly (the reference) and under ``zero3.Init`` (partitioned)."""
+    torch.manual_seed(seed)
+    ref = build()
+    torch.manual_seed(seed)
+    with zero3.Init():
+        model = build()
+    return ref, model
+
+
 def snapshot(engine: zero3.Engine) -> dict[str, torch.Tensor]:
     """Every master shard and optimizer state tensor of ``engine`` on this rank, copied, by name."""
     out = {}

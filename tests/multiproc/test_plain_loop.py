@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import zero3
+from _reference import twins
 from gpt import GPT, GPTConfig, synthetic_batch
 
 pytestmark = pytest.mark.multiproc
@@ -27,11 +28,7 @@ def _schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSchedule
 
 def plain_loop(extra: dict, scheduler: str, way: str = "optimizer.step()") -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    ref = GPT(CFG)
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = GPT(CFG)
+    ref, model = twins(lambda: GPT(CFG))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zero3
+from _reference import twins
 from gpt import GPT, GPTConfig, synthetic_batch
 
 pytestmark = pytest.mark.multiproc
@@ -26,11 +27,7 @@ def _losses(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.
 def two_backwards(threshold: int, moe: bool = False, steps: int = 3) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = MOE if moe else CFG
-    torch.manual_seed(0)
-    ref = GPT(cfg)
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = GPT(cfg)
+    ref, model = twins(lambda: GPT(cfg))
     if moe:  # each MoE is reduced as one unit (a leaf module): the second backward counts its call again
         zero3.set_leaf_modules(model, ["MoE"])
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6),
@@ -81,11 +78,7 @@ def _critic() -> torch.nn.Module:
 
 def gradient_penalty(how: str, steps: int = 3) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    ref = _critic()
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = _critic()
+    ref, model = twins(_critic)
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6),
                               {"param_persistence_threshold": 10**6 if how == "persistent" else 0})
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, eps=1e-6)
