@@ -222,8 +222,8 @@ class Engine:
             ctx.comm.agree(Tag(Kind.AGREE, f"optimizer step {ctx.global_steps}"))
             t0 = time.perf_counter()
             stepped = ctx.optimizer.step()
-            if stepped and ctx.lr_scheduler is not None:
-                ctx.lr_scheduler.step()
+            if stepped and ctx.lr_scheduler_step is not None:
+                ctx.lr_scheduler_step()
             if self.config.training.wall_clock_breakdown and torch.cuda.is_available() and self.device.type == "cuda":
                 torch.cuda.synchronize()
             ctx.metrics.optimizer_seconds += time.perf_counter() - t0

@@ -246,6 +246,26 @@ def test_torch_amp_grad_scaler_is_refused_at_its_step_on_every_rank_and_nothing_
     assert engine.global_steps == 1
 
 
+@pytest.mark.parametrize("how", ["object", "factory", "section"])
+def test_a_scheduler_zero3_steps_refuses_a_second_step_from_the_loop(how):
+    """engine.step() steps the scheduler given to initialize (or built from the config); the loop's
+    habitual scheduler.step() as well would advance it twice per optimizer step, silently."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    decay = {"object": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+             "factory": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5), "section": None}[how]
+    config = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1.0,
+                                                           "warmup_num_steps": 4, "warmup_type": "linear"}}}
+    engine = zero3.initialize(model, opt, config if how == "section" else {}, lr_scheduler=decay)
+    lrs = []
+    for step in range(3):
+        _train_step(engine, step)
+        lrs.append(opt.param_groups[0]["lr"])
+        with pytest.raises(ZeroStateError, match=r"stepped by engine.step\(\).*would advance it twice"):
+            engine.lr_scheduler.step()
+    assert lrs == ([0.5, 0.25, 0.125] if how != "section" else [0.0, 0.25, 0.5]), lrs  # once per step
+
+
 @pytest.mark.parametrize("how", ["section", "lr_scheduler"])
 def test_a_schedule_without_an_optimizer_is_refused_at_initialize(how):
     model = _model()

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ZeroConfigError
+from ..errors import ZeroConfigError, ZeroStateError
 
 
 def route(optimizer: torch.optim.Optimizer, engine_step: Callable[[], bool]) -> None:
@@ -51,3 +51,22 @@ def torch_step(optimizer: torch.optim.Optimizer) -> None:
     """The optimizer's own step (its class's, with torch's step hooks), not the routed one."""
     optimizer._opt_called = True  # type: ignore[attr-defined]  # what a scheduler's wrapper of step() would mark
     type(optimizer).step(optimizer)
+
+
+def own_scheduler(scheduler: Any) -> Callable[[], Any]:
+    """``scheduler`` is stepped by ``engine.step()`` (given to ``initialize`` or built from the config):
+    its ``step()`` called by the user as well would advance it twice per optimizer step, silently
+    (DeepSpeed's engine steps it too, and a torch loop's ``scheduler.step()`` after
+    ``optimizer.step()`` is the habit). That call now raises; the returned callable is the step
+    ``engine.step()`` takes."""
+    own = scheduler.step
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise ZeroStateError(
+            f"{type(self).__name__}.step(): this scheduler is stepped by engine.step() (and optimizer.step(), "
+            "which is engine.step()) after every optimizer step, since it was given to zero3.initialize or "
+            "built from the config's 'scheduler' section; stepping it here as well would advance it twice. "
+            "Drop this call, or keep the scheduler out of zero3.initialize and step it yourself")
+
+    scheduler.step = types.MethodType(step, scheduler)
+    return own

@@ -46,6 +46,7 @@ from ..optim.optimizer import PartitionedOptimizer, resident_bytes, validate_opt
 from ..partition.param import ZeroParameter, partition, raw_data
 from ..optim.precision import lower_precision, torch_dtype
 from ..partition.state import ParamStatus
+from ..optim.routed_step import own_scheduler
 from ..optim.schedulers import build_optimizer, build_scheduler
 from ..offload.states import OffloadPhase, StatesOffload
 from ..offload.nvme import ShardTier
@@ -80,6 +81,7 @@ class RuntimeContext:
     model_parallel: ModelParallel | None = None  # an mpu's model-parallel group of > 1 ranks (comm/model_parallel.py)
     node_comm: Communicator | None = None  # hpZ: this rank's secondary group (runtime/hpz.py [Note: hpZ secondary shards])
     lr_scheduler: Any = None  # stepped by engine.step() after every optimizer step that was not skipped
+    lr_scheduler_step: Any = None  # its step, which engine.step() calls (its own refuses: routed_step.own_scheduler)
     global_steps: int = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
     micro_steps: int = 0  # engine.step() calls
     io: AsyncIO | None = None  # the threads of every swap file of this context (made with the first)
@@ -335,6 +337,8 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         elif lr_scheduler is not None:
             ctx.lr_scheduler = lr_scheduler(torch_opt) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
                 else lr_scheduler
+        if ctx.lr_scheduler is not None:
+            ctx.lr_scheduler_step = own_scheduler(ctx.lr_scheduler)
     ctx.coordinator.persistent_params.gather()  # gathers: after every shard has its final buffer
     model.__dict__["_zero3_context"] = ctx
     LIVE_CONTEXTS.add(ctx)
