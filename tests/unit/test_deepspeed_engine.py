@@ -247,7 +247,7 @@ def test_torch_amp_grad_scaler_is_refused_at_its_step_on_every_rank_and_nothing_
 
 
 @pytest.mark.parametrize("how", ["object", "factory", "section"])
-def test_a_scheduler_zero3_steps_refuses_a_second_step_from_the_loop(how):
+def test_a_scheduler_zero3_steps_refuses_a_second_step_from_the_loop(how, tmp_path):
     """engine.step() steps the scheduler given to initialize (or built from the config); the loop's
     habitual scheduler.step() as well would advance it twice per optimizer step, silently."""
     model = _model()
@@ -264,6 +264,13 @@ def test_a_scheduler_zero3_steps_refuses_a_second_step_from_the_loop(how):
         with pytest.raises(ZeroStateError, match=r"stepped by engine.step\(\).*would advance it twice"):
             engine.lr_scheduler.step()
     assert lrs == ([0.5, 0.25, 0.125] if how != "section" else [0.0, 0.25, 0.5]), lrs  # once per step
+    engine.save_checkpoint(str(tmp_path), tag="t")  # the refusal is no state of the scheduler's
+    _train_step(engine, 3)
+    engine.load_checkpoint(str(tmp_path), tag="t")
+    _train_step(engine, 3)
+    assert opt.param_groups[0]["lr"] == (0.0625 if how != "section" else 0.75)
+    with pytest.raises(ZeroStateError, match="would advance it twice"):
+        engine.lr_scheduler.step()
 
 
 @pytest.mark.parametrize("how", ["section", "lr_scheduler"])

@@ -12,6 +12,7 @@ stream sub-groups from NVMe, agree on the step, advance the schedule zero3 drive
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any, Callable
 
@@ -58,15 +59,23 @@ def own_scheduler(scheduler: Any) -> Callable[[], Any]:
     its ``step()`` called by the user as well would advance it twice per optimizer step, silently
     (DeepSpeed's engine steps it too, and a torch loop's ``scheduler.step()`` after
     ``optimizer.step()`` is the habit). That call now raises; the returned callable is the step
-    ``engine.step()`` takes."""
-    own = scheduler.step
+    ``engine.step()`` takes. The refusal is a subclass's ``step`` (the object's class is swapped), not
+    an attribute: a scheduler's ``state_dict()`` is its ``__dict__``, which goes into checkpoints."""
+    base = type(scheduler)
+    guarded = _GUARDED.get(base)
+    if guarded is None:
+        guarded = _GUARDED[base] = type(base.__name__, (base,), {
+            "step": _refuse_step, "__module__": base.__module__, "__qualname__": base.__qualname__})
+    scheduler.__class__ = guarded
+    return functools.partial(base.step, scheduler)
 
-    def step(self: Any, *args: Any, **kwargs: Any) -> None:
-        raise ZeroStateError(
-            f"{type(self).__name__}.step(): this scheduler is stepped by engine.step() (and optimizer.step(), "
-            "which is engine.step()) after every optimizer step, since it was given to zero3.initialize or "
-            "built from the config's 'scheduler' section; stepping it here as well would advance it twice. "
-            "Drop this call, or keep the scheduler out of zero3.initialize and step it yourself")
 
-    scheduler.step = types.MethodType(step, scheduler)
-    return own
+_GUARDED: dict[type, type] = {}
+
+
+def _refuse_step(self: Any, *args: Any, **kwargs: Any) -> None:
+    raise ZeroStateError(
+        f"{type(self).__name__}.step(): this scheduler is stepped by engine.step() (and optimizer.step(), "
+        "which is engine.step()) after every optimizer step, since it was given to zero3.initialize or "
+        "built from the config's 'scheduler' section; stepping it here as well would advance it twice. "
+        "Drop this call, or keep the scheduler out of zero3.initialize and step it yourself")
