@@ -21,8 +21,10 @@ import torch
 from ..errors import ZeroConfigError, ZeroStateError
 
 
-def route(optimizer: torch.optim.Optimizer, engine_step: Callable[[], bool]) -> None:
-    """Make ``optimizer.step()`` call ``engine_step`` (``Engine.step``)."""
+def route(optimizer: torch.optim.Optimizer | None, engine_step: Callable[[], bool]) -> None:
+    """Make ``optimizer.step()`` call ``engine_step`` (``Engine.step``); nothing without an optimizer."""
+    if optimizer is None:
+        return
 
     def step(self: torch.optim.Optimizer, closure: Any = None) -> None:
         if closure is not None:
