@@ -273,6 +273,24 @@ def test_a_scheduler_zero3_steps_refuses_a_second_step_from_the_loop(how, tmp_pa
         engine.lr_scheduler.step()
 
 
+def test_reduce_lr_on_plateau_is_refused_at_initialize_and_works_stepped_by_the_loop():
+    """It needs a metric at each step, which engine.step() does not have."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    with pytest.raises(ZeroConfigError, match="ReduceLROnPlateau .* needs a metric"):
+        zero3.initialize(model, opt, {}, lr_scheduler=plateau)
+    assert not zero3.is_zero_param(model[0].weight)  # refused before anything was partitioned
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    engine = zero3.initialize(model, opt, {})
+    for step in range(2):
+        _train_step(engine, step)
+        plateau.step(1.0)  # the same metric twice: no improvement, the lr halves
+    assert opt.param_groups[0]["lr"] == 0.5
+
+
 @pytest.mark.parametrize("how", ["section", "lr_scheduler"])
 def test_a_schedule_without_an_optimizer_is_refused_at_initialize(how):
     model = _model()

@@ -275,6 +275,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         raise ZeroConfigError("zero3.initialize got lr_scheduler and a config with a 'scheduler' section; pass one")
     if lr_scheduler is not None and optimizer is None and config.training.optimizer is None:
         raise ZeroConfigError("zero3.initialize got an lr_scheduler but no optimizer (nor an 'optimizer' section)")
+    _refuse_plateau(lr_scheduler)  # before anything is partitioned
     if model_parameters is not None and callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(model_parameters)  # DeepSpeed's client optimizer callable: over full parameters
     if optimizer is None and config.training.optimizer is not None:
@@ -337,12 +338,20 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         elif lr_scheduler is not None:
             ctx.lr_scheduler = lr_scheduler(torch_opt) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
                 else lr_scheduler
+        _refuse_plateau(ctx.lr_scheduler)  # a factory's: known only now
         if ctx.lr_scheduler is not None:
             ctx.lr_scheduler_step = own_scheduler(ctx.lr_scheduler)
     ctx.coordinator.persistent_params.gather()  # gathers: after every shard has its final buffer
     model.__dict__["_zero3_context"] = ctx
     LIVE_CONTEXTS.add(ctx)
     return ctx
+
+
+def _refuse_plateau(scheduler: Any) -> None:
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ZeroConfigError("zero3.initialize got a ReduceLROnPlateau as lr_scheduler: it needs a metric at each "
+                              "step (scheduler.step(val_loss)), which engine.step() does not have. Keep it out of "
+                              "zero3.initialize and step it yourself after each evaluation")
 
 
 def _device_of(model: nn.Module) -> torch.device:
