@@ -61,7 +61,7 @@ class Engine:
         self.hooks = ModuleHooks(self.context)
         self.hooks.install(model)
         self.last_step_metrics = StepMetrics()
-        routed_step.route(self.optimizer, self.step)  # a plain loop's optimizer.step() is this engine's step
+        routed_step.route(self.optimizer, self)  # a plain loop's optimizer.step() is this engine's step
 
     # -- what the context holds, by name -----------------------------------------------------------
     @property

@@ -228,6 +228,23 @@ def test_an_optimizer_over_the_partitioned_parameters_themselves_is_refused_at_i
         opt.step()
 
 
+def test_optimizer_step_inside_an_accumulation_window_is_refused_and_engine_step_counts_it():
+    """With gradient_accumulation_steps=2, optimizer.step() after the first micro-batch would only be
+    counted by engine.step(); a loop that accumulates itself would step every 4 backwards."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = zero3.initialize(model, opt, {"gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 1})
+    model(torch.ones(2, 8)).sum().backward()
+    with pytest.raises(ZeroStateError, match=r"SGD.step\(\) with gradient_accumulation_steps=2: this is micro-batch 1 "
+                                             r"of 2.*nothing was counted"):
+        opt.step()
+    assert engine.micro_steps == 0 and engine.global_steps == 0
+    engine.step()  # the first micro-batch, counted
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()  # the window's last: optimizer.step() steps
+    assert engine.micro_steps == 2 and engine.global_steps == 1
+
+
 def test_torch_amp_grad_scaler_is_refused_at_its_step_on_every_rank_and_nothing_steps():
     """Its overflow check sees one rank's shards; zero3's fp16 section agrees on overflow instead."""
     model = _model()

@@ -21,8 +21,8 @@ import torch
 from ..errors import ZeroConfigError, ZeroStateError
 
 
-def route(optimizer: torch.optim.Optimizer | None, engine_step: Callable[[], bool]) -> None:
-    """Make ``optimizer.step()`` call ``engine_step`` (``Engine.step``); nothing without an optimizer."""
+def route(optimizer: torch.optim.Optimizer | None, engine: Any) -> None:
+    """Make ``optimizer.step()`` call ``engine.step()`` (an `Engine`); nothing without an optimizer."""
     if optimizer is None:
         return
 
@@ -39,8 +39,16 @@ def route(optimizer: torch.optim.Optimizer | None, engine_step: Callable[[], boo
                 "Use the config's fp16 section (loss scaling whose overflow check every rank agrees on; "
                 "DeepSpeed's \"fp16\": {\"enabled\": true}) with engine.backward(loss), or bf16, which needs no "
                 "scaler; nothing was stepped")
+        if not engine.is_gradient_accumulation_boundary():
+            n = engine.gradient_accumulation_steps()
+            raise ZeroStateError(
+                f"{type(self).__name__}.step() with gradient_accumulation_steps={n}: this is micro-batch "
+                f"{engine.micro_steps % n + 1} of {n}, where engine.step() only counts the micro-batch, but "
+                "optimizer.step() means to step now. Call engine.step() after every micro-batch's backward (it "
+                "steps at the window's last), or set gradient_accumulation_steps to 1 and accumulate in the loop "
+                "(gradients add up in the shards until the step); nothing was counted")
         self._opt_called = True  # type: ignore[attr-defined]  # the order check of torch's LR schedulers
-        engine_step()
+        engine.step()
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a scheduler built later does not re-wrap it
     step.__doc__ = "engine.step(): zero3's step over the shards (optim/routed_step.py)."
