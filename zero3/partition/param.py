@@ -295,7 +295,7 @@ def _check_grad_read(p: ZeroParameter) -> None:
     and returns 0; ``model.zero_grad()``, which then drops nothing) would silently see no gradient."""
     z = p._zero
     if z.train_tensor.grad is None:
-        if z.ctx is not None and getattr(z.ctx, "optimizer", None) is not None:
+        if z.ctx is not None:
             z.ctx.check_gradient_read(p, "param.grad")  # used by the step in backward: not "none"
         return
     raise ZeroStateError(

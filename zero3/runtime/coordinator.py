@@ -250,17 +250,16 @@ class ParamCoordinator:
         action = policy.step([p._zero.id for p in params])
         if action.keep is not None:
             self.release([p for pid, p in self._live.items() if pid not in action.keep])
-        if action.gather:
-            own = {p._zero.id for p in params}
-            params = [*params, *(self._by_id[pid] for pid in action.gather if pid not in own)]
-        elif not self._live and policy.whole and self.plan_config.prefetch_bucket_size:
+        extra = action.gather
+        if not extra and not self._live and policy.whole and self.plan_config.prefetch_bucket_size:
             # The whole model fits the live cap and none of it is gathered (the session's first
             # forward, or the first after a step released it): it all stays gathered until the
             # mode ends, so gather it now in one gather rather than one per module
             # (planning/generation.py [Note: decode plans]).
+            extra = tuple(pid for pid, q in self._by_id.items() if not q._zero.persistent)
+        if extra:
             own = {p._zero.id for p in params}
-            params = [*params, *(q for pid, q in self._by_id.items()
-                                 if pid not in own and not q._zero.persistent and q._zero.status is _NOT_AVAILABLE)]
+            params = [*params, *(self._by_id[pid] for pid in extra if pid not in own)]
         self.fetch(params, label="generation")
         bucket = self.plan_config.prefetch_bucket_size
         if bucket and action.prefetch:

@@ -573,7 +573,7 @@ class ModuleHooks:
         """A backward with ``create_graph=True`` builds a graph of its own that saves the gathered
         weights, which zero3 releases when the module's backward ends: the backward through that
         graph (a gradient penalty, a Hessian-vector product) would then fail inside autograd on an
-        empty parameter. Refused before anything is reduced; the step ends aborted."""
+        empty parameter. Refused at the first such module; the step ends aborted."""
         exc = ZeroStateError(
             f"a backward with create_graph=True (double backward: a gradient penalty, a Hessian-vector "
             f"product) reached {call.record.name or 'the model'}, whose partitioned parameters zero3 "
