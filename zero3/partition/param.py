@@ -49,6 +49,11 @@ construction_handler: contextvars.ContextVar[ConstructionHandler | None] = conte
 which gathers the parameter around the op instead of raising (runtime/init.py [Note: touching partitioned
 parameters while building])."""
 
+converting: contextvars.ContextVar[bool] = contextvars.ContextVar("zero3_module_conversion", default=False)
+"""Set by partition/conversion.py while torch's ``Module._apply`` (``model.to(...)``) runs with every
+zero3 parameter handed back unchanged: reading ``param.grad`` is then torch's plain read (nothing is
+converted, so no gradient is misread)."""
+
 
 @dataclass(eq=False)
 class ZeroParam:
@@ -220,7 +225,7 @@ _METADATA_OK = frozenset({
     "size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
     "get_device", "is_contiguous", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
     "__hash__", "__len__", "data_ptr", "untyped_storage", "_is_view", "is_shared", "is_pinned",
-    "__reduce_ex__", "__deepcopy__", "__setstate__",
+    "__reduce_ex__", "__deepcopy__", "__setstate__", "_has_compatible_shallow_copy_type",
 })
 _COMPUTE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 _REPR = frozenset({"__repr__", "__str__", "__format__"})
@@ -233,6 +238,8 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
     if name in ("__get__", "__set__"):
         prop = getattr(getattr(func, "__self__", None), "__name__", "")
         if name == "__set__" and prop == "data" and isinstance(args[0], PartitionedParameter):
+            if args[1] is args[0]:
+                return None  # ``p.data = p`` (torch's Module._apply, handed p back): nothing changes
             handler = construction_handler.get()
             if handler is not None:
                 done, result = handler(args[0], func, args, kwargs)
@@ -249,7 +256,8 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
                 # Its storage holds 0 bytes: hand out a guarded alias, never a bare tensor.
                 result = result.as_subclass(ReleasedData)
                 result._zero = args[0]._zero
-            elif prop == "grad" and name == "__get__" and result is None and isinstance(args[0], PartitionedParameter):
+            elif prop == "grad" and name == "__get__" and result is None and isinstance(args[0], PartitionedParameter) \
+                    and not converting.get():
                 _check_grad_read(args[0])
             return result
     elif name in _METADATA_OK:

@@ -43,6 +43,7 @@ from .grad import GradientReducer
 from ..metrics import StepMetrics
 from ..comm.model_parallel import ModelParallel, is_tensor_parallel
 from ..optim.optimizer import PartitionedOptimizer, resident_bytes, validate_optimizer
+from ..partition import conversion
 from ..partition.param import ZeroParameter, partition, raw_data
 from ..optim.precision import lower_precision, torch_dtype
 from ..partition.state import ParamStatus
@@ -129,6 +130,7 @@ class RuntimeContext:
     def partition(self, p: nn.Parameter, name: str, *, shard_device: torch.device | None = None,
                   dtype: torch.dtype | None = None) -> ZeroParameter:
         """Partition a plain parameter over this context's group; this context drives it."""
+        conversion.install()  # model.to(...) and the like never convert a zero3 parameter
         zp = partition(p, name=name, world_size=self.world_size, rank=self.rank, group=self.group, ctx=self,
                        shard_device=shard_device, dtype=dtype)
         self.coordinator.register([zp])
