@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -162,3 +163,38 @@ def test_param_grad_between_backward_and_step_refuses_plain_torch_readers():
     engine.backward(engine(*synthetic_batch(1, 2, CFG)))
     engine.zero_grad()
     assert all(p.grad is None for p in model.parameters())  # dropped: None is the truth again
+
+
+@pytest.mark.parametrize("how", ["persistent", "held"])
+def test_param_grad_of_a_parameter_kept_gathered_is_refused_too(how):
+    """A persistent parameter (or one ``GatheredParameters`` holds) stays gathered, torch's own class,
+    and its gradient goes into its shard too: ``torch.nn.utils.clip_grad_norm_`` over a model whose
+    every parameter is kept gathered clipped nothing and returned 0, silently. After the backward its
+    ``.grad`` reads are refused the same way; the next forward sees torch's class again."""
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    threshold = 10**9 if how == "persistent" else 0
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": threshold})
+    x, y = synthetic_batch(0, 2, CFG)
+    held = zero3.GatheredParameters(list(model.parameters())) if how == "held" else contextlib.nullcontext()
+    with held:
+        engine.backward(engine(x, y))
+        assert all(type(p) is not torch.nn.Parameter for p in model.parameters())
+        with pytest.raises(ZeroStateError, match=r"param.grad of .*gradient exists.*zero3\.clip_grad_norm_"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with pytest.raises(ZeroStateError, match=r"model\.zero_grad\(\) drops nothing"):
+            model.zero_grad()
+        ref(x, y).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        got = zero3.clip_grad_norm_(model, 0.5)
+        assert want > 0.5 and torch.allclose(got, want, rtol=1e-5), (got, want)
+    engine.step()
+    assert all(p.grad is None for p in model.parameters())
+    loss = engine(*synthetic_batch(1, 2, CFG))
+    if how == "persistent":
+        assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # no guard in the forward
+    engine.backward(loss)
+    engine.zero_grad()
+    assert all(p.grad is None for p in model.parameters())

@@ -287,6 +287,50 @@ class PartitionedParameter(ZeroParameter):
     __torch_function__ = classmethod(_guard)  # type: ignore[assignment]
 
 
+_TENSOR_GRAD = torch._C.TensorBase.__dict__["grad"]  # torch's own ``.grad`` descriptor
+
+
+class PendingGradParameter(ZeroParameter):
+    """A gathered parameter (persistent, or held by ``GatheredParameters``) after a backward that
+    reduced its gradient into its shard: reading ``.grad`` as None is refused as on a partitioned
+    parameter (`_check_grad_read`), so ``torch.nn.utils.clip_grad_norm_(model.parameters())`` on a
+    model whose parameters are all kept gathered no longer clips nothing in silence. Nothing else is
+    guarded (no ``__torch_function__`` of its own); runtime/step.py gives the class at the end of a
+    backward and takes it back as the next step begins, so forwards see torch's class."""
+
+    @property  # type: ignore[override]
+    def grad(self) -> torch.Tensor | None:
+        g = _TENSOR_GRAD.__get__(self)
+        if g is None and not converting.get():
+            _check_grad_read(self)
+        return g
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        _TENSOR_GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        _TENSOR_GRAD.__delete__(self)
+
+
+def guard_pending_grads(params: list[ZeroParameter]) -> list[ZeroParameter]:
+    """The end of a backward: every gathered trainable one of ``params`` becomes a
+    `PendingGradParameter`; returns them (for `unguard_pending_grads`)."""
+    guarded = [p for p in params if type(p) is nn.Parameter and p.requires_grad]
+    for p in guarded:
+        p.__class__ = PendingGradParameter
+    return guarded
+
+
+def unguard_pending_grads(params: list[ZeroParameter]) -> None:
+    """A step begins: those of ``params`` still guarded are torch's class again (one released or
+    re-gathered since already has its class)."""
+    for p in params:
+        if type(p) is PendingGradParameter:
+            p.__class__ = nn.Parameter
+
+
 class ReleasedData(torch.Tensor):
     """``param.data`` of a partitioned parameter: the 0-byte placeholder, guarded the same way."""
 

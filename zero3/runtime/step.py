@@ -24,6 +24,7 @@ import torch
 from ..comm.communicator import Communicator
 from ..errors import ZeroError, ZeroStateError
 from ..offload.residence import ShardStore
+from ..partition.param import ZeroParameter, guard_pending_grads, unguard_pending_grads
 from .context import RuntimeContext
 
 
@@ -87,6 +88,7 @@ class StepLifecycle:
         self._close_calls = close_calls
         self._backward_t0 = 0.0  # when the running backward began
         self._aborted = False  # the last step was aborted and no other began since
+        self._pending: list[ZeroParameter] = []  # gathered parameters whose .grad reads are guarded
 
     def enter(self, phase: StepPhase) -> None:
         """Move to ``phase`` (checked against the table of legal changes); times the backward."""
@@ -95,6 +97,9 @@ class StepLifecycle:
             if self.phase is StepPhase.IDLE:
                 self._aborted = False  # a new step begins
                 self.ctx.comm.step_began()
+                if self._pending:
+                    unguard_pending_grads(self._pending)
+                    self._pending = []
             if phase is StepPhase.BACKWARD:
                 self._backward_t0 = time.perf_counter()
             elif self.phase is StepPhase.BACKWARD:
@@ -129,6 +134,8 @@ class StepLifecycle:
             self._end(aborted=True, reason=f"removed its hooks in the middle of step {self.ctx.global_steps}")
         else:
             self.ctx.coordinator.end_step(aborted=True)
+        unguard_pending_grads(self._pending)
+        self._pending = []
 
     def end_epochs(self) -> None:
         """``engine.step()``: the epoch of every communicator ends with the optimizer step."""
@@ -148,6 +155,7 @@ class StepLifecycle:
         reducer = ctx.reducer
         assert reducer is not None
         inference = self.phase is StepPhase.FORWARD and not torch.is_grad_enabled()
+        backward = self.phase is StepPhase.BACKWARD
         self._aborted = aborted
         try:
             self._close_calls(aborted, self.phase)
@@ -168,6 +176,8 @@ class StepLifecycle:
             elif inference:
                 for comm in ctx.data_comms:
                     comm.end_epoch()  # an inference forward is a whole epoch: nothing else follows it
+        if backward and not aborted:  # param.grad of what stays gathered reads as on a partitioned one
+            self._pending = guard_pending_grads(ctx.params)
         backward_step = ctx.optimizer.backward_step if ctx.optimizer is not None else None
         if backward_step is not None:  # after everything is released: it reads and writes the drive
             if aborted:
