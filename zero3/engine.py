@@ -181,7 +181,8 @@ class Engine:
                                   "without one the engine is for forward and generation only")
         loss = self.context.optimizer.scale_loss(loss)
         try:
-            loss.backward(**kwargs)
+            with self.context.optimizer.scaling():
+                loss.backward(**kwargs)
         except BaseException as exc:
             self.hooks.step.abort(exc, "backward")
             raise

@@ -333,12 +333,35 @@ def test_clipping_under_fp16_unscales_first_and_equals_torch_on_the_true_gradien
         engine.backward(lossf(engine, x, y))
 
 
-def test_fp16_plain_loss_backward_is_refused_with_the_fix():
-    _, engine = pair("fp16")
+@pytest.mark.parametrize("window", ["alone", "after an engine.backward"])
+def test_fp16_plain_loss_backward_is_refused_at_the_backward_and_loses_nothing(window):
+    """Under fp16 loss scaling a plain ``loss.backward()`` gives unscaled gradients that the step
+    would divide by the scale. It used to be refused at the step, and only when no engine.backward
+    had run in the window (one that had made the mix silent), and the gradient accessors read it
+    1/scale too small until then. Now the backward itself is refused before anything is reduced, and
+    training with engine.backward afterwards equals the by-hand recipe."""
+    full, engine = pair("fp16", initial_scale_power=10, gradient_accumulation_steps=2)
+    ref = Recipe(full, torch.float16, scale=1024.0)
     x, y = synthetic_batch(0, BATCH, CFG)
-    lossf(engine.module, x, y).backward()
-    with pytest.raises(ZeroStateError, match=r"needs engine\.backward\(loss\)"):
-        engine.step()
+    if window != "alone":
+        engine.backward(lossf(engine, x, y))
+        ref.backward(x, y, divide=2)
+        assert not engine.step()  # the first micro-batch of two
+    with pytest.raises(ZeroStateError, match=r"not engine\.backward\(loss\) .*fp16 loss scaling"):
+        lossf(engine.module, x, y).backward()
+    assert engine.coordinator.live_params == []
+    if window == "alone":
+        engine.backward(lossf(engine, x, y))
+        ref.backward(x, y, divide=2)
+        assert not engine.step()
+    x, y = synthetic_batch(1, BATCH, CFG)
+    engine.backward(lossf(engine, x, y))
+    ref.backward(x, y, divide=2)
+    assert engine.step()
+    ref.step()
+    got = masters_of(engine)
+    for name, m in zip(ref.names, ref.masters):
+        torch.testing.assert_close(got[name], m, rtol=0, atol=0, msg=name)
 
 
 def test_gradient_accumulation_steps_the_optimizer_every_nth_call_on_the_mean_gradient():

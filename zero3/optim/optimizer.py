@@ -52,7 +52,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -196,6 +196,7 @@ class PartitionedOptimizer:
         self._unscaled = False  # fp16: this window's gradients were already unscaled (by clipping)
         self._overflow = False  # ... and whether some rank saw inf/nan then
         self._scaled_backward = False  # fp16: engine.backward scaled a loss in this window
+        self.in_scaled_backward = False  # fp16: engine.backward's loss.backward() is running
         self._last_overflow = False
         self.global_grad_norm: torch.Tensor | None = None  # what the last clipping computed (no sync to read it here)
         # Separate fp32 masters: under mixed precision, and when the optimizer is offloaded but the
@@ -327,6 +328,16 @@ class PartitionedOptimizer:
                 "unscaled. Clip once per optimizer step, after the last micro-batch's backward")
         self._scaled_backward = True
         return loss.float() * self.scaler.scale
+
+    @contextlib.contextmanager
+    def scaling(self) -> Iterator[None]:
+        """Around engine.backward's ``loss.backward()``: the gradients that reach the shards carry the
+        loss scale. A flag, not a thread-local: autograd runs a CUDA backward on threads of its own."""
+        self.in_scaled_backward = self.scaler is not None
+        try:
+            yield
+        finally:
+            self.in_scaled_backward = False
 
     @property
     def grad_scale(self) -> float:

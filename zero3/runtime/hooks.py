@@ -298,6 +298,8 @@ class ModuleHooks:
         self._handles: list[Any] = []
         self._records: dict[int, _ModuleRecord] = {}
         self._queued_tasks: set[int] = set()
+        opt = ctx.optimizer
+        self._fp16 = opt if opt is not None and opt.scaler is not None else None  # its gradients must be scaled
         self._announced: set[tuple[int, int]] = set()
         self.root: nn.Module | None = None
         self._leaves: list[_Leaf] = []
@@ -584,6 +586,26 @@ class ModuleHooks:
         self.step.abort(exc, "backward")
         raise exc
 
+    def _refuse_unscaled_backward(self, p: torch.Tensor) -> None:
+        """Under fp16 loss scaling a gradient reached a parameter from a backward that was not
+        engine.backward's: it is not multiplied by the loss scale that the step divides every
+        gradient by, so the update would be that many times too small (and any gradient of an
+        engine.backward in the same accumulation window would be mixed with it). Refused before the
+        gradient is reduced; the step ends aborted."""
+        name = p._zero.name if isinstance(p, ZeroParameter) else "a parameter"
+        with torch._C.DisableTorchFunctionSubclass():  # autograd accumulated it already: drop it
+            for q in self.ctx.params:
+                if q.grad is not None:
+                    q.grad = None
+        exc = ZeroStateError(
+            f"a gradient reached {name} from a backward that was not engine.backward(loss) (loss.backward(), "
+            "torch.autograd.backward, or a torch.amp.GradScaler's) while fp16 loss scaling is on: "
+            "engine.backward multiplies the loss by the loss scale and engine.step() divides the gradients "
+            "by it, so this gradient would step that many times too small. Call engine.backward(loss); "
+            "nothing of this backward was reduced")
+        self.step.abort(exc, "backward")
+        raise exc
+
     def _post_backward(self, call: _Call) -> None:
         if call.state is _BACKWARD_OPEN and self.step.phase is _BACKWARD:
             call.state = _BACKWARD_DONE
@@ -620,6 +642,8 @@ class ModuleHooks:
     def _on_grad(self, p: torch.Tensor) -> None:
         if self.step.phase is not _BACKWARD:
             self.step.enter(_BACKWARD)
+        if self._fp16 is not None and not self._fp16.in_scaled_backward:
+            self._refuse_unscaled_backward(p)
         self._ensure_final_callback()
         grad = p.grad
         p.grad = None
