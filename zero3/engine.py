@@ -47,10 +47,9 @@ logger = logging.getLogger(__name__)
 class Engine:
     """A partitioned model with its hooks, gradient reducer and sharded optimizer.
 
-    Use ``loss = engine(x); engine.backward(loss); engine.step()``, or the plain loop
-    ``loss = model(x); loss.backward(); engine.step()`` (the hooks live on the module; fp16 needs
-    ``engine.backward``, which applies the loss scale). With ``gradient_accumulation_steps = N`` call
-    ``engine.step()`` after every micro-batch; it steps the optimizer on every N-th call.
+    Use ``loss = engine(x); engine.backward(loss); engine.step()``, or the plain loop ``loss = model(x);
+    loss.backward(); optimizer.step()`` (not under fp16, whose loss scale ``engine.backward`` applies).
+    With ``gradient_accumulation_steps = N``, ``engine.step()`` after every micro-batch steps every N-th.
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, config: ZeroConfig, group: Any,
@@ -176,12 +175,12 @@ class Engine:
                 would never be used. Without one the engine is for forward and generation.
         """
         if self.context.optimizer is None:
-            raise ZeroConfigError("engine.backward(): must provide optimizer during init in order to use backward "
-                                  "(pass optimizer= to initialize or add an 'optimizer' section to the config); "
-                                  "without one the engine is for forward and generation only")
+            raise ZeroConfigError("engine.backward(): must provide optimizer during init in order to use backward (pass "
+                                  "optimizer= to initialize or add an 'optimizer' section to the config); without one "
+                                  "the engine is for forward and generation only")
         loss = self.context.optimizer.scale_loss(loss)
         try:
-            with self.context.optimizer.scaling():
+            with self.context.optimizer.scaling():  # fp16: the gradients of this backward carry the scale
                 loss.backward(**kwargs)
         except BaseException as exc:
             self.hooks.step.abort(exc, "backward")
