@@ -65,6 +65,7 @@ from ..offload.residence import ShardStore
 from ..partition.param import ZeroParameter
 from .agreed_step import AgreedStep, StepParts
 from .backward_step import BackwardStep
+from .rank_state import tag_rank_state
 from .routed_step import torch_step
 from .streamed import SubgroupStreamer
 from .precision import LossScaler, unscale_
@@ -206,6 +207,8 @@ class PartitionedOptimizer:
             self.optimizer = self._build_masters(optimizer, fp32_shards or {})
         else:
             self.optimizer = shard_optimizer(optimizer, self.params)
+        if isinstance(self.optimizer, torch.optim.Optimizer):  # its state_dict() is this rank's shard of it
+            tag_rank_state(self.optimizer, comm.rank, comm.world_size)
         by_train = {id(p._zero.train_tensor): p for p in self.params}
         self.group_params = [[by_train[id(t)] for t in g["params"] if id(t) in by_train]
                              for g in self.optimizer.param_groups]

@@ -1,0 +1,68 @@
+"""``optimizer.state_dict()`` of a zero3 optimizer is one rank's shard of the state: tagged with the
+rank that saved it, and refused by ``load_state_dict`` on any other.
+
+[Note: per-rank optimizer state]
+zero3 re-points the user's optimizer at this rank's shards, so its ``state_dict()`` holds the
+moments of 1/world_size of every parameter, and every rank's shards have the same shapes. The
+habit of a DDP loop (rank 0 saves ``optimizer.state_dict()``, every rank loads that file) then
+gave every rank rank 0's moments without any error. So ``state_dict()`` gains a ``"zero3"`` entry
+(rank, world size) and ``load_state_dict`` refuses a state saved by another rank or at another
+world size, naming both and the ways out: a file per rank, or ``engine.save_checkpoint`` /
+``load_checkpoint`` (which reshard to any world size). A state without the entry (saved by a plain
+torch run) is refused where a per-element state's shape differs from the shard it would belong
+to, which torch would only have found at the next step, or not at all. Both are checked before
+torch's own loading, so a refused load changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import ZeroStateError
+
+TAG = "zero3"
+
+
+def tag_rank_state(optimizer: torch.optim.Optimizer, rank: int, world_size: int) -> None:
+    """Tag ``optimizer``'s state dicts with this rank and check loaded ones (see the Note)."""
+
+    def tag(_: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict[TAG] = {"rank": rank, "world_size": world_size}
+        return state_dict
+
+    def check(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        saved = state_dict.get(TAG)
+        if saved is not None:
+            if (saved.get("rank"), saved.get("world_size")) != (rank, world_size):
+                raise ZeroStateError(
+                    f"{type(opt).__name__}.load_state_dict: this state was saved by rank {saved.get('rank')} of "
+                    f"{saved.get('world_size')}, and this is rank {rank} of {world_size}. zero3's optimizer holds "
+                    "the state of this rank's shards only, so each rank must load the state it saved: save "
+                    "optimizer.state_dict() on every rank, to a file per rank, or use engine.save_checkpoint and "
+                    "engine.load_checkpoint (any world size); nothing was loaded")
+            state_dict = {k: v for k, v in state_dict.items() if k != TAG}
+        else:
+            _check_shapes(opt, state_dict, world_size)
+        return state_dict
+
+    optimizer.register_state_dict_post_hook(tag)
+    optimizer.register_load_state_dict_pre_hook(check)
+
+
+def _check_shapes(opt: torch.optim.Optimizer, state_dict: dict[str, Any], world_size: int) -> None:
+    """An untagged state: each per-element tensor must have its shard's shape."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for index, entry in state_dict.get("state", {}).items():
+        if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(entry, dict):
+            continue  # torch's loader names what does not fit its param groups
+        shard = params[index]
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shard.shape:
+                raise ZeroStateError(
+                    f"{type(opt).__name__}.load_state_dict: state {key!r} of parameter {index} has shape "
+                    f"{tuple(value.shape)}, but this rank's optimizer steps on a shard of shape {tuple(shard.shape)} "
+                    f"(zero3 keeps 1/{world_size} of every parameter's optimizer state on each rank). The state "
+                    "was not saved by a zero3 optimizer at this world size; resume with engine.load_checkpoint "
+                    "(any world size) or zero3.pretrained.load_state_dict for the weights; nothing was loaded")
