@@ -280,9 +280,9 @@ class Verifier:
         self._reset_epoch()
         raise ZeroDivergenceError(
             f"ranks disagree on the next collective ({lines}).{cause} zero3 needs every rank to run the same "
-            "modules in the same order with the same parameters (SPMD); run a forward that only some ranks "
-            "make (evaluation or sampling under `if rank == 0:`) on every rank, each on its share of the "
-            "data; make skipped branches run on every rank (e.g. with zero inputs), or make the part whose "
+            "modules in the same order with the same parameters (SPMD); what only some ranks run (under "
+            "`if rank == 0:`: a forward for evaluation or sampling, engine.save_checkpoint, a consolidated "
+            "state dict; each is a collective) on every rank; make skipped branches run on every rank (e.g. with zero inputs), or make the part whose "
             "routing differs a leaf module (zero3.set_leaf_modules) so it is gathered and reduced as one unit.")
 
     def _leave(self) -> None:
