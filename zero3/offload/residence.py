@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from ..errors import ZeroStateError
+from ..partition import sharding
 from ..partition.param import ZeroParameter, refresh_api, residence_of
 from ..partition.state import ParamStatus, Residence, check_move
 from .policy import PlacementPolicy
@@ -53,6 +54,19 @@ class ShardStore:
         z.retype(new.dtype)
         z.residence = where
         refresh_api(p)  # the gathered-state API entries must not keep the old shard alive
+
+    def repartition(self, p: ZeroParameter, full: torch.Tensor) -> None:
+        """The gathered ``p`` was given full data of another shape (Hugging Face's
+        ``resize_token_embeddings`` assigns ``weight.data``): it becomes ``p``'s values, partitioned
+        anew. Only for a shard in memory that no optimizer holds (a master, or state keyed by it)."""
+        z = p._zero
+        if z.status is not ParamStatus.AVAILABLE or not z.residence.in_memory or z.master is not None \
+                or z.swap is not None:
+            raise ZeroStateError(f"{z.summary()}: only a gathered parameter with its shard in memory and no "
+                                 "master can be given another shape")
+        z.reshape(full.shape, sharding.shard_tensor(full.detach(), z.world_size, z.rank).to(z.shard.device))
+        refresh_api(p)
+        p.__dict__.update(ds_shape=z.shape, ds_numel=z.numel)  # set once at partitioning otherwise
 
     def cast(self, p: ZeroParameter, dtype: torch.dtype) -> None:
         """Mixed precision: the shard becomes its copy in ``dtype``."""

@@ -93,6 +93,16 @@ class ZeroParam:
         self.residence = residence_of(self.shard)
         self.nbytes = self.numel * self.dtype.itemsize
 
+    def reshape(self, shape: torch.Size, shard: torch.Tensor) -> None:
+        """A new full shape with its new shard (its one caller is `ShardStore.repartition`)."""
+        self.shape = shape
+        self.numel = shape.numel()
+        self.shard = shard
+        self.shard_numel = shard.numel()
+        self.residence = residence_of(shard)
+        self.retype(shard.dtype)
+        self.flat = None  # the full data is another storage now
+
     def retype(self, dtype: torch.dtype) -> None:
         """``dtype`` follows the shard (its one writer is `ShardStore.rebind`); ``nbytes`` follows it."""
         self.dtype = dtype

@@ -30,6 +30,20 @@ released at once. So a model built under `Init` gets exactly the values of a pla
 same seed, holding at most one module's full parameters, the shards, and the parameters whose views
 the building code still holds. All of these are collectives: every rank builds the model the same
 way, which data-parallel code does.
+
+[Note: a new shape before initialize]
+Hugging Face's ``resize_token_embeddings`` gives the input embedding's parameter new data of another
+shape (``weight.data = new.weight.data``) and replaces an untied output embedding by a new module.
+When ``GatheredParameters(..., modifier_rank=...)`` publishes a gathered parameter whose data now has
+another shape, the parameter is partitioned anew with it (`ParamCoordinator.repartition`, then
+`ShardStore.repartition`: new shape, element counts and shard), every rank alike (rank 0's values
+are broadcast first, as for any change). That is only possible while no engine holds the parameter:
+after ``zero3.initialize`` its optimizer state, flat buffers and plans have the old size, so there the
+change is refused, the parameter gets its own data back from the shards, and nothing changes.
+Inside the `Init` block that builds the model, the embedding's data becomes the data of the new
+embedding's (partitioned) parameter, whose values live in that other parameter's shards: refused
+when the block writes the touched parameters back, naming the way that works (after the block,
+inside ``GatheredParameters`` over the embeddings, before ``initialize``).
 """
 
 from __future__ import annotations
@@ -495,12 +509,25 @@ def _write_back(state: _InitState) -> None:
         return
     touched = sorted(state.touched.values(), key=lambda q: q._zero.id)
     state.touched.clear()
+    reshaped = {p._zero.id for p in touched if raw_data(p).shape != p._zero.shape}
+    for p in touched:
+        data = raw_data(p)
+        if p._zero.id in reshaped and data.untyped_storage().nbytes() < data.numel() * data.element_size():
+            raise ZeroStateError(
+                f"{p._zero.name}: while zero3.Init built the model, its .data was replaced by another partitioned "
+                f"parameter's (shape {tuple(data.shape)}, its own {tuple(p._zero.shape)}; Hugging Face's "
+                "resize_token_embeddings does this), whose values live in that one's shards. Resize after the "
+                "Init block, inside `with zero3.GatheredParameters([model.get_input_embeddings().weight, "
+                "model.get_output_embeddings().weight], modifier_rank=0):` (before zero3.initialize)")
     if state.sync == "broadcast" and state.ctx.world_size > 1:
         for p in touched:
             state.ctx.comm.broadcast(raw_data(p), 0, Tag(Kind.BROADCAST, f"zero3.Init value of {p._zero.name}"))
     with state.ctx.resident(touched, write=True, overwrite=True):
         for p in touched:
-            copy_full_into_shard(p)
+            if p._zero.id in reshaped:  # [Note: a new shape before initialize]
+                state.ctx.coordinator.repartition(p, state.ctx.store)
+            else:
+                copy_full_into_shard(p)
     state.ctx.coordinator.release_for_user(touched)
 
 
@@ -556,11 +583,18 @@ class GatheredParameters:
         try:
             if self.modifier_rank is not None and exc_type is None:
                 self._publish()
+            else:
+                reshaped = [p for p in self.params if raw_data(p).shape != p._zero.shape]
+                if reshaped:  # discarded as any write, but the parameter must keep its own shape
+                    _refuse_reshape(_owner(self.params), reshaped, exc_type is None)
         finally:
             _owner(self.params).coordinator.release_for_user(self.params)
 
     def _publish(self) -> None:
         ctx = _owner(self.params)
+        reshaped = {p._zero.id for p in self.params if raw_data(p).shape != p._zero.shape}
+        if reshaped and ctx.module is not None:
+            _refuse_reshape(ctx, [p for p in self.params if p._zero.id in reshaped])
         ctx.comm.shards_will_change()  # inside a step: peers stop reading shared shards first
         if self.modifier_rank != LOCAL_MODIFIER and ctx.world_size > 1:
             flat = torch.cat([raw_data(p).reshape(-1) for p in self.params])
@@ -568,13 +602,45 @@ class GatheredParameters:
                                                            f"{self.modifier_rank})", self._ids))
             off = 0
             for p in self.params:
-                n = p._zero.numel
+                n = raw_data(p).numel()
                 raw_data(p).view(-1).copy_(flat[off: off + n])
                 off += n
         with ctx.resident(self.params, write=True):  # shards read in too: unchanged ones are left alone
             for p in self.params:
-                update_shard_from_full(p)
+                if p._zero.id in reshaped:
+                    ctx.coordinator.repartition(p, ctx.store)  # [Note: a new shape before initialize]
+                else:
+                    update_shard_from_full(p)
         ctx.coordinator.drop_secondaries(self.params)  # all of them, on every rank: the same hpZ split
+
+
+def _refuse_reshape(ctx: RuntimeContext, params: list[ZeroParameter], raise_: bool = True) -> None:
+    """A new shape that is not published (an engine holds the parameters, or no ``modifier_rank``):
+    give them back their own data (the shards are untouched), then raise ([Note: a new shape before
+    initialize])."""
+    name, new_shape, old_shape = params[0]._zero.name, tuple(raw_data(params[0]).shape), tuple(params[0]._zero.shape)
+    for p in params:
+        z = p._zero
+        with torch._C.DisableTorchFunctionSubclass():
+            p.data = z.shard[: z.numel].view(z.shape) if z.aliased else \
+                torch.empty(z.shape, dtype=z.dtype, device=raw_data(p).device)
+        z.flat = None
+    if any(p._zero.persistent and not p._zero.aliased for p in params):
+        ctx.coordinator.refresh_persistent()  # kept gathered: their values again, from the shards
+    if not raise_:
+        return
+    if ctx.module is None:
+        raise ZeroStateError(
+            f"GatheredParameters without modifier_rank: {name} was given data of shape {new_shape} (its shape is "
+            f"{old_shape}); without modifier_rank changes are discarded. Pass modifier_rank=0 to keep the new "
+            "shape (before zero3.initialize); the parameter keeps its shape and values")
+    raise ZeroStateError(
+        f"GatheredParameters(modifier_rank=...): {name} was given data of shape {new_shape} (its shape is "
+        f"{old_shape}) inside the context "
+        "(Hugging Face's resize_token_embeddings does this), after zero3.initialize: its optimizer state, "
+        "buffers and plans have the old size. Resize before zero3.initialize, inside "
+        "`with zero3.GatheredParameters([model.get_input_embeddings().weight, "
+        "model.get_output_embeddings().weight], modifier_rank=0):`; the parameter keeps its shape and values")
 
 
 def _owner(params: list[ZeroParameter]) -> RuntimeContext:

@@ -1,0 +1,128 @@
+"""Hugging Face's ``resize_token_embeddings`` on a model built under ``zero3.Init`` (runtime/init.py
+[Note: a new shape before initialize]): inside ``GatheredParameters(..., modifier_rank=0)`` over the
+embeddings, before ``zero3.initialize``, the parameters are partitioned anew with their new shape and
+train on 2 gloo ranks as the plain model resized the same way does; after ``initialize`` it is refused
+and changes nothing; inside the Init block (where HF's assignment would lose the new values) it is
+refused naming the way that works. Before, each of these failed with an unrelated shape error."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import zero3  # noqa: E402
+from _reference import twins  # noqa: E402
+
+pytestmark = pytest.mark.multiproc
+
+VOCAB, NEW_VOCAB = 100, 120
+
+
+def _gpt2(tied: bool = True) -> torch.nn.Module:
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _embeddings(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [model.get_input_embeddings().weight, model.get_output_embeddings().weight]
+
+
+def resize_and_train(tied: bool) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model = twins(lambda: _gpt2(tied))
+    rng = torch.get_rng_state()
+    ref.resize_token_embeddings(NEW_VOCAB, mean_resizing=False)
+    torch.set_rng_state(rng)  # the new rows are drawn from the same state on both sides
+    with zero3.GatheredParameters(_embeddings(model), modifier_rank=0):
+        model.resize_token_embeddings(NEW_VOCAB, mean_resizing=False)
+    shapes = [tuple(p.shape) for p in _embeddings(model)]
+    wte = model.get_input_embeddings().weight  # an untied lm_head is a new plain module: initialize partitions it
+    shard_numels = [wte.ds_tensor.numel(), tuple(wte.ds_shape)]
+    with zero3.GatheredParameters(list(model.parameters())):
+        same_values = all(torch.equal(p, r) for p, r in zip(model.parameters(), ref.parameters()))
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 0})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    losses, ref_losses = [], []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, NEW_VOCAB, (2 * world, 8), generator=g)  # new tokens included
+        mine = ids[2 * rank:2 * rank + 2]
+        loss = engine(mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+        ref_loss = sum(ref(ids[2 * r:2 * r + 2], labels=ids[2 * r:2 * r + 2]).loss for r in range(world)) / world
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    engine.remove_hooks()
+    return {"shapes": shapes, "shard_numels": shard_numels, "same_values": same_values, "losses": losses,
+            "ref_losses": ref_losses, "vocab": model.config.vocab_size}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_resize_before_initialize_trains_as_the_plain_model(pools, tied):
+    for r in pools.get(2).run(resize_and_train, tied, timeout=180):
+        assert r["shapes"] == [(NEW_VOCAB, 32)] * 2 and r["vocab"] == NEW_VOCAB, r
+        assert r["shard_numels"] == [NEW_VOCAB * 32 // 2, (NEW_VOCAB, 32)], r
+        assert r["same_values"], r
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=0)
+
+
+def refused_after_initialize() -> dict:
+    ref, model = twins(_gpt2)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 0})
+    out: dict = {}
+    try:
+        with zero3.GatheredParameters(_embeddings(model), modifier_rank=0):
+            model.resize_token_embeddings(NEW_VOCAB, mean_resizing=False)
+    except zero3.ZeroStateError as exc:
+        out["error"] = str(exc)
+    out["shape"] = tuple(model.get_input_embeddings().weight.shape)
+    model.get_input_embeddings().num_embeddings = VOCAB  # HF's own bookkeeping, outside zero3
+    model.config.vocab_size = VOCAB
+    with zero3.GatheredParameters(list(model.parameters())):
+        out["same_values"] = all(torch.equal(p, r) for p, r in zip(model.parameters(), ref.parameters()))
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(ids, labels=ids).loss)
+    engine.step()
+    engine.remove_hooks()
+    return out
+
+
+def test_resize_after_initialize_is_refused_and_changes_nothing(pools):
+    for r in pools.get(2).run(refused_after_initialize, timeout=180):
+        assert "Resize before zero3.initialize" in r["error"] and "(120, 32)" in r["error"], r
+        assert r["shape"] == (VOCAB, 32) and r["same_values"], r
+
+
+def test_resize_inside_the_init_block_is_refused_naming_the_way_that_works():
+    with pytest.raises(zero3.ZeroStateError, match=r"resize_token_embeddings.*Resize after the Init block"):
+        with zero3.Init():
+            model = _gpt2()
+            model.resize_token_embeddings(NEW_VOCAB, mean_resizing=False)
+
+
+def test_resize_without_modifier_rank_is_refused_and_the_parameter_keeps_its_shape():
+    ref, model = twins(_gpt2)
+    with pytest.raises(zero3.ZeroStateError, match=r"without modifier_rank.*Pass modifier_rank=0"):
+        with zero3.GatheredParameters(_embeddings(model)):
+            model.resize_token_embeddings(NEW_VOCAB, mean_resizing=False)
+    wte = model.get_input_embeddings().weight
+    assert tuple(wte.shape) == tuple(wte.ds_shape) == (VOCAB, 32)
+    with zero3.GatheredParameters([wte]):
+        assert torch.equal(wte, ref.get_input_embeddings().weight)
