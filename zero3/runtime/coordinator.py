@@ -41,8 +41,7 @@ from ..comm.communicator import Communicator, GatherWork, Kind, Tag
 from ..config import ZeroConfig
 from ..errors import ZeroError, ZeroStateError
 from ..metrics import StepMetrics
-from ..offload.residence import ShardStore
-from ..partition.param import ZeroParameter, raw_data
+from ..partition.param import ZeroParameter
 from ..planning.generation import GenerationPrefetch
 from ..planning.schedule import PlanConfig, Schedule, eviction_order
 from ..partition.state import ParamStatus
@@ -500,15 +499,6 @@ class ParamCoordinator:
         for p in params:
             p._zero.user_pins += 1
         self.fetch(params, label="GatheredParameters", training=False)
-
-    def repartition(self, p: ZeroParameter, store: ShardStore) -> None:
-        """``GatheredParameters`` is publishing a new shape of the gathered ``p`` (runtime/init.py
-        [Note: a new shape before initialize]): partition it anew; the live gauge follows its size."""
-        z = p._zero
-        numel, nbytes = z.numel, z.nbytes
-        store.repartition(p, raw_data(p))
-        if z.id in self._live:
-            self.metrics.add_live(z.numel - numel, z.nbytes - nbytes)
 
     def release_for_user(self, params: Sequence[ZeroParameter]) -> None:
         """Unpin a user context's params and release those nothing else holds."""

@@ -35,8 +35,8 @@ way, which data-parallel code does.
 Hugging Face's ``resize_token_embeddings`` gives the input embedding's parameter new data of another
 shape (``weight.data = new.weight.data``) and replaces an untied output embedding by a new module.
 When ``GatheredParameters(..., modifier_rank=...)`` publishes a gathered parameter whose data now has
-another shape, the parameter is partitioned anew with it (`ParamCoordinator.repartition`, then
-`ShardStore.repartition`: new shape, element counts and shard), every rank alike (rank 0's values
+another shape, the parameter is partitioned anew with it (`ShardStore.repartition`: new shape,
+element counts and shard), every rank alike (rank 0's values
 are broadcast first, as for any change). That is only possible while no engine holds the parameter:
 after ``zero3.initialize`` its optimizer state, flat buffers and plans have the old size, so there the
 change is refused, the parameter gets its own data back from the shards, and nothing changes.
@@ -525,7 +525,7 @@ def _write_back(state: _InitState) -> None:
     with state.ctx.resident(touched, write=True, overwrite=True):
         for p in touched:
             if p._zero.id in reshaped:  # [Note: a new shape before initialize]
-                state.ctx.coordinator.repartition(p, state.ctx.store)
+                _repartition(state.ctx, p)
             else:
                 copy_full_into_shard(p)
     state.ctx.coordinator.release_for_user(touched)
@@ -608,10 +608,20 @@ class GatheredParameters:
         with ctx.resident(self.params, write=True):  # shards read in too: unchanged ones are left alone
             for p in self.params:
                 if p._zero.id in reshaped:
-                    ctx.coordinator.repartition(p, ctx.store)  # [Note: a new shape before initialize]
+                    _repartition(ctx, p)  # [Note: a new shape before initialize]
                 else:
                     update_shard_from_full(p)
         ctx.coordinator.drop_secondaries(self.params)  # all of them, on every rank: the same hpZ split
+
+
+def _repartition(ctx: RuntimeContext, p: ZeroParameter) -> None:
+    """Partition the gathered ``p`` anew with its data's new shape; the live gauge follows its size
+    (gathered and not persistent, it is in the coordinator's live set)."""
+    z = p._zero
+    numel, nbytes = z.numel, z.nbytes
+    ctx.store.repartition(p, raw_data(p))
+    if not z.persistent:
+        ctx.metrics.add_live(z.numel - numel, z.nbytes - nbytes)
 
 
 def _refuse_reshape(ctx: RuntimeContext, params: list[ZeroParameter], raise_: bool = True) -> None:
