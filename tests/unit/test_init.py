@@ -228,14 +228,37 @@ def test_gathered_parameters_modifier_rank_0_writes_the_change_into_the_shard(in
     assert torch.equal(_gathered(m.weight), new)
 
 
-def test_gathered_parameters_without_modifier_rank_discards_changes(init_linear):
+@pytest.mark.parametrize("write", ["fill_", ".data.mul_", "one element"])
+def test_gathered_parameters_without_modifier_rank_refuses_a_discarded_write(init_linear, write):
+    """The change is discarded, as in DeepSpeed, but no longer in silence ([Note: writes that
+    GatheredParameters discards]): the exit raises after releasing, naming the parameter."""
     m, ref = init_linear
-    with zero3.GatheredParameters([m.weight, m.bias]), torch.no_grad():
-        m.weight.fill_(5.0)
-        m.bias.zero_()
+    with pytest.raises(ZeroStateError, match=r"without modifier_rank: Linear.weight changed .*Pass modifier_rank=0"):
+        with zero3.GatheredParameters([m.weight, m.bias]), torch.no_grad():
+            if write == "fill_":
+                m.weight.fill_(5.0)
+            elif write == ".data.mul_":
+                m.weight.data.mul_(2)
+            else:
+                m.weight.data[1, 2] += 1
     assert m.weight.ds_status is ParamStatus.NOT_AVAILABLE
     assert m.bias.ds_status is ParamStatus.NOT_AVAILABLE
     assert torch.equal(_gathered(m.weight), ref.weight.detach())
+    assert torch.equal(_gathered(m.bias), ref.bias.detach())
+
+
+def test_gathered_parameters_without_modifier_rank_reads_and_nested_publishes_pass(init_linear):
+    m, ref = init_linear
+    with zero3.GatheredParameters([m.weight, m.bias]):
+        assert torch.equal(m.weight, ref.weight) and float(m.bias.detach().sum()) == float(ref.bias.detach().sum())
+    new = torch.arange(12.0).reshape(3, 4)
+    with zero3.GatheredParameters([m.weight, m.bias]):  # a read-only context around a published change
+        with zero3.GatheredParameters([m.weight], modifier_rank=0), torch.no_grad():
+            m.weight.copy_(new)
+    assert torch.equal(_gathered(m.weight), new)
+    with pytest.raises(KeyError, match="mine"), zero3.GatheredParameters([m.bias]), torch.no_grad():
+        m.bias.zero_()
+        raise KeyError("mine")  # the block's own exception is what the caller sees
     assert torch.equal(_gathered(m.bias), ref.bias.detach())
 
 

@@ -31,6 +31,17 @@ same seed, holding at most one module's full parameters, the shards, and the par
 the building code still holds. All of these are collectives: every rank builds the model the same
 way, which data-parallel code does.
 
+[Note: writes that GatheredParameters discards]
+Without ``modifier_rank`` a ``GatheredParameters`` context is for reading: on exit the gathered
+values are dropped and the shards keep theirs (DeepSpeed's meaning). Code that writes there (a
+re-initialisation, a weight edit) used to lose the change without a word. So the context takes a
+fingerprint of each parameter it gathered itself (one integer sum of the data's bit patterns) on
+entry and again on a clean exit; a parameter whose fingerprint changed raises `ZeroStateError`
+after everything is released, naming it and ``modifier_rank``. Parameters that were gathered
+before (persistent ones, those of a running module) are not checked: other code may rewrite them.
+A change published by a ``modifier_rank`` context nested inside is not a discarded write (a count
+of publishes per parameter tells). The cost is two reads of the gathered data per context.
+
 [Note: a new shape before initialize]
 Hugging Face's ``resize_token_embeddings`` gives the input embedding's parameter new data of another
 shape (``weight.data = new.weight.data``) and replaces an untied output embedding by a new module.
@@ -70,6 +81,7 @@ from .context import RuntimeContext
 from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import data_parallel_group as mpu_data_parallel_group
 from ..comm.model_parallel import model_parallel_group
+from ..partition.state import ParamStatus
 from ..partition.param import (
     PartitionedParameter,
     ReleasedData,
@@ -562,6 +574,7 @@ class GatheredParameters:
         self._ids = tuple(p._zero.id for p in self.params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled and bool(self.params)
+        self._read_only: tuple[list[ZeroParameter], torch.Tensor, list[int]] | None = None
         if fwd_module is not None:
             if not isinstance(fwd_module, nn.Module):
                 raise TypeError(f"GatheredParameters(fwd_module=...) must be an nn.Module, got {type(fwd_module).__name__}")
@@ -574,12 +587,16 @@ class GatheredParameters:
         ctx = _owner(self.params)
         ctx.require_states("GatheredParameters", ("lp_params",) if self.modifier_rank is None else
                            ("lp_params", "hp_params"))
+        fresh = [p for p in self.params if p._zero.status is ParamStatus.NOT_AVAILABLE]
         ctx.coordinator.gather_for_user(self.params)
+        if self.modifier_rank is None and fresh:  # [Note: writes that GatheredParameters discards]
+            self._read_only = (fresh, _fingerprints(fresh), [_published.get(p._zero.id, 0) for p in fresh])
         return self.params
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self.enabled:
             return
+        written: list[ZeroParameter] = []
         try:
             if self.modifier_rank is not None and exc_type is None:
                 self._publish()
@@ -587,8 +604,17 @@ class GatheredParameters:
                 reshaped = [p for p in self.params if raw_data(p).shape != p._zero.shape]
                 if reshaped:  # discarded as any write, but the parameter must keep its own shape
                     _refuse_reshape(_owner(self.params), reshaped, exc_type is None)
+                if self._read_only is not None and exc_type is None:
+                    written = _written(*self._read_only)
         finally:
+            self._read_only = None
             _owner(self.params).coordinator.release_for_user(self.params)
+        if written:
+            names = ", ".join(p._zero.name for p in written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
+            raise ZeroStateError(
+                f"GatheredParameters without modifier_rank: {names} changed inside the context, and zero3 discards "
+                "changes made there (as DeepSpeed does: its shards keep their values). Pass modifier_rank=0 to keep "
+                "them (rank 0's values then go to every rank)")
 
     def _publish(self) -> None:
         ctx = _owner(self.params)
@@ -605,6 +631,8 @@ class GatheredParameters:
                 n = raw_data(p).numel()
                 raw_data(p).view(-1).copy_(flat[off: off + n])
                 off += n
+        for p in self.params:
+            _published[p._zero.id] = _published.get(p._zero.id, 0) + 1
         with ctx.resident(self.params, write=True):  # shards read in too: unchanged ones are left alone
             for p in self.params:
                 if p._zero.id in reshaped:
@@ -612,6 +640,30 @@ class GatheredParameters:
                 else:
                     update_shard_from_full(p)
         ctx.coordinator.drop_secondaries(self.params)  # all of them, on every rank: the same hpZ split
+
+
+_published: dict[int, int] = {}
+"""How often `GatheredParameters` published each parameter (by ``ds_id``): a context without
+``modifier_rank`` around one that published does not take that change for a discarded write."""
+_FINGERPRINT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _fingerprints(params: list[ZeroParameter]) -> torch.Tensor:
+    """The sum of each parameter's bit patterns (as integers: exact, and equal only for equal data in
+    practice); read once at entry and once at exit ([Note: writes that GatheredParameters discards])."""
+    sums = []
+    for p in params:
+        data = raw_data(p)
+        bits = data.contiguous().view(_FINGERPRINT_DTYPES.get(data.element_size(), torch.uint8))
+        sums.append(bits.sum(dtype=torch.int64).reshape(1).cpu() if bits.numel() else torch.zeros(1, dtype=torch.int64))
+    return torch.cat(sums)
+
+
+def _written(params: list[ZeroParameter], before: torch.Tensor, published: list[int]) -> list[ZeroParameter]:
+    """Those of ``params`` whose data changed since `_fingerprints` took ``before``, not by a publish."""
+    after = _fingerprints(params)
+    return [p for i, p in enumerate(params)
+            if after[i] != before[i] and _published.get(p._zero.id, 0) == published[i]]
 
 
 def _repartition(ctx: RuntimeContext, p: ZeroParameter) -> None:
