@@ -33,3 +33,21 @@ def test_a_plain_runs_optimizer_state_is_refused_and_changes_nothing():
     own = opt.state_dict()
     assert own["zero3"] == {"rank": 0, "world_size": 1}
     opt.load_state_dict(own)  # its own state loads
+
+
+def test_with_the_optimizer_state_on_nvme_state_dict_and_load_are_refused(tmp_path):
+    """Between steps the state lives on the drive: ``state_dict()`` handed out empty tensors (0-byte
+    storages of the right shape), which ``torch.save`` wrote without a word."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = zero3.initialize(model, opt, {"param_persistence_threshold": 0,
+                                           "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}})
+    engine.backward(engine(*synthetic_batch(0, 2, CFG)))
+    engine.step()
+    with pytest.raises(zero3.ZeroStateError, match=r"state_dict\(\) with offload_optimizer on NVMe.*save_checkpoint"):
+        opt.state_dict()
+    with pytest.raises(zero3.ZeroStateError, match=r"load_state_dict\(\) with offload_optimizer on NVMe.*nothing was"):
+        opt.load_state_dict({"state": {}, "param_groups": opt.param_groups})
+    engine.backward(engine(*synthetic_batch(1, 2, CFG)))
+    assert engine.step()

@@ -208,7 +208,7 @@ class PartitionedOptimizer:
         else:
             self.optimizer = shard_optimizer(optimizer, self.params)
         if isinstance(self.optimizer, torch.optim.Optimizer):  # its state_dict() is this rank's shard of it
-            tag_rank_state(self.optimizer, comm.rank, comm.world_size)
+            tag_rank_state(self.optimizer, comm.rank, comm.world_size, on_drive=self.states is not None)
         by_train = {id(p._zero.train_tensor): p for p in self.params}
         self.group_params = [[by_train[id(t)] for t in g["params"] if id(t) in by_train]
                              for g in self.optimizer.param_groups]

@@ -25,14 +25,26 @@ from ..errors import ZeroStateError
 TAG = "zero3"
 
 
-def tag_rank_state(optimizer: torch.optim.Optimizer, rank: int, world_size: int) -> None:
-    """Tag ``optimizer``'s state dicts with this rank and check loaded ones (see the Note)."""
+def tag_rank_state(optimizer: torch.optim.Optimizer, rank: int, world_size: int, on_drive: bool = False) -> None:
+    """Tag ``optimizer``'s state dicts with this rank and check loaded ones (see the Note).
+    ``on_drive``: its state lives on NVMe between steps (``offload_optimizer`` nvme), where
+    ``state_dict()`` would hand out empty tensors: both calls are refused then."""
 
-    def tag(_: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def tag(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if on_drive:
+            raise ZeroStateError(
+                f"{type(opt).__name__}.state_dict() with offload_optimizer on NVMe: the optimizer state lives on "
+                "the drive between steps, so the state dict would hold empty tensors. Save with "
+                "engine.save_checkpoint (it reads the state from the drive) and resume with engine.load_checkpoint")
         state_dict[TAG] = {"rank": rank, "world_size": world_size}
         return state_dict
 
     def check(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if on_drive:
+            raise ZeroStateError(
+                f"{type(opt).__name__}.load_state_dict() with offload_optimizer on NVMe: the optimizer state lives "
+                "on the drive between steps, and a state loaded into memory would not reach it. Resume with "
+                "engine.load_checkpoint; nothing was loaded")
         saved = state_dict.get(TAG)
         if saved is not None:
             if (saved.get("rank"), saved.get("world_size")) != (rank, world_size):
