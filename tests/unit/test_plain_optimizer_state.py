@@ -51,3 +51,22 @@ def test_with_the_optimizer_state_on_nvme_state_dict_and_load_are_refused(tmp_pa
         opt.load_state_dict({"state": {}, "param_groups": opt.param_groups})
     engine.backward(engine(*synthetic_batch(1, 2, CFG)))
     assert engine.step()
+
+
+def test_while_offload_states_holds_the_state_on_nvme_state_dict_and_load_are_refused(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = zero3.initialize(model, opt, {"param_persistence_threshold": 0})
+    engine.backward(engine(*synthetic_batch(0, 2, CFG)))
+    engine.step()
+    saved = opt.state_dict()
+    engine.offload_states(device="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(zero3.ZeroStateError, match=r"state_dict\(\): the optimizer state is out of memory.*reload_states"):
+        opt.state_dict()
+    with pytest.raises(zero3.ZeroStateError, match=r"load_state_dict\(\): the optimizer state is out of memory.*nothing"):
+        opt.load_state_dict(saved)
+    engine.reload_states()
+    again = opt.state_dict()
+    assert all(torch.equal(again["state"][i]["exp_avg"], saved["state"][i]["exp_avg"]) for i in saved["state"])
+    opt.load_state_dict(saved)

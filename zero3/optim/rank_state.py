@@ -11,7 +11,10 @@ world size, naming both and the ways out: a file per rank, or ``engine.save_chec
 ``load_checkpoint`` (which reshard to any world size). A state without the entry (saved by a plain
 torch run) is refused where a per-element state's shape differs from the shard it would belong
 to, which torch would only have found at the next step, or not at all. Both are checked before
-torch's own loading, so a refused load changes nothing.
+torch's own loading, so a refused load changes nothing. While the state is out of memory (on the
+drive under ``offload_optimizer`` nvme, or moved there by ``engine.offload_states``), its tensors
+are 0-byte placeholders: ``state_dict()`` would hand them out as if they were the state, and a
+load would be overwritten when the state comes back, so both are refused then.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ def tag_rank_state(optimizer: torch.optim.Optimizer, rank: int, world_size: int,
                 f"{type(opt).__name__}.state_dict() with offload_optimizer on NVMe: the optimizer state lives on "
                 "the drive between steps, so the state dict would hold empty tensors. Save with "
                 "engine.save_checkpoint (it reads the state from the drive) and resume with engine.load_checkpoint")
+        if _out_of_memory(v for entry in state_dict.get("state", {}).values() for v in entry.values()):
+            raise ZeroStateError(
+                f"{type(opt).__name__}.state_dict(): the optimizer state is out of memory (engine.offload_states "
+                "to NVMe), so the state dict would hold empty tensors; call engine.reload_states() first")
         state_dict[TAG] = {"rank": rank, "world_size": world_size}
         return state_dict
 
@@ -45,6 +52,11 @@ def tag_rank_state(optimizer: torch.optim.Optimizer, rank: int, world_size: int,
                 f"{type(opt).__name__}.load_state_dict() with offload_optimizer on NVMe: the optimizer state lives "
                 "on the drive between steps, and a state loaded into memory would not reach it. Resume with "
                 "engine.load_checkpoint; nothing was loaded")
+        if _out_of_memory(v for entry in opt.state.values() for v in entry.values()):
+            raise ZeroStateError(
+                f"{type(opt).__name__}.load_state_dict(): the optimizer state is out of memory (engine.offload_states "
+                "to NVMe), and engine.reload_states() would bring back the old one over what is loaded now; call "
+                "engine.reload_states() first; nothing was loaded")
         saved = state_dict.get(TAG)
         if saved is not None:
             if (saved.get("rank"), saved.get("world_size")) != (rank, world_size):
@@ -61,6 +73,13 @@ def tag_rank_state(optimizer: torch.optim.Optimizer, rank: int, world_size: int,
 
     optimizer.register_state_dict_post_hook(tag)
     optimizer.register_load_state_dict_pre_hook(check)
+
+
+def _out_of_memory(values: Any) -> bool:
+    """Whether a tensor among ``values`` has fewer bytes of storage than its elements need: its data
+    was moved to the drive (offload/states.py leaves such placeholders)."""
+    return any(isinstance(v, torch.Tensor) and v.untyped_storage().nbytes() < v.numel() * v.element_size()
+               for v in values)
 
 
 def _check_shapes(opt: torch.optim.Optimizer, state_dict: dict[str, Any], world_size: int) -> None:
