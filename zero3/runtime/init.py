@@ -666,6 +666,29 @@ def _written(params: list[ZeroParameter], before: torch.Tensor, published: list[
             if after[i] != before[i] and _published.get(p._zero.id, 0) == published[i]]
 
 
+def write_back_loaded(ctx: RuntimeContext, module: nn.Module, incompatible_keys: Any) -> None:
+    """``module.load_state_dict`` post-hook: torch copied the loaded values into the full data of the
+    gathered parameters (persistent ones, or held by ``GatheredParameters``), which the next refresh
+    from the shards would overwrite; write them into the shards (and masters). Every rank loads the
+    same state dict, so every rank keeps its slice (partitioned parameters refuse the copy:
+    ``zero3.pretrained.load_state_dict`` loads those)."""
+    params = [p for p in dict.values(module._parameters) if isinstance(p, ZeroParameter)
+              and p._zero.ctx is ctx and p._zero.status is ParamStatus.AVAILABLE]
+    if not params:
+        return
+    ctx.comm.shards_will_change()
+    with ctx.resident(params, write=True):
+        for p in params:
+            z = p._zero
+            changed = update_shard_from_full(p)
+            if not changed and z.aliased and z.master is not None and not torch.equal(z.master.to(z.shard.dtype), z.shard):
+                z.master.copy_(z.shard)  # world size 1: the full data is the shard, already written
+                changed = True
+            if changed:
+                _published[z.id] = _published.get(z.id, 0) + 1
+    ctx.coordinator.drop_secondaries(params)
+
+
 def _repartition(ctx: RuntimeContext, p: ZeroParameter) -> None:
     """Partition the gathered ``p`` anew with its data's new shape; the live gauge follows its size
     (gathered and not persistent, it is in the coordinator's live set)."""
