@@ -34,7 +34,8 @@ from .comm import process_group as _process_group
 from .config import ZeroConfig
 from .engine import Engine, clip_grad_norm_, initialize
 from .errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroError, ZeroStateError
-from .runtime.init import GatheredParameters, Init, register_external_parameter
+from .runtime.gathered import GatheredParameters, register_external_parameter
+from .runtime.init import Init
 from .runtime.compile import compile_blocks
 from .runtime.leaf import set_leaf_modules
 from .memory import see_memory_usage

@@ -1,4 +1,4 @@
-"""Hugging Face's ``resize_token_embeddings`` on a model built under ``zero3.Init`` (runtime/init.py
+"""Hugging Face's ``resize_token_embeddings`` on a model built under ``zero3.Init`` (runtime/gathered.py
 [Note: a new shape before initialize]): inside ``GatheredParameters(..., modifier_rank=0)`` over the
 embeddings, before ``zero3.initialize``, the parameters are partitioned anew with their new shape and
 train on 2 gloo ranks as the plain model resized the same way does; after ``initialize`` it is refused

@@ -1,6 +1,6 @@
 """``model.load_state_dict`` on a model whose parameters zero3 keeps gathered (persistent): torch copies
 the values into the gathered full tensors, and zero3 writes them into the shards and masters
-(runtime/init.py `write_back_loaded`). Before, on 2 ranks the first step re-gathered the old values
+(runtime/gathered.py `write_back_loaded`). Before, on 2 ranks the first step re-gathered the old values
 from the shards, silently (at world size 1 the full data is the shard, so only the bf16 master was
 left behind). Trained after the load, the engine follows a plain model that loaded the same
 weights."""

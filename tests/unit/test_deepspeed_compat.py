@@ -140,7 +140,7 @@ def test_all_gather_and_partition_helpers_and_fwd_module():
     assert torch.equal(_full(w), torch.ones(4, 4))
     with zero3.GatheredParameters([model[0].weight], fwd_module=model[1]):
         pass
-    assert any(p is model[0].weight for p in zero3.runtime.init.external_parameters(model[1]))
+    assert any(p is model[0].weight for p in zero3.runtime.gathered.external_parameters(model[1]))
     assert zero3.is_zero_param(w) and not zero3.is_zero_param(nn.Parameter(torch.ones(1)))
 
 

@@ -30,7 +30,8 @@ from .exchange import exchange
 from .format import CheckpointMismatchError, CheckpointNotFoundError
 from ..errors import ZeroConfigError
 from ..partition.param import ZeroParameter
-from ..runtime.init import GatheredParameters, Init
+from ..runtime.gathered import GatheredParameters
+from ..runtime.init import Init
 
 logger = logging.getLogger(__name__)
 

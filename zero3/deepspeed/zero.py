@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..runtime.init import GatheredParameters, Init, register_external_parameter
+from ..runtime.gathered import GatheredParameters, register_external_parameter
+from ..runtime.init import Init
 from ..runtime.leaf import set_leaf_modules as set_z3_leaf_modules
 from ..partition.param import is_partitioned as is_zero_param
 

@@ -106,7 +106,7 @@ from torch.utils import _pytree as pytree
 
 from .context import RuntimeContext
 from ..errors import ZeroStateError
-from .init import external_parameters, register_external_parameter, write_back_loaded
+from .gathered import external_parameters, register_external_parameter, write_back_loaded
 from .leaf import is_leaf
 from ..partition.param import PartitionedParameter, ZeroParameter
 from ..planning.trace import EventKind

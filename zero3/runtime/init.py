@@ -1,4 +1,5 @@
-"""`zero3.Init`: partition parameters as the model is built; `GatheredParameters`; external params.
+"""`zero3.Init`: partition parameters as the model is built (`GatheredParameters` and external parameters
+are in gathered.py).
 
 [Note: partitioning during construction]
 Entering the outermost `Init` wraps the ``__init__`` of every ``nn.Module`` subclass (and of
@@ -30,31 +31,6 @@ released at once. So a model built under `Init` gets exactly the values of a pla
 same seed, holding at most one module's full parameters, the shards, and the parameters whose views
 the building code still holds. All of these are collectives: every rank builds the model the same
 way, which data-parallel code does.
-
-[Note: writes that GatheredParameters discards]
-Without ``modifier_rank`` a ``GatheredParameters`` context is for reading: on exit the gathered
-values are dropped and the shards keep theirs (DeepSpeed's meaning). Code that writes there (a
-re-initialisation, a weight edit) used to lose the change without a word. So the context takes a
-fingerprint of each parameter it gathered itself (one integer sum of the data's bit patterns) on
-entry and again on a clean exit; a parameter whose fingerprint changed raises `ZeroStateError`
-after everything is released, naming it and ``modifier_rank``. Parameters that were gathered
-before (persistent ones, those of a running module) are not checked: other code may rewrite them.
-A change published by a ``modifier_rank`` context nested inside is not a discarded write (a count
-of publishes per parameter tells). The cost is two reads of the gathered data per context.
-
-[Note: a new shape before initialize]
-Hugging Face's ``resize_token_embeddings`` gives the input embedding's parameter new data of another
-shape (``weight.data = new.weight.data``) and replaces an untied output embedding by a new module.
-When ``GatheredParameters(..., modifier_rank=...)`` publishes a gathered parameter whose data now has
-another shape, the parameter is partitioned anew with it (`ShardStore.repartition`: new shape,
-element counts and shard), every rank alike (rank 0's values
-are broadcast first, as for any change). That is only possible while no engine holds the parameter:
-after ``zero3.initialize`` its optimizer state, flat buffers and plans have the old size, so there the
-change is refused, the parameter gets its own data back from the shards, and nothing changes.
-Inside the `Init` block that builds the model, the embedding's data becomes the data of the new
-embedding's (partitioned) parameter, whose values live in that other parameter's shards: refused
-when the block writes the touched parameters back, naming the way that works (after the block,
-inside ``GatheredParameters`` over the embeddings, before ``initialize``).
 """
 
 from __future__ import annotations
@@ -63,7 +39,7 @@ import contextvars
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Callable, Literal
 from weakref import WeakKeyDictionary
 
 import torch
@@ -81,7 +57,7 @@ from .context import RuntimeContext
 from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import data_parallel_group as mpu_data_parallel_group
 from ..comm.model_parallel import model_parallel_group
-from ..partition.state import ParamStatus
+from .gathered import LOCAL_MODIFIER, GatheredParameters, repartition
 from ..partition.param import (
     PartitionedParameter,
     ReleasedData,
@@ -90,7 +66,6 @@ from ..partition.param import (
     copy_full_into_shard,
     raw_data,
     set_placeholder_dtype,
-    update_shard_from_full,
 )
 from ..optim.precision import torch_dtype
 
@@ -537,220 +512,7 @@ def _write_back(state: _InitState) -> None:
     with state.ctx.resident(touched, write=True, overwrite=True):
         for p in touched:
             if p._zero.id in reshaped:  # [Note: a new shape before initialize]
-                _repartition(state.ctx, p)
+                repartition(state.ctx, p)
             else:
                 copy_full_into_shard(p)
     state.ctx.coordinator.release_for_user(touched)
-
-
-# -- GatheredParameters ------------------------------------------------------------------------
-LOCAL_MODIFIER = -1
-"""``modifier_rank`` meaning: every rank made the same change; re-partition without a broadcast."""
-
-
-class GatheredParameters:
-    """Gather partitioned parameters for reading, or for modifying them on one rank.
-
-    A collective: every rank of the parameters' group must enter it with the same parameters.
-    With ``modifier_rank=r``, rank r may change the full tensors; on exit they are broadcast from r
-    and re-partitioned on every rank (this is how pretrained weights are loaded into a partitioned
-    model; a parameter whose values did not change keeps its shard and fp32 master bit for bit).
-    With ``modifier_rank=None`` changes are discarded. The values are exact even under qwZ
-    (``zero_quantized_weights`` codes forward and backward's gathers only), unless a running module
-    holds the parameter: then they are what that module computes with. Parameters already gathered
-    (by a running module, or persistent ones) stay gathered on exit. ``fwd_module``: the parameters are
-    registered as external parameters of that module (its forward uses them), as in DeepSpeed.
-    """
-
-    def __init__(self, params: Iterable[nn.Parameter] | nn.Parameter, modifier_rank: int | None = None,
-                 fwd_module: nn.Module | None = None, enabled: bool = True) -> None:
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        seen: dict[int, ZeroParameter] = {}
-        for p in params:
-            if isinstance(p, ZeroParameter):
-                seen.setdefault(p._zero.id, p)
-        self.params = sorted(seen.values(), key=lambda p: p._zero.id)  # same order on every rank
-        self._ids = tuple(p._zero.id for p in self.params)
-        self.modifier_rank = modifier_rank
-        self.enabled = enabled and bool(self.params)
-        self._read_only: tuple[list[ZeroParameter], torch.Tensor, list[int]] | None = None
-        if fwd_module is not None:
-            if not isinstance(fwd_module, nn.Module):
-                raise TypeError(f"GatheredParameters(fwd_module=...) must be an nn.Module, got {type(fwd_module).__name__}")
-            for p in self.params:  # DeepSpeed's meaning: fwd_module's forward uses them from now on
-                register_external_parameter(fwd_module, p)
-
-    def __enter__(self) -> list[ZeroParameter]:
-        if not self.enabled:
-            return self.params
-        ctx = _owner(self.params)
-        ctx.require_states("GatheredParameters", ("lp_params",) if self.modifier_rank is None else
-                           ("lp_params", "hp_params"))
-        fresh = [p for p in self.params if p._zero.status is ParamStatus.NOT_AVAILABLE]
-        ctx.coordinator.gather_for_user(self.params)
-        if self.modifier_rank is None and fresh:  # [Note: writes that GatheredParameters discards]
-            self._read_only = (fresh, _fingerprints(fresh), [_published.get(p._zero.id, 0) for p in fresh])
-        return self.params
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if not self.enabled:
-            return
-        written: list[ZeroParameter] = []
-        try:
-            if self.modifier_rank is not None and exc_type is None:
-                self._publish()
-            else:
-                reshaped = [p for p in self.params if raw_data(p).shape != p._zero.shape]
-                if reshaped:  # discarded as any write, but the parameter must keep its own shape
-                    _refuse_reshape(_owner(self.params), reshaped, exc_type is None)
-                if self._read_only is not None and exc_type is None:
-                    written = _written(*self._read_only)
-        finally:
-            self._read_only = None
-            _owner(self.params).coordinator.release_for_user(self.params)
-        if written:
-            names = ", ".join(p._zero.name for p in written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
-            raise ZeroStateError(
-                f"GatheredParameters without modifier_rank: {names} changed inside the context, and zero3 discards "
-                "changes made there (as DeepSpeed does: its shards keep their values). Pass modifier_rank=0 to keep "
-                "them (rank 0's values then go to every rank)")
-
-    def _publish(self) -> None:
-        ctx = _owner(self.params)
-        reshaped = {p._zero.id for p in self.params if raw_data(p).shape != p._zero.shape}
-        if reshaped and ctx.module is not None:
-            _refuse_reshape(ctx, [p for p in self.params if p._zero.id in reshaped])
-        ctx.comm.shards_will_change()  # inside a step: peers stop reading shared shards first
-        if self.modifier_rank != LOCAL_MODIFIER and ctx.world_size > 1:
-            flat = torch.cat([raw_data(p).reshape(-1) for p in self.params])
-            ctx.comm.broadcast(flat, self.modifier_rank, Tag(Kind.BROADCAST, "GatheredParameters(modifier_rank="
-                                                           f"{self.modifier_rank})", self._ids))
-            off = 0
-            for p in self.params:
-                n = raw_data(p).numel()
-                raw_data(p).view(-1).copy_(flat[off: off + n])
-                off += n
-        for p in self.params:
-            _published[p._zero.id] = _published.get(p._zero.id, 0) + 1
-        with ctx.resident(self.params, write=True):  # shards read in too: unchanged ones are left alone
-            for p in self.params:
-                if p._zero.id in reshaped:
-                    _repartition(ctx, p)  # [Note: a new shape before initialize]
-                else:
-                    update_shard_from_full(p)
-        ctx.coordinator.drop_secondaries(self.params)  # all of them, on every rank: the same hpZ split
-
-
-_published: dict[int, int] = {}
-"""How often `GatheredParameters` published each parameter (by ``ds_id``): a context without
-``modifier_rank`` around one that published does not take that change for a discarded write."""
-_FINGERPRINT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-def _fingerprints(params: list[ZeroParameter]) -> torch.Tensor:
-    """The sum of each parameter's bit patterns (as integers: exact, and equal only for equal data in
-    practice); read once at entry and once at exit ([Note: writes that GatheredParameters discards])."""
-    sums = []
-    for p in params:
-        data = raw_data(p)
-        bits = data.contiguous().view(_FINGERPRINT_DTYPES.get(data.element_size(), torch.uint8))
-        sums.append(bits.sum(dtype=torch.int64).reshape(1).cpu() if bits.numel() else torch.zeros(1, dtype=torch.int64))
-    return torch.cat(sums)
-
-
-def _written(params: list[ZeroParameter], before: torch.Tensor, published: list[int]) -> list[ZeroParameter]:
-    """Those of ``params`` whose data changed since `_fingerprints` took ``before``, not by a publish."""
-    after = _fingerprints(params)
-    return [p for i, p in enumerate(params)
-            if after[i] != before[i] and _published.get(p._zero.id, 0) == published[i]]
-
-
-def write_back_loaded(ctx: RuntimeContext, module: nn.Module, incompatible_keys: Any) -> None:
-    """``module.load_state_dict`` post-hook: torch copied the loaded values into the full data of the
-    gathered parameters (persistent ones, or held by ``GatheredParameters``), which the next refresh
-    from the shards would overwrite; write them into the shards (and masters). Every rank loads the
-    same state dict, so every rank keeps its slice (partitioned parameters refuse the copy:
-    ``zero3.pretrained.load_state_dict`` loads those)."""
-    params = [p for p in dict.values(module._parameters) if isinstance(p, ZeroParameter)
-              and p._zero.ctx is ctx and p._zero.status is ParamStatus.AVAILABLE]
-    if not params:
-        return
-    ctx.comm.shards_will_change()
-    with ctx.resident(params, write=True):
-        for p in params:
-            z = p._zero
-            changed = update_shard_from_full(p)
-            if not changed and z.aliased and z.master is not None and not torch.equal(z.master.to(z.shard.dtype), z.shard):
-                z.master.copy_(z.shard)  # world size 1: the full data is the shard, already written
-                changed = True
-            if changed:
-                _published[z.id] = _published.get(z.id, 0) + 1
-    ctx.coordinator.drop_secondaries(params)
-
-
-def _repartition(ctx: RuntimeContext, p: ZeroParameter) -> None:
-    """Partition the gathered ``p`` anew with its data's new shape; the live gauge follows its size
-    (gathered and not persistent, it is in the coordinator's live set)."""
-    z = p._zero
-    numel, nbytes = z.numel, z.nbytes
-    ctx.store.repartition(p, raw_data(p))
-    if not z.persistent:
-        ctx.metrics.add_live(z.numel - numel, z.nbytes - nbytes)
-
-
-def _refuse_reshape(ctx: RuntimeContext, params: list[ZeroParameter], raise_: bool = True) -> None:
-    """A new shape that is not published (an engine holds the parameters, or no ``modifier_rank``):
-    give them back their own data (the shards are untouched), then raise ([Note: a new shape before
-    initialize])."""
-    name, new_shape, old_shape = params[0]._zero.name, tuple(raw_data(params[0]).shape), tuple(params[0]._zero.shape)
-    for p in params:
-        z = p._zero
-        with torch._C.DisableTorchFunctionSubclass():
-            p.data = z.shard[: z.numel].view(z.shape) if z.aliased else \
-                torch.empty(z.shape, dtype=z.dtype, device=raw_data(p).device)
-        z.flat = None
-    if any(p._zero.persistent and not p._zero.aliased for p in params):
-        ctx.coordinator.refresh_persistent()  # kept gathered: their values again, from the shards
-    if not raise_:
-        return
-    if ctx.module is None:
-        raise ZeroStateError(
-            f"GatheredParameters without modifier_rank: {name} was given data of shape {new_shape} (its shape is "
-            f"{old_shape}); without modifier_rank changes are discarded. Pass modifier_rank=0 to keep the new "
-            "shape (before zero3.initialize); the parameter keeps its shape and values")
-    raise ZeroStateError(
-        f"GatheredParameters(modifier_rank=...): {name} was given data of shape {new_shape} (its shape is "
-        f"{old_shape}) inside the context "
-        "(Hugging Face's resize_token_embeddings does this), after zero3.initialize: its optimizer state, "
-        "buffers and plans have the old size. Resize before zero3.initialize, inside "
-        "`with zero3.GatheredParameters([model.get_input_embeddings().weight, "
-        "model.get_output_embeddings().weight], modifier_rank=0):`; the parameter keeps its shape and values")
-
-
-def _owner(params: list[ZeroParameter]) -> RuntimeContext:
-    """The one context that drives ``params``; mixing models in one call is refused."""
-    ctx = params[0]._zero.ctx
-    for p in params[1:]:
-        if p._zero.ctx is not ctx:
-            raise ZeroConfigError(f"GatheredParameters got parameters of two different models or zero3.Init "
-                                  f"contexts ({params[0]._zero.name} and {p._zero.name}); gather each model's "
-                                  "parameters in their own context")
-    return ctx
-
-
-def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
-    """Declare that ``module``'s forward uses ``parameter``, which another module owns.
-
-    zero3 then gathers it with ``module`` (forward and backward). Accesses through another module's
-    attribute (``self.wte.weight``) inside a forward are detected automatically once the engine is
-    initialised; this call makes it explicit and works for any access path.
-    """
-    if not isinstance(parameter, nn.Parameter):
-        raise TypeError(f"register_external_parameter expects an nn.Parameter, got {type(parameter).__name__}")
-    ext = module.__dict__.setdefault("_external_params", {})
-    ext[id(parameter)] = parameter
-
-
-def external_parameters(module: nn.Module) -> list[nn.Parameter]:
-    return list(module.__dict__.get("_external_params", {}).values())
