@@ -45,9 +45,9 @@ def test_with_the_optimizer_state_on_nvme_state_dict_and_load_are_refused(tmp_pa
                                            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}})
     engine.backward(engine(*synthetic_batch(0, 2, CFG)))
     engine.step()
-    with pytest.raises(zero3.ZeroStateError, match=r"state_dict\(\) with offload_optimizer on NVMe.*save_checkpoint"):
+    with pytest.raises(zero3.ZeroStateError, match=r"state_dict\(\): with offload_optimizer on NVMe.*save_checkpoint"):
         opt.state_dict()
-    with pytest.raises(zero3.ZeroStateError, match=r"load_state_dict\(\) with offload_optimizer on NVMe.*nothing was"):
+    with pytest.raises(zero3.ZeroStateError, match=r"load_state_dict\(\): with offload_optimizer on NVMe.*nothing was"):
         opt.load_state_dict({"state": {}, "param_groups": opt.param_groups})
     engine.backward(engine(*synthetic_batch(1, 2, CFG)))
     assert engine.step()

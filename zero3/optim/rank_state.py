@@ -34,29 +34,12 @@ def tag_rank_state(optimizer: torch.optim.Optimizer, rank: int, world_size: int,
     ``state_dict()`` would hand out empty tensors: both calls are refused then."""
 
     def tag(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if on_drive:
-            raise ZeroStateError(
-                f"{type(opt).__name__}.state_dict() with offload_optimizer on NVMe: the optimizer state lives on "
-                "the drive between steps, so the state dict would hold empty tensors. Save with "
-                "engine.save_checkpoint (it reads the state from the drive) and resume with engine.load_checkpoint")
-        if _out_of_memory(v for entry in state_dict.get("state", {}).values() for v in entry.values()):
-            raise ZeroStateError(
-                f"{type(opt).__name__}.state_dict(): the optimizer state is out of memory (engine.offload_states "
-                "to NVMe), so the state dict would hold empty tensors; call engine.reload_states() first")
+        _refuse_out_of_memory(opt, "state_dict()", on_drive, state_dict.get("state", {}))
         state_dict[TAG] = {"rank": rank, "world_size": world_size}
         return state_dict
 
     def check(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if on_drive:
-            raise ZeroStateError(
-                f"{type(opt).__name__}.load_state_dict() with offload_optimizer on NVMe: the optimizer state lives "
-                "on the drive between steps, and a state loaded into memory would not reach it. Resume with "
-                "engine.load_checkpoint; nothing was loaded")
-        if _out_of_memory(v for entry in opt.state.values() for v in entry.values()):
-            raise ZeroStateError(
-                f"{type(opt).__name__}.load_state_dict(): the optimizer state is out of memory (engine.offload_states "
-                "to NVMe), and engine.reload_states() would bring back the old one over what is loaded now; call "
-                "engine.reload_states() first; nothing was loaded")
+        _refuse_out_of_memory(opt, "load_state_dict()", on_drive, opt.state)
         saved = state_dict.get(TAG)
         if saved is not None:
             if (saved.get("rank"), saved.get("world_size")) != (rank, world_size):
@@ -75,11 +58,26 @@ def tag_rank_state(optimizer: torch.optim.Optimizer, rank: int, world_size: int,
     optimizer.register_load_state_dict_pre_hook(check)
 
 
-def _out_of_memory(values: Any) -> bool:
-    """Whether a tensor among ``values`` has fewer bytes of storage than its elements need: its data
-    was moved to the drive (offload/states.py leaves such placeholders)."""
-    return any(isinstance(v, torch.Tensor) and v.untyped_storage().nbytes() < v.numel() * v.element_size()
-               for v in values)
+_WHY = {
+    "state_dict()": ("the state dict would hold empty tensors",
+                     "save with engine.save_checkpoint (it reads the state from the drive)"),
+    "load_state_dict()": ("a state loaded into memory would not reach it (engine.reload_states() would bring "
+                          "back the old one over it)", "resume with engine.load_checkpoint; nothing was loaded"),
+}
+
+
+def _refuse_out_of_memory(opt: torch.optim.Optimizer, call: str, on_drive: bool, state: Any) -> None:
+    """Refuse ``call`` while the state is on the drive: always under ``offload_optimizer`` nvme, or
+    while a tensor of ``state`` has fewer bytes of storage than its elements need (offload/states.py
+    leaves such placeholders when ``engine.offload_states`` moves the state to NVMe)."""
+    moved = not on_drive and any(isinstance(v, torch.Tensor) and v.untyped_storage().nbytes() < v.numel() * v.element_size()
+                                 for entry in state.values() for v in entry.values())
+    if on_drive or moved:
+        where = ("with offload_optimizer on NVMe, the optimizer state lives on the drive between steps" if on_drive
+                 else "the optimizer state is out of memory (engine.offload_states to NVMe; engine.reload_states() "
+                      "brings it back)")
+        why, how = _WHY[call]
+        raise ZeroStateError(f"{type(opt).__name__}.{call}: {where}, so {why}. {how[0].upper()}{how[1:]}")
 
 
 def _check_shapes(opt: torch.optim.Optimizer, state_dict: dict[str, Any], world_size: int) -> None:
