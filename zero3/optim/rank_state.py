@@ -58,26 +58,25 @@ def tag_rank_state(optimizer: torch.optim.Optimizer, rank: int, world_size: int,
     optimizer.register_load_state_dict_pre_hook(check)
 
 
-_WHY = {
-    "state_dict()": ("the state dict would hold empty tensors",
-                     "save with engine.save_checkpoint (it reads the state from the drive)"),
-    "load_state_dict()": ("a state loaded into memory would not reach it (engine.reload_states() would bring "
-                          "back the old one over it)", "resume with engine.load_checkpoint; nothing was loaded"),
-}
-
-
 def _refuse_out_of_memory(opt: torch.optim.Optimizer, call: str, on_drive: bool, state: Any) -> None:
     """Refuse ``call`` while the state is on the drive: always under ``offload_optimizer`` nvme, or
     while a tensor of ``state`` has fewer bytes of storage than its elements need (offload/states.py
     leaves such placeholders when ``engine.offload_states`` moves the state to NVMe)."""
     moved = not on_drive and any(isinstance(v, torch.Tensor) and v.untyped_storage().nbytes() < v.numel() * v.element_size()
                                  for entry in state.values() for v in entry.values())
-    if on_drive or moved:
-        where = ("with offload_optimizer on NVMe, the optimizer state lives on the drive between steps" if on_drive
-                 else "the optimizer state is out of memory (engine.offload_states to NVMe; engine.reload_states() "
-                      "brings it back)")
-        why, how = _WHY[call]
-        raise ZeroStateError(f"{type(opt).__name__}.{call}: {where}, so {why}. {how[0].upper()}{how[1:]}")
+    if not (on_drive or moved):
+        return
+    saving = call == "state_dict()"
+    if on_drive:
+        where = "with offload_optimizer on NVMe, the optimizer state lives on the drive between steps"
+        how = "Save with engine.save_checkpoint (it reads the state from the drive)" if saving else \
+            "Resume with engine.load_checkpoint"
+    else:
+        where = "the optimizer state is out of memory (engine.offload_states to NVMe)"
+        how = "Call engine.reload_states() first"
+    why = "the state dict would hold empty tensors" if saving else \
+        "a state loaded into memory would not reach it (or be overwritten when the state comes back)"
+    raise ZeroStateError(f"{type(opt).__name__}.{call}: {where}, so {why}. {how}" + ("" if saving else "; nothing was loaded"))
 
 
 def _check_shapes(opt: torch.optim.Optimizer, state_dict: dict[str, Any], world_size: int) -> None:
