@@ -78,8 +78,13 @@ def record_trace(model: nn.Module, make_inputs: Callable[[], Sequence[Any]], con
     afterwards. Call this where torch.distributed is not initialised (it would use the world group).
     """
     from .engine import initialize
+    from .runtime.context import meta_dry_run
 
-    engine = initialize(model, None, resolve_config(config))
+    token = meta_dry_run.set(True)  # a meta model is partitioned here: the trace needs no values
+    try:
+        engine = initialize(model, None, resolve_config(config))
+    finally:
+        meta_dry_run.reset(token)
     try:
         out = engine(*make_inputs())
         loss = loss_fn(out) if loss_fn is not None else _default_loss(out)

@@ -25,6 +25,7 @@ communicator, coordinator) for the parameters it partitions while a model is bui
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -130,6 +131,8 @@ class RuntimeContext:
     def partition(self, p: nn.Parameter, name: str, *, shard_device: torch.device | None = None,
                   dtype: torch.dtype | None = None) -> ZeroParameter:
         """Partition a plain parameter over this context's group; this context drives it."""
+        if p.is_meta and not meta_dry_run.get():
+            raise meta_refusal(name, nothing=False)
         conversion.install()  # model.to(...) and the like never convert a zero3 parameter
         zp = partition(p, name=name, world_size=self.world_size, rank=self.rank, group=self.group, ctx=self,
                        shard_device=shard_device, dtype=dtype)
@@ -284,6 +287,9 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         optimizer = build_optimizer(config.training.optimizer, model_parameters if model_parameters is not None
                                     else model.parameters())
     validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
+    meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None and not meta_dry_run.get():
+        raise meta_refusal(meta)
     config = config.for_world_size(group_info(group)[1])  # DeepSpeed's batch-size rule needs the world size
     _check_nvme_shards(model, config, PlacementPolicy.from_config(config))
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
@@ -354,6 +360,21 @@ def _refuse_plateau(scheduler: Any) -> None:
         raise ZeroConfigError("zero3.initialize got a ReduceLROnPlateau as lr_scheduler: it needs a metric at each "
                               "step (scheduler.step(val_loss)), which engine.step() does not have. Keep it out of "
                               "zero3.initialize and step it yourself after each evaluation")
+
+
+meta_dry_run: contextvars.ContextVar[bool] = contextvars.ContextVar("zero3_meta_dry_run", default=False)
+"""Set by ``zero3.plan.record_trace``: a dry run that partitions a meta model to record its trace
+(nothing is computed from values); everywhere else a meta parameter is refused (`meta_refusal`)."""
+
+
+def meta_refusal(name: str, nothing: bool = True) -> ZeroStateError:
+    """A meta parameter: refused (``nothing``: before anything was partitioned, else before this one)."""
+    return ZeroStateError(
+        f"parameter {name} is on the meta device (built under torch.device('meta')): zero3 partitions a "
+        "parameter's values, and a meta tensor has none. zero3.Init already builds a model without any rank "
+        "holding all of it: build it under `zero3.Init()` on a real device (each module is initialised, then "
+        "partitioned), or materialise it first (model.to_empty(device=...) and initialise the weights) and then "
+        "call zero3.initialize; " + ("nothing was partitioned" if nothing else "it was not partitioned"))
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -53,7 +53,7 @@ from ..comm.agreement import agree_on_config
 from ..comm.communicator import Kind, Tag
 from ..comm.process_group import ensure_default_group
 from ..config import ZeroConfig, resolve_config
-from .context import RuntimeContext
+from .context import RuntimeContext, meta_refusal
 from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import data_parallel_group as mpu_data_parallel_group
 from ..comm.model_parallel import model_parallel_group
@@ -225,6 +225,9 @@ class Init:
 
     def _partition_built(self, module: nn.Module) -> None:
         """``Init(module=m)``: partition a built module; rank 0's values win (a broadcast each)."""
+        meta = next((n for n, p in module.named_parameters() if p.is_meta), None)
+        if meta is not None:  # before any is partitioned (RuntimeContext.partition refuses one by one)
+            raise meta_refusal(meta)
         state = self._state()
         state.sync = "broadcast"
         _partition_module(module, state, recurse=True)

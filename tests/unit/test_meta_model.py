@@ -1,0 +1,42 @@
+"""A model built on the meta device has no values to partition: ``zero3.initialize``, ``Init(module=)``
+and ``zero3.Init`` under ``torch.device("meta")`` refuse it, naming ``zero3.Init`` on a real device
+and materialising first. Before, ``initialize`` partitioned meta shards without a word and Init failed
+inside a torch operator with no meta kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero3
+from gpt import GPT, GPTConfig, synthetic_batch
+
+CFG = GPTConfig(block_size=16, n_layer=2, n_embd=32, n_head=2)
+
+
+def _meta() -> torch.nn.Module:
+    with torch.device("meta"):
+        return GPT(CFG)
+
+
+def test_initialize_refuses_a_meta_model_before_partitioning_anything():
+    model = _meta()
+    with pytest.raises(zero3.ZeroStateError, match=r"wte.weight is on the meta device.*zero3.Init.*nothing was"):
+        zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {})
+    assert not any(zero3.is_partitioned(p) for p in model.parameters())
+    model.to_empty(device="cpu")  # the way out named: materialise, initialise, then initialize
+    torch.manual_seed(0)
+    model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {})
+    engine.backward(engine(*synthetic_batch(0, 2, CFG)))
+    assert engine.step()
+
+
+def test_init_refuses_meta_parameters():
+    model = _meta()
+    with pytest.raises(zero3.ZeroStateError, match=r"wte.weight is on the meta device.*nothing was partitioned"):
+        zero3.Init(module=model)
+    assert not any(zero3.is_partitioned(p) for p in model.parameters())
+    with pytest.raises(zero3.ZeroStateError, match=r"Embedding.weight is on the meta device.*it was not partitioned"):
+        with torch.device("meta"), zero3.Init():
+            GPT(CFG)
