@@ -131,8 +131,6 @@ class RuntimeContext:
     def partition(self, p: nn.Parameter, name: str, *, shard_device: torch.device | None = None,
                   dtype: torch.dtype | None = None) -> ZeroParameter:
         """Partition a plain parameter over this context's group; this context drives it."""
-        if p.is_meta and not meta_dry_run.get():
-            raise meta_refusal(name, nothing=False)
         conversion.install()  # model.to(...) and the like never convert a zero3 parameter
         zp = partition(p, name=name, world_size=self.world_size, rank=self.rank, group=self.group, ctx=self,
                        shard_device=shard_device, dtype=dtype)
@@ -364,17 +362,19 @@ def _refuse_plateau(scheduler: Any) -> None:
 
 meta_dry_run: contextvars.ContextVar[bool] = contextvars.ContextVar("zero3_meta_dry_run", default=False)
 """Set by ``zero3.plan.record_trace``: a dry run that partitions a meta model to record its trace
-(nothing is computed from values); everywhere else a meta parameter is refused (`meta_refusal`)."""
+(nothing is computed from values); ``initialize`` refuses a meta parameter otherwise (`meta_refusal`)."""
 
 
-def meta_refusal(name: str, nothing: bool = True) -> ZeroStateError:
-    """A meta parameter: refused (``nothing``: before anything was partitioned, else before this one)."""
+def meta_refusal(name: str) -> ZeroStateError:
+    """A meta parameter given to ``initialize`` or ``Init(module=)``: refused before anything is
+    partitioned. Inside an ``Init`` block one is partitioned as it comes (transformers'
+    ``from_pretrained`` builds on meta, then registers the loaded weights in place of those)."""
     return ZeroStateError(
         f"parameter {name} is on the meta device (built under torch.device('meta')): zero3 partitions a "
         "parameter's values, and a meta tensor has none. zero3.Init already builds a model without any rank "
         "holding all of it: build it under `zero3.Init()` on a real device (each module is initialised, then "
         "partitioned), or materialise it first (model.to_empty(device=...) and initialise the weights) and then "
-        "call zero3.initialize; " + ("nothing was partitioned" if nothing else "it was not partitioned"))
+        "call zero3.initialize; nothing was partitioned")
 
 
 def _device_of(model: nn.Module) -> torch.device:

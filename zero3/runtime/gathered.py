@@ -146,13 +146,13 @@ _FINGERPRINT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.
 
 def _fingerprints(params: list[ZeroParameter]) -> torch.Tensor:
     """The sum of each parameter's bit patterns (as integers: exact, and equal only for equal data in
-    practice); read once at entry and once at exit ([Note: writes that GatheredParameters discards])."""
-    sums = []
-    for p in params:
-        data = raw_data(p)
-        bits = data.contiguous().view(_FINGERPRINT_DTYPES.get(data.element_size(), torch.uint8))
-        sums.append(bits.sum(dtype=torch.int64).reshape(1).cpu() if bits.numel() else torch.zeros(1, dtype=torch.int64))
-    return torch.cat(sums)
+    practice); read once at entry and once at exit ([Note: writes that GatheredParameters discards]).
+    One copy to the host for all of them (one synchronisation on CUDA)."""
+    sums = [raw_data(p).contiguous().view(_FINGERPRINT_DTYPES.get(raw_data(p).element_size(), torch.uint8))
+            .sum(dtype=torch.int64) for p in params]
+    if len({s.device for s in sums}) == 1:
+        return torch.stack(sums).cpu()
+    return torch.stack([s.cpu() for s in sums])
 
 
 def _written(params: list[ZeroParameter], before: torch.Tensor, published: list[int]) -> list[ZeroParameter]:
