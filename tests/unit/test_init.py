@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -245,6 +246,34 @@ def test_gathered_parameters_without_modifier_rank_refuses_a_discarded_write(ini
     assert m.bias.ds_status is ParamStatus.NOT_AVAILABLE
     assert torch.equal(_gathered(m.weight), ref.weight.detach())
     assert torch.equal(_gathered(m.bias), ref.bias.detach())
+
+
+@settings(max_examples=40, deadline=None)
+@given(writes=st.lists(st.tuples(st.sampled_from(["weight", "bias"]), st.integers(0, 11),
+                                 st.sampled_from([0.0, 1.0, -2.5, 1e-30])), max_size=3))
+def test_a_read_only_context_raises_exactly_when_a_value_it_gathered_changed(writes):
+    """Invariant ([Note: writes that GatheredParameters discards]): without modifier_rank the exit
+    raises if and only if some element of a parameter the context gathered holds another value than
+    on entry (a write of the same value, or of +0.0 over +0.0, changes nothing), and either way the
+    shards keep their values."""
+    torch.manual_seed(0)
+    with zero3.Init():
+        m = nn.Linear(4, 3)
+    before = {n: _gathered(p).clone() for n, p in m.named_parameters()}
+    changed = False
+    try:
+        with zero3.GatheredParameters(list(m.parameters())), torch.no_grad():
+            for name, index, delta in writes:
+                flat = getattr(m, name).data.view(-1)
+                flat[index % flat.numel()] += delta
+            changed = any(not torch.equal(p.data.view(torch.int32), before[n].view(torch.int32))
+                          for n, p in m.named_parameters())
+    except ZeroStateError as exc:
+        assert changed and "without modifier_rank" in str(exc)
+    else:
+        assert not changed
+    for n, p in m.named_parameters():
+        assert torch.equal(_gathered(p), before[n])
 
 
 def test_gathered_parameters_without_modifier_rank_reads_and_nested_publishes_pass(init_linear):
