@@ -74,7 +74,7 @@ class FailureMonitor:
                 lines.append(f"rank {r} reported nothing: it stopped taking part (returned early, is stuck in its "
                              "own code, or died), or this rank ran a collective the others did not (under "
                              "`if rank == 0:`, a forward, save_checkpoint or a consolidated state dict: run it on "
-                             "every rank)")
+                             "every rank; a Hugging Face generate() needs synced_gpus=True)")
         limit = f"collective_timeout={self.timeout_s:g} s" if self.timeout_s > 0 else "the process group's timeout"
         raise ZeroCommunicationError(
             f"rank {self.rank} waited in {where} and not every rank took part within {limit}: "
