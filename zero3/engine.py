@@ -12,6 +12,7 @@ import copy
 import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import Any, Iterator
 
 import torch
@@ -583,6 +584,28 @@ def save_16bit_model(engine: Engine, path: str, exclude_frozen_parameters: bool 
     return True
 
 
+def _clip_context(target: Any) -> RuntimeContext:
+    """The engine `clip_grad_norm_` clips: of an engine or model, or of parameters (torch's habit,
+    ``model.parameters()``) that include every trainable parameter of one engine. A part of them
+    (a single tensor, a layer's) is refused: the clip is by the norm over all of the engine's."""
+    if isinstance(target, (Engine, nn.Module)) or not isinstance(target, (torch.Tensor, Iterable)):
+        return context_of(target, "clip_grad_norm_")
+    params = [target] if isinstance(target, torch.Tensor) else list(target)
+    ctxs = {id(p._zero.ctx): p._zero.ctx for p in params if isinstance(p, ZeroParameter)}
+    ctx = next(iter(ctxs.values())) if len(ctxs) == 1 else None
+    if ctx is None or ctx.module is None or not all(isinstance(p, ZeroParameter) for p in params):
+        raise ZeroStateError("clip_grad_norm_ got parameters that are not all zero3 parameters of one engine: "
+                             "pass the engine or the model given to zero3.initialize")
+    trainable = {id(p) for p in ctx.params if p.requires_grad}
+    given = trainable & {id(p) for p in params}
+    if len(given) < len(trainable):
+        raise ZeroStateError(
+            f"zero3.clip_grad_norm_ clips by the global norm over every gradient of the engine, and got {len(given)} "
+            f"of its {len(trainable)} trainable parameters: pass the engine, the model or model.parameters() "
+            "(clipping a part of them is not supported); nothing was clipped")
+    return ctx
+
+
 def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradient shards by the global norm over all ranks; returns that norm.
 
@@ -597,7 +620,7 @@ def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.
         ZeroStateError: not an engine or initialised model; or called before the last micro-batch
             of a ``gradient_accumulation_steps`` window.
     """
-    ctx = context_of(engine_or_model, "clip_grad_norm_")
+    ctx = _clip_context(engine_or_model)
     ctx.require_states("clip_grad_norm_", ("lp_grads",))
     ctx.finish_gradients()
     n = ctx.config.training.gradient_accumulation_steps

@@ -198,3 +198,25 @@ def test_param_grad_of_a_parameter_kept_gathered_is_refused_too(how):
     engine.backward(loss)
     engine.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_zero3_clip_grad_norm_takes_model_parameters_and_refuses_a_part():
+    """torch's habit, ``clip_grad_norm_(model.parameters(), ...)``, works with zero3's function; a
+    single tensor or one layer's parameters used to clip the whole engine (torch would clip only
+    them): refused, nothing clipped."""
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 0})
+    x, y = synthetic_batch(0, 2, CFG)
+    engine.backward(engine(x, y))
+    ref(x, y).backward()
+    for part in (model.wte.weight, list(model.h[0].parameters())):
+        with pytest.raises(ZeroStateError, match=r"got \d+ of its \d+ trainable parameters.*nothing was clipped"):
+            zero3.clip_grad_norm_(part, 0.5)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)  # nothing was clipped before: same norm
+    got = zero3.clip_grad_norm_(model.parameters(), 0.5)
+    assert want > 0.5 and torch.allclose(got, want, rtol=1e-5), (got, want)
+    with pytest.raises(ZeroStateError, match="not all zero3 parameters of one engine"):
+        zero3.clip_grad_norm_(list(ref.parameters()), 0.5)
