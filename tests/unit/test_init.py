@@ -408,3 +408,18 @@ def test_parent_using_a_child_weight_directly_trains_like_the_reference():
                               {"param_persistence_threshold": 0})
     _train_pair(ref, model, engine)
     assert all(p.ds_status is ParamStatus.NOT_AVAILABLE for p in model.parameters())
+
+
+def test_a_published_change_to_an_aliased_bf16_parameter_reaches_its_master():
+    """World size 1, a persistent parameter's full data is its shard: a change published by
+    ``GatheredParameters(modifier_rank=0)`` is already in the shard, and the fp32 master must follow
+    (it kept the old weights, which the next step wrote back)."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 4)
+    engine = zero3.initialize(m, torch.optim.SGD(m.parameters(), lr=0.0), {"dtype": "bf16"})
+    assert m.weight._zero.aliased and m.weight._zero.master is not None
+    with zero3.GatheredParameters([m.weight], modifier_rank=0), torch.no_grad():
+        m.weight.fill_(1.0)
+    engine.backward(engine(torch.randn(2, 4).bfloat16()).float().sum())
+    engine.step()
+    assert bool((zero3.safe_get_full_fp32_param(m.weight) == 1).all()) and bool((m.weight == 1).all())

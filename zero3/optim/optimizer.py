@@ -196,7 +196,6 @@ class PartitionedOptimizer:
         self.comm_device = self.params[0].data.device if self.params else torch.device("cpu")
         self._unscaled = False  # fp16: this window's gradients were already unscaled (by clipping)
         self._overflow = False  # ... and whether some rank saw inf/nan then
-        self._scaled_backward = False  # fp16: engine.backward scaled a loss in this window
         self.in_scaled_backward = False  # fp16: engine.backward's loss.backward() is running
         self._last_overflow = False
         self.global_grad_norm: torch.Tensor | None = None  # what the last clipping computed (no sync to read it here)
@@ -329,7 +328,6 @@ class PartitionedOptimizer:
             raise ZeroStateError(
                 "backward after clip_grad_norm_ in the same accumulation window: the gradients were already "
                 "unscaled. Clip once per optimizer step, after the last micro-batch's backward")
-        self._scaled_backward = True
         return loss.float() * self.scaler.scale
 
     @contextlib.contextmanager
@@ -372,10 +370,6 @@ class PartitionedOptimizer:
         if self.scaler is None or self._unscaled:
             return self._overflow
         grads = self.grads()
-        if grads and not self._scaled_backward:
-            raise ZeroStateError(
-                "fp16 training needs engine.backward(loss): it multiplies the loss by the loss scale before "
-                "backward. Replace loss.backward() by engine.backward(loss)")
         found = unscale_(grads, 1.0 / self.scaler.scale) if grads else torch.zeros(1)
         flag = found.to(self.comm_device)
         self.comm.all_reduce(flag, Tag(Kind.ALL_REDUCE, "fp16 overflow check"), op="max")
@@ -516,7 +510,7 @@ class PartitionedOptimizer:
             t = p._zero.train_tensor
             if t.grad is not None:
                 t.grad = None
-        self._unscaled = self._overflow = self._scaled_backward = False
+        self._unscaled = self._overflow = False
 
     # -- accounting ------------------------------------------------------------------------------
     def shard_bytes(self) -> int:

@@ -552,8 +552,15 @@ def update_shard_from_full(p: ZeroParameter) -> bool:
     """After the full data may have been modified (``GatheredParameters(modifier_rank=...)``), make
     this rank's shard (and master) match it; returns whether the shard changed. A shard that already
     holds those values keeps its master as it is, so a context that changes nothing leaves an fp32
-    master (finer than a bf16 shard) bit-identical. Both must be in memory (``RuntimeContext.resident``)."""
+    master (finer than a bf16 shard) bit-identical. An aliased parameter's full data is its shard, so
+    a write there is already in the shard: its master follows when it no longer rounds to the shard.
+    Both must be in memory (``RuntimeContext.resident``)."""
     z = p._zero
+    if z.aliased:
+        if z.master is None or torch.equal(z.master.to(z.shard.dtype), z.shard):
+            return False
+        z.master.copy_(z.shard)
+        return True
     new = sharding.shard_tensor(raw_data(p), z.world_size, z.rank).to(z.shard.device)
     if new.dtype == z.shard.dtype and torch.equal(new, z.shard):
         return False

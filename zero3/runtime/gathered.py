@@ -127,15 +127,7 @@ class GatheredParameters:
                 n = raw_data(p).numel()
                 raw_data(p).view(-1).copy_(flat[off: off + n])
                 off += n
-        for p in self.params:
-            _published[p._zero.id] = _published.get(p._zero.id, 0) + 1
-        with ctx.resident(self.params, write=True):  # shards read in too: unchanged ones are left alone
-            for p in self.params:
-                if p._zero.id in reshaped:
-                    repartition(ctx, p)  # [Note: a new shape before initialize]
-                else:
-                    update_shard_from_full(p)
-        ctx.coordinator.drop_secondaries(self.params)  # all of them, on every rank: the same hpZ split
+        _into_shards(ctx, self.params, reshaped)
 
 
 _published: dict[int, int] = {}
@@ -170,19 +162,24 @@ def write_back_loaded(ctx: RuntimeContext, module: nn.Module, incompatible_keys:
     ``zero3.pretrained.load_state_dict`` loads those)."""
     params = [p for p in dict.values(module._parameters) if isinstance(p, ZeroParameter)
               and p._zero.ctx is ctx and p._zero.status is ParamStatus.AVAILABLE]
-    if not params:
-        return
-    ctx.comm.shards_will_change()
-    with ctx.resident(params, write=True):
+    if params:
+        ctx.comm.shards_will_change()
+        _into_shards(ctx, params)
+
+
+def _into_shards(ctx: RuntimeContext, params: list[ZeroParameter], reshaped: frozenset[int] | set[int] = frozenset()
+                 ) -> None:
+    """The gathered full data of ``params`` (the same on every rank) is their new value: this rank's
+    shards and masters take it (those in ``reshaped``, by ``ds_id``, are partitioned anew), and a
+    context without ``modifier_rank`` around this does not take it for a discarded write."""
+    with ctx.resident(params, write=True):  # shards read in too: unchanged ones are left alone
         for p in params:
-            z = p._zero
-            changed = update_shard_from_full(p)
-            if not changed and z.aliased and z.master is not None and not torch.equal(z.master.to(z.shard.dtype), z.shard):
-                z.master.copy_(z.shard)  # world size 1: the full data is the shard, already written
-                changed = True
-            if changed:
-                _published[z.id] = _published.get(z.id, 0) + 1
-    ctx.coordinator.drop_secondaries(params)
+            _published[p._zero.id] = _published.get(p._zero.id, 0) + 1
+            if p._zero.id in reshaped:
+                repartition(ctx, p)  # [Note: a new shape before initialize]
+            else:
+                update_shard_from_full(p)
+    ctx.coordinator.drop_secondaries(params)  # all of them, on every rank: the same hpZ split
 
 
 def repartition(ctx: RuntimeContext, p: ZeroParameter) -> None:
