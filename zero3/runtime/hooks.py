@@ -111,6 +111,7 @@ from .leaf import is_leaf
 from ..partition.param import PartitionedParameter, ZeroParameter
 from ..planning.trace import EventKind
 from .step import StepLifecycle, StepPhase
+from .trainable import FrozenAtInstall
 
 logger = logging.getLogger(__name__)
 
@@ -310,6 +311,7 @@ class ModuleHooks:
         self._resident_calls = 0  # root calls open in a resident decode forward ([Note: resident decode forwards])
         self._steps_ended = 0  # ends of step so far ([Note: a second backward])
         self._submodule_hooks = _SubmoduleHooks()
+        self._frozen = FrozenAtInstall(())  # [Note: unfreezing after initialize]
 
     # -- install / remove -----------------------------------------------------------------------
     def install(self, model: nn.Module) -> None:
@@ -351,6 +353,7 @@ class ModuleHooks:
                     holders[id(p)] = holders.get(id(p), 0) + 1
         self._owner = {id(p): rec for rec in self._records.values() if rec.leaf is None
                        for p in dict.values(rec.module._parameters) if p is not None and holders[id(p)] == 1}
+        self._frozen = FrozenAtInstall(p for p in model.parameters() if isinstance(p, ZeroParameter))
         seen: set[int] = set()
         for p in model.parameters():
             if id(p) in seen or not p.requires_grad:
@@ -451,6 +454,8 @@ class ModuleHooks:
             # once per step, not per module
             self.ctx.require_states(f"a forward of {rec.name or 'the model'}",
                                     self.ctx.forward_needs(torch.is_grad_enabled()))
+            if self._frozen.params and torch.is_grad_enabled():
+                self._frozen.check()
             self.step.enter(_FORWARD)
         if rec.leaf is not None and self.step.phase is _FORWARD:
             rec.leaf.calls += 1
