@@ -274,6 +274,19 @@ class _PostBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
+def refuse_copy(module: Any) -> ZeroStateError:
+    """``copy.deepcopy`` or pickle of a model zero3 manages: its hooks hold the engine and its process
+    group, and its parameters are shards, so the copy could not work; the error names what does."""
+    what = type(module).__name__ if module is not None else "a module"
+    return ZeroStateError(
+        f"cannot deepcopy or pickle {what}: zero3 manages it (its hooks hold the engine and its process group, "
+        "and its parameters are shards). For a second copy (an EMA, a reference model), build another "
+        "instance under zero3.Init, give it an engine of its own (zero3.initialize(copy, None, config)) and "
+        "copy the weights shard by shard with zero3.safe_get_local_fp32_param and safe_set_local_fp32_param "
+        "(docs/api.md, 'A second copy of a model'); to save it, use engine.save_checkpoint() or "
+        "engine.consolidated_state_dict(); or deep-copy it before zero3.Init/initialize")
+
+
 class _ParamDict(dict):
     """``module._parameters`` replacement that notices another module's partitioned param in use."""
 
@@ -285,9 +298,15 @@ class _ParamDict(dict):
             self.hooks._on_access(p)
         return p
 
+    def __reduce_ex__(self, protocol: Any) -> Any:  # copy.deepcopy and pickle reach it first in a module
+        raise refuse_copy(self.owner)
+
 
 class ModuleHooks:
     """Installs and owns every hook zero3 puts on a model; `remove` takes them all off again."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise refuse_copy(self.root)
 
     def __init__(self, ctx: RuntimeContext) -> None:
         assert ctx.reducer is not None, "hooks need a context with a gradient reducer"
