@@ -255,6 +255,16 @@ class Engine:
         or the hooks timed one (``backward_seconds`` grows only then; the metrics restart each step)."""
         return self.hooks.phase is StepPhase.BACKWARD or self.context.metrics.backward_seconds > 0.0
 
+    def no_sync(self) -> Any:
+        """DDP's switch for skipping the gradient reduction of a micro-batch: refused, as DeepSpeed
+        refuses it under ZeRO-3 (the full gradients would have to stay until the window ends)."""
+        raise ZeroConfigError(
+            "engine.no_sync(): zero3 reduces each micro-batch's gradients into shards as its backward goes; "
+            "skipping that would keep every full gradient until the window ends, which sharding exists to "
+            "avoid. Drop the no_sync(): a backward per micro-batch and one step at the end accumulate in "
+            "the shards to DDP's gradients (or set gradient_accumulation_steps and call engine.step() after "
+            "every micro-batch: it steps at the window's end)")
+
     def __iter__(self) -> Iterator[Any]:
         raise TypeError("zero3.initialize returns the engine alone, not a tuple; for DeepSpeed's 4-tuple "
                         "(engine, optimizer, dataloader, lr_scheduler) use zero3.deepspeed.initialize")
@@ -468,33 +478,35 @@ class Engine:
         ``memory_budget`` chose and why), or None (everything, the budget's choice first).
         Steps that fell back to on-demand fetching (no trace yet, or a divergence) say so.
         """
-        return self.coordinator.explain(self._resolve_target(target))
+        return self.coordinator.explain(_explain_target(self, target))
 
     def export_trace(self, path: str) -> None:
         """Write the last step's trace: ``.json`` (replayable by ``python -m zero3.plan``), ``.graphml``
         or ``.dot`` (the module graph)."""
         self.coordinator.export_trace(path)
 
-    def _resolve_target(self, target: Any) -> tuple[str, Any]:
-        if target is None:
-            return ("all", None)
-        if isinstance(target, ZeroParameter):
-            return ("param", target._zero.id)
-        if isinstance(target, nn.Module):
-            for name, m in self.module.named_modules():
-                if m is target:
-                    return ("module", name)
-            raise ZeroConfigError("explain(): that module is not part of this engine's model")
-        if isinstance(target, str):
-            for p in self.params:
-                if p._zero.name == target:
-                    return ("param", p._zero.id)
-            if target in dict(self.module.named_modules()):
-                return ("module", target)
-            if target == "budget":
-                return ("budget", None)
-            raise ZeroConfigError(f"explain(): no parameter or module named {target!r}")
-        raise ZeroConfigError(f"explain() takes a parameter, module, name or None, got {type(target).__name__}")
+
+def _explain_target(engine: Engine, target: Any) -> tuple[str, Any]:
+    """What ``engine.explain(target)`` asks about, as the coordinator names it."""
+    if target is None:
+        return ("all", None)
+    if isinstance(target, ZeroParameter):
+        return ("param", target._zero.id)
+    if isinstance(target, nn.Module):
+        for name, m in engine.module.named_modules():
+            if m is target:
+                return ("module", name)
+        raise ZeroConfigError("explain(): that module is not part of this engine's model")
+    if isinstance(target, str):
+        for p in engine.params:
+            if p._zero.name == target:
+                return ("param", p._zero.id)
+        if target in dict(engine.module.named_modules()):
+            return ("module", target)
+        if target == "budget":
+            return ("budget", None)
+        raise ZeroConfigError(f"explain(): no parameter or module named {target!r}")
+    raise ZeroConfigError(f"explain() takes a parameter, module, name or None, got {type(target).__name__}")
 
 
 def initialize(model: nn.Module | None = None, optimizer: Any = None, config: Any = None, group: Any = None, *,

@@ -38,6 +38,25 @@ def test_unpacking_zero3_initialize_like_deepspeed_says_where_the_tuple_is():
         engine, optimizer, _, scheduler = zero3.initialize(_model(), config=ADAMW)  # noqa: F841
 
 
+def test_no_sync_is_refused_naming_the_accumulation_that_works():
+    """DDP's ``with model.no_sync():`` (DeepSpeed refuses it under ZeRO-3 too); the loop the message
+    names, a backward per micro-batch and one step, equals torch's accumulation."""
+    engine = zero3.initialize(_model(), config=ADAMW)
+    ref = _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with pytest.raises(ZeroConfigError, match="no_sync.*Drop the no_sync"):
+        engine.no_sync()
+    for seed in (0, 1):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(seed))
+        engine.backward(engine(x).pow(2).mean() / 2)
+        (ref(x).pow(2).mean() / 2).backward()
+    engine.step()
+    ref_opt.step()
+    for p, q in zip(engine.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(zero3.safe_get_full_fp32_param(p), q.detach(), rtol=0, atol=1e-6)
+    engine.remove_hooks()
+
+
 def test_deepspeed_initialize_returns_the_4_tuple():
     engine, optimizer, loader, scheduler = deepspeed.initialize(model=_model(), config=ADAMW)
     assert isinstance(engine, zero3.Engine) and optimizer is engine.sharded_optimizer and loader is None
