@@ -398,6 +398,7 @@ class Engine:
         """Take every hook off (a step in the middle ends aborted); parameters stay partitioned until
         gathered."""
         self.hooks.remove()
+        foreign_optimizers.release(self.module)
         self.context.coordinator.persistent_params.unmark()
         self.module.__dict__.pop("_zero3_context", None)
 
@@ -566,6 +567,7 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
                               "section): a schedule needs an optimizer to set the lr of")
     engine = Engine(model, optimizer, config, group, communicator, model_parameters, lr_scheduler, mpu)
     foreign_optimizers.install()  # an optimizer over the parameters themselves steps nothing: refused
+    foreign_optimizers.manage(engine.module)  # ... and one over a plain parameter of this model drifts: refused
     if config.activation_checkpointing is not None:
         if checkpointing.is_configured():
             logger.info("zero3: activation checkpointing was configured before initialize; its settings stand "

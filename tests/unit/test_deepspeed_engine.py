@@ -241,10 +241,23 @@ def test_an_optimizer_over_the_partitioned_parameters_themselves_is_refused_at_i
     opt.step()
     with zero3.Init():
         late = nn.Linear(2, 2)
-    opt.add_param_group({"params": list(late.parameters())})  # partitioned ones may not
-    model(torch.ones(2, 8)).sum().backward()
-    with pytest.raises(ZeroStateError, match="holds 2 zero3-partitioned parameters.*add_param_group"):
-        opt.step()
+    groups = len(opt.param_groups)
+    with pytest.raises(ZeroStateError, match=r"add_param_group\(\) after zero3.initialize with a zero3 parameter"):
+        opt.add_param_group({"params": late.parameters()})  # partitioned ones may not
+    assert len(opt.param_groups) == groups
+    model.head = nn.Linear(4, 2)  # a module added after initialize: not partitioned
+    with pytest.raises(ZeroStateError, match=r"'head.weight' \(2, 4\) is a parameter of a model zero3 manages"):
+        opt.add_param_group({"params": model.head.parameters()})
+    assert len(opt.param_groups) == groups
+    head_opt = torch.optim.SGD(model.head.parameters(), lr=0.1)  # its own optimizer drifts across ranks too
+    model(torch.ones(2, 8)).sum().backward()  # the Sequential now ends in it
+    w = model.head.weight.detach().clone()
+    with pytest.raises(ZeroStateError, match=r"SGD.step\(\): 'head.weight'.*drift apart.*Nothing was stepped"):
+        head_opt.step()
+    assert torch.equal(w, model.head.weight)
+    engine.remove_hooks()  # no longer managed: torch's rules
+    head_opt.step()
+    assert not torch.equal(w, model.head.weight)
 
 
 def test_optimizer_step_inside_an_accumulation_window_is_refused_and_engine_step_counts_it():

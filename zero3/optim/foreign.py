@@ -6,6 +6,12 @@ gradient into a shard's ``.grad``, never into ``param.grad``. An optimizer built
 optimizer) or never passed to it holds the parameters instead: its ``step()`` finds no gradient on a
 parameter kept gathered and changes nothing, silently. torch calls every optimizer's global step
 pre-hooks, so one hook, registered once per process, catches it at the first step.
+
+The same hook refuses a plain parameter of a model zero3 manages (a module added after
+``initialize``: its parameters are not partitioned): no hook averages its gradient across ranks, so
+each rank would step its own copy and the ranks would drift apart, silently. The optimizer zero3
+steps refuses either kind in ``add_param_group``, when it is called (`guard_groups`): its groups
+hold the shards set up at ``initialize``.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from ..partition.param import ZeroParameter
 
 _installed = False
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]]" = weakref.WeakKeyDictionary()
+_managed: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # models zero3's hooks are on
 
 
 def install() -> None:
@@ -29,6 +36,38 @@ def install() -> None:
     if not _installed:
         register_optimizer_step_pre_hook(_before_step)
         _installed = True
+
+
+def manage(model: torch.nn.Module) -> None:
+    """zero3's hooks are on ``model`` (until `release`): a plain parameter of it in an optimizer is refused."""
+    _managed.add(model)
+
+
+def release(model: torch.nn.Module) -> None:
+    _managed.discard(model)
+
+
+def guard_groups(optimizer: torch.optim.Optimizer) -> None:
+    """From now on ``optimizer.add_param_group`` refuses, before adding anything, a zero3 parameter (the
+    optimizer's groups hold shards set up at ``initialize``) or a plain parameter of a managed model;
+    other plain parameters join as in torch."""
+    original = optimizer.add_param_group
+
+    def add_param_group(param_group: dict[str, Any]) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        zp = next((p for p in params if isinstance(p, ZeroParameter)), None)
+        if zp is not None:
+            raise ZeroStateError(
+                f"{type(optimizer).__name__}.add_param_group() after zero3.initialize with a zero3 parameter "
+                f"({zp._zero.name or zp._zero.summary()}): zero3 steps this optimizer over the shards it set up at "
+                "initialize, and this one would get no gradient. Put every parameter to train in the optimizer "
+                "before zero3.initialize; a param group with lr=0 holds some until you raise its lr. Nothing "
+                "was added")
+        _refuse_plain(f"{type(optimizer).__name__}.add_param_group()", params, "added")
+        original(dict(param_group, params=params))
+
+    optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -40,7 +79,25 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         for p in g["params"]:
             if isinstance(p, ZeroParameter):
                 _refuse(optimizer, p, sum(isinstance(q, ZeroParameter) for h in groups for q in h["params"]))
+    if _managed:
+        _refuse_plain(f"{type(optimizer).__name__}.step()", [p for g in groups for p in g["params"]], "stepped")
     _checked[optimizer] = shape
+
+
+def _refuse_plain(what: str, params: list[Any], verb: str) -> None:
+    """Refuse a plain (unpartitioned) parameter of a model zero3 manages among ``params``."""
+    held = {id(p) for p in params if not isinstance(p, ZeroParameter)}
+    if not held:
+        return
+    for model in list(_managed):
+        for name, p in model.named_parameters():
+            if id(p) in held:
+                raise ZeroStateError(
+                    f"{what}: {name!r} {tuple(p.shape)} is a parameter of a model zero3 manages that is not "
+                    "partitioned (its module was added after zero3.initialize). No hook averages its gradient "
+                    "across ranks, so each rank would step its own copy and the ranks would drift apart. Add "
+                    "the module before zero3.initialize (initialize partitions it and it trains with the "
+                    f"others). Nothing was {verb}")
 
 
 def _refuse(optimizer: torch.optim.Optimizer, p: ZeroParameter, count: int) -> None:

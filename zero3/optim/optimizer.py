@@ -65,6 +65,7 @@ from ..offload.residence import ShardStore
 from ..partition.param import ZeroParameter
 from .agreed_step import AgreedStep, StepParts
 from .backward_step import BackwardStep
+from .foreign import guard_groups
 from .rank_state import tag_rank_state
 from .routed_step import torch_step
 from .streamed import SubgroupStreamer
@@ -208,6 +209,7 @@ class PartitionedOptimizer:
             self.optimizer = shard_optimizer(optimizer, self.params)
         if isinstance(self.optimizer, torch.optim.Optimizer):  # its state_dict() is this rank's shard of it
             tag_rank_state(self.optimizer, comm.rank, comm.world_size, on_drive=self.states is not None)
+            guard_groups(self.optimizer)  # its groups hold the shards: add_param_group is refused
         by_train = {id(p._zero.train_tensor): p for p in self.params}
         self.group_params = [[by_train[id(t)] for t in g["params"] if id(t) in by_train]
                              for g in self.optimizer.param_groups]
