@@ -124,6 +124,12 @@ class TrainingConfig:
     experts: every expert is gathered when the layer runs and reduced, zeros where no token went, so
     ranks that route differently issue the same collectives). See ``zero3.set_leaf_modules``."""
 
+    broadcast_buffers: bool = False
+    """DDP's option: every forward with gradients first takes rank 0's module buffers (BatchNorm's
+    running statistics), so they, and eval outputs, are the same on every rank. Off, as in DeepSpeed
+    and FSDP2: each rank's buffers follow its own batches (``initialize`` gives every rank rank 0's
+    buffers either way). runtime/buffers.py."""
+
     def __post_init__(self) -> None:
         if isinstance(self.leaf_modules, list):
             object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))

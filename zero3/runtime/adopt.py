@@ -14,7 +14,6 @@ import logging
 from typing import Sequence
 
 import torch
-from torch import nn
 
 from ..comm.communicator import Communicator, Kind, Tag
 
@@ -24,25 +23,26 @@ BUCKET_NUMEL = 1 << 25
 """Elements one broadcast carries at most (128 MiB of fp32); a larger parameter goes alone, in place."""
 
 
-def take_from_rank0(comm: Communicator, params: Sequence[tuple[str, nn.Parameter]]) -> None:
-    """Overwrite ``params``' values with rank 0's (a collective: every rank passes its parameters in
-    the same order). Meta tensors hold no values and are left alone. Logs one INFO line on rank 0."""
+def take_from_rank0(comm: Communicator, params: Sequence[tuple[str, torch.Tensor]], what: str = "initialize: parameters",
+                    log: bool = True) -> None:
+    """Overwrite ``params``' values with rank 0's (a collective: every rank passes its tensors in the
+    same order; ``what`` names them in the tags). Meta tensors hold no values and are left alone.
+    Logs one INFO line on rank 0 when ``log``."""
     todo = [(name, p) for name, p in params if p.device.type != "meta"]
     if comm.world_size == 1 or not todo:
         return
     buckets = _buckets([p for _, p in todo])
     for i, bucket in enumerate(buckets):
-        _broadcast(comm, bucket, Tag(Kind.BROADCAST, f"initialize: parameters from rank 0 (bucket {i + 1} of "
-                                                     f"{len(buckets)})"))
-    if comm.rank == 0:
+        _broadcast(comm, bucket, Tag(Kind.BROADCAST, f"{what} from rank 0 (bucket {i + 1} of {len(buckets)})"))
+    if log and comm.rank == 0:
         logger.info("zero3: initialize took the values of %d parameters made outside zero3.Init (%d elements) from "
                     "rank 0, in %d broadcasts, so every rank partitions the same weights", len(todo),
                     sum(p.numel() for _, p in todo), len(buckets))
 
 
-def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+def _buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``params`` in order, grouped by (device, dtype), each group cut at `BUCKET_NUMEL` elements."""
-    groups: dict[tuple[torch.device, torch.dtype], list[list[nn.Parameter]]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
     filled: dict[tuple[torch.device, torch.dtype], int] = {}  # elements in each group's last bucket
     for p in params:
         key = (p.device, p.dtype)
@@ -56,7 +56,7 @@ def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
 
 
 @torch.no_grad()
-def _broadcast(comm: Communicator, bucket: list[nn.Parameter], tag: Tag) -> None:
+def _broadcast(comm: Communicator, bucket: list[torch.Tensor], tag: Tag) -> None:
     """One broadcast of ``bucket``'s values from rank 0 (on the communicator's device: NCCL's CUDA)."""
     device = bucket[0].device if comm.device.type == "cpu" else comm.device
     if len(bucket) == 1 and bucket[0].device == device and bucket[0].data.is_contiguous():

@@ -58,6 +58,7 @@ from ..offload.policy import PlacementPolicy
 from ..offload.residence import ShardStore
 from ..comm.topology import hpz_group_size
 from .adopt import take_from_rank0
+from .buffers import ModuleBuffers
 from .budget import MemoryBudget
 from .placement import place_shards, share_shards
 
@@ -309,6 +310,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         ctx.model_parallel = ModelParallel.from_mpu(mpu, config, ctx.group, ctx.metrics)
     ctx.module = model
     take_from_rank0(ctx.comm, [(name, p) for name, p in model.named_parameters() if not isinstance(p, ZeroParameter)])
+    ModuleBuffers(ctx.comm, model).take_from_rank0("initialize")  # as DDP: every rank starts from rank 0's
     for name, p in model.named_parameters():
         if isinstance(p, ZeroParameter):
             _check_group(ctx, name, p)

@@ -112,6 +112,7 @@ from ..partition.param import PartitionedParameter, ZeroParameter
 from ..planning.trace import EventKind
 from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
+from .buffers import ModuleBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -331,6 +332,7 @@ class ModuleHooks:
         self._steps_ended = 0  # ends of step so far ([Note: a second backward])
         self._submodule_hooks = _SubmoduleHooks()
         self._frozen = FrozenAtInstall(())  # [Note: unfreezing after initialize]
+        self._buffers: ModuleBuffers | None = None  # broadcast_buffers: rank 0's before forwards (buffers.py)
 
     # -- install / remove -----------------------------------------------------------------------
     def install(self, model: nn.Module) -> None:
@@ -373,6 +375,8 @@ class ModuleHooks:
         self._owner = {id(p): rec for rec in self._records.values() if rec.leaf is None
                        for p in dict.values(rec.module._parameters) if p is not None and holders[id(p)] == 1}
         self._frozen = FrozenAtInstall(p for p in model.parameters() if isinstance(p, ZeroParameter))
+        if self.ctx.config.training.broadcast_buffers:
+            self._buffers = ModuleBuffers(self.ctx.comm, model)
         seen: set[int] = set()
         for p in model.parameters():
             if id(p) in seen or not p.requires_grad:
@@ -476,6 +480,8 @@ class ModuleHooks:
             if self._frozen.params and torch.is_grad_enabled():
                 self._frozen.check()
             self.step.enter(_FORWARD)
+            if self._buffers is not None:
+                self._buffers.before_forward(torch.is_grad_enabled())
         if rec.leaf is not None and self.step.phase is _FORWARD:
             rec.leaf.calls += 1
         params = self._params_of(rec)

@@ -1,0 +1,89 @@
+"""Module buffers across ranks (runtime/buffers.py): rank 0's at ``initialize``; with
+``broadcast_buffers`` the same as torch's DDP (whose default it is) on the same ranks and batches; without
+it, each rank's running statistics follow its own batches, as in DeepSpeed and FSDP2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zero3
+
+pytestmark = pytest.mark.multiproc
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.l2 = nn.Linear(16, 2)
+        self.register_buffer("drawn", torch.randn(5))  # differs per rank when the seeds do
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.bn(self.l1(x))) + self.drawn[:2]
+
+
+def _same(t: torch.Tensor) -> bool:
+    ts = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(ts, t.contiguous())
+    return all(torch.equal(ts[0], u) for u in ts[1:])
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * dist.get_rank() + step))
+
+
+def buffers_against_ddp(broadcast: bool) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)  # a different model per rank: initialize takes rank 0's
+    model = Net()
+    torch.manual_seed(100)
+    ref = DDP(Net(), broadcast_buffers=broadcast)  # DDP also starts from rank 0's module
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"param_persistence_threshold": 0, "broadcast_buffers": broadcast})
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    start_same = _same(model.drawn) and torch.equal(model.drawn, ref.module.drawn)
+    for step in range(3):
+        x = _batch(step)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        out, ref_out = engine(torch.ones(2, 8)), ref(torch.ones(2, 8))
+    stats = [model.bn.running_mean, model.bn.running_var]
+    ref_stats = [ref.module.bn.running_mean, ref.module.bn.running_var]
+    result = {
+        "start_same": start_same,
+        "stats_same_across_ranks": all(_same(t) for t in stats),
+        "out_same_across_ranks": _same(out),
+        "stats_vs_ddp": max((a - b).abs().max().item() for a, b in zip(stats, ref_stats)),
+        "out_vs_ddp": (out - ref_out).abs().max().item(),
+        "weights_vs_ddp": max((zero3.safe_get_full_fp32_param(p) - q.detach()).abs().max().item()
+                              for p, q in zip(model.parameters(), ref.module.parameters())),
+        "batches_tracked": int(model.bn.num_batches_tracked),
+    }
+    engine.remove_hooks()
+    return result
+
+
+def test_broadcast_buffers_matches_ddp(pools):
+    for r in pools.get(2).run(buffers_against_ddp, True, timeout=120):
+        assert r["start_same"]
+        assert r["stats_same_across_ranks"] and r["out_same_across_ranks"]
+        assert r["stats_vs_ddp"] <= 1e-6 and r["out_vs_ddp"] <= 1e-5 and r["weights_vs_ddp"] <= 1e-6, r
+        assert r["batches_tracked"] == 3
+
+
+def test_without_broadcast_each_rank_keeps_its_own_statistics_as_ddp_without_it(pools):
+    for r in pools.get(2).run(buffers_against_ddp, False, timeout=120):
+        assert r["start_same"]  # initialize: rank 0's, as DDP's construction
+        assert not r["stats_same_across_ranks"] and not r["out_same_across_ranks"]
+        assert r["stats_vs_ddp"] <= 1e-6 and r["out_vs_ddp"] <= 1e-5 and r["weights_vs_ddp"] <= 1e-6, r
