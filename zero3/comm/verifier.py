@@ -280,11 +280,12 @@ class Verifier:
         self._reset_epoch()
         raise ZeroDivergenceError(
             f"ranks disagree on the next collective ({lines}).{cause} zero3 needs every rank to run the same "
-            "modules in the same order with the same parameters (SPMD); what only some ranks run (under "
-            "`if rank == 0:`: a forward for evaluation or sampling, engine.save_checkpoint, a consolidated "
-            "state dict; each is a collective) on every rank, and pass synced_gpus=True to a Hugging Face "
-            "generate() (a rank that finished early stops its forwards); make skipped branches run on every rank (e.g. with zero inputs), or make the part whose "
-            "routing differs a leaf module (zero3.set_leaf_modules) so it is gathered and reduced as one unit.")
+            "modules in the same order with the same parameters (SPMD). Run on every rank what only some "
+            "ranks run (under `if rank == 0:`: a forward for evaluation or sampling, engine.save_checkpoint, "
+            "a consolidated state dict; each is a collective), and pass synced_gpus=True to a Hugging Face "
+            "generate() (a rank that finished early stops its forwards); make skipped branches run on every "
+            "rank (e.g. with zero inputs), or make the part whose routing differs a leaf module "
+            "(zero3.set_leaf_modules) so it is gathered and reduced as one unit.")
 
     def _leave(self) -> None:
         """This rank's next request is not the planned slot (or its epoch ends early): verify what is
