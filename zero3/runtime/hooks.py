@@ -108,7 +108,7 @@ from .context import RuntimeContext
 from ..errors import ZeroStateError
 from .gathered import external_parameters, register_external_parameter, write_back_loaded
 from .leaf import is_leaf
-from ..partition.param import PartitionedParameter, ZeroParameter
+from ..partition.param import PartitionedParameter, ZeroParameter, whole_model_compile_error
 from ..planning.trace import EventKind
 from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
@@ -273,6 +273,17 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
         ctx.hooks._post_backward(ctx.call)
         return (None, None) + grads
+
+
+try:  # 20 ns: whether a torch.compile'd call is running (dynamo then compiles every frame entered)
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
+except ImportError:  # pragma: no cover - a torch without dynamo
+    def _eval_frame_callback() -> Any:
+        return None
+
+
+def _in_compiled_region() -> bool:
+    return _eval_frame_callback() not in (None, False) or torch.compiler.is_compiling()
 
 
 def refuse_copy(module: Any) -> ZeroStateError:
@@ -466,6 +477,9 @@ class ModuleHooks:
                 self._resident_calls += 1
             return None
         if rec.module is self.root and not self.stack:  # a forward begins: the only place the hooks can be off
+            if _in_compiled_region():
+                raise whole_model_compile_error("its forward ran inside a torch.compile'd call, where dynamo "
+                                                "compiles every frame, zero3's hooks too")
             if self.coordinator.generation_resident and self.step.phase is _IDLE and not torch.is_grad_enabled():
                 self.coordinator.wait_in_flight()
                 self._resident_calls = 1
