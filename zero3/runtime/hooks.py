@@ -108,10 +108,11 @@ from .context import RuntimeContext
 from ..errors import ZeroStateError
 from .gathered import external_parameters, register_external_parameter, write_back_loaded
 from .leaf import is_leaf
-from ..partition.param import PartitionedParameter, ZeroParameter, whole_model_compile_error
+from ..partition.param import PartitionedParameter, ZeroParameter
 from ..planning.trace import EventKind
 from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
+from .refusals import refuse_compiled_call, refuse_copy
 from .buffers import ModuleBuffers
 
 logger = logging.getLogger(__name__)
@@ -273,30 +274,6 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
         ctx.hooks._post_backward(ctx.call)
         return (None, None) + grads
-
-
-try:  # 20 ns: whether a torch.compile'd call is running (dynamo then compiles every frame entered)
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
-except ImportError:  # pragma: no cover - a torch without dynamo
-    def _eval_frame_callback() -> Any:
-        return None
-
-
-def _in_compiled_region() -> bool:
-    return _eval_frame_callback() not in (None, False) or torch.compiler.is_compiling()
-
-
-def refuse_copy(module: Any) -> ZeroStateError:
-    """``copy.deepcopy`` or pickle of a model zero3 manages: its hooks hold the engine and its process
-    group, and its parameters are shards, so the copy could not work; the error names what does."""
-    what = type(module).__name__ if module is not None else "a module"
-    return ZeroStateError(
-        f"cannot deepcopy or pickle {what}: zero3 manages it (its hooks hold the engine and its process group, "
-        "and its parameters are shards). For a second copy (an EMA, a reference model), build another "
-        "instance under zero3.Init, give it an engine of its own (zero3.initialize(copy, None, config)) and "
-        "copy the weights shard by shard with zero3.safe_get_local_fp32_param and safe_set_local_fp32_param "
-        "(docs/api.md, 'A second copy of a model'); to save it, use engine.save_checkpoint() or "
-        "engine.consolidated_state_dict(); or deep-copy it before zero3.Init/initialize")
 
 
 class _ParamDict(dict):
@@ -477,9 +454,7 @@ class ModuleHooks:
                 self._resident_calls += 1
             return None
         if rec.module is self.root and not self.stack:  # a forward begins: the only place the hooks can be off
-            if _in_compiled_region():
-                raise whole_model_compile_error("its forward ran inside a torch.compile'd call, where dynamo "
-                                                "compiles every frame, zero3's hooks too")
+            refuse_compiled_call()
             if self.coordinator.generation_resident and self.step.phase is _IDLE and not torch.is_grad_enabled():
                 self.coordinator.wait_in_flight()
                 self._resident_calls = 1

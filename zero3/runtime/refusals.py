@@ -1,0 +1,37 @@
+"""Uses of a model zero3 manages that cannot work, refused with the way that does: copying it
+(``copy.deepcopy``, pickle) and compiling it whole (``torch.compile(model)``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import ZeroStateError
+from ..partition.param import whole_model_compile_error
+
+try:  # 20 ns: whether a torch.compile'd call is running (dynamo then compiles every frame entered)
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
+except ImportError:  # pragma: no cover - a torch without dynamo
+    def _eval_frame_callback() -> Any:
+        return None
+
+
+def refuse_compiled_call() -> None:
+    """Raise if the model's forward runs inside a torch.compile'd call (checked as a forward begins)."""
+    if _eval_frame_callback() not in (None, False) or torch.compiler.is_compiling():
+        raise whole_model_compile_error("its forward ran inside a torch.compile'd call, where dynamo compiles "
+                                        "every frame, zero3's hooks too")
+
+
+def refuse_copy(module: Any) -> ZeroStateError:
+    """``copy.deepcopy`` or pickle of a model zero3 manages: its hooks hold the engine and its process
+    group, and its parameters are shards, so the copy could not work; the error names what does."""
+    what = type(module).__name__ if module is not None else "a module"
+    return ZeroStateError(
+        f"cannot deepcopy or pickle {what}: zero3 manages it (its hooks hold the engine and its process group, "
+        "and its parameters are shards). For a second copy (an EMA, a reference model), build another "
+        "instance under zero3.Init, give it an engine of its own (zero3.initialize(copy, None, config)) and "
+        "copy the weights shard by shard with zero3.safe_get_local_fp32_param and safe_set_local_fp32_param "
+        "(docs/api.md, 'A second copy of a model'); to save it, use engine.save_checkpoint() or "
+        "engine.consolidated_state_dict(); or deep-copy it before zero3.Init/initialize")
