@@ -87,3 +87,25 @@ def test_without_broadcast_each_rank_keeps_its_own_statistics_as_ddp_without_it(
         assert r["start_same"]  # initialize: rank 0's, as DDP's construction
         assert not r["stats_same_across_ranks"] and not r["out_same_across_ranks"]
         assert r["stats_vs_ddp"] <= 1e-6 and r["out_vs_ddp"] <= 1e-5 and r["weights_vs_ddp"] <= 1e-6, r
+
+
+def expanded_buffer() -> dict:
+    """An expanded buffer (stride 0) cannot be written by anything (DDP's own broadcast raises on it):
+    zero3 leaves it alone and syncs the others."""
+    torch.manual_seed(100 + dist.get_rank())
+    model = Net()
+    model.register_buffer("ones", torch.ones(1, 2).expand(3, 2))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"broadcast_buffers": True})
+    engine.backward(engine(_batch(0)).pow(2).mean())
+    engine.step()
+    model.eval()
+    with torch.no_grad():
+        engine(_batch(1))  # the first forward after one with gradients takes rank 0's statistics
+    same = _same(model.drawn) and _same(model.bn.running_mean)
+    engine.remove_hooks()
+    return {"same": same}
+
+
+def test_an_expanded_buffer_is_left_alone(pools):
+    for r in pools.get(2).run(expanded_buffer, timeout=60):
+        assert r["same"]

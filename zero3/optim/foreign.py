@@ -28,6 +28,7 @@ from ..partition.param import ZeroParameter
 _installed = False
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]]" = weakref.WeakKeyDictionary()
 _managed: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # models zero3's hooks are on
+_owned: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers zero3 steps (guard_groups)
 
 
 def install() -> None:
@@ -52,6 +53,7 @@ def guard_groups(optimizer: torch.optim.Optimizer) -> None:
     optimizer's groups hold shards set up at ``initialize``) or a plain parameter of a managed model;
     other plain parameters join as in torch."""
     original = optimizer.add_param_group
+    _owned.add(optimizer)
 
     def add_param_group(param_group: dict[str, Any]) -> None:
         params = param_group["params"]
@@ -79,7 +81,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         for p in g["params"]:
             if isinstance(p, ZeroParameter):
                 _refuse(optimizer, p, sum(isinstance(q, ZeroParameter) for h in groups for q in h["params"]))
-    if _managed:
+    if _managed and optimizer not in _owned:  # zero3's own hold shards; their add_param_group checks
         _refuse_plain(f"{type(optimizer).__name__}.step()", [p for g in groups for p in g["params"]], "stepped")
     _checked[optimizer] = shape
 

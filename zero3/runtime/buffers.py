@@ -14,6 +14,7 @@ eval forward after training gives the same output everywhere (tests/multiproc/te
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..comm.communicator import Communicator
@@ -38,6 +39,12 @@ class ModuleBuffers:
     def take_from_rank0(self, when: str) -> None:
         """Every rank takes rank 0's values, in ``named_buffers`` order (a collective; nothing without
         buffers or at world size 1)."""
-        named = list(self.model.named_buffers())
+        named = [(n, b) for n, b in self.model.named_buffers() if not _broadcast_view(b)]
         if named:
             take_from_rank0(self.comm, named, what=f"module buffers ({when})", log=False)
+
+
+def _broadcast_view(t: torch.Tensor) -> bool:
+    """An expanded tensor (stride 0 along a dimension of size > 1): its elements share memory, so it
+    cannot be written, by a forward or by a broadcast; it is left as it is."""
+    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
