@@ -291,7 +291,8 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
         "module's parameters only while that module runs. Outside a forward, wrap the code in "
         "`with zero3.GatheredParameters(params):` (add modifier_rank=0 to change them); if another "
         "module's forward uses it, call zero3.register_external_parameter(module, param). To save the "
-        "model, use engine.consolidated_state_dict() or engine.save_checkpoint(); to load a full state "
+        "model, use engine.consolidated_state_dict() or engine.save_checkpoint() (a Hugging Face model: "
+        "engine.save_pretrained(dir), not model.save_pretrained); to load a full state "
         "dict (model.load_state_dict), zero3.pretrained.load_state_dict(model, state_dict). Do not wrap a "
         "zero3 model in torch's DDP or FSDP: zero3 already shards it and reduces its gradients.")
 
