@@ -202,14 +202,15 @@ class ZeroParameter(nn.Parameter, metaclass=_ZeroParameterType):
 
     def partition(self, param_list: Any = None, has_been_updated: bool = False) -> None:
         """DeepSpeed's ``param.partition()``: end an `all_gather`. With ``has_been_updated`` the
-        gathered values (changed the same way on every rank) are written back into the shards."""
+        gathered values (changed the same way on every rank) are written back into the shards; data
+        of a new shape is partitioned anew before ``zero3.initialize`` and refused after it (the
+        parameter then keeps its shape and values). The parameters are released either way."""
         params = [p for p in _sorted_params(self, param_list) if p._zero.user_pins > 0]
-        if has_been_updated:
-            with self._zero.ctx.resident(params, write=True, overwrite=True):  # NVMe shards: memory, no read
-                for p in params:
-                    copy_full_into_shard(p)
-            self._zero.ctx.coordinator.drop_secondaries(params)
-        self._zero.ctx.coordinator.release_for_user(params)
+        try:
+            if has_been_updated:  # a new shape too, before initialize (runtime/publish.py)
+                self._zero.ctx.write_updated(params, "param.partition(has_been_updated=True)")
+        finally:
+            self._zero.ctx.coordinator.release_for_user(params)
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise ZeroStateError(

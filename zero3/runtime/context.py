@@ -59,6 +59,7 @@ from ..offload.residence import ShardStore
 from ..comm.topology import hpz_group_size
 from .adopt import take_from_rank0
 from .buffers import ModuleBuffers
+from .publish import write_updated
 from .budget import MemoryBudget
 from .placement import place_shards, share_shards
 
@@ -186,6 +187,12 @@ class RuntimeContext:
         finally:
             if tier is not None:
                 tier.unload(ps, write)
+
+    def write_updated(self, params: Sequence[ZeroParameter], what: str) -> None:
+        """Every rank changed the gathered full data of ``params`` alike (``what`` names the call, e.g.
+        DeepSpeed's ``param.partition(has_been_updated=True)``): the shards and masters take it, a new
+        shape is partitioned anew before ``initialize`` and refused after it (publish.py)."""
+        write_updated(self, list(params), what)
 
     def window_ends(self) -> bool:
         """The running micro-batch ends an accumulation window: the next ``engine.step()`` steps."""

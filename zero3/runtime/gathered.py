@@ -36,9 +36,10 @@ from torch import nn
 
 from ..comm.communicator import Kind, Tag
 from ..errors import ZeroConfigError, ZeroStateError
-from ..partition.param import ZeroParameter, raw_data, update_shard_from_full
+from ..partition.param import ZeroParameter, raw_data
 from ..partition.state import ParamStatus
 from .context import RuntimeContext
+from .publish import into_shards, published, refuse_reshape, reshaped_ids
 
 LOCAL_MODIFIER = -1
 """``modifier_rank`` meaning: every rank made the same change; re-partition without a broadcast."""
@@ -86,7 +87,7 @@ class GatheredParameters:
         fresh = [p for p in self.params if p._zero.status is ParamStatus.NOT_AVAILABLE]
         ctx.coordinator.gather_for_user(self.params)
         if self.modifier_rank is None and fresh:  # [Note: writes that GatheredParameters discards]
-            self._read_only = (fresh, _fingerprints(fresh), [_published.get(p._zero.id, 0) for p in fresh])
+            self._read_only = (fresh, _fingerprints(fresh), [published.get(p._zero.id, 0) for p in fresh])
         return self.params
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -99,7 +100,8 @@ class GatheredParameters:
             else:
                 reshaped = [p for p in self.params if raw_data(p).shape != p._zero.shape]
                 if reshaped:  # discarded as any write, but the parameter must keep its own shape
-                    _refuse_reshape(_owner(self.params), reshaped, exc_type is None)
+                    refuse_reshape(_owner(self.params), reshaped, "GatheredParameters without modifier_rank",
+                                   exc_type is None)
                 if self._read_only is not None and exc_type is None:
                     written = _written(*self._read_only)
         finally:
@@ -114,9 +116,9 @@ class GatheredParameters:
 
     def _publish(self) -> None:
         ctx = _owner(self.params)
-        reshaped = {p._zero.id for p in self.params if raw_data(p).shape != p._zero.shape}
+        reshaped = reshaped_ids(self.params)
         if reshaped and ctx.module is not None:
-            _refuse_reshape(ctx, [p for p in self.params if p._zero.id in reshaped])
+            refuse_reshape(ctx, [p for p in self.params if p._zero.id in reshaped], "GatheredParameters(modifier_rank=...)")
         ctx.comm.shards_will_change()  # inside a step: peers stop reading shared shards first
         if self.modifier_rank != LOCAL_MODIFIER and ctx.world_size > 1:
             flat = torch.cat([raw_data(p).reshape(-1) for p in self.params])
@@ -127,12 +129,9 @@ class GatheredParameters:
                 n = raw_data(p).numel()
                 raw_data(p).view(-1).copy_(flat[off: off + n])
                 off += n
-        _into_shards(ctx, self.params, reshaped)
+        into_shards(ctx, self.params, reshaped)
 
 
-_published: dict[int, int] = {}
-"""How often `GatheredParameters` published each parameter (by ``ds_id``): a context without
-``modifier_rank`` around one that published does not take that change for a discarded write."""
 _FINGERPRINT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
@@ -147,11 +146,11 @@ def _fingerprints(params: list[ZeroParameter]) -> torch.Tensor:
     return torch.stack([s.cpu() for s in sums])
 
 
-def _written(params: list[ZeroParameter], before: torch.Tensor, published: list[int]) -> list[ZeroParameter]:
+def _written(params: list[ZeroParameter], before: torch.Tensor, counts: list[int]) -> list[ZeroParameter]:
     """Those of ``params`` whose data changed since `_fingerprints` took ``before``, not by a publish."""
     after = _fingerprints(params)
     return [p for i, p in enumerate(params)
-            if after[i] != before[i] and _published.get(p._zero.id, 0) == published[i]]
+            if after[i] != before[i] and published.get(p._zero.id, 0) == counts[i]]
 
 
 def write_back_loaded(ctx: RuntimeContext, module: nn.Module, incompatible_keys: Any) -> None:
@@ -164,61 +163,7 @@ def write_back_loaded(ctx: RuntimeContext, module: nn.Module, incompatible_keys:
               and p._zero.ctx is ctx and p._zero.status is ParamStatus.AVAILABLE]
     if params:
         ctx.comm.shards_will_change()
-        _into_shards(ctx, params)
-
-
-def _into_shards(ctx: RuntimeContext, params: list[ZeroParameter], reshaped: frozenset[int] | set[int] = frozenset()
-                 ) -> None:
-    """The gathered full data of ``params`` (the same on every rank) is their new value: this rank's
-    shards and masters take it (those in ``reshaped``, by ``ds_id``, are partitioned anew), and a
-    context without ``modifier_rank`` around this does not take it for a discarded write."""
-    with ctx.resident(params, write=True):  # shards read in too: unchanged ones are left alone
-        for p in params:
-            _published[p._zero.id] = _published.get(p._zero.id, 0) + 1
-            if p._zero.id in reshaped:
-                repartition(ctx, p)  # [Note: a new shape before initialize]
-            else:
-                update_shard_from_full(p)
-    ctx.coordinator.drop_secondaries(params)  # all of them, on every rank: the same hpZ split
-
-
-def repartition(ctx: RuntimeContext, p: ZeroParameter) -> None:
-    """Partition the gathered ``p`` anew with its data's new shape; the live gauge follows its size
-    (gathered and not persistent, it is in the coordinator's live set)."""
-    z = p._zero
-    numel, nbytes = z.numel, z.nbytes
-    ctx.store.repartition(p, raw_data(p))
-    if not z.persistent:
-        ctx.metrics.add_live(z.numel - numel, z.nbytes - nbytes)
-
-
-def _refuse_reshape(ctx: RuntimeContext, params: list[ZeroParameter], raise_: bool = True) -> None:
-    """A new shape that is not published (an engine holds the parameters, or no ``modifier_rank``):
-    give them back their own data (the shards are untouched), then raise ([Note: a new shape before
-    initialize])."""
-    name, new_shape, old_shape = params[0]._zero.name, tuple(raw_data(params[0]).shape), tuple(params[0]._zero.shape)
-    for p in params:
-        z = p._zero
-        with torch._C.DisableTorchFunctionSubclass():
-            p.data = z.shard[: z.numel].view(z.shape) if z.aliased else \
-                torch.empty(z.shape, dtype=z.dtype, device=raw_data(p).device)
-        z.flat = None
-    if any(p._zero.persistent and not p._zero.aliased for p in params):
-        ctx.coordinator.refresh_persistent()  # kept gathered: their values again, from the shards
-    if not raise_:
-        return
-    if ctx.module is None:
-        raise ZeroStateError(
-            f"GatheredParameters without modifier_rank: {name} was given data of shape {new_shape} (its shape is "
-            f"{old_shape}); without modifier_rank changes are discarded. Pass modifier_rank=0 to keep the new "
-            "shape (before zero3.initialize); the parameter keeps its shape and values")
-    raise ZeroStateError(
-        f"GatheredParameters(modifier_rank=...): {name} was given data of shape {new_shape} (its shape is "
-        f"{old_shape}) inside the context "
-        "(Hugging Face's resize_token_embeddings does this), after zero3.initialize: its optimizer state, "
-        "buffers and plans have the old size. Resize before zero3.initialize, inside "
-        "`with zero3.GatheredParameters([model.get_input_embeddings().weight, "
-        "model.get_output_embeddings().weight], modifier_rank=0):`; the parameter keeps its shape and values")
+        into_shards(ctx, params)
 
 
 def _owner(params: list[ZeroParameter]) -> RuntimeContext:

@@ -57,7 +57,8 @@ from .context import RuntimeContext, meta_refusal
 from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import data_parallel_group as mpu_data_parallel_group
 from ..comm.model_parallel import model_parallel_group
-from .gathered import LOCAL_MODIFIER, GatheredParameters, repartition
+from .gathered import LOCAL_MODIFIER, GatheredParameters
+from .publish import repartition
 from ..partition.param import (
     PartitionedParameter,
     ReleasedData,
