@@ -49,11 +49,19 @@ def buffers_against_ddp(broadcast: bool) -> dict:
     start_same = _same(model.drawn) and torch.equal(model.drawn, ref.module.drawn)
     for step in range(3):
         x = _batch(step)
-        engine.backward(engine(x).pow(2).mean())
+        if step == 1:  # two forwards in one step: DDP takes rank 0's buffers before each
+            x2 = _batch(step + 10)
+            engine.backward((engine(x) + engine(x2)).pow(2).mean())
+            (ref(x) + ref(x2)).pow(2).mean().backward()
+        else:
+            engine.backward(engine(x).pow(2).mean())
+            ref(x).pow(2).mean().backward()
         engine.step()
-        ref(x).pow(2).mean().backward()
         ref_opt.step()
         ref_opt.zero_grad()
+        if step == 1:  # each rank's own statistics now, before anything broadcasts them again
+            mid = max((a - b).abs().max().item() for a, b in zip(
+                [model.bn.running_mean, model.bn.running_var], [ref.module.bn.running_mean, ref.module.bn.running_var]))
     model.eval()
     ref.eval()
     with torch.no_grad():
@@ -69,6 +77,7 @@ def buffers_against_ddp(broadcast: bool) -> dict:
         "weights_vs_ddp": max((zero3.safe_get_full_fp32_param(p) - q.detach()).abs().max().item()
                               for p, q in zip(model.parameters(), ref.module.parameters())),
         "batches_tracked": int(model.bn.num_batches_tracked),
+        "mid_vs_ddp": mid,
     }
     engine.remove_hooks()
     return result
@@ -79,13 +88,15 @@ def test_broadcast_buffers_matches_ddp(pools):
         assert r["start_same"]
         assert r["stats_same_across_ranks"] and r["out_same_across_ranks"]
         assert r["stats_vs_ddp"] <= 1e-6 and r["out_vs_ddp"] <= 1e-5 and r["weights_vs_ddp"] <= 1e-6, r
-        assert r["batches_tracked"] == 3
+        assert r["batches_tracked"] == 4
+        assert r["mid_vs_ddp"] <= 1e-6, r
 
 
 def test_without_broadcast_each_rank_keeps_its_own_statistics_as_ddp_without_it(pools):
     for r in pools.get(2).run(buffers_against_ddp, False, timeout=120):
         assert r["start_same"]  # initialize: rank 0's, as DDP's construction
         assert not r["stats_same_across_ranks"] and not r["out_same_across_ranks"]
+        assert r["mid_vs_ddp"] <= 1e-6
         assert r["stats_vs_ddp"] <= 1e-6 and r["out_vs_ddp"] <= 1e-5 and r["weights_vs_ddp"] <= 1e-6, r
 
 

@@ -31,7 +31,8 @@ class ModuleBuffers:
         self._changed = False  # a forward with gradients ran since the last broadcast: buffers may differ
 
     def before_forward(self, grad: bool) -> None:
-        """A forward begins (every rank, one step each): broadcast when it or the one before has gradients."""
+        """A forward of the model begins (on every rank alike): broadcast when it or the one before
+        has gradients (a step of two forwards broadcasts before each, as DDP)."""
         if grad or self._changed:
             self.take_from_rank0("forward")
         self._changed = grad

@@ -469,8 +469,8 @@ class ModuleHooks:
             if self._frozen.params and torch.is_grad_enabled():
                 self._frozen.check()
             self.step.enter(_FORWARD)
-            if self._buffers is not None:
-                self._buffers.before_forward(torch.is_grad_enabled())
+        if self._buffers is not None and rec.module is self.root and not self.stack:  # every root forward, as DDP
+            self._buffers.before_forward(torch.is_grad_enabled())
         if rec.leaf is not None and self.step.phase is _FORWARD:
             rec.leaf.calls += 1
         params = self._params_of(rec)
