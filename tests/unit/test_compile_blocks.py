@@ -86,6 +86,11 @@ def test_torch_compile_of_a_whole_managed_model_names_compile_blocks(threshold):
     with pytest.raises(Exception, match=r"torch.compile of a model zero3 manages.*zero3.compile_blocks\(model, \[Block\]\)"):
         torch.compile(model, backend="eager")(x, y)
     torch._dynamo.reset()
+    model.h[0].compile(backend="eager")  # one block's _call_impl, zero3's hooks included, after initialize
+    with pytest.raises(Exception, match=r"torch.compile of a model zero3 manages.*compile_blocks"):
+        engine(x, y)
+    model.h[0]._compiled_call_impl = None  # torch's way back from module.compile()
+    torch._dynamo.reset()
     loss = engine(x, y)  # uncompiled, it still trains
     engine.backward(loss)
     engine.step()

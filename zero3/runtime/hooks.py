@@ -112,7 +112,7 @@ from ..partition.param import PartitionedParameter, ZeroParameter
 from ..planning.trace import EventKind
 from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
-from .refusals import refuse_compiled_call, refuse_copy
+from .refusals import EAGER, eval_frame_callback, refuse_compiled_call, refuse_copy
 from .buffers import ModuleBuffers
 
 logger = logging.getLogger(__name__)
@@ -449,12 +449,13 @@ class ModuleHooks:
         return out
 
     def _pre_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if eval_frame_callback() not in EAGER:  # under torch.compile (refusals.py)
+            refuse_compiled_call()
         if self._resident_calls:  # [Note: resident decode forwards]
             if rec.module is self.root:
                 self._resident_calls += 1
             return None
         if rec.module is self.root and not self.stack:  # a forward begins: the only place the hooks can be off
-            refuse_compiled_call()
             if self.coordinator.generation_resident and self.step.phase is _IDLE and not torch.is_grad_enabled():
                 self.coordinator.wait_in_flight()
                 self._resident_calls = 1

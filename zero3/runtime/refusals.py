@@ -11,17 +11,24 @@ from ..errors import ZeroStateError
 from ..partition.param import whole_model_compile_error
 
 try:  # 20 ns: whether a torch.compile'd call is running (dynamo then compiles every frame entered)
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback
 except ImportError:  # pragma: no cover - a torch without dynamo
-    def _eval_frame_callback() -> Any:
+    def eval_frame_callback() -> Any:
         return None
+
+EAGER = (None, False)
+"""What `eval_frame_callback` returns outside any torch.compile'd call. Inside one, where dynamo
+traces a hook, the call itself breaks the graph and runs eagerly, so it tells there too."""
 
 
 def refuse_compiled_call() -> None:
-    """Raise if the model's forward runs inside a torch.compile'd call (checked as a forward begins)."""
-    if _eval_frame_callback() not in (None, False) or torch.compiler.is_compiling():
-        raise whole_model_compile_error("its forward ran inside a torch.compile'd call, where dynamo compiles "
-                                        "every frame, zero3's hooks too")
+    """Raise if a module's forward runs inside a torch.compile'd call (the hooks check
+    ``eval_frame_callback() not in EAGER`` first, as each module's forward begins)."""
+    if eval_frame_callback() not in EAGER or torch.compiler.is_compiling():
+        raise whole_model_compile_error(
+            "a module's forward ran inside a torch.compile'd call (torch.compile(model), module.compile() after "
+            "initialize, or a compiled function that calls the model), where dynamo compiles every frame, zero3's "
+            "hooks too")
 
 
 def refuse_copy(module: Any) -> ZeroStateError:
