@@ -1,5 +1,6 @@
 """Shared test helpers: one training step of a plain reference and of a zero3 engine on the same batch,
-training both on a list of batches, and a copy of an engine's master shards and optimizer state."""
+one engine step on this rank's part of a batch, training both on a list of batches, and a copy of an
+engine's master shards and optimizer state."""
 
 from __future__ import annotations
 
@@ -22,6 +23,20 @@ def step_both(ref, ref_opt, engine, x, y, rtol: float) -> torch.Tensor:
     engine.step()
     torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=0)
     return loss
+
+
+def step_my_part(engine, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One engine step on this rank's equal part of the batch ``x, y`` (the whole batch every rank
+    draws alike); returns the loss averaged over the ranks, what one process on the batch reports."""
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = x.shape[0] // world
+    loss = engine(x[n * rank:n * (rank + 1)], y[n * rank:n * (rank + 1)])
+    engine.backward(loss)
+    engine.step()
+    total = loss.detach().float().clone()
+    dist.all_reduce(total)
+    return total.item() / world
 
 
 def twins(build: Callable[[], nn.Module], seed: int = 0) -> tuple[nn.Module, nn.Module]:
