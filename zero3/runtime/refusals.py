@@ -1,13 +1,15 @@
 """Uses of a model zero3 manages that cannot work, refused with the way that does: copying it
-(``copy.deepcopy``, pickle) and compiling it whole (``torch.compile(model)``)."""
+(``copy.deepcopy``, pickle), compiling it whole (``torch.compile(model)``), and embeddings whose
+forward or gradient zero3's sharding cannot carry (``sparse=True``, ``max_norm``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch import nn
 
-from ..errors import ZeroStateError
+from ..errors import ZeroConfigError, ZeroStateError
 from ..partition.param import whole_model_compile_error
 
 try:  # 20 ns: whether a torch.compile'd call is running (dynamo then compiles every frame entered)
@@ -42,3 +44,26 @@ def refuse_copy(module: Any) -> ZeroStateError:
         "copy the weights shard by shard with zero3.safe_get_local_fp32_param and safe_set_local_fp32_param "
         "(docs/api.md, 'A second copy of a model'); to save it, use engine.save_checkpoint() or "
         "engine.consolidated_state_dict(); or deep-copy it before zero3.Init/initialize")
+
+
+def refuse_unshardable_embeddings(model: nn.Module) -> None:
+    """At ``initialize``, before it changes anything: an embedding with ``sparse=True`` (its gradients
+    are sparse; zero3 reduces dense gradient shards) or with ``max_norm`` (its forward renormalizes the
+    looked-up rows of the weight in place; zero3 runs the forward on a gathered copy, so the change
+    would be lost and training would differ from torch's without a word: FSDP2 loses it the same way,
+    checked on 2 ranks)."""
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        what = f"{name or 'the model'} ({type(m).__name__})"
+        if m.sparse:
+            raise ZeroConfigError(
+                f"{what} has sparse=True: its gradients are sparse, and zero3 reduces dense gradient shards. "
+                "Build it with sparse=False; zero3.initialize changed nothing")
+        if m.max_norm is not None:
+            raise ZeroConfigError(
+                f"{what} has max_norm={m.max_norm}: each forward renormalizes the rows it looks up in the weight "
+                "itself, and zero3 runs the forward on a gathered copy of the weight that it then frees, so the "
+                "renormalization would be lost (on every rank; FSDP2 loses it too) and training would differ "
+                "from torch's. Build it without max_norm (to bound the rows, rescale them between steps inside "
+                "zero3.GatheredParameters(..., modifier_rank=0)); zero3.initialize changed nothing")

@@ -1,0 +1,51 @@
+"""Embeddings whose forward or gradient zero3's sharding cannot carry are refused at ``initialize``
+(runtime/refusals.py `refuse_unshardable_embeddings`), before it changes anything: ``sparse=True``
+(sparse gradients used to fail inside the reduction: "reshape is not implemented for sparse
+tensors") and ``max_norm`` (its in-place renormalization of the gathered copy was lost, and training
+differed from torch's by 2.7 after two steps on 2 ranks, silently; FSDP2 differed the same)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zero3
+from zero3 import ZeroConfigError
+
+
+def _model(**embedding: object) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(20, 8, **embedding), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("embedding, message", [
+    ({"sparse": True}, r"0 \(Embedding\) has sparse=True.*Build it with sparse=False"),
+    ({"max_norm": 1.0}, r"0 \(Embedding\) has max_norm=1.0.*renormalization would be lost"),
+])
+def test_an_unshardable_embedding_is_refused_before_anything_changes(embedding, message):
+    model = _model(**embedding)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ZeroConfigError, match=message):
+        zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    assert not any(zero3.is_partitioned(p) for p in model.parameters())
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    bag = nn.EmbeddingBag(20, 8, **embedding)
+    with pytest.raises(ZeroConfigError, match="EmbeddingBag"):
+        zero3.initialize(bag, torch.optim.SGD(bag.parameters(), lr=0.1))
+
+
+def test_a_plain_embedding_with_padding_trains_as_in_torch():
+    ref, model = _model(padding_idx=0), _model(padding_idx=0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    for step in range(2):
+        x = torch.randint(0, 20, (3, 5), generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(zero3.safe_get_full_fp32_param(p), q.detach(), rtol=0, atol=1e-6)
+    engine.remove_hooks()
