@@ -75,10 +75,9 @@ def test_refuses_module_compile_and_a_compiled_model():
 
 @pytest.mark.parametrize("threshold", [0, 10**9])
 def test_torch_compile_of_a_whole_managed_model_names_compile_blocks(threshold):
-    """``torch.compile(model)`` of a model zero3 manages: dynamo reads partitioned parameters while
-    tracing, before the hooks gather them, or (every parameter kept gathered) compiles zero3's hooks
-    frame by frame. It used to fail with the generic 'used while partitioned', or inside dynamo
-    ("'dict' object has no attribute 'node'")."""
+    """``torch.compile(model)`` of a model zero3 manages, refused by the pre-forward hooks before dynamo
+    reads a partitioned parameter or compiles zero3's hooks. It used to fail with the generic 'used
+    while partitioned', or inside dynamo ("'dict' object has no attribute 'node'")."""
     model = _gpt()
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
                               {"param_persistence_threshold": threshold})

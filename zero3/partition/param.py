@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextvars
 import itertools
-import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -284,9 +283,6 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
         if done:
             return result
     which = target._zero.summary() if target is not None else "<unknown>"
-    if _dynamo_tracing():
-        raise whole_model_compile_error(f"dynamo read parameter {which} ({name or func!r}) while tracing, before "
-                                        "zero3's hooks gathered it")
     raise ZeroStateError(
         f"parameter {which} is used by {name or func!r} while it is partitioned. zero3 gathers a "
         "module's parameters only while that module runs. Outside a forward, wrap the code in "
@@ -296,25 +292,6 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
         "engine.save_pretrained(dir), not model.save_pretrained); to load a full state "
         "dict (model.load_state_dict), zero3.pretrained.load_state_dict(model, state_dict). Do not wrap a "
         "zero3 model in torch's DDP or FSDP: zero3 already shards it and reduces its gradients.")
-
-
-def whole_model_compile_error(what: str) -> ZeroStateError:
-    """``torch.compile(model)`` of a model zero3 manages: ``what`` happened; compile_blocks is the way."""
-    return ZeroStateError(
-        f"torch.compile of a model zero3 manages: {what} (zero3's hooks run in Python, outside any graph). "
-        "Compile its blocks instead, before zero3.initialize: zero3.compile_blocks(model, [Block]) "
-        "(docs/compile.md), as FSDP2 users compile per block; or call the model uncompiled")
-
-
-def _dynamo_tracing() -> bool:
-    """Whether torch.compile's dynamo is on the stack (it reads parameters while it traces). Only on
-    the way to an error: it walks the frames."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_globals.get("__name__", "").startswith("torch._dynamo"):
-            return True
-        frame = frame.f_back
-    return False
 
 
 class PartitionedParameter(ZeroParameter):

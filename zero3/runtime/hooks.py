@@ -455,7 +455,8 @@ class ModuleHooks:
             if rec.module is self.root:
                 self._resident_calls += 1
             return None
-        if rec.module is self.root and not self.stack:  # a forward begins: the only place the hooks can be off
+        begins = rec.module is self.root and not self.stack  # a forward of the model begins
+        if begins:  # the only place the hooks can be off
             if self.coordinator.generation_resident and self.step.phase is _IDLE and not torch.is_grad_enabled():
                 self.coordinator.wait_in_flight()
                 self._resident_calls = 1
@@ -470,7 +471,7 @@ class ModuleHooks:
             if self._frozen.params and torch.is_grad_enabled():
                 self._frozen.check()
             self.step.enter(_FORWARD)
-        if self._buffers is not None and rec.module is self.root and not self.stack:  # every root forward, as DDP
+        if begins and self._buffers is not None:  # every forward of the model, as DDP
             self._buffers.before_forward(torch.is_grad_enabled())
         if rec.leaf is not None and self.step.phase is _FORWARD:
             rec.leaf.calls += 1

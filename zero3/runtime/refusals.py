@@ -6,11 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..errors import ZeroConfigError, ZeroStateError
-from ..partition.param import whole_model_compile_error
 
 try:  # 20 ns: whether a torch.compile'd call is running (dynamo then compiles every frame entered)
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback
@@ -24,13 +22,14 @@ traces a hook, the call itself breaks the graph and runs eagerly, so it tells th
 
 
 def refuse_compiled_call() -> None:
-    """Raise if a module's forward runs inside a torch.compile'd call (the hooks check
-    ``eval_frame_callback() not in EAGER`` first, as each module's forward begins)."""
-    if eval_frame_callback() not in EAGER or torch.compiler.is_compiling():
-        raise whole_model_compile_error(
-            "a module's forward ran inside a torch.compile'd call (torch.compile(model), module.compile() after "
-            "initialize, or a compiled function that calls the model), where dynamo compiles every frame, zero3's "
-            "hooks too")
+    """A module's forward began inside a torch.compile'd call (the hooks found ``eval_frame_callback()
+    not in EAGER``): dynamo would compile zero3's hooks, or read parameters they have not gathered."""
+    raise ZeroStateError(
+        "torch.compile of a model zero3 manages: a module's forward ran inside a torch.compile'd call "
+        "(torch.compile(model), module.compile() after initialize, or a compiled function that calls the "
+        "model), where dynamo compiles every frame, zero3's hooks too (they run in Python, outside any "
+        "graph). Compile its blocks instead, before zero3.initialize: zero3.compile_blocks(model, [Block]) "
+        "(docs/compile.md), as FSDP2 users compile per block; or call the model uncompiled")
 
 
 def refuse_copy(module: Any) -> ZeroStateError:
