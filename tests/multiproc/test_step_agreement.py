@@ -51,8 +51,9 @@ def _step(engine: zero3.Engine, i: int) -> None:
 
 
 class _Fault:
-    """On rank 1, inside the optimizer's streamed step only: its ``nth`` call of ``name`` (pwritev,
-    preadv, posix_fallocate) fails with ENOSPC (EIO for a read), as a full (or failing) drive would answer."""
+    """On rank 1, inside the optimizer's step only (streamed, or in memory with the masters' write-back):
+    its ``nth`` call of ``name`` (pwritev, preadv, posix_fallocate) fails with ENOSPC (EIO for a read),
+    as a full (or failing) drive would answer."""
 
     def __init__(self, engine: zero3.Engine, name: str, nth: int) -> None:
         self.optimizer = engine.context.optimizer
@@ -61,8 +62,9 @@ class _Fault:
         self.original = getattr(os, self.name)
 
     def __enter__(self) -> None:
+        self.method = "_streamed_step" if self.optimizer.streamed else "_in_memory_step"
         if dist.get_rank() == 1:
-            step = self.optimizer._streamed_step
+            step = getattr(self.optimizer, self.method)
 
             def faulty() -> None:
                 setattr(os, self.name, self)
@@ -71,10 +73,10 @@ class _Fault:
                 finally:
                     setattr(os, self.name, self.original)
 
-            self.optimizer._streamed_step = faulty
+            setattr(self.optimizer, self.method, faulty)
 
     def __exit__(self, *exc: object) -> None:
-        self.optimizer.__dict__.pop("_streamed_step", None)
+        self.optimizer.__dict__.pop(self.method, None)
 
     def __call__(self, *args):
         self.calls += 1
@@ -130,10 +132,10 @@ def test_a_full_drive_on_one_rank_fails_the_step_on_every_rank_and_changes_nothi
     assert all(r["continues"] for r in results), results
 
 
-def failing_step_with_optimizer_in_memory(path: str) -> tuple[str, str]:
+def failing_step_with_optimizer_in_memory(path: str, dtype: str) -> tuple[str, str]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    cfg = {"param_persistence_threshold": 0, "collective_timeout": TIMEOUT,
+    cfg = {"param_persistence_threshold": 0, "collective_timeout": TIMEOUT, "dtype": dtype,
            "offload_param": {"device": "nvme", "nvme_path": os.path.join(path, f"r{dist.get_rank()}"),
                              "buffer_size": 2048, "buffer_count": 4, "max_in_cpu": 0}}
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg)
@@ -150,8 +152,10 @@ def _failed(engine: zero3.Engine, i: int, nth: int) -> tuple[str, str]:
     return "no error", ""
 
 
-def test_with_only_the_parameters_on_nvme_a_failed_step_is_agreed_and_says_it_was_not_rolled_back(pools, tmp_path):
-    for rank, (kind, msg) in enumerate(pools.get(2).run(failing_step_with_optimizer_in_memory, str(tmp_path),
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: the step in memory, then the masters' write-back
+def test_with_only_the_parameters_on_nvme_a_failed_step_is_agreed_and_says_it_was_not_rolled_back(pools, tmp_path,
+                                                                                                   dtype):
+    for rank, (kind, msg) in enumerate(pools.get(2).run(failing_step_with_optimizer_in_memory, str(tmp_path), dtype,
                                                         timeout=120)):
         assert kind == "OSError" and "rank 1 failed" in msg and "No space left on device" in msg, (rank, kind, msg)
         assert "load the last checkpoint" in msg and "may now differ" in msg, (rank, msg)

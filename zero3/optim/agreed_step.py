@@ -22,8 +22,9 @@ rank the parameter shards, fp32 masters, optimizer state and loss scale equal th
 the step, and the step counters do not advance. What it does not undo: optimizer step hooks the
 user registered have run on the ranks that got that far. The cost: a second region per key doubles
 the swap files, and the copy of the shards in memory is one shard's worth per parameter, held
-during the step. With only ``offload_param="nvme"`` (optimizer state in memory, updated in place)
-the step is agreed, so every rank raises naming the failing rank and its cause, but not rolled back;
+during the step. With only ``offload_param="nvme"`` (optimizer state in memory, updated in place;
+under mixed precision the step runs in memory and the masters are then cast into the shards on the
+drive, which that agreement covers too) the step is agreed, so every rank raises naming the failing rank and its cause, but not rolled back;
 the same holds with ``offload_optimizer_staged_step=False``, which writes the drive in place.
 
 The second regions are the drive's largest cost: every key holds two from the first step on. A key

@@ -222,15 +222,16 @@ class PartitionedOptimizer:
         self.streamer = SubgroupStreamer(
             self.optimizer, self.states, self.shards, self.separate_masters,
             _subgroups(self.group_params, config.offload.sub_group_size) if by_subgroup else [], _per_element)
-        # A step that reads and writes a drive happens on every rank or on none ([Note: agreed optimizer step]);
+        # A step that reads or writes a drive happens on every rank or on none ([Note: agreed optimizer step]);
         # it is staged (rolled back on failure) when the optimizer state is on the drive, unless asked not to.
+        # Shards on the drive are written by every step: streamed (fp32), or by the masters' write-back.
         staged = self.placement.staged_step
         unstaged = ("it wrote the drive in place (offload_optimizer_staged_step=False)" if self.states is not None
                     else "the optimizer state is in memory and was not staged")
         self.agreed = AgreedStep(StepParts(
             self.optimizer, [p for ps in self.group_params for p in ps],
             self.states if staged else None, self.shards if staged else None, self.scaler, _per_element,
-            unstaged), comm, model_parallel) if by_subgroup else None
+            unstaged), comm, model_parallel) if by_subgroup or self.shards is not None else None
         self.backward_step: BackwardStep | None = None
         if self.placement.step_in_backward:
             assert self.agreed is not None and window_ends is not None
@@ -401,15 +402,19 @@ class PartitionedOptimizer:
                 return False
         if self.config.training.gradient_clipping > 0:
             self.clip_grad_norm(self.config.training.gradient_clipping)
+        step = self._streamed_step if self.streamed else self._in_memory_step
         if self.agreed is not None:
-            self.agreed.run(self._streamed_step, self.zero_grad, scaler_state)
-        elif self.streamed:
-            self._streamed_step()
+            self.agreed.run(step, self.zero_grad, scaler_state)
         else:
-            torch_step(self.optimizer)
-            self.copy_masters_to_shards()
+            step()
         self.zero_grad()
         return True
+
+    def _in_memory_step(self) -> None:
+        """The optimizer's step on state in memory, then the masters cast into the shards (under mixed
+        precision with ``offload_param="nvme"``, a write of the drive: agreed)."""
+        torch_step(self.optimizer)
+        self.copy_masters_to_shards()
 
     # -- state on NVMe ---------------------------------------------------------------------------
     def _streamed_step(self) -> None:
