@@ -222,6 +222,7 @@ def test_allgather_impl_resolves_to_shared_memory_only_where_every_rank_shares_a
     ("gloo", (0, 1), {}, r"needs every rank on one node, but the ranks' nodes are \[0, 1\]"),
     ("nccl", (0, 0), {}, "the nccl backend moves device tensors"),
     ("gloo", (0, 0), {"quantize_weights": True}, "choose one"),
+    ("gloo", (0, 0), {"hpz_partition_size": 2}, "zero_hpz_partition_size=2 asks for a secondary copy"),
 ])
 def test_an_explicit_shm_where_it_cannot_work_is_refused(backend, nodes, extra, match):
     with pytest.raises(ZeroConfigError, match=match):

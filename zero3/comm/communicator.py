@@ -364,6 +364,10 @@ def _gather_impl(config: CommSettings, backend: str, nodes: Sequence[int]) -> st
         if config.quantize_weights:
             raise ZeroConfigError("allgather_impl='shm' moves exact shards and zero_quantized_weights asks for int8 "
                                   "ones on the wire: choose one")
+        if config.hpz_partition_size != 1:
+            raise ZeroConfigError(f"allgather_impl='shm' reads every shard in place and zero_hpz_partition_size="
+                                  f"{config.hpz_partition_size} asks for a secondary copy gathered on the wire within "
+                                  "its group: choose one (on one node, where shared memory works, hpZ saves nothing)")
         return "shm"
     if config.allgather_impl != "auto":
         return config.allgather_impl
