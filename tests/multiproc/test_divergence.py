@@ -148,6 +148,19 @@ def test_one_rank_skipping_a_layer_after_agreed_steps_raises_everywhere(pools, t
         assert r["unchanged"]
 
 
+@pytest.mark.parametrize("wire", [{"allgather_impl": "p2p", "reduce_scatter_impl": "p2p"},
+                                  {"allgather_impl": "all_gather", "reduce_scatter_impl": "reduce_scatter"}],
+                         ids=["p2p", "collectives"])
+def test_one_rank_skipping_a_layer_on_the_wire_raises_everywhere(pools, wire):
+    """On the wire (gloo's default across nodes), a rank that leaves the plan issues void stand-ins
+    shaped as the real gathers it replaces: this GPT's parameters are small, so pairwise gathers go
+    in bucketed rows, and so must their stand-ins, or the peer that issued the real gather waits
+    for messages that never come."""
+    for r in pools.get(2).run(skip_a_layer, [1], 0, wire, timeout=POOL_TIMEOUT):
+        assert r["error"] == "ZeroDivergenceError", r
+        assert r["unchanged"]
+
+
 def test_every_rank_skipping_the_same_layer_is_not_an_error(pools):
     for r in pools.get(2).run(skip_a_layer, [0, 1], 0, timeout=POOL_TIMEOUT):
         assert r["error"] is None, r

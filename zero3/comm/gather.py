@@ -68,15 +68,21 @@ class GatherTransport:
         raise NotImplementedError
 
     def dummy(self, shape: RequestShape, header: PayloadHeader, tag: Tag) -> list[Any]:
-        """A void stand-in for a planned gather of ``shape`` (see [Note: verified collectives]):
-        quantized rows, or a direct gather's pieces."""
-        dtype = getattr(torch, shape.dtype.removeprefix("torch."), torch.uint8)
+        """A void stand-in for a planned gather of ``shape`` (see [Note: verified collectives]), on the
+        same messages as the real one: quantized rows, bucketed rows (one per size, the header at
+        each row's end), or a direct gather's pieces."""
+        w = self.wire
         if shape.dtype == "quantized":
-            w = self.wire
             payload = torch.zeros(shape.sizes[0] + HEADER_BYTES, dtype=torch.uint8, device=w.device)
             payload[shape.sizes[0]:].copy_(header_as(torch.uint8, header, w.device))
             return [self.rows(payload, True, tag, Kind(shape.kind), HEADER_BYTES)[1]]
-        return [_dummy_pieces(self.wire, shape, header, tag, dtype)]
+        dtype = getattr(torch, shape.dtype.removeprefix("torch."), torch.uint8)
+        if shape.rows:
+            hdr = bitcast_elements(dtype)
+            return [self.rows(torch.cat([torch.zeros(total, dtype=dtype, device=w.device),
+                                         header_as(dtype, header, w.device)]), True, tag, Kind(shape.kind), hdr)[1]
+                    for total in shape.sizes]
+        return [_dummy_pieces(w, shape, header, tag, dtype)]
 
 
 class CollectiveGather(GatherTransport):
@@ -90,18 +96,6 @@ class CollectiveGather(GatherTransport):
         out = torch.empty(w.world_size * n, dtype=inp.dtype, device=inp.device)
         work = w.monitor.blocking(lambda: all_gather_flat(out, inp, group=w.group, async_op=async_op), tag)
         return list(out.view(w.world_size, n).unbind(0)), (work if async_op else None)
-
-    def dummy(self, shape: RequestShape, header: PayloadHeader, tag: Tag) -> list[Any]:
-        if shape.dtype == "quantized":
-            return super().dummy(shape, header, tag)
-        w = self.wire
-        dtype = getattr(torch, shape.dtype.removeprefix("torch."), torch.uint8)
-        hdr = bitcast_elements(dtype)
-        works = []
-        for total in shape.sizes:
-            inp = torch.cat([torch.zeros(total, dtype=dtype, device=w.device), header_as(dtype, header, w.device)])
-            works.append(self.rows(inp, True, tag, Kind(shape.kind), hdr)[1])
-        return works
 
 
 class PairwiseGather(GatherTransport):
@@ -253,7 +247,7 @@ class ParamGatherer:
         chunks = self._chunks(params)
         dtype = params[0]._zero.shard.dtype
         hdr = bitcast_elements(dtype) if self.verify else 0
-        shape = RequestShape(Kind.PARAM_GATHER.value, tuple(c.total for c in chunks), str(dtype), False)
+        shape = RequestShape(Kind.PARAM_GATHER.value, tuple(c.total for c in chunks), str(dtype), False, rows=True)
         header = self.verifier.planned(tag, shape)
         device = raw_data(params[0]).device  # where the gathered tensor lives (shards may be on the CPU)
         handle: GatherWork
@@ -399,7 +393,7 @@ class ParamGatherer:
         chunk = GatherChunk.of(list(params), self.secondary_span)
         data = secondaries[0].data
         hdr = bitcast_elements(data.dtype) if self.verify else 0
-        shape = RequestShape(Kind.SECONDARY_GATHER.value, (chunk.total,), str(data.dtype), False)
+        shape = RequestShape(Kind.SECONDARY_GATHER.value, (chunk.total,), str(data.dtype), False, rows=True)
         header = self.verifier.planned(tag, shape)
         pieces = [sec.data for sec in secondaries]
         if hdr:

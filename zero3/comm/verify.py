@@ -102,6 +102,7 @@ class RequestShape:
     dtype: str
     header_first: bool  # its first wire collective is a blocking header exchange
     span: int = 1  # primary shards per piece of a direct gather (hpZ secondary gathers: N, see partition/sharding.py)
+    rows: bool = False  # a bucketed gather: one row per rank of each size (header included), not a direct gather's pieces
 
 
 def content_hash(kind: str, ids: tuple[int, ...], sizes: tuple[int, ...]) -> int:
