@@ -125,3 +125,21 @@ def test_object_exchange_needs_no_numpy(pools):
         assert [g["rank"] for g in got] == [0, 1]
         assert [len(g["blob"]) for g in got] == [10, 1010]
 
+
+
+def transports_of_a_group_named_by_device() -> dict:
+    """A group of one backend per device (``init_process_group()`` without a backend names its backend
+    "undefined", ``new_group(backend="cpu:gloo")`` "cpu:gloo") is the backend its tensors meet."""
+    _, world, rank = group_info(None)
+    out = {}
+    for name, group in (("default", None), ("cpu:gloo", dist.new_group([0, 1], backend="cpu:gloo"))):
+        comm = Communicator(group, world_size=world, rank=rank, metrics=StepMetrics())
+        out[name] = (dist.get_backend(group), comm.backend, comm.config.allgather_impl, comm.config.reduce_impl)
+        comm.release()
+    return out
+
+
+def test_a_group_named_by_device_takes_its_backends_transports(pools):
+    for r in pools.get(2).run(transports_of_a_group_named_by_device):
+        assert r["default"][0] == "gloo" and r["cpu:gloo"][0] == "cpu:gloo", r  # what torch names them
+        assert r["cpu:gloo"][1:] == r["default"][1:], r  # gloo, and gloo's transports (shared memory here)

@@ -64,3 +64,20 @@ def test_world_of_one_is_local_and_counts_nothing():
     assert comm.all_reduce(t, Tag(Kind.ALL_REDUCE)) is t
     assert comm.exchange_objects({"a": 1}, Tag(Kind.OBJECTS)) == [{"a": 1}]
     assert metrics.recv_bytes == {} and metrics.reduce_calls == 1
+
+
+@pytest.mark.parametrize("name, config, cuda, want", [
+    ("gloo", "cpu:gloo,cuda:gloo", False, "gloo"),
+    ("nccl", "cuda:nccl", True, "nccl"),
+    ("undefined", "cpu:gloo,cuda:nccl", True, "nccl"),  # init_process_group() on a CUDA machine
+    ("undefined", "cpu:gloo,cuda:nccl", False, "gloo"),
+    ("undefined", "cpu:gloo", False, "gloo"),  # init_process_group() in a CPU-only torch
+    ("cpu:gloo", "cpu:gloo", True, "gloo"),  # new_group(backend="cpu:gloo")
+])
+def test_a_group_of_one_backend_per_device_is_the_backend_its_tensors_meet(monkeypatch, name, config, cuda, want):
+    from zero3.comm import process_group
+
+    monkeypatch.setattr(process_group.dist, "get_backend", lambda group=None: name)
+    monkeypatch.setattr(process_group.dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(process_group.torch.cuda, "is_available", lambda: cuda)
+    assert process_group.backend_of(None) == want

@@ -34,6 +34,7 @@ from .collectives import SmallCollectives
 from .settings import CommSettings
 from .counter import ByteCounter
 from .exit_release import track_for_exit
+from .process_group import backend_of
 from .failure import FailureMonitor, rebuild_error
 from .gather import ParamGatherer, gather_transport
 from .secondary import Secondary, SecondaryCutter
@@ -81,7 +82,7 @@ class Communicator:
         self.rank = rank
         self.metrics = metrics
         distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
-        self.backend = dist.get_backend(group) if distributed else "none"
+        self.backend = backend_of(group) if distributed else "none"
         self.group = group
         self._own_group = dedicated  # made for zero3 (here, or by hpz.py): destroyed at exit (exit_release.py)
         if distributed and config.timeout_s > 0 and not dedicated:

@@ -28,6 +28,7 @@ import datetime
 import gc
 import logging
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,10 +75,22 @@ def group_exists() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def backend_of(group: Any = None) -> str:
+    """The backend zero3's tensors meet in ``group``: its name, or, for a group of one backend per
+    device (``init_process_group()`` without a backend names it "undefined"; a group made with
+    ``backend="cpu:gloo"`` names it so), the CUDA device's when CUDA is available, else the CPU's:
+    what `init_distributed` would have chosen."""
+    name = dist.get_backend(group)
+    if ":" not in name and name != "undefined":
+        return name
+    by_device = dict(entry.split(":", 1) for entry in dist.get_backend_config(group).split(",") if ":" in entry)
+    return by_device.get("cuda" if torch.cuda.is_available() and "cuda" in by_device else "cpu", name)
+
+
 def warn_if_flight_recorder_on(who: str) -> None:
     """One warning when the default group is gloo and may record every collective."""
     global _warned_flight_recorder
-    if _warned_flight_recorder or not group_exists() or dist.get_backend() != "gloo" or not flight_recorder_may_be_on():
+    if _warned_flight_recorder or not group_exists() or backend_of() != "gloo" or not flight_recorder_may_be_on():
         return
     _warned_flight_recorder = True
     logger.warning("%s: torch's flight recorder may be on for this gloo group (TORCH_FR_BUFFER_SIZE is not 0): "
