@@ -35,10 +35,10 @@ class SmallCollectives:
         n = t.numel()
         shape = RequestShape(Kind.ALL_REDUCE.value, (n + h,), str(t.dtype), False)
         header = self.verifier.planned(tag, shape)
-        payload = torch.zeros(n + h, dtype=t.dtype, device=t.device)
+        payload = torch.zeros(n + h, dtype=t.dtype, device=self._wire_device(t))
         payload[:n].copy_(t.reshape(-1))
         if header is not None:
-            payload[n:].view(w, HEADER_VALUES)[wire.rank].copy_(header_values(header, t.dtype, t.device))
+            payload[n:].view(w, HEADER_VALUES)[wire.rank].copy_(header_values(header, t.dtype, payload.device))
         with label("zero3::all_reduce"):
             work = self._all_reduce(payload, reduce_op, tag, h)
         if header is not None:
@@ -77,8 +77,11 @@ class SmallCollectives:
         wire = self.wire
         if wire.world_size > 1:
             self._header_first(tag, t)
+            x = t.to(self._wire_device(t))
             with label("zero3::broadcast"):
-                wire.monitor.blocking(lambda: dist.broadcast(t, src=wire.global_rank(src), group=wire.group), tag)
+                wire.monitor.blocking(lambda: dist.broadcast(x, src=wire.global_rank(src), group=wire.group), tag)
+            if x is not t:
+                t.copy_(x)
             if wire.rank != src:
                 wire.counter.count(Kind.BROADCAST, src, t.numel() * t.element_size(), False)
         return t
@@ -90,6 +93,7 @@ class SmallCollectives:
         if wire.world_size == 1:
             return flat.view(1, -1)
         self._header_first(tag, flat)
+        flat = flat.to(self._wire_device(flat))
         out = torch.empty(wire.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
         with label("zero3::all_gather_tensor"):
             wire.monitor.blocking(lambda: all_gather_flat(out, flat, group=wire.group), tag)
@@ -103,6 +107,7 @@ class SmallCollectives:
         if wire.world_size == 1:
             return flat.view(1, -1)
         self._header_first(tag, flat)
+        flat = flat.to(self._wire_device(flat))
         dst = wire.global_rank(0)
         with label("zero3::gather"):
             if flat.device.type == "cpu":
@@ -138,6 +143,13 @@ class SmallCollectives:
             return [obj]
         self._header_first(tag, torch.empty(0))
         return self.wire.objects(obj, Kind.OBJECTS)
+
+    def _wire_device(self, t: torch.Tensor) -> torch.device:
+        """Where ``t`` must be for this group's backend: NCCL moves only CUDA tensors, so a CPU one (an
+        offloaded master or shard, a norm of CPU gradients, a CPU-built weight) goes to the wire's
+        device; gloo takes tensors where they are. Results stay there: callers move them on."""
+        d = self.wire.device
+        return d if d.type != "cpu" and t.device != d and t.device.type != "meta" else t.device
 
     def _header_first(self, tag: Tag, t: torch.Tensor) -> None:
         """Route a request whose first wire collective is the blocking header exchange."""
