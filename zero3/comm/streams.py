@@ -38,5 +38,7 @@ class SideStream:
 
 
 def wait_on_compute(event: Any) -> None:
-    """Make the compute stream wait for a side-stream event (no host synchronisation)."""
-    torch.cuda.current_stream().wait_event(event)
+    """Make the compute stream of the event's device wait for it (no host synchronisation); the
+    current device's stream when the event was never recorded (it then waits for nothing)."""
+    device = getattr(event, "device", None)
+    torch.cuda.current_stream(device).wait_event(event)

@@ -78,7 +78,9 @@ class GatherChunk:
                     break
                 hi = min(lo + s, n)
                 full[lo:hi].copy_(row[off: off + hi - lo])
-        self.rows = [row[self.total:] for row in self.rows] if keep_header else None
+        # The headers are copied out of the rows: views would keep the whole gather buffer (world x
+        # bucket) alive until the work is waited, beyond what the live budget counts.
+        self.rows = [row[self.total:].clone() for row in self.rows] if keep_header else None
 
 
 @dataclass(eq=False)
