@@ -258,3 +258,28 @@ def test_checkpoints_keep_a_directory_per_model_parallel_rank_and_resume_at_anot
     assert tuple(sd["h.0.attn.q.weight"].shape) == (16, 32) and tuple(sd["h.0.mlp.proj.weight"].shape) == (32, 64)
     with pytest.raises(zero3.CheckpointMismatchError, match="pass model_parallel_rank"):
         consolidate(path, tmp_path / "all.pt")
+
+
+def overflow_on_one_tensor_parallel_rank() -> dict:
+    """fp16 with an mpu (2 tensor-parallel ranks, data-parallel size 1): an inf in one rank's gradient
+    of its tensor-parallel slice. Both ranks must skip the step , or the
+    slices of one weight step apart, and their loss scalers must stay alike."""
+    cfg = m.Config(checkpoint=False)
+    engine, mpu = m.build(cfg, m.RunConfig(zero={"param_persistence_threshold": 0, "fp16": {"enabled": True, "initial_scale_power": 4}}))
+    x, y = m.synthetic_batch(0, 2, cfg)
+    engine.backward(engine(x, y))
+    before = [zero3.safe_get_local_fp32_param(p).clone() for p in engine.module.parameters()]
+    if mpu.get_model_parallel_rank() == 0:
+        p = next(p for p in engine.module.parameters() if getattr(p, "tensor_model_parallel", False))
+        p._zero.train_tensor.grad.view(-1)[0] = float("inf")
+    engine.step()
+    after = [zero3.safe_get_local_fp32_param(p) for p in engine.module.parameters()]
+    return {"skipped": engine.skipped_steps, "unchanged": all(torch.equal(a, b) for a, b in zip(after, before)),
+            "scaler": engine.context.optimizer.scaler.state_dict()}
+
+
+def test_an_fp16_overflow_on_one_tensor_parallel_rank_skips_the_step_on_every_rank(pools):
+    results = pools.get(2).run(overflow_on_one_tensor_parallel_rank, timeout=TIMEOUT)
+    for r in results:
+        assert r["skipped"] == 1 and r["unchanged"], r
+    assert results[0]["scaler"] == results[1]["scaler"]

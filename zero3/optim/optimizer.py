@@ -367,15 +367,20 @@ class PartitionedOptimizer:
     def unscale_(self) -> bool:
         """fp16: divide this window's gradients by the loss scale, once; return the agreed overflow.
 
-        A collective (an all-reduce of a 0/1 flag, MAX): every rank learns whether any rank saw an
-        inf or nan. Without a scaler it does nothing and returns False.
+        A collective (an all-reduce of a 0/1 flag, MAX, over the data-parallel ranks and, with an
+        ``mpu``, the model-parallel ones, whose slices of a tensor-parallel weight differ): every
+        rank learns whether any rank saw an inf or nan, so all skip the step or none, and their loss
+        scales stay equal. Without a scaler it does nothing and returns False.
         """
         if self.scaler is None or self._unscaled:
             return self._overflow
         grads = self.grads()
         found = unscale_(grads, 1.0 / self.scaler.scale) if grads else torch.zeros(1)
         flag = found.to(self.comm_device)
-        self.comm.all_reduce(flag, Tag(Kind.ALL_REDUCE, "fp16 overflow check"), op="max")
+        tag = Tag(Kind.ALL_REDUCE, "fp16 overflow check")
+        self.comm.all_reduce(flag, tag, op="max")
+        if self.model_parallel is not None:
+            flag = self.model_parallel.comm.all_reduce(flag.to(self.model_parallel.comm.device), tag, op="max")
         self._overflow = bool(flag.item() > 0)
         self._unscaled = True
         return self._overflow
