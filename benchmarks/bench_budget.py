@@ -8,7 +8,7 @@ One pair of rank processes runs every config of a model, one after another, each
 (seed 0) with AdamW on the same synthetic batches, after one untimed run that warms the processes
 up; the order is reversed on every other repeat. The
 budget is ``--budget-fraction`` of the model's fp32 bytes (the full, unpartitioned model's). The
-"budget" row sets only ``memory_budget``; the sweep rows set the six knobs by hand: persistence
+"budget" row sets only ``memory_budget``; the sweep rows set five knobs by hand: persistence
 {0, 1e5 elements} x prefetch bucket {0, 1, 2 Blocks} x reuse distance {0, unbounded} x reduce bucket
 {1/4, 1 Block} (24 combinations), each with ``max_live_bytes`` = what the budget leaves after that
 row's reduce bucket and persistent parameters, as a user fitting the knobs to the same budget would

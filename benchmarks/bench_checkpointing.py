@@ -1,9 +1,9 @@
 """Activation memory of a deep model with ``zero3.checkpointing.checkpoint`` against without it.
 
-    python benchmarks/bench_checkpointing.py            # ~2 min on 2 cores
-    python benchmarks/bench_checkpointing.py --quick    # smaller model, ~30 s
+    python benchmarks/bench_checkpointing.py            # a few minutes on 2 cores
+    python benchmarks/bench_checkpointing.py --quick    # smaller model
 
-Every variant trains the same model for ``--steps`` steps (one warm-up first) in a fresh process
+Every variant trains a model of the same depth and width (the tensor-parallel ones examples/megatron_gpt.py's) for ``--steps`` steps (one warm-up first) in a fresh process
 (the two tensor-parallel variants in a fresh pair of gloo ranks) started with
 ``MALLOC_MMAP_THRESHOLD_=131072``: glibc then mmaps every buffer over 128 KiB and returns its pages
 when it is freed, so the resident set follows the live tensors. Per process it reports:

@@ -1,6 +1,6 @@
 """The wire under zero3 on gloo: collectives against pairwise point-to-point messages, 2 CPU ranks.
 
-    python benchmarks/bench_collectives.py                 # S = 41M fp32 elements per rank (165 MiB), 5 rounds
+    python benchmarks/bench_collectives.py                 # S = 41M fp32 elements per rank (156 MiB), 5 rounds
     python benchmarks/bench_collectives.py --numel 2000000 --rounds 20
 
 For a shard of S elements per rank it times, interleaved round by round after a barrier, each way of

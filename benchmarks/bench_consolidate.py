@@ -43,6 +43,10 @@ class Synthetic(nn.Module):
         n = max(0, (model_mb - largest_mb) // 16)
         self.layers = nn.ModuleList(nn.Linear(width, 4 * width, bias=False) for _ in range(n))
 
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        return sum(layer(x).sum() for layer in self.layers) + x.sum()
+
 
 def save(ckpt: Path, model_mb: int, largest_mb: int, optimizer: bool) -> tuple[int, int]:
     """Save the checkpoint (world size 1, in this process); return (model bytes, largest tensor bytes)."""
@@ -53,10 +57,9 @@ def save(ckpt: Path, model_mb: int, largest_mb: int, optimizer: bool) -> tuple[i
     sizes = [p.numel() * 4 for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer else None
     engine = zero3.initialize(model, opt, {"param_persistence_threshold": 0})
-    if optimizer:
-        for p in engine.params:  # one step so the moments exist, without running the model
-            engine.master_shard(p).grad = torch.ones_like(engine.master_shard(p))
-        engine.optimizer.step()
+    if optimizer:  # one step so the moments exist
+        engine.backward(engine(torch.zeros(1, dtype=torch.long)))
+        engine.step()
     engine.save_checkpoint(ckpt, tag="bench")
     return sum(sizes), max(sizes)
 
@@ -89,7 +92,7 @@ def main() -> None:
         print(f"baseline (python + torch + zero3 import): {baseline / 2**20:.0f} MiB")
         print(f"{'variant':<44} {'peak MiB':>9} {'added MiB':>10} {'added/largest':>14} {'added/model':>12} "
               f"{'seconds':>8}")
-        cli = ["-m", "zero3.checkpoint.consolidate", str(ckpt)]
+        cli = ["-m", "zero3.consolidate", str(ckpt)]
         variants = [
             ("safetensors fp32", [*cli, str(work / "out.safetensors")]),
             ("pt fp32", [*cli, str(work / "out.pt")]),
@@ -101,10 +104,13 @@ def main() -> None:
                                                                  "--include-optimizer"]))
         for name, argv in variants:
             peak, seconds = measure(argv)
+            written = Path(argv[3])
+            if not written.is_file() or written.stat().st_size < model_bytes // 2:  # a run that wrote nothing measured nothing
+                raise SystemExit(f"{name}: {written} was not written (or is too small): the run measured nothing")
             added = peak - baseline
             print(f"{name:<44} {peak / 2**20:>9.0f} {added / 2**20:>10.0f} {added / largest:>14.2f} "
                   f"{added / model_bytes:>12.2f} {seconds:>8.1f}")
-            for f in work.glob("out*"):
+            for f in [*work.glob("out*"), *work.glob("opt*")]:
                 f.unlink()
     finally:
         if args.dir is None:

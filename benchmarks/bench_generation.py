@@ -9,8 +9,8 @@ Every rank decodes the same prompt (the example GPT of examples/gpt.py, every pa
 ``param_persistence_threshold`` 0). Variants, in one run: plain eval forwards (zero3's ordinary
 forwards, not in generation mode: each follows the step's recorded trace and gathers every weight
 again) at the default live budget and at half the model, ``engine.generation()`` with the live
-budget at the whole model, and with it at half the model (only what does not fit is gathered again,
-along the planned decode cycle). Tokens per second is the slower rank's, the median over
+budget at the whole model, and with it at half the model, with and without prefetch (only what does
+not fit is gathered again, along the planned decode cycle). Tokens per second is the slower rank's, the median over
 ``--repeat`` interleaved rounds (the machine may be shared: compare within a run); the decoded
 tokens are compared with the same model run plainly in one process. A last row decodes with that
 model itself, no zero3 at all (every rank holds it whole): the ceiling for a mode that gathers

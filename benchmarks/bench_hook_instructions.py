@@ -8,7 +8,7 @@ does not move with the machine's load, next to the plain model's.
 Each variant runs in its own process under ``valgrind --tool=callgrind`` with ``PYTHONHASHSEED=0``
 (hash order moves the count by about 0.5%), once with ``--short`` and once with ``--long`` timed
 steps after 5 warm-up steps; instructions per step are the difference of the two totals over the
-difference of the step counts, so start-up and imports cancel. Two variants run at a time (one per
+difference of the step counts, so start-up and imports cancel. Two runs go at a time (one per
 core); a run takes a few minutes. The figures are printed, never asserted.
 
 What an instruction count does not say: time. Interpreted Python and the tensor kernels retire

@@ -13,8 +13,8 @@ same synthetic batches; every variant must end with the same loss.
 
 Memory figures (default): per rank, the highest over both ranks: RSS after the build, RSS between
 steps (after the last step), peak RSS (``ru_maxrss``), model state in memory and on NVMe
-(``engine.memory_report()``), the step time (slower rank, after a barrier), the time blocked
-waiting for shards from NVMe, and the bytes read and written per step. The last row runs without
+(``engine.memory_report()``); the step time (slower rank, after a barrier); rank 0's medians of the
+time blocked waiting for shards from NVMe and of the bytes read and written per step. The last row runs without
 offload and moves everything out with ``offload_states(device="nvme")`` and back.
 
 Capacity (``--capacity``): GPTs with ``n_embd`` 2048 (16 heads, vocab 256, one sequence of 32
@@ -494,7 +494,8 @@ def capacity(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nvme-path", required=True, help="directory for the swap files (files are unlinked at once)")
+    ap.add_argument("--nvme-path", required=True, help="directory for the swap files (zero3 unlinks its files at once; DeepSpeed's go in a "
+                         "folder removed after each attempt)")
     ap.add_argument("--quick", action="store_true", help="a smaller model for the memory figures")
     ap.add_argument("--n-layer", type=int, default=6)
     ap.add_argument("--n-embd", type=int, default=768)
@@ -508,7 +509,8 @@ def main() -> None:
                     help="capacity: optimizer steps per attempt (the first creates AdamW's moments; from the second "
                          "on, every step holds what the rest of training holds)")
     ap.add_argument("--sub-groups", type=int, default=8,
-                    help="capacity, zero3 NVMe modes: optimizer sub-groups per Block (sub_group_size = Block / this)")
+                    help="capacity, zero3 NVMe and -bwd modes: optimizer sub-groups per Block "
+                         "(sub_group_size = Block / this)")
     ap.add_argument("--buckets-per-block", type=int, default=1,
                     help="capacity, zero3 modes (no offload included): reduce_bucket_size = Block / this")
     ap.add_argument("--live-blocks", type=int, default=3,

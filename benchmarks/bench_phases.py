@@ -7,8 +7,8 @@ RSS of zero3 and FSDP2 comes from, on the 86.7M GPT of bench_step.py, 2 gloo ran
 Each system runs in a fresh pair of rank processes started with ``MALLOC_MMAP_THRESHOLD_=131072``
 (so freed tensors leave RSS, as in bench_step.py's memory pass). Rank 0 prints, per phase, its RSS
 then and its peak so far (``ru_maxrss``). "zero3 lean" is bench_step.py's: 3 Blocks live at most,
-reuse distance 0, prefetch 1 Block, persistence threshold 0; FSDP2 is ``fully_shard`` per Block and
-on the root with ``reshard_after_forward=True``. Figures are printed, never asserted.
+reuse distance 0, prefetch 1 Block, persistence threshold 0; FSDP2 is ``fully_shard`` per Block with
+``reshard_after_forward=True`` and on the root with torch's default (the root keeps its parameters). Figures are printed, never asserted.
 """
 
 from __future__ import annotations

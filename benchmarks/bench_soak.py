@@ -4,7 +4,7 @@
     python benchmarks/bench_soak.py --steps 300 --every 50   # a quick look
 
 Trains the example GPT (examples/gpt.py, 4 layers x 128, block 64, batch 4 per rank) under
-``zero3.Init`` with AdamW and the default config (verification on), on 2 gloo ranks started here, and
+``zero3.Init`` with AdamW and the default config plus ``gradient_clipping`` 1.0 (verification on), on 2 gloo ranks started here, and
 samples each rank's resident set size (``VmRSS`` from /proc/self/status) every ``--every`` steps,
 with the number of live tensors the garbage collector tracks. It prints one row per sample and the
 growth from step ``--from`` (200 by default, after warm-up) to the last step. Figures are printed,

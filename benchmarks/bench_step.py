@@ -9,10 +9,11 @@ Every variant trains the same GPT (examples/gpt.py) on the same synthetic batche
 own fresh pair of rank processes (so the peak RSS is the variant's own), one variant after the
 other in one invocation; the order is reversed on every other repeat. Variants: zero3 with its default
 config, zero3 with prefetch on and off under tight budgets (in `zero3_config`), DDP, FSDP2 with and
-without ``reshard_after_forward`` (its default, True, gathers every Block again for backward; False
-keeps them gathered from forward to backward), and extra zero3 rows that isolate single knobs:
-``verify_collectives=False``, and that plus ``reduce_bucket_size`` = one Block. Every table names the
-batch (sequences per rank).
+without ``reshard_after_forward`` (True, torch's default for the Blocks, gathers every Block again
+for backward; False keeps them gathered from forward to backward; set alike on the root), and extra
+rows that each change one knob of the default or lean config (``EXTRA_VARIANTS``, ``LABELS``: without
+verification, on gloo's collectives or on the wire instead of shared memory, the optimizer step in
+backward for zero3 and FSDP2). Every table names the batch (sequences per rank).
 
 Per step, each rank starts after a barrier and times forward + backward + optimizer step; the step
 time is the slower rank's, and the table shows the median over all measured steps of all repeats,
@@ -66,7 +67,7 @@ EXTRA_VARIANTS = ("zero3-noverify", "zero3-collectives", "zero3-prefetch-noverif
 LABELS = {
     "zero3": "zero3, default config",
     "zero3-noverify": "zero3, default config, verify_collectives=False",
-    "zero3-collectives": "zero3, default config, gloo's all_gather and all_reduce instead of pairwise messages",
+    "zero3-collectives": "zero3, default config, gloo's all_gather and all_reduce instead of its default transports",
     "zero3-prefetch": "zero3, prefetch on",
     "zero3-noprefetch": "zero3, prefetch off",
     "zero3-prefetch-noverify": "zero3, prefetch on, verify_collectives=False",

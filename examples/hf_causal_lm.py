@@ -12,7 +12,7 @@ Needs ``pip install -e '.[hf]'`` (transformers). Nothing is downloaded (``HF_HUB
    ``zero3.Init`` without random initialisation, and each rank reads only its slice of every tensor
    from ``model.safetensors``, so no rank ever holds the full model.
 3. ``zero3.initialize`` with AdamW; each rank trains on its half of every batch.
-4. ``model.generate()`` (greedy) completes each line from its first word.
+4. ``model.generate()`` (greedy) completes each line from its first two words.
 5. ``engine.save_pretrained(out)`` gathers one tensor at a time onto rank 0, which writes it into
    its shard file (``--max-shard-size``, small here so the tiny model is split into several files
    with a ``model.safetensors.index.json``, as a large one would be); ``AutoModelForCausalLM.from_pretrained``

@@ -16,8 +16,9 @@ default generator, the same on every tensor-parallel rank. Every block runs unde
 ``zero3.checkpointing.checkpoint`` (optionally partitioning the saved activations across the
 tensor-parallel ranks), and gradients are clipped by their global norm.
 
-The same code builds the same model on one process (``--tp 1 --dp 1``), which is how the tests
-check that the parallel run trains exactly like a single process (tests/multiproc/test_megatron_gpt.py).
+The same classes build the same model on one process (``TinyMPU(1)``, with ``virtual_tp`` drawing the
+parallel run's attention dropout), which is how tests/multiproc/test_megatron_gpt.py checks that the
+parallel run trains exactly like a single process.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ nccl`` on GPUs). ZeRO++'s options: ``--hpz -1`` (secondary partition per node), 
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank 1 --rdzv-backend c10d \
         --rdzv-endpoint 127.0.0.1:29511 examples/train_gpt.py --hpz -1 --qwz --qgz
 
-The model is built under ``zero3.Init`` (each rank only ever holds its shards plus one module),
+The model is built under ``zero3.Init`` (while it is built each rank holds only its shards plus the
+module being built; in training, at most ``--max-live`` gathered elements, about 3 Blocks),
 trained on the bytes of this repository's own text files, with AdamW and gradient clipping. Rank 0
 prints the loss per step, then the last step's received bytes by kind and node (intra / inter)
 and what its gathers read from peers' shared memory (ranks on one host);

@@ -325,3 +325,6 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(f"wrote {path} ({path.stat().st_size} bytes)\n")
     return 0
 
+
+if __name__ == "__main__":  # python -m zero3.checkpoint.consolidate, as python -m zero3.consolidate
+    sys.exit(main())
