@@ -345,6 +345,8 @@ def test_optimizer_over_foreign_parameters_is_rejected():
     opt = torch.optim.SGD(list(model.parameters()) + [nn.Parameter(torch.zeros(7, 3))], lr=0.1)
     with pytest.raises(ValueError, match=r"shape \(7, 3\) is not a parameter of the model"):
         zero3.initialize(model, opt, NO_PERSIST)
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # refused before anything changed
+    assert all(not m._forward_pre_hooks for m in model.modules())
 
 
 @pytest.mark.parametrize("bad,pattern", [

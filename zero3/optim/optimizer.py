@@ -116,13 +116,24 @@ def shard_optimizer(optimizer: Any, params: Iterable[ZeroParameter]) -> torch.op
     raise _bad_optimizer(optimizer)
 
 
-def validate_optimizer(optimizer: Any) -> None:
-    """Reject what ``initialize`` cannot use, before it changes anything."""
+def validate_optimizer(optimizer: Any, model_params: Iterable[torch.Tensor] = ()) -> None:
+    """Reject, before ``initialize`` changes anything, an optimizer it cannot use: not an optimizer,
+    one that has stepped, or one holding a tensor that is neither a parameter of ``model_params`` nor
+    the shard of one (a factory is called later, with the shards)."""
     if optimizer is None or (callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)):
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise _bad_optimizer(optimizer)
     _check_fresh(optimizer)
+    known: set[int] = set()
+    for p in model_params:
+        known.add(id(p))
+        if isinstance(p, ZeroParameter):
+            known.add(id(p._zero.shard))
+    for group in optimizer.param_groups:
+        for t in group["params"]:
+            if id(t) not in known:
+                raise _foreign(t)
 
 
 def _check_fresh(optimizer: torch.optim.Optimizer) -> None:

@@ -276,7 +276,11 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     (default: all of the model's); ``lr_scheduler`` (a scheduler, or a callable taking the optimizer)
     or the config's ``scheduler`` section gives the learning-rate schedule. ``mpu``: a Megatron-style
     model-parallel unit whose model-parallel group clipping and checkpoints take into account
-    (comm/model_parallel.py). Validates everything that can be rejected before it changes anything.
+    (comm/model_parallel.py). Validates the arguments, the optimizer (its type, freshness and
+    parameters), meta parameters and embeddings before it changes anything; what only the built
+    shards tell (a param group of several dtypes, LBFGS with a step by sub-groups, a scheduler
+    factory's ReduceLROnPlateau, a parameter of another engine's group) is refused after the model
+    was partitioned, its values kept in the shards.
     """
     if model.__dict__.get("_zero3_context") is not None:
         raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "
@@ -293,7 +297,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     if optimizer is None and config.training.optimizer is not None:
         optimizer = build_optimizer(config.training.optimizer, model_parameters if model_parameters is not None
                                     else model.parameters())
-    validate_optimizer(optimizer)  # before anything is changed: a rejected call leaves the model as it was
+    validate_optimizer(optimizer, model.parameters())  # before anything changes: the model is left as it was
     meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
     if meta is not None and not meta_dry_run.get():
         raise meta_refusal(meta)
