@@ -38,7 +38,7 @@ ZERO_KEYS = {
 # DeepSpeed keys we understand but that change nothing here (logged, not an error).
 ZERO_IGNORED = {
     "contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients",
-    "sub_group_size", "stage3_gather_16bit_weights_on_model_save", "log_trace_cache_warnings",
+    "stage3_gather_16bit_weights_on_model_save", "log_trace_cache_warnings",
     "elastic_checkpoint", "ignore_unused_parameters", "load_from_fp32_weights",
 }
 TOP_LEVEL = {

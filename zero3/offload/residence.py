@@ -148,9 +148,11 @@ class ShardStore:
 
     def copy_out_of_span(self, p: ZeroParameter) -> None:
         """A shard read into a pool span moves into memory of its own (same values, same tensor)."""
-        own = p._zero.shard.detach().clone()
+        z = p._zero
+        own = z.shard.detach().clone()
+        check_move(z.name, z.residence, residence_of(own))  # before anything changes
         with torch.no_grad():
-            p._zero.shard.set_(own)
+            z.shard.set_(own)
         self.move(p)
 
     # -- engine.offload_states -------------------------------------------------------------------------
