@@ -9,7 +9,8 @@ persistent or gathered parameter is updated in place, so call them on every rank
 (``param.ds_shard_range()``-sized, possibly empty) and issue no collective.
 
 "fp32 param" means the tensor the optimizer steps on: the fp32 master under bf16/fp16 (exact, not
-the rounded low-precision weight), the shard itself under fp32. Gradients are the accumulated
+the rounded low-precision weight) or with the optimizer offloaded while the shards are not, else
+the shard itself. Gradients are the accumulated
 gradient shards, unscaled (divided by the fp16 loss scale if ``engine.backward`` scaled them).
 Weights and optimizer state offloaded to NVMe are read in for the call (and written back by the
 setters); the engine's states must not be offloaded by ``engine.offload_states``.
@@ -222,7 +223,8 @@ def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: s
 @torch.no_grad()
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set this rank's unpadded slice of the fp32 weight (and its low-precision shard). No collective;
-    a persistent parameter is re-gathered only by the next ``engine.refresh_from_masters()``."""
+    a persistent parameter's gathered copy is updated by the next ``engine.refresh_from_masters()``,
+    optimizer step or checkpoint load (at world size 1, where it aliases its shard, at once)."""
     p = _check(param, "safe_set_local_fp32_param")
     z = p._zero
     master = p._zero.train_tensor

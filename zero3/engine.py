@@ -321,9 +321,10 @@ class Engine:
     @contextlib.contextmanager
     def generation(self) -> Iterator["Engine"]:
         """Generation mode for decode loops (RL rollouts, evaluation): gathered weights stay gathered
-        across the repeated forwards, within ``max_live_parameters`` (what does not fit is released,
-        most recently used first, and gathered again), instead of every weight being gathered again
-        for every token; everything is released on exit. Enter it between steps, on every rank."""
+        across the repeated forwards, within the live cap (``max_live_parameters`` or ``max_live_bytes``):
+        while the decode cycle is learnt, what does not fit is released most recently used first;
+        then a planned resident part stays and the rest is gathered in buckets along the cycle
+        (planning/generation.py), instead of every weight being gathered again for every token; everything is released on exit. Enter it between steps, on every rank."""
         if self.hooks.phase is not StepPhase.IDLE:
             raise ZeroStateError("engine.generation() must be entered between steps (after engine.step())")
         self.context.require_states("engine.generation()", ("lp_params",))
@@ -406,9 +407,10 @@ class Engine:
     def master_shard(self, p: ZeroParameter) -> torch.Tensor:
         """The tensor the optimizer steps on for ``p`` (this rank's padded 1-D shard, full precision).
 
-        Under bf16/fp16 or optimizer offload it is the fp32 master, a view into its group's flat
-        buffer (zero3/optim/optimizer.py [Note: flat master buffers]); a frozen parameter has none and gets its
-        shard. After writing into it, call `refresh_from_masters`.
+        Where masters are separate (bf16/fp16, or the optimizer offloaded while the shards are not) it
+        is the fp32 master: a view into its group's flat buffer (zero3/optim/optimizer.py [Note: flat
+        master buffers]), or a tensor of its own with ``offload_optimizer="nvme"``; otherwise, and
+        for a frozen parameter, the shard. After writing into it, call `refresh_from_masters`.
         """
         return p._zero.train_tensor
 

@@ -1,4 +1,5 @@
-"""An optimizer step that happens on every rank or on none, when it reads and writes a drive.
+"""An optimizer step agreed by every rank when it reads or writes a drive: taken on every rank or none
+when staged, else reported on every rank.
 
 [Note: agreed optimizer step]
 A streamed step (optimizer.py [Note: streamed optimizer step]) reads and writes swap files, and a

@@ -38,7 +38,8 @@ above, even when this rank has not stepped it yet: both ranks run the same modul
 that reads it so finds out.
 
 The agreement (agreed_step.py [Note: agreed optimizer step]) is split in time: the copies are taken
-and the tiers staged at the first landed gradient, the sub-groups step during the backward, and the
+and the tiers staged at the first landed gradient (with shared shards, at the first issued
+reduction; at ``engine.step()`` when nothing landed), the sub-groups step during the backward, and the
 ranks agree at ``engine.step()``, which commits, or rolls back on every rank (staged) or reports that
 the ranks may differ (``offload_optimizer_staged_step=False``, or the optimizer state in memory,
 which is never staged). A param group setting (``lr``, say) changed between that backward and
@@ -74,7 +75,8 @@ logger = logging.getLogger(__name__)
 class BackwardStepPhase(enum.Enum):
     """Where the step in backward is.
 
-    - IDLE: no boundary backward has landed a gradient since the last ``engine.step()``.
+    - IDLE: no boundary backward has landed a gradient (with shared shards: issued a reduction)
+      since the last ``engine.step()``.
     - STEPPING: the window's last backward runs; sub-groups step as their gradients complete.
     - STEPPED: that backward ended with every sub-group that has a gradient stepped; the ranks
       agree at ``engine.step()``.

@@ -4,8 +4,9 @@ flat buffers, the fp16 overflow check, global-norm clipping.
 [Note: flat master buffers]
 With ``dtype="fp32"`` the optimizer steps on the parameter shards themselves (`shard_optimizer`),
 unless the optimizer is offloaded while the shards are not (then the masters are separate, on the
-CPU side). Otherwise (bf16/fp16, or ``offload_optimizer="cpu"``) each param group of the user's
-optimizer gets a `FlatGroup`: two buffers with one layout,
+CPU side). Where masters are separate (bf16/fp16, or that offload) each param group of the user's
+optimizer gets a `FlatGroup` (with ``offload_optimizer="nvme"`` each master is a tensor of its own
+instead, and shards on NVMe or in shared memory have no flat buffer): two buffers with one layout,
 
 - ``master``: fp32, one allocation per group, on the shard's device (on the CPU when offloaded,
   pinned if asked and CUDA exists); each trainable parameter's master shard is a view into it, and
@@ -20,7 +21,8 @@ Every view starts at a multiple of ``ALIGN_ELEMENTS`` (64) elements: 128 bytes i
 256 in the fp32 one. Every rank's buffer holds only its own shards, and ranks have identical layouts
 (every shard is ``ceil(numel / world)`` elements), so each rank's slice of a parameter starts on the
 same aligned offset on every rank. The gaps hold zeros and never receive a gradient. After the
-optimizer step one ``low.copy_(master)`` per group casts all the new weights back. Frozen parameters
+optimizer step one ``low.copy_(master)`` per group casts all the new weights back (groups without a
+``low`` buffer, whose shards are on NVMe or in shared memory, cast one parameter at a time). Frozen parameters
 (``requires_grad=False``) get no master, no gradient and no state: they keep a standalone shard.
 
 The gradient of a master shard (``master.grad``, fp32, on the master's device) is where the reducer
@@ -39,10 +41,11 @@ shard elements). For each, the param groups are narrowed to the sub-group's tens
 ``params`` are empty for that call) and the user's optimizer steps; its state is keyed by tensor,
 so it persists across the calls, and every built-in torch optimizer updates each parameter from
 its own state only, so the result is the same, bit for bit, as one step over everything. The
-sub-group after the next is read while one steps, and the one before is written: at most three
-sub-groups' tensors are in memory. Optimizer step hooks run once per sub-group. The ranks agree
-that every rank finished it before it counts, and roll it back otherwise (agreed_step.py
-[Note: agreed optimizer step]). streamed.py `SubgroupStreamer` does the moves and the narrowed
+next sub-group is read while one steps, and the one before is written: at most three sub-groups'
+tensors are in memory. Optimizer step hooks run once per sub-group. The ranks agree that every rank
+finished it before it counts; when it is staged (``offload_optimizer="nvme"``, ``staged_step``) a
+failure anywhere is rolled back on every rank, otherwise every rank raises naming the failing rank
+(agreed_step.py [Note: agreed optimizer step]). streamed.py `SubgroupStreamer` does the moves and the narrowed
 steps; with ``offload_optimizer_step_in_backward`` the same sub-groups step inside the backward
 instead (backward_step.py [Note: optimizer step in backward]).
 """
@@ -233,7 +236,7 @@ class PartitionedOptimizer:
         self.streamer = SubgroupStreamer(
             self.optimizer, self.states, self.shards, self.separate_masters,
             _subgroups(self.group_params, config.offload.sub_group_size) if by_subgroup else [], _per_element)
-        # A step that reads or writes a drive happens on every rank or on none ([Note: agreed optimizer step]);
+        # A step that reads or writes a drive happens on every rank or on none (agreed_step.py [Note: agreed optimizer step]);
         # it is staged (rolled back on failure) when the optimizer state is on the drive, unless asked not to.
         # Shards on the drive are written by every step: streamed (fp32), or by the masters' write-back.
         staged = self.placement.staged_step

@@ -10,10 +10,12 @@ and keeps an fp32 copy of every trainable shard, which becomes its *master* (opt
 2. the full low-precision gradient is cast to ``reduce_dtype``, reduced (comm/reduce.py), and this rank's
    slice is added into the fp32 gradient of the master shard (runtime/grad.py); the full gradient is freed;
 3. at the accumulation boundary (fp16) the fp32 gradients are unscaled and checked for inf/nan, the
-   ranks agree on overflow with an all-reduce (MAX of a 0/1 flag), and an overflowing step is
+   ranks agree on overflow with an all-reduce (MAX of a 0/1 flag, over the data-parallel ranks and
+   an ``mpu``'s model-parallel ones), and an overflowing step is
    skipped on every rank while `LossScaler` backs off;
 4. optional clipping by the global fp32 norm, then the user's optimizer steps on the fp32 masters;
-5. each group's masters are copied into its low-precision shard buffer in one copy (cast), and the
+5. each group's masters are copied into its low-precision shard buffer in one copy (cast; one per
+   parameter where the shards have no flat buffer: NVMe, shared memory), and the
    persistent parameters are re-gathered from the new shards.
 
 Nothing is cast when ``dtype="fp32"`` (the default): the optimizer steps on the shards themselves,

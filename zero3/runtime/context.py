@@ -12,8 +12,8 @@ communicator, coordinator) for the parameters it partitions while a model is bui
       comm           Communicator      every collective
       node_comm      Communicator | None   hpZ: collectives inside this rank's secondary group (a node)
       metrics        StepMetrics       counters of the current step
-      coordinator    ParamCoordinator  gathers and releases (after partitioning, the one caller of the
-                                       status primitives of partition/param.py)
+      coordinator    ParamCoordinator  gathers and releases (after partitioning, with its PersistentParams,
+                                       the one caller of the status primitives of partition/param.py)
       store          ShardStore        the one writer of shards and their residence (offload/residence.py)
       reducer        GradientReducer   full gradients -> averaged gradient shards (engine only)
       optimizer      PartitionedOptimizer | None   the user's optimizer over shards (engine only)
@@ -176,8 +176,9 @@ class RuntimeContext:
         """Inside the block, ``params``' shards, masters and optimizer state are in memory even when
         their home is NVMe (read in, one parameter's worth at a time when called per parameter);
         with ``write`` what the block changed goes back after it; with ``overwrite`` the block
-        replaces the whole shards, which are therefore not read. Between steps only (checkpoints,
-        accessors, ``GatheredParameters(modifier_rank=...)``)."""
+        replaces the whole shards, which are therefore not read. Outside a module's forward or
+        backward computation (checkpoints, accessors, ``GatheredParameters(modifier_rank=...)`` also
+        inside a step, and ``Init``'s writes while a model is built)."""
         ps = list(params)
         tier = self.coordinator.shards
         if tier is not None:

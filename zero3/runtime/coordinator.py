@@ -1,8 +1,9 @@
 """`ParamCoordinator`: decides when parameters are gathered and released, and keeps the books.
 
 It is the one driver of parameter status: once a parameter is partitioned, every NOT_AVAILABLE ->
-INFLIGHT -> AVAILABLE -> NOT_AVAILABLE change of it goes through it (partition/param.py has the primitives, the
-communicator only moves bytes). The hooks (hooks.py) report module events; ``GatheredParameters``
+INFLIGHT -> AVAILABLE -> NOT_AVAILABLE change of it goes through it or its `PersistentParams`
+(persistent.py; ``engine.remove_hooks`` lets go of those through it too) (partition/param.py has
+the primitives, the communicator only moves bytes). The hooks (hooks.py) report module events; ``GatheredParameters``
 pins and unpins; the optimizer side asks for persistent parameters to be refreshed; the step's
 lifecycle (step.py) ends every step through `ParamCoordinator.end_step`.
 
@@ -294,7 +295,7 @@ class ParamCoordinator:
     def end_step(self, aborted: bool = False) -> None:
         """The coordinator's part of the end of a step, normal or aborted (step.py `StepLifecycle`
         is the one end of a step and calls it): unpin and release everything no user context
-        (GatheredParameters) holds; then, unless ``aborted``, keep or cache the step's trace."""
+        (GatheredParameters) holds and, after a step that ended normally, generation mode does not keep; then, unless ``aborted``, keep or cache the step's trace."""
         for p in self._by_id.values():
             z = p._zero
             z.active_forward = z.active_backward = 0

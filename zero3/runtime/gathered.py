@@ -17,10 +17,12 @@ Hugging Face's ``resize_token_embeddings`` gives the input embedding's parameter
 shape (``weight.data = new.weight.data``) and replaces an untied output embedding by a new module.
 When ``GatheredParameters(..., modifier_rank=...)`` publishes a gathered parameter whose data now has
 another shape, the parameter is partitioned anew with it (`ShardStore.repartition`: new shape,
-element counts and shard), every rank alike (rank 0's values
+element counts and shard), every rank alike (the modifier rank's values
 are broadcast first, as for any change). That is only possible while no engine holds the parameter:
 after ``zero3.initialize`` its optimizer state, flat buffers and plans have the old size, so there the
-change is refused, the parameter gets its own data back from the shards, and nothing changes.
+change is refused and the parameter gets its own shape back: the shards are untouched, and its
+gathered copy is filled from them again when next gathered (one another context or a running module
+still holds keeps uninitialised values until then, and that context's exit reports the change).
 Inside the `Init` block that builds the model, the embedding's data becomes the data of the new
 embedding's (partitioned) parameter, whose values live in that other parameter's shards: refused
 when the block writes the touched parameters back, naming the way that works (after the block,

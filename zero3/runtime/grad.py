@@ -8,14 +8,16 @@ runs while backward goes on; at most one is in flight).
 
 Why the module boundary: DeepSpeed's default bucket (5e8 elements) is larger than most models, so
 by bucket size alone every full gradient would be held until backward ends and reduced in one
-exposed collective at the end. The boundary is the prefetch bucket (the granularity the user chose
-for gathers), so reductions are as coarse as the gathers and start while the earlier modules'
+exposed collective at the end. The boundary is the prefetch bucket as configured at initialize (the
+granularity the user chose for gathers; the reduce bucket when that is 0, as under ``memory_budget``,
+which sizes the reduce bucket itself), so reductions are as coarse as the gathers and start while the earlier modules'
 backward runs (on the 86.7M GPT of bench_step.py, one Block: 140 MiB less peak RSS per rank and
 the reduction wait at the end of backward 174 -> 38 ms, docs/performance.md). ``reduce_bucket_size``
 stays the most elements one reduction takes. The bucket's gradients are cast to
-``reduce_dtype`` and copied into one flat rank-major buffer; the full gradients are dropped right
-then, before the collective runs. Each rank adds its slice of the average into the gradient of
-``ZeroParam.train_tensor``: the fp32 master shard under mixed precision, else the shard itself. So
+``reduce_dtype`` and copied into one flat rank-major buffer; the full gradients are dropped as soon as the reduction is
+issued (with ``overlap_comm`` while it runs; without, once it completed). Each rank adds its slice
+of the average into the gradient of ``ZeroParam.train_tensor``: the fp32 master shard where masters
+are separate (mixed precision, or the optimizer offloaded while the shards are not), else the shard. So
 micro-batches accumulate into that gradient in its precision.
 
 With ``gradient_accumulation_steps = N > 1`` each micro-batch's reduced slice is divided by N before

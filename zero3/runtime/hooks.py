@@ -4,7 +4,8 @@
 - forward pre-hook (``prepend=True``): push a `_Call` for this module on the forward stack, gather its
   parameters (own + external) and, when grad is on and its gradients do not close it (below), wrap
   the tensor inputs in `_PostBackward`.
-- forward post-hook: pop the call, release the parameters (unless still used elsewhere) and hook the
+- forward post-hook: pop the call, report its end to the coordinator (which releases the parameters
+  or keeps them: still used elsewhere, a schedule's reuse keeps, generation mode) and hook the
   output tensors (a pre-hook on each one's autograd node, a tensor hook on a leaf: `_on_backward_entry`):
   the first gradient that reaches any of them is the module's *pre-backward*, which gathers the
   parameters again (once per call).
@@ -14,7 +15,8 @@
   gradients of the module's inputs are ready. A wrapped module whose inputs need no grad never gets
   it; the end of the step releases those.
 - ``register_post_accumulate_grad_hook`` on every trainable parameter hands its full gradient to the
-  reducer as soon as autograd has accumulated it, then drops it.
+  reducer as soon as autograd has accumulated it (a leaf module's go to its unit, reduced when the
+  leaf's backward ends), then drops it.
 - one callback per autograd graph task (queued from the first hook that fires in it); when the last
   running graph task ends, the backward is over: gradients are complete and the step ends.
 Accessing a partitioned parameter of *another* module inside a forward (``self.wte.weight`` in the
@@ -319,7 +321,7 @@ class ModuleHooks:
         self._resident_calls = 0  # root calls open in a resident decode forward ([Note: resident decode forwards])
         self._steps_ended = 0  # ends of step so far ([Note: a second backward])
         self._submodule_hooks = _SubmoduleHooks()
-        self._frozen = FrozenAtInstall(())  # [Note: unfreezing after initialize]
+        self._frozen = FrozenAtInstall(())  # trainable.py [Note: unfreezing after initialize]
         self._buffers: ModuleBuffers | None = None  # broadcast_buffers: rank 0's before forwards (buffers.py)
 
     # -- install / remove -----------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """hpZ (ZeRO++): the secondary slices a rank keeps of the parameters gathered in a training step.
 
 [Note: hpZ secondary shards]
-With ``zero_hpz_partition_size``, every parameter gathered from its primary shards during a training
-step (grad enabled when the step began) keeps a secondary slice once its gather completes: 1/L of
-it, L the ranks of its secondary group (a node; comm/secondary.py `Secondary`). Any later gather of it in the
-same step (backward, or a tied weight's second use) comes from the secondary slices, over the
+With ``zero_hpz_partition_size``, every parameter gathered on the training path (the hooks' fetches
+and prefetches in a step that began with grad enabled) from its primary shards keeps a secondary
+slice once its gather completes: 1/L of it, L the ranks of its secondary group (a node by default;
+comm/secondary.py `Secondary`). Any later training-path gather of it in the same step (backward, or
+a tied weight's second use) comes from the secondary slices (user gathers and persistent refreshes
+always read the primary shards), over the
 node's communicator, so it never crosses nodes. The slices are not counted in the live budget;
 ``metrics.secondary_bytes`` is what they hold, and they are all dropped when the step ends (and a
 parameter's as soon as a user rewrites its shards).

@@ -129,8 +129,9 @@ class Init:
             parameters are broadcast from rank 0 first, so ranks agree).
         data_parallel_group: process group to partition over (default: ``mpu``'s data-parallel group,
             else the world group, or none when ``torch.distributed`` is not initialised).
-        mem_efficient_linear: accepted for compatibility: zero3 always frees the full weights that
-            ``F.linear`` saves for backward (a released parameter's storage is resized to 0 bytes).
+        mem_efficient_linear: accepted for compatibility: zero3 frees the full weights that
+            ``F.linear`` saves for backward whenever it releases a parameter (its storage is resized to
+            0 bytes; persistent and user-held parameters stay gathered).
         remote_device: where shards live: ``"none"`` (where the parameter was created), ``"cpu"``,
             ``"nvme"`` (written to ``offload_param.nvme_path`` of the config as they are made, past
             ``max_in_cpu`` elements and except parameters small enough to become persistent), or
@@ -515,7 +516,7 @@ def _write_back(state: _InitState) -> None:
             state.ctx.comm.broadcast(raw_data(p), 0, Tag(Kind.BROADCAST, f"zero3.Init value of {p._zero.name}"))
     with state.ctx.resident(touched, write=True, overwrite=True):
         for p in touched:
-            if p._zero.id in reshaped:  # [Note: a new shape before initialize]
+            if p._zero.id in reshaped:  # gathered.py [Note: a new shape before initialize]
                 repartition(state.ctx, p)
             else:
                 copy_full_into_shard(p)

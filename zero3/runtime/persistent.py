@@ -3,8 +3,9 @@
 Small parameters (``param_persistence_threshold``, up to ``model_persistence_threshold`` in all;
 the rule is planning/persistence.py's) cost more as per-module collectives than they hold, so they
 are gathered at initialize, stay out of every budget and every schedule, and are gathered again
-from their shards whenever the shards change (optimizer step, checkpoint load). At world size 1
-the full tensor is a view of the shard, so they never need gathering again.
+from their shards when the shards change (optimizer step, checkpoint load, refresh_from_masters;
+the local accessors' writes wait for one of those). At world size 1 the full tensor is a view of
+the shard when both have one device and dtype, and then needs no refresh.
 """
 
 from __future__ import annotations

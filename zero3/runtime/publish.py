@@ -44,7 +44,7 @@ def into_shards(ctx: Any, params: list[ZeroParameter], reshaped: frozenset[int] 
         for p in params:
             published[p._zero.id] = published.get(p._zero.id, 0) + 1
             if p._zero.id in reshaped:
-                repartition(ctx, p)  # [Note: a new shape before initialize]
+                repartition(ctx, p)  # gathered.py [Note: a new shape before initialize]
             else:
                 update_shard_from_full(p)
     ctx.coordinator.drop_secondaries(params)  # all of them, on every rank: the same hpZ split
@@ -62,8 +62,9 @@ def repartition(ctx: Any, p: ZeroParameter) -> None:
 
 def refuse_reshape(ctx: Any, params: list[ZeroParameter], what: str, raise_: bool = True) -> None:
     """A new shape that is not written back (an engine holds the parameters, or ``GatheredParameters``
-    has no ``modifier_rank``): give them back their own data (the shards are untouched), then raise
-    unless not ``raise_``. ``what`` names the call."""
+    has no ``modifier_rank``): give them back their own shape (the shards are untouched; a gathered
+    copy that another holder keeps has uninitialised values until gathered again), then raise unless
+    not ``raise_``. ``what`` names the call."""
     name, new_shape, old_shape = params[0]._zero.name, tuple(raw_data(params[0]).shape), tuple(params[0]._zero.shape)
     for p in params:
         z = p._zero

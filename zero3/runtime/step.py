@@ -5,7 +5,7 @@ backward, an inference forward returning, ``engine.step()``, an exception in for
 the hooks being removed in the middle of it) ends it through `StepLifecycle`, which does every part
 in one order: the hooks forget their open calls (and, at the end of a backward, reduce the leaf
 modules' gradients); the gradient reducer finishes (or, aborted, drops what is queued); the
-coordinator releases everything and keeps the step's trace (aborted: drops it); the phase is IDLE.
+coordinator releases everything (but what generation mode keeps gathered) and keeps the step's trace (aborted: drops it); the phase is IDLE.
 An inference forward is a whole epoch of the data-parallel communicators and ends it (a resident
 decode forward in generation mode, which communicates nothing, is no step: hooks.py [Note:
 resident decode forwards]); an aborted
@@ -31,8 +31,8 @@ from .context import RuntimeContext
 class StepPhase(Enum):
     """Where the model is in a training step, as the hooks see it (hooks.py).
 
-    - IDLE: between steps. Only persistent parameters and those held by ``GatheredParameters`` are
-      gathered; no module visit is open and no gradient is pending.
+    - IDLE: between steps. Only persistent parameters, those held by ``GatheredParameters`` and, in
+      generation mode, what it keeps gathered between forwards are gathered; no module visit is open and no gradient is pending.
     - FORWARD: at least one forward ran since the step began (several may run before a backward);
       gathered parameters are those of running modules, prefetches and reuse keeps.
     - BACKWARD: a backward is running (forwards may run inside it: activation-checkpoint recompute);
