@@ -34,8 +34,9 @@ with frozen embeddings: torch's reentrant checkpoint silently gives them none in
 DeepSpeed's API is process-wide: ``configure`` once, then ``checkpoint`` anywhere in the model code,
 and one RNG tracker (``get_cuda_rng_tracker``, in rng.py) that model code forks. The settings, the
 model-parallel communicator, the contiguous buffers and the timings therefore live in one `_State`
-object, replaced as a whole by `configure`; besides it and the tracker nothing in zero3 keeps
-module-level state.
+object, replaced as a whole by `configure`; this module keeps no other state (zero3's other
+process-wide state: exit_release, process_group's warning flag, the parameter id counter, the
+wrapper of ``nn.Module._apply``, the optimizer step pre-hook).
 """
 
 from __future__ import annotations

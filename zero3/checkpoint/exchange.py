@@ -1,5 +1,6 @@
-"""The one agreement step of every checkpoint collective: all ranks exchange a payload and their
-errors, so that every rank raises the same error and none hangs in a later collective."""
+"""The one agreement step of the checkpoint collectives that validate (save, load, pretrained loads,
+save_pretrained): all ranks exchange a payload and their errors, so that every rank raises the same
+error and none hangs in a later collective."""
 
 from __future__ import annotations
 

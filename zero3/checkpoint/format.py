@@ -15,7 +15,8 @@ Every rank file's header records the sha256 of metadata.json (integrity.py [Note
 The rank files are plain safetensors files (``safetensors.safe_open`` reads them). zero3 writes and
 reads them itself (safetensors.py), so the package is not required. For a parameter ``name``, rank r's file holds
 only the *real* (unpadded) flat range that r owns (`sharding.shard_range`):
-- ``param/name``: that range of the full-precision master weights (``ctx.master_shard``);
+- ``param/name``: that range of the tensor the optimizer steps on (``ZeroParam.train_tensor``: the
+  fp32 master where masters are separate, else the shard; a frozen parameter's shard);
 - ``optim/name/key``: the same range of every per-element optimizer state (Adam's moments);
 - ``optim/name/key`` whole, in every file, for state that is not per-element (Adam's 0-d ``step``);
 - ``buffer/name``: module buffers, in rank 0's file only.

@@ -20,16 +20,18 @@ if TYPE_CHECKING:
 
 def consolidated_state_dict(ctx: RuntimeContext, rank0_only: bool = True, *,
                             dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The full state dict of the engine's model (fp32 master weights), built module by module.
+    """The full state dict of the engine's model (the tensors the optimizer steps on: fp32 masters
+    where masters are separate, else the shards), built module by module.
 
-    A collective. Each module's master shards are gathered with one collective, straight onto rank 0
+    A collective. Each module's master shards are gathered with one collective per dtype, straight onto rank 0
     (``rank0_only``) or onto every rank, so the other ranks never hold more than their shards. Tied
     parameters stay tied: both names map to the same tensor object, as in ``model.state_dict()``.
 
     Args:
         ctx: the engine's runtime context (``engine.context``).
         rank0_only: only rank 0 gets the tensors; the others get ``{}``.
-        dtype: cast floating-point tensors to this dtype (default: the master dtype, fp32).
+        dtype: cast floating-point tensors to this dtype (default: as stepped: fp32 masters, a frozen
+            parameter's shard in its dtype).
 
     Returns:
         ``{name: CPU tensor}`` in ``model.state_dict()`` order (``{}`` off rank 0 with ``rank0_only``).

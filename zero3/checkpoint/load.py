@@ -5,8 +5,8 @@ A load validates everything before it changes a single parameter: the metadata a
 version; that the names and shapes of the model's parameters and buffers match; that every file is
 present, with its size; that each file's sha256 matches (rank ``r`` hashes files ``r, r + world, ...``
 in a streaming pass, so together the ranks read the checkpoint once); and that each needed tensor
-is in its file's header. The ranks exchange their errors with one ``all_gather_object``, so every
-rank raises the same error and none hangs.
+is in its file's header. The ranks exchange their errors in one object exchange (checkpoint/exchange.py), so
+every rank raises the same error and none hangs.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ The class is a facade over small pieces, each in the file named after its job:
 - reduce.py: where a gradient reduction is issued, on a reduce transport chosen at construction;
 - verifier.py: the verification state machine ([Note: verified collectives] in verify.py);
 - counter.py: byte counting; failure.py: timeouts and failure reports; works.py: waiting;
-- codec.py: qwZ / qgZ coding; hpz.py: secondary slices and the secondary group's communicator;
+- codec.py: qwZ / qgZ coding; secondary.py: hpZ's secondary slices; hpz.py: the secondary group's communicator;
 - collectives.py: the small collectives (all-reduce, broadcast, object exchange, ...);
 - streams.py: the CUDA side stream; wire.py: what the transports share.
 """
@@ -68,8 +68,9 @@ class Communicator:
         dedicated: ``group`` is already zero3's own group with ``timeout_s`` (hpz.py makes one).
         secondary_span: on an hpZ secondary group's communicator: primary shards per secondary slice.
 
-    Every byte received is counted in ``metrics.recv_bytes`` by kind and by node scope (intra /
-    inter): pairwise messages exactly, collectives by the logical bytes each peer contributes.
+    Every byte received on the wire after construction (the node-name exchange is not) is counted in
+    ``metrics.recv_bytes`` by kind and by node scope (intra / inter; shared-memory reads apart, in
+    ``shared_read_bytes`` and ``shared_reduce_bytes``): pairwise messages exactly, collectives by the logical bytes each peer contributes.
     """
 
     def __init__(self, group: Any, config: CommSettings | None = None, *, metrics: StepMetrics,
@@ -247,7 +248,8 @@ class Communicator:
         """Issue the all-gather of ``params``' shards into their own storage (split at ``bucket_numel``).
 
         The caller owns the parameters' status (NOT_AVAILABLE -> INFLIGHT -> AVAILABLE); this only
-        moves bytes. Their storage is allocated when the data is copied out. ``count``: add it to
+        moves bytes. Their storage is allocated when the gather is issued (direct, shared-memory and
+        secondary gathers) or when the data is copied out (rows, qwZ). ``count``: add it to
         the step's gather metrics (persistent refreshes are counted apart). ``keep_secondary`` (hpZ,
         ``hpz`` > 1): the work's ``wait()`` also cuts each parameter's `Secondary` slice.
         ``quantize``: a training-path gather, which qwZ codes when ``quantize_weights`` is on; every

@@ -1,4 +1,4 @@
-"""Counting every byte a rank receives, by kind and by node scope (docs/multinode.md#byte-accounting).
+"""Counting the bytes a rank receives on the wire, by kind and by node scope (docs/multinode.md#byte-accounting).
 
 Pairwise messages are counted exactly, collectives by the logical bytes each peer contributes. Each
 transport calls the counter once where it puts bytes on the wire, so the counts and the wire cannot

@@ -1,6 +1,7 @@
 """Parameter all-gathers: where a gather is issued, on the gather transport chosen once per communicator.
 
-A gather of parameter shards goes one of four ways: a local copy (world size 1), int8 blocks with
+A gather of parameter shards goes one of five ways: a local copy (world size 1), reads of the
+peers' shared-memory arenas (``shm``, `SharedShards`), int8 blocks with
 scales (qwZ, `QuantizedCodec`: training-path gathers only, as the caller says), pairwise pieces straight into the parameters' storage
 (`PairwiseGather` where it can), or buckets of at most ``bucket_numel`` elements gathered into rows
 and copied out (on the CUDA side stream with ``overlap_comm``). Each returns its own kind of
@@ -101,7 +102,8 @@ class CollectiveGather(GatherTransport):
 class PairwiseGather(GatherTransport):
     """``allgather_impl="p2p"``: each rank sends its piece to every other rank and receives theirs (the
     same bytes as a ring all-gather, without gloo's extra copies); parameters whose shard and storage
-    agree in device and dtype receive their pieces straight into storage. Meta tensors (a model built
+    agree in device and dtype, and that average at least ``wire.DIRECT_MIN_BYTES``, receive their
+    pieces straight into storage (others go as one row per peer). Meta tensors (a model built
     on the meta device) have no backend for messages: they take the collective path, whose meta
     kernels move nothing, as there is nothing."""
 

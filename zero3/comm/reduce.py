@@ -1,5 +1,7 @@
 """Gradient reductions: the averaging reduction of a bucket of gradients, on one of three wires
-chosen once per communicator (`reduce_transport`), or quantized (qgZ, `QuantizedReduction`).
+chosen once per communicator (`reduce_transport`: reduce_scatter, all_reduce, p2p; ``shm`` goes
+through shared memory instead, shared_reduce.py, chosen in communicator.py), or quantized (qgZ,
+`QuantizedReduction`).
 
 Each transport counts its bytes where it puts them on the wire and issues its own void stand-in
 (``dummy``) for a planned reduction a rank leaves the plan at ([Note: verified collectives]).

@@ -1,7 +1,7 @@
-"""The settings of one communicator, in one frozen, validated record built in one place from a
-`ZeroConfig`'s ``comm`` section (the user's knobs, `zero3.config.CommConfig`) and the communicator's
-role: the engine's own group (ZeRO++ codings, hpZ, the collective timeout), ``zero3.Init``'s, or the
-model-parallel group's."""
+"""The settings of one communicator, in one frozen, validated record built from a `ZeroConfig`'s
+``comm`` section (the user's knobs, `zero3.config.CommConfig`) and the communicator's role: the
+engine's own group (ZeRO++ codings, hpZ, the collective timeout), ``zero3.Init``'s, or the
+model-parallel group's; the config agreement and activation checkpointing build theirs directly."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class CommSettings:
             gathers are shm and qgZ is off, else p2p; reduce-scatter elsewhere).
         allgather_impl: ``all_gather``, ``p2p``, ``shm`` (same-node shards read from shared memory
             during steps, comm/shared.py; p2p otherwise) or ``auto`` (on gloo: shm when every rank
-            is on one node, else p2p; all-gather elsewhere).
+            is on one node and neither qwZ nor hpZ is on, else p2p; all-gather elsewhere).
         verify: verify every collective (verify.py), on every backend: unverified, ranks that issue
             different collectives of the same size mix their data silently. None reads as True.
         timeout_s: when > 0 and world size > 1, collectives run on a process group of their own

@@ -272,7 +272,7 @@ class SharedShards:
         """The step ended: the closing barrier (every rank finished reading). An aborted step has no
         barrier (the other ranks may never reach it; they learn of the abort from the
         communicator's epoch), so if the window was open a peer may still be reading this rank's
-        arena: returns True then, and the caller moves the shards out (`turn_off`) before anything
+        arena: returns True then, and the caller moves the shards out (`evacuate`) before anything
         can write them. A window that was only armed saw no read: no peer got past the opening
         barrier this rank never joined."""
         if self.state is WindowState.OPEN and aborted:

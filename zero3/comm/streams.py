@@ -1,7 +1,8 @@
 """The CUDA side stream that parameter gathers run on with ``overlap_comm``.
 
 [Note: streams and buffer lifetime]
-On CUDA with ``overlap_comm``, copy-in, all-gather and copy-out run on one side stream, and an
+On CUDA with ``overlap_comm``, a bucketed gather's (and a world-size-1 gather's) copy-in, all-gather
+and copy-out run on one side stream (qwZ and direct pairwise gathers run on the current stream), and an
 event recorded there is what the compute stream waits on before the module runs. No
 ``record_stream``: before the side stream allocates anything it waits for the compute stream
 (``side.wait_stream(compute)``), so a block freed by a release on the compute stream is never reused

@@ -20,7 +20,7 @@ from ..errors import ZeroConfigError
 logger = logging.getLogger(__name__)
 
 AUTO = -1
-"""``zero_hpz_partition_size = -1``: the number of ranks on this rank's node (torchrun's LOCAL_WORLD_SIZE)."""
+"""``zero_hpz_partition_size = -1``: the number of ranks on this rank's node (those sharing its node identity)."""
 
 
 def node_identity() -> str:

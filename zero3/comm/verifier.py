@@ -1,9 +1,10 @@
 """The verification state machine: epochs, plans, the blocking header exchange and divergence.
 
 How collectives are verified without a round trip each, and what happens when ranks diverge or one
-stops taking part: [Note: verified collectives] in verify.py. Every request of a communicator passes
-`Verifier.planned` before it is issued, and a planned one is `register`-ed after it was issued; its
-work's ``wait`` calls `verify_through`.
+stops taking part: [Note: verified collectives] in verify.py. Every wire request of a communicator is routed
+before it is issued (`route`; `planned` for those that can carry a header, which are `register`-ed
+after they were issued and whose work's ``wait`` calls `verify_through`); reads of shared-memory
+arenas put nothing on the wire and are not verified.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What every transport of one communicator shares: its group, device, byte counter and failure
 monitor (`Wire`), torch's collectives under the names of every supported version, pairwise works
-and profiler labels. Pairwise messages that every transport may need (a direct gather's pieces, the
-object exchange) are here as well."""
+and profiler labels. Pairwise messages that every transport may need (a direct gather's pieces) and the
+object exchange (two all-gathers) are here as well."""
 
 from __future__ import annotations
 

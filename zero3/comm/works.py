@@ -130,7 +130,7 @@ class GatherWork:
 
 
 class ReadyGather(GatherWork):
-    """Nothing to wait for: no parameters, or a world-size-1 copy done when issued."""
+    """Nothing to wait for: no parameters, a world-size-1 copy or a shared-memory read, done when issued."""
 
 
 @dataclass(eq=False)

@@ -102,9 +102,9 @@ class CommConfig:
 
     allgather_impl: GatherImpl = "auto"
     """How parameters are all-gathered: ``all_gather``, ``p2p`` (every rank sends its shards to every
-    other rank), ``shm`` (ranks on one node keep their fp32 shards in shared memory and read each
+    other rank), ``shm`` (ranks on one node keep their parameter shards in shared memory and read each
     other's during a step, comm/shared.py; p2p for the rest), or ``auto``: on gloo, shm when every
-    rank is on one node and no ZeRO++ coding is on, else p2p (measured 0.60x the wall time of gloo's
+    rank is on one node and neither qwZ nor hpZ is on, else p2p (measured 0.60x the wall time of gloo's
     all-gather); all-gather elsewhere."""
 
     verify_collectives: bool | None = None
@@ -116,8 +116,9 @@ class CommConfig:
     ``None`` (the default): on, on every backend, NCCL included; ``False`` turns it off."""
 
     collective_timeout: float = 300.0
-    """Seconds any zero3 collective may wait for the other ranks. zero3's collectives run on a
-    process group of their own with this timeout: when a rank stops taking part (returned early,
+    """Seconds the engine's collectives (data- and model-parallel) may wait for the other ranks. They
+    run on a process group of their own with this timeout (``zero3.Init``, the config agreement and
+    activation checkpointing use the caller's group and its timeout): when a rank stops taking part (returned early,
     raised in its own code, died), every other rank raises ``ZeroCommunicationError`` naming it
     instead of hanging. 0: use the caller's process group and its timeout."""
 
@@ -141,7 +142,7 @@ class CommConfig:
     """ZeRO++ hpZ: ranks per secondary group. After a parameter is gathered in a training step's
     forward, each rank keeps 1/L of it (L ranks per group) until the step ends, so its backward
     gathers stay inside the group: a node, when L is the ranks per node. 1: off (DeepSpeed's
-    default); -1: the ranks per node, found from where the ranks run (torchrun's LOCAL_WORLD_SIZE);
+    default); -1: the ranks per node, found from where the ranks run (the ranks sharing this rank's host name and torchrun's GROUP_RANK);
     else it must divide the data-parallel world size. Costs about 1/L of the gathered weights per
     rank while a step runs (a quarter of that with ``zero_quantized_weights``); see
     docs/multinode.md."""
@@ -277,8 +278,8 @@ class OffloadConfig:
     sub_group_size: int = 1_000_000_000
     """Elements per group that the optimizer step streams from NVMe at a time (state of at most
     three groups is in memory: one being read, one stepping, one being written); DeepSpeed's
-    ``zero_optimization.sub_group_size``. Only used when optimizer state or parameter shards are on
-    NVMe."""
+    ``zero_optimization.sub_group_size``. Used when optimizer state or parameter shards are on NVMe, and
+    by the optimizer step in backward (``offload_optimizer.step_in_backward``)."""
 
     aio_thread_count: int = 1
     """Threads that read and write the swap files (DeepSpeed's ``aio.thread_count``); file IO runs

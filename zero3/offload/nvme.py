@@ -1,6 +1,6 @@
 """Offload to NVMe: the two tiers built on swap files (swapfile.py) and the buffer pool (pool.py):
 `StorageTier` (any storage, swapped in place) and `ShardTier` (parameter shards, read ahead of
-their all-gathers; driven by the coordinator only).
+their all-gathers by the coordinator; loaded for the optimizer step, placement and Init).
 
 [Note: swapping]
 A tensor that lives on NVMe keeps its Python object, shape and dtype; only its storage holds 0
@@ -14,7 +14,8 @@ storage, so both stay valid across any number of swaps. There are two ways back 
   (``offload_param_buffer_count`` reusable buffers of ``offload_param_buffer_size`` elements, into
   which shards are packed) and point the shard tensor at the span (``Tensor.set_``) until the
   gather is done, then at a fresh 0-byte storage again. The pool bounds what reading ahead holds,
-  is allocated once, and on CUDA is the pinned host staging of the copy to the device.
+  is allocated on first use (``offload_states`` frees it), and with ``offload_param_pin_memory`` on
+  CUDA is the pinned host staging of the copy to the device.
 
 Swap files, their O_DIRECT alignment and the IO threads: swapfile.py.
 """
@@ -73,7 +74,7 @@ class StorageTier:
 
     Between `stage` and `commit` / `rollback` each key is written to its spare region, so the
     region it was read from keeps the value from before: `rollback` points every key back at it and
-    frees what is in memory, so nothing the staged step did remains (optimizer.py [Note: agreed
+    frees what is in memory, so nothing the staged step did remains (optim/agreed_step.py [Note: agreed
     optimizer step]). It costs a second region per key on the drive."""
 
     def __init__(self, io: AsyncIO, file: SwapFile) -> None:
@@ -210,7 +211,7 @@ class StorageTier:
             _move(rec, residence_of(rec.storage), "swap")
 
 
-# -- parameter shards (driven by the coordinator) ------------------------------------------------------
+# -- parameter shards (read ahead by the coordinator) ---------------------------------------------------
 @dataclass(eq=False)
 class ShardSwap:
     """An NVMe-tier parameter shard (``ZeroParam.swap``): its region and why it is in memory (where
@@ -231,9 +232,10 @@ class ShardSwap:
 class ShardTier:
     """Parameter shards on NVMe: written once when placed, read into pool spans for all-gathers
     (ahead of them when the coordinator follows a trace), loaded into their own storage for the
-    optimizer step and the rare paths. See [Note: swapping]. Only the coordinator calls the gather
-    side (`read`, `wait`, `done`, `drop_ahead`); the optimizer and context call `load`,
-    `unload`, `store` and `read_copy` between steps. Every move of a shard's bytes goes through
+    optimizer step and the rare paths. See [Note: swapping]. The coordinator (through runtime/read_ahead.py)
+    calls the gather side (`read`, `wait`, `done`, `drop_ahead`; the optimizer's streamed step also
+    waits on its reads); the optimizer and context call `load`, `unload`, `store` and `read_copy`
+    between steps, placement and Init `offload`, `keep` and `flush`. Every move of a shard's bytes goes through
     ``shard_store`` (residence.py [Note: shard residence]); this class does the IO and the pool.
     `stage` / `commit` / `rollback` work as `StorageTier`'s: a staged step writes each shard to its
     spare region, so a rollback finds the value from before in the region it was read from."""

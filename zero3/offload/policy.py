@@ -1,6 +1,7 @@
 """Placement: where parameter shards, fp32 masters and optimizer state live, and how new weights get back.
 
-With ``offload_optimizer="cpu"`` each param group's fp32 master buffer (optim/optimizer.py
+With ``offload_optimizer="cpu"`` (unless the dtype is fp32 and the parameter shards are offloaded
+too: then the optimizer steps on the shards) each param group's fp32 master buffer (optim/optimizer.py
 [Note: flat master buffers]) is a separate CPU allocation, pinned when asked and CUDA exists. The
 master gradients accumulate there, the optimizer creates its moments next to the masters (so on the
 CPU too) and steps there; after the step the masters are copied explicitly into the parameter-shard

@@ -6,7 +6,7 @@ host memory (pinned or not), on their way to or from a swap file, only on the dr
 ``engine.offload_states``. Every change of the shard tensor (a cast under mixed precision, a view
 into the optimizer's flat buffer, a copy to host memory or into pinned memory) and of its bytes (a
 pool span pointed at, storage freed or allocated around drive IO, storage taken by offload_states)
-is a method here, checked against the table of legal moves before anything changes, so an illegal
+is a method here, checked against the table of legal moves before the shard changes, so an illegal
 move raises and leaves the shard as it was. The drive tier (nvme.py `ShardTier`), the placement of
 shards, the casts and the optimizer's buffers ask for moves; they never write the record.
 

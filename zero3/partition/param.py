@@ -11,14 +11,16 @@ and the familiar DeepSpeed names (``ds_id``, ``ds_shape``, ``ds_numel``, ``ds_te
 the parameter's ``__dict__`` that every gather rewrites from the record while gathered.
 
 The parameter's Python class tells its state: exactly ``nn.Parameter`` while gathered (torch's
-own class: no ``__torch_function__`` lookup on any call, see `ZeroParameter`),
+own class: no ``__torch_function__`` lookup on any call, see `ZeroParameter`; from the end of a
+backward to the next step a gathered trainable one is a `PendingGradParameter`),
 `PartitionedParameter` otherwise, whose ``__torch_function__`` turns any computation into a
 `ZeroStateError` naming the parameter. ``isinstance(p, ZeroParameter)`` holds in both states.
 
 This module holds the record and the storage primitives; it decides nothing. `partition` (used by
 ``zero3.Init`` and ``initialize``) creates the record and releases the parameter at once; after that
-only the coordinator (runtime/coordinator.py) calls `begin_gather`, `finish_gather`, `release` and
-`alias_shard`, so every status change of a built model has one driver.
+only the coordinator (runtime/coordinator.py) and its persistent parameters (runtime/persistent.py)
+call `begin_gather`, `finish_gather`, `release`, `alias_shard` and `unalias_shard`, so every status
+change of a built model has one driver.
 """
 
 from __future__ import annotations
@@ -395,7 +397,7 @@ def is_partitioned(p: Any) -> bool:
     return isinstance(p, ZeroParameter)
 
 
-# -- storage and status of the full tensor (called by the coordinator only) -----------------------
+# -- storage and status of the full tensor ---------------------------------------------------
 def begin_gather(p: ZeroParameter, handle: Any) -> None:
     """NOT_AVAILABLE -> INFLIGHT: a gather of ``p`` was issued; ``handle`` is what to wait on. Its
     shard must be in memory (one on the drive is read first, one taken by offload_states reloaded)."""

@@ -13,8 +13,8 @@ class ParamStatus(Enum):
 
     - NOT_AVAILABLE: only this rank's shard is resident (``ds_numel / world`` elements, padded);
       ``param.data`` is an empty placeholder and computing with the parameter raises.
-    - INFLIGHT: an all-gather into a new buffer was issued and not yet waited on; the buffer counts
-      as live memory.
+    - INFLIGHT: an all-gather into the parameter's own (resized) storage was issued and not yet
+      waited on; that storage counts as live memory.
     - AVAILABLE: the full tensor is ``param.data``; counts toward ``max_live_parameters`` unless the
       parameter is persistent.
     """

@@ -48,8 +48,8 @@ class Decision(enum.Enum):
       +size to pending prefetch until that use).
     - KEPT_REUSE: left gathered when a visit closed; next use within max_reuse_distance (no change).
     - HELD_INSTEAD_OF_REGATHER: left gathered when a visit closed although its next use is farther
-      than max_reuse_distance, because the plan gathered it again before that use and the live cap
-      allows holding it until then (no change; hold.py [Note: holds]).
+      than max_reuse_distance, because the plan gathered it again before that use and holding it keeps the
+      live size within the plan's peak (and max_live) until then (no change; hold.py [Note: holds]).
     - RELEASED_AFTER_USE: freed when a visit closed; next use farther than the limit or none (-size).
     - EVICTED_FOR_BUDGET: freed to bring live under max_live, furthest next use first (-size).
     - RELEASED_END_OF_STEP: freed because the trace ended (-size).

@@ -8,7 +8,8 @@ holding it across the gap keeps the live size within the schedule's own peak (an
 every event of the gap, the release and the prefetch are both dropped: the param is *held*
 (`Decision.HELD_INSTEAD_OF_REGATHER`). The schedule then does one collective less, or a smaller one.
 The live size after every event is the old one plus what is held across it, and the peak of
-gathered parameters does not change.
+gathered parameters in the plan's unit (elements or bytes) does not change (the other unit's peak
+may rise).
 
 Where this lands in the example GPT under a lean budget: the last Block's weights, released one by
 one in forward and prefetched again for backward while the head runs. A model whose every

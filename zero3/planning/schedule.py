@@ -25,7 +25,8 @@ open visit (see trace.py [Note: visits]) uses it. Pinned params are never releas
   until that use; the prefetch is dropped.
 
 [Note: prefetch look-ahead]
-After every event, walk the upcoming PRE events in order and collect params that are not live
+After every event at which at most half of ``prefetch_bucket_size`` is pending (below that the
+walk waits, so buckets go out whole), walk the upcoming PRE events in order and collect params that are not live
 and not yet collected, appending while pending + bucket + size <= prefetch_bucket_size and
 live + bucket + size <= max_live, stopping at the first param that does not fit. The walk also
 stops *before* PRE event k when size(pinned now, union the params of every PRE event up to and
