@@ -127,7 +127,8 @@ def numels() -> dict[str, int]:
 def measure(config: dict, steps: int) -> dict:
     """Train `Net` for ``steps`` steps (SGD, a batch per step and rank) under ``config``; the last
     step is counted by zero3 and by a `WireCounter`, whole and over its backward alone. Returns the
-    losses, zero3's counts (``recv``, ``p2p``, ``backward_recv``), the independent ones by global
+    losses, the full weights before and after (``start_weights``, ``weights``), zero3's counts
+    (``recv``, ``p2p``, ``backward_recv``), the independent ones by global
     peer (``independent``, ``backward_independent``), and the hpZ secondary bytes after forward,
     at the step's peak and after it."""
     rank = dist.get_rank()
@@ -136,6 +137,9 @@ def measure(config: dict, steps: int) -> dict:
         torch.manual_seed(0)
         model = Net()
         engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.05), config)
+        weights = lambda: torch.cat([zero3.safe_get_full_fp32_param(p).reshape(-1)  # noqa: E731
+                                     for p in engine.module.parameters()])
+        start_weights = weights()
         losses: list[float] = []
         out: dict[str, Any] = {"hpz": engine.comm.hpz, "nodes": engine.comm.nodes}
         for step in range(steps):
@@ -156,7 +160,7 @@ def measure(config: dict, steps: int) -> dict:
             losses.append(loss.item())
         counter.uninstall()
         m = engine.last_step_metrics
-        out.update(losses=losses, recv=m.recv_bytes, p2p=m.p2p_recv_bytes, peak_secondary=m.peak_secondary_bytes,
+        out.update(losses=losses, start_weights=start_weights, weights=weights(), recv=m.recv_bytes, p2p=m.p2p_recv_bytes, peak_secondary=m.peak_secondary_bytes,
                    after_secondary=engine.memory_report()["secondary_param_bytes"],
                    independent=dict(counter.recv - start), backward_independent=dict(after[0] - before[0]),
                    backward_recv=_minus(after[1], before[1]))

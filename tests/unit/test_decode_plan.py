@@ -47,14 +47,17 @@ def test_buckets_are_at_most_the_prefetch_bucket_size_and_none_fits_without_room
 
 
 def test_a_tied_weight_is_never_cut_between_buckets() -> None:
-    cycle = [(1,), (2, 5), (3,), (4, 5)]  # 5 is used by the second and the last event
-    size = {1: 10, 2: 10, 3: 10, 4: 10, 5: 10}
-    for cap in range(10, 50):
+    cycle = [(1,), (2, 5), (4, 5), (6,), (7,), (8,)]  # 5 is used by the second and the third event
+    size = {p: 10 for p in (1, 2, 4, 5, 6, 7, 8)}
+    checked = 0
+    for cap in range(10, 70):
         plan = plan_decode(cycle, size, cap, 10**9, 1)
         if plan is None or 5 in plan.resident:
             continue
-        (start, ids), = [(s, ids) for s, ids in plan.buckets if 5 in ids]
-        assert start <= 1 and {2, 3, 4} <= set(ids), (cap, plan)
+        (start, ids), = [(s, ids) for s, ids in plan.buckets if 5 in ids]  # one bucket holds it
+        assert start <= 1 and {2, 4} <= set(ids), (cap, plan)  # from its first use through its last
+        checked += 1
+    assert checked > 0  # some caps stream the tied weight
 
 
 def test_the_policy_plans_once_a_forward_begins_again_and_drops_the_plan_off_the_cycle() -> None:
