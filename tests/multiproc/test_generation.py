@@ -157,6 +157,7 @@ def resident_run() -> dict:
         out["tokens_ok"] = torch.equal(first, want[:, :2]) and torch.equal(tokens, want)
         out["resident_events"], out["resident_gathers"] = events[0] - e0, engine.metrics.allgather_calls - c0
         out["hooks_resident"] = len(mlp._forward_pre_hooks), len(mlp._forward_hooks)  # only the user's
+        before_step = [p.detach().clone() for p in model.parameters()]  # gathered: the resident weights
         model.train()
         e0 = events[0]
         x, y = synthetic_batch(0, 2, CFG)
@@ -177,6 +178,7 @@ def resident_run() -> dict:
     with zero3.GatheredParameters(list(model.parameters())):
         stepped = [p.detach().clone() for p in model.parameters()]
     out["kept_is_stepped"] = all(torch.equal(a, b) for a, b in zip(kept, stepped))
+    out["step_moved"] = sum(not torch.equal(a, b) for a, b in zip(before_step, stepped)) == len(stepped)
     return out
 
 
@@ -185,7 +187,7 @@ def test_a_resident_decode_forward_skips_zero3_and_a_step_inside_the_mode_regath
         assert r["resident"] and r["tokens_ok"], r
         assert r["resident_events"] == 0 and r["resident_gathers"] == 0, r  # no hook work, no collective
         assert r["train_events"] > 0, r  # a forward with grad on takes the full path
-        assert r["kept_is_stepped"], r  # not the weights from before the step
+        assert r["kept_is_stepped"] and r["step_moved"], r  # not the weights from before the step
         assert not r["resident_after_step"] and r["resident_again"], r  # the step released them; regathered
         assert r["hooks_resident"] == (1, 0), r  # zero3's forward hooks were off the submodules
         before, after = r["hooks_before_after"]

@@ -41,16 +41,18 @@ def resize_and_train(tied: bool) -> dict:
     ref, model = twins(lambda: _gpt2(tied))
     rng = torch.get_rng_state()
     ref.resize_token_embeddings(NEW_VOCAB, mean_resizing=False)
-    torch.set_rng_state(rng)  # the new rows are drawn from the same state on both sides
+    torch.set_rng_state(rng)  # the new rows are drawn from the same state on both sides, on rank 0:
+    if rank != 0:  # the other ranks draw others, so equal values need rank 0's broadcast (modifier_rank=0)
+        torch.manual_seed(1000 + rank)
     with zero3.GatheredParameters(_embeddings(model), modifier_rank=0):
         model.resize_token_embeddings(NEW_VOCAB, mean_resizing=False)
     shapes = [tuple(p.shape) for p in _embeddings(model)]
     wte = model.get_input_embeddings().weight  # an untied lm_head is a new plain module: initialize partitions it
     shard_numels = [wte.ds_tensor.numel(), tuple(wte.ds_shape)]
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 0})  # adopts rank 0's values of a new plain lm_head
     with zero3.GatheredParameters(list(model.parameters())):
         same_values = all(torch.equal(p, r) for p, r in zip(model.parameters(), ref.parameters()))
-    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
-                              {"param_persistence_threshold": 0})
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
     losses, ref_losses = [], []
     for step in range(3):
@@ -68,9 +70,11 @@ def resize_and_train(tied: bool) -> dict:
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
+    worst = max((zero3.safe_get_full_fp32_param(p) - r.detach()).abs().max().item()
+                for p, r in zip(model.parameters(), ref.parameters()))
     engine.remove_hooks()
     return {"shapes": shapes, "shard_numels": shard_numels, "same_values": same_values, "losses": losses,
-            "ref_losses": ref_losses, "vocab": model.config.vocab_size}
+            "ref_losses": ref_losses, "vocab": model.config.vocab_size, "worst": worst}
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -80,6 +84,7 @@ def test_resize_before_initialize_trains_as_the_plain_model(pools, tied):
         assert r["shard_numels"] == [NEW_VOCAB * 32 // 2, (NEW_VOCAB, 32)], r
         assert r["same_values"], r
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=0)
+        assert r["worst"] < 1e-5, r["worst"]  # the last step's update too
 
 
 def refused_after_initialize() -> dict:
