@@ -113,10 +113,11 @@ def expanded_buffer() -> dict:
     with torch.no_grad():
         engine(_batch(1))  # the first forward after one with gradients takes rank 0's statistics
     same = _same(model.drawn) and _same(model.bn.running_mean)
+    alone = model.ones.stride() == (0, 1) and torch.equal(model.ones, torch.ones(3, 2))
     engine.remove_hooks()
-    return {"same": same}
+    return {"same": same, "alone": alone}
 
 
 def test_an_expanded_buffer_is_left_alone(pools):
     for r in pools.get(2).run(expanded_buffer, timeout=60):
-        assert r["same"]
+        assert r["same"] and r["alone"], r

@@ -134,12 +134,22 @@ def configs_differ(case: str, entry: str) -> dict:
     cfg = _per_rank_config(case)
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
-    if entry == "Init":
-        out = _attempt(lambda: zero3.Init(config=cfg))
+    if entry == "Init":  # refused before its body runs, and no patch of Init's is left behind
+        built: list[nn.Module] = []
+
+        def build() -> None:
+            with zero3.Init(config=cfg):
+                built.append(_model())
+
+        out = _attempt(build)
+        model = _model()  # built after the refusal: a plain model
+        before = [p.detach().clone() for p in _model().parameters()]
+        out["unchanged"] = not built
     else:
         out = _attempt(lambda: zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg))
-    out["unchanged"] = all(not zero3.is_partitioned(p) and torch.equal(p.detach(), b)
-                           for p, b in zip(model.parameters(), before))
+        out["unchanged"] = True
+    out["unchanged"] = out["unchanged"] and all(not zero3.is_partitioned(p) and torch.equal(p.detach(), b)
+                                                for p, b in zip(model.parameters(), before))
     return out
 
 

@@ -94,6 +94,9 @@ def test_set_full_optimizer_state_then_step_uses_it(trained):
     assert torch.equal(zero3.safe_get_full_optimizer_state(p, "exp_avg"), torch.full(p.ds_shape, 0.25))
     zero3.safe_set_local_optimizer_state(p, torch.full((p.ds_numel,), 0.5), "exp_avg")
     assert torch.equal(zero3.safe_get_local_optimizer_state(p, "exp_avg"), torch.full((p.ds_numel,), 0.5))
+    grad = zero3.safe_get_full_grad(p).clone()  # the fixture's pending backward
+    trained.step()  # AdamW: exp_avg = 0.9 * 0.5 + 0.1 * grad, from the value set
+    torch.testing.assert_close(zero3.safe_get_full_optimizer_state(p, "exp_avg"), 0.9 * 0.5 + 0.1 * grad)
 
 
 def test_set_local_param_writes_this_ranks_slice_and_refresh_from_masters_is_harmless(trained):

@@ -206,9 +206,14 @@ def test_a_config_with_optimizer_and_scheduler_trains_like_the_same_built_by_han
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     assert scheduler is engine.lr_scheduler and optimizer.overflow is False and not engine.was_step_skipped()
     assert isinstance(engine.optimizer, torch.optim.AdamW) and engine.device == torch.device("cpu")
+    d = engine.optimizer.defaults  # the config's settings reached the optimizer (losses alone barely see them)
+    assert (d["betas"], d["eps"], d["weight_decay"]) == ((0.9, 0.95), 1e-6, 0.1), d
+    worst = max((zero3.safe_get_full_fp32_param(p) - q.detach()).abs().max().item()
+                for p, q in zip(model.parameters(), ref.parameters()))
+    assert worst < 1e-6, worst
 
 
 def test_adam_w_mode_false_is_adam_with_l2_weight_decay():
@@ -216,6 +221,7 @@ def test_adam_w_mode_false_is_adam_with_l2_weight_decay():
     engine = zero3.initialize(model=model, config={"optimizer": {"type": "Adam", "params": {
         "lr": 1e-3, "weight_decay": 0.1, "adam_w_mode": False}}})
     assert type(engine.optimizer) is torch.optim.Adam
+    assert (engine.optimizer.defaults["lr"], engine.optimizer.defaults["weight_decay"]) == (1e-3, 0.1)
 
 
 def test_model_parameters_with_a_config_optimizer_keep_their_param_groups():
