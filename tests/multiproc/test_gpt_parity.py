@@ -80,8 +80,11 @@ def test_gpt_adamw_clipping_matches_single_process(pools, world):
 
 @pytest.mark.parametrize("wire", [{"allgather_impl": "all_gather", "reduce_scatter_impl": "all_reduce"},
                                   {"allgather_impl": "p2p", "reduce_scatter_impl": "reduce_scatter"},
-                                  {"allgather_impl": "all_gather", "reduce_scatter_impl": "p2p", "reduce_bucket_size": 5000}],
-                         ids=["collectives", "p2p-gather+reduce-scatter", "p2p-reduce-small-buckets"])
+                                  {"allgather_impl": "all_gather", "reduce_scatter_impl": "p2p", "reduce_bucket_size": 5000},
+                                  {"allgather_impl": "all_gather", "reduce_scatter_impl": "reduce_scatter",
+                                   "allgather_bucket_size": 100, "reduce_bucket_size": 100, "overlap_comm": False}],
+                         ids=["collectives", "p2p-gather+reduce-scatter", "p2p-reduce-small-buckets",
+                              "tiny-buckets-no-overlap"])
 def test_every_wire_implementation_matches_single_process(pools, wire):
     results = pools.get(3).run(train_parity, 4, {"param_persistence_threshold": 0, **wire})
     for r in results:

@@ -4,10 +4,10 @@ without a single eviction, and a token costs exactly one collective per streamed
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from zero3.planning.generation import GenerationPrefetch
+from zero3.planning.generation import GATHER_COST_BYTES, GenerationPrefetch, plan_decode
 from zero3.planning.schedule import PlanConfig, eviction_order
 
 
@@ -77,8 +77,12 @@ def test_a_planned_decode_needs_no_eviction_and_one_collective_per_bucket(cycle,
             replay.event(ids)
             assert replay._live_size() <= cap
         plan = policy.plan
+        # the policy plans exactly when the planner has a plan for the learnt cycle (element budgets)
+        assert plan == plan_decode(events, size, cap, bucket, GATHER_COST_BYTES // 4)
         if plan is None:
+            event("not planned")
             return  # the cycle fits, or no plan does: the learning policy goes on
+        event("planned")
         assert replay.evictions == before[0], plan
         assert plan.resident <= replay.live
         for _, ids in plan.buckets:
