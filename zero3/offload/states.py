@@ -91,6 +91,7 @@ class StatesOffload:
         self._taken: list[ZeroParameter] = []  # whose shards' storages are moved (their residence STATES_OUT)
         self._tier: StorageTier | None = None
         self._path = ""
+        self._copies_done: list[Any] = []  # CUDA events after a non-blocking reload's copies
 
     # -- the two calls -------------------------------------------------------------------------------
     def offload(self, include: Iterable[str] | None, device: str, pin_memory: bool, non_blocking: bool,
@@ -149,6 +150,9 @@ class StatesOffload:
                     assert m.host is not None
                     m.storage.resize_(m.nbytes)
                     storage_view(m.storage).copy_(m.host, non_blocking=non_blocking and m.host.is_pinned())
+            if self.device == "cpu" and torch.cuda.is_available():  # the streams the copies were queued on
+                devices = {m.storage.device for m in self._moved if m.storage.device.type == "cuda"}
+                self._copies_done = [torch.cuda.current_stream(d).record_event() for d in devices]
             self._enter(OffloadPhase.RELOADING)
         if not non_blocking:
             self._finish_reload()
@@ -186,8 +190,10 @@ class StatesOffload:
         if self._tier is not None and self.device == "nvme":
             self._tier.wait()
             self._tier = None  # its file is closed, and the drive space freed, once nothing refers to it
-        if self.device == "cpu" and torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()
+        if self.device == "cpu" and torch.cuda.is_available():  # whatever stream is current now
+            for event in self._copies_done:
+                event.synchronize()
+            self._copies_done = []
         self.ctx.store.give_back(self._taken)
         self._moved, self._taken = [], []
         self.kinds = ()
