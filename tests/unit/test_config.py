@@ -447,3 +447,76 @@ def test_step_in_backward_is_read_from_deepspeeds_offload_section_and_refused_be
     assert (shm.comm.allgather_impl, shm.comm.reduce_scatter_impl) == ("shm", "shm")
     # bf16 is fine: its masters are fp32 and nothing is skipped
     assert resolve_config({**flat, "dtype": "bf16", "gradient_clipping": 0.0}).precision.dtype == "bf16"
+
+
+# -- values inside the optimizer and scheduler sections, the DeepSpeed keys refused when on ---------------
+@pytest.mark.parametrize("section, kind, key, value", [
+    ("optimizer", "AdamW", "lr", True), ("optimizer", "AdamW", "lr", float("inf")), ("optimizer", "AdamW", "lr", "auto"),
+    ("optimizer", "AdamW", "amsgrad", "false"), ("optimizer", "Adam", "adam_w_mode", "false"),
+    ("optimizer", "SGD", "nesterov", "false"), ("optimizer", "AdamW", "betas", [0.9, 0.99, 0.5]),
+    ("optimizer", "AdamW", "betas", 0.9), ("optimizer", "AdamW", "weight_decay", -0.1),
+    ("scheduler", "WarmupLR", "warmup_num_steps", 2.9), ("scheduler", "WarmupLR", "warmup_num_steps", "100"),
+    ("scheduler", "WarmupLR", "warmup_max_lr", -1), ("scheduler", "WarmupLR", "warmup_max_lr", float("nan")),
+    ("scheduler", "WarmupLR", "last_batch_iteration", 5.5), ("scheduler", "WarmupDecayLR", "total_num_steps", 0),
+    ("scheduler", "WarmupCosineLR", "cos_min_ratio", 5), ("scheduler", "WarmupCosineLR", "warmup_min_ratio", -1),
+])
+def test_a_wrong_value_in_an_optimizer_or_scheduler_section_is_refused_naming_it(section, kind, key, value):
+    params = {key: value}
+    if kind in ("WarmupDecayLR", "WarmupCosineLR") and key != "total_num_steps":
+        params["total_num_steps"] = 100
+    with pytest.raises(ZeroConfigError, match=rf"{section} {kind}: params\.{key} must be"):
+        ZeroConfig.from_dict({section: {"type": kind, "params": params}})
+
+
+def test_auto_in_a_section_names_the_trainer_that_fills_it_in():
+    with pytest.raises(ZeroConfigError, match="Hugging Face's Trainer fills in"):
+        ZeroConfig.from_dict({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+
+
+@pytest.mark.parametrize("params", [[], 0, False, "lr=1e-3"])
+def test_params_that_are_not_a_dict_are_refused(params):
+    with pytest.raises(ZeroConfigError, match="optimizer.params must be a dict"):
+        ZeroConfig.from_dict({"optimizer": {"type": "AdamW", "params": params}})
+
+
+def test_a_section_keeps_its_own_copy_of_the_params():
+    given = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}}}
+    cfg = ZeroConfig.from_dict(given)
+    given["optimizer"]["params"]["betas"].append(0.5)
+    assert cfg.training.optimizer.params["betas"] == (0.9, 0.95)
+
+
+@pytest.mark.parametrize("torch_adam, decay", [(False, 0.0), (True, 0.01)])
+def test_deepspeeds_adam_without_weight_decay_decays_as_deepspeed_chooses(torch_adam, decay):
+    """DeepSpeed builds its FusedAdam/CPUAdam (no weight decay by default) unless torch_adam, which is
+    torch's AdamW (0.01)."""
+    import torch
+
+    from zero3.optim.schedulers import build_optimizer
+
+    spec = ZeroConfig.from_dict({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": torch_adam}}})
+    opt = build_optimizer(spec.training.optimizer, [torch.nn.Parameter(torch.zeros(2))])
+    assert type(opt) is torch.optim.AdamW and opt.defaults["weight_decay"] == decay
+
+
+@pytest.mark.parametrize("section, key", [("fp16", "auto_cast"), ("fp16", "fp16_master_weights_and_grads"),
+                                          ("bf16", "bf16_master_weights_and_grads"), ("bf16", "bf16_optimizer_states"),
+                                          ("bf16", "check_grad_overflow")])
+def test_deepspeed_keys_that_would_change_training_are_refused_when_on_and_accepted_off(section, key):
+    with pytest.raises(ZeroConfigError, match=rf"{section}\.{key}=True is not supported"):
+        ZeroConfig.from_dict({section: {"enabled": True, key: True}})
+    assert ZeroConfig.from_dict({section: {"enabled": True, key: False}}).precision.dtype == section
+
+
+@pytest.mark.parametrize("knob, value", [("initial_scale_power", 200), ("initial_scale_power", -1),
+                                         ("loss_scale", 1e300), ("min_loss_scale", 1e300)])
+def test_a_loss_scale_past_fp32s_range_is_refused(knob, value):
+    with pytest.raises(ZeroConfigError, match=rf"{knob} must be"):
+        ZeroConfig(dtype="fp16", **{knob: value})
+
+
+def test_a_json_key_given_twice_is_refused(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"max_live_parameters": 1, "max_live_parameters": 2}')
+    with pytest.raises(ZeroConfigError, match="'max_live_parameters' is given twice"):
+        ZeroConfig.from_json(path)

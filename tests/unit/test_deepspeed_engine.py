@@ -43,7 +43,7 @@ def test_no_sync_is_refused_naming_the_accumulation_that_works():
     names, a backward per micro-batch and one step, equals torch's accumulation."""
     engine = zero3.initialize(_model(), config=ADAMW)
     ref = _model()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)  # DeepSpeed's AdamW: no decay by default
     with pytest.raises(ZeroConfigError, match="no_sync.*Drop the no_sync"):
         engine.no_sync()
     for seed in (0, 1):
@@ -93,7 +93,7 @@ def test_global_grad_norm_is_the_last_clippings():
     engine = zero3.initialize(_model(), config=dict(ADAMW, gradient_clipping=0.5))
     assert engine.get_global_grad_norm() is None
     ref = _model()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)  # DeepSpeed's AdamW: no decay by default
     for step in range(2):
         _train_step(engine, step)
         g = torch.Generator().manual_seed(step)

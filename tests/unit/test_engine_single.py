@@ -539,3 +539,12 @@ def test_a_backward_that_raises_does_not_stop_later_steps_from_ending_their_back
         assert not engine.coordinator.in_step, "the end of backward was not seen"
         assert engine.coordinator.live_params == []
         engine.step()
+
+
+def test_a_leaf_modules_class_that_names_no_module_is_refused_before_anything_changes():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with pytest.raises(ValueError, match=r"leaf_modules: 'Blok' is the class name of no module.*Block"):
+        zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"leaf_modules": ["Blok"]})
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"leaf_modules": ["Block"]}).remove_hooks()

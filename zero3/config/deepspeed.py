@@ -67,6 +67,14 @@ _FP16_KEYS = {
     "consecutive_hysteresis": "consecutive_hysteresis", "min_loss_scale": "min_loss_scale",
 }
 _FP16_IGNORED = {"auto_cast", "fp16_master_weights_and_grads"}
+# Of those, the ones whose "on" would change what training computes: refused when on, accepted off.
+_REFUSED_WHEN_ON = {
+    "auto_cast": "zero3 does not cast the model's inputs to fp16 (pass them in fp16, or use torch.autocast)",
+    "fp16_master_weights_and_grads": "zero3 keeps fp32 master weights and gradient shards under fp16",
+    "bf16_master_weights_and_grads": "zero3 keeps fp32 master weights and gradient shards under bf16",
+    "bf16_optimizer_states": "zero3 keeps the optimizer's state in fp32",
+    "check_grad_overflow": "zero3 does not check bf16 steps for inf/nan (only fp16 skips steps)",
+}
 _BF16_IGNORED = {"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
                  "bf16_optimizer_states"}
 # DeepSpeed's ``aio`` section: only the thread count means something here.
@@ -104,6 +112,9 @@ def _section(section: str, value: dict[str, Any], mapped: dict[str, str], ignore
         if key in mapped:
             out[key] = coerce_flat(mapped[key], v)
         elif key in ignored:
+            if key in _REFUSED_WHEN_ON and v not in (False, None, 0):
+                raise ZeroConfigError(f"{section}.{key}={v!r} is not supported: {_REFUSED_WHEN_ON[key]}; set it to "
+                                      "false or leave it out")
             logger.info("zero3: DeepSpeed key %s.%s has no effect in zero3; ignored", section, key)
         else:
             raise ZeroConfigError(f"{section}: " + unknown_key_message(key, set(mapped) | ignored | {"enabled"}))

@@ -158,6 +158,9 @@ class CommConfig:
         _at_least(self, 1, "quantization_block_size")
 
 
+_MAX_SCALE_POWER = 127  # 2**128 overflows fp32
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PrecisionConfig:
     """Precision of shards, gathers and reductions, and fp16 loss scaling (docs/mixed_precision.md)."""
@@ -194,6 +197,15 @@ class PrecisionConfig:
         _at_least(self, 1, "loss_scale_window", "hysteresis")
         if self.min_loss_scale <= 0:
             raise ZeroConfigError(f"min_loss_scale must be > 0, got {self.min_loss_scale!r}")
+        # the loss is multiplied by the scale in fp32: a scale past fp32's range makes every gradient inf,
+        # so every step would be skipped (for ever, with a static scale)
+        if not 0 <= self.initial_scale_power <= _MAX_SCALE_POWER:
+            raise ZeroConfigError(f"initial_scale_power must be in [0, {_MAX_SCALE_POWER}] (2**power is the first "
+                                  f"loss scale, finite in fp32), got {self.initial_scale_power!r}")
+        for name in ("loss_scale", "min_loss_scale"):
+            if getattr(self, name) > 2.0 ** _MAX_SCALE_POWER:
+                raise ZeroConfigError(f"{name} must be at most 2**{_MAX_SCALE_POWER} (a loss scale finite in fp32), "
+                                      f"got {getattr(self, name)!r}")
 
 
 # DeepSpeed's offload sections (also accepted in our dicts): key -> our field suffix (None: accepted,

@@ -5,6 +5,7 @@ its saved inputs (`ActivationCheckpointingConfig`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -63,12 +64,48 @@ class SchedulerSpec:
             raise ZeroConfigError(f"scheduler {self.type} needs params.total_num_steps")
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _rate(v: Any) -> bool:
+    return _number(v) and v >= 0
+
+
+_PARAM_KINDS: dict[str, tuple[str, Any]] = {
+    **{k: ("a finite number >= 0", _rate) for k in ("lr", "eps", "weight_decay", "momentum", "dampening")},
+    "betas": ("two numbers in [0, 1)", lambda v: isinstance(v, (list, tuple)) and len(v) == 2
+              and all(_number(b) and 0 <= b < 1 for b in v)),
+    **{k: ("true or false", lambda v: isinstance(v, bool))
+       for k in ("amsgrad", "torch_adam", "adam_w_mode", "bias_correction", "nesterov")},
+    **{k: ("a finite number >= 0, or a list of them (one per param group)",
+           lambda v: _rate(v) or (isinstance(v, (list, tuple)) and len(v) > 0 and all(_rate(x) for x in v)))
+       for k in ("warmup_min_lr", "warmup_max_lr")},
+    "warmup_num_steps": ("an integer >= 0 (below 2 it counts as 2, as in DeepSpeed)", lambda v: _integer(v) and v >= 0),
+    "total_num_steps": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "last_batch_iteration": ("an integer >= -1", lambda v: _integer(v) and v >= -1),
+    "warmup_type": ("'log' or 'linear'", lambda v: v in ("log", "linear")),
+    **{k: ("a number in [0, 1]", lambda v: _number(v) and 0 <= v <= 1) for k in ("warmup_min_ratio", "cos_min_ratio")},
+}
+
+
 def _check_params(section: str, kind: str, params: Any, allowed: set[str]) -> None:
+    """Every key known, every value of its kind: a wrong one raises here, when the config is read,
+    not from inside torch at the first step (and a string such as "false" is not read as true)."""
     if not isinstance(params, dict):
         raise ZeroConfigError(f"{section}.params must be a dict, got {params!r}")
-    for key in params:
+    for key, value in params.items():
         if key not in allowed:
             raise ZeroConfigError(f"{section} {kind}: " + unknown_key_message(key, allowed))
+        what, ok = _PARAM_KINDS[key]
+        if not ok(value):
+            hint = (" ('auto' is what Hugging Face's Trainer fills in before DeepSpeed reads the config: give the "
+                    "value)" if value == "auto" else "")
+            raise ZeroConfigError(f"{section} {kind}: params.{key} must be {what}, got {value!r}{hint}")
 
 
 def _spec(section: str, value: Any, cls: type) -> Any:
@@ -80,7 +117,11 @@ def _spec(section: str, value: Any, cls: type) -> Any:
     extra = set(value) - {"type", "params"}
     if extra:
         raise ZeroConfigError(f"{section}: unknown key(s) {sorted(extra)}; a section holds 'type' and 'params'")
-    return cls(type=value["type"], params=dict(value.get("params") or {}))
+    params = value.get("params")
+    params = {} if params is None else params
+    if isinstance(params, dict):  # a copy, with lists as tuples: the caller's dict stays the caller's
+        params = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+    return cls(type=value["type"], params=params)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

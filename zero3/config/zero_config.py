@@ -99,7 +99,7 @@ class ZeroConfig:
     def from_json(cls, path: str | Path) -> "ZeroConfig":
         with open(path) as fh:
             try:
-                data = json.load(fh)
+                data = json.load(fh, object_pairs_hook=lambda pairs: _no_duplicate_keys(path, pairs))
             except json.JSONDecodeError as exc:
                 raise ZeroConfigError(f"{path}: not valid JSON ({exc})") from exc
         return cls.from_dict(data)
@@ -169,3 +169,14 @@ def resolve_config(config: ZeroConfig | dict | str | Path | None) -> ZeroConfig:
     if isinstance(config, (str, Path)):
         return ZeroConfig.from_json(config)
     raise ZeroConfigError(f"config must be a ZeroConfig, dict, JSON path or None, got {type(config).__name__}")
+
+
+def _no_duplicate_keys(path: str | Path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique: a key given twice (json's last-one-wins would keep one
+    silently) is refused, as DeepSpeed refuses it."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ZeroConfigError(f"{path}: the key {key!r} is given twice in one object ({out[key]!r} and {value!r})")
+        out[key] = value
+    return out

@@ -32,9 +32,11 @@ logger = logging.getLogger(__name__)
 def build_optimizer(spec: OptimizerSpec, params: Iterable[Any]) -> torch.optim.Optimizer:
     """The torch optimizer ``spec`` names, over ``params`` (tensors or param-group dicts)."""
     p = dict(spec.params)
-    p.pop("torch_adam", None)  # torch's implementation is the only one here: nothing to choose
+    torch_adam = p.pop("torch_adam", False)  # torch's implementation is the only one here
     kind = spec.type.lower()
     if kind in ("adam", "adamw"):
+        if not torch_adam:  # DeepSpeed's own Adam (FusedAdam, CPUAdam) defaults to no weight decay
+            p.setdefault("weight_decay", 0.0)
         decoupled = p.pop("adam_w_mode", True) if kind == "adam" else True
         if not p.pop("bias_correction", True):
             raise ZeroConfigError("optimizer.params.bias_correction=false is not supported (torch's Adam always "

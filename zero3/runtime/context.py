@@ -61,6 +61,7 @@ from .adopt import take_from_rank0
 from .buffers import ModuleBuffers
 from .publish import write_updated
 from .refusals import refuse_unshardable_embeddings
+from .leaf import check_leaf_classes
 from .budget import MemoryBudget
 from .placement import place_shards, share_shards
 
@@ -303,6 +304,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     if meta is not None and not meta_dry_run.get():
         raise meta_refusal(meta)
     refuse_unshardable_embeddings(model)
+    check_leaf_classes(model, config.training.leaf_modules)
     config = config.for_world_size(group_info(group)[1])  # DeepSpeed's batch-size rule needs the world size
     _check_nvme_shards(model, config, PlacementPolicy.from_config(config))
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)

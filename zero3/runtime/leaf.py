@@ -62,6 +62,17 @@ def find_modules(model: nn.Module, targets: Iterable[type | str], caller: str) -
     return found
 
 
+def check_leaf_classes(model: nn.Module, class_names: Iterable[str]) -> None:
+    """The config's ``leaf_modules`` each name the class of a module of ``model``: one that names none
+    (a misspelling, a module name) would leave routed experts unmarked, silently."""
+    classes = {type(m).__name__ for m in model.modules()}
+    for name in class_names:
+        if name not in classes:
+            raise ZeroConfigError(f"leaf_modules: {name!r} is the class name of no module of the model (its classes: "
+                                  f"{', '.join(sorted(classes))}); zero3.set_leaf_modules(model, ...) also takes "
+                                  "qualified module names")
+
+
 def is_leaf(module: nn.Module, class_names: Iterable[str] = ()) -> bool:
     """Whether ``module`` is a leaf: marked by `set_leaf_modules`, or its class is listed."""
     return bool(module.__dict__.get(LEAF_ATTR)) or type(module).__name__ in class_names
