@@ -473,3 +473,60 @@ def test_pretrained_reads_a_sharded_safetensors_index_or_a_directory(trained, tm
         zero3.pretrained.load_state_dict(model, tmp_path / "empty")
     with pytest.raises(zero3.CheckpointNotFoundError, match="nothing-here: file does not exist"):
         zero3.pretrained.load_state_dict(model, tmp_path / "nothing-here")
+
+
+# -- persistent parameters (every parameter of a small model, by default) --------------------------------
+def _persistent_engine(dtype: str = "bf16", seed: int = 0) -> zero3.Engine:
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), {"dtype": dtype})
+    assert all(p.ds_persist for p in engine.params)  # the default threshold keeps this GPT's parameters gathered
+    for step in range(2):
+        x, y = synthetic_batch(step, BATCH, CFG)
+        engine.backward(engine(x, y))
+        engine.step()
+    return engine
+
+
+def _consolidated(root: Path, out: Path) -> dict[str, torch.Tensor]:
+    assert consolidate_main([str(root), str(out)]) == 0
+    return torch.load(out, weights_only=True)
+
+
+def test_persistent_parameters_are_saved_as_parameters_and_consolidate_to_their_fp32_masters(tmp_path):
+    """They are always gathered, and the state dict hands out copies of gathered parameters: they used
+    to be saved as buffers too, and consolidated from those, rounded to bf16."""
+    engine = _persistent_engine()
+    engine.save_checkpoint(tmp_path / "ck", tag="t")
+    meta = json.loads((tmp_path / "ck" / "t" / "metadata.json").read_text())
+    assert all(kind == "param" for _, kind, _ in meta["state_dict"]), meta["state_dict"]  # this GPT has no buffers
+    sd = _consolidated(tmp_path / "ck", tmp_path / "full.pt")
+    for n, p in engine.module.named_parameters():
+        assert sd[n].dtype == torch.float32 and torch.equal(sd[n], zero3.safe_get_full_fp32_param(p)), n
+
+
+def test_a_checkpoint_that_saved_persistent_parameters_as_buffers_too_loads_and_consolidates(tmp_path, monkeypatch):
+    """What zero3 wrote before 2026-12-03: the loader reads their param/ entries, the consolidation too."""
+    from zero3.checkpoint import layout
+
+    engine = _persistent_engine()
+    with monkeypatch.context() as m:
+        m.setattr(layout, "state_tensors", lambda module: module.state_dict(keep_vars=True))
+        engine.save_checkpoint(tmp_path / "ck", tag="t")
+    masters = [zero3.safe_get_full_fp32_param(p).clone() for p in engine.params]
+    sd = _consolidated(tmp_path / "ck", tmp_path / "full.pt")
+    for (n, p), want in zip(engine.module.named_parameters(), masters):
+        assert torch.equal(sd[n], want), n
+    other = _persistent_engine(seed=1)
+    other.load_checkpoint(tmp_path / "ck", tag="t")
+    assert all(torch.equal(zero3.safe_get_full_fp32_param(p), w) for p, w in zip(other.params, masters))
+
+
+def test_pretrained_loads_into_persistent_parameters():
+    """It read the state dict's copies of them and loaded nothing, reporting success."""
+    engine = _persistent_engine(dtype="fp32")
+    result = zero3.pretrained.load_state_dict(engine, {k: torch.full_like(v, 0.25)
+                                                        for k, v in engine.consolidated_state_dict().items()})
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for p in engine.params:
+        assert torch.all(zero3.safe_get_full_fp32_param(p) == 0.25) and torch.all(p.detach() == 0.25), p._zero.name

@@ -68,7 +68,10 @@ def _plan(reader: CheckpointReader, dtype: torch.dtype | None,
     def out_dtype(d: torch.dtype) -> torch.dtype:
         return dtype if dtype is not None and d.is_floating_point else d
 
-    layout: list[Row] = [(row[0], row[1], row[2]) for row in reader.layout]
+    # A "buffer" row naming a parameter: zero3 before 2026-12-03 wrote persistent parameters so (their
+    # gathered, low-precision values); their param/ entry holds the masters.
+    layout: list[Row] = [(row[0], "param", row[0]) if row[1] == "buffer" and row[0] in reader.params
+                         else (row[0], row[1], row[2]) for row in reader.layout]
     specs: list[Spec] = []
     written: set[str] = set()
     for key, kind, src in layout:

@@ -16,12 +16,29 @@ if TYPE_CHECKING:
     from ..runtime.context import RuntimeContext
 
 
+def state_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict(keep_vars=True)``'s keys, in its order, each with the tensor itself: the
+    parameter object (tied names sharing it) or the buffer. Not through ``state_dict()``, whose hooks
+    hand out copies of gathered parameters (runtime/hooks.py `_clone_gathered`): a persistent
+    parameter, always gathered, would pass for a buffer."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        for name, p in dict.items(m._parameters):
+            if p is not None:
+                out[dot + name] = p
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                out[dot + name] = b
+    return out
+
+
 def model_entries(ctx: RuntimeContext) -> tuple[list[list[str]], dict[str, torch.Tensor]]:
     """(state_dict layout, buffers): layout rows are [key, "param", canonical name] or [key, "buffer", key]."""
     canonical = {id(p): p._zero.name for p in ctx.params}
     layout: list[list[str]] = []
     buffers: dict[str, torch.Tensor] = {}
-    for key, value in ctx.module.state_dict(keep_vars=True).items():
+    for key, value in state_tensors(ctx.module).items():
         if isinstance(value, ZeroParameter) and id(value) in canonical:
             layout.append([key, "param", canonical[id(value)]])
         elif isinstance(value, torch.Tensor):

@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-@dataclasses.dataclass
 class _LoadPlan:
     load_optimizer: bool
     replicated_file: int
@@ -59,14 +58,16 @@ def _plan_load(ctx: RuntimeContext, reader: CheckpointReader, load_optimizer_sta
         if n in reader.params and reader.params[n].shape != tuple(p._zero.shape):
             problems.append(f"{n}: shape {list(reader.params[n].shape)} in the checkpoint, "
                             f"{list(p._zero.shape)} in the model")
-    _, buffers = model_entries(ctx)
+    layout, buffers = model_entries(ctx)
+    param_keys = {row[0] for row in layout if row[1] == "param"}
     for k, b in buffers.items():
         if k not in reader.buffers:
             problems.append(f"buffer missing from the checkpoint: {k}")
         elif reader.buffers[k][0] != tuple(b.shape):
             problems.append(f"buffer {k}: shape {list(reader.buffers[k][0])} in the checkpoint, {list(b.shape)} "
                             "in the model")
-    extra_buffers = [k for k in reader.buffers if k not in buffers]
+    # (zero3 before 2026-12-03 also wrote each persistent parameter as a buffer: its param/ entry is read)
+    extra_buffers = [k for k in reader.buffers if k not in buffers and k not in param_keys]
     if extra_buffers:
         problems.append(f"buffers not in the model: {', '.join(extra_buffers)}")
     if problems:

@@ -25,6 +25,7 @@ from torch import nn
 
 from .safetensors import SafetensorsHeader, read_safetensors_header, read_tensor_range
 from .exchange import exchange
+from .layout import state_tensors
 from ..runtime.context import RuntimeContext
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError, ZeroStateError
 from ..partition.param import ZeroParameter
@@ -263,9 +264,7 @@ def _plan(module: nn.Module, source: _Source,
     names_of: dict[int, list[str]] = {}
     targets: dict[int, Any] = {}
     order: list[int] = []
-    for key, value in module.state_dict(keep_vars=True).items():
-        if not isinstance(value, torch.Tensor):
-            continue
+    for key, value in state_tensors(module).items():  # the parameters themselves, persistent ones included
         if id(value) not in names_of:
             names_of[id(value)] = []
             targets[id(value)] = value
