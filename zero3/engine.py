@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -324,7 +325,12 @@ class Engine:
         across the repeated forwards, within the live cap (``max_live_parameters`` or ``max_live_bytes``):
         while the decode cycle is learnt, what does not fit is released most recently used first;
         then a planned resident part stays and the rest is gathered in buckets along the cycle
-        (planning/generation.py), instead of every weight being gathered again for every token; everything is released on exit. Enter it between steps, on every rank."""
+        (planning/generation.py), instead of every weight being gathered again for every token; everything is released on exit. Enter it between steps, on every rank. Entered again inside
+        itself (an evaluation helper called during a rollout), the inner block joins the outer mode:
+        only the outermost exit ends it."""
+        if self.coordinator.generating:  # nested: the outer block owns the mode
+            yield self
+            return
         if self.hooks.phase is not StepPhase.IDLE:
             raise ZeroStateError("engine.generation() must be entered between steps (after engine.step())")
         self.context.require_states("engine.generation()", ("lp_params",))
@@ -622,6 +628,19 @@ def _clip_context(target: Any) -> RuntimeContext:
     return ctx
 
 
+def _check_clip_args(max_norm: Any, norm_type: Any) -> float:
+    """``norm_type`` as a float, once both are checked (torch takes either unchecked: a negative
+    ``max_norm`` flips every gradient, 0 zeroes them, NaN fills them with NaN)."""
+    number = isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
+    if not (number and math.isfinite(max_norm) and max_norm > 0):
+        raise ZeroConfigError(f"clip_grad_norm_: max_norm must be a finite number > 0, got {max_norm!r}")
+    if norm_type == "inf":
+        return math.inf
+    if not (isinstance(norm_type, (int, float)) and not isinstance(norm_type, bool) and norm_type > 0):
+        raise ZeroConfigError(f"clip_grad_norm_: norm_type must be a number > 0 or inf, got {norm_type!r}")
+    return float(norm_type)
+
+
 def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradient shards by the global norm over all ranks; returns that norm.
 
@@ -633,9 +652,12 @@ def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.
     accumulation window and before ``engine.step()``.
 
     Raises:
+        ZeroConfigError: ``max_norm`` is not a finite number > 0, or ``norm_type`` not a number > 0
+            (``inf`` or ``"inf"`` included): nothing is clipped.
         ZeroStateError: not an engine or initialised model; or called before the last micro-batch
             of a ``gradient_accumulation_steps`` window.
     """
+    norm_type = _check_clip_args(max_norm, norm_type)
     ctx = _clip_context(engine_or_model)
     ctx.require_states("clip_grad_norm_", ("lp_grads",))
     ctx.finish_gradients()

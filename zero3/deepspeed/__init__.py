@@ -8,6 +8,7 @@ silent stand-in.
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 import torch.distributed as dist
@@ -21,6 +22,8 @@ from . import zero
 from .distributed import init_distributed
 from .distributed import launched as _launched
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["add_config_arguments", "checkpointing", "init_distributed", "initialize", "see_memory_usage", "zero"]
 
 
@@ -31,6 +34,23 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--deepspeed", default=False, action="store_true", help="train with the config below")
     group.add_argument("--deepspeed_config", default=None, type=str, help="the DeepSpeed JSON config file")
     return parser
+
+
+def _config_of_args(args: Any) -> Any:
+    """The config an ``argparse.Namespace`` carries: ``deepspeed_config``, or DeepSpeed's legacy
+    ``deepscale_config`` (accepted, as DeepSpeed accepts it, with a warning). A dict or a string is not
+    a namespace: refused, naming ``config=``."""
+    if args is None:
+        return None
+    if isinstance(args, (dict, str, bytes)) or not hasattr(args, "__dict__"):
+        raise ZeroConfigError(f"deepspeed.initialize: args must be an argparse.Namespace (DeepSpeed reads "
+                              f"args.deepspeed_config), got {type(args).__name__}: pass a config dict or JSON path "
+                              "as config=")
+    found = getattr(args, "deepspeed_config", None)
+    if found is None and getattr(args, "deepscale_config", None) is not None:
+        logger.warning("zero3: args.deepscale_config is DeepSpeed's old name; use args.deepspeed_config")
+        found = args.deepscale_config
+    return found
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
@@ -50,9 +70,14 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if training_data is not None or collate_fn is not None:
         raise ZeroConfigError("zero3.deepspeed.initialize does not build data loaders (training_data / "
                               "collate_fn); build a torch DataLoader with a DistributedSampler yourself")
-    configs = [c for c in (config, config_params, getattr(args, "deepspeed_config", None)) if c is not None]
+    from_args = _config_of_args(args)
+    configs = [c for c in (config, config_params, from_args) if c is not None]
     if len(configs) > 1:
         raise ZeroConfigError("pass the config once: config, config_params or args.deepspeed_config")
+    if args is not None and from_args is None and not configs:
+        raise ZeroConfigError(f"deepspeed.initialize got args={args!r} without a deepspeed_config attribute and no "
+                              "config: pass the config as config= (a dict or a JSON path), or args from "
+                              "deepspeed.add_config_arguments(parser) with --deepspeed_config")
     if dist_init_required or (dist_init_required is None and _launched()):
         init_distributed()
     elif dist_init_required is False and not (dist.is_available() and dist.is_initialized()):

@@ -62,16 +62,19 @@ def compile_blocks(model: nn.Module, targets: Iterable[type | str], *, backend: 
             ``torch.compile(module)`` / ``module.compile()``, which traces zero3's hooks; one block
             lies inside another.
     """
-    if model.__dict__.get("_zero3_context") is not None:
+    if getattr(model, "__dict__", {}).get("_zero3_context") is not None:
         raise ZeroStateError("compile_blocks must be called before zero3.initialize: initialize installs the "
                              "hooks around each block, and the blocks must be leaf modules by then")
     blocks = _distinct(find_modules(model, targets, "compile_blocks"))
     _check(model, blocks)
-    for m in blocks:
+    # torch.compile checks its arguments when called: every block's compiled forward first, then
+    # the marks, so a refused mode or keyword leaves no block half-converted
+    compiled = [torch.compile(m.forward, backend=backend, **compile_kwargs) for m in blocks]
+    for m, forward in zip(blocks, compiled):
         setattr(m, LEAF_ATTR, True)  # as set_leaf_modules: gathered, released and reduced as one unit
         # An instance attribute, which nn.Module's __call__ finds before the class's forward; the
         # compiled function wraps the bound method, so it ends in the block's own forward.
-        setattr(m, "forward", torch.compile(m.forward, backend=backend, **compile_kwargs))
+        setattr(m, "forward", forward)
         setattr(m, COMPILED_ATTR, True)
     return blocks
 

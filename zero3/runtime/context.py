@@ -294,6 +294,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     if lr_scheduler is not None and optimizer is None and config.training.optimizer is None:
         raise ZeroConfigError("zero3.initialize got an lr_scheduler but no optimizer (nor an 'optimizer' section)")
     _refuse_plateau(lr_scheduler)  # before anything is partitioned
+    _check_scheduler(lr_scheduler, optimizer)
     if model_parameters is not None and callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(model_parameters)  # DeepSpeed's client optimizer callable: over full parameters
     if optimizer is None and config.training.optimizer is not None:
@@ -363,12 +364,30 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
             ctx.lr_scheduler = lr_scheduler(torch_opt) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
                 else lr_scheduler
         _refuse_plateau(ctx.lr_scheduler)  # a factory's: known only now
+        if ctx.lr_scheduler is not None and not hasattr(ctx.lr_scheduler, "step"):
+            raise ZeroConfigError(f"zero3.initialize: the lr_scheduler factory returned a "
+                                  f"{type(ctx.lr_scheduler).__name__}, not a scheduler (an object with step())")
         if ctx.lr_scheduler is not None:
             ctx.lr_scheduler_step = own_scheduler(ctx.lr_scheduler)
     ctx.coordinator.persistent_params.gather()  # gathers: after every shard has its final buffer
     model.__dict__["_zero3_context"] = ctx
     LIVE_CONTEXTS.add(ctx)
     return ctx
+
+
+def _check_scheduler(scheduler: Any, optimizer: Any) -> None:
+    """A scheduler (with ``step()``) or a factory of one, over the optimizer given: one over another
+    optimizer would schedule that one while the engine's kept its lr, silently."""
+    if scheduler is None:
+        return
+    if not (hasattr(scheduler, "step") or callable(scheduler)):
+        raise ZeroConfigError(f"zero3.initialize: lr_scheduler must be a scheduler (an object with step()) or a "
+                              f"callable(optimizer) -> scheduler, got {type(scheduler).__name__}: {scheduler!r}")
+    bound = getattr(scheduler, "optimizer", None)
+    if isinstance(optimizer, torch.optim.Optimizer) and isinstance(bound, torch.optim.Optimizer) \
+            and bound is not optimizer:
+        raise ZeroConfigError("zero3.initialize: lr_scheduler schedules another optimizer than the one given; build "
+                              "it over the optimizer you pass (or pass a callable(optimizer) -> scheduler)")
 
 
 def _refuse_plateau(scheduler: Any) -> None:

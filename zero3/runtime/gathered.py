@@ -65,8 +65,20 @@ class GatheredParameters:
                  fwd_module: nn.Module | None = None, enabled: bool = True) -> None:
         if isinstance(params, torch.Tensor):
             params = [params]
+        if isinstance(params, (nn.Module, str, bytes)) or params is None or not hasattr(params, "__iter__"):
+            raise TypeError(f"GatheredParameters takes parameters (model.parameters(), a list of them, or one), got "
+                            f"{type(params).__name__}" + (": pass model.parameters()" if isinstance(params, nn.Module)
+                                                          else ""))
+        if not (modifier_rank is None or modifier_rank == LOCAL_MODIFIER
+                or (isinstance(modifier_rank, int) and not isinstance(modifier_rank, bool) and modifier_rank >= 0)):
+            raise TypeError(f"GatheredParameters(modifier_rank=...) must be None or a rank (an int >= 0), got "
+                            f"{modifier_rank!r}")
+        if not isinstance(enabled, bool):
+            raise TypeError(f"GatheredParameters(enabled=...) must be True or False, got {enabled!r}")
         seen: dict[int, ZeroParameter] = {}
         for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"GatheredParameters takes parameters, got a {type(p).__name__} among them")
             if isinstance(p, ZeroParameter):
                 seen.setdefault(p._zero.id, p)
         self.params = sorted(seen.values(), key=lambda p: p._zero.id)  # same order on every rank
@@ -84,6 +96,10 @@ class GatheredParameters:
         if not self.enabled:
             return self.params
         ctx = _owner(self.params)
+        if self.modifier_rank is not None and self.modifier_rank != LOCAL_MODIFIER \
+                and self.modifier_rank >= ctx.world_size:
+            raise ValueError(f"GatheredParameters(modifier_rank={self.modifier_rank}): the parameters' group has "
+                             f"{ctx.world_size} rank(s), 0 to {ctx.world_size - 1}")
         ctx.require_states("GatheredParameters", ("lp_params",) if self.modifier_rank is None else
                            ("lp_params", "hp_params"))
         fresh = [p for p in self.params if p._zero.status is ParamStatus.NOT_AVAILABLE]

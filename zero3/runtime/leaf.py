@@ -33,7 +33,7 @@ def set_leaf_modules(model: nn.Module, targets: Iterable[type | str]) -> list[nn
         ValueError: a target matches no module of ``model``, or is neither a class nor a string.
         ZeroStateError: ``model`` was already given to ``zero3.initialize``.
     """
-    if model.__dict__.get("_zero3_context") is not None:
+    if getattr(model, "__dict__", {}).get("_zero3_context") is not None:
         raise ZeroStateError("set_leaf_modules must be called before zero3.initialize: the hooks are installed "
                              "then (or list the classes in the config key leaf_modules)")
     marked = find_modules(model, targets, "set_leaf_modules")
@@ -44,7 +44,12 @@ def set_leaf_modules(model: nn.Module, targets: Iterable[type | str]) -> list[nn
 
 def find_modules(model: nn.Module, targets: Iterable[type | str], caller: str) -> list[nn.Module]:
     """The modules of ``model`` that ``targets`` name: classes (every instance), class names or qualified
-    module names, in the order of the targets; ``caller`` names the public function in errors."""
+    module names, in the order of the targets (one class or name alone counts as a list of it: a string
+    would otherwise be read letter by letter); ``caller`` names the public function in errors."""
+    if isinstance(targets, (str, type)):
+        targets = [targets]
+    if not isinstance(model, nn.Module):
+        raise ZeroConfigError(f"{caller}: the model must be an nn.Module, got {type(model).__name__}")
     named = list(model.named_modules())
     found: list[nn.Module] = []
     for target in targets:

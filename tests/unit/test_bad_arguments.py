@@ -1,0 +1,118 @@
+"""Bad arguments to the public API are refused naming the value and what is allowed, before anything
+changes (each of these was accepted silently, or failed with an error from torch's or Python's
+internals, before)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import zero3
+import zero3.deepspeed as deepspeed
+from zero3 import ZeroConfigError
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _engine(**cfg) -> zero3.Engine:
+    model = _model()
+    return zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0,
+                                                                                 **cfg})
+
+
+def test_deepspeed_initialize_reads_the_config_from_args_or_refuses_args_that_carry_none(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
+    with pytest.raises(ZeroConfigError, match="args must be an argparse.Namespace.*got dict"):
+        deepspeed.initialize(args={"deepspeed_config": str(path)}, model=_model())
+    with pytest.raises(ZeroConfigError, match="args must be an argparse.Namespace.*got str"):
+        deepspeed.initialize(args=str(path), model=_model())
+    with pytest.raises(ZeroConfigError, match="without a deepspeed_config attribute and no config"):
+        deepspeed.initialize(args=argparse.Namespace(local_rank=0), model=_model())
+    engine, *_ = deepspeed.initialize(args=argparse.Namespace(deepscale_config=str(path)), model=_model())
+    assert engine.train_micro_batch_size_per_gpu() == 2  # DeepSpeed's old name still carries it
+    engine, *_ = deepspeed.initialize(args=argparse.Namespace(deepspeed_config=str(path)), model=_model())
+    assert engine.train_micro_batch_size_per_gpu() == 2
+
+
+@pytest.mark.parametrize("max_norm, norm_type, match", [
+    (-1.0, 2.0, "max_norm must be a finite number > 0, got -1.0"), (0.0, 2.0, "max_norm must be"),
+    (float("nan"), 2.0, "max_norm must be"), ("1.0", 2.0, "max_norm must be"), (True, 2.0, "max_norm must be"),
+    (1.0, 0, "norm_type must be a number > 0 or inf, got 0"), (1.0, -1, "norm_type must be"),
+    (1.0, float("nan"), "norm_type must be"), (1.0, "fro", "norm_type must be"),
+])
+def test_clip_grad_norm_refuses_a_bad_max_norm_or_norm_type_and_clips_nothing(max_norm, norm_type, match):
+    engine = _engine()
+    engine.backward(engine(torch.randn(3, 4)).sum())
+    before = [zero3.safe_get_full_grad(p).clone() for p in engine.params]
+    with pytest.raises(ZeroConfigError, match=match):
+        zero3.clip_grad_norm_(engine, max_norm, norm_type)
+    assert all(torch.equal(a, zero3.safe_get_full_grad(p)) for a, p in zip(before, engine.params))
+    assert float(zero3.clip_grad_norm_(engine, 1e9, "inf")) > 0  # "inf" as torch takes it
+
+
+def test_a_scheduler_that_is_not_one_or_schedules_another_optimizer_is_refused_before_anything_changes():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(_model().parameters(), lr=0.1)
+    with pytest.raises(ZeroConfigError, match="lr_scheduler must be a scheduler.*got str"):
+        zero3.initialize(model, opt, {}, lr_scheduler="cosine")
+    with pytest.raises(ZeroConfigError, match="schedules another optimizer than the one given"):
+        zero3.initialize(model, opt, {}, lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    with pytest.raises(ZeroConfigError, match="factory returned a int, not a scheduler"):
+        zero3.initialize(model, opt, {}, lr_scheduler=lambda o: 5)
+
+
+def test_gathered_parameters_refuses_what_is_not_parameters_and_a_rank_that_is_not_one():
+    engine = _engine()
+    model = engine.module
+    with pytest.raises(TypeError, match="got Sequential: pass model.parameters"):
+        zero3.GatheredParameters(model)
+    with pytest.raises(TypeError, match="got str"):
+        zero3.GatheredParameters("0.weight")
+    with pytest.raises(TypeError, match="got NoneType"):
+        zero3.GatheredParameters(None)
+    for rank in ("0", True, 0.5, -3):
+        with pytest.raises(TypeError, match=r"modifier_rank=\.\.\.\) must be None or a rank"):
+            zero3.GatheredParameters(model.parameters(), modifier_rank=rank)
+    with pytest.raises(TypeError, match="enabled=...\\) must be True or False"):
+        zero3.GatheredParameters(model.parameters(), enabled="no")
+    with pytest.raises(ValueError, match=r"modifier_rank=5\): the parameters' group has 1 rank"):
+        with zero3.GatheredParameters(list(model.parameters()), modifier_rank=5):
+            pass
+    with zero3.GatheredParameters(list(model.parameters()), modifier_rank=0):  # a rank of the group: fine
+        model[0].bias.data.fill_(1.0)
+    assert torch.all(zero3.safe_get_full_fp32_param(model[0].bias) == 1.0)
+
+
+def test_generation_entered_inside_itself_ends_with_the_outermost_block():
+    engine = _engine()
+    engine.module.eval()
+    with torch.no_grad():
+        engine(torch.randn(2, 4))
+        with engine.generation():
+            engine(torch.randn(2, 4))
+            with engine.generation():
+                engine(torch.randn(2, 4))
+            assert engine.coordinator.generating  # the inner exit left the outer mode on
+            engine(torch.randn(2, 4))
+        assert not engine.coordinator.generating
+
+
+def test_one_class_or_name_alone_is_a_target_and_a_refused_compile_marks_nothing():
+    model = _model()
+    assert len(zero3.set_leaf_modules(model, nn.Linear)) == 2  # a class alone, not an iterable of them
+    model = _model()
+    assert len(zero3.set_leaf_modules(model, "Linear")) == 2  # a name alone, not its letters
+    model = _model()
+    with pytest.raises(TypeError, match="mod"):  # torch.compile's own refusal of a misspelled keyword
+        zero3.compile_blocks(model, [nn.Linear], backend="eager", mod="max-autotune")
+    assert not any(getattr(m, "_zero3_leaf", False) for m in model.modules())
