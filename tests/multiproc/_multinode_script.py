@@ -39,7 +39,8 @@ def main() -> None:
         dist.all_gather_object(group_ranks, int(env["GROUP_RANK"]))
         results = {"env": env, "group_ranks": group_ranks}
         for name, extra in OPTIONS.items():
-            results[name] = measure({**BASE, **extra}, 3)
+            run = measure({**BASE, **extra}, 3)
+            results[name] = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in run.items()}  # JSON
         with open(os.path.join(out_dir, f"rank{env['RANK']}.json"), "w") as fh:
             json.dump(results, fh)
     finally:
