@@ -116,3 +116,15 @@ def test_one_class_or_name_alone_is_a_target_and_a_refused_compile_marks_nothing
     with pytest.raises(TypeError, match="mod"):  # torch.compile's own refusal of a misspelled keyword
         zero3.compile_blocks(model, [nn.Linear], backend="eager", mod="max-autotune")
     assert not any(getattr(m, "_zero3_leaf", False) for m in model.modules())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"enabled": "false"}, r"must be bools, got True, False, 'false'"),
+    ({"dtype": torch.int8}, "must be a floating-point torch.dtype"),
+    ({"remote_device": "meta"}, "shards need real storage"),
+])
+def test_init_refuses_arguments_that_would_lose_the_weights_or_be_read_the_other_way(kwargs, match):
+    with pytest.raises(ZeroConfigError, match=match):
+        with zero3.Init(**kwargs):
+            nn.Linear(4, 4)
+    assert not zero3.is_partitioned(nn.Linear(4, 4).weight)  # no patch of Init's left behind

@@ -520,3 +520,19 @@ def test_a_json_key_given_twice_is_refused(tmp_path):
     path.write_text('{"max_live_parameters": 1, "max_live_parameters": 2}')
     with pytest.raises(ZeroConfigError, match="'max_live_parameters' is given twice"):
         ZeroConfig.from_json(path)
+
+
+def test_a_config_file_that_cannot_be_read_is_a_config_error_naming_it(tmp_path):
+    """A ZeroConfigError is what the ranks agree on: one rank's missing file raises on every rank."""
+    with pytest.raises(ZeroConfigError, match="cannot be read"):
+        ZeroConfig.from_json(tmp_path / "missing.json")
+    with pytest.raises(ZeroConfigError, match="cannot be read"):
+        ZeroConfig.from_json(tmp_path)  # a directory
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ZeroConfigError, match="a config is a JSON object, got a list"):
+        ZeroConfig.from_json(tmp_path / "list.json")
+
+
+def test_a_collective_timeout_past_a_process_groups_range_is_refused():
+    with pytest.raises(ZeroConfigError, match="collective_timeout must be at most"):
+        ZeroConfig(collective_timeout=1e30)

@@ -156,9 +156,13 @@ class CommConfig:
         if self.quantized_gradient_bits not in (8, 4):
             raise ZeroConfigError(f"quantized_gradient_bits must be 8 or 4, got {self.quantized_gradient_bits!r}")
         _at_least(self, 1, "quantization_block_size")
+        if self.collective_timeout > _MAX_TIMEOUT_S:  # a process group's timeout is a C int of milliseconds
+            raise ZeroConfigError(f"collective_timeout must be at most {_MAX_TIMEOUT_S:.0f} seconds (0: the caller's "
+                                  f"group and its timeout), got {self.collective_timeout!r}")
 
 
 _MAX_SCALE_POWER = 127  # 2**128 overflows fp32
+_MAX_TIMEOUT_S = 2**31 / 1000  # about 24.8 days
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -97,11 +97,15 @@ class ZeroConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ZeroConfig":
-        with open(path) as fh:
-            try:
+        try:  # a ZeroConfigError, which the ranks agree on (one rank's missing file raises on every rank)
+            with open(path, encoding="utf-8") as fh:
                 data = json.load(fh, object_pairs_hook=lambda pairs: _no_duplicate_keys(path, pairs))
-            except json.JSONDecodeError as exc:
-                raise ZeroConfigError(f"{path}: not valid JSON ({exc})") from exc
+        except json.JSONDecodeError as exc:
+            raise ZeroConfigError(f"{path}: not valid JSON ({exc})") from exc
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ZeroConfigError(f"config file {str(path)!r} cannot be read: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ZeroConfigError(f"{path}: a config is a JSON object, got a {type(data).__name__}")
         return cls.from_dict(data)
 
     def replace(self, **changes: Any) -> "ZeroConfig":

@@ -181,10 +181,12 @@ class Init:
                                   "pass one")
         if sync not in ("rng", "broadcast"):
             raise ZeroConfigError(f"Init(sync=...) must be 'rng' or 'broadcast', got {sync!r}")
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise ZeroConfigError(f"Init(dtype=...) must be a torch.dtype, got {dtype!r}")
-        if not isinstance(mem_efficient_linear, bool) or not isinstance(pin_memory, bool):
-            raise ZeroConfigError("Init(mem_efficient_linear=..., pin_memory=...) must be bools")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ZeroConfigError(f"Init(dtype=...) must be a floating-point torch.dtype, got {dtype!r}")
+        if not isinstance(mem_efficient_linear, bool) or not isinstance(pin_memory, bool) \
+                or not isinstance(enabled, bool):
+            raise ZeroConfigError(f"Init(mem_efficient_linear=..., pin_memory=..., enabled=...) must be bools, got "
+                                  f"{mem_efficient_linear!r}, {pin_memory!r}, {enabled!r}")
         if data_parallel_group is not None and group is not None and data_parallel_group is not group:
             raise ZeroConfigError("zero3.Init got both data_parallel_group and group; pass one")
         self.enabled = enabled
@@ -290,10 +292,16 @@ def _remote_device(value: Any) -> torch.device | None:
     if value == "nvme":
         return torch.device("cpu")
     try:
-        return torch.device(value)
+        device = torch.device(value)
     except (RuntimeError, TypeError):
         raise ZeroConfigError(f"zero3.Init(remote_device={value!r}) must be None, 'none', 'cpu', 'nvme' or a torch "
                               "device") from None
+    if device.type == "meta":  # shards with no data: the weights would be lost at initialize
+        raise ZeroConfigError("zero3.Init(remote_device='meta'): shards need real storage; use None, 'cpu', 'nvme' or "
+                              "a device (build on the meta device with `with torch.device('meta'):` instead)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ZeroConfigError(f"zero3.Init(remote_device={value!r}): CUDA is not available here")
+    return device
 
 
 def _current() -> _InitState | None:
