@@ -128,3 +128,20 @@ def test_init_refuses_arguments_that_would_lose_the_weights_or_be_read_the_other
         with zero3.Init(**kwargs):
             nn.Linear(4, 4)
     assert not zero3.is_partitioned(nn.Linear(4, 4).weight)  # no patch of Init's left behind
+
+
+def test_a_model_built_in_bf16_under_init_with_an_fp32_config_is_said_and_its_config_gives_masters(caplog):
+    """The optimizer then steps on the bf16 shards with no fp32 masters (pure bf16 training, which
+    some choose: said in a warning, not refused); the config given to Init keeps fp32 masters."""
+    cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    with zero3.Init(config_dict_or_path=cfg):
+        model = _model()
+    with caplog.at_level("WARNING", logger="zero3"):
+        engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
+    assert "no fp32 masters" in caplog.text and "'0.weight'" in caplog.text
+    assert engine.optimizer.param_groups[0]["params"][0].dtype == torch.bfloat16
+    engine.remove_hooks()
+    with zero3.Init(config_dict_or_path=cfg):
+        model = _model()
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    assert engine.optimizer.param_groups[0]["params"][0].dtype == torch.float32  # fp32 masters

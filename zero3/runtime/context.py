@@ -308,6 +308,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     check_leaf_classes(model, config.training.leaf_modules)
     config = config.for_world_size(group_info(group)[1])  # DeepSpeed's batch-size rule needs the world size
     _check_nvme_shards(model, config, PlacementPolicy.from_config(config))
+    _check_init_precision(model, config)
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
     config, budget = MemoryBudget.resolve(config, ctx.comm, list(model.named_parameters()), _device_of(model))
     if budget is not None:
@@ -441,6 +442,24 @@ def _check_nvme_shards(model: nn.Module, config: ZeroConfig, placement: Placemen
             raise ZeroConfigError(
                 f"parameter {name!r} was written to NVMe by zero3.Init in {z.shard.dtype}, but the config's dtype is "
                 f"{config.precision.dtype!r}; pass the same config to zero3.Init (config_dict_or_path=...) and initialize")
+
+
+def _check_init_precision(model: nn.Module, config: ZeroConfig) -> None:
+    """A model partitioned by ``zero3.Init`` in bf16/fp16 (its config's dtype, ``dtype=``, or a
+    low-precision checkpoint) and an fp32 config here: the optimizer steps on the low-precision
+    shards, with no fp32 masters (DeepSpeed keeps fp32 partitions for them). Pure low-precision
+    training is a choice some make, so it is said, once, not refused."""
+    if config.precision.dtype != "fp32":
+        return
+    for name, p in model.named_parameters():
+        z = getattr(p, "_zero", None)
+        if z is not None and z.shard.dtype in (torch.bfloat16, torch.float16):
+            logger.warning(
+                "zero3.initialize: parameter %r was partitioned by zero3.Init in %s and the config's dtype is 'fp32', "
+                "so the optimizer steps on the %s shards themselves, with no fp32 masters (DeepSpeed would keep fp32 "
+                "ones); pass initialize the config given to Init (bf16/fp16 enabled) for fp32 masters", name,
+                z.shard.dtype, z.shard.dtype)
+            return
 
 
 def _check_group(ctx: RuntimeContext, name: str, p: ZeroParameter) -> None:
