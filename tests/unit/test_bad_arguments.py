@@ -145,3 +145,27 @@ def test_a_model_built_in_bf16_under_init_with_an_fp32_config_is_said_and_its_co
         model = _model()
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
     assert engine.optimizer.param_groups[0]["params"][0].dtype == torch.float32  # fp32 masters
+
+
+def test_save_calls_refuse_a_dtype_that_is_not_a_floating_dtype_and_export_names_every_suffix(tmp_path):
+    engine = _engine()
+    engine.backward(engine(torch.randn(3, 4)).sum())
+    engine.step()
+    for dtype in ("bf16", torch.int8):  # a string failed as an 'invalid device'; int8 truncated the weights
+        with pytest.raises(ValueError, match="dtype=...\\) must be a floating-point torch.dtype"):
+            engine.consolidated_state_dict(dtype=dtype)
+    with pytest.raises(ValueError, match=r"use \.json \(the trace.*\.graphml or \.dot"):
+        engine.export_trace(str(tmp_path / "trace.txt"))
+    engine.export_trace(str(tmp_path / "trace.JSON"))  # the suffix in any case
+    assert json.loads((tmp_path / "trace.JSON").read_text())
+
+
+def test_load_checkpoint_refuses_a_tag_that_is_not_a_name(tmp_path):
+    engine = _engine()
+    engine.backward(engine(torch.randn(3, 4)).sum())
+    engine.step()
+    engine.save_checkpoint(tmp_path, tag="t")
+    for tag in (5, "../t", ".hidden"):  # 5 failed inside pathlib with a TypeError
+        with pytest.raises(ValueError, match="must be a plain directory name"):
+            engine.load_checkpoint(tmp_path, tag=tag)
+    engine.load_checkpoint(tmp_path, tag="t")

@@ -27,6 +27,7 @@ from .format import (
     CheckpointNotFoundError,
     CheckpointVersionError,
     ParamMeta,
+    check_tag,
     model_parallel_dir,
 )
 from .integrity import STAMP_KEY, check_stamp, file_sha256, metadata_digest
@@ -50,6 +51,8 @@ class CheckpointReader:
 
     def __init__(self, ckpt_dir: str | os.PathLike[str], tag: str | None = None,
                  model_parallel_rank: int | None = None) -> None:
+        if tag is not None:
+            check_tag(tag)  # a name of a directory here: not a number, a path or '..'
         self.root = Path(ckpt_dir)
         if not self.root.is_dir():
             raise CheckpointNotFoundError(f"{self.root}: checkpoint directory does not exist")

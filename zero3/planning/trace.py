@@ -319,11 +319,16 @@ def trace_from_json(text: str) -> Trace:
 
 
 def write_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
-    """Write ``trace``: ``.json`` (`trace_to_json`), else the module graph (`export_graph`)."""
-    if str(path).endswith(".json"):
+    """Write ``trace``: ``.json`` (`trace_to_json`), else the module graph (`export_graph`); the suffix in
+    any case."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".json":
         Path(path).write_text(trace_to_json(trace))
-    else:
+    elif suffix in (".graphml", ".dot"):
         export_graph(trace, path)
+    else:
+        raise ValueError(f"export_trace: unsupported suffix {Path(path).suffix!r} in {str(path)!r}; use .json (the "
+                         "trace, for python -m zero3.plan), .graphml or .dot (its module graph)")
 
 
 # -- graph view ------------------------------------------------------------------------------------
