@@ -163,6 +163,8 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module.__dict__.get("_zero3_context") is not self.context:
+            raise ZeroStateError("this engine's hooks were removed (engine.remove_hooks()): call zero3.initialize again")
         try:
             return self.module(*args, **kwargs)
         except BaseException as exc:

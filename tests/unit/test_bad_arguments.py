@@ -169,3 +169,29 @@ def test_load_checkpoint_refuses_a_tag_that_is_not_a_name(tmp_path):
         with pytest.raises(ValueError, match="must be a plain directory name"):
             engine.load_checkpoint(tmp_path, tag=tag)
     engine.load_checkpoint(tmp_path, tag="t")
+
+
+def test_pretrained_refuses_values_it_cannot_load_before_copying_any():
+    """A meta tensor failed inside the copy with earlier parameters already overwritten; a list was
+    reported as a missing key."""
+    engine = _engine()
+    sd = {k: torch.full_like(v, 0.5) for k, v in engine.consolidated_state_dict().items()}
+    before = [zero3.safe_get_full_fp32_param(p).clone() for p in engine.params]
+    for key, value, match in (("2.bias", torch.empty(2, device="meta"), "2.bias: a meta tensor"),
+                              ("2.bias", [0.5, 0.5], "2.bias: a list, not a tensor")):
+        with pytest.raises(ValueError, match=match):
+            zero3.pretrained.load_state_dict(engine, {**sd, key: value})
+        assert all(torch.equal(a, zero3.safe_get_full_fp32_param(p)) for a, p in zip(before, engine.params))
+    zero3.pretrained.load_state_dict(engine, sd)
+    assert all(torch.all(zero3.safe_get_full_fp32_param(p) == 0.5) for p in engine.params)
+
+
+def test_an_engine_whose_hooks_were_removed_says_so_at_its_next_forward():
+    engine = _engine()
+    engine.remove_hooks()
+    with pytest.raises(zero3.ZeroStateError, match=r"hooks were removed \(engine.remove_hooks\(\)\)"):
+        engine(torch.randn(2, 4))
+    again = zero3.initialize(engine.module, torch.optim.SGD(engine.module.parameters(), lr=0.1), {})
+    again(torch.randn(2, 4))  # a new engine over the same model works
+    with pytest.raises(zero3.ZeroStateError, match="hooks were removed"):
+        engine(torch.randn(2, 4))  # and the old one still says so

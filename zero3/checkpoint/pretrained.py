@@ -55,6 +55,10 @@ class _Source:
         """Copy flat elements ``[lo, lo + dest.numel())`` of ``key`` into ``dest`` (cast as needed)."""
         raise NotImplementedError
 
+    def problem(self, key: str) -> str | None:
+        """Why ``key``'s value cannot be loaded (checked before anything is copied), or None."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -62,7 +66,16 @@ class _Source:
 class _DictSource(_Source):
     def __init__(self, sd: Mapping[str, Any]) -> None:
         self.sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        # other values (a list, an array) are not keys: extra state may hold them; a model key that
+        # names one is reported as such, not as missing
+        self.others = {k: type(v).__name__ for k, v in sd.items() if not isinstance(v, torch.Tensor)}
         self.aliases = {}
+
+    def problem(self, key: str) -> str | None:
+        if key in self.others:
+            return f"a {self.others[key]}, not a tensor"
+        t = self.sd.get(key)
+        return "a meta tensor, which holds no data" if t is not None and t.is_meta else None
 
     def keys(self) -> list[str]:
         return list(self.sd)
@@ -282,10 +295,18 @@ def _plan(module: nn.Module, source: _Source,
         if not present:
             present = [source.aliases[n] for n in names if source.aliases.get(n) in available]
         if not present:
+            named = [n for n in names if source.problem(n) is not None] if isinstance(source, _DictSource) else []
+            if named:  # the key is there, with a value that is not a tensor
+                shape_errors.append(f"{named[0]}: {source.problem(named[0])}")
+                continue
             missing.extend(names)
             continue
         used.update(present)
         key = present[0]
+        why = source.problem(key)
+        if why is not None:
+            shape_errors.append(f"{key}: {why}")
+            continue
         shape = tuple(target._zero.shape if isinstance(target, ZeroParameter) else target.shape)
         if tuple(source.shape(key)) != shape:
             shape_errors.append(f"{key}: {list(source.shape(key))} in the source, {list(shape)} in the model")
