@@ -536,3 +536,11 @@ def test_a_config_file_that_cannot_be_read_is_a_config_error_naming_it(tmp_path)
 def test_a_collective_timeout_past_a_process_groups_range_is_refused():
     with pytest.raises(ZeroConfigError, match="collective_timeout must be at most"):
         ZeroConfig(collective_timeout=1e30)
+
+
+@pytest.mark.parametrize("knob", ["prefetch_bucket_bytes", "max_reuse_distance_bytes"])
+def test_a_byte_knob_without_max_live_bytes_is_refused_not_ignored(knob):
+    """The plan counts in elements unless max_live_bytes is set: alone, the byte knob did nothing."""
+    with pytest.raises(ZeroConfigError, match=rf"{knob}=1000 counts in bytes.*set max_live_bytes too"):
+        ZeroConfig(**{knob: 1000})
+    assert getattr(ZeroConfig(max_live_bytes=10**6, **{knob: 1000}).budget, knob) == 1000

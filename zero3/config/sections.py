@@ -72,6 +72,12 @@ class BudgetConfig:
     def __post_init__(self) -> None:
         check_fields(self, skip=frozenset({"memory_budget"}))
         _at_least(self, 1, "max_traces")
+        if self.max_live_bytes is None:  # the byte knobs count only when the plan is in bytes
+            for name, numel in (("prefetch_bucket_bytes", "prefetch_bucket_size"),
+                                ("max_reuse_distance_bytes", "max_reuse_distance")):
+                if getattr(self, name) is not None:
+                    raise ZeroConfigError(f"{name}={getattr(self, name)!r} counts in bytes, which max_live_bytes "
+                                          f"turns on: set max_live_bytes too, or use {numel} (elements)")
         budget = self.memory_budget
         if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int)
                                                          or budget <= 0):
