@@ -57,6 +57,13 @@ def _read_param(reader: CheckpointReader, pm: ParamMeta, key: str, dtype: torch.
     return full.view(pm.shape)
 
 
+def check_cast_dtype(dtype: object, what: str) -> None:
+    """A dtype to cast floating-point tensors to is None or a floating-point torch.dtype (a string
+    failed later as an invalid device; int8 would truncate the weights)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"{what} must be a floating-point torch.dtype or None, got {dtype!r}")
+
+
 def cast_floating(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """``t`` cast to ``dtype`` if it is floating-point and ``dtype`` is given, else ``t`` itself."""
     return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t

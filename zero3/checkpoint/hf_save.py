@@ -35,7 +35,7 @@ from ..comm.communicator import Kind, Tag
 from ..errors import ZeroConfigError
 from ..partition.param import ZeroParameter
 from ..runtime.context import context_of
-from .consolidate import cast_floating
+from .consolidate import cast_floating, check_cast_dtype
 from .exchange import exchange
 from .safetensors import SafetensorsWriter, atomic_write_bytes
 
@@ -308,10 +308,7 @@ def save_pretrained(engine_or_model: Any, save_directory: str | os.PathLike[str]
     """
     if not safe_serialization:
         raise ValueError("save_pretrained writes safetensors only (safe_serialization=True)")
-    if state_dict_dtype is not None and not (isinstance(state_dict_dtype, torch.dtype)
-                                             and state_dict_dtype.is_floating_point):
-        raise ValueError(f"save_pretrained(state_dict_dtype=...) must be a floating-point torch.dtype or None, got "
-                         f"{state_dict_dtype!r}")
+    check_cast_dtype(state_dict_dtype, "save_pretrained(state_dict_dtype=...)")
     ctx = context_of(engine_or_model, "save_pretrained")
     if ctx.model_parallel is not None:
         raise ZeroConfigError("save_pretrained with tensor parallelism: every model-parallel rank holds other "

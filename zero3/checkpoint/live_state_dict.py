@@ -12,7 +12,7 @@ import torch
 
 from ..comm.communicator import Kind, Tag
 from ..partition.param import ZeroParameter
-from .consolidate import cast_floating
+from .consolidate import cast_floating, check_cast_dtype
 
 if TYPE_CHECKING:
     from ..runtime.context import RuntimeContext
@@ -37,9 +37,7 @@ def consolidated_state_dict(ctx: RuntimeContext, rank0_only: bool = True, *,
         ``{name: CPU tensor}`` in ``model.state_dict()`` order (``{}`` off rank 0 with ``rank0_only``).
     """
     assert ctx.module is not None
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"consolidated_state_dict(dtype=...) must be a floating-point torch.dtype or None, got "
-                         f"{dtype!r}")
+    check_cast_dtype(dtype, "consolidated_state_dict(dtype=...)")
     ctx.require_states("consolidated_state_dict", ("lp_params", "hp_params"))
     keep = ctx.rank == 0 or not rank0_only
     full: dict[int, torch.Tensor] = {}

@@ -294,16 +294,12 @@ def _plan(module: nn.Module, source: _Source,
         present = [n for n in names if n in available]
         if not present:
             present = [source.aliases[n] for n in names if source.aliases.get(n) in available]
-        if not present:
-            named = [n for n in names if source.problem(n) is not None] if isinstance(source, _DictSource) else []
-            if named:  # the key is there, with a value that is not a tensor
-                shape_errors.append(f"{named[0]}: {source.problem(named[0])}")
-                continue
+        key = present[0] if present else next((n for n in names if source.problem(n) is not None), None)
+        if key is None:
             missing.extend(names)
             continue
         used.update(present)
-        key = present[0]
-        why = source.problem(key)
+        why = source.problem(key)  # present with a value that cannot be loaded (or not a tensor at all)
         if why is not None:
             shape_errors.append(f"{key}: {why}")
             continue
