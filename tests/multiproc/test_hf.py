@@ -148,6 +148,10 @@ def _train(name: str, zero_cfg: dict, checkpointing: dict | None = None) -> dict
             m.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6), zero_cfg)
     ref_opt = torch.optim.AdamW(plain.parameters(), lr=LR, eps=1e-6)
+    mlp_calls = [0]  # forwards of the decoder layers' MLPs (a recompute runs them again; hooks fire there)
+    if checkpointing is not None:
+        for layer in model.model.layers:
+            layer.mlp.register_forward_pre_hook(lambda *_: mlp_calls.__setitem__(0, mlp_calls[0] + 1))
     loss_diffs = []
     for step in range(STEPS):
         batch = _batch(step, masked_lm=name == "bert")
@@ -164,7 +168,7 @@ def _train(name: str, zero_cfg: dict, checkpointing: dict | None = None) -> dict
         ref_opt.zero_grad()
         loss_diffs.append(abs(global_loss.item() - ref_loss.item()) / abs(ref_loss.item()))
     engine.coordinator.check_valid()
-    out = {"loss": loss_diffs, "params": _gathered_diffs(model, plain),
+    out = {"loss": loss_diffs, "params": _gathered_diffs(model, plain), "mlp_calls": mlp_calls[0],
            "left_gathered": len(engine.coordinator.live_params), "persistent": len(engine.coordinator.persistent)}
     prompt = torch.randint(4, VOCAB, (2, 6), generator=torch.Generator().manual_seed(100))
     mask = torch.ones_like(prompt)
@@ -231,6 +235,7 @@ def train_with_activation_checkpointing(use_reentrant: bool) -> dict:
 def test_hf_activation_checkpointing_trains_like_the_plain_model(pools, use_reentrant):
     for r in pools.get(2).run(train_with_activation_checkpointing, use_reentrant, timeout=120):
         assert max(r["loss"]) < TOL and max(r["params"].values()) < TOL, r
+        assert r["mlp_calls"] == 2 * 2 * STEPS, r["mlp_calls"]  # 2 layers, each run again in the backward
         assert r["generated"] == r["plain_generated"]
 
 
