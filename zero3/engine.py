@@ -46,6 +46,22 @@ from .runtime.step import StepPhase
 logger = logging.getLogger(__name__)
 
 
+
+def _log_progress(engine: "Engine", m: StepMetrics) -> None:
+    """Every ``steps_per_print`` optimizer steps, as DeepSpeed's engine reports them: on rank 0 the
+    step, the skipped (fp16 overflow) steps, the learning rates and, under fp16, the loss scale;
+    with ``wall_clock_breakdown``, on every rank, the step's timers."""
+    ctx = engine.context
+    if ctx.comm.rank == 0:
+        scale = f", loss_scale={engine.loss_scale:g}" if engine.loss_scaler is not None else ""
+        logger.info("zero3: step=%d, skipped=%d, lr=%s%s", ctx.global_steps, engine.skipped_steps, engine.get_lr(),
+                    scale)
+    if engine.config.training.wall_clock_breakdown:
+        logger.info("zero3::timers step %d | forward %.1f ms | backward %.1f ms | gather wait %.1f ms | "
+                    "reduction wait %.1f ms | header exchanges %.1f ms | optimizer %.1f ms", ctx.global_steps,
+                    1e3 * m.forward_seconds, 1e3 * m.backward_seconds, 1e3 * m.wait_seconds,
+                    1e3 * m.reduce_wait_seconds, 1e3 * m.header_seconds, 1e3 * m.optimizer_seconds)
+
 class Engine:
     """A partitioned model with its hooks, gradient reducer and sharded optimizer.
 
@@ -239,13 +255,8 @@ class Engine:
         self.last_step_metrics = copy.copy(ctx.metrics)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("zero3::step %s", self.last_step_metrics.as_dict())
-        training = self.config.training
-        if boundary and training.wall_clock_breakdown and ctx.global_steps % training.steps_per_print == 0:
-            m = self.last_step_metrics
-            logger.info("zero3::timers step %d | forward %.1f ms | backward %.1f ms | gather wait %.1f ms | "
-                        "reduction wait %.1f ms | header exchanges %.1f ms | optimizer %.1f ms", ctx.global_steps,
-                        1e3 * m.forward_seconds, 1e3 * m.backward_seconds, 1e3 * m.wait_seconds,
-                        1e3 * m.reduce_wait_seconds, 1e3 * m.header_seconds, 1e3 * m.optimizer_seconds)
+        if boundary and ctx.global_steps % self.config.training.steps_per_print == 0:
+            _log_progress(self, self.last_step_metrics)
         ctx.metrics.reset(ctx.global_steps)
         return stepped
 

@@ -75,7 +75,7 @@ def test_from_dict_rejects_non_integral_float():
 
 
 def test_to_dict_round_trips():
-    cfg = ZeroConfig(max_live_parameters=17, overlap_comm=False, max_live_bytes=1024)
+    cfg = ZeroConfig(max_reuse_distance=17, overlap_comm=False, max_live_bytes=1024)
     assert ZeroConfig.from_dict(cfg.to_dict()) == cfg
 
 

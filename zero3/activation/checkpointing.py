@@ -181,6 +181,10 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
                     buffers=_ContiguousBuffers(config.number_checkpoints)
                     if config.contiguous_memory_optimization and config.number_checkpoints else None)
     logger.info("zero3: activation checkpointing %s, model-parallel rank %d of %d", config, mp.rank, mp.world_size)
+    if config.partition_activations and mp.world_size == 1:
+        logger.warning("zero3: partition_activations with no model parallelism (%s): there is one slice, so each "
+                       "saved input is kept whole, as a copy; pass an mpu with a model-parallel group above 1, or "
+                       "turn it off", "no mpu" if mpu_ is None else "model-parallel size 1")
 
 
 def is_configured() -> bool:

@@ -8,6 +8,7 @@ Budgets are counted in parameter *elements* (as DeepSpeed counts them) unless th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
@@ -22,6 +23,16 @@ ReduceImpl = Literal["auto", "reduce_scatter", "all_reduce", "p2p", "shm"]
 GatherImpl = Literal["auto", "all_gather", "p2p", "shm"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+def _default(section: type, name: str) -> Any:
+    """The default of field ``name`` of the dataclass ``section``."""
+    return next(f.default for f in dataclasses.fields(section) if f.name == name)
+
+
+def _changed(section: Any, names: tuple[str, ...]) -> list[str]:
+    """``name=value`` of each of ``names`` that ``section`` holds at other than its default."""
+    return [f"{n}={getattr(section, n)!r}" for n in names if getattr(section, n) != _default(type(section), n)]
 
 
 def _at_least(section: Any, bound: int, *names: str) -> None:
@@ -78,6 +89,13 @@ class BudgetConfig:
                 if getattr(self, name) is not None:
                     raise ZeroConfigError(f"{name}={getattr(self, name)!r} counts in bytes, which max_live_bytes "
                                           f"turns on: set max_live_bytes too, or use {numel} (elements)")
+        # An element knob beside its byte form is never read (coordinator.py `plan_config`); one set
+        # to other than its default (which cannot be told from unset) is refused, not dropped.
+        for numel, nbytes in (("max_live_parameters", "max_live_bytes"), ("max_reuse_distance", "max_reuse_distance_bytes"),
+                              ("prefetch_bucket_size", "prefetch_bucket_bytes")):
+            if getattr(self, nbytes) is not None and getattr(self, numel) != _default(BudgetConfig, numel):
+                raise ZeroConfigError(f"{numel}={getattr(self, numel)!r} is not used beside {nbytes}="
+                                      f"{getattr(self, nbytes)!r}, which replaces it (in bytes): remove one of them")
         budget = self.memory_budget
         if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int)
                                                          or budget <= 0):
@@ -162,6 +180,13 @@ class CommConfig:
         if self.quantized_gradient_bits not in (8, 4):
             raise ZeroConfigError(f"quantized_gradient_bits must be 8 or 4, got {self.quantized_gradient_bits!r}")
         _at_least(self, 1, "quantization_block_size")
+        # ZeRO++'s wire settings without the coding they set: refused, not dropped
+        if not self.zero_quantized_gradients and self.quantized_gradient_bits != 8:
+            raise ZeroConfigError(f"quantized_gradient_bits={self.quantized_gradient_bits!r} applies only with "
+                                  "zero_quantized_gradients=True; remove it or turn qgZ on")
+        if not (self.zero_quantized_weights or self.zero_quantized_gradients) and self.quantization_block_size != 512:
+            raise ZeroConfigError(f"quantization_block_size={self.quantization_block_size!r} applies only with "
+                                  "zero_quantized_weights or zero_quantized_gradients; remove it or turn one on")
         if self.collective_timeout > _MAX_TIMEOUT_S:  # a process group's timeout is a C int of milliseconds
             raise ZeroConfigError(f"collective_timeout must be at most {_MAX_TIMEOUT_S:.0f} seconds (0: the caller's "
                                   f"group and its timeout), got {self.collective_timeout!r}")
@@ -216,6 +241,22 @@ class PrecisionConfig:
             if getattr(self, name) > 2.0 ** _MAX_SCALE_POWER:
                 raise ZeroConfigError(f"{name} must be at most 2**{_MAX_SCALE_POWER} (a loss scale finite in fp32), "
                                       f"got {getattr(self, name)!r}")
+        # Loss scaling exists only under fp16, and a static scale (loss_scale > 0) has no dynamics: a
+        # setting that would not be read is refused rather than dropped (DeepSpeed drops it).
+        if self.dtype != "fp16" and (given := _changed(self, _LOSS_SCALING)):
+            raise ZeroConfigError(f"{', '.join(given)}: fp16 loss scaling, but dtype={self.dtype!r} scales no loss; "
+                                  "remove it, or use dtype='fp16' (DeepSpeed's fp16.enabled)")
+        if self.dtype == "fp16" and self.loss_scale > 0 and (given := _changed(self, _LOSS_SCALING[1:])):
+            raise ZeroConfigError(f"{', '.join(given)}: dynamic loss scaling, but loss_scale={self.loss_scale!r} "
+                                  "selects a static scale; remove it, or set loss_scale=0 (dynamic)")
+
+
+_LOSS_SCALING = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+                 "min_loss_scale")
+"""`PrecisionConfig`'s fp16 loss-scaling fields; after the first, those of dynamic scaling only."""
+
+DRIVE_POOL_KNOBS = ("offload_param_buffer_count", "offload_param_buffer_size", "offload_param_max_in_cpu")
+"""`OffloadConfig`'s fields read only with ``offload_param="nvme"``."""
 
 
 # DeepSpeed's offload sections (also accepted in our dicts): key -> our field suffix (None: accepted,
@@ -300,8 +341,10 @@ class OffloadConfig:
     sub_group_size: int = 1_000_000_000
     """Elements per group that the optimizer step streams from NVMe at a time (state of at most
     three groups is in memory: one being read, one stepping, one being written); DeepSpeed's
-    ``zero_optimization.sub_group_size``. Used when optimizer state or parameter shards are on NVMe, and
-    by the optimizer step in backward (``offload_optimizer.step_in_backward``)."""
+    ``zero_optimization.sub_group_size``. Used when the optimizer state is on NVMe, when parameter
+    shards are on NVMe and the optimizer steps on them (fp32: no separate masters), and by the
+    optimizer step in backward (``offload_optimizer.step_in_backward``); elsewhere the step takes
+    every parameter at once, and a value other than the default is reported at ``initialize``."""
 
     aio_thread_count: int = 1
     """Threads that read and write the swap files (DeepSpeed's ``aio.thread_count``); file IO runs
@@ -315,6 +358,10 @@ class OffloadConfig:
             raise ZeroConfigError(
                 f"offload_optimizer_staged_step=False only applies with offload_optimizer='nvme' (got "
                 f"offload_optimizer={self.offload_optimizer!r}): only a step on the drive is staged; remove it")
+        if self.offload_param != "nvme" and (given := _changed(self, DRIVE_POOL_KNOBS)):
+            raise ZeroConfigError(f"{', '.join(given)}: read only with offload_param='nvme' (got "
+                                  f"offload_param={self.offload_param!r}): the drive's read pool and what stays "
+                                  "off the drive; remove it")
         for tier in ("offload_param", "offload_optimizer"):
             if getattr(self, tier) == "nvme" and not getattr(self, f"{tier}_nvme_path"):
                 raise ZeroConfigError(
@@ -347,3 +394,5 @@ class OffloadConfig:
                 continue
             knob = kind + suffix
             out.set(knob, coerce(field_types(OffloadConfig)[knob], v), f"{section}.{key}")
+        if value.get("pin_memory") and value.get("device", "none") == "none":
+            logger.info("zero3: %s.pin_memory has no effect with device 'none' (nothing is offloaded); ignored", section)

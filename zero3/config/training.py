@@ -158,7 +158,9 @@ class TrainingConfig:
     ``engine.last_step_metrics`` either way (on CUDA this also synchronizes before reading them)."""
 
     steps_per_print: int = 10
-    """How often (in optimizer steps) ``wall_clock_breakdown`` logs."""
+    """How often (in optimizer steps) the engine logs its progress at INFO, as DeepSpeed's does: on
+    rank 0 the step, the skipped steps, the learning rates and fp16's loss scale; and, with
+    ``wall_clock_breakdown``, every rank's timers."""
 
     leaf_modules: tuple[str, ...] = ()
     """Class names of modules gathered and reduced as one unit, hooks on the module only (mixture of

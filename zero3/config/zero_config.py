@@ -71,6 +71,10 @@ class ZeroConfig:
             object.__setattr__(self, section, value)
         _check_budget_alone(self.budget, self.comm)
         _check_step_in_backward(self)
+        if self.comm.zero_quantized_gradients and self.precision.reduce_dtype != "fp32":
+            raise ZeroConfigError(f"reduce_dtype={self.precision.reduce_dtype!r} (DeepSpeed's communication_data_type) "
+                                  "is not used with zero_quantized_gradients, whose messages carry int8/int4 blocks "
+                                  "summed in fp32: remove one of them")
         if activation_checkpointing is not None:
             activation_checkpointing = ActivationCheckpointingConfig.from_dict(activation_checkpointing)
         object.__setattr__(self, "activation_checkpointing", activation_checkpointing)

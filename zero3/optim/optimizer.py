@@ -81,6 +81,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_WHOLE_STEP = 1_000_000_000
+"""``sub_group_size``'s default (DeepSpeed's): not reported where the step takes every parameter at once."""
+
 ALIGN_ELEMENTS = 64
 """Offsets of views in a flat buffer are multiples of this many elements (see [Note: flat master buffers])."""
 
@@ -229,6 +232,10 @@ class PartitionedOptimizer:
                              for g in self.optimizer.param_groups]
         self.streamed = self.states is not None or (self.shards is not None and not self.separate_masters)
         by_subgroup = self.streamed or self.placement.step_in_backward  # the step goes sub-group by sub-group
+        if not by_subgroup and config.offload.sub_group_size != _WHOLE_STEP:
+            logger.warning("zero3: sub_group_size=%d has no effect here: the optimizer steps every parameter at once "
+                           "unless its state is on NVMe, fp32 parameter shards are on NVMe, or it steps in backward "
+                           "(offload_optimizer_step_in_backward)", config.offload.sub_group_size)
         if by_subgroup and isinstance(self.optimizer, torch.optim.LBFGS):
             raise ZeroConfigError("LBFGS needs every parameter at once; with optimizer state or parameter shards on "
                                   "NVMe, or the step in backward, the step goes sub-group by sub-group. Use an "

@@ -53,6 +53,7 @@ from ..comm.agreement import agree_on_config
 from ..comm.communicator import Kind, Tag
 from ..comm.process_group import ensure_default_group
 from ..config import ZeroConfig, resolve_config
+from ..config.sections import DRIVE_POOL_KNOBS, OffloadConfig
 from .context import RuntimeContext, meta_refusal
 from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import data_parallel_group as mpu_data_parallel_group
@@ -278,7 +279,11 @@ def _effective_config(config: Any, remote_device: Any) -> tuple[ZeroConfig, Any]
         remote_device = cfg.offload.offload_param
     _remote_device(remote_device)  # a bad device is a config error of this rank's too
     try:
-        return cfg.replace(offload_param="nvme" if remote_device == "nvme" else "none"), remote_device
+        if remote_device == "nvme":
+            return cfg.replace(offload_param="nvme"), remote_device
+        # not on the drive: its pool settings do not apply (and are refused beside any other device)
+        defaults = OffloadConfig()
+        return cfg.replace(offload_param="none", **{k: getattr(defaults, k) for k in DRIVE_POOL_KNOBS}), remote_device
     except ZeroConfigError as exc:
         raise ZeroConfigError(f"zero3.Init(remote_device='nvme') needs offload_param.nvme_path in the config "
                               f"passed as config_dict_or_path: {exc}") from None
