@@ -47,6 +47,20 @@ logger = logging.getLogger(__name__)
 
 
 
+_MID_STEP = ("{what} must be called between steps (after engine.step()); a step is in its {phase}: finish it with "
+             "engine.backward(loss) and engine.step(), or, after a forward with gradients run by mistake, run one "
+             "under torch.no_grad(), which ends the step")
+
+
+def _require_hooks(engine: "Engine", what: str) -> None:
+    """Refuse ``what`` on an engine whose hooks were removed: nothing would gather its parameters or
+    reduce their gradients any more."""
+    if engine.module.__dict__.get("_zero3_context") is not engine.context:
+        raise ZeroStateError(f"{what} after engine.remove_hooks(): this engine no longer manages the model (nothing "
+                             "gathers its parameters or reduces their gradients); call zero3.initialize(model, ...) "
+                             "again for a new engine")
+
+
 def _log_progress(engine: "Engine", m: StepMetrics) -> None:
     """Every ``steps_per_print`` optimizer steps, as DeepSpeed's engine reports them: on rank 0 the
     step, the skipped (fp16 overflow) steps, the learning rates and, under fp16, the loss scale;
@@ -179,8 +193,7 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.module.__dict__.get("_zero3_context") is not self.context:
-            raise ZeroStateError("this engine's hooks were removed (engine.remove_hooks()): call zero3.initialize again")
+        _require_hooks(self, "engine.forward()")
         try:
             return self.module(*args, **kwargs)
         except BaseException as exc:
@@ -194,6 +207,7 @@ class Engine:
             ZeroConfigError: the engine has no optimizer (DeepSpeed asserts the same): its gradients
                 would never be used. Without one the engine is for forward and generation.
         """
+        _require_hooks(self, "engine.backward()")
         if self.context.optimizer is None:
             raise ZeroConfigError("engine.backward(): must provide optimizer during init in order to use backward (pass "
                                   "optimizer= to initialize or add an 'optimizer' section to the config); without one "
@@ -224,6 +238,7 @@ class Engine:
                 checks nothing and its optimizer finds no gradients). Without one, ``step()`` after an
                 inference forward is fine.
         """
+        _require_hooks(self, "engine.step()")
         ctx = self.context
         ctx.require_states("engine.step()")
         if ctx.optimizer is not None and not self._backward_ran():
@@ -344,8 +359,9 @@ class Engine:
         if self.coordinator.generating:  # nested: the outer block owns the mode
             yield self
             return
+        _require_hooks(self, "engine.generation()")
         if self.hooks.phase is not StepPhase.IDLE:
-            raise ZeroStateError("engine.generation() must be entered between steps (after engine.step())")
+            raise ZeroStateError(_MID_STEP.format(what="engine.generation()", phase=self.hooks.phase.name.lower()))
         self.context.require_states("engine.generation()", ("lp_params",))
         self.coordinator.begin_generation()
         try:
@@ -387,6 +403,7 @@ class Engine:
                 or while states are already offloaded.
             ZeroConfigError: an unknown kind or device, or no ``nvme_path`` for ``device="nvme"``.
         """
+        _require_hooks(self, "engine.offload_states()")
         if self.hooks.phase is not StepPhase.IDLE or self.coordinator.in_step:
             raise ZeroStateError("engine.offload_states() must be called between steps (after engine.step() or an "
                                  "inference forward), not inside a forward or backward")
@@ -416,7 +433,9 @@ class Engine:
 
     def remove_hooks(self) -> None:
         """Take every hook off (a step in the middle ends aborted); parameters stay partitioned until
-        gathered."""
+        gathered. States moved out by `offload_states` are brought back first, so the shards a later
+        engine adopts are in memory."""
+        self.reload_states()
         self.hooks.remove()
         foreign_optimizers.release(self.module)
         self.context.coordinator.persistent_params.unmark()
@@ -624,7 +643,11 @@ def _clip_context(target: Any) -> RuntimeContext:
     ``model.parameters()``) that include every trainable parameter of one engine. A part of them
     (a single tensor, a layer's) is refused: the clip is by the norm over all of the engine's."""
     if isinstance(target, (Engine, nn.Module)) or not isinstance(target, (torch.Tensor, Iterable)):
-        return context_of(target, "clip_grad_norm_")
+        ctx = context_of(target, "clip_grad_norm_")
+        if ctx.module is None or ctx.module.__dict__.get("_zero3_context") is not ctx:
+            raise ZeroStateError("clip_grad_norm_ of an engine whose hooks were removed (engine.remove_hooks()): it "
+                                 "no longer reduces gradients; nothing was clipped")
+        return ctx
     params = [target] if isinstance(target, torch.Tensor) else list(target)
     ctxs = {id(p._zero.ctx): p._zero.ctx for p in params if isinstance(p, ZeroParameter)}
     ctx = next(iter(ctxs.values())) if len(ctxs) == 1 else None

@@ -287,6 +287,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     if model.__dict__.get("_zero3_context") is not None:
         raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "
                              "first, or keep using the engine it returned")
+    _refuse_managed_parts(model)
     if optimizer is not None and config.training.optimizer is not None:
         raise ZeroConfigError("zero3.initialize got an optimizer and a config with an 'optimizer' section; pass one")
     if lr_scheduler is not None and config.training.scheduler is not None:
@@ -309,6 +310,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     config = config.for_world_size(group_info(group)[1])  # DeepSpeed's batch-size rule needs the world size
     _check_nvme_shards(model, config, PlacementPolicy.from_config(config))
     _check_init_precision(model, config)
+    _drop_stale_grads(model)
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
     config, budget = MemoryBudget.resolve(config, ctx.comm, list(model.named_parameters()), _device_of(model))
     if budget is not None:
@@ -423,6 +425,33 @@ def _device_of(model: nn.Module) -> torch.device:
 LIVE_CONTEXTS: "weakref.WeakSet[RuntimeContext]" = weakref.WeakSet()
 """Every engine's context while it lives: what ``zero3.see_memory_usage`` reports model state from
 (the one process-wide registry; it holds no context alive)."""
+
+
+def _refuse_managed_parts(model: nn.Module) -> None:
+    """A model that holds another engine's model (a wrapper), or is part of one (a submodule): two
+    engines' hooks would gather and release the same parameters."""
+    for name, m in model.named_modules():
+        if m.__dict__.get("_zero3_context") is not None:
+            raise ZeroStateError(f"zero3.initialize: submodule {name!r} is already managed by an engine (zero3.initialize "
+                                 "was called on it); call that engine's remove_hooks() first, or initialize only one of them")
+    for name, p in model.named_parameters():
+        owner = p._zero.ctx if isinstance(p, ZeroParameter) else None
+        if isinstance(owner, RuntimeContext) and owner.module is not None and \
+                owner.module.__dict__.get("_zero3_context") is owner:
+            raise ZeroStateError(f"zero3.initialize: parameter {name!r} belongs to an engine over another model (this "
+                                 "model is part of it); call that engine's remove_hooks() first, or keep using it")
+
+
+def _drop_stale_grads(model: nn.Module) -> None:
+    """Gradients a backward left on the parameters before `initialize` (a backward after an earlier
+    engine's remove_hooks(), a plain backward) would be added into the first step's (autograd
+    accumulates into ``.grad``), where the engine's optimizer.zero_grad() cannot reach them: dropped, said."""
+    stale = [n for n, p in model.named_parameters() if p.grad is not None]
+    if stale:
+        logger.warning("zero3.initialize: parameters %s%s hold gradients from an earlier backward; dropped (the engine "
+                       "keeps gradients in its shards)", stale[:3], " ..." if len(stale) > 3 else "")
+        for p in model.parameters():
+            p.grad = None
 
 
 def _check_nvme_shards(model: nn.Module, config: ZeroConfig, placement: PlacementPolicy) -> None:

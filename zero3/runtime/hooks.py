@@ -309,6 +309,7 @@ class ModuleHooks:
         self._handles: list[Any] = []
         self._records: dict[int, _ModuleRecord] = {}
         self._queued_tasks: set[int] = set()
+        self._removed = False  # remove() ran: a pre-backward hook left on an old autograd node refuses
         opt = ctx.optimizer
         self._fp16 = opt if opt is not None and opt.scaler is not None else None  # its gradients must be scaled
         self._announced: set[tuple[int, int]] = set()
@@ -382,7 +383,8 @@ class ModuleHooks:
         self._submodule_hooks.resume()
 
     def remove(self) -> None:
-        """Take every hook off; a step in the middle ends aborted (`StepLifecycle.close`)."""
+        """Take every hook off (autograd nodes' hooks, without handles, refuse); a running step aborts."""
+        self._removed = True
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -580,6 +582,8 @@ class ModuleHooks:
     # -- backward -------------------------------------------------------------------------------
     def _pre_backward(self, call: _Call, grads: Any) -> None:
         if self.step.phase is not _BACKWARD:  # the hook path: no call when nothing changes
+            if self._removed:
+                self._refuse_removed(call)
             self.step.enter(_BACKWARD)
         self._ensure_final_callback()
         if call.state is _FORWARD_DONE or (call.state is _BACKWARD_DONE and call.ended_in != self._steps_ended):
@@ -596,6 +600,11 @@ class ModuleHooks:
                 rec.awaiting.append(call)
             self.coordinator.event(_PRE_BACKWARD, call.record.name, call.params, call.ids)
         return None
+
+    def _refuse_removed(self, call: _Call) -> None:
+        raise ZeroStateError(f"a backward reached {call.record.name or 'the model'} through a forward run before "
+                             "engine.remove_hooks(): its gradients would not be reduced into the shards; run the "
+                             "backward first, or the forward again under a new engine")
 
     def _refuse_create_graph(self, call: _Call) -> None:
         """A backward with ``create_graph=True`` builds a graph of its own that saves the gathered

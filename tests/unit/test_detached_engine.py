@@ -1,0 +1,109 @@
+"""An engine whose hooks were removed, and a model another engine manages: what a user meets there is
+refused by name or made safe (each of these was a silent wrong result, a crash or an obscure error)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import zero3
+from zero3 import ZeroStateError
+
+TIGHT = {"param_persistence_threshold": 0, "max_live_parameters": 0, "max_reuse_distance": 0,
+         "prefetch_bucket_size": 0}
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _engine(model: nn.Module, cfg: dict | None = None) -> zero3.Engine:
+    return zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), TIGHT if cfg is None else cfg)
+
+
+def test_every_training_call_of_an_engine_after_remove_hooks_is_refused_by_name():
+    model = _model()
+    engine = _engine(model)
+    loss = engine(torch.randn(2, 8)).sum()
+    engine.backward(loss)
+    engine.step()
+    pending = engine(torch.randn(2, 8)).sum()
+    engine.remove_hooks()
+    for what, call in [("engine.backward()", lambda: engine.backward(pending)), ("engine.step()", engine.step),
+                       ("engine.forward()", lambda: engine(torch.randn(2, 8))),
+                       ("engine.offload_states()", engine.offload_states)]:
+        with pytest.raises(ZeroStateError, match=rf"{what.replace('(', '[(]').replace(')', '[)]')} after "
+                                                 r"engine.remove_hooks\(\)"):
+            call()
+    with pytest.raises(ZeroStateError, match=r"engine.generation\(\) after engine.remove_hooks"):
+        with engine.generation():
+            pass
+    with pytest.raises(ZeroStateError, match="clip_grad_norm_ of an engine whose hooks were removed"):
+        zero3.clip_grad_norm_(engine, 1.0)
+    assert engine.global_steps == 1
+
+
+def test_a_backward_through_a_forward_from_before_remove_hooks_is_refused():
+    model = _model()
+    engine = _engine(model)
+    pending = engine(torch.randn(2, 8)).sum()
+    engine.remove_hooks()
+    with pytest.raises(ZeroStateError, match="through a forward run before engine.remove_hooks"):
+        pending.backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_remove_hooks_brings_offloaded_states_back_so_a_new_engine_trains_on_them():
+    model, plain = _model(), _model()
+    engine = _engine(model)
+    x = torch.randn(2, 8)
+    want = plain(x)
+    engine.offload_states()
+    engine.remove_hooks()  # crashed (a gather from freed storage) once the next engine ran
+    engine2 = _engine(model)
+    assert torch.equal(engine2(x), want)
+    loss = engine2(x).sum()
+    engine2.backward(loss)
+    engine2.step()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    plain(x).sum().backward()
+    opt.step()
+    with zero3.GatheredParameters(list(model.parameters())):
+        assert all(torch.allclose(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+
+
+def test_initialize_refuses_a_wrapper_or_a_part_of_a_model_another_engine_manages():
+    inner = _model()
+    _engine(inner)
+    with pytest.raises(ZeroStateError, match="submodule 'inner' is already managed by an engine"):
+        _engine(nn.ModuleDict({"inner": inner}))
+    with pytest.raises(ZeroStateError, match="parameter 'weight' belongs to an engine over another model"):
+        _engine(inner[0])
+
+
+def test_gradients_left_on_the_parameters_before_initialize_do_not_reach_the_first_step():
+    model, plain = _model(), _model()
+    x = torch.randn(2, 8)
+    model(x).sum().backward()  # a plain backward before the engine exists
+    engine = _engine(model)
+    engine.optimizer.zero_grad()
+    engine.backward(engine(x).sum())
+    engine.step()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    plain(x).sum().backward()  # and torch's optimizer.zero_grad() before it would have dropped the first
+    opt.step()
+    with zero3.GatheredParameters(list(model.parameters())):
+        assert all(torch.allclose(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+
+
+def test_the_drop_of_stale_gradients_is_logged(caplog):
+    model = _model()
+    model(torch.randn(2, 8)).sum().backward()
+    with caplog.at_level(logging.WARNING, logger="zero3"):
+        _engine(model)
+    assert "parameters ['0.weight', '0.bias', '2.weight'] ... hold gradients from an earlier backward" in caplog.text
+    assert all(p.grad is None for p in model.parameters())
