@@ -52,6 +52,28 @@ _MID_STEP = ("{what} must be called between steps (after engine.step()); a step 
              "under torch.no_grad(), which ends the step")
 
 
+def _zero_grad(engine: "Engine") -> None:
+    """``engine.zero_grad()``. After ``engine.step()`` in the middle of an accumulation window it keeps
+    the window's gradients: DeepSpeed's engine clears only ``param.grad`` there, so a loop that calls
+    it before every micro-batch accumulates. After a backward that ``engine.step()`` has not closed
+    it drops that micro-batch's gradients (torch's skip-a-batch habit) when it is the window's first;
+    after a later one the gradient shards hold the window's sum, which cannot be split: refused."""
+    ctx = engine.context
+    n = ctx.config.training.gradient_accumulation_steps
+    if ctx.micro_steps % n:
+        if engine._backward_ran():
+            raise ZeroStateError(
+                f"engine.zero_grad() after the backward of micro-batch {ctx.micro_steps % n + 1} of {n} of an "
+                "accumulation window: its gradients are summed with the window's earlier ones and cannot be "
+                "dropped alone; call engine.step() (the window goes on), or zero_grad before a window's first "
+                "backward")
+        return
+    for p in engine.params:
+        p._zero.train_tensor.grad = None
+    if ctx.optimizer is not None:
+        ctx.optimizer.zero_grad()
+
+
 def _require_hooks(engine: "Engine", what: str) -> None:
     """Refuse ``what`` on an engine whose hooks were removed: nothing would gather its parameters or
     reduce their gradients any more."""
@@ -200,8 +222,10 @@ class Engine:
             self.hooks.step.abort(exc, "forward")
             raise
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``; with fp16, of the loss times the current loss scale (in fp32).
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True, **kwargs: Any) -> torch.Tensor:
+        """``loss.backward(**kwargs)``; with fp16, of the loss times the current loss scale (in fp32).
+        Returns what DeepSpeed's does: the loss over ``gradient_accumulation_steps``, as the gradients
+        are divided (``scale_wrt_gas=False``: they are not, and the loss is returned as given).
 
         Raises:
             ZeroConfigError: the engine has no optimizer (DeepSpeed asserts the same): its gradients
@@ -212,16 +236,19 @@ class Engine:
             raise ZeroConfigError("engine.backward(): must provide optimizer during init in order to use backward (pass "
                                   "optimizer= to initialize or add an 'optimizer' section to the config); without one "
                                   "the engine is for forward and generation only")
-        loss = self.context.optimizer.scale_loss(loss)
+        n = self.gradient_accumulation_steps()
+        scaled = self.context.optimizer.scale_loss(loss if scale_wrt_gas or n == 1 else loss * n)
         try:
             with self.context.optimizer.scaling():  # fp16: the gradients of this backward carry the scale
-                loss.backward(**kwargs)
+                scaled.backward(**kwargs)
         except BaseException as exc:
             self.hooks.step.abort(exc, "backward")
             raise
+        return loss / n if scale_wrt_gas and n > 1 else loss
 
-    def step(self) -> bool:
-        """End a micro-batch; at an accumulation boundary, step the optimizer on the shards.
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> bool:
+        """End a micro-batch; at an accumulation boundary, step the optimizer on the shards (and the
+        lr scheduler, with ``lr_kwargs`` as keywords: DeepSpeed's argument).
 
         At the boundary (every call when ``gradient_accumulation_steps`` is 1): fp16 gradients are
         unscaled and checked for overflow on every rank, ``gradient_clipping`` is applied, the
@@ -257,7 +284,7 @@ class Engine:
             t0 = time.perf_counter()
             stepped = ctx.optimizer.step()
             if stepped and ctx.lr_scheduler_step is not None:
-                ctx.lr_scheduler_step()
+                ctx.lr_scheduler_step(**(lr_kwargs or {}))
             if self.config.training.wall_clock_breakdown and torch.cuda.is_available() and self.device.type == "cuda":
                 torch.cuda.synchronize()
             ctx.metrics.optimizer_seconds += time.perf_counter() - t0
@@ -375,13 +402,10 @@ class Engine:
                        non_blocking: bool = False, *, nvme_path: str | None = None) -> int:
         """Move model states out of memory between phases (training and generation), DeepSpeed's name.
 
-        Each unique storage behind the states is copied out and resized to 0 bytes, so every tensor,
-        view and optimizer-state key stays valid; `reload_states` copies the bytes back in place and
-        training continues exactly as if nothing happened. Until then whatever needs an offloaded
-        kind raises ``ZeroStateError`` naming what to reload: a forward needs ``lp_params`` (and
-        ``lp_grads`` with grad on), ``engine.step()`` every kind, gathers, checkpoints and accessors
-        what they read. Call it between steps (not inside a forward/backward,
-        ``GatheredParameters`` or ``generation()``).
+        Each storage behind the states is copied out and resized to 0 bytes, so every tensor, view and
+        optimizer-state key stays valid; `reload_states` copies the bytes back in place, and training
+        goes on exactly as before. Until then what needs an offloaded kind raises ``ZeroStateError``
+        naming what to reload (offload/states.py). Call it between steps.
 
         Args:
             include: a subset of ``{"lp_params", "hp_params", "optim_states", "lp_grads"}`` (None: all):
@@ -426,10 +450,9 @@ class Engine:
             self.context.offloaded.reload(non_blocking)
 
     def zero_grad(self) -> None:
-        for p in self.params:
-            p._zero.train_tensor.grad = None
-        if self.context.optimizer is not None:
-            self.context.optimizer.zero_grad()
+        """Drop the gradients of a window's first micro-batch; keep a window's between its micro-batches
+        (as DeepSpeed's engine does); refuse after a later micro-batch's backward (`_zero_grad`)."""
+        _zero_grad(self)
 
     def remove_hooks(self) -> None:
         """Take every hook off (a step in the middle ends aborted); parameters stay partitioned until

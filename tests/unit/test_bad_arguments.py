@@ -165,10 +165,13 @@ def test_load_checkpoint_refuses_a_tag_that_is_not_a_name(tmp_path):
     engine.backward(engine(torch.randn(3, 4)).sum())
     engine.step()
     engine.save_checkpoint(tmp_path, tag="t")
-    for tag in (5, "../t", ".hidden"):  # 5 failed inside pathlib with a TypeError
+    for tag in (5.0, True, "../t", ".hidden"):  # a float failed inside pathlib with a TypeError
         with pytest.raises(ValueError, match="must be a plain directory name"):
             engine.load_checkpoint(tmp_path, tag=tag)
     engine.load_checkpoint(tmp_path, tag="t")
+    engine.save_checkpoint(tmp_path, tag=5)  # an int is its digits, as DeepSpeed takes str(tag)
+    assert (tmp_path / "5").is_dir() and (tmp_path / "latest").read_text() == "5"
+    engine.load_checkpoint(tmp_path, tag=5)
 
 
 def test_pretrained_refuses_values_it_cannot_load_before_copying_any():

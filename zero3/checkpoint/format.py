@@ -74,8 +74,11 @@ def rank_file_name(rank: int, world_size: int) -> str:
     return f"rank_{rank:05d}-of-{world_size:05d}.safetensors"
 
 
-def check_tag(tag: str) -> str:
-    """``tag``, if it is a plain directory name a checkpoint may have; else ValueError."""
+def check_tag(tag: str | int) -> str:
+    """``tag``, if it is a plain directory name a checkpoint may have (an int is taken as its
+    digits, as DeepSpeed takes ``str(tag)``); else ValueError."""
+    if isinstance(tag, int) and not isinstance(tag, bool):
+        tag = str(tag)
     if not isinstance(tag, str) or not tag or tag in (".", "..") or tag.startswith(".") or "/" in tag \
             or os.sep in tag or tag == LATEST_FILE:
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name, not starting with '.' "

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import ZeroStateError
+from ..errors import ZeroConfigError, ZeroStateError
 from ..partition.param import ZeroParameter
 from ..partition.state import ParamStatus
 from .exchange import exchange
@@ -131,9 +131,10 @@ def _first_group_difference(theirs: list[dict[str, Any]], ours: list[dict[str, A
     return "parameter order within a group"
 
 
-def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: str | None = None, *,
-                    lr_scheduler: Any = None, load_optimizer_states: bool = True,
-                    verify: bool = True) -> tuple[str, Any]:
+def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: str | int | None = None, *,
+                    lr_scheduler: Any = None, load_optimizer_states: bool = True, verify: bool = True,
+                    load_module_strict: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str, Any]:
     """Load a checkpoint written by `save_checkpoint` at any world size into the engine of ``ctx``.
 
     A collective. At the saving world size the result is bit-for-bit what was saved; at another, each
@@ -145,18 +146,36 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
         load_dir: the directory given to `save_checkpoint`.
         tag: which checkpoint; default: the one ``load_dir/latest`` names.
         lr_scheduler: if given, its state is restored from the checkpoint.
-        load_optimizer_states: False loads only the weights (and buffers, step counter).
+        load_optimizer_states: False loads only the weights (and buffers, step counters, loss scaler),
+            not the optimizer state or the RNG states (a warm start keeps its own seed).
         verify: check every file's sha256 (one streaming read of the checkpoint, split across ranks);
             sizes are always checked.
+        load_module_strict, load_lr_scheduler_states, load_module_only, custom_load_fn: DeepSpeed's.
+            ``load_lr_scheduler_states=False`` leaves the scheduler as it is; ``load_module_only``
+            loads the weights and buffers alone (no optimizer or scheduler state, counters, loss
+            scaler or RNG). ``load_module_strict`` must stay True (every parameter is loaded by name)
+            and ``custom_load_fn`` None: refused otherwise.
 
     Returns:
-        ``(path of the loaded checkpoint, client_state)``.
+        ``(path of the loaded checkpoint, client_state)``; ``client_state`` is ``{}`` when none was
+        saved, as DeepSpeed returns it. The accumulation window restarts: the next ``engine.step()``
+        that steps is ``gradient_accumulation_steps`` micro-batches away (the saved micro-batch count
+        is rounded up to a window's end under this run's accumulation steps).
 
     Raises:
         CheckpointNotFoundError, CheckpointCorruptError, CheckpointVersionError, CheckpointMismatchError
         (all ``ValueError``), on every rank, naming the file and the problem.
         ZeroStateError: called while parameters are gathered.
     """
+    if load_module_strict is not True or custom_load_fn is not None:
+        raise ZeroConfigError(f"load_checkpoint(load_module_strict={load_module_strict!r}, custom_load_fn="
+                              f"{custom_load_fn!r}) is not supported: zero3 loads every parameter by name, into the "
+                              "model the checkpoint was saved from; for a part of a model load its consolidated "
+                              "state dict with zero3.pretrained.load_state_dict(strict=False)")
+    if load_module_only:
+        load_optimizer_states = False
+    if load_module_only or not load_lr_scheduler_states:
+        lr_scheduler = None
     reader: CheckpointReader | None = None
     plan: _LoadPlan | None = None
     error: BaseException | None = None
@@ -185,15 +204,17 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
         raise
     assert reader is not None and plan is not None
     with reader, torch.no_grad():
-        _apply(ctx, reader, plan, lr_scheduler)
+        _apply(ctx, reader, plan, lr_scheduler, not load_module_only)
     if load_optimizer_states and ctx.optimizer is not None and ctx.optimizer.backward_step is not None:
         ctx.optimizer.backward_step.recovered()  # a step in backward aborted in place is behind us
     logger.info("zero3::checkpoint loaded %s (saved by %d ranks) on rank %d of %d", reader.path,
                 reader.world_size, ctx.rank, ctx.world_size)
-    return str(reader.path), from_json(reader.meta.get("client_state"))
+    client_state = from_json(reader.meta.get("client_state"))
+    return str(reader.path), {} if client_state is None else client_state
 
 
-def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_scheduler: Any) -> None:
+def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_scheduler: Any,
+           training_state: bool) -> None:
     meta = reader.meta
     for p in ctx.params:
         with ctx.resident([p], write=True):  # one parameter at a time; written back when its home is NVMe
@@ -219,9 +240,12 @@ def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_sc
     if ctx.optimizer is not None:
         ctx.optimizer.zero_grad()
     ctx.coordinator.refresh_persistent()
+    if not training_state:  # load_module_only: the weights alone
+        return
     ctx.global_steps = int(meta["global_steps"])
-    if meta.get("micro_steps") is not None:
-        ctx.micro_steps = int(meta["micro_steps"])
+    if meta.get("micro_steps") is not None:  # a window starts at the next micro-batch (DeepSpeed's counts restart)
+        n = ctx.config.training.gradient_accumulation_steps
+        ctx.micro_steps = -(-int(meta["micro_steps"]) // n) * n
     if plan.load_optimizer:
         assert ctx.optimizer is not None
         ctx.optimizer.load_group_hyperparameters(
@@ -234,7 +258,9 @@ def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_sc
     scaler = ctx.optimizer.scaler if ctx.optimizer is not None else None
     if scaler is not None and hasattr(scaler, "load_state_dict") and meta.get("loss_scaler") is not None:
         scaler.load_state_dict(from_json(meta["loss_scaler"]))
-    if reader.world_size == ctx.world_size:
+    if not plan.load_optimizer:
+        logger.info("zero3::checkpoint loaded without its optimizer state: RNG states are not restored")
+    elif reader.world_size == ctx.world_size:
         restore_rng_state(from_json(meta["rng"][ctx.rank]))
     else:
         logger.info("zero3::checkpoint saved by %d ranks, loaded on %d: RNG states are not restored",

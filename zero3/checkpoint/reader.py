@@ -52,7 +52,7 @@ class CheckpointReader:
     def __init__(self, ckpt_dir: str | os.PathLike[str], tag: str | None = None,
                  model_parallel_rank: int | None = None) -> None:
         if tag is not None:
-            check_tag(tag)  # a name of a directory here: not a number, a path or '..'
+            tag = check_tag(tag)  # a name of a directory here (an int taken as its digits): not a path or '..'
         self.root = Path(ckpt_dir)
         if not self.root.is_dir():
             raise CheckpointNotFoundError(f"{self.root}: checkpoint directory does not exist")

@@ -27,6 +27,7 @@ from .format import FORMAT_NAME, FORMAT_VERSION, LATEST_FILE, METADATA_FILE, MOD
 from .layout import is_sharded_state, model_entries, optimizer_groups
 from .rng_state import capture_rng_state
 from .safetensors import SafetensorsWriter, atomic_write_bytes, dtype_name, fsync_dir
+from ..errors import ZeroConfigError
 
 if TYPE_CHECKING:
     from ..runtime.context import RuntimeContext
@@ -34,8 +35,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: str | None = None,
-                    client_state: Any = None, *, lr_scheduler: Any = None) -> str:
+def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: str | int | None = None,
+                    client_state: Any = None, *, lr_scheduler: Any = None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> str:
     """Write a sharded checkpoint of the engine whose context is ``ctx`` to ``save_dir/tag`` and point ``save_dir/latest`` at it.
 
     A collective: call it on every rank, between steps. Each rank writes only the real elements it owns
@@ -48,6 +50,9 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
         client_state: anything made of tensors, numbers, strings, lists, tuples and dicts; returned by
             `load_checkpoint`.
         lr_scheduler: a ``torch.optim.lr_scheduler`` whose ``state_dict()`` is saved with it.
+        save_latest: point ``save_dir/latest`` at it (DeepSpeed's argument; False leaves ``latest`` as it was).
+        exclude_frozen_parameters: DeepSpeed's argument; only False: a zero3 checkpoint holds every
+            parameter, so that it loads at any world size into the model it came from.
 
     Returns:
         The path of the checkpoint directory.
@@ -57,7 +62,13 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
         TypeError: ``client_state`` or the scheduler state holds an object that cannot be stored.
         OSError: writing failed (on any rank: every rank raises).
     """
+    if exclude_frozen_parameters:
+        raise ZeroConfigError("save_checkpoint(exclude_frozen_parameters=True) is not supported: a zero3 checkpoint "
+                              "holds every parameter (frozen ones are a small part of its bytes: no optimizer state); "
+                              "leave it False, or use engine.save_16bit_model(..., exclude_frozen_parameters=True) "
+                              "for weights alone")
     tag = check_tag(tag if tag is not None else f"global_step{ctx.global_steps}")
+    _warn_mid_window(ctx)
     root = Path(save_dir)
     staging = root / f".{tag}.partial"
     world, rank = ctx.world_size, ctx.rank
@@ -146,7 +157,7 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
                 atomic_write_bytes(staging / MODEL_PARALLEL_FILE, json.dumps(
                     {"format": FORMAT_NAME, "model_parallel_world_size": mp.world_size}).encode())
             fsync_dir(staging)
-            _publish(root, staging, tag)
+            _publish(root, staging, tag, save_latest)
     except Exception as exc:  # noqa: BLE001
         error = exc
     exchange(ctx, None, error, "save_checkpoint (publish)")
@@ -225,7 +236,15 @@ def _json_or_repr(value: Any) -> Any:
         return repr(value)
 
 
-def _publish(root: Path, staging: Path, tag: str) -> None:
+def _warn_mid_window(ctx: RuntimeContext) -> None:
+    n = ctx.config.training.gradient_accumulation_steps
+    if ctx.micro_steps % n and ctx.rank == 0:
+        logger.warning("zero3::checkpoint saved after micro-batch %d of %d of an accumulation window: the gradients "
+                       "accumulated so far are not saved, and a run resumed from it starts a new window",
+                       ctx.micro_steps % n, n)
+
+
+def _publish(root: Path, staging: Path, tag: str, save_latest: bool) -> None:
     final = root / tag
     old = root / f".{tag}.old"
     if final.exists():
@@ -233,7 +252,8 @@ def _publish(root: Path, staging: Path, tag: str) -> None:
         os.replace(final, old)
     os.replace(staging, final)
     fsync_dir(root)
-    atomic_write_bytes(root / LATEST_FILE, (tag + "\n").encode())
+    if save_latest:
+        atomic_write_bytes(root / LATEST_FILE, tag.encode())  # DeepSpeed's form: the tag alone
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -11,6 +11,7 @@ import argparse
 import logging
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..engine import Engine
@@ -84,6 +85,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         raise ZeroConfigError("deepspeed.initialize(dist_init_required=False) but torch.distributed is not "
                               "initialized: call deepspeed.init_distributed() (or torch.distributed."
                               "init_process_group) first, or leave dist_init_required unset")
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer) and model_parameters is None:
+        model_parameters = list(model.parameters())  # DeepSpeed calls a client optimizer callable over these
     engine = _initialize(model, optimizer, configs[0] if configs else None, model_parameters=model_parameters,
                          lr_scheduler=lr_scheduler, mpu=mpu)
     return engine, engine.sharded_optimizer, None, engine.lr_scheduler
