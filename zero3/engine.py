@@ -88,7 +88,7 @@ def _log_progress(engine: "Engine", m: StepMetrics) -> None:
     step, the skipped (fp16 overflow) steps, the learning rates and, under fp16, the loss scale;
     with ``wall_clock_breakdown``, on every rank, the step's timers."""
     ctx = engine.context
-    if ctx.comm.rank == 0:
+    if ctx.comm.rank == 0 and logger.isEnabledFor(logging.INFO):
         scale = f", loss_scale={engine.loss_scale:g}" if engine.loss_scaler is not None else ""
         logger.info("zero3: step=%d, skipped=%d, lr=%s%s", ctx.global_steps, engine.skipped_steps, engine.get_lr(),
                     scale)

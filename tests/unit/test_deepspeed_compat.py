@@ -138,6 +138,9 @@ def test_all_gather_and_partition_helpers_and_fwd_module():
     w.partition(has_been_updated=True)
     assert w.ds_status is zero3.ParamStatus.NOT_AVAILABLE
     assert torch.equal(_full(w), torch.ones(4, 4))
+    with zero3.GatheredParameters([model[0].bias], fwd_module=model[1], enabled=False):  # DeepSpeed returns first
+        pass
+    assert not any(p is model[0].bias for p in zero3.runtime.gathered.external_parameters(model[1]))
     with zero3.GatheredParameters([model[0].weight], fwd_module=model[1]):
         pass
     assert any(p is model[0].weight for p in zero3.runtime.gathered.external_parameters(model[1]))

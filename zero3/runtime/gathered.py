@@ -89,8 +89,8 @@ class GatheredParameters:
         if fwd_module is not None:
             if not isinstance(fwd_module, nn.Module):
                 raise TypeError(f"GatheredParameters(fwd_module=...) must be an nn.Module, got {type(fwd_module).__name__}")
-            for p in self.params:  # DeepSpeed's meaning: fwd_module's forward uses them from now on
-                register_external_parameter(fwd_module, p)
+            for p in self.params if enabled else ():  # DeepSpeed's meaning (not when disabled, as there):
+                register_external_parameter(fwd_module, p)  # fwd_module's forward uses them from now on
 
     def __enter__(self) -> list[ZeroParameter]:
         if not self.enabled:
