@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import math
 import os
@@ -52,6 +53,22 @@ _MID_STEP = ("{what} must be called between steps (after engine.step()); a step 
              "under torch.no_grad(), which ends the step")
 
 
+def _check_lr_kwargs(engine: "Engine", lr_kwargs: Any) -> None:
+    """``lr_kwargs`` the scheduler's ``step`` takes, checked before the optimizer steps (a TypeError
+    from the scheduler after it would leave the step half done)."""
+    if lr_kwargs is None:
+        return
+    sched = engine.context.lr_scheduler_step
+    if not isinstance(lr_kwargs, dict) or sched is None:
+        raise ZeroConfigError(f"engine.step(lr_kwargs={lr_kwargs!r}): a dict of keywords for the engine's lr "
+                              f"scheduler's step(){'' if sched is not None else ', and this engine has no scheduler'}")
+    try:
+        inspect.signature(sched).bind(**lr_kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ZeroConfigError(f"engine.step(lr_kwargs={lr_kwargs!r}): the lr scheduler's step() does not take them "
+                              f"({exc}); nothing was stepped") from None
+
+
 def _zero_grad(engine: "Engine") -> None:
     """``engine.zero_grad()``. After ``engine.step()`` in the middle of an accumulation window it keeps
     the window's gradients: DeepSpeed's engine clears only ``param.grad`` there, so a loop that calls
@@ -60,6 +77,11 @@ def _zero_grad(engine: "Engine") -> None:
     after a later one the gradient shards hold the window's sum, which cannot be split: refused."""
     ctx = engine.context
     n = ctx.config.training.gradient_accumulation_steps
+    if ctx.optimizer is not None and ctx.optimizer.backward_step is not None and engine._backward_ran() \
+            and ctx.window_ends():
+        raise ZeroStateError("engine.zero_grad() after the backward that ends a window under "
+                             "offload_optimizer_step_in_backward: the optimizer stepped inside that backward, so its "
+                             "gradients were used already; call engine.step()")
     if ctx.micro_steps % n:
         if engine._backward_ran():
             raise ZeroStateError(
@@ -266,6 +288,7 @@ class Engine:
                 inference forward is fine.
         """
         _require_hooks(self, "engine.step()")
+        _check_lr_kwargs(self, lr_kwargs)
         ctx = self.context
         ctx.require_states("engine.step()")
         if ctx.optimizer is not None and not self._backward_ran():
@@ -458,6 +481,8 @@ class Engine:
         """Take every hook off (a step in the middle ends aborted); parameters stay partitioned until
         gathered. States moved out by `offload_states` are brought back first, so the shards a later
         engine adopts are in memory."""
+        if self.module.__dict__.get("_zero3_context") is not self.context:
+            return  # removed before: the model may have a new engine now, whose hooks stay
         self.reload_states()
         self.hooks.remove()
         foreign_optimizers.release(self.module)
@@ -513,25 +538,8 @@ class Engine:
 
     # -- introspection --------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
-        """Bytes of model state this rank holds, against the full (unpartitioned) model's.
-
-        The first five count bytes in memory (those on NVMe count 0). ``param_shard_bytes``:
-        parameter shards in their dtype (flat buffers with their alignment gaps under mixed
-        precision); ``grad_shard_bytes``: gradient shards (fp32 under mixed precision);
-        ``optimizer_state_bytes``: the optimizer's per-element state plus the fp32 master shards when
-        they are separate from the parameter shards (the ZeRO paper's K bytes per parameter), of
-        which ``master_bytes`` are the masters; ``gathered_param_bytes``: full tensors gathered now
-        (persistent ones included); ``persistent_param_bytes``: full tensors kept gathered for the
-        whole run (not budgeted); ``offloaded_bytes``: model state whose home is an offload tier:
-        host memory (``offload_optimizer``/``offload_param`` ``"cpu"``, also counted above, and
-        ``offload_states(device="cpu")``) plus NVMe; ``nvme_bytes``: the NVMe part (shards,
-        masters and optimizer state in swap files, and ``offload_states(device="nvme")``);
-        ``nvme_file_bytes``: what this rank's swap files hold on the drive (allocated blocks: with the
-        default staged step twice the optimizer's and shards' ``nvme_bytes``, docs/offload.md);
-        ``swap_buffer_bytes``: the parameter buffer pool allocated now.
-        ``secondary_param_bytes``: hpZ secondary slices held now (only inside a training step; the
-        step's peak is ``last_step_metrics.peak_secondary_bytes``).
-        """
+        """Bytes of model state this rank holds, against the full (unpartitioned) model's; the keys
+        are described at `zero3.runtime.context.RuntimeContext.memory_report`."""
         return self.context.memory_report()
 
     # -- explain and export (the coordinator's trace and schedule) -------------------------------
@@ -677,6 +685,9 @@ def _clip_context(target: Any) -> RuntimeContext:
     if ctx is None or ctx.module is None or not all(isinstance(p, ZeroParameter) for p in params):
         raise ZeroStateError("clip_grad_norm_ got parameters that are not all zero3 parameters of one engine: "
                              "pass the engine or the model given to zero3.initialize")
+    if ctx.module.__dict__.get("_zero3_context") is not ctx:
+        raise ZeroStateError("clip_grad_norm_ of the parameters of an engine whose hooks were removed "
+                             "(engine.remove_hooks()): it no longer reduces gradients; nothing was clipped")
     trainable = {id(p) for p in ctx.params if p.requires_grad}
     given = trainable & {id(p) for p in params}
     if len(given) < len(trainable):

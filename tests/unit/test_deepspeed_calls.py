@@ -58,8 +58,12 @@ def test_step_passes_lr_kwargs_to_the_scheduler():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = zero3.initialize(model, opt, {"param_persistence_threshold": 0}, lr_scheduler=Scaled(opt))
     engine.backward(engine(_batch(0)).sum())
+    before = _weights(model)
+    with pytest.raises(ZeroConfigError, match=r"lr_kwargs=\{'increment': 1\}\): the lr scheduler's step\(\) does not"):
+        engine.step(lr_kwargs={"increment": 1})  # refused before the optimizer steps
+    assert engine.global_steps == 0 and all(torch.equal(a, b) for a, b in zip(_weights(model), before))
     engine.step(lr_kwargs={"scale": 0.5})
-    assert engine.get_lr() == [0.05]
+    assert engine.get_lr() == [0.05] and engine.global_steps == 1
 
 
 def test_zero_grad_before_every_micro_batch_keeps_the_window_as_deepspeed_does():
@@ -194,3 +198,11 @@ def test_deepspeed_initialize_calls_an_optimizer_callable_over_the_module_s_para
                                                    config={"zero_optimization": {"stage": 3}})
     assert [id(p) for p in got[0]] == [id(p) for p in model.parameters()]
     assert [len(g["params"]) for g in engine.optimizer.param_groups] == [2, 2]
+
+
+def test_zero_grad_after_a_backward_that_stepped_the_optimizer_inside_it_is_refused():
+    engine = _engine(offload_optimizer="cpu", offload_optimizer_step_in_backward=True, sub_group_size=64)
+    engine.backward(engine(_batch(0)).sum())
+    with pytest.raises(ZeroStateError, match="the optimizer stepped inside that backward"):
+        engine.zero_grad()
+    engine.step()

@@ -44,7 +44,12 @@ def test_every_training_call_of_an_engine_after_remove_hooks_is_refused_by_name(
             pass
     with pytest.raises(ZeroStateError, match="clip_grad_norm_ of an engine whose hooks were removed"):
         zero3.clip_grad_norm_(engine, 1.0)
+    with pytest.raises(ZeroStateError, match="clip_grad_norm_ of the parameters of an engine whose hooks were removed"):
+        zero3.clip_grad_norm_(model.parameters(), 1.0)
     assert engine.global_steps == 1
+    again = _engine(model)
+    engine.remove_hooks()  # a second removal by the old engine leaves the new one alone
+    again(torch.randn(2, 8))
 
 
 def test_a_backward_through_a_forward_from_before_remove_hooks_is_refused():
@@ -57,12 +62,12 @@ def test_a_backward_through_a_forward_from_before_remove_hooks_is_refused():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_remove_hooks_brings_offloaded_states_back_so_a_new_engine_trains_on_them():
+def test_remove_hooks_brings_offloaded_states_back_so_a_new_engine_trains_on_them(tmp_path):
     model, plain = _model(), _model()
     engine = _engine(model)
     x = torch.randn(2, 8)
     want = plain(x)
-    engine.offload_states()
+    assert engine.offload_states(device="nvme", nvme_path=str(tmp_path)) > 0  # CPU offload moves nothing here
     engine.remove_hooks()  # crashed (a gather from freed storage) once the next engine ran
     engine2 = _engine(model)
     assert torch.equal(engine2(x), want)

@@ -23,13 +23,9 @@ from zero3.runtime.init import _effective_config
      r"prefetch_bucket_size=5 is not used beside prefetch_bucket_bytes=8"),
     ({"dtype": "bf16", "loss_scale": 128}, r"loss_scale=128.*dtype='bf16' scales no loss"),
     ({"hysteresis": 5, "min_loss_scale": 2}, r"hysteresis=5, min_loss_scale=2.*dtype='fp32'"),
-    ({"dtype": "fp16", "loss_scale": 128, "loss_scale_window": 3}, r"loss_scale_window=3: dynamic loss scaling.*static"),
     ({"quantized_gradient_bits": 4}, r"quantized_gradient_bits=4 applies only with zero_quantized_gradients"),
     ({"quantization_block_size": 64}, r"quantization_block_size=64 applies only with zero_quantized_weights"),
     ({"zero_quantized_gradients": True, "reduce_dtype": "bf16"}, r"reduce_dtype='bf16'.*not used with zero_quantized"),
-    ({"offload_param": "cpu", "offload_param_buffer_count": 9}, r"offload_param_buffer_count=9: read only with "
-                                                                 r"offload_param='nvme' \(got offload_param='cpu'\)"),
-    ({"offload_param_max_in_cpu": 0, "offload_param_buffer_size": 10}, r"buffer_size=10, offload_param_max_in_cpu=0"),
 ])
 def test_a_knob_the_rest_of_the_config_leaves_unread_is_refused(knobs, match):
     with pytest.raises(ZeroConfigError, match=match):
@@ -38,13 +34,10 @@ def test_a_knob_the_rest_of_the_config_leaves_unread_is_refused(knobs, match):
 
 @pytest.mark.parametrize("d, match", [
     ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "loss_scale": 128}}, r"loss_scale=128"),
-    ({"fp16": {"enabled": True, "loss_scale": 1024, "hysteresis": 7}}, r"hysteresis=7: dynamic loss scaling"),
     ({"dtype": "fp16", "fp16": {"enabled": False, "loss_scale": 128}}, r"dtype='fp16' contradicts fp16.enabled=false"),
     ({"dtype": "bf16", "bfloat16": {"enabled": False}}, r"dtype='bf16' contradicts bfloat16.enabled=false"),
     ({"communication_data_type": "bf16", "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}},
      r"reduce_dtype='bf16' \(DeepSpeed's communication_data_type\)"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 4}}},
-     r"offload_param_buffer_count=4: read only with offload_param='nvme'"),
 ])
 def test_deepspeed_dicts_with_unread_keys_are_refused(d, match):
     with pytest.raises(ZeroConfigError, match=match):
@@ -67,6 +60,27 @@ def test_what_is_read_or_at_its_default_is_accepted():
     cfg = ZeroConfig.from_dict({"fp16": {"enabled": True, "loss_scale": 512, "initial_scale_power": 16,
                                          "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}})
     assert cfg.precision.loss_scale == 512
+
+
+@pytest.mark.parametrize("d, said", [
+    ({"fp16": {"enabled": True, "loss_scale": 1024, "hysteresis": 7, "loss_scale_window": 500}},
+     "loss_scale_window=500, hysteresis=7: dynamic loss scaling, but loss_scale=1024.0 selects a static scale"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 4, "max_in_cpu": 0}}},
+     "offload_param_buffer_count=4, offload_param_max_in_cpu=0: read only with offload_param='nvme' (got "
+     "offload_param='cpu')"),
+])
+def test_unread_keys_templates_carry_are_said_once(d, said, caplog, monkeypatch):
+    """Megatron-DeepSpeed's fp16 templates keep the dynamic keys beside a static scale, and a template
+    switched from nvme to cpu keeps its pool keys: refusing would stop them, so they are said."""
+    monkeypatch.setattr("zero3.config.sections._WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="zero3"):
+        cfg = ZeroConfig.from_dict(d)
+        cfg.replace(gradient_clipping=1.0)  # a copy of the same config does not say it again
+    assert caplog.text.count(said) == 1, caplog.text
+
+
+def test_bf16_beside_a_disabled_bfloat16_section_is_bf16():
+    assert ZeroConfig.from_dict({"bf16": {"enabled": True}, "bfloat16": {"enabled": False}}).precision.dtype == "bf16"
 
 
 def test_init_off_the_drive_drops_the_drive_pool_settings_of_an_nvme_config(tmp_path):
@@ -116,6 +130,10 @@ def test_nvme_offload_that_keeps_every_shard_in_memory_is_said(caplog, tmp_path)
         engine = _train(nvme)
     assert "every parameter shard of this rank (340 elements) stays in CPU memory" in caplog.text
     assert engine.last_step_metrics.nvme_read_bytes == 0
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zero3"):  # every parameter persistent: that is the reason
+        _train({**nvme, "param_persistence_threshold": 10**6, "offload_param_max_in_cpu": 0})
+    assert "every parameter is persistent" in caplog.text and "set max_in_cpu" not in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="zero3"):
         engine = _train({**nvme, "offload_param_max_in_cpu": 0})

@@ -146,8 +146,9 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
         load_dir: the directory given to `save_checkpoint`.
         tag: which checkpoint; default: the one ``load_dir/latest`` names.
         lr_scheduler: if given, its state is restored from the checkpoint.
-        load_optimizer_states: False loads only the weights (and buffers, step counters, loss scaler),
-            not the optimizer state or the RNG states (a warm start keeps its own seed).
+        load_optimizer_states: False loads the weights, buffers, step counters, loss scaler and
+            scheduler, not the optimizer state (its groups' lr included) or the RNG states (a warm
+            start keeps its own seed).
         verify: check every file's sha256 (one streaming read of the checkpoint, split across ranks);
             sizes are always checked.
         load_module_strict, load_lr_scheduler_states, load_module_only, custom_load_fn: DeepSpeed's.

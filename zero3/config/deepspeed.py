@@ -214,13 +214,13 @@ def translate(d: dict[str, Any]) -> dict[str, Any]:
             raise ZeroConfigError(unknown_key_message(key, TOP_LEVEL | {"zero_optimization"}, "DeepSpeed ")
                                   + "; zero3's own knob names are read here too")
     _zero_optimization(d.get("zero_optimization", {}), out)
-    _check_disabled_sections(d, out.values.get("dtype"))
+    _check_disabled_sections(d, d.get("dtype", (d.get("zero_optimization") or {}).get("dtype")))
     return out.values
 
 
-def _check_disabled_sections(d: dict[str, Any], dtype: str | None) -> None:
-    """``dtype`` given by name beside the DeepSpeed section of that precision turned off: which one
-    was meant cannot be told (and the section's own settings were dropped with it)."""
+def _check_disabled_sections(d: dict[str, Any], dtype: Any) -> None:
+    """A flat ``dtype`` (zero3's knob) beside the DeepSpeed section of that precision turned off:
+    which one was meant cannot be told (and the section's own settings were dropped with it)."""
     for section in ("fp16", "bf16", "bfloat16"):
         if dtype is not None and _DTYPE_ALIASES[section] == dtype and section in d and not _enabled(section, d[section]):
             raise ZeroConfigError(f"dtype={dtype!r} contradicts {section}.enabled=false; keep one of them "

@@ -35,6 +35,17 @@ def _changed(section: Any, names: tuple[str, ...]) -> list[str]:
     return [f"{n}={getattr(section, n)!r}" for n in names if getattr(section, n) != _default(type(section), n)]
 
 
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time only (a config is rebuilt by ``replace`` and by
+    ``zero3.Init`` and ``initialize`` each: one warning per setting, not per copy)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
+
+
 def _at_least(section: Any, bound: int, *names: str) -> None:
     for name in names:
         if getattr(section, name) < bound:
@@ -247,8 +258,9 @@ class PrecisionConfig:
             raise ZeroConfigError(f"{', '.join(given)}: fp16 loss scaling, but dtype={self.dtype!r} scales no loss; "
                                   "remove it, or use dtype='fp16' (DeepSpeed's fp16.enabled)")
         if self.dtype == "fp16" and self.loss_scale > 0 and (given := _changed(self, _LOSS_SCALING[1:])):
-            raise ZeroConfigError(f"{', '.join(given)}: dynamic loss scaling, but loss_scale={self.loss_scale!r} "
-                                  "selects a static scale; remove it, or set loss_scale=0 (dynamic)")
+            # said, not refused: Megatron-DeepSpeed's fp16 templates keep them beside a static scale
+            warn_once(f"zero3: {', '.join(given)}: dynamic loss scaling, but loss_scale={self.loss_scale!r} selects a "
+                      "static scale, so they are not read; remove them, or set loss_scale=0 (dynamic)")
 
 
 _LOSS_SCALING = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
@@ -359,9 +371,10 @@ class OffloadConfig:
                 f"offload_optimizer_staged_step=False only applies with offload_optimizer='nvme' (got "
                 f"offload_optimizer={self.offload_optimizer!r}): only a step on the drive is staged; remove it")
         if self.offload_param != "nvme" and (given := _changed(self, DRIVE_POOL_KNOBS)):
-            raise ZeroConfigError(f"{', '.join(given)}: read only with offload_param='nvme' (got "
-                                  f"offload_param={self.offload_param!r}): the drive's read pool and what stays "
-                                  "off the drive; remove it")
+            # said, not refused: a template switched from nvme to cpu keeps its tuned pool keys
+            warn_once(f"zero3: {', '.join(given)}: read only with offload_param='nvme' (got "
+                      f"offload_param={self.offload_param!r}): the drive's read pool and what stays off the "
+                      "drive are not used; remove them")
         for tier in ("offload_param", "offload_optimizer"):
             if getattr(self, tier) == "nvme" and not getattr(self, f"{tier}_nvme_path"):
                 raise ZeroConfigError(

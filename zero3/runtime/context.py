@@ -230,7 +230,25 @@ class RuntimeContext:
         return [(g, is_tensor_parallel(p)) for p in self.params if (g := p._zero.train_tensor.grad) is not None]
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of model state this rank holds, by tier (see ``Engine.memory_report``)."""
+        """Bytes of model state this rank holds, against the full (unpartitioned) model's.
+
+        The first five count bytes in memory (those on NVMe count 0). ``param_shard_bytes``:
+        parameter shards in their dtype (flat buffers with their alignment gaps under mixed
+        precision); ``grad_shard_bytes``: gradient shards (fp32 under mixed precision);
+        ``optimizer_state_bytes``: the optimizer's per-element state plus the fp32 master shards when
+        they are separate from the parameter shards (the ZeRO paper's K bytes per parameter), of
+        which ``master_bytes`` are the masters; ``gathered_param_bytes``: full tensors gathered now
+        (persistent ones included); ``persistent_param_bytes``: full tensors kept gathered for the
+        whole run (not budgeted); ``offloaded_bytes``: model state whose home is an offload tier:
+        host memory (``offload_optimizer``/``offload_param`` ``"cpu"``, also counted above, and
+        ``offload_states(device="cpu")``) plus NVMe; ``nvme_bytes``: the NVMe part (shards,
+        masters and optimizer state in swap files, and ``offload_states(device="nvme")``);
+        ``nvme_file_bytes``: what this rank's swap files hold on the drive (allocated blocks: with the
+        default staged step twice the optimizer's and shards' ``nvme_bytes``, docs/offload.md);
+        ``swap_buffer_bytes``: the parameter buffer pool allocated now.
+        ``secondary_param_bytes``: hpZ secondary slices held now (only inside a training step; the
+        step's peak is ``last_step_metrics.peak_secondary_bytes``).
+        """
         part = self.optimizer
         tier = self.coordinator.shards
         if part is not None:

@@ -23,7 +23,7 @@ def place_shards(store: ShardStore, tier: ShardTier | None, params: Sequence[Zer
     (written by ``zero3.Init(remote_device="nvme")``) are adopted, or read back when they belong in
     memory. Call after the persistent parameters are chosen."""
     in_memory = store.placement.in_memory_budget()
-    kept = on_drive = 0
+    kept = on_drive = persistent = 0
     for p in sorted(params, key=lambda q: q._zero.id):
         z = p._zero
         if store.placement.params_on_host:
@@ -33,12 +33,17 @@ def place_shards(store: ShardStore, tier: ShardTier | None, params: Sequence[Zer
         if in_memory.stays(z.persistent, z.shard_numel):
             tier.keep(p)
             kept += z.shard_numel
+            persistent += z.persistent
         else:
             tier.offload(p)
             on_drive += 1
     if tier is not None:
         tier.flush()
-        if params and not on_drive:  # DeepSpeed's default max_in_cpu keeps a model of 1e9 elements off the drive
+        if params and not on_drive and persistent == len(params):
+            logger.warning("zero3: offload_param='nvme' but every parameter is persistent (kept gathered, its shard in "
+                           "memory: param_persistence_threshold, model_persistence_threshold or memory_budget), so "
+                           "nothing goes to the drive")
+        elif params and not on_drive:  # DeepSpeed's default max_in_cpu keeps a model of 1e9 elements off the drive
             logger.warning("zero3: offload_param='nvme' but every parameter shard of this rank (%d elements) stays in "
                            "CPU memory: offload_param_max_in_cpu=%d (persistent parameters stay too); set max_in_cpu "
                            "below that (0: every non-persistent shard) to use the drive", kept,
