@@ -511,21 +511,27 @@ class Engine:
         return self.context.optimizer_state(p)
 
     # -- checkpoints (zero3/checkpoint/: save.py, load.py, live_state_dict.py, hf_save.py) ------
-    def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: Any = None,
-                        **kwargs: Any) -> str:
+    def save_checkpoint(self, save_dir: Any, tag: str | int | None = None, client_state: Any = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False, **kwargs: Any) -> str:
         """Write a sharded checkpoint (a collective), with the engine's lr scheduler unless another is
-        given; see `zero3.checkpoint.save.save_checkpoint`."""
+        given; DeepSpeed's argument order. See `zero3.checkpoint.save.save_checkpoint`."""
         kwargs.setdefault("lr_scheduler", self.lr_scheduler)
-        return save_checkpoint(self.context, save_dir, tag, client_state, **kwargs)
+        return save_checkpoint(self.context, save_dir, tag, client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
 
-    def load_checkpoint(self, load_dir: Any, tag: str | None = None, **kwargs: Any) -> tuple[str, Any]:
+    def load_checkpoint(self, load_dir: Any, tag: str | int | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None, **kwargs: Any) -> tuple[str, Any]:
         """Load a checkpoint saved at any world size (a collective); returns ``(path, client_state)``.
 
-        The engine's lr scheduler is restored too unless another is given. See
+        The engine's lr scheduler is restored too unless another is given; DeepSpeed's argument order. See
         `zero3.checkpoint.load.load_checkpoint`.
         """
         kwargs.setdefault("lr_scheduler", self.lr_scheduler)
-        return load_checkpoint(self.context, load_dir, tag, **kwargs)
+        return load_checkpoint(self.context, load_dir, tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               custom_load_fn=custom_load_fn, **kwargs)
 
     def consolidated_state_dict(self, rank0_only: bool = True, **kwargs: Any) -> dict[str, torch.Tensor]:
         """The full fp32 state dict, module by module (a collective); see `zero3.consolidate`."""

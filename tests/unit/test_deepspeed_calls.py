@@ -237,3 +237,15 @@ def test_optimizer_zero_grad_set_to_none_is_torch_s_in_a_plain_loop(set_to_none,
             o.step()
     for p, q in zip(_weights(model), plain.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_checkpoint_calls_take_deepspeed_s_positional_order(tmp_path):
+    engine = _engine()
+    engine.backward(engine(_batch(0)).sum())
+    engine.step()
+    engine.save_checkpoint(tmp_path, "first", {"k": 1}, False, False)  # save_latest=False
+    assert not (tmp_path / "latest").exists()
+    path, client = engine.load_checkpoint(tmp_path, "first", True, False, False, True)  # load_module_only=True
+    assert client == {"k": 1} and path.endswith("first")
+    with pytest.raises(ZeroConfigError, match="load_module_strict=False"):
+        engine.load_checkpoint(tmp_path, "first", False)
