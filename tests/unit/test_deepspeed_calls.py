@@ -208,37 +208,6 @@ def test_zero_grad_after_a_backward_that_stepped_the_optimizer_inside_it_is_refu
     engine.step()
 
 
-class _Branchy(nn.Module):
-    """A head used on even steps only: on odd ones it gets no gradient."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor, use_head: bool) -> torch.Tensor:
-        h = self.body(x)
-        return self.head(h) if use_head else h
-
-
-@pytest.mark.parametrize("set_to_none", [False, True])
-@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-                                  lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, eps=1e-6)])
-def test_optimizer_zero_grad_set_to_none_is_torch_s_in_a_plain_loop(set_to_none, make):
-    """torch's set_to_none=False keeps each gradient, zeroed: a parameter without one in a later
-    backward still steps on zeros (momentum, weight decay move it); True skips it."""
-    model, plain = _Branchy(), _Branchy()
-    opt, ref = make(model.parameters()), make(plain.parameters())
-    zero3.initialize(model, opt, {"param_persistence_threshold": 0})
-    for i in range(4):
-        for m, o in ((model, opt), (plain, ref)):
-            o.zero_grad(set_to_none=set_to_none)
-            m(_batch(i), use_head=i % 2 == 0).pow(2).mean().backward()
-            o.step()
-    for p, q in zip(_weights(model), plain.parameters()):
-        torch.testing.assert_close(p, q)
-
-
 def test_checkpoint_calls_take_deepspeed_s_positional_order(tmp_path):
     engine = _engine()
     engine.backward(engine(_batch(0)).sum())

@@ -211,7 +211,6 @@ class PartitionedOptimizer:
                                                    f"optimizer-rank{comm.rank}"))
         self.groups: list[FlatGroup] = []
         self.skipped_steps = 0
-        self.keep_zero_grads = False  # the user's optimizer.zero_grad(set_to_none=False) (routed_step.py)
         self.comm_device = self.params[0].data.device if self.params else torch.device("cpu")
         self._unscaled = False  # fp16: this window's gradients were already unscaled (by clipping)
         self._overflow = False  # ... and whether some rank saw inf/nan then
@@ -539,18 +538,11 @@ class PartitionedOptimizer:
             self.shards.flush()
 
     def zero_grad(self) -> None:
-        """Clear every gradient shard: dropped, or zeroed in place once the user's loop called
-        ``optimizer.zero_grad(set_to_none=False)`` (``keep_zero_grads``, torch's meaning: a parameter
-        that gets no gradient in the next backward still steps, on zeros)."""
-        keep = self.keep_zero_grads and self.backward_step is None  # a step in backward drops them as it goes
-        type(self.optimizer).zero_grad(self.optimizer, set_to_none=not keep)
+        self.optimizer.zero_grad(set_to_none=True)
         for p in self.params:  # also those the wrapped optimizer does not hold
             t = p._zero.train_tensor
             if t.grad is not None:
-                if keep:
-                    t.grad.zero_()
-                else:
-                    t.grad = None
+                t.grad = None
         self._unscaled = self._overflow = False
 
     # -- accounting ------------------------------------------------------------------------------

@@ -22,8 +22,7 @@ from ..errors import ZeroConfigError, ZeroStateError
 
 
 def route(optimizer: torch.optim.Optimizer | None, engine: Any) -> None:
-    """Make ``optimizer.step()`` call ``engine.step()`` (an `Engine`), and ``optimizer.zero_grad(set_to_none)``
-    set how the engine clears gradients after its steps; nothing without an optimizer."""
+    """Make ``optimizer.step()`` call ``engine.step()`` (an `Engine`); nothing without an optimizer."""
     if optimizer is None:
         return
 
@@ -51,13 +50,6 @@ def route(optimizer: torch.optim.Optimizer | None, engine: Any) -> None:
         self._opt_called = True  # type: ignore[attr-defined]  # the order check of torch's LR schedulers
         engine.step()
 
-    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        # torch's set_to_none=False keeps every gradient, zeroed, so a parameter without one in the next
-        # backward still steps (momentum, weight decay): the engine keeps its shards' gradients so too
-        engine.context.optimizer.keep_zero_grads = not set_to_none
-        type(self).zero_grad(self, set_to_none)
-
-    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a scheduler built later does not re-wrap it
     step.__doc__ = "engine.step(): zero3's step over the shards (optim/routed_step.py)."
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
