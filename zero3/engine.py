@@ -29,6 +29,7 @@ from .comm.agreement import agree_on_config
 from .comm.communicator import Communicator, Kind, Tag
 from .comm.process_group import ensure_default_group
 from .config import ZeroConfig, resolve_config
+from .config.sections import warn_once
 from .checkpoint.live_state_dict import consolidated_state_dict
 from .runtime.context import RuntimeContext, build_context, context_of
 from .runtime.coordinator import ParamCoordinator
@@ -59,9 +60,14 @@ def _check_lr_kwargs(engine: "Engine", lr_kwargs: Any) -> None:
     if lr_kwargs is None:
         return
     sched = engine.context.lr_scheduler_step
-    if not isinstance(lr_kwargs, dict) or sched is None:
+    if not isinstance(lr_kwargs, dict):
         raise ZeroConfigError(f"engine.step(lr_kwargs={lr_kwargs!r}): a dict of keywords for the engine's lr "
-                              f"scheduler's step(){'' if sched is not None else ', and this engine has no scheduler'}")
+                              "scheduler's step()")
+    if sched is None:  # DeepSpeed passes them to its scheduler only: Megatron-DeepSpeed sends them every step
+        if lr_kwargs:
+            warn_once(f"zero3: engine.step(lr_kwargs={sorted(lr_kwargs)}) without an lr scheduler in the engine: "
+                      "there is nothing to pass them to (DeepSpeed ignores them too)")
+        return
     try:
         inspect.signature(sched).bind(**lr_kwargs)
     except (TypeError, ValueError) as exc:

@@ -66,6 +66,20 @@ def test_step_passes_lr_kwargs_to_the_scheduler():
     assert engine.get_lr() == [0.05] and engine.global_steps == 1
 
 
+def test_lr_kwargs_without_a_scheduler_are_said_and_the_step_goes_on(caplog, monkeypatch):
+    """Megatron-DeepSpeed passes lr_kwargs at every step; DeepSpeed gives them to its scheduler only."""
+    monkeypatch.setattr("zero3.config.sections._WARNED", set())
+    engine = _engine()
+    for _ in range(2):
+        engine.backward(engine(_batch(0)).sum())
+        with caplog.at_level(logging.WARNING, logger="zero3"):
+            assert engine.step(lr_kwargs={"increment": 1})
+    assert caplog.text.count("without an lr scheduler in the engine") == 1 and engine.global_steps == 2
+    engine.backward(engine(_batch(0)).sum())
+    with pytest.raises(ZeroConfigError, match="a dict of keywords"):
+        engine.step(lr_kwargs=[1])
+
+
 def test_zero_grad_before_every_micro_batch_keeps_the_window_as_deepspeed_does():
     engine = _engine(gas=2)
     plain = _model()
