@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import logging
 import math
 import os
@@ -29,7 +28,6 @@ from .comm.agreement import agree_on_config
 from .comm.communicator import Communicator, Kind, Tag
 from .comm.process_group import ensure_default_group
 from .config import ZeroConfig, resolve_config
-from .config.sections import warn_once
 from .checkpoint.live_state_dict import consolidated_state_dict
 from .runtime.context import RuntimeContext, build_context, context_of
 from .runtime.coordinator import ParamCoordinator
@@ -44,87 +42,11 @@ from .optim.optimizer import clip_shards
 from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
 from .runtime.step import StepPhase
+from .runtime.engine_calls import MID_STEP, check_lr_kwargs, log_progress, require_hooks, zero_grad_window
 
 logger = logging.getLogger(__name__)
 
 
-
-_MID_STEP = ("{what} must be called between steps (after engine.step()); a step is in its {phase}: finish it with "
-             "engine.backward(loss) and engine.step(), or, after a forward with gradients run by mistake, run one "
-             "under torch.no_grad(), which ends the step")
-
-
-def _check_lr_kwargs(engine: "Engine", lr_kwargs: Any) -> None:
-    """``lr_kwargs`` the scheduler's ``step`` takes, checked before the optimizer steps (a TypeError
-    from the scheduler after it would leave the step half done)."""
-    if lr_kwargs is None:
-        return
-    sched = engine.context.lr_scheduler_step
-    if not isinstance(lr_kwargs, dict):
-        raise ZeroConfigError(f"engine.step(lr_kwargs={lr_kwargs!r}): a dict of keywords for the engine's lr "
-                              "scheduler's step()")
-    if sched is None:  # DeepSpeed passes them to its scheduler only: Megatron-DeepSpeed sends them every step
-        if lr_kwargs:
-            warn_once(f"zero3: engine.step(lr_kwargs={sorted(lr_kwargs)}) without an lr scheduler in the engine: "
-                      "there is nothing to pass them to (DeepSpeed ignores them too)")
-        return
-    try:
-        inspect.signature(sched).bind(**lr_kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ZeroConfigError(f"engine.step(lr_kwargs={lr_kwargs!r}): the lr scheduler's step() does not take them "
-                              f"({exc}); nothing was stepped") from None
-
-
-def _zero_grad(engine: "Engine") -> None:
-    """``engine.zero_grad()``. After ``engine.step()`` in the middle of an accumulation window it keeps
-    the window's gradients: DeepSpeed's engine clears only ``param.grad`` there, so a loop that calls
-    it before every micro-batch accumulates. After a backward that ``engine.step()`` has not closed
-    it drops that micro-batch's gradients (torch's skip-a-batch habit) when it is the window's first;
-    after a later one the gradient shards hold the window's sum, which cannot be split: refused."""
-    ctx = engine.context
-    n = ctx.config.training.gradient_accumulation_steps
-    if ctx.optimizer is not None and ctx.optimizer.backward_step is not None and engine._backward_ran() \
-            and ctx.window_ends():
-        raise ZeroStateError("engine.zero_grad() after the backward that ends a window under "
-                             "offload_optimizer_step_in_backward: the optimizer stepped inside that backward, so its "
-                             "gradients were used already; call engine.step()")
-    if ctx.micro_steps % n:
-        if engine._backward_ran():
-            raise ZeroStateError(
-                f"engine.zero_grad() after the backward of micro-batch {ctx.micro_steps % n + 1} of {n} of an "
-                "accumulation window: its gradients are summed with the window's earlier ones and cannot be "
-                "dropped alone; call engine.step() (the window goes on), or zero_grad before a window's first "
-                "backward")
-        return
-    for p in engine.params:
-        p._zero.train_tensor.grad = None
-    if ctx.optimizer is not None:
-        ctx.optimizer.zero_grad()
-
-
-def _require_hooks(engine: "Engine", what: str) -> None:
-    """Refuse ``what`` on an engine whose hooks were removed: nothing would gather its parameters or
-    reduce their gradients any more."""
-    if engine.module.__dict__.get("_zero3_context") is not engine.context:
-        raise ZeroStateError(f"{what} after engine.remove_hooks(): this engine no longer manages the model (nothing "
-                             "gathers its parameters or reduces their gradients); call zero3.initialize(model, ...) "
-                             "again for a new engine")
-
-
-def _log_progress(engine: "Engine", m: StepMetrics) -> None:
-    """Every ``steps_per_print`` optimizer steps, as DeepSpeed's engine reports them: on rank 0 the
-    step, the skipped (fp16 overflow) steps, the learning rates and, under fp16, the loss scale;
-    with ``wall_clock_breakdown``, on every rank, the step's timers."""
-    ctx = engine.context
-    if ctx.comm.rank == 0 and logger.isEnabledFor(logging.INFO):
-        scale = f", loss_scale={engine.loss_scale:g}" if engine.loss_scaler is not None else ""
-        logger.info("zero3: step=%d, skipped=%d, lr=%s%s", ctx.global_steps, engine.skipped_steps, engine.get_lr(),
-                    scale)
-    if engine.config.training.wall_clock_breakdown:
-        logger.info("zero3::timers step %d | forward %.1f ms | backward %.1f ms | gather wait %.1f ms | "
-                    "reduction wait %.1f ms | header exchanges %.1f ms | optimizer %.1f ms", ctx.global_steps,
-                    1e3 * m.forward_seconds, 1e3 * m.backward_seconds, 1e3 * m.wait_seconds,
-                    1e3 * m.reduce_wait_seconds, 1e3 * m.header_seconds, 1e3 * m.optimizer_seconds)
 
 class Engine:
     """A partitioned model with its hooks, gradient reducer and sharded optimizer.
@@ -243,7 +165,7 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        _require_hooks(self, "engine.forward()")
+        require_hooks(self, "engine.forward()")
         try:
             return self.module(*args, **kwargs)
         except BaseException as exc:
@@ -259,7 +181,7 @@ class Engine:
             ZeroConfigError: the engine has no optimizer (DeepSpeed asserts the same): its gradients
                 would never be used. Without one the engine is for forward and generation.
         """
-        _require_hooks(self, "engine.backward()")
+        require_hooks(self, "engine.backward()")
         if self.context.optimizer is None:
             raise ZeroConfigError("engine.backward(): must provide optimizer during init in order to use backward (pass "
                                   "optimizer= to initialize or add an 'optimizer' section to the config); without one "
@@ -293,8 +215,8 @@ class Engine:
                 checks nothing and its optimizer finds no gradients). Without one, ``step()`` after an
                 inference forward is fine.
         """
-        _require_hooks(self, "engine.step()")
-        _check_lr_kwargs(self, lr_kwargs)
+        require_hooks(self, "engine.step()")
+        check_lr_kwargs(self, lr_kwargs)
         ctx = self.context
         ctx.require_states("engine.step()")
         if ctx.optimizer is not None and not self._backward_ran():
@@ -327,7 +249,7 @@ class Engine:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("zero3::step %s", self.last_step_metrics.as_dict())
         if boundary and ctx.global_steps % self.config.training.steps_per_print == 0:
-            _log_progress(self, self.last_step_metrics)
+            log_progress(self, self.last_step_metrics)
         ctx.metrics.reset(ctx.global_steps)
         return stepped
 
@@ -415,9 +337,9 @@ class Engine:
         if self.coordinator.generating:  # nested: the outer block owns the mode
             yield self
             return
-        _require_hooks(self, "engine.generation()")
+        require_hooks(self, "engine.generation()")
         if self.hooks.phase is not StepPhase.IDLE:
-            raise ZeroStateError(_MID_STEP.format(what="engine.generation()", phase=self.hooks.phase.name.lower()))
+            raise ZeroStateError(MID_STEP.format(what="engine.generation()", phase=self.hooks.phase.name.lower()))
         self.context.require_states("engine.generation()", ("lp_params",))
         self.coordinator.begin_generation()
         try:
@@ -456,7 +378,7 @@ class Engine:
                 or while states are already offloaded.
             ZeroConfigError: an unknown kind or device, or no ``nvme_path`` for ``device="nvme"``.
         """
-        _require_hooks(self, "engine.offload_states()")
+        require_hooks(self, "engine.offload_states()")
         if self.hooks.phase is not StepPhase.IDLE or self.coordinator.in_step:
             raise ZeroStateError("engine.offload_states() must be called between steps (after engine.step() or an "
                                  "inference forward), not inside a forward or backward")
@@ -480,8 +402,8 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Drop the gradients of a window's first micro-batch; keep a window's between its micro-batches
-        (as DeepSpeed's engine does); refuse after a later micro-batch's backward (`_zero_grad`)."""
-        _zero_grad(self)
+        (as DeepSpeed's engine does); refuse after a later micro-batch's backward (`runtime/engine_calls.zero_grad_window`)."""
+        zero_grad_window(self)
 
     def remove_hooks(self) -> None:
         """Take every hook off (a step in the middle ends aborted); parameters stay partitioned until

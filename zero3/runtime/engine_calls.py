@@ -1,0 +1,94 @@
+"""What the engine's public calls check before they act, and DeepSpeed's small procedures around
+them: a detached engine refused by name, ``lr_kwargs`` checked before a step, ``zero_grad`` inside an
+accumulation window, the ``steps_per_print`` progress line. Functions of an `zero3.engine.Engine`
+(passed in; this module does not import it)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+from ..config.sections import warn_once
+from ..errors import ZeroConfigError, ZeroStateError
+from ..metrics import StepMetrics
+
+logger = logging.getLogger("zero3.engine")  # the engine's logger: its progress and timer lines keep their name
+
+
+MID_STEP = ("{what} must be called between steps (after engine.step()); a step is in its {phase}: finish it with "
+            "engine.backward(loss) and engine.step(), or, after a forward with gradients run by mistake, run one "
+            "under torch.no_grad(), which ends the step")
+
+
+def check_lr_kwargs(engine: Any, lr_kwargs: Any) -> None:
+    """``lr_kwargs`` the scheduler's ``step`` takes, checked before the optimizer steps (a TypeError
+    from the scheduler after it would leave the step half done)."""
+    if lr_kwargs is None:
+        return
+    sched = engine.context.lr_scheduler_step
+    if not isinstance(lr_kwargs, dict):
+        raise ZeroConfigError(f"engine.step(lr_kwargs={lr_kwargs!r}): a dict of keywords for the engine's lr "
+                              "scheduler's step()")
+    if sched is None:  # DeepSpeed passes them to its scheduler only: Megatron-DeepSpeed sends them every step
+        if lr_kwargs:
+            warn_once(f"zero3: engine.step(lr_kwargs={sorted(lr_kwargs)}) without an lr scheduler in the engine: "
+                      "there is nothing to pass them to (DeepSpeed ignores them too)")
+        return
+    try:
+        inspect.signature(sched).bind(**lr_kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ZeroConfigError(f"engine.step(lr_kwargs={lr_kwargs!r}): the lr scheduler's step() does not take them "
+                              f"({exc}); nothing was stepped") from None
+
+
+def zero_grad_window(engine: Any) -> None:
+    """``engine.zero_grad()``. After ``engine.step()`` in the middle of an accumulation window it keeps
+    the window's gradients: DeepSpeed's engine clears only ``param.grad`` there, so a loop that calls
+    it before every micro-batch accumulates. After a backward that ``engine.step()`` has not closed
+    it drops that micro-batch's gradients (torch's skip-a-batch habit) when it is the window's first;
+    after a later one the gradient shards hold the window's sum, which cannot be split: refused."""
+    ctx = engine.context
+    n = ctx.config.training.gradient_accumulation_steps
+    if ctx.optimizer is not None and ctx.optimizer.backward_step is not None and engine._backward_ran() \
+            and ctx.window_ends():
+        raise ZeroStateError("engine.zero_grad() after the backward that ends a window under "
+                             "offload_optimizer_step_in_backward: the optimizer stepped inside that backward, so its "
+                             "gradients were used already; call engine.step()")
+    if ctx.micro_steps % n:
+        if engine._backward_ran():
+            raise ZeroStateError(
+                f"engine.zero_grad() after the backward of micro-batch {ctx.micro_steps % n + 1} of {n} of an "
+                "accumulation window: its gradients are summed with the window's earlier ones and cannot be "
+                "dropped alone; call engine.step() (the window goes on), or zero_grad before a window's first "
+                "backward")
+        return
+    for p in engine.params:
+        p._zero.train_tensor.grad = None
+    if ctx.optimizer is not None:
+        ctx.optimizer.zero_grad()
+
+
+def require_hooks(engine: Any, what: str) -> None:
+    """Refuse ``what`` on an engine whose hooks were removed: nothing would gather its parameters or
+    reduce their gradients any more."""
+    if engine.module.__dict__.get("_zero3_context") is not engine.context:
+        raise ZeroStateError(f"{what} after engine.remove_hooks(): this engine no longer manages the model (nothing "
+                             "gathers its parameters or reduces their gradients); call zero3.initialize(model, ...) "
+                             "again for a new engine")
+
+
+def log_progress(engine: Any, m: StepMetrics) -> None:
+    """Every ``steps_per_print`` optimizer steps, as DeepSpeed's engine reports them: on rank 0 the
+    step, the skipped (fp16 overflow) steps, the learning rates and, under fp16, the loss scale;
+    with ``wall_clock_breakdown``, on every rank, the step's timers."""
+    ctx = engine.context
+    if ctx.comm.rank == 0 and logger.isEnabledFor(logging.INFO):
+        scale = f", loss_scale={engine.loss_scale:g}" if engine.loss_scaler is not None else ""
+        logger.info("zero3: step=%d, skipped=%d, lr=%s%s", ctx.global_steps, engine.skipped_steps, engine.get_lr(),
+                    scale)
+    if engine.config.training.wall_clock_breakdown:
+        logger.info("zero3::timers step %d | forward %.1f ms | backward %.1f ms | gather wait %.1f ms | "
+                    "reduction wait %.1f ms | header exchanges %.1f ms | optimizer %.1f ms", ctx.global_steps,
+                    1e3 * m.forward_seconds, 1e3 * m.backward_seconds, 1e3 * m.wait_seconds,
+                    1e3 * m.reduce_wait_seconds, 1e3 * m.header_seconds, 1e3 * m.optimizer_seconds)
