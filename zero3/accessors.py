@@ -77,8 +77,7 @@ def _check(param: Any, what: str) -> ZeroParameter:
 def _context(param: ZeroParameter, what: str) -> RuntimeContext:
     """The context of the engine ``param`` belongs to."""
     ctx = param._zero.ctx
-    if not isinstance(ctx, RuntimeContext) or ctx.module is None or \
-            ctx.module.__dict__.get("_zero3_context") is not ctx:
+    if not isinstance(ctx, RuntimeContext) or not ctx.attached:
         raise ZeroStateError(f"{what}: {param._zero.summary()} belongs to no engine (zero3.initialize was not "
                              "called on its model, or remove_hooks() was); gradients and optimizer state exist "
                              "only under an engine")

@@ -402,14 +402,14 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Drop the gradients of a window's first micro-batch; keep a window's between its micro-batches
-        (as DeepSpeed's engine does); refuse after a later micro-batch's backward (`runtime/engine_calls.zero_grad_window`)."""
+        (as DeepSpeed's engine does); refuse after a later micro-batch's backward (engine_calls.py)."""
         zero_grad_window(self)
 
     def remove_hooks(self) -> None:
         """Take every hook off (a step in the middle ends aborted); parameters stay partitioned until
         gathered. States moved out by `offload_states` are brought back first, so the shards a later
         engine adopts are in memory."""
-        if self.module.__dict__.get("_zero3_context") is not self.context:
+        if not self.context.attached:
             return  # removed before: the model may have a new engine now, whose hooks stay
         self.reload_states()
         self.hooks.remove()
@@ -609,7 +609,7 @@ def _clip_context(target: Any) -> RuntimeContext:
     (a single tensor, a layer's) is refused: the clip is by the norm over all of the engine's."""
     if isinstance(target, (Engine, nn.Module)) or not isinstance(target, (torch.Tensor, Iterable)):
         ctx = context_of(target, "clip_grad_norm_")
-        if ctx.module is None or ctx.module.__dict__.get("_zero3_context") is not ctx:
+        if not ctx.attached:
             raise ZeroStateError("clip_grad_norm_ of an engine whose hooks were removed (engine.remove_hooks()): it "
                                  "no longer reduces gradients; nothing was clipped")
         return ctx
@@ -619,7 +619,7 @@ def _clip_context(target: Any) -> RuntimeContext:
     if ctx is None or ctx.module is None or not all(isinstance(p, ZeroParameter) for p in params):
         raise ZeroStateError("clip_grad_norm_ got parameters that are not all zero3 parameters of one engine: "
                              "pass the engine or the model given to zero3.initialize")
-    if ctx.module.__dict__.get("_zero3_context") is not ctx:
+    if not ctx.attached:
         raise ZeroStateError("clip_grad_norm_ of the parameters of an engine whose hooks were removed "
                              "(engine.remove_hooks()): it no longer reduces gradients; nothing was clipped")
     trainable = {id(p) for p in ctx.params if p.requires_grad}

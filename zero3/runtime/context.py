@@ -197,6 +197,12 @@ class RuntimeContext:
         shape is partitioned anew before ``initialize`` and refused after it (publish.py)."""
         write_updated(self, list(params), what)
 
+    @property
+    def attached(self) -> bool:
+        """Whether this context still manages its model (``initialize`` put it there and no
+        ``remove_hooks`` took it off)."""
+        return self.module is not None and self.module.__dict__.get("_zero3_context") is self
+
     def window_ends(self) -> bool:
         """The running micro-batch ends an accumulation window: the next ``engine.step()`` steps."""
         return (self.micro_steps + 1) % self.config.training.gradient_accumulation_steps == 0
@@ -454,8 +460,7 @@ def _refuse_managed_parts(model: nn.Module) -> None:
                                  "was called on it); call that engine's remove_hooks() first, or initialize only one of them")
     for name, p in model.named_parameters():
         owner = p._zero.ctx if isinstance(p, ZeroParameter) else None
-        if isinstance(owner, RuntimeContext) and owner.module is not None and \
-                owner.module.__dict__.get("_zero3_context") is owner:
+        if isinstance(owner, RuntimeContext) and owner.attached:
             raise ZeroStateError(f"zero3.initialize: parameter {name!r} belongs to an engine over another model (this "
                                  "model is part of it); call that engine's remove_hooks() first, or keep using it")
 

@@ -72,7 +72,7 @@ def zero_grad_window(engine: Any) -> None:
 def require_hooks(engine: Any, what: str) -> None:
     """Refuse ``what`` on an engine whose hooks were removed: nothing would gather its parameters or
     reduce their gradients any more."""
-    if engine.module.__dict__.get("_zero3_context") is not engine.context:
+    if not engine.context.attached:
         raise ZeroStateError(f"{what} after engine.remove_hooks(): this engine no longer manages the model (nothing "
                              "gathers its parameters or reduces their gradients); call zero3.initialize(model, ...) "
                              "again for a new engine")

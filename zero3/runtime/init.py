@@ -281,7 +281,7 @@ def _effective_config(config: Any, remote_device: Any) -> tuple[ZeroConfig, Any]
     try:
         if remote_device == "nvme":
             return cfg.replace(offload_param="nvme"), remote_device
-        # not on the drive: its pool settings do not apply (and are refused beside any other device)
+        # not on the drive: its pool settings do not apply (beside another device they would be reported)
         defaults = OffloadConfig()
         return cfg.replace(offload_param="none", **{k: getattr(defaults, k) for k in DRIVE_POOL_KNOBS}), remote_device
     except ZeroConfigError as exc:
