@@ -15,6 +15,8 @@ parameters by those numbers, so every rank must number them alike.
 
 Initialisation stays consistent across ranks because entering `Init` broadcasts rank 0's RNG state
 (``sync="rng"``, the default): every rank then draws the same full tensors and keeps its own slice.
+A rank whose RNG state differed from rank 0's on entry (per-rank seeds) gets its own back on exit,
+so what it draws after the build (batches, dropout) stays its own.
 ``sync="broadcast"`` instead broadcasts every parameter from rank 0 (exact even when ranks would
 compute different values, at the price of one broadcast per parameter).
 
@@ -215,6 +217,7 @@ class Init:
         self._dtype = dtype if dtype is not None else (torch_dtype(self._config.precision.dtype)
                                                        if self._config.precision.dtype != "fp32" else None)
         self._sync: SyncMode = sync
+        self._own_rng: _OwnRng | None = None  # this rank's RNG states, given back on exit (`_sync_rng`)
         self._token: Any = None
         self._handler_token: Any = None
         if module is not None and enabled:
@@ -247,7 +250,7 @@ class Init:
         if not stack:
             _install_patches()
         if self._sync == "rng" and state.ctx.world_size > 1:
-            _sync_rng(state.ctx)
+            self._own_rng = _sync_rng(state.ctx)
         self._token = _STACK.set(stack + (state,))
         self._handler_token = construction_handler.set(_touch)
         return self
@@ -267,6 +270,9 @@ class Init:
             construction_handler.reset(self._handler_token)
             _STACK.reset(self._token)
             self._token = None
+            if self._own_rng is not None:  # this rank's own stream again (`_sync_rng`)
+                self._own_rng.restore()
+                self._own_rng = None
             if not _STACK.get():
                 _remove_patches()
 
@@ -314,12 +320,38 @@ def _current() -> _InitState | None:
     return stack[-1] if stack else None
 
 
-def _sync_rng(ctx: RuntimeContext) -> None:
-    """Every rank takes rank 0's RNG state (CPU, and CUDA on NCCL), so they draw the same weights."""
+def _sync_rng(ctx: RuntimeContext) -> _OwnRng | None:
+    """Every rank takes rank 0's RNG state (CPU, and CUDA on NCCL), so they draw the same weights.
+
+    Returns this rank's own states where they differed from rank 0's (per-rank seeds, as nanoGPT's
+    ``torch.manual_seed(1337 + rank)``), for `Init` to give back on exit: keeping rank 0's would
+    make every rank draw the same batches and dropout masks afterwards. Where they were equal (one
+    seed everywhere) nothing is returned and the state after the build is the plain build's."""
     tag = Tag(Kind.BROADCAST, "zero3.Init RNG state")
-    torch.set_rng_state(ctx.comm.broadcast(torch.get_rng_state().to(ctx.comm.device), 0, tag).cpu())
+    own_cpu = torch.get_rng_state()
+    cpu = ctx.comm.broadcast(own_cpu.to(ctx.comm.device, copy=True), 0, tag).cpu()  # in place: keep own_cpu
+    torch.set_rng_state(cpu)
+    differed = not torch.equal(own_cpu, cpu)
+    own_cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized() and ctx.comm.backend == "nccl":
-        torch.cuda.set_rng_state(ctx.comm.broadcast(torch.cuda.get_rng_state().cuda(), 0, tag).cpu())
+        own_cuda = torch.cuda.get_rng_state()
+        cuda = ctx.comm.broadcast(own_cuda.to('cuda', copy=True), 0, tag).cpu()
+        torch.cuda.set_rng_state(cuda)
+        differed = differed or not torch.equal(own_cuda, cuda)
+    return _OwnRng(own_cpu, own_cuda) if differed else None
+
+
+@dataclass(frozen=True)
+class _OwnRng:
+    """A rank's RNG states from before `Init` took rank 0's (CPU; CUDA's, or None)."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda)
 
 
 # -- global patches, installed only while an Init context is active ------------------------------
