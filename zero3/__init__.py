@@ -18,8 +18,10 @@ from .accessors import (
     safe_get_local_grad,
     safe_get_local_optimizer_state,
     safe_set_full_fp32_param,
+    safe_set_full_grad,
     safe_set_full_optimizer_state,
     safe_set_local_fp32_param,
+    safe_set_local_grad,
     safe_set_local_optimizer_state,
 )
 from .checkpoint import (
@@ -85,8 +87,10 @@ __all__ = [
     "safe_get_local_grad",
     "safe_get_local_optimizer_state",
     "safe_set_full_fp32_param",
+    "safe_set_full_grad",
     "safe_set_full_optimizer_state",
     "safe_set_local_fp32_param",
+    "safe_set_local_grad",
     "safe_set_local_optimizer_state",
     "see_memory_usage",
     "set_leaf_modules",

@@ -190,6 +190,31 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
     state[: mine.numel()].copy_(mine)
 
 
+@_in_memory(write=True, kinds=("lp_grads",), load=False)
+@torch.no_grad()
+def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor | None) -> None:
+    """Set the reduced gradient the next optimizer step uses from the full ``value`` (fp32 or any float
+    dtype, the same on every rank), or drop it with None (the optimizer then skips the parameter, as
+    torch's does for ``p.grad = None``). No collective: each rank keeps its slice. Between backward and
+    ``engine.step()``; within an accumulation window it replaces the sum so far, as assigning
+    ``p.grad`` does in torch."""
+    p = _check(param, "safe_set_full_grad")
+    _set_grad(p, None if value is None else _my_slice(p, value, "safe_set_full_grad"), "safe_set_full_grad")
+
+
+def _set_grad(p: ZeroParameter, mine: torch.Tensor | None, what: str) -> None:
+    ctx = _context(p, what)
+    ctx.finish_gradients()  # a reduction still landing would add into what is set here
+    ctx.check_gradient_read(p, what)  # the step in backward has not used it already
+    t = p._zero.train_tensor
+    if mine is None:
+        t.grad = None
+        return
+    if t.grad is None:
+        t.grad = torch.zeros_like(t)
+    t.grad[: mine.numel()].copy_(mine.reshape(-1)).mul_(ctx.grad_scale)  # stored as the reducer stores it
+
+
 # -- this rank's slice only (no collective) ---------------------------------------------------------
 @_in_memory(write=False, kinds=("lp_params", "hp_params"))
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
@@ -222,8 +247,8 @@ def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: s
 @torch.no_grad()
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set this rank's unpadded slice of the fp32 weight (and its low-precision shard). No collective;
-    a persistent parameter's gathered copy is updated by the next ``engine.refresh_from_masters()``,
-    optimizer step or checkpoint load (at world size 1, where it aliases its shard, at once)."""
+    a persistent parameter's gathered copy gets this rank's slice at once and the other ranks' at
+    the next ``engine.refresh_from_masters()``, optimizer step or checkpoint load."""
     p = _check(param, "safe_set_local_fp32_param")
     z = p._zero
     master = p._zero.train_tensor
@@ -234,6 +259,24 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
     local.copy_(value.reshape(-1))
     if master is not z.shard:
         z.shard.copy_(master)
+    if z.persistent and z.status is ParamStatus.AVAILABLE and not z.aliased:  # else the step takes the stale
+        start = z.shard_range()[0]                                               # copy for a write (persistent.py)
+        raw_data(p).view(-1)[start:start + local.numel()].copy_(z.shard[: local.numel()])
+
+
+@_in_memory(write=True, kinds=("lp_grads",), load=False)
+@torch.no_grad()
+def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor | None) -> None:
+    """Set this rank's unpadded slice of the gradient the next optimizer step uses, or drop the
+    gradient with None (every rank should then drop it: a rank that keeps its slice steps on it while
+    the others skip the parameter). No collective."""
+    p = _check(param, "safe_set_local_grad")
+    if value is not None:
+        expect = _local_slice(p, p._zero.train_tensor).numel()
+        if value.numel() != expect:
+            raise ValueError(f"safe_set_local_grad: {p._zero.summary()} owns {expect} elements on this rank, "
+                             f"got {value.numel()}")
+    _set_grad(p, value, "safe_set_local_grad")
 
 
 @_in_memory(write=True, kinds=("optim_states",))
@@ -252,6 +295,6 @@ def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tenso
 __all__ = [
     "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
     "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-    "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_set_local_fp32_param",
-    "safe_set_local_optimizer_state",
+    "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state", "safe_set_local_fp32_param",
+    "safe_set_local_grad", "safe_set_local_optimizer_state",
 ]

@@ -198,3 +198,16 @@ def test_an_engine_whose_hooks_were_removed_says_so_at_its_next_forward():
     again(torch.randn(2, 4))  # a new engine over the same model works
     with pytest.raises(zero3.ZeroStateError, match="after engine.remove_hooks"):
         engine(torch.randn(2, 4))  # and the old one still says so
+
+
+def test_an_optimizer_that_fills_its_state_when_built_is_told_to_come_as_a_callable():
+    """torch.optim.Adagrad fills its state from each parameter in __init__: over a model built under
+    Init that met the generic 'used while partitioned' error; the error now names the way that works."""
+    with zero3.Init():
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    with pytest.raises(zero3.ZeroStateError, match=r"torch.optim.Adagrad initialises its state .* lambda groups"):
+        torch.optim.Adagrad(model.parameters(), lr=0.1)
+    engine = zero3.initialize(model, lambda groups: torch.optim.Adagrad(groups, lr=0.1), {})
+    loss = engine(torch.randn(3, 4)).sum()
+    engine.backward(loss)
+    engine.step()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextvars
 import itertools
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -248,6 +249,11 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
     """``__torch_function__`` of a partitioned parameter and of its ``.data``: metadata only."""
     kwargs = kwargs or {}
     name = getattr(func, "__name__", "")
+    if name == "__delete__" and getattr(getattr(func, "__self__", None), "__name__", "") == "grad" \
+            and isinstance(args[0], PartitionedParameter):
+        _check_grad_write(args[0])
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
     if name in ("__get__", "__set__"):
         prop = getattr(getattr(func, "__self__", None), "__name__", "")
         if name == "__set__" and prop == "data" and isinstance(args[0], PartitionedParameter):
@@ -262,6 +268,8 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
                 f"assigning .data of partitioned parameter {args[0]._zero.summary()} would drop its shards; "
                 "write the full value inside `with zero3.GatheredParameters([param], modifier_rank=0):` "
                 "(param.data.copy_(value)), or load it with zero3.pretrained.load_state_dict")
+        if prop == "grad" and name == "__set__" and isinstance(args[0], PartitionedParameter):
+            _check_grad_write(args[0])
         if prop not in _COMPUTE_PROPERTIES:
             with torch._C.DisableTorchFunctionSubclass():
                 result = func(*args, **kwargs)
@@ -285,6 +293,13 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
         if done:
             return result
     which = target._zero.summary() if target is not None else "<unknown>"
+    building = _optimizer_being_built()
+    if building is not None:
+        raise ZeroStateError(
+            f"parameter {which} is used by {name or func!r} while it is partitioned: {building} initialises its "
+            "state from the parameters when it is built, which zero3 holds only as shards. Pass it to "
+            f"zero3.initialize as a callable over the shards instead: zero3.initialize(model, lambda groups: "
+            f"{building}(groups, ...), config) (the same for deepspeed.initialize's optimizer argument)")
     raise ZeroStateError(
         f"parameter {which} is used by {name or func!r} while it is partitioned. zero3 gathers a "
         "module's parameters only while that module runs. Outside a forward, wrap the code in "
@@ -322,11 +337,23 @@ class PendingGradParameter(ZeroParameter):
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
+        _check_grad_write(self)
         _TENSOR_GRAD.__set__(self, value)
 
     @grad.deleter
     def grad(self) -> None:
+        _check_grad_write(self)
         _TENSOR_GRAD.__delete__(self)
+
+
+def drop_grad_slot(p: torch.Tensor) -> None:
+    """``p.grad = None`` for zero3's own use (a gradient autograd accumulated there, handed on),
+    past the guard on the user's writes (`_check_grad_write`)."""
+    if type(p) is nn.Parameter:  # gathered in a backward, the usual case: torch's class, nothing guarded
+        p.grad = None
+        return
+    with torch._C.DisableTorchFunctionSubclass():
+        _TENSOR_GRAD.__set__(p, None)
 
 
 def guard_pending_grads(params: list[ZeroParameter]) -> list[ZeroParameter]:
@@ -373,6 +400,35 @@ def _check_grad_read(p: ZeroParameter) -> None:
         "zero3.clip_grad_norm_(engine_or_model, max_norm) or the config's gradient_clipping; read the "
         "gradient with zero3.safe_get_full_grad(param) (a collective) or zero3.safe_get_local_grad(param) "
         "(this rank's slice); drop the gradients with the optimizer's zero_grad() (engine.zero_grad())")
+
+
+def _check_grad_write(p: ZeroParameter) -> None:
+    """``p.grad`` assigned or deleted while the gradient lives in ``p``'s shard (between a backward and
+    the step): the optimizer steps on the shard's gradient, so the write would be ignored (a
+    parameter meant to be skipped would step). Refused, pointing at the setters that reach the shard."""
+    z = p._zero
+    if converting.get() or z.train_tensor.grad is None:
+        return
+    raise ZeroStateError(
+        f"param.grad of {z.summary()} assigned or deleted between backward and step: zero3 keeps the reduced "
+        "gradient in shards (each rank holds its 1/world_size slice) and the optimizer steps on those, so the "
+        "write would be ignored. Use zero3.safe_set_full_grad(param, value) (the full gradient, the same on "
+        "every rank; None drops it, so the optimizer skips the parameter) or zero3.safe_set_local_grad(param, "
+        "value) (this rank's slice)")
+
+
+def _optimizer_being_built() -> str | None:
+    """The name of a ``torch.optim.Optimizer`` whose ``__init__`` is running up the stack (Adagrad's
+    fills its state from each parameter), for the guard's error; None if none."""
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), torch.optim.Optimizer):
+            cls = type(frame.f_locals["self"])
+            return f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else cls.__name__
+        frame = frame.f_back
+    return None
 
 
 def _first_guarded(args: tuple, kwargs: dict) -> Any:

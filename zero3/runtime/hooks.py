@@ -110,7 +110,7 @@ from .context import RuntimeContext
 from ..errors import ZeroStateError
 from .gathered import external_parameters, register_external_parameter, write_back_loaded
 from .leaf import is_leaf
-from ..partition.param import PartitionedParameter, ZeroParameter
+from ..partition.param import PartitionedParameter, ZeroParameter, drop_grad_slot
 from ..planning.trace import EventKind
 from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
@@ -631,7 +631,7 @@ class ModuleHooks:
         with torch._C.DisableTorchFunctionSubclass():  # autograd accumulated it already: drop it
             for q in self.ctx.params:
                 if q.grad is not None:
-                    q.grad = None
+                    drop_grad_slot(q)
         exc = ZeroStateError(
             f"a gradient reached {name} from a backward that was not engine.backward(loss) (loss.backward(), "
             "torch.autograd.backward, or a torch.amp.GradScaler's) while fp16 loss scaling is on: "
@@ -681,7 +681,7 @@ class ModuleHooks:
             self._refuse_unscaled_backward(p)
         self._ensure_final_callback()
         grad = p.grad
-        p.grad = None
+        drop_grad_slot(p)
         if grad is not None:
             leaf = self._leaf_of.get(id(p)) if self._leaf_of else None
             if leaf is None or leaf.flushed:  # flushed: a gradient after its unit was reduced (not expected)
