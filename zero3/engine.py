@@ -42,7 +42,8 @@ from .optim.optimizer import clip_shards
 from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
 from .runtime.step import StepPhase
-from .runtime.engine_calls import MID_STEP, check_lr_kwargs, log_progress, require_hooks, zero_grad_window
+from .runtime.engine_calls import (MID_STEP, check_lr_kwargs, log_progress, require_hooks, take_persistent_writes,
+                                   zero_grad_window)
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +233,8 @@ class Engine:
         if boundary and ctx.optimizer is not None:
             # Nothing changes a shard before every rank is here and every collective so far checked out.
             ctx.comm.agree(Tag(Kind.AGREE, f"optimizer step {ctx.global_steps}"))
+            if ctx.optimizer.backward_step is None:  # runtime/persistent.py: in-place writes since the last gather
+                take_persistent_writes(ctx.coordinator.persistent_params)
             t0 = time.perf_counter()
             stepped = ctx.optimizer.step()
             if stepped and ctx.lr_scheduler_step is not None:

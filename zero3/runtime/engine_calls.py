@@ -92,3 +92,17 @@ def log_progress(engine: Any, m: StepMetrics) -> None:
                     "reduction wait %.1f ms | header exchanges %.1f ms | optimizer %.1f ms", ctx.global_steps,
                     1e3 * m.forward_seconds, 1e3 * m.backward_seconds, 1e3 * m.wait_seconds,
                     1e3 * m.reduce_wait_seconds, 1e3 * m.header_seconds, 1e3 * m.optimizer_seconds)
+
+
+def take_persistent_writes(persistent: Any) -> None:
+    """Before the optimizer step: in-place writes to persistent parameters since their last gather go
+    into their shards, so the step keeps them (persistent.py `take_writes`); said once per name."""
+    for name in persistent.take_writes():
+        if name not in _TAKEN:
+            _TAKEN.add(name)
+            logger.info("zero3: %s was written in place since it was gathered (it is persistent, so kept gathered); "
+                        "the write is taken into its shards before the optimizer step. Every rank must write the "
+                        "same values (GatheredParameters(params, modifier_rank=0) writes rank 0's)", name)
+
+
+_TAKEN: set[str] = set()

@@ -4,17 +4,29 @@ Small parameters (``param_persistence_threshold``, up to ``model_persistence_thr
 the rule is planning/persistence.py's) cost more as per-module collectives than they hold, so they
 are gathered at initialize, stay out of every budget and every schedule, and are gathered again
 from their shards when the shards change (optimizer step, checkpoint load, refresh_from_masters;
-the local accessors' writes wait for one of those). At world size 1 the full tensor is a view of
-the shard when both have one device and dtype, and then needs no refresh.
+the local accessors' writes reach this rank's gathered copy at once and the others' at one of
+those). At world size 1 the full tensor is a view of the shard when both have one device and dtype,
+and then needs no refresh.
+
+A persistent parameter is torch's own class while gathered, so nothing stops an in-place write to it
+between steps (``nn.init.zeros_(p)``, ``p.data.copy_(v)``, ``model.apply(init)``); the forwards use
+the written value at once, as in torch. So that the step does not then lose it (it steps the shards
+and gathers them again), `take_writes` compares each rank's slice of the gathered copy with its shard
+before the optimizer step and writes a slice that differs back into the shard and the master. Every
+rank must make the same write (as with DDP, which keeps no two ranks' weights in step either);
+shards not in memory and the step in backward (which steps before `take_writes` could run) are not
+covered: there, write inside ``GatheredParameters(params, modifier_rank=0)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
+
 from ..partition import param as zparam
 from ..partition.param import ZeroParameter
-from ..partition.state import ParamStatus
+from ..partition.state import MEMORY, ParamStatus
 from ..planning.persistence import choose_persistent
 
 
@@ -50,6 +62,27 @@ class PersistentParams:
         todo = [p for p in self.params if p._zero.status is ParamStatus.NOT_AVAILABLE]
         if todo:
             self._gather(todo)
+
+    @torch.no_grad()
+    def take_writes(self) -> list[str]:
+        """Before an optimizer step: write every slice of a gathered copy that differs from this rank's
+        shard (an in-place write since the last gather) into the master and the shard; returns the
+        names of those parameters."""
+        written = []
+        for p in self.params:
+            z = p._zero
+            if z.aliased or z.status is not ParamStatus.AVAILABLE or z.residence not in MEMORY:
+                continue
+            start, end = z.shard_range()
+            n = max(end - start, 0)
+            mine = zparam.raw_data(p).view(-1)[start:start + n]
+            if not torch.equal(mine, z.shard[:n]):
+                master = z.train_tensor
+                master[:n].copy_(mine)
+                if master is not z.shard:
+                    z.shard.copy_(master)
+                written.append(z.name)
+        return written
 
     def unmark(self) -> None:
         """They become ordinary parameters again (hooks removed): release what nothing holds."""
