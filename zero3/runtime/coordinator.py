@@ -512,6 +512,11 @@ class ParamCoordinator:
         p._zero.active_forward += 1
         self.fetch([p])
 
+    def keep_for_step(self, params: Sequence[ZeroParameter]) -> None:
+        """Hold ``params`` gathered until the step ends (`end_step` drops every visit's hold)."""
+        for p in params:
+            p._zero.active_backward += 1
+
     def leave_visit(self, params: Sequence[ZeroParameter]) -> None:
         """The end of a forward that only joined params mid-way (no recorded PRE event)."""
         _pin(EventKind.POST_FORWARD, params)

@@ -6,7 +6,7 @@
   the tensor inputs in `_PostBackward`.
 - forward post-hook: pop the call, report its end to the coordinator (which releases the parameters
   or keeps them: still used elsewhere, a schedule's reuse keeps, generation mode) and hook the
-  output tensors (a pre-hook on each one's autograd node, a tensor hook on a leaf: `_on_backward_entry`):
+  output tensors (a pre-hook on each one's autograd node, a tensor hook on a leaf: `hook_backward_entry`, outputs.py):
   the first gradient that reaches any of them is the module's *pre-backward*, which gathers the
   parameters again (once per call).
 - a module's *post-backward* releases the call's parameters. Where its parameters tell when its
@@ -116,6 +116,7 @@ from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
 from .refusals import EAGER, eval_frame_callback, refuse_compiled_call, refuse_copy
 from .buffers import ModuleBuffers
+from .outputs import copy_parameter_views, hook_backward_entry
 
 logger = logging.getLogger(__name__)
 
@@ -532,18 +533,36 @@ class ModuleHooks:
         if rec.module is self.root and not self.stack:
             self.ctx.metrics.forward_seconds += time.perf_counter() - self._forward_t0
         grad = torch.is_grad_enabled()
-        if call.params:
+        result = None
+        if call.params:  # before the release below ([Note: module outputs])
+            result = copy_parameter_views(output, call.params)
+            if result is output:
+                result = None
+            else:
+                output = result
+            if grad and not hook_backward_entry(output, call):
+                self._keep_for_step(call, output)
             if call.state is _OPEN:
                 self.coordinator.event(_POST_FORWARD, rec.name, call.params, call.ids)
             else:  # JOINED: only auto-detected external params, pinned mid-forward
                 self.coordinator.leave_visit(call.params)
             call.state = _FORWARD_DONE
-            if grad:
-                _on_backward_entry(output, call)
         if not grad and rec.module is self.root and not self.stack and self.step.phase is _FORWARD \
                 and not _CHECKPOINT_FORWARD.get():
             self.step.end()  # an inference forward is a whole step
-        return None
+        return result
+
+    def _keep_for_step(self, call: _Call, output: Any) -> None:
+        """The output may hide a tensor a backward enters through unseen: keep the call's parameters
+        gathered until the step ends ([Note: module outputs])."""
+        self.coordinator.keep_for_step(call.params)
+        key = (id(call.record.module), -1)
+        if key not in self._announced:
+            self._announced.add(key)
+            logger.info("zero3: the output of %r (a %s) holds an object zero3 cannot look into, which may hide "
+                        "tensors whose backward needs its parameters; they stay gathered until the step ends "
+                        "(tensors in tuples, lists, dicts or dataclasses let them go earlier)",
+                        call.record.name or "the model", type(output).__name__)
 
     def _pop(self, rec: _ModuleRecord) -> _Call | None:
         stack = self.stack
@@ -713,25 +732,6 @@ class ModuleHooks:
             self.reducer.finish()  # this graph task's gradient shards are complete
             if deferred is not None and not self._queued_tasks and self not in deferred:
                 deferred.append(self)  # the enclosing backward ends the step
-
-
-def _on_backward_entry(output: Any, hook: Any) -> None:
-    """Call ``hook`` when a gradient first reaches the backward of ``output`` (its tensors that need one).
-
-    A tensor made by an autograd node gets a pre-hook on that node: it fires at the same point as a
-    tensor hook (before the node, and for the value before any later in-place change: the in-place
-    op is a node of its own), and costs about 60% of `Tensor.register_hook` (no handle dict per
-    tensor). Outputs of one multi-output node share one hook. A leaf output has no node: it gets a
-    tensor hook."""
-    nodes: list[Any] = []
-    for t in (output,) if type(output) is torch.Tensor else pytree.tree_leaves(output):
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            node = t.grad_fn
-            if node is None:
-                t.register_hook(hook)
-            elif not any(n is node for n in nodes):
-                nodes.append(node)
-                node.register_prehook(hook)
 
 
 def _on_grad_weak(ref: "weakref.ref[ModuleHooks]", p: torch.Tensor) -> None:

@@ -1,0 +1,250 @@
+"""What users meet first on several ranks, against plain torch: per-rank seeds around zero3.Init,
+forwards that return a dataclass or a view of a parameter."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero3
+
+pytestmark = pytest.mark.multiproc
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def per_rank_seeds() -> dict:
+    """nanoGPT's pattern: a seed per rank, the model built afterwards, batches drawn from the
+    global generator."""
+    rank = dist.get_rank()
+    torch.manual_seed(1337 + rank)
+    with zero3.Init():
+        model = _mlp()
+    drawn = torch.randint(1000, (6,)).tolist()
+    with zero3.GatheredParameters(list(model.parameters())):
+        weights = [p.detach().clone() for p in model.parameters()]
+    torch.manual_seed(1337 + rank)
+    own = torch.randint(1000, (6,)).tolist()  # the rank's stream, not advanced by a build
+    torch.manual_seed(1337)
+    plain = [p.detach().clone() for p in _mlp().parameters()]
+    after_plain = torch.randint(1000, (6,)).tolist()  # rank 0's stream after a plain build
+    return {"drawn": drawn, "own": own, "after_plain": after_plain,
+            "weights_are_rank0_seed": all(torch.equal(a, b) for a, b in zip(weights, plain))}
+
+
+def one_seed() -> dict:
+    torch.manual_seed(5)
+    with zero3.Init():
+        _mlp()
+    after_init = torch.randint(1000, (6,)).tolist()
+    torch.manual_seed(5)
+    _mlp()
+    return {"after_init": after_init, "after_plain": torch.randint(1000, (6,)).tolist()}
+
+
+def test_per_rank_seeds_keep_their_own_stream_after_init(pools):
+    results = pools.get(2).run(per_rank_seeds)
+    for r in results:
+        assert r["weights_are_rank0_seed"]  # the model is rank 0's, as a plain build with its seed
+    assert results[0]["drawn"] == results[0]["after_plain"]  # rank 0: where its plain build leaves it
+    assert results[1]["drawn"] == results[1]["own"]  # rank 1: its own stream back, not rank 0's
+    assert results[0]["drawn"] != results[1]["drawn"]
+
+
+def test_one_seed_everywhere_leaves_the_rng_where_a_plain_build_does(pools):
+    for r in pools.get(2).run(one_seed):
+        assert r["after_init"] == r["after_plain"]
+
+
+# -- what a forward returns ([Note: module outputs], runtime/outputs.py) ---------------------------
+@dataclasses.dataclass
+class _Out:
+    loss: torch.Tensor
+    hidden: torch.Tensor
+
+
+class _Box:
+    """An object neither pytree nor dataclasses open."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class _Scale(nn.Module):
+    """A module with a parameter of its own, returning its result inside ``kind``'s container."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, h: torch.Tensor) -> Any:
+        h = h * self.scale
+        return _Box(h) if self.kind == "box" else _Out(h.sum(), h) if self.kind == "dataclass" else h
+
+
+class _Table(nn.Module):
+    """A learned table sliced to the length asked: its output is a view of its parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(12, 16))
+
+    def forward(self, n: int) -> torch.Tensor:
+        return self.table[:n]
+
+
+class _Net(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.inp = nn.Linear(8, 16)
+        self.pos = _Table()
+        self.mid = _Scale(kind)
+        self.out = nn.Linear(16, 4)
+        self.bias = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
+        h = self.inp(x) + self.pos(2).sum(0)  # a view of the table, reduced: one row for every sample
+        m = self.mid(h)
+        h = m.value if self.kind == "box" else m.hidden if self.kind == "dataclass" else m
+        loss = ((self.out(torch.tanh(h)) + self.bias - y) ** 2).mean()
+        return _Out(loss, h)  # the root, with a parameter of its own, returns a dataclass
+
+
+def train_outputs(kind: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = _Net(kind)
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = _Net(kind)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 0, "max_reuse_distance": 0})
+    g = torch.Generator().manual_seed(1)
+    views = []
+    for _ in range(3):
+        x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
+        ref_opt.zero_grad()
+        ref(x, y).loss.backward()  # the whole batch: the mean over every rank's part
+        ref_opt.step()
+        mine = slice(4 * rank, 4 * (rank + 1))
+        out = model(x[mine], y[mine])
+        out.loss.backward()
+        engine.step()
+        views.append(model.pos(3).detach().clone())  # read after the table was released
+    with zero3.GatheredParameters(list(model.parameters())):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+        table = model.pos.table.detach().clone()
+    return {"diff": diff, "view_is_the_table": torch.equal(views[-1], table[:3])}
+
+
+@pytest.mark.parametrize("kind", ["tensor", "dataclass", "box"])
+def test_dataclass_and_opaque_outputs_and_views_of_parameters_train_as_torch(pools, kind):
+    for r in pools.get(2).run(train_outputs, kind):
+        assert r["diff"] < 1e-6, r
+        assert r["view_is_the_table"]
+
+
+# -- writing a gradient between backward and step --------------------------------------------------
+def grad_writes(threshold: int) -> dict:
+    """Skip one parameter's gradient, set another's, at step 2 of 3; torch does the same with p.grad."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = _mlp()
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = _mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    engine = zero3.initialize(model, opt, {"param_persistence_threshold": threshold})
+    g = torch.Generator().manual_seed(1)
+    refused = []
+    for step in range(3):
+        x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
+        ref_opt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        mine = slice(4 * rank, 4 * (rank + 1))
+        ((model(x[mine]) - y[mine]) ** 2).mean().backward()
+        if step == 1:
+            ref[0].weight.grad = None
+            ref[2].bias.grad = torch.full((4,), 0.25)
+            ref[0].bias.grad = ref[0].bias.grad * 2
+            for write in (lambda: setattr(model[0].weight, "grad", None), lambda: delattr(model[0].weight, "grad"),
+                          lambda: setattr(model[2].bias, "grad", torch.zeros(4))):
+                try:
+                    write()
+                except zero3.ZeroStateError as exc:
+                    refused.append("safe_set_full_grad" in str(exc))
+            zero3.safe_set_full_grad(model[0].weight, None)
+            zero3.safe_set_full_grad(model[2].bias, torch.full((4,), 0.25))
+            local = zero3.safe_get_local_grad(model[0].bias)
+            zero3.safe_set_local_grad(model[0].bias, local * 2)
+        ref_opt.step()
+        opt.step()
+        opt.zero_grad()
+    with zero3.GatheredParameters(list(model.parameters())):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return {"diff": diff, "refused": refused, "steps": engine.global_steps}
+
+
+@pytest.mark.parametrize("threshold", [0, 10**6])  # partitioned, and kept gathered (persistent)
+def test_gradient_writes_between_backward_and_step_are_refused_and_the_setters_act_as_torch(pools, threshold):
+    for r in pools.get(2).run(grad_writes, threshold):
+        assert r["refused"] == [True, True, True], r
+        assert r["steps"] == 3, r  # the user's optimizer.step() is the engine's step
+        assert r["diff"] < 1e-6, r
+
+
+# -- in-place writes to persistent parameters (runtime/persistent.py `take_writes`) ------------------
+def persistent_writes(where: str) -> dict:
+    """Weights written in place after initialize, outside GatheredParameters, on parameters the
+    default budgets keep gathered: torch keeps the write and steps from it; so must zero3."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = _mlp()
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = _mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    engine = zero3.initialize(model, opt, {"param_persistence_threshold": 10**6})
+    assert all(p._zero.persistent for p in model.parameters())
+
+    def write(m: nn.Module) -> None:
+        nn.init.zeros_(m[2].bias)
+        m[0].weight.data.mul_(0.5)
+        with torch.no_grad():
+            m[0].bias.fill_(0.1)
+
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
+        if step == 1 and where == "before forward":
+            write(ref)
+            write(model)
+        ref_opt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        mine = slice(4 * rank, 4 * (rank + 1))
+        ((model(x[mine]) - y[mine]) ** 2).mean().backward()
+        if step == 1 and where == "before step":
+            write(ref)
+            write(model)
+        ref_opt.step()
+        engine.step()
+    with zero3.GatheredParameters(list(model.parameters())):
+        return {"diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))}
+
+
+@pytest.mark.parametrize("where", ["before forward", "before step"])
+def test_in_place_writes_to_persistent_parameters_are_kept_as_in_torch(pools, where):
+    for r in pools.get(2).run(persistent_writes, where):
+        assert r["diff"] < 1e-6, r

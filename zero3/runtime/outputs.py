@@ -1,0 +1,142 @@
+"""What a module's forward returned, seen from the hooks: the tensors a backward can enter through,
+and views of the module's parameters that would outlive their storage.
+
+[Note: module outputs]
+The forward post-hook (hooks.py) needs two things of an output, whatever its structure:
+- **Where a backward enters** (`hook_backward_entry`): a pre-hook on the autograd node of every
+  output tensor that needs a gradient is the module's pre-backward, which gathers its parameters
+  again. The tensors are found through torch's pytree (tuples, lists, dicts, namedtuples, Hugging
+  Face's ``ModelOutput``) and through the fields of dataclasses, which pytree takes for leaves. An
+  object neither can open (a class of the user's with tensor attributes) may hide a tensor whose
+  backward needs the parameters: the hook reports it, and the module's parameters then stay
+  gathered until the step ends (a backward that reads a released parameter reads freed storage).
+- **Views of the parameters** (`copy_parameter_views`): a release empties a parameter's storage in
+  place, so an output that is a view of it (``return self.prompt[0]``, a positional table sliced
+  to the sequence length) or the parameter itself would be read after the release as freed memory.
+  Such an output is replaced by a copy made while the parameter is gathered (a clone: autograd
+  still reaches the parameter through it). Persistent parameters are never released: their views
+  stay views. One difference from torch remains: the copy does not follow later in-place updates
+  of the parameter (an optimizer step), which a view in plain torch would.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..partition.param import ZeroParameter, raw_data
+
+_PLAIN = (int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format)
+"""Leaves that hold no tensor."""
+
+
+def _is_dataclass_object(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def hook_backward_entry(output: Any, hook: Any) -> bool:
+    """Call ``hook`` when a gradient first reaches the backward of ``output`` (its tensors that need one).
+
+    A tensor made by an autograd node gets a pre-hook on that node: it fires at the same point as a
+    tensor hook (before the node, and for the value before any later in-place change: the in-place
+    op is a node of its own), and costs about 60% of `Tensor.register_hook` (no handle dict per
+    tensor). Outputs of one multi-output node share one hook. A leaf output has no node: it gets a
+    tensor hook. Returns False when ``output`` holds an object that may hide a tensor (neither pytree
+    nor a dataclass opens it): a backward may then enter unseen."""
+    if type(output) is torch.Tensor:
+        _hook_tensor(output, hook, [])
+        return True
+    nodes: list[Any] = []
+    return _hook_leaves(pytree.tree_leaves(output), hook, nodes)
+
+
+def _hook_leaves(leaves: list[Any], hook: Any, nodes: list[Any]) -> bool:
+    seen_all = True
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            _hook_tensor(t, hook, nodes)
+        elif _is_dataclass_object(t):
+            fields = [getattr(t, f.name) for f in dataclasses.fields(t)]
+            seen_all = _hook_leaves(pytree.tree_leaves(fields), hook, nodes) and seen_all
+        elif t is not None and not isinstance(t, _PLAIN):
+            seen_all = False
+    return seen_all
+
+
+def _hook_tensor(t: torch.Tensor, hook: Any, nodes: list[Any]) -> None:
+    if t.requires_grad:
+        node = t.grad_fn
+        if node is None:
+            t.register_hook(hook)
+        elif not any(n is node for n in nodes):
+            nodes.append(node)
+            node.register_prehook(hook)
+
+
+def copy_parameter_views(output: Any, params: Sequence[ZeroParameter]) -> Any:
+    """``output`` with every tensor that shares storage with one of ``params`` that a release would
+    empty (not persistent) replaced by a clone; ``output`` itself when there is none (the usual case:
+    a tensor that is no view is tested by one attribute read)."""
+    if type(output) is torch.Tensor:
+        if output._base is None:
+            return output
+        ptrs = _releasable_storages(params)
+        return output.clone() if ptrs and _shares(output, ptrs) else output
+    leaves, spec = pytree.tree_flatten(output)
+    if not any(_may_alias(t, params) for t in leaves):
+        return output
+    ptrs = _releasable_storages(params)
+    if not ptrs:
+        return output
+    changed = False
+    for i, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor) and _shares(t, ptrs):
+            leaves[i] = t.clone()
+            changed = True
+        elif _is_dataclass_object(t):
+            new = _copy_dataclass_views(t, params)
+            if new is not t:
+                leaves[i] = new
+                changed = True
+    return pytree.tree_unflatten(leaves, spec) if changed else output
+
+
+def _may_alias(t: Any, params: Sequence[ZeroParameter]) -> bool:
+    if isinstance(t, torch.Tensor):
+        return t._base is not None or any(t is p for p in params)
+    return _is_dataclass_object(t)
+
+
+def _copy_dataclass_views(obj: Any, params: Sequence[ZeroParameter]) -> Any:
+    new_values = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        new = copy_parameter_views(value, params)
+        if new is not value:
+            new_values[f.name] = new
+    if not new_values:
+        return obj
+    out = copy.copy(obj)
+    for name, value in new_values.items():
+        object.__setattr__(out, name, value)  # a frozen dataclass too
+    return out
+
+
+def _releasable_storages(params: Sequence[ZeroParameter]) -> set[int]:
+    ptrs = set()
+    for p in params:
+        if not p._zero.persistent:
+            ptr = raw_data(p).untyped_storage().data_ptr()
+            if ptr:
+                ptrs.add(ptr)
+    return ptrs
+
+
+def _shares(t: torch.Tensor, ptrs: set[int]) -> bool:
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.untyped_storage().data_ptr() in ptrs
