@@ -13,11 +13,23 @@ from torch import nn
 
 import zero3
 
+from _reference import twins
+
 pytestmark = pytest.mark.multiproc
 
 
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _twin_mlps(threshold: int) -> tuple:
+    """The MLP plainly and under Init from one seed, AdamW over each, the second initialized with
+    ``param_persistence_threshold=threshold``: (ref, model, ref_opt, opt, engine)."""
+    ref, model = twins(_mlp)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    engine = zero3.initialize(model, opt, {"param_persistence_threshold": threshold})
+    return ref, model, ref_opt, opt, engine
 
 
 def per_rank_seeds() -> dict:
@@ -121,11 +133,7 @@ class _Net(nn.Module):
 
 def train_outputs(kind: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    ref = _Net(kind)
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = _Net(kind)
+    ref, model = twins(lambda: _Net(kind))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
                               {"param_persistence_threshold": 0, "max_reuse_distance": 0})
@@ -158,14 +166,7 @@ def test_dataclass_and_opaque_outputs_and_views_of_parameters_train_as_torch(poo
 def grad_writes(threshold: int) -> dict:
     """Skip one parameter's gradient, set another's, at step 2 of 3; torch does the same with p.grad."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    ref = _mlp()
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = _mlp()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
-    engine = zero3.initialize(model, opt, {"param_persistence_threshold": threshold})
+    ref, model, ref_opt, opt, engine = _twin_mlps(threshold)
     g = torch.Generator().manual_seed(1)
     refused = []
     for step in range(3):
@@ -209,14 +210,7 @@ def persistent_writes(where: str) -> dict:
     """Weights written in place after initialize, outside GatheredParameters, on parameters the
     default budgets keep gathered: torch keeps the write and steps from it; so must zero3."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    ref = _mlp()
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = _mlp()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
-    engine = zero3.initialize(model, opt, {"param_persistence_threshold": 10**6})
+    ref, model, ref_opt, _, engine = _twin_mlps(10**6)
     assert all(p._zero.persistent for p in model.parameters())
 
     def write(m: nn.Module) -> None:
