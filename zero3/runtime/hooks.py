@@ -14,9 +14,9 @@
   its gradient; otherwise the inputs are wrapped in `_PostBackward`, whose backward runs when the
   gradients of the module's inputs are ready. A wrapped module whose inputs need no grad never gets
   it; the end of the step releases those.
-- ``register_post_accumulate_grad_hook`` on every trainable parameter hands its full gradient to the
-  reducer as soon as autograd has accumulated it (a leaf module's go to its unit, reduced when the
-  leaf's backward ends), then drops it.
+- ``register_post_accumulate_grad_hook`` on every trainable parameter, kept after the user's
+  (last_grad_hook.py), hands its full gradient to the reducer as soon as autograd has accumulated it
+  (a leaf module's go to its unit, reduced when the leaf's backward ends), then drops it.
 - one callback per autograd graph task (queued from the first hook that fires in it); when the last
   running graph task ends, the backward is over: gradients are complete and the step ends.
 Accessing a partitioned parameter of *another* module inside a forward (``self.wte.weight`` in the
@@ -117,6 +117,7 @@ from .trainable import FrozenAtInstall
 from .refusals import EAGER, eval_frame_callback, refuse_compiled_call, refuse_copy
 from .buffers import ModuleBuffers
 from .outputs import copy_parameter_views, hook_backward_entry
+from .last_grad_hook import LastGradHook
 
 logger = logging.getLogger(__name__)
 
@@ -376,8 +377,7 @@ class ModuleHooks:
             seen.add(id(p))
             # A weak reference: tensor hooks live in C++, where the garbage collector cannot see a
             # cycle through them, and a bound method would keep the engine alive forever.
-            self._handles.append(p.register_post_accumulate_grad_hook(
-                functools.partial(_on_grad_weak, weakref.ref(self))))
+            self._handles.append(LastGradHook(p, functools.partial(_on_grad_weak, weakref.ref(self))))
 
     def generation_ended(self) -> None:
         """Generation mode ended: the submodules' hooks are back on."""
