@@ -323,7 +323,21 @@ def test_optimizer_that_already_has_state_is_rejected():
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = _stepped_optimizer(model)
-    with pytest.raises(ZeroStateError, match="the optimizer already has state"):
+    with pytest.raises(ZeroStateError, match=r"already has state \(it has stepped, or loaded a state dict\).*"
+                                             r"safe_set_full_optimizer_state"):
+        zero3.initialize(model, opt, NO_PERSIST)
+
+
+def test_optimizer_that_loaded_a_state_is_told_how_to_bring_it():
+    """Resuming from a plain torch checkpoint: the state loaded before initialize is over the full
+    parameters; the error says so and names the accessor that takes it per parameter."""
+    torch.manual_seed(0)
+    saved = _stepped_optimizer(GPT(CFG)).state_dict()
+    model = GPT(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt.load_state_dict(saved)
+    with pytest.raises(ZeroStateError, match=r"SGD given to zero3.initialize already has state.*"
+                                             r"safe_set_full_optimizer_state\(param, value, key\)"):
         zero3.initialize(model, opt, NO_PERSIST)
 
 

@@ -145,8 +145,10 @@ def validate_optimizer(optimizer: Any, model_params: Iterable[torch.Tensor] = ()
 def _check_fresh(optimizer: torch.optim.Optimizer) -> None:
     if len(optimizer.state) > 0:
         raise ZeroStateError(
-            "the optimizer already has state (it has stepped); build it over model.parameters() and "
-            "pass it to zero3.initialize before any step")
+            f"{type(optimizer).__name__} given to zero3.initialize already has state (it has stepped, or loaded "
+            "a state dict): that state is over the full parameters, and zero3 keeps each rank's shard of it. Pass "
+            "the optimizer fresh, then restore its state with zero3.safe_set_full_optimizer_state(param, value, "
+            "key) for each parameter (every rank, after initialize), or resume with engine.load_checkpoint")
 
 
 def _foreign(p: torch.Tensor) -> ZeroConfigError:

@@ -15,15 +15,23 @@ torch's own loading, so a refused load changes nothing. While the state is out o
 drive under ``offload_optimizer`` nvme, or moved there by ``engine.offload_states``), its tensors
 are 0-byte placeholders: ``state_dict()`` would hand them out as if they were the state, and a
 load would be overwritten when the state comes back, so both are refused then.
+
+The state is keyed by this rank's shards (the tensors in ``param_groups``), not by the model's
+parameters. ``optimizer.state`` is a defaultdict in torch, so a logging line's ``optimizer.state[p]``
+for a model parameter returned ``{}`` (no ``exp_avg``: silently wrong) and inserted ``p``, after which
+``state_dict()`` failed with a bare ``KeyError`` from inside torch. `ShardKeyedState` refuses a
+model parameter as a key, naming the accessors that read and write its state.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
 
 from ..errors import ZeroStateError
+from ..partition.param import ZeroParameter
 
 TAG = "zero3"
 
@@ -54,8 +62,37 @@ def tag_rank_state(optimizer: torch.optim.Optimizer, rank: int, world_size: int,
             _check_shapes(opt, state_dict, world_size)
         return state_dict
 
+    def keyed_by_shard(opt: torch.optim.Optimizer) -> None:  # torch's load puts a new defaultdict there
+        opt.state = ShardKeyedState(dict, opt.state)
+
     optimizer.register_state_dict_post_hook(tag)
     optimizer.register_load_state_dict_pre_hook(check)
+    optimizer.register_load_state_dict_post_hook(keyed_by_shard)
+    keyed_by_shard(optimizer)
+
+
+class ShardKeyedState(collections.defaultdict):
+    """``optimizer.state`` of a zero3 optimizer: torch's defaultdict, refusing a model parameter as
+    a key (see the Note)."""
+
+    def __missing__(self, key: Any) -> Any:
+        if isinstance(key, ZeroParameter):
+            raise _keyed_by_parameter(key)
+        return super().__missing__(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if isinstance(key, ZeroParameter):
+            raise _keyed_by_parameter(key)
+        super().__setitem__(key, value)
+
+
+def _keyed_by_parameter(p: ZeroParameter) -> ZeroStateError:
+    return ZeroStateError(
+        f"optimizer.state[param] of {p._zero.summary()}: zero3's optimizer keeps the state of this rank's shard "
+        "of each parameter, keyed by the shard (the tensors in optimizer.param_groups), so the model's parameter "
+        "has no entry. Read it with zero3.safe_get_full_optimizer_state(param, key) (the full tensor; every "
+        "rank calls it) or zero3.safe_get_local_optimizer_state(param, key) (this rank's slice), and write it "
+        "with zero3.safe_set_full_optimizer_state / safe_set_local_optimizer_state")
 
 
 def _refuse_out_of_memory(opt: torch.optim.Optimizer, call: str, on_drive: bool, state: Any) -> None:
@@ -93,4 +130,5 @@ def _check_shapes(opt: torch.optim.Optimizer, state_dict: dict[str, Any], world_
                     f"{tuple(value.shape)}, but this rank's optimizer steps on a shard of shape {tuple(shard.shape)} "
                     f"(zero3 keeps 1/{world_size} of every parameter's optimizer state on each rank). The state "
                     "was not saved by a zero3 optimizer at this world size; resume with engine.load_checkpoint "
-                    "(any world size) or zero3.pretrained.load_state_dict for the weights; nothing was loaded")
+                    "(any world size), zero3.pretrained.load_state_dict for the weights, or set each parameter's state "
+                    "with zero3.safe_set_full_optimizer_state(param, value, key) on every rank; nothing was loaded")
