@@ -47,6 +47,7 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
+from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
 
 from ..partition import sharding
@@ -104,6 +105,7 @@ class _Patches:
     apply: Callable
     init_subclass: Any
     inits: dict[type, Callable]  # original __init__ of every class we wrapped
+    register_parametrization: Callable  # torch's, given back on exit
     building: dict[int, int] = field(default_factory=dict)  # id(module) -> nesting of its __init__ wrappers
 
 
@@ -418,7 +420,8 @@ def _apply_with_gather(self: nn.Module, fn: Callable[[nn.Module], None]) -> nn.M
 def _install_patches() -> None:
     handles = [module_mod.register_module_parameter_registration_hook(_on_param_registered)]
     patches = _Patches(handles=handles, apply=nn.Module.apply,
-                       init_subclass=nn.Module.__dict__.get("__init_subclass__"), inits={})
+                       init_subclass=nn.Module.__dict__.get("__init_subclass__"), inits={},
+                       register_parametrization=parametrize.register_parametrization)
     _PATCHES.set(patches)
     for cls in _all_subclasses(nn.Module):
         _wrap_init(cls, patches)
@@ -429,6 +432,21 @@ def _install_patches() -> None:
 
     nn.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
     nn.Module.apply = _apply_with_gather  # type: ignore[method-assign]
+    parametrize.register_parametrization = functools.partial(_parametrize_with_gather, patches.register_parametrization)
+
+
+def _parametrize_with_gather(register: Callable, module: nn.Module, tensor_name: str, *args: Any, **kwargs: Any) -> Any:
+    """``parametrize.register_parametrization`` under Init (``weight_norm(nn.Linear(...))`` in a model's
+    ``__init__``): the module was partitioned when it was built, and the parametrization computes its
+    new parameters from the full tensor; gathered around the call, as `Module.apply` (Hugging Face
+    does this by hand for DeepSpeed: ``GatheredParameters(conv.weight, modifier_rank=0)``). The new
+    parameters are partitioned when their ``ParametrizationList`` is built."""
+    p = module._parameters.get(tensor_name)
+    state = _current()
+    if not isinstance(p, ZeroParameter) or state is None:
+        return register(module, tensor_name, *args, **kwargs)
+    with GatheredParameters([p], modifier_rank=0 if state.sync == "broadcast" else LOCAL_MODIFIER):
+        return register(module, tensor_name, *args, **kwargs)
 
 
 def _remove_patches() -> None:
@@ -438,6 +456,7 @@ def _remove_patches() -> None:
     for h in patches.handles:
         h.remove()
     nn.Module.apply = patches.apply  # type: ignore[method-assign]
+    parametrize.register_parametrization = patches.register_parametrization
     if patches.init_subclass is None:
         del nn.Module.__init_subclass__
     else:
