@@ -1,0 +1,155 @@
+"""What user code does around the model on several ranks, against plain torch: gradient hooks
+registered after initialize, reading the optimizer's state by parameter, weight_norm in a model
+built under zero3.Init."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
+
+import zero3
+
+from _reference import twins
+
+pytestmark = pytest.mark.multiproc
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)) for _ in range(3)]
+
+
+def _weights_diff(model: nn.Module, ref: nn.Module) -> float:
+    with zero3.GatheredParameters(list(model.parameters())):
+        return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+# -- post-accumulate-grad hooks registered after initialize (runtime/last_grad_hook.py) -------------
+def hooks_after_initialize(threshold: int) -> dict:
+    """One hook zeroes l2.weight's gradient (holds it still), one doubles l0.bias's; the second is
+    removed before the last step. SGD, which Adam's scale invariance would hide a doubling from."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model = twins(_mlp)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    zero3.initialize(model, opt, {"param_persistence_threshold": threshold})
+    seen: list[tuple[int, ...] | None] = []
+
+    def hold(p: torch.Tensor) -> None:
+        seen.append(None if p.grad is None else tuple(p.grad.shape))
+        if p.grad is not None:
+            p.grad.zero_()
+
+    def double(p: torch.Tensor) -> None:
+        p.grad.mul_(2)
+
+    handles = []
+    for net in (ref, model):
+        net[2].weight.register_post_accumulate_grad_hook(hold)
+        handles.append(net[0].bias.register_post_accumulate_grad_hook(double))
+    still = ref[2].weight.detach().clone()
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for step, (x, y) in enumerate(_batches(world)):
+        if step == 2:
+            for h in handles:
+                h.remove()
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ((model(x[mine]) - y[mine]) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with zero3.GatheredParameters([model[2].weight]):
+        held = torch.equal(model[2].weight.detach(), still)
+    return {"seen": seen, "held": held, "diff": _weights_diff(model, ref)}
+
+
+@pytest.mark.parametrize("threshold", [0, 10**6])  # released after use, and kept gathered (persistent)
+def test_gradient_hooks_registered_after_initialize_act_as_in_torch(pools, threshold):
+    for r in pools.get(2).run(hooks_after_initialize, threshold):
+        # torch sees each hook twice per step (once per net); zero3's rank once per step: the full shape
+        assert r["seen"][::2] == r["seen"][1::2] == [(16, 16)] * 3, r
+        assert r["held"], r
+        assert r["diff"] < 1e-6, r
+
+
+# -- the optimizer's state, read by parameter (optim/rank_state.py ShardKeyedState) ----------------
+def state_by_parameter() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model = twins(_mlp)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    zero3.initialize(model, opt, {"param_persistence_threshold": 0})
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for x, y in _batches(world)[:2]:
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ((model(x[mine]) - y[mine]) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    refused = []
+    for read in (lambda p: opt.state[p], lambda p: opt.state.__setitem__(p, {})):
+        try:
+            read(model[0].weight)
+            refused.append(False)
+        except zero3.ZeroStateError as exc:
+            refused.append("safe_get_full_optimizer_state" in str(exc))
+    opt.load_state_dict(opt.state_dict())  # torch's load puts a new dict in place: still guarded
+    try:
+        opt.state[model[2].bias]
+        refused.append(False)
+    except zero3.ZeroStateError:
+        refused.append(True)
+    full = zero3.safe_get_full_optimizer_state(model[0].weight, "exp_avg")
+    return {"refused": refused, "entries": len(opt.state),
+            "exp_avg_diff": (full - ref_opt.state[ref[0].weight]["exp_avg"]).abs().max().item()}
+
+
+def test_the_optimizer_state_read_by_parameter_names_the_accessors_and_breaks_nothing(pools):
+    for r in pools.get(2).run(state_by_parameter):
+        assert r["refused"] == [True, True, True], r
+        assert r["entries"] == 6, r  # one per shard: the refused reads inserted nothing
+        assert r["exp_avg_diff"] < 1e-6, r
+
+
+# -- weight_norm applied while the model is built under Init (runtime/init.py) ---------------------
+class _Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 16)
+        self.l2 = weight_norm(nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+def weight_norm_under_init() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model = twins(_Normed)
+    names = [n for n, _ in model.named_parameters()]
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 0})
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for x, y in _batches(world):
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.backward(((model(x[mine]) - y[mine]) ** 2).mean())
+        engine.step()
+    return {"names": names, "ref_names": [n for n, _ in ref.named_parameters()], "diff": _weights_diff(model, ref)}
+
+
+def test_weight_norm_in_a_model_built_under_init_trains_like_torch(pools):
+    for r in pools.get(2).run(weight_norm_under_init):
+        assert r["names"] == r["ref_names"], r
+        assert "l2.parametrizations.weight.original1" in r["names"], r
+        assert r["diff"] < 1e-6, r
