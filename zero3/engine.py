@@ -244,6 +244,8 @@ class Engine:
             ctx.metrics.optimizer_seconds += time.perf_counter() - t0
         ctx.micro_steps += 1
         if boundary:
+            if ctx.optimizer is None:  # nothing steps the shards, but the refresh gathers them again
+                take_persistent_writes(ctx.coordinator.persistent_params)
             ctx.coordinator.refresh_persistent()
             ctx.global_steps += 1
         self.hooks.step.end_epochs()

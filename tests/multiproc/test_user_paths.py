@@ -242,3 +242,45 @@ def persistent_writes(where: str) -> dict:
 def test_in_place_writes_to_persistent_parameters_are_kept_as_in_torch(pools, where):
     for r in pools.get(2).run(persistent_writes, where):
         assert r["diff"] < 1e-6, r
+
+
+def one_element_write(dtype: str) -> dict:
+    """An in-place write to one element of a persistent weight whose fp32 masters hold values a
+    low-precision copy cannot: the step (lr 0) must change that element's master and no other."""
+    with zero3.Init():
+        model = nn.Sequential(nn.Linear(8, 16))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                              {"param_persistence_threshold": 10**6, "dtype": dtype})
+    w = model[0].weight
+    zero3.safe_set_full_fp32_param(w, torch.full((16, 8), 1.0 + 2**-12))  # not a bf16 or fp16 value
+    before = zero3.safe_get_full_fp32_param(w)
+    engine.backward(engine(torch.randn(2, 8).to(w.dtype)).float().sum())
+    with torch.no_grad():
+        w[0, 0] = 0.5
+    engine.step()
+    after = zero3.safe_get_full_fp32_param(w)
+    return {"changed": int((after != before).sum()), "written": after[0, 0].item()}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_an_in_place_write_to_one_element_reaches_that_element_s_master_only(pools, dtype):
+    for r in pools.get(2).run(one_element_write, dtype):
+        assert r == {"changed": 1, "written": 0.5}, r
+
+
+def write_without_optimizer() -> dict:
+    """An engine without an optimizer (evaluation, a frozen reference model) still gathers its
+    persistent parameters again at engine.step(): a write before it must survive."""
+    with zero3.Init():
+        model = _mlp()
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 10**6})
+    with torch.no_grad():
+        model[0].bias.fill_(0.25)
+    engine.step()
+    with zero3.GatheredParameters([model[0].bias]):
+        return {"kept": bool((model[0].bias == 0.25).all())}
+
+
+def test_an_in_place_write_survives_the_step_of_an_engine_without_an_optimizer(pools):
+    for r in pools.get(2).run(write_without_optimizer):
+        assert r["kept"], r

@@ -65,10 +65,12 @@ class PersistentParams:
 
     @torch.no_grad()
     def take_writes(self) -> list[str]:
-        """Before an optimizer step: write every slice of a gathered copy that differs from this rank's
-        shard (an in-place write since the last gather) into the master and the shard; returns the
-        names of those parameters."""
-        written = []
+        """Before an optimizer step: write every element of this rank's slice of a gathered copy that
+        differs from its shard (an in-place write since the last gather) into the master and the
+        shard; returns the names of those parameters. Only the written elements reach the master: a
+        low-precision copy of the rest would round the master's other elements. On an accelerator,
+        one host sync for all the comparisons."""
+        todo = []
         for p in self.params:
             z = p._zero
             if z.aliased or z.status is not ParamStatus.AVAILABLE or z.residence not in MEMORY:
@@ -76,9 +78,20 @@ class PersistentParams:
             start, end = z.shard_range()
             n = max(end - start, 0)
             mine = zparam.raw_data(p).view(-1)[start:start + n]
-            if not torch.equal(mine, z.shard[:n]):
+            kept = z.shard[:n].to(mine.device, non_blocking=True)
+            todo.append((z, n, mine, kept, (mine != kept).any() if mine.device.type != "cpu"
+                         else not torch.equal(mine, kept)))
+        on_device = [i for i, t in enumerate(todo) if isinstance(t[4], torch.Tensor)]
+        if on_device:
+            flags = torch.stack([todo[i][4] for i in on_device]).tolist()
+            for i, flag in zip(on_device, flags):
+                todo[i] = todo[i][:4] + (flag,)
+        written = []
+        for z, n, mine, kept, differs in todo:
+            if differs:
                 master = z.train_tensor
-                master[:n].copy_(mine)
+                mask = (mine != kept).to(master.device)
+                master[:n] = torch.where(mask, mine.to(master.device, master.dtype), master[:n])
                 if master is not z.shard:
                     z.shard.copy_(master)
                 written.append(z.name)
