@@ -1,6 +1,6 @@
 """Property: whatever structure a module returns (tuples, lists, dicts, dataclasses, an object of the
 user's own class, nested to any depth) and whatever its leaves are (products, the module's own
-parameter, views of it, plain values), a model whose parameters are released after every forward
+parameter, views of it, its ``.detach()`` and ``.data``, plain values), a model whose parameters are released after every forward
 trains exactly like plain torch, nothing stays gathered after a step, and the structure comes back
 as the module built it (runtime/outputs.py [Note: module outputs])."""
 
@@ -18,7 +18,8 @@ from torch import nn
 from _reference import train_both
 
 ON_DEMAND = {"param_persistence_threshold": 0, "prefetch_bucket_size": 0, "max_reuse_distance": 0}
-LEAVES = ("product", "whole", "row", "transposed", "bias", "int", "none")
+LEAVES = ("product", "whole", "row", "transposed", "bias", "detached", "data", "int", "none")
+NO_GRAD = ("detached", "data", "int", "none")
 
 
 @dataclasses.dataclass
@@ -42,11 +43,12 @@ def outputs() -> st.SearchStrategy:
         st.tuples(st.just("dict"), st.lists(kids, min_size=1, max_size=3)),
         st.tuples(st.just("pair"), st.tuples(kids, kids)),
         st.tuples(st.just("box"), st.tuples(kids)),
-    ), max_leaves=6).filter(_has_tensor)
+    ), max_leaves=6).filter(_has_gradient)
 
 
-def _has_tensor(spec: Any) -> bool:
-    return spec not in ("int", "none") if isinstance(spec, str) else any(_has_tensor(k) for k in spec[1])
+def _has_gradient(spec: Any) -> bool:
+    """Whether the loss over ``spec`` has a gradient."""
+    return spec not in NO_GRAD if isinstance(spec, str) else any(_has_gradient(k) for k in spec[1])
 
 
 class Returns(nn.Module):
@@ -63,7 +65,8 @@ class Returns(nn.Module):
         if isinstance(spec, str):
             return {"product": lambda: h @ self.weight + self.bias, "whole": lambda: self.weight,
                     "row": lambda: self.weight[1], "transposed": lambda: self.weight.t(),
-                    "bias": lambda: self.bias, "int": lambda: 3, "none": lambda: None}[spec]()
+                    "bias": lambda: self.bias, "detached": lambda: self.weight.detach(),
+                    "data": lambda: self.weight.data, "int": lambda: 3, "none": lambda: None}[spec]()
         kind, kids = spec
         built = [self._build(k, h) for k in kids]
         if kind == "tuple":

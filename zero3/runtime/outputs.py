@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,8 +32,13 @@ from torch.utils import _pytree as pytree
 
 from ..partition.param import ZeroParameter, raw_data
 
-_PLAIN = (int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format)
-"""Leaves that hold no tensor."""
+_PLAIN = (int, float, complex, str, bytes, slice, range, enum.Enum, type(Ellipsis), torch.dtype, torch.device,
+          torch.layout, torch.memory_format, torch.Size)
+"""Leaves that hold no tensor (numpy's scalars and arrays too: `_holds_no_tensor`)."""
+
+
+def _holds_no_tensor(x: Any) -> bool:
+    return isinstance(x, _PLAIN) or (type(x).__module__ == "numpy" and getattr(x, "dtype", None) != object)
 
 
 def _is_dataclass_object(x: Any) -> bool:
@@ -63,7 +69,7 @@ def _hook_leaves(leaves: list[Any], hook: Any, nodes: list[Any]) -> bool:
         elif _is_dataclass_object(t):
             fields = [getattr(t, f.name) for f in dataclasses.fields(t)]
             seen_all = _hook_leaves(pytree.tree_leaves(fields), hook, nodes) and seen_all
-        elif t is not None and not isinstance(t, _PLAIN):
+        elif t is not None and not _holds_no_tensor(t):
             seen_all = False
     return seen_all
 
@@ -81,9 +87,9 @@ def _hook_tensor(t: torch.Tensor, hook: Any, nodes: list[Any]) -> None:
 def copy_parameter_views(output: Any, params: Sequence[ZeroParameter]) -> Any:
     """``output`` with every tensor that shares storage with one of ``params`` that a release would
     empty (not persistent) replaced by a clone; ``output`` itself when there is none (the usual case:
-    a tensor that is no view is tested by one attribute read)."""
+    an op's fresh result is tested by two attribute reads)."""
     if type(output) is torch.Tensor:
-        if output._base is None:
+        if not _may_alias(output, params):
             return output
         ptrs = _releasable_storages(params)
         return output.clone() if ptrs and _shares(output, ptrs) else output
@@ -107,8 +113,11 @@ def copy_parameter_views(output: Any, params: Sequence[ZeroParameter]) -> Any:
 
 
 def _may_alias(t: Any, params: Sequence[ZeroParameter]) -> bool:
+    """Whether ``t`` may share a parameter's storage: a view, or a tensor no op made (the parameter,
+    ``.detach()``, ``.data``; under no_grad every output). An op's fresh result (a ``grad_fn`` and no
+    base, the usual training output) cannot: tested by two attribute reads."""
     if isinstance(t, torch.Tensor):
-        return t._base is not None or any(t is p for p in params)
+        return t._base is not None or t.grad_fn is None
     return _is_dataclass_object(t)
 
 
