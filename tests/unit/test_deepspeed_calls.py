@@ -222,6 +222,17 @@ def test_zero_grad_after_a_backward_that_stepped_the_optimizer_inside_it_is_refu
     engine.step()
 
 
+def test_a_gradient_write_after_a_backward_that_stepped_the_optimizer_inside_it_is_refused():
+    """The step in backward used the gradient and dropped it: p.grad = None afterwards changes nothing,
+    so it is refused as the read is (it was accepted silently)."""
+    engine = _engine(offload_optimizer="cpu", offload_optimizer_step_in_backward=True, sub_group_size=64)
+    engine.backward(engine(_batch(0)).sum())
+    weight = engine.module[0].weight
+    with pytest.raises(ZeroStateError, match="after the optimizer step taken in this backward"):
+        weight.grad = None
+    engine.step()
+
+
 def test_checkpoint_calls_take_deepspeed_s_positional_order(tmp_path):
     engine = _engine()
     engine.backward(engine(_batch(0)).sum())

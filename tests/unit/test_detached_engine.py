@@ -112,3 +112,18 @@ def test_the_drop_of_stale_gradients_is_logged(caplog):
         _engine(model)
     assert "parameters ['0.weight', '0.bias', '2.weight'] ... hold gradients from an earlier backward" in caplog.text
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_after_remove_hooks_the_gradients_left_in_shards_can_be_cleared_as_in_torch():
+    """A backward, then remove_hooks: no engine steps the shards' gradients any more, so p.grad = None
+    and model.zero_grad() are the user's again (they were refused, pointing at an accessor that
+    refuses a parameter of no engine)."""
+    model = _model()
+    engine = _engine(model)
+    engine.backward(engine(torch.randn(2, 8)).sum())
+    with pytest.raises(ZeroStateError, match="safe_set_full_grad"):
+        model[0].weight.grad = None  # while the engine would step them: refused
+    engine.remove_hooks()
+    model[0].weight.grad = None
+    model.zero_grad()
+    assert model[0].weight.grad is None

@@ -392,6 +392,8 @@ def _check_grad_read(p: ZeroParameter) -> None:
         if z.ctx is not None:
             z.ctx.check_gradient_read(p, "param.grad")  # used by the step in backward: not "none"
         return
+    if _detached(z):
+        return
     raise ZeroStateError(
         f"param.grad of {z.summary()}: zero3 reduced this parameter's gradient into shards (each rank "
         "holds its 1/world_size slice), so param.grad is None although a gradient exists; code written "
@@ -407,7 +409,19 @@ def _check_grad_write(p: ZeroParameter) -> None:
     the step): the optimizer steps on the shard's gradient, so the write would be ignored (a
     parameter meant to be skipped would step). Refused, pointing at the setters that reach the shard."""
     z = p._zero
-    if converting.get() or z.train_tensor.grad is None:
+    if converting.get():
+        return
+    if z.train_tensor.grad is None:
+        if z.ctx is not None:
+            try:
+                z.ctx.check_gradient_read(p, "param.grad")
+            except ZeroStateError:
+                raise ZeroStateError(
+                    f"param.grad of {z.summary()} assigned or deleted after the optimizer step taken in this backward "
+                    "(offload_optimizer_step_in_backward) used its gradient, so the write would change nothing. Set "
+                    "gradients (zero3.safe_set_full_grad) in a run with offload_optimizer_step_in_backward=False") from None
+        return
+    if _detached(z):
         return
     raise ZeroStateError(
         f"param.grad of {z.summary()} assigned or deleted between backward and step: zero3 keeps the reduced "
@@ -415,6 +429,12 @@ def _check_grad_write(p: ZeroParameter) -> None:
         "write would be ignored. Use zero3.safe_set_full_grad(param, value) (the full gradient, the same on "
         "every rank; None drops it, so the optimizer skips the parameter) or zero3.safe_set_local_grad(param, "
         "value) (this rank's slice)")
+
+
+def _detached(z: ZeroParam) -> bool:
+    """No engine steps ``z``'s gradient shards any more (``engine.remove_hooks()``): ``p.grad`` is
+    torch's again, for the user to read and clear."""
+    return z.ctx is not None and not z.ctx.attached
 
 
 def _optimizer_being_built() -> str | None:
