@@ -333,25 +333,27 @@ def _sync_rng(ctx: RuntimeContext) -> _OwnRng | None:
     own_cpu = torch.get_rng_state()
     cpu = ctx.comm.broadcast(own_cpu.to(ctx.comm.device, copy=True), 0, tag).cpu()  # in place: keep own_cpu
     torch.set_rng_state(cpu)
-    differed = not torch.equal(own_cpu, cpu)
-    own_cuda = None
+    own = _OwnRng(own_cpu if not torch.equal(own_cpu, cpu) else None, None)
     if torch.cuda.is_available() and torch.cuda.is_initialized() and ctx.comm.backend == "nccl":
         own_cuda = torch.cuda.get_rng_state()
         cuda = ctx.comm.broadcast(own_cuda.to('cuda', copy=True), 0, tag).cpu()
         torch.cuda.set_rng_state(cuda)
-        differed = differed or not torch.equal(own_cuda, cuda)
-    return _OwnRng(own_cpu, own_cuda) if differed else None
+        if not torch.equal(own_cuda, cuda):
+            own = _OwnRng(own.cpu, own_cuda)
+    return own if own.cpu is not None or own.cuda is not None else None
 
 
 @dataclass(frozen=True)
 class _OwnRng:
-    """A rank's RNG states from before `Init` took rank 0's (CPU; CUDA's, or None)."""
+    """A rank's RNG states from before `Init` took rank 0's, each only where it differed (a stream
+    that was rank 0's stays where the build leaves it, as on rank 0)."""
 
-    cpu: torch.Tensor
+    cpu: torch.Tensor | None
     cuda: torch.Tensor | None
 
     def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
+        if self.cpu is not None:
+            torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda)
 
