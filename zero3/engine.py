@@ -34,6 +34,7 @@ from .runtime.coordinator import ParamCoordinator
 from .errors import ZeroConfigError, ZeroStateError
 from .optim import foreign as foreign_optimizers
 from .optim import routed_step
+from .optim.routed_clip import route_clip
 from .runtime.hooks import ModuleHooks
 from .metrics import StepMetrics
 from .comm.model_parallel import data_parallel_group
@@ -66,6 +67,7 @@ class Engine:
         self.hooks.install(model)
         self.last_step_metrics = StepMetrics()
         routed_step.route(self.optimizer, self)  # a plain loop's optimizer.step() is this engine's step
+        route_clip(self.context, clip_grad_norm_)  # torch's clip over its param_groups: the global norm
 
     # -- what the context holds, by name -----------------------------------------------------------
     @property

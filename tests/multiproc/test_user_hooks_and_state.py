@@ -153,3 +153,45 @@ def test_weight_norm_in_a_model_built_under_init_trains_like_torch(pools):
         assert r["names"] == r["ref_names"], r
         assert "l2.parametrizations.weight.original1" in r["names"], r
         assert r["diff"] < 1e-6, r
+
+
+# -- torch's clip_grad_norm_ over the optimizer's param_groups (optim/routed_clip.py) ---------------
+def clip_over_param_groups(threshold: int) -> dict:
+    """PyTorch Lightning's clip: torch.nn.utils.clip_grad_norm_ over the tensors of the optimizer's
+    param groups, which zero3 re-points at this rank's shards."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model = twins(_mlp)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    zero3.initialize(model, opt, {"param_persistence_threshold": threshold})
+    tensors = [t for g in opt.param_groups for t in g["params"]]
+    mine = slice(4 * rank, 4 * (rank + 1))
+    norms = []
+    for x, y in _batches(world):
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ((model(x[mine]) - y[mine]) ** 2).mean().backward()
+        norms.append((torch.nn.utils.clip_grad_norm_(tensors, 0.05).item(), ref_norm.item()))
+        opt.step()
+        opt.zero_grad()
+    ((model(x[mine]) - y[mine]) ** 2).mean().backward()
+    refused = []
+    for part in (tensors[:2], tensors + [torch.zeros(3, requires_grad=True)]):
+        try:
+            torch.nn.utils.clip_grad_norm_(part, 0.05)
+            refused.append(False)
+        except zero3.ZeroStateError:
+            refused.append(True)
+    opt.zero_grad()
+    return {"norms": norms, "refused": refused, "diff": _weights_diff(model, ref)}
+
+
+@pytest.mark.parametrize("threshold", [0, 10**6])
+def test_torch_clip_over_the_optimizer_s_param_groups_clips_by_the_global_norm(pools, threshold):
+    for r in pools.get(2).run(clip_over_param_groups, threshold):
+        for got, want in r["norms"]:
+            assert abs(got - want) < 1e-5 * want and want > 0.05, r  # the global norm, and it clipped
+        assert r["refused"] == [True, True], r  # a part of them; a mix with other tensors
+        assert r["diff"] < 1e-6, r
