@@ -26,6 +26,16 @@ def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)) for _ in range(3)]
 
 
+def _step_both(ref: nn.Module, ref_opt: torch.optim.Optimizer, model: nn.Module, opt: torch.optim.Optimizer,
+               x: torch.Tensor, y: torch.Tensor) -> None:
+    """A plain torch step of each: the reference on the whole batch, the model on this rank's part."""
+    mine = slice(4 * dist.get_rank(), 4 * (dist.get_rank() + 1))
+    for net, o, xs, ys in ((ref, ref_opt, x, y), (model, opt, x[mine], y[mine])):
+        ((net(xs) - ys) ** 2).mean().backward()
+        o.step()
+        o.zero_grad()
+
+
 def _weights_diff(model: nn.Module, ref: nn.Module) -> float:
     with zero3.GatheredParameters(list(model.parameters())):
         return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
@@ -35,7 +45,7 @@ def _weights_diff(model: nn.Module, ref: nn.Module) -> float:
 def hooks_after_initialize(threshold: int) -> dict:
     """One hook zeroes l2.weight's gradient (holds it still), one doubles l0.bias's; the second is
     removed before the last step. SGD, which Adam's scale invariance would hide a doubling from."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     ref, model = twins(_mlp)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -55,17 +65,11 @@ def hooks_after_initialize(threshold: int) -> dict:
         net[2].weight.register_post_accumulate_grad_hook(hold)
         handles.append(net[0].bias.register_post_accumulate_grad_hook(double))
     still = ref[2].weight.detach().clone()
-    mine = slice(4 * rank, 4 * (rank + 1))
     for step, (x, y) in enumerate(_batches(world)):
         if step == 2:
             for h in handles:
                 h.remove()
-        ((ref(x) - y) ** 2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ((model(x[mine]) - y[mine]) ** 2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+        _step_both(ref, ref_opt, model, opt, x, y)
     with zero3.GatheredParameters([model[2].weight]):
         held = torch.equal(model[2].weight.detach(), still)
     return {"seen": seen, "held": held, "diff": _weights_diff(model, ref)}
@@ -82,19 +86,13 @@ def test_gradient_hooks_registered_after_initialize_act_as_in_torch(pools, thres
 
 # -- the optimizer's state, read by parameter (optim/rank_state.py ShardKeyedState) ----------------
 def state_by_parameter() -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     ref, model = twins(_mlp)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
     zero3.initialize(model, opt, {"param_persistence_threshold": 0})
-    mine = slice(4 * rank, 4 * (rank + 1))
     for x, y in _batches(world)[:2]:
-        ((ref(x) - y) ** 2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ((model(x[mine]) - y[mine]) ** 2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+        _step_both(ref, ref_opt, model, opt, x, y)
     refused = []
     for read in (lambda p: opt.state[p], lambda p: opt.state.__setitem__(p, {})):
         try:
