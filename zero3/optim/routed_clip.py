@@ -12,12 +12,15 @@ refuses a part of them; a mix of them with other tensors is refused; anything el
 unchanged. A reference to the function taken before the first ``initialize``
 (``from torch.nn.utils import clip_grad_norm_`` at import) is torch's own, and still sees slices.
 The model's parameters themselves (``model.parameters()``) are refused by their gradient guard
-(partition/param.py `_check_grad_read`), as before.
+(partition/param.py `_check_grad_read`), as before. The routed function carries torch's module and
+name, so pickling ``torch.nn.utils.clip_grad_norm_`` still works (by reference: another process
+finds its own); a reference to torch's function taken before the routing no longer pickles (pickle
+finds another object under its name).
 """
 
 from __future__ import annotations
 
-import functools
+import numbers
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +33,7 @@ from ..errors import ZeroConfigError, ZeroStateError
 
 _CONTEXTS: list[weakref.ref] = []  # every engine's context, while it lives
 _TORCH_CLIP = torch.nn.utils.clip_grad.clip_grad_norm_
+_ZERO3_CLIP: list[Callable[..., torch.Tensor]] = []  # zero3.clip_grad_norm_, set by the first `route_clip`
 
 
 def route_clip(ctx: Any, zero3_clip: Callable[..., torch.Tensor]) -> None:
@@ -37,17 +41,14 @@ def route_clip(ctx: Any, zero3_clip: Callable[..., torch.Tensor]) -> None:
     once, with ``zero3_clip`` (``zero3.clip_grad_norm_``) as the clip it routes to."""
     _CONTEXTS[:] = [r for r in _CONTEXTS if r() is not None]
     _CONTEXTS.append(weakref.ref(ctx))
-    if getattr(torch.nn.utils.clip_grad_norm_, "_zero3_routed", False):
-        return
-    routed = functools.partial(_clip_grad_norm_, zero3_clip)
-    functools.update_wrapper(routed, _TORCH_CLIP)
-    routed._zero3_routed = True  # type: ignore[attr-defined]
-    torch.nn.utils.clip_grad_norm_ = routed
-    torch.nn.utils.clip_grad.clip_grad_norm_ = routed
+    if not _ZERO3_CLIP:
+        _ZERO3_CLIP.append(zero3_clip)
+        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+        torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
 
 
-def _clip_grad_norm_(zero3_clip: Callable[..., torch.Tensor], parameters: Any, max_norm: float,
-                     norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:
     tensors = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     owners = _shard_owners()
     params = [owners.get(id(t)) for t in tensors]
@@ -59,12 +60,31 @@ def _clip_grad_norm_(zero3_clip: Callable[..., torch.Tensor], parameters: Any, m
             "param_groups) and some are not: zero3 clips its shards by the norm over every rank's gradients, "
             "which cannot be mixed with a local norm. Clip them in two calls, or with zero3.clip_grad_norm_("
             "engine_or_model, max_norm); nothing was clipped")
+    ctx = params[0]._zero.ctx
+    trainable = {id(p) for p in ctx.params if p.requires_grad}
+    given = trainable & {id(p) for p in params}
+    if len(given) < len(trainable):
+        raise ZeroStateError(
+            f"torch.nn.utils.clip_grad_norm_ over the shards of {len(given)} of the engine's {len(trainable)} trainable "
+            "parameters (one param group, or an optimizer over a part of the model): zero3 clips by the norm over "
+            "every gradient of the engine, in one call, and clipping a part of them by its own norm is not "
+            "supported. Clip the tensors of every param group in one call (over all trainable parameters), or "
+            "use the config's gradient_clipping; nothing was clipped")
     if error_if_nonfinite:
         raise ZeroConfigError(
             "torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True) over a zero3 optimizer's shards: zero3's "
             "clip does not raise on a non-finite norm (it returns it, and fp16 skips the step); call it without "
             "error_if_nonfinite and check the returned norm; nothing was clipped")
-    return zero3_clip(params, max_norm, norm_type)
+    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1 or isinstance(max_norm, numbers.Real):
+        max_norm = float(max_norm)  # torch takes a 0-d tensor or a numpy number too
+    return _ZERO3_CLIP[0](params, max_norm, norm_type)
+
+
+# Pickled by reference under torch's name, which is this function once routed (see the Note).
+clip_grad_norm_.__module__ = _TORCH_CLIP.__module__
+clip_grad_norm_.__qualname__ = _TORCH_CLIP.__qualname__
+clip_grad_norm_.__doc__ = (_TORCH_CLIP.__doc__ or "") + "\n\nzero3: an engine's optimizer shards are clipped by " \
+    "the global norm (zero3/optim/routed_clip.py)."
 
 
 def _shard_owners() -> dict[int, Any]:
