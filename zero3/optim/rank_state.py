@@ -20,7 +20,8 @@ The state is keyed by this rank's shards (the tensors in ``param_groups``), not 
 parameters. ``optimizer.state`` is a defaultdict in torch, so a logging line's ``optimizer.state[p]``
 for a model parameter returned ``{}`` (no ``exp_avg``: silently wrong) and inserted ``p``, after which
 ``state_dict()`` failed with a bare ``KeyError`` from inside torch. `ShardKeyedState` refuses a
-model parameter as a key, naming the accessors that read and write its state.
+model parameter as a key (``[]``, ``in``, ``get``, ``setdefault``, ``update``), naming the accessors
+that read and write its state.
 """
 
 from __future__ import annotations
@@ -76,14 +77,35 @@ class ShardKeyedState(collections.defaultdict):
     a key (see the Note)."""
 
     def __missing__(self, key: Any) -> Any:
-        if isinstance(key, ZeroParameter):
-            raise _keyed_by_parameter(key)
+        _check_key(key)
         return super().__missing__(key)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if isinstance(key, ZeroParameter):
-            raise _keyed_by_parameter(key)
+        _check_key(key)
         super().__setitem__(key, value)
+
+    def __contains__(self, key: Any) -> bool:
+        _check_key(key)
+        return super().__contains__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        _check_key(key)
+        return super().get(key, default)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        _check_key(key)
+        return super().setdefault(key, default)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        new = dict(*args, **kwargs)
+        for key in new:
+            _check_key(key)
+        super().update(new)
+
+
+def _check_key(key: Any) -> None:
+    if isinstance(key, ZeroParameter):
+        raise _keyed_by_parameter(key)
 
 
 def _keyed_by_parameter(p: ZeroParameter) -> ZeroStateError:
