@@ -9,8 +9,9 @@ and what it wrote into the gradient was lost, silently. So ``initialize`` gives 
 parameter its own ``register_post_accumulate_grad_hook`` (an instance attribute, found before the
 class's method) that registers as torch does and then moves zero3's hook behind the new one. Every
 user hook then runs before zero3's, as one registered before ``initialize`` does: it sees this
-rank's full gradient, before the reduction (as under DDP, the gradient of this rank's batch, not
-the global one), and what it writes there is what zero3 reduces.
+rank's full gradient of this backward, before the reduction (the gradient of this rank's batch, not
+the global one; under accumulation, this micro-batch's alone, undivided: docs/api.md), and what it
+writes there is what zero3 reduces.
 
 torch snapshots a tensor's hooks when it calls them (``PyDict_Values``), in the order of the
 underlying dict, which ``OrderedDict.move_to_end`` does not change: zero3's entry is popped and
