@@ -1,4 +1,4 @@
-"""Where a module's pre-backward hangs (runtime/outputs.py `hook_backward_entry`): a pre-hook on the autograd
+"""Where a module's pre-backward hangs (runtime/outputs.py `prepare_output`): a pre-hook on the autograd
 node of its outputs, one per node, or a tensor hook on an output that is a leaf. With parameters
 released after forward (on demand, reuse 0), a pre-backward that fired late or never would leave
 the backward computing with a released parameter, so training like plain torch is the check."""

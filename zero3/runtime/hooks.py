@@ -6,7 +6,7 @@
   the tensor inputs in `_PostBackward`.
 - forward post-hook: pop the call, report its end to the coordinator (which releases the parameters
   or keeps them: still used elsewhere, a schedule's reuse keeps, generation mode) and hook the
-  output tensors (a pre-hook on each one's autograd node, a tensor hook on a leaf: `hook_backward_entry`, outputs.py):
+  output tensors (a pre-hook on each one's autograd node, a tensor hook on a leaf: outputs.py `prepare_output`):
   the first gradient that reaches any of them is the module's *pre-backward*, which gathers the
   parameters again (once per call).
 - a module's *post-backward* releases the call's parameters. Where its parameters tell when its
@@ -116,7 +116,7 @@ from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
 from .refusals import EAGER, eval_frame_callback, refuse_compiled_call, refuse_copy
 from .buffers import ModuleBuffers
-from .outputs import copy_parameter_views, hook_backward_entry
+from .outputs import prepare_output
 from .last_grad_hook import LastGradHook
 
 logger = logging.getLogger(__name__)
@@ -535,12 +535,12 @@ class ModuleHooks:
         grad = torch.is_grad_enabled()
         result = None
         if call.params:  # before the release below ([Note: module outputs])
-            result = copy_parameter_views(output, call.params)
+            result, seen_all = prepare_output(output, call.params, call if grad else None)
             if result is output:
                 result = None
             else:
                 output = result
-            if grad and not hook_backward_entry(output, call):
+            if not seen_all:
                 self._keep_for_step(call, output)
             if call.state is _OPEN:
                 self.coordinator.event(_POST_FORWARD, rec.name, call.params, call.ids)

@@ -3,7 +3,7 @@ and views of the module's parameters that would outlive their storage.
 
 [Note: module outputs]
 The forward post-hook (hooks.py) needs two things of an output, whatever its structure:
-- **Where a backward enters** (`hook_backward_entry`): a pre-hook on the autograd node of every
+- **Where a backward enters** (`_hook_leaves`): a pre-hook on the autograd node of every
   output tensor that needs a gradient is the module's pre-backward, which gathers its parameters
   again. The tensors are found through torch's pytree (tuples, lists, dicts, namedtuples, Hugging
   Face's ``ModelOutput``) and through the fields of dataclasses, which pytree takes for leaves. An
@@ -45,23 +45,15 @@ def _is_dataclass_object(x: Any) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, type)
 
 
-def hook_backward_entry(output: Any, hook: Any) -> bool:
-    """Call ``hook`` when a gradient first reaches the backward of ``output`` (its tensors that need one).
-
-    A tensor made by an autograd node gets a pre-hook on that node: it fires at the same point as a
-    tensor hook (before the node, and for the value before any later in-place change: the in-place
-    op is a node of its own), and costs about 60% of `Tensor.register_hook` (no handle dict per
-    tensor). Outputs of one multi-output node share one hook. A leaf output has no node: it gets a
-    tensor hook. Returns False when ``output`` holds an object that may hide a tensor (neither pytree
-    nor a dataclass opens it): a backward may then enter unseen."""
-    if type(output) is torch.Tensor:
-        _hook_tensor(output, hook, [])
-        return True
-    nodes: list[Any] = []
-    return _hook_leaves(pytree.tree_leaves(output), hook, nodes)
-
-
 def _hook_leaves(leaves: list[Any], hook: Any, nodes: list[Any]) -> bool:
+    """Call ``hook`` when a gradient first reaches the backward of the tensors among ``leaves`` that
+    need one (and those in dataclass fields). A tensor made by an autograd node gets a pre-hook on
+    that node: it fires at the same point as a tensor hook (before the node, and for the value before
+    any later in-place change: the in-place op is a node of its own), and costs about 60% of
+    `Tensor.register_hook` (no handle dict per tensor). Outputs of one multi-output node share one
+    hook. A leaf output has no node: it gets a tensor hook. Returns False when a leaf is an object
+    that may hide a tensor (neither pytree nor a dataclass opens it): a backward may then enter
+    unseen."""
     seen_all = True
     for t in leaves:
         if isinstance(t, torch.Tensor):
@@ -84,6 +76,21 @@ def _hook_tensor(t: torch.Tensor, hook: Any, nodes: list[Any]) -> None:
             node.register_prehook(hook)
 
 
+def prepare_output(output: Any, params: Sequence[ZeroParameter], hook: Any = None) -> tuple[Any, bool]:
+    """The forward post-hook's two steps over one walk of ``output``: `copy_parameter_views`, then,
+    with a ``hook``, `_hook_leaves` on what is returned. Returns (the output to return, whether
+    no object in it may hide a tensor)."""
+    if type(output) is torch.Tensor:
+        output = copy_parameter_views(output, params)
+        if hook is not None:
+            _hook_tensor(output, hook, [])
+        return output, True
+    leaves, spec = pytree.tree_flatten(output)
+    if _copy_views_in(leaves, params):
+        output = pytree.tree_unflatten(leaves, spec)
+    return output, hook is None or _hook_leaves(leaves, hook, [])
+
+
 def copy_parameter_views(output: Any, params: Sequence[ZeroParameter]) -> Any:
     """``output`` with every tensor that shares storage with one of ``params`` that a release would
     empty (not persistent) replaced by a clone; ``output`` itself when there is none (the usual case:
@@ -94,11 +101,16 @@ def copy_parameter_views(output: Any, params: Sequence[ZeroParameter]) -> Any:
         ptrs = _releasable_storages(params)
         return output.clone() if ptrs and _shares(output, ptrs) else output
     leaves, spec = pytree.tree_flatten(output)
+    return pytree.tree_unflatten(leaves, spec) if _copy_views_in(leaves, params) else output
+
+
+def _copy_views_in(leaves: list[Any], params: Sequence[ZeroParameter]) -> bool:
+    """`copy_parameter_views` over pytree ``leaves``, in place; whether any changed."""
     if not any(_may_alias(t, params) for t in leaves):
-        return output
+        return False
     ptrs = _releasable_storages(params)
     if not ptrs:
-        return output
+        return False
     changed = False
     for i, t in enumerate(leaves):
         if isinstance(t, torch.Tensor) and _shares(t, ptrs):
@@ -109,7 +121,7 @@ def copy_parameter_views(output: Any, params: Sequence[ZeroParameter]) -> Any:
             if new is not t:
                 leaves[i] = new
                 changed = True
-    return pytree.tree_unflatten(leaves, spec) if changed else output
+    return changed
 
 
 def _may_alias(t: Any, params: Sequence[ZeroParameter]) -> bool:
