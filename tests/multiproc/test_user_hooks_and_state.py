@@ -121,18 +121,18 @@ def test_the_optimizer_state_read_by_parameter_names_the_accessors_and_breaks_no
 
 # -- weight_norm applied while the model is built under Init (runtime/init.py) ---------------------
 class _Normed(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, deprecated: bool) -> None:
         super().__init__()
         self.l1 = nn.Linear(8, 16)
-        self.l2 = weight_norm(nn.Linear(16, 4))
+        self.l2 = (nn.utils.weight_norm if deprecated else weight_norm)(nn.Linear(16, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.l2(torch.tanh(self.l1(x)))
 
 
-def weight_norm_under_init() -> dict:
+def weight_norm_under_init(deprecated: bool) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    ref, model = twins(_Normed)
+    ref, model = twins(lambda: _Normed(deprecated))
     names = [n for n, _ in model.named_parameters()]
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
@@ -147,10 +147,11 @@ def weight_norm_under_init() -> dict:
     return {"names": names, "ref_names": [n for n, _ in ref.named_parameters()], "diff": _weights_diff(model, ref)}
 
 
-def test_weight_norm_in_a_model_built_under_init_trains_like_torch(pools):
-    for r in pools.get(2).run(weight_norm_under_init):
+@pytest.mark.parametrize("deprecated", [False, True])  # parametrizations.weight_norm; nn.utils.weight_norm
+def test_weight_norm_in_a_model_built_under_init_trains_like_torch(pools, deprecated):
+    for r in pools.get(2).run(weight_norm_under_init, deprecated):
         assert r["names"] == r["ref_names"], r
-        assert "l2.parametrizations.weight.original1" in r["names"], r
+        assert ("l2.weight_v" if deprecated else "l2.parametrizations.weight.original1") in r["names"], r
         assert r["diff"] < 1e-6, r
 
 

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
 from torch.nn.utils import parametrize
+from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils import _pytree as pytree
 
 from ..partition import sharding
@@ -106,6 +107,7 @@ class _Patches:
     init_subclass: Any
     inits: dict[type, Callable]  # original __init__ of every class we wrapped
     register_parametrization: Callable  # torch's, given back on exit
+    weight_norm_apply: Any  # torch's (deprecated) WeightNorm.apply staticmethod, given back on exit
     building: dict[int, int] = field(default_factory=dict)  # id(module) -> nesting of its __init__ wrappers
 
 
@@ -423,7 +425,8 @@ def _install_patches() -> None:
     handles = [module_mod.register_module_parameter_registration_hook(_on_param_registered)]
     patches = _Patches(handles=handles, apply=nn.Module.apply,
                        init_subclass=nn.Module.__dict__.get("__init_subclass__"), inits={},
-                       register_parametrization=parametrize.register_parametrization)
+                       register_parametrization=parametrize.register_parametrization,
+                       weight_norm_apply=WeightNorm.__dict__["apply"])
     _PATCHES.set(patches)
     for cls in _all_subclasses(nn.Module):
         _wrap_init(cls, patches)
@@ -435,6 +438,8 @@ def _install_patches() -> None:
     nn.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
     nn.Module.apply = _apply_with_gather  # type: ignore[method-assign]
     parametrize.register_parametrization = functools.partial(_parametrize_with_gather, patches.register_parametrization)
+    WeightNorm.apply = staticmethod(functools.partial(_old_weight_norm_with_gather,  # type: ignore[method-assign]
+                                                      patches.weight_norm_apply.__func__))
 
 
 def _parametrize_with_gather(register: Callable, module: nn.Module, tensor_name: str, *args: Any, **kwargs: Any) -> Any:
@@ -451,6 +456,21 @@ def _parametrize_with_gather(register: Callable, module: nn.Module, tensor_name:
         return register(module, tensor_name, *args, **kwargs)
 
 
+def _old_weight_norm_with_gather(apply: Callable, module: nn.Module, name: str, dim: int) -> Any:
+    """The deprecated ``torch.nn.utils.weight_norm`` under Init: gathered as `_parametrize_with_gather`,
+    and its new parameters (``weight_g``; ``weight_v``, which shares the gathered storage) partitioned
+    before the release empties that storage (parameters registered on a built module otherwise wait
+    for the end of Init)."""
+    p = module._parameters.get(name)
+    state = _current()
+    if not isinstance(p, ZeroParameter) or state is None:
+        return apply(module, name, dim)
+    with GatheredParameters([p], modifier_rank=0 if state.sync == "broadcast" else LOCAL_MODIFIER):
+        fn = apply(module, name, dim)
+        _partition_module(module, state, recurse=False)
+    return fn
+
+
 def _remove_patches() -> None:
     patches = _PATCHES.get()
     if patches is None:
@@ -459,6 +479,7 @@ def _remove_patches() -> None:
         h.remove()
     nn.Module.apply = patches.apply  # type: ignore[method-assign]
     parametrize.register_parametrization = patches.register_parametrization
+    WeightNorm.apply = patches.weight_norm_apply  # type: ignore[method-assign]
     if patches.init_subclass is None:
         del nn.Module.__init_subclass__
     else:
