@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import zero3
 
@@ -284,3 +285,40 @@ def write_without_optimizer() -> dict:
 def test_an_in_place_write_survives_the_step_of_an_engine_without_an_optimizer(pools):
     for r in pools.get(2).run(write_without_optimizer):
         assert r["kept"], r
+
+
+def data_replaced(how: str) -> dict:
+    """``p.data = t`` on a persistent parameter between steps: a fresh tensor, or (torch's
+    vector_to_parameters) a view into one long vector, which the release must leave alone."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model, ref_opt, _, engine = _twin_mlps(10**6)
+    vectors = []
+    with torch.no_grad():
+        for net in (ref, model):
+            if how == "vector":
+                vectors.append(parameters_to_vector(net.parameters()) * 0.5)
+                vector_to_parameters(vectors[-1], net.parameters())
+            else:
+                net[0].weight.data = torch.full((16, 8), 0.1)
+    kept = vectors[1].clone() if vectors else None
+    g = torch.Generator().manual_seed(1)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for _ in range(2):
+        x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
+        ref_opt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_opt.step()
+        engine.backward(((model(x[mine]) - y[mine]) ** 2).mean())
+        engine.step()
+    with zero3.GatheredParameters(list(model.parameters())):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return {"diff": diff, "vector_intact": kept is None or torch.equal(vectors[1], kept)}
+
+
+@pytest.mark.parametrize("how", ["fresh", "vector"])
+def test_parameter_data_replaced_between_steps_is_kept_as_in_torch(pools, how):
+    for r in pools.get(2).run(data_replaced, how):
+        assert r["diff"] < 1e-6, r
+        # The user's vector keeps its values: zero3 took them and left its storage (emptying it broke the
+        # next gather). Unlike torch's, whose parameters are views of it, it does not follow the steps.
+        assert r["vector_intact"], r

@@ -516,7 +516,11 @@ def release(p: ZeroParameter) -> None:
     # AVAILABLE, so a plain ``nn.Parameter``: its own storage is its data's, no guard to pass
     storage = p.untyped_storage()
     if z.flat is not None and z.flat_storage._cdata != storage._cdata:
-        z.flat = None  # its data was replaced while gathered (``p.data = t``): view the new one next time
+        # Its data was replaced while gathered (``p.data = t``, torch's vector_to_parameters): back to
+        # its own storage, leaving t's alone (the user's tensor, or a view into a bigger one, which
+        # emptying would break; the value was taken already, persistent.py `take_writes`).
+        p.data = z.flat.view(z.shape)
+        storage = z.flat_storage
     storage.resize_(0)
     p.__class__ = PartitionedParameter
 
