@@ -522,6 +522,7 @@ def _explain_target(engine: Engine, target: Any) -> tuple[str, Any]:
     raise ZeroConfigError(f"explain() takes a parameter, module, name or None, got {type(target).__name__}")
 
 
+@torch.inference_mode(False)  # an eval-first script's inference_mode: shards and masters must stay trainable
 def initialize(model: nn.Module | None = None, optimizer: Any = None, config: Any = None, group: Any = None, *,
                model_parameters: Any = None, lr_scheduler: Any = None, mpu: Any = None,
                communicator: Communicator | None = None) -> Engine:

@@ -322,3 +322,32 @@ def test_parameter_data_replaced_between_steps_is_kept_as_in_torch(pools, how):
         # The user's vector keeps its values: zero3 took them and left its storage (emptying it broke the
         # next gather). Unlike torch's, whose parameters are views of it, it does not follow the steps.
         assert r["vector_intact"], r
+
+
+def initialized_under_inference_mode() -> dict:
+    """An eval-first script: initialize (and a first evaluation) under torch.inference_mode(), then
+    training outside it. The shards and masters made there must stay trainable."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model = twins(_mlp)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    with torch.inference_mode():
+        zero3.initialize(model, opt, {"param_persistence_threshold": 0})
+        model(torch.ones(1, 8))
+    g = torch.Generator().manual_seed(1)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for _ in range(2):
+        x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ((model(x[mine]) - y[mine]) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with zero3.GatheredParameters(list(model.parameters())):
+        return {"diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))}
+
+
+def test_initialize_under_inference_mode_then_training_acts_as_torch(pools):
+    for r in pools.get(2).run(initialized_under_inference_mode):
+        assert r["diff"] < 1e-6, r

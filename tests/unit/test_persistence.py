@@ -57,3 +57,33 @@ def test_init_and_the_engine_keep_the_same_shards_in_memory(sizes, param_thresho
         expected = choose_persistent([p.ds_numel for p in model.parameters()], param_threshold, model_threshold)
         assert persistent == {name for (name, _), c in zip(model.named_parameters(), expected) if c}
         engine.remove_hooks()
+
+
+def test_parameter_data_replaced_at_world_size_1_is_taken_into_the_shard_it_viewed():
+    """At world size 1 a kept-gathered parameter is a view of its shard (the step needs no refresh).
+    ``p.data = t`` (torch's vector_to_parameters) broke the view: the forwards used t for ever while
+    the optimizer stepped the old shard. The step takes t and views the shard again: like torch."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    ref, model = build(), build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), {})
+    assert all(p._zero.aliased for p in model.parameters())
+    with torch.no_grad():
+        for net in (ref, model):
+            vector_to_parameters(parameters_to_vector(net.parameters()) * 0.5, net.parameters())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.backward(((model(x) - y) ** 2).mean())
+        engine.step()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(zero3.safe_get_full_fp32_param(a), b.detach(), rtol=1e-6, atol=1e-7)

@@ -69,11 +69,22 @@ class PersistentParams:
         differs from its shard (an in-place write since the last gather) into the master and the
         shard; returns the names of those parameters. Only the written elements reach the master: a
         low-precision copy of the rest would round the master's other elements. On an accelerator,
-        one host sync for all the comparisons."""
+        one host sync for all the comparisons. A parameter that views its shard (world size 1) is
+        written in place already, unless its data was replaced (``p.data = t``, torch's
+        vector_to_parameters): then t is taken and the parameter views its shard again."""
         todo = []
+        written = []
         for p in self.params:
             z = p._zero
-            if z.aliased or z.status is not ParamStatus.AVAILABLE or z.residence not in MEMORY:
+            if z.status is not ParamStatus.AVAILABLE or z.residence not in MEMORY:
+                continue
+            if z.aliased:
+                data = zparam.raw_data(p)
+                if data.untyped_storage().data_ptr() != z.shard.untyped_storage().data_ptr():
+                    mine = data.reshape(-1)
+                    _take(z, z.numel, mine, z.shard[: z.numel].to(mine.device))
+                    p.data = z.shard[: z.numel].view(z.shape)  # gathered, so torch's class: no guard
+                    written.append(z.name)
                 continue
             start, end = z.shard_range()
             n = max(end - start, 0)
@@ -86,14 +97,9 @@ class PersistentParams:
             flags = torch.stack([todo[i][4] for i in on_device]).tolist()
             for i, flag in zip(on_device, flags):
                 todo[i] = todo[i][:4] + (flag,)
-        written = []
         for z, n, mine, kept, differs in todo:
             if differs:
-                master = z.train_tensor
-                mask = (mine != kept).to(master.device)
-                master[:n] = torch.where(mask, mine.to(master.device, master.dtype), master[:n])
-                if master is not z.shard:
-                    z.shard.copy_(master)
+                _take(z, n, mine, kept)
                 written.append(z.name)
         return written
 
@@ -109,3 +115,13 @@ class PersistentParams:
 
 
 __all__ = ["PersistentParams"]
+
+
+def _take(z: zparam.ZeroParam, n: int, mine: torch.Tensor, kept: torch.Tensor) -> None:
+    """The elements of ``mine`` (this rank's ``n`` of the gathered copy) that differ from ``kept``
+    (the shard's, on the same device) into the master, and the master into the shard."""
+    master = z.train_tensor
+    mask = (mine != kept).to(master.device)
+    master[:n] = torch.where(mask, mine.to(master.device, master.dtype), master[:n])
+    if master is not z.shard:
+        z.shard.copy_(master)
