@@ -9,10 +9,11 @@ those). At world size 1 the full tensor is a view of the shard when both have on
 and then needs no refresh.
 
 A persistent parameter is torch's own class while gathered, so nothing stops an in-place write to it
-between steps (``nn.init.zeros_(p)``, ``p.data.copy_(v)``, ``model.apply(init)``); the forwards use
-the written value at once, as in torch. So that the step does not then lose it (it steps the shards
-and gathers them again), `take_writes` compares each rank's slice of the gathered copy with its shard
-before the optimizer step and writes a slice that differs back into the shard and the master. Every
+between steps (``nn.init.zeros_(p)``, ``p.data.copy_(v)``, ``model.apply(init)``, ``p.data = t``,
+torch's ``vector_to_parameters``); the forwards use the written value at once, as in torch. So that
+the step does not then lose it (it steps the shards and gathers them again), `take_writes` compares
+each rank's slice of the gathered copy with its shard before the optimizer step and writes the
+elements that differ into the shard and the master. Every
 rank must make the same write (as with DDP, which keeps no two ranks' weights in step either);
 shards not in memory and the step in backward (which steps before `take_writes` could run) are not
 covered: there, write inside ``GatheredParameters(params, modifier_rank=0)``.
