@@ -8,12 +8,13 @@ of the runtime that owns the work.
 from __future__ import annotations
 
 import contextlib
+import functools
 import copy
 import logging
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Iterator
 
 import torch
@@ -522,7 +523,27 @@ def _explain_target(engine: Engine, target: Any) -> tuple[str, Any]:
     raise ZeroConfigError(f"explain() takes a parameter, module, name or None, got {type(target).__name__}")
 
 
-@torch.inference_mode(False)  # an eval-first script's inference_mode: shards and masters must stay trainable
+def _outside_inference_mode(initialize_fn: Callable[..., Engine]) -> Callable[..., Engine]:
+    """``initialize`` under ``torch.inference_mode()`` (an eval-first script) makes its shards and masters
+    outside it, so that training afterwards can update them; unless the model's parameters are
+    inference tensors themselves (built in it too: an evaluation-only script), which stays in it."""
+
+    @functools.wraps(initialize_fn)
+    def wrapper(model: nn.Module | None = None, *args: Any, **kwargs: Any) -> Engine:
+        keep = torch.is_inference_mode_enabled() and isinstance(model, nn.Module) and any(
+            _is_inference(p) for p in model.parameters())
+        with torch.inference_mode(keep):
+            return initialize_fn(model, *args, **kwargs)
+
+    return wrapper
+
+
+def _is_inference(p: torch.Tensor) -> bool:
+    with torch._C.DisableTorchFunctionSubclass():
+        return p.is_inference()
+
+
+@_outside_inference_mode
 def initialize(model: nn.Module | None = None, optimizer: Any = None, config: Any = None, group: Any = None, *,
                model_parameters: Any = None, lr_scheduler: Any = None, mpu: Any = None,
                communicator: Communicator | None = None) -> Engine:
