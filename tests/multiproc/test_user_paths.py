@@ -298,6 +298,8 @@ def data_replaced(how: str) -> dict:
             if how == "vector":
                 vectors.append(parameters_to_vector(net.parameters()) * 0.5)
                 vector_to_parameters(vectors[-1], net.parameters())
+            elif how == "transposed":  # a non-contiguous t
+                net[0].weight.data = torch.linspace(-1, 1, 128).view(8, 16).t()
             else:
                 net[0].weight.data = torch.full((16, 8), 0.1)
     kept = vectors[1].clone() if vectors else None
@@ -315,7 +317,7 @@ def data_replaced(how: str) -> dict:
     return {"diff": diff, "vector_intact": kept is None or torch.equal(vectors[1], kept)}
 
 
-@pytest.mark.parametrize("how", ["fresh", "vector"])
+@pytest.mark.parametrize("how", ["fresh", "vector", "transposed"])
 def test_parameter_data_replaced_between_steps_is_kept_as_in_torch(pools, how):
     for r in pools.get(2).run(data_replaced, how):
         assert r["diff"] < 1e-6, r

@@ -87,3 +87,48 @@ def test_parameter_data_replaced_at_world_size_1_is_taken_into_the_shard_it_view
         for a, b in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(zero3.safe_get_full_fp32_param(a), b.detach(), rtol=1e-6, atol=1e-7)
+
+
+def _aliased_mlp(cfg: dict) -> tuple[nn.Module, zero3.Engine]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), cfg)
+    assert all(p._zero.aliased for p in model.parameters())
+    return model, engine
+
+
+def test_at_world_size_1_writes_reach_the_master_and_a_refresh_or_a_context_settles_a_replaced_data():
+    """World size 1, parameters viewing their shards. (1) bf16: an in-place write reaches the bf16
+    shard only; the step (lr 0) must take it into the fp32 master, not copy the master back over it.
+    (2) p.data = t, then refresh_from_masters: the shards win, as a gather's would at world size 2.
+    (3) p.data = t inside GatheredParameters(modifier_rank=0): t is the new value of shard and master."""
+    model, engine = _aliased_mlp({"bf16": {"enabled": True}})
+    nn.init.zeros_(model[0].weight)
+    engine.backward(engine(torch.randn(2, 8).bfloat16()).float().sum())
+    engine.step()
+    assert zero3.safe_get_full_fp32_param(model[0].weight).abs().max() == 0
+    assert model[0].weight.abs().max() == 0
+
+    model, engine = _aliased_mlp({})
+    kept = zero3.safe_get_full_fp32_param(model[0].weight)
+    model[0].weight.data = torch.full((16, 8), 0.1)
+    engine.refresh_from_masters()
+    assert torch.equal(model[0].weight.detach(), kept)
+    with zero3.GatheredParameters([model[0].weight], modifier_rank=0):
+        model[0].weight.data = torch.full((16, 8), 0.25)
+    assert torch.equal(zero3.safe_get_full_fp32_param(model[0].weight), torch.full((16, 8), 0.25))
+    assert torch.equal(model[0].weight.detach(), torch.full((16, 8), 0.25))
+
+
+def test_an_evaluation_only_script_under_inference_mode_still_runs():
+    """Built, initialized and run under torch.inference_mode(): the parameters are inference tensors,
+    so initialize stays in inference mode there (it leaves it only for parameters that can train)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        zero3.initialize(model, None, {"param_persistence_threshold": 0})
+        x = torch.randn(3, 8)
+        got, want = model(x), ref(x)
+    torch.testing.assert_close(got, want)

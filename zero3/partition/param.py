@@ -585,6 +585,18 @@ def alias_shard(p: ZeroParameter) -> None:
     z.aliased = True
 
 
+def alias_replaced(p: ZeroParameter) -> bool:
+    """Whether an aliased parameter's data no longer views its shard (``p.data = t`` since)."""
+    return raw_data(p).untyped_storage().data_ptr() != p._zero.shard.untyped_storage().data_ptr()
+
+
+def view_shard_again(p: ZeroParameter) -> None:
+    """An aliased parameter whose data was replaced views its shard again (t is dropped)."""
+    z = p._zero
+    with torch._C.DisableTorchFunctionSubclass():
+        p.data = z.shard[: z.numel].view(z.shape)
+
+
 def unalias_shard(p: ZeroParameter) -> None:
     """Give an aliased parameter its own (empty) storage again, so releasing it leaves the shard alone."""
     z = p._zero
@@ -641,6 +653,12 @@ def update_shard_from_full(p: ZeroParameter) -> bool:
     Both must be in memory (``RuntimeContext.resident``)."""
     z = p._zero
     if z.aliased:
+        if alias_replaced(p):  # ``p.data = t`` inside the context: t is the new value
+            z.shard[: z.numel].copy_(raw_data(p).reshape(-1))
+            view_shard_again(p)
+            if z.master is not None:
+                z.master.copy_(z.shard)
+            return True
         if z.master is None or torch.equal(z.master.to(z.shard.dtype), z.shard):
             return False
         z.master.copy_(z.shard)

@@ -58,8 +58,12 @@ class PersistentParams:
     def refresh(self) -> None:
         """The shards changed: gather them again from the shards (a collective when there are any)."""
         for p in self.params:
-            if p._zero.status is ParamStatus.AVAILABLE and not p._zero.aliased:
+            if p._zero.status is not ParamStatus.AVAILABLE:
+                continue
+            if not p._zero.aliased:
                 zparam.release(p)
+            elif zparam.alias_replaced(p):  # ``p.data = t`` since: the shards win, as a gather's would
+                zparam.view_shard_again(p)
         todo = [p for p in self.params if p._zero.status is ParamStatus.NOT_AVAILABLE]
         if todo:
             self._gather(todo)
@@ -80,16 +84,20 @@ class PersistentParams:
             if z.status is not ParamStatus.AVAILABLE or z.residence not in MEMORY:
                 continue
             if z.aliased:
-                data = zparam.raw_data(p)
-                if data.untyped_storage().data_ptr() != z.shard.untyped_storage().data_ptr():
-                    mine = data.reshape(-1)
+                if zparam.alias_replaced(p):
+                    mine = zparam.raw_data(p).reshape(-1)
                     _take(z, z.numel, mine, z.shard[: z.numel].to(mine.device))
-                    p.data = z.shard[: z.numel].view(z.shape)  # gathered, so torch's class: no guard
+                    zparam.view_shard_again(p)
                     written.append(z.name)
+                elif z.train_tensor is not z.shard:  # a write reached the low-precision shard, not the master
+                    mine, kept = z.shard[: z.numel], z.train_tensor[: z.numel].to(z.shard.device, z.shard.dtype)
+                    if not torch.equal(mine, kept):
+                        _take(z, z.numel, mine, kept)
+                        written.append(z.name)
                 continue
             start, end = z.shard_range()
             n = max(end - start, 0)
-            mine = zparam.raw_data(p).view(-1)[start:start + n]
+            mine = zparam.raw_data(p).reshape(-1)[start:start + n]  # reshape: t may be non-contiguous
             kept = z.shard[:n].to(mine.device, non_blocking=True)
             todo.append((z, n, mine, kept, (mine != kept).any() if mine.device.type != "cpu"
                          else not torch.equal(mine, kept)))
