@@ -15,8 +15,8 @@ the step does not then lose it (it steps the shards and gathers them again), `ta
 each rank's slice of the gathered copy with its shard before the optimizer step and writes the
 elements that differ into the shard and the master. Every
 rank must make the same write (as with DDP, which keeps no two ranks' weights in step either);
-shards not in memory and the step in backward (which steps before `take_writes` could run) are not
-covered: there, write inside ``GatheredParameters(params, modifier_rank=0)``.
+shards or masters not in memory (NVMe) and the step in backward (which steps before `take_writes`
+could run) are not covered: there, write inside ``GatheredParameters(params, modifier_rank=0)``.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ class PersistentParams:
         written = []
         for p in self.params:
             z = p._zero
-            if z.status is not ParamStatus.AVAILABLE or z.residence not in MEMORY:
+            if z.status is not ParamStatus.AVAILABLE or z.residence not in MEMORY \
+                    or z.train_tensor.untyped_storage().nbytes() == 0:  # a master on the drive (NVMe optimizer)
                 continue
             if z.aliased:
                 if zparam.alias_replaced(p):
