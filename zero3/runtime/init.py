@@ -335,13 +335,12 @@ def _sync_rng(ctx: RuntimeContext) -> _OwnRng | None:
     own_cpu = torch.get_rng_state()
     cpu = ctx.comm.broadcast(own_cpu.to(ctx.comm.device, copy=True), 0, tag).cpu()  # in place: keep own_cpu
     torch.set_rng_state(cpu)
-    own = _OwnRng(own_cpu if not torch.equal(own_cpu, cpu) else None, None)
+    own = _OwnRng(cpu=None if torch.equal(own_cpu, cpu) else own_cpu, cuda=None)
     if torch.cuda.is_available() and torch.cuda.is_initialized() and ctx.comm.backend == "nccl":
         own_cuda = torch.cuda.get_rng_state()
         cuda = ctx.comm.broadcast(own_cuda.to('cuda', copy=True), 0, tag).cpu()
         torch.cuda.set_rng_state(cuda)
-        if not torch.equal(own_cuda, cuda):
-            own = _OwnRng(own.cpu, own_cuda)
+        own = _OwnRng(cpu=own.cpu, cuda=None if torch.equal(own_cuda, cuda) else own_cuda)
     return own if own.cpu is not None or own.cuda is not None else None
 
 
@@ -415,10 +414,15 @@ def _apply_with_gather(self: nn.Module, fn: Callable[[nn.Module], None]) -> nn.M
     if not params or state is None:
         fn(self)
         return self
-    modifier = 0 if state.sync == "broadcast" else LOCAL_MODIFIER
-    with GatheredParameters(params, modifier_rank=modifier):
+    with _gathered_while_building(params, state):
         fn(self)
     return self
+
+
+def _gathered_while_building(params: list[ZeroParameter], state: _InitState) -> GatheredParameters:
+    """``params`` gathered around code that changes them while a model is built: each rank keeps its
+    own write (every rank computes the same one, from rank 0's RNG), or rank 0's under ``sync="broadcast"``."""
+    return GatheredParameters(params, modifier_rank=0 if state.sync == "broadcast" else LOCAL_MODIFIER)
 
 
 def _install_patches() -> None:
@@ -452,7 +456,7 @@ def _parametrize_with_gather(register: Callable, module: nn.Module, tensor_name:
     state = _current()
     if not isinstance(p, ZeroParameter) or state is None:
         return register(module, tensor_name, *args, **kwargs)
-    with GatheredParameters([p], modifier_rank=0 if state.sync == "broadcast" else LOCAL_MODIFIER):
+    with _gathered_while_building([p], state):
         return register(module, tensor_name, *args, **kwargs)
 
 
@@ -465,7 +469,7 @@ def _old_weight_norm_with_gather(apply: Callable, module: nn.Module, name: str, 
     state = _current()
     if not isinstance(p, ZeroParameter) or state is None:
         return apply(module, name, dim)
-    with GatheredParameters([p], modifier_rank=0 if state.sync == "broadcast" else LOCAL_MODIFIER):
+    with _gathered_while_building([p], state):
         fn = apply(module, name, dim)
         _partition_module(module, state, recurse=False)
     return fn

@@ -96,7 +96,7 @@ def copy_parameter_views(output: Any, params: Sequence[ZeroParameter]) -> Any:
     empty (not persistent) replaced by a clone; ``output`` itself when there is none (the usual case:
     an op's fresh result is tested by two attribute reads)."""
     if type(output) is torch.Tensor:
-        if not _may_alias(output, params):
+        if not _may_alias(output):
             return output
         ptrs = _releasable_storages(params)
         return output.clone() if ptrs and _shares(output, ptrs) else output
@@ -106,7 +106,7 @@ def copy_parameter_views(output: Any, params: Sequence[ZeroParameter]) -> Any:
 
 def _copy_views_in(leaves: list[Any], params: Sequence[ZeroParameter]) -> bool:
     """`copy_parameter_views` over pytree ``leaves``, in place; whether any changed."""
-    if not any(_may_alias(t, params) for t in leaves):
+    if not any(_may_alias(t) for t in leaves):
         return False
     ptrs = _releasable_storages(params)
     if not ptrs:
@@ -124,7 +124,7 @@ def _copy_views_in(leaves: list[Any], params: Sequence[ZeroParameter]) -> bool:
     return changed
 
 
-def _may_alias(t: Any, params: Sequence[ZeroParameter]) -> bool:
+def _may_alias(t: Any) -> bool:
     """Whether ``t`` may share a parameter's storage: a view, or a tensor no op made (the parameter,
     ``.detach()``, ``.data``; under no_grad every output). An op's fresh result (a ``grad_fn`` and no
     base, the usual training output) cannot: tested by two attribute reads."""

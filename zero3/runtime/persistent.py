@@ -102,13 +102,10 @@ class PersistentParams:
             kept = z.shard[:n].to(mine.device, non_blocking=True)
             todo.append((z, n, mine, kept, (mine != kept).any() if mine.device.type != "cpu"
                          else not torch.equal(mine, kept)))
-        on_device = [i for i, t in enumerate(todo) if isinstance(t[4], torch.Tensor)]
-        if on_device:
-            flags = torch.stack([todo[i][4] for i in on_device]).tolist()
-            for i, flag in zip(on_device, flags):
-                todo[i] = todo[i][:4] + (flag,)
+        pending = [d for *_, d in todo if isinstance(d, torch.Tensor)]  # on an accelerator: one sync for all
+        synced = iter(torch.stack(pending).tolist() if pending else [])
         for z, n, mine, kept, differs in todo:
-            if differs:
+            if next(synced) if isinstance(differs, torch.Tensor) else differs:
                 _take(z, n, mine, kept)
                 written.append(z.name)
         return written
