@@ -181,6 +181,23 @@ def test_a_no_op_conversion_under_init_leaves_nothing_gathered_and_a_dtype_chang
     assert engine(batches(1)[0]).dtype == torch.float32
 
 
+def test_a_layout_change_under_init_is_refused_and_changes_nothing():
+    """Under Init, ``to(memory_format=channels_last)`` was accepted and re-partitioned the converted
+    weight into flat shards: every gather then handed back the contiguous layout."""
+    torch.manual_seed(0)
+    ref = Net()
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = Net()
+        with pytest.raises(ZeroStateError, match=r"Net.to\(\) would change Conv2d.weight .*layout strides.*Nothing was converted"):
+            model.to(memory_format=torch.channels_last)
+        model.to(torch.float32)  # a conversion that changes nothing still works under Init
+    assert all(zero3.is_partitioned(p) for p in model.parameters())
+    with zero3.GatheredParameters(list(model.parameters())):
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), r.detach(), msg=name)
+
+
 def test_a_plain_model_is_converted_as_torch_converts_it():
     zero3.initialize(Net(), None, {})  # installs the wrapper (once zero3 has partitioned something)
     plain = Net()

@@ -25,7 +25,9 @@ tensor of each such parameter's dtype, device and number of dimensions:
 While a model is built under ``zero3.Init``, a conversion that changes a parameter goes to Init's own
 handling (it gathers the parameter around the op and re-partitions the result); one that changes
 nothing hands the parameters back there too, where Init used to gather them and keep them gathered
-until the next module was built.
+until the next module was built. A layout change (``memory_format=torch.channels_last``) is refused
+there as everywhere: Init would re-partition the converted tensor into flat shards, and every gather
+would hand back the contiguous layout the user asked to leave.
 """
 
 from __future__ import annotations
@@ -64,9 +66,9 @@ def _checked_apply(self: nn.Module, fn: Callable[[torch.Tensor], Any], recurse: 
     _refuse_future_flags(self, fn)
     change = _first_change(fn, zero)
     if change is not None:
-        if construction_handler.get() is not None:
-            return original(self, fn, recurse)  # building under Init: it converts and re-partitions
         p, what = change
+        if construction_handler.get() is not None and not what.startswith("layout"):
+            return original(self, fn, recurse)  # building under Init: it converts and re-partitions
         raise ZeroStateError(
             f"{_call_name(self, fn)} would change {p._zero.summary()} {what}. zero3 holds each parameter as "
             "shards made when it partitioned the model, and the optimizer steps on them; converting the "
