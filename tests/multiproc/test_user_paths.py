@@ -326,6 +326,38 @@ def test_parameter_data_replaced_between_steps_is_kept_as_in_torch(pools, how):
         assert r["vector_intact"], r
 
 
+def modifier_sets_noncontiguous_data(threshold: int) -> dict:
+    """``p.data = t`` of a non-contiguous ``t`` on rank 0 inside ``GatheredParameters(modifier_rank=0)``
+    (it failed in the publish's copy back from the broadcast), then two steps beside torch's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model, ref_opt, _, engine = _twin_mlps(threshold)
+    t = torch.linspace(-1, 1, 128).view(8, 16).t()
+    ref[0].weight.data = t.clone()
+    with zero3.GatheredParameters([model[0].weight], modifier_rank=0):
+        if rank == 0:
+            model[0].weight.data = t
+        else:
+            model[0].weight.data = torch.full((16, 8), 7.0)  # rank 0's broadcast overwrites it
+    g = torch.Generator().manual_seed(1)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for _ in range(2):
+        x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
+        ref_opt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_opt.step()
+        engine.backward(((model(x[mine]) - y[mine]) ** 2).mean())
+        engine.step()
+    with zero3.GatheredParameters(list(model.parameters())):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return {"diff": diff}
+
+
+@pytest.mark.parametrize("threshold", [0, 10**6])
+def test_a_non_contiguous_value_published_by_rank_0_trains_as_torch(pools, threshold):
+    for r in pools.get(2).run(modifier_sets_noncontiguous_data, threshold):
+        assert r["diff"] < 1e-6, r
+
+
 def initialized_under_inference_mode() -> dict:
     """An eval-first script: initialize (and a first evaluation) under torch.inference_mode(), then
     training outside it. The shards and masters made there must stay trainable."""

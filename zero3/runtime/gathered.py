@@ -144,8 +144,9 @@ class GatheredParameters:
                                                            f"{self.modifier_rank})", self._ids))
             off = 0
             for p in self.params:
-                n = raw_data(p).numel()
-                raw_data(p).view(-1).copy_(flat[off: off + n])
+                data = raw_data(p)  # a `p.data = t` of a non-contiguous t: copied through its strides
+                n = data.numel()
+                data.copy_(flat[off: off + n].view(data.shape))
                 off += n
         into_shards(ctx, self.params, reshaped)
 
