@@ -358,6 +358,43 @@ def test_a_non_contiguous_value_published_by_rank_0_trains_as_torch(pools, thres
         assert r["diff"] < 1e-6, r
 
 
+def data_resized() -> dict:
+    """``p.data = t`` of another shape after initialize (a bias of 16 given one element, which the
+    forward broadcasts): its gradient then has another size than the shards'. Refused by name in the
+    backward on every rank; with data of its own shape again, training goes on as torch's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model, ref_opt, opt, engine = _twin_mlps(10**6)
+    g = torch.Generator().manual_seed(1)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
+    model[0].bias.data = torch.full((1,), 0.5)
+    try:
+        engine.backward(((model(x[mine]) - y[mine]) ** 2).mean())
+        error = ""
+    except zero3.ZeroStateError as e:
+        error = str(e)
+    with torch.no_grad():
+        model[0].bias.data = torch.full((16,), 0.5)
+        ref[0].bias.fill_(0.5)
+    opt.zero_grad()
+    for _ in range(2):
+        x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
+        ref_opt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_opt.step()
+        engine.backward(((model(x[mine]) - y[mine]) ** 2).mean())
+        engine.step()
+    with zero3.GatheredParameters(list(model.parameters())):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return {"error": error, "diff": diff}
+
+
+def test_parameter_data_of_another_shape_is_refused_in_the_backward_and_training_goes_on(pools):
+    for r in pools.get(2).run(data_resized):
+        assert "0.bias got a gradient of shape (1,) (its shape is (16,))" in r["error"], r
+        assert r["diff"] < 1e-6, r
+
+
 def initialized_under_inference_mode() -> dict:
     """An eval-first script: initialize (and a first evaluation) under torch.inference_mode(), then
     training outside it. The shards and masters made there must stay trainable."""

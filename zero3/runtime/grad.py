@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from ..comm.communicator import Communicator, GradPiece, Kind, ReduceWork, Tag
+from ..errors import ZeroStateError
 from ..partition.param import ZeroParameter, raw_data
 
 
@@ -53,6 +54,8 @@ class GradientReducer:
         land their reduced gradients and (the step in backward with shared shards) write their shards."""
 
     def add(self, p: ZeroParameter, grad: torch.Tensor) -> None:
+        if grad.numel() != p._zero.numel:
+            _refuse_resized(p, grad)
         if self.comm.world_size == 1:  # the average over one rank is the gradient: no bucket, no copy
             self._accumulate(p, grad.reshape(-1))
             return
@@ -65,6 +68,9 @@ class GradientReducer:
         """Reduce several parameters as one unit, whichever of them got a gradient on this rank (a
         leaf module: every rank's bucket holds all of them, in this order). A parameter with no
         gradient on any rank keeps none (a presence count is reduced with the unit)."""
+        for p, g in grads:
+            if g is not None and g.numel() != p._zero.numel:
+                _refuse_resized(p, g)
         if self.comm.world_size == 1:
             for p, g in grads:
                 if g is not None:
@@ -158,3 +164,15 @@ class GradientReducer:
             target.grad.add_(piece.to(device=target.device, dtype=target.dtype))
         if self.on_landed is not None:
             self.on_landed(p)
+
+
+def _refuse_resized(p: ZeroParameter, grad: torch.Tensor) -> None:
+    """A gradient of another size than the parameter's: its data was replaced by a tensor of another
+    shape (``p.data = t``) after ``initialize``. Its shards, optimizer state and buckets have the old
+    size, so reducing the gradient would misplace every element after it; refused before any is."""
+    raise ZeroStateError(
+        f"{p._zero.name} got a gradient of shape {tuple(grad.shape)} (its shape is {tuple(p._zero.shape)}): its "
+        f"data was replaced by a tensor of shape {tuple(raw_data(p).shape)} after zero3.initialize, and its shards, "
+        "optimizer state and gradient buckets have the old size. Write values of its own shape "
+        "(p.data.copy_(t)), or resize before zero3.initialize inside "
+        "`with zero3.GatheredParameters([p], modifier_rank=0):`; this backward reduced nothing of it")
