@@ -4,6 +4,8 @@ built under zero3.Init."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -120,19 +122,32 @@ def test_the_optimizer_state_read_by_parameter_names_the_accessors_and_breaks_no
 
 
 # -- weight_norm applied while the model is built under Init (runtime/init.py) ---------------------
+class _Doubled(nn.Module):
+    """A parametrization without right_inverse: torch keeps the weight itself as ``original``."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
+
+
 class _Normed(nn.Module):
-    def __init__(self, deprecated: bool) -> None:
+    def __init__(self, how: str) -> None:
         super().__init__()
         self.l1 = nn.Linear(8, 16)
-        self.l2 = (nn.utils.weight_norm if deprecated else weight_norm)(nn.Linear(16, 4))
+        if how == "kept":
+            self.l2 = nn.utils.parametrize.register_parametrization(nn.Linear(16, 4), "weight", _Doubled())
+        else:
+            self.l2 = (nn.utils.weight_norm if how == "deprecated" else weight_norm)(nn.Linear(16, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.l2(torch.tanh(self.l1(x)))
 
 
-def weight_norm_under_init(deprecated: bool) -> dict:
+def weight_norm_under_init(how: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    ref, model = twins(lambda: _Normed(deprecated))
+    ref, model = twins(lambda: _Normed(how))
+    gc.collect()  # the weight weight_norm dropped: no longer driven by the context, so gone
+    ctx = next(model.parameters())._zero.ctx
+    alive = sorted(o._zero.name for o in gc.get_objects() if isinstance(o, zero3.ZeroParameter) and o._zero.ctx is ctx)
     names = [n for n, _ in model.named_parameters()]
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
@@ -144,15 +159,18 @@ def weight_norm_under_init(deprecated: bool) -> dict:
         ref_opt.zero_grad()
         engine.backward(((model(x[mine]) - y[mine]) ** 2).mean())
         engine.step()
-    return {"names": names, "ref_names": [n for n, _ in ref.named_parameters()], "diff": _weights_diff(model, ref)}
+    return {"names": names, "ref_names": [n for n, _ in ref.named_parameters()], "diff": _weights_diff(model, ref),
+            "alive": alive}
 
 
-@pytest.mark.parametrize("deprecated", [False, True])  # parametrizations.weight_norm; nn.utils.weight_norm
-def test_weight_norm_in_a_model_built_under_init_trains_like_torch(pools, deprecated):
-    for r in pools.get(2).run(weight_norm_under_init, deprecated):
+@pytest.mark.parametrize("how", ["parametrization", "deprecated", "kept"])  # parametrizations.weight_norm;
+def test_weight_norm_in_a_model_built_under_init_trains_like_torch(pools, how):  # nn.utils.weight_norm; _Doubled
+    for r in pools.get(2).run(weight_norm_under_init, how):
         assert r["names"] == r["ref_names"], r
-        assert ("l2.weight_v" if deprecated else "l2.parametrizations.weight.original1") in r["names"], r
+        assert {"deprecated": "l2.weight_v", "parametrization": "l2.parametrizations.weight.original1",
+                "kept": "l2.parametrizations.weight.original"}[how] in r["names"], r
         assert r["diff"] < 1e-6, r
+        assert len(r["alive"]) == len(r["names"]), r  # no dropped weight left with its shard
 
 
 # -- torch's clip_grad_norm_ over the optimizer's param_groups (optim/routed_clip.py) ---------------

@@ -129,9 +129,10 @@ class ParamCoordinator:
         self.plan_config = plan_config(config)
         self.budget = budget
 
-    def register(self, params: Iterable[ZeroParameter]) -> None:
+    def register(self, params: Iterable[ZeroParameter], drop: bool = False) -> None:
+        """Drive ``params`` (look them up by record id); with ``drop``, stop: a module dropped them."""
         for p in params:
-            self._by_id[p._zero.id] = p
+            self._by_id.pop(p._zero.id) if drop else self._by_id.__setitem__(p._zero.id, p)
 
     def enable_hpz(self, node_comm: Communicator) -> None:
         """From the next step on, keep secondary slices and gather from them over ``node_comm``

@@ -457,7 +457,9 @@ def _parametrize_with_gather(register: Callable, module: nn.Module, tensor_name:
     if not isinstance(p, ZeroParameter) or state is None:
         return register(module, tensor_name, *args, **kwargs)
     with _gathered_while_building([p], state):
-        return register(module, tensor_name, *args, **kwargs)
+        result = register(module, tensor_name, *args, **kwargs)
+    _forget_if_dropped(module, tensor_name, p, state)
+    return result
 
 
 def _old_weight_norm_with_gather(apply: Callable, module: nn.Module, name: str, dim: int) -> Any:
@@ -472,7 +474,16 @@ def _old_weight_norm_with_gather(apply: Callable, module: nn.Module, name: str, 
     with _gathered_while_building([p], state):
         fn = apply(module, name, dim)
         _partition_module(module, state, recurse=False)
+    _forget_if_dropped(module, name, p, state)
     return fn
+
+
+def _forget_if_dropped(module: nn.Module, name: str, p: ZeroParameter, state: _InitState) -> None:
+    """A parametrization replaced ``p`` (weight_norm keeps ``weight_g``/``weight_v``, or ``original0``
+    and ``original1``, and drops the weight): the context stops driving it, so its shard goes with it.
+    One that keeps it (as ``parametrizations.<name>.original``) leaves it driven."""
+    if all(q is not p for q in module.parameters()):
+        state.ctx.coordinator.register([p], drop=True)
 
 
 def _remove_patches() -> None:
