@@ -107,6 +107,28 @@ def test_load_state_dict_on_a_partitioned_model_raises_naming_zero3s_loader_whic
         assert all(torch.equal(v, changed[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("threshold", [0, 10**6])  # partitioned, and kept gathered (persistent)
+def test_load_state_dict_with_assign_is_refused_and_keeps_zero3s_parameters(threshold):
+    """``assign=True`` put plain tensors in place of zero3's parameters ("All keys matched"); the next
+    forward failed naming neither. Refused before the first module with zero3 parameters loads."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+    ref = copy.deepcopy(model)
+    changed = {k: v + 1 for k, v in model.state_dict().items()}
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"param_persistence_threshold": threshold})
+    params = list(model.parameters())
+    with pytest.raises(ZeroStateError, match=r"assign=True\) would replace zero3's parameter 0\.weight .*"
+                                             r"zero3\.pretrained\.load_state_dict"):
+        model.load_state_dict(changed, assign=True)
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params]
+    assert all(zero3.is_zero_param(p) for p in model.parameters())
+    zero3.pretrained.load_state_dict(model, changed)  # the way the message names
+    ref.load_state_dict(changed)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(engine(x), ref(x))
+
+
 def test_in_place_init_outside_init_context_raises(partitioned):
     model, _, _ = partitioned
     w = model[0].weight

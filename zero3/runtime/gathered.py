@@ -31,6 +31,7 @@ inside ``GatheredParameters`` over the embeddings, before ``initialize``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable
 
 import torch
@@ -170,6 +171,28 @@ def _written(params: list[ZeroParameter], before: torch.Tensor, counts: list[int
     after = _fingerprints(params)
     return [p for i, p in enumerate(params)
             if after[i] != before[i] and published.get(p._zero.id, 0) == counts[i]]
+
+
+def load_hooks(ctx: RuntimeContext, module: nn.Module) -> list[Any]:
+    """The handles of ``module.load_state_dict``'s hooks on a module holding zero3 parameters:
+    `refuse_assign` before torch loads, `write_back_loaded` after."""
+    return [module.register_load_state_dict_pre_hook(refuse_assign),
+            module.register_load_state_dict_post_hook(functools.partial(write_back_loaded, ctx))]
+
+
+def refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any], *_: Any) -> None:
+    """``load_state_dict(..., assign=True)``: torch would put the loaded tensors in place of zero3's
+    parameters (the engine then finds parameters it never partitioned). Refused before this module
+    loads anything; without ``assign`` the loaded values go into the shards."""
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    hit = [n for n, p in dict.items(module._parameters) if isinstance(p, ZeroParameter) and prefix + n in state_dict]
+    if hit:
+        raise ZeroStateError(
+            f"load_state_dict(..., assign=True) would replace zero3's parameter {prefix + hit[0]} with the loaded "
+            "tensor, which zero3 never partitioned. Load without assign (persistent parameters take the values; "
+            "for every parameter, zero3.pretrained.load_state_dict(model, state_dict) writes them into the "
+            f"shards); {type(module).__name__}'s parameters were left as they were")
 
 
 def write_back_loaded(ctx: RuntimeContext, module: nn.Module, incompatible_keys: Any) -> None:

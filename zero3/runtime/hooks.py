@@ -108,7 +108,7 @@ from torch.utils import _pytree as pytree
 
 from .context import RuntimeContext
 from ..errors import ZeroStateError
-from .gathered import external_parameters, register_external_parameter, write_back_loaded
+from .gathered import external_parameters, register_external_parameter, load_hooks
 from .leaf import is_leaf
 from ..partition.param import PartitionedParameter, ZeroParameter, drop_grad_slot
 from ..planning.trace import EventKind
@@ -358,10 +358,9 @@ class ModuleHooks:
             pd.hooks = self
             m._parameters = pd
         holders: dict[int, int] = {}  # id(param) -> how many modules hold it as their own (hooked or not)
-        write_back = functools.partial(write_back_loaded, self.ctx)
         for m in model.modules():
-            if any(isinstance(p, ZeroParameter) for p in dict.values(m._parameters)):  # kept-gathered params
-                self._handles.append(m.register_load_state_dict_post_hook(write_back))  # loaded into shards
+            if any(isinstance(p, ZeroParameter) for p in dict.values(m._parameters)):  # loaded into shards
+                self._handles += load_hooks(self.ctx, m)  # (kept-gathered ones), never assigned over
             for p in dict.values(m._parameters):
                 if p is not None:
                     holders[id(p)] = holders.get(id(p), 0) + 1
