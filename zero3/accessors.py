@@ -44,6 +44,8 @@ def _in_memory(write: bool, kinds: tuple[str, ...], load: bool = True) -> Callab
             if not isinstance(ctx, RuntimeContext):
                 return fn(param, *args, **kwargs)
             ctx.require_states(fn.__name__, kinds)
+            if "hp_params" in kinds or "lp_params" in kinds:
+                ctx.take_persistent_writes()  # in-place writes to kept-gathered parameters are read
             if write and "lp_params" in kinds:
                 _refuse_racing_write(ctx, param, fn.__name__)
             if not load:

@@ -44,7 +44,7 @@ from .optim.optimizer import clip_shards
 from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
 from .runtime.step import StepPhase
-from .runtime.engine_calls import (MID_STEP, check_lr_kwargs, log_progress, require_hooks, take_persistent_writes,
+from .runtime.engine_calls import (MID_STEP, check_lr_kwargs, log_progress, require_hooks,
                                    zero_grad_window)
 
 logger = logging.getLogger(__name__)
@@ -236,8 +236,7 @@ class Engine:
         if boundary and ctx.optimizer is not None:
             # Nothing changes a shard before every rank is here and every collective so far checked out.
             ctx.comm.agree(Tag(Kind.AGREE, f"optimizer step {ctx.global_steps}"))
-            if ctx.optimizer.backward_step is None:  # runtime/persistent.py: in-place writes since the last gather
-                take_persistent_writes(ctx.coordinator.persistent_params)
+            ctx.take_persistent_writes()  # runtime/persistent.py: in-place writes since the last gather
             t0 = time.perf_counter()
             stepped = ctx.optimizer.step()
             if stepped and ctx.lr_scheduler_step is not None:
@@ -248,7 +247,7 @@ class Engine:
         ctx.micro_steps += 1
         if boundary:
             if ctx.optimizer is None:  # nothing steps the shards, but the refresh gathers them again
-                take_persistent_writes(ctx.coordinator.persistent_params)
+                ctx.take_persistent_writes()
             ctx.coordinator.refresh_persistent()
             ctx.global_steps += 1
         self.hooks.step.end_epochs()

@@ -314,6 +314,7 @@ def save_pretrained(engine_or_model: Any, save_directory: str | os.PathLike[str]
         raise ZeroConfigError("save_pretrained with tensor parallelism: every model-parallel rank holds other "
                               "slices; use save_checkpoint and python -m zero3.consolidate --model-parallel-rank")
     ctx.require_states("save_pretrained", ("lp_params", "hp_params"))
+    ctx.take_persistent_writes()  # in-place writes to kept-gathered parameters are saved
     assert ctx.module is not None
     directory = Path(save_directory)
     sources, convert = plan_sources(ctx.module, state_dict_dtype)

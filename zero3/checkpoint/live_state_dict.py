@@ -39,6 +39,7 @@ def consolidated_state_dict(ctx: RuntimeContext, rank0_only: bool = True, *,
     assert ctx.module is not None
     check_cast_dtype(dtype, "consolidated_state_dict(dtype=...)")
     ctx.require_states("consolidated_state_dict", ("lp_params", "hp_params"))
+    ctx.take_persistent_writes()  # in-place writes to kept-gathered parameters are saved
     keep = ctx.rank == 0 or not rank0_only
     full: dict[int, torch.Tensor] = {}
     done: set[int] = set()

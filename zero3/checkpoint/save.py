@@ -80,6 +80,7 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
     try:  # 1. the leader prepares the staging directory; rank 0 encodes what only it writes
         ctx.require_states("save_checkpoint", ("lp_params", "hp_params", "optim_states"))
         ctx.require_between_steps("save_checkpoint")
+        ctx.take_persistent_writes()  # in-place writes to kept-gathered parameters are saved
         if rank == 0:
             shared["client_state"] = to_json(client_state, "client_state")
             sched = lr_scheduler.state_dict() if lr_scheduler is not None else None

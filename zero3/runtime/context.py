@@ -59,6 +59,7 @@ from ..offload.residence import ShardStore
 from ..comm.topology import hpz_group_size
 from .adopt import take_from_rank0
 from .buffers import ModuleBuffers
+from .engine_calls import take_persistent_writes
 from .publish import write_updated
 from .refusals import refuse_unshardable_embeddings
 from .leaf import check_leaf_classes
@@ -206,6 +207,16 @@ class RuntimeContext:
     def window_ends(self) -> bool:
         """The running micro-batch ends an accumulation window: the next ``engine.step()`` steps."""
         return (self.micro_steps + 1) % self.config.training.gradient_accumulation_steps == 0
+
+    def take_persistent_writes(self) -> None:
+        """In-place writes to kept-gathered (persistent) parameters since their last gather go into
+        their shards and masters (persistent.py `take_writes`): before the optimizer step, and before a
+        save or a read of the shards or masters, which would miss them. Not after a backward that
+        stepped the optimizer (the step in backward): the kept copies are older than the shards then,
+        until the step's refresh."""
+        opt = self.optimizer
+        if opt is None or opt.backward_step is None or self.metrics.backward_seconds == 0.0:
+            take_persistent_writes(self.coordinator.persistent_params)
 
     def finish_gradients(self) -> None:
         """Every gradient reduction issued so far has landed in the gradient shards."""
