@@ -211,3 +211,24 @@ def test_an_optimizer_that_fills_its_state_when_built_is_told_to_come_as_a_calla
     loss = engine(torch.randn(3, 4)).sum()
     engine.backward(loss)
     engine.step()
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+    lambda ps: torch.optim.Muon([p for p in ps if p.ndim == 2], lr=1e-2),
+    lambda ps: (lambda groups: torch.optim.Adafactor(groups, lr=1e-2)),  # a factory, called with the shards
+], ids=["Adafactor", "Muon", "Adafactor factory"])
+def test_an_optimizer_whose_update_depends_on_the_parameter_shape_is_refused(make):
+    """Adafactor on flat shards kept an unfactored second moment (another update than torch's: loss
+    0.904713 against 0.903736 after two steps on one rank); Muon failed in its step on a 1-D shard."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = make(list(model.parameters()))
+    factory = not isinstance(optimizer, torch.optim.Optimizer)
+    with pytest.raises(ZeroConfigError, match=r"(Adafactor keeps a factored|Muon orthogonalises).*flat 1-D shard.*" +
+                       ("the model is partitioned already" if factory else "zero3.initialize changed nothing")):
+        zero3.initialize(model, optimizer, {"param_persistence_threshold": 0})
+    if not factory:  # refused before anything changed
+        assert not any(zero3.is_zero_param(p) for p in model.parameters())
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

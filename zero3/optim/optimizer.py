@@ -130,6 +130,7 @@ def validate_optimizer(optimizer: Any, model_params: Iterable[torch.Tensor] = ()
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise _bad_optimizer(optimizer)
+    refuse_shape_dependent(optimizer)
     _check_fresh(optimizer)
     known: set[int] = set()
     for p in model_params:
@@ -166,7 +167,26 @@ def _call_factory(factory: Any, groups: list[dict[str, Any]]) -> torch.optim.Opt
     opt = factory(groups)
     if not isinstance(opt, torch.optim.Optimizer):
         raise ZeroConfigError(f"optimizer factory must return a torch.optim.Optimizer, got {type(opt).__name__}")
+    refuse_shape_dependent(opt, factory=True)
     return opt
+
+
+_SHAPED = {"Adafactor": "keeps a factored second moment over each matrix's rows and columns",
+           "Muon": "orthogonalises each 2-D gradient matrix"}
+"""torch's optimizers whose update of an element depends on the parameter's shape: on zero3's flat
+1-D shards they would compute another update than on the full parameter (Adafactor an unfactored
+second moment; Muon fails on a 1-D gradient), as DeepSpeed's flat partitions would."""
+
+
+def refuse_shape_dependent(optimizer: torch.optim.Optimizer, factory: bool = False) -> None:
+    for cls in type(optimizer).__mro__:
+        if cls.__module__.startswith("torch.optim") and cls.__name__ in _SHAPED:
+            raise ZeroConfigError(
+                f"{type(optimizer).__name__} {_SHAPED[cls.__name__]}: zero3 steps each rank's flat 1-D shard of "
+                "a parameter, so its updates would differ from torch's on the full parameter. Use an optimizer "
+                "that updates each element from its own state (AdamW, Adam, SGD, Adagrad, RMSprop, ...)" +
+                ("; the factory was called with the shards, so the model is partitioned already" if factory else
+                 "; zero3.initialize changed nothing"))
 
 
 @dataclass(eq=False)
