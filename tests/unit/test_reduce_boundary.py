@@ -30,10 +30,10 @@ def _param(numel: int) -> SimpleNamespace:
 
 def test_module_end_issues_once_the_queue_reaches_the_boundary() -> None:
     reducer, issued = _reducer(bucket=10**9, boundary=100)
-    reducer.add(_param(60), torch.zeros(1))
+    reducer.add(_param(60), torch.zeros(60))
     reducer.module_done()
     assert issued == []  # 60 < 100: keep collecting
-    reducer.add(_param(60), torch.zeros(1))
+    reducer.add(_param(60), torch.zeros(60))
     assert issued == []  # the bucket (1e9) is far from full
     reducer.module_done()
     assert issued == [120]
@@ -41,17 +41,17 @@ def test_module_end_issues_once_the_queue_reaches_the_boundary() -> None:
 
 def test_a_full_bucket_still_issues_mid_module() -> None:
     reducer, issued = _reducer(bucket=50, boundary=100)
-    reducer.add(_param(60), torch.zeros(1))
+    reducer.add(_param(60), torch.zeros(60))
     assert issued == [60]
 
 
 def test_without_a_boundary_only_the_bucket_issues() -> None:
     reducer, issued = _reducer(bucket=1000, boundary=0)
     for _ in range(5):
-        reducer.add(_param(150), torch.zeros(1))
+        reducer.add(_param(150), torch.zeros(150))
         reducer.module_done()
     assert issued == []
-    reducer.add(_param(300), torch.zeros(1))
+    reducer.add(_param(300), torch.zeros(300))
     assert issued == [1050]
 
 

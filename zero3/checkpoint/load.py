@@ -251,6 +251,7 @@ def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_sc
         assert ctx.optimizer is not None
         ctx.optimizer.load_group_hyperparameters(
             [{k: from_json(v) for k, v in saved.items() if k != "params"} for saved in meta["optimizer"]["param_groups"]])
+        ctx.optimizer.load_plain_states(from_json(meta["optimizer"].get("plain_states", [])))  # none before 12-05
     if lr_scheduler is not None:
         if meta.get("lr_scheduler") is None:
             logger.warning("zero3::checkpoint %s holds no scheduler state; the scheduler is unchanged", reader.path)

@@ -209,7 +209,9 @@ def _build_metadata(ctx: RuntimeContext, tag: str, infos: list[dict[str, Any]], 
         })
     optimizer = None
     if ctx.optimizer is not None:
-        optimizer = {"class": ctx.optimizer.class_name, "param_groups": optimizer_groups(ctx.optimizer)}
+        optimizer = {"class": ctx.optimizer.class_name, "param_groups": optimizer_groups(ctx.optimizer),
+                     "plain_states": to_json(ctx.optimizer.plain_states(), "the state of a tensor added with "
+                                             "optimizer.add_param_group")}
     try:
         from importlib.metadata import version
         zero3_version = version("zero3")

@@ -536,6 +536,26 @@ class PartitionedOptimizer:
         return [[names.get(id(t), f"<unnamed {tuple(t.shape)}>") for t in g["params"]]
                 for g in self.optimizer.param_groups]
 
+    def plain_states(self) -> list[list[Any]]:
+        """``[group, index, state]`` of each tensor in the param groups that is not the model's (a
+        plain tensor added with ``add_param_group``, whole on every rank): its optimizer state, which
+        the model's shards do not carry (a checkpoint saves rank 0's)."""
+        ours = {id(p._zero.train_tensor) for p in self.params}
+        return [[i, j, dict(self.optimizer.state.get(t, {}))] for i, g in enumerate(self.optimizer.param_groups)
+                for j, t in enumerate(g["params"]) if id(t) not in ours]
+
+    def load_plain_states(self, entries: Sequence[Sequence[Any]]) -> None:
+        """The states `plain_states` gave, onto the tensors at the same places; tensors of a
+        dimension go to their tensor's device (and floating dtype), 0-d ones (``step``) stay on the
+        CPU, as torch's ``load_state_dict`` does for a parameter on another device."""
+        for i, j, state in entries:
+            t = self.optimizer.param_groups[i]["params"][j]
+            if not state:
+                self.optimizer.state.pop(t, None)
+                continue
+            self.optimizer.state[t] = {k: v.to(t.device, t.dtype if v.is_floating_point() else v.dtype)
+                                       if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in state.items()}
+
     def load_group_hyperparameters(self, groups: Sequence[dict[str, Any]]) -> None:
         """Set each param group's settings from ``groups`` (as `group_hyperparameters` returns them)."""
         for group, saved in zip(self.optimizer.param_groups, groups):
