@@ -435,6 +435,67 @@ def test_parameter_data_of_another_shape_is_refused_in_the_backward_and_training
         assert r["diff"] < 1e-6, r
 
 
+class _Boom(torch.autograd.Function):
+    """Passes its input on; its backward raises (a NaN check in a custom function, a failing hook)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        raise FloatingPointError("boom in backward")
+
+
+def skip_failed_backward(how: str, config: dict) -> dict:
+    """Step 1's backward raises after the last two layers' gradients were made; the loop catches it
+    and goes on: torch's skip-a-batch loop (``zero_grad``) drops that step. zero3 kept the queued
+    gradients of a bare ``loss.backward()`` and reduced them with the next backward's; after
+    ``engine.backward`` those reduced before the failure stayed, as many as the buckets allowed."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    build = lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))  # noqa: E731
+    ref, model = twins(build)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = zero3.initialize(model, opt, config)
+    g = torch.Generator().manual_seed(1)
+    mine = slice(4 * rank, 4 * (rank + 1))
+
+    def loss_of(net: nn.Module, x: torch.Tensor, y: torch.Tensor, boom: bool) -> torch.Tensor:
+        h = net[1](net[0](x))
+        return ((net[4](net[3](net[2](_Boom.apply(h) if boom else h))) - y) ** 2).mean()
+
+    raised = []
+    for step in range(4):
+        x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
+        try:
+            loss_of(ref, x, y, step == 1).backward()
+            ref_opt.step()
+        except FloatingPointError:
+            pass
+        ref_opt.zero_grad()
+        try:
+            loss = loss_of(model, x[mine], y[mine], step == 1)
+            engine.backward(loss) if how == "engine" else loss.backward()
+            engine.step()
+        except FloatingPointError:
+            raised.append(step)
+            if how == "plain":
+                opt.zero_grad()
+    with zero3.GatheredParameters(list(model.parameters())):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return {"diff": diff, "raised": raised}
+
+
+@pytest.mark.parametrize("config", [{}, {"param_persistence_threshold": 0, "reduce_bucket_size": 10,
+                                         "prefetch_bucket_size": 10}], ids=["defaults", "small buckets"])
+@pytest.mark.parametrize("how", ["plain", "engine"])
+def test_a_micro_batch_whose_backward_raised_is_dropped_as_torch_s_loop_drops_it(pools, how, config):
+    for r in pools.get(2).run(skip_failed_backward, how, config):
+        assert r["raised"] == [1], r
+        assert r["diff"] < 1e-6, r
+
+
 def initialized_under_inference_mode() -> dict:
     """An eval-first script: initialize (and a first evaluation) under torch.inference_mode(), then
     training outside it. The shards and masters made there must stay trainable."""

@@ -459,6 +459,8 @@ class ModuleHooks:
             if rec.module is self.root:
                 self._resident_calls += 1
             return None
+        if self.step.phase is _BACKWARD and torch._C._current_graph_task_id() < 0:  # [Note: a backward that raised]
+            self.step.abort(RuntimeError("the model's last backward raised"), "backward")
         begins = rec.module is self.root and not self.stack  # a forward of the model begins
         if begins:  # the only place the hooks can be off
             if self.coordinator.generation_resident and self.step.phase is _IDLE and not torch.is_grad_enabled():

@@ -118,7 +118,21 @@ class StepLifecycle:
     def abort(self, exc: BaseException, where: str) -> None:
         """A forward or backward raised ``exc``: end the step aborted and tell the other ranks. Once
         per step: the root module's post-forward hook aborts as the exception leaves the model, and
-        ``engine.forward`` asks again when it catches it."""
+        ``engine.forward`` asks again when it catches it.
+
+        [Note: a backward that raised]
+        ``engine.backward`` aborts a backward that raises. A bare ``loss.backward()`` that raises part
+        way (a NaN check in an autograd function, a failing hook) never runs the callback zero3 queues
+        for a backward's end: the step stays in BACKWARD, the gradients of the modules already done
+        queued in the reducer, unreduced, and the next backward reduced them with its own (the skip-a-
+        batch loop then stepped on them). The next forward of any of its modules, outside a backward, aborts
+        that step first (hooks.py `_pre_forward`). An aborted backward drops the gradients it queued;
+        those it reduced already (how many depends on the bucket sizes) are dropped with the
+        gradient shards when it was a window's first micro-batch, so the failed micro-batch leaves
+        nothing, as after torch's skip-a-batch loop (catch, ``optimizer.zero_grad()``, go on). After a
+        later micro-batch of a window they stay, summed with the earlier ones (no split is possible;
+        ``engine.zero_grad()`` refuses there). An ``engine.step()`` right after a bare backward that
+        raised steps on all of its gradients, as torch's ``optimizer.step()`` would."""
         if self._aborted:
             return
         if isinstance(exc, ZeroError) and not isinstance(exc, ZeroStateError):
@@ -164,6 +178,10 @@ class StepLifecycle:
                     reducer.discard()
                 except ZeroError:
                     pass  # the step is gone anyway; the first error is what the caller sees
+                opt = ctx.optimizer
+                if backward and opt is not None and opt.backward_step is None \
+                        and ctx.micro_steps % ctx.config.training.gradient_accumulation_steps == 0:
+                    opt.zero_grad()  # [Note: a backward that raised]: a window's first, so all the shards hold
             else:
                 reducer.finish()
         finally:
