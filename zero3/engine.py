@@ -468,8 +468,9 @@ class Engine:
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                                custom_load_fn=custom_load_fn, **kwargs)
 
-    def consolidated_state_dict(self, rank0_only: bool = True, **kwargs: Any) -> dict[str, torch.Tensor]:
-        """The full fp32 state dict, module by module (a collective); see `zero3.consolidate`."""
+    def consolidated_state_dict(self, rank0_only: bool = True, **kwargs: Any) -> dict[str, Any]:
+        """The full fp32 state dict, module by module, with the modules' extra state (a collective); see
+        `zero3.consolidate`."""
         return consolidated_state_dict(self.context, rank0_only, **kwargs)
 
     def save_pretrained(self, save_directory: Any, **kwargs: Any) -> Any:
@@ -612,7 +613,7 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
 
 def save_16bit_model(engine: Engine, path: str, exclude_frozen_parameters: bool = False) -> bool:
     """`Engine.save_16bit_model`: the fp32 masters gathered onto rank 0 and cast to each parameter's
-    dtype (tied parameters stay one tensor); buffers as the module holds them."""
+    dtype (tied parameters stay one tensor); buffers and extra state as the module holds them."""
     full = consolidated_state_dict(engine.context, rank0_only=True)
     if engine.global_rank == 0:
         params = dict(engine.module.named_parameters(remove_duplicate=False))

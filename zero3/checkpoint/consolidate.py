@@ -7,10 +7,13 @@ into its final buffer, written, and freed, so peak memory stays near the largest
 with a ``--dtype`` cast), not the model.
 - ``.safetensors`` output: the header is computed up front and written first, then each tensor's
   bytes. Tied parameters are written once under their first name; the aliases go in
-  ``__metadata__["zero3_aliases"]`` (safetensors cannot store shared tensors).
+  ``__metadata__["zero3_aliases"]`` (safetensors cannot store shared tensors). The modules' extra
+  state (``<prefix>._extra_state``, any object) is left out, with a warning naming its keys: write a
+  ``.pt`` to keep it.
 - ``.pt`` output: a zip archive of the kind ``torch.save`` writes (records ``data/N``, then ``data.pkl``),
   written record by record. ``torch.load`` (with ``weights_only=True`` and ``mmap=True`` too) returns a
-  plain state dict in which tied names share one tensor, as ``model.state_dict()`` does.
+  plain state dict in which tied names share one tensor, as ``model.state_dict()`` does, with the
+  modules' extra state at its place.
 
 With ``--include-optimizer`` the optimizer state is added: in ``.pt`` the file holds ``{"model": ...,
 "optimizer": {"state": {name: {key: tensor}}, "param_groups": [...]}}``; in ``.safetensors`` the
@@ -23,6 +26,7 @@ import argparse
 import collections
 import io
 import json
+import logging
 import os
 import pickle
 import sys
@@ -41,6 +45,8 @@ Spec = tuple[str, torch.dtype, tuple[int, ...]]
 """(key written, dtype written, shape) of one output tensor."""
 Row = tuple[str, str, str]
 """One state_dict key: (key, "param" or "buffer", canonical param name or the key)."""
+
+logger = logging.getLogger(__name__)
 
 
 # -- offline: checkpoint directory -> tensors -------------------------------------------------------
@@ -127,6 +133,9 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
                 model_parallel_rank: int | None = None) -> Path:
     """Write the full state dict of a sharded checkpoint to ``out`` (``.pt`` or ``.safetensors``).
 
+    The modules' extra state goes into a ``.pt`` output; a ``.safetensors`` one holds only tensors and
+    leaves it out, with a warning.
+
     Args:
         ckpt_dir: the directory given to ``save_checkpoint``.
         out: output file; the suffix picks the format (``.safetensors``, or ``.pt``/``.pth``/``.bin``).
@@ -186,8 +195,24 @@ def _groups(reader: CheckpointReader) -> list[dict[str, Any]] | None:
     return None if opt is None else [from_json(g) for g in opt["param_groups"]]
 
 
+def _extra_state(reader: CheckpointReader) -> dict[str, dict[str, Any]]:
+    """The saved modules' extra state: ``{key: {"after": rows of the layout before it, "value": encoded}}``."""
+    return reader.meta.get("extra_state") or {}  # none before 2026-12-05
+
+
+def _with_extra_state(reader: CheckpointReader, entries: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``entries`` (one per layout row) with the modules' extra state at their places in ``state_dict()`` order."""
+    rows = [((n, 1), key, value) for n, (key, value) in enumerate(entries)]
+    rows += [((e["after"], 0), key, from_json(e["value"])) for key, e in _extra_state(reader).items()]
+    return {key: value for _, key, value in sorted(rows, key=lambda row: row[0])}  # stable: saved order kept
+
+
 def _write_safetensors(reader: CheckpointReader, out: Path, layout: list[Row], specs: list[Spec],
                        include_optimizer: bool) -> None:
+    extra = _extra_state(reader)
+    if extra:
+        logger.warning("zero3::consolidate %s leaves out the extra state of %s: safetensors holds only tensors; "
+                       "write a .pt file to keep it", out, ", ".join(extra))
     aliases = {key: src for key, kind, src in layout if kind == "param" and key != src}
     meta = {"format": "pt", "zero3_tag": reader.tag, "zero3_global_steps": str(reader.meta["global_steps"]),
             "zero3_aliases": json.dumps(aliases)}
@@ -300,7 +325,8 @@ def _write_pt(reader: CheckpointReader, out: Path, layout: list[Row], specs: lis
         for key, t in iter_tensors(reader, specs):
             stored[key] = writer.add(t)
             del t
-        model = {key: stored[src if kind == "param" else key] for key, kind, src in layout}
+        model = _with_extra_state(reader, [(key, stored[src if kind == "param" else key])
+                                           for key, kind, src in layout])
         obj: Any = model
         if include_optimizer:
             state: dict[str, dict[str, Any]] = {}

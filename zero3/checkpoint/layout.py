@@ -1,6 +1,6 @@
-"""A live engine's state as the checkpoint names it: the ``state_dict`` layout and buffers, which
-optimizer state is per-element, and the optimizer's param groups with parameter names for tensors.
-Saving writes these into the metadata; loading compares them with it."""
+"""A live engine's state as the checkpoint names it: the ``state_dict`` layout and buffers, the
+modules with extra state, which optimizer state is per-element, and the optimizer's param groups
+with parameter names for tensors. Saving writes these into the metadata; loading compares them with it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ from .format import to_json
 if TYPE_CHECKING:
     from ..optim.optimizer import PartitionedOptimizer
     from ..runtime.context import RuntimeContext
+
+
+EXTRA_STATE_KEY = "_extra_state"
+"""The last part of a module's extra-state key in ``state_dict()`` (torch's ``_EXTRA_STATE_KEY_SUFFIX``)."""
 
 
 def state_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -30,6 +34,22 @@ def state_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         for name, b in m._buffers.items():
             if b is not None and name not in m._non_persistent_buffers_set:
                 out[dot + name] = b
+    return out
+
+
+def extra_state_modules(module: torch.nn.Module,
+                        method: str = "get_extra_state") -> dict[str, tuple[int, torch.nn.Module]]:
+    """The modules of ``module`` (itself included) whose class overrides ``method``, torch's test:
+    ``get_extra_state`` names those whose extra state ``state_dict()`` holds, ``set_extra_state``
+    those ``load_state_dict`` hands it to. Keyed ``<prefix>._extra_state`` as ``state_dict()`` keys
+    them, in its order; each with the number of `state_tensors` keys before its own."""
+    out: dict[str, tuple[int, torch.nn.Module]] = {}
+    before = 0
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        before += sum(p is not None for p in dict.values(m._parameters))
+        before += sum(b is not None and name not in m._non_persistent_buffers_set for name, b in m._buffers.items())
+        if getattr(type(m), method) is not getattr(torch.nn.Module, method):
+            out[f"{prefix}.{EXTRA_STATE_KEY}" if prefix else EXTRA_STATE_KEY] = (before, m)
     return out
 
 
@@ -63,4 +83,4 @@ def optimizer_groups(optimizer: PartitionedOptimizer) -> list[dict[str, Any]]:
     return groups
 
 
-__all__ = ["is_sharded_state", "model_entries", "optimizer_groups"]
+__all__ = ["EXTRA_STATE_KEY", "extra_state_modules", "is_sharded_state", "model_entries", "optimizer_groups"]

@@ -1,31 +1,34 @@
 """The full state dict of a live engine (``engine.consolidated_state_dict``): every module's master
-shards gathered with one collective per dtype, onto rank 0 or every rank.
+shards gathered with one collective per dtype, onto rank 0 or every rank, with the modules' extra state.
 
 The offline counterpart, from a checkpoint directory without a model, is consolidate.py.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..comm.communicator import Kind, Tag
 from ..partition.param import ZeroParameter
 from .consolidate import cast_floating, check_cast_dtype
+from .layout import extra_state_modules
 
 if TYPE_CHECKING:
     from ..runtime.context import RuntimeContext
 
 
 def consolidated_state_dict(ctx: RuntimeContext, rank0_only: bool = True, *,
-                            dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+                            dtype: torch.dtype | None = None) -> dict[str, Any]:
     """The full state dict of the engine's model (the tensors the optimizer steps on: fp32 masters
     where masters are separate, else the shards), built module by module.
 
     A collective. Each module's master shards are gathered with one collective per dtype, straight onto rank 0
     (``rank0_only``) or onto every rank, so the other ranks never hold more than their shards. Tied
-    parameters stay tied: both names map to the same tensor object, as in ``model.state_dict()``.
+    parameters stay tied: both names map to the same tensor object, as in ``model.state_dict()``. A
+    module that overrides ``get_extra_state`` adds its ``<prefix>._extra_state`` key with the value
+    ``get_extra_state()`` returns, as ``model.state_dict()`` holds it (not copied or cast).
 
     Args:
         ctx: the engine's runtime context (``engine.context``).
@@ -34,7 +37,7 @@ def consolidated_state_dict(ctx: RuntimeContext, rank0_only: bool = True, *,
             parameter's shard in its dtype).
 
     Returns:
-        ``{name: CPU tensor}`` in ``model.state_dict()`` order (``{}`` off rank 0 with ``rank0_only``).
+        ``{name: CPU tensor or extra state}`` in ``model.state_dict()`` order (``{}`` off rank 0 with ``rank0_only``).
     """
     assert ctx.module is not None
     check_cast_dtype(dtype, "consolidated_state_dict(dtype=...)")
@@ -59,10 +62,13 @@ def consolidated_state_dict(ctx: RuntimeContext, rank0_only: bool = True, *,
     # By name, not by the state dict's values: a gathered parameter's value there is a copy
     # (hooks.py `_clone_gathered`), which would untie tied parameters.
     by_name = dict(ctx.module.named_parameters(remove_duplicate=False))
+    extra = extra_state_modules(ctx.module)
     for key, value in ctx.module.state_dict(keep_vars=True).items():
         p = by_name.get(key)
         if isinstance(p, ZeroParameter):
             out[key] = full[id(p)]
+        elif key in extra:
+            out[key] = value
         elif isinstance(value, torch.Tensor):
             out[key] = cast_floating(value.detach().to("cpu", copy=True), dtype)
     return out

@@ -2,7 +2,8 @@
 ranges it now owns (format.py [Note: checkpoint format]).
 
 A load validates everything before it changes a single parameter: the metadata and its format
-version; that the names and shapes of the model's parameters and buffers match; that every file is
+version; that the names and shapes of the model's parameters and buffers, and the keys of its
+modules' extra state (`extra_state_modules`), match; that every file is
 present, with its size; that each file's sha256 matches (rank ``r`` hashes files ``r, r + world, ...``
 in a streaming pass, so together the ranks read the checkpoint once); and that each needed tensor
 is in its file's header. The ranks exchange their errors in one object exchange (checkpoint/exchange.py), so
@@ -23,7 +24,7 @@ from ..partition.param import ZeroParameter
 from ..partition.state import ParamStatus
 from .exchange import exchange
 from .format import CheckpointMismatchError, from_json
-from .layout import is_sharded_state, model_entries, optimizer_groups
+from .layout import extra_state_modules, is_sharded_state, model_entries, optimizer_groups
 from .reader import CheckpointReader
 from .rng_state import restore_rng_state
 from .safetensors import parse_dtype
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 class _LoadPlan:
     load_optimizer: bool
     replicated_file: int
+    extra_state: dict[str, tuple[torch.nn.Module, Any]]  # key -> (module, value for its set_extra_state)
     needed: dict[int, list[tuple[str, int, torch.dtype]]] = dataclasses.field(default_factory=dict)
 
     def need(self, j: int, key: str, numel: int, dtype: torch.dtype) -> None:
@@ -70,6 +72,16 @@ def _plan_load(ctx: RuntimeContext, reader: CheckpointReader, load_optimizer_sta
     extra_buffers = [k for k in reader.buffers if k not in buffers and k not in param_keys]
     if extra_buffers:
         problems.append(f"buffers not in the model: {', '.join(extra_buffers)}")
+    saved_extra = reader.meta.get("extra_state")  # none before 2026-12-05: no extra state is loaded
+    settable = extra_state_modules(ctx.module, "set_extra_state") if saved_extra is not None else {}
+    if saved_extra is not None:
+        missing_extra = [k for k in settable if k not in saved_extra]
+        unexpected_extra = [k for k in saved_extra if k not in settable]
+        if missing_extra:
+            problems.append(f"extra state missing from the checkpoint: {', '.join(missing_extra)}")
+        if unexpected_extra:
+            problems.append("extra state of no module of the model that defines set_extra_state: "
+                            + ", ".join(unexpected_extra))
     if problems:
         raise CheckpointMismatchError(f"{reader.metadata_path}: checkpoint of another model: " + "; ".join(problems)
                                       + ". Load it into the model it was saved from, or load matching weights "
@@ -93,7 +105,8 @@ def _plan_load(ctx: RuntimeContext, reader: CheckpointReader, load_optimizer_sta
                 f"{[len(g['params']) for g in theirs]} params per group, engine {[len(g['params']) for g in ours]} "
                 f"(first difference: {_first_group_difference(theirs, ours)})")
     same_world = reader.world_size == ctx.world_size
-    plan = _LoadPlan(load_optimizer=load_opt, replicated_file=ctx.rank if same_world else 0)
+    plan = _LoadPlan(load_optimizer=load_opt, replicated_file=ctx.rank if same_world else 0,
+                     extra_state={k: (m, from_json(saved_extra[k]["value"])) for k, (_, m) in settable.items()})
     for n, p in names.items():
         pm = reader.params[n]
         start, end = p._zero.shard_range()
@@ -146,16 +159,16 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
         load_dir: the directory given to `save_checkpoint`.
         tag: which checkpoint; default: the one ``load_dir/latest`` names.
         lr_scheduler: if given, its state is restored from the checkpoint.
-        load_optimizer_states: False loads the weights, buffers, step counters, loss scaler and
-            scheduler, not the optimizer state (its groups' lr included) or the RNG states (a warm
+        load_optimizer_states: False loads the weights, buffers, extra state, step counters, loss
+            scaler and scheduler, not the optimizer state (its groups' lr included) or the RNG states (a warm
             start keeps its own seed).
         verify: check every file's sha256 (one streaming read of the checkpoint, split across ranks);
             sizes are always checked.
         load_module_strict, load_lr_scheduler_states, load_module_only, custom_load_fn: DeepSpeed's.
             ``load_lr_scheduler_states=False`` leaves the scheduler as it is; ``load_module_only``
-            loads the weights and buffers alone (no optimizer or scheduler state, counters, loss
-            scaler or RNG). ``load_module_strict`` must stay True (every parameter is loaded by name)
-            and ``custom_load_fn`` None: refused otherwise.
+            loads the weights, buffers and modules' extra state alone (no optimizer or scheduler state,
+            counters, loss scaler or RNG). ``load_module_strict`` must stay True (every parameter is
+            loaded by name) and ``custom_load_fn`` None: refused otherwise.
 
     Returns:
         ``(path of the loaded checkpoint, client_state)``; ``client_state`` is ``{}`` when none was
@@ -236,6 +249,8 @@ def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_sc
     _, buffers = model_entries(ctx)
     for k, b in buffers.items():
         reader.read(0, f"buffer/{k}", 0, b)
+    for module, value in plan.extra_state.values():
+        module.set_extra_state(value)
     for p in ctx.params:
         p._zero.train_tensor.grad = None
     if ctx.optimizer is not None:

@@ -8,6 +8,9 @@ tensor, let alone the whole model. This is how fine-tuning starts from pretraine
         model = GPT(cfg)
     zero3.pretrained.load_state_dict(model, "gpt.safetensors")   # or a dict, a .pt file, an index
 
+A module's extra state (``<prefix>._extra_state``, any value, from a mapping or a ``.pt`` file) goes to
+its ``set_extra_state``, as ``nn.Module.load_state_dict`` hands it.
+
 Every check (missing and unexpected keys, shapes) runs on every rank before the first parameter
 changes; the ranks agree on the outcome, so they raise the same error together.
 """
@@ -25,7 +28,7 @@ from torch import nn
 
 from .safetensors import SafetensorsHeader, read_safetensors_header, read_tensor_range
 from .exchange import exchange
-from .layout import state_tensors
+from .layout import EXTRA_STATE_KEY, extra_state_modules, state_tensors
 from ..runtime.context import RuntimeContext
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError, ZeroStateError
 from ..partition.param import ZeroParameter
@@ -59,17 +62,26 @@ class _Source:
         """Why ``key``'s value cannot be loaded (checked before anything is copied), or None."""
         return None
 
+    def extra_state(self) -> dict[str, Any]:
+        """The values under extra-state keys (``<prefix>._extra_state``), not among `keys`."""
+        return {}
+
     def close(self) -> None:
         pass
 
 
 class _DictSource(_Source):
     def __init__(self, sd: Mapping[str, Any]) -> None:
-        self.sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
-        # other values (a list, an array) are not keys: extra state may hold them; a model key that
-        # names one is reported as such, not as missing
-        self.others = {k: type(v).__name__ for k, v in sd.items() if not isinstance(v, torch.Tensor)}
+        self.extra = {k: v for k, v in sd.items() if k == EXTRA_STATE_KEY or k.endswith("." + EXTRA_STATE_KEY)}
+        self.sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and k not in self.extra}
+        # other values (a list, an array) are not keys; a model key that names one is reported as
+        # such, not as missing
+        self.others = {k: type(v).__name__ for k, v in sd.items()
+                       if not isinstance(v, torch.Tensor) and k not in self.extra}
         self.aliases = {}
+
+    def extra_state(self) -> dict[str, Any]:
+        return self.extra
 
     def problem(self, key: str) -> str | None:
         if key in self.others:
@@ -151,6 +163,10 @@ class RenamedSource(_Source):
     def read(self, key: str, lo: int, dest: torch.Tensor) -> None:
         self.inner.read(self.old[key], lo, dest)
 
+    def extra_state(self) -> dict[str, Any]:
+        inner = self.inner.extra_state()
+        return {new: inner[old] for new, old in self.old.items() if old in inner}
+
     def close(self) -> None:
         self.inner.close()
 
@@ -212,7 +228,9 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
 
     A collective when the model is partitioned over several ranks (call it on every rank). Tied
     parameters count as present when any of their names is. Buffers and parameters that are not
-    partitioned are copied whole.
+    partitioned are copied whole. A module whose class overrides ``set_extra_state`` is given the
+    source's value under its ``<prefix>._extra_state`` key; with ``strict``, that key is missing
+    when the source lacks it, and an extra-state key of no such module is unexpected (torch's rules).
 
     Args:
         model_or_engine: a model built under `zero3.Init` (or passed to `zero3.initialize`), or the engine.
@@ -234,7 +252,7 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
     owner = engine if engine is not None else (params[0]._zero.ctx if params else None)
     source: _Source | None = None
     result: LoadResult | None = None
-    plan: list[tuple[str, torch.Tensor | ZeroParameter]] = []
+    plan: list[tuple[str, torch.Tensor | ZeroParameter | nn.Module]] = []
     error: BaseException | None = None
     try:
         if params and hasattr(params[0]._zero.ctx, "require_states"):
@@ -253,6 +271,8 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
             for key, target in plan:
                 if isinstance(target, ZeroParameter):
                     _load_partitioned(source, key, target)
+                elif isinstance(target, nn.Module):
+                    target.set_extra_state(source.extra_state()[key])
                 else:
                     source.read(key, 0, target)
             if engine is not None:
@@ -270,7 +290,7 @@ def match_keys(module: nn.Module, source: _Source) -> LoadResult:
 
 
 def _plan(module: nn.Module, source: _Source,
-          strict: bool) -> tuple[LoadResult, list[tuple[str, torch.Tensor | ZeroParameter]]]:
+          strict: bool) -> tuple[LoadResult, list[tuple[str, torch.Tensor | ZeroParameter | nn.Module]]]:
     """Match the model's state dict keys to the source; (result, [(source key, target)]) or raise."""
     available = set(source.keys())
     # Tied parameters: every name of one tensor, in state_dict order.
@@ -314,7 +334,15 @@ def _plan(module: nn.Module, source: _Source,
             plan.append((key, target))
         else:
             plan.append((key, target.detach()))
+    extra = source.extra_state()
+    settable = extra_state_modules(module, "set_extra_state")
+    for key, (_, m) in settable.items():  # torch's rules: a module without set_extra_state takes none
+        if key in extra:
+            plan.append((key, m))
+        else:
+            missing.append(key)
     unexpected = [k for k in source.keys() if k not in used and source.aliases.get(k) not in used]
+    unexpected += [k for k in extra if k not in settable]
     if gathered:
         raise ZeroStateError(f"load_state_dict while parameters are gathered ({', '.join(gathered[:5])}); call it "
                              "outside forward/backward and GatheredParameters")

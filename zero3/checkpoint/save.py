@@ -24,7 +24,7 @@ from .exchange import exchange
 from .integrity import STAMP_KEY, UNSTAMPED, metadata_digest, stamp
 from .format import FORMAT_NAME, FORMAT_VERSION, LATEST_FILE, METADATA_FILE, MODEL_PARALLEL_FILE, check_tag, \
     model_parallel_dir, rank_file_name, to_json
-from .layout import is_sharded_state, model_entries, optimizer_groups
+from .layout import extra_state_modules, is_sharded_state, model_entries, optimizer_groups
 from .rng_state import capture_rng_state
 from .safetensors import SafetensorsWriter, atomic_write_bytes, dtype_name, fsync_dir
 from ..errors import ZeroConfigError
@@ -59,7 +59,8 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
 
     Raises:
         ValueError: an invalid tag, or ranks passed different tags.
-        TypeError: ``client_state`` or the scheduler state holds an object that cannot be stored.
+        TypeError: ``client_state``, the scheduler state or a module's extra state (``get_extra_state()``,
+            rank 0's is saved) holds an object that cannot be stored.
         OSError: writing failed (on any rank: every rank raises).
     """
     if exclude_frozen_parameters:
@@ -88,6 +89,9 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
             scaler = ctx.optimizer.scaler if ctx.optimizer is not None else None
             scaler_state = scaler.state_dict() if scaler is not None and hasattr(scaler, "state_dict") else None
             shared["loss_scaler"] = to_json(scaler_state, "loss_scaler.state_dict()")
+            shared["extra_state"] = {key: {"after": before, "value": to_json(m.get_extra_state(),
+                                                                             f"extra state {key!r}")}
+                                     for key, (before, m) in extra_state_modules(ctx.module).items()}
         if leader:
             root.mkdir(parents=True, exist_ok=True)
             for stale in root.glob(".*.partial"):  # left by an interrupted save
@@ -229,6 +233,7 @@ def _build_metadata(ctx: RuntimeContext, tag: str, infos: list[dict[str, Any]], 
         "params": params, "buffers": first["buffers"], "state_dict": first["layout"], "optimizer": optimizer,
         "lr_scheduler": shared["lr_scheduler"], "loss_scaler": shared["loss_scaler"],
         "rng": [info["rng"] for info in infos], "client_state": shared["client_state"],
+        "extra_state": shared["extra_state"],
     }
 
 
