@@ -275,7 +275,7 @@ class PtWriter:
             t = t.clone()
         key = str(self._count)
         self._count += 1
-        self._zip.write_record(f"data/{key}", t.data_ptr(), t.numel() * t.element_size())  # t is alive: no copy
+        self._zip.write_record(f"data/{key}", t.untyped_storage(), t.numel() * t.element_size())  # no copy
         return _Stored(key, t.dtype, tuple(t.shape))
 
     def finish(self, obj: Any) -> None:
