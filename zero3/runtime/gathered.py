@@ -174,10 +174,7 @@ class _SavedAsCopies(torch.autograd.graph.saved_tensors_hooks):
     """Tensors autograd saves that share storage with ``params`` are saved as copies ([Note: autograd
     through GatheredParameters]); then whatever saved-tensor hooks were active when the context was
     entered (an enclosing context's, torch's ``save_on_cpu``) take every tensor, as they would have:
-    torch applies only the innermost hooks, so nested contexts compose this way. Without such hooks
-    the others are saved as detached aliases with their version: a pack hook that returns an op's
-    output itself makes a reference cycle through autograd that no collector sees (the graph leaked),
-    and the version check is torch's, which hooks turn off."""
+    torch applies only the innermost hooks, so nested contexts compose this way."""
 
     def __init__(self, params: list[ZeroParameter]) -> None:
         storages = {raw_data(p).untyped_storage().data_ptr() for p in params}
@@ -189,27 +186,11 @@ class _SavedAsCopies(torch.autograd.graph.saved_tensors_hooks):
             except RuntimeError:  # a wrapper subclass (DTensor, float8) has no storage of its own
                 return False
 
-        def pack(t: torch.Tensor) -> tuple[str, Any, int]:
-            if aliases(t):
-                t = t.detach().clone()
-                if outer is None:
-                    return "copy", t, 0
-            if outer is not None:
-                return "outer", outer[0](t), 0
-            return "alias", t.detach(), t._version
+        def pack(t: torch.Tensor) -> Any:
+            t = t.detach().clone() if aliases(t) else t
+            return outer[0](t) if outer is not None else t
 
-        def unpack(packed: tuple[str, Any, int]) -> torch.Tensor:
-            kind, x, version = packed
-            if kind == "outer":
-                return outer[1](x)  # type: ignore[index]
-            if kind == "alias" and x._version != version:
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: a {tuple(x.shape)} tensor saved inside zero3.GatheredParameters is at version "
-                    f"{x._version}; expected version {version} instead")
-            return x
-
-        super().__init__(pack, unpack)
+        super().__init__(pack, outer[1] if outer is not None else (lambda t: t))
 
 
 _top_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)
