@@ -129,48 +129,6 @@ def test_load_state_dict_with_assign_is_refused_and_keeps_zero3s_parameters(thre
     torch.testing.assert_close(engine(x), ref(x))
 
 
-class _Wrapped(torch.Tensor):
-    """A wrapper subclass (as DTensor, float8 weights): it has no storage of its own to ask about."""
-
-    @staticmethod
-    def __new__(cls, elem: torch.Tensor) -> "_Wrapped":
-        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, requires_grad=elem.requires_grad)
-
-    def __init__(self, elem: torch.Tensor) -> None:
-        self.elem = elem
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        unwrap = lambda a: a.elem if isinstance(a, _Wrapped) else a  # noqa: E731
-        out = func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
-        return torch.utils._pytree.tree_map(lambda o: _Wrapped(o) if isinstance(o, torch.Tensor) else o, out)
-
-
-def test_saves_inside_gathered_parameters_go_through_the_enclosing_saved_tensor_hooks(partitioned):
-    """The context's saved-tensor hooks copy what aliases its parameters and hand every tensor on to the
-    hooks active before it (torch's save_on_cpu, an enclosing context's): torch runs only the innermost.
-    A wrapper subclass saved there (no storage of its own) is passed on as it is; asking for its storage
-    raised."""
-    model, _, original = partitioned
-    w = model[0].weight
-    outer_packed = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        outer_packed.append(type(t).__name__)
-        return t
-
-    x = torch.randn(3, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with zero3.GatheredParameters([w]):
-            loss = w.pow(2).sum() + (_Wrapped(x) * _Wrapped(torch.ones(3))).elem.sum()
-    assert w.ds_status is ParamStatus.NOT_AVAILABLE
-    loss.backward()  # w.pow saved w: a copy, since the exit released w
-    assert sorted(outer_packed) == ["Tensor", "_Wrapped"]  # w.pow saved its copy of w; mul its wrapped factor
-    with zero3.GatheredParameters([w]):
-        pass
-    torch.testing.assert_close(zero3.safe_get_full_grad(w), 2 * original["0.weight"])
-
-
 def test_in_place_init_outside_init_context_raises(partitioned):
     model, _, _ = partitioned
     w = model[0].weight

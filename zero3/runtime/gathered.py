@@ -171,30 +171,17 @@ class GatheredParameters:
 
 
 class _SavedAsCopies(torch.autograd.graph.saved_tensors_hooks):
-    """Tensors autograd saves that share storage with ``params`` are saved as copies ([Note: autograd
-    through GatheredParameters]); then whatever saved-tensor hooks were active when the context was
-    entered (an enclosing context's, torch's ``save_on_cpu``) take every tensor, as they would have:
-    torch applies only the innermost hooks, so nested contexts compose this way."""
+    """Tensors autograd saves that share storage with ``params`` are saved as copies
+    ([Note: autograd through GatheredParameters])."""
 
     def __init__(self, params: list[ZeroParameter]) -> None:
         storages = {raw_data(p).untyped_storage().data_ptr() for p in params}
-        outer = _top_saved_tensor_hooks(False)
 
-        def aliases(t: torch.Tensor) -> bool:
-            try:
-                return t.layout is torch.strided and t.untyped_storage().data_ptr() in storages
-            except RuntimeError:  # a wrapper subclass (DTensor, float8) has no storage of its own
-                return False
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            aliases = t.layout is torch.strided and t.untyped_storage().data_ptr() in storages
+            return t.detach().clone() if aliases else t
 
-        def pack(t: torch.Tensor) -> Any:
-            t = t.detach().clone() if aliases(t) else t
-            return outer[0](t) if outer is not None else t
-
-        super().__init__(pack, outer[1] if outer is not None else (lambda t: t))
-
-
-_top_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)
-"""The innermost saved-tensor hooks active now, or None (torch's own query of its hook stack)."""
+        super().__init__(pack, lambda t: t)
 
 
 _FINGERPRINT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
