@@ -27,16 +27,6 @@ Inside the `Init` block that builds the model, the embedding's data becomes the 
 embedding's (partitioned) parameter, whose values live in that other parameter's shards: refused
 when the block writes the touched parameters back, naming the way that works (after the block,
 inside ``GatheredParameters`` over the embeddings, before ``initialize``).
-
-[Note: autograd through GatheredParameters]
-A loss term built inside the context from a parameter it gathered (a regulariser on a weight the
-guard refused outside it) may be backpropagated after the exit. An op that saves the parameter
-for its backward (``w.pow(2)``, a matmul) then read storage that the exit, or the release after its
-module's backward when a running step held it, had freed: a segfault. No module hook gathers the
-parameter again for such an op. So while the context holds parameters that are not persistent
-(any release may free them) with gradients on, tensors autograd saves that share their storage are saved as copies
-(``saved_tensors_hooks``): the backward is torch's, at the cost of a copy kept until it runs.
-The gradient reaches the shards through the parameter's gradient hook, as any gradient does.
 """
 
 from __future__ import annotations
@@ -97,7 +87,6 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled and bool(self.params)
         self._read_only: tuple[list[ZeroParameter], torch.Tensor, list[int]] | None = None
-        self._saving: _SavedAsCopies | None = None
         if fwd_module is not None:
             if not isinstance(fwd_module, nn.Module):
                 raise TypeError(f"GatheredParameters(fwd_module=...) must be an nn.Module, got {type(fwd_module).__name__}")
@@ -118,19 +107,12 @@ class GatheredParameters:
         ctx.coordinator.gather_for_user(self.params)
         if self.modifier_rank is None and fresh:  # [Note: writes that GatheredParameters discards]
             self._read_only = (fresh, _fingerprints(fresh), [published.get(p._zero.id, 0) for p in fresh])
-        released = [p for p in self.params if p.requires_grad and not p._zero.persistent]
-        if torch.is_grad_enabled() and released:  # [Note: autograd through GatheredParameters]
-            self._saving = _SavedAsCopies(released)
-            self._saving.__enter__()
         return self.params
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self.enabled:
             return
         written: list[ZeroParameter] = []
-        if self._saving is not None:
-            self._saving.__exit__(None, None, None)
-            self._saving = None
         try:
             if self.modifier_rank is not None and exc_type is None:
                 self._publish()
@@ -168,20 +150,6 @@ class GatheredParameters:
                 data.copy_(flat[off: off + n].view(data.shape))
                 off += n
         into_shards(ctx, self.params, reshaped)
-
-
-class _SavedAsCopies(torch.autograd.graph.saved_tensors_hooks):
-    """Tensors autograd saves that share storage with ``params`` are saved as copies
-    ([Note: autograd through GatheredParameters])."""
-
-    def __init__(self, params: list[ZeroParameter]) -> None:
-        storages = {raw_data(p).untyped_storage().data_ptr() for p in params}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            aliases = t.layout is torch.strided and t.untyped_storage().data_ptr() in storages
-            return t.detach().clone() if aliases else t
-
-        super().__init__(pack, lambda t: t)
 
 
 _FINGERPRINT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
