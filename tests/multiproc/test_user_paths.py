@@ -496,6 +496,32 @@ def test_a_micro_batch_whose_backward_raised_is_dropped_as_torch_s_loop_drops_it
         assert r["diff"] < 1e-6, r
 
 
+def loss_term_from_gathered() -> dict:
+    """A regulariser on a partitioned weight built inside GatheredParameters and backpropagated inside
+    it (docs/api.md: after the exit, autograd would read freed storage); two steps beside torch's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model, ref_opt, _, engine = _twin_mlps(0)
+    g = torch.Generator().manual_seed(1)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for _ in range(2):
+        x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
+        ref_opt.zero_grad()
+        (((ref(x) - y) ** 2).mean() + 0.1 * ref[2].weight.pow(2).sum()).backward()
+        ref_opt.step()
+        loss = ((model(x[mine]) - y[mine]) ** 2).mean()
+        with zero3.GatheredParameters([model[2].weight]):
+            (loss + 0.1 * model[2].weight.pow(2).sum()).backward()
+        engine.step()
+    with zero3.GatheredParameters(list(model.parameters())):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return {"diff": diff}
+
+
+def test_a_loss_term_built_and_backpropagated_inside_gathered_parameters_trains_as_torch(pools):
+    for r in pools.get(2).run(loss_term_from_gathered):
+        assert r["diff"] < 1e-6, r
+
+
 def initialized_under_inference_mode() -> dict:
     """An eval-first script: initialize (and a first evaluation) under torch.inference_mode(), then
     training outside it. The shards and masters made there must stay trainable."""
