@@ -419,11 +419,9 @@ class ModuleHooks:
 
     # -- forward --------------------------------------------------------------------------------
     def _params_of(self, rec: _ModuleRecord) -> list[ZeroParameter]:
-        """The params a call of this module gathers (own + external), cached per module.
-
-        A module whose params are all persistent gathers nothing: it records no events and gets
-        no backward hooks, which makes small always-gathered modules nearly free.
-        """
+        """The params a call of this module gathers (own + external), cached per module. A module whose
+        params are all persistent gathers nothing: it records no events and gets no backward hooks,
+        which makes small always-gathered modules nearly free."""
         external = rec.module.__dict__.get("_external_params", ())
         key = (len(rec.module._parameters), len(external))
         if key != rec.key:
