@@ -484,9 +484,11 @@ def test_a_micro_batch_whose_backward_raised_is_dropped_as_torch_s_loop_drops_it
         assert r["diff"] < 1e-6, r
 
 
-def loss_term_from_gathered() -> dict:
-    """A regulariser on a partitioned weight built inside GatheredParameters and backpropagated inside
-    it (docs/api.md: after the exit, autograd would read freed storage); two steps beside torch's."""
+def loss_term_from_gathered(where: str) -> dict:
+    """A regulariser on a partitioned weight (``w.pow(2)`` saves ``w`` for its backward) built inside
+    GatheredParameters after the forward, backpropagated inside the block or after it (it read storage
+    that the exit, or the release after its module's backward, had freed: a segfault), or built in
+    two nested blocks; two steps beside torch's ([Note: a loss term from GatheredParameters])."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ref, model, ref_opt, _, engine = _twin_mlps(0)
     g = torch.Generator().manual_seed(1)
@@ -494,20 +496,30 @@ def loss_term_from_gathered() -> dict:
     for _ in range(2):
         x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
         ref_opt.zero_grad()
-        (((ref(x) - y) ** 2).mean() + 0.1 * ref[2].weight.pow(2).sum()).backward()
+        ref_loss = ((ref(x) - y) ** 2).mean() + 0.1 * ref[2].weight.pow(2).sum()
+        (ref_loss + (ref[0].weight.pow(2).sum() if where == "nested" else 0)).backward()
         ref_opt.step()
         loss = ((model(x[mine]) - y[mine]) ** 2).mean()
-        with zero3.GatheredParameters([model[2].weight]):
-            (loss + 0.1 * model[2].weight.pow(2).sum()).backward()
+        with zero3.GatheredParameters([model[0].weight] if where == "nested" else []):
+            with zero3.GatheredParameters([model[2].weight]):
+                loss = loss + 0.1 * model[2].weight.pow(2).sum()
+                if where == "nested":
+                    loss = loss + model[0].weight.pow(2).sum()
+                if where == "inside":
+                    loss.backward()
+        if where != "inside":
+            loss.backward()
         engine.step()
     with zero3.GatheredParameters(list(model.parameters())):
         diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
-    return {"diff": diff}
+    return {"diff": diff, "live": [p._zero.name for p in engine.coordinator.live_params]}
 
 
-def test_a_loss_term_built_and_backpropagated_inside_gathered_parameters_trains_as_torch(pools):
-    for r in pools.get(2).run(loss_term_from_gathered):
+@pytest.mark.parametrize("where", ["inside", "after", "nested"])
+def test_a_loss_term_built_inside_gathered_parameters_trains_as_torch(pools, where):
+    for r in pools.get(2).run(loss_term_from_gathered, where):
         assert r["diff"] < 1e-6, r
+        assert r["live"] == [], r  # what the blocks kept for the step was released with it
 
 
 def initialized_under_inference_mode() -> dict:

@@ -27,6 +27,17 @@ Inside the `Init` block that builds the model, the embedding's data becomes the 
 embedding's (partitioned) parameter, whose values live in that other parameter's shards: refused
 when the block writes the touched parameters back, naming the way that works (after the block,
 inside ``GatheredParameters`` over the embeddings, before ``initialize``).
+
+[Note: a loss term from GatheredParameters]
+A regulariser built inside the context (``0.1 * w.pow(2).sum()`` on a weight the guard refused
+outside it) is often backpropagated after the exit, with the step's loss. ``pow`` saved ``w`` for its
+backward, and the exit (or the release after ``w``'s module's backward, when the running step held
+it) freed that storage: the backward read freed memory, a segfault on every rank. No module hook
+gathers ``w`` again for an op outside any module. So when the context ends inside a running step
+with gradients on, the parameters it holds that could be released are kept gathered until that
+step ends (its backward's end), as a module's are while its backward may need them; between
+steps there is no step to hold them to, and a term built there must be backpropagated inside the
+block (said in docs/api.md).
 """
 
 from __future__ import annotations
@@ -87,6 +98,7 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled and bool(self.params)
         self._read_only: tuple[list[ZeroParameter], torch.Tensor, list[int]] | None = None
+        self._grad = False  # gradients were on when the context was entered
         if fwd_module is not None:
             if not isinstance(fwd_module, nn.Module):
                 raise TypeError(f"GatheredParameters(fwd_module=...) must be an nn.Module, got {type(fwd_module).__name__}")
@@ -104,6 +116,7 @@ class GatheredParameters:
         ctx.require_states("GatheredParameters", ("lp_params",) if self.modifier_rank is None else
                            ("lp_params", "hp_params"))
         fresh = [p for p in self.params if p._zero.status is ParamStatus.NOT_AVAILABLE]
+        self._grad = torch.is_grad_enabled()
         ctx.coordinator.gather_for_user(self.params)
         if self.modifier_rank is None and fresh:  # [Note: writes that GatheredParameters discards]
             self._read_only = (fresh, _fingerprints(fresh), [published.get(p._zero.id, 0) for p in fresh])
@@ -113,6 +126,9 @@ class GatheredParameters:
         if not self.enabled:
             return
         written: list[ZeroParameter] = []
+        ctx = _owner(self.params)
+        if (self._grad or torch.is_grad_enabled()) and ctx.coordinator.in_step:  # [Note: a loss term from ...]
+            ctx.coordinator.keep_for_step([p for p in self.params if p.requires_grad and not p._zero.persistent])
         try:
             if self.modifier_rank is not None and exc_type is None:
                 self._publish()
