@@ -33,11 +33,12 @@ A regulariser built inside the context (``0.1 * w.pow(2).sum()`` on a weight the
 outside it) is often backpropagated after the exit, with the step's loss. ``pow`` saved ``w`` for its
 backward, and the exit (or the release after ``w``'s module's backward, when the running step held
 it) freed that storage: the backward read freed memory, a segfault on every rank. No module hook
-gathers ``w`` again for an op outside any module. So when the context ends inside a running step
-with gradients on, the parameters it holds that could be released are kept gathered until that
-step ends (its backward's end), as a module's are while its backward may need them; between
-steps there is no step to hold them to, and a term built there must be backpropagated inside the
-block (said in docs/api.md).
+gathers ``w`` again for an op outside any module. So a context entered inside a running step (after
+the model's forward) with gradients on keeps the parameters it holds that could be released
+gathered until that step ends (its backward's end), as a module's are while its backward may need
+them. A context entered between steps (a forward run inside it opens the step) releases them on
+exit as before: an evaluation inside it would otherwise hold them until a backward that may never
+come; a term built there must be backpropagated inside the block (said in docs/api.md).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled and bool(self.params)
         self._read_only: tuple[list[ZeroParameter], torch.Tensor, list[int]] | None = None
-        self._grad = False  # gradients were on when the context was entered
+        self._in_step = False  # entered inside a running step, with gradients on
         if fwd_module is not None:
             if not isinstance(fwd_module, nn.Module):
                 raise TypeError(f"GatheredParameters(fwd_module=...) must be an nn.Module, got {type(fwd_module).__name__}")
@@ -116,7 +117,7 @@ class GatheredParameters:
         ctx.require_states("GatheredParameters", ("lp_params",) if self.modifier_rank is None else
                            ("lp_params", "hp_params"))
         fresh = [p for p in self.params if p._zero.status is ParamStatus.NOT_AVAILABLE]
-        self._grad = torch.is_grad_enabled()
+        self._in_step = torch.is_grad_enabled() and ctx.coordinator.in_step
         ctx.coordinator.gather_for_user(self.params)
         if self.modifier_rank is None and fresh:  # [Note: writes that GatheredParameters discards]
             self._read_only = (fresh, _fingerprints(fresh), [published.get(p._zero.id, 0) for p in fresh])
@@ -127,7 +128,7 @@ class GatheredParameters:
             return
         written: list[ZeroParameter] = []
         ctx = _owner(self.params)
-        if (self._grad or torch.is_grad_enabled()) and ctx.coordinator.in_step:  # [Note: a loss term from ...]
+        if self._in_step and ctx.coordinator.in_step:  # [Note: a loss term from GatheredParameters]
             ctx.coordinator.keep_for_step([p for p in self.params if p.requires_grad and not p._zero.persistent])
         try:
             if self.modifier_rank is not None and exc_type is None:
