@@ -4,6 +4,7 @@ size 1 (no process group: zero3 runs single-process), against a plain single-pro
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from pathlib import Path
@@ -123,8 +124,9 @@ def test_rank_file_is_standard_safetensors_holding_master_weights_and_moments(tr
 
 def test_json_encoding_round_trips_tensors_tuples_and_non_string_keys():
     value = {"a": (1, 2.5, None), "t": torch.arange(4, dtype=torch.int16).view(2, 2), 3: [True, "x"],
-             "nested": {"__tuple__": 1}, "dt": torch.bfloat16}
+             "nested": {"__tuple__": 1}, "dt": torch.bfloat16, "b": b"\x00\xff", "io": io.BytesIO(b"fp8")}
     back = ck.from_json(json.loads(json.dumps(ck.to_json(value))))
+    assert back["b"] == b"\x00\xff" and back["io"].read() == b"fp8"  # a BytesIO comes back at position 0
     assert back["a"] == (1, 2.5, None) and back[3] == [True, "x"] and back["nested"] == {"__tuple__": 1}
     assert torch.equal(back["t"], value["t"]) and back["t"].dtype == torch.int16 and back["dt"] is torch.bfloat16
     with pytest.raises(TypeError, match=r"client_state\['obj'\]: cannot store a object"):

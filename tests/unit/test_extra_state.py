@@ -8,6 +8,7 @@ failed a strict ``load_state_dict``. Checked at world size 1 against plain torch
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from typing import Any
@@ -192,6 +193,29 @@ def test_unstorable_extra_state_fails_the_save_naming_its_key(tmp_path, monkeypa
                                         "builtin_function_or_method"):
         engine.save_checkpoint(tmp_path, tag="bad")
     assert not (tmp_path / "bad").exists() and not (tmp_path / "latest").exists()
+
+
+def test_extra_state_held_in_a_bytesio_round_trips_through_a_checkpoint(tmp_path, monkeypatch):
+    """Older Transformer Engine layers return their FP8 metadata as an io.BytesIO that torch.save
+    wrote; the save refused it (a BytesIO was not storable)."""
+    def as_buffer(self: Counted) -> io.BytesIO:
+        buf = io.BytesIO()
+        torch.save({"calls": self.calls, "amax": self.amax.clone()}, buf)
+        return buf
+
+    def from_buffer(self: Counted, buf: io.BytesIO) -> None:
+        buf.seek(0)
+        state = torch.load(buf, weights_only=True)
+        self.calls, self.amax = state["calls"], state["amax"]
+
+    monkeypatch.setattr(Counted, "get_extra_state", as_buffer)
+    monkeypatch.setattr(Counted, "set_extra_state", from_buffer)
+    engine = make_engine()
+    train(engine)
+    engine.save_checkpoint(tmp_path, tag="buffered")
+    resumed = make_engine()
+    resumed.load_checkpoint(tmp_path, "buffered")
+    assert resumed.module.a.calls == STEPS and torch.equal(resumed.module.a.amax, engine.module.a.amax)
 
 
 def test_offline_consolidation_pt_holds_extra_state_and_safetensors_warns(trained, tmp_path, caplog):

@@ -38,6 +38,7 @@ data-parallel size; the model-parallel size must stay the same (zero3 cannot re-
 from __future__ import annotations
 
 import base64
+import io
 import dataclasses
 import os
 from typing import Any
@@ -102,13 +103,18 @@ class ParamMeta:
 
 
 # -- JSON for small state (hyperparameters, scheduler, client state, RNG) --------------------------
-_MARKERS = ("__tensor__", "__tuple__", "__items__", "__dtype__")
+_MARKERS = ("__tensor__", "__tuple__", "__items__", "__dtype__", "__bytes__", "__bytesio__")
 
 
 def to_json(obj: Any, where: str = "value") -> Any:
-    """Encode tensors, tuples, dtypes and non-string-keyed dicts so `from_json` restores them."""
+    """Encode tensors, tuples, dtypes, bytes, ``io.BytesIO`` (older Transformer Engine's extra state)
+    and non-string-keyed dicts so `from_json` restores them."""
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
+    if isinstance(obj, (bytes, bytearray)):
+        return {"__bytes__": base64.b64encode(bytes(obj)).decode()}
+    if isinstance(obj, io.BytesIO):
+        return {"__bytesio__": base64.b64encode(obj.getvalue()).decode()}
     if isinstance(obj, torch.Tensor):
         t = obj.detach().to("cpu").contiguous()
         return {"__tensor__": {"dtype": dtype_name(t.dtype), "shape": list(t.shape),
@@ -124,7 +130,7 @@ def to_json(obj: Any, where: str = "value") -> Any:
             return {k: to_json(v, f"{where}[{k!r}]") for k, v in obj.items()}
         return {"__items__": [[to_json(k, where), to_json(v, f"{where}[{k!r}]")] for k, v in obj.items()]}
     raise TypeError(f"{where}: cannot store a {type(obj).__name__} in a checkpoint; use tensors, numbers, "
-                    "strings, None, lists, tuples and dicts")
+                    "strings, bytes, io.BytesIO, None, lists, tuples and dicts")
 
 
 def from_json(obj: Any) -> Any:
@@ -146,6 +152,10 @@ def from_json(obj: Any) -> Any:
             return {_hashable(from_json(k)): from_json(v) for k, v in value}
         if key == "__dtype__":
             return parse_dtype(value)
+        if key == "__bytes__":
+            return base64.b64decode(value)
+        if key == "__bytesio__":
+            return io.BytesIO(base64.b64decode(value))  # at position 0, as a fresh buffer
     return {k: from_json(v) for k, v in obj.items()}
 
 

@@ -47,7 +47,7 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
         ctx: the engine's runtime context (``engine.context``).
         save_dir: directory holding the tags and ``latest`` (shared by all ranks).
         tag: sub-directory name; default ``global_step{ctx.global_steps}``. An existing tag is replaced.
-        client_state: anything made of tensors, numbers, strings, lists, tuples and dicts; returned by
+        client_state: anything made of tensors, numbers, strings, bytes, io.BytesIO, lists, tuples and dicts; returned by
             `load_checkpoint`.
         lr_scheduler: a ``torch.optim.lr_scheduler`` whose ``state_dict()`` is saved with it.
         save_latest: point ``save_dir/latest`` at it (DeepSpeed's argument; False leaves ``latest`` as it was).
