@@ -136,13 +136,12 @@ class GatheredParameters:
             else:
                 reshaped = [p for p in self.params if raw_data(p).shape != p._zero.shape]
                 if reshaped:  # discarded as any write, but the parameter must keep its own shape
-                    refuse_reshape(_owner(self.params), reshaped, "GatheredParameters without modifier_rank",
-                                   exc_type is None)
+                    refuse_reshape(ctx, reshaped, "GatheredParameters without modifier_rank", exc_type is None)
                 if self._read_only is not None and exc_type is None:
                     written = _written(*self._read_only)
         finally:
             self._read_only = None
-            _owner(self.params).coordinator.release_for_user(self.params)
+            ctx.coordinator.release_for_user(self.params)
         if written:
             names = ", ".join(p._zero.name for p in written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
             raise ZeroStateError(
