@@ -113,6 +113,13 @@ def test_deepspeed_bf16_section_sets_dtype_and_a_disabled_section_changes_nothin
     assert off == ZeroConfig()
 
 
+def test_deepspeed_data_types_section_accepts_what_zero3_does():
+    # refused as an unknown section before; fp32 accumulation is what zero3 does under every precision
+    for value in ("fp32", "float32", None):
+        cfg = ZeroConfig.from_dict({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": value}})
+        assert cfg == ZeroConfig.from_dict({"bf16": {"enabled": True}})
+
+
 def test_our_field_names_accept_the_offload_dict_form():
     cfg = ZeroConfig.from_dict({"dtype": "bf16", "offload_optimizer": {"device": "cpu", "pin_memory": False}})
     assert (cfg.precision.dtype, cfg.offload.offload_optimizer, cfg.offload.offload_optimizer_pin_memory) == ("bf16", "cpu", False)
@@ -137,6 +144,11 @@ def test_our_field_names_accept_the_offload_dict_form():
     ({"hysteresis": 0}, r"hysteresis must be >= 1, got 0"),
     ({"loss_scale_window": 0}, r"loss_scale_window must be >= 1, got 0"),
     ({"min_loss_scale": 0.0}, r"min_loss_scale must be > 0, got 0\.0"),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}},
+     r"data_types\.grad_accum_dtype='bf16' is not supported: zero3 accumulates gradients in fp32"),
+    ({"data_types": {"grad_accum_dtype": ["fp32"]}}, r"data_types\.grad_accum_dtype=\['fp32'\] is not supported"),
+    ({"data_types": {"grad_acum_dtype": "fp32"}}, r"data_types: unknown config key 'grad_acum_dtype'; did you mean"),
+    ({"data_types": "fp32"}, r"data_types must be a dict"),
 ])
 def test_invalid_precision_config_names_the_key_and_value(d, pattern):
     with pytest.raises(ZeroConfigError, match=pattern):
@@ -165,9 +177,19 @@ def test_consecutive_hysteresis_refills_after_every_clean_step():
     assert run_scaler(s, "x.x.xx") == [64, 64, 64, 64, 64, 32]
 
 
-def test_dynamic_scale_never_drops_below_min_and_static_never_changes():
+def test_dynamic_scale_never_drops_below_min_and_an_overflow_there_raises_as_deepspeed():
     s = LossScaler(scale=4, dynamic=True, window=100, hysteresis=1, min_scale=1.0)
-    assert run_scaler(s, "xxxx") == [2, 1, 1, 1]
+    assert run_scaler(s, "xx") == [2, 1]
+    # DeepSpeed's DynamicLossScaler (raise_error_at_min_scale, its default): every later step would be
+    # skipped, so the run stops instead of going on without learning
+    with pytest.raises(ZeroStateError, match=r"minimum loss scale \(min_loss_scale=1\)"):
+        s.update(True)
+    assert s.scale == 1 and s.overflows == 3
+    # hysteresis left at the minimum is used up first, as there
+    h = LossScaler(scale=2, dynamic=True, window=100, hysteresis=2, min_scale=2.0)
+    assert run_scaler(h, "x") == [2]
+    with pytest.raises(ZeroStateError, match="minimum loss scale"):
+        h.update(True)
     static = LossScaler(scale=128, dynamic=False)
     assert run_scaler(static, "x" + "." * 5) == [128] * 6
     assert static.overflows == 1
@@ -312,6 +334,40 @@ def test_fp16_overflow_skips_the_step_backs_off_and_later_grows():
     assert returned == [False, False, True, True, True]
     assert scales == [16.0, 8.0, 8.0, 16.0, 16.0]  # hysteresis 2: the second overflow halves; window 2
     assert engine.skipped_steps == 2 and engine.global_steps == 5
+
+
+def test_fp16_overflow_at_the_minimum_scale_raises_from_the_step_with_the_step_skipped():
+    _, engine = pair("fp16", initial_scale_power=1, hysteresis=1, min_loss_scale=1)
+    x, y = synthetic_batch(0, BATCH, CFG)
+    engine.backward(lossf(engine, x, y))
+    engine.master_shard(engine.params[1]).grad[0] = math.nan
+    assert engine.step() is False and engine.loss_scale == 1.0  # 2 -> 1: backs off, as before
+    engine.backward(lossf(engine, x, y))
+    engine.master_shard(engine.params[1]).grad[0] = math.nan
+    before = masters_of(engine)
+    with pytest.raises(ZeroStateError, match="minimum loss scale"):
+        engine.step()  # went on skipping every step for ever, logging at INFO only
+    assert all(torch.equal(before[n], v) for n, v in masters_of(engine).items())
+    assert engine.skipped_steps == 2
+    assert all(engine.master_shard(p).grad is None or not engine.master_shard(p).grad.any() for p in engine.params)
+
+
+def test_skipped_steps_survive_a_checkpoint(tmp_path):
+    _, engine = pair("fp16", initial_scale_power=4)
+    x, y = synthetic_batch(0, BATCH, CFG)
+    for inject in (True, False, True):
+        engine.backward(lossf(engine, x, y))
+        if inject:
+            engine.master_shard(engine.params[1]).grad[0] = math.nan
+        engine.step()
+    assert (engine.global_steps, engine.skipped_steps) == (3, 2)
+    engine.save_checkpoint(str(tmp_path))
+    _, fresh = pair("fp16", initial_scale_power=4)
+    fresh.load_checkpoint(str(tmp_path))
+    assert (fresh.global_steps, fresh.skipped_steps) == (3, 2)  # was (3, 0): DeepSpeed keeps the count
+    _, weights_only = pair("fp16", initial_scale_power=4)
+    weights_only.load_checkpoint(str(tmp_path), load_module_only=True)
+    assert (weights_only.global_steps, weights_only.skipped_steps) == (0, 0)
 
 
 def test_clipping_under_fp16_unscales_first_and_equals_torch_on_the_true_gradients():
@@ -465,3 +521,57 @@ def test_memory_report_counts_bf16_shards_fp32_grads_and_masters_in_the_optimize
     assert m["optimizer_state_bytes"] == 4 * sum(a)  # masters only: AdamW has not stepped yet
     engine.step()
     assert engine.memory_report()["optimizer_state_bytes"] == 4 * sum(a) + 8 * sum(s)
+
+
+# -- buffers of modules with lowered parameters ------------------------------------------------------
+class _Counter(nn.Module):
+    """No parameters of its own: its float buffer keeps its dtype (as a rotary inv_freq)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.linspace(0, 1, 8))
+
+    def forward(self, x):
+        return x + self.table.to(x.dtype)
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), _Counter(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_batchnorm_under_mixed_precision_trains_as_module_to_dtype_does(dtype, torch_dtype):
+    """DeepSpeed casts the module (``module.bfloat16()``), buffers included; zero3 cast the parameters
+    only, so BatchNorm's fp32 running statistics beside its bf16 weight failed in torch's kernel."""
+    full = _bn_model()
+    model = copy.deepcopy(full)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {**NO_PERSIST, "dtype": dtype})
+    bn = model[1]
+    assert bn.running_mean.dtype == torch_dtype and bn.running_var.dtype == torch_dtype
+    assert bn.num_batches_tracked.dtype == torch.long and model[3].table.dtype == torch.float32
+    low = copy.deepcopy(full).to(torch_dtype)
+    low[3].table = low[3].table.float()
+    masters = [p.detach().clone().float() for p in full.parameters()]
+    opt = torch.optim.AdamW(masters, lr=1e-2, eps=1e-6)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
+        loss = F.mse_loss(engine(x.to(torch_dtype)).float(), y)
+        engine.backward(loss)
+        engine.step()
+        ref = F.mse_loss(low(x.to(torch_dtype)).float(), y)
+        (ref * (engine.loss_scale if dtype == "fp16" else 1.0)).backward()
+        for m, p in zip(masters, low.parameters()):
+            m.grad = p.grad.float() / (engine.loss_scale if dtype == "fp16" else 1.0)
+            p.grad = None
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(masters, low.parameters()):
+                p.copy_(m)
+        assert torch.equal(loss.detach(), ref.detach())
+    for name, m in zip([n for n, _ in full.named_parameters()], masters):
+        assert torch.equal(zero3.safe_get_full_fp32_param(dict(model.named_parameters())[name]), m), name
+    assert torch.equal(bn.running_mean, low[1].running_mean) and torch.equal(bn.running_var, low[1].running_var)

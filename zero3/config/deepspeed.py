@@ -45,13 +45,13 @@ TOP_LEVEL = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "gradient_clipping", "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown",
     "bf16", "fp16", "zero_allow_untested_optimizer", "prescale_gradients", "communication_data_type",
-    "bfloat16", "activation_checkpointing", "aio",
+    "bfloat16", "activation_checkpointing", "aio", "data_types",
 }
 # ZeRO++ keys of ``zero_optimization`` that are also our knobs' names.
 ZERO_PLUS_PLUS = {"zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"}
 # Top-level keys whose value is a dict: DeepSpeed's sections, and ours (offload in DeepSpeed's form).
 SECTIONS = {"zero_optimization", "bf16", "bfloat16", "fp16", "optimizer", "scheduler", "activation_checkpointing",
-            "aio", *OFFLOAD_SECTION_KEYS}
+            "aio", "data_types", *OFFLOAD_SECTION_KEYS}
 # Top-level DeepSpeed keys whose value is one of our knobs, under the same name.
 _SAME_NAME = {"gradient_accumulation_steps", "gradient_clipping", "optimizer", "scheduler",
               "activation_checkpointing", "wall_clock_breakdown", "steps_per_print", "train_batch_size",
@@ -163,6 +163,19 @@ def _aio(value: Any, out: KnobValues) -> None:
             raise ZeroConfigError("aio: " + unknown_key_message(key, _AIO_IGNORED | {"thread_count", "use_gds"}))
 
 
+def _data_types(value: Any) -> None:
+    """DeepSpeed's ``data_types`` section: ``grad_accum_dtype`` may only say what zero3 does (gradient
+    shards accumulate in fp32); another dtype is refused, not dropped."""
+    if not isinstance(value, dict):
+        raise ZeroConfigError(f"data_types must be a dict such as {{'grad_accum_dtype': 'fp32'}}, got {value!r}")
+    for key, v in value.items():
+        if key != "grad_accum_dtype":
+            raise ZeroConfigError("data_types: " + unknown_key_message(key, {"grad_accum_dtype"}))
+        if v is not None and (not isinstance(v, str) or _DTYPE_ALIASES.get(v) != "fp32"):
+            raise ZeroConfigError(f"data_types.grad_accum_dtype={v!r} is not supported: zero3 accumulates gradients "
+                                  "in fp32 shards under every precision; set it to 'fp32' or leave it out")
+
+
 def _zero_optimization(zero: Any, out: KnobValues) -> None:
     """Our knobs from DeepSpeed's ``zero_optimization`` section (stage 3 only)."""
     if not isinstance(zero, dict):
@@ -202,6 +215,8 @@ def translate(d: dict[str, Any]) -> dict[str, Any]:
             out.set(key, coerce_flat(key, value), key)
         elif key == "aio":
             _aio(value, out)
+        elif key == "data_types":
+            _data_types(value)
         elif key in TOP_LEVEL:
             logger.info("zero3: DeepSpeed key %r is not used by ZeroConfig; ignored", key)
         elif key in OFFLOAD_SECTION_KEYS and isinstance(value, dict):

@@ -442,11 +442,12 @@ class PartitionedOptimizer:
         scaler_state = self.scaler.state_dict() if self.agreed is not None and self.scaler is not None else None
         if self.scaler is not None:
             overflow = self.unscale_()
-            self.scaler.update(overflow)
             if overflow:
                 self._last_overflow = True
                 self.skipped_steps += 1
                 self.zero_grad()
+            self.scaler.update(overflow)  # raises at the minimum scale, the step skipped and its gradients gone
+            if overflow:
                 return False
         if self.config.training.gradient_clipping > 0:
             self.clip_grad_norm(self.config.training.gradient_clipping)

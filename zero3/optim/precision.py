@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from ..errors import ZeroStateError
 from ..partition.param import ZeroParameter, set_placeholder_dtype
@@ -74,13 +75,35 @@ def lower_precision(params: Iterable[ZeroParameter], dtype: torch.dtype, store: 
     return fp32
 
 
+def lower_buffers(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Cast to ``dtype`` the floating buffers of every module whose own parameters zero3 lowers to it
+    (BatchNorm's running statistics beside its bf16 weight: torch refuses the mix, and DeepSpeed's
+    ``module.bfloat16()`` cast them). A buffer of a module without floating parameters of its own (a
+    rotary ``inv_freq``) keeps its dtype. Returns the names cast. Run after `lower_precision`."""
+    cast: list[str] = []
+    for prefix, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if isinstance(p, ZeroParameter) and p._zero.shard.dtype == dtype]
+        if not own:
+            continue
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                module._buffers[name] = b.to(dtype)
+                cast.append(f"{prefix}.{name}" if prefix else name)
+    if cast:
+        logger.info("zero3: buffers cast to %s with their module's parameters: %s", dtype, ", ".join(cast))
+    return cast
+
+
 class LossScaler:
     """The fp16 loss scale, with DeepSpeed's ``DynamicLossScaler`` semantics.
 
     - dynamic: starts at ``2**initial_scale_power``. An overflow consumes one unit of hysteresis;
       when none is left the scale halves (never below ``min_loss_scale``). After
       ``loss_scale_window`` consecutive clean steps the scale doubles and the hysteresis is refilled
-      (with ``consecutive_hysteresis`` it is refilled after every clean step).
+      (with ``consecutive_hysteresis`` it is refilled after every clean step). An overflow that would
+      halve a scale already at ``min_loss_scale`` raises `ZeroStateError` on every rank, as
+      DeepSpeed's ``raise_error_at_min_scale`` (its default) does: each step from there on would be
+      skipped, and training would go on without learning.
     - static (``loss_scale > 0``): the scale never changes; overflowing steps are still skipped.
 
     The scale is a host float; every rank holds the same one because `update` is called with the
@@ -120,6 +143,12 @@ class LossScaler:
             if not self.dynamic:
                 return
             if self.hysteresis_left <= 1:
+                if self.scale <= self.min_scale:
+                    raise ZeroStateError(
+                        f"fp16: a gradient overflowed at the minimum loss scale (min_loss_scale={self.min_scale:g}) "
+                        f"after {self.overflows} overflowing steps; the step was skipped, and every later one would "
+                        "be: the loss or the gradients are inf/nan whatever the scale (check the data and the lr), or "
+                        "lower min_loss_scale")
                 new = max(self.scale / self.factor, self.min_scale)
                 logger.info("zero3::loss_scale overflow: skipping the step, scale %g -> %g", self.scale, new)
                 self.scale = new

@@ -46,7 +46,7 @@ from ..comm.model_parallel import ModelParallel, is_tensor_parallel
 from ..optim.optimizer import PartitionedOptimizer, resident_bytes, validate_optimizer
 from ..partition import conversion
 from ..partition.param import ZeroParameter, partition, raw_data
-from ..optim.precision import lower_precision, torch_dtype
+from ..optim.precision import lower_buffers, lower_precision, torch_dtype
 from ..partition.state import ParamStatus
 from ..optim.routed_step import own_scheduler
 from ..optim.schedulers import build_optimizer, build_scheduler
@@ -376,7 +376,10 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         ctx.params.append(p)
     ctx.coordinator.register(ctx.params)
     # bf16/fp16: cast the shards now (before anything is gathered); their fp32 values seed the masters
-    fp32_shards = lower_precision(ctx.params, torch_dtype(config.precision.dtype), ctx.store) if config.precision.dtype != "fp32" else {}
+    fp32_shards: dict[int, torch.Tensor] = {}
+    if config.precision.dtype != "fp32":
+        fp32_shards = lower_precision(ctx.params, torch_dtype(config.precision.dtype), ctx.store)
+        lower_buffers(model, torch_dtype(config.precision.dtype))
     ctx.reducer = GradientReducer(ctx.comm, config.comm.reduce_bucket_size, reduce_dtype=torch_dtype(config.precision.reduce_dtype),
                                   accumulation_steps=config.training.gradient_accumulation_steps,
                                   boundary_numel=_prefetch_numel(config))
