@@ -549,3 +549,46 @@ def initialized_under_inference_mode() -> dict:
 def test_initialize_under_inference_mode_then_training_acts_as_torch(pools):
     for r in pools.get(2).run(initialized_under_inference_mode):
         assert r["diff"] < 1e-6, r
+
+
+# -- torch modules that deep-copy a layer, built under Init (runtime/init.py `_deepcopy`) ------------
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)  # deep-copies the layer
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.enc(x)).pow(2).mean()
+
+
+def encoder_under_init(threshold: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model = twins(_Encoder)  # under Init: "cannot deepcopy partitioned parameter" before
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)  # Adam: see the in_proj_bias note in test_init
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                              {"param_persistence_threshold": threshold})
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        x = torch.randn(2 * world, 5, 16, generator=g)
+        ref_loss = ref(x)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = engine(x[2 * rank: 2 * (rank + 1)])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(abs(total.item() / world - ref_loss.item()))
+    with zero3.GatheredParameters(list(model.parameters())):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return {"loss": max(losses), "diff": diff}
+
+
+@pytest.mark.parametrize("threshold", [0, 10**6])
+def test_a_transformer_encoder_built_under_init_trains_as_torch(pools, threshold):
+    for r in pools.get(2).run(encoder_under_init, threshold):
+        assert r["loss"] < 1e-5 and r["diff"] < 1e-5, r

@@ -423,3 +423,69 @@ def test_a_published_change_to_an_aliased_bf16_parameter_reaches_its_master():
     engine.backward(engine(torch.randn(2, 4).bfloat16()).float().sum())
     engine.step()
     assert bool((zero3.safe_get_full_fp32_param(m.weight) == 1).all()) and bool((m.weight == 1).all())
+
+
+# -- deep copies while building -------------------------------------------------------------------
+class _Encoder(nn.Module):
+    """torch's TransformerEncoder deep-copies the layer it is given, which Init partitioned already."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        layer.self_attn.out_proj.weight.my_flag = "keep"  # a user's mark on a parameter is copied too
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.enc(x)).mean()
+
+
+@pytest.mark.parametrize("build", [_Encoder, lambda: nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=True)])
+def test_torch_transformer_modules_that_deep_copy_a_layer_build_under_init(build):
+    torch.manual_seed(0)
+    ref = build()
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = build()  # raised "cannot deepcopy partitioned parameter" in TransformerEncoder.__init__
+    assert all(zero3.is_zero_param(p) for p in model.parameters())
+    assert len(list(model.parameters())) == len(list(ref.parameters()))
+    ids = [p.ds_id for p in model.parameters()]
+    assert len(set(ids)) == len(ids)  # each copy its own parameter, its own shard
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.requires_grad == r.requires_grad
+        torch.testing.assert_close(_gathered(p), r.detach(), rtol=0, atol=0, msg=name)
+    if isinstance(model, _Encoder):
+        assert model.enc.layers[1].self_attn.out_proj.weight.my_flag == "keep"
+
+
+def test_an_encoder_built_under_init_trains_like_the_plain_model():
+    torch.manual_seed(0)
+    ref = _Encoder()
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = _Encoder()
+    # SGD: the key part of in_proj_bias has a zero true gradient, whose rounding noise Adam scales up
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                              {"param_persistence_threshold": 0})
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(2, 5, 16, generator=g)
+        r = ref(x)
+        r.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        torch.testing.assert_close(loss, r, rtol=1e-5, atol=1e-6)
+    for name, r in ref.named_parameters():
+        torch.testing.assert_close(_gathered(dict(model.named_parameters())[name]), r.detach(),
+                                   rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_deep_copy_outside_init_is_still_refused():
+    with zero3.Init():
+        lin = nn.Linear(4, 4)
+    with pytest.raises(ZeroStateError, match="cannot deepcopy partitioned parameter"):
+        copy.deepcopy(lin)

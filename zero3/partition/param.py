@@ -215,6 +215,11 @@ class ZeroParameter(nn.Parameter, metaclass=_ZeroParameterType):
             self._zero.ctx.coordinator.release_for_user(params)
 
     def __deepcopy__(self, memo: dict) -> Any:
+        handler = construction_handler.get()  # inside zero3.Init: a partitioned copy (runtime/init.py)
+        if handler is not None:
+            done, result = handler(self, ZeroParameter.__deepcopy__, (self, memo), {})
+            if done:
+                return result
         raise ZeroStateError(
             f"cannot deepcopy partitioned parameter {self._zero.summary()}; deep-copy the model before "
             "zero3.Init/initialize, or gather it with zero3.GatheredParameters and copy the data")

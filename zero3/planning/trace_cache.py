@@ -189,9 +189,14 @@ class StepTraces:
             self._announced.add((trace.key, trace.version, i))
             want = "the end of the trace" if expected is None else \
                 f"{expected.kind.value} {expected.module or '<root>'!r}"
-            logger.warning("zero3: step %d left trace %r v%d at event %d: expected %s, got %s %r; fetching on "
-                           "demand for the rest of the step", step, trace.key, trace.version, i, want,
-                           kind.value, module or "<root>")
+            got = f"{kind.value} {module or '<root>'!r}"
+            if expected is not None and expected.kind is kind and expected.module == module:
+                # the same module with other parameters: most often one it read from another module in
+                # the last forward (an external parameter, gathered with it from then on)
+                want += f" with parameters (ds_id) {list(expected.params)}"
+                got += f" with {list(ids)}"
+            logger.warning("zero3: step %d left trace %r v%d at event %d: expected %s, got %s; fetching on "
+                           "demand for the rest of the step", step, trace.key, trace.version, i, want, got)
         self.following = None
         self.diverged = True
         return None

@@ -38,6 +38,7 @@ way, which data-parallel code does.
 from __future__ import annotations
 
 import contextvars
+import copy
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -506,22 +507,43 @@ def _remove_patches() -> None:
 
 def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) -> None:
     modules = module.modules() if recurse else (module,)
-    ctx = state.ctx
     for m in modules:
         for pname, p in list(m._parameters.items()):
             if p is None or isinstance(p, ZeroParameter):
                 continue
-            name = f"{type(m).__name__}.{pname}"
-            if state.sync == "broadcast" and ctx.world_size > 1:
-                ctx.comm.broadcast(p.data, 0, Tag(Kind.BROADCAST, f"zero3.Init value of {name}"))
-            zp = ctx.partition(p, name, shard_device=state.remote_device, dtype=state.dtype)
-            z = zp._zero
-            tier = ctx.coordinator.shards
-            if tier is not None and not state.in_memory.stays(state.persistence.admit(z.numel), z.shard_numel):
-                tier.offload(zp)  # as the engine will place it (placement.py), if it sees the same order
-                continue
-            if state.pin_memory:
-                ctx.store.pin(zp)
+            _partition_param(p, f"{type(m).__name__}.{pname}", state)
+
+
+def _partition_param(p: nn.Parameter, name: str, state: _InitState) -> ZeroParameter:
+    ctx = state.ctx
+    if state.sync == "broadcast" and ctx.world_size > 1:
+        ctx.comm.broadcast(p.data, 0, Tag(Kind.BROADCAST, f"zero3.Init value of {name}"))
+    zp = ctx.partition(p, name, shard_device=state.remote_device, dtype=state.dtype)
+    z = zp._zero
+    tier = ctx.coordinator.shards
+    if tier is not None and not state.in_memory.stays(state.persistence.admit(z.numel), z.shard_numel):
+        tier.offload(zp)  # as the engine will place it (placement.py), if it sees the same order
+    elif state.pin_memory:
+        ctx.store.pin(zp)
+    return zp
+
+
+def _deepcopy(p: ZeroParameter, memo: dict, state: _InitState) -> ZeroParameter:
+    """``copy.deepcopy`` of a partitioned parameter while `Init` builds (torch's
+    ``nn.TransformerEncoder`` deep-copies the layer it is given, already partitioned): a new
+    parameter, partitioned, with the values and the attributes of ``p``. A collective (one gather),
+    as building is."""
+    state.ctx.coordinator.gather_for_user([p])
+    try:
+        full = raw_data(p).detach().clone()
+    finally:
+        state.ctx.coordinator.release_for_user([p])
+    new = nn.Parameter(full, requires_grad=p.requires_grad)
+    zp = _partition_param(new, p._zero.name, state)
+    for key, value in p.__dict__.items():  # the user's own attributes (no_weight_decay flags, tensor-parallel marks)
+        if key not in zp.__dict__:
+            zp.__dict__[key] = copy.deepcopy(value, memo)
+    return zp
 
 
 def _param_of(target: Any, state: _InitState) -> ZeroParameter | None:
@@ -535,10 +557,15 @@ def _touch(target: Any, func: Callable, args: tuple, kwargs: dict) -> tuple[bool
     """An op on a partitioned parameter while `Init` builds: see [Note: touching partitioned
     parameters while building]. Installed as ``param.construction_handler``."""
     state = _current()
-    p = _param_of(target, state) if state is not None else None
+    name = getattr(func, "__name__", "")
+    if name == "__deepcopy__":  # of the parameter, gathered or not (a view of it may be out)
+        p = target
+    else:
+        p = _param_of(target, state) if state is not None else None
     if state is None or p is None or p._zero.ctx is not state.ctx:
         return False, None
-    name = getattr(func, "__name__", "")
+    if name == "__deepcopy__":
+        return True, _deepcopy(p, args[1], state)
     if name == "__set__":  # p.data = value: the full value, written into the shards
         _assign(p, args[1], state)
         return True, None
