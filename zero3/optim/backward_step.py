@@ -132,6 +132,7 @@ class BackwardStep:
         self._error: BaseException | None = None
         self._wrote = False  # some sub-group was written (in place: what an abort cannot undo)
         self.steps_in_backward = 0  # sub-groups stepped during backwards (metrics, tests)
+        self.before_steps: Callable[[], None] | None = None  # before a backward's first sub-group steps
 
     def _enter(self, phase: BackwardStepPhase) -> None:
         if (self.phase, phase) not in _PHASES:
@@ -286,6 +287,8 @@ class BackwardStep:
 
     # -- internals -------------------------------------------------------------------------------------
     def _open(self) -> None:
+        if self.before_steps is not None:  # in-place writes to kept-gathered weights, taken as engine.step takes them
+            self.before_steps()
         self._enter(BackwardStepPhase.STEPPING)
         self._landed = [set() for _ in self.subgroups]
         self._stepped_ids, self._sent_ids, self._regathered = set(), set(), set()

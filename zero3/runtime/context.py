@@ -25,6 +25,7 @@ communicator, coordinator) for the parameters it partitions while a model is bui
 from __future__ import annotations
 
 import contextlib
+import functools
 import contextvars
 import logging
 import weakref
@@ -216,7 +217,7 @@ class RuntimeContext:
         until the step's refresh."""
         opt = self.optimizer
         if opt is None or opt.backward_step is None or self.metrics.backward_seconds == 0.0:
-            take_persistent_writes(self.coordinator.persistent_params)
+            take_persistent_writes(self.coordinator.persistent_params, functools.partial(self.resident, write=True))
 
     def finish_gradients(self) -> None:
         """Every gradient reduction issued so far has landed in the gradient shards."""
@@ -394,6 +395,9 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
                                              io=ctx.swap_io() if ctx.store.placement.optimizer_on_drive else None,
                                              window_ends=ctx.window_ends)
         if ctx.optimizer.backward_step is not None:
+            # in-place writes to kept-gathered weights since the last step, taken before the first sub-group steps
+            ctx.optimizer.backward_step.before_steps = functools.partial(
+                take_persistent_writes, ctx.coordinator.persistent_params, functools.partial(ctx.resident, write=True))
             ctx.reducer.on_landed = ctx.optimizer.backward_step.landed
             ctx.coordinator.watch = ctx.optimizer.backward_step
             if shared:  # peers read shards in place: a read after this rank's send is checked

@@ -94,10 +94,10 @@ def log_progress(engine: Any, m: StepMetrics) -> None:
                     1e3 * m.reduce_wait_seconds, 1e3 * m.header_seconds, 1e3 * m.optimizer_seconds)
 
 
-def take_persistent_writes(persistent: Any) -> None:
+def take_persistent_writes(persistent: Any, resident: Any = None) -> None:
     """Before the optimizer step: in-place writes to persistent parameters since their last gather go
     into their shards, so the step keeps them (persistent.py `take_writes`); said once per name."""
-    for name in persistent.take_writes():
+    for name in persistent.take_writes(resident):
         if name not in _TAKEN:
             _TAKEN.add(name)
             logger.info("zero3: %s was written in place since it was gathered (it is persistent, so kept gathered); "

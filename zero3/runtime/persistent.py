@@ -14,14 +14,17 @@ torch's ``vector_to_parameters``); the forwards use the written value at once, a
 the step does not then lose it (it steps the shards and gathers them again), `take_writes` compares
 each rank's slice of the gathered copy with its shard before the optimizer step and writes the
 elements that differ into the shard and the master. Every
-rank must make the same write (as with DDP, which keeps no two ranks' weights in step either);
-shards or masters not in memory (NVMe) and the step in backward (which steps before `take_writes`
-could run) are not covered: there, write inside ``GatheredParameters(params, modifier_rank=0)``.
+rank must make the same write (as with DDP, which keeps no two ranks' weights in step either).
+A master on the drive (NVMe optimizer) is compared through its shard and read in to take the
+write. The step in backward takes the writes before its first sub-group steps. Not covered: shards
+on the drive, and, with the step in backward, a write after the backward (the step was taken):
+there, write inside ``GatheredParameters(params, modifier_rank=0)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import ContextManager
 
 import torch
 
@@ -69,20 +72,34 @@ class PersistentParams:
             self._gather(todo)
 
     @torch.no_grad()
-    def take_writes(self) -> list[str]:
+    def take_writes(self, resident: Callable[[list[ZeroParameter]], ContextManager[None]] | None = None) -> list[str]:
         """Before an optimizer step: write every element of this rank's slice of a gathered copy that
         differs from its shard (an in-place write since the last gather) into the master and the
         shard; returns the names of those parameters. Only the written elements reach the master: a
         low-precision copy of the rest would round the master's other elements. On an accelerator,
         one host sync for all the comparisons. A parameter that views its shard (world size 1) is
         written in place already, unless its data was replaced (``p.data = t``, torch's
-        vector_to_parameters): then t is taken and the parameter views its shard again."""
+        vector_to_parameters): then t is taken and the parameter views its shard again.
+
+        A master on the drive (``offload_optimizer="nvme"``) is compared through its shard, which holds
+        its value (cast) between steps, and written inside ``resident`` (the engine's
+        `RuntimeContext.resident`, which reads it in and writes it back); without ``resident`` it is
+        skipped."""
         todo = []
         written = []
+        on_drive: list[tuple[ZeroParameter, int, torch.Tensor, torch.Tensor]] = []
         for p in self.params:
             z = p._zero
-            if z.status is not ParamStatus.AVAILABLE or z.residence not in MEMORY \
-                    or z.train_tensor.untyped_storage().nbytes() == 0:  # a master on the drive (NVMe optimizer)
+            if z.status is not ParamStatus.AVAILABLE or z.residence not in MEMORY:
+                continue
+            if z.train_tensor.untyped_storage().nbytes() == 0:  # a master on the drive (NVMe optimizer)
+                if resident is not None and not z.aliased:
+                    start, end = z.shard_range()
+                    n = max(end - start, 0)
+                    mine = zparam.raw_data(p).reshape(-1)[start:start + n]
+                    kept = z.shard[:n].to(mine.device)
+                    if not torch.equal(mine, kept):
+                        on_drive.append((p, n, mine, kept))
                 continue
             if z.aliased:
                 if zparam.alias_replaced(p):
@@ -108,6 +125,12 @@ class PersistentParams:
             if next(synced) if isinstance(differs, torch.Tensor) else differs:
                 _take(z, n, mine, kept)
                 written.append(z.name)
+        if on_drive:
+            assert resident is not None
+            with resident([p for p, *_ in on_drive]):  # the masters read in, and written back after
+                for p, n, mine, kept in on_drive:
+                    _take(p._zero, n, mine, kept)
+                    written.append(p._zero.name)
         return written
 
     def unmark(self) -> None:
