@@ -285,8 +285,9 @@ class Verifier:
             "ranks run (under `if rank == 0:`: a forward for evaluation or sampling, engine.save_checkpoint, "
             "a consolidated state dict; each is a collective), and pass synced_gpus=True to a Hugging Face "
             "generate() (a rank that finished early stops its forwards); make skipped branches run on every "
-            "rank (e.g. with zero inputs), or make the part whose routing differs a leaf module "
-            "(zero3.set_leaf_modules) so it is gathered and reduced as one unit.")
+            "rank (e.g. with zero inputs), or make the module around the part whose routing differs a leaf "
+            "module (zero3.set_leaf_modules) so it is gathered and reduced as one unit: the leaf itself must "
+            "still run on every rank, only what runs inside it may differ.")
 
     def _leave(self) -> None:
         """This rank's next request is not the planned slot (or its epoch ends early): verify what is
