@@ -115,7 +115,7 @@ def test_deepspeed_bf16_section_sets_dtype_and_a_disabled_section_changes_nothin
 
 def test_deepspeed_data_types_section_accepts_what_zero3_does():
     # refused as an unknown section before; fp32 accumulation is what zero3 does under every precision
-    for value in ("fp32", "float32", None):
+    for value in ("fp32", "float32", "FP32", "torch.float32", None):
         cfg = ZeroConfig.from_dict({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": value}})
         assert cfg == ZeroConfig.from_dict({"bf16": {"enabled": True}})
 
@@ -190,6 +190,9 @@ def test_dynamic_scale_never_drops_below_min_and_an_overflow_there_raises_as_dee
     assert run_scaler(h, "x") == [2]
     with pytest.raises(ZeroStateError, match="minimum loss scale"):
         h.update(True)
+    # a scale that starts below the minimum rises to it at the first overflow (DeepSpeed's `==` test)
+    low = LossScaler(scale=1, dynamic=True, window=100, hysteresis=1, min_scale=4.0)
+    assert run_scaler(low, "x") == [4]
     static = LossScaler(scale=128, dynamic=False)
     assert run_scaler(static, "x" + "." * 5) == [128] * 6
     assert static.overflows == 1
@@ -348,7 +351,7 @@ def test_fp16_overflow_at_the_minimum_scale_raises_from_the_step_with_the_step_s
     with pytest.raises(ZeroStateError, match="minimum loss scale"):
         engine.step()  # went on skipping every step for ever, logging at INFO only
     assert all(torch.equal(before[n], v) for n, v in masters_of(engine).items())
-    assert engine.skipped_steps == 2
+    assert engine.skipped_steps == 1  # the failing step counted nowhere, as in DeepSpeed
     assert all(engine.master_shard(p).grad is None or not engine.master_shard(p).grad.any() for p in engine.params)
 
 
@@ -537,7 +540,9 @@ class _Counter(nn.Module):
 
 def _bn_model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), _Counter(), nn.Linear(8, 2))
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), _Counter(), nn.Linear(8, 2))
+    model[4].register_buffer("kept", torch.zeros(2))  # as an MoE router's fp32 bias, which HF keeps in fp32
+    return model
 
 
 @pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
@@ -551,8 +556,10 @@ def test_batchnorm_under_mixed_precision_trains_as_module_to_dtype_does(dtype, t
     bn = model[1]
     assert bn.running_mean.dtype == torch_dtype and bn.running_var.dtype == torch_dtype
     assert bn.num_batches_tracked.dtype == torch.long and model[3].table.dtype == torch.float32
+    assert model[4].kept.dtype == torch.float32  # another buffer of a module with parameters keeps its dtype
     low = copy.deepcopy(full).to(torch_dtype)
     low[3].table = low[3].table.float()
+    low[4].kept = low[4].kept.float()
     masters = [p.detach().clone().float() for p in full.parameters()]
     opt = torch.optim.AdamW(masters, lr=1e-2, eps=1e-6)
     g = torch.Generator().manual_seed(1)

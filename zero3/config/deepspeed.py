@@ -171,7 +171,7 @@ def _data_types(value: Any) -> None:
     for key, v in value.items():
         if key != "grad_accum_dtype":
             raise ZeroConfigError("data_types: " + unknown_key_message(key, {"grad_accum_dtype"}))
-        if v is not None and (not isinstance(v, str) or _DTYPE_ALIASES.get(v) != "fp32"):
+        if v is not None and (not isinstance(v, str) or _DTYPE_ALIASES.get(v.lower().removeprefix("torch.")) != "fp32"):
             raise ZeroConfigError(f"data_types.grad_accum_dtype={v!r} is not supported: zero3 accumulates gradients "
                                   "in fp32 shards under every precision; set it to 'fp32' or leave it out")
 

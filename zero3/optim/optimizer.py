@@ -444,10 +444,10 @@ class PartitionedOptimizer:
             overflow = self.unscale_()
             if overflow:
                 self._last_overflow = True
-                self.skipped_steps += 1
                 self.zero_grad()
-            self.scaler.update(overflow)  # raises at the minimum scale, the step skipped and its gradients gone
+            self.scaler.update(overflow)  # raises at the minimum scale, the gradients gone, no count (as DeepSpeed)
             if overflow:
+                self.skipped_steps += 1
                 return False
         if self.config.training.gradient_clipping > 0:
             self.clip_grad_norm(self.config.training.gradient_clipping)

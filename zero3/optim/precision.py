@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from ..errors import ZeroStateError
 from ..partition.param import ZeroParameter, set_placeholder_dtype
@@ -76,21 +77,23 @@ def lower_precision(params: Iterable[ZeroParameter], dtype: torch.dtype, store: 
 
 
 def lower_buffers(model: nn.Module, dtype: torch.dtype) -> list[str]:
-    """Cast to ``dtype`` the floating buffers of every module whose own parameters zero3 lowers to it
-    (BatchNorm's running statistics beside its bf16 weight: torch refuses the mix, and DeepSpeed's
-    ``module.bfloat16()`` cast them). A buffer of a module without floating parameters of its own (a
-    rotary ``inv_freq``) keeps its dtype. Returns the names cast. Run after `lower_precision`."""
+    """Cast to ``dtype`` the running statistics of every normalisation layer whose own parameters
+    zero3 lowers to it (BatchNorm, InstanceNorm): torch's kernels refuse fp32 statistics beside a
+    bf16 weight, and DeepSpeed's ``module.bfloat16()`` cast them. Every other buffer keeps its dtype
+    (a rotary ``inv_freq``; a router's fp32 bias, which Hugging Face keeps in fp32 on purpose).
+    Returns the names cast. Run after `lower_precision`."""
     cast: list[str] = []
     for prefix, module in model.named_modules():
-        own = [p for p in module.parameters(recurse=False) if isinstance(p, ZeroParameter) and p._zero.shard.dtype == dtype]
-        if not own:
+        if not isinstance(module, _NormBase) or not any(
+                isinstance(p, ZeroParameter) and p._zero.shard.dtype == dtype for p in module.parameters(recurse=False)):
             continue
-        for name, b in module.named_buffers(recurse=False):
+        for name in ("running_mean", "running_var"):
+            b = module._buffers.get(name)
             if b is not None and b.is_floating_point() and b.dtype != dtype:
                 module._buffers[name] = b.to(dtype)
                 cast.append(f"{prefix}.{name}" if prefix else name)
     if cast:
-        logger.info("zero3: buffers cast to %s with their module's parameters: %s", dtype, ", ".join(cast))
+        logger.info("zero3: running statistics cast to %s with their layer's parameters: %s", dtype, ", ".join(cast))
     return cast
 
 
@@ -143,7 +146,7 @@ class LossScaler:
             if not self.dynamic:
                 return
             if self.hysteresis_left <= 1:
-                if self.scale <= self.min_scale:
+                if self.scale == self.min_scale:  # DeepSpeed's test (a scale below it rises to it)
                     raise ZeroStateError(
                         f"fp16: a gradient overflowed at the minimum loss scale (min_loss_scale={self.min_scale:g}) "
                         f"after {self.overflows} overflowing steps; the step was skipped, and every later one would "

@@ -38,7 +38,6 @@ way, which data-parallel code does.
 from __future__ import annotations
 
 import contextvars
-import copy
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -528,22 +527,17 @@ def _partition_param(p: nn.Parameter, name: str, state: _InitState) -> ZeroParam
     return zp
 
 
-def _deepcopy(p: ZeroParameter, memo: dict, state: _InitState) -> ZeroParameter:
+def _deepcopy(p: ZeroParameter, state: _InitState) -> ZeroParameter:
     """``copy.deepcopy`` of a partitioned parameter while `Init` builds (torch's
     ``nn.TransformerEncoder`` deep-copies the layer it is given, already partitioned): a new
-    parameter, partitioned, with the values and the attributes of ``p``. A collective (one gather),
-    as building is."""
+    parameter, partitioned, with the values of ``p`` (and, as torch's copy, none of its attributes).
+    A collective (one gather), as building is."""
     state.ctx.coordinator.gather_for_user([p])
     try:
         full = raw_data(p).detach().clone()
     finally:
         state.ctx.coordinator.release_for_user([p])
-    new = nn.Parameter(full, requires_grad=p.requires_grad)
-    zp = _partition_param(new, p._zero.name, state)
-    for key, value in p.__dict__.items():  # the user's own attributes (no_weight_decay flags, tensor-parallel marks)
-        if key not in zp.__dict__:
-            zp.__dict__[key] = copy.deepcopy(value, memo)
-    return zp
+    return _partition_param(nn.Parameter(full, requires_grad=p.requires_grad), p._zero.name, state)
 
 
 def _param_of(target: Any, state: _InitState) -> ZeroParameter | None:
@@ -565,7 +559,7 @@ def _touch(target: Any, func: Callable, args: tuple, kwargs: dict) -> tuple[bool
     if state is None or p is None or p._zero.ctx is not state.ctx:
         return False, None
     if name == "__deepcopy__":
-        return True, _deepcopy(p, args[1], state)
+        return True, _deepcopy(p, state)
     if name == "__set__":  # p.data = value: the full value, written into the shards
         _assign(p, args[1], state)
         return True, None

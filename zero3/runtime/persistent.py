@@ -55,7 +55,10 @@ class PersistentParams:
         """Gather them the first time (after every shard has its final buffer)."""
         if self._world_size == 1:
             for p in self.params:
-                zparam.alias_shard(p)  # one rank: the shard is the full tensor, no refresh ever needed
+                # one rank: the shard is the full tensor, no refresh ever needed; but not beside a master on
+                # the drive, which a write through the alias would miss (`take_writes` compares a copy)
+                if p._zero.train_tensor.untyped_storage().nbytes() > 0:
+                    zparam.alias_shard(p)
         self.refresh()
 
     def refresh(self) -> None:
