@@ -490,3 +490,77 @@ def test_a_deep_copy_outside_init_is_still_refused():
         lin = nn.Linear(4, 4)
     with pytest.raises(ZeroStateError, match="cannot deepcopy partitioned parameter"):
         copy.deepcopy(lin)
+
+
+# -- writes and parametrizations while building ----------------------------------------------------
+class _Writes(nn.Module):
+    """Item assignments in a constructor (`__setitem__` is not a trailing-underscore method: the write
+    was gathered around as a read, and lost when the parameter was released)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(6, 4)
+        self.a = nn.Linear(4, 16)
+        self.b = nn.Linear(4, 16)
+        with torch.no_grad():
+            self.emb.weight[0] = 0
+            self.a.weight.data[1] = torch.ones(4)
+            self.b.bias[:8] = self.a.bias[8:]
+            self.b.weight[2:4] += 1.0
+
+
+def test_item_assignments_to_parameters_while_building_are_kept():
+    torch.manual_seed(0)
+    ref = _Writes()
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = _Writes()
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(_gathered(p), r.detach(), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["orthogonal", "user"])
+def test_removing_a_parametrization_under_init_leaves_its_value_in_the_shards(kind):
+    """torch writes the parametrized value into ``original`` with ``Tensor.set_``, which a partitioned
+    parameter never sees: the shards kept the pre-removal values (the forward was 2.7 off torch's)."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    class Sym(nn.Module):  # no view of the weight is left out (one was written back when the build ended)
+        def forward(self, w):
+            return w.triu() + w.triu(1).transpose(-1, -2)
+
+    def build():
+        lin = nn.Linear(4, 4)
+        if kind == "orthogonal":
+            parametrizations.orthogonal(lin)
+        else:
+            parametrize.register_parametrization(lin, "weight", Sym())
+        parametrize.remove_parametrizations(lin, "weight")  # leave_parametrized=True, torch's default
+        return lin
+
+    torch.manual_seed(0)
+    ref = build()
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = build()
+    assert parametrize.remove_parametrizations is not None and not parametrize.is_parametrized(model)
+    assert model.weight.untyped_storage().nbytes() == 0  # no full storage left behind
+    torch.testing.assert_close(_gathered(model.weight), ref.weight.detach(), rtol=0, atol=0)
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), ref(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_lazy_module_is_refused_by_name_by_init_and_initialize():
+    with pytest.raises(ZeroStateError, match=r"LazyLinear.weight belongs to a lazy module .* the modules built "
+                                             "before it in this Init block are partitioned"):
+        with zero3.Init():
+            nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(2))
+    model = nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(2))
+    with pytest.raises(ZeroStateError, match=r"parameter 1.weight belongs to a lazy module .*nothing was partitioned"):
+        zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not any(zero3.is_zero_param(p) for p in model.parameters())
+    model(torch.randn(2, 4))  # materialised: initialize partitions it
+    zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert all(zero3.is_zero_param(p) for p in model.parameters())

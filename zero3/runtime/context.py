@@ -341,6 +341,9 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
     if meta is not None and not meta_dry_run.get():
         raise meta_refusal(meta)
+    lazy = next((n for n, p in model.named_parameters() if nn.parameter.is_lazy(p)), None)
+    if lazy is not None:
+        raise lazy_refusal(lazy)
     refuse_unshardable_embeddings(model)
     check_leaf_classes(model, config.training.leaf_modules)
     config = config.for_world_size(group_info(group)[1])  # DeepSpeed's batch-size rule needs the world size
@@ -457,6 +460,16 @@ def meta_refusal(name: str) -> ZeroStateError:
         "holding all of it: build it under `zero3.Init()` on a real device (each module is initialised, then "
         "partitioned), or materialise it first (model.to_empty(device=...) and initialise the weights) and then "
         "call zero3.initialize; nothing was partitioned")
+
+
+def lazy_refusal(name: str, tail: str = "nothing was partitioned") -> ZeroStateError:
+    """A parameter of a lazy module (``nn.LazyLinear``) not materialised yet: it has no shape to split
+    until the module's first forward. Refused by ``initialize`` and by ``Init`` when the module is built
+    (it was partitioned as an empty tensor, and the first forward failed inside torch)."""
+    return ZeroStateError(
+        f"parameter {name} belongs to a lazy module (nn.LazyLinear, nn.LazyConv2d, ...) and has no shape until "
+        "the module's first forward, so zero3 cannot partition it. Give the module its sizes (nn.Linear(in, out)), "
+        f"or build the model outside zero3.Init, run one forward to materialise it, then call zero3.initialize; {tail}")
 
 
 def _device_of(model: nn.Module) -> torch.device:
