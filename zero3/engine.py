@@ -456,7 +456,7 @@ class Engine:
 
     def load_checkpoint(self, load_dir: Any, tag: str | int | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None, **kwargs: Any) -> tuple[str, Any]:
+                        load_module_only: bool = False, custom_load_fn: Any = None, **kwargs: Any) -> tuple[str | None, Any]:
         """Load a checkpoint saved at any world size (a collective); returns ``(path, client_state)``.
 
         The engine's lr scheduler is restored too unless another is given; DeepSpeed's argument order. See

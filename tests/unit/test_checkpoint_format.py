@@ -301,6 +301,27 @@ def test_bad_checkpoint_raises_a_clear_error_and_leaves_the_engine_untouched(tra
     assert engine.global_steps == steps
 
 
+@pytest.mark.parametrize("where", ["empty directory", "no directory", "only an unfinished save"])
+def test_the_first_launch_of_an_auto_resume_script_loads_nothing_and_returns_none_as_deepspeed(tmp_path, caplog,
+                                                                                                where):
+    """``path, state = engine.load_checkpoint(dir)`` before anything was saved there: DeepSpeed warns and
+    returns (None, None); zero3 raised CheckpointNotFoundError. Tags without `latest` still raise (above)."""
+    root = tmp_path / "ckpt"
+    if where != "no directory":
+        root.mkdir()
+    if where == "only an unfinished save":
+        (root / ".step3.partial").mkdir()
+    engine = make_engine(seed=1)
+    train(engine, range(1))
+    before, steps = snapshot(engine), engine.global_steps
+    assert engine.load_checkpoint(root) == (None, None)
+    assert "holds no checkpoint yet" in caplog.text
+    assert_same(snapshot(engine), before)
+    assert engine.global_steps == steps
+    with pytest.raises(ck.CheckpointNotFoundError):  # a tag named explicitly must be there
+        engine.load_checkpoint(root, tag="step3")
+
+
 def test_checkpoint_of_another_model_names_the_differences(trained):
     other = make_engine(cfg=GPTConfig(n_layer=3, vocab_size=128))
     before = snapshot(other)

@@ -23,7 +23,8 @@ from ..errors import ZeroConfigError, ZeroStateError
 from ..partition.param import ZeroParameter
 from ..partition.state import ParamStatus
 from .exchange import exchange
-from .format import CheckpointMismatchError, from_json
+from .format import (LATEST_FILE, METADATA_FILE, MODEL_PARALLEL_FILE, CheckpointMismatchError, CheckpointNotFoundError,
+                     from_json)
 from .layout import extra_state_modules, is_sharded_state, model_entries, optimizer_groups
 from .reader import CheckpointReader
 from .rng_state import restore_rng_state
@@ -147,7 +148,7 @@ def _first_group_difference(theirs: list[dict[str, Any]], ours: list[dict[str, A
 def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: str | int | None = None, *,
                     lr_scheduler: Any = None, load_optimizer_states: bool = True, verify: bool = True,
                     load_module_strict: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str, Any]:
+                    load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
     """Load a checkpoint written by `save_checkpoint` at any world size into the engine of ``ctx``.
 
     A collective. At the saving world size the result is bit-for-bit what was saved; at another, each
@@ -190,6 +191,8 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
         load_optimizer_states = False
     if load_module_only or not load_lr_scheduler_states:
         lr_scheduler = None
+    if tag is None and _nothing_saved_yet(ctx, load_dir):
+        return None, None
     reader: CheckpointReader | None = None
     plan: _LoadPlan | None = None
     error: BaseException | None = None
@@ -284,6 +287,27 @@ def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_sc
     else:
         logger.info("zero3::checkpoint saved by %d ranks, loaded on %d: RNG states are not restored",
                     reader.world_size, ctx.world_size)
+
+
+def _nothing_saved_yet(ctx: RuntimeContext, load_dir: str | os.PathLike[str]) -> bool:
+    """No checkpoint at all in ``load_dir`` (no ``latest``, no saved tag; or no such directory) on every
+    rank: the first launch of an auto-resume script (``path, state = engine.load_checkpoint(dir)``
+    before any save). DeepSpeed logs it and returns ``(None, None)``; so does zero3, after the ranks
+    agree (one small exchange). Tags without ``latest`` still raise (the reader names them): DeepSpeed
+    would start from scratch beside them. Ranks that see different files raise together."""
+    root = os.fspath(load_dir)
+    missing = not os.path.isfile(os.path.join(root, LATEST_FILE)) and not (os.path.isdir(root) and any(
+        os.path.isfile(os.path.join(root, d, f)) for d in os.listdir(root) for f in (METADATA_FILE, MODEL_PARALLEL_FILE)))
+    seen = [m for items in exchange(ctx, missing, None, "load_checkpoint: latest") for m in items]
+    if all(seen):
+        logger.warning("zero3::checkpoint %s holds no checkpoint yet (no %s file, no saved tag); nothing was loaded, "
+                       "and load_checkpoint returns (None, None) as DeepSpeed's does", load_dir, LATEST_FILE)
+        return True
+    if any(seen):
+        raise CheckpointNotFoundError(f"{os.path.join(os.fspath(load_dir), LATEST_FILE)}: missing on the ranks "
+                                      f"{[r for r, m in enumerate(seen) if m]} and present on the others (a directory "
+                                      "not shared by every node?); nothing was loaded")
+    return False
 
 
 def _load_state(optimizer: PartitionedOptimizer, reader: CheckpointReader, plan: _LoadPlan, p: ZeroParameter,
