@@ -153,6 +153,31 @@ def test_the_optimizer_hands_its_state_to_checkpoints_as_plain_tensors_and_dicts
     assert engine.optimizer_state(p) == {}
 
 # -- round trip ---------------------------------------------------------------------------------------
+def test_megatron_deepspeed_client_state_round_trips(tmp_path):
+    """Megatron-DeepSpeed saves its argparse args and numpy's RNG state in client_state; the save
+    refused both (TypeError: cannot store a Namespace / ndarray)."""
+    import argparse
+
+    import numpy as np
+    np.random.seed(5)
+    client = {"args": argparse.Namespace(lr=1e-4, num_layers=2, tokenizer=None, sizes=[1, 2]),
+              "np_rng_state": np.random.get_state(), "iteration": np.int64(12), "loss": np.float32(2.5),
+              "hist": np.arange(6, dtype=np.int32).reshape(2, 3)}
+    engine = make_engine()
+    train(engine, range(1))
+    engine.save_checkpoint(tmp_path, client_state=client)
+    _, got = make_engine(seed=1).load_checkpoint(tmp_path)
+    assert got["args"] == client["args"] and isinstance(got["args"], argparse.Namespace)
+    assert type(got["iteration"]) is np.int64 and got["iteration"] == 12 and type(got["loss"]) is np.float32
+    assert got["hist"].dtype == np.int32 and np.array_equal(got["hist"], client["hist"])
+    np.random.set_state(got["np_rng_state"])
+    resumed = np.random.rand(4)
+    np.random.set_state(client["np_rng_state"])
+    assert np.array_equal(resumed, np.random.rand(4))
+    with pytest.raises(TypeError, match=r"client_state\['s'\]: cannot store a ndarray"):
+        ck.to_json({"s": np.array(["text"])}, "client_state")  # only numeric arrays
+
+
 def test_round_trip_restores_weights_moments_hyperparameters_scheduler_rng_and_client_state(tmp_path):
     engine = make_engine()
     sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)

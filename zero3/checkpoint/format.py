@@ -37,12 +37,14 @@ data-parallel size; the model-parallel size must stay the same (zero3 cannot re-
 
 from __future__ import annotations
 
+import argparse
 import base64
 import io
 import dataclasses
 import os
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import (
@@ -103,12 +105,14 @@ class ParamMeta:
 
 
 # -- JSON for small state (hyperparameters, scheduler, client state, RNG) --------------------------
-_MARKERS = ("__tensor__", "__tuple__", "__items__", "__dtype__", "__bytes__", "__bytesio__")
+_MARKERS = ("__tensor__", "__tuple__", "__items__", "__dtype__", "__bytes__", "__bytesio__", "__ndarray__",
+            "__npscalar__", "__namespace__")
 
 
 def to_json(obj: Any, where: str = "value") -> Any:
-    """Encode tensors, tuples, dtypes, bytes, ``io.BytesIO`` (older Transformer Engine's extra state)
-    and non-string-keyed dicts so `from_json` restores them."""
+    """Encode tensors, tuples, dtypes, bytes, ``io.BytesIO`` (older Transformer Engine's extra state),
+    numeric numpy arrays and scalars, ``argparse.Namespace`` (what Megatron-DeepSpeed puts in
+    ``client_state``) and non-string-keyed dicts so `from_json` restores them."""
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, (bytes, bytearray)):
@@ -121,6 +125,12 @@ def to_json(obj: Any, where: str = "value") -> Any:
                                "data": base64.b64encode(bytes(byte_view(t.reshape(-1)))).decode()}}
     if isinstance(obj, torch.dtype):
         return {"__dtype__": dtype_name(obj)}
+    if isinstance(obj, (np.ndarray, np.generic)) and obj.dtype.kind in "biufc":  # Megatron's np_rng_state, counters
+        a = np.ascontiguousarray(obj) if isinstance(obj, np.ndarray) else np.asarray(obj)  # a scalar stays 0-d
+        data = {"dtype": a.dtype.str, "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}
+        return {"__ndarray__" if isinstance(obj, np.ndarray) else "__npscalar__": data}
+    if isinstance(obj, argparse.Namespace):  # Megatron-DeepSpeed saves its args in client_state
+        return {"__namespace__": to_json(vars(obj), f"{where}.args")}
     if isinstance(obj, tuple):
         return {"__tuple__": [to_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
     if isinstance(obj, list):
@@ -130,7 +140,7 @@ def to_json(obj: Any, where: str = "value") -> Any:
             return {k: to_json(v, f"{where}[{k!r}]") for k, v in obj.items()}
         return {"__items__": [[to_json(k, where), to_json(v, f"{where}[{k!r}]")] for k, v in obj.items()]}
     raise TypeError(f"{where}: cannot store a {type(obj).__name__} in a checkpoint; use tensors, numbers, "
-                    "strings, bytes, io.BytesIO, None, lists, tuples and dicts")
+                    "strings, bytes, io.BytesIO, numeric numpy arrays, argparse.Namespace, None, lists, tuples and dicts")
 
 
 def from_json(obj: Any) -> Any:
@@ -156,6 +166,11 @@ def from_json(obj: Any) -> Any:
             return base64.b64decode(value)
         if key == "__bytesio__":
             return io.BytesIO(base64.b64decode(value))  # at position 0, as a fresh buffer
+        if key in ("__ndarray__", "__npscalar__"):
+            a = np.frombuffer(base64.b64decode(value["data"]), dtype=np.dtype(value["dtype"])).reshape(value["shape"])
+            return a.copy() if key == "__ndarray__" else a[()]
+        if key == "__namespace__":
+            return argparse.Namespace(**from_json(value))
     return {k: from_json(v) for k, v in obj.items()}
 
 
