@@ -227,6 +227,17 @@ def test_adam_w_mode_false_is_adam_with_l2_weight_decay():
     assert (engine.optimizer.defaults["lr"], engine.optimizer.defaults["weight_decay"]) == (1e-3, 0.1)
 
 
+def test_fused_adam_keys_deepspeed_configs_carry_are_accepted_where_they_change_nothing():
+    """FusedAdam's set_grad_none, and adam_w_mode=true under AdamW, were refused as unknown keys."""
+    for kind in ("Adam", "AdamW"):
+        model = nn.Linear(4, 4)
+        engine = zero3.initialize(model=model, config={"optimizer": {"type": kind, "params": {
+            "lr": 1e-3, "weight_decay": 0.1, "set_grad_none": True, "adam_w_mode": True}}})
+        assert type(engine.optimizer) is torch.optim.AdamW and "set_grad_none" not in engine.optimizer.defaults
+    with pytest.raises(zero3.ZeroConfigError, match="AdamW with adam_w_mode=false is contradictory"):
+        zero3.initialize(model=nn.Linear(4, 4), config={"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}})
+
+
 def test_model_parameters_with_a_config_optimizer_keep_their_param_groups():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     groups = [{"params": list(model[0].parameters()), "weight_decay": 0.0},

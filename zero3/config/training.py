@@ -13,8 +13,10 @@ from ..errors import ZeroConfigError
 from .fields import check_fields, coerce, field_types, unknown_key_message
 
 _OPTIMIZER_PARAMS = {
-    "adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode", "bias_correction"},
-    "adamw": {"lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "bias_correction"},
+    "adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode", "bias_correction",
+             "set_grad_none"},
+    "adamw": {"lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode", "bias_correction",
+              "set_grad_none"},
     "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov"},
 }
 _SCHEDULER_PARAMS = {
@@ -81,7 +83,7 @@ _PARAM_KINDS: dict[str, tuple[str, Any]] = {
     "betas": ("two numbers in [0, 1)", lambda v: isinstance(v, (list, tuple)) and len(v) == 2
               and all(_number(b) and 0 <= b < 1 for b in v)),
     **{k: ("true or false", lambda v: isinstance(v, bool))
-       for k in ("amsgrad", "torch_adam", "adam_w_mode", "bias_correction", "nesterov")},
+       for k in ("amsgrad", "torch_adam", "adam_w_mode", "bias_correction", "nesterov", "set_grad_none")},
     **{k: ("a finite number >= 0, or a list of them (one per param group)",
            lambda v: _rate(v) or (isinstance(v, (list, tuple)) and len(v) > 0 and all(_rate(x) for x in v)))
        for k in ("warmup_min_lr", "warmup_max_lr")},

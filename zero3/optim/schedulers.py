@@ -37,7 +37,11 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[Any]) -> torch.optim.O
     if kind in ("adam", "adamw"):
         if not torch_adam:  # DeepSpeed's own Adam (FusedAdam, CPUAdam) defaults to no weight decay
             p.setdefault("weight_decay", 0.0)
-        decoupled = p.pop("adam_w_mode", True) if kind == "adam" else True
+        p.pop("set_grad_none", None)  # FusedAdam's zero_grad(set_to_none): zero3's zero_grad drops gradients anyway
+        decoupled = p.pop("adam_w_mode", True)
+        if kind == "adamw" and decoupled is not True:
+            raise ZeroConfigError("optimizer type AdamW with adam_w_mode=false is contradictory: AdamW decays the weights "
+                                  "decoupled; use type Adam with adam_w_mode false for L2 regularisation")
         if not p.pop("bias_correction", True):
             raise ZeroConfigError("optimizer.params.bias_correction=false is not supported (torch's Adam always "
                                   "corrects the bias)")
