@@ -162,7 +162,7 @@ def test_megatron_deepspeed_client_state_round_trips(tmp_path):
     np.random.seed(5)
     client = {"args": argparse.Namespace(lr=1e-4, num_layers=2, tokenizer=None, sizes=[1, 2]),
               "np_rng_state": np.random.get_state(), "iteration": np.int64(12), "loss": np.float32(2.5),
-              "hist": np.arange(6, dtype=np.int32).reshape(2, 3)}
+              "hist": np.arange(6, dtype=np.int32).reshape(2, 3), "f64": np.float64(0.25), "zero_d": np.array(3.5)}
     engine = make_engine()
     train(engine, range(1))
     engine.save_checkpoint(tmp_path, client_state=client)
@@ -170,6 +170,7 @@ def test_megatron_deepspeed_client_state_round_trips(tmp_path):
     assert got["args"] == client["args"] and isinstance(got["args"], argparse.Namespace)
     assert type(got["iteration"]) is np.int64 and got["iteration"] == 12 and type(got["loss"]) is np.float32
     assert got["hist"].dtype == np.int32 and np.array_equal(got["hist"], client["hist"])
+    assert type(got["f64"]) is np.float64 and got["zero_d"].shape == () and got["zero_d"] == 3.5
     np.random.set_state(got["np_rng_state"])
     resumed = np.random.rand(4)
     np.random.set_state(client["np_rng_state"])
@@ -334,8 +335,9 @@ def test_the_first_launch_of_an_auto_resume_script_loads_nothing_and_returns_non
     root = tmp_path / "ckpt"
     if where != "no directory":
         root.mkdir()
-    if where == "only an unfinished save":
+    if where == "only an unfinished save":  # a crash before the save published: its metadata is there already
         (root / ".step3.partial").mkdir()
+        (root / ".step3.partial" / "metadata.json").write_text("{}")
     engine = make_engine(seed=1)
     train(engine, range(1))
     before, steps = snapshot(engine), engine.global_steps
@@ -345,6 +347,9 @@ def test_the_first_launch_of_an_auto_resume_script_loads_nothing_and_returns_non
     assert engine.global_steps == steps
     with pytest.raises(ck.CheckpointNotFoundError):  # a tag named explicitly must be there
         engine.load_checkpoint(root, tag="step3")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ck.CheckpointNotFoundError, match="does not exist"):  # a wrong argument is not "nothing yet"
+        engine.load_checkpoint(tmp_path / "a_file")
 
 
 def test_checkpoint_of_another_model_names_the_differences(trained):

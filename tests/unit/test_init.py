@@ -507,6 +507,8 @@ class _Writes(nn.Module):
             self.a.weight.data[1] = torch.ones(4)
             self.b.bias[:8] = self.a.bias[8:]
             self.b.weight[2:4] += 1.0
+            self.emb.weight.data *= 0.5  # in place, then `emb.weight.data = <that result>`: it failed reading a freed storage
+            self.a.bias.set_(torch.full((16,), 0.25))  # Tensor.set_ never reached the shards
 
 
 def test_item_assignments_to_parameters_while_building_are_kept():
@@ -552,13 +554,25 @@ def test_removing_a_parametrization_under_init_leaves_its_value_in_the_shards(ki
         torch.testing.assert_close(engine(x), ref(x), rtol=1e-6, atol=1e-6)
 
 
+def test_set_on_a_partitioned_parameter_outside_init_is_refused_and_changes_nothing():
+    with zero3.Init():
+        lin = nn.Linear(4, 4)
+    before = _gathered(lin.weight)
+    with pytest.raises(ZeroStateError, match="set_ would replace the storage of a partitioned parameter"):
+        with torch.no_grad():
+            lin.weight.set_(torch.ones(4, 4))
+    assert torch.equal(_gathered(lin.weight), before) and lin.weight.untyped_storage().nbytes() == 0
+
+
 def test_a_lazy_module_is_refused_by_name_by_init_and_initialize():
-    with pytest.raises(ZeroStateError, match=r"LazyLinear.weight belongs to a lazy module .* the modules built "
+    with pytest.raises(ZeroStateError, match=r"LazyLinear.weight is uninitialized .* the modules built "
                                              "before it in this Init block are partitioned"):
         with zero3.Init():
             nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(2))
+    with pytest.raises(ZeroStateError, match=r"parameter 1.weight is uninitialized .*nothing was partitioned"):
+        zero3.Init(module=nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(2)))
     model = nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(2))
-    with pytest.raises(ZeroStateError, match=r"parameter 1.weight belongs to a lazy module .*nothing was partitioned"):
+    with pytest.raises(ZeroStateError, match=r"parameter 1.weight is uninitialized .*nothing was partitioned"):
         zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert not any(zero3.is_zero_param(p) for p in model.parameters())
     model(torch.randn(2, 4))  # materialised: initialize partitions it

@@ -113,6 +113,10 @@ def to_json(obj: Any, where: str = "value") -> Any:
     """Encode tensors, tuples, dtypes, bytes, ``io.BytesIO`` (older Transformer Engine's extra state),
     numeric numpy arrays and scalars, ``argparse.Namespace`` (what Megatron-DeepSpeed puts in
     ``client_state``) and non-string-keyed dicts so `from_json` restores them."""
+    if isinstance(obj, (np.ndarray, np.generic)) and obj.dtype.kind in "biufc":  # Megatron's np_rng_state, counters
+        a = np.ascontiguousarray(obj).reshape(np.shape(obj))  # a 0-d array stays 0-d
+        data = {"dtype": a.dtype.str, "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}
+        return {"__ndarray__" if isinstance(obj, np.ndarray) else "__npscalar__": data}  # np.float64 is a float too
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, (bytes, bytearray)):
@@ -125,10 +129,6 @@ def to_json(obj: Any, where: str = "value") -> Any:
                                "data": base64.b64encode(bytes(byte_view(t.reshape(-1)))).decode()}}
     if isinstance(obj, torch.dtype):
         return {"__dtype__": dtype_name(obj)}
-    if isinstance(obj, (np.ndarray, np.generic)) and obj.dtype.kind in "biufc":  # Megatron's np_rng_state, counters
-        a = np.ascontiguousarray(obj) if isinstance(obj, np.ndarray) else np.asarray(obj)  # a scalar stays 0-d
-        data = {"dtype": a.dtype.str, "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}
-        return {"__ndarray__" if isinstance(obj, np.ndarray) else "__npscalar__": data}
     if isinstance(obj, argparse.Namespace):  # Megatron-DeepSpeed saves its args in client_state
         return {"__namespace__": to_json(vars(obj), f"{where}.args")}
     if isinstance(obj, tuple):

@@ -293,20 +293,27 @@ def _nothing_saved_yet(ctx: RuntimeContext, load_dir: str | os.PathLike[str]) ->
     """No checkpoint at all in ``load_dir`` (no ``latest``, no saved tag; or no such directory) on every
     rank: the first launch of an auto-resume script (``path, state = engine.load_checkpoint(dir)``
     before any save). DeepSpeed logs it and returns ``(None, None)``; so does zero3, after the ranks
-    agree (one small exchange). Tags without ``latest`` still raise (the reader names them): DeepSpeed
-    would start from scratch beside them. Ranks that see different files raise together."""
+    agree (one small exchange). Saved tags without ``latest`` still raise (the reader names those it
+    finds): DeepSpeed would start from scratch beside them. Ranks that see different files raise
+    together; a path that is not a directory is left to the reader's error.""" 
     root = os.fspath(load_dir)
-    missing = not os.path.isfile(os.path.join(root, LATEST_FILE)) and not (os.path.isdir(root) and any(
-        os.path.isfile(os.path.join(root, d, f)) for d in os.listdir(root) for f in (METADATA_FILE, MODEL_PARALLEL_FILE)))
-    seen = [m for items in exchange(ctx, missing, None, "load_checkpoint: latest") for m in items]
+    missing, error = False, None
+    try:  # a save interrupted before it published (``.TAG.partial``) saved nothing; ``.TAG.old`` may be recovered
+        missing = not os.path.exists(root) or os.path.isdir(root) and not os.path.isfile(
+            os.path.join(root, LATEST_FILE)) and not any(
+            os.path.isfile(os.path.join(root, d, f)) for d in os.listdir(root) if not d.endswith(".partial")
+            for f in (METADATA_FILE, MODEL_PARALLEL_FILE))
+    except OSError as exc:  # agreed below: a rank that cannot read the directory fails every rank
+        error = exc
+    seen = [m for items in exchange(ctx, missing, error, "load_checkpoint: latest") for m in items]
     if all(seen):
         logger.warning("zero3::checkpoint %s holds no checkpoint yet (no %s file, no saved tag); nothing was loaded, "
                        "and load_checkpoint returns (None, None) as DeepSpeed's does", load_dir, LATEST_FILE)
         return True
     if any(seen):
-        raise CheckpointNotFoundError(f"{os.path.join(os.fspath(load_dir), LATEST_FILE)}: missing on the ranks "
-                                      f"{[r for r, m in enumerate(seen) if m]} and present on the others (a directory "
-                                      "not shared by every node?); nothing was loaded")
+        raise CheckpointNotFoundError(f"{os.path.join(root, LATEST_FILE)}: no checkpoint there on {sum(seen)} of "
+                                      f"{len(seen)} ranks, one on the others (a directory not shared by every node?); "
+                                      "nothing was loaded")
     return False
 
 

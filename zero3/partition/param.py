@@ -322,6 +322,21 @@ class PartitionedParameter(ZeroParameter):
 
     __torch_function__ = classmethod(_guard)  # type: ignore[assignment]
 
+    def set_(self, source: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """``Tensor.set_`` never reaches ``__torch_function__``, so it would swap the storage behind the
+        shards in silence (torch's ``remove_parametrizations`` calls it). Inside `zero3.Init` a full
+        tensor of the parameter's shape is written into the shards, as ``p.data = t`` is; anything else
+        is refused."""
+        handler = construction_handler.get()
+        if handler is not None and isinstance(source, torch.Tensor) and not args and not kwargs:
+            done, _ = handler(self, PartitionedParameter.set_, (self, source), {})
+            if done:
+                return self
+        raise ZeroStateError(
+            f"{self._zero.summary()}: set_ would replace the storage of a partitioned parameter behind its shards; "
+            "write full values inside `with zero3.GatheredParameters([p], modifier_rank=0):` (or, while zero3.Init "
+            "builds, p.set_(t) / p.data = t with t of the parameter's shape)")
+
 
 _TENSOR_GRAD = torch._C.TensorBase.__dict__["grad"]  # torch's own ``.grad`` descriptor
 

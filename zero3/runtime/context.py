@@ -467,8 +467,8 @@ def lazy_refusal(name: str, tail: str = "nothing was partitioned") -> ZeroStateE
     until the module's first forward. Refused by ``initialize`` and by ``Init`` when the module is built
     (it was partitioned as an empty tensor, and the first forward failed inside torch)."""
     return ZeroStateError(
-        f"parameter {name} belongs to a lazy module (nn.LazyLinear, nn.LazyConv2d, ...) and has no shape until "
-        "the module's first forward, so zero3 cannot partition it. Give the module its sizes (nn.Linear(in, out)), "
+        f"parameter {name} is uninitialized (a lazy module's: nn.LazyLinear, nn.LazyConv2d, ...) and has no shape "
+        "until the module's first forward, so zero3 cannot partition it. Give the module its sizes (nn.Linear(in, out)), "
         f"or build the model outside zero3.Init, run one forward to materialise it, then call zero3.initialize; {tail}")
 
 

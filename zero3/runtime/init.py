@@ -107,7 +107,6 @@ class _Patches:
     init_subclass: Any
     inits: dict[type, Callable]  # original __init__ of every class we wrapped
     register_parametrization: Callable  # torch's, given back on exit
-    remove_parametrizations: Callable  # torch's, given back on exit
     weight_norm_apply: Any  # torch's (deprecated) WeightNorm.apply staticmethod, given back on exit
     building: dict[int, int] = field(default_factory=dict)  # id(module) -> nesting of its __init__ wrappers
 
@@ -241,6 +240,9 @@ class Init:
         meta = next((n for n, p in module.named_parameters() if p.is_meta), None)
         if meta is not None:  # before any is partitioned (RuntimeContext.partition refuses one by one)
             raise meta_refusal(meta)
+        lazy = next((n for n, p in module.named_parameters() if nn.parameter.is_lazy(p)), None)
+        if lazy is not None:
+            raise lazy_refusal(lazy)
         state = self._state()
         state.sync = "broadcast"
         _partition_module(module, state, recurse=True)
@@ -431,7 +433,6 @@ def _install_patches() -> None:
     patches = _Patches(handles=handles, apply=nn.Module.apply,
                        init_subclass=nn.Module.__dict__.get("__init_subclass__"), inits={},
                        register_parametrization=parametrize.register_parametrization,
-                       remove_parametrizations=parametrize.remove_parametrizations,
                        weight_norm_apply=WeightNorm.__dict__["apply"])
     _PATCHES.set(patches)
     for cls in _all_subclasses(nn.Module):
@@ -444,7 +445,6 @@ def _install_patches() -> None:
     nn.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
     nn.Module.apply = _apply_with_gather  # type: ignore[method-assign]
     parametrize.register_parametrization = functools.partial(_parametrize_with_gather, patches.register_parametrization)
-    parametrize.remove_parametrizations = functools.partial(_unparametrize_with_gather, patches.remove_parametrizations)
     WeightNorm.apply = staticmethod(functools.partial(_old_weight_norm_with_gather,  # type: ignore[method-assign]
                                                       patches.weight_norm_apply.__func__))
 
@@ -463,26 +463,6 @@ def _parametrize_with_gather(register: Callable, module: nn.Module, tensor_name:
         result = register(module, tensor_name, *args, **kwargs)
     _forget_if_dropped(module, tensor_name, p, state)
     return result
-
-
-def _unparametrize_with_gather(remove: Callable, module: nn.Module, tensor_name: str,
-                               leave_parametrized: bool = True) -> Any:
-    """``parametrize.remove_parametrizations`` under Init. With ``leave_parametrized`` torch writes the
-    parametrized value into the partitioned ``original`` with ``Tensor.set_``, which no tensor subclass
-    sees: the shards kept the old values (the parameter also kept a full storage). So the value is
-    computed, written into ``original`` inside a gather (its shards take it), and torch then removes
-    the parametrization leaving ``original`` in place, as it would (same parameter object)."""
-    state = _current()
-    plist = getattr(getattr(module, "parametrizations", None), tensor_name, None) if parametrize.is_parametrized(
-        module, tensor_name) else None
-    original = getattr(plist, "original", None) if plist is not None and plist.is_tensor else None
-    if state is None or not leave_parametrized or not isinstance(original, ZeroParameter):
-        return remove(module, tensor_name, leave_parametrized=leave_parametrized)
-    with torch.no_grad():
-        value = getattr(module, tensor_name).detach().clone()  # the parametrization's output (gathers `original`)
-        with _gathered_while_building([original], state):
-            raw_data(original).copy_(value)
-    return remove(module, tensor_name, leave_parametrized=False)
 
 
 def _old_weight_norm_with_gather(apply: Callable, module: nn.Module, name: str, dim: int) -> Any:
@@ -517,7 +497,6 @@ def _remove_patches() -> None:
         h.remove()
     nn.Module.apply = patches.apply  # type: ignore[method-assign]
     parametrize.register_parametrization = patches.register_parametrization
-    parametrize.remove_parametrizations = patches.remove_parametrizations
     WeightNorm.apply = patches.weight_norm_apply  # type: ignore[method-assign]
     if patches.init_subclass is None:
         del nn.Module.__init_subclass__
@@ -588,9 +567,13 @@ def _touch(target: Any, func: Callable, args: tuple, kwargs: dict) -> tuple[bool
         return False, None
     if name == "__deepcopy__":
         return True, _deepcopy(p, state)
-    if name == "__set__":  # p.data = value: the full value, written into the shards
-        _assign(p, args[1], state)
-        return True, None
+    if name == "__set__" or name == "set_":  # p.data = value, p.set_(value): the full value, into the shards
+        value = args[1]
+        if name == "__set__" and isinstance(value, torch.Tensor) and \
+                value.untyped_storage()._cdata == raw_data(p).untyped_storage()._cdata:
+            return True, None  # ``p.data += v``'s reassignment of the result of an in-place op just written back
+        _assign(p, value, state)
+        return True, (p if name == "set_" else None)
     inplace = (name.endswith("_") and not name.startswith("_")) or name in _INPLACE_DUNDERS  # p[i] = v: a write
     if inplace:
         modifier = 0 if state.sync == "broadcast" else LOCAL_MODIFIER
