@@ -578,3 +578,30 @@ def test_a_lazy_module_is_refused_by_name_by_init_and_initialize():
     model(torch.randn(2, 4))  # materialised: initialize partitions it
     zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert all(zero3.is_zero_param(p) for p in model.parameters())
+
+
+@settings(max_examples=30, deadline=None)
+@given(start=st.integers(0, 5), stop=st.integers(0, 6), step=st.integers(1, 3), value=st.floats(-4, 4),
+       op=st.sampled_from(["set", "iadd", "imul", "data_set"]))
+def test_any_slice_write_while_building_equals_the_plain_build(start, stop, step, value, op):
+    """Property: a write through a slice of a partitioned parameter in a constructor (item assignment,
+    augmented assignment, through .data) leaves the values a plain build leaves."""
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(6, 3)
+            with torch.no_grad():
+                w = self.emb.weight.data if op == "data_set" else self.emb.weight
+                if op in ("set", "data_set"):
+                    w[start:stop:step] = value
+                elif op == "iadd":
+                    w[start:stop:step] += value
+                else:
+                    w[start:stop:step] *= value
+
+    torch.manual_seed(0)
+    ref = M()
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = M()
+    assert torch.equal(_gathered(model.emb.weight), ref.emb.weight.detach())
