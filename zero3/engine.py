@@ -613,7 +613,15 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
 
 def save_16bit_model(engine: Engine, path: str, exclude_frozen_parameters: bool = False) -> bool:
     """`Engine.save_16bit_model`: the fp32 masters gathered onto rank 0 and cast to each parameter's
-    dtype (tied parameters stay one tensor); buffers and extra state as the module holds them."""
+    dtype (tied parameters stay one tensor); buffers and extra state as the module holds them. Refused
+    with tensor parallelism (before any collective, on every rank), as ``save_pretrained`` is: one file
+    from global rank 0 held model-parallel rank 0's slices alone, as if they were the model."""
+    if engine.context.model_parallel is not None:
+        raise ZeroConfigError("save_16bit_model with tensor parallelism: every model-parallel rank holds other slices, "
+                              "and one file from rank 0 would hold model-parallel rank 0's alone; use save_checkpoint "
+                              "and python -m zero3.consolidate --model-parallel-rank R (one state dict per rank), or "
+                              "engine.consolidated_state_dict() (this model-parallel rank's slices, on its data-parallel "
+                              "rank 0); nothing was written")
     full = consolidated_state_dict(engine.context, rank0_only=True)
     if engine.global_rank == 0:
         params = dict(engine.module.named_parameters(remove_duplicate=False))

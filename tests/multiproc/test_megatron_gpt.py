@@ -129,7 +129,7 @@ class _TensorNamesMPU(m.TinyMPU):
         return self.tp
 
 
-def _tensor_names_and_wrong_units() -> dict:
+def _tensor_names_and_wrong_units(directory: str) -> dict:
     mpu = _TensorNamesMPU(2)
     with zero3.Init(mpu=mpu):
         model = torch.nn.Linear(4, 4)
@@ -149,8 +149,23 @@ def _tensor_names_and_wrong_units() -> dict:
         def get_model_parallel_rank(self):
             return self.get_data_parallel_rank()
 
+    class Diagonal(m.TinyMPU):  # data-parallel groups {0, 3} and {1, 2}: each pairs two different slices
+        def __init__(self, tp: int) -> None:
+            super().__init__(tp)
+            groups = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+            self._dp_group = groups[0] if dist.get_rank() in (0, 3) else groups[1]
+
+    class Singleton(m.TinyMPU):  # a data-parallel group of one rank, while the unit says 2
+        def __init__(self, tp: int) -> None:
+            super().__init__(tp)
+            groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+            self._dp_group = groups[dist.get_rank()]
+
+        def get_data_parallel_world_size(self) -> int:
+            return 2
+
     errors = {}
-    for unit in (WrongRank(2), Crossed(2)):
+    for unit in (WrongRank(2), Crossed(2), Diagonal(2), Singleton(2)):  # both last were accepted, training wrong
         try:
             with zero3.Init(mpu=unit):
                 small = torch.nn.Linear(4, 4)
@@ -158,16 +173,25 @@ def _tensor_names_and_wrong_units() -> dict:
         except zero3.ZeroConfigError as exc:
             errors[type(unit).__name__] = str(exc)
     seen["errors"] = errors
+    try:  # wrote model-parallel rank 0's slices alone, as if they were the model
+        engine.save_16bit_model(os.path.join(directory, "out"))
+    except zero3.ZeroConfigError as exc:
+        seen["save_16bit_model"] = str(exc)
+    seen["written"] = os.path.exists(os.path.join(directory, "out", "pytorch_model.bin"))
     return seen
 
 
-def test_megatrons_tensor_names_are_read_and_a_wrong_unit_is_refused(pools):
-    results = pools.get(4).run(_tensor_names_and_wrong_units, timeout=TIMEOUT)
+def test_megatrons_tensor_names_are_read_and_a_wrong_unit_is_refused(pools, tmp_path):
+    results = pools.get(4).run(_tensor_names_and_wrong_units, str(tmp_path), timeout=TIMEOUT)
     for rank, r in enumerate(results):
         assert r["dp"] == 2 and r["mp"] == (2, rank % 2)
         assert r["dp_ranks"] == [rank % 2, rank % 2 + 2]  # partitioned over the data-parallel group only
         assert "this process is rank" in r["errors"]["WrongRank"]
         assert "must share exactly that rank" in r["errors"]["Crossed"]
+        assert "holds model-parallel ranks 0, 1; every rank of a data-parallel group must hold the same" \
+            in r["errors"]["Diagonal"] or "holds model-parallel ranks 1, 0" in r["errors"]["Diagonal"]
+        assert "do not tile the 4 ranks" in r["errors"]["Singleton"]
+        assert "save_16bit_model with tensor parallelism" in r["save_16bit_model"] and not r["written"]
 
 
 # -- saved activations ---------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .communicator import Communicator
+from .communicator import Communicator, Kind, Tag
 from .settings import CommSettings
 from ..config import ZeroConfig
 from ..errors import ZeroConfigError
@@ -50,7 +50,8 @@ class ModelParallel:
     comm: Communicator
 
     @classmethod
-    def from_mpu(cls, mpu: Any, config: ZeroConfig, dp_group: Any, metrics: StepMetrics) -> ModelParallel | None:
+    def from_mpu(cls, mpu: Any, config: ZeroConfig, dp_group: Any, metrics: StepMetrics,
+                 dp_comm: Communicator | None = None) -> ModelParallel | None:
         """The engine's view of ``mpu``'s model-parallel group; None when it names none or it has one
         rank (nothing differs from plain data parallelism then). Its communicator runs on a process group of its
         own with ``collective_timeout`` and verifies as ``verify_collectives`` says, like the
@@ -60,6 +61,8 @@ class ModelParallel:
             return None
         group, world, rank = found
         check_orthogonal(dp_group, group)
+        if dp_comm is not None:
+            check_layout(dp_comm, mpu, rank, world)
         comm = Communicator(group, CommSettings.model_parallel(config), metrics=metrics, world_size=world, rank=rank)
         logger.info("zero3: model-parallel rank %d of %d beside ZeRO-3 data parallelism", rank, world)
         return cls(group=group, world_size=world, rank=rank, comm=comm)
@@ -118,6 +121,29 @@ def check_orthogonal(dp_group: Any, mp_group: Any) -> None:
         raise ZeroConfigError(f"the data-parallel group (ranks {sorted(dp)}) and the model-parallel group (ranks "
                               f"{sorted(mp)}) of rank {dist.get_rank()} must share exactly that rank; check the "
                               "mpu's groups")
+
+
+def check_layout(dp_comm: Communicator, mpu: Any, mp_rank: int, mp_world: int) -> None:
+    """Every rank of this rank's data-parallel group holds the same model-parallel slice (the same
+    model-parallel rank), and the two kinds of groups tile the world (pipeline parallelism is refused).
+    `check_orthogonal` sees only this rank: data-parallel groups that pair tensor-parallel rank 0 of one
+    group with rank 1 of another passed it, and zero3 then averaged gradients of different slices and
+    gave ranks another rank's slice. Decided on what every rank of the group sent (one exchange), so
+    all of them raise alike."""
+    problem = None
+    if dist.is_available() and dist.is_initialized() and dp_comm.world_size * mp_world != dist.get_world_size():
+        problem = (f"its data-parallel group has {dp_comm.world_size} ranks and its model-parallel group {mp_world}, "
+                   f"which do not tile the {dist.get_world_size()} ranks")
+    size = getattr(mpu, "get_data_parallel_world_size", None)
+    if problem is None and callable(size) and size() != dp_comm.world_size:
+        problem = f"mpu.get_data_parallel_world_size() = {size()!r}, but its data-parallel group has {dp_comm.world_size} ranks"
+    seen = dp_comm.exchange_objects((mp_rank, mp_world, problem), Tag(Kind.OBJECTS, "model-parallel layout"))
+    problem = next((p for _, _, p in seen if p is not None), None)
+    if problem is None and len({(r, w) for r, w, _ in seen}) > 1:
+        problem = ("its data-parallel group holds model-parallel ranks " + ", ".join(str(r) for r, _, _ in seen)
+                   + "; every rank of a data-parallel group must hold the same model-parallel slice")
+    if problem is not None:
+        raise ZeroConfigError(f"the model-parallel unit's groups are wrong: {problem}; the model is as it was")
 
 
 def is_tensor_parallel(p: torch.Tensor) -> bool:
