@@ -544,3 +544,27 @@ def test_with_the_step_in_backward_a_training_forward_needs_the_optimizer_state_
         if in_backward:
             engine.backward(engine(x, y))  # nothing was lost: after the reload it trains on
         engine.step()
+
+
+def test_a_rollout_under_inference_mode_with_parameters_on_nvme_equals_torch_and_training_goes_on(tmp_path):
+    """The swap pool's first buffers, allocated under ``torch.inference_mode()``, were inference tensors
+    that the swap reader could not fill: the rollout failed ('Inplace update to inference tensor
+    outside InferenceMode'), at the first forward and after offload_states/reload_states."""
+    cfg = {**BASE, "offload_param": nvme(tmp_path / "p", max_in_cpu=0)}
+    engine = _engine(cfg)
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    x, _ = synthetic_batch(0, 2, CFG)
+    for _ in range(2):
+        with torch.inference_mode():
+            got = engine(x)
+        with torch.no_grad():
+            assert torch.equal(got, ref(x))
+    _train(engine, 1)
+    engine.offload_states()
+    engine.reload_states()
+    with torch.inference_mode():
+        after = engine(x)
+    with torch.no_grad():
+        assert torch.equal(after, engine(x))
+    _train(engine, 1, start=1)

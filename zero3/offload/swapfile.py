@@ -48,8 +48,10 @@ def storage_view(storage: torch.UntypedStorage) -> torch.Tensor:
 
 def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
     """An uninitialised 1-D uint8 CPU tensor of ``nbytes`` starting at an `ALIGN`-aligned address,
-    pinned when asked and CUDA is available."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+    pinned when asked and CUDA is available. Never an inference tensor: a pool first filled under
+    ``torch.inference_mode()`` (a rollout) is written later by the swap threads and by training."""
+    with torch.inference_mode(False):
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip: skip + nbytes]
 
