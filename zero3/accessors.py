@@ -6,7 +6,7 @@ new fp32 tensor of the parameter's true shape on every rank. The ``safe_set_full
 the same full value on every rank and issue no collective (each rank keeps its slice), but a
 persistent or gathered parameter is updated in place, so call them on every rank too. The
 ``safe_get_local_*`` / ``safe_set_local_*`` functions touch only this rank's unpadded slice
-(``param.ds_shard_range()``-sized, possibly empty) and issue no collective.
+(the size of ``param._zero.shard_range()``, possibly empty) and issue no collective.
 
 "fp32 param" means the tensor the optimizer steps on: the fp32 master under bf16/fp16 (exact, not
 the rounded low-precision weight) or with the optimizer offloaded while the shards are not, else

@@ -193,3 +193,34 @@ def test_a_resident_decode_forward_skips_zero3_and_a_step_inside_the_mode_regath
         before, after = r["hooks_before_after"]
         assert before == after == (2, 1), r  # and back on when the mode ended
         assert r["events_after"] > 0 and r["user_hook_calls"] == TOKENS + 4 and r["user_hook_saw_gathered"], r
+
+
+def load_inside_generation(directory: str, how: str) -> dict:
+    """A checkpoint or pretrained load inside ``engine.generation()`` after decode forwards: refused
+    before ('load_checkpoint while parameters are gathered'), though docs/api.md said the load releases
+    what the mode kept; now the next forward computes with the loaded weights."""
+    from gpt import synthetic_batch
+
+    want, model = reference_and_partitioned()
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 0})
+    engine.save_checkpoint(directory, tag="start")
+    state = engine.consolidated_state_dict(rank0_only=False)
+    x, y = synthetic_batch(0, 2, CFG)
+    engine.backward(engine(x, y))
+    engine.step()  # the weights move away from what was saved
+    model.eval()
+    with engine.generation():
+        moved = decode(engine)
+        if how == "checkpoint":
+            engine.load_checkpoint(directory, tag="start")
+        else:
+            zero3.pretrained.load_state_dict(engine, state)
+        again = decode(engine)
+    return {"moved": not torch.equal(moved, want), "loaded": torch.equal(again, want)}
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "pretrained"])
+def test_a_load_inside_generation_mode_is_what_the_next_forward_computes_with(pools, tmp_path, how):
+    for r in pools.get(2).run(load_inside_generation, str(tmp_path), how, timeout=120):
+        assert r["moved"] and r["loaded"], r  # the step changed the tokens; the load brought them back

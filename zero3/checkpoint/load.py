@@ -128,6 +128,7 @@ def _plan_load(ctx: RuntimeContext, reader: CheckpointReader, load_optimizer_sta
         for d in shape:
             numel *= d
         plan.need(0, f"buffer/{k}", numel, dtype)
+    ctx.coordinator.refresh_persistent(gather=False)  # what engine.generation() kept goes (gathered anew after)
     gathered = [p._zero.name for p in ctx.params
                 if p._zero.status is not ParamStatus.NOT_AVAILABLE and not p._zero.persistent]
     if gathered:

@@ -257,6 +257,7 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
     try:
         if params and hasattr(params[0]._zero.ctx, "require_states"):
             params[0]._zero.ctx.require_states("pretrained.load_state_dict", ("lp_params", "hp_params"))
+            params[0]._zero.ctx.coordinator.refresh_persistent(gather=False)  # engine.generation()'s kept copies go
         source = open_source(state_dict_or_path)
         result, plan = _plan(module, source, strict)
     except Exception as exc:  # noqa: BLE001 - agreed across ranks below

@@ -184,12 +184,13 @@ class ParamCoordinator:
     def persistent(self) -> list[ZeroParameter]:
         return self.persistent_params.params
 
-    def refresh_persistent(self) -> None:
-        """The shards changed (optimizer step, loading): re-gather the persistent params, and release
-        what generation mode keeps gathered, to be gathered anew when next used."""
+    def refresh_persistent(self, gather: bool = True) -> None:
+        """The shards changed (optimizer step, loading): re-gather the persistent params and release what
+        generation mode keeps, gathered anew when used (only the release without ``gather``: a load's)."""
         if self.generating:
             self.release(list(self._live.values()))
-        self.persistent_params.refresh()
+        if gather:
+            self.persistent_params.refresh()
 
     def _gather_persistent(self, params: list[ZeroParameter]) -> None:
         self.metrics.persistent_refresh_numel += sum(p._zero.numel for p in params)
