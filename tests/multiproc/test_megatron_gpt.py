@@ -164,8 +164,17 @@ def _tensor_names_and_wrong_units(directory: str) -> dict:
         def get_data_parallel_world_size(self) -> int:
             return 2
 
+    class Uneven(m.TinyMPU):  # data-parallel groups {0, 2}, {1}, {3}: ranks 0 and 2 alone see nothing wrong
+        def __init__(self, tp: int) -> None:
+            super().__init__(tp)
+            groups = [dist.new_group([0, 2]), dist.new_group([1]), dist.new_group([3])]
+            self._dp_group = groups[{0: 0, 2: 0, 1: 1, 3: 2}[dist.get_rank()]]
+
+        def get_data_parallel_world_size(self) -> int:
+            return dist.get_world_size(self._dp_group)
+
     errors = {}
-    for unit in (WrongRank(2), Crossed(2), Diagonal(2), Singleton(2)):  # both last were accepted, training wrong
+    for unit in (WrongRank(2), Crossed(2), Diagonal(2), Singleton(2), Uneven(2)):  # the last three were accepted
         try:
             with zero3.Init(mpu=unit):
                 small = torch.nn.Linear(4, 4)
@@ -188,9 +197,10 @@ def test_megatrons_tensor_names_are_read_and_a_wrong_unit_is_refused(pools, tmp_
         assert r["dp_ranks"] == [rank % 2, rank % 2 + 2]  # partitioned over the data-parallel group only
         assert "this process is rank" in r["errors"]["WrongRank"]
         assert "must share exactly that rank" in r["errors"]["Crossed"]
-        assert "holds model-parallel ranks 0, 1; every rank of a data-parallel group must hold the same" \
-            in r["errors"]["Diagonal"] or "holds model-parallel ranks 1, 0" in r["errors"]["Diagonal"]
-        assert "do not tile the 4 ranks" in r["errors"]["Singleton"]
+        assert "holds model-parallel ranks [0, 1]; every rank of a data-parallel group must hold the same" \
+            in r["errors"]["Diagonal"]
+        assert "mpu.get_data_parallel_world_size() = 2, but its data-parallel group has 1 ranks" in r["errors"]["Singleton"]
+        assert "do not tile the 4 ranks" in r["errors"]["Uneven"]  # on every rank: ranks 0 and 2 waited before
         assert "save_16bit_model with tensor parallelism" in r["save_16bit_model"] and not r["written"]
 
 

@@ -459,6 +459,29 @@ def test_torch_transformer_modules_that_deep_copy_a_layer_build_under_init(build
         assert not hasattr(ref.enc.layers[1].self_attn.out_proj.weight, "me")
 
 
+def test_fuse_conv_bn_eval_under_init_equals_the_plain_build():
+    """torch.nn.utils.fusion.fuse_conv_bn_eval deep-copies the convolution it fuses."""
+    from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+    class Fused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            bn = nn.BatchNorm2d(4).eval()
+            with torch.no_grad():
+                bn.running_mean.uniform_(-1, 1)
+                bn.running_var.uniform_(0.5, 2)
+            self.conv = fuse_conv_bn_eval(nn.Conv2d(3, 4, 3).eval(), bn)
+
+    torch.manual_seed(0)
+    ref = Fused()
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = Fused()
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert zero3.is_zero_param(p)
+        torch.testing.assert_close(_gathered(p), r.detach(), rtol=0, atol=0, msg=name)
+
+
 def test_an_encoder_built_under_init_trains_like_the_plain_model():
     torch.manual_seed(0)
     ref = _Encoder()

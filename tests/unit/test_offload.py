@@ -546,12 +546,19 @@ def test_with_the_step_in_backward_a_training_forward_needs_the_optimizer_state_
         engine.step()
 
 
-def test_a_rollout_under_inference_mode_with_parameters_on_nvme_equals_torch_and_training_goes_on(tmp_path):
-    """The swap pool's first buffers, allocated under ``torch.inference_mode()``, were inference tensors
-    that the swap reader could not fill: the rollout failed ('Inplace update to inference tensor
-    outside InferenceMode'), at the first forward and after offload_states/reload_states."""
-    cfg = {**BASE, "offload_param": nvme(tmp_path / "p", max_in_cpu=0)}
+@pytest.mark.parametrize("where", ["parameters", "optimizer", "both"])
+def test_a_rollout_under_inference_mode_with_state_on_nvme_equals_torch_and_training_goes_on(tmp_path, where):
+    """The swap pool's buffers and the byte views the swap threads write through, made under
+    ``torch.inference_mode()``, were inference tensors that the threads could not fill: the rollout
+    failed ('Inplace update to inference tensor outside InferenceMode') at the first forward, in
+    offload_states/reload_states, consolidated_state_dict and load_checkpoint inside the mode."""
+    cfg = dict(BASE)
+    if where != "optimizer":
+        cfg["offload_param"] = nvme(tmp_path / "p", max_in_cpu=0)
+    if where != "parameters":
+        cfg["offload_optimizer"] = nvme(tmp_path / "o")
     engine = _engine(cfg)
+    engine.save_checkpoint(tmp_path / "ck", tag="t0")
     torch.manual_seed(0)
     ref = GPT(CFG)
     x, _ = synthetic_batch(0, 2, CFG)
@@ -561,10 +568,30 @@ def test_a_rollout_under_inference_mode_with_parameters_on_nvme_equals_torch_and
         with torch.no_grad():
             assert torch.equal(got, ref(x))
     _train(engine, 1)
-    engine.offload_states()
-    engine.reload_states()
     with torch.inference_mode():
+        engine.offload_states(device="nvme", nvme_path=str(tmp_path / "states"))
+        engine.reload_states()
         after = engine(x)
+        full = engine.consolidated_state_dict()
+        engine.load_checkpoint(tmp_path / "ck", tag="t0")
+        loaded = engine(x)
     with torch.no_grad():
-        assert torch.equal(after, engine(x))
+        assert torch.equal(loaded, ref(x))
+    assert not torch.equal(after, loaded) and set(full) == set(ref.state_dict())
     _train(engine, 1, start=1)
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_loading_a_checkpoint_saved_before_the_first_step_with_the_optimizer_on_nvme(tmp_path, staged):
+    """A checkpoint saved before any step holds no optimizer state; loading it left the moments that
+    the engine had on the drive read into memory and unknown to the optimizer, and the next staged
+    step failed ('swap (0, exp_avg): staged while HOST'). It must train as a fresh engine does."""
+    cfg = {**BASE, "offload_optimizer": nvme(tmp_path / "o", staged_step=staged)}
+    engine = _engine(cfg)
+    engine.save_checkpoint(tmp_path / "ck", tag="start")
+    _train(engine, 2)
+    engine.load_checkpoint(tmp_path / "ck", tag="start")
+    resumed = _train(engine, 2)
+    fresh = _engine({**BASE, "offload_optimizer": nvme(tmp_path / "o2", staged_step=staged)})
+    assert resumed == _train(fresh, 2)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(engine), _weights(fresh)))

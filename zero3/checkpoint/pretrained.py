@@ -276,8 +276,9 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
                     target.set_extra_state(source.extra_state()[key])
                 else:
                     source.read(key, 0, target)
-            if engine is not None:
-                engine.coordinator.refresh_persistent()
+            ctx = engine if engine is not None else (params[0]._zero.ctx if params else None)
+            if isinstance(ctx, RuntimeContext) and ctx.module is not None:  # a submodule of a managed model too
+                ctx.coordinator.refresh_persistent()  # its persistent parameters kept the old values until a step
     finally:
         if source is not None:
             source.close()

@@ -50,22 +50,74 @@ class ModelParallel:
     comm: Communicator
 
     @classmethod
-    def from_mpu(cls, mpu: Any, config: ZeroConfig, dp_group: Any, metrics: StepMetrics,
-                 dp_comm: Communicator | None = None) -> ModelParallel | None:
+    def from_mpu(cls, mpu: Any, config: ZeroConfig, dp_group: Any, metrics: StepMetrics) -> ModelParallel | None:
         """The engine's view of ``mpu``'s model-parallel group; None when it names none or it has one
         rank (nothing differs from plain data parallelism then). Its communicator runs on a process group of its
         own with ``collective_timeout`` and verifies as ``verify_collectives`` says, like the
-        data-parallel one; it counts into ``metrics`` (the step's)."""
-        found = model_parallel_group(mpu)
-        if found is None or found[1] == 1:
+        data-parallel one; it counts into ``metrics`` (the step's). The unit is checked on every rank
+        together first (`check_mpu`)."""
+        group, world, rank = check_mpu(mpu, dp_group)
+        if world == 1:
             return None
-        group, world, rank = found
-        check_orthogonal(dp_group, group)
-        if dp_comm is not None:
-            check_layout(dp_comm, mpu, rank, world)
         comm = Communicator(group, CommSettings.model_parallel(config), metrics=metrics, world_size=world, rank=rank)
         logger.info("zero3: model-parallel rank %d of %d beside ZeRO-3 data parallelism", rank, world)
         return cls(group=group, world_size=world, rank=rank, comm=comm)
+
+
+def check_mpu(mpu: Any, dp_group: Any) -> tuple[Any, int, int]:
+    """``mpu``'s (model-parallel group, world size, rank) after checking the whole layout on every
+    rank at once (one exchange over all ranks, so every rank raises alike and none waits in a later
+    collective): each rank's unit is well formed (`model_parallel_group`); its data-parallel and
+    model-parallel groups share only it; the data-parallel groups, and the model-parallel groups,
+    split the ranks into disjoint groups that tile them; every rank of a data-parallel group holds the
+    same model-parallel slice; ``get_data_parallel_world_size()`` is its group's size. Seen from one
+    rank, data-parallel groups {0, 3} and {1, 2} beside tensor-parallel {0, 1} and {2, 3} passed, and
+    training averaged gradients of different slices."""
+    found, problem = (None, 1, 0), None
+    try:
+        found = model_parallel_group(mpu) or (None, 1, 0)
+        if found[1] > 1:
+            check_orthogonal(dp_group, found[0])
+    except ZeroConfigError as exc:
+        problem = str(exc)
+    if not (dist.is_available() and dist.is_initialized()):
+        if problem is not None:
+            raise ZeroConfigError(problem)
+        return found
+    me = dist.get_rank()
+    dp = sorted(dist.get_process_group_ranks(dp_group if dp_group is not None else dist.group.WORLD))
+    mp = sorted(dist.get_process_group_ranks(found[0])) if found[1] > 1 and problem is None else [me]
+    size = getattr(mpu, "get_data_parallel_world_size", None)
+    if problem is None and callable(size) and size() != len(dp):
+        problem = f"mpu.get_data_parallel_world_size() = {size()!r}, but its data-parallel group has {len(dp)} ranks"
+    world = dist.get_world_size()
+    comm = Communicator(dist.group.WORLD, CommSettings(overlap=False, verify=True, plans=1), metrics=StepMetrics(),
+                        world_size=world, rank=me, nodes=(0,) * world)
+    seen = comm.exchange_objects((dp, mp, found[2], problem), Tag(Kind.OBJECTS, "model-parallel layout"))
+    failed = "; ".join(f"rank {r}: {p}" for r, (_, _, _, p) in enumerate(seen) if p is not None)
+    problem = failed or _layout_problem([(set(d), set(m), k) for d, m, k, _ in seen], world)
+    if problem:
+        raise ZeroConfigError(f"the model-parallel unit is wrong: {problem} (every rank stops here)")
+    return found
+
+
+def _layout_problem(seen: list[tuple[set[int], set[int], int]], world: int) -> str | None:
+    """What is wrong with every rank's (data-parallel ranks, model-parallel ranks, model-parallel rank)."""
+    for kind, groups in (("data-parallel", [d for d, _, _ in seen]), ("model-parallel", [m for _, m, _ in seen])):
+        for r, g in enumerate(groups):
+            if r not in g or any(groups[q] != g for q in g):
+                return f"rank {r}'s {kind} group {sorted(g)} is not the same group on each of its ranks"
+        if sum(len(g) for g in {frozenset(g) for g in groups}) != world:
+            return f"the {kind} groups do not cover the {world} ranks once each"
+    for r, (d, m, _) in enumerate(seen):
+        if len(d) * len(m) != world:
+            return (f"rank {r}'s data-parallel group has {len(d)} ranks and its model-parallel group {len(m)}, which "
+                    f"do not tile the {world} ranks (pipeline or context parallelism is not supported)")
+        slices = sorted({seen[q][2] for q in d})
+        if len(slices) > 1:
+            return (f"the data-parallel group {sorted(d)} holds model-parallel ranks {slices}; every rank of a "
+                    "data-parallel group must hold the same model-parallel slice")
+    return None
 
 
 def data_parallel_group(mpu: Any) -> Any:
@@ -121,29 +173,6 @@ def check_orthogonal(dp_group: Any, mp_group: Any) -> None:
         raise ZeroConfigError(f"the data-parallel group (ranks {sorted(dp)}) and the model-parallel group (ranks "
                               f"{sorted(mp)}) of rank {dist.get_rank()} must share exactly that rank; check the "
                               "mpu's groups")
-
-
-def check_layout(dp_comm: Communicator, mpu: Any, mp_rank: int, mp_world: int) -> None:
-    """Every rank of this rank's data-parallel group holds the same model-parallel slice (the same
-    model-parallel rank), and the two kinds of groups tile the world (pipeline parallelism is refused).
-    `check_orthogonal` sees only this rank: data-parallel groups that pair tensor-parallel rank 0 of one
-    group with rank 1 of another passed it, and zero3 then averaged gradients of different slices and
-    gave ranks another rank's slice. Decided on what every rank of the group sent (one exchange), so
-    all of them raise alike."""
-    problem = None
-    if dist.is_available() and dist.is_initialized() and dp_comm.world_size * mp_world != dist.get_world_size():
-        problem = (f"its data-parallel group has {dp_comm.world_size} ranks and its model-parallel group {mp_world}, "
-                   f"which do not tile the {dist.get_world_size()} ranks")
-    size = getattr(mpu, "get_data_parallel_world_size", None)
-    if problem is None and callable(size) and size() != dp_comm.world_size:
-        problem = f"mpu.get_data_parallel_world_size() = {size()!r}, but its data-parallel group has {dp_comm.world_size} ranks"
-    seen = dp_comm.exchange_objects((mp_rank, mp_world, problem), Tag(Kind.OBJECTS, "model-parallel layout"))
-    problem = next((p for _, _, p in seen if p is not None), None)
-    if problem is None and len({(r, w) for r, w, _ in seen}) > 1:
-        problem = ("its data-parallel group holds model-parallel ranks " + ", ".join(str(r) for r, _, _ in seen)
-                   + "; every rank of a data-parallel group must hold the same model-parallel slice")
-    if problem is not None:
-        raise ZeroConfigError(f"the model-parallel unit's groups are wrong: {problem}; the model is as it was")
 
 
 def is_tensor_parallel(p: torch.Tensor) -> bool:

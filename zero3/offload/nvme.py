@@ -181,6 +181,14 @@ class StorageTier:
                 _move(rec, Residence.DRIVE, f"swap {key!r} (rolled back)")
         return forgotten
 
+    def forget(self, key: Hashable) -> None:
+        """``key`` is gone (a checkpoint load replaced the state that had it): free its storage and its
+        record, so a later key of that name starts anew (in the same region)."""
+        rec = self._records.pop(key, None)
+        if rec is not None:
+            self._settle(rec)
+            rec.storage.resize_(0)
+
     def drop(self, key: Hashable) -> None:
         """Release ``key``'s storage without writing: the caller did not change it since it was read."""
         rec = self._records[key]

@@ -37,13 +37,17 @@ def aligned_nbytes(nbytes: int) -> int:
 
 
 def uint8_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor as a 1-D uint8 tensor sharing its memory."""
-    return t.detach().reshape(-1).view(torch.uint8)
+    """The bytes of a contiguous tensor as a 1-D uint8 tensor sharing its memory. Like every view the
+    swap threads write through, never an inference tensor (made under ``torch.inference_mode()``, a
+    rollout's, the threads' in-place writes into it were refused)."""
+    with torch.inference_mode(False):
+        return t.detach().reshape(-1).view(torch.uint8)
 
 
 def storage_view(storage: torch.UntypedStorage) -> torch.Tensor:
-    """Every byte of ``storage`` as a 1-D uint8 tensor sharing it."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    """Every byte of ``storage`` as a 1-D uint8 tensor sharing it (never an inference tensor)."""
+    with torch.inference_mode(False):
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:

@@ -156,12 +156,17 @@ class SubgroupStreamer:
         ps = [p for p in params if p.requires_grad]
         for key in self.state_keys(ps, {Residence.DRIVE}):
             self.states.swap_in(key)
-        self.states.wait(self.state_keys(ps))
+        before = self.state_keys(ps)
+        self.states.wait(before)
         try:
             yield
         finally:
             if write:
                 self.send_out_states(ps)
+                kept = set(self.state_keys(ps))
+                for key in before:  # a load of a state without it (saved before the first step): forgotten, not
+                    if key not in kept:  # left in memory, where the next staged step found it
+                        self.states.forget(key)
             else:
                 for key in self.state_keys(ps, MEMORY):
                     self.states.drop(key)

@@ -366,7 +366,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         logger.info("zero3: hpZ: secondary groups of %d ranks (%d nodes); this rank keeps 1/%d of each weight "
                     "gathered in forward until the step ends", hpz, len(set(ctx.comm.nodes)), hpz)
     if mpu is not None:
-        ctx.model_parallel = ModelParallel.from_mpu(mpu, config, ctx.group, ctx.metrics, ctx.comm)
+        ctx.model_parallel = ModelParallel.from_mpu(mpu, config, ctx.group, ctx.metrics)
     ctx.module = model
     take_from_rank0(ctx.comm, [(name, p) for name, p in model.named_parameters() if not isinstance(p, ZeroParameter)])
     ModuleBuffers(ctx.comm, model).take_from_rank0("initialize")  # as DDP: every rank starts from rank 0's

@@ -61,7 +61,7 @@ from ..config.sections import DRIVE_POOL_KNOBS, OffloadConfig
 from .context import RuntimeContext, lazy_refusal, meta_refusal
 from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import data_parallel_group as mpu_data_parallel_group
-from ..comm.model_parallel import model_parallel_group
+from ..comm.model_parallel import check_mpu
 from .gathered import LOCAL_MODIFIER, GatheredParameters
 from .publish import repartition
 from ..partition.param import (
@@ -203,7 +203,7 @@ class Init:
         if mpu is not None:
             if self._group is None:
                 self._group = mpu_data_parallel_group(mpu)
-            model_parallel_group(mpu)  # a unit zero3.initialize would refuse is refused here already
+            check_mpu(mpu, self._group)  # a unit zero3.initialize would refuse is refused here already
         # A config that is bad on one rank only still takes part in the agreement, so every rank raises.
         resolved, error = None, None
         try:
