@@ -14,7 +14,7 @@ from torch.nn.modules import module as module_mod
 import zero3
 from zero3 import ParamStatus, ZeroStateError
 
-from _reference import step_both
+from _reference import step_both, twins
 from gpt import GPT, GPTConfig, synthetic_batch
 
 CFG = GPTConfig(block_size=16)
@@ -425,6 +425,12 @@ def test_a_published_change_to_an_aliased_bf16_parameter_reaches_its_master():
     assert bool((zero3.safe_get_full_fp32_param(m.weight) == 1).all()) and bool((m.weight == 1).all())
 
 
+def _assert_built_alike(model: nn.Module, ref: nn.Module) -> None:
+    """Every parameter of ``model`` (built under Init) gathers to ``ref``'s (the plain build), exactly."""
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(_gathered(p), r.detach(), rtol=0, atol=0, msg=name)
+
+
 # -- deep copies while building -------------------------------------------------------------------
 class _Encoder(nn.Module):
     """torch's TransformerEncoder deep-copies the layer it is given, which Init partitioned already."""
@@ -442,11 +448,7 @@ class _Encoder(nn.Module):
 
 @pytest.mark.parametrize("build", [_Encoder, lambda: nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=True)])
 def test_torch_transformer_modules_that_deep_copy_a_layer_build_under_init(build):
-    torch.manual_seed(0)
-    ref = build()
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = build()  # raised "cannot deepcopy partitioned parameter" in TransformerEncoder.__init__
+    ref, model = twins(build)  # raised "cannot deepcopy partitioned parameter" in TransformerEncoder.__init__
     assert all(zero3.is_zero_param(p) for p in model.parameters())
     assert len(list(model.parameters())) == len(list(ref.parameters()))
     ids = [p.ds_id for p in model.parameters()]
@@ -472,22 +474,14 @@ def test_fuse_conv_bn_eval_under_init_equals_the_plain_build():
                 bn.running_var.uniform_(0.5, 2)
             self.conv = fuse_conv_bn_eval(nn.Conv2d(3, 4, 3).eval(), bn)
 
-    torch.manual_seed(0)
-    ref = Fused()
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = Fused()
+    ref, model = twins(Fused)
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
         assert zero3.is_zero_param(p)
         torch.testing.assert_close(_gathered(p), r.detach(), rtol=0, atol=0, msg=name)
 
 
 def test_an_encoder_built_under_init_trains_like_the_plain_model():
-    torch.manual_seed(0)
-    ref = _Encoder()
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = _Encoder()
+    ref, model = twins(_Encoder)
     # SGD: the key part of in_proj_bias has a zero true gradient, whose rounding noise Adam scales up
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -535,13 +529,8 @@ class _Writes(nn.Module):
 
 
 def test_item_assignments_to_parameters_while_building_are_kept():
-    torch.manual_seed(0)
-    ref = _Writes()
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = _Writes()
-    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(_gathered(p), r.detach(), rtol=0, atol=0, msg=name)
+    ref, model = twins(_Writes)
+    _assert_built_alike(model, ref)
 
 
 @pytest.mark.parametrize("kind", ["orthogonal", "user"])
@@ -563,11 +552,7 @@ def test_removing_a_parametrization_under_init_leaves_its_value_in_the_shards(ki
         parametrize.remove_parametrizations(lin, "weight")  # leave_parametrized=True, torch's default
         return lin
 
-    torch.manual_seed(0)
-    ref = build()
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = build()
+    ref, model = twins(build)
     assert parametrize.remove_parametrizations is not None and not parametrize.is_parametrized(model)
     assert model.weight.untyped_storage().nbytes() == 0  # no full storage left behind
     torch.testing.assert_close(_gathered(model.weight), ref.weight.detach(), rtol=0, atol=0)
@@ -622,9 +607,5 @@ def test_any_slice_write_while_building_equals_the_plain_build(start, stop, step
                 else:
                     w[start:stop:step] *= value
 
-    torch.manual_seed(0)
-    ref = M()
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = M()
+    ref, model = twins(M)
     assert torch.equal(_gathered(model.emb.weight), ref.emb.weight.detach())
