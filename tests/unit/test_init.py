@@ -609,3 +609,20 @@ def test_any_slice_write_while_building_equals_the_plain_build(start, stop, step
 
     ref, model = twins(M)
     assert torch.equal(_gathered(model.emb.weight), ref.emb.weight.detach())
+
+
+def test_functional_call_says_why_in_a_first_forward_and_equals_torch_after_one():
+    """torch.func.functional_call puts plain tensors in ``module._parameters``: in the model's first
+    forward zero3 said the parameter 'was added after zero3.initialize', which the user never did."""
+    from torch.func import functional_call
+
+    ref, model = twins(lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+    zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    replaced = {k: torch.randn_like(v) for k, v in ref.named_parameters()}
+    x = torch.randn(3, 4)
+    with pytest.raises(ZeroStateError, match=r"a plain tensor in its place \(torch.func.functional_call\) in the "
+                                             "model's first forward; run one forward first"):
+        functional_call(model, replaced, (x,))
+    with torch.no_grad():
+        model(x)
+        assert torch.equal(functional_call(model, replaced, (x,)), functional_call(ref, replaced, (x,)))

@@ -439,10 +439,11 @@ class ModuleHooks:
             if p is None:
                 continue
             if not isinstance(p, ZeroParameter):
-                raise ZeroStateError(
-                    f"parameter of module {rec.name!r} with shape {tuple(p.shape)} is not partitioned: it "
-                    "was added after zero3.initialize. Add parameters before initialize (or build the "
-                    "model under zero3.Init).")
+                raise ZeroStateError(  # a plain tensor there: torch.func.functional_call's replacement
+                    f"parameter of module {rec.name!r} with shape {tuple(p.shape)} is not partitioned: " + (
+                        "it was added after zero3.initialize. Add parameters before initialize (or build the model "
+                        "under zero3.Init)." if isinstance(p, nn.Parameter) else "a plain tensor in its place "
+                        "(torch.func.functional_call) in the model's first forward; run one forward first"))
             if not any(q is p for q in out):
                 out.append(p)
         for p in external_parameters(rec.module):
