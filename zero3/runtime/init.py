@@ -559,10 +559,8 @@ def _touch(target: Any, func: Callable, args: tuple, kwargs: dict) -> tuple[bool
     parameters while building]. Installed as ``param.construction_handler``."""
     state = _current()
     name = getattr(func, "__name__", "")
-    if name == "__deepcopy__":  # of the parameter, gathered or not (a view of it may be out)
-        p = target
-    else:
-        p = _param_of(target, state) if state is not None else None
+    # a deep copy is of the parameter itself, gathered or not (a view of it may be out)
+    p = target if name == "__deepcopy__" else _param_of(target, state) if state is not None else None
     if state is None or p is None or p._zero.ctx is not state.ctx:
         return False, None
     if name == "__deepcopy__":

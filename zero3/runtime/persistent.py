@@ -23,6 +23,7 @@ there, write inside ``GatheredParameters(params, modifier_rank=0)``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import ContextManager
 
@@ -90,19 +91,12 @@ class PersistentParams:
         skipped."""
         todo = []
         written = []
-        on_drive: list[tuple[ZeroParameter, int, torch.Tensor, torch.Tensor]] = []
         for p in self.params:
             z = p._zero
             if z.status is not ParamStatus.AVAILABLE or z.residence not in MEMORY:
                 continue
-            if z.train_tensor.untyped_storage().nbytes() == 0:  # a master on the drive (NVMe optimizer)
-                if resident is not None and not z.aliased:
-                    start, end = z.shard_range()
-                    n = max(end - start, 0)
-                    mine = zparam.raw_data(p).reshape(-1)[start:start + n]
-                    kept = z.shard[:n].to(mine.device)
-                    if not torch.equal(mine, kept):
-                        on_drive.append((p, n, mine, kept))
+            drive = z.train_tensor.untyped_storage().nbytes() == 0  # a master on the drive (NVMe optimizer)
+            if drive and (resident is None or z.aliased):
                 continue
             if z.aliased:
                 if zparam.alias_replaced(p):
@@ -120,20 +114,17 @@ class PersistentParams:
             n = max(end - start, 0)
             mine = zparam.raw_data(p).reshape(-1)[start:start + n]  # reshape: t may be non-contiguous
             kept = z.shard[:n].to(mine.device, non_blocking=True)
-            todo.append((z, n, mine, kept, (mine != kept).any() if mine.device.type != "cpu"
+            todo.append((p, drive, n, mine, kept, (mine != kept).any() if mine.device.type != "cpu"
                          else not torch.equal(mine, kept)))
         pending = [d for *_, d in todo if isinstance(d, torch.Tensor)]  # on an accelerator: one sync for all
         synced = iter(torch.stack(pending).tolist() if pending else [])
-        for z, n, mine, kept, differs in todo:
-            if next(synced) if isinstance(differs, torch.Tensor) else differs:
-                _take(z, n, mine, kept)
-                written.append(z.name)
-        if on_drive:
-            assert resident is not None
-            with resident([p for p, *_ in on_drive]):  # the masters read in, and written back after
-                for p, n, mine, kept in on_drive:
-                    _take(p._zero, n, mine, kept)
-                    written.append(p._zero.name)
+        changed = [t for t in todo if (next(synced) if isinstance(t[-1], torch.Tensor) else t[-1])]
+        on_drive = [t for t in changed if t[1]]
+        # masters on the drive are read in for the takes, and written back after
+        with resident([p for p, *_ in on_drive]) if on_drive and resident else contextlib.nullcontext():
+            for p, _, n, mine, kept, _ in changed:
+                _take(p._zero, n, mine, kept)
+                written.append(p._zero.name)
         return written
 
     def unmark(self) -> None:
