@@ -626,3 +626,49 @@ def test_functional_call_says_why_in_a_first_forward_and_equals_torch_after_one(
     with torch.no_grad():
         model(x)
         assert torch.equal(functional_call(model, replaced, (x,)), functional_call(ref, replaced, (x,)))
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp", "vmap"])
+def test_a_torch_func_transform_over_gathered_parameters_is_refused_and_training_goes_on_as_torch(transform):
+    """torch.func.grad/jvp/vmap over ``functional_call`` of a model whose parameters zero3 gathers:
+    the gather's in-place copy failed inside torch with a different error on each rank (at world 2:
+    'mutate a captured Tensor' on one, 'doesn't have storage' on the other). Now refused before the
+    gather, naming the way that works; with persistent parameters the transform runs and equals
+    torch's; and after the refusal a training step still equals torch's."""
+    from torch.func import functional_call, grad, jvp, vmap
+
+    def build():
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def run(m, params):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+        if transform == "grad":
+            return grad(lambda p: functional_call(m, p, (x,)).square().mean())(params)
+        if transform == "jvp":
+            return jvp(lambda p: functional_call(m, p, (x,)), (params,), ({k: torch.ones_like(v) for k, v in params.items()},))
+        return vmap(lambda p, xi: functional_call(m, p, (xi,)), in_dims=(None, 0))(params, x)
+
+    ref, model = twins(build)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    with torch.no_grad():
+        model(x)  # functional_call in a first forward is refused on its own (the test above)
+    params = {k: v.detach() * 2 for k, v in ref.named_parameters()}
+    with pytest.raises(ZeroStateError, match=r"module '0' ran inside a torch.func transform .* persistent"):
+        run(model, params)
+    for _ in range(2):
+        ref_loss = F.mse_loss(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = F.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+
+    ref2, model2 = twins(build)
+    zero3.initialize(model2, None, {})  # the default threshold: these small parameters are persistent
+    with torch.no_grad():
+        model2(x)
+    torch.testing.assert_close(run(model2, params), run(ref2, params), rtol=1e-6, atol=0)

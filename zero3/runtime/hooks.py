@@ -49,7 +49,7 @@ In generation mode with the whole model inside the live cap, the first decode fo
 parameter and nothing releases one until the mode ends (coordinator.py `generation_resident`). A
 no-grad forward of the root after that needs nothing from zero3: no gather, no release, no
 collective, no step. So its root pre-hook lands any gather still in flight, counts the root call
-(`_resident_calls`) and takes zero3's forward hooks off every other module (`_SubmoduleHooks`):
+(`_resident_calls`) and takes zero3's forward hooks off every other module (`SubmoduleHooks`, submodule_hooks.py):
 torch then calls them as if zero3 were not there (bench_generation.py's "torch without zero3" row
 is the ceiling). The next forward that is not such a one, and the end of generation mode, put them
 back before anything else. It is
@@ -97,7 +97,7 @@ import logging
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
@@ -114,8 +114,9 @@ from ..partition.param import PartitionedParameter, ZeroParameter, drop_grad_slo
 from ..planning.trace import EventKind
 from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
-from .refusals import EAGER, eval_frame_callback, refuse_compiled_call, refuse_copy
+from .refusals import EAGER, eval_frame_callback, refuse_compiled_call, refuse_copy, refuse_transform, transform_level
 from .buffers import ModuleBuffers
+from .submodule_hooks import SubmoduleHooks
 from .outputs import prepare_output
 from .last_grad_hook import LastGradHook
 
@@ -183,48 +184,6 @@ class _ModuleRecord:
     by_grads: bool = False  # its calls are closed by its parameters' gradients (cached with ``params``)
     awaiting: list["_Call"] = field(default_factory=list)  # BACKWARD_OPEN calls closed by the gradients
     arrived: set[int] = field(default_factory=set)  # id(param) of gradients accumulated since they opened
-
-
-class _SubmoduleHooks:
-    """zero3's forward pre- and post-hooks on every hooked module but the root. A resident decode
-    forward ([Note: resident decode forwards]) takes them off, so torch calls those modules without
-    dispatching any hook of ours; the next forward that needs them puts them back first (the pre-hook
-    first among a module's pre-hooks again, the post-hook after the post-hooks it has then)."""
-
-    def __init__(self) -> None:
-        self._hooks: list[tuple[nn.Module, Callable[..., Any], Callable[..., Any]]] = []
-        self._handles: list[Any] = []
-        self.suspended = False
-
-    def add(self, m: nn.Module, pre: Callable[..., Any], post: Callable[..., Any]) -> None:
-        self._hooks.append((m, pre, post))
-        self._register(m, pre, post)
-
-    def _register(self, m: nn.Module, pre: Callable[..., Any], post: Callable[..., Any]) -> None:
-        self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
-        # always_call: a forward that raises still closes its visit and releases its params.
-        self._handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
-
-    def suspend(self) -> None:
-        if not self.suspended:
-            self._drop()
-            self.suspended = True
-
-    def resume(self) -> None:
-        if self.suspended:
-            for m, pre, post in self._hooks:
-                self._register(m, pre, post)
-            self.suspended = False
-
-    def remove(self) -> None:
-        self._drop()
-        self._hooks.clear()
-        self.suspended = False
-
-    def _drop(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
 
 @dataclass(eq=False)
@@ -323,7 +282,7 @@ class ModuleHooks:
         self._forward_t0 = 0.0  # when the running root forward began
         self._resident_calls = 0  # root calls open in a resident decode forward ([Note: resident decode forwards])
         self._steps_ended = 0  # ends of step so far ([Note: a second backward])
-        self._submodule_hooks = _SubmoduleHooks()
+        self._submodule_hooks = SubmoduleHooks()
         self._frozen = FrozenAtInstall(())  # trainable.py [Note: unfreezing after initialize]
         self._buffers: ModuleBuffers | None = None  # broadcast_buffers: rank 0's before forwards (buffers.py)
 
@@ -481,6 +440,8 @@ class ModuleHooks:
         if rec.leaf is not None and self.step.phase is _FORWARD:
             rec.leaf.calls += 1
         params = self._params_of(rec)
+        if params and transform_level() is not None:
+            refuse_transform(rec.name)
         call = _Call(self, rec, params, rec.ids, _OPEN if params else _JOINED)  # the record's list, copied on change
         self.stack.append(call)
         if params:

@@ -1,11 +1,13 @@
 """Uses of a model zero3 manages that cannot work, refused with the way that does: copying it
-(``copy.deepcopy``, pickle), compiling it whole (``torch.compile(model)``), and embeddings whose
+(``copy.deepcopy``, pickle), compiling it whole (``torch.compile(model)``), running it under a
+torch.func transform while it gathers parameters, and embeddings whose
 forward or gradient zero3's sharding cannot carry (``sparse=True``, ``max_norm``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..errors import ZeroConfigError, ZeroStateError
@@ -30,6 +32,25 @@ def refuse_compiled_call() -> None:
         "model), where dynamo compiles every frame, zero3's hooks too (they run in Python, outside any "
         "graph). Compile its blocks instead, before zero3.initialize: zero3.compile_blocks(model, [Block]) "
         "(docs/compile.md), as FSDP2 users compile per block; or call the model uncompiled")
+
+
+transform_level = torch._C._functorch.maybe_current_level
+"""80 ns: None outside every torch.func transform (grad, vjp, jvp, vmap, jacrev, functional_call inside one)."""
+
+
+def refuse_transform(module: str) -> None:
+    """A module whose parameters zero3 gathers ran inside a torch.func transform (`transform_level`
+    not None). The gather writes the full parameter in place and a release frees it, which a transform
+    forbids for tensors it captured (torch raises, with a different error on each rank, when it does);
+    and the transform's own backward would run zero3's hooks at its level. Refused before the gather,
+    on every rank alike: every rank runs the same forward under the same transform."""
+    raise ZeroStateError(
+        f"module {module!r} ran inside a torch.func transform (grad, vjp, jvp, vmap, jacrev, ...) "
+        "with parameters zero3 gathers for it; a transform cannot follow zero3's in-place gathers and "
+        "releases. Either make those parameters persistent (param_persistence_threshold above their size: "
+        "persistent parameters stay gathered and a transform works with them), or run the transform over a "
+        "plain copy of the model (model.load_state_dict(engine.consolidated_state_dict()) on an "
+        "unpartitioned instance). zero3 gathered nothing for it")
 
 
 def refuse_copy(module: Any) -> ZeroStateError:
