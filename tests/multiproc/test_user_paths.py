@@ -3,6 +3,8 @@ forwards that return a dataclass or a view of a parameter."""
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 from typing import Any
 
@@ -544,6 +546,88 @@ def test_a_loss_term_built_inside_gathered_parameters_trains_as_torch(pools, whe
     for r in pools.get(2).run(loss_term_from_gathered, where):
         assert r["diff"] < 1e-6, r
         assert r["live"] == [], r  # what the blocks kept for the step was released with it
+
+
+def loss_term_backpropagated_after_its_block(order: str) -> dict:
+    """A term built inside GatheredParameters, whose backward runs after the block released the weight
+    it saved (runtime/saved_params.py [Note: a saved parameter outlives its gather]): it read freed
+    storage, a segfault on every rank. ``order``: the term's own backward before the model's ("first")
+    or after it ("last"); a term on a view of the weight (``w.t() @ w``); a block entered inside the
+    step whose term is backpropagated after the step's backward ("in step"); all under torch's
+    ``save_on_cpu`` hooks ("outer hooks"). Two steps beside torch's, the same order there."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model = twins(_mlp)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"param_persistence_threshold": 0, "max_reuse_distance": 0, "prefetch_bucket_size": 0})
+    g = torch.Generator().manual_seed(1)
+    mine = slice(4 * rank, 4 * (rank + 1))
+
+    def term(w: torch.Tensor) -> torch.Tensor:
+        return 0.1 * ((w.t() @ w).sum() if order == "view" else w.pow(2).sum())
+
+    def step(net: nn.Module, x: torch.Tensor, y: torch.Tensor, gathered: bool) -> None:
+        block = zero3.GatheredParameters([net[2].weight]) if gathered else contextlib.nullcontext()
+        if order != "in step":
+            with block:
+                reg = term(net[2].weight)
+        if order == "first":
+            reg.backward()
+        loss = ((net(x) - y) ** 2).mean()
+        if order == "in step":
+            with block:
+                reg = term(net[2].weight)
+        loss.backward()
+        if order != "first":
+            reg.backward()
+
+    outer = torch.autograd.graph.save_on_cpu() if order == "outer hooks" else contextlib.nullcontext()
+    with outer:
+        for _ in range(2):
+            x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
+            step(ref, x, y, False)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            step(model, x[mine], y[mine], True)
+            engine.step()
+    with zero3.GatheredParameters(list(model.parameters())):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return {"diff": diff, "live": [p._zero.name for p in engine.coordinator.live_params]}
+
+
+@pytest.mark.parametrize("order", ["first", "last", "view", "in step", "outer hooks"])
+def test_a_term_from_gathered_parameters_backpropagated_after_the_block_trains_as_torch(pools, order):
+    for r in pools.get(2).run(loss_term_backpropagated_after_its_block, order):
+        assert r["diff"] < 1e-6, r
+        assert r["live"] == [], r  # the weight gathered again for the term's backward was released
+
+
+def term_saved_across_a_step() -> dict:
+    """The weight changes (an optimizer step) between the term's build and its backward: torch's backward
+    raises (the saved tensor was modified in place); zero3's must too, naming the weight, and train on."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model = twins(_mlp)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    out = {}
+    for net, opt, name in ((ref, ref_opt, "torch"), (model, engine, "zero3")):
+        x = torch.ones(4, 8)
+        with zero3.GatheredParameters([net[2].weight]) if name == "zero3" else contextlib.nullcontext():
+            reg = net[2].weight.pow(2).sum()
+        net(x).sum().backward()
+        opt.step()
+        try:
+            reg.backward()
+            out[name] = "no error"
+        except RuntimeError as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_a_term_whose_weight_changed_before_its_backward_is_refused_as_torch_refuses_it(pools):
+    for r in pools.get(2).run(term_saved_across_a_step):
+        assert "modified by an inplace operation" in r["torch"], r
+        assert r["zero3"].startswith("ZeroStateError") and "2.weight" in r["zero3"], r
 
 
 def initialized_under_inference_mode() -> dict:

@@ -309,7 +309,7 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
         f"parameter {which} is used by {name or func!r} while it is partitioned. zero3 gathers a "
         "module's parameters only while that module runs. Outside a forward, wrap the code in "
         "`with zero3.GatheredParameters(params):` (add modifier_rank=0 to change them; a loss term computed "
-        "there before the model's forward must be backpropagated inside the block); if another "
+        "there may be backpropagated after the block); if another "
         "module's forward uses it, call zero3.register_external_parameter(module, param). To save the "
         "model, use engine.consolidated_state_dict() or engine.save_checkpoint() (a Hugging Face model: "
         "engine.save_pretrained(dir), not model.save_pretrained); to load a full state "

@@ -38,7 +38,8 @@ the model's forward) with gradients on keeps the parameters it holds that could 
 gathered until that step ends (its backward's end), as a module's are while its backward may need
 them. A context entered between steps (a forward run inside it opens the step) releases them on
 exit as before: an evaluation inside it would otherwise hold them until a backward that may never
-come; a term built there must be backpropagated inside the block (said in docs/api.md).
+come. A term whose backward runs after the release gets its saved weight gathered again
+(saved_params.py [Note: a saved parameter outlives its gather]).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from ..partition.param import ZeroParameter, raw_data
 from ..partition.state import ParamStatus
 from .context import RuntimeContext
 from .publish import into_shards, published, refuse_reshape, reshaped_ids
+from .saved_params import SavedParams
 
 LOCAL_MODIFIER = -1
 """``modifier_rank`` meaning: every rank made the same change; re-partition without a broadcast."""
@@ -100,6 +102,7 @@ class GatheredParameters:
         self.enabled = enabled and bool(self.params)
         self._read_only: tuple[list[ZeroParameter], torch.Tensor, list[int]] | None = None
         self._in_step = False  # entered inside a running step, with gradients on
+        self._saved: SavedParams | None = None  # [Note: a saved parameter outlives its gather]
         if fwd_module is not None:
             if not isinstance(fwd_module, nn.Module):
                 raise TypeError(f"GatheredParameters(fwd_module=...) must be an nn.Module, got {type(fwd_module).__name__}")
@@ -121,6 +124,9 @@ class GatheredParameters:
         ctx.coordinator.gather_for_user(self.params)
         if self.modifier_rank is None and fresh:  # [Note: writes that GatheredParameters discards]
             self._read_only = (fresh, _fingerprints(fresh), [published.get(p._zero.id, 0) for p in fresh])
+        if SavedParams.available() and not all(p._zero.persistent for p in self.params):
+            self._saved = SavedParams(ctx, self.params)
+            self._saved.__enter__()
         return self.params
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -128,6 +134,9 @@ class GatheredParameters:
             return
         written: list[ZeroParameter] = []
         ctx = _owner(self.params)
+        if self._saved is not None:
+            self._saved.__exit__(exc_type, exc, tb)
+            self._saved = None
         if self._in_step and ctx.coordinator.in_step:  # [Note: a loss term from GatheredParameters]
             ctx.coordinator.keep_for_step([p for p in self.params if p.requires_grad and not p._zero.persistent])
         try:
