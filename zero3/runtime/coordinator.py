@@ -406,10 +406,8 @@ class ParamCoordinator:
         hpz = self._hpz
         if training and self.comm.quantizes_weights:
             self._rounded.update(p._zero.id for p in params)
-        if hpz is None or not training:
-            works = [self.comm.all_gather_params(params, tag, count=count, keep_secondary=False, quantize=training)]
-        else:
-            works = hpz.gather(self.comm, params, tag, count, keep=hpz.keeping and not self.generating)
+        works = gather_works(self.comm, hpz if training else None, params, tag, count, training,
+                             hpz is not None and hpz.keeping and not self.generating)
         handle = _Inflight(works, params)
         for p in params:
             zparam.begin_gather(p, handle)
@@ -549,6 +547,26 @@ class ParamCoordinator:
         for p in self._live.values():
             if p._zero.status is ParamStatus.NOT_AVAILABLE or p._zero.persistent:
                 raise AssertionError(f"{p._zero.summary()} is in the live set but not gathered")
+
+
+def gather_works(comm: Communicator, hpz: SecondarySlices | None, params: list[ZeroParameter], tag: Tag,
+                 count: bool, training: bool, keep: bool) -> list[GatherWork]:
+    """The works of one gather of ``params``: from primary shards, or under hpZ (``hpz``) from
+    secondary slices where they have one; one gather per shard dtype when they mix dtypes (a
+    gather's wire carries one dtype: a bf16 gain in a bucket of fp32 weights rounded the weights to
+    bf16 on every path but the shared-memory one)."""
+    if comm.world_size > 1:
+        dtype = params[0]._zero.shard.dtype
+        for p in params:
+            if p._zero.shard.dtype is not dtype:
+                parts: dict[torch.dtype, list[ZeroParameter]] = {}
+                for q in params:
+                    parts.setdefault(q._zero.shard.dtype, []).append(q)
+                return [w for part in parts.values() for w in gather_works(
+                    comm, hpz, part, Tag(tag.kind, tag.label, tuple(q._zero.id for q in part)), count, training, keep)]
+    if hpz is None:
+        return [comm.all_gather_params(params, tag, count=count, keep_secondary=False, quantize=training)]
+    return hpz.gather(comm, params, tag, count, keep=keep)
 
 
 def _pin(kind: EventKind, params: Sequence[ZeroParameter]) -> None:

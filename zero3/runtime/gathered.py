@@ -56,10 +56,12 @@ from ..partition.param import ZeroParameter, raw_data
 from ..partition.state import ParamStatus
 from .context import RuntimeContext
 from .publish import into_shards, published, refuse_reshape, reshaped_ids
+from .rank_values import take_rank0_where_ranks_differ
 from .saved_params import SavedParams
 
 LOCAL_MODIFIER = -1
-"""``modifier_rank`` meaning: every rank made the same change; re-partition without a broadcast."""
+"""``modifier_rank`` meaning: every rank made the same change (`Init` building); re-partition, broadcasting
+only what differs between ranks from rank 0 (rank_values.py)."""
 
 
 class GatheredParameters:
@@ -164,7 +166,10 @@ class GatheredParameters:
         if reshaped and ctx.module is not None:
             refuse_reshape(ctx, [p for p in self.params if p._zero.id in reshaped], "GatheredParameters(modifier_rank=...)")
         ctx.comm.shards_will_change()  # inside a step: peers stop reading shared shards first
-        if self.modifier_rank != LOCAL_MODIFIER and ctx.world_size > 1:
+        if self.modifier_rank == LOCAL_MODIFIER:  # every rank made the change: rank 0's where theirs differ
+            take_rank0_where_ranks_differ(ctx, [(p._zero.name, raw_data(p)) for p in self.params
+                                                if p._zero.id not in reshaped])
+        elif ctx.world_size > 1:
             flat = torch.cat([raw_data(p).reshape(-1) for p in self.params])
             ctx.comm.broadcast(flat, self.modifier_rank, Tag(Kind.BROADCAST, "GatheredParameters(modifier_rank="
                                                            f"{self.modifier_rank})", self._ids))

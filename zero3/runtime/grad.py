@@ -54,7 +54,7 @@ class GradientReducer:
         land their reduced gradients and (the step in backward with shared shards) write their shards."""
 
     def add(self, p: ZeroParameter, grad: torch.Tensor) -> None:
-        if grad.numel() != p._zero.numel:
+        if grad.numel() != p._zero.numel or grad.layout is not _STRIDED:
             _refuse_resized(p, grad)
         if self.comm.world_size == 1:  # the average over one rank is the gradient: no bucket, no copy
             self._accumulate(p, grad.reshape(-1))
@@ -69,7 +69,7 @@ class GradientReducer:
         leaf module: every rank's bucket holds all of them, in this order). A parameter with no
         gradient on any rank keeps none (a presence count is reduced with the unit)."""
         for p, g in grads:
-            if g is not None and g.numel() != p._zero.numel:
+            if g is not None and (g.numel() != p._zero.numel or g.layout is not _STRIDED):
                 _refuse_resized(p, g)
         if self.comm.world_size == 1:
             for p, g in grads:
@@ -121,6 +121,8 @@ class GradientReducer:
         bucket, self._bucket, self._numel = self._bucket, [], 0
         total = sum(p._zero.shard_numel for p, _, _ in bucket)
         dtype = self.reduce_dtype or bucket[0][0]._zero.shard.dtype
+        if dtype is not _FP64 and any(p._zero.shard.dtype is _FP64 for p, _, _ in bucket):
+            dtype = _FP64  # an fp64 model's gradients lose nothing on the wire, as with DDP
         pieces = [GradPiece(p._zero.numel, p._zero.shard_numel, g, maybe) for p, g, maybe in bucket]
         params: list[tuple[ZeroParameter, int]] = []
         col = total
@@ -166,10 +168,20 @@ class GradientReducer:
             self.on_landed(p)
 
 
+_STRIDED, _FP64 = torch.strided, torch.float64
+
+
 def _refuse_resized(p: ZeroParameter, grad: torch.Tensor) -> None:
     """A gradient of another size than the parameter's: its data was replaced by a tensor of another
     shape (``p.data = t``) after ``initialize``. Its shards, optimizer state and buckets have the old
-    size, so reducing the gradient would misplace every element after it; refused before any is."""
+    size, so reducing the gradient would misplace every element after it; refused before any is.
+    Or a sparse gradient (``F.embedding(..., sparse=True)`` in a module's own forward; zero3 reduces
+    dense shards), refused the same way."""
+    if grad.layout is not _STRIDED:
+        raise ZeroStateError(
+            f"{p._zero.name} got a {grad.layout} gradient (a sparse=True embedding lookup, torch.sparse ops "
+            "on the weight): zero3 reduces dense gradient shards. Use dense gradients (sparse=False); this "
+            "backward reduced nothing of it")
     raise ZeroStateError(
         f"{p._zero.name} got a gradient of shape {tuple(grad.shape)} (its shape is {tuple(p._zero.shape)}): its "
         f"data was replaced by a tensor of shape {tuple(raw_data(p).shape)} after zero3.initialize, and its shards, "

@@ -59,10 +59,12 @@ from ..comm.process_group import ensure_default_group
 from ..config import ZeroConfig, resolve_config
 from ..config.sections import DRIVE_POOL_KNOBS, OffloadConfig
 from .context import RuntimeContext, lazy_refusal, meta_refusal
+from .refusals import complex_refusal
 from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import data_parallel_group as mpu_data_parallel_group
 from ..comm.model_parallel import check_mpu
 from .gathered import LOCAL_MODIFIER, GatheredParameters
+from .rank_values import take_rank0_where_ranks_differ
 from .publish import repartition
 from ..partition.param import (
     PartitionedParameter,
@@ -513,11 +515,16 @@ def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) ->
         lazy = next((f"{type(m).__name__}.{n}" for n, p in m._parameters.items() if nn.parameter.is_lazy(p)), None)
         if lazy is not None:
             raise lazy_refusal(lazy, "the modules built before it in this Init block are partitioned")
-    for m in modules:
-        for pname, p in list(m._parameters.items()):
-            if p is None or isinstance(p, ZeroParameter):
-                continue
-            _partition_param(p, f"{type(m).__name__}.{pname}", state)
+        cplx = next((f"{type(m).__name__}.{n}" for n, p in m._parameters.items() if p is not None
+                     and not isinstance(p, ZeroParameter) and p.is_complex()), None)
+        if cplx is not None:
+            raise complex_refusal(cplx, "the modules built before it in this Init block are partitioned")
+    todo = [(p, f"{type(m).__name__}.{pname}") for m in modules for pname, p in list(m._parameters.items())
+            if p is not None and not isinstance(p, ZeroParameter)]
+    if state.sync == "rng":  # [Note: values that differ between ranks under sync="rng"]
+        take_rank0_where_ranks_differ(state.ctx, [(name, p.data) for p, name in todo])
+    for p, name in todo:
+        _partition_param(p, name, state)
 
 
 def _partition_param(p: nn.Parameter, name: str, state: _InitState) -> ZeroParameter:
@@ -619,6 +626,9 @@ def _assign(p: ZeroParameter, value: Any, state: _InitState) -> None:
     value = value.detach()
     if state.sync == "broadcast" and z.world_size > 1:
         value = state.ctx.comm.broadcast(value.clone(), 0, Tag(Kind.BROADCAST, f"zero3.Init value of {z.name}"))
+    elif z.world_size > 1:
+        value = value.clone()  # rank 0's where the ranks' differ, without writing into the caller's tensor
+        take_rank0_where_ranks_differ(state.ctx, [(z.name, value)])
     shard = sharding.shard_tensor(value, z.world_size, z.rank).to(z.shard.device)
     if shard.dtype == z.shard.dtype:
         with state.ctx.resident([p], write=True, overwrite=True):
@@ -651,6 +661,9 @@ def _write_back(state: _InitState) -> None:
     if state.sync == "broadcast" and state.ctx.world_size > 1:
         for p in touched:
             state.ctx.comm.broadcast(raw_data(p), 0, Tag(Kind.BROADCAST, f"zero3.Init value of {p._zero.name}"))
+    else:
+        take_rank0_where_ranks_differ(state.ctx, [(p._zero.name, raw_data(p)) for p in touched
+                                                  if p._zero.id not in reshaped])
     with state.ctx.resident(touched, write=True, overwrite=True):
         for p in touched:
             if p._zero.id in reshaped:  # gathered.py [Note: a new shape before initialize]

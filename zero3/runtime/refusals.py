@@ -87,3 +87,13 @@ def refuse_unshardable_embeddings(model: nn.Module) -> None:
                 "renormalization would be lost (on every rank; FSDP2 loses it too) and training would differ "
                 "from torch's. Build it without max_norm (to bound the rows, rescale them between steps inside "
                 "zero3.GatheredParameters(..., modifier_rank=0)); zero3.initialize changed nothing")
+
+
+def complex_refusal(name: str, tail: str = "nothing was partitioned") -> ZeroConfigError:
+    """A complex parameter (``torch.complex64``): zero3's gradient reduction, flat buffers and
+    checkpoints carry real dtypes, so its gradient lost its imaginary part at world size 2 and more
+    (torch only warned) and a checkpoint failed. Refused by ``initialize`` and by ``Init``."""
+    return ZeroConfigError(
+        f"parameter {name} is complex: zero3 reduces, stores and checkpoints real tensors only. Keep the real and "
+        "imaginary parts as one real parameter with a last dimension of 2 and view it in the forward "
+        f"(torch.view_as_complex(self.w)); {tail}")

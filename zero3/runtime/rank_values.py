@@ -1,0 +1,67 @@
+"""What `zero3.Init` partitions must be the same full tensor on every rank; where it is not, rank 0's wins.
+
+[Note: values that differ between ranks under sync="rng"]
+Under ``sync="rng"`` (the default) `Init` broadcasts rank 0's torch RNG state on entry, and every
+rank draws the same full tensors and keeps its own slice of them, with no broadcast per parameter.
+That holds only for values drawn from torch's default generators. Code that draws elsewhere (numpy,
+its own ``torch.Generator``, a per-rank ``torch.manual_seed`` inside the block) gives each rank
+other values, and each rank kept its slice of its own: a gathered parameter was rank 0's first
+slice beside rank 1's second, a tensor no rank drew (found on 2 ranks: a GPT 0.30-3.98 away from
+DDP's, which starts from rank 0's weights, as DeepSpeed's ``Init`` does by broadcasting each one).
+
+So before a full value becomes shards (a new parameter, a write while building, a ``.data``
+assignment), the ranks exchange one integer per tensor (the sum of its bit patterns: equal for
+equal tensors, and in practice different for different ones) in one small all-gather, and every
+tensor whose integers differ is broadcast from rank 0 first, with a warning naming them and
+``sync="broadcast"`` (the first time in an Init context; then at DEBUG). What every rank drew alike costs the exchange only.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Sequence
+
+import torch
+
+from ..comm.tags import Kind, Tag
+
+logger = logging.getLogger(__name__)
+
+_WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the contexts that warned once already (then: debug)
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _bit_sum(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(_BITS.get(flat.element_size(), torch.uint8)).sum(dtype=torch.int64)
+
+
+def take_rank0_where_ranks_differ(ctx: Any, named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """Make each full tensor in ``named`` rank 0's where the ranks' differ (in place, a broadcast
+    each); returns their names. A collective over ``ctx``'s group (one small all-gather), which
+    every rank calls with the same names in the same order; nothing at world size 1."""
+    if ctx.world_size == 1 or not named:
+        return []
+    comm = ctx.comm
+    sums = torch.stack([_bit_sum(t).to(comm.device) for _, t in named])
+    label = f"zero3.Init values of {named[0][0]}" + (f" and {len(named) - 1} more" if len(named) > 1 else "")
+    every = comm.all_gather_tensor(sums, Tag(Kind.TENSOR_GATHER, label)).cpu()
+    differ = (every != every[0]).any(dim=0).tolist()
+    names = []
+    for (name, t), d in zip(named, differ):
+        if d:
+            buf = t if t.is_contiguous() else t.contiguous()
+            got = comm.broadcast(buf, 0, Tag(Kind.BROADCAST, f"zero3.Init value of {name}"))
+            if got is not t:
+                t.copy_(got)
+            names.append(name)
+    if names:
+        log = logger.debug if ctx in _WARNED else logger.warning
+        _WARNED.add(ctx)
+        log(
+            "zero3.Init: %s differed between ranks (drawn outside torch's default generator: numpy, a "
+            "torch.Generator of its own, or a seed set per rank inside the block); each now has rank 0's values, "
+            "as DeepSpeed's Init gives. Init(sync='broadcast') takes rank 0's values for every parameter without "
+            "this check", ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
+    return names
