@@ -76,8 +76,12 @@ class FailureMonitor:
                              "`if rank == 0:`, a forward, save_checkpoint or a consolidated state dict: run it on "
                              "every rank; a Hugging Face generate() needs synced_gpus=True)")
         limit = f"collective_timeout={self.timeout_s:g} s" if self.timeout_s > 0 else "the process group's timeout"
+        text = str(exc)
+        what = ("a peer closed its connection (its process exited or died)" if any(
+            s in text for s in ("closed by peer", "reset by peer", "Broken pipe", "Connection refused"))
+            else f"not every rank took part within {limit}")
         raise ZeroCommunicationError(
-            f"rank {self.rank} waited in {where} and not every rank took part within {limit}: "
+            f"rank {self.rank} waited in {where} and {what}: "
             + "; ".join(lines) + f". ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}) zero3's own process "
             "group is closed now; every further collective of this engine raises. The default process group is not "
             "affected, but a rank that died is gone: save what you need and restart from the last checkpoint."

@@ -10,8 +10,8 @@ slice beside rank 1's second, a tensor no rank drew (found on 2 ranks: a GPT 0.3
 DDP's, which starts from rank 0's weights, as DeepSpeed's ``Init`` does by broadcasting each one).
 
 So before a full value becomes shards (a new parameter, a write while building, a ``.data``
-assignment), the ranks exchange one integer per tensor (the sum of its bit patterns: equal for
-equal tensors, and in practice different for different ones) in one small all-gather, and every
+assignment), the ranks exchange one integer per tensor (a sum of its bytes as 64-bit words: equal
+for equal tensors, and in practice different for different ones) in one small all-gather, and every
 tensor whose integers differ is broadcast from rank 0 first, with a warning naming them and
 ``sync="broadcast"`` (the first time in an Init context; then at DEBUG). What every rank drew alike costs the exchange only.
 """
@@ -29,12 +29,18 @@ from ..comm.tags import Kind, Tag
 logger = logging.getLogger(__name__)
 
 _WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the contexts that warned once already (then: debug)
-_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
 def _bit_sum(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().contiguous().reshape(-1)
-    return flat.view(_BITS.get(flat.element_size(), torch.uint8)).sum(dtype=torch.int64)
+    """The sum of ``t``'s bytes read as int64 words (wrapping), then of the bytes past the last whole
+    word: no copy of ``t`` (a sum of an int32 view widens the whole tensor to int64 first: twice the
+    memory of a module `Init` is building, measured)."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    n = b.numel() // 8 * 8
+    tail = b[n:].sum(dtype=torch.int64)
+    if not n:
+        return tail
+    if b.storage_offset() % 8 == 0:
+        return b[:n].view(torch.int64).sum() + tail
+    return torch.stack([c.sum(dtype=torch.int64) for c in b[:n].split(1 << 20)]).sum() + tail
 
 
 def take_rank0_where_ranks_differ(ctx: Any, named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
