@@ -143,3 +143,39 @@ def test_a_group_named_by_device_takes_its_backends_transports(pools):
     for r in pools.get(2).run(transports_of_a_group_named_by_device):
         assert r["default"][0] == "gloo" and r["cpu:gloo"][0] == "cpu:gloo", r  # what torch names them
         assert r["cpu:gloo"][1:] == r["default"][1:], r  # gloo, and gloo's transports (shared memory here)
+
+
+def engines_one_after_another(n: int) -> dict:
+    """Build, train and drop ``n`` engines in one process, as a sweep does; count torch's process
+    groups after each (own_groups.py [Note: one own group per set of ranks])."""
+    import gc
+
+    from torch.distributed import distributed_c10d as c10d
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups, losses = [], []
+    for _ in range(n):
+        torch.manual_seed(0)
+        with zero3.Init():
+            model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"collective_timeout": 30})
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x = torch.randn(2 * world, 16, generator=g)
+            loss = engine(x[2 * rank:2 * rank + 2]).square().mean()
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+        engine.remove_hooks()
+        del engine, model, loss
+        gc.collect()
+        groups.append(len(c10d._world.pg_map))
+    return {"groups": groups, "losses": losses}
+
+
+def test_engines_built_one_after_another_share_one_process_group(pools):
+    """Each engine made a group of its own that stayed until exit: +1 group, 3 threads and 2 sockets per
+    engine at world size 2 ("Too many open files" after some hundreds). Every engine's loss is the first's."""
+    for r in pools.get(2).run(engines_one_after_another, 5):
+        assert len(set(r["groups"])) == 1, r
+        assert len(set(r["losses"])) == 1, r

@@ -19,7 +19,6 @@ The class is a facade over small pieces, each in the file named after its job:
 
 from __future__ import annotations
 
-import datetime
 import logging
 from typing import Any, Sequence
 
@@ -34,6 +33,7 @@ from .collectives import SmallCollectives
 from .settings import CommSettings
 from .counter import ByteCounter
 from .exit_release import track_for_exit
+from .own_groups import own_group
 from .process_group import backend_of
 from .failure import FailureMonitor, rebuild_error
 from .gather import ParamGatherer, gather_transport
@@ -86,17 +86,17 @@ class Communicator:
         self.backend = backend_of(group) if distributed else "none"
         self.group = group
         self._own_group = dedicated  # made for zero3 (here, or by hpz.py): destroyed at exit (exit_release.py)
-        if distributed and config.timeout_s > 0 and not dedicated:
-            # Our own group: its timeout bounds every wait, and breaking it leaves the user's intact.
-            self.group = dist.new_group(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD),
-                                        timeout=datetime.timedelta(seconds=config.timeout_s), backend=self.backend,
-                                        use_local_synchronization=True)
-            self._own_group = True
         # NCCL moves only CUDA tensors: small tensors (headers, flags) live there.
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
         self._state = EpochState()
-        report = FailureReport(group_name(self.group), world_size, rank) if distributed else None
+        users = 0  # communicators that ran on this group before this one
+        if distributed and config.timeout_s > 0 and not dedicated:
+            # Our own group: its timeout bounds every wait, and breaking it leaves the user's intact;
+            # one per set of ranks (own_groups.py [Note: one own group per set of ranks]).
+            self.group, users = own_group(group, config.timeout_s, self.backend, self.device, self._state)
+            self._own_group = True
+        report = FailureReport(f"{group_name(self.group)}/{users}", world_size, rank) if distributed else None
         self._monitor = FailureMonitor(self._state, report, world_size, rank, config.timeout_s)
         self._wire = Wire(self.group, world_size, rank, self.device, self._monitor,
                           ByteCounter(metrics, (0,) * world_size, rank))
