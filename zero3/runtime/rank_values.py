@@ -47,6 +47,7 @@ def take_rank0_where_ranks_differ(ctx: Any, named: Sequence[tuple[str, torch.Ten
     """Make each full tensor in ``named`` rank 0's where the ranks' differ (in place, a broadcast
     each); returns their names. A collective over ``ctx``'s group (one small all-gather), which
     every rank calls with the same names in the same order; nothing at world size 1."""
+    named = [(name, t) for name, t in named if not t.is_meta]  # no values yet (a from_pretrained's meta build)
     if ctx.world_size == 1 or not named:
         return []
     comm = ctx.comm
