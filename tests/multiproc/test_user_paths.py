@@ -630,6 +630,47 @@ def test_a_term_whose_weight_changed_before_its_backward_is_refused_as_torch_ref
         assert r["zero3"].startswith("ZeroStateError") and "2.weight" in r["zero3"], r
 
 
+def resize_with_a_second_init_block() -> dict:
+    """transformers 4.x's resize under DeepSpeed: the new embedding built under an Init block of its
+    own, the old rows copied with GatheredParameters([old.weight, new.weight], modifier_rank=0), the
+    new one swapped in, then initialize. It was refused ('parameters of two different models or
+    zero3.Init contexts'). Two steps beside torch doing the same."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 4))
+
+    ref, model = twins(build)
+    torch.manual_seed(1)
+    ref_new = nn.Embedding(14, 8)
+    torch.manual_seed(1)
+    with zero3.Init():
+        new = nn.Embedding(14, 8)
+    with torch.no_grad():
+        ref_new.weight[:10] = ref[0].weight
+    with zero3.GatheredParameters([model[0].weight, new.weight], modifier_rank=0), torch.no_grad():
+        if rank == 0:
+            new.weight[:10] = model[0].weight
+    ref[0], model[0] = ref_new, new
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        idx, y = torch.randint(0, 14, (4 * world,), generator=g), torch.randn(4 * world, 4, generator=g)
+        ((ref(idx) - y) ** 2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.backward(((model(idx[4 * rank:4 * rank + 4]) - y[4 * rank:4 * rank + 4]) ** 2).mean())
+        engine.step()
+    with zero3.GatheredParameters(list(model.parameters())):
+        return {"diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))}
+
+
+def test_a_resize_with_the_new_embedding_from_its_own_init_block_trains_as_torch(pools):
+    for r in pools.get(2).run(resize_with_a_second_init_block):
+        assert r["diff"] < 1e-6, r
+
+
 def initialized_under_inference_mode() -> dict:
     """An eval-first script: initialize (and a first evaluation) under torch.inference_mode(), then
     training outside it. The shards and masters made there must stay trainable."""

@@ -672,3 +672,16 @@ def test_a_torch_func_transform_over_gathered_parameters_is_refused_and_training
     with torch.no_grad():
         model2(x)
     torch.testing.assert_close(run(model2, params), run(ref2, params), rtol=1e-6, atol=0)
+
+
+def test_a_module_built_under_its_own_init_and_added_after_initialize_is_refused_saying_so():
+    """It has no zero3 hooks, so its forward found its parameter partitioned; the error said only
+    'outside a forward, wrap the code in GatheredParameters', inside a forward."""
+    with zero3.Init():
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    with zero3.Init():
+        model[2] = nn.Linear(8, 2)
+    with pytest.raises(ZeroStateError, match=r"No zero3.initialize has taken this parameter yet: if its module was "
+                                             r"built under a zero3.Init block of its own .* add the module before"):
+        engine(torch.randn(3, 4))

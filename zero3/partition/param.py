@@ -314,7 +314,11 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
         "model, use engine.consolidated_state_dict() or engine.save_checkpoint() (a Hugging Face model: "
         "engine.save_pretrained(dir), not model.save_pretrained); to load a full state "
         "dict (model.load_state_dict), zero3.pretrained.load_state_dict(model, state_dict). Do not wrap a "
-        "zero3 model in torch's DDP or FSDP: zero3 already shards it and reduces its gradients.")
+        "zero3 model in torch's DDP or FSDP: zero3 already shards it and reduces its gradients." + (
+            " No zero3.initialize has taken this parameter yet: if its module was built under a zero3.Init "
+            "block of its own and put into a model after that model's zero3.initialize, it has no zero3 hooks "
+            "(its forward cannot gather it); add the module before zero3.initialize"
+            if target is not None and getattr(target._zero.ctx, "module", False) is None else ""))
 
 
 class PartitionedParameter(ZeroParameter):

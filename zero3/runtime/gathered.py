@@ -44,6 +44,7 @@ come. A term whose backward runs after the release gets its saved weight gathere
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Iterable
 
@@ -51,7 +52,7 @@ import torch
 from torch import nn
 
 from ..comm.communicator import Kind, Tag
-from ..errors import ZeroConfigError, ZeroStateError
+from ..errors import ZeroStateError
 from ..partition.param import ZeroParameter, raw_data
 from ..partition.state import ParamStatus
 from .context import RuntimeContext
@@ -105,6 +106,15 @@ class GatheredParameters:
         self._read_only: tuple[list[ZeroParameter], torch.Tensor, list[int]] | None = None
         self._in_step = False  # entered inside a running step, with gradients on
         self._saved: SavedParams | None = None  # [Note: a saved parameter outlives its gather]
+        by_ctx: dict[int, list[ZeroParameter]] = {}
+        for p in self.params:
+            by_ctx.setdefault(id(p._zero.ctx), []).append(p)
+        # Parameters of several models or Init blocks (HF's resize before initialize: the new embedding
+        # from an Init block of its own beside the old one): one context per model, entered in the order
+        # of their first parameter's ds_id, which is the same on every rank.
+        self._parts = [GatheredParameters(ps, modifier_rank, enabled=enabled) for ps in by_ctx.values()] \
+            if len(by_ctx) > 1 else None
+        self._stack: contextlib.ExitStack | None = None
         if fwd_module is not None:
             if not isinstance(fwd_module, nn.Module):
                 raise TypeError(f"GatheredParameters(fwd_module=...) must be an nn.Module, got {type(fwd_module).__name__}")
@@ -114,7 +124,13 @@ class GatheredParameters:
     def __enter__(self) -> list[ZeroParameter]:
         if not self.enabled:
             return self.params
-        ctx = _owner(self.params)
+        if self._parts is not None:
+            with contextlib.ExitStack() as stack:
+                for part in self._parts:
+                    stack.enter_context(part)
+                self._stack = stack.pop_all()
+            return self.params
+        ctx = self.params[0]._zero.ctx
         if self.modifier_rank is not None and self.modifier_rank != LOCAL_MODIFIER \
                 and self.modifier_rank >= ctx.world_size:
             raise ValueError(f"GatheredParameters(modifier_rank={self.modifier_rank}): the parameters' group has "
@@ -134,8 +150,12 @@ class GatheredParameters:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self.enabled:
             return
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            stack.__exit__(exc_type, exc, tb)
+            return
         written: list[ZeroParameter] = []
-        ctx = _owner(self.params)
+        ctx = self.params[0]._zero.ctx
         if self._saved is not None:
             self._saved.__exit__(exc_type, exc, tb)
             self._saved = None
@@ -161,7 +181,7 @@ class GatheredParameters:
                 "them (rank 0's values then go to every rank)")
 
     def _publish(self) -> None:
-        ctx = _owner(self.params)
+        ctx = self.params[0]._zero.ctx
         reshaped = reshaped_ids(self.params)
         if reshaped and ctx.module is not None:
             refuse_reshape(ctx, [p for p in self.params if p._zero.id in reshaped], "GatheredParameters(modifier_rank=...)")
@@ -236,17 +256,6 @@ def write_back_loaded(ctx: RuntimeContext, module: nn.Module, incompatible_keys:
     if params:
         ctx.comm.shards_will_change()
         into_shards(ctx, params)
-
-
-def _owner(params: list[ZeroParameter]) -> RuntimeContext:
-    """The one context that drives ``params``; mixing models in one call is refused."""
-    ctx = params[0]._zero.ctx
-    for p in params[1:]:
-        if p._zero.ctx is not ctx:
-            raise ZeroConfigError(f"GatheredParameters got parameters of two different models or zero3.Init "
-                                  f"contexts ({params[0]._zero.name} and {p._zero.name}); gather each model's "
-                                  "parameters in their own context")
-    return ctx
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
