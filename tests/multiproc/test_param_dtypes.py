@@ -145,3 +145,29 @@ def own_draws(how: str) -> dict:
 def test_values_drawn_per_rank_under_init_are_rank_0_s_as_in_deepspeed(pools, how):
     for r in pools.get(2).run(own_draws, how):
         assert r["diff"] == 0, r
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def tied_init_module() -> dict:
+    torch.manual_seed(0)
+    plain = _Tied()
+    torch.manual_seed(0)
+    model = _Tied()
+    zero3.Init(module=model)
+    with zero3.GatheredParameters(list(model.parameters())):
+        diff = (model.emb.weight - plain.emb.weight).abs().max().item()
+    return {"diff": diff, "tied": model.head.weight is model.emb.weight, "count": len(list(model.parameters()))}
+
+
+def test_init_module_partitions_a_tied_weight_once(pools):
+    """The rank agreement listed a tied parameter under both names and partitioned it twice: the second
+    broadcast met the partitioned parameter ('used by to while it is partitioned')."""
+    for r in pools.get(2).run(tied_init_module):
+        assert r == {"diff": 0, "tied": True, "count": 1}, r

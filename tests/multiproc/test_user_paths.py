@@ -567,7 +567,8 @@ def loss_term_backpropagated_after_its_block(order: str) -> dict:
         return 0.1 * ((w.t() @ w).sum() if order == "view" else w.pow(2).sum())
 
     def step(net: nn.Module, x: torch.Tensor, y: torch.Tensor, gathered: bool) -> None:
-        block = zero3.GatheredParameters([net[2].weight]) if gathered else contextlib.nullcontext()
+        modifier = 0 if order == "modifier block" else None  # a block that may write, and writes nothing
+        block = zero3.GatheredParameters([net[2].weight], modifier) if gathered else contextlib.nullcontext()
         if order != "in step":
             with block:
                 reg = term(net[2].weight)
@@ -595,7 +596,7 @@ def loss_term_backpropagated_after_its_block(order: str) -> dict:
     return {"diff": diff, "live": [p._zero.name for p in engine.coordinator.live_params]}
 
 
-@pytest.mark.parametrize("order", ["first", "last", "view", "in step", "outer hooks"])
+@pytest.mark.parametrize("order", ["first", "last", "view", "in step", "outer hooks", "modifier block"])
 def test_a_term_from_gathered_parameters_backpropagated_after_the_block_trains_as_torch(pools, order):
     for r in pools.get(2).run(loss_term_backpropagated_after_its_block, order):
         assert r["diff"] < 1e-6, r

@@ -309,7 +309,8 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
         f"parameter {which} is used by {name or func!r} while it is partitioned. zero3 gathers a "
         "module's parameters only while that module runs. Outside a forward, wrap the code in "
         "`with zero3.GatheredParameters(params):` (add modifier_rank=0 to change them; a loss term computed "
-        "there may be backpropagated after the block); if another "
+        "there may be backpropagated after the block, unless activation checkpointing recomputes it: then "
+        "backpropagate it inside the block); if another "
         "module's forward uses it, call zero3.register_external_parameter(module, param). To save the "
         "model, use engine.consolidated_state_dict() or engine.save_checkpoint() (a Hugging Face model: "
         "engine.save_pretrained(dir), not model.save_pretrained); to load a full state "
@@ -318,7 +319,20 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
             " No zero3.initialize has taken this parameter yet: if its module was built under a zero3.Init "
             "block of its own and put into a model after that model's zero3.initialize, it has no zero3 hooks "
             "(its forward cannot gather it); add the module before zero3.initialize"
-            if target is not None and getattr(target._zero.ctx, "module", False) is None else ""))
+            if target is not None and getattr(target._zero.ctx, "module", False) is None and _in_module_call()
+            else ""))
+
+
+def _in_module_call() -> bool:
+    """Whether a module's forward is running (a frame of ``nn.Module._call_impl`` below this one): the
+    partitioned-parameter error's cold path only."""
+    code = nn.Module._call_impl.__code__
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
 
 
 class PartitionedParameter(ZeroParameter):

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from ..comm.communicator import Kind, Tag
-from ..errors import ZeroStateError
+from ..errors import ZeroConfigError, ZeroStateError
 from ..partition.param import ZeroParameter, raw_data
 from ..partition.state import ParamStatus
 from .context import RuntimeContext
@@ -115,6 +115,12 @@ class GatheredParameters:
         self._parts = [GatheredParameters(ps, modifier_rank, enabled=enabled) for ps in by_ctx.values()] \
             if len(by_ctx) > 1 else None
         self._stack: contextlib.ExitStack | None = None
+        if fwd_module is not None and self._parts is not None and any(
+                ps[0]._zero.ctx.module is not None for ps in by_ctx.values()):
+            raise ZeroConfigError(
+                "GatheredParameters(fwd_module=...) got parameters of several models, one of them with an engine "
+                f"({self.params[0]._zero.name}, ...): a module's forward can use only its own engine's parameters. "
+                "Register each model's parameters with a module of that model; nothing was registered")
         if fwd_module is not None:
             if not isinstance(fwd_module, nn.Module):
                 raise TypeError(f"GatheredParameters(fwd_module=...) must be an nn.Module, got {type(fwd_module).__name__}")
@@ -142,7 +148,8 @@ class GatheredParameters:
         ctx.coordinator.gather_for_user(self.params)
         if self.modifier_rank is None and fresh:  # [Note: writes that GatheredParameters discards]
             self._read_only = (fresh, _fingerprints(fresh), [published.get(p._zero.id, 0) for p in fresh])
-        if SavedParams.available() and not all(p._zero.persistent for p in self.params):
+        if self.modifier_rank != LOCAL_MODIFIER and SavedParams.available() \
+                and not all(p._zero.persistent for p in self.params):  # not Init's own blocks, while building
             self._saved = SavedParams(ctx, self.params)
             self._saved.__enter__()
         return self.params
@@ -152,6 +159,16 @@ class GatheredParameters:
             return
         if self._stack is not None:
             stack, self._stack = self._stack, None
+            if exc_type is None and self.modifier_rank is not None:
+                try:  # a refused new shape in one model: none of them publishes (as with one model)
+                    for part in self._parts or ():
+                        ctx = part.params[0]._zero.ctx
+                        bad = [p for p in part.params if p._zero.id in reshaped_ids(part.params)]
+                        if bad and ctx.module is not None:
+                            refuse_reshape(ctx, bad, "GatheredParameters(modifier_rank=...)")
+                except ZeroStateError as refused:
+                    stack.__exit__(type(refused), refused, refused.__traceback__)
+                    raise
             stack.__exit__(exc_type, exc, tb)
             return
         written: list[ZeroParameter] = []

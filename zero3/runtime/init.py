@@ -519,11 +519,14 @@ def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) ->
                      and not isinstance(p, ZeroParameter) and p.is_complex()), None)
         if cplx is not None:
             raise complex_refusal(cplx, "the modules built before it in this Init block are partitioned")
-    todo = [(p, f"{type(m).__name__}.{pname}") for m in modules for pname, p in list(m._parameters.items())
-            if p is not None and not isinstance(p, ZeroParameter)]
+    todo: dict[int, tuple[nn.Parameter, str]] = {}  # a tied parameter once, under its first name
+    for m in modules:
+        for pname, p in m._parameters.items():
+            if p is not None and not isinstance(p, ZeroParameter):
+                todo.setdefault(id(p), (p, f"{type(m).__name__}.{pname}"))
     if state.sync == "rng":  # [Note: values that differ between ranks under sync="rng"]
-        take_rank0_where_ranks_differ(state.ctx, [(name, p.data) for p, name in todo])
-    for p, name in todo:
+        take_rank0_where_ranks_differ(state.ctx, [(name, p.data) for p, name in todo.values()])
+    for p, name in todo.values():
         _partition_param(p, name, state)
 
 

@@ -29,7 +29,7 @@ from ..comm.tags import Kind, Tag
 logger = logging.getLogger(__name__)
 
 _WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the contexts that warned once already (then: debug)
-def _bit_sum(t: torch.Tensor) -> torch.Tensor:
+def bit_sum(t: torch.Tensor) -> torch.Tensor:
     """The sum of ``t``'s bytes read as int64 words (wrapping), then of the bytes past the last whole
     word: no copy of ``t`` (a sum of an int32 view widens the whole tensor to int64 first: twice the
     memory of a module `Init` is building, measured)."""
@@ -51,7 +51,7 @@ def take_rank0_where_ranks_differ(ctx: Any, named: Sequence[tuple[str, torch.Ten
     if ctx.world_size == 1 or not named:
         return []
     comm = ctx.comm
-    sums = torch.stack([_bit_sum(t).to(comm.device) for _, t in named])
+    sums = torch.stack([bit_sum(t).to(comm.device) for _, t in named])
     label = f"zero3.Init values of {named[0][0]}" + (f" and {len(named) - 1} more" if len(named) > 1 else "")
     every = comm.all_gather_tensor(sums, Tag(Kind.TENSOR_GATHER, label)).cpu()
     differ = (every != every[0]).any(dim=0).tolist()

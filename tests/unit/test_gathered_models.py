@@ -1,0 +1,56 @@
+"""GatheredParameters over parameters of several models (runtime/gathered.py): one nested context per
+model. What must stay refused or all-or-nothing there, at world size 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zero3
+from zero3 import ZeroConfigError, ZeroStateError
+
+
+def _engine() -> tuple[nn.Module, zero3.Engine]:
+    with zero3.Init():
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    return model, zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+
+
+def test_fwd_module_with_another_engine_s_parameter_is_refused_and_both_engines_still_run():
+    """Registering B's weight as an external parameter of A's module broke every later forward of A
+    ('missing from trace.params')."""
+    a, ea = _engine()
+    b, eb = _engine()
+    with pytest.raises(ZeroConfigError, match=r"fwd_module=.*several models.*nothing was registered"):
+        zero3.GatheredParameters([a[2].weight, b[2].weight], fwd_module=a[2])
+    x = torch.randn(2, 8)
+    for engine in (ea, eb):
+        engine.backward(engine(x).sum())
+        engine.step()
+
+
+def test_a_refused_new_shape_in_one_model_publishes_nothing_of_the_others():
+    """The parts exited in turn: B's write was kept while A's (a new shape after initialize) was refused."""
+    a, _ = _engine()
+    b, _ = _engine()
+    with zero3.GatheredParameters([a[0].weight, a[2].weight]):
+        a_before = [a[0].weight.detach().clone(), a[2].weight.detach().clone()]
+    with zero3.GatheredParameters([b[0].weight]):
+        b_before = b[0].weight.detach().clone()
+    with pytest.raises(ZeroStateError, match=r"0.weight was given data of shape \(20, 8\)"):
+        with zero3.GatheredParameters([a[0].weight, a[2].weight, b[0].weight], modifier_rank=0), torch.no_grad():
+            b[0].weight.add_(1)
+            a[2].weight.add_(1)
+            a[0].weight.data = torch.zeros(20, 8)
+    with zero3.GatheredParameters([a[0].weight, a[2].weight, b[0].weight]):
+        assert torch.equal(b[0].weight, b_before)
+        assert torch.equal(a[2].weight, a_before[1]) and torch.equal(a[0].weight, a_before[0])
+
+
+def test_the_guard_s_hint_about_modules_added_after_initialize_appears_only_inside_a_forward():
+    with zero3.Init():
+        model = nn.Sequential(nn.Linear(8, 16))
+    with pytest.raises(ZeroStateError) as plain:
+        model[0].weight.norm()
+    assert "No zero3.initialize has taken" not in str(plain.value)
