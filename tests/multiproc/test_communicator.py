@@ -179,3 +179,72 @@ def test_engines_built_one_after_another_share_one_process_group(pools):
     for r in pools.get(2).run(engines_one_after_another, 5):
         assert len(set(r["groups"])) == 1, r
         assert len(set(r["losses"])) == 1, r
+
+
+class _Bomb(torch.nn.Module):
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise RuntimeError("boom in B's forward")
+        return x
+
+
+def one_engine_fails_beside_another() -> dict:
+    """Engines A and B alive together; B's step fails on rank 1 (a module raises there); A goes on,
+    then an engine C is built. A and C must train as one process does (own_groups.py: A and B run on
+    groups of their own, so B's failure leaves A's intact)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = {"collective_timeout": 3, "param_persistence_threshold": 0}
+
+    def mlp() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+    xs = [torch.randn(2 * world, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    ref = mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_losses = []
+    for x in xs:
+        loss = ref(x).square().mean()
+        ref_opt.zero_grad()
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+
+    def train(engine: zero3.Engine, batches: list) -> list[float]:
+        out = []
+        for x in batches:
+            loss = engine(x[2 * rank:2 * rank + 2]).square().mean()
+            engine.backward(loss)
+            engine.step()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            out.append(total.item() / world)
+        return out
+
+    a = mlp()
+    ea = zero3.initialize(a, torch.optim.SGD(a.parameters(), lr=0.1), cfg)
+    bomb = _Bomb()
+    b = torch.nn.Sequential(mlp(), bomb)
+    eb = zero3.initialize(b, torch.optim.SGD(b.parameters(), lr=0.1), cfg)
+    losses = train(ea, xs[:2])
+    bomb.armed = rank == 1
+    try:
+        train(eb, xs[:1])
+        failed = None
+    except Exception as exc:  # noqa: BLE001 - rank 1 raises its own error, rank 0 ZeroCommunicationError
+        failed = type(exc).__name__
+    bomb.armed = False
+    dist.barrier()
+    losses += train(ea, xs[2:])
+    c = mlp()
+    ec = zero3.initialize(c, torch.optim.SGD(c.parameters(), lr=0.1), cfg)
+    return {"failed": failed, "a": max(abs(x - y) for x, y in zip(losses, ref_losses)),
+            "c": max(abs(x - y) for x, y in zip(train(ec, xs), ref_losses))}
+
+
+def test_a_failed_engine_leaves_another_live_engine_and_the_next_one_intact(pools):
+    for rank, r in enumerate(pools.get(2).run(one_engine_fails_beside_another)):
+        assert r["failed"] == ("RuntimeError" if rank == 1 else "ZeroCommunicationError"), r
+        assert r["a"] < 1e-6 and r["c"] < 1e-6, r

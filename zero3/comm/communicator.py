@@ -94,7 +94,7 @@ class Communicator:
         if distributed and config.timeout_s > 0 and not dedicated:
             # Our own group: its timeout bounds every wait, and breaking it leaves the user's intact;
             # one per set of ranks (own_groups.py [Note: one own group per set of ranks]).
-            self.group, users = own_group(group, config.timeout_s, self.backend, self.device, self._state)
+            self.group, users = own_group(group, config.timeout_s, self.backend, self.device, self)
             self._own_group = True
         report = FailureReport(f"{group_name(self.group)}/{users}", world_size, rank) if distributed else None
         self._monitor = FailureMonitor(self._state, report, world_size, rank, config.timeout_s)

@@ -10,19 +10,24 @@ torch 2.13 names a group over a subset of ranks after its ranks, and a second gr
 ranks made after a destroy took the first one's name and its stale rendezvous keys in the store, and
 failed to connect (checked on 2 ranks).
 
-So a group is made once per (ranks, timeout, backend) and every later communicator over the same
-ranks runs on it: communicators over one group issue their collectives in program order on every
-rank, as they would over the caller's group. A group on which a collective failed (some
-communicator's `EpochState` is BROKEN) may be out of step between ranks, and only the ranks that saw
-the failure know it; so before using a kept group, the ranks agree that every one of them holds it
-healthy (one small all-reduce over the caller's group); else every rank makes a new one. Nothing is
-destroyed before the exit (exit_release.py), so every rank's registry holds the same names and the
-new group gets the same name on every rank.
+So groups are kept per (ranks, timeout, backend), and a communicator takes a kept group that no
+live communicator runs on (a sweep's engines, one after another, share one group; two engines alive
+together, a teacher and a student, run on two, so a failure in one leaves the other intact, as
+before). A group on which a collective failed (its communicator's `EpochState` went BROKEN) may be
+out of step between ranks, and only the ranks that saw the failure know it; whether a communicator
+is still alive can differ between ranks too (the cyclic GC runs at different moments). So the ranks
+agree on which kept group is free on every one of them (one small all-reduce over the caller's
+group, a flag per kept group), take the first, or all make a new one. Nothing is destroyed before
+the exit (exit_release.py): every rank makes the same groups in the same order, so the new group
+gets the same name on every rank.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,31 +35,56 @@ import torch.distributed as dist
 
 from .verify import EpochMode, EpochState
 
-_GROUPS: dict[tuple[tuple[int, ...], float, str], tuple[Any, list[EpochState]]] = {}
+
+@dataclass(eq=False)
+class _Kept:
+    group: Any
+    users: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)  # live communicators on it
+    broken: bool = False  # a collective on it failed (told by a user's finalizer, or seen live)
+    uses: int = 0  # communicators that ran on it
+
+    def free(self) -> bool:
+        if self.broken or not _registered(self.group):
+            return False
+        if any(u._state.mode is EpochMode.BROKEN for u in self.users):
+            self.broken = True
+            return False
+        return not self.users
+
+
+_GROUPS: dict[tuple[tuple[int, ...], float, str], list[_Kept]] = {}
 
 
 def _registered(group: Any) -> bool:
     try:
         dist.get_process_group_ranks(group)
         return True
-    except (ValueError, RuntimeError):  # destroyed (destroy_process_group of the default group destroys all)
+    except (ValueError, RuntimeError, KeyError):  # destroyed (destroy_process_group of the default group)
         return False
 
 
-def own_group(group: Any, timeout_s: float, backend: str, device: torch.device, state: EpochState) -> tuple[Any, int]:
-    """zero3's group over ``group``'s ranks with ``timeout_s``, kept or made (see the Note), and how
-    many communicators ran on it before the one whose epochs ``state`` tracks (its failure reports
-    go under their own key: an earlier engine's must not be read as this one's). A collective over
-    ``group``."""
+def _on_collected(kept: _Kept, state: EpochState) -> None:
+    if state.mode is EpochMode.BROKEN:
+        kept.broken = True
+
+
+def own_group(group: Any, timeout_s: float, backend: str, device: torch.device, comm: Any) -> tuple[Any, int]:
+    """zero3's group over ``group``'s ranks with ``timeout_s`` for the communicator ``comm``, kept or
+    made (see the Note), and how many communicators ran on it before (its failure reports go under
+    their own key: an earlier engine's must not be read as this one's). A collective over ``group``."""
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     key = (ranks, float(timeout_s), backend)
-    kept = _GROUPS.get(key)
-    healthy = kept is not None and _registered(kept[0]) and all(s.mode is not EpochMode.BROKEN for s in kept[1])
-    flag = torch.tensor([int(healthy)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    if not int(flag.item()) or kept is None:
-        made = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s), backend=backend,
-                              use_local_synchronization=True)
-        kept = _GROUPS[key] = (made, [])
-    kept[1].append(state)
-    return kept[0], len(kept[1]) - 1
+    kept = _GROUPS.setdefault(key, [])
+    if any(k.users for k in kept):
+        gc.collect()  # communicators of dropped engines left in reference cycles
+    flags = torch.tensor([int(k.free()) for k in kept] + [1], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    pick = int(flags.tolist().index(1))
+    if pick == len(kept):
+        kept.append(_Kept(dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s),
+                                         backend=backend, use_local_synchronization=True)))
+    chosen = kept[pick]
+    chosen.users.add(comm)
+    weakref.finalize(comm, _on_collected, chosen, comm._state)
+    chosen.uses += 1
+    return chosen.group, chosen.uses - 1
