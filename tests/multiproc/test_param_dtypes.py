@@ -171,3 +171,18 @@ def test_init_module_partitions_a_tied_weight_once(pools):
     broadcast met the partitioned parameter ('used by to while it is partitioned')."""
     for r in pools.get(2).run(tied_init_module):
         assert r == {"diff": 0, "tied": True, "count": 1}, r
+
+
+def different_modules() -> dict:
+    rank = dist.get_rank()
+    try:
+        with zero3.Init():
+            nn.Linear(4, 4 + rank)
+        return {"error": None}
+    except Exception as exc:  # noqa: BLE001
+        return {"error": type(exc).__name__, "message": str(exc)}
+
+
+def test_ranks_building_different_parameters_under_init_raise_a_divergence_error(pools):
+    for r in pools.get(2).run(different_modules):
+        assert r["error"] == "ZeroDivergenceError" and "built different parameters" in r["message"], r

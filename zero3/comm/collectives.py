@@ -15,6 +15,9 @@ from .verifier import Verifier
 from .verify import PayloadHeader, RequestShape, header_values, headers_from_values
 from .wire import HEADER_VALUES, Wire, all_gather_flat, label
 
+DIGEST = 4
+"""Values in a digest (`SmallCollectives.all_gather_digest`)."""
+
 
 class SmallCollectives:
     """One communicator's small collectives (world size 1: local, nothing on the wire)."""
@@ -98,6 +101,20 @@ class SmallCollectives:
         with label("zero3::all_gather_tensor"):
             wire.monitor.blocking(lambda: all_gather_flat(out, flat, group=wire.group), tag)
         wire.counter.peers(Kind.TENSOR_GATHER, flat.numel() * flat.element_size())
+        return out.view(wire.world_size, -1)
+
+    def all_gather_digest(self, t: torch.Tensor, tag: Tag) -> torch.Tensor:
+        """`Communicator.all_gather_digest`: ``t`` must hold exactly `DIGEST` int64 values."""
+        wire = self.wire
+        if t.numel() != DIGEST or t.dtype != torch.int64:
+            raise ValueError(f"a digest is {DIGEST} int64 values, got {t.numel()} {t.dtype}")
+        flat = t.reshape(-1).contiguous()
+        if wire.world_size == 1:
+            return flat.view(1, -1)
+        flat = flat.to(self._wire_device(flat))
+        out = torch.empty(wire.world_size * DIGEST, dtype=torch.int64, device=flat.device)
+        wire.monitor.blocking(lambda: all_gather_flat(out, flat, group=wire.group), tag)
+        wire.counter.peers(Kind.TENSOR_GATHER, DIGEST * 8)
         return out.view(wire.world_size, -1)
 
     def gather_to_rank0(self, t: torch.Tensor, tag: Tag) -> torch.Tensor | None:

@@ -299,6 +299,13 @@ class Communicator:
         """Every rank's ``t`` (same size everywhere), stacked: shape ``(world, t.numel())``."""
         return self._small.all_gather_tensor(t, tag)
 
+    def all_gather_digest(self, t: torch.Tensor, tag: Tag) -> torch.Tensor:
+        """Every rank's ``t``, a tensor of `DIGEST` int64 values, stacked ``(world, DIGEST)``: one
+        collective with no header exchange (its size is the same on every rank by construction, so it
+        cannot be mismatched in size; a caller that finds the rows differ must go on through a
+        verified collective, which names a divergence)."""
+        return self._small.all_gather_digest(t, tag)
+
     def gather_to_rank0(self, t: torch.Tensor, tag: Tag) -> torch.Tensor | None:
         """Every rank's ``t`` stacked on group rank 0 (``(world, t.numel())``); None elsewhere."""
         return self._small.gather_to_rank0(t, tag)

@@ -10,9 +10,10 @@ slice beside rank 1's second, a tensor no rank drew (found on 2 ranks: a GPT 0.3
 DDP's, which starts from rank 0's weights, as DeepSpeed's ``Init`` does by broadcasting each one).
 
 So before a full value becomes shards (a new parameter, a write while building, a ``.data``
-assignment), the ranks exchange one integer per tensor (a sum of its bytes as 64-bit words: equal
-for equal tensors, and in practice different for different ones) in one small all-gather, and every
-tensor whose integers differ is broadcast from rank 0 first, with a warning naming them and
+assignment), every rank takes one integer per tensor (a sum of its bytes as 64-bit words: equal for
+equal tensors, and in practice different for different ones); the ranks exchange a digest of them
+(four integers, one collective without a header exchange), and only where digests differ every
+integer, and every tensor whose integers differ is broadcast from rank 0 first, with a warning naming them and
 ``sync="broadcast"`` (the first time in an Init context; then at DEBUG). What every rank drew alike costs the exchange only.
 """
 
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import logging
 import weakref
+import zlib
 from typing import Any, Sequence
 
 import torch
 
 from ..comm.tags import Kind, Tag
+from ..errors import ZeroDivergenceError
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +54,21 @@ def take_rank0_where_ranks_differ(ctx: Any, named: Sequence[tuple[str, torch.Ten
     if ctx.world_size == 1 or not named:
         return []
     comm = ctx.comm
-    sums = torch.stack([bit_sum(t).to(comm.device) for _, t in named])
+    sums = torch.stack([bit_sum(t) for _, t in named])
     label = f"zero3.Init values of {named[0][0]}" + (f" and {len(named) - 1} more" if len(named) > 1 else "")
-    every = comm.all_gather_tensor(sums, Tag(Kind.TENSOR_GATHER, label)).cpu()
+    # Fast path: one unverified exchange of a fixed-size digest (the count, two weighted sums of the
+    # integers, a checksum of the names, shapes and dtypes); only where the digests differ does every integer travel.
+    weights = torch.arange(1, len(named) + 1, dtype=torch.int64)
+    names = zlib.crc32("\0".join(f"{name}{tuple(t.shape)}{t.dtype}" for name, t in named).encode())
+    digest = torch.stack([torch.tensor(len(named)), sums.sum(), (sums * weights).sum(), torch.tensor(names)])
+    rows = comm.all_gather_digest(digest.to(comm.device), Tag(Kind.TENSOR_GATHER, label)).cpu()
+    if bool((rows == rows[0]).all()):
+        return []
+    if not bool((rows[:, 0] == rows[0, 0]).all() and (rows[:, 3] == rows[0, 3]).all()):
+        raise ZeroDivergenceError(
+            f"zero3.Init: the ranks built different parameters at the same point ({label} on rank "
+            f"{ctx.rank}): every rank must build the same model in the same order")
+    every = comm.all_gather_tensor(sums.to(comm.device), Tag(Kind.TENSOR_GATHER, label)).cpu()
     differ = (every != every[0]).any(dim=0).tolist()
     names = []
     for (name, t), d in zip(named, differ):
