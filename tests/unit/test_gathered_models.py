@@ -54,3 +54,15 @@ def test_the_guard_s_hint_about_modules_added_after_initialize_appears_only_insi
     with pytest.raises(ZeroStateError) as plain:
         model[0].weight.norm()
     assert "No zero3.initialize has taken" not in str(plain.value)
+
+
+def test_discarded_writes_in_two_models_are_both_reported_and_everything_is_released():
+    """The first model's error made the second model's context skip its own check: one write unreported."""
+    a, ea = _engine()
+    b, eb = _engine()
+    with pytest.raises(ZeroStateError) as err:
+        with zero3.GatheredParameters([a[2].weight, b[0].weight]), torch.no_grad():
+            a[2].weight.add_(1)
+            b[0].weight.add_(1)
+    assert str(err.value).count("changed inside the context") == 2, err.value
+    assert not ea.coordinator.live_params and not eb.coordinator.live_params

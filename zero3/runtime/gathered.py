@@ -44,8 +44,8 @@ come. A term whose backward runs after the release gets its saved weight gathere
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import sys
 from typing import Any, Iterable
 
 import torch
@@ -114,7 +114,7 @@ class GatheredParameters:
         # of their first parameter's ds_id, which is the same on every rank.
         self._parts = [GatheredParameters(ps, modifier_rank, enabled=enabled) for ps in by_ctx.values()] \
             if len(by_ctx) > 1 else None
-        self._stack: contextlib.ExitStack | None = None
+        self._entered: list[GatheredParameters] | None = None  # the parts entered (several models)
         if fwd_module is not None and self._parts is not None and any(
                 ps[0]._zero.ctx.module is not None for ps in by_ctx.values()):
             raise ZeroConfigError(
@@ -131,10 +131,7 @@ class GatheredParameters:
         if not self.enabled:
             return self.params
         if self._parts is not None:
-            with contextlib.ExitStack() as stack:
-                for part in self._parts:
-                    stack.enter_context(part)
-                self._stack = stack.pop_all()
+            self._enter_parts(self._parts)
             return self.params
         ctx = self.params[0]._zero.ctx
         if self.modifier_rank is not None and self.modifier_rank != LOCAL_MODIFIER \
@@ -157,19 +154,8 @@ class GatheredParameters:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self.enabled:
             return
-        if self._stack is not None:
-            stack, self._stack = self._stack, None
-            if exc_type is None and self.modifier_rank is not None:
-                try:  # a refused new shape in one model: none of them publishes (as with one model)
-                    for part in self._parts or ():
-                        ctx = part.params[0]._zero.ctx
-                        bad = [p for p in part.params if p._zero.id in reshaped_ids(part.params)]
-                        if bad and ctx.module is not None:
-                            refuse_reshape(ctx, bad, "GatheredParameters(modifier_rank=...)")
-                except ZeroStateError as refused:
-                    stack.__exit__(type(refused), refused, refused.__traceback__)
-                    raise
-            stack.__exit__(exc_type, exc, tb)
+        if self._entered is not None:
+            self._exit_parts(exc_type, exc, tb)
             return
         written: list[ZeroParameter] = []
         ctx = self.params[0]._zero.ctx
@@ -196,6 +182,48 @@ class GatheredParameters:
                 f"GatheredParameters without modifier_rank: {names} changed inside the context, and zero3 discards "
                 "changes made there (as DeepSpeed does: its shards keep their values). Pass modifier_rank=0 to keep "
                 "them (rank 0's values then go to every rank)")
+
+    def _enter_parts(self, parts: list["GatheredParameters"]) -> None:
+        """Several models' parameters: enter one context per model, in order (a failure leaves none entered)."""
+        entered: list[GatheredParameters] = []
+        try:
+            for part in parts:
+                part.__enter__()
+                entered.append(part)
+        except BaseException:
+            for part in reversed(entered):
+                part.__exit__(*sys.exc_info())
+            raise
+        self._entered = entered
+
+    def _exit_parts(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Leave every model's context (each releases what it gathered), in reverse order. A new shape
+        refused in one model publishes none of them, as with one model; every model's discarded writes
+        are reported together."""
+        entered, self._entered = self._entered or [], None
+        refused: ZeroStateError | None = None
+        if exc_type is None and self.modifier_rank is not None:
+            try:
+                for part in entered:
+                    ctx = part.params[0]._zero.ctx
+                    bad = [p for p in part.params if p._zero.id in reshaped_ids(part.params)]
+                    if bad and ctx.module is not None:
+                        refuse_reshape(ctx, bad, "GatheredParameters(modifier_rank=...)")
+            except ZeroStateError as error:
+                refused = error
+                exc_type, exc, tb = type(error), error, error.__traceback__
+        errors: list[BaseException] = []
+        for part in reversed(entered):
+            try:
+                part.__exit__(exc_type, exc, tb)
+            except Exception as error:  # noqa: BLE001 - reported after every part let go of its parameters
+                errors.append(error)
+        if refused is not None:
+            raise refused
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise ZeroStateError(" | ".join(str(e) for e in errors)) from errors[0]
 
     def _publish(self) -> None:
         ctx = self.params[0]._zero.ctx
