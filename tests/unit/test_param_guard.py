@@ -374,3 +374,20 @@ def test_isolation_helper_reports_success_exceptions_and_crashes():
 
     assert _run_isolated(fail) == "raised"
     assert _run_isolated(lambda: os.kill(os.getpid(), signal.SIGSEGV)) == f"signal {int(signal.SIGSEGV)}"
+
+
+def test_autograd_grad_with_respect_to_partitioned_parameters_says_what_works():
+    """It said 'outside a forward, wrap the code in GatheredParameters' for a call inside a step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    ref.load_state_dict(model.state_dict())
+    zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    x = torch.randn(3, 8)
+    with pytest.raises(zero3.ZeroStateError, match=r"torch.autograd.grad with respect to partitioned parameters.*"
+                                                    r"GatheredParameters\(list\(model.parameters\(\)\)\)"):
+        torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    with zero3.GatheredParameters(list(model.parameters())):  # the way the message names
+        grads = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    for g, r in zip(grads, torch.autograd.grad(ref(x).sum(), list(ref.parameters()))):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=0)

@@ -180,3 +180,28 @@ def test_a_parameter_found_mid_forward_falls_back_and_trains_like_plain_torch(zc
     _, engine, _ = _trained(_Peek, 3, zcfg)
     assert _by_grads(engine)[""] is False  # the root now gathers lin.weight too: wrapped from then on
     assert _by_grads(engine)["lin"] is True
+
+
+def test_a_module_with_a_backward_hook_that_reads_its_weight_is_not_closed_by_its_gradients():
+    """A full backward hook runs when the module's input gradients are ready, after its weight's
+    gradient: closed by that gradient, the weight was released and the hook's read refused (a
+    weight-norm logger). Such a module keeps the input-side post-backward; the hook sees torch's values."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+    seen: dict[str, list[float]] = {"torch": [], "zero3": []}
+    ref, model = build(), build()
+    for name, m in (("torch", ref), ("zero3", model)):
+        m[2].register_full_backward_hook(lambda mod, gi, go, out=seen[name]: out.append(mod.weight.detach().norm().item()))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    for i in range(2):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    assert len(seen["zero3"]) == 2
+    torch.testing.assert_close(seen["zero3"], seen["torch"], rtol=1e-6, atol=0)

@@ -305,6 +305,14 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
             "state from the parameters when it is built, which zero3 holds only as shards. Pass it to "
             f"zero3.initialize as a callable over the shards instead: zero3.initialize(model, lambda groups: "
             f"{building}(groups, ...), config) (the same for deepspeed.initialize's optimizer argument)")
+    if func is torch.autograd.grad:
+        raise ZeroStateError(
+            f"torch.autograd.grad with respect to partitioned parameters ({which}): zero3 reduces each parameter's "
+            "gradient into its shards as the backward produces it, and hands back no full gradient. Use "
+            "loss.backward() (or engine.backward) and read the reduced gradients from the shards "
+            "(zero3.safe_get_full_grad), or gather the parameters around the forward and the grad call: `with "
+            "zero3.GatheredParameters(list(model.parameters())):` (the gradients are then this rank's own, "
+            "not averaged, as DDP's autograd.grad returns them). Gradients with respect to inputs work as in torch")
     raise ZeroStateError(
         f"parameter {which} is used by {name or func!r} while it is partitioned. zero3 gathers a "
         "module's parameters only while that module runs. Outside a forward, wrap the code in "

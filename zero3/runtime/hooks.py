@@ -177,7 +177,7 @@ class CallState(Enum):
 class _ModuleRecord:
     module: nn.Module
     name: str
-    key: tuple[int, int] = (-1, -1)  # (#own params, #external params) the cache below was built for
+    key: tuple[int, int, int] = (-1, -1, -1)  # (#own params, #external params, #backward hooks) the cache is for
     params: list[ZeroParameter] = field(default_factory=list)  # what a call gathers; [] if all persistent
     ids: tuple[int, ...] = ()
     leaf: "_Leaf | None" = None
@@ -382,12 +382,14 @@ class ModuleHooks:
         params are all persistent gathers nothing: it records no events and gets no backward hooks,
         which makes small always-gathered modules nearly free."""
         external = rec.module.__dict__.get("_external_params", ())
-        key = (len(rec.module._parameters), len(external))
+        m = rec.module  # a backward hook of its own may read its parameters after their gradients: not by_grads
+        key = (len(m._parameters), len(external), len(m._backward_hooks) + len(m._backward_pre_hooks))
         if key != rec.key:
             params = self._collect(rec)
             rec.params = [] if all(p._zero.persistent for p in params) else params
             rec.ids = tuple(sorted({p._zero.id for p in rec.params}))
-            rec.by_grads = rec.leaf is None and not external and all(self._owner.get(id(p)) is rec for p in rec.params)
+            rec.by_grads = rec.leaf is None and not external and not key[2] and \
+                all(self._owner.get(id(p)) is rec for p in rec.params)
             rec.key = key
         return rec.params
 
