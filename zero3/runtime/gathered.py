@@ -57,7 +57,7 @@ from ..partition.param import ZeroParameter, raw_data
 from ..partition.state import ParamStatus
 from .context import RuntimeContext
 from .publish import into_shards, published, refuse_reshape, reshaped_ids
-from .rank_values import take_rank0_where_ranks_differ
+from .rank_values import bit_sum, take_rank0_where_ranks_differ
 from .saved_params import SavedParams
 
 LOCAL_MODIFIER = -1
@@ -206,7 +206,8 @@ class GatheredParameters:
             try:
                 for part in entered:
                     ctx = part.params[0]._zero.ctx
-                    bad = [p for p in part.params if p._zero.id in reshaped_ids(part.params)]
+                    reshaped = reshaped_ids(part.params)
+                    bad = [p for p in part.params if p._zero.id in reshaped]
                     if bad and ctx.module is not None:
                         refuse_reshape(ctx, bad, "GatheredParameters(modifier_rank=...)")
             except ZeroStateError as error:
@@ -247,15 +248,11 @@ class GatheredParameters:
         into_shards(ctx, self.params, reshaped)
 
 
-_FINGERPRINT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
 def _fingerprints(params: list[ZeroParameter]) -> torch.Tensor:
-    """The sum of each parameter's bit patterns (as integers: exact, and equal only for equal data in
-    practice); read once at entry and once at exit ([Note: writes that GatheredParameters discards]).
-    One copy to the host for all of them (one synchronisation on CUDA)."""
-    sums = [raw_data(p).contiguous().view(_FINGERPRINT_DTYPES.get(raw_data(p).element_size(), torch.uint8))
-            .sum(dtype=torch.int64) for p in params]
+    """Each parameter's `bit_sum` (exact, and equal only for equal data in practice); read once at entry
+    and once at exit ([Note: writes that GatheredParameters discards]). One copy to the host for all of
+    them (one synchronisation on CUDA)."""
+    sums = [bit_sum(raw_data(p)) for p in params]
     if len({s.device for s in sums}) == 1:
         return torch.stack(sums).cpu()
     return torch.stack([s.cpu() for s in sums])

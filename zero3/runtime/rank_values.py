@@ -13,8 +13,9 @@ So before a full value becomes shards (a new parameter, a write while building, 
 assignment), every rank takes one integer per tensor (a sum of its bytes as 64-bit words: equal for
 equal tensors, and in practice different for different ones); the ranks exchange a digest of them
 (four integers, one collective without a header exchange), and only where digests differ every
-integer, and every tensor whose integers differ is broadcast from rank 0 first, with a warning naming them and
-``sync="broadcast"`` (the first time in an Init context; then at DEBUG). What every rank drew alike costs the exchange only.
+integer; every tensor whose integers differ is broadcast from rank 0 first, with a warning naming
+them and ``sync="broadcast"`` (the first time in an Init context; then at DEBUG). What every rank
+drew alike costs the exchange only.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from ..errors import ZeroDivergenceError
 logger = logging.getLogger(__name__)
 
 _WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the contexts that warned once already (then: debug)
+
+
 def bit_sum(t: torch.Tensor) -> torch.Tensor:
     """The sum of ``t``'s bytes read as int64 words (wrapping), then of the bytes past the last whole
     word: no copy of ``t`` (a sum of an int32 view widens the whole tensor to int64 first: twice the
@@ -57,10 +60,10 @@ def take_rank0_where_ranks_differ(ctx: Any, named: Sequence[tuple[str, torch.Ten
     sums = torch.stack([bit_sum(t) for _, t in named])
     label = f"zero3.Init values of {named[0][0]}" + (f" and {len(named) - 1} more" if len(named) > 1 else "")
     # Fast path: one unverified exchange of a fixed-size digest (the count, two weighted sums of the
-    # integers, a checksum of the names, shapes and dtypes); only where the digests differ does every integer travel.
+    # integers, a checksum of the names, shapes and dtypes); only where digests differ does every integer travel.
     weights = torch.arange(1, len(named) + 1, dtype=torch.int64)
-    names = zlib.crc32("\0".join(f"{name}{tuple(t.shape)}{t.dtype}" for name, t in named).encode())
-    digest = torch.stack([torch.tensor(len(named)), sums.sum(), (sums * weights).sum(), torch.tensor(names)])
+    layout = zlib.crc32("\0".join(f"{name}{tuple(t.shape)}{t.dtype}" for name, t in named).encode())
+    digest = torch.stack([torch.tensor(len(named)), sums.sum(), (sums * weights).sum(), torch.tensor(layout)])
     rows = comm.all_gather_digest(digest.to(comm.device), Tag(Kind.TENSOR_GATHER, label)).cpu()
     if bool((rows == rows[0]).all()):
         return []
@@ -70,7 +73,7 @@ def take_rank0_where_ranks_differ(ctx: Any, named: Sequence[tuple[str, torch.Ten
             f"{ctx.rank}): every rank must build the same model in the same order")
     every = comm.all_gather_tensor(sums.to(comm.device), Tag(Kind.TENSOR_GATHER, label)).cpu()
     differ = (every != every[0]).any(dim=0).tolist()
-    names = []
+    names: list[str] = []
     for (name, t), d in zip(named, differ):
         if d:
             buf = t if t.is_contiguous() else t.contiguous()
