@@ -213,3 +213,49 @@ def test_torch_clip_over_the_optimizer_s_param_groups_clips_by_the_global_norm(p
             assert abs(got - want) < 1e-5 * want and want > 0.05, r  # the global norm, and it clipped
         assert r["refused"] == [True, True], r  # a part of them; a mix with other tensors
         assert r["diff"] < 1e-6, r
+
+
+# -- a backward node reading a weight after its module's backward (hooks.py [Note: a parameter read
+# after its module's backward]) ----------------------------------------------------------------------
+class _ScaleByWeight(torch.autograd.Function):
+    """Its backward reads ``ctx.module.weight``, not an input: it runs after that weight's gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        ctx.module = module
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return grad * ctx.module.weight[:, : grad.shape[-1]].sum(0), None
+
+
+class _CustomOpLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(_ScaleByWeight.apply(x, self))
+
+
+def _mlp_with_custom_op() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), _CustomOpLinear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def late_reads(threshold: int, gather: str) -> dict:
+    """The custom op's read and a root backward hook's read of the last layer's weight, against torch."""
+    world = dist.get_world_size()
+    ref, model = twins(_mlp_with_custom_op)
+    norms: dict[str, list[float]] = {"torch": [], "zero3": []}
+    for name, net in (("torch", ref), ("zero3", model)):
+        net.register_full_backward_hook(lambda m, gi, go, out=norms[name]: out.append(m[4].weight.detach().norm().item()))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    zero3.initialize(model, opt, {"param_persistence_threshold": threshold, "allgather_impl": gather})
+    for x, y in _batches(world):
+        _step_both(ref, ref_opt, model, opt, x.requires_grad_(), y)
+    return {"diff": _weights_diff(model, ref), "norms": norms}
+
+
+@pytest.mark.parametrize("threshold,gather", [(0, "auto"), (0, "all_gather"), (0, "p2p"), (10**6, "auto")])
+def test_backward_nodes_reading_weights_late_train_like_torch(pools, threshold, gather):
+    for r in pools.get(2).run(late_reads, threshold, gather):
+        assert r["diff"] < 1e-6, r
+        torch.testing.assert_close(r["norms"]["zero3"], r["norms"]["torch"], rtol=1e-6, atol=0)

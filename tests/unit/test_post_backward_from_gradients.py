@@ -205,3 +205,108 @@ def test_a_module_with_a_backward_hook_that_reads_its_weight_is_not_closed_by_it
         engine.step()
     assert len(seen["zero3"]) == 2
     torch.testing.assert_close(seen["zero3"], seen["torch"], rtol=1e-6, atol=0)
+
+
+class _ReadsWeight(torch.autograd.Function):
+    """A custom op whose backward reads its module's weight without taking it as an input (as fused
+    kernels written against ``ctx.module`` do): the node runs after the weight's gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        ctx.module = module
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return grad * ctx.module.weight.diagonal(), None
+
+
+class _LinearWithCustomOp(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(_ReadsWeight.apply(x, self))
+
+
+class _CustomOpModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = _LinearWithCustomOp(6, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+@pytest.mark.parametrize("zcfg", [NO_PERSIST, ON_DEMAND], ids=["prefetch", "on_demand"])
+def test_a_custom_op_reading_its_modules_weight_in_the_backward_trains_like_plain_torch(zcfg, caplog) -> None:
+    """[Note: a parameter read after its module's backward]: the weight is gathered again where the
+    node reads it; from the next step its module is closed by its inputs' gradients instead."""
+    with caplog.at_level(logging.INFO, logger="zero3"):
+        _, engine, _ = _trained(_CustomOpModel, 4, zcfg)
+    assert _by_grads(engine) == {"a": True, "b": False, "out": True}
+    late = [r.getMessage() for r in caplog.records if "after its module's backward ended" in r.getMessage()]
+    assert late == ["zero3: b.weight is read in the backward after its module's backward ended; gathered again and "
+                    "kept until the step ends"]  # once: later steps release b after that node
+
+
+def test_a_parents_backward_hook_reading_a_childs_weight_sees_torchs_values() -> None:
+    """A full backward hook on the root reading a child's weight runs after that child's backward
+    released it: it is gathered again for the read, each step."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+    seen: dict[str, list[float]] = {"torch": [], "zero3": []}
+    ref, model = build(), build()
+    for name, m in (("torch", ref), ("zero3", model)):
+        m.register_full_backward_hook(lambda mod, gi, go, out=seen[name]: out.append(mod[2].weight.detach().norm().item()))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    for i in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        assert engine.coordinator.live_params == []
+    assert len(seen["zero3"]) == 3
+    torch.testing.assert_close(seen["zero3"], seen["torch"], rtol=1e-6, atol=0)
+
+
+def test_a_late_read_with_the_step_in_backward_is_refused_naming_the_parameter() -> None:
+    torch.manual_seed(0)
+    model = _CustomOpModel()
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
+        "param_persistence_threshold": 0, "sub_group_size": 36,
+        "offload_optimizer": {"device": "none", "step_in_backward": True}})
+    with pytest.raises(zero3.ZeroStateError, match=r"parameter b\.weight .* read in the backward after its module's "
+                       r"backward ended .*offload_optimizer_step_in_backward"):
+        engine.backward(engine(torch.randn(3, 6)).sum())
+    assert engine.coordinator.live_params == []
+
+
+def test_a_view_saved_outside_autograd_still_fails_at_threshold_0() -> None:
+    """What the late read does not cover ([Note: a parameter read after its module's backward]): a
+    node that saved ``weight.detach()`` reads the emptied storage itself. The leaf-module workaround
+    the docs give trains like torch."""
+    class Detached(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x @ self.weight.detach())
+
+    def make():
+        return nn.Sequential(nn.Linear(6, 6), Detached(6, 6), nn.Linear(6, 3))
+
+    torch.manual_seed(0)
+    model = make()
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), NO_PERSIST)
+    with pytest.raises(RuntimeError, match="storage of size 0"):
+        engine.backward(_mse(model, (torch.randn(5, 6), torch.randn(5, 3))))
+    engine.remove_hooks()
+
+    def make_leaf():
+        m = make()
+        zero3.set_leaf_modules(m, [Detached])
+        return m
+
+    _trained(make_leaf, 5, NO_PERSIST)

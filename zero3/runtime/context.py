@@ -19,6 +19,7 @@ communicator, coordinator) for the parameters it partitions while a model is bui
       optimizer      PartitionedOptimizer | None   the user's optimizer over shards (engine only)
       model_parallel ModelParallel | None   the tensor-parallel group beside ZeRO-3 (engine with an mpu)
       io             AsyncIO | None    the threads of the swap files (NVMe offload only)
+      late_read      callable | None   the hooks' gather of a parameter read late in a backward (hooks.py)
       lr_scheduler, offloaded (engine.offload_states), module, params, global_steps, micro_steps
 """
 
@@ -30,7 +31,7 @@ import contextvars
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -94,6 +95,9 @@ class RuntimeContext:
     micro_steps: int = 0  # engine.step() calls
     io: AsyncIO | None = None  # the threads of every swap file of this context (made with the first)
     offloaded: StatesOffload | None = None  # engine.offload_states (made on its first call)
+    # The hooks' gather of a parameter read in a backward after its module's backward closed
+    # (hooks.py [Note: a parameter read after its module's backward]); None without hooks.
+    late_read: Callable[[Any], bool] | None = None
     _io_mark: tuple[int, int] = (0, 0)  # io's (read, written) bytes when the last step's were counted
 
     @classmethod

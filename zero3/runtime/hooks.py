@@ -44,6 +44,18 @@ differences: a module whose inputs need no grad (the first layer) gets its post-
 one of whose parameters gets no gradient in a backward (an output unused by the loss) does not;
 the end of the step releases those.
 
+[Note: a parameter read after its module's backward]
+What that rests on fails for a backward node that reads a parameter it does not take as a
+differentiable input: a custom ``autograd.Function`` whose backward reads ``ctx.module.weight`` (or a
+parameter kept on ``ctx``), or a backward hook of another module reading it. Such a node may run
+after the parameter's gradient, when its module is closed and the parameter released. Computing with
+a released parameter reaches its guard (partition/param.py `_guard`), which asks `_late_read`: inside
+a backward (no forward running) it gathers the parameter again, every rank at the same node, and
+keeps it until the step ends; its module is closed by `_PostBackward` from then on, which runs after
+every node feeding its inputs' gradients. Not covered: a node that saved a *view* of the weight made
+outside autograd's tracking (``x @ w.detach()``) reads the emptied storage itself, with no guard on
+the way (torch's "out of bounds for storage of size 0"); a leaf module runs such a module as torch's.
+
 [Note: resident decode forwards]
 In generation mode with the whole model inside the live cap, the first decode forward gathers every
 parameter and nothing releases one until the mode ends (coordinator.py `generation_resident`). A
@@ -182,6 +194,7 @@ class _ModuleRecord:
     ids: tuple[int, ...] = ()
     leaf: "_Leaf | None" = None
     by_grads: bool = False  # its calls are closed by its parameters' gradients (cached with ``params``)
+    read_late: bool = False  # a parameter of it was read after its backward closed: never by_grads again
     awaiting: list["_Call"] = field(default_factory=list)  # BACKWARD_OPEN calls closed by the gradients
     arrived: set[int] = field(default_factory=set)  # id(param) of gradients accumulated since they opened
 
@@ -336,6 +349,7 @@ class ModuleHooks:
             # A weak reference: tensor hooks live in C++, where the garbage collector cannot see a
             # cycle through them, and a bound method would keep the engine alive forever.
             self._handles.append(LastGradHook(p, functools.partial(_on_grad_weak, weakref.ref(self))))
+        self.ctx.late_read = functools.partial(_late_read_weak, weakref.ref(self))
 
     def generation_ended(self) -> None:
         """Generation mode ended: the submodules' hooks are back on."""
@@ -344,6 +358,7 @@ class ModuleHooks:
     def remove(self) -> None:
         """Take every hook off (autograd nodes' hooks, without handles, refuse); a running step aborts."""
         self._removed = True
+        self.ctx.late_read = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -388,7 +403,7 @@ class ModuleHooks:
             params = self._collect(rec)
             rec.params = [] if all(p._zero.persistent for p in params) else params
             rec.ids = tuple(sorted({p._zero.id for p in rec.params}))
-            rec.by_grads = rec.leaf is None and not external and not key[2] and \
+            rec.by_grads = rec.leaf is None and not rec.read_late and not external and not key[2] and \
                 all(self._owner.get(id(p)) is rec for p in rec.params)
             rec.key = key
         return rec.params
@@ -677,6 +692,35 @@ class ModuleHooks:
             if len(arrived) >= len(rec.params):
                 self._close_by_gradients(rec)
 
+    def _late_read(self, p: PartitionedParameter) -> bool:
+        """``p`` is computed with in a backward after its module's backward closed and released it
+        ([Note: a parameter read after its module's backward]): gather it, held until the step ends.
+        False (the guard's error stands) outside a backward, inside a forward (recompute), and with
+        the optimizer step in backward, which may have updated its shard already."""
+        if self.step.phase is not _BACKWARD or self.stack or torch._C._current_graph_task_id() < 0:
+            return False
+        if self.ctx.store.placement.step_in_backward:
+            exc = ZeroStateError(
+                f"parameter {p._zero.summary()} is read in the backward after its module's backward ended (a "
+                "custom autograd.Function reading module.weight, or a backward hook of another module): with "
+                "offload_optimizer_step_in_backward its shard may be stepped already, so its value would not be the "
+                "forward's. Make the module that reads it a leaf module (zero3.set_leaf_modules), or turn the step "
+                "in backward off")
+            self.step.abort(exc, "backward")
+            raise exc
+        rec = self._owner.get(id(p))
+        if rec is not None and not rec.read_late:
+            rec.read_late = True  # its later calls are closed by `_PostBackward` (its inputs' gradients)
+            rec.key = (-1, -1, -1)
+        key = (-1, p._zero.id)
+        if key not in self._announced:
+            self._announced.add(key)
+            logger.info("zero3: %s is read in the backward after its module's backward ended; gathered again and "
+                        "kept until the step ends", p._zero.name)
+        self.coordinator.keep_for_step([p])
+        self.coordinator.fetch([p])
+        return True
+
     def _ensure_final_callback(self) -> None:
         task = torch._C._current_graph_task_id()
         if task in self._queued_tasks:
@@ -701,6 +745,11 @@ def _on_grad_weak(ref: "weakref.ref[ModuleHooks]", p: torch.Tensor) -> None:
     hooks = ref()
     if hooks is not None:
         hooks._on_grad(p)
+
+
+def _late_read_weak(ref: "weakref.ref[ModuleHooks]", p: PartitionedParameter) -> bool:
+    hooks = ref()
+    return hooks is not None and hooks._late_read(p)
 
 
 def _clone_gathered(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
