@@ -440,6 +440,21 @@ def test_initialize_after_remove_hooks_trains_again():
     _assert_same_params(model, ref)
 
 
+def test_initialize_retried_after_a_late_refusal_trains_like_torch():
+    """A refusal found after the model was partitioned (a scheduler's per-group list of the wrong
+    length) left the default threshold's persistence marks; the retry under threshold 0 kept gathered
+    copies it never refreshed and trained on stale weights."""
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    with pytest.raises(ZeroConfigError, match="warmup_max_lr"):
+        zero3.initialize(model, None, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6}},
+                                       "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": [0.1, 0.2]}}})
+    engine = zero3.initialize(model, adamw(model.parameters()), NO_PERSIST)
+    _train_alongside(ref, adamw(ref.parameters()), engine, 3)
+    _assert_same_params(model, ref)
+
+
 def test_initialize_twice_on_one_model_raises():
     torch.manual_seed(0)
     model = GPT(CFG)

@@ -45,11 +45,13 @@ class PersistentParams:
         self.params: list[ZeroParameter] = []
 
     def choose(self, params: Sequence[ZeroParameter], param_threshold: int, model_threshold: int) -> None:
-        """Mark the persistent ones among ``params``, in this order."""
+        """Mark the persistent ones among ``params``, in this order, and unmark the others: an
+        ``initialize`` refused after it chose (a scheduler or drive path found bad later) left its
+        marks, and a retry under another threshold would keep gathered copies nothing refreshes."""
         for p, persistent in zip(params, choose_persistent((p._zero.numel for p in params), param_threshold,
                                                            model_threshold)):
+            zparam.set_persistent(p, persistent)
             if persistent:
-                zparam.set_persistent(p, True)
                 self.params.append(p)
 
     def gather(self) -> None:
