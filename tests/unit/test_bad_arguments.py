@@ -80,8 +80,11 @@ def test_gathered_parameters_refuses_what_is_not_parameters_and_a_rank_that_is_n
         zero3.GatheredParameters("0.weight")
     with pytest.raises(TypeError, match="got NoneType"):
         zero3.GatheredParameters(None)
-    for rank in ("0", True, 0.5, -3):
+    for rank in ("0", True, 0.5):
         with pytest.raises(TypeError, match=r"modifier_rank=\.\.\.\) must be None or a rank"):
+            zero3.GatheredParameters(model.parameters(), modifier_rank=rank)
+    for rank in (-3, -1):  # -1 was Init's internal "every rank made the change": a write of one rank was lost
+        with pytest.raises(ValueError, match=rf"modifier_rank={rank}\): a rank .* does not count from the end"):
             zero3.GatheredParameters(model.parameters(), modifier_rank=rank)
     with pytest.raises(TypeError, match="enabled=...\\) must be True or False"):
         zero3.GatheredParameters(model.parameters(), enabled="no")

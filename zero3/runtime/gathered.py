@@ -60,9 +60,17 @@ from .publish import into_shards, published, refuse_reshape, reshaped_ids
 from .rank_values import bit_sum, take_rank0_where_ranks_differ
 from .saved_params import SavedParams
 
-LOCAL_MODIFIER = -1
+class _EveryRank:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "LOCAL_MODIFIER"
+
+
+LOCAL_MODIFIER: Any = _EveryRank()
 """``modifier_rank`` meaning: every rank made the same change (`Init` building); re-partition, broadcasting
-only what differs between ranks from rank 0 (rank_values.py)."""
+only what differs between ranks from rank 0 (rank_values.py). An object of its own, not an int: a user's
+``modifier_rank=-1`` ("the last rank" in Python) must be refused, not taken for it."""
 
 
 class GatheredParameters:
@@ -87,10 +95,13 @@ class GatheredParameters:
             raise TypeError(f"GatheredParameters takes parameters (model.parameters(), a list of them, or one), got "
                             f"{type(params).__name__}" + (": pass model.parameters()" if isinstance(params, nn.Module)
                                                           else ""))
-        if not (modifier_rank is None or modifier_rank == LOCAL_MODIFIER
-                or (isinstance(modifier_rank, int) and not isinstance(modifier_rank, bool) and modifier_rank >= 0)):
+        if not (modifier_rank is None or modifier_rank is LOCAL_MODIFIER
+                or (isinstance(modifier_rank, int) and not isinstance(modifier_rank, bool))):
             raise TypeError(f"GatheredParameters(modifier_rank=...) must be None or a rank (an int >= 0), got "
                             f"{modifier_rank!r}")
+        if isinstance(modifier_rank, int) and modifier_rank < 0:
+            raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}): a rank of the parameters' group "
+                             "(0 to its size - 1), or None to read only; a negative rank does not count from the end")
         if not isinstance(enabled, bool):
             raise TypeError(f"GatheredParameters(enabled=...) must be True or False, got {enabled!r}")
         seen: dict[int, ZeroParameter] = {}
@@ -134,7 +145,7 @@ class GatheredParameters:
             self._enter_parts(self._parts)
             return self.params
         ctx = self.params[0]._zero.ctx
-        if self.modifier_rank is not None and self.modifier_rank != LOCAL_MODIFIER \
+        if self.modifier_rank is not None and self.modifier_rank is not LOCAL_MODIFIER \
                 and self.modifier_rank >= ctx.world_size:
             raise ValueError(f"GatheredParameters(modifier_rank={self.modifier_rank}): the parameters' group has "
                              f"{ctx.world_size} rank(s), 0 to {ctx.world_size - 1}")
@@ -145,7 +156,7 @@ class GatheredParameters:
         ctx.coordinator.gather_for_user(self.params)
         if self.modifier_rank is None and fresh:  # [Note: writes that GatheredParameters discards]
             self._read_only = (fresh, _fingerprints(fresh), [published.get(p._zero.id, 0) for p in fresh])
-        if self.modifier_rank != LOCAL_MODIFIER and SavedParams.available() \
+        if self.modifier_rank is not LOCAL_MODIFIER and SavedParams.available() \
                 and not all(p._zero.persistent for p in self.params):  # not Init's own blocks, while building
             self._saved = SavedParams(ctx, self.params)
             self._saved.__enter__()
@@ -232,7 +243,7 @@ class GatheredParameters:
         if reshaped and ctx.module is not None:
             refuse_reshape(ctx, [p for p in self.params if p._zero.id in reshaped], "GatheredParameters(modifier_rank=...)")
         ctx.comm.shards_will_change()  # inside a step: peers stop reading shared shards first
-        if self.modifier_rank == LOCAL_MODIFIER:  # every rank made the change: rank 0's where theirs differ
+        if self.modifier_rank is LOCAL_MODIFIER:  # every rank made the change: rank 0's where theirs differ
             take_rank0_where_ranks_differ(ctx, [(p._zero.name, raw_data(p)) for p in self.params
                                                 if p._zero.id not in reshaped])
         elif ctx.world_size > 1:
