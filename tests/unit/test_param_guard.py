@@ -391,3 +391,28 @@ def test_autograd_grad_with_respect_to_partitioned_parameters_says_what_works():
         grads = torch.autograd.grad(model(x).sum(), list(model.parameters()))
     for g, r in zip(grads, torch.autograd.grad(ref(x).sum(), list(ref.parameters()))):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=0)
+
+
+def test_backward_with_inputs_naming_released_parameters_says_what_works():
+    """It said 'outside a forward, wrap the code in GatheredParameters', inside engine.backward.
+    Named parameters that are kept gathered work as in torch: only they get gradients."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+
+    x = torch.randn(3, 8)
+    model = build()
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    with pytest.raises(zero3.ZeroStateError, match=r"backward\(inputs=\[\.\.\.\]\) names partitioned parameter "
+                                                    r"0\.weight .*requires_grad_\(False\)"):
+        engine.backward(engine(x).sum(), inputs=[model[0].weight])
+    ref, model = build(), build()
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})  # all kept gathered
+    engine.backward(engine(x).sum(), inputs=[model[2].weight])
+    ref(x).sum().backward(inputs=[ref[2].weight])
+    for p, r in zip(model.parameters(), ref.parameters()):
+        full = zero3.safe_get_full_grad(p)
+        if r.grad is None:
+            assert full is None or not full.any(), p.ds_id
+        else:
+            torch.testing.assert_close(full, r.grad, rtol=1e-6, atol=0)

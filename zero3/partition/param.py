@@ -317,6 +317,13 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
             "(zero3.safe_get_full_grad), or gather the parameters around the forward and the grad call: `with "
             "zero3.GatheredParameters(list(model.parameters())):` (the gradients are then this rank's own, "
             "not averaged, as DDP's autograd.grad returns them). Gradients with respect to inputs work as in torch")
+    if func is torch.autograd.backward:
+        raise ZeroStateError(
+            f"backward(inputs=[...]) names partitioned parameter {which}, which is not gathered now: torch hands "
+            "it to zero3 before the backward starts. zero3 reduces the gradient of every trainable parameter the "
+            "backward reaches; to leave some unchanged, set requires_grad_(False) on them before zero3.initialize "
+            "(or give the optimizer only the others), and drop inputs=. Parameters kept gathered (persistent) may "
+            "be named")
     raise ZeroStateError(
         f"parameter {which} is used by {name or func!r} while it is partitioned. zero3 gathers a "
         "module's parameters only while that module runs. Outside a forward, wrap the code in "
