@@ -183,8 +183,9 @@ class TrainingConfig:
         check_fields(self)
         for name in ("gradient_accumulation_steps", "steps_per_print", "train_batch_size",
                      "train_micro_batch_size_per_gpu"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ZeroConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if value is not None and not 1 <= value <= _MAX_COUNT:  # a huge one: a typo, which overflowed later
+                raise ZeroConfigError(f"{name} must be from 1 to {_MAX_COUNT}, got {value!r}")
         if self.gradient_accumulation_steps is None and None in (self.train_batch_size,
                                                                  self.train_micro_batch_size_per_gpu):
             object.__setattr__(self, "gradient_accumulation_steps", 1)  # nothing else could fix it
@@ -215,6 +216,9 @@ class TrainingConfig:
             return self
         return dataclasses.replace(self, train_batch_size=batch, train_micro_batch_size_per_gpu=micro,
                                    gradient_accumulation_steps=steps)
+
+
+_MAX_COUNT = 2**31 - 1
 
 
 def _whole(batch: int, per_unit: int, name: str, unit: str, given: int) -> int:
