@@ -186,6 +186,9 @@ class Engine:
                 would never be used. Without one the engine is for forward and generation.
         """
         require_hooks(self, "engine.backward()")
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"engine.backward(loss): loss must be the tensor the forward computed, got "
+                            f"{type(loss).__name__}: {loss!r:.80}")
         if self.context.optimizer is None:
             raise ZeroConfigError("engine.backward(): must provide optimizer during init in order to use backward (pass "
                                   "optimizer= to initialize or add an 'optimizer' section to the config); without one "
@@ -584,6 +587,8 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
     """
     if model is None:
         raise ZeroConfigError("zero3.initialize needs model=")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"zero3.initialize: model must be a torch.nn.Module, got {type(model).__name__}: {model!r:.80}")
     ensure_default_group("zero3.initialize")
     if group is None and mpu is not None:
         group = data_parallel_group(mpu)

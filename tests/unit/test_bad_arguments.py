@@ -235,3 +235,25 @@ def test_an_optimizer_whose_update_depends_on_the_parameter_shape_is_refused(mak
     if not factory:  # refused before anything changed
         assert not any(zero3.is_zero_param(p) for p in model.parameters())
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_arguments_of_the_wrong_kind_are_refused_naming_them():
+    """Each raised an AttributeError or TypeError from deep inside (found by a probe session)."""
+    with pytest.raises(TypeError, match=r"zero3.initialize: model must be a torch.nn.Module, got int: 5"):
+        zero3.initialize(5, None, {})
+    with pytest.raises(TypeError, match=r"zero3.Init\(module=...\) must be a torch.nn.Module .*got int: 5"):
+        zero3.Init(module=5)
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ZeroConfigError, match=r"set_leaf_modules: targets must be .* got None"):
+        zero3.set_leaf_modules(model, None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ZeroConfigError, match=r"lr_scheduler is the class StepLR, not a scheduler.*functools.partial"):
+        zero3.initialize(model, opt, {}, lr_scheduler=torch.optim.lr_scheduler.StepLR)
+    assert not any(zero3.is_zero_param(p) for p in model.parameters())  # refused before anything changed
+    engine = zero3.initialize(model, opt, {})
+    engine(torch.randn(2, 4))
+    for loss in (None, 1.0):
+        with pytest.raises(TypeError, match=r"engine.backward\(loss\): loss must be the tensor the forward computed"):
+            engine.backward(loss)
+    engine.backward(engine(torch.randn(2, 4)).sum())  # the refusals lost nothing
+    assert engine.step()

@@ -435,6 +435,10 @@ def _check_scheduler(scheduler: Any, optimizer: Any) -> None:
     optimizer would schedule that one while the engine's kept its lr, silently."""
     if scheduler is None:
         return
+    if isinstance(scheduler, type):
+        raise ZeroConfigError(f"zero3.initialize: lr_scheduler is the class {scheduler.__name__}, not a scheduler: pass "
+                              "one built over the optimizer, or a callable(optimizer) -> scheduler (functools.partial("
+                              f"{scheduler.__name__}, ...) with its other arguments)")
     if not (hasattr(scheduler, "step") or callable(scheduler)):
         raise ZeroConfigError(f"zero3.initialize: lr_scheduler must be a scheduler (an object with step()) or a "
                               f"callable(optimizer) -> scheduler, got {type(scheduler).__name__}: {scheduler!r}")

@@ -188,6 +188,9 @@ class Init:
         if len(configs) > 1:
             raise ZeroConfigError("zero3.Init got more than one of config_dict_or_path, config and deepspeed_config; "
                                   "pass one")
+        if module is not None and not isinstance(module, nn.Module):
+            raise TypeError(f"zero3.Init(module=...) must be a torch.nn.Module built outside the block, got "
+                            f"{type(module).__name__}: {module!r:.80}")
         if sync not in ("rng", "broadcast"):
             raise ZeroConfigError(f"Init(sync=...) must be 'rng' or 'broadcast', got {sync!r}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

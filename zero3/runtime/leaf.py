@@ -50,6 +50,9 @@ def find_modules(model: nn.Module, targets: Iterable[type | str], caller: str) -
         targets = [targets]
     if not isinstance(model, nn.Module):
         raise ZeroConfigError(f"{caller}: the model must be an nn.Module, got {type(model).__name__}")
+    if not hasattr(targets, "__iter__"):
+        raise ZeroConfigError(f"{caller}: targets must be module classes, class names or qualified module names "
+                              f"(one, or a list of them), got {targets!r}")
     named = list(model.named_modules())
     found: list[nn.Module] = []
     for target in targets:
