@@ -158,12 +158,14 @@ def _resolve_config(transformers: Any, cls_or_auto: Any, path: Path, config: Any
 
 def _build(transformers: Any, model_cls: type, config: Any, model_kwargs: dict, dtype: torch.dtype,
            zero_config: Any, group: Any) -> nn.Module:
-    """The model under `zero3.Init`, in ``dtype``, without random init, tied as ``from_config`` ties."""
+    """The model under `zero3.Init`, in ``dtype``, without random init, tied as ``from_config`` ties.
+    ``sync="none"``: every value is loaded or initialised with rank 0's (`_initialize_missing`), so the
+    ranks' uninitialised memory need not agree (the check would broadcast it and warn)."""
     from transformers import initialization, modeling_utils
     from transformers.monkey_patching import apply_patches
 
     with modeling_utils.local_torch_dtype(dtype, model_cls.__name__), initialization.no_init_weights(), \
-            apply_patches(), Init(config=zero_config, group=group):
+            apply_patches(), Init(config=zero_config, group=group, sync="none"):
         model = model_cls(config, **model_kwargs)
         # no_init_weights skips init_weights(), and with it the tying transformers does in it.
         model.tie_weights(recompute_mapping=False)

@@ -79,7 +79,7 @@ from ..optim.precision import torch_dtype
 
 logger = logging.getLogger(__name__)
 
-SyncMode = Literal["rng", "broadcast"]
+SyncMode = Literal["rng", "broadcast", "none"]
 
 
 @dataclass(eq=False)
@@ -156,8 +156,10 @@ class Init:
             (parameters are partitioned over data-parallel ranks only; a tensor-parallel layer builds
             its own slice, which zero3 partitions further). Its model-parallel names are checked.
         group: alias of ``data_parallel_group``.
-        sync: ``"rng"`` (broadcast rank 0's RNG state on entry) or ``"broadcast"`` (broadcast every
-            parameter from rank 0).
+        sync: ``"rng"`` (broadcast rank 0's RNG state on entry), ``"broadcast"`` (broadcast every
+            parameter from rank 0), or ``"none"``: the values built are overwritten before use (a
+            checkpoint load into a model built under transformers' ``no_init_weights``), so they are
+            neither made alike nor checked.
 
     Raises:
         ZeroConfigError: an argument zero3 does not support (named, with what it is for), two
@@ -191,8 +193,8 @@ class Init:
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(f"zero3.Init(module=...) must be a torch.nn.Module built outside the block, got "
                             f"{type(module).__name__}: {module!r:.80}")
-        if sync not in ("rng", "broadcast"):
-            raise ZeroConfigError(f"Init(sync=...) must be 'rng' or 'broadcast', got {sync!r}")
+        if sync not in ("rng", "broadcast", "none"):
+            raise ZeroConfigError(f"Init(sync=...) must be 'rng', 'broadcast' or 'none', got {sync!r}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ZeroConfigError(f"Init(dtype=...) must be a floating-point torch.dtype, got {dtype!r}")
         if not isinstance(mem_efficient_linear, bool) or not isinstance(pin_memory, bool) \
