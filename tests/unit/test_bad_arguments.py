@@ -40,6 +40,8 @@ def test_deepspeed_initialize_reads_the_config_from_args_or_refuses_args_that_ca
     assert engine.train_micro_batch_size_per_gpu() == 2  # DeepSpeed's old name still carries it
     engine, *_ = deepspeed.initialize(args=argparse.Namespace(deepspeed_config=str(path)), model=_model())
     assert engine.train_micro_batch_size_per_gpu() == 2
+    with pytest.raises(ZeroConfigError, match=r"got no config \(DeepSpeed requires one\).*config=\{\} takes"):
+        deepspeed.initialize(args=None, model=_model(), model_parameters=_model().parameters())
 
 
 @pytest.mark.parametrize("max_norm, norm_type, match", [

@@ -583,3 +583,22 @@ def test_batchnorm_under_mixed_precision_trains_as_module_to_dtype_does(dtype, t
     for name, m in zip([n for n, _ in full.named_parameters()], masters):
         assert torch.equal(zero3.safe_get_full_fp32_param(dict(model.named_parameters())[name]), m), name
     assert torch.equal(bn.running_mean, low[1].running_mean) and torch.equal(bn.running_var, low[1].running_var)
+
+
+@pytest.mark.parametrize("spelled, ds", [
+    ("zero_optimization.contiguous_gradients", {"zero_optimization": {"stage": 3, "contiguous_gradients": "yes"}}),
+    ("zero_optimization.round_robin_gradients", {"zero_optimization": {"stage": 3, "round_robin_gradients": [1]}}),
+    ("offload_optimizer.buffer_count", {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu",
+                                                                                                "buffer_count": "x"}}}),
+    ("aio.block_size", {"aio": {"block_size": "x"}, "zero_optimization": {"stage": 3}}),
+    ("fp16.auto_cast", {"fp16": {"enabled": True, "auto_cast": "false"}}),
+])
+def test_deepspeed_keys_without_effect_still_get_deepspeeds_type_checked(spelled, ds):
+    """They were accepted with any value (a probe session): a value DeepSpeed refuses is a mistake."""
+    with pytest.raises(ZeroConfigError, match=rf"{spelled} must be (true or false|an int >= 0) \(DeepSpeed's type"):
+        ZeroConfig.from_dict(ds)
+
+
+def test_communication_data_type_is_read_in_any_case_as_deepspeed_reads_it():
+    cfg = ZeroConfig.from_dict({"communication_data_type": "BF16", "zero_optimization": {"stage": 3}})
+    assert cfg.precision.reduce_dtype == "bf16"

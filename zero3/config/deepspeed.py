@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .fields import KnobValues, did_you_mean, unknown_key_message
+from .fields import KnobValues, check_ignored, did_you_mean, unknown_key_message
 from .flat import FLAT_NAMES, coerce_flat
 from .sections import OFFLOAD_SECTION_KEYS, OffloadConfig
 from ..errors import ZeroConfigError
@@ -112,6 +112,7 @@ def _section(section: str, value: dict[str, Any], mapped: dict[str, str], ignore
         if key in mapped:
             out[key] = coerce_flat(mapped[key], v)
         elif key in ignored:
+            check_ignored(f"{section}.{key}", key, v)
             if key in _REFUSED_WHEN_ON and v not in (False, None, 0):
                 raise ZeroConfigError(f"{section}.{key}={v!r} is not supported: {_REFUSED_WHEN_ON[key]}; set it to "
                                       "false or leave it out")
@@ -141,6 +142,8 @@ def _precision(d: dict[str, Any], out: KnobValues) -> None:
                 out.set(_FP16_KEYS[key], value, f"fp16.{key}")
     if "communication_data_type" in d and d["communication_data_type"] is not None:
         name = d["communication_data_type"]
+        if isinstance(name, str) and name.lower() in _DTYPE_ALIASES:
+            name = name.lower()  # DeepSpeed lower-cases it ("BF16")
         if name not in _DTYPE_ALIASES:
             raise ZeroConfigError(f"communication_data_type must be one of {sorted(_DTYPE_ALIASES)}, got {name!r}")
         out.set("reduce_dtype", _DTYPE_ALIASES[name], "communication_data_type")
@@ -158,6 +161,7 @@ def _aio(value: Any, out: KnobValues) -> None:
                 raise ZeroConfigError("aio.use_gds (GPUDirect Storage) is not supported by zero3; swap files "
                                       "are read into host buffers. Remove it or set it to false")
         elif key in _AIO_IGNORED:
+            check_ignored(f"aio.{key}", key, v)
             logger.info("zero3: DeepSpeed key aio.%s has no effect in zero3; ignored", key)
         else:
             raise ZeroConfigError("aio: " + unknown_key_message(key, _AIO_IGNORED | {"thread_count", "use_gds"}))
@@ -192,6 +196,7 @@ def _zero_optimization(zero: Any, out: KnobValues) -> None:
         elif key in OFFLOAD_SECTION_KEYS:
             OffloadConfig.read_section(value, spelled, out)
         elif key in ZERO_IGNORED:
+            check_ignored(spelled, key, value)
             logger.info("zero3: zero_optimization.%s has no effect in zero3; ignored", key)
         elif key in TOP_LEVEL:
             raise ZeroConfigError(f"{spelled}: {key!r} is a top-level key of a DeepSpeed config, not a "

@@ -108,6 +108,31 @@ def did_you_mean(key: str, known: set[str] | frozenset[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+# DeepSpeed's type of each of its keys that has no effect in zero3 (logged and ignored): its value is
+# still checked, since a value DeepSpeed would refuse is a mistake in the config either way.
+_IGNORED_INTS = {"block_size", "queue_depth", "intra_op_parallelism", "buffer_count"}
+_IGNORED_BOOLS = {
+    "contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients",
+    "stage3_gather_16bit_weights_on_model_save", "log_trace_cache_warnings", "elastic_checkpoint",
+    "ignore_unused_parameters", "load_from_fp32_weights", "single_submit", "overlap_events", "fast_init",
+    "pipeline_read", "pipeline_write", "pipeline", "auto_cast", "fp16_master_weights_and_grads",
+    "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads", "bf16_optimizer_states",
+}
+
+
+def check_ignored(spelled: str, key: str, value: Any) -> None:
+    """Refuse a value of a no-effect DeepSpeed key that DeepSpeed would refuse (``spelled``: the
+    key's full name in the config)."""
+    if value is None:
+        return
+    if key in _IGNORED_BOOLS and not isinstance(value, bool):
+        raise ZeroConfigError(f"{spelled} must be true or false (DeepSpeed's type; it has no effect in zero3), "
+                              f"got {value!r} ({type(value).__name__})")
+    if key in _IGNORED_INTS and (type(value) is not int or value < 0):
+        raise ZeroConfigError(f"{spelled} must be an int >= 0 (DeepSpeed's type; it has no effect in zero3), "
+                              f"got {value!r} ({type(value).__name__})")
+
+
 def unknown_key_message(key: str, known: set[str] | frozenset[str], kind: str = "") -> str:
     """``unknown config key 'x'; did you mean 'y'?`` and the known keys (``kind``: e.g. "DeepSpeed ")."""
     return f"unknown config key {key!r}{did_you_mean(key, known)} Known {kind}keys: {', '.join(sorted(known))}"

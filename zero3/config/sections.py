@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import ZeroConfigError
-from .fields import KnobValues, check_fields, coerce, field_types, unknown_key_message
+from .fields import KnobValues, check_fields, check_ignored, coerce, field_types, unknown_key_message
 
 logger = logging.getLogger(__name__)
 
@@ -403,6 +403,7 @@ class OffloadConfig:
                 raise ZeroConfigError(f"{section}.ratio {v!r} is not supported by zero3 (it offloads all of the "
                                       "optimizer state or none of it); remove it or set it to 1")
             if suffix is None:
+                check_ignored(f"{section}.{key}", key, v)
                 logger.info("zero3: DeepSpeed key %s.%s has no effect in zero3; ignored", section, key)
                 continue
             knob = kind + suffix

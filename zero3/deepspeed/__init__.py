@@ -79,6 +79,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         raise ZeroConfigError(f"deepspeed.initialize got args={args!r} without a deepspeed_config attribute and no "
                               "config: pass the config as config= (a dict or a JSON path), or args from "
                               "deepspeed.add_config_arguments(parser) with --deepspeed_config")
+    if not configs:
+        raise ZeroConfigError("deepspeed.initialize got no config (DeepSpeed requires one): pass config= (a dict or a "
+                              "JSON path), config_params=, or args with --deepspeed_config; config={} takes zero3's "
+                              "defaults")
     if dist_init_required or (dist_init_required is None and _launched()):
         init_distributed()
     elif dist_init_required is False and not (dist.is_available() and dist.is_initialized()):
