@@ -215,7 +215,7 @@ def test_torch_clip_over_the_optimizer_s_param_groups_clips_by_the_global_norm(p
         assert r["diff"] < 1e-6, r
 
 
-# -- a backward node reading a weight after its module's backward (hooks.py [Note: a parameter read
+# -- a backward node reading a weight after its module's backward (late_read.py [Note: a parameter read
 # after its module's backward]) ----------------------------------------------------------------------
 class _ScaleByWeight(torch.autograd.Function):
     """Its backward reads ``ctx.module.weight``, not an input: it runs after that weight's gradient."""

@@ -96,7 +96,7 @@ class RuntimeContext:
     io: AsyncIO | None = None  # the threads of every swap file of this context (made with the first)
     offloaded: StatesOffload | None = None  # engine.offload_states (made on its first call)
     # The hooks' gather of a parameter read in a backward after its module's backward closed
-    # (hooks.py [Note: a parameter read after its module's backward]); None without hooks.
+    # (late_read.py [Note: a parameter read after its module's backward]); None without hooks.
     late_read: Callable[[Any], bool] | None = None
     _io_mark: tuple[int, int] = (0, 0)  # io's (read, written) bytes when the last step's were counted
 

@@ -44,17 +44,8 @@ differences: a module whose inputs need no grad (the first layer) gets its post-
 one of whose parameters gets no gradient in a backward (an output unused by the loss) does not;
 the end of the step releases those.
 
-[Note: a parameter read after its module's backward]
-What that rests on fails for a backward node that reads a parameter it does not take as a
-differentiable input: a custom ``autograd.Function`` whose backward reads ``ctx.module.weight`` (or a
-parameter kept on ``ctx``), or a backward hook of another module reading it. Such a node may run
-after the parameter's gradient, when its module is closed and the parameter released. Computing with
-a released parameter reaches its guard (partition/param.py `_guard`), which asks `_late_read`: inside
-a backward (no forward running) it gathers the parameter again, every rank at the same node, and
-keeps it until the step ends; its module is closed by `_PostBackward` from then on, which runs after
-every node feeding its inputs' gradients. Not covered: a node that saved a *view* of the weight made
-outside autograd's tracking (``x @ w.detach()``) reads the emptied storage itself, with no guard on
-the way (torch's "out of bounds for storage of size 0"); a leaf module runs such a module as torch's.
+A backward node reading a parameter after that: late_read.py [Note: a parameter read after its
+module's backward].
 
 [Note: resident decode forwards]
 In generation mode with the whole model inside the live cap, the first decode forward gathers every
@@ -126,11 +117,13 @@ from ..partition.param import PartitionedParameter, ZeroParameter, drop_grad_slo
 from ..planning.trace import EventKind
 from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
-from .refusals import EAGER, eval_frame_callback, refuse_compiled_call, refuse_copy, refuse_transform, transform_level
+from .refusals import (EAGER, create_graph_refusal, eval_frame_callback, refuse_compiled_call, refuse_copy,
+                       refuse_transform, transform_level)
 from .buffers import ModuleBuffers
 from .submodule_hooks import SubmoduleHooks
 from .outputs import prepare_output
 from .last_grad_hook import LastGradHook
+from .late_read import LateReads, weak_late_read
 
 logger = logging.getLogger(__name__)
 
@@ -298,6 +291,7 @@ class ModuleHooks:
         self._submodule_hooks = SubmoduleHooks()
         self._frozen = FrozenAtInstall(())  # trainable.py [Note: unfreezing after initialize]
         self._buffers: ModuleBuffers | None = None  # broadcast_buffers: rank 0's before forwards (buffers.py)
+        self._late_reads: LateReads | None = None  # late_read.py, made by install (the context holds it weakly)
 
     # -- install / remove -----------------------------------------------------------------------
     def install(self, model: nn.Module) -> None:
@@ -349,7 +343,9 @@ class ModuleHooks:
             # A weak reference: tensor hooks live in C++, where the garbage collector cannot see a
             # cycle through them, and a bound method would keep the engine alive forever.
             self._handles.append(LastGradHook(p, functools.partial(_on_grad_weak, weakref.ref(self))))
-        self.ctx.late_read = functools.partial(_late_read_weak, weakref.ref(self))
+        self._late_reads = LateReads(self.step, self.coordinator, self.stack, self.ctx.store.placement.step_in_backward,
+                                     functools.partial(_owner_read_late_weak, weakref.ref(self)))
+        self.ctx.late_read = weak_late_read(self._late_reads)
 
     def generation_ended(self) -> None:
         """Generation mode ended: the submodules' hooks are back on."""
@@ -604,17 +600,7 @@ class ModuleHooks:
                              "backward first, or the forward again under a new engine")
 
     def _refuse_create_graph(self, call: _Call) -> None:
-        """A backward with ``create_graph=True`` builds a graph of its own that saves the gathered
-        weights, which zero3 releases when the module's backward ends: the backward through that
-        graph (a gradient penalty, a Hessian-vector product) would then fail inside autograd on an
-        empty parameter. Refused at the first such module; the step ends aborted."""
-        exc = ZeroStateError(
-            f"a backward with create_graph=True (double backward: a gradient penalty, a Hessian-vector "
-            f"product) reached {call.record.name or 'the model'}, whose partitioned parameters zero3 "
-            "releases after their module's backward; the graph it builds saves them, so the backward "
-            "through it would fail. Keep those parameters gathered across both backwards: "
-            "`with zero3.GatheredParameters(list(model.parameters())):` around the forward and both "
-            "backwards, or a param_persistence_threshold above their size")
+        exc = create_graph_refusal(call.record.name)
         self.step.abort(exc, "backward")
         raise exc
 
@@ -692,34 +678,11 @@ class ModuleHooks:
             if len(arrived) >= len(rec.params):
                 self._close_by_gradients(rec)
 
-    def _late_read(self, p: PartitionedParameter) -> bool:
-        """``p`` is computed with in a backward after its module's backward closed and released it
-        ([Note: a parameter read after its module's backward]): gather it, held until the step ends.
-        False (the guard's error stands) outside a backward, inside a forward (recompute), and with
-        the optimizer step in backward, which may have updated its shard already."""
-        if self.step.phase is not _BACKWARD or self.stack or torch._C._current_graph_task_id() < 0:
-            return False
-        if self.ctx.store.placement.step_in_backward:
-            exc = ZeroStateError(
-                f"parameter {p._zero.summary()} is read in the backward after its module's backward ended (a "
-                "custom autograd.Function reading module.weight, or a backward hook of another module): with "
-                "offload_optimizer_step_in_backward its shard may be stepped already, so its value would not be the "
-                "forward's. Make the module that reads it a leaf module (zero3.set_leaf_modules), or turn the step "
-                "in backward off")
-            self.step.abort(exc, "backward")
-            raise exc
+    def _owner_read_late(self, p: PartitionedParameter) -> None:
         rec = self._owner.get(id(p))
-        if rec is not None and not rec.read_late:
-            rec.read_late = True  # its later calls are closed by `_PostBackward` (its inputs' gradients)
+        if rec is not None and not rec.read_late:  # its later calls are closed by `_PostBackward`
+            rec.read_late = True
             rec.key = (-1, -1, -1)
-        key = (-1, p._zero.id)
-        if key not in self._announced:
-            self._announced.add(key)
-            logger.info("zero3: %s is read in the backward after its module's backward ended; gathered again and "
-                        "kept until the step ends", p._zero.name)
-        self.coordinator.keep_for_step([p])
-        self.coordinator.fetch([p])
-        return True
 
     def _ensure_final_callback(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -747,9 +710,10 @@ def _on_grad_weak(ref: "weakref.ref[ModuleHooks]", p: torch.Tensor) -> None:
         hooks._on_grad(p)
 
 
-def _late_read_weak(ref: "weakref.ref[ModuleHooks]", p: PartitionedParameter) -> bool:
+def _owner_read_late_weak(ref: "weakref.ref[ModuleHooks]", p: PartitionedParameter) -> None:
     hooks = ref()
-    return hooks is not None and hooks._late_read(p)
+    if hooks is not None:
+        hooks._owner_read_late(p)
 
 
 def _clone_gathered(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

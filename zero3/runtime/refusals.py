@@ -1,6 +1,6 @@
 """Uses of a model zero3 manages that cannot work, refused with the way that does: copying it
 (``copy.deepcopy``, pickle), compiling it whole (``torch.compile(model)``), running it under a
-torch.func transform while it gathers parameters, and embeddings whose
+torch.func transform while it gathers parameters, a double backward through released weights, and embeddings whose
 forward or gradient zero3's sharding cannot carry (``sparse=True``, ``max_norm``)."""
 
 from __future__ import annotations
@@ -97,3 +97,17 @@ def complex_refusal(name: str, tail: str = "nothing was partitioned") -> ZeroCon
         f"parameter {name} is complex: zero3 reduces, stores and checkpoints real tensors only. Keep the real and "
         "imaginary parts as one real parameter with a last dimension of 2 and view it in the forward "
         f"(torch.view_as_complex(self.w)); {tail}")
+
+
+def create_graph_refusal(module: str) -> ZeroStateError:
+    """A backward with ``create_graph=True`` builds a graph of its own that saves the gathered
+    weights, which zero3 releases when the module's backward ends: the backward through that graph (a
+    gradient penalty, a Hessian-vector product) would then fail inside autograd on an empty
+    parameter. Refused at the first such module (``module``); the hooks end the step aborted."""
+    return ZeroStateError(
+        f"a backward with create_graph=True (double backward: a gradient penalty, a Hessian-vector "
+        f"product) reached {module or 'the model'}, whose partitioned parameters zero3 "
+        "releases after their module's backward; the graph it builds saves them, so the backward "
+        "through it would fail. Keep those parameters gathered across both backwards: "
+        "`with zero3.GatheredParameters(list(model.parameters())):` around the forward and both "
+        "backwards, or a param_persistence_threshold above their size")
