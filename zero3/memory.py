@@ -20,6 +20,7 @@ from .runtime.context import LIVE_CONTEXTS
 
 logger = logging.getLogger("zero3.memory")
 
+_OWN_TIERS = ("master_bytes", "optimizer_state_bytes")  # an engine's own, not its model's
 _TIERS = ("gathered_param_bytes", "param_shard_bytes", "master_bytes", "optimizer_state_bytes", "grad_shard_bytes",
           "offloaded_bytes", "nvme_bytes")
 
@@ -35,9 +36,16 @@ def see_memory_usage(message: str, force: bool = False, *, all_ranks: bool = Fal
     figures: dict[str, Any] = {"message": message}
     figures.update(_resident())
     state = dict.fromkeys(_TIERS, 0)
-    for ctx in list(LIVE_CONTEXTS):
+    # Engines managing their models first: an engine whose hooks were removed and whose model a new
+    # engine took over shares that model's parameters (counted once) and adds only its own optimizer.
+    contexts = sorted(LIVE_CONTEXTS, key=lambda c: not c.attached)
+    models: set[int] = set()
+    for ctx in contexts:
+        shared = ctx.module is not None and id(ctx.module) in models
+        if ctx.module is not None:
+            models.add(id(ctx.module))
         for key, value in ctx.memory_report().items():
-            if key in state:
+            if key in state and not (shared and key not in _OWN_TIERS):
                 state[key] += value
     state["optimizer_state_bytes"] -= state["master_bytes"]  # reported apart
     figures.update(state)

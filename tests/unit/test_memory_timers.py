@@ -67,3 +67,27 @@ def test_deepspeed_config_keys_set_the_timers():
     cfg = zero3.ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "wall_clock_breakdown": True,
                                       "steps_per_print": 5})
     assert cfg.training.wall_clock_breakdown is True and cfg.training.steps_per_print == 5
+
+
+def test_see_memory_usage_counts_a_model_once_when_a_new_engine_took_it_over():
+    """An engine kept referenced after remove_hooks, its model under a new engine: the shards were
+    counted twice (a probe session); the old engine's optimizer state is its own and still counted."""
+    import gc
+    gc.collect()
+    before = zero3.see_memory_usage("before", force=True)
+    old = _engine()
+    x, y = synthetic_batch(0, 2, CFG)
+    old.backward(old(x, y))
+    old.step()
+    old.remove_hooks()
+    model = old.module
+    new = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"param_persistence_threshold": 0})
+    new.backward(new(x, y))
+    new.step()
+    gc.collect()
+    after = zero3.see_memory_usage("after", force=True)
+    report_old, report_new = old.memory_report(), new.memory_report()
+    assert report_old["param_shard_bytes"] == report_new["param_shard_bytes"] > 0
+    assert after["param_shard_bytes"] - before["param_shard_bytes"] == report_new["param_shard_bytes"]
+    assert after["optimizer_state_bytes"] - before["optimizer_state_bytes"] == \
+        report_old["optimizer_state_bytes"] + report_new["optimizer_state_bytes"] > 0
