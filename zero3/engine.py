@@ -563,7 +563,7 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
         config: `ZeroConfig`, dict (ours or DeepSpeed's), JSON path or None.
         group: data-parallel process group (default: ``mpu``'s, else the world).
         model_parameters: the parameters (or param-group dicts) the config's optimizer is built over.
-        lr_scheduler: a scheduler over ``optimizer``, or a callable taking the optimizer; or None, for
+        lr_scheduler: a scheduler over ``optimizer``, or a callable taking the optimizer (a class too); or None, for
             the config's ``scheduler`` section. ``engine.step()`` steps it after each optimizer step.
         mpu: a Megatron-style model-parallel unit: its ``get_data_parallel_group()`` is the group
             parameters are partitioned over; its tensor (or model) parallel group is counted in

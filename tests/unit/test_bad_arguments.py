@@ -249,9 +249,14 @@ def test_arguments_of_the_wrong_kind_are_refused_naming_them():
     with pytest.raises(ZeroConfigError, match=r"set_leaf_modules: targets must be .* got None"):
         zero3.set_leaf_modules(model, None)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ZeroConfigError, match=r"lr_scheduler is the class StepLR, not a scheduler.*functools.partial"):
+    with pytest.raises(ZeroConfigError, match=r"lr_scheduler=StepLR \(a class\) was called over the optimizer.*"
+                                              r"step_size.*functools.partial\(StepLR"):
         zero3.initialize(model, opt, {}, lr_scheduler=torch.optim.lr_scheduler.StepLR)
-    assert not any(zero3.is_zero_param(p) for p in model.parameters())  # refused before anything changed
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = zero3.initialize(model, opt, {}, lr_scheduler=torch.optim.lr_scheduler.ConstantLR)  # a whole factory,
+    assert isinstance(engine.lr_scheduler, torch.optim.lr_scheduler.ConstantLR)  # as DeepSpeed calls it
+    engine.remove_hooks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = zero3.initialize(model, opt, {})
     engine(torch.randn(2, 4))
     for loss in (None, 1.0):

@@ -245,8 +245,8 @@ def test_a_custom_op_reading_its_modules_weight_in_the_backward_trains_like_plai
         _, engine, _ = _trained(_CustomOpModel, 4, zcfg)
     assert _by_grads(engine) == {"a": True, "b": False, "out": True}
     late = [r.getMessage() for r in caplog.records if "after its module's backward ended" in r.getMessage()]
-    assert late == ["zero3: b.weight is read in the backward after its module's backward ended; gathered again and "
-                    "kept until the step ends"]  # once: later steps release b after that node
+    assert late == ["zero3: b.weight is read in the backward after its module's backward ended; gathered again for "
+                    "the read"]  # once: later steps release b after that node
 
 
 def test_a_parents_backward_hook_reading_a_childs_weight_sees_torchs_values() -> None:
@@ -272,6 +272,75 @@ def test_a_parents_backward_hook_reading_a_childs_weight_sees_torchs_values() ->
         assert engine.coordinator.live_params == []
     assert len(seen["zero3"]) == 3
     torch.testing.assert_close(seen["zero3"], seen["torch"], rtol=1e-6, atol=0)
+
+
+class _ReadsData(torch.autograd.Function):
+    """Reads the weight through ``.data`` (loggers and fused kernels often do)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        ctx.module = module
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return grad * ctx.module.weight.data.diagonal(), None
+
+
+class _LinearReadingData(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(_ReadsData.apply(x, self))
+
+
+def test_a_late_read_through_data_trains_like_plain_torch() -> None:
+    def make():
+        return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), _LinearReadingData(6, 6), nn.Tanh(), nn.Linear(6, 3))
+
+    _trained(make, 6, ON_DEMAND)
+
+
+def test_late_reads_hold_one_parameter_at_a_time_within_the_live_cap() -> None:
+    """A root backward hook reading every weight in turn (a weight-norm logger): each read's
+    parameter is released once its view is gone, so the reads stay within max_live_parameters
+    (they kept every one until the step ended, the whole model, over the cap)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+    ref = copy.deepcopy(model)
+    layer = 32 * 32 + 32
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
+        "param_persistence_threshold": 0, "max_live_parameters": 3 * layer, "prefetch_bucket_size": 0})
+    seen: dict[str, list] = {"torch": [], "zero3": [], "live": []}
+
+    def logger_hook(name):
+        def hook(m, grad_in, grad_out):
+            for p in m.parameters():
+                seen[name].append(p.detach().norm().item())  # a view (detach), then a read of it
+                if name == "zero3":
+                    seen["live"].append(engine.coordinator.metrics.live_numel)
+        return hook
+
+    ref.register_full_backward_hook(logger_hook("torch"))
+    model.register_full_backward_hook(logger_hook("zero3"))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(2):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        assert engine.coordinator.live_params == []
+    torch.testing.assert_close(seen["zero3"], seen["torch"], rtol=1e-6, atol=0)
+    assert max(seen["live"]) <= 3 * layer, seen["live"]
+
+
+def test_an_in_place_write_in_a_late_read_is_refused() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3))
+    model.register_full_backward_hook(lambda m, gi, go: m[1].weight.data.mul_(0.5))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), NO_PERSIST)
+    with pytest.raises(zero3.ZeroStateError, match=r"used by 'mul_' while it is partitioned"):
+        engine.backward(engine(torch.randn(3, 6, requires_grad=True)).sum())
 
 
 def test_a_late_read_with_the_step_in_backward_is_refused_naming_the_parameter() -> None:

@@ -160,8 +160,7 @@ def _aio(value: Any, out: KnobValues) -> None:
             if v:
                 raise ZeroConfigError("aio.use_gds (GPUDirect Storage) is not supported by zero3; swap files "
                                       "are read into host buffers. Remove it or set it to false")
-        elif key in _AIO_IGNORED:
-            check_ignored(f"aio.{key}", key, v)
+        elif key in _AIO_IGNORED:  # DeepSpeed reads them unchecked
             logger.info("zero3: DeepSpeed key aio.%s has no effect in zero3; ignored", key)
         else:
             raise ZeroConfigError("aio: " + unknown_key_message(key, _AIO_IGNORED | {"thread_count", "use_gds"}))

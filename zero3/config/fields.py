@@ -108,29 +108,34 @@ def did_you_mean(key: str, known: set[str] | frozenset[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-# DeepSpeed's type of each of its keys that has no effect in zero3 (logged and ignored): its value is
-# still checked, since a value DeepSpeed would refuse is a mistake in the config either way.
-_IGNORED_INTS = {"block_size", "queue_depth", "intra_op_parallelism", "buffer_count"}
+# DeepSpeed's type of each of its keys that has no effect in zero3 (logged and ignored): a value
+# DeepSpeed's config models would refuse is refused here too, a mistake in the config either way.
+# They read leniently (pydantic's lax mode: 0/1 and "yes"/"off" for a bool, 4.0 for an int) and
+# drop "auto"; the aio section's keys are read unchecked.
+_IGNORED_INTS = {"buffer_count"}
 _IGNORED_BOOLS = {
     "contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients",
     "stage3_gather_16bit_weights_on_model_save", "log_trace_cache_warnings", "elastic_checkpoint",
-    "ignore_unused_parameters", "load_from_fp32_weights", "single_submit", "overlap_events", "fast_init",
-    "pipeline_read", "pipeline_write", "pipeline", "auto_cast", "fp16_master_weights_and_grads",
-    "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads", "bf16_optimizer_states",
+    "ignore_unused_parameters", "load_from_fp32_weights", "fast_init", "pipeline_read", "pipeline_write",
+    "pipeline", "auto_cast", "fp16_master_weights_and_grads", "immediate_grad_update", "check_grad_overflow",
+    "bf16_master_weights_and_grads", "bf16_optimizer_states",
 }
+_LAX_BOOL_WORDS = {"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"}
 
 
 def check_ignored(spelled: str, key: str, value: Any) -> None:
     """Refuse a value of a no-effect DeepSpeed key that DeepSpeed would refuse (``spelled``: the
     key's full name in the config)."""
-    if value is None:
+    if value is None or value == "auto":
         return
-    if key in _IGNORED_BOOLS and not isinstance(value, bool):
-        raise ZeroConfigError(f"{spelled} must be true or false (DeepSpeed's type; it has no effect in zero3), "
-                              f"got {value!r} ({type(value).__name__})")
-    if key in _IGNORED_INTS and (type(value) is not int or value < 0):
-        raise ZeroConfigError(f"{spelled} must be an int >= 0 (DeepSpeed's type; it has no effect in zero3), "
-                              f"got {value!r} ({type(value).__name__})")
+    if key in _IGNORED_BOOLS and not (isinstance(value, bool) or (type(value) is int and value in (0, 1)) or (
+            isinstance(value, str) and value.lower() in _LAX_BOOL_WORDS)):
+        raise ZeroConfigError(f"{spelled} must be a boolean as DeepSpeed reads it (true/false, 0/1, \"yes\"/\"no\"; it "
+                              f"has no effect in zero3), got {value!r} ({type(value).__name__})")
+    if key in _IGNORED_INTS and not ((type(value) is int or (isinstance(value, float) and value.is_integer()))
+                                     and value >= 0):
+        raise ZeroConfigError(f"{spelled} must be a whole number >= 0 as DeepSpeed reads it (it has no effect in "
+                              f"zero3), got {value!r} ({type(value).__name__})")
 
 
 def unknown_key_message(key: str, known: set[str] | frozenset[str], kind: str = "") -> str:

@@ -184,8 +184,11 @@ class TrainingConfig:
         for name in ("gradient_accumulation_steps", "steps_per_print", "train_batch_size",
                      "train_micro_batch_size_per_gpu"):
             value = getattr(self, name)
-            if value is not None and not 1 <= value <= _MAX_COUNT:  # a huge one: a typo, which overflowed later
-                raise ZeroConfigError(f"{name} must be from 1 to {_MAX_COUNT}, got {value!r}")
+            if value is not None and value < 1:
+                raise ZeroConfigError(f"{name} must be >= 1, got {value!r}")
+            if value is not None and value > _MAX_COUNT and name != "steps_per_print":  # a huge one is a typo,
+                # which overflowed later; steps_per_print huge is DeepSpeed's way to print never (1e12)
+                raise ZeroConfigError(f"{name} must be at most {_MAX_COUNT}, got {value!r}")
         if self.gradient_accumulation_steps is None and None in (self.train_batch_size,
                                                                  self.train_micro_batch_size_per_gpu):
             object.__setattr__(self, "gradient_accumulation_steps", 1)  # nothing else could fix it

@@ -297,10 +297,11 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
         done, result = handler(target, func, args, kwargs)
         if done:
             return result
-    if type(target) is PartitionedParameter and target._zero.ctx is not None:
-        late_read = target._zero.ctx.late_read
-        if late_read is not None and late_read(target):  # gathered: it is a plain nn.Parameter now
-            return func(*args, **kwargs)
+    late_read = target._zero.ctx.late_read if target is not None and target._zero.ctx is not None else None
+    if late_read is not None:  # inside a backward, after the parameter's module's (runtime/late_read.py)
+        done, result = late_read(target, func, args, kwargs)
+        if done:
+            return result
     which = target._zero.summary() if target is not None else "<unknown>"
     building = _optimizer_being_built()
     if building is not None:

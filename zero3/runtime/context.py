@@ -97,7 +97,7 @@ class RuntimeContext:
     offloaded: StatesOffload | None = None  # engine.offload_states (made on its first call)
     # The hooks' gather of a parameter read in a backward after its module's backward closed
     # (late_read.py [Note: a parameter read after its module's backward]); None without hooks.
-    late_read: Callable[[Any], bool] | None = None
+    late_read: Callable[[Any, Any, tuple, dict], tuple[bool, Any]] | None = None
     _io_mark: tuple[int, int] = (0, 0)  # io's (read, written) bytes when the last step's were counted
 
     @classmethod
@@ -416,8 +416,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
         if config.training.scheduler is not None:
             ctx.lr_scheduler = build_scheduler(config.training.scheduler, torch_opt)
         elif lr_scheduler is not None:
-            ctx.lr_scheduler = lr_scheduler(torch_opt) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
-                else lr_scheduler
+            ctx.lr_scheduler = _scheduler_from(lr_scheduler, torch_opt)
         _refuse_plateau(ctx.lr_scheduler)  # a factory's: known only now
         if ctx.lr_scheduler is not None and not hasattr(ctx.lr_scheduler, "step"):
             raise ZeroConfigError(f"zero3.initialize: the lr_scheduler factory returned a "
@@ -430,15 +429,29 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     return ctx
 
 
+def _scheduler_from(given: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """``lr_scheduler`` as given, or what a factory (a callable without ``step``, or a scheduler class,
+    as DeepSpeed calls both) makes over the optimizer."""
+    if not isinstance(given, type) and (hasattr(given, "step") or not callable(given)):
+        return given
+    try:
+        return given(optimizer)
+    except TypeError as exc:
+        if not isinstance(given, type):
+            raise
+        raise ZeroConfigError(f"zero3.initialize: lr_scheduler={given.__name__} (a class) was called over the "
+                              f"optimizer, as DeepSpeed calls it, and raised {exc}; pass functools.partial("
+                              f"{given.__name__}, ...) with its other arguments, or a scheduler built over the "
+                              "optimizer") from exc
+
+
 def _check_scheduler(scheduler: Any, optimizer: Any) -> None:
     """A scheduler (with ``step()``) or a factory of one, over the optimizer given: one over another
     optimizer would schedule that one while the engine's kept its lr, silently."""
     if scheduler is None:
         return
     if isinstance(scheduler, type):
-        raise ZeroConfigError(f"zero3.initialize: lr_scheduler is the class {scheduler.__name__}, not a scheduler: pass "
-                              "one built over the optimizer, or a callable(optimizer) -> scheduler (functools.partial("
-                              f"{scheduler.__name__}, ...) with its other arguments)")
+        return  # a scheduler class: a factory, called over the optimizer (as DeepSpeed calls it)
     if not (hasattr(scheduler, "step") or callable(scheduler)):
         raise ZeroConfigError(f"zero3.initialize: lr_scheduler must be a scheduler (an object with step()) or a "
                               f"callable(optimizer) -> scheduler, got {type(scheduler).__name__}: {scheduler!r}")

@@ -512,10 +512,11 @@ class ParamCoordinator:
         p._zero.active_forward += 1
         self.fetch([p])
 
-    def keep_for_step(self, params: Sequence[ZeroParameter]) -> None:
-        """Hold ``params`` gathered until the step ends (`end_step` drops every visit's hold)."""
+    def keep_for_step(self, params: Sequence[ZeroParameter], keep: bool = True) -> None:
+        """Hold ``params`` gathered until the step ends (`end_step` drops every visit's hold); ``keep``
+        False drops one such hold early."""
         for p in params:
-            p._zero.active_backward += 1
+            p._zero.active_backward += 1 if keep else -1
 
     def leave_visit(self, params: Sequence[ZeroParameter]) -> None:
         """The end of a forward that only joined params mid-way (no recorded PRE event)."""

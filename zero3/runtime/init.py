@@ -587,8 +587,7 @@ def _touch(target: Any, func: Callable, args: tuple, kwargs: dict) -> tuple[bool
             return True, None  # ``p.data += v``'s reassignment of the result of an in-place op just written back
         _assign(p, value, state)
         return True, (p if name == "set_" else None)
-    inplace = (name.endswith("_") and not name.startswith("_")) or name in _INPLACE_DUNDERS  # p[i] = v: a write
-    if inplace:
+    if is_inplace_op(name):  # p[i] = v too: a write
         modifier = 0 if state.sync == "broadcast" else LOCAL_MODIFIER
         with GatheredParameters([p], modifier_rank=modifier):
             return True, func(*_unguard(args), **_unguard(kwargs))
@@ -605,6 +604,11 @@ def _touch(target: Any, func: Callable, args: tuple, kwargs: dict) -> tuple[bool
         else:
             state.ctx.coordinator.release_for_user([p])
     return True, result
+
+
+def is_inplace_op(name: str) -> bool:
+    """Whether the torch op named ``name`` writes into its first argument (``add_``, ``p[i] = v``)."""
+    return (name.endswith("_") and not name.startswith("_")) or name in _INPLACE_DUNDERS
 
 
 _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
