@@ -334,12 +334,84 @@ def test_late_reads_hold_one_parameter_at_a_time_within_the_live_cap() -> None:
     assert max(seen["live"]) <= 3 * layer, seen["live"]
 
 
+@pytest.mark.parametrize("hook", ["full_backward_hook", "full_backward_pre_hook"])
+def test_a_hook_that_runs_first_in_the_backward_reads_torchs_weights(hook) -> None:
+    """With inputs that need no gradient (a batch of data) the root's full backward hook runs first
+    in the backward, as does a backward pre-hook, before any of zero3's: the read was refused."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    seen: dict[str, list[float]] = {"torch": [], "zero3": []}
+    ref, model = build(), build()
+    for name, m in (("torch", ref), ("zero3", model)):
+        getattr(m, f"register_{hook}")(lambda mod, *grads, out=seen[name]: out.append(mod[2].weight.norm().item()))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), NO_PERSIST)
+    for i in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        assert engine.coordinator.live_params == []
+    torch.testing.assert_close(seen["zero3"], seen["torch"], rtol=1e-6, atol=0)
+
+
+def test_late_reads_of_several_parameters_in_one_op_and_views_kept_past_the_step() -> None:
+    """One op over several released parameters (a foreach norm, a concatenation) gathers them all
+    (it recursed); a view a late read hands out is a copy, which a logger may keep past the step (a
+    view's storage was emptied under it: a segfault)."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    seen: dict[str, list] = {"torch": [], "zero3": []}
+    kept: dict[str, list[torch.Tensor]] = {"torch": [], "zero3": []}
+
+    def log(name):
+        def hook(mod, grad_in, grad_out):
+            seen[name].append(torch.stack(torch._foreach_norm(list(mod.parameters()))).sum().item())
+            seen[name].append(torch.cat([mod[2].weight.flatten(), mod[4].weight.flatten()]).sum().item())
+            kept[name].append(mod[4].weight.detach())
+        return hook
+
+    ref, model = build(), build()
+    ref.register_full_backward_hook(log("torch"))
+    model.register_full_backward_hook(log("zero3"))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), NO_PERSIST)
+    for i in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        ref(x).pow(2).mean().backward()
+        engine.backward(engine(x).pow(2).mean())
+        torch.testing.assert_close(kept["zero3"][-1], kept["torch"][-1], rtol=1e-6, atol=0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.step()
+        assert engine.coordinator.live_params == []
+    torch.testing.assert_close(seen["zero3"], seen["torch"], rtol=1e-6, atol=1e-6)
+    assert kept["zero3"][0].norm().item() > 0  # a copy of the step's weight, readable after the step
+
+
 def test_an_in_place_write_in_a_late_read_is_refused() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3))
     model.register_full_backward_hook(lambda m, gi, go: m[1].weight.data.mul_(0.5))
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), NO_PERSIST)
-    with pytest.raises(zero3.ZeroStateError, match=r"used by 'mul_' while it is partitioned"):
+    with pytest.raises(zero3.ZeroStateError, match=r"1\.weight .* is used by 'mul_' in the backward after its "
+                                                    r"module's backward ended .*a write there would be lost"):
+        engine.backward(engine(torch.randn(3, 6, requires_grad=True)).sum())
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3))
+    model.register_full_backward_hook(lambda m, gi, go: torch.mul(m[1].weight, 0.5, out=m[1].weight))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), NO_PERSIST)
+    with pytest.raises(zero3.ZeroStateError, match=r"used by 'mul' in the backward .*a write there would be lost"):
+        engine.backward(engine(torch.randn(3, 6, requires_grad=True)).sum())
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3))
+    model.register_full_backward_hook(lambda m, gi, go: m[1].weight.detach().mul_(0.5))  # into a copy: refused
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), NO_PERSIST)
+    with pytest.raises(RuntimeError, match=r"Inplace update to inference tensor outside InferenceMode"):
         engine.backward(engine(torch.randn(3, 6, requires_grad=True)).sum())
 
 
@@ -349,7 +421,7 @@ def test_a_late_read_with_the_step_in_backward_is_refused_naming_the_parameter()
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
         "param_persistence_threshold": 0, "sub_group_size": 36,
         "offload_optimizer": {"device": "none", "step_in_backward": True}})
-    with pytest.raises(zero3.ZeroStateError, match=r"parameter b\.weight .* read in the backward after its module's "
+    with pytest.raises(zero3.ZeroStateError, match=r"parameter b\.weight .* in the backward after its module's "
                        r"backward ended .*offload_optimizer_step_in_backward"):
         engine.backward(engine(torch.randn(3, 6)).sum())
     assert engine.coordinator.live_params == []

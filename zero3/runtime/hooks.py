@@ -376,8 +376,6 @@ class ModuleHooks:
         graph tasks; at the end of a backward, reduce the leaf modules not reduced yet."""
         self._steps_ended += 1
         self.stack.clear()
-        if self._late_reads is not None:
-            self._late_reads.step_ended()
         self._queued_tasks.clear()  # autograd skips the final callbacks of a backward that raised
         for rec in self._awaiting:
             rec.awaiting.clear()

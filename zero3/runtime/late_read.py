@@ -4,19 +4,22 @@
 A module closed by its gradients (hooks.py [Note: post-backward from the gradients]) is released when
 the last of its parameters has its gradient. That fails for a backward node that reads a parameter it
 does not take as a differentiable input: a custom ``autograd.Function`` whose backward reads
-``ctx.module.weight`` (or a parameter kept on ``ctx``, or its ``.data``), or a backward hook of
-another module reading it (a weight-norm logger on the root). Such a node may run after the
-parameter's gradient, when the parameter is released. Computing with a released parameter reaches
-its guard (partition/param.py `_guard`), which hands the op to the context's ``late_read``: inside a
-backward (no forward running) it gathers the parameter again, every rank at the same node (the ranks
-run the same graph), and runs the op. The module owning it is closed by ``_PostBackward`` from then
-on, which runs after every node feeding its inputs' gradients. The parameter is released again as
-soon as nothing but itself holds its storage: right after the op, unless the op returned a view of
-it (``weight.diagonal()``, ``weight.detach()``), and then at the next late read once that view is
-gone (torch's count of the storage's users), or when the step ends. So a logger reading every
-weight in turn holds one at a time, within ``max_live_parameters``. Refused: an in-place op (its
-write would be lost) and any read with the optimizer step in backward, which may have stepped the
-shard already. Not covered: a node that saved a *view* of the weight made in the forward outside
+``ctx.module.weight`` (or a parameter kept on ``ctx``, or its ``.data``), or a backward hook reading
+a weight whose module's backward is done (a weight-norm logger on the root, a backward pre-hook that
+runs before any of zero3's). Such a node may run after the parameter's gradient, when the parameter
+is released. Computing with a released parameter reaches its guard (partition/param.py `_guard`),
+which hands the op to the context's ``late_read``: inside a backward (no forward running) it gathers
+every released parameter among the op's arguments (one collective: every rank must make the same
+reads, as with any gather; on one node the shared-memory gathers let a rank read alone, across
+nodes the ranks diverge), runs the op, and releases them again. What the op returns is a copy
+where it would be a view of a parameter (``w.detach()``, ``w.t()``), since the storage is emptied
+right after: a read of it is torch's value, and it is an inference tensor, so that torch refuses a
+write into it (which would not reach the parameter) and its use where autograd would save it. So a
+logger reading every weight in turn holds one at a time, within ``max_live_parameters``. The module
+owning a parameter read so is closed by ``_PostBackward`` from then on, which runs after every node
+feeding its inputs' gradients. Refused: an in-place op on the parameter or ``out=`` it (the write
+would be lost), and any read with the optimizer step in backward, which may have stepped the shard
+already. Not covered: a node that saved a *view* of the weight made in the forward outside
 autograd's tracking (``x @ w.detach()``) reads the emptied storage itself, with no guard on the way
 (torch's "out of bounds for storage of size 0"); a leaf module runs such a module as torch's.
 """
@@ -37,7 +40,6 @@ from .init import is_inplace_op
 from .step import StepLifecycle, StepPhase
 
 logger = logging.getLogger(__name__)
-_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # how many hold a storage (torch's, private)
 
 
 class LateReads:
@@ -54,62 +56,69 @@ class LateReads:
         self._step_in_backward = step_in_backward
         self._owner_read = owner_read
         self._announced: set[int] = set()
-        self._held: list[tuple[ZeroParameter, int | None]] = []  # gathered by a late read, a view still out; the
-        # number of holders of its storage right after the gather (zero3's own, and nodes' saved views)
 
     def __call__(self, target: Any, func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
-        """Run ``func`` on the gathered parameter behind ``target`` (the parameter or its ``.data``);
-        ``(False, None)`` (the guard's error stands) outside a backward, inside a forward, for an
-        in-place op, or for a parameter this engine does not know."""
-        p = target if isinstance(target, PartitionedParameter) else self._coordinator.param_of(target._zero.id)
-        if p is None or self._step.phase is not StepPhase.BACKWARD or self._forward_stack \
-                or torch._C._current_graph_task_id() < 0 or is_inplace_op(getattr(func, "__name__", "")):
+        """Run ``func`` with every released parameter among its arguments gathered (``target``: the
+        first, the parameter or its ``.data``); ``(False, None)`` (the guard's error stands) outside a
+        backward, inside a forward, or for a parameter this engine does not know."""
+        if self._forward_stack or torch._C._current_graph_task_id() < 0 or self._step.phase is StepPhase.IDLE:
+            return False, None  # (FORWARD: a user hook that runs before any of zero3's in the backward)
+        params = self._params_in((args, kwargs))
+        if params is None:
             return False, None
-        if self._step_in_backward:
+        name = getattr(func, "__name__", "")
+        if self._step_in_backward or is_inplace_op(name) or any(
+                isinstance(t, (PartitionedParameter, ReleasedData)) for t in pytree.tree_leaves(kwargs.get("out"))):
             exc = ZeroStateError(
-                f"parameter {p._zero.summary()} is read in the backward after its module's backward ended (a "
-                "custom autograd.Function reading module.weight, or a backward hook of another module): with "
-                "offload_optimizer_step_in_backward its shard may be stepped already, so its value would not be the "
-                "forward's. Make the module that reads it a leaf module (zero3.set_leaf_modules), or turn the step "
-                "in backward off")
+                f"parameter {params[0]._zero.summary()} is used by {name or func!r} in the backward after its module's "
+                "backward ended (a custom autograd.Function reading module.weight, or a backward hook of another "
+                "module), where zero3 gathers it again for reads only" + (
+                    ": with offload_optimizer_step_in_backward its shard may be stepped already, so its value would "
+                    "not be the forward's. Make the module that reads it a leaf module (zero3.set_leaf_modules), or "
+                    "turn the step in backward off" if self._step_in_backward else
+                    ": a write there would be lost. Change weights between steps, under "
+                    "`with zero3.GatheredParameters(params, modifier_rank=0):`"))
             self._step.abort(exc, "backward")
             raise exc
-        self._release_unviewed()
-        self._owner_read(p)
-        if p._zero.id not in self._announced:
-            self._announced.add(p._zero.id)
-            logger.info("zero3: %s is read in the backward after its module's backward ended; gathered again for "
-                        "the read", p._zero.name)
-        self._coordinator.keep_for_step([p])
-        self._coordinator.fetch([p], label=f"a read of {p._zero.name} in the backward after its module's")
-        self._held.append((p, _holders(p)))
-        result = func(*_unguarded(args, self._coordinator), **_unguarded(kwargs, self._coordinator))
-        self._release_unviewed()
+        for p in params:
+            self._owner_read(p)
+            if p._zero.id not in self._announced:
+                self._announced.add(p._zero.id)
+                logger.info("zero3: %s is read in the backward after its module's backward ended; gathered again "
+                            "for the read", p._zero.name)
+        self._coordinator.keep_for_step(params)
+        try:
+            self._coordinator.fetch(params, label="a read in the backward after their modules' of "
+                                                  + ", ".join(p._zero.name for p in params))
+            result = func(*_unguarded(args, self._coordinator), **_unguarded(kwargs, self._coordinator))
+            storages = {raw_data(p).untyped_storage()._cdata for p in params}
+            result = pytree.tree_map(lambda t: _copy(t) if isinstance(t, torch.Tensor) and
+                                     t.untyped_storage()._cdata in storages else t, result)
+        finally:
+            self._coordinator.keep_for_step(params, keep=False)
+            self._coordinator.release(params)
         return True, result
 
-    def _release_unviewed(self) -> None:
-        """Release every held parameter whose storage nothing else holds now."""
-        held = []
-        for p, before in self._held:
-            if before is None or _holders(p) > before:  # a view of it is still out, or cannot tell
-                held.append((p, before))
-            else:
-                self._coordinator.keep_for_step([p], keep=False)
-                self._coordinator.release([p])
-        self._held = held
-
-    def step_ended(self) -> None:
-        """The step's end released everything and dropped every hold."""
-        self._held.clear()
+    def _params_in(self, tree: Any) -> list[ZeroParameter] | None:
+        """The parameters behind the guarded tensors of ``tree`` (once each, in order); None if one is
+        not this engine's."""
+        out: list[ZeroParameter] = []
+        for t in pytree.tree_leaves(tree):
+            if isinstance(t, (PartitionedParameter, ReleasedData)):
+                p = t if isinstance(t, PartitionedParameter) else self._coordinator.param_of(t._zero.id)
+                if p is None or self._coordinator.param_of(p._zero.id) is not p:
+                    return None
+                if not any(q is p for q in out):
+                    out.append(p)
+        return out or None
 
 
-def _holders(p: ZeroParameter) -> int | None:
-    """How many hold ``p``'s gathered storage (torch's count); None when torch cannot tell or ``p``'s
-    data was replaced: then the parameter stays gathered until the step ends."""
-    z = p._zero
-    if _USE_COUNT is None or z.flat is None or raw_data(p).untyped_storage()._cdata != z.flat_storage._cdata:
-        return None
-    return _USE_COUNT(z.flat_storage._cdata)
+def _copy(view: torch.Tensor) -> torch.Tensor:
+    """A view of a parameter a late read returns, as a copy (its storage is emptied right after), made
+    an inference tensor: torch refuses an in-place write into it outside inference mode, where the
+    write into the view would have changed the weight."""
+    with torch.inference_mode():
+        return view.clone()
 
 
 def _unguarded(tree: Any, coordinator: ParamCoordinator) -> Any:
