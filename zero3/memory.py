@@ -36,14 +36,15 @@ def see_memory_usage(message: str, force: bool = False, *, all_ranks: bool = Fal
     figures: dict[str, Any] = {"message": message}
     figures.update(_resident())
     state = dict.fromkeys(_TIERS, 0)
-    # Engines managing their models first: an engine whose hooks were removed and whose model a new
-    # engine took over shares that model's parameters (counted once) and adds only its own optimizer.
+    # Engines managing their models first: an engine whose hooks were removed and whose parameters a
+    # new engine took over (the same model, or one wrapping it) shares them (counted once) and adds
+    # only its own optimizer.
     contexts = sorted(LIVE_CONTEXTS, key=lambda c: not c.attached)
-    models: set[int] = set()
+    counted: set[int] = set()  # id() of the parameters counted so far
     for ctx in contexts:
-        shared = ctx.module is not None and id(ctx.module) in models
-        if ctx.module is not None:
-            models.add(id(ctx.module))
+        ids = {id(p) for p in ctx.params}
+        shared = not counted.isdisjoint(ids)
+        counted |= ids
         for key, value in ctx.memory_report().items():
             if key in state and not (shared and key not in _OWN_TIERS):
                 state[key] += value

@@ -91,3 +91,8 @@ def test_see_memory_usage_counts_a_model_once_when_a_new_engine_took_it_over():
     assert after["param_shard_bytes"] - before["param_shard_bytes"] == report_new["param_shard_bytes"]
     assert after["optimizer_state_bytes"] - before["optimizer_state_bytes"] == \
         report_old["optimizer_state_bytes"] + report_new["optimizer_state_bytes"] > 0
+    new.remove_hooks()
+    newer = zero3.initialize(torch.nn.ModuleDict({"inner": model}), None, {})  # a wrapper over the same parameters
+    gc.collect()
+    wrapped = zero3.see_memory_usage("wrapped", force=True)
+    assert wrapped["param_shard_bytes"] - before["param_shard_bytes"] == newer.memory_report()["param_shard_bytes"]

@@ -395,6 +395,43 @@ def test_late_reads_of_several_parameters_in_one_op_and_views_kept_past_the_step
     assert kept["zero3"][0].norm().item() > 0  # a copy of the step's weight, readable after the step
 
 
+def test_late_reads_in_a_second_backward_with_a_gradient_inside_and_across_two_engines() -> None:
+    """A backward pre-hook in the second backward of a retained graph runs before any of zero3's
+    hooks, in a step that already ended (refused); a gradient computed inside a hook saves the weight
+    in its graph (the storage was emptied under it); one op over two engines' weights (refused)."""
+    def build(n_in):
+        torch.manual_seed(n_in)
+        return nn.Sequential(nn.Linear(n_in, 8), nn.Tanh(), nn.Linear(8, 8))
+
+    seen: dict[str, list[float]] = {"torch": [], "zero3": []}
+    refs, models = (build(4), build(8)), (build(4), build(8))
+    for name, (a, b) in (("torch", refs), ("zero3", models)):
+        def pre(mod, grad_out, out=seen[name], other=a):
+            out.append(torch.cat([mod[2].weight.flatten(), other[2].weight.flatten()]).sum().item())
+
+        def full(mod, grad_in, grad_out, out=seen[name]):
+            with torch.enable_grad():
+                probe = torch.ones(3, 8, requires_grad=True)
+                out.append(torch.autograd.grad((probe @ mod[2].weight).pow(2).sum(), probe)[0].sum().item())
+        b.register_full_backward_pre_hook(pre)
+        b.register_full_backward_hook(full)
+    opts = [torch.optim.SGD(list(refs[0].parameters()) + list(refs[1].parameters()), lr=0.1)]
+    engines = [zero3.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), NO_PERSIST) for m in models]
+    for i in range(2):
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(i))
+        for nets in (refs, models):
+            out = nets[1](nets[0](x))
+            out.pow(2).mean().backward(retain_graph=True)
+            out.abs().mean().backward()
+        opts[0].step()
+        opts[0].zero_grad()
+        for e in engines:
+            e.step()
+            assert e.coordinator.live_params == []
+    assert len(seen["zero3"]) == len(seen["torch"]) == 8
+    torch.testing.assert_close(seen["zero3"], seen["torch"], rtol=1e-6, atol=1e-6)
+
+
 def test_an_in_place_write_in_a_late_read_is_refused() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3))

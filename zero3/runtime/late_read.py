@@ -8,13 +8,18 @@ does not take as a differentiable input: a custom ``autograd.Function`` whose ba
 a weight whose module's backward is done (a weight-norm logger on the root, a backward pre-hook that
 runs before any of zero3's). Such a node may run after the parameter's gradient, when the parameter
 is released. Computing with a released parameter reaches its guard (partition/param.py `_guard`),
-which hands the op to the context's ``late_read``: inside a backward (no forward running) it gathers
-every released parameter among the op's arguments (one collective: every rank must make the same
-reads, as with any gather; on one node the shared-memory gathers let a rank read alone, across
-nodes the ranks diverge), runs the op, and releases them again. What the op returns is a copy
-where it would be a view of a parameter (``w.detach()``, ``w.t()``), since the storage is emptied
-right after: a read of it is torch's value, and it is an inference tensor, so that torch refuses a
-write into it (which would not reach the parameter) and its use where autograd would save it. So a
+which hands the op to the context's ``late_read``: inside a
+backward (a graph task running, no forward running, whatever zero3's step phase says: a user's hook
+may run before any of zero3's, in a second backward too) it gathers every released parameter of
+this engine among the op's arguments (one collective: every rank must make the same reads, as with
+any gather; on one node the shared-memory gathers let a rank read alone, across nodes the ranks
+diverge; another engine's parameters are gathered by that engine's own late read when the op
+reaches them), runs the op, and releases them again. What the op returns is a copy where it would
+be a view of a parameter (``w.detach()``, ``w.t()``), since the storage is emptied right after: a
+read of it is torch's value, and it is an inference tensor, so that torch refuses a write into it
+(which would not reach the parameter) and its use where autograd would save it. With grad mode on
+and a result that requires grad (a gradient computed inside a hook), the result's graph saved the
+weights: then nothing is copied and they stay gathered until the step ends. So a
 logger reading every weight in turn holds one at a time, within ``max_live_parameters``. The module
 owning a parameter read so is closed by ``_PostBackward`` from then on, which runs after every node
 feeding its inputs' gradients. Refused: an in-place op on the parameter or ``out=`` it (the write
@@ -37,7 +42,7 @@ from ..errors import ZeroStateError
 from ..partition.param import PartitionedParameter, ReleasedData, ZeroParameter, raw_data
 from .coordinator import ParamCoordinator
 from .init import is_inplace_op
-from .step import StepLifecycle, StepPhase
+from .step import StepLifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +66,10 @@ class LateReads:
         """Run ``func`` with every released parameter among its arguments gathered (``target``: the
         first, the parameter or its ``.data``); ``(False, None)`` (the guard's error stands) outside a
         backward, inside a forward, or for a parameter this engine does not know."""
-        if self._forward_stack or torch._C._current_graph_task_id() < 0 or self._step.phase is StepPhase.IDLE:
-            return False, None  # (FORWARD: a user hook that runs before any of zero3's in the backward)
+        if self._forward_stack or torch._C._current_graph_task_id() < 0:
+            return False, None  # (any phase: a user hook may run before any of zero3's in a backward)
         params = self._params_in((args, kwargs))
-        if params is None:
+        if not params:  # another engine's (its own late read takes them when the op reaches them)
             return False, None
         name = getattr(func, "__name__", "")
         if self._step_in_backward or is_inplace_op(name) or any(
@@ -87,30 +92,34 @@ class LateReads:
                 logger.info("zero3: %s is read in the backward after its module's backward ended; gathered again "
                             "for the read", p._zero.name)
         self._coordinator.keep_for_step(params)
+        graph = False
         try:
             self._coordinator.fetch(params, label="a read in the backward after their modules' of "
                                                   + ", ".join(p._zero.name for p in params))
             result = func(*_unguarded(args, self._coordinator), **_unguarded(kwargs, self._coordinator))
-            storages = {raw_data(p).untyped_storage()._cdata for p in params}
-            result = pytree.tree_map(lambda t: _copy(t) if isinstance(t, torch.Tensor) and
-                                     t.untyped_storage()._cdata in storages else t, result)
+            # With grad mode on (a gradient computed inside a hook) the result's graph saved the weights:
+            # they stay gathered, as returned, until the step ends.
+            graph = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                    for t in pytree.tree_leaves(result))
+            if not graph:
+                storages = {raw_data(p).untyped_storage()._cdata for p in params}
+                result = pytree.tree_map(lambda t: _copy(t) if isinstance(t, torch.Tensor) and
+                                         t.untyped_storage()._cdata in storages else t, result)
         finally:
-            self._coordinator.keep_for_step(params, keep=False)
-            self._coordinator.release(params)
+            if not graph:
+                self._coordinator.keep_for_step(params, keep=False)
+                self._coordinator.release(params)
         return True, result
 
-    def _params_in(self, tree: Any) -> list[ZeroParameter] | None:
-        """The parameters behind the guarded tensors of ``tree`` (once each, in order); None if one is
-        not this engine's."""
+    def _params_in(self, tree: Any) -> list[ZeroParameter]:
+        """This engine's parameters behind the guarded tensors of ``tree`` (once each, in order)."""
         out: list[ZeroParameter] = []
         for t in pytree.tree_leaves(tree):
             if isinstance(t, (PartitionedParameter, ReleasedData)):
-                p = t if isinstance(t, PartitionedParameter) else self._coordinator.param_of(t._zero.id)
-                if p is None or self._coordinator.param_of(p._zero.id) is not p:
-                    return None
-                if not any(q is p for q in out):
+                p = self._coordinator.param_of(t._zero.id)  # ds_ids are per engine: check it is t's
+                if p is not None and p._zero is t._zero and not any(q is p for q in out):
                     out.append(p)
-        return out or None
+        return out
 
 
 def _copy(view: torch.Tensor) -> torch.Tensor:
@@ -126,7 +135,7 @@ def _unguarded(tree: Any, coordinator: ParamCoordinator) -> Any:
     def plain(t: Any) -> Any:
         if isinstance(t, ReleasedData):
             p = coordinator.param_of(t._zero.id)
-            if p is not None and not isinstance(p, PartitionedParameter):
+            if p is not None and p._zero is t._zero and not isinstance(p, PartitionedParameter):
                 return raw_data(p)
         return t
     return pytree.tree_map(plain, tree)
