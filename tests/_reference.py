@@ -81,3 +81,43 @@ def train_both(ref: nn.Module, model: nn.Module, zcfg: dict, batches: list[Any],
         for (name, p), r in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7, msg=name)
     return engine
+
+
+class _ReadsModuleWeight(torch.autograd.Function):
+    """A custom op whose backward reads its module's weight without taking it as an input (as fused
+    kernels written against ``ctx.module`` do): the node runs after that weight's gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        ctx.module = module
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        weight = ctx.module.weight.data if ctx.module.through_data else ctx.module.weight
+        return grad * weight.diagonal(), None
+
+
+class LinearReadingItsWeightLate(nn.Linear):
+    """A square Linear whose input goes through `_ReadsModuleWeight` first (reading ``.weight``, or
+    with ``through_data`` its ``.data``, as loggers and fused kernels often do)."""
+
+    def __init__(self, n: int, through_data: bool = False) -> None:
+        super().__init__(n, n)
+        self.through_data = through_data
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(_ReadsModuleWeight.apply(x, self))
+
+
+def step_alongside(ref: nn.Module, ref_opt: torch.optim.Optimizer, engine: zero3.Engine,
+                   inputs: list[torch.Tensor], loss_fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """One step of the plain reference and one of the engine per input (the whole input on each:
+    world size 1); nothing may stay gathered after a step."""
+    for x in inputs:
+        loss_fn(ref(x)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.backward(loss_fn(engine(x)))
+        engine.step()
+        assert engine.coordinator.live_params == []

@@ -14,7 +14,7 @@ from torch.nn.utils.parametrizations import weight_norm
 
 import zero3
 
-from _reference import twins
+from _reference import LinearReadingItsWeightLate, twins
 
 pytestmark = pytest.mark.multiproc
 
@@ -217,26 +217,8 @@ def test_torch_clip_over_the_optimizer_s_param_groups_clips_by_the_global_norm(p
 
 # -- a backward node reading a weight after its module's backward (late_read.py [Note: a parameter read
 # after its module's backward]) ----------------------------------------------------------------------
-class _ScaleByWeight(torch.autograd.Function):
-    """Its backward reads ``ctx.module.weight``, not an input: it runs after that weight's gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-        ctx.module = module
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple:
-        return grad * ctx.module.weight[:, : grad.shape[-1]].sum(0), None
-
-
-class _CustomOpLinear(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(_ScaleByWeight.apply(x, self))
-
-
 def _mlp_with_custom_op() -> nn.Module:
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), _CustomOpLinear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), LinearReadingItsWeightLate(16), nn.Tanh(), nn.Linear(16, 4))
 
 
 def late_reads(threshold: int, gather: str) -> dict:

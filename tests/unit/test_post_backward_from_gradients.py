@@ -14,7 +14,7 @@ from torch import nn
 import zero3
 from zero3 import ParamStatus
 
-from _reference import train_both
+from _reference import LinearReadingItsWeightLate, step_alongside, train_both
 from gpt import GPT, GPTConfig, synthetic_batch
 
 NO_PERSIST = {"param_persistence_threshold": 0}
@@ -182,10 +182,13 @@ def test_a_parameter_found_mid_forward_falls_back_and_trains_like_plain_torch(zc
     assert _by_grads(engine)["lin"] is True
 
 
-def test_a_module_with_a_backward_hook_that_reads_its_weight_is_not_closed_by_its_gradients():
-    """A full backward hook runs when the module's input gradients are ready, after its weight's
-    gradient: closed by that gradient, the weight was released and the hook's read refused (a
-    weight-norm logger). Such a module keeps the input-side post-backward; the hook sees torch's values."""
+@pytest.mark.parametrize("where", ["own", "root"])
+def test_a_backward_hook_reading_a_weight_sees_torchs_values(where):
+    """own: a full backward hook runs when the module's input gradients are ready, after its
+    weight's gradient: closed by that gradient, the weight was released and the hook's read refused
+    (a weight-norm logger); such a module keeps the input-side post-backward. root: the root's hook
+    reading a child's weight runs after that child's backward released it: gathered again for the
+    read ([Note: a parameter read after its module's backward]), each step."""
     def build():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
@@ -193,44 +196,22 @@ def test_a_module_with_a_backward_hook_that_reads_its_weight_is_not_closed_by_it
     seen: dict[str, list[float]] = {"torch": [], "zero3": []}
     ref, model = build(), build()
     for name, m in (("torch", ref), ("zero3", model)):
-        m[2].register_full_backward_hook(lambda mod, gi, go, out=seen[name]: out.append(mod.weight.detach().norm().item()))
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        hooked = m[2] if where == "own" else m
+        hooked.register_full_backward_hook(lambda mod, gi, go, out=seen[name], m=m: out.append(
+            m[2].weight.detach().norm().item()))
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
-    for i in range(2):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
-        ref(x).pow(2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        engine.backward(engine(x).pow(2).mean())
-        engine.step()
-    assert len(seen["zero3"]) == 2
+    step_alongside(ref, torch.optim.SGD(ref.parameters(), lr=0.1), engine,
+                   [torch.randn(4, 16, generator=torch.Generator().manual_seed(i), requires_grad=True) for i in range(3)],
+                   lambda out: out.pow(2).mean())
+    assert len(seen["zero3"]) == 3
     torch.testing.assert_close(seen["zero3"], seen["torch"], rtol=1e-6, atol=0)
-
-
-class _ReadsWeight(torch.autograd.Function):
-    """A custom op whose backward reads its module's weight without taking it as an input (as fused
-    kernels written against ``ctx.module`` do): the node runs after the weight's gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-        ctx.module = module
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple:
-        return grad * ctx.module.weight.diagonal(), None
-
-
-class _LinearWithCustomOp(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(_ReadsWeight.apply(x, self))
 
 
 class _CustomOpModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(6, 6)
-        self.b = _LinearWithCustomOp(6, 6)
+        self.b = LinearReadingItsWeightLate(6)
         self.out = nn.Linear(6, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -249,52 +230,13 @@ def test_a_custom_op_reading_its_modules_weight_in_the_backward_trains_like_plai
                     "the read"]  # once: later steps release b after that node
 
 
-def test_a_parents_backward_hook_reading_a_childs_weight_sees_torchs_values() -> None:
-    """A full backward hook on the root reading a child's weight runs after that child's backward
-    released it: it is gathered again for the read, each step."""
-    def build():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
 
-    seen: dict[str, list[float]] = {"torch": [], "zero3": []}
-    ref, model = build(), build()
-    for name, m in (("torch", ref), ("zero3", model)):
-        m.register_full_backward_hook(lambda mod, gi, go, out=seen[name]: out.append(mod[2].weight.detach().norm().item()))
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
-    for i in range(3):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i), requires_grad=True)
-        ref(x).pow(2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        engine.backward(engine(x).pow(2).mean())
-        engine.step()
-        assert engine.coordinator.live_params == []
-    assert len(seen["zero3"]) == 3
-    torch.testing.assert_close(seen["zero3"], seen["torch"], rtol=1e-6, atol=0)
-
-
-class _ReadsData(torch.autograd.Function):
-    """Reads the weight through ``.data`` (loggers and fused kernels often do)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-        ctx.module = module
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple:
-        return grad * ctx.module.weight.data.diagonal(), None
-
-
-class _LinearReadingData(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(_ReadsData.apply(x, self))
 
 
 def test_a_late_read_through_data_trains_like_plain_torch() -> None:
     def make():
-        return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), _LinearReadingData(6, 6), nn.Tanh(), nn.Linear(6, 3))
+        return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), LinearReadingItsWeightLate(6, through_data=True), nn.Tanh(),
+                             nn.Linear(6, 3))
 
     _trained(make, 6, ON_DEMAND)
 
@@ -321,15 +263,9 @@ def test_late_reads_hold_one_parameter_at_a_time_within_the_live_cap() -> None:
 
     ref.register_full_backward_hook(logger_hook("torch"))
     model.register_full_backward_hook(logger_hook("zero3"))
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for i in range(2):
-        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(i), requires_grad=True)
-        ref(x).pow(2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        engine.backward(engine(x).pow(2).mean())
-        engine.step()
-        assert engine.coordinator.live_params == []
+    step_alongside(ref, torch.optim.SGD(ref.parameters(), lr=0.1), engine,
+                   [torch.randn(4, 32, generator=torch.Generator().manual_seed(i), requires_grad=True) for i in range(2)],
+                   lambda out: out.pow(2).mean())
     torch.testing.assert_close(seen["zero3"], seen["torch"], rtol=1e-6, atol=0)
     assert max(seen["live"]) <= 3 * layer, seen["live"]
 
@@ -346,16 +282,10 @@ def test_a_hook_that_runs_first_in_the_backward_reads_torchs_weights(hook) -> No
     ref, model = build(), build()
     for name, m in (("torch", ref), ("zero3", model)):
         getattr(m, f"register_{hook}")(lambda mod, *grads, out=seen[name]: out.append(mod[2].weight.norm().item()))
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), NO_PERSIST)
-    for i in range(2):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
-        ref(x).pow(2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        engine.backward(engine(x).pow(2).mean())
-        engine.step()
-        assert engine.coordinator.live_params == []
+    step_alongside(ref, torch.optim.SGD(ref.parameters(), lr=0.1), engine,
+                   [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)],
+                   lambda out: out.pow(2).mean())
     torch.testing.assert_close(seen["zero3"], seen["torch"], rtol=1e-6, atol=0)
 
 
