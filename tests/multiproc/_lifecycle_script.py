@@ -8,6 +8,7 @@ it saw to ``LIFECYCLE_DIR/rank<r>.json``.
 - ``dead_peer``: rank 1 exits in the middle of training; rank 0's next collective must fail saying a
   peer closed its connection, not that a timeout ran out."""
 
+import gc
 import json
 import os
 import sys
@@ -66,7 +67,11 @@ def reinit(rank: int, world: int) -> dict:
     first = _train(model, engine, rank, world)
     engine.remove_hooks()
     del engine
+    gc.collect()  # an engine left in a reference cycle holds its group, and with it the old store
     dist.destroy_process_group()
+    # Another port: on the same one a rank that gets here first can rendezvous with the old store,
+    # still served by a rank that has not destroyed it yet (torch's own race: 1 in 24 plain runs).
+    os.environ["MASTER_PORT"] = os.environ["LIFECYCLE_PORT2"]
     dist.init_process_group("gloo")
     model, engine = _engine()
     second = _train(model, engine, rank, world)

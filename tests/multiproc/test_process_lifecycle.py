@@ -22,6 +22,7 @@ def _launch(case: str, world: int = 2, timeout: float = 120) -> list[dict | None
     """Each rank's JSON (None if it wrote none), after all exited."""
     with tempfile.TemporaryDirectory(prefix="zero3-lifecycle-") as out_dir:
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
+               "LIFECYCLE_PORT2": str(_free_port()),
                "LIFECYCLE": case, "LIFECYCLE_DIR": out_dir, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         procs = [subprocess.Popen([sys.executable, SCRIPT], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},

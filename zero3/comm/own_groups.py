@@ -19,7 +19,10 @@ is still alive can differ between ranks too (the cyclic GC runs at different mom
 agree on which kept group is free on every one of them (one small all-reduce over the caller's
 group, a flag per kept group), take the first, or all make a new one. Nothing is destroyed before
 the exit (exit_release.py): every rank makes the same groups in the same order, so the new group
-gets the same name on every rank.
+gets the same name on every rank. The list holds the groups weakly (torch's registry holds them
+while they are registered): a destroy of the default group destroys them too, and then the old
+groups and their rendezvous store go with it (a strong reference here kept both until the exit).
+Their entries stay, never free, so the list is the same length on every rank.
 """
 
 from __future__ import annotations
@@ -38,13 +41,14 @@ from .verify import EpochMode, EpochState
 
 @dataclass(eq=False)
 class _Kept:
-    group: Any
+    group_ref: "weakref.ref[Any]"  # weak: a group destroyed with the default group must go, and its store with it
     users: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)  # live communicators on it
     broken: bool = False  # a collective on it failed (told by a user's finalizer, or seen live)
     uses: int = 0  # communicators that ran on it
 
     def free(self) -> bool:
-        if self.broken or not _registered(self.group):
+        group = self.group_ref()
+        if self.broken or group is None or not _registered(group):
             return False
         if any(u._state.mode is EpochMode.BROKEN for u in self.users):
             self.broken = True
@@ -80,11 +84,14 @@ def own_group(group: Any, timeout_s: float, backend: str, device: torch.device, 
     flags = torch.tensor([int(k.free()) for k in kept] + [1], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
     pick = int(flags.tolist().index(1))
+    made = None
     if pick == len(kept):
-        kept.append(_Kept(dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s),
-                                         backend=backend, use_local_synchronization=True)))
+        made = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s), backend=backend,
+                              use_local_synchronization=True)
+        kept.append(_Kept(weakref.ref(made)))
     chosen = kept[pick]
+    group = chosen.group_ref()
     chosen.users.add(comm)
     weakref.finalize(comm, _on_collected, chosen, comm._state)
     chosen.uses += 1
-    return chosen.group, chosen.uses - 1
+    return group if made is None else made, chosen.uses - 1
