@@ -84,14 +84,13 @@ def own_group(group: Any, timeout_s: float, backend: str, device: torch.device, 
     flags = torch.tensor([int(k.free()) for k in kept] + [1], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
     pick = int(flags.tolist().index(1))
-    made = None
+    made = None  # held here until the communicator holds it
     if pick == len(kept):
         made = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s), backend=backend,
                               use_local_synchronization=True)
         kept.append(_Kept(weakref.ref(made)))
     chosen = kept[pick]
-    group = chosen.group_ref()
     chosen.users.add(comm)
     weakref.finalize(comm, _on_collected, chosen, comm._state)
     chosen.uses += 1
-    return group if made is None else made, chosen.uses - 1
+    return chosen.group_ref(), chosen.uses - 1

@@ -590,11 +590,11 @@ def _touch(target: Any, func: Callable, args: tuple, kwargs: dict) -> tuple[bool
     if is_inplace_op(name):  # p[i] = v too: a write
         modifier = 0 if state.sync == "broadcast" else LOCAL_MODIFIER
         with GatheredParameters([p], modifier_rank=modifier):
-            return True, func(*_unguard(args), **_unguard(kwargs))
+            return True, func(*unguarded(args, state.ctx.coordinator), **unguarded(kwargs, state.ctx.coordinator))
     state.ctx.coordinator.gather_for_user([p])
     keep = False
     try:
-        result = func(*_unguard(args), **_unguard(kwargs))
+        result = func(*unguarded(args, state.ctx.coordinator), **unguarded(kwargs, state.ctx.coordinator))
         storage = raw_data(p).untyped_storage().data_ptr()
         keep = any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == storage
                    for t in pytree.tree_leaves(result))
@@ -616,13 +616,13 @@ _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__",
                               "__imatmul__"})
 
 
-def _unguard(tree: Any) -> Any:
-    """``.data`` aliases of now-gathered parameters, as plain tensors (so the op does not re-enter)."""
+def unguarded(tree: Any, coordinator: Any) -> Any:
+    """``.data`` aliases of ``coordinator``'s now-gathered parameters, as plain tensors (so the op does
+    not re-enter the guard); ds_ids are per engine, so an alias must be of that very parameter."""
     def plain(t: Any) -> Any:
         if isinstance(t, ReleasedData):
-            state = _current()
-            p = state.ctx.coordinator.param_of(t._zero.id) if state is not None else None
-            if p is not None and not isinstance(p, PartitionedParameter):
+            p = coordinator.param_of(t._zero.id)
+            if p is not None and p._zero is t._zero and not isinstance(p, PartitionedParameter):
                 return raw_data(p)
         return t
 

@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 from ..errors import ZeroStateError
 from ..partition.param import PartitionedParameter, ReleasedData, ZeroParameter, raw_data
 from .coordinator import ParamCoordinator
-from .init import is_inplace_op
+from .init import is_inplace_op, unguarded
 from .step import StepLifecycle
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class LateReads:
         try:
             self._coordinator.fetch(params, label="a read in the backward after their modules' of "
                                                   + ", ".join(p._zero.name for p in params))
-            result = func(*_unguarded(args, self._coordinator), **_unguarded(kwargs, self._coordinator))
+            result = func(*unguarded(args, self._coordinator), **unguarded(kwargs, self._coordinator))
             # With grad mode on (a gradient computed inside a hook) the result's graph saved the weights:
             # they stay gathered, as returned, until the step ends.
             graph = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
@@ -128,17 +128,6 @@ def _copy(view: torch.Tensor) -> torch.Tensor:
     write into the view would have changed the weight."""
     with torch.inference_mode():
         return view.clone()
-
-
-def _unguarded(tree: Any, coordinator: ParamCoordinator) -> Any:
-    """``.data`` aliases of gathered parameters as plain tensors, so the op does not come back here."""
-    def plain(t: Any) -> Any:
-        if isinstance(t, ReleasedData):
-            p = coordinator.param_of(t._zero.id)
-            if p is not None and p._zero is t._zero and not isinstance(p, PartitionedParameter):
-                return raw_data(p)
-        return t
-    return pytree.tree_map(plain, tree)
 
 
 def weak_late_read(reads: LateReads) -> Callable[[Any, Any, tuple, dict], tuple[bool, Any]]:
