@@ -115,3 +115,54 @@ def test_the_state_of_a_plain_tensor_added_to_the_optimizer_survives_a_checkpoin
     resumed = _loss_weighted_run(tmp_path, 6, resume=True, zero=True)
     torch.testing.assert_close(straight, plain, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(resumed, plain, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("zcfg", [
+    {"param_persistence_threshold": 0},
+    {},  # every parameter persistent
+    {"param_persistence_threshold": 0, "bf16": {"enabled": True}},  # fp32 masters in flat buffers
+    {"param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"}},
+    {"param_persistence_threshold": 0, "offload_optimizer": {"device": "nvme"}},
+], ids=["threshold 0", "persistent", "bf16", "offload cpu", "offload nvme"])
+def test_an_optimizer_whose_constructor_made_its_state_trains_like_torch(zcfg, tmp_path):
+    """torch's Adagrad makes ``step`` 0 and ``sum`` for every parameter in its constructor: built over a
+    plain model, as a DDP user builds it, ``initialize`` refused it as an optimizer that had stepped.
+    The constructor's state is now re-keyed to each shard, sliced; a frozen parameter's is dropped."""
+    if zcfg.get("offload_optimizer", {}).get("device") == "nvme":
+        zcfg = {**zcfg, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    ref.wpe.weight.requires_grad_(False)
+    model.wpe.weight.requires_grad_(False)
+    kw = dict(lr=0.05, initial_accumulator_value=0.3, lr_decay=0.01, eps=1e-6)
+    ref_opt = torch.optim.Adagrad(ref.parameters(), **kw)
+    opt = torch.optim.Adagrad(model.parameters(), **kw)
+    engine = zero3.initialize(model, opt, zcfg)
+    bf16 = "bf16" in zcfg
+    for step in range(3):
+        x, y = synthetic_batch(step, 2, CFG)
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        if not bf16:
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    if bf16:  # bf16 forwards differ from torch's fp32 ones: the state is the fp32 masters', sliced from 0.3
+        for p in engine.params:
+            state = engine.optimizer_state(p)
+            assert (not state) if not p.requires_grad else (state["sum"].dtype == torch.float32 and
+                                                              state["sum"].shape == engine.master_shard(p).shape)
+            if p.requires_grad:
+                mine = state["sum"][: p._zero.shard_range()[1] - p._zero.shard_range()[0]]
+                assert bool((mine >= 0.3).all()) and bool((mine > 0.3).any()), p._zero.name
+        return
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(zero3.safe_get_full_fp32_param(p), r.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        if p.requires_grad:
+            torch.testing.assert_close(zero3.safe_get_full_optimizer_state(p, "sum"), ref_opt.state[r]["sum"],
+                                       rtol=1e-5, atol=1e-6, msg=name)

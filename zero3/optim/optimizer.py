@@ -104,7 +104,7 @@ def shard_optimizer(optimizer: Any, params: Iterable[ZeroParameter]) -> torch.op
     params = list(params)
     by_id = {id(p): p._zero.shard for p in params}
     if isinstance(optimizer, torch.optim.Optimizer):
-        _check_fresh(optimizer)
+        made = _check_fresh(optimizer)
         for group in optimizer.param_groups:
             new = []
             for p in group["params"]:
@@ -115,6 +115,7 @@ def shard_optimizer(optimizer: Any, params: Iterable[ZeroParameter]) -> torch.op
                 else:
                     raise _foreign(p)
             group["params"] = new
+        _reshard_state(optimizer, made, [(p, p._zero.shard) for p in params])
         return optimizer
     if callable(optimizer):
         shards = [p._zero.shard for p in params if p.requires_grad]
@@ -143,13 +144,49 @@ def validate_optimizer(optimizer: Any, model_params: Iterable[torch.Tensor] = ()
                 raise _foreign(t)
 
 
-def _check_fresh(optimizer: torch.optim.Optimizer) -> None:
-    if len(optimizer.state) > 0:
-        raise ZeroStateError(
-            f"{type(optimizer).__name__} given to zero3.initialize already has state (it has stepped, or loaded "
-            "a state dict): that state is over the full parameters, and zero3 keeps each rank's shard of it. Pass "
-            "the optimizer fresh, then restore its state with zero3.safe_set_full_optimizer_state(param, value, "
-            "key) for each parameter (every rank, after initialize), or resume with engine.load_checkpoint")
+def _check_fresh(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """The state ``optimizer`` made in its constructor, by id of the tensor it is keyed by (torch's
+    Adagrad makes ``step`` 0 and ``sum`` for every parameter there); raises if any entry has stepped
+    or has no step counter to tell (a loaded state dict)."""
+    for st in optimizer.state.values():
+        step = st.get("step") if isinstance(st, dict) else None
+        if not (isinstance(step, (int, float)) or (isinstance(step, torch.Tensor) and step.numel() == 1)) or step != 0:
+            _refuse_stepped(optimizer)
+    return {id(t): st for t, st in optimizer.state.items()}
+
+
+def _reshard_state(optimizer: torch.optim.Optimizer, made: dict[int, dict[str, Any]],
+                   moved: Iterable[tuple[ZeroParameter, torch.Tensor]]) -> None:
+    """Re-key constructor-made state from each full parameter to the tensor the optimizer now steps
+    (its shard or fp32 master), keeping this rank's slice of each per-element tensor. Exact: the slice
+    of what the constructor made over the full parameter is what it would have made over the shard.
+    State left on a full parameter (a frozen one, which no longer steps) is dropped."""
+    if not made:
+        return
+    for p, new in moved:
+        st = made.get(id(p))
+        if st is None or p not in optimizer.state:
+            continue
+        del optimizer.state[p]
+        start, end = p._zero.shard_range()
+        out: dict[str, Any] = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p._zero.shape) and v.numel() > 1:
+                mine = torch.zeros_like(new)
+                mine[: end - start].copy_(v.detach().reshape(-1)[start:end])
+                v = mine
+            out[k] = v
+        optimizer.state[new] = out
+    for t in [t for t in optimizer.state if isinstance(t, ZeroParameter)]:
+        del optimizer.state[t]
+
+
+def _refuse_stepped(optimizer: torch.optim.Optimizer) -> None:
+    raise ZeroStateError(
+        f"{type(optimizer).__name__} given to zero3.initialize already has state (it has stepped, or loaded "
+        "a state dict): that state is over the full parameters, and zero3 keeps each rank's shard of it. Pass "
+        "the optimizer fresh, then restore its state with zero3.safe_set_full_optimizer_state(param, value, "
+        "key) for each parameter (every rank, after initialize), or resume with engine.load_checkpoint")
 
 
 def _foreign(p: torch.Tensor) -> ZeroConfigError:
@@ -294,7 +331,7 @@ class PartitionedOptimizer:
     def _build_masters(self, optimizer: Any, fp32_shards: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
         by_id = {id(p): p for p in self.params}
         if isinstance(optimizer, torch.optim.Optimizer):
-            _check_fresh(optimizer)
+            made = _check_fresh(optimizer)
             per_group: list[list[ZeroParameter]] = []
             for group in optimizer.param_groups:  # validate everything before changing anything
                 found = []
@@ -309,6 +346,7 @@ class PartitionedOptimizer:
                 fg = self._flatten(ps, fp32_shards)
                 self.groups.append(fg)
                 group["params"] = fg.masters()
+            _reshard_state(optimizer, made, [(p, p._zero.train_tensor) for fg in self.groups for p in fg.params])
             return optimizer
         if callable(optimizer):
             fg = self._flatten([p for p in self.params if p.requires_grad], fp32_shards)
