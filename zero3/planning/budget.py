@@ -28,7 +28,7 @@ collective adds ``LATENCY_BYTES``. Pure: no torch, no process group.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import ZeroConfigError
@@ -72,6 +72,7 @@ class StaticChoice:
     persistent_bytes: int
     reduce_bucket_bytes: int
     reasons: tuple[str, ...]
+    persistent_count: int = 0
 
     @property
     def room(self) -> int:
@@ -92,40 +93,69 @@ class ScheduleChoice:
     reasons: tuple[str, ...]
 
 
-def choose_static(params: Sequence[tuple[str, int, int]], budget: int, reduce_element_bytes: int) -> StaticChoice:
+def choose_static(params: Sequence[tuple[str, int, int]], budget: int, reduce_element_bytes: int,
+                  grad_numel: int = 0) -> StaticChoice:
     """Persistence thresholds and the reduce bucket for ``params`` (``(name, numel, nbytes)`` in
-    ``named_parameters`` order) under ``budget`` bytes (see [Note: memory budget]).
+    ``named_parameters`` order) under ``budget`` bytes (see [Note: memory budget]). ``grad_numel``:
+    the largest trainable parameter's elements; its gradient is reduced whole, so the reduce bucket
+    is counted as at least that.
 
     Raises:
-        ZeroConfigError: the budget cannot hold the largest non-persistent parameter gathered.
+        ZeroConfigError: the budget cannot hold the largest non-persistent parameter gathered; names
+            the least budget that can.
     """
     if budget <= 0:
         raise ZeroConfigError(f"memory_budget must be > 0 bytes, got {budget!r}")
+    choice, (largest, name) = _static(params, budget, reduce_element_bytes, grad_numel)
+    if largest > choice.room:
+        raise ZeroConfigError(
+            f"memory_budget {budget:,} bytes is too small: parameter {name!r} alone needs {largest:,} bytes "
+            f"gathered, and persistent parameters ({choice.persistent_bytes:,}) and the reduce bucket "
+            f"({choice.reduce_bucket_bytes:,}) take the rest; give at least "
+            f"{smallest_budget(params, reduce_element_bytes, grad_numel, start=budget):,} bytes (the least "
+            "budget whose own persistent parameters and reduce bucket leave that room)")
+    reasons = (
+        f"memory_budget {budget:,} bytes per rank",
+        f"reduce_bucket_size {choice.reduce_bucket_size:,} elements: min(DeepSpeed's {DEFAULT_REDUCE_BUCKET:,}, "
+        f"{REDUCE_SHARE:g} of the budget); counted as {choice.reduce_bucket_bytes:,} bytes"
+        + (f" (the largest gradient, {grad_numel:,} elements, is reduced whole)"
+           if grad_numel > choice.reduce_bucket_size else ""),
+        f"persistent: {choice.persistent_count} parameters of <= {DEFAULT_PARAM_PERSISTENCE:,} elements, "
+        f"{choice.persistent_bytes:,} bytes (model_persistence_threshold {choice.model_persistence_threshold:,} "
+        f"elements = {PERSISTENT_SHARE:g} of the budget)",
+        f"room for gathered parameters: {choice.room:,} bytes",
+    )
+    return dataclasses.replace(choice, reasons=reasons)
+
+
+def smallest_budget(params: Sequence[tuple[str, int, int]], reduce_element_bytes: int, grad_numel: int = 0, *,
+                    room: int = 0, start: int = 1) -> int:
+    """The least budget from ``start`` up whose static choice leaves room for the largest
+    non-persistent parameter and for ``room`` bytes gathered at once. The persistent set and the
+    reduce bucket grow with the budget, so each step asks again at the size the last one named."""
+    budget = max(1, start)
+    for _ in range(256):
+        choice, (largest, _) = _static(params, budget, reduce_element_bytes, grad_numel)
+        need = max(largest, room) + choice.persistent_bytes + choice.reduce_bucket_bytes
+        if need <= budget:
+            return budget
+        budget = need
+    return budget
+
+
+def _static(params: Sequence[tuple[str, int, int]], budget: int, reduce_element_bytes: int,
+            grad_numel: int) -> tuple[StaticChoice, tuple[int, str]]:
+    """`choose_static`'s choice without its checks and reasons, and the largest non-persistent
+    parameter's bytes and name ((0, "") when every one is persistent)."""
     reduce_elems = max(1, min(DEFAULT_REDUCE_BUCKET, int(budget * REDUCE_SHARE) // reduce_element_bytes))
     element = max((nbytes // numel for _, numel, nbytes in params if numel), default=4) or 1
     model_threshold = int(budget * PERSISTENT_SHARE) // element
     chosen = choose_persistent((numel for _, numel, _ in params), DEFAULT_PARAM_PERSISTENCE, model_threshold)
     persistent = sum(nbytes for (_, _, nbytes), keep in zip(params, chosen) if keep)
     choice = StaticChoice(budget, DEFAULT_PARAM_PERSISTENCE, model_threshold, reduce_elems, persistent,
-                          reduce_elems * reduce_element_bytes, ())
+                          max(reduce_elems, grad_numel) * reduce_element_bytes, (), sum(chosen))
     others = [(nbytes, name) for (name, _, nbytes), keep in zip(params, chosen) if not keep]
-    if others:
-        largest, name = max(others, key=lambda o: o[0])  # the first of the largest
-        if largest > choice.room:
-            raise ZeroConfigError(
-                f"memory_budget {budget:,} bytes is too small: parameter {name!r} alone needs {largest:,} bytes "
-                f"gathered, and persistent parameters ({persistent:,}) and the reduce bucket "
-                f"({choice.reduce_bucket_bytes:,}) take the rest; give at least "
-                f"{largest + persistent + choice.reduce_bucket_bytes:,} bytes")
-    reasons = (
-        f"memory_budget {budget:,} bytes per rank",
-        f"reduce_bucket_size {reduce_elems:,} elements ({choice.reduce_bucket_bytes:,} bytes): "
-        f"min(DeepSpeed's {DEFAULT_REDUCE_BUCKET:,}, {REDUCE_SHARE:g} of the budget)",
-        f"persistent: {sum(chosen)} parameters of <= {DEFAULT_PARAM_PERSISTENCE:,} elements, {persistent:,} bytes "
-        f"(model_persistence_threshold {model_threshold:,} elements = {PERSISTENT_SHARE:g} of the budget)",
-        f"room for gathered parameters: {choice.room:,} bytes",
-    )
-    return dataclasses.replace(choice, reasons=reasons)
+    return choice, max(others, key=lambda o: o[0]) if others else (0, "")  # the first of the largest
 
 
 def _pre_bytes(trace: Trace) -> list[int]:
@@ -176,9 +206,10 @@ def candidates(trace: Trace, room: int | None = None) -> list[PlanConfig]:
             for live in lives for bucket in buckets if bucket <= live for reuse in reuses]
 
 
-def choose_schedule(trace: Trace, room: int) -> ScheduleChoice:
+def choose_schedule(trace: Trace, room: int, budget_for_room: Callable[[int], int] | None = None) -> ScheduleChoice:
     """The ``max_live``/``max_reuse_distance``/``prefetch_bucket`` (bytes) whose plan of ``trace``
     peaks within ``room`` bytes and exposes the least communication (see [Note: memory budget]).
+    ``budget_for_room(r)``: the least budget that leaves ``r`` bytes of room, for the refusal.
 
     Raises:
         ZeroConfigError: not even gathering one module at a time fits ``room``; names the module.
@@ -190,8 +221,10 @@ def choose_schedule(trace: Trace, room: int) -> ScheduleChoice:
         raise ZeroConfigError(
             f"memory_budget leaves {room:,} bytes for gathered parameters, but module "
             f"{trace.events[at].module or '<root>'!r} gathers {pre[at]:,} bytes and the step needs "
-            f"{floor.stats.peak_live_bytes:,} bytes gathered at once (modules open together); raise memory_budget "
-            f"by at least {floor.stats.peak_live_bytes - room:,} bytes")
+            f"{floor.stats.peak_live_bytes:,} bytes gathered at once (modules open together); " +
+            (f"give memory_budget at least {budget_for_room(floor.stats.peak_live_bytes):,} bytes (the least whose "
+             "own persistent parameters and reduce bucket leave that room)" if budget_for_room is not None else
+             f"the room must grow by at least {floor.stats.peak_live_bytes - room:,} bytes"))
     grid = candidates(trace, room)
     best: tuple[tuple[int, int, int], PlanConfig, Schedule] | None = None
     feasible = 0

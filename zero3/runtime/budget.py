@@ -5,7 +5,7 @@ the schedule knobs chosen from the first recorded trace (planning/budget.py [Not
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -14,7 +14,8 @@ from ..comm.communicator import Communicator
 from ..comm.tags import Kind, Tag
 from ..config import ZeroConfig
 from ..optim.precision import torch_dtype
-from ..planning.budget import AUTO_FRACTION, ScheduleChoice, StaticChoice, choose_schedule, choose_static
+from ..planning.budget import (AUTO_FRACTION, ScheduleChoice, StaticChoice, choose_schedule, choose_static,
+                               smallest_budget)
 from ..planning.schedule import PlanConfig
 from ..planning.trace import Trace
 
@@ -35,9 +36,11 @@ def free_bytes(comm: Communicator, device: torch.device) -> int:
 class MemoryBudget:
     """The budget's choices: the static ones from initialize, the schedule one after the first trace."""
 
-    def __init__(self, static: StaticChoice) -> None:
+    def __init__(self, static: StaticChoice, budget_for_room: Callable[[int], int] | None = None) -> None:
+        """``budget_for_room(r)``: the least budget leaving ``r`` bytes of room (for the refusal)."""
         self.static = static
         self.schedule: ScheduleChoice | None = None
+        self._budget_for_room = budget_for_room
 
     @classmethod
     def resolve(cls, config: ZeroConfig, comm: Communicator, named: Sequence[tuple[str, nn.Parameter]],
@@ -55,16 +58,19 @@ class MemoryBudget:
                         budget / 2**20, AUTO_FRACTION)
         itemsize = torch_dtype(config.precision.dtype).itemsize
         sizes = [(name, n, n * itemsize) for name, p in named for n in [_numel(p)]]
-        static = choose_static(sizes, budget, torch_dtype(config.precision.reduce_dtype).itemsize)
+        grad_numel = max((_numel(p) for _, p in named if p.requires_grad), default=0)
+        reduce_bytes = torch_dtype(config.precision.reduce_dtype).itemsize
+        static = choose_static(sizes, budget, reduce_bytes, grad_numel)
         resolved = config.replace(memory_budget=None, param_persistence_threshold=static.param_persistence_threshold,
                                   model_persistence_threshold=static.model_persistence_threshold,
                                   reduce_bucket_size=static.reduce_bucket_size, max_live_bytes=static.room,
                                   max_reuse_distance_bytes=0, prefetch_bucket_bytes=0)
-        return resolved, cls(static)
+        return resolved, cls(static, lambda room: smallest_budget(sizes, reduce_bytes, grad_numel, room=room,
+                                                                  start=budget))
 
     def choose(self, trace: Trace) -> PlanConfig:
         """The schedule knobs for ``trace`` (the first one recorded), logged once."""
-        self.schedule = choose_schedule(trace, self.static.room)
+        self.schedule = choose_schedule(trace, self.static.room, self._budget_for_room)
         c = self.schedule
         logger.info("zero3: memory_budget %d bytes: max_live_bytes %d, prefetch_bucket_bytes %d, "
                     "max_reuse_distance_bytes %d; predicted peak %d gathered + %d persistent + %d reduce bucket, "
@@ -76,7 +82,7 @@ class MemoryBudget:
     def explain(self) -> list[str]:
         lines = [f"budget: {r}" for r in self.static.reasons]
         if self.schedule is None:
-            return lines + ["budget: no step recorded yet; the first runs on demand within the room"]
+            return lines + ["budget: no schedule chosen: no step has recorded a gather yet (none has run, or every parameter is persistent); a step gathers on demand within the room"]
         return lines + [f"budget: {r}" for r in self.schedule.reasons]
 
 

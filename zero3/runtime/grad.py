@@ -1,8 +1,9 @@
 """Gradient reduction: full gradients in, averaged gradient shards out, in buckets.
 
 A parameter's full gradient arrives once autograd has accumulated it (hooks.py); it is queued in the
-current bucket and the bucket's reduction is issued when it holds ``reduce_bucket_size`` elements,
-when a module's backward ends with at least ``boundary_numel`` elements queued, and when the
+current bucket and the bucket's reduction is issued when it holds ``reduce_bucket_size`` elements
+(and before a gradient that would take it past that: a reduction takes at most that many elements,
+or one larger parameter alone), when a module's backward ends with at least ``boundary_numel`` elements queued, and when the
 backward ends, which waits for all of them (asynchronously with ``overlap_comm``, so a reduction
 runs while backward goes on; at most one is in flight).
 
@@ -59,6 +60,7 @@ class GradientReducer:
         if self.comm.world_size == 1:  # the average over one rank is the gradient: no bucket, no copy
             self._accumulate(p, grad.reshape(-1))
             return
+        self._make_room(p._zero.numel)
         self._bucket.append((p, grad, False))
         self._numel += p._zero.numel
         if self._numel >= self.bucket_numel:
@@ -76,10 +78,18 @@ class GradientReducer:
                 if g is not None:
                     self._accumulate(p, g.reshape(-1))
             return
+        self._make_room(sum(p._zero.numel for p, _ in grads))
         for p, g in grads:
             self._bucket.append((p, g, True))
             self._numel += p._zero.numel
         if self._numel >= self.bucket_numel:
+            self.flush()
+
+    def _make_room(self, numel: int) -> None:
+        """Issue what is queued when ``numel`` more would take the bucket past ``reduce_bucket_size``:
+        a reduction takes at most that many elements, or one parameter (a leaf module's unit) that is
+        larger by itself. The same on every rank: the gradients arrive in the same order."""
+        if self._numel and self._numel + numel > self.bucket_numel:
             self.flush()
 
     def module_done(self) -> None:
