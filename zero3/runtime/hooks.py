@@ -37,7 +37,12 @@ that runs anyway, where `_PostBackward` costs an autograd function per call (app
 a Python node in the backward: about 15 µs a module call on the 2-core machine, bench_hooks.py).
 It is used for a module ("closed by its gradients") when every parameter it gathers is its own,
 belongs to no other module (no tied weights, no external parameters), requires grad, and it is
-not a leaf module; any other module keeps `_PostBackward`. The order of events is the same as with
+not a leaf module; any other module keeps `_PostBackward`. Only a module's first call of a step is
+closed this way: its gradients land after the backward of its last call, so a module called twice
+(a, b, c, b, a; or two forwards before one backward) held every such module gathered from its first
+backward to its last, over `max_live_parameters` (3 modules live where the cap allowed 1, probe 23C).
+Its later calls get `_PostBackward`: each releases after its own backward, and the first call gathers
+again for its own. The order of events is the same as with
 `_PostBackward` on its inputs: the engine's ready queue takes AccumulateGrad nodes first, so the
 last gradient of a module lands before the backward of the module that ran before it. Two
 differences: a module whose inputs need no grad (the first layer) gets its post-backward too, and
@@ -188,6 +193,7 @@ class _ModuleRecord:
     leaf: "_Leaf | None" = None
     by_grads: bool = False  # its calls are closed by its parameters' gradients (cached with ``params``)
     read_late: bool = False  # a parameter of it was read after its backward closed: never by_grads again
+    grads_in: int = -1  # the step (`ModuleHooks._steps_ended`) of its last call closed by the gradients
     awaiting: list["_Call"] = field(default_factory=list)  # BACKWARD_OPEN calls closed by the gradients
     arrived: set[int] = field(default_factory=set)  # id(param) of gradients accumulated since they opened
 
@@ -460,11 +466,12 @@ class ModuleHooks:
         if params:
             self.coordinator.event(_PRE_FORWARD, rec.name, params, rec.ids)
             if torch.is_grad_enabled():
-                if rec.by_grads:
+                if rec.by_grads and rec.grads_in != self._steps_ended:  # its first call of the step
                     for p in params:
                         if not p.requires_grad:
                             break
                     else:
+                        rec.grads_in = self._steps_ended
                         call.by_grads = True  # [Note: post-backward from the gradients]
                         return None
                 return self._wrap_inputs(call, args, kwargs)
