@@ -241,7 +241,7 @@ class Engine:
             ctx.comm.agree(Tag(Kind.AGREE, f"optimizer step {ctx.global_steps}"))
             ctx.take_persistent_writes()  # runtime/persistent.py: in-place writes since the last gather
             t0 = time.perf_counter()
-            stepped = ctx.optimizer.step()
+            stepped = ctx.optimizer.step_shards()
             if stepped and ctx.lr_scheduler_step is not None:
                 ctx.lr_scheduler_step(**(lr_kwargs or {}))
             if self.config.training.wall_clock_breakdown and torch.cuda.is_available() and self.device.type == "cuda":

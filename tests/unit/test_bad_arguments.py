@@ -264,3 +264,19 @@ def test_arguments_of_the_wrong_kind_are_refused_naming_them():
             engine.backward(loss)
     engine.backward(engine(torch.randn(2, 4)).sum())  # the refusals lost nothing
     assert engine.step()
+
+
+@pytest.mark.parametrize("factory", [False, True], ids=["optimizer", "factory"])
+def test_lbfgs_is_refused_at_initialize(factory):
+    """LBFGS was accepted, then every way to step it failed: ``step(closure)`` was refused naming
+    ``loss.backward(); optimizer.step()``, which then raised a bare TypeError (no closure) from inside
+    torch's step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = (lambda groups: torch.optim.LBFGS(groups)) if factory else torch.optim.LBFGS(model.parameters())
+    with pytest.raises(ZeroConfigError, match="LBFGS steps through a closure.*" +
+                       ("partitioned already" if factory else "zero3.initialize changed nothing")):
+        zero3.initialize(model, opt, {})
+    if not factory:
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -397,3 +397,41 @@ def test_a_schedule_passed_in_sets_the_first_steps_lr_too(how):
     assert engine.get_lr() == [1e-4]  # DeepSpeed's iteration 0: gamma log(1) = 0
     _train_step(engine)
     assert engine.get_lr() == pytest.approx([1e-4 + (1e-2 - 1e-4) * math.log(2) / math.log(4)])
+
+
+@pytest.mark.parametrize("threshold", [None, 0], ids=["persistent", "threshold 0"])
+def test_the_optimizer_deepspeed_initialize_returns_steps_like_engine_step(threshold):
+    """DeepSpeed's loop may step the returned optimizer: ``engine.backward(loss); optimizer.step();
+    optimizer.zero_grad()``. Its step stepped the shards alone: the kept-gathered (persistent)
+    parameters computed with their old values (2 ranks: losses 1.1687 against torch's 1.1408 at the
+    third step, weights 0.04 off) and ``global_steps`` stayed 0. It is ``engine.step()`` now, its
+    ``zero_grad`` is ``engine.zero_grad()`` (a loop calling it before every micro-batch accumulates),
+    and it has DeepSpeed's ``state_dict``/``load_state_dict``."""
+    zero = {"stage": 3} if threshold is None else {"stage": 3, "stage3_param_persistence_threshold": threshold}
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}}, "zero_optimization": zero,
+              "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 3}
+    engine, optimizer, _, _ = deepspeed.initialize(model=_model(), config=config)
+    ref = _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.0)
+    for step in range(3):
+        for micro in range(2):
+            optimizer.zero_grad()  # before every micro-batch: the window's gradients stay
+            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(10 * step + micro))
+            loss = engine(x).pow(2).mean()
+            ref_loss = ref(x).pow(2).mean()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+            engine.backward(loss)
+            (ref_loss / 2).backward()
+            if micro == 1:
+                optimizer.step()
+            else:
+                engine.step()  # DeepSpeed's engine.step() after every micro-batch; optimizer.step() at the last
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert engine.global_steps == 3
+    for p, q in zip(engine.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(zero3.safe_get_full_fp32_param(p), q.detach(), rtol=1e-6, atol=1e-6)
+    state = optimizer.state_dict()
+    assert state["zero3"] == {"rank": 0, "world_size": 1} and len(state["state"]) == 4
+    optimizer.load_state_dict(state)
+    engine.remove_hooks()

@@ -258,7 +258,7 @@ def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_sc
     for p in ctx.params:
         p._zero.train_tensor.grad = None
     if ctx.optimizer is not None:
-        ctx.optimizer.zero_grad()
+        ctx.optimizer.drop_grads()
     ctx.coordinator.refresh_persistent()
     if not training_state:  # load_module_only: the weights alone
         return

@@ -26,7 +26,7 @@ optimizer step one ``low.copy_(master)`` per group casts all the new weights bac
 (``requires_grad=False``) get no master, no gradient and no state: they keep a standalone shard.
 
 The gradient of a master shard (``master.grad``, fp32, on the master's device) is where the reducer
-accumulates (runtime/grad.py); it is allocated lazily and dropped by ``zero_grad``.
+accumulates (runtime/grad.py); it is allocated lazily and dropped by ``drop_grads``.
 
 With ``offload_param="nvme"`` the shards stay standalone tensors (each goes to the drive on its own,
 offload/nvme.py), so a `FlatGroup` has no ``low`` buffer and the masters are cast into each shard's region.
@@ -216,6 +216,14 @@ second moment; Muon fails on a 1-D gradient), as DeepSpeed's flat partitions wou
 
 
 def refuse_shape_dependent(optimizer: torch.optim.Optimizer, factory: bool = False) -> None:
+    """Refuse an optimizer zero3 cannot step right over shards: LBFGS, and those of `_SHAPED`."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ZeroConfigError(
+            "LBFGS steps through a closure that runs the forward and backward again inside its step, and its line "
+            "search takes dot products over every parameter; zero3's step takes no closure and each rank holds "
+            "its shards only. Use an optimizer that updates each element from its own state (AdamW, Adam, SGD, "
+            "...)" + ("; the factory was called with the shards, so the model is partitioned already" if factory
+                     else "; zero3.initialize changed nothing"))
     for cls in type(optimizer).__mro__:
         if cls.__module__.startswith("torch.optim") and cls.__name__ in _SHAPED:
             raise ZeroConfigError(
@@ -276,6 +284,8 @@ class PartitionedOptimizer:
         self.in_scaled_backward = False  # fp16: engine.backward's loss.backward() is running
         self._last_overflow = False
         self.global_grad_norm: torch.Tensor | None = None  # what the last clipping computed (no sync to read it here)
+        self.user_step: Callable[[Any], Any] | None = None  # the routed ``optimizer.step`` (`step`); set by the engine
+        self.user_zero_grad: Callable[[], None] | None = None  # ``engine.zero_grad`` (`zero_grad`); set by the engine
         # Separate fp32 masters: under mixed precision, and when the optimizer is offloaded but the
         # shards are not (offloaded shards already live on the CPU side, where the optimizer steps).
         self.separate_masters = self.placement.separate_masters
@@ -295,10 +305,6 @@ class PartitionedOptimizer:
             logger.warning("zero3: sub_group_size=%d has no effect here: the optimizer steps every parameter at once "
                            "unless its state is on NVMe, fp32 parameter shards are on NVMe, or it steps in backward "
                            "(offload_optimizer_step_in_backward)", config.offload.sub_group_size)
-        if by_subgroup and isinstance(self.optimizer, torch.optim.LBFGS):
-            raise ZeroConfigError("LBFGS needs every parameter at once; with optimizer state or parameter shards on "
-                                  "NVMe, or the step in backward, the step goes sub-group by sub-group. Use an "
-                                  "optimizer that updates each parameter from its own state (Adam, AdamW, SGD, ...)")
         self.streamer = SubgroupStreamer(
             self.optimizer, self.states, self.shards, self.separate_masters,
             _subgroups(self.group_params, config.offload.sub_group_size) if by_subgroup else [], _per_element)
@@ -316,7 +322,7 @@ class PartitionedOptimizer:
         if self.placement.step_in_backward:
             assert self.agreed is not None and window_ends is not None
             self.backward_step = BackwardStep(self.streamer.subgroups, self.agreed, self.streamer.step_one,
-                                              self.streamer.wait_writes, self.zero_grad, window_ends,
+                                              self.streamer.wait_writes, self.drop_grads, window_ends,
                                               lambda: self.optimizer.param_groups)
             logger.info("zero3: the optimizer steps in backward: %d sub-groups of at most %d elements, each as soon "
                         "as its gradients are reduced (%s)", len(self.streamer.subgroups),
@@ -466,23 +472,41 @@ class PartitionedOptimizer:
         self._unscaled = True
         return self._overflow
 
-    def step(self) -> bool:
+    def step(self, closure: Any = None) -> None:
+        """``engine.step()``, through the user's optimizer's routed step (optim/routed_step.py). This
+        object is the optimizer ``zero3.deepspeed.initialize`` returns, and DeepSpeed's loop may call
+        ``optimizer.step()`` on it: stepping only the shards here skipped the rest of ``engine.step()``
+        (the persistent parameters kept their old gathered values: losses off from the third step)."""
+        if self.user_step is None:
+            raise ZeroStateError("this optimizer is stepped by its engine: call engine.step()")
+        self.user_step(closure)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The user's optimizer's state dict: this rank's shard of the state (optim/rank_state.py)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what `state_dict` gave on this rank (refused for another rank's or a plain run's)."""
+        self.optimizer.load_state_dict(state_dict)
+
+    def step_shards(self) -> bool:
         """Unscale and agree on overflow (fp16), clip (``gradient_clipping``), step, copy back
-        (streamed from NVMe when state lives there: [Note: streamed optimizer step]).
+        (streamed from NVMe when state lives there: [Note: streamed optimizer step]). The engine's
+        part of ``engine.step()``.
 
         Returns False when an overflow skipped the step (on every rank), else True.
         """
         self._last_overflow = False
         if self.backward_step is not None:  # the sub-groups stepped in backward: agree on them
             self.backward_step.conclude()
-            self.zero_grad()
+            self.drop_grads()
             return True
         scaler_state = self.scaler.state_dict() if self.agreed is not None and self.scaler is not None else None
         if self.scaler is not None:
             overflow = self.unscale_()
             if overflow:
                 self._last_overflow = True
-                self.zero_grad()
+                self.drop_grads()
             self.scaler.update(overflow)  # raises at the minimum scale, the gradients gone, no count (as DeepSpeed)
             if overflow:
                 self.skipped_steps += 1
@@ -491,10 +515,10 @@ class PartitionedOptimizer:
             self.clip_grad_norm(self.config.training.gradient_clipping)
         step = self._streamed_step if self.streamed else self._in_memory_step
         if self.agreed is not None:
-            self.agreed.run(step, self.zero_grad, scaler_state)
+            self.agreed.run(step, self.drop_grads, scaler_state)
         else:
             step()
-        self.zero_grad()
+        self.drop_grads()
         return True
 
     def _in_memory_step(self) -> None:
@@ -618,7 +642,15 @@ class PartitionedOptimizer:
         if self.shards is not None:
             self.shards.flush()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``engine.zero_grad()`` (runtime/engine_calls.py): within an accumulation window it keeps the
+        window's gradients, as DeepSpeed's; this is the optimizer ``zero3.deepspeed.initialize`` returns."""
+        if self.user_zero_grad is None:
+            raise ZeroStateError("this optimizer's gradients are the engine's: call engine.zero_grad()")
+        self.user_zero_grad()
+
+    def drop_grads(self) -> None:
+        """Drop every gradient shard (after a step, an overflow, or a window's first micro-batch)."""
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params:  # also those the wrapped optimizer does not hold
             t = p._zero.train_tensor

@@ -53,6 +53,10 @@ def route(optimizer: torch.optim.Optimizer | None, engine: Any) -> None:
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a scheduler built later does not re-wrap it
     step.__doc__ = "engine.step(): zero3's step over the shards (optim/routed_step.py)."
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+    sharded = engine.context.optimizer  # the PartitionedOptimizer: deepspeed.initialize returns it
+    if sharded is not None:
+        sharded.user_step = optimizer.step
+        sharded.user_zero_grad = engine.zero_grad
     # torch.amp.GradScaler then calls step() on every rank, with its local overflow flag set on the
     # optimizer, instead of skipping it on the ranks whose shards overflowed: refused above, on all.
     optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]

@@ -320,7 +320,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     model-parallel unit whose model-parallel group clipping and checkpoints take into account
     (comm/model_parallel.py). Validates the arguments, the optimizer (its type, freshness and
     parameters), meta parameters and embeddings before it changes anything; what only the built
-    shards tell (a param group of several dtypes, LBFGS with a step by sub-groups, a scheduler
+    shards tell (a param group of several dtypes, a scheduler
     factory's ReduceLROnPlateau, a parameter of another engine's group) is refused after the model
     was partitioned, its values kept in the shards.
     """

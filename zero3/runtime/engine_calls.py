@@ -66,7 +66,7 @@ def zero_grad_window(engine: Any) -> None:
     for p in engine.params:
         p._zero.train_tensor.grad = None
     if ctx.optimizer is not None:
-        ctx.optimizer.zero_grad()
+        ctx.optimizer.drop_grads()
 
 
 def require_hooks(engine: Any, what: str) -> None:

@@ -181,7 +181,7 @@ class StepLifecycle:
                 opt = ctx.optimizer
                 if backward and opt is not None and opt.backward_step is None \
                         and ctx.micro_steps % ctx.config.training.gradient_accumulation_steps == 0:
-                    opt.zero_grad()  # [Note: a backward that raised]: a window's first, so all the shards hold
+                    opt.drop_grads()  # [Note: a backward that raised]: a window's first, so all the shards hold
             else:
                 reducer.finish()
         finally:
