@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import zero3
 from gpt import GPT, GPTConfig, synthetic_batch
@@ -166,3 +167,36 @@ def test_an_optimizer_whose_constructor_made_its_state_trains_like_torch(zcfg, t
         if p.requires_grad:
             torch.testing.assert_close(zero3.safe_get_full_optimizer_state(p, "sum"), ref_opt.state[r]["sum"],
                                        rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)], ids=["0-d", "(1,)", "(1, 1)"])
+def test_constructor_state_of_a_one_element_parameter_is_resharded_too(shape):
+    """A parameter of one element has a ``sum`` of one element: it was taken for a step counter and
+    kept at the full parameter's shape, against a padded shard (review of round 23)."""
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.s = nn.Parameter(torch.full(shape, 0.9))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.lin(x) * self.s.reshape(-1)[0]).pow(2).mean()
+
+    torch.manual_seed(0)
+    ref = Scaled()
+    model = copy.deepcopy(ref)
+    kw = dict(lr=0.05, initial_accumulator_value=0.3, eps=1e-6)
+    ref_opt = torch.optim.Adagrad(ref.parameters(), **kw)
+    engine = zero3.initialize(model, torch.optim.Adagrad(model.parameters(), **kw), {"param_persistence_threshold": 0})
+    for step in range(3):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(x)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+    assert engine.optimizer_state(model.s)["sum"].shape == engine.master_shard(model.s).shape
+    torch.testing.assert_close(zero3.safe_get_full_optimizer_state(model.s, "sum"), ref_opt.state[ref.s]["sum"])

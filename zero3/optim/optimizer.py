@@ -171,7 +171,7 @@ def _reshard_state(optimizer: torch.optim.Optimizer, made: dict[int, dict[str, A
         start, end = p._zero.shard_range()
         out: dict[str, Any] = {}
         for k, v in st.items():
-            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p._zero.shape) and v.numel() > 1:
+            if k != "step" and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p._zero.shape):
                 mine = torch.zeros_like(new)
                 mine[: end - start].copy_(v.detach().reshape(-1)[start:end])
                 v = mine
