@@ -435,3 +435,22 @@ def test_the_optimizer_deepspeed_initialize_returns_steps_like_engine_step(thres
     assert state["zero3"] == {"rank": 0, "world_size": 1} and len(state["state"]) == 4
     optimizer.load_state_dict(state)
     engine.remove_hooks()
+
+
+def test_the_returned_optimizer_of_an_engine_whose_hooks_were_removed_is_refused():
+    """Its zero_grad() dropped the gradients of the engine that took the model over (weights 0.02 off);
+    its step() inside an accumulation window named the window, not the removal (review of round 23)."""
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "gradient_accumulation_steps": 2,
+              "train_micro_batch_size_per_gpu": 3}
+    model = _model()
+    old, optimizer, _, _ = deepspeed.initialize(model=model, config=config)
+    old.remove_hooks()
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.backward(engine(torch.randn(3, 8)).pow(2).mean())
+    engine.step()  # micro-batch 1 of 2: the window's gradients are in the shards
+    with pytest.raises(ZeroStateError, match=r"engine.zero_grad\(\) after engine.remove_hooks"):
+        optimizer.zero_grad()
+    with pytest.raises(ZeroStateError, match="after engine.remove_hooks"):
+        optimizer.step()
+    assert any(p._zero.train_tensor.grad is not None for p in engine.params)  # the new engine's window stays
+    engine.remove_hooks()

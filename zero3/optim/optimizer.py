@@ -160,7 +160,8 @@ def _reshard_state(optimizer: torch.optim.Optimizer, made: dict[int, dict[str, A
     """Re-key constructor-made state from each full parameter to the tensor the optimizer now steps
     (its shard or fp32 master), keeping this rank's slice of each per-element tensor. Exact: the slice
     of what the constructor made over the full parameter is what it would have made over the shard.
-    State left on a full parameter (a frozen one, which no longer steps) is dropped."""
+    State left on a full parameter (one the optimizer no longer holds: frozen, under fp32 masters) is
+    dropped."""
     if not made:
         return
     for p, new in moved:
@@ -219,7 +220,8 @@ def refuse_shape_dependent(optimizer: torch.optim.Optimizer, factory: bool = Fal
     """Refuse an optimizer zero3 cannot step right over shards: LBFGS, and those of `_SHAPED`."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ZeroConfigError(
-            "LBFGS steps through a closure that runs the forward and backward again inside its step, and its line "
+            f"{type(optimizer).__name__} (an LBFGS) steps through a closure that runs the forward and backward again "
+            "inside its step, and its line "
             "search takes dot products over every parameter; zero3's step takes no closure and each rank holds "
             "its shards only. Use an optimizer that updates each element from its own state (AdamW, Adam, SGD, "
             "...)" + ("; the factory was called with the shards, so the model is partitioned already" if factory

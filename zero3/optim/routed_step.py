@@ -39,6 +39,8 @@ def route(optimizer: torch.optim.Optimizer | None, engine: Any) -> None:
                 "Use the config's fp16 section (loss scaling whose overflow check every rank agrees on; "
                 "DeepSpeed's \"fp16\": {\"enabled\": true}) with engine.backward(loss), or bf16, which needs no "
                 "scaler; nothing was stepped")
+        if not engine.context.attached:
+            engine.step()  # refused by name: this engine's hooks were removed
         if not engine.is_gradient_accumulation_boundary():
             n = engine.gradient_accumulation_steps()
             raise ZeroStateError(

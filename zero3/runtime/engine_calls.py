@@ -48,6 +48,7 @@ def zero_grad_window(engine: Any) -> None:
     it before every micro-batch accumulates. After a backward that ``engine.step()`` has not closed
     it drops that micro-batch's gradients (torch's skip-a-batch habit) when it is the window's first;
     after a later one the gradient shards hold the window's sum, which cannot be split: refused."""
+    require_hooks(engine, "engine.zero_grad()")  # another engine may hold the model's gradients now
     ctx = engine.context
     n = ctx.config.training.gradient_accumulation_steps
     if ctx.optimizer is not None and ctx.optimizer.backward_step is not None and engine._backward_ran() \
