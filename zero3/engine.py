@@ -573,7 +573,8 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
             ``group``); tests pass a recording or fake one.
 
     A config with an ``activation_checkpointing`` section configures ``zero3.checkpointing`` with it
-    (and ``mpu``) unless ``zero3.checkpointing.configure`` was called before, whose settings then stand.
+    (and ``mpu``) unless ``zero3.checkpointing.configure`` was called before by the user, whose settings then
+    stand (an earlier ``initialize``'s section is replaced).
 
     Raises:
         ZeroStateError: the model was already initialised.
@@ -608,11 +609,11 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
     foreign_optimizers.install()  # an optimizer over the parameters themselves steps nothing: refused
     foreign_optimizers.manage(engine.module)  # ... and one over a plain parameter of this model drifts: refused
     if config.activation_checkpointing is not None:
-        if checkpointing.is_configured():
+        if checkpointing.configured_by_user():
             logger.info("zero3: activation checkpointing was configured before initialize; its settings stand "
                         "(%s), not the config's section", checkpointing.current_config())
-        else:
-            checkpointing.configure(mpu, deepspeed_config=config, metrics=engine.context.metrics)
+        else:  # an earlier initialize's section is replaced (it was kept, silently: probe 23D)
+            checkpointing.configure_for_engine(mpu, config, engine.context.metrics)
     return engine
 
 

@@ -462,3 +462,20 @@ def test_initialize_configures_checkpointing_from_the_config_section_unless_conf
     ckpt.configure(None, synchronize=True)
     engine({"profile": True})
     assert ckpt.current_config() == ActivationCheckpointingConfig(synchronize_checkpoint_boundary=True)
+
+
+def test_a_later_initializes_section_replaces_an_earlier_ones_and_configure_stands():
+    """A second initialize (a sweep, a teacher and a student) kept the first one's section, silently:
+    profile stayed off where the second asked for it (probe 23D)."""
+    def build(section):
+        torch.manual_seed(0)
+        return zero3.initialize(nn.Linear(4, 4), None, {"activation_checkpointing": section})
+
+    build({"profile": False})
+    assert not ckpt.configured_by_user() and not ckpt.current_config().profile
+    build({"profile": True, "cpu_checkpointing": True})
+    assert ckpt.current_config() == ActivationCheckpointingConfig(profile=True, cpu_checkpointing=True)
+    ckpt.configure(None, synchronize=True)  # the user's own call stands over a later section
+    build({"profile": True})
+    assert ckpt.configured_by_user() and ckpt.current_config() == ActivationCheckpointingConfig(
+        synchronize_checkpoint_boundary=True)

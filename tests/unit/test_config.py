@@ -547,3 +547,30 @@ def test_a_byte_knob_without_max_live_bytes_is_refused_not_ignored(knob):
     with pytest.raises(ZeroConfigError, match=rf"{knob}=1000 counts in bytes.*set max_live_bytes too"):
         ZeroConfig(**{knob: 1000})
     assert getattr(ZeroConfig(max_live_bytes=10**6, **{knob: 1000}).budget, knob) == 1000
+
+
+@pytest.mark.parametrize("extra", [
+    {"flops_profiler": {"enabled": False, "profile_step": 1}}, {"tensorboard": {"enabled": False, "output_path": "x"}},
+    {"wandb": {"enabled": False}}, {"elasticity": {"enabled": False}}, {"comms_logger": {}}, {"memory_breakdown": False},
+    {"dump_state": "false"}, {"sparse_gradients": 0}, {"gradient_predivide_factor": 1},
+    {"checkpoint": {"tag_validation": "Warn", "load_universal": False}},
+])
+def test_a_deepspeed_feature_zero3_lacks_is_accepted_off(extra):
+    """DeepSpeed's example configs carry these off; they were refused as unknown keys, with a
+    suggestion of another knob (flops_profiler: "did you mean 'offload_optimizer'?"; probe 23D)."""
+    ZeroConfig.from_dict({"train_batch_size": 4, "zero_optimization": {"stage": 3}, **extra})
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"flops_profiler": {"enabled": True}}, "the FLOPs profiler"),
+    ({"tensorboard": {"enabled": True}}, "TensorBoard logging"),
+    ({"memory_breakdown": True}, "see_memory_usage"),
+    ({"gradient_predivide_factor": 2.0}, "dividing gradients by a factor"),
+    ({"sparse_gradients": True}, "sparse embedding gradients"),
+    ({"checkpoint": {"tag_validation": "Fail"}}, "checkpoint options beyond DeepSpeed's defaults"),
+    ({"amp": {"enabled": True}}, "apex AMP"),
+    ({"prescale_gradients": "banana"}, "prescale_gradients must be a boolean"),
+])
+def test_a_deepspeed_feature_zero3_lacks_is_refused_on_by_name(extra, needle):
+    with pytest.raises(ZeroConfigError, match=needle):
+        ZeroConfig.from_dict({"train_batch_size": 4, "zero_optimization": {"stage": 3}, **extra})

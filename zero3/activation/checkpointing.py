@@ -125,6 +125,7 @@ class _ContiguousBuffers:
 class _State:
     config: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     configured: bool = False
+    by_user: bool = False  # `configure` called by the user (an initialize's section does not replace it)
     mp: _ModelParallelGroup = field(default_factory=lambda: _ModelParallelGroup(1, 0, None))
     buffers: _ContiguousBuffers | None = None
     timings: Timings = field(default_factory=Timings)
@@ -177,7 +178,7 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
                                                            metrics=metrics if metrics is not None else StepMetrics(),
                                                            world_size=world, rank=rank))
     global _STATE
-    _STATE = _State(config=config, configured=True, mp=mp,
+    _STATE = _State(config=config, configured=True, by_user=True, mp=mp,
                     buffers=_ContiguousBuffers(config.number_checkpoints)
                     if config.contiguous_memory_optimization and config.number_checkpoints else None)
     logger.info("zero3: activation checkpointing %s, model-parallel rank %d of %d", config, mp.rank, mp.world_size)
@@ -191,6 +192,18 @@ def is_configured() -> bool:
     """Whether `configure` was called (``checkpoint`` also works without it: nothing is partitioned,
     offloaded or profiled then)."""
     return _STATE.configured
+
+
+def configured_by_user() -> bool:
+    """Whether the user called `configure` (not `configure_for_engine`): then its settings stand."""
+    return _STATE.by_user
+
+
+def configure_for_engine(mpu_: Any, config: Any, metrics: StepMetrics) -> None:
+    """`configure` from an ``initialize``'s config section: a later ``initialize`` with a section
+    replaces it, where a call of `configure` by the user stands."""
+    configure(mpu_, deepspeed_config=config, metrics=metrics)
+    _STATE.by_user = False
 
 
 def current_config() -> ActivationCheckpointingConfig:
@@ -465,6 +478,8 @@ __all__ = [
     "current_config",
     "get_cuda_rng_tracker",
     "is_configured",
+    "configured_by_user",
+    "configure_for_engine",
     "model_parallel_cuda_manual_seed",
     "reset",
     "timings",

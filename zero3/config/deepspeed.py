@@ -81,9 +81,55 @@ _BF16_IGNORED = {"immediate_grad_update", "check_grad_overflow", "bf16_master_we
 _AIO_IGNORED = {"block_size", "queue_depth", "single_submit", "overlap_events", "intra_op_parallelism"}
 
 
+# DeepSpeed features zero3 does not implement, and what DeepSpeed's own example configs write when
+# they are off: accepted off (logged), refused on, by name. A section is off when its ``enabled``
+# is false or absent (DeepSpeed's default for each of these).
+_OFF_SECTIONS = {
+    "flops_profiler": "the FLOPs profiler", "tensorboard": "TensorBoard logging", "wandb": "Weights & Biases logging",
+    "csv_monitor": "CSV logging", "comet": "Comet logging", "elasticity": "elastic training",
+    "comms_logger": "the communication logger", "autotuning": "the autotuner", "amp": "NVIDIA apex AMP",
+    "compression_training": "compression training", "curriculum_learning": "curriculum learning",
+    "data_efficiency": "data efficiency", "nebula": "Nebula checkpointing",
+}
+_OFF_KEYS = {  # key: (what it does in DeepSpeed, its off value)
+    "memory_breakdown": ("a memory report at every step (zero3.see_memory_usage(msg, force=True) is zero3's)", False),
+    "dump_state": ("a dump of the engine's state at initialize", False),
+    "sparse_gradients": ("sparse embedding gradients", False),
+    "gradient_predivide_factor": ("dividing gradients by a factor before the sum and by world/factor after "
+                                  "(zero3 sums, then divides once in reduce_dtype)", 1.0),
+}
+_CHECKPOINT_OFF = {"tag_validation": ("warn", "ignore"), "load_universal": (False,), "use_node_local_storage": (False,)}
+
+
 def is_deepspeed_dict(d: dict[str, Any]) -> bool:
     """Whether ``d`` is written in DeepSpeed's keys (else in zero3's flat names)."""
-    return "zero_optimization" in d or any(k in TOP_LEVEL for k in d)
+    return "zero_optimization" in d or any(k in TOP_LEVEL or k in _OFF_SECTIONS or k in _OFF_KEYS or k == "checkpoint"
+                                           for k in d)
+
+
+def _unimplemented(key: str, value: Any) -> None:
+    """A DeepSpeed feature zero3 lacks: accepted when off, refused naming it when on."""
+    if key in _OFF_SECTIONS:
+        what = _OFF_SECTIONS[key]
+        off = isinstance(value, dict) and value.get("enabled", False) is False
+        fix = f"set {key}.enabled to false or remove the section"
+    elif key == "checkpoint":
+        what = "checkpoint options beyond DeepSpeed's defaults (zero3's checkpoints: docs/checkpoints.md)"
+        off = isinstance(value, dict) and all(
+            k in _CHECKPOINT_OFF and (v.lower() if isinstance(v, str) else v) in _CHECKPOINT_OFF[k]
+            for k, v in value.items())
+        fix = "leave tag_validation at Warn or Ignore and load_universal, use_node_local_storage false, or remove it"
+    else:
+        what, default = _OFF_KEYS[key]
+        if isinstance(default, bool):  # read leniently, as DeepSpeed's config models read a bool
+            off = value is None or value is False or (type(value) is int and value == 0) or (
+                isinstance(value, str) and value.lower() in ("0", "off", "f", "false", "n", "no"))
+        else:
+            off = isinstance(value, (int, float)) and not isinstance(value, bool) and value == default
+        fix = f"set it to {default!r} or remove it"
+    if not off:
+        raise ZeroConfigError(f"{key}={value!r} turns on {what}, a DeepSpeed feature zero3 does not implement; {fix}")
+    logger.info("zero3: DeepSpeed key %r is off; zero3 does not implement it", key)
 
 
 def unknown_section_message(key: str) -> str:
@@ -222,7 +268,11 @@ def translate(d: dict[str, Any]) -> dict[str, Any]:
         elif key == "data_types":
             _data_types(value)
         elif key in TOP_LEVEL:
+            if key in ("prescale_gradients", "zero_allow_untested_optimizer"):
+                check_ignored(key, key, value)
             logger.info("zero3: DeepSpeed key %r is not used by ZeroConfig; ignored", key)
+        elif key in _OFF_SECTIONS or key in _OFF_KEYS or key == "checkpoint":
+            _unimplemented(key, value)
         elif key in OFFLOAD_SECTION_KEYS and isinstance(value, dict):
             OffloadConfig.read_section(value, key, out)
         elif key in FLAT_NAMES:

@@ -118,7 +118,7 @@ _IGNORED_BOOLS = {
     "stage3_gather_16bit_weights_on_model_save", "log_trace_cache_warnings", "elastic_checkpoint",
     "ignore_unused_parameters", "load_from_fp32_weights", "fast_init", "pipeline_read", "pipeline_write",
     "pipeline", "auto_cast", "fp16_master_weights_and_grads", "immediate_grad_update", "check_grad_overflow",
-    "bf16_master_weights_and_grads", "bf16_optimizer_states",
+    "bf16_master_weights_and_grads", "bf16_optimizer_states", "prescale_gradients", "zero_allow_untested_optimizer",
 }
 _LAX_BOOL_WORDS = {"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"}
 
