@@ -168,3 +168,15 @@ def test_budget_below_a_module_raises_after_the_first_step():
     zero3.initialize(TwoWeights(n), None, {"memory_budget": 12 * n})(torch.ones(n)).sum().backward()
     with pytest.raises(ZeroConfigError, match="'a' alone needs"):
         zero3.initialize(TwoWeights(n), None, {"memory_budget": 3 * n})
+
+
+def test_a_leaf_modules_unit_counts_as_one_gradient_piece():
+    """A leaf module's parameters are reduced as one unit: the budget counted only the largest single
+    parameter (1,000 elements) while the unit took 8,000 (review of round 23)."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(*[torch.nn.Linear(40, 25, bias=False) for _ in range(8)])
+    model = torch.nn.Sequential(block)
+    zero3.set_leaf_modules(model, [torch.nn.Sequential])
+    engine = zero3.initialize(model, None, {"memory_budget": 100_000})
+    assert engine.coordinator.budget.static.reduce_bucket_bytes == 32_000  # not 25,000: a quarter of the budget
+    assert any("the largest gradient piece, 8,000 elements" in line for line in engine.explain("budget"))

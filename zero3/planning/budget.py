@@ -97,8 +97,8 @@ def choose_static(params: Sequence[tuple[str, int, int]], budget: int, reduce_el
                   grad_numel: int = 0) -> StaticChoice:
     """Persistence thresholds and the reduce bucket for ``params`` (``(name, numel, nbytes)`` in
     ``named_parameters`` order) under ``budget`` bytes (see [Note: memory budget]). ``grad_numel``:
-    the largest trainable parameter's elements; its gradient is reduced whole, so the reduce bucket
-    is counted as at least that.
+    the elements of the largest piece one reduction takes whole (a trainable parameter, or a leaf
+    module's), so the reduce bucket is counted as at least that.
 
     Raises:
         ZeroConfigError: the budget cannot hold the largest non-persistent parameter gathered; names
@@ -118,7 +118,7 @@ def choose_static(params: Sequence[tuple[str, int, int]], budget: int, reduce_el
         f"memory_budget {budget:,} bytes per rank",
         f"reduce_bucket_size {choice.reduce_bucket_size:,} elements: min(DeepSpeed's {DEFAULT_REDUCE_BUCKET:,}, "
         f"{REDUCE_SHARE:g} of the budget); counted as {choice.reduce_bucket_bytes:,} bytes"
-        + (f" (the largest gradient, {grad_numel:,} elements, is reduced whole)"
+        + (f" (the largest gradient piece, {grad_numel:,} elements, is reduced whole)"
            if grad_numel > choice.reduce_bucket_size else ""),
         f"persistent: {choice.persistent_count} parameters of <= {DEFAULT_PARAM_PERSISTENCE:,} elements, "
         f"{choice.persistent_bytes:,} bytes (model_persistence_threshold {choice.model_persistence_threshold:,} "

@@ -44,10 +44,11 @@ class MemoryBudget:
 
     @classmethod
     def resolve(cls, config: ZeroConfig, comm: Communicator, named: Sequence[tuple[str, nn.Parameter]],
-                device: torch.device) -> tuple[ZeroConfig, MemoryBudget | None]:
+                device: torch.device, units: Sequence[Sequence[nn.Parameter]] = ()) -> tuple[ZeroConfig, MemoryBudget | None]:
         """The config the runtime runs with: ``memory_budget`` replaced by the knobs it fixes at
         initialize (persistence, reduce bucket, the live cap for the first step); and the budget
-        (None without ``memory_budget``). ``"auto"`` takes the smallest share over the ranks."""
+        (None without ``memory_budget``). ``"auto"`` takes the smallest share over the ranks.
+        ``units``: each leaf module's trainable parameters, reduced as one piece (runtime/grad.py)."""
         budget = config.budget.memory_budget
         if budget is None:
             return config, None
@@ -58,7 +59,8 @@ class MemoryBudget:
                         budget / 2**20, AUTO_FRACTION)
         itemsize = torch_dtype(config.precision.dtype).itemsize
         sizes = [(name, n, n * itemsize) for name, p in named for n in [_numel(p)]]
-        grad_numel = max((_numel(p) for _, p in named if p.requires_grad), default=0)
+        grad_numel = max([_numel(p) for _, p in named if p.requires_grad] + [sum(map(_numel, u)) for u in units],
+                         default=0)  # the largest piece one reduction takes whole
         reduce_bytes = torch_dtype(config.precision.reduce_dtype).itemsize
         static = choose_static(sizes, budget, reduce_bytes, grad_numel)
         resolved = config.replace(memory_budget=None, param_persistence_threshold=static.param_persistence_threshold,

@@ -64,7 +64,7 @@ from .buffers import ModuleBuffers
 from .engine_calls import take_persistent_writes
 from .publish import write_updated
 from .refusals import complex_refusal, refuse_unshardable_embeddings
-from .leaf import check_leaf_classes
+from .leaf import check_leaf_classes, leaf_modules
 from .budget import MemoryBudget
 from .placement import place_shards, share_shards
 
@@ -358,7 +358,8 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     _check_init_precision(model, config)
     _drop_stale_grads(model)
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
-    config, budget = MemoryBudget.resolve(config, ctx.comm, list(model.named_parameters()), _device_of(model))
+    units = [[p for p in m.parameters() if p.requires_grad] for m in leaf_modules(model, config.training.leaf_modules)]
+    config, budget = MemoryBudget.resolve(config, ctx.comm, list(model.named_parameters()), _device_of(model), units)
     if budget is not None:
         ctx.config = config
         ctx.coordinator.use_budget(config, budget)

@@ -42,7 +42,10 @@ closed this way: its gradients land after the backward of its last call, so a mo
 (a, b, c, b, a; or two forwards before one backward) held every such module gathered from its first
 backward to its last, over `max_live_parameters` (3 modules live where the cap allowed 1, probe 23C).
 Its later calls get `_PostBackward`: each releases after its own backward, and the first call gathers
-again for its own. The order of events is the same as with
+again for its own. A later call none of whose inputs needs grad has no such node: it is closed by the
+gradients too. "A step" here counts ends of step after a backward (`_backwards_ended`): a no_grad
+forward between two training forwards ends a step of its own while the first forward's graph still
+waits for its backward. The order of events is the same as with
 `_PostBackward` on its inputs: the engine's ready queue takes AccumulateGrad nodes first, so the
 last gradient of a module lands before the backward of the module that ran before it. Two
 differences: a module whose inputs need no grad (the first layer) gets its post-backward too, and
@@ -294,6 +297,7 @@ class ModuleHooks:
         self._forward_t0 = 0.0  # when the running root forward began
         self._resident_calls = 0  # root calls open in a resident decode forward ([Note: resident decode forwards])
         self._steps_ended = 0  # ends of step so far ([Note: a second backward])
+        self._backwards_ended = 0  # ends of step after a backward, or aborted ([Note: post-backward from the gradients])
         self._submodule_hooks = SubmoduleHooks()
         self._frozen = FrozenAtInstall(())  # trainable.py [Note: unfreezing after initialize]
         self._buffers: ModuleBuffers | None = None  # broadcast_buffers: rank 0's before forwards (buffers.py)
@@ -381,6 +385,8 @@ class ModuleHooks:
         """The hooks' part of the end of a step (`StepLifecycle`): forget the open calls and queued
         graph tasks; at the end of a backward, reduce the leaf modules not reduced yet."""
         self._steps_ended += 1
+        if aborted or phase is StepPhase.BACKWARD:  # not a no_grad forward's end: a graph may wait for its backward
+            self._backwards_ended += 1
         self.stack.clear()
         self._queued_tasks.clear()  # autograd skips the final callbacks of a backward that raised
         for rec in self._awaiting:
@@ -466,14 +472,18 @@ class ModuleHooks:
         if params:
             self.coordinator.event(_PRE_FORWARD, rec.name, params, rec.ids)
             if torch.is_grad_enabled():
-                if rec.by_grads and rec.grads_in != self._steps_ended:  # its first call of the step
+                if rec.by_grads:
                     for p in params:
                         if not p.requires_grad:
                             break
-                    else:
-                        rec.grads_in = self._steps_ended
-                        call.by_grads = True  # [Note: post-backward from the gradients]
-                        return None
+                    else:  # [Note: post-backward from the gradients]
+                        if rec.grads_in != self._backwards_ended:  # its first call of the step
+                            rec.grads_in = self._backwards_ended
+                            call.by_grads = True
+                            return None
+                        wrapped = self._wrap_inputs(call, args, kwargs)
+                        call.by_grads = wrapped is None  # no input needs grad: only the gradients tell
+                        return wrapped
                 return self._wrap_inputs(call, args, kwargs)
         return None
 
@@ -589,10 +599,12 @@ class ModuleHooks:
         if call.state is _FORWARD_DONE or (call.state is _BACKWARD_DONE and call.ended_in != self._steps_ended):
             if torch.is_grad_enabled() and any(p._zero.user_pins == 0 for p in call.params):
                 self._refuse_create_graph(call)
-            if call.state is _BACKWARD_DONE:  # [Note: a second backward]
-                leaf = call.record.leaf
-                if leaf is not None:
-                    leaf.calls += 1
+            leaf = call.record.leaf
+            if leaf is not None and (call.state is _BACKWARD_DONE or leaf.calls == 0):
+                # [Note: a second backward]: a call whose backward runs again, or one of a forward whose
+                # backward comes after an earlier backward's end reset the count (two forwards, two
+                # backwards: the second one's gradients were dropped at its end)
+                leaf.calls += 1
             call.state = _BACKWARD_OPEN
             if call.by_grads:
                 rec = call.record
