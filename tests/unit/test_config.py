@@ -552,8 +552,9 @@ def test_a_byte_knob_without_max_live_bytes_is_refused_not_ignored(knob):
 @pytest.mark.parametrize("extra", [
     {"flops_profiler": {"enabled": False, "profile_step": 1}}, {"tensorboard": {"enabled": False, "output_path": "x"}},
     {"wandb": {"enabled": False}}, {"elasticity": {"enabled": False}}, {"comms_logger": {}}, {"memory_breakdown": False},
-    {"dump_state": "false"}, {"sparse_gradients": 0}, {"gradient_predivide_factor": 1},
-    {"checkpoint": {"tag_validation": "Warn", "load_universal": False}},
+    {"dump_state": 0}, {"sparse_gradients": 0}, {"gradient_predivide_factor": 1}, {"memory_breakdown": 0.0},
+    {"tensorboard": {"enabled": "false"}}, {"comms_logger": {"enabled": 0}}, {"data_efficiency": {"enabled": False}},
+    {"checkpoint": {"tag_validation": "Warn", "load_universal": False, "parallel_write": {"pipeline_stage": False}}},
 ])
 def test_a_deepspeed_feature_zero3_lacks_is_accepted_off(extra):
     """DeepSpeed's example configs carry these off; they were refused as unknown keys, with a
@@ -570,6 +571,9 @@ def test_a_deepspeed_feature_zero3_lacks_is_accepted_off(extra):
     ({"checkpoint": {"tag_validation": "Fail"}}, "checkpoint options beyond DeepSpeed's defaults"),
     ({"amp": {"enabled": True}}, "apex AMP"),
     ({"prescale_gradients": "banana"}, "prescale_gradients must be a boolean"),
+    ({"dump_state": "false"}, "a dump of the engine's state"),  # DeepSpeed reads it raw: a true value
+    ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}}, "compression"),
+    ({"data_efficiency": {"data_routing": {"random_ltd": {"enabled": True}}}}, "data efficiency"),
 ])
 def test_a_deepspeed_feature_zero3_lacks_is_refused_on_by_name(extra, needle):
     with pytest.raises(ZeroConfigError, match=needle):

@@ -98,7 +98,6 @@ _OFF_KEYS = {  # key: (what it does in DeepSpeed, its off value)
     "gradient_predivide_factor": ("dividing gradients by a factor before the sum and by world/factor after "
                                   "(zero3 sums, then divides once in reduce_dtype)", 1.0),
 }
-_CHECKPOINT_OFF = {"tag_validation": ("warn", "ignore"), "load_universal": (False,), "use_node_local_storage": (False,)}
 
 
 def is_deepspeed_dict(d: dict[str, Any]) -> bool:
@@ -108,28 +107,48 @@ def is_deepspeed_dict(d: dict[str, Any]) -> bool:
 
 
 def _unimplemented(key: str, value: Any) -> None:
-    """A DeepSpeed feature zero3 lacks: accepted when off, refused naming it when on."""
+    """A DeepSpeed feature zero3 lacks: accepted when off, refused naming it when on. A section is on
+    when any ``enabled`` in it, at any depth, reads true as DeepSpeed's config models read a bool
+    (``compression_training`` and ``data_efficiency`` turn on per technique); the three raw scalars
+    DeepSpeed reads unconverted, so any truthy value is on."""
     if key in _OFF_SECTIONS:
         what = _OFF_SECTIONS[key]
-        off = isinstance(value, dict) and value.get("enabled", False) is False
-        fix = f"set {key}.enabled to false or remove the section"
+        off = _lax_false(value) or (isinstance(value, dict) and not _any_enabled(value))
+        fix = f"set every {key} 'enabled' to false or remove the section"
     elif key == "checkpoint":
         what = "checkpoint options beyond DeepSpeed's defaults (zero3's checkpoints: docs/checkpoints.md)"
-        off = isinstance(value, dict) and all(
-            k in _CHECKPOINT_OFF and (v.lower() if isinstance(v, str) else v) in _CHECKPOINT_OFF[k]
-            for k, v in value.items())
-        fix = "leave tag_validation at Warn or Ignore and load_universal, use_node_local_storage false, or remove it"
+        off = isinstance(value, dict) and all(_checkpoint_default(k, v) for k, v in value.items())
+        fix = ("leave tag_validation at Warn or Ignore and load_universal, use_node_local_storage, "
+               "parallel_write.pipeline_stage false, or remove it")
     else:
         what, default = _OFF_KEYS[key]
-        if isinstance(default, bool):  # read leniently, as DeepSpeed's config models read a bool
-            off = value is None or value is False or (type(value) is int and value == 0) or (
-                isinstance(value, str) and value.lower() in ("0", "off", "f", "false", "n", "no"))
+        if isinstance(default, bool):  # read raw by DeepSpeed: "false" is a true value there
+            off = not value
         else:
             off = isinstance(value, (int, float)) and not isinstance(value, bool) and value == default
         fix = f"set it to {default!r} or remove it"
     if not off:
         raise ZeroConfigError(f"{key}={value!r} turns on {what}, a DeepSpeed feature zero3 does not implement; {fix}")
     logger.info("zero3: DeepSpeed key %r is off; zero3 does not implement it", key)
+
+
+def _lax_false(v: Any) -> bool:
+    """``v`` reads false as a bool in DeepSpeed's config models (pydantic's lax mode)."""
+    return v is None or v is False or (type(v) in (int, float) and v == 0) or (
+        isinstance(v, str) and v.strip().lower() in ("0", "off", "f", "false", "n", "no"))
+
+
+def _any_enabled(d: dict[str, Any]) -> bool:
+    return any((k == "enabled" and not _lax_false(v)) or (isinstance(v, dict) and _any_enabled(v))
+               for k, v in d.items())
+
+
+def _checkpoint_default(key: str, value: Any) -> bool:
+    if key == "tag_validation":
+        return isinstance(value, str) and value.lower() in ("warn", "ignore")
+    if key == "parallel_write":
+        return isinstance(value, dict) and all(k == "pipeline_stage" and _lax_false(v) for k, v in value.items())
+    return key in ("load_universal", "use_node_local_storage") and _lax_false(value)
 
 
 def unknown_section_message(key: str) -> str:

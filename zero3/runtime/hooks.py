@@ -209,6 +209,7 @@ class _Leaf:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # id(param) -> full gradient, held
     calls: int = 0  # forward calls in this step (recompute not counted)
     flushed: bool = False
+    reopened: bool = False  # a call's backward runs after an end of step reset ``calls``: reduce at this backward's end
 
 
 # The members the hook path tests, as module globals: on Python 3.11 reading a member through its
@@ -385,7 +386,8 @@ class ModuleHooks:
         """The hooks' part of the end of a step (`StepLifecycle`): forget the open calls and queued
         graph tasks; at the end of a backward, reduce the leaf modules not reduced yet."""
         self._steps_ended += 1
-        if aborted or phase is StepPhase.BACKWARD:  # not a no_grad forward's end: a graph may wait for its backward
+        after_backward = aborted or phase is StepPhase.BACKWARD  # not a no_grad forward's end: a graph may wait
+        if after_backward:
             self._backwards_ended += 1
         self.stack.clear()
         self._queued_tasks.clear()  # autograd skips the final callbacks of a backward that raised
@@ -395,9 +397,10 @@ class ModuleHooks:
         self._awaiting.clear()
         if not aborted and self._leaves and phase is StepPhase.BACKWARD:
             self._flush_leaves()
-        for leaf in self._leaves:
-            leaf.calls, leaf.flushed = 0, False
-            leaf.grads.clear()
+        if after_backward:  # a no_grad forward's end keeps the counts of the calls whose backward is to come
+            for leaf in self._leaves:
+                leaf.calls, leaf.flushed, leaf.reopened = 0, False, False
+                leaf.grads.clear()
 
     # -- forward --------------------------------------------------------------------------------
     def _params_of(self, rec: _ModuleRecord) -> list[ZeroParameter]:
@@ -462,7 +465,7 @@ class ModuleHooks:
             self.step.enter(_FORWARD)
         if begins and self._buffers is not None:  # every forward of the model, as DDP
             self._buffers.before_forward(torch.is_grad_enabled())
-        if rec.leaf is not None and self.step.phase is _FORWARD:
+        if rec.leaf is not None and self.step.phase is _FORWARD and torch.is_grad_enabled():  # calls with a backward
             rec.leaf.calls += 1
         params = self._params_of(rec)
         if params and transform_level() is not None:
@@ -602,9 +605,10 @@ class ModuleHooks:
             leaf = call.record.leaf
             if leaf is not None and (call.state is _BACKWARD_DONE or leaf.calls == 0):
                 # [Note: a second backward]: a call whose backward runs again, or one of a forward whose
-                # backward comes after an earlier backward's end reset the count (two forwards, two
-                # backwards: the second one's gradients were dropped at its end)
-                leaf.calls += 1
+                # backward comes after an end of step reset the count (two forwards, two backwards: the
+                # second one's gradients were dropped at its end). Which of the leaf's calls open in this
+                # backward is not known before they run, so the unit is reduced at its end, on every rank.
+                leaf.reopened = True
             call.state = _BACKWARD_OPEN
             if call.by_grads:
                 rec = call.record
@@ -673,7 +677,7 @@ class ModuleHooks:
     def _flush_leaves(self) -> None:
         """End of backward: every leaf that ran this step and was not reduced yet, in model order."""
         for leaf in self._leaves:
-            if leaf.calls and (leaf.grads or not leaf.flushed):
+            if (leaf.calls or leaf.reopened) and (leaf.grads or not leaf.flushed):
                 self._flush_leaf(leaf)
 
     def _on_grad(self, p: torch.Tensor) -> None:
