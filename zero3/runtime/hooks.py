@@ -43,9 +43,8 @@ closed this way: its gradients land after the backward of its last call, so a mo
 backward to its last, over `max_live_parameters` (3 modules live where the cap allowed 1, probe 23C).
 Its later calls get `_PostBackward`: each releases after its own backward, and the first call gathers
 again for its own. A later call none of whose inputs needs grad has no such node: it is closed by the
-gradients too. "A step" here counts ends of step after a backward (`_backwards_ended`): a no_grad
-forward between two training forwards ends a step of its own while the first forward's graph still
-waits for its backward. The order of events is the same as with
+gradients too. The step is counted by `_backwards_ended`: a no_grad forward between two training
+forwards ends a step of its own while the first one's graph waits for its backward. The order of events is the same as with
 `_PostBackward` on its inputs: the engine's ready queue takes AccumulateGrad nodes first, so the
 last gradient of a module lands before the backward of the module that ran before it. Two
 differences: a module whose inputs need no grad (the first layer) gets its post-backward too, and
@@ -91,8 +90,11 @@ the step and releases everything; the second runs through the same autograd node
 fire again. A call whose backward ended in an earlier step (`_Call.ended_in`) opens again: its
 parameters are gathered again, its gradients reduced again and added into the same shards, as
 torch adds them into ``.grad``. Within one backward a call never opens twice (a hook on a second
-output node that fires after the call closed finds it ended in this step). A leaf module counts
-the reopened call, so its gradients are reduced when its backward ends. With the optimizer step in
+output node that fires after the call closed finds it ended in this step). A leaf module whose call
+opens again, or after a backward's end reset its call count (two forwards, a backward each), is
+`_Leaf.reopened`: its unit is reduced once at this backward's end, on every rank (which of its calls
+open is not known before they run). A no_grad forward neither counts calls nor resets the counts.
+With the optimizer step in
 backward the first backward already stepped: a gradient after that fails the step
 (optim/backward_step.py). A backward with ``create_graph=True`` is another matter: the graph it
 builds saves the gathered weights, which the module's post-backward releases, so it is refused
@@ -475,18 +477,14 @@ class ModuleHooks:
         if params:
             self.coordinator.event(_PRE_FORWARD, rec.name, params, rec.ids)
             if torch.is_grad_enabled():
-                if rec.by_grads:
-                    for p in params:
-                        if not p.requires_grad:
-                            break
-                    else:  # [Note: post-backward from the gradients]
-                        if rec.grads_in != self._backwards_ended:  # its first call of the step
-                            rec.grads_in = self._backwards_ended
-                            call.by_grads = True
-                            return None
-                        wrapped = self._wrap_inputs(call, args, kwargs)
-                        call.by_grads = wrapped is None  # no input needs grad: only the gradients tell
-                        return wrapped
+                if rec.by_grads and _all_trainable(params):  # [Note: post-backward from the gradients]
+                    if rec.grads_in != self._backwards_ended:  # its first call of the step
+                        rec.grads_in = self._backwards_ended
+                        call.by_grads = True
+                        return None
+                    wrapped = self._wrap_inputs(call, args, kwargs)
+                    call.by_grads = wrapped is None  # no input needs grad: only the gradients tell
+                    return wrapped
                 return self._wrap_inputs(call, args, kwargs)
         return None
 
@@ -604,11 +602,7 @@ class ModuleHooks:
                 self._refuse_create_graph(call)
             leaf = call.record.leaf
             if leaf is not None and (call.state is _BACKWARD_DONE or leaf.calls == 0):
-                # [Note: a second backward]: a call whose backward runs again, or one of a forward whose
-                # backward comes after an end of step reset the count (two forwards, two backwards: the
-                # second one's gradients were dropped at its end). Which of the leaf's calls open in this
-                # backward is not known before they run, so the unit is reduced at its end, on every rank.
-                leaf.reopened = True
+                leaf.reopened = True  # [Note: a second backward]: its unit is reduced at this backward's end
             call.state = _BACKWARD_OPEN
             if call.by_grads:
                 rec = call.record
@@ -731,6 +725,13 @@ def _on_grad_weak(ref: "weakref.ref[ModuleHooks]", p: torch.Tensor) -> None:
     hooks = ref()
     if hooks is not None:
         hooks._on_grad(p)
+
+
+def _all_trainable(params: list[ZeroParameter]) -> bool:
+    for p in params:
+        if not p.requires_grad:
+            return False
+    return True
 
 
 def _owner_read_late_weak(ref: "weakref.ref[ModuleHooks]", p: PartitionedParameter) -> None:
