@@ -179,4 +179,6 @@ def test_a_leaf_modules_unit_counts_as_one_gradient_piece():
     zero3.set_leaf_modules(model, [torch.nn.Sequential])
     engine = zero3.initialize(model, None, {"memory_budget": 100_000})
     assert engine.coordinator.budget.static.reduce_bucket_bytes == 32_000  # not 25,000: a quarter of the budget
-    assert any("the largest gradient piece, 8,000 elements" in line for line in engine.explain("budget"))
+    assert engine.coordinator.budget.static.reduce_bucket_size == 8_000  # reduced whole anyway: the bucket's size
+    assert any("reduce_bucket_size 8,000 elements (32,000 bytes): the largest gradient piece" in line
+               for line in engine.explain("budget"))

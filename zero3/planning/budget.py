@@ -116,10 +116,10 @@ def choose_static(params: Sequence[tuple[str, int, int]], budget: int, reduce_el
             "budget whose own persistent parameters and reduce bucket leave that room)")
     reasons = (
         f"memory_budget {budget:,} bytes per rank",
-        f"reduce_bucket_size {choice.reduce_bucket_size:,} elements: min(DeepSpeed's {DEFAULT_REDUCE_BUCKET:,}, "
-        f"{REDUCE_SHARE:g} of the budget); counted as {choice.reduce_bucket_bytes:,} bytes"
-        + (f" (the largest gradient piece, {grad_numel:,} elements, is reduced whole)"
-           if grad_numel > choice.reduce_bucket_size else ""),
+        f"reduce_bucket_size {choice.reduce_bucket_size:,} elements ({choice.reduce_bucket_bytes:,} bytes): "
+        + (f"the largest gradient piece, reduced whole, larger than min(DeepSpeed's {DEFAULT_REDUCE_BUCKET:,}, "
+           f"{REDUCE_SHARE:g} of the budget)" if choice.reduce_bucket_size == grad_numel else
+           f"min(DeepSpeed's {DEFAULT_REDUCE_BUCKET:,}, {REDUCE_SHARE:g} of the budget)"),
         f"persistent: {choice.persistent_count} parameters of <= {DEFAULT_PARAM_PERSISTENCE:,} elements, "
         f"{choice.persistent_bytes:,} bytes (model_persistence_threshold {choice.model_persistence_threshold:,} "
         f"elements = {PERSISTENT_SHARE:g} of the budget)",
@@ -147,13 +147,15 @@ def _static(params: Sequence[tuple[str, int, int]], budget: int, reduce_element_
             grad_numel: int) -> tuple[StaticChoice, tuple[int, str]]:
     """`choose_static`'s choice without its checks and reasons, and the largest non-persistent
     parameter's bytes and name ((0, "") when every one is persistent)."""
-    reduce_elems = max(1, min(DEFAULT_REDUCE_BUCKET, int(budget * REDUCE_SHARE) // reduce_element_bytes))
+    # A gradient piece larger than the share is reduced whole anyway: the bucket takes its size (as
+    # coarse as the account already allows: fewer reductions for the same bytes).
+    reduce_elems = max(1, grad_numel, min(DEFAULT_REDUCE_BUCKET, int(budget * REDUCE_SHARE) // reduce_element_bytes))
     element = max((nbytes // numel for _, numel, nbytes in params if numel), default=4) or 1
     model_threshold = int(budget * PERSISTENT_SHARE) // element
     chosen = choose_persistent((numel for _, numel, _ in params), DEFAULT_PARAM_PERSISTENCE, model_threshold)
     persistent = sum(nbytes for (_, _, nbytes), keep in zip(params, chosen) if keep)
     choice = StaticChoice(budget, DEFAULT_PARAM_PERSISTENCE, model_threshold, reduce_elems, persistent,
-                          max(reduce_elems, grad_numel) * reduce_element_bytes, (), sum(chosen))
+                          reduce_elems * reduce_element_bytes, (), sum(chosen))
     others = [(nbytes, name) for (name, _, nbytes), keep in zip(params, chosen) if not keep]
     return choice, max(others, key=lambda o: o[0]) if others else (0, "")  # the first of the largest
 
