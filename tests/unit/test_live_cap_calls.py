@@ -69,9 +69,9 @@ def test_a_module_called_twice_keeps_the_live_cap_and_trains_like_torch(build, l
     """Before: during c's backward a, b and c were all gathered (3,168 elements where one module is
     1,056 and the cap is 0, so only what the running module needs may be live), every step; with two
     forwards before one backward, all five layers (5,280). The one exception left: the first layer of
-    the second forward, whose input needs no gradient, has no node to tell when its backward is done
-    and stays gathered until the step ends (as in DeepSpeed and FSDP2, where such a module is
-    released at the end of the backward). A no_grad forward between the two ended a step of its own,
+    the second forward, whose input needs no gradient, has no node to tell when its backward is done:
+    its gradients close it, after the first forward's first layer (as in DeepSpeed and FSDP2, where
+    such a module is released at the end of the backward). A no_grad forward between the two ended a step of its own,
     which made the second forward's calls first calls again (5 modules live); a later call none of whose
     inputs needs grad was closed by nothing until the step ended (review of round 23)."""
     torch.manual_seed(0)
