@@ -578,3 +578,12 @@ def test_a_deepspeed_feature_zero3_lacks_is_accepted_off(extra):
 def test_a_deepspeed_feature_zero3_lacks_is_refused_on_by_name(extra, needle):
     with pytest.raises(ZeroConfigError, match=needle):
         ZeroConfig.from_dict({"train_batch_size": 4, "zero_optimization": {"stage": 3}, **extra})
+
+
+@pytest.mark.parametrize("value", [False, "false", 0])
+def test_load_from_fp32_weights_off_is_refused_not_ignored(value):
+    """DeepSpeed rebuilds the fp32 masters from the 16-bit weights at a load when it is false; zero3
+    loads its fp32 masters always, and took false in silence (probe 23D)."""
+    with pytest.raises(ZeroConfigError, match="load_from_fp32_weights.*not supported"):
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "load_from_fp32_weights": value}})
+    ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "load_from_fp32_weights": True}})

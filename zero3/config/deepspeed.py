@@ -261,6 +261,10 @@ def _zero_optimization(zero: Any, out: KnobValues) -> None:
             OffloadConfig.read_section(value, spelled, out)
         elif key in ZERO_IGNORED:
             check_ignored(spelled, key, value)
+            if key == "load_from_fp32_weights" and value is not None and _lax_false(value):
+                raise ZeroConfigError(f"{spelled}={value!r} is not supported: DeepSpeed then rebuilds the fp32 "
+                                      "masters from the 16-bit weights when a checkpoint loads; zero3 always loads "
+                                      "its checkpoints' fp32 masters. Set it to true or leave it out")
             logger.info("zero3: zero_optimization.%s has no effect in zero3; ignored", key)
         elif key in TOP_LEVEL:
             raise ZeroConfigError(f"{spelled}: {key!r} is a top-level key of a DeepSpeed config, not a "
