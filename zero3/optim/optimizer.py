@@ -166,7 +166,7 @@ def _reshard_state(optimizer: torch.optim.Optimizer, made: dict[int, dict[str, A
         return
     for p, new in moved:
         st = made.get(id(p))
-        if st is None or p not in optimizer.state:
+        if st is None:  # no state, or state keyed by the shard already (an optimizer built over shards)
             continue
         del optimizer.state[p]
         start, end = p._zero.shard_range()
@@ -646,7 +646,8 @@ class PartitionedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``engine.zero_grad()`` (runtime/engine_calls.py): within an accumulation window it keeps the
-        window's gradients, as DeepSpeed's; this is the optimizer ``zero3.deepspeed.initialize`` returns."""
+        window's gradients, as DeepSpeed's; this is the optimizer ``zero3.deepspeed.initialize`` returns.
+        ``set_to_none`` is DeepSpeed's signature: the gradient shards are always dropped (None)."""
         if self.user_zero_grad is None:
             raise ZeroStateError("this optimizer's gradients are the engine's: call engine.zero_grad()")
         self.user_zero_grad()

@@ -198,7 +198,7 @@ class _ModuleRecord:
     leaf: "_Leaf | None" = None
     by_grads: bool = False  # its calls are closed by its parameters' gradients (cached with ``params``)
     read_late: bool = False  # a parameter of it was read after its backward closed: never by_grads again
-    grads_in: int = -1  # the step (`ModuleHooks._steps_ended`) of its last call closed by the gradients
+    grads_in: int = -1  # the step (`ModuleHooks._backwards_ended`) of its last call closed by the gradients
     awaiting: list["_Call"] = field(default_factory=list)  # BACKWARD_OPEN calls closed by the gradients
     arrived: set[int] = field(default_factory=set)  # id(param) of gradients accumulated since they opened
 
