@@ -610,3 +610,48 @@ def test_deepspeed_keys_without_effect_take_what_deepspeed_takes(value):
 def test_communication_data_type_is_read_in_any_case_as_deepspeed_reads_it():
     cfg = ZeroConfig.from_dict({"communication_data_type": "BF16", "zero_optimization": {"stage": 3}})
     assert cfg.precision.reduce_dtype == "bf16"
+
+
+def _gan(g_dtype: str, d_dtype: str, g_power: int = 10, d_power: int = 4):
+    """A generator and a discriminator, each its own engine, and plain copies in the engines' dtypes."""
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    D = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    dt = {"fp32": torch.float32, "fp16": torch.float16}
+    ref_g, ref_d = copy.deepcopy(G).to(dt[g_dtype]), copy.deepcopy(D).to(dt[d_dtype])
+    engines = []
+    for model, dtype, power in ((G, g_dtype, g_power), (D, d_dtype, d_power)):
+        cfg = {**NO_PERSIST, "dtype": dtype, **({"initial_scale_power": power} if dtype == "fp16" else {})}
+        engines.append(zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg))
+    return engines, ref_g, ref_d, dt
+
+
+@pytest.mark.parametrize("g_dtype,d_dtype", [("fp16", "fp32"), ("fp32", "fp16"), ("fp16", "fp16")])
+def test_a_backward_through_another_engines_model_gives_it_torchs_gradients(g_dtype, d_dtype):
+    """A GAN's generator loss runs through the discriminator: ``eG.backward`` reaches D's parameters.
+    An fp32 D used to keep G's loss scale in its gradients (1024 times torch's, stepped so by a loop
+    that does not zero them), and an fp16 D refused the backward as not engine.backward's. Now each
+    engine's gradient carries its own factor (precision.py [Note: a backward that crosses engines]):
+    D's true gradient equals torch's of the same loss, and D steps on it."""
+    (eG, eD), ref_g, ref_d, dt = _gan(g_dtype, d_dtype)
+    z = torch.randn(4, 8)
+    loss = eD(eG(z.to(dt[g_dtype])).to(dt[d_dtype])).float().mean()
+    eG.backward(loss)
+    # torch: the same loss, unscaled in fp32 parts; scaled by G's 1024 where G is fp16, as the engine does
+    g_scale = 1024.0 if g_dtype == "fp16" else 1.0
+    ref_loss = ref_d(ref_g(z.to(dt[g_dtype])).to(dt[d_dtype])).float().mean()
+    (ref_loss * g_scale).backward()
+    assert torch.equal(loss.detach(), ref_loss.detach())
+    for p, r in zip(eD.params, ref_d.parameters()):
+        want = r.grad.float() / g_scale
+        torch.testing.assert_close(zero3.safe_get_full_grad(p), want, rtol=1e-3 if d_dtype == "fp16" else 1e-6,
+                                   atol=1e-6, msg=p._zero.name)
+    for p, r in zip(eG.params, ref_g.parameters()):
+        torch.testing.assert_close(zero3.safe_get_full_grad(p), r.grad.float() / g_scale, rtol=1e-6, atol=0,
+                                   msg=p._zero.name)
+    before = [zero3.safe_get_full_fp32_param(p).clone() for p in eD.params]
+    eG.step()
+    assert eD.step()  # D steps on the gradient G's backward left it (no zero_grad between), as torch would
+    for p, b, r in zip(eD.params, before, ref_d.parameters()):
+        torch.testing.assert_close(zero3.safe_get_full_fp32_param(p), b - 0.1 * r.grad.float() / g_scale,
+                                   rtol=1e-3 if d_dtype == "fp16" else 1e-6, atol=1e-6, msg=p._zero.name)

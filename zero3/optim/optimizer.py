@@ -72,7 +72,7 @@ from .foreign import guard_groups
 from .rank_state import tag_rank_state
 from .routed_step import torch_step
 from .streamed import SubgroupStreamer
-from .precision import LossScaler, unscale_
+from .precision import RUNNING_BACKWARD, LossScaler, unscale_
 from ..offload.nvme import ShardTier, StorageTier
 from ..offload.swapfile import AsyncIO, SwapFile
 
@@ -283,7 +283,6 @@ class PartitionedOptimizer:
         self.comm_device = self.params[0].data.device if self.params else torch.device("cpu")
         self._unscaled = False  # fp16: this window's gradients were already unscaled (by clipping)
         self._overflow = False  # ... and whether some rank saw inf/nan then
-        self.in_scaled_backward = False  # fp16: engine.backward's loss.backward() is running
         self._last_overflow = False
         self.global_grad_norm: torch.Tensor | None = None  # what the last clipping computed (no sync to read it here)
         self.user_step: Callable[[Any], Any] | None = None  # the routed ``optimizer.step`` (`step`); set by the engine
@@ -424,13 +423,15 @@ class PartitionedOptimizer:
 
     @contextlib.contextmanager
     def scaling(self) -> Iterator[None]:
-        """Around engine.backward's ``loss.backward()``: the gradients that reach the shards carry the
-        loss scale. A flag, not a thread-local: autograd runs a CUDA backward on threads of its own."""
-        self.in_scaled_backward = self.scaler is not None
+        """Around engine.backward's ``loss.backward()``: every gradient it makes carries this engine's
+        loss scale (1.0 without fp16), in whichever engine it lands (precision.py [Note: a backward
+        that crosses engines])."""
+        outer = RUNNING_BACKWARD.scale
+        RUNNING_BACKWARD.scale = self.scaler.scale if self.scaler is not None else 1.0
         try:
             yield
         finally:
-            self.in_scaled_backward = False
+            RUNNING_BACKWARD.scale = outer
 
     @property
     def grad_scale(self) -> float:

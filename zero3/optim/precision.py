@@ -45,6 +45,32 @@ logger = logging.getLogger(__name__)
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class RunningBackward:
+    """The factor every gradient of the running ``engine.backward`` carries: its engine's loss scale
+    (1.0 without fp16), or None while no ``engine.backward`` runs (a plain ``loss.backward()``).
+
+    [Note: a backward that crosses engines]
+    One backward reaches every model its graph crosses: a GAN's generator loss runs through the
+    discriminator, an RLHF critic may call the actor's trunk. Each engine's gradients must carry its
+    own factor (its loss scale until unscaled, else 1), which the one that called ``engine.backward``
+    does not know. So the factor is process-wide, set around ``engine.backward`` (`scaling`), and an
+    engine a gradient reaches multiplies it by ``its own / the running one`` before it is reduced
+    (runtime/hooks.py ``_on_grad``): an fp32 discriminator gets torch's gradient of the generator's
+    loss, not 65,536 times it, and an fp16 one the generator's scale traded for its own. A gradient
+    that overflowed in the other engine's fp16 part stays inf: an fp16 engine skips its step on it
+    (its overflow check), an fp32 or bf16 one has no such check. Not a thread-local: autograd runs a
+    CUDA backward on threads of its own.
+    """
+
+    __slots__ = ("scale",)
+
+    def __init__(self) -> None:
+        self.scale: float | None = None
+
+
+RUNNING_BACKWARD = RunningBackward()
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a config dtype name (``fp32``, ``bf16``, ``fp16``)."""
     return DTYPES[name]

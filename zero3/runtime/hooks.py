@@ -125,10 +125,11 @@ from .gathered import external_parameters, register_external_parameter, load_hoo
 from .leaf import is_leaf
 from ..partition.param import PartitionedParameter, ZeroParameter, drop_grad_slot
 from ..planning.trace import EventKind
+from ..optim.precision import RUNNING_BACKWARD
 from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
 from .refusals import (EAGER, create_graph_refusal, eval_frame_callback, refuse_compiled_call, refuse_copy,
-                       refuse_transform, transform_level)
+                       refuse_transform, transform_level, unscaled_backward_refusal)
 from .buffers import ModuleBuffers
 from .submodule_hooks import SubmoduleHooks
 from .outputs import prepare_output
@@ -622,22 +623,11 @@ class ModuleHooks:
         raise exc
 
     def _refuse_unscaled_backward(self, p: torch.Tensor) -> None:
-        """Under fp16 loss scaling a gradient reached a parameter from a backward that was not
-        engine.backward's: it is not multiplied by the loss scale that the step divides every
-        gradient by, so the update would be that many times too small (and any gradient of an
-        engine.backward in the same accumulation window would be mixed with it). Refused before the
-        gradient is reduced; the step ends aborted."""
-        name = p._zero.name if isinstance(p, ZeroParameter) else "a parameter"
         with torch._C.DisableTorchFunctionSubclass():  # autograd accumulated it already: drop it
             for q in self.ctx.params:
                 if q.grad is not None:
                     drop_grad_slot(q)
-        exc = ZeroStateError(
-            f"a gradient reached {name} from a backward that was not engine.backward(loss) (loss.backward(), "
-            "torch.autograd.backward, or a torch.amp.GradScaler's) while fp16 loss scaling is on: "
-            "engine.backward multiplies the loss by the loss scale and engine.step() divides the gradients "
-            "by it, so this gradient would step that many times too small. Call engine.backward(loss); "
-            "nothing of this backward was reduced")
+        exc = unscaled_backward_refusal(p._zero.name if isinstance(p, ZeroParameter) else "a parameter")
         self.step.abort(exc, "backward")
         raise exc
 
@@ -677,12 +667,16 @@ class ModuleHooks:
     def _on_grad(self, p: torch.Tensor) -> None:
         if self.step.phase is not _BACKWARD:
             self.step.enter(_BACKWARD)
-        if self._fp16 is not None and not self._fp16.in_scaled_backward:
+        theirs = RUNNING_BACKWARD.scale  # the factor this gradient carries (None: not an engine.backward)
+        if self._fp16 is not None and theirs is None:
             self._refuse_unscaled_backward(p)
         self._ensure_final_callback()
         grad = p.grad
         drop_grad_slot(p)
         if grad is not None:
+            ours = 1.0 if self._fp16 is None else self._fp16.grad_scale
+            if theirs is not None and theirs != ours:  # precision.py [Note: a backward that crosses engines]
+                grad = grad * (ours / theirs)
             leaf = self._leaf_of.get(id(p)) if self._leaf_of else None
             if leaf is None or leaf.flushed:  # flushed: a gradient after its unit was reduced (not expected)
                 self.reducer.add(p, grad)  # type: ignore[arg-type]

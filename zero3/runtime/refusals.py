@@ -111,3 +111,17 @@ def create_graph_refusal(module: str) -> ZeroStateError:
         "through it would fail. Keep those parameters gathered across both backwards: "
         "`with zero3.GatheredParameters(list(model.parameters())):` around the forward and both "
         "backwards, or a param_persistence_threshold above their size")
+
+
+def unscaled_backward_refusal(name: str) -> ZeroStateError:
+    """Under fp16 loss scaling a gradient reached parameter ``name`` from a backward that was no
+    engine's ``engine.backward``: it carries no loss scale, while the step divides every gradient by
+    this engine's, so the update would be that many times too small (and mixed with the scaled
+    gradients of the same accumulation window). The hooks drop it before it is reduced and end the
+    step aborted."""
+    return ZeroStateError(
+        f"a gradient reached {name} from a backward that was not engine.backward(loss) (loss.backward(), "
+        "torch.autograd.backward, or a torch.amp.GradScaler's) while fp16 loss scaling is on: "
+        "engine.backward multiplies the loss by the loss scale and engine.step() divides the gradients "
+        "by it, so this gradient would step that many times too small. Call engine.backward(loss) (any "
+        "engine's: another engine's backward reaching this model is rescaled); nothing of this backward was reduced")
