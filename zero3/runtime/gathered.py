@@ -317,9 +317,20 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     zero3 then gathers it with ``module`` (forward and backward). Accesses through another module's
     attribute (``self.wte.weight``) inside a forward are detected automatically once the engine is
     initialised; this call makes it explicit and works for any access path.
+
+    Raises:
+        ZeroStateError: after ``zero3.initialize``, on a module the engine gave no hooks (one without
+            parameters of its own and not registered then): nothing would gather ``parameter``.
     """
     if not isinstance(parameter, nn.Parameter):
         raise TypeError(f"register_external_parameter expects an nn.Parameter, got {type(parameter).__name__}")
+    if isinstance(parameter, ZeroParameter) and parameter._zero.ctx is not None and type(module._parameters) is dict:
+        # hooked modules' ``_parameters`` is the hooks' dict subclass (hooks.py `_ParamDict`)
+        raise ZeroStateError(
+            f"register_external_parameter({type(module).__name__}, {parameter._zero.name}) after zero3.initialize, "
+            f"on a module the engine did not hook (it has no parameters of its own): nothing would gather "
+            f"{parameter._zero.name} when it runs. Register it before zero3.initialize (in the module's __init__, "
+            "as DeepSpeed's docs do), or wrap the use in zero3.GatheredParameters")
     ext = module.__dict__.setdefault("_external_params", {})
     ext[id(parameter)] = parameter
 

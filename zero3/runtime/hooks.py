@@ -314,7 +314,8 @@ class ModuleHooks:
         for name, m in model.named_modules():
             if id(m) in inside_leaf:
                 continue  # part of a leaf: no hooks of its own
-            if m is not model and not m._parameters and not is_leaf(m, self.ctx.config.training.leaf_modules):
+            if (m is not model and not m._parameters and not external_parameters(m)
+                    and not is_leaf(m, self.ctx.config.training.leaf_modules)):
                 continue  # nothing to gather: no hooks (a parameter it reads is its caller's, found by _ParamDict)
             rec = _ModuleRecord(module=m, name=name)
             if is_leaf(m, self.ctx.config.training.leaf_modules):

@@ -99,7 +99,11 @@ class SavedParams:
             return _Saved(t, weakref.ref(p), bit_sum(raw_data(p)))
         if self.outer is not None:
             return _Outer(self.outer[0](t), self.outer[1])
-        return t
+        # Detached: an op that saves its own output (exp, tanh) would otherwise hold that output, whose
+        # grad_fn holds the hook's result: a cycle through autograd's C++ that the collector cannot see,
+        # so the graph, and a cached AccumulateGrad of the old shape, lived on. Torch re-attaches the
+        # grad_fn when it unpacks.
+        return t.detach()
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if type(saved) is _Outer:
