@@ -421,6 +421,53 @@ def test_a_non_contiguous_value_published_by_rank_0_trains_as_torch(pools, thres
         assert r["diff"] < 1e-6, r
 
 
+class _LoadFailed(Exception):
+    pass
+
+
+def modifier_block_raises(who: str, threshold: int, in_forward: bool) -> dict:
+    """Rank 0 writes into both layers inside ``GatheredParameters(modifier_rank=0)`` (a fill, and
+    ``.data =`` a new tensor), then ``who`` raises before the exit (a load failing halfway). The
+    persistent parameters (threshold 100: the biases) kept rank 0's write on rank 0 only, which the
+    next step took into rank 0's slice; with one rank raising, the other's broadcast met no peer.
+    Now nothing is published on any rank: the values are the ones before the block, and two steps
+    train as torch's without the write."""
+    rank = dist.get_rank()
+    ref, model, ref_opt, _, engine = _twin_mlps(threshold)
+    params = [model[0].weight, model[0].bias, model[2].weight, model[2].bias]
+    outer = zero3.GatheredParameters([model[2].weight]) if in_forward else contextlib.nullcontext()
+    error = ""
+    with outer:  # a parameter another holder keeps gathered across the block
+        try:
+            with zero3.GatheredParameters(params, modifier_rank=0):
+                if rank == 0:
+                    with torch.no_grad():
+                        for p in params[:3]:
+                            p.fill_(0.05)
+                    params[3].data = torch.full((4,), 0.05)
+                if who == "all" or rank == 0:
+                    raise _LoadFailed("rank 0's checkpoint read failed")
+        except _LoadFailed:
+            error = "own"
+        except zero3.ZeroStateError as e:
+            error = str(e)
+        with zero3.GatheredParameters(params):
+            unchanged = all(torch.equal(p, r) for p, r in zip(params, ref.parameters()))
+    return {"error": error, "unchanged": unchanged, "diff": _two_steps_beside(ref, ref_opt, model, engine)}
+
+
+@pytest.mark.parametrize("who", ["all", "rank 0"])
+@pytest.mark.parametrize("threshold,in_forward", [(100, False), (0, True), (10**6, False)])
+def test_a_modifier_block_that_raised_publishes_nothing_on_any_rank(pools, who, threshold, in_forward):
+    results = pools.get(2).run(modifier_block_raises, who, threshold, in_forward)
+    for rank, r in enumerate(results):
+        assert r["unchanged"] and r["diff"] < 1e-6, r
+        if who == "all" or rank == 0:
+            assert r["error"] == "own", r
+        else:
+            assert "rank(s) 0 left the block with an exception" in r["error"], r
+
+
 def data_resized() -> dict:
     """``p.data = t`` of another shape after initialize (a bias of 16 given one element, which the
     forward broadcasts): its gradient then has another size than the shards'. Refused by name in the

@@ -60,11 +60,12 @@ def repartition(ctx: Any, p: ZeroParameter) -> None:
         ctx.metrics.add_live(z.numel - numel, z.nbytes - nbytes)
 
 
-def refuse_reshape(ctx: Any, params: list[ZeroParameter], what: str, raise_: bool = True) -> None:
+def refuse_reshape(ctx: Any, params: list[ZeroParameter], what: str, raise_: bool = True, refresh: bool = True) -> None:
     """A new shape that is not written back (an engine holds the parameters, or ``GatheredParameters``
     has no ``modifier_rank``): give them back their own shape (the shards are untouched; a gathered
-    copy that another holder keeps has uninitialised values until gathered again), then raise unless
-    not ``raise_``. ``what`` names the call."""
+    copy that another holder keeps has uninitialised values until gathered again, persistent ones
+    at once unless not ``refresh``: the caller restores them), then raise unless not ``raise_``.
+    ``what`` names the call."""
     name, new_shape, old_shape = params[0]._zero.name, tuple(raw_data(params[0]).shape), tuple(params[0]._zero.shape)
     for p in params:
         z = p._zero
@@ -72,7 +73,7 @@ def refuse_reshape(ctx: Any, params: list[ZeroParameter], what: str, raise_: boo
             p.data = z.shard[: z.numel].view(z.shape) if z.aliased else \
                 torch.empty(z.shape, dtype=z.dtype, device=raw_data(p).device)
         z.flat = None
-    if any(p._zero.persistent and not p._zero.aliased for p in params):
+    if refresh and any(p._zero.persistent and not p._zero.aliased for p in params):
         ctx.coordinator.refresh_persistent()  # kept gathered: their values again, from the shards
     if not raise_:
         return
