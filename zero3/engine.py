@@ -44,8 +44,8 @@ from .optim.optimizer import clip_shards
 from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
 from .runtime.step import StepPhase
-from .runtime.engine_calls import (MID_STEP, check_lr_kwargs, log_progress, require_hooks,
-                                   zero_grad_window)
+from .runtime.engine_calls import (MID_STEP, check_lr_kwargs, end_forward_without_backward, log_progress,
+                                   require_hooks, zero_grad_window)
 
 logger = logging.getLogger(__name__)
 
@@ -461,10 +461,10 @@ class Engine:
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None, **kwargs: Any) -> tuple[str | None, Any]:
         """Load a checkpoint saved at any world size (a collective); returns ``(path, client_state)``.
-
         The engine's lr scheduler is restored too unless another is given; DeepSpeed's argument order. See
-        `zero3.checkpoint.load.load_checkpoint`.
+        `zero3.checkpoint.load.load_checkpoint` (and `end_forward_without_backward`).
         """
+        end_forward_without_backward(self, "load_checkpoint")
         kwargs.setdefault("lr_scheduler", self.lr_scheduler)
         return load_checkpoint(self.context, load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,

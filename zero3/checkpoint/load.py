@@ -133,7 +133,8 @@ def _plan_load(ctx: RuntimeContext, reader: CheckpointReader, load_optimizer_sta
                 if p._zero.status is not ParamStatus.NOT_AVAILABLE and not p._zero.persistent]
     if gathered:
         raise ZeroStateError(f"load_checkpoint while parameters are gathered ({', '.join(gathered[:5])}); call it "
-                             "between steps, outside forward/backward and GatheredParameters")
+                             "between steps, outside forward/backward and GatheredParameters (engine.load_checkpoint "
+                             "ends a step whose forward's backward did not run)")
     return plan
 
 

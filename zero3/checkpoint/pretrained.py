@@ -347,7 +347,8 @@ def _plan(module: nn.Module, source: _Source,
     unexpected += [k for k in extra if k not in settable]
     if gathered:
         raise ZeroStateError(f"load_state_dict while parameters are gathered ({', '.join(gathered[:5])}); call it "
-                             "outside forward/backward and GatheredParameters")
+                             "outside forward/backward and GatheredParameters (after a forward with gradients whose "
+                             "backward will not run, one forward under torch.no_grad() ends that step)")
     problems = []
     if shape_errors:
         problems.append("shape mismatch: " + "; ".join(shape_errors))

@@ -21,6 +21,17 @@ MID_STEP = ("{what} must be called between steps (after engine.step()); a step i
             "under torch.no_grad(), which ends the step")
 
 
+def end_forward_without_backward(engine: Any, what: str) -> None:
+    """A forward with gradients whose backward never came (its loss was not finite and the loop went
+    on; the loss function raised) leaves the step open, with parameters kept gathered for that
+    backward. ``what`` (a checkpoint load, DeepSpeed's recovery from such a loss) replaces every
+    shard, so that backward cannot run on the old values any more: the step ends here, as a forward
+    under ``torch.no_grad()`` would end it. Inside a backward, or with one done, nothing changes (the
+    load refuses)."""
+    if engine.hooks.step.end_forward_only():
+        logger.info("zero3: %s after a forward whose backward did not run: that step ended here", what)
+
+
 def check_lr_kwargs(engine: Any, lr_kwargs: Any) -> None:
     """``lr_kwargs`` the scheduler's ``step`` takes, checked before the optimizer steps (a TypeError
     from the scheduler after it would leave the step half done)."""

@@ -115,6 +115,14 @@ class StepLifecycle:
         """The step finished: complete the gradient shards, release everything, cache the trace."""
         self._end(aborted=False, reason=None)
 
+    def end_forward_only(self) -> bool:
+        """End a step that is in its forward outside any backward (one whose backward will not run), as
+        a forward under ``torch.no_grad()`` would; True when it did."""
+        if self.phase is StepPhase.FORWARD and torch._C._current_graph_task_id() < 0:
+            self.end()
+            return True
+        return False
+
     def abort(self, exc: BaseException, where: str) -> None:
         """A forward or backward raised ``exc``: end the step aborted and tell the other ranks. Once
         per step: the root module's post-forward hook aborts as the exception leaves the model, and
