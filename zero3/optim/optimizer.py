@@ -423,9 +423,8 @@ class PartitionedOptimizer:
 
     @contextlib.contextmanager
     def scaling(self) -> Iterator[None]:
-        """Around engine.backward's ``loss.backward()``: every gradient it makes carries this engine's
-        loss scale (1.0 without fp16), in whichever engine it lands (precision.py [Note: a backward
-        that crosses engines])."""
+        """Around engine.backward's ``loss.backward()``: its gradients carry this engine's loss scale (1.0
+        without fp16), in whichever engine they land (precision.py [Note: a backward that crosses engines])."""
         outer = RUNNING_BACKWARD.scale
         RUNNING_BACKWARD.scale = self.scaler.scale if self.scaler is not None else 1.0
         try:
