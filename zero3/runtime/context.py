@@ -518,7 +518,8 @@ def _refuse_managed_parts(model: nn.Module) -> None:
         owner = p._zero.ctx if isinstance(p, ZeroParameter) else None
         if isinstance(owner, RuntimeContext) and owner.attached:
             raise ZeroStateError(f"zero3.initialize: parameter {name!r} belongs to an engine over another model (this "
-                                 "model is part of it); call that engine's remove_hooks() first, or keep using it")
+                                 "model is part of that one, or shares a submodule or a tied parameter with it); "
+                                 "give each model its own copy, or call that engine's remove_hooks() first")
 
 
 def _drop_stale_grads(model: nn.Module) -> None:
