@@ -464,14 +464,53 @@ def test_an_external_parameter_registered_on_a_module_without_parameters_trains_
     _train_pair(ref, model, engine)
 
 
-def test_registering_on_a_module_the_engine_did_not_hook_is_refused_after_initialize():
+def test_an_external_parameter_registered_after_initialize_trains_like_the_reference():
+    """On a module without parameters of its own the engine had no hooks: the registration now gives
+    it some; on a module outside the model it is refused, registering nothing."""
     torch.manual_seed(0)
-    model = _SharedNoOwn()
-    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
-    with pytest.raises(ZeroStateError, match=r"_NoOwnParams, a\.weight\) after zero3\.initialize.*before zero3\.init"):
-        zero3.register_external_parameter(model.b, model.a.weight)
-    zero3.register_external_parameter(model.b.proj, model.a.weight)  # a hooked module: taken
-    assert engine.coordinator.live_params == []
+    ref = _SharedNoOwn()
+    model = copy.deepcopy(ref)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"param_persistence_threshold": 0})
+    with pytest.raises(ZeroStateError, match=r"unregistered|register_external_parameter"):
+        engine(torch.randn(2, 4))  # not registered yet: refused by name, as before
+    zero3.register_external_parameter(model.b, model.a.weight)
+    stray = nn.Linear(2, 2)
+    with pytest.raises(ZeroStateError, match=r"Linear given is not part of the engine's model"):
+        zero3.register_external_parameter(stray, model.a.weight)
+    assert not zero3.runtime.gathered.external_parameters(stray)
+    _train_pair(ref, model, engine)
+
+
+class _LeafHolder(nn.Module):
+    def __init__(self, shared: nn.Parameter) -> None:
+        super().__init__()
+        self.inner = _NoOwnParams(shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+class _SharedInLeaf(_SharedNet):
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.a = nn.Linear(4, 4)
+        self.b = _LeafHolder(self.a.weight)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_external_parameter_of_a_module_inside_a_leaf_is_gathered_by_the_leaf(when):
+    """A leaf module's calls gather what its inner modules registered (they have no hooks of their own)."""
+    torch.manual_seed(0)
+    ref = _SharedInLeaf()
+    model = copy.deepcopy(ref)
+    if when == "before":
+        zero3.register_external_parameter(model.b.inner, model.a.weight)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"param_persistence_threshold": 0, "leaf_modules": ["_LeafHolder"]})
+    if when == "after":
+        zero3.register_external_parameter(model.b.inner, model.a.weight)
+    _train_pair(ref, model, engine)
 
 
 def test_unregistered_external_parameter_raises_naming_it():

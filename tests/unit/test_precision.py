@@ -655,3 +655,19 @@ def test_a_backward_through_another_engines_model_gives_it_torchs_gradients(g_dt
     for p, b, r in zip(eD.params, before, ref_d.parameters()):
         torch.testing.assert_close(zero3.safe_get_full_fp32_param(p), b - 0.1 * r.grad.float() / g_scale,
                                    rtol=1e-3 if d_dtype == "fp16" else 1e-6, atol=1e-6, msg=p._zero.name)
+
+
+def test_a_backward_crossing_into_an_fp16_engine_after_its_clip_is_refused_and_loses_nothing():
+    """Clipping unscaled D's window (its overflow check and norm taken); a generator backward crossing
+    into D afterwards then joined the unscaled shards unchecked: an inf there stepped D's weights to
+    inf where its own step would have been skipped. Refused now, like D's own backward after a clip."""
+    (eG, eD), _, _, dt = _gan("fp16", "fp16", g_power=30)
+    z = torch.randn(4, 8)
+    eD.backward(eD(torch.randn(4, 8).half()).float().mean())
+    zero3.clip_grad_norm_(eD, 1.0)
+    kept = [zero3.safe_get_full_grad(p).clone() for p in eD.params]
+    with pytest.raises(ZeroStateError, match=r"after clip_grad_norm_ unscaled this engine's gradients"):
+        eG.backward(eD(eG(z.half())).float().mean())
+    assert all(torch.equal(zero3.safe_get_full_grad(p), k) for p, k in zip(eD.params, kept))
+    assert eD.step()
+    assert all(torch.isfinite(zero3.safe_get_full_fp32_param(p)).all() for p in eD.params)

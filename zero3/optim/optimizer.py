@@ -281,7 +281,7 @@ class PartitionedOptimizer:
         self.groups: list[FlatGroup] = []
         self.skipped_steps = 0
         self.comm_device = self.params[0].data.device if self.params else torch.device("cpu")
-        self._unscaled = False  # fp16: this window's gradients were already unscaled (by clipping)
+        self.unscaled = False  # fp16: this window's gradients were already unscaled (by clipping)
         self._overflow = False  # ... and whether some rank saw inf/nan then
         self._last_overflow = False
         self.global_grad_norm: torch.Tensor | None = None  # what the last clipping computed (no sync to read it here)
@@ -415,7 +415,7 @@ class PartitionedOptimizer:
         """The loss to differentiate: times the fp16 loss scale (in fp32), else unchanged."""
         if self.scaler is None:
             return loss
-        if self._unscaled:
+        if self.unscaled:
             raise ZeroStateError(
                 "backward after clip_grad_norm_ in the same accumulation window: the gradients were already "
                 "unscaled. Clip once per optimizer step, after the last micro-batch's backward")
@@ -435,7 +435,7 @@ class PartitionedOptimizer:
     @property
     def grad_scale(self) -> float:
         """The factor the stored gradient shards carry: the loss scale until unscaled (fp16), else 1."""
-        if self.scaler is None or self._unscaled:
+        if self.scaler is None or self.unscaled:
             return 1.0
         return self.scaler.scale
 
@@ -461,7 +461,7 @@ class PartitionedOptimizer:
         rank learns whether any rank saw an inf or nan, so all skip the step or none, and their loss
         scales stay equal. Without a scaler it does nothing and returns False.
         """
-        if self.scaler is None or self._unscaled:
+        if self.scaler is None or self.unscaled:
             return self._overflow
         grads = self.grads()
         found = unscale_(grads, 1.0 / self.scaler.scale) if grads else torch.zeros(1)
@@ -471,7 +471,7 @@ class PartitionedOptimizer:
         if self.model_parallel is not None:
             flag = self.model_parallel.comm.all_reduce(flag.to(self.model_parallel.comm.device), tag, op="max")
         self._overflow = bool(flag.item() > 0)
-        self._unscaled = True
+        self.unscaled = True
         return self._overflow
 
     def step(self, closure: Any = None) -> None:
@@ -659,7 +659,7 @@ class PartitionedOptimizer:
             t = p._zero.train_tensor
             if t.grad is not None:
                 t.grad = None
-        self._unscaled = self._overflow = False
+        self.unscaled = self._overflow = False
 
     # -- accounting ------------------------------------------------------------------------------
     def shard_bytes(self) -> int:

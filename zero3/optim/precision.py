@@ -56,10 +56,15 @@ class RunningBackward:
     does not know. So the factor is process-wide, set around ``engine.backward`` (`scaling`), and an
     engine a gradient reaches multiplies it by ``its own / the running one`` before it is reduced
     (runtime/hooks.py ``_on_grad``): an fp32 discriminator gets torch's gradient of the generator's
-    loss, not 65,536 times it, and an fp16 one the generator's scale traded for its own. A gradient
-    that overflowed in the other engine's fp16 part stays inf: an fp16 engine skips its step on it
-    (its overflow check), an fp32 or bf16 one has no such check. Not a thread-local: autograd runs a
-    CUDA backward on threads of its own.
+    loss, not 65,536 times it, and an fp16 one the generator's scale traded for its own. Limits: the
+    receiving engine's fp16 part computed its gradients at the other's factor, so below its own scale
+    small ones may have flushed to zero (an fp32 generator into an fp16 discriminator at 2**16: 104
+    of 128 entries of a weight's gradient zero, 92% off, measured); a gradient that overflowed stays
+    inf: an fp16 engine skips its step on it (its overflow check), an fp32 or bf16 one has none. An
+    fp16 engine whose window clipping has unscaled refuses it (hooks.py `_refuse_unscaled`), as it
+    refuses its own ``engine.backward`` there; one whose optimizer steps in the backward
+    (``offload_optimizer_step_in_backward``) steps inside the other's backward. Not a thread-local:
+    autograd runs a CUDA backward on threads of its own.
     """
 
     __slots__ = ("scale",)

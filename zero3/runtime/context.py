@@ -20,6 +20,7 @@ communicator, coordinator) for the parameters it partitions while a model is bui
       model_parallel ModelParallel | None   the tensor-parallel group beside ZeRO-3 (engine with an mpu)
       io             AsyncIO | None    the threads of the swap files (NVMe offload only)
       late_read      callable | None   the hooks' gather of a parameter read late in a backward (hooks.py)
+      external_added callable | None   the hooks' answer to register_external_parameter after install
       lr_scheduler, offloaded (engine.offload_states), module, params, global_steps, micro_steps
 """
 
@@ -98,6 +99,8 @@ class RuntimeContext:
     # The hooks' gather of a parameter read in a backward after its module's backward closed
     # (late_read.py [Note: a parameter read after its module's backward]); None without hooks.
     late_read: Callable[[Any, Any, tuple, dict], tuple[bool, Any]] | None = None
+    # The hooks' `external_added` (a registration after install), weakly; None without hooks.
+    external_added: Callable[[Any], None] | None = None
     _io_mark: tuple[int, int] = (0, 0)  # io's (read, written) bytes when the last step's were counted
 
     @classmethod

@@ -366,22 +366,23 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     attribute (``self.wte.weight``) inside a forward are detected automatically once the engine is
     initialised; this call makes it explicit and works for any access path.
 
+    After ``zero3.initialize`` the engine's hooks are told (hooks.py `external_added`): a module that
+    had none (no parameters of its own) gets them.
+
     Raises:
-        ZeroStateError: after ``zero3.initialize``, on a module the engine gave no hooks (one without
-            parameters of its own and not registered then): nothing would gather ``parameter``.
+        ZeroStateError: after ``zero3.initialize``, ``module`` is not part of the engine's model.
     """
     if not isinstance(parameter, nn.Parameter):
         raise TypeError(f"register_external_parameter expects an nn.Parameter, got {type(parameter).__name__}")
-    ctx = parameter._zero.ctx if isinstance(parameter, ZeroParameter) else None
-    if ctx is not None and ctx.module is not None and type(module._parameters) is dict:
-        # an engine holds it (``ctx.module``); hooked modules' ``_parameters`` is hooks.py's `_ParamDict`
-        raise ZeroStateError(
-            f"register_external_parameter({type(module).__name__}, {parameter._zero.name}) after zero3.initialize, "
-            f"on a module the engine did not hook (it has no parameters of its own): nothing would gather "
-            f"{parameter._zero.name} when it runs. Register it before zero3.initialize (in the module's __init__, "
-            "as DeepSpeed's docs do), or wrap the use in zero3.GatheredParameters")
     ext = module.__dict__.setdefault("_external_params", {})
     ext[id(parameter)] = parameter
+    ctx = parameter._zero.ctx if isinstance(parameter, ZeroParameter) else None
+    if ctx is not None and ctx.external_added is not None:
+        try:
+            ctx.external_added(module)
+        except ZeroStateError:
+            del ext[id(parameter)]
+            raise
 
 
 def external_parameters(module: nn.Module) -> list[nn.Parameter]:

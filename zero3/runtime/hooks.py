@@ -71,17 +71,7 @@ without them: it finds its parameters gathered, unless a checkpoint load or a
 ``GatheredParameters`` write released them, and then raises the `ZeroStateError` of a parameter
 used while not gathered (checked with a scratch script, not in the tests).
 
-[Note: activation checkpointing and the end of a step]
-``zero3.checkpointing.checkpoint`` runs its function twice: under ``no_grad`` in the forward, and
-again inside the backward (the recompute), followed by a nested ``torch.autograd.backward``. Both
-runs go through the hooks above and are recorded like any other module visits. Two scopes tell the
-hooks what they cannot see by themselves:
-- `checkpoint_forward`: a root module that returns under ``no_grad`` inside it is being
-  checkpointed, not run for inference, so the step does not end there;
-- `nested_backward`: around the nested backward. Its graph task may be the only one zero3 queued a
-  callback on (when no hooked module ran in the enclosing backward before the recompute, e.g. the
-  layers after the checkpoint are all persistent); when it ends, the enclosing backward is still
-  running, so the step's end is handed on to that enclosing graph task instead of happening there.
+[Note: activation checkpointing and the end of a step]: checkpoint_scopes.py.
 
 [Note: a second backward]
 Several losses over one forward, each with its own ``backward`` (the first with
@@ -98,19 +88,16 @@ With the optimizer step in
 backward the first backward already stepped: a gradient after that fails the step
 (optim/backward_step.py). A backward with ``create_graph=True`` is another matter: the graph it
 builds saves the gathered weights, which the module's post-backward releases, so it is refused
-(`_refuse_create_graph`) unless the call's parameters are held by ``GatheredParameters``.
+(refusals.py `create_graph_refusal`) unless the call's parameters are held by ``GatheredParameters``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import logging
 import sys
 import time
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
@@ -119,6 +106,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .checkpoint_scopes import CHECKPOINT_FORWARD, NESTED_BACKWARD
 from .context import RuntimeContext
 from ..errors import ZeroStateError
 from .gathered import external_parameters, register_external_parameter, load_hooks
@@ -129,7 +117,7 @@ from ..optim.precision import RUNNING_BACKWARD
 from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
 from .refusals import (EAGER, create_graph_refusal, eval_frame_callback, refuse_compiled_call, refuse_copy,
-                       refuse_transform, transform_level, unscaled_backward_refusal)
+                       removed_refusal, refuse_transform, transform_level, unscaled_backward_refusal)
 from .buffers import ModuleBuffers
 from .submodule_hooks import SubmoduleHooks
 from .outputs import prepare_output
@@ -137,37 +125,6 @@ from .last_grad_hook import LastGradHook
 from .late_read import LateReads, weak_late_read
 
 logger = logging.getLogger(__name__)
-
-
-_CHECKPOINT_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("zero3_checkpoint_forward", default=False)
-_NESTED_BACKWARD: contextvars.ContextVar[list["ModuleHooks"] | None] = contextvars.ContextVar(
-    "zero3_nested_backward", default=None)
-
-
-@contextlib.contextmanager
-def checkpoint_forward() -> Iterator[None]:
-    """The ``no_grad`` forward of an activation checkpoint runs inside (see [Note: activation
-    checkpointing and the end of a step])."""
-    token = _CHECKPOINT_FORWARD.set(True)
-    try:
-        yield
-    finally:
-        _CHECKPOINT_FORWARD.reset(token)
-
-
-@contextlib.contextmanager
-def nested_backward() -> Iterator[None]:
-    """A backward nested in a running one (an activation checkpoint's) runs inside: a step whose last
-    graph task ends in it ends with the enclosing backward instead (see [Note: activation
-    checkpointing and the end of a step]). Call it from the enclosing backward's node."""
-    deferred: list[ModuleHooks] = []
-    token = _NESTED_BACKWARD.set(deferred)
-    try:
-        yield
-    finally:
-        _NESTED_BACKWARD.reset(token)
-    for hooks in deferred:
-        hooks._ensure_final_callback()  # queued on the enclosing graph task, which is current again
 
 
 class CallState(Enum):
@@ -296,6 +253,7 @@ class ModuleHooks:
         self.root: nn.Module | None = None
         self._leaves: list[_Leaf] = []
         self._leaf_of: dict[int, _Leaf] = {}  # id(param) -> the leaf it belongs to
+        self._in_leaf: dict[int, _ModuleRecord] = {}  # id(module) inside a leaf -> the leaf's record
         self._owner: dict[int, _ModuleRecord] = {}  # id(param) -> the one hooked module that owns it
         self._awaiting: set[_ModuleRecord] = set()  # records with calls waiting for their gradients
         self._forward_t0 = 0.0  # when the running root forward began
@@ -310,34 +268,13 @@ class ModuleHooks:
     # -- install / remove -----------------------------------------------------------------------
     def install(self, model: nn.Module) -> None:
         self.root = model
-        inside_leaf: set[int] = set()
         for name, m in model.named_modules():
-            if id(m) in inside_leaf:
+            if id(m) in self._in_leaf:
                 continue  # part of a leaf: no hooks of its own
             if (m is not model and not m._parameters and not external_parameters(m)
                     and not is_leaf(m, self.ctx.config.training.leaf_modules)):
                 continue  # nothing to gather: no hooks (a parameter it reads is its caller's, found by _ParamDict)
-            rec = _ModuleRecord(module=m, name=name)
-            if is_leaf(m, self.ctx.config.training.leaf_modules):
-                inside_leaf.update(id(d) for d in m.modules() if d is not m)
-                trainable = sorted({id(p): p for p in m.parameters() if p.requires_grad}.values(),
-                                   key=lambda p: p._zero.id)
-                rec.leaf = _Leaf(params=trainable)  # type: ignore[arg-type]
-                self._leaves.append(rec.leaf)
-                for p in trainable:
-                    self._leaf_of[id(p)] = rec.leaf
-            self._records[id(m)] = rec
-            pre, post = functools.partial(self._pre_forward, rec), functools.partial(self._post_forward, rec)
-            if m is model:
-                self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
-                self._handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
-            else:
-                self._submodule_hooks.add(m, pre, post)
-            self._handles.append(m.register_state_dict_post_hook(_clone_gathered))
-            pd = _ParamDict(m._parameters)
-            pd.owner = m
-            pd.hooks = self
-            m._parameters = pd
+            self._hook(name, m)
         holders: dict[int, int] = {}  # id(param) -> how many modules hold it as their own (hooked or not)
         for m in model.modules():
             if any(isinstance(p, ZeroParameter) for p in dict.values(m._parameters)):  # loaded into shards
@@ -357,19 +294,57 @@ class ModuleHooks:
             seen.add(id(p))
             # A weak reference: tensor hooks live in C++, where the garbage collector cannot see a
             # cycle through them, and a bound method would keep the engine alive forever.
-            self._handles.append(LastGradHook(p, functools.partial(_on_grad_weak, weakref.ref(self))))
+            self._handles.append(LastGradHook(p, functools.partial(_weakly, weakref.ref(self), "_on_grad")))
         self._late_reads = LateReads(self.step, self.coordinator, self.stack, self.ctx.store.placement.step_in_backward,
-                                     functools.partial(_owner_read_late_weak, weakref.ref(self)))
+                                     functools.partial(_weakly, weakref.ref(self), "_owner_read_late"))
         self.ctx.late_read = weak_late_read(self._late_reads)
+        self.ctx.external_added = functools.partial(_weakly, weakref.ref(self), "external_added")
 
-    def generation_ended(self) -> None:
+    def _hook(self, name: str, m: nn.Module) -> None:
+        rec = _ModuleRecord(module=m, name=name)
+        if is_leaf(m, self.ctx.config.training.leaf_modules):
+            self._in_leaf.update((id(d), rec) for d in m.modules() if d is not m)
+            trainable = sorted({id(p): p for p in m.parameters() if p.requires_grad}.values(),
+                               key=lambda p: p._zero.id)
+            rec.leaf = _Leaf(params=trainable)  # type: ignore[arg-type]
+            self._leaves.append(rec.leaf)
+            for p in trainable:
+                self._leaf_of[id(p)] = rec.leaf
+        self._records[id(m)] = rec
+        pre, post = functools.partial(self._pre_forward, rec), functools.partial(self._post_forward, rec)
+        if m is self.root:
+            self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+        else:
+            self._submodule_hooks.add(m, pre, post)
+        self._handles.append(m.register_state_dict_post_hook(_clone_gathered))
+        pd = _ParamDict(m._parameters)
+        pd.owner = m
+        pd.hooks = self
+        m._parameters = pd
+
+    def external_added(self, module: nn.Module) -> None:
+        """``register_external_parameter(module, ...)`` after install: a module without hooks (none of
+        its own parameters) gets them now, and a leaf holding it gathers the parameter with its calls.
+        Raises `ZeroStateError` if ``module`` is not part of the engine's model (nothing would gather it)."""
+        rec = self._records.get(id(module)) or self._in_leaf.get(id(module))
+        if rec is not None:
+            rec.key = (-1, -1, -1)  # its calls collect their parameters again
+            return
+        assert self.root is not None
+        name = next((n for n, m in self.root.named_modules() if m is module), None)
+        if name is None:
+            raise ZeroStateError(f"register_external_parameter: the {type(module).__name__} given is not part of "
+                                 "the engine's model, so no hook of it would gather the parameter")
+        self._hook(name, module)
+
         """Generation mode ended: the submodules' hooks are back on."""
         self._submodule_hooks.resume()
 
     def remove(self) -> None:
         """Take every hook off (autograd nodes' hooks, without handles, refuse); a running step aborts."""
         self._removed = True
-        self.ctx.late_read = None
+        self.ctx.late_read = self.ctx.external_added = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -425,7 +400,8 @@ class ModuleHooks:
 
     def _collect(self, rec: _ModuleRecord) -> list[ZeroParameter]:
         out: list[ZeroParameter] = []
-        own = rec.module.parameters() if rec.leaf is not None else dict.values(rec.module._parameters)
+        leaf = rec.leaf is not None
+        own = rec.module.parameters() if leaf else dict.values(rec.module._parameters)
         for p in own:
             if p is None:
                 continue
@@ -437,9 +413,10 @@ class ModuleHooks:
                         "(torch.func.functional_call) in the model's first forward; run one forward first"))
             if not any(q is p for q in out):
                 out.append(p)
-        for p in external_parameters(rec.module):
-            if isinstance(p, ZeroParameter) and not any(q is p for q in out):
-                out.append(p)
+        for d in rec.module.modules() if leaf else (rec.module,):  # a leaf's calls gather its modules' too
+            for p in external_parameters(d):
+                if isinstance(p, ZeroParameter) and not any(q is p for q in out):
+                    out.append(p)
         return out
 
     def _pre_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -542,7 +519,7 @@ class ModuleHooks:
                 self.coordinator.leave_visit(call.params)
             call.state = _FORWARD_DONE
         if not grad and rec.module is self.root and not self.stack and self.step.phase is _FORWARD \
-                and not _CHECKPOINT_FORWARD.get():
+                and not CHECKPOINT_FORWARD.get():
             self.step.end()  # an inference forward is a whole step
         return result
 
@@ -596,12 +573,15 @@ class ModuleHooks:
     def _pre_backward(self, call: _Call, grads: Any) -> None:
         if self.step.phase is not _BACKWARD:  # the hook path: no call when nothing changes
             if self._removed:
-                self._refuse_removed(call)
+                raise removed_refusal(call.record.name)
+            if self._fp16 is not None and self._fp16.unscaled:  # refused before the phase: nothing is dropped
+                self._refuse_unscaled(None, True)
             self.step.enter(_BACKWARD)
-        self._ensure_final_callback()
+        self.ensure_final_callback()
         if call.state is _FORWARD_DONE or (call.state is _BACKWARD_DONE and call.ended_in != self._steps_ended):
             if torch.is_grad_enabled() and any(p._zero.user_pins == 0 for p in call.params):
-                self._refuse_create_graph(call)
+                self.step.abort(exc := create_graph_refusal(call.record.name), "backward")
+                raise exc
             leaf = call.record.leaf
             if leaf is not None and (call.state is _BACKWARD_DONE or leaf.calls == 0):
                 leaf.reopened = True  # [Note: a second backward]: its unit is reduced at this backward's end
@@ -612,25 +592,6 @@ class ModuleHooks:
                 rec.awaiting.append(call)
             self.coordinator.event(_PRE_BACKWARD, call.record.name, call.params, call.ids)
         return None
-
-    def _refuse_removed(self, call: _Call) -> None:
-        raise ZeroStateError(f"a backward reached {call.record.name or 'the model'} through a forward run before "
-                             "engine.remove_hooks(): its gradients would not be reduced into the shards; run the "
-                             "backward first, or the forward again under a new engine")
-
-    def _refuse_create_graph(self, call: _Call) -> None:
-        exc = create_graph_refusal(call.record.name)
-        self.step.abort(exc, "backward")
-        raise exc
-
-    def _refuse_unscaled_backward(self, p: torch.Tensor) -> None:
-        with torch._C.DisableTorchFunctionSubclass():  # autograd accumulated it already: drop it
-            for q in self.ctx.params:
-                if q.grad is not None:
-                    drop_grad_slot(q)
-        exc = unscaled_backward_refusal(p._zero.name if isinstance(p, ZeroParameter) else "a parameter")
-        self.step.abort(exc, "backward")
-        raise exc
 
     def _post_backward(self, call: _Call) -> None:
         if call.state is _BACKWARD_OPEN and self.step.phase is _BACKWARD:
@@ -643,6 +604,10 @@ class ModuleHooks:
                 # runs AccumulateGrad nodes first once they are ready).
                 self._flush_leaf(leaf)
             self.reducer.module_done()
+
+    def _refuse_unscaled(self, p: torch.Tensor | None, clipped: bool) -> None:
+        self.step.abort(exc := unscaled_backward_refusal(self.ctx.params, p, clipped), "backward")
+        raise exc
 
     def _close_by_gradients(self, rec: _ModuleRecord) -> None:
         """Every parameter of ``rec`` has its gradient (`_on_grad` counts them in ``rec.arrived``): the
@@ -668,21 +633,21 @@ class ModuleHooks:
     def _on_grad(self, p: torch.Tensor) -> None:
         if self.step.phase is not _BACKWARD:
             self.step.enter(_BACKWARD)
-        theirs = RUNNING_BACKWARD.scale  # the factor this gradient carries (None: not an engine.backward)
-        if self._fp16 is not None and theirs is None:
-            self._refuse_unscaled_backward(p)
-        self._ensure_final_callback()
+        fp16, theirs = self._fp16, RUNNING_BACKWARD.scale  # the factor this gradient carries (None: no engine's)
+        if fp16 is not None and (theirs is None or fp16.unscaled):
+            self._refuse_unscaled(p, fp16.unscaled)
+        self.ensure_final_callback()
         grad = p.grad
         drop_grad_slot(p)
         if grad is not None:
-            ours = 1.0 if self._fp16 is None else self._fp16.grad_scale
+            ours = 1.0 if fp16 is None else fp16.grad_scale
             if theirs is not None and theirs != ours:  # precision.py [Note: a backward that crosses engines]
                 grad = grad * (ours / theirs)
             leaf = self._leaf_of.get(id(p)) if self._leaf_of else None
             if leaf is None or leaf.flushed:  # flushed: a gradient after its unit was reduced (not expected)
                 self.reducer.add(p, grad)  # type: ignore[arg-type]
-            else:
-                leaf.grads[id(p)] = grad
+            else:  # a second gradient before the flush: its call's nested (checkpointed) backward
+                leaf.grads[id(p)] = grad if (had := leaf.grads.get(id(p))) is None else had + grad
         rec = self._owner.get(id(p))
         if rec is not None and rec.awaiting:
             arrived = rec.arrived
@@ -696,7 +661,7 @@ class ModuleHooks:
             rec.read_late = True
             rec.key = (-1, -1, -1)
 
-    def _ensure_final_callback(self) -> None:
+    def ensure_final_callback(self) -> None:
         task = torch._C._current_graph_task_id()
         if task in self._queued_tasks:
             return
@@ -707,7 +672,7 @@ class ModuleHooks:
         if task not in self._queued_tasks:
             return  # a callback of a backward from before the last end of step
         self._queued_tasks.discard(task)
-        deferred = _NESTED_BACKWARD.get()
+        deferred = NESTED_BACKWARD.get()
         if not self._queued_tasks and self.step.phase is _BACKWARD and deferred is None:
             self.step.end()
         else:
@@ -716,10 +681,11 @@ class ModuleHooks:
                 deferred.append(self)  # the enclosing backward ends the step
 
 
-def _on_grad_weak(ref: "weakref.ref[ModuleHooks]", p: torch.Tensor) -> None:
+def _weakly(ref: "weakref.ref[ModuleHooks]", method: str, arg: Any) -> None:
+    """``ModuleHooks.<method>(arg)`` while the hooks live: tensor hooks and the context hold this, never them."""
     hooks = ref()
     if hooks is not None:
-        hooks._on_grad(p)
+        getattr(hooks, method)(arg)
 
 
 def _all_trainable(params: list[ZeroParameter]) -> bool:
@@ -727,12 +693,6 @@ def _all_trainable(params: list[ZeroParameter]) -> bool:
         if not p.requires_grad:
             return False
     return True
-
-
-def _owner_read_late_weak(ref: "weakref.ref[ModuleHooks]", p: PartitionedParameter) -> None:
-    hooks = ref()
-    if hooks is not None:
-        hooks._owner_read_late(p)
 
 
 def _clone_gathered(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

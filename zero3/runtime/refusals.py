@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import ZeroConfigError, ZeroStateError
+from ..partition.param import ZeroParameter, drop_grad_slot
 
 try:  # 20 ns: whether a torch.compile'd call is running (dynamo then compiles every frame entered)
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback
@@ -113,12 +114,32 @@ def create_graph_refusal(module: str) -> ZeroStateError:
         "backwards, or a param_persistence_threshold above their size")
 
 
-def unscaled_backward_refusal(name: str) -> ZeroStateError:
-    """Under fp16 loss scaling a gradient reached parameter ``name`` from a backward that was no
+def removed_refusal(module: str) -> ZeroStateError:
+    """A backward through a forward run before ``engine.remove_hooks()`` reached ``module``."""
+    return ZeroStateError(f"a backward reached {module or 'the model'} through a forward run before "
+                          "engine.remove_hooks(): its gradients would not be reduced into the shards; run the "
+                          "backward first, or the forward again under a new engine")
+
+
+def unscaled_backward_refusal(params: Any, p: torch.Tensor | None, clipped: bool) -> ZeroStateError:
+    """Under fp16 loss scaling a gradient reached parameter ``p`` from a backward that was no
     engine's ``engine.backward``: it carries no loss scale, while the step divides every gradient by
     this engine's, so the update would be that many times too small (and mixed with the scaled
-    gradients of the same accumulation window). The hooks drop it before it is reduced and end the
-    step aborted."""
+    gradients of the same accumulation window). Or (``clipped``) from another engine's backward
+    after clipping unscaled this window's gradients, whose overflow check and norm it would miss.
+    Every gradient autograd accumulated into ``params`` is dropped here, before it is reduced; the
+    hooks end the step aborted."""
+    with torch._C.DisableTorchFunctionSubclass():
+        for q in params:
+            if q.grad is not None:
+                drop_grad_slot(q)
+    name = p._zero.name if isinstance(p, ZeroParameter) else "a parameter" if p is not None else "this model"
+    if clipped:
+        return ZeroStateError(
+            f"a gradient reached {name} from a backward (another engine's) after clip_grad_norm_ unscaled this "
+            "engine's gradients for its step: their overflow check and norm are taken, and this gradient would "
+            "join them unchecked. Clip after the last backward that reaches this model; nothing of this "
+            "backward was reduced")
     return ZeroStateError(
         f"a gradient reached {name} from a backward that was not engine.backward(loss) (loss.backward(), "
         "torch.autograd.backward, or a torch.amp.GradScaler's) while fp16 loss scaling is on: "
