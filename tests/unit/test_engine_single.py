@@ -577,3 +577,24 @@ def test_a_leaf_modules_class_that_names_no_module_is_refused_before_anything_ch
         zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"leaf_modules": ["Blok"]})
     assert all(type(p) is nn.Parameter for p in model.parameters())
     zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"leaf_modules": ["Block"]}).remove_hooks()
+
+
+@pytest.mark.parametrize("cap", [0, 500])
+def test_the_live_cap_holds_between_decode_forwards_and_explain_describes_the_mode(cap):
+    """Under ``engine.generation()`` with a cap below every module, the last module's parameters stayed
+    gathered after the forward, with no module running (1,536 elements at cap 0 in probe 24D);
+    ``max_live_parameters`` is exceeded only while the running modules need more. And
+    ``engine.explain()`` said "every fetch so far was on demand, released right after use"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8)).eval()
+    plain = copy.deepcopy(model)
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0, "max_live_parameters": cap})
+    x = torch.randn(2, 16)
+    with torch.no_grad(), engine.generation():
+        for _ in range(3):
+            torch.testing.assert_close(engine(x), plain(x), rtol=0, atol=0)
+            assert engine.metrics.live_numel <= cap
+        text = "\n".join(engine.explain())
+    assert text.startswith("generation mode: no decode plan fits the live cap"), text
+    assert "every fetch so far was on demand" not in text or "outside generation mode" in text, text
+    assert engine.metrics.live_numel == 0

@@ -169,6 +169,7 @@ class GenerationPrefetch:
         self._last_use: dict[int, int] = {}  # param id -> clock of its last use
         self._cycle: list[tuple[int, ...]] = []  # the PRE events of one forward, in order
         self._at = 0  # where in that cycle the next PRE event should be
+        self._begins: bool | None = None  # `forward_began` since the last PRE event; None: never told
         self._size = size if config is not None and config.prefetch_bucket_size > 0 else None
         self._config = config
         self.whole = len(size) if size is not None and config is not None and \
@@ -192,14 +193,26 @@ class GenerationPrefetch:
         """Stands in for the next use of ``pid`` (see the module docstring)."""
         return self._last_use.get(pid, 0)
 
+    def forward_began(self) -> None:
+        """The model's forward begins (its root's pre-forward hook): the next PRE event starts the
+        cycle. Without this, an event with the cycle's first ids is taken for a new forward, which a
+        module reusing the first one's parameters mid-forward (a head tied to the input embedding)
+        would be: the cycle was cut there at every forward, and never planned."""
+        self._begins = True
+
     def advance(self, ids: Sequence[int]) -> tuple[int, ...] | None:
         """Learn the cycle from the PRE event that used ``ids``; return the ids of the event expected
         next (None while the cycle has fewer than two events)."""
         ids = tuple(ids)
         cycle, at = self._cycle, self._at
-        if at < len(cycle) and cycle[at] == ids:
+        begins = self._begins  # True: a forward begins here; False: it began earlier; None: never told
+        if begins:
+            self._begins = False
+            if not (cycle and cycle[0] == ids):
+                at = 0  # another first module: the cycle is learnt again from its start
+        if not begins and at < len(cycle) and cycle[at] == ids:
             at += 1
-        elif cycle and cycle[0] == ids:
+        elif cycle and cycle[0] == ids and begins is not False:  # untold: the first ids mark a new forward
             if at == len(cycle) and not self._planned and self._size is not None:
                 self._make_plan(self._size)  # one whole forward seen: plan it
             at = 1  # a new forward began
@@ -210,6 +223,21 @@ class GenerationPrefetch:
             self.plan, self._planned, self._actions = None, False, {}
         self._at = at
         return cycle[at % len(cycle)] if len(cycle) > 1 else None
+
+    def explain(self) -> list[str]:
+        """What the mode does now, for ``engine.explain()``."""
+        if self.whole is not None:
+            return ["generation mode: the whole model fits the live cap: gathered in one gather, kept until the mode "
+                    "ends (" + ("all gathered now: forwards gather nothing)" if self.resident else "not all gathered yet)")]
+        if self.plan is not None:
+            return [f"generation mode: a decode plan over a cycle of {len(self._cycle)} module calls: "
+                    f"{len(self.plan.resident)} parameters stay gathered, the rest in {len(self.plan.buckets)} "
+                    "gathers per token"]
+        why = ("no decode plan without a prefetch bucket" if self._size is None else "no decode plan fits the live "
+               "cap" if self._planned else f"learning the decode cycle ({len(self._cycle)} module calls so far)")
+        return ["generation mode: " + why +
+                ": each module's parameters are gathered when it runs and kept while the live cap allows, the "
+                "least recently used released first"]
 
     def step(self, ids: Sequence[int]) -> GenerationAction:
         """A PRE event uses ``ids``: what to do besides fetching them."""

@@ -230,7 +230,8 @@ class StepTraces:
         """Why the last planned step gathered, kept and released what it did (``engine.explain``)."""
         kind, value = target
         if self.last is None:
-            return ["no step has been recorded yet: every fetch so far was on demand, released right after use"]
+            return ["no step has been recorded yet: outside generation mode every fetch so far was on demand, "
+                    "released right after use"]
         schedule = self.last[1]
         header = [f"trace {schedule.trace_key!r} v{schedule.trace_version}, budgets {config}"]
         if self.diverged:

@@ -123,8 +123,7 @@ class ParamCoordinator:
         self.watch: GatherWatch | None = None  # told of every gather and use (the optimizer step in backward)
 
     def use_budget(self, config: ZeroConfig, budget: MemoryBudget) -> None:
-        """Run with the knobs ``memory_budget`` fixed at initialize; after the first recorded trace,
-        with the schedule knobs it chooses from it (`end_step`)."""
+        """Run with ``memory_budget``'s knobs; after the first trace, with the schedule it chooses (`end_step`)."""
         self.config = config
         self.plan_config = plan_config(config)
         self.budget = budget
@@ -135,13 +134,11 @@ class ParamCoordinator:
             self._by_id.pop(p._zero.id) if drop else self._by_id.__setitem__(p._zero.id, p)
 
     def enable_hpz(self, node_comm: Communicator) -> None:
-        """From the next step on, keep secondary slices and gather from them over ``node_comm``
-        (hpz.py [Note: hpZ secondary shards])."""
+        """Keep secondary slices from the next step on, gathered over ``node_comm`` (hpz.py)."""
         self._hpz = SecondarySlices(node_comm, self.metrics)
 
     def drop_secondaries(self, params: Iterable[ZeroParameter] | None = None) -> None:
-        """Forget the secondary slices of ``params`` (None: all): the step ended, or their shards were
-        rewritten."""
+        """Forget the secondary slices of ``params`` (None: all): the step ended, or shards were rewritten."""
         if self._hpz is not None:
             self._hpz.drop(params)
 
@@ -199,10 +196,8 @@ class ParamCoordinator:
     # -- events from the hooks -------------------------------------------------------------------
     def event(self, kind: EventKind, module: str, params: Sequence[ZeroParameter],
               ids: tuple[int, ...] | None = None) -> None:
-        """One hook firing: pin/unpin the module's params, then act (schedule or on demand).
-
-        ``ids`` are the params' sorted ids when the caller has them cached.
-        """
+        """One hook firing: pin/unpin the module's params, then act (schedule or on demand); ``ids``:
+        their sorted ids, when the caller has them cached."""
         if self._generation is not None:
             self._generation_event(self._generation, kind, params)
             return
@@ -240,6 +235,11 @@ class ParamCoordinator:
             raise ZeroStateError("engine.generation() entered in the middle of a step; enter it between steps")
         sizes = {pid: self._size(p) for pid, p in self._by_id.items() if not p._zero.persistent}
         self._generation = GenerationPrefetch(sizes, self.plan_config)
+
+    def forward_began(self) -> None:
+        """The model's forward begins: in generation mode, its decode cycle starts here."""
+        if self._generation is not None:
+            self._generation.forward_began()
 
     def end_generation(self) -> None:
         """Leave generation mode: release everything it kept."""
@@ -308,6 +308,7 @@ class ParamCoordinator:
         if not self.generating or aborted:
             self.release(list(self._live.values()))
         elif self._generation is not None:  # the same on every rank: the same gathers ran
+            self._make_room(())  # the cap holds between forwards too (the last module may have needed more)
             self._generation.resident = len(self._live) == self._generation.whole
         if self._reading is not None:
             self._reading.stop()
@@ -383,8 +384,7 @@ class ParamCoordinator:
         return Tag(Kind.PARAM_GATHER, label, tuple(p._zero.id for p in params))
 
     def _add_live(self, params: Sequence[ZeroParameter]) -> None:
-        """Put ``params`` in the live set; the gauge moves once (only up, so its peak is the same as
-        one parameter at a time)."""
+        """Put ``params`` in the live set; the gauge moves once (up only: the peak one at a time gives)."""
         numel = nbytes = 0
         live = self._live
         for p in params:
@@ -528,7 +528,8 @@ class ParamCoordinator:
         budget = [] if self.budget is None else self.budget.explain()
         if target[0] == "budget":
             return budget or ["budget: memory_budget is not set; the knobs are as configured"]
-        return (budget if target[0] == "all" else []) + self.steps.explain(target, self.plan_config)
+        gen = [] if self._generation is None else self._generation.explain()
+        return gen + (budget if target[0] == "all" else []) + self.steps.explain(target, self.plan_config)
 
     def export_trace(self, path: str) -> None:
         if self.last_trace is None:

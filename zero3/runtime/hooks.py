@@ -324,9 +324,8 @@ class ModuleHooks:
         m._parameters = pd
 
     def external_added(self, module: nn.Module) -> None:
-        """``register_external_parameter(module, ...)`` after install: a module without hooks (none of
-        its own parameters) gets them now, and a leaf holding it gathers the parameter with its calls.
-        Raises `ZeroStateError` if ``module`` is not part of the engine's model (nothing would gather it)."""
+        """``register_external_parameter(module, ...)`` after install: a module without hooks gets them, a
+        leaf holding it gathers the parameter; `ZeroStateError` for a module outside the engine's model."""
         rec = self._records.get(id(module)) or self._in_leaf.get(id(module))
         if rec is not None:
             rec.key = (-1, -1, -1)  # its calls collect their parameters again
@@ -338,6 +337,7 @@ class ModuleHooks:
                                  "the engine's model, so no hook of it would gather the parameter")
         self._hook(name, module)
 
+    def generation_ended(self) -> None:
         """Generation mode ended: the submodules' hooks are back on."""
         self._submodule_hooks.resume()
 
@@ -436,6 +436,7 @@ class ModuleHooks:
                 self._submodule_hooks.suspend()
                 return None
             self._submodule_hooks.resume()
+            self.coordinator.forward_began()
             self._forward_t0 = time.perf_counter()
         if self.step.phase is _IDLE:
             # once per step, not per module
