@@ -468,6 +468,37 @@ def test_a_modifier_block_that_raised_publishes_nothing_on_any_rank(pools, who, 
             assert "rank(s) 0 left the block with an exception" in r["error"], r
 
 
+def modifier_block_exit_fails(how: str) -> dict:
+    """The exit's agreement cannot complete (rank 0 alone ran a collective inside the block: a
+    divergence), or rank 0 alone gives a persistent parameter another shape after initialize (refused).
+    The first left the block's parameters pinned and gathered on a rank for good (training 4e-3 off);
+    the second hung: the refusing rank gathered the persistent parameters again while the other sat in
+    the exit. Now both raise on every rank, nothing stays pinned, and training goes on as torch's."""
+    rank = dist.get_rank()
+    ref, model, ref_opt, _, engine = _twin_mlps(100)  # the biases persistent
+    params = [model[0].weight, model[0].bias]
+    error = ""
+    try:
+        with zero3.GatheredParameters(params, modifier_rank=0):
+            if rank == 0:
+                if how == "diverge":
+                    zero3.safe_get_full_fp32_param(model[2].weight)  # a collective rank 1 does not run
+                else:
+                    model[0].bias.data = torch.zeros(5)
+    except (zero3.ZeroStateError, zero3.ZeroDivergenceError) as e:
+        error = type(e).__name__
+    pins = [p._zero.user_pins for p in model.parameters()]
+    return {"error": error, "pins": pins, "diff": _two_steps_beside(ref, ref_opt, model, engine)}
+
+
+@pytest.mark.parametrize("how", ["diverge", "reshape"])
+def test_a_modifier_block_whose_exit_fails_on_one_rank_leaves_nothing_pinned(pools, how):
+    for r in pools.get(2).run(modifier_block_exit_fails, how):
+        # a refused shape: rank 0 names it, rank 1 names rank 0 (its broadcast met no peer before)
+        assert r["error"] == ("ZeroDivergenceError" if how == "diverge" else "ZeroStateError"), r
+        assert r["pins"] == [0, 0, 0, 0] and r["diff"] < 1e-6, r
+
+
 def data_resized() -> dict:
     """``p.data = t`` of another shape after initialize (a bias of 16 given one element, which the
     forward broadcasts): its gradient then has another size than the shards'. Refused by name in the

@@ -260,6 +260,8 @@ def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_sc
         p._zero.train_tensor.grad = None
     if ctx.optimizer is not None:
         ctx.optimizer.drop_grads()
+    with torch._C.DisableTorchFunctionSubclass():  # the values changed in place: a backward of a graph built
+        torch.autograd.graph.increment_version(list(ctx.params))  # before raises, as torch's after a load does
     ctx.coordinator.refresh_persistent()
     if not training_state:  # load_module_only: the weights alone
         return

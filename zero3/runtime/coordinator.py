@@ -294,10 +294,10 @@ class ParamCoordinator:
     def in_step(self) -> bool:
         return self.steps.key is not None
 
-    def end_step(self, aborted: bool = False) -> None:
+    def end_step(self, aborted: bool = False, keep_trace: bool = True) -> None:
         """The coordinator's part of the end of a step, normal or aborted (step.py `StepLifecycle`
         is the one end of a step and calls it): unpin and release everything no user context
-        (GatheredParameters) holds and, after a step that ended normally, generation mode does not keep; then, unless ``aborted``, keep or cache the step's trace."""
+        (GatheredParameters) holds and, after a step that ended normally, generation mode does not keep; then, unless ``aborted`` or not ``keep_trace``, keep or cache the step's trace."""
         for p in self._by_id.values():
             z = p._zero
             z.active_forward = z.active_backward = 0
@@ -315,7 +315,7 @@ class ParamCoordinator:
         if self._hpz is not None:
             self._hpz.drop()
             self._hpz.keeping = False
-        self.steps.end(aborted, self._param_infos, self.plan_config)
+        self.steps.end(aborted or not keep_trace, self._param_infos, self.plan_config)
 
     def choose_budget(self) -> None:
         """After a step ended (step.py): once a trace is recorded, let ``memory_budget`` choose the

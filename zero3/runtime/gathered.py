@@ -49,12 +49,15 @@ A ``modifier_rank`` block that raises (a checkpoint read failing on rank 0 halfw
 nothing: a half-written tensor is not broadcast (DeepSpeed broadcasts it anyway). Every rank must
 decide alike, or the others' broadcast meets no peer (a divergence error naming nothing) and the
 ranks' gathered copies differ. So the exit of such a block agrees first which ranks raised (one
-small all-reduce of a flag per rank). If any did, every rank discards: the parameters it releases
-drop their values, and those that stay gathered (persistent ones, those a running module or an
-outer block holds) get back the values they had at entry, copied then (a clone of those only).
-The ranks that raised re-raise their exception; the others raise `ZeroStateError` naming them. An
-exception from the group itself (a divergence, a timeout) skips the agreement, which could not
-complete.
+small all-reduce of a flag per rank; a new shape refused after initialize counts as raising, so
+the ranks that did not make it do not broadcast alone). If any did, every rank discards: the
+parameters it releases drop their values; those a running module or an outer block holds get back
+the values they had at entry, copied then (a clone of those only); those otherwise kept gathered
+(persistent ones, generation mode's) carry a fingerprint from entry instead (`bit_sum`, in the same
+all-reduce), and the ones changed on any rank are released and gathered again from the shards, on
+every rank. The ranks that raised re-raise their error; the others raise `ZeroStateError` naming
+them. An exception from the group itself (a divergence, a timeout) skips the agreement, which could
+not complete; the block still lets go of its parameters.
 """
 
 from __future__ import annotations
@@ -170,10 +173,13 @@ class GatheredParameters:
         ctx.require_states("GatheredParameters", ("lp_params",) if self.modifier_rank is None else
                            ("lp_params", "hp_params"))
         fresh = [p for p in self.params if p._zero.status is ParamStatus.NOT_AVAILABLE]
+        held = {id(p) for p in self.params if p._zero.status is not ParamStatus.NOT_AVAILABLE and (
+            p._zero.user_pins or p._zero.active_forward or p._zero.active_backward)}
         self._in_step = torch.is_grad_enabled() and ctx.coordinator.in_step
         ctx.coordinator.gather_for_user(self.params)
-        if self.modifier_rank is not None and self.modifier_rank is not LOCAL_MODIFIER:
-            self._entry = [(p, raw_data(p).clone()) for p in self.params if not any(p is q for q in fresh)]
+        if self.modifier_rank is not None and self.modifier_rank is not LOCAL_MODIFIER:  # [Note: a modifier
+            self._entry = [(p, raw_data(p).clone() if id(p) in held else bit_sum(raw_data(p)))  # block that raised]
+                           for p in self.params if not any(p is q for q in fresh)]
         if self.modifier_rank is None and fresh:  # [Note: writes that GatheredParameters discards]
             self._read_only = (fresh, _fingerprints(fresh), [published.get(p._zero.id, 0) for p in fresh])
         if self.modifier_rank is not LOCAL_MODIFIER and SavedParams.available() \
@@ -193,32 +199,40 @@ class GatheredParameters:
         if self._saved is not None:
             self._saved.__exit__(exc_type, exc, tb)
             self._saved = None
-        raised = self._ranks_that_raised(ctx, exc)
         modifier = self.modifier_rank is not None
-        if self._in_step and ctx.coordinator.in_step and not (modifier and raised):  # [Note: a loss term from
-            ctx.coordinator.keep_for_step(  # GatheredParameters]; not the partial writes of a block that raised
-                [p for p in self.params if p.requires_grad and not p._zero.persistent])
         entry, self._entry = self._entry, []
+        refused = self._refused_reshape(ctx) if modifier and exc is None else None
+        raised: list[int] = []
+        changed: list[ZeroParameter] = []
         try:
+            try:
+                raised, changed = self._agree(ctx, exc if exc is not None else refused, entry)
+            except BaseException:
+                self._discard(ctx, entry, exc_type)  # this rank alone: the group failed
+                raise
+            if self._in_step and ctx.coordinator.in_step and not (modifier and raised):  # [Note: a loss term from
+                ctx.coordinator.keep_for_step(  # GatheredParameters]; not the partial writes of a block that raised
+                    [p for p in self.params if p.requires_grad and not p._zero.persistent])
             if modifier and not raised:
                 self._publish()
             else:
-                reshaped = [p for p in self.params if raw_data(p).shape != p._zero.shape]
-                if reshaped:  # discarded as any write, but the parameter must keep its own shape
-                    refuse_reshape(ctx, reshaped, "GatheredParameters without modifier_rank",
-                                   raise_=exc_type is None and not modifier, refresh=not modifier)
-                for p, value in entry:  # what stays gathered gets the values it had before the block back
-                    raw_data(p).copy_(value)
+                self._discard(ctx, entry, exc_type)
                 if self._read_only is not None and exc_type is None:
                     written = _written(*self._read_only)
         finally:
             self._read_only = None
             ctx.coordinator.release_for_user(self.params)
+        if changed:  # kept gathered without a copy: gathered again from the shards, on every rank alike
+            ctx.coordinator.release([p for p in changed if not p._zero.persistent])
+            if any(p._zero.persistent for p in changed):
+                ctx.coordinator.refresh_persistent()
+        if refused is not None:
+            raise refused
         if raised and exc is None:
             raise ZeroStateError(
                 f"GatheredParameters(modifier_rank={self.modifier_rank}): rank(s) {', '.join(map(str, raised))} left "
-                "the block with an exception, so its change was discarded on every rank (this one's too: the "
-                "parameters keep the values they had before the block); the exception is raised there")
+                "the block with an exception or a refused change, so its change was discarded on every rank (this "
+                "one's too: the parameters keep the values they had before the block); the error is raised there")
         if written:
             names = ", ".join(p._zero.name for p in written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
             raise ZeroStateError(
@@ -226,21 +240,52 @@ class GatheredParameters:
                 "changes made there (as DeepSpeed does: its shards keep their values). Pass modifier_rank=0 to keep "
                 "them (rank 0's values then go to every rank)")
 
-    def _ranks_that_raised(self, ctx: RuntimeContext, exc: BaseException | None) -> list[int]:
-        """The ranks that left a ``modifier_rank`` block with an exception, agreed by every rank (one small
-        all-reduce) so that all of them publish or none does ([Note: a modifier block that raised]);
-        without a modifier rank (nothing is published), or after a failure of the group itself, this
-        rank's own outcome."""
+    def _refused_reshape(self, ctx: RuntimeContext) -> ZeroStateError | None:
+        """A new shape after ``zero3.initialize`` (refused): the error, with the parameters given their own
+        shape back, nothing gathered (the discard that follows restores the values of those kept)."""
+        reshaped = reshaped_ids(self.params)
+        if not reshaped or ctx.module is None:
+            return None
+        try:
+            refuse_reshape(ctx, [p for p in self.params if p._zero.id in reshaped],
+                           "GatheredParameters(modifier_rank=...)", refresh=False)
+        except ZeroStateError as error:
+            return error
+        return None  # pragma: no cover - refuse_reshape always raises when asked to
+
+    def _discard(self, ctx: RuntimeContext, entry: list[tuple[ZeroParameter, torch.Tensor]], exc_type: Any) -> None:
+        """Nothing is published: a parameter given another shape gets its own back, and those kept
+        gathered with a copy get their values from entry back."""
+        modifier = self.modifier_rank is not None
+        reshaped = [p for p in self.params if raw_data(p).shape != p._zero.shape]
+        if reshaped:  # discarded as any write, but the parameter must keep its own shape
+            refuse_reshape(ctx, reshaped, "GatheredParameters without modifier_rank",
+                           raise_=exc_type is None and not modifier, refresh=not modifier)
+        for p, value in entry:
+            if value.dim():  # a copy (a fingerprint is 0-d)
+                raw_data(p).copy_(value)
+
+    def _agree(self, ctx: RuntimeContext, exc: BaseException | None,
+               entry: list[tuple[ZeroParameter, torch.Tensor]]) -> tuple[list[int], list[ZeroParameter]]:
+        """The ranks that left a ``modifier_rank`` block with an error, and the parameters kept gathered
+        without a copy whose values changed on some rank, agreed by every rank (one small all-reduce) so
+        that all of them publish or none does ([Note: a modifier block that raised]). Without a modifier
+        rank (nothing is published), or after a failure of the group itself, this rank's own outcome."""
         if exc is not None and (self.modifier_rank is None or isinstance(exc, (ZeroCommunicationError,
                                                                                   ZeroDivergenceError))):
-            return [ctx.rank]
-        if self.modifier_rank is None or self.modifier_rank is LOCAL_MODIFIER or ctx.world_size == 1:
-            return [ctx.rank] if exc is not None else []
-        flags = torch.zeros(ctx.world_size, dtype=torch.int64)
+            return [ctx.rank], []
+        if self.modifier_rank is None or self.modifier_rank is LOCAL_MODIFIER:
+            return ([ctx.rank] if exc is not None else []), []
+        sums = [(p, value) for p, value in entry if not value.dim()]
+        flags = torch.zeros(ctx.world_size + len(sums), dtype=torch.int64)
         flags[ctx.rank] = int(exc is not None)
-        ctx.comm.all_reduce(flags, Tag(Kind.ALL_REDUCE, f"GatheredParameters(modifier_rank={self.modifier_rank}) "
-                                       "exit", self._ids), op="max")
-        return [r for r, f in enumerate(flags.tolist()) if f]
+        for i, (p, value) in enumerate(sums):
+            flags[ctx.world_size + i] = int(bool(bit_sum(raw_data(p)) != value))
+        if ctx.world_size > 1:
+            ctx.comm.all_reduce(flags, Tag(Kind.ALL_REDUCE, f"GatheredParameters(modifier_rank={self.modifier_rank}) "
+                                           "exit", self._ids), op="max")
+        raised = [r for r, f in enumerate(flags[:ctx.world_size].tolist()) if f]
+        return raised, [p for (p, _), f in zip(sums, flags[ctx.world_size:].tolist()) if f and raised]
 
     def _enter_parts(self, parts: list["GatheredParameters"]) -> None:
         """Several models' parameters: enter one context per model, in order (a failure leaves none entered)."""
@@ -267,8 +312,8 @@ class GatheredParameters:
                     ctx = part.params[0]._zero.ctx
                     reshaped = reshaped_ids(part.params)
                     bad = [p for p in part.params if p._zero.id in reshaped]
-                    if bad and ctx.module is not None:
-                        refuse_reshape(ctx, bad, "GatheredParameters(modifier_rank=...)")
+                    if bad and ctx.module is not None:  # no collective here: the parts agree on it
+                        refuse_reshape(ctx, bad, "GatheredParameters(modifier_rank=...)", refresh=False)
             except ZeroStateError as error:
                 refused = error
                 exc_type, exc, tb = type(error), error, error.__traceback__

@@ -111,15 +111,16 @@ class StepLifecycle:
         """A step is running (some hook saw it begin, or the coordinator recorded an event of it)."""
         return self.phase is not StepPhase.IDLE or self.ctx.coordinator.in_step
 
-    def end(self) -> None:
-        """The step finished: complete the gradient shards, release everything, cache the trace."""
-        self._end(aborted=False, reason=None)
+    def end(self, keep_trace: bool = True) -> None:
+        """The step finished: complete the gradient shards, release everything, cache the trace (unless
+        not ``keep_trace``: a step cut short, whose events the next steps would not follow)."""
+        self._end(aborted=False, reason=None, keep_trace=keep_trace)
 
     def end_forward_only(self) -> bool:
         """End a step that is in its forward outside any backward (one whose backward will not run), as
-        a forward under ``torch.no_grad()`` would; True when it did."""
+        a forward under ``torch.no_grad()`` would, keeping no trace of it; True when it did."""
         if self.phase is StepPhase.FORWARD and torch._C._current_graph_task_id() < 0:
-            self.end()
+            self.end(keep_trace=False)
             return True
         return False
 
@@ -168,7 +169,7 @@ class StepLifecycle:
         mp = self.ctx.model_parallel
         return self.ctx.data_comms + ([mp.comm] if mp is not None else [])
 
-    def _end(self, aborted: bool, reason: str | None) -> None:
+    def _end(self, aborted: bool, reason: str | None, keep_trace: bool = True) -> None:
         """The one end of a step. Normally: complete the gradient shards, release everything, cache
         the step's trace. Aborted: drop queued gradients and the half-recorded step instead, and
         abandon every communicator's epoch (``reason`` for the other ranks). Either way the phase is
@@ -193,7 +194,7 @@ class StepLifecycle:
             else:
                 reducer.finish()
         finally:
-            ctx.coordinator.end_step(aborted=aborted)
+            ctx.coordinator.end_step(aborted=aborted, keep_trace=keep_trace)
             close_window(ctx.comm, ctx.store, aborted)  # after the step's last gather, before anything writes a shard
             self.enter(StepPhase.IDLE)
             if aborted:
