@@ -442,8 +442,9 @@ def modifier_block_raises(who: str, threshold: int, in_forward: bool) -> dict:
             with zero3.GatheredParameters(params, modifier_rank=0):
                 if rank == 0:
                     with torch.no_grad():
-                        for p in params[:3]:
+                        for p in params[:2]:
                             p.fill_(0.05)
+                        params[2].copy_(params[2].flip(0))  # a permutation: a sum of its words stays
                     params[3].data = torch.full((4,), 0.05)
                 if who == "all" or rank == 0:
                     raise _LoadFailed("rank 0's checkpoint read failed")

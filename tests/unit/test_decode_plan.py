@@ -89,19 +89,19 @@ def test_a_module_after_a_head_tied_to_the_first_is_planned_when_told_where_forw
     """A value head after a head tied to the input embedding (TRL's actor-critic): the tied head's
     event has the cycle's first ids, which the policy took for a new forward, cutting the cycle there
     at every forward (never planned: one gather per module, 10 per token on probe 24D's model). Told
-    where the root's forward begins (`forward_began`), it learns the whole cycle and plans it."""
+    where the root's forward begins (`forward_boundary`), it learns the whole cycle and plans it."""
     cycle = [*CYCLE[:-1], (0,), (10,)]  # the head reuses the embedding's ids exactly, a value head follows
     size = {**SIZE, 10: 20}
     config = PlanConfig(max_live=sum(size.values()) // 2, max_reuse_distance=0, prefetch_bucket_size=10**9)
     told, untold = GenerationPrefetch(size, config), GenerationPrefetch(size, config)
     for _ in range(3):
-        told.forward_began()
+        told.forward_boundary(True)
         for ev in cycle:
             told.step(ev)
             untold.step(ev)
     assert told.plan is not None and len(told._cycle) == len(cycle)
     assert untold.plan is None  # the old reading, kept for callers that never tell
-    told.forward_began()
+    told.forward_boundary(True)
     assert told.step(cycle[0]).keep is not None  # the planned cycle goes on
-    told.forward_began()
+    told.forward_boundary(True)
     assert told.step((5,)).keep is None and told.plan is None  # a forward that starts elsewhere: learnt anew

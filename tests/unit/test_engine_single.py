@@ -598,3 +598,49 @@ def test_the_live_cap_holds_between_decode_forwards_and_explain_describes_the_mo
     assert text.startswith("generation mode: no decode plan fits the live cap"), text
     assert "every fetch so far was on demand" not in text or "outside generation mode" in text, text
     assert engine.metrics.live_numel == 0
+
+
+def test_modules_called_on_their_own_in_generation_mode_leave_the_decode_plan_as_it_was():
+    """Between forwards of the model, submodules called directly (a feature pass) were appended to the
+    learnt decode cycle: it grew without bound (5,428 events after 200 passes, 4 s to plan) and the
+    plan was lost (18 gathers per forward instead of 3). Events outside the model's forward are no
+    part of the cycle now; tokens and outputs stay the plain model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)]).eval()
+    plain = copy.deepcopy(model)
+    numel = sum(p.numel() for p in model.parameters())
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0, "max_live_parameters": numel // 2})
+    x = torch.randn(2, 16)
+
+    def gathers_per_forward(n: int = 3) -> float:
+        before = engine.metrics.allgather_calls
+        for _ in range(n):
+            torch.testing.assert_close(engine(x), plain(x), rtol=0, atol=0)
+        return (engine.metrics.allgather_calls - before) / n
+
+    with torch.no_grad(), engine.generation():
+        gathers_per_forward()
+        planned = gathers_per_forward()
+        for _ in range(20):
+            torch.testing.assert_close(model[2](x), plain[2](x), rtol=0, atol=0)  # called on its own
+        assert gathers_per_forward() == planned
+        assert len(engine.coordinator._generation._cycle) == len(model)
+
+
+@pytest.mark.parametrize("write", ["in place", "flip"])
+def test_a_modifier_block_that_raised_leaves_a_persistent_parameter_and_its_shard_as_they_were(write):
+    """At world size 1 a persistent parameter's gathered copy is its shard: a write inside a
+    ``modifier_rank`` block that raised reached the shard (and the fp32 master) for good when only a
+    fingerprint was kept; now the values from entry are copied back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    plain = copy.deepcopy(model)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})  # every parameter persistent
+    w = model[0].weight
+    with pytest.raises(KeyError), zero3.GatheredParameters([w], modifier_rank=0):
+        with torch.no_grad():
+            w.mul_(0).add_(7) if write == "in place" else w.copy_(w.flip(0))
+        raise KeyError("the load failed halfway")
+    torch.testing.assert_close(zero3.safe_get_full_fp32_param(w), plain[0].weight.detach(), rtol=0, atol=0)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(engine(x), plain(x), rtol=0, atol=0)

@@ -169,7 +169,8 @@ class GenerationPrefetch:
         self._last_use: dict[int, int] = {}  # param id -> clock of its last use
         self._cycle: list[tuple[int, ...]] = []  # the PRE events of one forward, in order
         self._at = 0  # where in that cycle the next PRE event should be
-        self._begins: bool | None = None  # `forward_began` since the last PRE event; None: never told
+        self._begins: bool | None = None  # True: a forward began, no PRE event yet; False: inside it; None: never told
+        self._outside = False  # told that the forward ended: a module called on its own is no part of the cycle
         self._size = size if config is not None and config.prefetch_bucket_size > 0 else None
         self._config = config
         self.whole = len(size) if size is not None and config is not None and \
@@ -193,12 +194,14 @@ class GenerationPrefetch:
         """Stands in for the next use of ``pid`` (see the module docstring)."""
         return self._last_use.get(pid, 0)
 
-    def forward_began(self) -> None:
-        """The model's forward begins (its root's pre-forward hook): the next PRE event starts the
-        cycle. Without this, an event with the cycle's first ids is taken for a new forward, which a
+    def forward_boundary(self, began: bool) -> None:
+        """The model's forward begins (its root's pre-forward hook: the next PRE event starts the
+        cycle) or ends (events until the next begins, of submodules called on their own, are no part
+        of it). Without this, an event with the cycle's first ids is taken for a new forward, which a
         module reusing the first one's parameters mid-forward (a head tied to the input embedding)
         would be: the cycle was cut there at every forward, and never planned."""
-        self._begins = True
+        self._begins = True if began else self._begins
+        self._outside = not began
 
     def advance(self, ids: Sequence[int]) -> tuple[int, ...] | None:
         """Learn the cycle from the PRE event that used ``ids``; return the ids of the event expected
@@ -242,6 +245,8 @@ class GenerationPrefetch:
     def step(self, ids: Sequence[int]) -> GenerationAction:
         """A PRE event uses ``ids``: what to do besides fetching them."""
         self.use(ids)
+        if self._outside:
+            return GenerationAction()
         upcoming = self.advance(ids)
         if self.plan is not None:
             return self._actions.get(self._at - 1, GenerationAction())

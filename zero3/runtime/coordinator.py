@@ -236,10 +236,10 @@ class ParamCoordinator:
         sizes = {pid: self._size(p) for pid, p in self._by_id.items() if not p._zero.persistent}
         self._generation = GenerationPrefetch(sizes, self.plan_config)
 
-    def forward_began(self) -> None:
-        """The model's forward begins: in generation mode, its decode cycle starts here."""
+    def forward_boundary(self, began: bool) -> None:
+        """The model's forward begins or ends: in generation mode, its decode cycle is learnt in between."""
         if self._generation is not None:
-            self._generation.forward_began()
+            self._generation.forward_boundary(began)
 
     def end_generation(self) -> None:
         """Leave generation mode: release everything it kept."""

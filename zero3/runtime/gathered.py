@@ -51,12 +51,11 @@ decide alike, or the others' broadcast meets no peer (a divergence error naming 
 ranks' gathered copies differ. So the exit of such a block agrees first which ranks raised (one
 small all-reduce of a flag per rank; a new shape refused after initialize counts as raising, so
 the ranks that did not make it do not broadcast alone). If any did, every rank discards: the
-parameters it releases drop their values; those a running module or an outer block holds get back
-the values they had at entry, copied then (a clone of those only); those otherwise kept gathered
-(persistent ones, generation mode's) carry a fingerprint from entry instead (`bit_sum`, in the same
-all-reduce), and the ones changed on any rank are released and gathered again from the shards, on
-every rank. The ranks that raised re-raise their error; the others raise `ZeroStateError` naming
-them. An exception from the group itself (a divergence, a timeout) skips the agreement, which could
+parameters it releases drop their values, and those that stay gathered (persistent ones, small by
+definition, whose gathered copy is the shard itself at world size 1, and those a running module or
+an outer block holds) get back the values they had at entry, copied then. Nothing else is copied:
+a weight sync inside ``generation()`` releases what the mode kept, so it is never cloned. The ranks
+that raised re-raise their error; the others raise `ZeroStateError` naming them. An exception from the group itself (a divergence, a timeout) skips the agreement, which could
 not complete; the block still lets go of its parameters.
 """
 
@@ -173,13 +172,11 @@ class GatheredParameters:
         ctx.require_states("GatheredParameters", ("lp_params",) if self.modifier_rank is None else
                            ("lp_params", "hp_params"))
         fresh = [p for p in self.params if p._zero.status is ParamStatus.NOT_AVAILABLE]
-        held = {id(p) for p in self.params if p._zero.status is not ParamStatus.NOT_AVAILABLE and (
-            p._zero.user_pins or p._zero.active_forward or p._zero.active_backward)}
+        kept = [p for p in self.params if p._zero.status is not ParamStatus.NOT_AVAILABLE and p._zero.pinned]
         self._in_step = torch.is_grad_enabled() and ctx.coordinator.in_step
         ctx.coordinator.gather_for_user(self.params)
         if self.modifier_rank is not None and self.modifier_rank is not LOCAL_MODIFIER:  # [Note: a modifier
-            self._entry = [(p, raw_data(p).clone() if id(p) in held else bit_sum(raw_data(p)))  # block that raised]
-                           for p in self.params if not any(p is q for q in fresh)]
+            self._entry = [(p, raw_data(p).clone()) for p in kept]  # block that raised]
         if self.modifier_rank is None and fresh:  # [Note: writes that GatheredParameters discards]
             self._read_only = (fresh, _fingerprints(fresh), [published.get(p._zero.id, 0) for p in fresh])
         if self.modifier_rank is not LOCAL_MODIFIER and SavedParams.available() \
@@ -203,10 +200,9 @@ class GatheredParameters:
         entry, self._entry = self._entry, []
         refused = self._refused_reshape(ctx) if modifier and exc is None else None
         raised: list[int] = []
-        changed: list[ZeroParameter] = []
         try:
             try:
-                raised, changed = self._agree(ctx, exc if exc is not None else refused, entry)
+                raised = self._agree(ctx, exc if exc is not None else refused)
             except BaseException:
                 self._discard(ctx, entry, exc_type)  # this rank alone: the group failed
                 raise
@@ -222,10 +218,6 @@ class GatheredParameters:
         finally:
             self._read_only = None
             ctx.coordinator.release_for_user(self.params)
-        if changed:  # kept gathered without a copy: gathered again from the shards, on every rank alike
-            ctx.coordinator.release([p for p in changed if not p._zero.persistent])
-            if any(p._zero.persistent for p in changed):
-                ctx.coordinator.refresh_persistent()
         if refused is not None:
             raise refused
         if raised and exc is None:
@@ -254,38 +246,31 @@ class GatheredParameters:
         return None  # pragma: no cover - refuse_reshape always raises when asked to
 
     def _discard(self, ctx: RuntimeContext, entry: list[tuple[ZeroParameter, torch.Tensor]], exc_type: Any) -> None:
-        """Nothing is published: a parameter given another shape gets its own back, and those kept
-        gathered with a copy get their values from entry back."""
+        """Nothing is published: a parameter given another shape gets its own back, and those that stay
+        gathered get their values from entry back."""
         modifier = self.modifier_rank is not None
         reshaped = [p for p in self.params if raw_data(p).shape != p._zero.shape]
         if reshaped:  # discarded as any write, but the parameter must keep its own shape
             refuse_reshape(ctx, reshaped, "GatheredParameters without modifier_rank",
                            raise_=exc_type is None and not modifier, refresh=not modifier)
         for p, value in entry:
-            if value.dim():  # a copy (a fingerprint is 0-d)
-                raw_data(p).copy_(value)
+            raw_data(p).copy_(value)
 
-    def _agree(self, ctx: RuntimeContext, exc: BaseException | None,
-               entry: list[tuple[ZeroParameter, torch.Tensor]]) -> tuple[list[int], list[ZeroParameter]]:
-        """The ranks that left a ``modifier_rank`` block with an error, and the parameters kept gathered
-        without a copy whose values changed on some rank, agreed by every rank (one small all-reduce) so
-        that all of them publish or none does ([Note: a modifier block that raised]). Without a modifier
-        rank (nothing is published), or after a failure of the group itself, this rank's own outcome."""
+    def _agree(self, ctx: RuntimeContext, exc: BaseException | None) -> list[int]:
+        """The ranks that left a ``modifier_rank`` block with an error, agreed by every rank (one small
+        all-reduce) so that all of them publish or none does ([Note: a modifier block that raised]).
+        Without a modifier rank (nothing is published), or after a failure of the group itself, this
+        rank's own outcome."""
         if exc is not None and (self.modifier_rank is None or isinstance(exc, (ZeroCommunicationError,
                                                                                   ZeroDivergenceError))):
-            return [ctx.rank], []
-        if self.modifier_rank is None or self.modifier_rank is LOCAL_MODIFIER:
-            return ([ctx.rank] if exc is not None else []), []
-        sums = [(p, value) for p, value in entry if not value.dim()]
-        flags = torch.zeros(ctx.world_size + len(sums), dtype=torch.int64)
+            return [ctx.rank]
+        if self.modifier_rank is None or self.modifier_rank is LOCAL_MODIFIER or ctx.world_size == 1:
+            return [ctx.rank] if exc is not None else []
+        flags = torch.zeros(ctx.world_size, dtype=torch.int64)
         flags[ctx.rank] = int(exc is not None)
-        for i, (p, value) in enumerate(sums):
-            flags[ctx.world_size + i] = int(bool(bit_sum(raw_data(p)) != value))
-        if ctx.world_size > 1:
-            ctx.comm.all_reduce(flags, Tag(Kind.ALL_REDUCE, f"GatheredParameters(modifier_rank={self.modifier_rank}) "
-                                           "exit", self._ids), op="max")
-        raised = [r for r, f in enumerate(flags[:ctx.world_size].tolist()) if f]
-        return raised, [p for (p, _), f in zip(sums, flags[ctx.world_size:].tolist()) if f and raised]
+        ctx.comm.all_reduce(flags, Tag(Kind.ALL_REDUCE, f"GatheredParameters(modifier_rank={self.modifier_rank}) "
+                                       "exit", self._ids), op="max")
+        return [r for r, f in enumerate(flags.tolist()) if f]
 
     def _enter_parts(self, parts: list["GatheredParameters"]) -> None:
         """Several models' parameters: enter one context per model, in order (a failure leaves none entered)."""

@@ -330,8 +330,7 @@ class ModuleHooks:
         if rec is not None:
             rec.key = (-1, -1, -1)  # its calls collect their parameters again
             return
-        assert self.root is not None
-        name = next((n for n, m in self.root.named_modules() if m is module), None)
+        name = next((n for n, m in self.root.named_modules() if m is module), None) if self.root else None
         if name is None:
             raise ZeroStateError(f"register_external_parameter: the {type(module).__name__} given is not part of "
                                  "the engine's model, so no hook of it would gather the parameter")
@@ -436,7 +435,7 @@ class ModuleHooks:
                 self._submodule_hooks.suspend()
                 return None
             self._submodule_hooks.resume()
-            self.coordinator.forward_began()
+            self.coordinator.forward_boundary(True)
             self._forward_t0 = time.perf_counter()
         if self.step.phase is _IDLE:
             # once per step, not per module
@@ -504,6 +503,7 @@ class ModuleHooks:
             return None
         if rec.module is self.root and not self.stack:
             self.ctx.metrics.forward_seconds += time.perf_counter() - self._forward_t0
+            self.coordinator.forward_boundary(False)
         grad = torch.is_grad_enabled()
         result = None
         if call.params:  # before the release below ([Note: module outputs])

@@ -24,7 +24,8 @@ class SubmoduleHooks:
 
     def add(self, m: nn.Module, pre: Callable[..., Any], post: Callable[..., Any]) -> None:
         self._hooks.append((m, pre, post))
-        self._register(m, pre, post)
+        if not self.suspended:  # else `resume` registers it
+            self._register(m, pre, post)
 
     def _register(self, m: nn.Module, pre: Callable[..., Any], post: Callable[..., Any]) -> None:
         self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
