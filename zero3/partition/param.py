@@ -30,7 +30,7 @@ import itertools
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -403,6 +403,14 @@ class PendingGradParameter(ZeroParameter):
     def grad(self) -> None:
         _check_grad_write(self)
         _TENSOR_GRAD.__delete__(self)
+
+
+def drop_grad_slots(params: Iterable[torch.Tensor]) -> None:
+    """`drop_grad_slot` for each of ``params`` that holds a gradient (read past the guard too)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        for p in params:
+            if p.grad is not None:
+                drop_grad_slot(p)
 
 
 def drop_grad_slot(p: torch.Tensor) -> None:

@@ -200,7 +200,8 @@ class GenerationPrefetch:
         of it). Without this, an event with the cycle's first ids is taken for a new forward, which a
         module reusing the first one's parameters mid-forward (a head tied to the input embedding)
         would be: the cycle was cut there at every forward, and never planned."""
-        self._begins = True if began else self._begins
+        if began:
+            self._begins = True
         self._outside = not began
 
     def advance(self, ids: Sequence[int]) -> tuple[int, ...] | None:

@@ -55,8 +55,9 @@ parameters it releases drop their values, and those that stay gathered (persiste
 definition, whose gathered copy is the shard itself at world size 1, and those a running module or
 an outer block holds) get back the values they had at entry, copied then. Nothing else is copied:
 a weight sync inside ``generation()`` releases what the mode kept, so it is never cloned. The ranks
-that raised re-raise their error; the others raise `ZeroStateError` naming them. An exception from the group itself (a divergence, a timeout) skips the agreement, which could
-not complete; the block still lets go of its parameters.
+that raised re-raise their error; the others raise `ZeroStateError` naming them. An exception from
+the group itself (a divergence, a timeout) skips the agreement, which could not complete; the block
+still lets go of its parameters.
 """
 
 from __future__ import annotations
@@ -172,11 +173,11 @@ class GatheredParameters:
         ctx.require_states("GatheredParameters", ("lp_params",) if self.modifier_rank is None else
                            ("lp_params", "hp_params"))
         fresh = [p for p in self.params if p._zero.status is ParamStatus.NOT_AVAILABLE]
-        kept = [p for p in self.params if p._zero.status is not ParamStatus.NOT_AVAILABLE and p._zero.pinned]
+        kept = [p for p in self.params if p._zero.status is not ParamStatus.NOT_AVAILABLE and p._zero.pinned] \
+            if self.modifier_rank is not None and self.modifier_rank is not LOCAL_MODIFIER else []
         self._in_step = torch.is_grad_enabled() and ctx.coordinator.in_step
         ctx.coordinator.gather_for_user(self.params)
-        if self.modifier_rank is not None and self.modifier_rank is not LOCAL_MODIFIER:  # [Note: a modifier
-            self._entry = [(p, raw_data(p).clone()) for p in kept]  # block that raised]
+        self._entry = [(p, raw_data(p).clone()) for p in kept]  # [Note: a modifier block that raised]
         if self.modifier_rank is None and fresh:  # [Note: writes that GatheredParameters discards]
             self._read_only = (fresh, _fingerprints(fresh), [published.get(p._zero.id, 0) for p in fresh])
         if self.modifier_rank is not LOCAL_MODIFIER and SavedParams.available() \
@@ -241,9 +242,9 @@ class GatheredParameters:
         try:
             refuse_reshape(ctx, [p for p in self.params if p._zero.id in reshaped],
                            "GatheredParameters(modifier_rank=...)", refresh=False)
-        except ZeroStateError as error:
+        except ZeroStateError as error:  # it always raises when asked to
             return error
-        return None  # pragma: no cover - refuse_reshape always raises when asked to
+        return None
 
     def _discard(self, ctx: RuntimeContext, entry: list[tuple[ZeroParameter, torch.Tensor]], exc_type: Any) -> None:
         """Nothing is published: a parameter given another shape gets its own back, and those that stay
@@ -261,10 +262,8 @@ class GatheredParameters:
         all-reduce) so that all of them publish or none does ([Note: a modifier block that raised]).
         Without a modifier rank (nothing is published), or after a failure of the group itself, this
         rank's own outcome."""
-        if exc is not None and (self.modifier_rank is None or isinstance(exc, (ZeroCommunicationError,
-                                                                                  ZeroDivergenceError))):
-            return [ctx.rank]
-        if self.modifier_rank is None or self.modifier_rank is LOCAL_MODIFIER or ctx.world_size == 1:
+        if self.modifier_rank is None or self.modifier_rank is LOCAL_MODIFIER or ctx.world_size == 1 \
+                or isinstance(exc, (ZeroCommunicationError, ZeroDivergenceError)):
             return [ctx.rank] if exc is not None else []
         flags = torch.zeros(ctx.world_size, dtype=torch.int64)
         flags[ctx.rank] = int(exc is not None)

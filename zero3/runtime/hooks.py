@@ -100,7 +100,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -111,7 +111,7 @@ from .context import RuntimeContext
 from ..errors import ZeroStateError
 from .gathered import external_parameters, register_external_parameter, load_hooks
 from .leaf import is_leaf
-from ..partition.param import PartitionedParameter, ZeroParameter, drop_grad_slot
+from ..partition.param import PartitionedParameter, ZeroParameter, drop_grad_slot, drop_grad_slots
 from ..planning.trace import EventKind
 from ..optim.precision import RUNNING_BACKWARD
 from .step import StepLifecycle, StepPhase
@@ -294,11 +294,11 @@ class ModuleHooks:
             seen.add(id(p))
             # A weak reference: tensor hooks live in C++, where the garbage collector cannot see a
             # cycle through them, and a bound method would keep the engine alive forever.
-            self._handles.append(LastGradHook(p, functools.partial(_weakly, weakref.ref(self), "_on_grad")))
+            self._handles.append(LastGradHook(p, functools.partial(_weakly, weakref.ref(self), ModuleHooks._on_grad)))
         self._late_reads = LateReads(self.step, self.coordinator, self.stack, self.ctx.store.placement.step_in_backward,
-                                     functools.partial(_weakly, weakref.ref(self), "_owner_read_late"))
+                                     functools.partial(_weakly, weakref.ref(self), ModuleHooks._owner_read_late))
         self.ctx.late_read = weak_late_read(self._late_reads)
-        self.ctx.external_added = functools.partial(_weakly, weakref.ref(self), "external_added")
+        self.ctx.external_added = functools.partial(_weakly, weakref.ref(self), ModuleHooks.external_added)
 
     def _hook(self, name: str, m: nn.Module) -> None:
         rec = _ModuleRecord(module=m, name=name)
@@ -607,7 +607,8 @@ class ModuleHooks:
             self.reducer.module_done()
 
     def _refuse_unscaled(self, p: torch.Tensor | None, clipped: bool) -> None:
-        self.step.abort(exc := unscaled_backward_refusal(self.ctx.params, p, clipped), "backward")
+        drop_grad_slots(self.ctx.params)  # what autograd accumulated already: nothing of it is reduced
+        self.step.abort(exc := unscaled_backward_refusal(p, clipped), "backward")
         raise exc
 
     def _close_by_gradients(self, rec: _ModuleRecord) -> None:
@@ -641,9 +642,8 @@ class ModuleHooks:
         grad = p.grad
         drop_grad_slot(p)
         if grad is not None:
-            ours = 1.0 if fp16 is None else fp16.grad_scale
-            if theirs is not None and theirs != ours:  # precision.py [Note: a backward that crosses engines]
-                grad = grad * (ours / theirs)
+            if theirs is not None and theirs != (ours := 1.0 if fp16 is None else fp16.grad_scale):
+                grad = grad * (ours / theirs)  # precision.py [Note: a backward that crosses engines]
             leaf = self._leaf_of.get(id(p)) if self._leaf_of else None
             if leaf is None or leaf.flushed:  # flushed: a gradient after its unit was reduced (not expected)
                 self.reducer.add(p, grad)  # type: ignore[arg-type]
@@ -682,11 +682,11 @@ class ModuleHooks:
                 deferred.append(self)  # the enclosing backward ends the step
 
 
-def _weakly(ref: "weakref.ref[ModuleHooks]", method: str, arg: Any) -> None:
-    """``ModuleHooks.<method>(arg)`` while the hooks live: tensor hooks and the context hold this, never them."""
+def _weakly(ref: "weakref.ref[ModuleHooks]", method: Callable[["ModuleHooks", Any], None], arg: Any) -> None:
+    """``method(hooks, arg)`` while the hooks live: tensor hooks and the context hold this, never them."""
     hooks = ref()
     if hooks is not None:
-        getattr(hooks, method)(arg)
+        method(hooks, arg)
 
 
 def _all_trainable(params: list[ZeroParameter]) -> bool:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import ZeroConfigError, ZeroStateError
-from ..partition.param import ZeroParameter, drop_grad_slot
+from ..partition.param import ZeroParameter
 
 try:  # 20 ns: whether a torch.compile'd call is running (dynamo then compiles every frame entered)
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback
@@ -121,18 +121,13 @@ def removed_refusal(module: str) -> ZeroStateError:
                           "backward first, or the forward again under a new engine")
 
 
-def unscaled_backward_refusal(params: Any, p: torch.Tensor | None, clipped: bool) -> ZeroStateError:
+def unscaled_backward_refusal(p: torch.Tensor | None, clipped: bool) -> ZeroStateError:
     """Under fp16 loss scaling a gradient reached parameter ``p`` from a backward that was no
     engine's ``engine.backward``: it carries no loss scale, while the step divides every gradient by
     this engine's, so the update would be that many times too small (and mixed with the scaled
     gradients of the same accumulation window). Or (``clipped``) from another engine's backward
     after clipping unscaled this window's gradients, whose overflow check and norm it would miss.
-    Every gradient autograd accumulated into ``params`` is dropped here, before it is reduced; the
-    hooks end the step aborted."""
-    with torch._C.DisableTorchFunctionSubclass():
-        for q in params:
-            if q.grad is not None:
-                drop_grad_slot(q)
+    The hooks drop what autograd accumulated before it is reduced and end the step aborted."""
     name = p._zero.name if isinstance(p, ZeroParameter) else "a parameter" if p is not None else "this model"
     if clipped:
         return ZeroStateError(
