@@ -618,8 +618,9 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
 
 
 def save_16bit_model(engine: Engine, path: str, exclude_frozen_parameters: bool = False) -> bool:
-    """`Engine.save_16bit_model`: the fp32 masters gathered onto rank 0 and cast to each parameter's
-    dtype (tied parameters stay one tensor); buffers and extra state as the module holds them. Refused
+    """`Engine.save_16bit_model`: the fp32 masters gathered onto the engine's rank 0 (of its group, which
+    writes the file) and cast to each parameter's dtype (tied parameters stay one tensor); buffers and
+    extra state as the module holds them. Refused
     with tensor parallelism (before any collective, on every rank), as ``save_pretrained`` is: one file
     from global rank 0 held model-parallel rank 0's slices alone, as if they were the model."""
     if engine.context.model_parallel is not None:
@@ -629,7 +630,7 @@ def save_16bit_model(engine: Engine, path: str, exclude_frozen_parameters: bool 
                               "engine.consolidated_state_dict() (this model-parallel rank's slices, on its data-parallel "
                               "rank 0); nothing was written")
     full = consolidated_state_dict(engine.context, rank0_only=True)
-    if engine.global_rank == 0:
+    if engine.rank == 0:  # where ``full`` is: the group's first rank, global rank 0 or not (probe 25D)
         params = dict(engine.module.named_parameters(remove_duplicate=False))
         by_param: dict[int, torch.Tensor] = {}  # one tensor per parameter, under each name it has
         state = {}

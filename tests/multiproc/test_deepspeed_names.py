@@ -63,6 +63,26 @@ def test_engine_names_and_refusals_on_two_ranks(pools, tmp_path):
         assert r["norm"] < 1e-5 and r["param"] < 1e-5, r
 
 
+def save_16bit_in_own_group(save_dir: str) -> dict:
+    """Each rank trains its own model in a group of its own: the group's first rank writes the file,
+    global rank 0 or not (rank 1's group wrote nothing and returned True, probe 25D)."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(4, 3)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0}, group=groups[rank])
+    assert engine.save_16bit_model(f"{save_dir}/group{rank}") is True
+    saved = torch.load(f"{save_dir}/group{rank}/pytorch_model.bin")
+    return {"rank": engine.rank, "diff": max((saved[k] - v).abs().max().item() for k, v in expected.items())}
+
+
+def test_save_16bit_model_writes_in_a_group_without_global_rank_0(pools, tmp_path):
+    results = pools.get(2).run(save_16bit_in_own_group, str(tmp_path))
+    assert [r["rank"] for r in results] == [0, 0]
+    assert all(r["diff"] == 0.0 for r in results), results
+
+
 def batch_names_and_misuse() -> dict:
     """Items 2-5 on every rank: the batch accessors with DeepSpeed's keys, the 4-tuple habit on
     ``zero3.initialize``, ``backward`` without an optimizer, a schedule without an optimizer."""
