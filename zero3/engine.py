@@ -45,7 +45,7 @@ from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
 from .runtime.step import StepPhase
 from .runtime.engine_calls import (MID_STEP, check_lr_kwargs, end_forward_without_backward, log_progress,
-                                   require_hooks, zero_grad_window)
+                                   begin_forward, require_hooks, zero_grad_window)
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        require_hooks(self, "engine.forward()")
+        begin_forward(self)
         try:
             return self.module(*args, **kwargs)
         except BaseException as exc:

@@ -8,6 +8,8 @@ timeout, so a hang fails the test instead of freezing the suite.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 import pytest
@@ -323,22 +325,24 @@ MOE = GPTConfig(block_size=4, n_experts=8, n_layer=2)  # 4 tokens per rank and s
 PER_RANK = 1
 
 
-def moe_parity(leaf: bool, steps: int) -> dict:
+def moe_parity(leaf: bool, steps: int, checkpoint: str | None = None, threshold: int | None = 0) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = dataclasses.replace(MOE, checkpoint=checkpoint)
     torch.manual_seed(0)
-    ref = GPT(MOE)
+    ref = GPT(cfg)
     torch.manual_seed(0)
     with zero3.Init():
-        model = GPT(MOE)
+        model = GPT(cfg)
     if leaf:
         zero3.set_leaf_modules(model, ["MoE"])
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, eps=1e-6)
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6),
-                              {"collective_timeout": TIMEOUT, "param_persistence_threshold": 0})
+                              {"collective_timeout": TIMEOUT} | ({} if threshold is None else
+                                                                 {"param_persistence_threshold": threshold}))
     routes, worst = [], 0.0
     before = _snapshot(engine)
     for step in range(steps):
-        x, y = synthetic_batch(step, PER_RANK * world, MOE)
+        x, y = synthetic_batch(step, PER_RANK * world, cfg)
         xs, ys = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
         used = set()
         hooks = [e.register_forward_pre_hook(lambda m, a, i=i: used.add(i))
@@ -369,6 +373,18 @@ def moe_parity(leaf: bool, steps: int) -> dict:
 
 def test_moe_with_leaf_modules_trains_like_one_process_when_routing_differs(pools):
     results = pools.get(2).run(moe_parity, True, 10, timeout=POOL_TIMEOUT)
+    for r in results:
+        assert r["error"] is None, r
+        assert r["worst_loss"] < 1e-5 and r["worst_param"] < 1e-5, r
+    assert any(a != b for a, b in zip(results[0]["routes"], results[1]["routes"])), "routing never differed"
+
+
+@pytest.mark.parametrize("checkpoint", ["zero3", "reentrant"])
+def test_checkpointed_moe_leaves_with_persistent_parameters_train_like_one_process(pools, checkpoint):
+    """Every parameter persistent (the default threshold), each block checkpointed: a leaf's recompute
+    opens no backward of its own, and its gradients were held for a unit that was never reduced (no
+    update at all, probe 25A). They are reduced as one unit at the backward's end, on every rank."""
+    results = pools.get(2).run(moe_parity, True, 6, checkpoint, None, timeout=POOL_TIMEOUT)
     for r in results:
         assert r["error"] is None, r
         assert r["worst_loss"] < 1e-5 and r["worst_param"] < 1e-5, r

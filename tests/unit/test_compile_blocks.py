@@ -99,6 +99,23 @@ def test_torch_compile_of_a_whole_managed_model_names_compile_blocks(threshold):
         assert "torch.compile" not in str(info.value)
 
 
+@pytest.mark.parametrize("how", ["torch.compile(engine)", "a compiled function calling the engine"])
+def test_torch_compile_of_the_engine_names_compile_blocks(how):
+    """Dynamo traced the engine's forward and read a partitioned parameter before any module hook could
+    refuse: the general 'used while partitioned' inside an InternalTorchDynamoError (probe 25A)."""
+    model = _gpt()
+    engine = _engine(model)
+    x, y = synthetic_batch(0, 4, CFG)
+    torch._dynamo.reset()
+    compiled = torch.compile(engine if how == "torch.compile(engine)" else lambda a, b: engine(a, b), backend="eager")
+    with pytest.raises(ZeroStateError, match=r"torch.compile of a model zero3 manages.*compile_blocks"):
+        compiled(x, y)
+    torch._dynamo.reset()
+    loss = engine(x, y)  # uncompiled, it still trains
+    engine.backward(loss)
+    engine.step()
+
+
 def test_refuses_nested_blocks_and_unknown_targets():
     model = _gpt()
     with pytest.raises(ZeroConfigError, match="'h.0.attn' lie inside block 'h.0'"):

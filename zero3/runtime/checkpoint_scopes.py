@@ -11,6 +11,10 @@ hooks what they cannot see by themselves:
   callback on (when no hooked module ran in the enclosing backward before the recompute, e.g. the
   layers after the checkpoint are all persistent); when it ends, the enclosing backward is still
   running, so the step's end is handed on to that enclosing graph task instead of happening there.
+A backward nested in a node of another without this scope (torch's own reentrant checkpoint, a
+user's ``backward`` inside a ``torch.autograd.Function``) is found at its end instead: autograd's
+current node is then the enclosing one (`end_in_enclosing`). Ending the step there had reduced a
+leaf module's unit with one recompute's gradients and dropped the rest (probe 25C).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 CHECKPOINT_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("zero3_checkpoint_forward", default=False)
 NESTED_BACKWARD: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
@@ -49,3 +55,19 @@ def nested_backward() -> Iterator[None]:
         NESTED_BACKWARD.reset(token)
     for hooks in deferred:
         hooks.ensure_final_callback()  # queued on the enclosing graph task, which is current again
+
+
+def end_in_enclosing(queue: Callable[[], None]) -> bool:
+    """Called at the end of a graph task: whether it ran inside a node of an enclosing backward (then
+    ``queue`` runs once that node has returned, in the enclosing graph task, to queue the step's end
+    there). Autograd reads a node's post-hooks after its ``apply``, so one added during it runs."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return False
+
+    def after(grad_inputs: Any, grad_outputs: Any) -> None:
+        handle.remove()  # once: a graph kept for another backward runs the node again
+        queue()
+
+    handle = node.register_hook(after)
+    return True

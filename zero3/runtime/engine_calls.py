@@ -12,6 +12,7 @@ from typing import Any
 from ..config.sections import warn_once
 from ..errors import ZeroConfigError, ZeroStateError
 from ..metrics import StepMetrics
+from .refusals import EAGER, eval_frame_callback, refuse_compiled_call
 
 logger = logging.getLogger("zero3.engine")  # the engine's logger: its progress and timer lines keep their name
 
@@ -89,6 +90,14 @@ def require_hooks(engine: Any, what: str) -> None:
         raise ZeroStateError(f"{what} after engine.remove_hooks(): this engine no longer manages the model (nothing "
                              "gathers its parameters or reduces their gradients); call zero3.initialize(model, ...) "
                              "again for a new engine")
+
+
+def begin_forward(engine: Any) -> None:
+    """``engine(...)``: refused after ``remove_hooks``, and inside a torch.compile'd call (dynamo traced
+    the engine and read the model's partitioned parameters before any module hook could refuse)."""
+    require_hooks(engine, "engine.forward()")
+    if eval_frame_callback() not in EAGER:
+        refuse_compiled_call()
 
 
 def log_progress(engine: Any, m: StepMetrics) -> None:

@@ -83,7 +83,14 @@ torch adds them into ``.grad``. Within one backward a call never opens twice (a 
 output node that fires after the call closed finds it ended in this step). A leaf module whose call
 opens again, or after a backward's end reset its call count (two forwards, a backward each), is
 `_Leaf.reopened`: its unit is reduced once at this backward's end, on every rank (which of its calls
-open is not known before they run). A no_grad forward neither counts calls nor resets the counts.
+open is not known before they run); so is a leaf recomputed by activation checkpointing (its forward
+ran under ``no_grad`` and counted no call). A no_grad forward neither counts calls nor resets the counts.
+
+[Note: a leaf's gradient from outside it]
+A leaf's parameter can get a gradient in a step the leaf does not take part in: tied to a module
+outside it, or a submodule shared with a parent that is no leaf (which then has hooks of its own,
+leaf.py). No rank reduces the leaf's unit then (it ran nowhere), so that gradient is reduced alone,
+as any other parameter's; it was held for the unit and dropped at the step's end (probe 25C).
 With the optimizer step in
 backward the first backward already stepped: a gradient after that fails the step
 (optim/backward_step.py). A backward with ``create_graph=True`` is another matter: the graph it
@@ -106,11 +113,12 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .checkpoint_scopes import CHECKPOINT_FORWARD, NESTED_BACKWARD
+from .checkpoint_scopes import CHECKPOINT_FORWARD, NESTED_BACKWARD, end_in_enclosing
 from .context import RuntimeContext
 from ..errors import ZeroStateError
 from .gathered import external_parameters, register_external_parameter, load_hooks
-from .leaf import is_leaf
+from .grad import GradientReducer
+from .leaf import is_leaf, reached_outside_leaves
 from ..partition.param import PartitionedParameter, ZeroParameter, drop_grad_slot, drop_grad_slots
 from ..planning.trace import EventKind
 from ..optim.precision import RUNNING_BACKWARD
@@ -170,6 +178,20 @@ class _Leaf:
     calls: int = 0  # forward calls in this step (recompute not counted)
     flushed: bool = False
     reopened: bool = False  # a call's backward runs after an end of step reset ``calls``: reduce at this backward's end
+
+    def flush(self, reducer: GradientReducer) -> None:
+        if not self.flushed:
+            self.flushed = True
+            reducer.add_unit([(p, self.grads.pop(id(p), None)) for p in self.params])
+
+    def end_of_backward(self, reducer: GradientReducer) -> None:
+        """Reduce the unit if the leaf took part in this backward and it was not reduced yet."""
+        if (self.calls or self.reopened) and (self.grads or not self.flushed):
+            self.flush(reducer)
+
+    def reset(self) -> None:
+        self.calls, self.flushed, self.reopened = 0, False, False
+        self.grads.clear()
 
 
 # The members the hook path tests, as module globals: on Python 3.11 reading a member through its
@@ -268,11 +290,12 @@ class ModuleHooks:
     # -- install / remove -----------------------------------------------------------------------
     def install(self, model: nn.Module) -> None:
         self.root = model
+        names = self.ctx.config.training.leaf_modules
+        outside = reached_outside_leaves(model, names)  # a module also reached there gets hooks (probe 25C)
         for name, m in model.named_modules():
-            if id(m) in self._in_leaf:
-                continue  # part of a leaf: no hooks of its own
-            if (m is not model and not m._parameters and not external_parameters(m)
-                    and not is_leaf(m, self.ctx.config.training.leaf_modules)):
+            if id(m) in self._in_leaf and id(m) not in outside:
+                continue  # part of a leaf only: no hooks of its own
+            if m is not model and not m._parameters and not external_parameters(m) and not is_leaf(m, names):
                 continue  # nothing to gather: no hooks (a parameter it reads is its caller's, found by _ParamDict)
             self._hook(name, m)
         holders: dict[int, int] = {}  # id(param) -> how many modules hold it as their own (hooked or not)
@@ -373,12 +396,10 @@ class ModuleHooks:
             rec.awaiting.clear()
             rec.arrived.clear()
         self._awaiting.clear()
-        if not aborted and self._leaves and phase is StepPhase.BACKWARD:
-            self._flush_leaves()
-        if after_backward:  # a no_grad forward's end keeps the counts of the calls whose backward is to come
-            for leaf in self._leaves:
-                leaf.calls, leaf.flushed, leaf.reopened = 0, False, False
-                leaf.grads.clear()
+        for leaf in self._leaves if not aborted and phase is StepPhase.BACKWARD else ():  # in model order
+            leaf.end_of_backward(self.reducer)
+        for leaf in self._leaves if after_backward else ():  # a no_grad forward's end keeps the counts
+            leaf.reset()                                    # of the calls whose backward is to come
 
     # -- forward --------------------------------------------------------------------------------
     def _params_of(self, rec: _ModuleRecord) -> list[ZeroParameter]:
@@ -446,8 +467,11 @@ class ModuleHooks:
             self.step.enter(_FORWARD)
         if begins and self._buffers is not None:  # every forward of the model, as DDP
             self._buffers.before_forward(torch.is_grad_enabled())
-        if rec.leaf is not None and self.step.phase is _FORWARD and torch.is_grad_enabled():  # calls with a backward
-            rec.leaf.calls += 1
+        if rec.leaf is not None and torch.is_grad_enabled():  # calls with a backward to come
+            if self.step.phase is _FORWARD:
+                rec.leaf.calls += 1
+            else:  # a recompute (activation checkpointing): reduced at this backward's end, as one whose
+                rec.leaf.reopened = True  # backward opened after a reset (probe 25A: a persistent one's never opens)
         params = self._params_of(rec)
         if params and transform_level() is not None:
             refuse_transform(rec.name)
@@ -603,7 +627,7 @@ class ModuleHooks:
             if leaf is not None and leaf.calls == 1:
                 # Its only call's backward is done, so its parameters' gradients are accumulated (autograd
                 # runs AccumulateGrad nodes first once they are ready).
-                self._flush_leaf(leaf)
+                leaf.flush(self.reducer)
             self.reducer.module_done()
 
     def _refuse_unscaled(self, p: torch.Tensor | None, clipped: bool) -> None:
@@ -621,17 +645,6 @@ class ModuleHooks:
         for call in calls:
             self._post_backward(call)
 
-    def _flush_leaf(self, leaf: _Leaf) -> None:
-        if not leaf.flushed:
-            leaf.flushed = True
-            self.reducer.add_unit([(p, leaf.grads.pop(id(p), None)) for p in leaf.params])
-
-    def _flush_leaves(self) -> None:
-        """End of backward: every leaf that ran this step and was not reduced yet, in model order."""
-        for leaf in self._leaves:
-            if (leaf.calls or leaf.reopened) and (leaf.grads or not leaf.flushed):
-                self._flush_leaf(leaf)
-
     def _on_grad(self, p: torch.Tensor) -> None:
         if self.step.phase is not _BACKWARD:
             self.step.enter(_BACKWARD)
@@ -645,8 +658,8 @@ class ModuleHooks:
             if theirs is not None and theirs != (ours := 1.0 if fp16 is None else fp16.grad_scale):
                 grad = grad * (ours / theirs)  # precision.py [Note: a backward that crosses engines]
             leaf = self._leaf_of.get(id(p)) if self._leaf_of else None
-            if leaf is None or leaf.flushed:  # flushed: a gradient after its unit was reduced (not expected)
-                self.reducer.add(p, grad)  # type: ignore[arg-type]
+            if leaf is None or leaf.flushed or not (leaf.calls or leaf.reopened):  # [Note: a leaf's gradient
+                self.reducer.add(p, grad)  # type: ignore[arg-type]               # from outside it]
             else:  # a second gradient before the flush: its call's nested (checkpointed) backward
                 leaf.grads[id(p)] = grad if (had := leaf.grads.get(id(p))) is None else had + grad
         rec = self._owner.get(id(p))
@@ -674,7 +687,8 @@ class ModuleHooks:
             return  # a callback of a backward from before the last end of step
         self._queued_tasks.discard(task)
         deferred = NESTED_BACKWARD.get()
-        if not self._queued_tasks and self.step.phase is _BACKWARD and deferred is None:
+        if not self._queued_tasks and self.step.phase is _BACKWARD and deferred is None and \
+                not end_in_enclosing(self.ensure_final_callback):
             self.step.end()
         else:
             self.reducer.finish()  # this graph task's gradient shards are complete

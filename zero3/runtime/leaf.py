@@ -5,6 +5,9 @@ leaving it releases them, and in backward their gradients are reduced together, 
 standing in for a parameter that got none on this rank (an expert no token of this rank reached).
 So ranks whose tokens route to different experts run the same module events and issue the same
 collectives. A parameter that got a gradient on no rank keeps none, as in a single process.
+
+A module inside a leaf that the model also reaches outside every leaf (a submodule shared with a
+parent that is no leaf) gets hooks of its own too, so a call of it there gathers its parameters.
 """
 
 from __future__ import annotations
@@ -98,3 +101,16 @@ def leaf_modules(model: nn.Module, class_names: Iterable[str] = ()) -> list[nn.M
             out.append(m)
             inside.update(id(d) for d in m.modules())
     return out
+
+
+def reached_outside_leaves(model: nn.Module, class_names: Iterable[str] = ()) -> set[int]:
+    """The ids of the modules of ``model`` reached from it through no leaf module (leaves included)."""
+    seen: set[int] = set()
+    todo = [model]
+    while todo:
+        m = todo.pop()
+        if id(m) not in seen:
+            seen.add(id(m))
+            if not is_leaf(m, class_names):
+                todo.extend(c for c in m._modules.values() if c is not None)
+    return seen

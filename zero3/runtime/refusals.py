@@ -29,9 +29,9 @@ def refuse_compiled_call() -> None:
     not in EAGER``): dynamo would compile zero3's hooks, or read parameters they have not gathered."""
     raise ZeroStateError(
         "torch.compile of a model zero3 manages: a module's forward ran inside a torch.compile'd call "
-        "(torch.compile(model), model.compile() before or after initialize, or a compiled function that calls the "
-        "model), where dynamo compiles every frame, zero3's hooks too (they run in Python, outside any "
-        "graph). Compile its blocks instead, before zero3.initialize: zero3.compile_blocks(model, [Block]) "
+        "(torch.compile(model) or torch.compile(engine), model.compile() before or after initialize, or a compiled "
+        "function that calls the model or the engine), where dynamo compiles every frame, zero3's hooks too (they run "
+        "in Python, outside any graph). Compile its blocks instead, before zero3.initialize: zero3.compile_blocks(model, [Block]) "
         "(docs/compile.md), as FSDP2 users compile per block; or call the model uncompiled")
 
 

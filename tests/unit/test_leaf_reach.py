@@ -1,0 +1,123 @@
+"""Leaf modules (runtime/leaf.py) whose parameters or submodules the model also reaches outside the
+leaf, and a leaf's gradients over a backward nested in another (torch's reentrant checkpoint):
+each trains as the same model in plain torch (probe 25C)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+import zero3
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class Reached(nn.Module):
+    """``block`` is a leaf; its Linear is also used outside it: tied to ``other``'s weight, or a child
+    of ``other`` registered inside the leaf first ("shared") or outside first ("shared first")."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        if how == "shared first":
+            self.other = nn.Sequential(nn.Linear(8, 8))
+            self.block = Block()
+            self.block.lin = self.other[0]
+        else:
+            self.block = Block()
+            if how == "tied":
+                self.other = nn.Linear(8, 8)
+                self.other.weight = self.block.lin.weight
+            else:
+                self.other = nn.Sequential(self.block.lin)
+        self.call_block = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.call_block:
+            x = self.block(x)
+        return torch.tanh(self.other(x)).pow(2).mean()
+
+
+def _train_both(ref: nn.Module, config: dict, losses, steps: int = 3) -> list[int]:
+    """Train ``ref`` in torch and a copy under zero3 alike; the copy must end with torch's weights.
+    Returns how many ends of step each zero3 backward made."""
+    model = copy.deepcopy(ref)
+    ends: list[int] = []
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    for step in range(steps):
+        losses(ref, step).backward()
+        before = engine.hooks._steps_ended
+        engine.backward(losses(model, step))
+        ends.append(engine.hooks._steps_ended - before)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.step()
+    with zero3.GatheredParameters(list(model.parameters())):
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7, msg=name)
+    return ends
+
+
+@pytest.mark.parametrize("threshold", [0, None], ids=["threshold 0", "default persistence"])
+@pytest.mark.parametrize("how", ["tied", "shared", "shared first"])
+def test_a_leaf_parameter_used_outside_the_leaf_gets_its_gradient_whether_the_leaf_runs_or_not(how, threshold):
+    """Before: in a step where the leaf did not run, the gradient its parameter got outside it was held
+    for the leaf's unit, which only a leaf that ran is reduced with, then dropped (one whole update
+    off). A Linear inside the leaf that another parent calls ("shared") had no hooks of its own, so
+    at threshold 0 that call raised that the parameter was partitioned."""
+    config = {"leaf_modules": ["Block"]} | ({} if threshold is None else {"param_persistence_threshold": threshold})
+    torch.manual_seed(0)
+    ref = Reached(how)
+
+    def losses(m: Reached, step: int) -> torch.Tensor:
+        m.call_block = step % 2 == 1  # the leaf runs on odd steps only
+        return m(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)))
+
+    _train_both(ref, config, losses, steps=4)
+
+
+class CheckpointedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint.checkpoint(lambda t: torch.tanh(self.lin(t)), x, use_reentrant=True)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.block = CheckpointedBlock()
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.emb(ids))).logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("config", [{"leaf_modules": ["CheckpointedBlock"]}, {}], ids=["leaf", "no leaf"])
+def test_torch_reentrant_checkpoint_in_two_forwards_before_one_backward_ends_the_step_once(config):
+    """With every parameter persistent, the first hook of the backward fired inside the first recompute's
+    nested backward, whose end ended the step: the leaf's unit was reduced with that recompute's
+    gradients alone, the other's dropped (the update was the second forward's alone). The step now
+    ends with the enclosing backward (checkpoint_scopes.py `end_in_enclosing`)."""
+    torch.manual_seed(0)
+    ref = Checkpointed()
+
+    def losses(m: Checkpointed, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(step)
+        return sum(m(torch.randint(0, 16, (2, 5), generator=g)) for _ in range(2))
+
+    assert _train_both(ref, config, losses) == [1, 1, 1]
