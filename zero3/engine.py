@@ -40,7 +40,7 @@ from .runtime.hooks import ModuleHooks
 from .metrics import StepMetrics
 from .comm.model_parallel import data_parallel_group
 from .offload.states import StatesOffload
-from .optim.optimizer import clip_shards
+from .optim.grad_norm import clip_shards
 from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
 from .runtime.step import StepPhase

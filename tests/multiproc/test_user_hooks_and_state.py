@@ -174,9 +174,18 @@ def test_weight_norm_in_a_model_built_under_init_trains_like_torch(pools, how): 
 
 
 # -- torch's clip_grad_norm_ over the optimizer's param_groups (optim/routed_clip.py) ---------------
-def clip_over_param_groups(threshold: int) -> dict:
+def _clip(tensors: list[torch.Tensor], how: str) -> torch.Tensor:
+    if how == "clip_grad_norm_":
+        return torch.nn.utils.clip_grad_norm_(tensors, torch.tensor(0.05))
+    norm = torch.nn.utils.get_total_norm([t.grad for t in tensors if t.grad is not None])  # torch 2.6's two steps
+    torch.nn.utils.clip_grads_with_norm_(tensors, 0.05, norm)
+    return norm
+
+
+def clip_over_param_groups(threshold: int, how: str = "clip_grad_norm_") -> dict:
     """PyTorch Lightning's clip: torch.nn.utils.clip_grad_norm_ over the tensors of the optimizer's
-    param groups, which zero3 re-points at this rank's shards."""
+    param groups, which zero3 re-points at this rank's shards; or torch's two steps, get_total_norm
+    and clip_grads_with_norm_ (which measured this rank's shards alone, probe 25B)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ref, model = twins(_mlp)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -187,18 +196,23 @@ def clip_over_param_groups(threshold: int) -> dict:
     norms = []
     for x, y in _batches(world):
         ((ref(x) - y) ** 2).mean().backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_norm = _clip(list(ref.parameters()), how)
         ref_opt.step()
         ref_opt.zero_grad()
         ((model(x[mine]) - y[mine]) ** 2).mean().backward()
-        norms.append((torch.nn.utils.clip_grad_norm_(tensors, torch.tensor(0.05)).item(), ref_norm.item()))
+        norms.append((_clip(tensors, how).item(), ref_norm.item()))
         opt.step()
         opt.zero_grad()
     ((model(x[mine]) - y[mine]) ** 2).mean().backward()
     refused = []
     for part in (tensors[:2], tensors + [torch.zeros(3, requires_grad=True)]):
+        if how != "clip_grad_norm_":
+            part = [t.grad for t in part if t.grad is not None] + ([torch.zeros(3)] if len(part) > 2 else [])
         try:
-            torch.nn.utils.clip_grad_norm_(part, 0.05)
+            if how == "clip_grad_norm_":
+                torch.nn.utils.clip_grad_norm_(part, 0.05)
+            else:  # a part is the norm of those gradients (one all-reduce, as many on every rank)
+                torch.nn.utils.get_total_norm(part)
             refused.append(False)
         except zero3.ZeroStateError:
             refused.append(True)
@@ -206,13 +220,46 @@ def clip_over_param_groups(threshold: int) -> dict:
     return {"norms": norms, "refused": refused, "diff": _weights_diff(model, ref)}
 
 
+@pytest.mark.parametrize("how", ["clip_grad_norm_", "get_total_norm"])
 @pytest.mark.parametrize("threshold", [0, 10**6])
-def test_torch_clip_over_the_optimizer_s_param_groups_clips_by_the_global_norm(pools, threshold):
-    for r in pools.get(2).run(clip_over_param_groups, threshold):
+def test_torch_clip_over_the_optimizer_s_param_groups_clips_by_the_global_norm(pools, threshold, how):
+    for r in pools.get(2).run(clip_over_param_groups, threshold, how):
         for got, want in r["norms"]:
             assert abs(got - want) < 1e-5 * want and want > 0.05, r  # the global norm, and it clipped
-        assert r["refused"] == [True, True], r  # a part of them; a mix with other tensors
+        # a part of them (refused by the one-call clip); a mix with other tensors
+        assert r["refused"] == [how == "clip_grad_norm_", True], r
         assert r["diff"] < 1e-6, r
+
+
+def clip_value_fp16() -> dict:
+    """torch.nn.utils.clip_grad_value_ over an fp16 engine's optimizer tensors, against torch in fp32:
+    the shards hold loss-scaled gradients until unscaled (the clip value acted as 0.01 / 256, probe 25B)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model = twins(_mlp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine = zero3.initialize(model, opt, {"fp16": {"enabled": True, "initial_scale_power": 8},
+                                           "param_persistence_threshold": 0})
+    tensors = [t for g in opt.param_groups for t in g["params"]]
+    mine = slice(4 * rank, 4 * (rank + 1))
+    clipped = 0
+    for x, y in _batches(world)[:2]:
+        ((ref(x) - y) ** 2).mean().backward()
+        clipped += sum(int((p.grad.abs() > 0.01).sum()) for p in ref.parameters())
+        torch.nn.utils.clip_grad_value_(ref.parameters(), 0.01)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.5 * p.grad
+                p.grad = None
+        engine.backward(((model(x[mine].half()) - y[mine].half()) ** 2).float().mean())
+        torch.nn.utils.clip_grad_value_(tensors, 0.01)
+        engine.step()
+    return {"clipped": clipped, "diff": _weights_diff(model, ref)}
+
+
+def test_torch_clip_grad_value_over_an_fp16_engine_s_shards_clamps_true_gradients(pools):
+    for r in pools.get(2).run(clip_value_fp16):
+        assert r["clipped"] > 10, r  # the clip acted in torch
+        assert r["diff"] < 2e-3, r  # fp16 rounding; clamping scaled gradients was 1e-2 off
 
 
 # -- a backward node reading a weight after its module's backward (late_read.py [Note: a parameter read

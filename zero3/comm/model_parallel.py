@@ -5,7 +5,7 @@ is already this rank's slice of the full weight (Megatron builds it so), and zer
 further over the data-parallel ranks that hold the same slice. Three things need the model-parallel
 group as well:
 
-- gradient-norm clipping (optim.clip_shards): a tensor-parallel parameter (attribute
+- gradient-norm clipping (optim/grad_norm.py): a tensor-parallel parameter (attribute
   ``tensor_model_parallel`` or ``model_parallel`` set, as Megatron marks them) is a different slice
   on every model-parallel rank, so its squares are summed over that group too; a replicated one
   (LayerNorm, a row-parallel layer's bias) holds the same values on every model-parallel rank and is

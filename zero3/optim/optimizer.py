@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -73,6 +72,7 @@ from .rank_state import tag_rank_state
 from .routed_step import torch_step
 from .streamed import SubgroupStreamer
 from .precision import RUNNING_BACKWARD, LossScaler, unscale_
+from .grad_norm import clip_shards
 from ..offload.nvme import ShardTier, StorageTier
 from ..offload.swapfile import AsyncIO, SwapFile
 
@@ -713,37 +713,3 @@ def _subgroups(group_params: list[list[ZeroParameter]], limit: int) -> list[tupl
             out.append((gi, cur))
     return out
 
-
-def clip_shards(grads: Sequence[tuple[torch.Tensor, bool]], max_norm: float, norm_type: float,
-                comm: Communicator, device: torch.device, model_parallel: ModelParallel | None = None) -> torch.Tensor:
-    """Scale the gradient shards so their global ``norm_type``-norm is at most ``max_norm``; return it.
-
-    ``grads`` pairs each shard with whether its parameter is tensor-parallel. The norm is over the
-    full model: the shards' powers are summed over the data-parallel ranks (``comm``) and, with
-    ``model_parallel``, over the model-parallel ranks too, where a replicated parameter (the same on
-    every model-parallel rank) is counted only on model-parallel rank 0. Accumulated in fp32, reduced
-    on ``device`` (where the collectives run).
-    """
-    norm_type = float(norm_type)
-    tensors = [g for g, _ in grads]
-    gdev = tensors[0].device if tensors else device
-    tag = Tag(Kind.ALL_REDUCE, "gradient norm (clipping)")
-    mp_tag = Tag(Kind.ALL_REDUCE, "gradient norm (clipping, model-parallel)")
-    if norm_type == math.inf:
-        local = max((g.abs().max() for g in tensors), default=torch.zeros((), device=gdev)).float()
-        total = comm.all_reduce(local.to(device, copy=True), tag, op="max")
-        if model_parallel is not None:
-            total = model_parallel.comm.all_reduce(total.to(model_parallel.comm.device), mp_tag, op="max").to(device)
-    else:
-        counted = [g for g, parallel in grads if model_parallel is None or parallel or model_parallel.rank == 0]
-        local = torch.zeros((), dtype=torch.float32, device=gdev)
-        for g in counted:
-            local += g.float().abs().pow(norm_type).sum()
-        total = comm.all_reduce(local.to(device), tag)
-        if model_parallel is not None:
-            total = model_parallel.comm.all_reduce(total.to(model_parallel.comm.device), mp_tag).to(device)
-        total = total.pow(1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in tensors:
-        g.mul_(coef.to(device=g.device, dtype=g.dtype))
-    return total

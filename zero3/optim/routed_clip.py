@@ -16,6 +16,15 @@ The model's parameters themselves (``model.parameters()``) are refused by their 
 name, so pickling ``torch.nn.utils.clip_grad_norm_`` still works (by reference: another process
 finds its own); a reference to torch's function taken before the routing no longer pickles (pickle
 finds another object under its name).
+
+torch's other clipping functions get the same look (probe 25B found both silently wrong):
+- ``get_total_norm`` over the gradients of an engine's shards returns the global norm (any of the
+  parameters: the norm of the full gradients of those), with fp16 in true units (the window's
+  gradients are unscaled first, as ``clip_grad_norm_`` does). ``clip_grads_with_norm_`` then scales the
+  shards elementwise by torch's own code, which is right once the norm is.
+- ``clip_grad_value_`` over shards clamps elementwise, which shards allow; with fp16 it unscales the
+  window's gradients first, or it clamped loss-scaled gradients (the clip value divided by the scale).
+Both want the window's last gradients, as ``zero3.clip_grad_norm_`` does.
 """
 
 from __future__ import annotations
@@ -30,9 +39,12 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 
 from ..errors import ZeroConfigError, ZeroStateError
+from .grad_norm import global_grad_norm
 
 _CONTEXTS: list[weakref.ref] = []  # every engine's context, while it lives
 _TORCH_CLIP = torch.nn.utils.clip_grad.clip_grad_norm_
+_TORCH_TOTAL_NORM = torch.nn.utils.get_total_norm  # clip_grad._get_total_norm, which torch's clip calls itself
+_TORCH_CLIP_VALUE = torch.nn.utils.clip_grad.clip_grad_value_
 _ZERO3_CLIP: list[Callable[..., torch.Tensor]] = []  # zero3.clip_grad_norm_, set by the first `route_clip`
 
 
@@ -43,8 +55,10 @@ def route_clip(ctx: Any, zero3_clip: Callable[..., torch.Tensor]) -> None:
     _CONTEXTS.append(weakref.ref(ctx))
     if not _ZERO3_CLIP:
         _ZERO3_CLIP.append(zero3_clip)
-        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
-        torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+        for name, routed in (("clip_grad_norm_", clip_grad_norm_), ("clip_grad_value_", clip_grad_value_)):
+            setattr(torch.nn.utils, name, routed)
+            setattr(torch.nn.utils.clip_grad, name, routed)
+        torch.nn.utils.get_total_norm = get_total_norm
 
 
 def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -80,21 +94,88 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, er
     return _ZERO3_CLIP[0](params, max_norm, norm_type)
 
 
-# Pickled by reference under torch's name, which is this function once routed (see the Note).
-clip_grad_norm_.__module__ = _TORCH_CLIP.__module__
-clip_grad_norm_.__qualname__ = _TORCH_CLIP.__qualname__
-clip_grad_norm_.__doc__ = (_TORCH_CLIP.__doc__ or "") + "\n\nzero3: an engine's optimizer shards are clipped by " \
-    "the global norm (zero3/optim/routed_clip.py)."
+def get_total_norm(tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                   foreach: bool | None = None) -> torch.Tensor:
+    grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    owners = _grad_owners()
+    params = [owners.get(id(g)) for g in grads]
+    if not any(p is not None for p in params):
+        return _TORCH_TOTAL_NORM(grads, norm_type, error_if_nonfinite, foreach)
+    ctx = _one_engine(params, "get_total_norm", "gradients of a zero3 optimizer's shards")
+    norm_type = float(norm_type)  # torch takes "inf" too
+    _window_complete(ctx, "get_total_norm")
+    kinds = {id(g): parallel for g, parallel in ctx.grads_with_kind()}
+    total = global_grad_norm([(g, kinds.get(id(g), False)) for g in dict.fromkeys(grads)], norm_type, ctx.comm,
+                             ctx.comm.device, ctx.model_parallel)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so "
+                           "it cannot be clipped. To disable this error and scale the gradients by the non-finite "
+                           "norm anyway, set `error_if_nonfinite=False`")
+    return total
+
+
+def clip_grad_value_(parameters: Any, clip_value: float, foreach: bool | None = None) -> None:
+    tensors = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    owners = _shard_owners()
+    params = [owners.get(id(t)) for t in tensors]
+    if any(p is not None for p in params):
+        ctx = _one_engine(params, "clip_grad_value_", "a zero3 optimizer's shards (from its param_groups)")
+        if ctx.optimizer is not None and ctx.optimizer.scaler is not None:
+            _window_complete(ctx, "clip_grad_value_ with fp16")  # unscaled once, at the window's end
+    return _TORCH_CLIP_VALUE(tensors, clip_value, foreach)
+
+
+def _one_engine(params: list[Any], what: str, kind: str) -> Any:
+    """The one engine whose tensors ``params`` (their owners, None for another tensor) all are."""
+    ctxs = {id(p._zero.ctx): p._zero.ctx for p in params if p is not None}
+    if len(ctxs) > 1 or not all(p is not None for p in params):
+        raise ZeroStateError(
+            f"torch.nn.utils.{what} got tensors of which some are {kind} and some are not (or of two engines): "
+            "zero3 measures its shards over every rank's, which cannot be mixed with local tensors. Call it once "
+            "per engine and once for the other tensors; nothing was changed")
+    return next(iter(ctxs.values()))
+
+
+def _window_complete(ctx: Any, what: str) -> None:
+    """The gradients of the accumulation window are complete here, reduced, and (fp16) unscaled."""
+    ctx.require_states(what, ("lp_grads",))
+    ctx.finish_gradients()
+    n = ctx.config.training.gradient_accumulation_steps
+    if (ctx.micro_steps + 1) % n != 0:
+        raise ZeroStateError(
+            f"torch.nn.utils.{what} over a zero3 optimizer's shards after micro-batch {ctx.micro_steps % n + 1} of "
+            f"{n} (gradient_accumulation_steps): the gradients are not complete yet. Call it when "
+            "engine.is_gradient_accumulation_boundary(); nothing was changed")
+    if ctx.optimizer is not None:
+        ctx.optimizer.unscale_()
+
+
+# Pickled by reference under torch's names, which are these functions once routed (see the Note).
+for _routed, _torch in ((clip_grad_norm_, _TORCH_CLIP), (get_total_norm, _TORCH_TOTAL_NORM),
+                        (clip_grad_value_, _TORCH_CLIP_VALUE)):
+    if _torch.__name__ == _routed.__name__:
+        _routed.__module__, _routed.__qualname__ = _torch.__module__, _torch.__qualname__
+    _routed.__doc__ = (_torch.__doc__ or "") + "\n\nzero3: over an engine's optimizer shards, by the global " \
+        "gradients (zero3/optim/routed_clip.py)."
+
+
+def _grad_owners() -> dict[int, Any]:
+    """id of the gradient of each shard and master tensor a live engine's optimizer steps -> its parameter."""
+    return {id(g): p for t, p in _tensors_of_engines() if (g := t.grad) is not None}
 
 
 def _shard_owners() -> dict[int, Any]:
     """id of each shard and master tensor an optimizer of a live engine steps -> its parameter."""
-    owners: dict[int, Any] = {}
+    return {id(t): p for t, p in _tensors_of_engines()}
+
+
+def _tensors_of_engines() -> list[tuple[torch.Tensor, Any]]:
+    """Each shard and master tensor of a live engine's parameters, with the parameter."""
+    out = []
     for ref in _CONTEXTS:
         ctx = ref()
-        if ctx is None or not ctx.attached:
-            continue
-        for p in ctx.params:
-            owners[id(p._zero.shard)] = p
-            owners[id(p._zero.train_tensor)] = p
-    return owners
+        if ctx is not None and ctx.attached:
+            for p in ctx.params:
+                out.append((p._zero.shard, p))
+                out.append((p._zero.train_tensor, p))
+    return out
