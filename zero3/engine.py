@@ -37,6 +37,7 @@ from .optim import foreign as foreign_optimizers
 from .optim import routed_step
 from .optim.routed_clip import route_clip
 from .runtime.hooks import ModuleHooks
+from .runtime.refusals import route_parametrizations
 from .metrics import StepMetrics
 from .comm.model_parallel import data_parallel_group
 from .offload.states import StatesOffload
@@ -607,6 +608,7 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
                               "section): a schedule needs an optimizer to set the lr of")
     engine = Engine(model, optimizer, config, group, communicator, model_parameters, lr_scheduler, mpu)
     foreign_optimizers.install()  # an optimizer over the parameters themselves steps nothing: refused
+    route_parametrizations()  # a parametrization registered after it: refused (its module has no hooks)
     foreign_optimizers.manage(engine.module)  # ... and one over a plain parameter of this model drifts: refused
     if config.activation_checkpointing is not None:
         if checkpointing.configured_by_user():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import gc
 import weakref
@@ -671,6 +673,29 @@ class _Writes(nn.Module):
 def test_item_assignments_to_parameters_while_building_are_kept():
     ref, model = twins(_Writes)
     _assert_built_alike(model, ref)
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "user"])
+def test_a_parametrization_registered_after_initialize_is_refused_before_it_changes_anything(kind):
+    """It moves the weight into a new module without zero3's hooks: refused (outside a block it was
+    refused by the parameter's guard, with advice to use GatheredParameters, inside which it was
+    accepted and the next forward failed; probe 25B). A persistent weight stays as torch's."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    class Sym(nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).transpose(-1, -2)
+
+    with zero3.Init():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    register = parametrizations.weight_norm if kind == "weight_norm" else \
+        (lambda m: parametrize.register_parametrization(m, "weight", Sym()))
+    for block in (contextlib.nullcontext(), zero3.GatheredParameters(list(model.parameters()), modifier_rank=0)):
+        with block, pytest.raises(ZeroStateError, match="register_parametrization of 2.weight .*before zero3.initialize"):
+            register(model[2])
+    assert not parametrize.is_parametrized(model[2])
+    model(torch.randn(3, 4)).sum().backward()  # it still trains
 
 
 @pytest.mark.parametrize("kind", ["orthogonal", "user"])

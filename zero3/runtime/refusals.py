@@ -141,3 +141,31 @@ def unscaled_backward_refusal(p: torch.Tensor | None, clipped: bool) -> ZeroStat
         "engine.backward multiplies the loss by the loss scale and engine.step() divides the gradients "
         "by it, so this gradient would step that many times too small. Call engine.backward(loss) (any "
         "engine's: another engine's backward reaching this model is rescaled); nothing of this backward was reduced")
+
+
+_REGISTER_PARAMETRIZATION: list[Any] = []  # torch's, once `route_parametrizations` installed the check
+
+
+def route_parametrizations() -> None:
+    """From the first ``initialize`` on, ``parametrize.register_parametrization`` (which
+    ``parametrizations.weight_norm``, ``orthogonal`` and ``spectral_norm`` call) refuses a partitioned
+    parameter of an engine's model: it moves the parameter into a new module (a ``ParametrizationList``)
+    that has none of the hooks installed at ``initialize``, so nothing gathers it there. Inside
+    ``GatheredParameters`` it was accepted and the next forward failed (probe 25B)."""
+    from torch.nn.utils import parametrize
+    if not _REGISTER_PARAMETRIZATION:
+        _REGISTER_PARAMETRIZATION.append(parametrize.register_parametrization)
+        parametrize.register_parametrization = _register_parametrization
+
+
+def _register_parametrization(module: nn.Module, tensor_name: str, parametrization: nn.Module, *,
+                              unsafe: bool = False) -> nn.Module:
+    p = module._parameters.get(tensor_name) if isinstance(module, nn.Module) else None
+    ctx = p._zero.ctx if isinstance(p, ZeroParameter) else None
+    if ctx is not None and ctx.module is not None and ctx.attached and not p._zero.persistent:
+        raise ZeroStateError(
+            f"register_parametrization of {p._zero.name} (torch.nn.utils.parametrize, parametrizations.weight_norm, "
+            "orthogonal, spectral_norm) after zero3.initialize: the parameter would move into a new module that has "
+            "none of the hooks installed at initialize, so nothing would gather it. Register parametrizations "
+            "before zero3.initialize (on the built model, or inside zero3.Init); nothing was changed")
+    return _REGISTER_PARAMETRIZATION[0](module, tensor_name, parametrization, unsafe=unsafe)
