@@ -77,10 +77,15 @@ def train_both(ref: nn.Module, model: nn.Module, zcfg: dict, batches: list[Any],
         engine.step()
         torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-7)
         assert engine.coordinator.live_params == []
+    assert_same_weights(model, ref)
+    return engine
+
+
+def assert_same_weights(model: nn.Module, ref: nn.Module) -> None:
+    """``model``'s parameters, gathered, equal ``ref``'s in order (fp32 reduction-order noise aside)."""
     with zero3.GatheredParameters(list(model.parameters())):
         for (name, p), r in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7, msg=name)
-    return engine
 
 
 class _ReadsModuleWeight(torch.autograd.Function):

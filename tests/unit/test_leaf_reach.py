@@ -12,6 +12,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import zero3
+from _reference import assert_same_weights
 
 
 class Block(nn.Module):
@@ -63,9 +64,7 @@ def _train_both(ref: nn.Module, config: dict, losses, steps: int = 3) -> list[in
         ref_opt.step()
         ref_opt.zero_grad()
         engine.step()
-    with zero3.GatheredParameters(list(model.parameters())):
-        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7, msg=name)
+    assert_same_weights(model, ref)
     return ends
 
 

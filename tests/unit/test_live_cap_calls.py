@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import zero3
+from _reference import assert_same_weights
 
 LEAN = {"max_live_parameters": 0, "max_reuse_distance": 0, "prefetch_bucket_size": 0, "param_persistence_threshold": 0}
 
@@ -92,9 +93,7 @@ def test_a_module_called_twice_keeps_the_live_cap_and_trains_like_torch(build, l
         engine.step()
         torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-7)
         assert engine.last_step_metrics.peak_live_numel <= modules * module, engine.last_step_metrics.peak_live_numel
-    with zero3.GatheredParameters(list(model.parameters())):
-        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7, msg=name)
+    assert_same_weights(model, ref)
 
 
 def test_leaf_modules_over_two_forwards_and_two_backwards_train_like_torch():
@@ -117,6 +116,4 @@ def test_leaf_modules_over_two_forwards_and_two_backwards_train_like_torch():
         ref_opt.step()
         ref_opt.zero_grad()
         engine.step()
-    with zero3.GatheredParameters(list(model.parameters())):
-        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7, msg=name)
+    assert_same_weights(model, ref)
