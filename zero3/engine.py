@@ -323,7 +323,7 @@ class Engine:
                          exclude_frozen_parameters: bool = False) -> bool:
         """Write the consolidated model, each parameter in its own (16-bit under bf16/fp16) dtype, as a
         ``torch.save`` state dict at ``save_dir/save_filename``. A collective: every rank takes part in
-        the gathers, global rank 0 writes, and every rank returns (True) once the file is there."""
+        the gathers, the engine group's rank 0 writes, and every rank returns (True) once it is there."""
         return save_16bit_model(self, os.path.join(os.fspath(save_dir), save_filename), exclude_frozen_parameters)
 
     @property

@@ -216,8 +216,15 @@ def clip_over_param_groups(threshold: int, how: str = "clip_grad_norm_") -> dict
             refused.append(False)
         except zero3.ZeroStateError:
             refused.append(True)
+    extra = {}
+    if how != "clip_grad_norm_":  # the shards themselves (a parameter norm), a gradient given twice (review 2)
+        grads = [t.grad for t in tensors if t.grad is not None]
+        extra = {"param norm": (torch.nn.utils.get_total_norm(tensors).item(),
+                                torch.nn.utils.get_total_norm([p.detach() for p in ref.parameters()]).item()),
+                 "twice": (torch.nn.utils.get_total_norm(grads + grads).item(),
+                           2 ** 0.5 * torch.nn.utils.get_total_norm(grads).item())}
     opt.zero_grad()
-    return {"norms": norms, "refused": refused, "diff": _weights_diff(model, ref)}
+    return {"norms": norms, "refused": refused, "diff": _weights_diff(model, ref), **extra}
 
 
 @pytest.mark.parametrize("how", ["clip_grad_norm_", "get_total_norm"])
@@ -229,6 +236,8 @@ def test_torch_clip_over_the_optimizer_s_param_groups_clips_by_the_global_norm(p
         # a part of them (refused by the one-call clip); a mix with other tensors
         assert r["refused"] == [how == "clip_grad_norm_", True], r
         assert r["diff"] < 1e-6, r
+        for got, want in (r["param norm"], r["twice"]) if how != "clip_grad_norm_" else ():
+            assert abs(got - want) < 1e-5 * want, r
 
 
 def clip_value_fp16() -> dict:

@@ -21,7 +21,11 @@ torch's other clipping functions get the same look (probe 25B found both silentl
 - ``get_total_norm`` over the gradients of an engine's shards returns the global norm (any of the
   parameters: the norm of the full gradients of those), with fp16 in true units (the window's
   gradients are unscaled first, as ``clip_grad_norm_`` does). ``clip_grads_with_norm_`` then scales the
-  shards elementwise by torch's own code, which is right once the norm is.
+  shards elementwise by torch's own code, which is right once the norm is. Over the shards themselves
+  (a parameter norm for a log) it returns the full parameters' norm. ``norm_type`` 0 and -inf are
+  refused. With the optimizer step in backward no gradient shard is left after the backward, so
+  there is nothing to recognise: the list is empty and torch's call returns 0 (as it does for an
+  empty list); ``clip_grad_value_`` over the shards is refused there.
 - ``clip_grad_value_`` over shards clamps elementwise, which shards allow; with fp16 it unscales the
   window's gradients first, or it clamped loss-scaled gradients (the clip value divided by the scale).
 Both want the window's last gradients, as ``zero3.clip_grad_norm_`` does.
@@ -39,6 +43,7 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 
 from ..errors import ZeroConfigError, ZeroStateError
+from ..comm.model_parallel import is_tensor_parallel
 from .grad_norm import global_grad_norm
 
 _CONTEXTS: list[weakref.ref] = []  # every engine's context, while it lives
@@ -96,17 +101,24 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, er
 
 def get_total_norm(tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                    foreach: bool | None = None) -> torch.Tensor:
-    grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    owners = _grad_owners()
-    params = [owners.get(id(g)) for g in grads]
-    if not any(p is not None for p in params):
-        return _TORCH_TOTAL_NORM(grads, norm_type, error_if_nonfinite, foreach)
-    ctx = _one_engine(params, "get_total_norm", "gradients of a zero3 optimizer's shards")
+    given = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    grads = _grad_owners()
+    params = [grads.get(id(t)) for t in given]
+    of_grads = any(p is not None for p in params)
+    if not of_grads:  # the shards themselves (a parameter norm for a log): the full parameters' norm
+        shards = _shard_owners()
+        params = [shards.get(id(t)) for t in given]
+        if not any(p is not None for p in params):
+            return _TORCH_TOTAL_NORM(given, norm_type, error_if_nonfinite, foreach)
+    ctx = _one_engine(params, "get_total_norm", "a zero3 optimizer's shards or their gradients")
     norm_type = float(norm_type)  # torch takes "inf" too
-    _window_complete(ctx, "get_total_norm")
-    kinds = {id(g): parallel for g, parallel in ctx.grads_with_kind()}
-    total = global_grad_norm([(g, kinds.get(id(g), False)) for g in dict.fromkeys(grads)], norm_type, ctx.comm,
-                             ctx.comm.device, ctx.model_parallel)
+    if not norm_type > 0:
+        raise ZeroConfigError(f"torch.nn.utils.get_total_norm over a zero3 optimizer's shards: norm_type must be a "
+                              f"number > 0 or inf, got {norm_type}")
+    if of_grads:
+        _window_complete(ctx, "get_total_norm")
+    total = global_grad_norm([(t, is_tensor_parallel(p)) for t, p in zip(given, params)], norm_type, ctx.comm,
+                             ctx.comm.device, ctx.model_parallel)  # a tensor given twice counts twice, as torch's
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so "
                            "it cannot be clipped. To disable this error and scale the gradients by the non-finite "
@@ -120,6 +132,10 @@ def clip_grad_value_(parameters: Any, clip_value: float, foreach: bool | None = 
     params = [owners.get(id(t)) for t in tensors]
     if any(p is not None for p in params):
         ctx = _one_engine(params, "clip_grad_value_", "a zero3 optimizer's shards (from its param_groups)")
+        if ctx.optimizer is not None and ctx.optimizer.backward_step is not None:
+            raise ZeroStateError(
+                "torch.nn.utils.clip_grad_value_ with offload_optimizer_step_in_backward: the optimizer steps during "
+                "the backward and drops the gradient shards, so there is nothing to clip; nothing was changed")
         if ctx.optimizer is not None and ctx.optimizer.scaler is not None:
             _window_complete(ctx, "clip_grad_value_ with fp16")  # unscaled once, at the window's end
     return _TORCH_CLIP_VALUE(tensors, clip_value, foreach)

@@ -13,7 +13,7 @@ hooks what they cannot see by themselves:
   running, so the step's end is handed on to that enclosing graph task instead of happening there.
 A backward nested in a node of another without this scope (torch's own reentrant checkpoint, a
 user's ``backward`` inside a ``torch.autograd.Function``) is found at its end instead: autograd's
-current node is then the enclosing one (`end_in_enclosing`). Ending the step there had reduced a
+current node is then the enclosing one (`EnclosingEnd`). Ending the step there had reduced a
 leaf module's unit with one recompute's gradients and dropped the rest (probe 25C).
 """
 
@@ -57,17 +57,42 @@ def nested_backward() -> Iterator[None]:
         hooks.ensure_final_callback()  # queued on the enclosing graph task, which is current again
 
 
-def end_in_enclosing(queue: Callable[[], None]) -> bool:
-    """Called at the end of a graph task: whether it ran inside a node of an enclosing backward (then
-    ``queue`` runs once that node has returned, in the enclosing graph task, to queue the step's end
-    there). Autograd reads a node's post-hooks after its ``apply``, so one added during it runs."""
-    node = torch._C._current_autograd_node()
-    if node is None:
-        return False
 
-    def after(grad_inputs: Any, grad_outputs: Any) -> None:
-        handle.remove()  # once: a graph kept for another backward runs the node again
-        queue()
+class EnclosingEnd:
+    """A step's end handed on to the backward that encloses the graph task where it would have
+    happened: a backward nested in one of its nodes, found at that task's end because autograd's
+    current node is then the enclosing one. Autograd reads a node's post-hooks after its ``apply``,
+    so one added during it runs once it returns, in the enclosing graph task, and calls ``queue``
+    there (`ModuleHooks.ensure_final_callback`). Until then the step is ``pending``: the nested
+    backward completed, so when the enclosing node raises instead (autograd skips its hooks and
+    callbacks), the step ends with what it reduced rather than being discarded as a raised backward
+    (review of round 25)."""
 
-    handle = node.register_hook(after)
-    return True
+    def __init__(self, queue: Callable[[], None]) -> None:
+        self._queue = queue
+        self._handle: Any = None
+
+    @property
+    def pending(self) -> bool:
+        return self._handle is not None
+
+    def defer(self) -> bool:
+        """At the end of a graph task: whether it ran inside a node of an enclosing backward (then
+        the step's end waits for that node to return)."""
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return False
+        self.settle()
+        self._handle = node.register_hook(self._returned)
+        return True
+
+    def settle(self) -> bool:
+        """Forget a pending end (the step ended another way); return whether one was pending."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.remove()  # once: a graph kept for another backward runs the node again
+        return handle is not None
+
+    def _returned(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        if self.settle():
+            self._queue()

@@ -113,7 +113,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .checkpoint_scopes import CHECKPOINT_FORWARD, NESTED_BACKWARD, end_in_enclosing
+from .checkpoint_scopes import CHECKPOINT_FORWARD, NESTED_BACKWARD, EnclosingEnd
 from .context import RuntimeContext
 from ..errors import ZeroStateError
 from .gathered import external_parameters, register_external_parameter, load_hooks
@@ -268,6 +268,7 @@ class ModuleHooks:
         self._handles: list[Any] = []
         self._records: dict[int, _ModuleRecord] = {}
         self._queued_tasks: set[int] = set()
+        self._enclosing = EnclosingEnd(self.ensure_final_callback)  # a step's end a nested backward hands on
         self._removed = False  # remove() ran: a pre-backward hook left on an old autograd node refuses
         opt = ctx.optimizer
         self._fp16 = opt if opt is not None and opt.scaler is not None else None  # its gradients must be scaled
@@ -387,6 +388,7 @@ class ModuleHooks:
         """The hooks' part of the end of a step (`StepLifecycle`): forget the open calls and queued
         graph tasks; at the end of a backward, reduce the leaf modules not reduced yet."""
         self._steps_ended += 1
+        self._enclosing.settle()
         after_backward = aborted or phase is StepPhase.BACKWARD  # not a no_grad forward's end: a graph may wait
         if after_backward:
             self._backwards_ended += 1
@@ -447,7 +449,10 @@ class ModuleHooks:
                 self._resident_calls += 1
             return None
         if self.step.phase is _BACKWARD and torch._C._current_graph_task_id() < 0:  # [Note: a backward that raised]
-            self.step.abort(RuntimeError("the model's last backward raised"), "backward")
+            if self._enclosing.pending:  # ours completed, then the node it ran in raised: keep its gradients
+                self.step.end()
+            else:
+                self.step.abort(RuntimeError("the model's last backward raised"), "backward")
         begins = rec.module is self.root and not self.stack  # a forward of the model begins
         if begins:  # the only place the hooks can be off
             if self.coordinator.generation_resident and self.step.phase is _IDLE and not torch.is_grad_enabled():
@@ -688,7 +693,7 @@ class ModuleHooks:
         self._queued_tasks.discard(task)
         deferred = NESTED_BACKWARD.get()
         if not self._queued_tasks and self.step.phase is _BACKWARD and deferred is None and \
-                not end_in_enclosing(self.ensure_final_callback):
+                not self._enclosing.defer():
             self.step.end()
         else:
             self.reducer.finish()  # this graph task's gradient shards are complete
