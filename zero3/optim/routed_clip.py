@@ -117,6 +117,8 @@ def get_total_norm(tensors: Any, norm_type: float = 2.0, error_if_nonfinite: boo
                               f"number > 0 or inf, got {norm_type}")
     if of_grads:
         _window_complete(ctx, "get_total_norm")
+    else:
+        ctx.require_states("get_total_norm", ("lp_params", "hp_params"))  # not offloaded (engine.offload_states)
     total = global_grad_norm([(t, is_tensor_parallel(p)) for t, p in zip(given, params)], norm_type, ctx.comm,
                              ctx.comm.device, ctx.model_parallel)  # a tensor given twice counts twice, as torch's
     if error_if_nonfinite and not torch.isfinite(total):

@@ -60,21 +60,19 @@ def nested_backward() -> Iterator[None]:
 
 class EnclosingEnd:
     """A step's end handed on to the backward that encloses the graph task where it would have
-    happened: a backward nested in one of its nodes, found at that task's end because autograd's
-    current node is then the enclosing one. Autograd reads a node's post-hooks after its ``apply``,
-    so one added during it runs once it returns, in the enclosing graph task, and calls ``queue``
-    there (`ModuleHooks.ensure_final_callback`). Until then the step is ``pending``: the nested
-    backward completed, so when the enclosing node raises instead (autograd skips its hooks and
-    callbacks), the step ends with what it reduced rather than being discarded as a raised backward
-    (review of round 25)."""
+    happened: a backward nested in one of its nodes (torch's reentrant checkpoint), found at that
+    task's end because autograd's current node is then the enclosing one. Autograd reads a node's
+    post-hooks after its ``apply``, so one added during it runs once it returns, in the enclosing
+    graph task, and calls ``queue`` there (`ModuleHooks.ensure_final_callback`). Not when the step's
+    forward itself ran inside a backward (a whole training step inside a user's
+    ``autograd.Function.backward``): the enclosing backward is no part of it, and waiting for it lost
+    the nested backward's gradients when its node then raised (review of round 25). A step whose
+    enclosing node raises is aborted at the next forward, as any backward that raised; its pending
+    hook is removed at any end of step (`settle`)."""
 
     def __init__(self, queue: Callable[[], None]) -> None:
         self._queue = queue
         self._handle: Any = None
-
-    @property
-    def pending(self) -> bool:
-        return self._handle is not None
 
     def defer(self) -> bool:
         """At the end of a graph task: whether it ran inside a node of an enclosing backward (then
@@ -87,7 +85,7 @@ class EnclosingEnd:
         return True
 
     def settle(self) -> bool:
-        """Forget a pending end (the step ended another way); return whether one was pending."""
+        """Forget a pending end (the step ended, or was aborted); return whether one was pending."""
         handle, self._handle = self._handle, None
         if handle is not None:
             handle.remove()  # once: a graph kept for another backward runs the node again

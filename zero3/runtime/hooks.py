@@ -269,6 +269,7 @@ class ModuleHooks:
         self._records: dict[int, _ModuleRecord] = {}
         self._queued_tasks: set[int] = set()
         self._enclosing = EnclosingEnd(self.ensure_final_callback)  # a step's end a nested backward hands on
+        self._forward_in_task = False  # the step's forward ran inside a backward (checkpoint_scopes.py)
         self._removed = False  # remove() ran: a pre-backward hook left on an old autograd node refuses
         opt = ctx.optimizer
         self._fp16 = opt if opt is not None and opt.scaler is not None else None  # its gradients must be scaled
@@ -449,10 +450,7 @@ class ModuleHooks:
                 self._resident_calls += 1
             return None
         if self.step.phase is _BACKWARD and torch._C._current_graph_task_id() < 0:  # [Note: a backward that raised]
-            if self._enclosing.pending:  # ours completed, then the node it ran in raised: keep its gradients
-                self.step.end()
-            else:
-                self.step.abort(RuntimeError("the model's last backward raised"), "backward")
+            self.step.abort(RuntimeError("the model's last backward raised"), "backward")
         begins = rec.module is self.root and not self.stack  # a forward of the model begins
         if begins:  # the only place the hooks can be off
             if self.coordinator.generation_resident and self.step.phase is _IDLE and not torch.is_grad_enabled():
@@ -469,6 +467,7 @@ class ModuleHooks:
                                     self.ctx.forward_needs(torch.is_grad_enabled()))
             if self._frozen.params and torch.is_grad_enabled():
                 self._frozen.check()
+            self._forward_in_task = torch._C._current_graph_task_id() >= 0
             self.step.enter(_FORWARD)
         if begins and self._buffers is not None:  # every forward of the model, as DDP
             self._buffers.before_forward(torch.is_grad_enabled())
@@ -693,7 +692,7 @@ class ModuleHooks:
         self._queued_tasks.discard(task)
         deferred = NESTED_BACKWARD.get()
         if not self._queued_tasks and self.step.phase is _BACKWARD and deferred is None and \
-                not self._enclosing.defer():
+                (self._forward_in_task or not self._enclosing.defer()):
             self.step.end()
         else:
             self.reducer.finish()  # this graph task's gradient shards are complete
