@@ -195,3 +195,64 @@ def test_the_model_s_own_backward_raising_after_a_nested_recompute_is_dropped_as
     model(x2).backward()
     engine.step()
     assert_same_weights(model, ref)
+
+
+class _CheckpointedLast(nn.Module):
+    """Nothing hooked runs after the checkpoint in the backward: its nested backward is where the
+    first gradient of a backward lands."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(8, 8)
+        self.block = CheckpointedBlock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.lin1(x)).square().mean()
+
+
+class _StepInside(torch.autograd.Function):
+    """A node whose backward runs ``fn``: a whole zero3 training step inside a backward."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, fn) -> torch.Tensor:
+        ctx.fn = fn
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        with torch.enable_grad():
+            ctx.fn()
+        return grad, None
+
+
+@pytest.mark.parametrize("how", ["retain_graph", "inside a Function"])
+@pytest.mark.parametrize("config", [{"leaf_modules": ["CheckpointedBlock"]}, {"param_persistence_threshold": 0}],
+                         ids=["leaf", "threshold 0"])
+def test_a_nested_recompute_ends_the_step_once_in_a_second_backward_and_in_a_step_inside_a_backward(config, how):
+    """A second backward (``retain_graph``) recomputes first, which began a step inside the checkpoint's
+    node; and a whole step run inside a user's Function has its own reentrant checkpoint: either way the
+    recompute's nested backward ended the step (2-3 ends per backward; with the optimizer step in
+    backward, a gradient after the step failed it). Review 4 of round 25."""
+    torch.manual_seed(0)
+    ref = _CheckpointedLast()
+    model = copy.deepcopy(ref)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ends = []
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for net in (ref, model):
+            before = engine.hooks._steps_ended
+            if how == "retain_graph":
+                loss = net(x)
+                loss.backward(retain_graph=True)
+                loss.backward()
+            else:
+                _StepInside.apply(torch.ones(2, requires_grad=True), lambda: net(x).backward()).sum().backward()
+            if net is model:
+                ends.append(engine.hooks._steps_ended - before)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.step()
+    assert ends == ([2, 2] if how == "retain_graph" else [1, 1]), ends  # one per backward
+    assert_same_weights(model, ref)

@@ -63,10 +63,10 @@ class EnclosingEnd:
     happened: a backward nested in one of its nodes (torch's reentrant checkpoint), found at that
     task's end because autograd's current node is then the enclosing one. Autograd reads a node's
     post-hooks after its ``apply``, so one added during it runs once it returns, in the enclosing
-    graph task, and calls ``queue`` there (`ModuleHooks.ensure_final_callback`). Not when the step's
-    forward itself ran inside a backward (a whole training step inside a user's
-    ``autograd.Function.backward``): the enclosing backward is no part of it, and waiting for it lost
-    the nested backward's gradients when its node then raised (review of round 25). A step whose
+    graph task, and calls ``queue`` there (`ModuleHooks.ensure_final_callback`). Not when that node
+    is the one the step's forward ran in (a whole training step inside a user's
+    ``autograd.Function.backward``): that backward is no part of the step, and waiting for it lost
+    the nested backward's gradients when its node then raised (reviews of round 25). A step whose
     enclosing node raises is aborted at the next forward, as any backward that raised; its pending
     hook is removed at any end of step (`settle`)."""
 
@@ -74,11 +74,11 @@ class EnclosingEnd:
         self._queue = queue
         self._handle: Any = None
 
-    def defer(self) -> bool:
-        """At the end of a graph task: whether it ran inside a node of an enclosing backward (then
-        the step's end waits for that node to return)."""
+    def defer(self, forward_node: Any) -> bool:
+        """At the end of a graph task: whether it ran inside a node of an enclosing backward other
+        than ``forward_node`` (then the step's end waits for that node to return)."""
         node = torch._C._current_autograd_node()
-        if node is None:
+        if node is None or node is forward_node:
             return False
         self.settle()
         self._handle = node.register_hook(self._returned)

@@ -269,7 +269,7 @@ class ModuleHooks:
         self._records: dict[int, _ModuleRecord] = {}
         self._queued_tasks: set[int] = set()
         self._enclosing = EnclosingEnd(self.ensure_final_callback)  # a step's end a nested backward hands on
-        self._forward_in_task = False  # the step's forward ran inside a backward (checkpoint_scopes.py)
+        self._forward_node: Any = None  # the autograd node the step's forward ran in (checkpoint_scopes.py)
         self._removed = False  # remove() ran: a pre-backward hook left on an old autograd node refuses
         opt = ctx.optimizer
         self._fp16 = opt if opt is not None and opt.scaler is not None else None  # its gradients must be scaled
@@ -390,6 +390,7 @@ class ModuleHooks:
         graph tasks; at the end of a backward, reduce the leaf modules not reduced yet."""
         self._steps_ended += 1
         self._enclosing.settle()
+        self._forward_node = None
         after_backward = aborted or phase is StepPhase.BACKWARD  # not a no_grad forward's end: a graph may wait
         if after_backward:
             self._backwards_ended += 1
@@ -467,7 +468,7 @@ class ModuleHooks:
                                     self.ctx.forward_needs(torch.is_grad_enabled()))
             if self._frozen.params and torch.is_grad_enabled():
                 self._frozen.check()
-            self._forward_in_task = torch._C._current_graph_task_id() >= 0
+            self._forward_node = torch._C._current_autograd_node() if begins else None  # a recompute: None
             self.step.enter(_FORWARD)
         if begins and self._buffers is not None:  # every forward of the model, as DDP
             self._buffers.before_forward(torch.is_grad_enabled())
@@ -692,7 +693,7 @@ class ModuleHooks:
         self._queued_tasks.discard(task)
         deferred = NESTED_BACKWARD.get()
         if not self._queued_tasks and self.step.phase is _BACKWARD and deferred is None and \
-                (self._forward_in_task or not self._enclosing.defer()):
+                not self._enclosing.defer(self._forward_node):
             self.step.end()
         else:
             self.reducer.finish()  # this graph task's gradient shards are complete
