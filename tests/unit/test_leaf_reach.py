@@ -122,19 +122,22 @@ def test_torch_reentrant_checkpoint_in_two_forwards_before_one_backward_ends_the
     assert _train_both(ref, config, losses) == [1, 1, 1]
 
 
-class _EnclosingNodeRaises(torch.autograd.Function):
-    """A node whose backward runs ``fn`` (a whole zero3 backward) and then raises."""
+class _StepInside(torch.autograd.Function):
+    """A node whose backward runs ``fn`` (a whole zero3 training step inside a backward), then raises
+    when ``fail`` is set."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, fn) -> torch.Tensor:
-        ctx.fn = fn
+    def forward(ctx, t: torch.Tensor, fn, fail: bool = False) -> torch.Tensor:
+        ctx.fn, ctx.fail = fn, fail
         return t.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         with torch.enable_grad():
             ctx.fn()
-        raise RuntimeError("the enclosing node failed")
+        if ctx.fail:
+            raise RuntimeError("the enclosing node failed")
+        return grad, None, None
 
 
 @pytest.mark.parametrize("threshold", [0, None], ids=["threshold 0", "default persistence"])
@@ -152,7 +155,7 @@ def test_a_nested_backward_that_completed_keeps_its_gradients_when_the_enclosing
     w = torch.ones(3, requires_grad=True)
     for net, backward, step in ((ref, torch.Tensor.backward, ref_opt.step), (model, engine.backward, engine.step)):
         with pytest.raises(RuntimeError, match="the enclosing node failed"):
-            _EnclosingNodeRaises.apply(w, lambda: backward(net(x1).square().mean())).sum().backward()
+            _StepInside.apply(w, lambda: backward(net(x1).square().mean()), True).sum().backward()
         backward(net(x2).square().mean())
         step()
     assert_same_weights(model, ref)
@@ -208,21 +211,6 @@ class _CheckpointedLast(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.block(self.lin1(x)).square().mean()
-
-
-class _StepInside(torch.autograd.Function):
-    """A node whose backward runs ``fn``: a whole zero3 training step inside a backward."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, fn) -> torch.Tensor:
-        ctx.fn = fn
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        with torch.enable_grad():
-            ctx.fn()
-        return grad, None
 
 
 @pytest.mark.parametrize("how", ["retain_graph", "inside a Function"])
