@@ -24,8 +24,9 @@ The forward runs ``function`` under ``no_grad`` and the backward runs it again w
 nested ``torch.autograd.backward`` (the reentrant scheme, as DeepSpeed's). zero3's module hooks see
 both runs: parameters are gathered for them, and the recompute's visits are recorded in the step's
 trace like any others, so the next step follows a schedule that prefetches for the recompute too.
-`checkpoint_scopes.checkpoint_forward` and `checkpoint_scopes.nested_backward` tell the hooks that a ``no_grad`` root
-forward is a checkpoint's, not an inference step, and that a step ends with the outermost backward.
+`checkpoint_scopes.checkpoint_forward` tells the hooks that a ``no_grad`` root forward is a
+checkpoint's, not an inference step; that a step ends with the outermost backward, not the nested
+one, the hooks find at the nested one's end (`checkpoint_scopes.EnclosingEnd`).
 The outputs require grad whenever grad mode is on (an empty leaf that requires grad rides along as
 an input), so parameters inside ``function`` get gradients even when no input requires grad, as
 with frozen embeddings: torch's reentrant checkpoint silently gives them none in that case.
@@ -54,7 +55,7 @@ from ..comm.communicator import Communicator, Kind, Tag
 from ..comm.settings import CommSettings
 from ..config import ActivationCheckpointingConfig, resolve_config
 from ..errors import ZeroStateError
-from ..runtime.checkpoint_scopes import checkpoint_forward, nested_backward
+from ..runtime.checkpoint_scopes import checkpoint_forward
 from ..metrics import StepMetrics
 from ..comm.model_parallel import model_parallel_group
 from .rng import MODEL_PARALLEL_RNG, CudaRNGStatesTracker, RNGStatesTracker, get_cuda_rng_tracker
@@ -423,8 +424,7 @@ class _CheckpointFunction(torch.autograd.Function):
                 outs.append(o)
                 out_grads.append(g)
         if outs:
-            with nested_backward():
-                torch.autograd.backward(outs, out_grads)
+            torch.autograd.backward(outs, out_grads)
         _boundary(config)
         if config.profile:
             _record(call.state, "backward", time.perf_counter() - t0)

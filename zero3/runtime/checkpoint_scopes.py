@@ -1,20 +1,20 @@
-"""The scopes activation checkpointing opens around what the hooks cannot tell by themselves.
+"""What activation checkpointing needs the hooks to know that they cannot see by themselves.
 
 [Note: activation checkpointing and the end of a step]
 ``zero3.checkpointing.checkpoint`` runs its function twice: under ``no_grad`` in the forward, and
-again inside the backward (the recompute), followed by a nested ``torch.autograd.backward``. Both
-runs go through the hooks (hooks.py) and are recorded like any other module visits. Two scopes tell the
-hooks what they cannot see by themselves:
-- `checkpoint_forward`: a root module that returns under ``no_grad`` inside it is being
-  checkpointed, not run for inference, so the step does not end there;
-- `nested_backward`: around the nested backward. Its graph task may be the only one zero3 queued a
-  callback on (when no hooked module ran in the enclosing backward before the recompute, e.g. the
-  layers after the checkpoint are all persistent); when it ends, the enclosing backward is still
-  running, so the step's end is handed on to that enclosing graph task instead of happening there.
-A backward nested in a node of another without this scope (torch's own reentrant checkpoint, a
-user's ``backward`` inside a ``torch.autograd.Function``) is found at its end instead: autograd's
-current node is then the enclosing one (`EnclosingEnd`). Ending the step there had reduced a
-leaf module's unit with one recompute's gradients and dropped the rest (probe 25C).
+again inside the backward (the recompute), followed by a nested ``torch.autograd.backward``; torch's
+reentrant checkpoint does the same. Both runs go through the hooks (hooks.py) and are recorded like
+any other module visits. Two things are made explicit:
+- `checkpoint_forward` (zero3's checkpoint): a root module that returns under ``no_grad`` inside it
+  is being checkpointed, not run for inference, so the step does not end there;
+- `EnclosingEnd`: the nested backward's graph task may be the only one zero3 queued a callback on
+  (when no hooked module ran in the enclosing backward before the recompute, e.g. the layers after
+  the checkpoint are all persistent); when it ends, the enclosing backward is still running, so the
+  step's end is handed on to that enclosing graph task instead of happening there. It is found at
+  the nested task's end, for any checkpoint or a user's ``backward`` inside a
+  ``torch.autograd.Function``: autograd's current node is then the enclosing one. Ending the step
+  there had reduced a leaf module's unit with one recompute's gradients and dropped the rest (probe
+  25C); zero3's checkpoint had a scope of its own for it, which this replaced.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from typing import Any, Callable
 import torch
 
 CHECKPOINT_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("zero3_checkpoint_forward", default=False)
-NESTED_BACKWARD: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
-    "zero3_nested_backward", default=None)
 
 
 @contextlib.contextmanager
@@ -40,22 +38,6 @@ def checkpoint_forward() -> Iterator[None]:
         yield
     finally:
         CHECKPOINT_FORWARD.reset(token)
-
-
-@contextlib.contextmanager
-def nested_backward() -> Iterator[None]:
-    """A backward nested in a running one (an activation checkpoint's) runs inside: a step whose last
-    graph task ends in it ends with the enclosing backward instead (see [Note: activation
-    checkpointing and the end of a step]). Call it from the enclosing backward's node."""
-    deferred: list[Any] = []  # hooks.py `ModuleHooks` whose step ends with the enclosing backward
-    token = NESTED_BACKWARD.set(deferred)
-    try:
-        yield
-    finally:
-        NESTED_BACKWARD.reset(token)
-    for hooks in deferred:
-        hooks.ensure_final_callback()  # queued on the enclosing graph task, which is current again
-
 
 
 class EnclosingEnd:

@@ -113,7 +113,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .checkpoint_scopes import CHECKPOINT_FORWARD, NESTED_BACKWARD, EnclosingEnd
+from .checkpoint_scopes import CHECKPOINT_FORWARD, EnclosingEnd
 from .context import RuntimeContext
 from ..errors import ZeroStateError
 from .gathered import external_parameters, register_external_parameter, load_hooks
@@ -691,14 +691,10 @@ class ModuleHooks:
         if task not in self._queued_tasks:
             return  # a callback of a backward from before the last end of step
         self._queued_tasks.discard(task)
-        deferred = NESTED_BACKWARD.get()
-        if not self._queued_tasks and self.step.phase is _BACKWARD and deferred is None and \
-                not self._enclosing.defer(self._forward_node):
+        if not self._queued_tasks and self.step.phase is _BACKWARD and not self._enclosing.defer(self._forward_node):
             self.step.end()
         else:
             self.reducer.finish()  # this graph task's gradient shards are complete
-            if deferred is not None and not self._queued_tasks and self not in deferred:
-                deferred.append(self)  # the enclosing backward ends the step
 
 
 def _weakly(ref: "weakref.ref[ModuleHooks]", method: Callable[["ModuleHooks", Any], None], arg: Any) -> None:
