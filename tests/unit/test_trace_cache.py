@@ -3,6 +3,11 @@ prediction (planning/trace_cache.py), and generation mode's prefetch policy (pla
 
 from __future__ import annotations
 
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from zero3.planning.generation import GenerationPrefetch
 from zero3.planning.schedule import PlanConfig
 from zero3.planning.trace import Event, EventKind, ParamInfo, TraceRecorder, trace_from_json, trace_to_json
@@ -83,3 +88,25 @@ def test_generation_prefetches_the_next_event_of_the_learnt_cycle() -> None:
     policy.use((0,))
     policy.use((1,))
     assert policy.next_use(1) > policy.next_use(0) > policy.next_use(2) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(max_traces=st.integers(1, 4), orders=st.lists(st.integers(0, 5), min_size=1, max_size=60))
+def test_what_the_cache_learns_stays_bounded_by_the_traces_it_keeps(max_traces: int, orders: list[int]) -> None:
+    """More step orders than ``max_traces`` re-record every step under new versions: the successors
+    and the announced divergences of evicted versions go with them (probe 26D: both grew by one
+    entry a step, 1,695 after 2,000 steps of 24 orders)."""
+    modules = [("a", 0), ("b", 1), ("c", 2)]
+    perms = [[modules[i] for i in p] for p in itertools.permutations(range(3))]  # 6 orders
+    steps = StepTraces(max_traces=max_traces)
+    recorded = []
+    for o in orders:
+        _step(steps, perms[o])
+        recorded.append(steps.cache.record_count)
+        live = {(key, e[0].version) for key, entries in steps.cache._traces.items() for e in entries}
+        assert len(live) <= max_traces
+        for (key, prev), version in steps.cache._successor.items():
+            assert (key, version) in live and (prev is None or (key, prev) in live)
+        assert all((key, version) in live for key, version, _ in steps._announced)
+    if len(orders) > 1 and orders[-1] == orders[-2]:
+        assert recorded[-1] == recorded[-2]  # an order just seen is still cached: not recorded again
