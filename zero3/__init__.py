@@ -35,7 +35,8 @@ from .comm.process_group import init_distributed
 from .comm import process_group as _process_group
 from .config import ZeroConfig
 from .engine import Engine, clip_grad_norm_, initialize
-from .errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroError, ZeroStateError
+from .errors import (ConcurrentForwardError, ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroError,
+                     ZeroStateError)
 from .runtime.gathered import GatheredParameters, register_external_parameter
 from .runtime.init import Init
 from .runtime.compile import compile_blocks
@@ -54,6 +55,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointVersionError",
+    "ConcurrentForwardError",
     "Engine",
     "GatheredParameters",
     "Init",

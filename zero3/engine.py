@@ -45,7 +45,7 @@ from .optim.grad_norm import clip_shards
 from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
 from .runtime.step import StepPhase
-from .runtime.engine_calls import (MID_STEP, check_lr_kwargs, end_forward_without_backward, log_progress,
+from .runtime.engine_calls import (MID_STEP, abort_forward, check_lr_kwargs, end_forward_without_backward, log_progress,
                                    begin_forward, require_hooks, zero_grad_window)
 
 logger = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class Engine:
         try:
             return self.module(*args, **kwargs)
         except BaseException as exc:
-            self.hooks.step.abort(exc, "forward")
+            abort_forward(self, exc)
             raise
 
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True, **kwargs: Any) -> torch.Tensor:

@@ -15,6 +15,10 @@ class ZeroStateError(ZeroError, RuntimeError):
     """An operation in the wrong lifecycle state (a parameter used outside its gather, ...)."""
 
 
+class ConcurrentForwardError(ZeroStateError):
+    """A forward of a model began while another thread's forward of it ran; that forward goes on."""
+
+
 class ZeroDivergenceError(ZeroError, RuntimeError):
     """Ranks disagreed on something that must be identical on every rank."""
 

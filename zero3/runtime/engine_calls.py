@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from ..config.sections import warn_once
-from ..errors import ZeroConfigError, ZeroStateError
+from ..errors import ConcurrentForwardError, ZeroConfigError, ZeroStateError
 from ..metrics import StepMetrics
 from .refusals import EAGER, eval_frame_callback, refuse_compiled_call
 
@@ -98,6 +98,13 @@ def begin_forward(engine: Any) -> None:
     require_hooks(engine, "engine.forward()")
     if eval_frame_callback() not in EAGER:
         refuse_compiled_call()
+
+
+def abort_forward(engine: Any, exc: BaseException) -> None:
+    """``engine(...)`` raised: the step is aborted, unless the call was refused because another
+    thread's forward runs (hooks.py [Note: one thread]): that forward's step goes on."""
+    if not isinstance(exc, ConcurrentForwardError):
+        engine.hooks.step.abort(exc, "forward")
 
 
 def log_progress(engine: Any, m: StepMetrics) -> None:

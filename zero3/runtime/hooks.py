@@ -73,6 +73,16 @@ used while not gathered (checked with a scratch script, not in the tests).
 
 [Note: activation checkpointing and the end of a step]: checkpoint_scopes.py.
 
+[Note: one thread]
+An engine's gathers, releases and step state are shared by every call of its model, so two forwards
+running at once from two threads corrupted each other: wrong outputs, a segfault in a gather's copy
+into storage the other thread freed, or a hang in a collective (probe 26D). A forward of the root
+claims the engine for its thread (`_claim`, one atomic ``dict.setdefault``) until the root's call
+returns, and a root call from another thread meanwhile is refused before it changes anything.
+Calls one after another from several threads, in any interleaving of whole forwards, backwards and
+steps, are fine. Not detected: a submodule called directly from another thread, and a forward from
+another thread while a backward runs (docs/api.md says not to).
+
 [Note: a second backward]
 Several losses over one forward, each with its own ``backward`` (the first with
 ``retain_graph=True``), run the backward of the same calls more than once. The first backward ends
@@ -103,6 +113,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -124,8 +135,9 @@ from ..planning.trace import EventKind
 from ..optim.precision import RUNNING_BACKWARD
 from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
-from .refusals import (EAGER, create_graph_refusal, eval_frame_callback, refuse_compiled_call, refuse_copy,
-                       removed_refusal, refuse_transform, transform_level, unscaled_backward_refusal)
+from .refusals import (EAGER, concurrent_forward_refusal, create_graph_refusal, eval_frame_callback,
+                       refuse_compiled_call, refuse_copy, removed_refusal, refuse_transform, transform_level,
+                       unscaled_backward_refusal)
 from .buffers import ModuleBuffers
 from .submodule_hooks import SubmoduleHooks
 from .outputs import prepare_output
@@ -282,6 +294,7 @@ class ModuleHooks:
         self._awaiting: set[_ModuleRecord] = set()  # records with calls waiting for their gradients
         self._forward_t0 = 0.0  # when the running root forward began
         self._resident_calls = 0  # root calls open in a resident decode forward ([Note: resident decode forwards])
+        self._claim: dict[int, int] = {}  # {0: the thread running a forward of the root} ([Note: one thread])
         self._steps_ended = 0  # ends of step so far ([Note: a second backward])
         self._backwards_ended = 0  # ends of step after a backward, or aborted ([Note: post-backward from the gradients])
         self._submodule_hooks = SubmoduleHooks()
@@ -337,7 +350,8 @@ class ModuleHooks:
                 self._leaf_of[id(p)] = rec.leaf
         self._records[id(m)] = rec
         pre, post = functools.partial(self._pre_forward, rec), functools.partial(self._post_forward, rec)
-        if m is self.root:
+        if m is self.root:  # [Note: one thread]
+            pre, post = functools.partial(_root_pre, self, pre), functools.partial(_root_post, self, post)
             self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
             self._handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
         else:
@@ -458,6 +472,7 @@ class ModuleHooks:
                 self.coordinator.wait_in_flight()
                 self._resident_calls = 1
                 self._submodule_hooks.suspend()
+                self._claim.clear()  # hookless, reading gathered weights only
                 return None
             self._submodule_hooks.resume()
             self.coordinator.forward_boundary(True)
@@ -605,7 +620,7 @@ class ModuleHooks:
             if self._removed:
                 raise removed_refusal(call.record.name)
             if self._fp16 is not None and self._fp16.unscaled:  # refused before the phase: nothing is dropped
-                self._refuse_unscaled(None, True)
+                _refuse_unscaled(self, None, True)
             self.step.enter(_BACKWARD)
         self.ensure_final_callback()
         if call.state is _FORWARD_DONE or (call.state is _BACKWARD_DONE and call.ended_in != self._steps_ended):
@@ -635,11 +650,6 @@ class ModuleHooks:
                 leaf.flush(self.reducer)
             self.reducer.module_done()
 
-    def _refuse_unscaled(self, p: torch.Tensor | None, clipped: bool) -> None:
-        drop_grad_slots(self.ctx.params)  # what autograd accumulated already: nothing of it is reduced
-        self.step.abort(exc := unscaled_backward_refusal(p, clipped), "backward")
-        raise exc
-
     def _close_by_gradients(self, rec: _ModuleRecord) -> None:
         """Every parameter of ``rec`` has its gradient (`_on_grad` counts them in ``rec.arrived``): the
         backward of its open calls is done ([Note: post-backward from the gradients])."""
@@ -655,7 +665,7 @@ class ModuleHooks:
             self.step.enter(_BACKWARD)
         fp16, theirs = self._fp16, RUNNING_BACKWARD.scale  # the factor this gradient carries (None: no engine's)
         if fp16 is not None and (theirs is None or fp16.unscaled):
-            self._refuse_unscaled(p, fp16.unscaled)
+            _refuse_unscaled(self, p, fp16.unscaled)
         self.ensure_final_callback()
         grad = p.grad
         drop_grad_slot(p)
@@ -695,6 +705,31 @@ class ModuleHooks:
             self.step.end()
         else:
             self.reducer.finish()  # this graph task's gradient shards are complete
+
+
+def _root_pre(hooks: ModuleHooks, pre: Callable[..., Any], *args: Any) -> Any:
+    """The root's pre-forward: claim the engine for this thread ([Note: one thread]) before anything changes."""
+    if not hooks._resident_calls and hooks._claim.setdefault(0, me := threading.get_ident()) != me:
+        raise concurrent_forward_refusal(hooks._claim.get(0))
+    return pre(*args)
+
+
+def _root_post(hooks: ModuleHooks, post: Callable[..., Any], *args: Any) -> Any:
+    """The root's post-forward; the claim goes once the root's outermost call has closed."""
+    if not hooks._resident_calls and hooks._claim.get(0, me := threading.get_ident()) != me:
+        return None  # another thread's call, refused by the pre-forward: nothing of it is open
+    try:
+        return post(*args)
+    finally:
+        if not hooks.stack:
+            hooks._claim.clear()
+
+
+def _refuse_unscaled(hooks: ModuleHooks, p: torch.Tensor | None, clipped: bool) -> None:
+    """A gradient of an fp16 engine's model arrived unscaled (or after its window was unscaled)."""
+    drop_grad_slots(hooks.ctx.params)  # what autograd accumulated already: nothing of it is reduced
+    hooks.step.abort(exc := unscaled_backward_refusal(p, clipped), "backward")
+    raise exc
 
 
 def _weakly(ref: "weakref.ref[ModuleHooks]", method: Callable[["ModuleHooks", Any], None], arg: Any) -> None:

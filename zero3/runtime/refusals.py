@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ZeroConfigError, ZeroStateError
+from ..errors import ConcurrentForwardError, ZeroConfigError, ZeroStateError
 from ..partition.param import ZeroParameter
 
 try:  # 20 ns: whether a torch.compile'd call is running (dynamo then compiles every frame entered)
@@ -112,6 +112,15 @@ def create_graph_refusal(module: str) -> ZeroStateError:
         "through it would fail. Keep those parameters gathered across both backwards: "
         "`with zero3.GatheredParameters(list(model.parameters())):` around the forward and both "
         "backwards, or a param_persistence_threshold above their size")
+
+
+def concurrent_forward_refusal(owner: int | None) -> ConcurrentForwardError:
+    """A forward of the root began while another thread's forward of it runs (hooks.py [Note: one thread])."""
+    return ConcurrentForwardError(
+        f"a forward of the model began while thread {owner} runs a forward of it: an engine's gathers, releases and "
+        "step state serve one call at a time (as DeepSpeed's and FSDP2's). Run one engine's forwards from one thread "
+        "at a time (a lock around the call), or give each thread a model and an engine of its own. Nothing was "
+        "gathered for this call, and the other thread's forward goes on")
 
 
 def removed_refusal(module: str) -> ZeroStateError:

@@ -1,0 +1,117 @@
+"""One engine used from several threads (hooks.py [Note: one thread]): a forward begun while another
+thread's forward runs is refused before it changes anything, and the running one goes on as in
+torch; whole calls one after another from any thread train as torch does (probe 26D: two threads'
+forwards at once returned wrong outputs, or crashed in a gather's copy)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import zero3
+from _reference import assert_same_weights
+
+CONFIG = {"param_persistence_threshold": 0, "max_reuse_distance": 0, "max_live_parameters": 200}
+
+
+class Paused(nn.Module):
+    """Blocks its caller's thread mid-forward, after its own gather, until ``go`` is set, when ``hold`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.hold = threading.Event()
+        self.inside = threading.Event()
+        self.go = threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.hold.is_set():
+            self.hold.clear()
+            self.inside.set()
+            assert self.go.wait(30)
+        return torch.tanh(y)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.p = Paused()
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.p(torch.tanh(self.a(x))))
+
+
+def _build() -> tuple[nn.Module, nn.Module, zero3.Engine]:
+    torch.manual_seed(0)
+    ref = Net()
+    with zero3.Init():
+        model = Net()
+    with zero3.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        for p, r in zip(model.parameters(), ref.parameters()):
+            p.data.copy_(r.data)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), CONFIG)
+    return ref, model, engine
+
+
+@pytest.mark.parametrize("call", ["engine", "model"])
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_forward_begun_while_another_thread_s_forward_runs_is_refused_and_the_running_one_goes_on(call, grad):
+    ref, model, engine = _build()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    run = engine if call == "engine" else model
+    x, x2 = torch.randn(3, 8), torch.randn(3, 8)
+    out: dict[str, torch.Tensor] = {}
+
+    def first() -> None:
+        with torch.set_grad_enabled(grad):
+            out["first"] = run(x)
+
+    model.p.hold.set()
+    t = threading.Thread(target=first)
+    t.start()
+    assert model.p.inside.wait(30)  # the first thread is inside the model's forward, parameters gathered
+    with pytest.raises(zero3.ConcurrentForwardError, match="while thread .* runs a forward of it"):
+        run(x2)
+    model.p.go.set()
+    t.join(30)
+    assert not t.is_alive()
+    torch.testing.assert_close(out["first"], ref(x), rtol=1e-6, atol=1e-7)
+    if grad:  # the running forward's step went on: its backward and step are torch's
+        engine.backward(out["first"].square().sum())
+        engine.step()
+        ref(x).square().sum().backward()
+        ref_opt.step()
+        assert_same_weights(model, ref)
+    with torch.no_grad():  # the refused thread's next call, now alone, is torch's
+        torch.testing.assert_close(run(x2), ref(x2), rtol=1e-6, atol=1e-7)
+    assert engine.hooks._claim == {}
+
+
+def test_whole_steps_from_several_threads_one_after_another_train_as_torch() -> None:
+    ref, model, engine = _build()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    data = [torch.randn(3, 8) for _ in range(6)]
+
+    def step(x: torch.Tensor) -> None:
+        engine.backward(engine(x).square().mean())
+        with torch.no_grad():
+            engine(x)  # an eval forward between steps, from the same thread
+        engine.step()
+
+    for i, x in enumerate(data):
+        if i % 2:
+            t = threading.Thread(target=step, args=(x,))
+            t.start()
+            t.join(30)
+        else:
+            step(x)
+        ref_opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+    assert_same_weights(model, ref)
