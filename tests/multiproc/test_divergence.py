@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 import zero3
@@ -396,3 +397,89 @@ def test_moe_without_leaf_modules_raises_instead_of_hanging_or_corrupting(pools)
         assert r["error"] == "ZeroDivergenceError", r
         assert r["unchanged"]
 
+
+
+class _Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.w(x))
+
+
+class _TopOne(nn.Module):
+    """Top-1 routing over 4 experts: which experts run depends on each rank's tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 4, bias=False)
+        self.experts = nn.ModuleList(_Expert() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx = self.router(x).argmax(-1)
+        y = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            sel = (idx == e).nonzero().flatten()
+            if sel.numel():
+                y = y.index_add(0, sel, expert(x[sel]))
+        return x + y
+
+
+class _TwiceRouted(nn.Module):
+    """One leaf called twice in a forward, the call named by ``inside`` inside an activation checkpoint."""
+
+    def __init__(self, inside: str, how: str) -> None:
+        super().__init__()
+        self.moe, self.head = _TopOne(), nn.Linear(8, 8)
+        self.inside, self.how = inside, how
+
+    def _call(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self.inside != ("first", "second")[i]:
+            return self.moe(x)
+        if self.how == "zero3":
+            return zero3.checkpointing.checkpoint(self.moe, x)
+        return torch.utils.checkpoint.checkpoint(self.moe, x, use_reentrant=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self._call(1, self._call(0, x))).pow(2).mean()
+
+
+def twice_routed_parity(inside: str, how: str, steps: int = 3) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = _TwiceRouted(inside, how)
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = _TwiceRouted(inside, how)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"leaf_modules": ["_TopOne"], "param_persistence_threshold": 0,
+                               "collective_timeout": TIMEOUT})
+    for step in range(steps):
+        x = torch.randn(3 * world, 8, generator=torch.Generator().manual_seed(step))
+        try:
+            loss = engine(x[3 * rank:3 * rank + 3])
+            engine.backward(loss)
+            engine.step()
+        except zero3.ZeroError as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        sum(ref(x[3 * r:3 * r + 3]) for r in range(world)).div(world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    worst = 0.0
+    with zero3.GatheredParameters(list(model.parameters())):
+        for p, q in zip(model.parameters(), ref.parameters()):
+            worst = max(worst, (p.detach() - q.detach()).abs().max().item())
+    return {"error": None, "worst_param": worst}
+
+
+@pytest.mark.parametrize("how", ["zero3", "reentrant"])
+@pytest.mark.parametrize("inside", ["first", "second"])
+def test_a_leaf_called_inside_and_outside_a_checkpoint_reduces_one_unit_on_every_rank(pools, inside, how):
+    """A mixture of experts (a leaf) called twice, one call checkpointed, routing differing by rank:
+    its unit was reduced after one call's backward and the other's gradients came after it, each
+    reduced alone, so the ranks ran different collectives (ZeroDivergenceError, probe 26A)."""
+    for r in pools.get(2).run(twice_routed_parity, inside, how, timeout=POOL_TIMEOUT):
+        assert r["error"] is None, r
+        assert r["worst_param"] < 1e-6, r

@@ -24,9 +24,22 @@ class Block(nn.Module):
         return torch.tanh(self.lin(x))
 
 
+class _Borrow(nn.Module):
+    """Reads ``src.weight`` through an attribute that is no submodule (a weight tied by reference)."""
+
+    def __init__(self, src: nn.Linear) -> None:
+        super().__init__()
+        self.__dict__["src"] = src
+        self.bias = nn.Parameter(torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.src.weight) + self.bias
+
+
 class Reached(nn.Module):
-    """``block`` is a leaf; its Linear is also used outside it: tied to ``other``'s weight, or a child
-    of ``other`` registered inside the leaf first ("shared") or outside first ("shared first")."""
+    """``block`` is a leaf; its Linear is also used outside it: tied to ``other``'s weight, a child of
+    ``other`` registered inside the leaf first ("shared") or outside first ("shared first"), or its
+    weight read by ``other`` through an attribute that is no submodule ("read")."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
@@ -36,7 +49,9 @@ class Reached(nn.Module):
             self.block.lin = self.other[0]
         else:
             self.block = Block()
-            if how == "tied":
+            if how == "read":  # probe 26A: a module inside a leaf had no _ParamDict, so the read was unseen
+                self.other = _Borrow(self.block.lin)
+            elif how == "tied":
                 self.other = nn.Linear(8, 8)
                 self.other.weight = self.block.lin.weight
             else:
@@ -69,7 +84,7 @@ def _train_both(ref: nn.Module, config: dict, losses, steps: int = 3) -> list[in
 
 
 @pytest.mark.parametrize("threshold", [0, None], ids=["threshold 0", "default persistence"])
-@pytest.mark.parametrize("how", ["tied", "shared", "shared first"])
+@pytest.mark.parametrize("how", ["tied", "shared", "shared first", "read"])
 def test_a_leaf_parameter_used_outside_the_leaf_gets_its_gradient_whether_the_leaf_runs_or_not(how, threshold):
     """Before: in a step where the leaf did not run, the gradient its parameter got outside it was held
     for the leaf's unit, which only a leaf that ran is reduced with, then dropped (one whole update

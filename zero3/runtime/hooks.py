@@ -92,20 +92,12 @@ parameters are gathered again, its gradients reduced again and added into the sa
 torch adds them into ``.grad``. Within one backward a call never opens twice (a hook on a second
 output node that fires after the call closed finds it ended in this step). A leaf module whose call
 opens again, or after a backward's end reset its call count (two forwards, a backward each), is
-`_Leaf.reopened`: its unit is reduced once at this backward's end, on every rank (which of its calls
+`LeafUnit.reopened`: its unit is reduced once at this backward's end, on every rank (which of its calls
 open is not known before they run); so is a leaf recomputed by activation checkpointing (its forward
 ran under ``no_grad`` and counted no call). A no_grad forward neither counts calls nor resets the counts.
 
-[Note: a leaf's gradient from outside it]
-A leaf's parameter can get a gradient in a step the leaf does not take part in: tied to a module
-outside it, or a submodule shared with a parent that is no leaf (which then has hooks of its own,
-leaf.py). No rank reduces the leaf's unit then (it ran nowhere), so that gradient is reduced alone,
-as any other parameter's; it was held for the unit and dropped at the step's end (probe 25C).
-With the optimizer step in
-backward the first backward already stepped: a gradient after that fails the step
-(optim/backward_step.py). A backward with ``create_graph=True`` is another matter: the graph it
-builds saves the gathered weights, which the module's post-backward releases, so it is refused
-(refusals.py `create_graph_refusal`) unless the call's parameters are held by ``GatheredParameters``.
+Leaf modules: leaf.py ([Note: a leaf called inside and outside a checkpoint], [Note: a leaf's gradient
+from outside it]).
 """
 
 from __future__ import annotations
@@ -128,8 +120,7 @@ from .checkpoint_scopes import CHECKPOINT_FORWARD, EnclosingEnd
 from .context import RuntimeContext
 from ..errors import ZeroStateError
 from .gathered import external_parameters, register_external_parameter, load_hooks
-from .grad import GradientReducer
-from .leaf import is_leaf, reached_outside_leaves
+from .leaf import LeafUnit, is_leaf, reached_outside_leaves
 from ..partition.param import PartitionedParameter, ZeroParameter, drop_grad_slot, drop_grad_slots
 from ..planning.trace import EventKind
 from ..optim.precision import RUNNING_BACKWARD
@@ -173,37 +164,12 @@ class _ModuleRecord:
     key: tuple[int, int, int] = (-1, -1, -1)  # (#own params, #external params, #backward hooks) the cache is for
     params: list[ZeroParameter] = field(default_factory=list)  # what a call gathers; [] if all persistent
     ids: tuple[int, ...] = ()
-    leaf: "_Leaf | None" = None
+    leaf: "LeafUnit | None" = None
     by_grads: bool = False  # its calls are closed by its parameters' gradients (cached with ``params``)
     read_late: bool = False  # a parameter of it was read after its backward closed: never by_grads again
     grads_in: int = -1  # the step (`ModuleHooks._backwards_ended`) of its last call closed by the gradients
     awaiting: list["_Call"] = field(default_factory=list)  # BACKWARD_OPEN calls closed by the gradients
     arrived: set[int] = field(default_factory=set)  # id(param) of gradients accumulated since they opened
-
-
-@dataclass(eq=False)
-class _Leaf:
-    """A leaf module (leaf.py): its trainable parameters, reduced as one unit once per backward."""
-
-    params: list[ZeroParameter]  # sorted by id: the same order on every rank
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # id(param) -> full gradient, held
-    calls: int = 0  # forward calls in this step (recompute not counted)
-    flushed: bool = False
-    reopened: bool = False  # a call's backward runs after an end of step reset ``calls``: reduce at this backward's end
-
-    def flush(self, reducer: GradientReducer) -> None:
-        if not self.flushed:
-            self.flushed = True
-            reducer.add_unit([(p, self.grads.pop(id(p), None)) for p in self.params])
-
-    def end_of_backward(self, reducer: GradientReducer) -> None:
-        """Reduce the unit if the leaf took part in this backward and it was not reduced yet."""
-        if (self.calls or self.reopened) and (self.grads or not self.flushed):
-            self.flush(reducer)
-
-    def reset(self) -> None:
-        self.calls, self.flushed, self.reopened = 0, False, False
-        self.grads.clear()
 
 
 # The members the hook path tests, as module globals: on Python 3.11 reading a member through its
@@ -287,8 +253,8 @@ class ModuleHooks:
         self._fp16 = opt if opt is not None and opt.scaler is not None else None  # its gradients must be scaled
         self._announced: set[tuple[int, int]] = set()
         self.root: nn.Module | None = None
-        self._leaves: list[_Leaf] = []
-        self._leaf_of: dict[int, _Leaf] = {}  # id(param) -> the leaf it belongs to
+        self._leaves: list[LeafUnit] = []
+        self._leaf_of: dict[int, LeafUnit] = {}  # id(param) -> the leaf it belongs to
         self._in_leaf: dict[int, _ModuleRecord] = {}  # id(module) inside a leaf -> the leaf's record
         self._owner: dict[int, _ModuleRecord] = {}  # id(param) -> the one hooked module that owns it
         self._awaiting: set[_ModuleRecord] = set()  # records with calls waiting for their gradients
@@ -309,7 +275,8 @@ class ModuleHooks:
         outside = reached_outside_leaves(model, names)  # a module also reached there gets hooks (probe 25C)
         for name, m in model.named_modules():
             if id(m) in self._in_leaf and id(m) not in outside:
-                continue  # part of a leaf only: no hooks of its own
+                _watch_reads(m, self)  # part of a leaf only: no hooks, but reads of its parameters from
+                continue               # another module's forward are seen (probe 26A)
             if m is not model and not m._parameters and not external_parameters(m) and not is_leaf(m, names):
                 continue  # nothing to gather: no hooks (a parameter it reads is its caller's, found by _ParamDict)
             self._hook(name, m)
@@ -344,7 +311,7 @@ class ModuleHooks:
             self._in_leaf.update((id(d), rec) for d in m.modules() if d is not m)
             trainable = sorted({id(p): p for p in m.parameters() if p.requires_grad}.values(),
                                key=lambda p: p._zero.id)
-            rec.leaf = _Leaf(params=trainable)  # type: ignore[arg-type]
+            rec.leaf = LeafUnit(params=trainable)  # type: ignore[arg-type]
             self._leaves.append(rec.leaf)
             for p in trainable:
                 self._leaf_of[id(p)] = rec.leaf
@@ -357,10 +324,7 @@ class ModuleHooks:
         else:
             self._submodule_hooks.add(m, pre, post)
         self._handles.append(m.register_state_dict_post_hook(_clone_gathered))
-        pd = _ParamDict(m._parameters)
-        pd.owner = m
-        pd.hooks = self
-        m._parameters = pd
+        _watch_reads(m, self)
 
     def external_added(self, module: nn.Module) -> None:
         """``register_external_parameter(module, ...)`` after install: a module without hooks gets them, a
@@ -387,9 +351,8 @@ class ModuleHooks:
             h.remove()
         self._handles.clear()
         self._submodule_hooks.remove()
-        for rec in self._records.values():
-            m = rec.module
-            if isinstance(m._parameters, _ParamDict):
+        for m in self.root.modules() if self.root is not None else ():
+            if isinstance(m._parameters, _ParamDict) and m._parameters.hooks is self:
                 m._parameters = dict(m._parameters)
         self._records.clear()
         self.step.close()
@@ -492,6 +455,7 @@ class ModuleHooks:
                 rec.leaf.calls += 1
             else:  # a recompute (activation checkpointing): reduced at this backward's end, as one whose
                 rec.leaf.reopened = True  # backward opened after a reset (probe 25A: a persistent one's never opens)
+                rec.leaf.flushed = False  # [Note: a leaf called inside and outside a checkpoint]
         params = self._params_of(rec)
         if params and transform_level() is not None:
             refuse_transform(rec.name)
@@ -644,7 +608,7 @@ class ModuleHooks:
             call.ended_in = self._steps_ended
             self.coordinator.event(_POST_BACKWARD, call.record.name, call.params, call.ids)
             leaf = call.record.leaf
-            if leaf is not None and leaf.calls == 1:
+            if leaf is not None and leaf.calls == 1 and not leaf.reopened:
                 # Its only call's backward is done, so its parameters' gradients are accumulated (autograd
                 # runs AccumulateGrad nodes first once they are ready).
                 leaf.flush(self.reducer)
@@ -705,6 +669,13 @@ class ModuleHooks:
             self.step.end()
         else:
             self.reducer.finish()  # this graph task's gradient shards are complete
+
+
+def _watch_reads(m: nn.Module, hooks: ModuleHooks) -> None:
+    """Replace ``m._parameters`` by a `_ParamDict`, which tells ``hooks`` of a partitioned read."""
+    pd = _ParamDict(m._parameters)
+    pd.owner, pd.hooks = m, hooks
+    m._parameters = pd
 
 
 def _root_pre(hooks: ModuleHooks, pre: Callable[..., Any], *args: Any) -> Any:

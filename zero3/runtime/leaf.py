@@ -8,15 +8,44 @@ collectives. A parameter that got a gradient on no rank keeps none, as in a sing
 
 A module inside a leaf that the model also reaches outside every leaf (a submodule shared with a
 parent that is no leaf) gets hooks of its own too, so a call of it there gathers its parameters.
+The others get no hooks, but a read of their parameters from another module's forward is seen, as
+any module's (hooks.py `_watch_reads`).
+
+[Note: a leaf called inside and outside a checkpoint]
+A leaf's unit is reduced once its only call's backward is done (`LeafUnit.flush`), or at the end of the
+backward. A checkpointed call is not counted (its forward runs under no_grad), so with a call inside
+a checkpoint and one outside, the unit was reduced after one call's backward and the other's
+gradients came after it, each reduced alone: which of them came depended on each rank's data (a
+mixture of experts' routing), so the ranks ran different collectives (probe 26A, world 2). Now a
+recompute stops that early reduction, and a recompute after it reopens the unit: every rank
+recomputes the same calls, so every rank reduces the unit once more at the backward's end, with the
+gradients held since.
+
+[Note: a leaf's gradient from outside it]
+A leaf's parameter can get a gradient in a step the leaf does not take part in: tied to a module
+outside it, or a submodule shared with a parent that is no leaf (which then has hooks of its own).
+No rank reduces the leaf's unit then (it ran nowhere), so that gradient is reduced alone, as any
+other parameter's; it was held for the unit and dropped at the step's end (probe 25C). With the
+optimizer step in backward the first backward already stepped: a gradient after that fails the step
+(optim/backward_step.py). A backward with ``create_graph=True`` is another matter: the graph it
+builds saves the gathered weights, which the module's post-backward releases, so it is refused
+(refusals.py `create_graph_refusal`) unless the call's parameters are held by ``GatheredParameters``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from ..errors import ZeroConfigError, ZeroStateError
+
+if TYPE_CHECKING:
+    from ..partition.param import ZeroParameter
+    from .grad import GradientReducer
 
 LEAF_ATTR = "_zero3_leaf"
 
@@ -114,3 +143,28 @@ def reached_outside_leaves(model: nn.Module, class_names: Iterable[str] = ()) ->
             if not is_leaf(m, class_names):
                 todo.extend(c for c in m._modules.values() if c is not None)
     return seen
+
+
+@dataclass(eq=False)
+class LeafUnit:
+    """A leaf module (leaf.py): its trainable parameters, reduced as one unit once per backward."""
+
+    params: list[ZeroParameter]  # sorted by id: the same order on every rank
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # id(param) -> full gradient, held
+    calls: int = 0  # forward calls in this step (recompute not counted)
+    flushed: bool = False
+    reopened: bool = False  # a call's backward runs after an end of step reset ``calls``: reduce at this backward's end
+
+    def flush(self, reducer: GradientReducer) -> None:
+        if not self.flushed:
+            self.flushed = True
+            reducer.add_unit([(p, self.grads.pop(id(p), None)) for p in self.params])
+
+    def end_of_backward(self, reducer: GradientReducer) -> None:
+        """Reduce the unit if the leaf took part in this backward and it was not reduced yet."""
+        if (self.calls or self.reopened) and (self.grads or not self.flushed):
+            self.flush(reducer)
+
+    def reset(self) -> None:
+        self.calls, self.flushed, self.reopened = 0, False, False
+        self.grads.clear()
