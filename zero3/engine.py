@@ -218,8 +218,8 @@ class Engine:
             an fp16 overflow on some rank made every rank skip the step (``engine.skipped_steps``).
 
         Raises:
-            ZeroStateError: with an optimizer, no backward reached the model since the last
-                ``engine.step()`` (nothing changes then: no step, no schedule advance; DeepSpeed's engine
+            ZeroStateError: with an optimizer and a trainable parameter, no backward reached the model since
+                the last ``engine.step()`` (nothing changes then: no step, no schedule advance; DeepSpeed's engine
                 checks nothing and its optimizer finds no gradients). Without one, ``step()`` after an
                 inference forward is fine.
         """
@@ -227,10 +227,10 @@ class Engine:
         check_lr_kwargs(self, lr_kwargs)
         ctx = self.context
         ctx.require_states("engine.step()")
-        if ctx.optimizer is not None and not self._backward_ran():
-            raise ZeroStateError(f"engine.step() without a backward since the last engine.step() (micro-batch "
-                                 f"{ctx.micro_steps}): call engine.backward(loss) (or loss.backward()) first; "
-                                 "nothing was stepped")
+        if ctx.optimizer is not None and not self._backward_ran() and any(p.requires_grad for p in self.params):
+            raise ZeroStateError(f"engine.step(): no backward reached the model since the last engine.step() (micro-"
+                                 f"batch {ctx.micro_steps}): call engine.backward(loss) (or loss.backward()) first, "
+                                 "over a loss that depends on its trainable parameters; nothing was stepped")
         if self.hooks.phase is not StepPhase.IDLE:
             self.hooks.step.end()
         else:

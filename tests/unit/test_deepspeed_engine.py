@@ -361,10 +361,10 @@ def test_step_without_a_backward_is_refused_and_changes_nothing(accumulation):
     for _ in range(accumulation):
         _train_step(engine)
     state = (engine.global_steps, engine.micro_steps, engine.get_lr(), engine.lr_scheduler.last_batch_iteration)
-    with pytest.raises(ZeroStateError, match="without a backward since the last engine.step"):
+    with pytest.raises(ZeroStateError, match="no backward reached the model since the last engine.step"):
         engine.step()
     engine(torch.ones(2, 8))  # a forward alone is no backward either
-    with pytest.raises(ZeroStateError, match="without a backward"):
+    with pytest.raises(ZeroStateError, match="no backward reached the model"):
         engine.step()
     assert (engine.global_steps, engine.micro_steps, engine.get_lr(),
             engine.lr_scheduler.last_batch_iteration) == state

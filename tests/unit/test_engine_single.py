@@ -644,3 +644,44 @@ def test_a_modifier_block_that_raised_leaves_a_persistent_parameter_and_its_shar
     torch.testing.assert_close(zero3.safe_get_full_fp32_param(w), plain[0].weight.detach(), rtol=0, atol=0)
     x = torch.randn(4, 8)
     torch.testing.assert_close(engine(x), plain(x), rtol=0, atol=0)
+
+
+# -- a step between a forward and its backward; a step of a frozen model ----------------------------
+@pytest.mark.parametrize("zcfg", [NO_PERSIST, None], ids=["threshold0", "default_threshold"])
+def test_a_backward_through_weights_stepped_since_its_forward_raises_as_torch_s(zcfg):
+    """Probe 26C: a forward, then the optimizer step, then that forward's backward ran silently on the
+    stepped weights (19% off torch's gradient in a GAN loop); torch's in-place step bumps the weights'
+    versions, so its backward raises. Now zero3's does the same, and training goes on as torch's."""
+    ref, ref_opt, model, engine = _gpt_pair(zcfg=zcfg)
+    (x, y), (x2, y2) = synthetic_batch(0, BATCH, CFG), synthetic_batch(1, BATCH, CFG)
+    for m, step in ((ref, ref_opt.step), (model, engine.step)):
+        m(x, y).backward()
+        pending = m(x2, y2)
+        step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            pending.backward()
+    ref_opt.zero_grad()  # what torch's raised backward accumulated; zero3 drops a raised backward's
+    _assert_same_params(model, ref)
+    _train_alongside(ref, ref_opt, engine, 2)
+    _assert_same_params(model, ref)
+
+
+def test_engine_step_of_a_model_frozen_after_initialize_changes_nothing_as_torch_s():
+    """Probe 26C: a model frozen for a warm-up (requires_grad_(False) after initialize) has no backward
+    to wait for; engine.step() refused ("call engine.backward first") where torch's step does nothing."""
+    ref, ref_opt, model, engine = _gpt_pair()
+    model.requires_grad_(False)
+    ref.requires_grad_(False)
+    x, y = synthetic_batch(0, BATCH, CFG)
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x, y), ref(x, y), rtol=RTOL, atol=0)
+    assert engine.step() is True
+    ref_opt.step()
+    _assert_same_params(model, ref)
+    model.requires_grad_(True)
+    ref.requires_grad_(True)
+    _train_alongside(ref, ref_opt, engine, 2)
+    _assert_same_params(model, ref)
+    engine(x, y)
+    with pytest.raises(ZeroStateError, match="no backward reached the model since the last engine.step"):
+        engine.step()  # a trainable model with no backward: refused as before

@@ -521,6 +521,9 @@ class PartitionedOptimizer:
         else:
             step()
         self.drop_grads()
+        with torch._C.DisableTorchFunctionSubclass():  # as torch's in-place step: a backward of a graph that
+            torch.autograd.graph.increment_version(  # saved a weight before the step raises (probe 26C)
+                [p for p in self.params if p.requires_grad])
         return True
 
     def _in_memory_step(self) -> None:
