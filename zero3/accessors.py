@@ -19,6 +19,7 @@ setters); the engine's states must not be offloaded by ``engine.offload_states``
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -161,6 +162,20 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
 
 @_in_memory(write=True, kinds=("lp_params", "hp_params"))
 @torch.no_grad()
+def _say_rounded(master: torch.Tensor, name: str, what: str) -> None:
+    """A parameter with no fp32 master (bf16/fp16, in no optimizer: an EMA or a frozen copy) keeps the
+    set value rounded; an EMA updated so lost its small steps without a word (probe 26C)."""
+    if master.dtype != torch.float32 and master.is_floating_point() and what not in _ROUNDED:
+        _ROUNDED.add(what)
+        logging.getLogger(__name__).warning(
+            "zero3: %s on a parameter with no fp32 master (first %s: its dtype is %s and no optimizer holds it): the "
+            "value is rounded to that dtype, and updates much smaller than the weight (an EMA's) are lost. Give such "
+            "a copy's engine a config without bf16/fp16 to keep it in fp32 (said once)", what, name, master.dtype)
+
+
+_ROUNDED: set[str] = set()
+
+
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set the full fp32 weight (master and low-precision shard) from ``value``, the same on every rank.
 
@@ -171,6 +186,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
     z = p._zero
     mine = _my_slice(p, value, "safe_set_full_fp32_param")
     master = p._zero.train_tensor
+    _say_rounded(master, z.name, "safe_set_full_fp32_param")
     master[: mine.numel()].copy_(mine)
     if master is not z.shard:
         z.shard.copy_(master)
@@ -258,6 +274,7 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
     if value.numel() != local.numel():
         raise ValueError(f"safe_set_local_fp32_param: {z.summary()} owns {local.numel()} elements on this rank, "
                          f"got {value.numel()}")
+    _say_rounded(master, z.name, "safe_set_local_fp32_param")
     local.copy_(value.reshape(-1))
     if master is not z.shard:
         z.shard.copy_(master)

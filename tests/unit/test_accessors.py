@@ -223,3 +223,28 @@ def test_zero3_clip_grad_norm_takes_model_parameters_and_refuses_a_part():
     assert want > 0.5 and torch.allclose(got, want, rtol=1e-5), (got, want)
     with pytest.raises(ZeroStateError, match="not all zero3 parameters of one engine"):
         zero3.clip_grad_norm_(list(ref.parameters()), 0.5)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_setting_an_fp32_value_on_a_copy_with_no_master_says_it_is_rounded(dtype, caplog):
+    """Probe 26C: docs/api.md's EMA recipe under a bf16 config kept the EMA in bf16 (an engine without
+    an optimizer has no fp32 master), so its 0.001-sized steps rounded away without a word. The set
+    says so once; an fp32 copy keeps the value exactly."""
+    import zero3.accessors as accessors
+    accessors._ROUNDED.clear()
+    torch.manual_seed(0)
+    ema = nn.Linear(8, 8)
+    zero3.initialize(ema, None, {"dtype": dtype})
+    w = zero3.safe_get_full_fp32_param(ema.weight)
+    moved = w + 1e-4 * torch.ones_like(w)  # far below bf16's step at these magnitudes (~4e-3 at 0.5)
+    with caplog.at_level("WARNING", logger="zero3"):
+        zero3.safe_set_full_fp32_param(ema.weight, moved)
+        zero3.safe_set_local_fp32_param(ema.bias, zero3.safe_get_local_fp32_param(ema.bias))
+    said = [r.getMessage() for r in caplog.records if "no fp32 master" in r.getMessage()]
+    back = zero3.safe_get_full_fp32_param(ema.weight)
+    if dtype == "fp32":
+        assert not said
+        torch.testing.assert_close(back, moved, rtol=0, atol=0)
+    else:
+        assert len(said) == 2 and "weight" in said[0] and "bias" in said[1], said
+        assert not torch.equal(back, moved)  # rounded, as said
