@@ -24,7 +24,6 @@ from typing import Any, Iterable
 import torch
 
 from ..config import OptimizerSpec, SchedulerSpec
-from ..config.training import require_decay_span
 from ..errors import ZeroConfigError
 
 logger = logging.getLogger(__name__)
@@ -117,7 +116,6 @@ class WarmupDecayLR(WarmupLR):
     def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_lr: Any = 0.0,
                  warmup_max_lr: Any = 0.001, warmup_num_steps: int = 1000, warmup_type: str = "log",
                  last_batch_iteration: int = -1) -> None:
-        require_decay_span("WarmupDecayLR", int(total_num_steps), warmup_num_steps)
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
         self.total_num_steps = int(total_num_steps)
 
@@ -136,7 +134,6 @@ class WarmupCosineLR(WarmupLR):
     def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
                  last_batch_iteration: int = -1) -> None:
-        require_decay_span("WarmupCosineLR", int(total_num_steps), warmup_num_steps)
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]  # before the base class writes the start
         self.total_num_steps = int(total_num_steps)
         self.warmup_min_ratio = float(warmup_min_ratio)
