@@ -345,3 +345,32 @@ def test_initialize_refuses_batch_sizes_that_disagree_before_anything_changes():
         zero3.initialize(model, None, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
                                        "gradient_accumulation_steps": 2})
     assert not zero3.is_zero_param(model.weight)
+
+
+def _deepspeed_cosine_ratio(it: int, total: int, warmup: int, min_ratio: float, cos_min: float) -> float:
+    """DeepSpeed's WarmupCosineLR (deepspeed/runtime/lr_schedules.py today) written out: log warm-up,
+    then a cosine whose progress is clamped to 1, so the ratio stays at cos_min_ratio from the end on."""
+    w = max(2, warmup)
+    if it < w:
+        return min_ratio + (1 - min_ratio) * math.log(it + 1) / math.log(w)
+    progress = min(1.0, (it - w + 1) / max(1, total - w))
+    return max(0.0, cos_min + (1 - cos_min) * (1 + math.cos(math.pi * progress)) / 2)
+
+
+@pytest.mark.parametrize("total, warmup", [(10, 2), (3, 5), (5, 5), (2, 0), (1, 1)])
+def test_warmup_cosine_lr_stays_at_its_floor_past_the_end_and_in_short_runs_as_deepspeed_s(total, warmup, caplog):
+    """Probe 26B: past total_num_steps the cosine rose again (1.0 at twice the span), and with
+    total_num_steps <= warmup_num_steps the lr jumped between full and the floor every step; DeepSpeed
+    clamps the cosine's progress and warns when the run ends inside the warm-up."""
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    with caplog.at_level("WARNING", logger="zero3"):
+        sched = zero3.WarmupCosineLR(opt, total_num_steps=total, warmup_num_steps=warmup, warmup_min_ratio=0.1,
+                                     cos_min_ratio=0.05)
+    got = []
+    for _ in range(3 * max(total, 2) + 4):
+        sched.step()
+        got.append(opt.param_groups[0]["lr"])
+    want = [_deepspeed_cosine_ratio(it, total, warmup, 0.1, 0.05) for it in range(len(got))]
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
+    short = total < max(2, warmup)
+    assert any("is less than warmup_num_steps" in r.getMessage() for r in caplog.records) == short

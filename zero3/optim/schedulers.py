@@ -118,6 +118,7 @@ class WarmupDecayLR(WarmupLR):
                  last_batch_iteration: int = -1) -> None:
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
         self.total_num_steps = int(total_num_steps)
+        _warn_short(self)
 
     def _gamma(self) -> float:
         i = self.last_batch_iteration
@@ -139,6 +140,7 @@ class WarmupCosineLR(WarmupLR):
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.cos_min_ratio = float(cos_min_ratio)
         super().__init__(optimizer, 0.0, 0.0, warmup_num_steps, warmup_type, last_batch_iteration)
+        _warn_short(self)
 
     def _ratio(self) -> float:
         i = self.last_batch_iteration
@@ -146,7 +148,10 @@ class WarmupCosineLR(WarmupLR):
             return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * self._warmup()
         done = i - self.warmup_num_steps + 1
         span = max(1, self.total_num_steps - self.warmup_num_steps)
-        cosine = (1.0 + math.cos(math.pi * done / span)) / 2.0
+        # Held at the floor from total_num_steps on, as DeepSpeed's today: unclamped, the cosine rose
+        # again past it, and with total_num_steps <= warmup_num_steps it jumped between full and the
+        # floor every step (probe 26B).
+        cosine = (1.0 + math.cos(math.pi * min(1.0, done / span))) / 2.0
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
     def get_lr(self) -> list[float]:
@@ -154,6 +159,15 @@ class WarmupCosineLR(WarmupLR):
             return [0.0] * len(self.base_lrs)
         ratio = self._ratio()
         return [lr * ratio for lr in self.base_lrs]
+
+
+def _warn_short(schedule: WarmupDecayLR | WarmupCosineLR) -> None:
+    """DeepSpeed's warning for a decay that ends before its warm-up does (a short run of a Trainer
+    with a fixed warm-up): the lr then stays in the warm-up for the whole run, as DeepSpeed's."""
+    if schedule.total_num_steps < schedule.warmup_num_steps:
+        logger.warning("zero3: %s total_num_steps %d is less than warmup_num_steps %d: the run ends inside the "
+                       "warm-up (and any step past total_num_steps stays at the decay's end)",
+                       type(schedule).__name__, schedule.total_num_steps, schedule.warmup_num_steps)
 
 
 SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
