@@ -160,22 +160,23 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
     return _gather(p, _state(ctx, p, optim_state_key, "safe_get_full_optimizer_state"))
 
 
-@_in_memory(write=True, kinds=("lp_params", "hp_params"))
-@torch.no_grad()
 def _say_rounded(master: torch.Tensor, name: str, what: str) -> None:
     """A parameter with no fp32 master (bf16/fp16, in no optimizer: an EMA or a frozen copy) keeps the
     set value rounded; an EMA updated so lost its small steps without a word (probe 26C)."""
-    if master.dtype != torch.float32 and master.is_floating_point() and what not in _ROUNDED:
+    if master.dtype in (torch.bfloat16, torch.float16) and what not in _ROUNDED:
         _ROUNDED.add(what)
         logging.getLogger(__name__).warning(
-            "zero3: %s on a parameter with no fp32 master (first %s: its dtype is %s and no optimizer holds it): the "
-            "value is rounded to that dtype, and updates much smaller than the weight (an EMA's) are lost. Give such "
-            "a copy's engine a config without bf16/fp16 to keep it in fp32 (said once)", what, name, master.dtype)
+            "zero3: %s on a parameter kept in %s only (first %s: no fp32 master, which only an optimizer over it under "
+            "bf16/fp16 keeps): the value is stored rounded to %s, and updates much smaller than the weight (an EMA's) "
+            "are lost. For an EMA or another copy, build it in fp32 and give its engine a config without bf16/fp16 "
+            "(said once)", what, master.dtype, name, master.dtype)
 
 
 _ROUNDED: set[str] = set()
 
 
+@_in_memory(write=True, kinds=("lp_params", "hp_params"))
+@torch.no_grad()
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set the full fp32 weight (master and low-precision shard) from ``value``, the same on every rank.
 
