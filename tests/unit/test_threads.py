@@ -115,3 +115,34 @@ def test_whole_steps_from_several_threads_one_after_another_train_as_torch() -> 
         ref(x).square().mean().backward()
         ref_opt.step()
     assert_same_weights(model, ref)
+
+
+def test_a_forward_from_another_thread_during_a_resident_decode_forward_is_refused_too():
+    """Review 26Y: in generation mode with the whole model resident, the root's decode forwards skip the
+    hooks; a second thread's forward then went unrefused and ran without hooks (with grad on, its
+    gradients would never be reduced). It is refused as any other, and decoding goes on as torch's."""
+    ref, model, engine = _build()
+    x, x2 = torch.randn(3, 8), torch.randn(3, 8)
+    out: dict[str, torch.Tensor] = {}
+    with engine.generation(), torch.no_grad():
+        engine(x)  # gathers the whole model: the next decode forwards are resident
+        engine(x)
+        assert engine.hooks._resident_calls == 0 and engine.coordinator.generation_resident
+
+        def first() -> None:
+            with torch.no_grad():
+                out["first"] = engine(x)
+
+        model.p.hold.set()
+        t = threading.Thread(target=first)
+        t.start()
+        assert model.p.inside.wait(30)
+        assert engine.hooks._resident_calls == 1  # the paused forward is a resident one
+        with torch.enable_grad(), pytest.raises(zero3.ConcurrentForwardError):
+            engine(x2)
+        model.p.go.set()
+        t.join(30)
+        assert not t.is_alive()
+        torch.testing.assert_close(out["first"], ref(x), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(engine(x2), ref(x2), rtol=1e-6, atol=1e-7)
+    assert engine.hooks._claim == {}

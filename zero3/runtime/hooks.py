@@ -77,8 +77,9 @@ used while not gathered (checked with a scratch script, not in the tests).
 An engine's gathers, releases and step state are shared by every call of its model, so two forwards
 running at once from two threads corrupted each other: wrong outputs, a segfault in a gather's copy
 into storage the other thread freed, or a hang in a collective (probe 26D). A forward of the root
-claims the engine for its thread (`_claim`, one atomic ``dict.setdefault``) until the root's call
-returns, and a root call from another thread meanwhile is refused before it changes anything.
+claims the engine for its thread (`_claim`, one atomic ``dict.setdefault``) until the root's
+outermost call returns (a resident decode forward's too), and a root call from another thread
+meanwhile is refused before it changes anything.
 Calls one after another from several threads, in any interleaving of whole forwards, backwards and
 steps, are fine. Not detected: a submodule called directly from another thread, and a forward from
 another thread while a backward runs (docs/api.md says not to).
@@ -435,7 +436,6 @@ class ModuleHooks:
                 self.coordinator.wait_in_flight()
                 self._resident_calls = 1
                 self._submodule_hooks.suspend()
-                self._claim.clear()  # hookless, reading gathered weights only
                 return None
             self._submodule_hooks.resume()
             self.coordinator.forward_boundary(True)
@@ -680,19 +680,19 @@ def _watch_reads(m: nn.Module, hooks: ModuleHooks) -> None:
 
 def _root_pre(hooks: ModuleHooks, pre: Callable[..., Any], *args: Any) -> Any:
     """The root's pre-forward: claim the engine for this thread ([Note: one thread]) before anything changes."""
-    if not hooks._resident_calls and hooks._claim.setdefault(0, me := threading.get_ident()) != me:
+    if hooks._claim.setdefault(0, me := threading.get_ident()) != me:
         raise concurrent_forward_refusal(hooks._claim.get(0))
     return pre(*args)
 
 
 def _root_post(hooks: ModuleHooks, post: Callable[..., Any], *args: Any) -> Any:
     """The root's post-forward; the claim goes once the root's outermost call has closed."""
-    if not hooks._resident_calls and hooks._claim.get(0, me := threading.get_ident()) != me:
+    if hooks._claim.get(0, me := threading.get_ident()) != me:
         return None  # another thread's call, refused by the pre-forward: nothing of it is open
     try:
         return post(*args)
     finally:
-        if not hooks.stack:
+        if not hooks.stack and not hooks._resident_calls:  # the outermost call of the root has closed
             hooks._claim.clear()
 
 
