@@ -110,3 +110,23 @@ def test_what_the_cache_learns_stays_bounded_by_the_traces_it_keeps(max_traces: 
         assert all((key, version) in live for key, version, _ in steps._announced)
     if len(orders) > 1 and orders[-1] == orders[-2]:
         assert recorded[-1] == recorded[-2]  # an order just seen is still cached: not recorded again
+
+
+def test_divergences_while_the_cache_thrashes_log_at_info_and_warn_again_once_it_settles(caplog):
+    """With more orders than max_traces each step left its trace and logged a WARNING (1,764 in 2,000
+    steps, probe 26D). The first eviction warns once, naming max_traces; divergences while traces keep
+    being dropped log at INFO; a divergence after the cache has settled warns again (review 26Y)."""
+    steps = StepTraces(max_traces=1)
+    a, b = [("a", 0), ("b", 1)], [("b", 1), ("a", 0)]
+
+    def levels(orders: list) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="zero3.planning.trace_cache"):
+            for order in orders:
+                _step(steps, order)
+        return [r.levelname + (" max_traces" if "max_traces" in r.getMessage() else "")
+                for r in caplog.records if "left trace" in r.getMessage() or "max_traces" in r.getMessage()]
+
+    assert levels([a, b, a, b, a]) == ["WARNING", "WARNING max_traces", "INFO", "INFO", "INFO"]
+    assert levels([a, a, a]) == []  # settled: followed to the end
+    assert levels([b]) == ["WARNING"]  # a new divergence after that is said as before

@@ -170,11 +170,14 @@ class StepTraces:
         self.diverged = False  # the running (or the last) step left its trace
         self._debug = False  # whether the trace's DEBUG lines are on, read once per step (`begin`)
         self._announced: set[tuple[str, int, int]] = set()
+        self._steps = 0  # steps begun
+        self._evicted_at = -10**9  # the step whose trace last made the cache drop one (thrashing)
         self.last: Entry | None = None  # the trace and schedule of the last step that had one
 
     def begin(self, key: str) -> Following | None:
         """A step of ``key`` begins: follow the trace the cache predicts for it, if any."""
         self.key = key
+        self._steps += 1
         self.diverged = False
         self._debug = trace_logger.isEnabledFor(logging.DEBUG)
         chosen = self.cache.predict(key)
@@ -216,7 +219,8 @@ class StepTraces:
                 # the last forward (an external parameter, gathered with it from then on)
                 want += f" with parameters (ds_id) {list(expected.params)}"
                 got += f" with {list(ids)}"
-            logger.log(logging.INFO if self.cache.evictions else logging.WARNING,
+            thrashing = self._steps - self._evicted_at <= self.cache.max_traces  # said once at the first eviction
+            logger.log(logging.INFO if thrashing else logging.WARNING,
                        "zero3: step %d left trace %r v%d at event %d: expected %s, got %s; fetching on "
                        "demand for the rest of the step", step, trace.key, trace.version, i, want, got)
         self.following = None
@@ -235,12 +239,15 @@ class StepTraces:
             if key is not None and not aborted and events:
                 completed = (followed.trace, followed.schedule) \
                     if followed is not None and not self.diverged and followed.completed else None
+                evictions = self.cache.evictions
                 entry = self.cache.keep(key, events, completed, lambda v: self._recorder.freeze(key, v, params()),
                                         config)
                 if entry is not None:
                     self.last = entry
                     live = self.cache.cached()  # what is announced of an evicted trace is never read again
                     self._announced = {a for a in self._announced if (a[0], a[1]) in live}
+                    if self.cache.evictions != evictions:
+                        self._evicted_at = self._steps
         finally:
             self._recorder.clear()
 
