@@ -146,3 +146,48 @@ def test_a_forward_from_another_thread_during_a_resident_decode_forward_is_refus
         torch.testing.assert_close(out["first"], ref(x), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(engine(x2), ref(x2), rtol=1e-6, atol=1e-7)
     assert engine.hooks._claim == {}
+
+
+def test_a_refused_call_s_post_forward_after_the_owner_s_forward_returned_leaves_the_step_alone():
+    """Review 26X: torch runs a refused call's post-forward anyway (always_call). When the owner's
+    forward had returned by then, the claim was free, so that post-forward took the refused call for
+    a failed forward of the owner's step and aborted it (world 2: the ranks then disagreed). A user's
+    post-hook that waits in the refused thread stands for that thread being preempted there."""
+    ref, model, engine = _build()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, x2 = torch.randn(3, 8), torch.randn(3, 8)
+    owner_done, refused_ids, out = threading.Event(), [], {}
+
+    def slow_post(module, args, output):
+        if threading.get_ident() in refused_ids:
+            assert owner_done.wait(30)
+
+    model.register_forward_hook(slow_post, prepend=True, always_call=True)
+
+    def owner() -> None:
+        out["y"] = engine(x)
+        owner_done.set()
+
+    def refused() -> None:
+        refused_ids.append(threading.get_ident())
+        with pytest.raises(zero3.ConcurrentForwardError):
+            engine(x2)
+        out["refused"] = True
+
+    model.p.hold.set()
+    threads = [threading.Thread(target=owner), threading.Thread(target=refused)]
+    threads[0].start()
+    assert model.p.inside.wait(30)
+    threads[1].start()
+    while not refused_ids:
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.2)  # the refused call reached its post-hooks
+    model.p.go.set()
+    for t in threads:
+        t.join(30)
+    assert out.get("refused") and engine.hooks.phase.name == "FORWARD"  # the owner's step is still open
+    engine.backward(out["y"].square().sum())
+    engine.step()
+    ref(x).square().sum().backward()
+    ref_opt.step()
+    assert_same_weights(model, ref)

@@ -79,7 +79,9 @@ running at once from two threads corrupted each other: wrong outputs, a segfault
 into storage the other thread freed, or a hang in a collective (probe 26D). A forward of the root
 claims the engine for its thread (`_claim`, one atomic ``dict.setdefault``) until the root's
 outermost call returns (a resident decode forward's too), and a root call from another thread
-meanwhile is refused before it changes anything.
+meanwhile is refused before it changes anything. Torch runs the refused call's post-forward anyway
+(always_call), maybe after the claim has gone: a thread-local mark (`_REFUSED`) tells it to do
+nothing, or it would take the refusal for the owner's forward failing and abort its step.
 Calls one after another from several threads, in any interleaving of whole forwards, backwards and
 steps, are fine. Not detected: a submodule called directly from another thread, and a forward from
 another thread while a backward runs (docs/api.md says not to).
@@ -680,15 +682,27 @@ def _watch_reads(m: nn.Module, hooks: ModuleHooks) -> None:
 
 def _root_pre(hooks: ModuleHooks, pre: Callable[..., Any], *args: Any) -> Any:
     """The root's pre-forward: claim the engine for this thread ([Note: one thread]) before anything changes."""
+    _REFUSED.hooks = None
     if hooks._claim.setdefault(0, me := threading.get_ident()) != me:
+        _REFUSED.hooks = hooks  # for this call's post-forward, which torch runs anyway (always_call)
         raise concurrent_forward_refusal(hooks._claim.get(0))
     return pre(*args)
 
 
+class _Refused(threading.local):
+    hooks: ModuleHooks | None = None  # whose root pre-forward refused this thread's running call
+
+
+_REFUSED = _Refused()
+
+
 def _root_post(hooks: ModuleHooks, post: Callable[..., Any], *args: Any) -> Any:
     """The root's post-forward; the claim goes once the root's outermost call has closed."""
+    if _REFUSED.hooks is hooks:  # refused by the pre-forward: nothing of it is open, and the claim
+        _REFUSED.hooks = None       # may have gone since (review 26X: its post-forward aborted the step)
+        return None
     if hooks._claim.get(0, me := threading.get_ident()) != me:
-        return None  # another thread's call, refused by the pre-forward: nothing of it is open
+        return None  # another thread's forward runs: this call's pre-forward did not (a hook before it raised)
     try:
         return post(*args)
     finally:
