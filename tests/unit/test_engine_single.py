@@ -685,3 +685,37 @@ def test_engine_step_of_a_model_frozen_after_initialize_changes_nothing_as_torch
     engine(x, y)
     with pytest.raises(ZeroStateError, match="no backward reached the model since the last engine.step"):
         engine.step()  # a trainable model with no backward: refused as before
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # b's loss reaches b alone; x needs grad, so b's backward reads b's weight (saved at forward)
+        return self.a(torch.tanh(self.body(x))).square().mean(), self.b(x).square().mean()
+
+
+@pytest.mark.parametrize("zcfg", [NO_PERSIST, None], ids=["threshold0", "default_threshold"])
+def test_a_backward_through_weights_the_step_left_alone_runs_as_torch_s(zcfg):
+    """Review 26X: the step bumped every trainable weight's version, so a later backward through a
+    weight that had no gradient in that step (and which torch's step leaves alone) raised."""
+    torch.manual_seed(0)
+    ref = _TwoHeads()
+    model = copy.deepcopy(ref)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), zcfg)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def ref_step() -> None:
+        ref_opt.step()
+        ref_opt.zero_grad()  # as engine.step() drops the gradients it used
+
+    for m, step in ((ref, ref_step), (model, engine.step)):
+        la, lb = m(x)
+        la.backward()
+        step()  # steps body and a; b has no gradient, so it keeps its version
+        lb.backward()
+        step()
+    _assert_same_params(model, ref)

@@ -516,15 +516,15 @@ class PartitionedOptimizer:
         if self.config.training.gradient_clipping > 0:
             self.clip_grad_norm(self.config.training.gradient_clipping)
         step = self._streamed_step if self.streamed else self._in_memory_step
+        stepped = [p for p in self.params if p.requires_grad and p._zero.train_tensor.grad is not None]
         if self.agreed is not None:
             self.agreed.run(step, self.drop_grads, scaler_state)
         else:
             step()
         self.drop_grads()
-        with torch._C.DisableTorchFunctionSubclass():  # as torch's in-place step: a backward of a graph that
-            torch.autograd.graph.increment_version(  # saved a weight before the step raises (probe 26C)
-                [p for p in self.params if p.requires_grad])
-        return True
+        with torch._C.DisableTorchFunctionSubclass():  # as torch's in-place step of the weights with a gradient:
+            torch.autograd.graph.increment_version(stepped)  # a backward of a graph that saved one before the step
+        return True                                          # raises (probe 26C); the others are untouched
 
     def _in_memory_step(self) -> None:
         """The optimizer's step on state in memory, then the masters cast into the shards (under mixed
