@@ -20,6 +20,7 @@ import zero3.deepspeed as deepspeed
 from zero3 import ZeroConfigError, ZeroStateError
 from zero3.config import ActivationCheckpointingConfig
 
+from _reference import assert_same_weights
 from gpt import GPT, GPTConfig, synthetic_batch
 
 
@@ -505,3 +506,27 @@ def test_a_leaf_module_checkpointed_in_each_of_its_calls_gets_every_calls_gradie
     ref(xs).backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(zero3.safe_get_full_grad(p), q.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("threshold", [0, None], ids=["threshold 0", "default persistence"])
+def test_torch_non_reentrant_checkpoint_of_the_whole_model_with_its_early_stop_trains_as_torch(threshold):
+    """Review 26X: torch's non-reentrant checkpoint stops the recompute early by raising through the
+    forward (its default); the root's always_call post-hook took that for a failed forward and aborted
+    the step, and the backward failed inside torch on a released parameter. The recompute's end is no
+    failure: the step goes on, and trains as torch's."""
+    import torch.utils.checkpoint as torch_checkpoint
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    model = copy.deepcopy(ref)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {} if threshold is None else {"param_persistence_threshold": threshold})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    for step in range(3):
+        x = torch.randn(4, 8, requires_grad=True, generator=torch.Generator().manual_seed(step))
+        torch_checkpoint.checkpoint(ref, x, use_reentrant=False).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.backward(torch_checkpoint.checkpoint(model, x, use_reentrant=False).square().mean())
+        engine.step()
+        engine.coordinator.check_valid()
+    assert_same_weights(model, ref)

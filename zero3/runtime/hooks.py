@@ -129,8 +129,8 @@ from ..planning.trace import EventKind
 from ..optim.precision import RUNNING_BACKWARD
 from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
-from .refusals import (EAGER, concurrent_forward_refusal, create_graph_refusal, eval_frame_callback,
-                       refuse_compiled_call, refuse_copy, removed_refusal, refuse_transform, transform_level,
+from .refusals import (EAGER, STOP_RECOMPUTATION, concurrent_forward_refusal, create_graph_refusal,
+                       eval_frame_callback, refuse_compiled_call, refuse_copy, removed_refusal, refuse_transform, transform_level,
                        unscaled_backward_refusal)
 from .buffers import ModuleBuffers
 from .submodule_hooks import SubmoduleHooks
@@ -505,8 +505,8 @@ class ModuleHooks:
             return None
         if output is None and rec.module is self.root and self.step.phase is not _IDLE:
             exc = sys.exc_info()[1]
-            if exc is not None:  # always_call runs us while the root's forward raises: abort the step
-                self.step.abort(exc, "forward")
+            if exc is not None and not isinstance(exc, STOP_RECOMPUTATION):  # always_call runs us while the
+                self.step.abort(exc, "forward")  # root's forward raises: abort the step
                 return None
         call = self._pop(rec)
         if call is None:  # the pre-hook raised (always_call runs us anyway): nothing to close

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from ..errors import ConcurrentForwardError, ZeroConfigError, ZeroStateError
@@ -112,6 +113,12 @@ def create_graph_refusal(module: str) -> ZeroStateError:
         "through it would fail. Keep those parameters gathered across both backwards: "
         "`with zero3.GatheredParameters(list(model.parameters())):` around the forward and both "
         "backwards, or a param_persistence_threshold above their size")
+
+
+STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
+"""What torch's non-reentrant checkpoint raises through the recompute's forward to stop it early (its
+default): for a checkpoint of the whole model, the root's post-forward sees it, and it is no failure
+of the step (hooks.py `_post_forward`; review 26X: the step was aborted, and the backward failed)."""
 
 
 def concurrent_forward_refusal(owner: int | None) -> ConcurrentForwardError:
