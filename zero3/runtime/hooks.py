@@ -90,7 +90,8 @@ another thread while a backward runs (docs/api.md says not to).
 Several losses over one forward, each with its own ``backward`` (the first with
 ``retain_graph=True``), run the backward of the same calls more than once. The first backward ends
 the step and releases everything; the second runs through the same autograd nodes, whose hooks
-fire again. A call whose backward ended in an earlier step (`_Call.ended_in`) opens again: its
+fire again. A call whose backward opened or ended in an earlier step (`_Call.ended_in`; one that
+opened and never closed: its output's node ran, its post-backward did not) opens again: its
 parameters are gathered again, its gradients reduced again and added into the same shards, as
 torch adds them into ``.grad``. Within one backward a call never opens twice (a hook on a second
 output node that fires after the call closed finds it ended in this step). A leaf module whose call
@@ -180,6 +181,7 @@ class _ModuleRecord:
 _IDLE, _FORWARD, _BACKWARD = StepPhase.IDLE, StepPhase.FORWARD, StepPhase.BACKWARD
 _OPEN, _JOINED, _FORWARD_DONE = CallState.OPEN, CallState.JOINED, CallState.FORWARD_DONE
 _BACKWARD_OPEN, _BACKWARD_DONE = CallState.BACKWARD_OPEN, CallState.BACKWARD_DONE
+_AFTER_OPEN = (_BACKWARD_OPEN, _BACKWARD_DONE)
 _PRE_FORWARD, _POST_FORWARD = EventKind.PRE_FORWARD, EventKind.POST_FORWARD
 _PRE_BACKWARD, _POST_BACKWARD = EventKind.PRE_BACKWARD, EventKind.POST_BACKWARD
 
@@ -199,7 +201,7 @@ class _Call:
     ids: tuple[int, ...] | None = None  # sorted ids of params; None: recompute (params changed)
     state: CallState = CallState.OPEN
     by_grads: bool = False  # its post-backward comes from its parameters' gradients, not `_PostBackward`
-    ended_in: int = -1  # the step (`ModuleHooks._steps_ended`) its backward ended in ([Note: a second backward])
+    ended_in: int = -1  # the step (`ModuleHooks._steps_ended`) its backward last opened or ended in
 
     def __call__(self, grads: Any) -> None:
         self.hooks._pre_backward(self, grads)
@@ -589,14 +591,15 @@ class ModuleHooks:
                 _refuse_unscaled(self, None, True)
             self.step.enter(_BACKWARD)
         self.ensure_final_callback()
-        if call.state is _FORWARD_DONE or (call.state is _BACKWARD_DONE and call.ended_in != self._steps_ended):
+        state = call.state  # a call opened or closed in an earlier step (`ended_in`) opens again
+        if state is _FORWARD_DONE or (state in _AFTER_OPEN and call.ended_in != self._steps_ended):
             if torch.is_grad_enabled() and any(p._zero.user_pins == 0 for p in call.params):
                 self.step.abort(exc := create_graph_refusal(call.record.name), "backward")
                 raise exc
             leaf = call.record.leaf
-            if leaf is not None and (call.state is _BACKWARD_DONE or leaf.calls == 0):
+            if leaf is not None and (state is not _FORWARD_DONE or leaf.calls == 0):
                 leaf.reopened = True  # [Note: a second backward]: its unit is reduced at this backward's end
-            call.state = _BACKWARD_OPEN
+            call.state, call.ended_in = _BACKWARD_OPEN, self._steps_ended
             if call.by_grads:
                 rec = call.record
                 self._awaiting.add(rec)
