@@ -84,7 +84,7 @@ meanwhile is refused before it changes anything. Torch runs the refused call's p
 nothing, or it would take the refusal for the owner's forward failing and abort its step.
 Calls one after another from several threads, in any interleaving of whole forwards, backwards and
 steps, are fine. Not detected: a submodule called directly from another thread, and a forward from
-another thread while a backward runs (docs/api.md says not to).
+another thread while a backward or an optimizer step runs (docs/api.md says not to).
 
 [Note: a second backward]
 Several losses over one forward, each with its own ``backward`` (the first with
