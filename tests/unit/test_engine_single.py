@@ -698,14 +698,21 @@ class _TwoHeads(nn.Module):
 
 
 @pytest.mark.parametrize("zcfg", [NO_PERSIST, None], ids=["threshold0", "default_threshold"])
-def test_a_backward_through_weights_the_step_left_alone_runs_as_torch_s(zcfg):
-    """Review 26X: the step bumped every trainable weight's version, so a later backward through a
-    weight that had no gradient in that step (and which torch's step leaves alone) raised."""
+@pytest.mark.parametrize("left", ["no gradient", "in no optimizer group"])
+def test_a_backward_through_weights_the_step_left_alone_runs_as_torch_s(zcfg, left):
+    """Reviews 26X and 26Z: the step bumped the version of every trainable weight, then of every one
+    with a gradient, so a later backward through a weight the step did not change (it had no
+    gradient, or no optimizer group holds it) raised, where torch's step leaves it alone."""
     torch.manual_seed(0)
     ref = _TwoHeads()
     model = copy.deepcopy(ref)
-    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), zcfg)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def opt(m: _TwoHeads) -> torch.optim.Optimizer:
+        held = m.parameters() if left == "no gradient" else [*m.body.parameters(), *m.a.parameters()]
+        return torch.optim.SGD(held, lr=0.1)
+
+    engine = zero3.initialize(model, opt(model), zcfg)
+    ref_opt = opt(ref)
     x = torch.randn(4, 8, requires_grad=True)
 
     def ref_step() -> None:
@@ -714,8 +721,14 @@ def test_a_backward_through_weights_the_step_left_alone_runs_as_torch_s(zcfg):
 
     for m, step in ((ref, ref_step), (model, engine.step)):
         la, lb = m(x)
-        la.backward()
-        step()  # steps body and a; b has no gradient, so it keeps its version
-        lb.backward()
+        if left == "no gradient":
+            la.backward()
+            step()  # steps body and a; b has no gradient, so it keeps its version
+            lb.backward()
+        else:
+            lb.backward(retain_graph=True)
+            la.backward()
+            step()  # b has a gradient, but no group holds it: unchanged
+            lb.backward()
         step()
     _assert_same_params(model, ref)

@@ -516,7 +516,7 @@ class PartitionedOptimizer:
         if self.config.training.gradient_clipping > 0:
             self.clip_grad_norm(self.config.training.gradient_clipping)
         step = self._streamed_step if self.streamed else self._in_memory_step
-        stepped = [p for p in self.params if p.requires_grad and p._zero.train_tensor.grad is not None]
+        stepped = [p for group in self.group_params for p in group if p._zero.train_tensor.grad is not None]
         if self.agreed is not None:
             self.agreed.run(step, self.drop_grads, scaler_state)
         else:
