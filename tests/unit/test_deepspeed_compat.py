@@ -357,7 +357,7 @@ def _deepspeed_cosine_ratio(it: int, total: int, warmup: int, min_ratio: float, 
     return max(0.0, cos_min + (1 - cos_min) * (1 + math.cos(math.pi * progress)) / 2)
 
 
-@pytest.mark.parametrize("total, warmup", [(10, 2), (3, 5), (5, 5), (2, 0), (1, 1)])
+@pytest.mark.parametrize("total, warmup", [(10, 2), (3, 5), (5, 5), (2, 1), (1, 1)])
 def test_warmup_cosine_lr_stays_at_its_floor_past_the_end_and_in_short_runs_as_deepspeed_s(total, warmup, caplog):
     """Probe 26B: past total_num_steps the cosine rose again (1.0 at twice the span), and with
     total_num_steps <= warmup_num_steps the lr jumped between full and the floor every step; DeepSpeed
@@ -374,3 +374,9 @@ def test_warmup_cosine_lr_stays_at_its_floor_past_the_end_and_in_short_runs_as_d
     assert got == pytest.approx(want, rel=1e-12, abs=0)
     short = total < max(2, warmup)
     assert any("is less than warmup_num_steps" in r.getMessage() for r in caplog.records) == short
+
+
+def test_warmup_cosine_lr_refuses_a_warm_up_of_zero_steps_as_deepspeed_s():
+    with pytest.raises(ZeroConfigError, match="warmup_num_steps must be a positive integer, got 0"):
+        zero3.ZeroConfig.from_dict({"scheduler": {"type": "WarmupCosineLR",
+                                                  "params": {"total_num_steps": 10, "warmup_num_steps": 0}}})

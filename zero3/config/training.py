@@ -64,6 +64,9 @@ class SchedulerSpec:
         _check_params("scheduler", self.type, self.params, allowed)
         if self.type in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in self.params:
             raise ZeroConfigError(f"scheduler {self.type} needs params.total_num_steps")
+        if self.type == "WarmupCosineLR" and self.params.get("warmup_num_steps", 1) == 0:  # as DeepSpeed's
+            raise ZeroConfigError("scheduler WarmupCosineLR: params.warmup_num_steps must be a positive integer, got 0 "
+                                  "(DeepSpeed's WarmupCosineLR refuses it too; 1 warms up over 2 steps)")
 
 
 def _number(v: Any) -> bool:
