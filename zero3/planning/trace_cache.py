@@ -144,8 +144,8 @@ class TraceCache:
         if not self.evictions:
             logger.warning("zero3: steps ran in more orders than max_traces=%d keeps: from now on an order that comes "
                            "back after its trace was dropped is recorded again, and its step fetches on demand from "
-                           "where it leaves the trace it was predicted to follow (said again at INFO). Raise "
-                           "max_traces if the orders are few", self.max_traces)
+                           "where it leaves the trace it was predicted to follow (logged at INFO while traces keep being "
+                           "dropped). Raise max_traces if the orders are few", self.max_traces)
         self.evictions += 1
         while total > self.max_traces:
             last_key = next(reversed(self._traces))

@@ -131,8 +131,8 @@ from ..optim.precision import RUNNING_BACKWARD
 from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
 from .refusals import (EAGER, STOP_RECOMPUTATION, concurrent_forward_refusal, create_graph_refusal,
-                       eval_frame_callback, refuse_compiled_call, refuse_copy, removed_refusal, refuse_transform, transform_level,
-                       unscaled_backward_refusal)
+                       eval_frame_callback, refuse_compiled_call, refuse_copy, removed_refusal, refuse_transform,
+                       transform_level, unscaled_backward_refusal)
 from .buffers import ModuleBuffers
 from .submodule_hooks import SubmoduleHooks
 from .outputs import prepare_output
