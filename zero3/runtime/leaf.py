@@ -147,7 +147,7 @@ def reached_outside_leaves(model: nn.Module, class_names: Iterable[str] = ()) ->
 
 @dataclass(eq=False)
 class LeafUnit:
-    """A leaf module (leaf.py): its trainable parameters, reduced as one unit once per backward."""
+    """A leaf module's trainable parameters, reduced as one unit once per backward (the module docstring)."""
 
     params: list[ZeroParameter]  # sorted by id: the same order on every rank
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # id(param) -> full gradient, held
