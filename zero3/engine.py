@@ -40,13 +40,12 @@ from .runtime.hooks import ModuleHooks
 from .runtime.refusals import route_parametrizations
 from .metrics import StepMetrics
 from .comm.model_parallel import data_parallel_group
-from .offload.states import StatesOffload
 from .optim.grad_norm import clip_shards
 from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
 from .runtime.step import StepPhase
 from .runtime.engine_calls import (MID_STEP, abort_forward, check_lr_kwargs, end_forward_without_backward, log_progress,
-                                   begin_forward, require_hooks, zero_grad_window)
+                                   begin_forward, offload_engine_states, require_hooks, zero_grad_window)
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +248,7 @@ class Engine:
                 torch.cuda.synchronize()
             ctx.metrics.optimizer_seconds += time.perf_counter() - t0
         ctx.micro_steps += 1
+        ctx.window_micro = 0 if boundary else ctx.window_micro + 1
         if boundary:
             if ctx.optimizer is None:  # nothing steps the shards, but the refresh gathers them again
                 ctx.take_persistent_writes()
@@ -267,6 +267,15 @@ class Engine:
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next ``engine.step()`` steps the optimizer (its micro-batch ends a window)."""
         return self.context.window_ends()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's override of where windows end, for loops whose micro-batch count varies (RL
+        trainers): while set, ``engine.step()`` steps exactly when ``is_boundary`` is True, whatever
+        ``gradient_accumulation_steps`` says (``backward`` still divides by it); None restores that."""
+        if is_boundary is not None and is_boundary not in (True, False):
+            raise ZeroConfigError(f"engine.set_gradient_accumulation_boundary(is_boundary={is_boundary!r:.60}): "
+                                  "must be True, False or None (back to gradient_accumulation_steps)")
+        self.context.boundary_override = None if is_boundary is None else bool(is_boundary)
 
     def _backward_ran(self) -> bool:
         """Whether a backward reached the model's parameters since the last ``step()``: one is running,
@@ -393,17 +402,7 @@ class Engine:
         if self.hooks.phase is not StepPhase.IDLE or self.coordinator.in_step:
             raise ZeroStateError("engine.offload_states() must be called between steps (after engine.step() or an "
                                  "inference forward), not inside a forward or backward")
-        if self.coordinator.generating:
-            raise ZeroStateError("engine.offload_states() inside engine.generation(): leave generation mode first")
-        held = [p._zero.name for p in self.params if p._zero.user_pins > 0]
-        if held:
-            raise ZeroStateError(f"engine.offload_states(): parameters {held[:5]} are held by GatheredParameters "
-                                 "(or param.all_gather()); close those first")
-        ctx = self.context
-        ctx.finish_gradients()
-        if ctx.offloaded is None:
-            ctx.offloaded = StatesOffload(ctx)
-        return ctx.offloaded.offload(include, device, pin_memory, non_blocking, nvme_path)
+        return offload_engine_states(self, include, device, pin_memory, non_blocking, nvme_path)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what `offload_states` moved, in place (a no-op when nothing is offloaded).
@@ -711,12 +710,9 @@ def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.
     ctx = _clip_context(engine_or_model)
     ctx.require_states("clip_grad_norm_", ("lp_grads",))
     ctx.finish_gradients()
-    n = ctx.config.training.gradient_accumulation_steps
-    if (ctx.micro_steps + 1) % n != 0:
+    if not ctx.window_ends():
         raise ZeroStateError(
-            f"clip_grad_norm_ called after micro-batch {ctx.micro_steps % n + 1} of {n} "
-            "(gradient_accumulation_steps): the gradients are not "
-            "complete yet. Clip only when engine.is_gradient_accumulation_boundary(), or set gradient_clipping "
+            f"clip_grad_norm_ called after {ctx.window_position()}: the gradients are not complete yet. Clip only when engine.is_gradient_accumulation_boundary(), or set gradient_clipping "
             "in the config and let engine.step() clip")
     if ctx.optimizer is not None:
         return ctx.optimizer.clip_grad_norm(max_norm, norm_type)

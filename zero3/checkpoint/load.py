@@ -269,6 +269,7 @@ def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_sc
     if meta.get("micro_steps") is not None:  # a window starts at the next micro-batch (DeepSpeed's counts restart)
         n = ctx.config.training.gradient_accumulation_steps
         ctx.micro_steps = -(-int(meta["micro_steps"]) // n) * n
+    ctx.window_micro = 0
     if ctx.optimizer is not None and meta.get("skipped_steps") is not None:  # none before 12-05
         ctx.optimizer.skipped_steps = int(meta["skipped_steps"])  # a count, as global_steps (DeepSpeed keeps it)
     if plan.load_optimizer:

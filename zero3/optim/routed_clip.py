@@ -158,12 +158,10 @@ def _window_complete(ctx: Any, what: str) -> None:
     """The gradients of the accumulation window are complete here, reduced, and (fp16) unscaled."""
     ctx.require_states(what, ("lp_grads",))
     ctx.finish_gradients()
-    n = ctx.config.training.gradient_accumulation_steps
-    if (ctx.micro_steps + 1) % n != 0:
+    if not ctx.window_ends():
         raise ZeroStateError(
-            f"torch.nn.utils.{what} over a zero3 optimizer's shards after micro-batch {ctx.micro_steps % n + 1} of "
-            f"{n} (gradient_accumulation_steps): the gradients are not complete yet. Call it when "
-            "engine.is_gradient_accumulation_boundary(); nothing was changed")
+            f"torch.nn.utils.{what} over a zero3 optimizer's shards after {ctx.window_position()}: the gradients "
+            "are not complete yet. Call it when engine.is_gradient_accumulation_boundary(); nothing was changed")
     if ctx.optimizer is not None:
         ctx.optimizer.unscale_()
 

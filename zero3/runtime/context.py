@@ -21,7 +21,8 @@ communicator, coordinator) for the parameters it partitions while a model is bui
       io             AsyncIO | None    the threads of the swap files (NVMe offload only)
       late_read      callable | None   the hooks' gather of a parameter read late in a backward (hooks.py)
       external_added callable | None   the hooks' answer to register_external_parameter after install
-      lr_scheduler, offloaded (engine.offload_states), module, params, global_steps, micro_steps
+      lr_scheduler, offloaded (engine.offload_states), module, params, global_steps, micro_steps,
+      window_micro, boundary_override
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class RuntimeContext:
     lr_scheduler_step: Any = None  # its step, which engine.step() calls (its own refuses: routed_step.own_scheduler)
     global_steps: int = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
     micro_steps: int = 0  # engine.step() calls
+    window_micro: int = 0  # engine.step() calls since the last boundary: the open window's micro-batches
+    boundary_override: bool | None = None  # engine.set_gradient_accumulation_boundary; None: every n-th
     io: AsyncIO | None = None  # the threads of every swap file of this context (made with the first)
     offloaded: StatesOffload | None = None  # engine.offload_states (made on its first call)
     # The hooks' gather of a parameter read in a backward after its module's backward closed
@@ -213,8 +216,19 @@ class RuntimeContext:
         return self.module is not None and self.module.__dict__.get("_zero3_context") is self
 
     def window_ends(self) -> bool:
-        """The running micro-batch ends an accumulation window: the next ``engine.step()`` steps."""
+        """The running micro-batch ends an accumulation window: the next ``engine.step()`` steps. The
+        user's `set_gradient_accumulation_boundary` decides while set (DeepSpeed's override)."""
+        if self.boundary_override is not None:
+            return self.boundary_override
         return (self.micro_steps + 1) % self.config.training.gradient_accumulation_steps == 0
+
+    def window_position(self) -> str:
+        """The running micro-batch's place in its window, for messages."""
+        k = self.window_micro + 1
+        if self.boundary_override is None:
+            return f"micro-batch {k} of {self.config.training.gradient_accumulation_steps} (gradient_accumulation_steps)"
+        return (f"micro-batch {k} of a window whose end engine.set_gradient_accumulation_boundary sets "
+                f"(now {self.boundary_override})")
 
     def take_persistent_writes(self) -> None:
         """In-place writes to kept-gathered (persistent) parameters since their last gather go into

@@ -1,6 +1,6 @@
 """What the engine's public calls check before they act, and DeepSpeed's small procedures around
 them: a detached engine refused by name, ``lr_kwargs`` checked before a step, ``zero_grad`` inside an
-accumulation window, the ``steps_per_print`` progress line. Functions of an `zero3.engine.Engine`
+accumulation window, the ``steps_per_print`` progress line, ``offload_states``' checks. Functions of an `zero3.engine.Engine`
 (passed in; this module does not import it)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 from ..config.sections import warn_once
 from ..errors import ConcurrentForwardError, ZeroConfigError, ZeroStateError
 from ..metrics import StepMetrics
+from ..offload.states import StatesOffload
 from .refusals import EAGER, eval_frame_callback, refuse_compiled_call
 
 logger = logging.getLogger("zero3.engine")  # the engine's logger: its progress and timer lines keep their name
@@ -63,17 +64,15 @@ def zero_grad_window(engine: Any) -> None:
     after a later one the gradient shards hold the window's sum, which cannot be split: refused."""
     require_hooks(engine, "engine.zero_grad()")  # another engine may hold the model's gradients now
     ctx = engine.context
-    n = ctx.config.training.gradient_accumulation_steps
     if ctx.optimizer is not None and ctx.optimizer.backward_step is not None and engine._backward_ran() \
             and ctx.window_ends():
         raise ZeroStateError("engine.zero_grad() after the backward that ends a window under "
                              "offload_optimizer_step_in_backward: the optimizer stepped inside that backward, so its "
                              "gradients were used already; call engine.step()")
-    if ctx.micro_steps % n:
+    if ctx.window_micro:
         if engine._backward_ran():
             raise ZeroStateError(
-                f"engine.zero_grad() after the backward of micro-batch {ctx.micro_steps % n + 1} of {n} of an "
-                "accumulation window: its gradients are summed with the window's earlier ones and cannot be "
+                f"engine.zero_grad() after the backward of {ctx.window_position()} of an accumulation window: its gradients are summed with the window's earlier ones and cannot be "
                 "dropped alone; call engine.step() (the window goes on), or zero_grad before a window's first "
                 "backward")
         return
@@ -135,3 +134,20 @@ def take_persistent_writes(persistent: Any, resident: Any = None) -> None:
 
 
 _TAKEN: set[str] = set()
+
+
+def offload_engine_states(engine: Any, include: Any, device: str, pin_memory: bool, non_blocking: bool,
+                          nvme_path: str | None) -> int:
+    """`Engine.offload_states` (its docstring says what) between steps: refused inside generation mode
+    or ``GatheredParameters``, before anything moves."""
+    if engine.coordinator.generating:
+        raise ZeroStateError("engine.offload_states() inside engine.generation(): leave generation mode first")
+    held = [p._zero.name for p in engine.params if p._zero.user_pins > 0]
+    if held:
+        raise ZeroStateError(f"engine.offload_states(): parameters {held[:5]} are held by GatheredParameters "
+                             "(or param.all_gather()); close those first")
+    ctx = engine.context
+    ctx.finish_gradients()
+    if ctx.offloaded is None:
+        ctx.offloaded = StatesOffload(ctx)
+    return ctx.offloaded.offload(include, device, pin_memory, non_blocking, nvme_path)

@@ -189,7 +189,7 @@ class StepLifecycle:
                     pass  # the step is gone anyway; the first error is what the caller sees
                 opt = ctx.optimizer
                 if backward and opt is not None and opt.backward_step is None \
-                        and ctx.micro_steps % ctx.config.training.gradient_accumulation_steps == 0:
+                        and ctx.window_micro == 0:
                     opt.drop_grads()  # [Note: a backward that raised]: a window's first, so all the shards hold
             else:
                 reducer.finish()

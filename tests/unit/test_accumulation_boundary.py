@@ -1,0 +1,149 @@
+"""``engine.set_gradient_accumulation_boundary`` (DeepSpeed's override, used by RL trainers whose
+micro-batch count changes every step): while set, ``engine.step()`` steps exactly at the set
+boundaries, whatever ``gradient_accumulation_steps`` says; the gradients, the clipping checks,
+``zero_grad`` and the step in backward follow it; None restores the count. Compared on numbers with
+plain torch accumulating the same micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zero3
+from zero3 import ZeroConfigError, ZeroStateError
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batch(i: int) -> torch.Tensor:
+    return torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
+
+
+def _loss(model: nn.Module, i: int) -> torch.Tensor:
+    return model(_batch(i)).pow(2).mean()
+
+
+def _engine(gas: int, **cfg) -> zero3.Engine:
+    model = _model()
+    return zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            {"param_persistence_threshold": 0, "gradient_accumulation_steps": gas, **cfg})
+
+
+def _weights(engine: zero3.Engine) -> list[torch.Tensor]:
+    with zero3.GatheredParameters(list(engine.module.parameters())):
+        return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def _reference(windows: list[int], gas: int) -> list[list[torch.Tensor]]:
+    """Plain torch: each window's micro-batches' losses over ``gas`` (engine.backward's division),
+    accumulated, then one step; the weights after every window."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    out, i = [], 0
+    for size in windows:
+        for _ in range(size):
+            (_loss(model, i) / gas).backward()
+            i += 1
+        opt.step()
+        opt.zero_grad()
+        out.append([p.detach().clone() for p in model.parameters()])
+    return out
+
+
+WINDOWS = [3, 1, 4, 2]
+
+
+@pytest.mark.parametrize("gas", [1, 3])
+@pytest.mark.parametrize("step_every_micro_batch", [False, True])
+def test_windows_set_by_the_override_train_as_torch_accumulating_them(gas, step_every_micro_batch):
+    """DeepSpeed's documented loop (one ``step()`` after the window's last backward) and the loop that
+    calls ``step()`` after every micro-batch (OpenRLHF's), with window sizes unlike the config's."""
+    engine, expected, i = _engine(gas), _reference(WINDOWS, gas), 0
+    for w, size in enumerate(WINDOWS):
+        for k in range(size):
+            engine.set_gradient_accumulation_boundary(k == size - 1)
+            assert engine.is_gradient_accumulation_boundary() is (k == size - 1)
+            engine.backward(_loss(engine, i))
+            i += 1
+            if step_every_micro_batch or k == size - 1:
+                assert engine.step() is (k == size - 1)
+        assert engine.global_steps == w + 1
+        for got, want in zip(_weights(engine), expected[w]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_none_restores_the_configured_windows_and_a_true_override_steps_every_call():
+    engine = _engine(2)
+    engine.set_gradient_accumulation_boundary(True)
+    for i in range(2):  # each step() steps while the override says True
+        engine.backward(_loss(engine, i))
+        assert engine.step() is True
+    engine.set_gradient_accumulation_boundary(None)
+    assert not engine.is_gradient_accumulation_boundary()  # micro_steps 2: the first of a window of 2
+    engine.backward(_loss(engine, 2))
+    assert engine.step() is False
+    engine.backward(_loss(engine, 3))
+    assert engine.step() is True
+    assert (engine.global_steps, engine.micro_steps) == (3, 4)
+    for got, want in zip(_weights(engine), _reference([1, 1, 2], 2)[-1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_follows_the_override_and_its_refusal_names_it():
+    engine = _engine(4)
+    engine.set_gradient_accumulation_boundary(False)
+    engine.backward(_loss(engine, 0))
+    with pytest.raises(ZeroStateError, match=r"micro-batch 1 of a window whose end "
+                                             r"engine.set_gradient_accumulation_boundary sets \(now False\)"):
+        zero3.clip_grad_norm_(engine, 1.0)
+    with pytest.raises(ZeroStateError, match="set_gradient_accumulation_boundary"):
+        torch.nn.utils.clip_grad_norm_(engine.optimizer.param_groups[0]["params"], 1.0)  # the shards
+    engine.step()
+    engine.set_gradient_accumulation_boundary(True)  # micro-batch 2 of the config's 4: the window ends here
+    engine.backward(_loss(engine, 1))
+    norm = zero3.clip_grad_norm_(engine, 1e-3)
+    assert torch.isfinite(norm) and norm > 1e-3
+    assert engine.step() is True
+
+
+def test_zero_grad_inside_an_overridden_window_is_refused_and_at_its_start_drops():
+    engine = _engine(1)
+    engine.set_gradient_accumulation_boundary(False)
+    engine.backward(_loss(engine, 0))
+    engine.zero_grad()  # the window's first micro-batch: dropped, as torch's zero_grad does
+    engine.step()
+    engine.backward(_loss(engine, 1))
+    with pytest.raises(ZeroStateError, match="micro-batch 2 of a window whose end"):
+        engine.zero_grad()
+
+
+@pytest.mark.parametrize("value", ["yes", 2, 0.5, [True]])
+def test_a_boundary_other_than_true_false_or_none_is_refused_and_changes_nothing(value):
+    engine = _engine(2)
+    with pytest.raises(ZeroConfigError, match="must be True, False or None"):
+        engine.set_gradient_accumulation_boundary(value)
+    assert engine.context.boundary_override is None and not engine.is_gradient_accumulation_boundary()
+
+
+def test_the_step_in_backward_steps_at_the_overridden_boundary_as_the_step_after_it():
+    """With ``offload_optimizer_step_in_backward`` the window's last backward steps the optimizer: the
+    override moves that step to the backward it marks, and the weights are the plain step's."""
+    cfg = {"offload_optimizer": "cpu", "sub_group_size": 64}
+    plain, inside = _engine(2, **cfg), _engine(2, offload_optimizer_step_in_backward=True, **cfg)
+    i = 0
+    for size in WINDOWS:
+        for k in range(size):
+            for engine in (plain, inside):
+                engine.set_gradient_accumulation_boundary(k == size - 1)
+                engine.backward(_loss(engine, i))
+                engine.step()
+            i += 1
+    assert plain.global_steps == inside.global_steps == len(WINDOWS)
+    for a, b in zip(_weights(plain), _weights(inside)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(_weights(plain), _reference(WINDOWS, 2)[-1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
