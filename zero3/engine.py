@@ -27,6 +27,7 @@ from .checkpoint.load import load_checkpoint
 from .checkpoint.save import save_checkpoint
 from .comm.agreement import agree_on_config
 from .comm.communicator import Communicator, Kind, Tag
+from .comm.tags import OPTIMIZER_STEP
 from .comm.process_group import ensure_default_group
 from .config import ZeroConfig, resolve_config
 from .checkpoint.live_state_dict import consolidated_state_dict
@@ -238,7 +239,7 @@ class Engine:
         stepped = False
         if boundary and ctx.optimizer is not None:
             # Nothing changes a shard before every rank is here and every collective so far checked out.
-            ctx.comm.agree(Tag(Kind.AGREE, f"optimizer step {ctx.global_steps}"))
+            ctx.comm.agree(Tag(Kind.AGREE, f"{OPTIMIZER_STEP} {ctx.global_steps}"))
             ctx.take_persistent_writes()  # runtime/persistent.py: in-place writes since the last gather
             t0 = time.perf_counter()
             stepped = ctx.optimizer.step_shards()

@@ -21,7 +21,7 @@ import torch
 from ..errors import ZeroCommunicationError, ZeroDivergenceError
 from ..metrics import VERIFICATION, StepMetrics
 from .failure import posted_cause
-from .tags import KIND_CODES, Kind, Tag
+from .tags import KIND_CODES, OPTIMIZER_STEP, Kind, Tag
 from .verify import (
     LEAVING,
     VOIDED,
@@ -266,13 +266,18 @@ class Verifier:
         what += ")"
         if voided:
             what += ", issued where another rank had left the plan"
-        details = self.wire.objects((s.epoch, seq, what, self.wire.monitor.last_post), VERIFICATION)
-        lines = "; ".join(f"rank {r}: step {e} collective #{q} {w}" for r, (e, q, w, _) in enumerate(details))
-        steps = sorted({e for e, _, _, _ in details})
+        stepping = tag.kind is Kind.AGREE and tag.label.startswith(OPTIMIZER_STEP)
+        details = self.wire.objects((s.epoch, seq, what, self.wire.monitor.last_post, stepping), VERIFICATION)
+        lines = "; ".join(f"rank {r}: step {e} collective #{q} {w}" for r, (e, q, w, _, _) in enumerate(details))
+        steps = sorted({e for e, _, _, _, _ in details})
         cause = ""
-        if len(steps) > 1:  # a rank aborted a step (an exception it caught) and went on; the others did not
-            posted = [(r, posted_cause(p, steps[0], steps[-1])) for r, (_, _, _, p) in enumerate(details)]
-            where = ", ".join(f"rank {r} at step {e}" for r, (e, _, _, _) in enumerate(details))
+        if len({d[4] for d in details}) > 1:
+            cause = (" Some ranks step the optimizer here and others do not: every rank must end its accumulation "
+                     "windows at the same engine.step() (the same number of engine.step() calls, and the same "
+                     "engine.set_gradient_accumulation_boundary where it is set).")
+        elif len(steps) > 1:  # a rank aborted a step (an exception it caught) and went on; the others did not
+            posted = [(r, posted_cause(p, steps[0], steps[-1])) for r, (_, _, _, p, _) in enumerate(details)]
+            where = ", ".join(f"rank {r} at step {e}" for r, (e, _, _, _, _) in enumerate(details))
             cause = (f" The ranks are at different steps ({where})"
                      + "".join(f"; rank {r} {m}" for r, m in posted if m)
                      + ". A rank that catches an exception from its forward or backward and goes on has aborted "
