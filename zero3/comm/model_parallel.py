@@ -11,6 +11,8 @@ group as well:
   (LayerNorm, a row-parallel layer's bias) holds the same values on every model-parallel rank and is
   counted once, on model-parallel rank 0 (Megatron's rule);
 - checkpoints (zero3/checkpoint/): one set of files per model-parallel rank;
+- sequence parallelism (runtime/grad.py `sum_over_model_parallel`): a replicated parameter marked
+  ``sequence_parallel`` gets part of its gradient on each model-parallel rank, summed over that group;
 - activation checkpointing (activation/checkpointing.py): partitioned activations are gathered over it.
 
 Megatron's unit has grown two sets of names over time; both work: ``get_tensor_model_parallel_group``

@@ -412,6 +412,9 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     ctx.reducer = GradientReducer(ctx.comm, config.comm.reduce_bucket_size, reduce_dtype=torch_dtype(config.precision.reduce_dtype),
                                   accumulation_steps=config.training.gradient_accumulation_steps,
                                   boundary_numel=_prefetch_numel(config))
+    if ctx.model_parallel is not None:  # Megatron's sequence parallelism (grad.py `sum_over_model_parallel`)
+        ctx.reducer.sum_over_model_parallel([p for p in ctx.params if getattr(p, "sequence_parallel", False)],
+                                            ctx.model_parallel.comm)
     ctx.coordinator.persistent_params.choose(ctx.params, config.budget.param_persistence_threshold,
                                              config.budget.model_persistence_threshold)
     place_shards(ctx.store, ctx.coordinator.shards, ctx.params)  # CPU memory or the drive, before the optimizer

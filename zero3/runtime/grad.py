@@ -53,10 +53,29 @@ class GradientReducer:
         self.on_sent: Callable[[list[ZeroParameter]], None] | None = None
         """Called when a bucket's reduction is issued, with its parameters: from then on a peer may
         land their reduced gradients and (the step in backward with shared shards) write their shards."""
+        self._summed: frozenset[int] = frozenset()
+        self._model_parallel: Communicator | None = None
+
+    def sum_over_model_parallel(self, params: list[ZeroParameter], comm: Communicator) -> None:
+        """Megatron's sequence parallelism: ``params`` (marked ``sequence_parallel``: LayerNorms, a
+        row-parallel bias) are the same on every tensor-parallel rank, but each rank ran them on its own
+        slice of the sequence, so each holds part of their gradient. Each such gradient is summed over
+        the model-parallel group (``comm``) before the data-parallel reduction, as Megatron's step
+        sums them; the parameters stay equal across that group."""
+        self._summed = frozenset(p._zero.id for p in params)
+        self._model_parallel = comm if self._summed else None
+
+    def _sum_sequence_parallel(self, p: ZeroParameter, grad: torch.Tensor) -> torch.Tensor:
+        assert self._model_parallel is not None
+        summed = grad.detach().clone()  # the autograd gradient may be a tensor the user holds
+        return self._model_parallel.all_reduce(summed, Tag(Kind.ALL_REDUCE, f"sequence-parallel gradient {p._zero.name}",
+                                                           (p._zero.id,)))
 
     def add(self, p: ZeroParameter, grad: torch.Tensor) -> None:
         if grad.numel() != p._zero.numel or grad.layout is not _STRIDED:
             _refuse_resized(p, grad)
+        if p._zero.id in self._summed:
+            grad = self._sum_sequence_parallel(p, grad)
         if self.comm.world_size == 1:  # the average over one rank is the gradient: no bucket, no copy
             self._accumulate(p, grad.reshape(-1))
             return
@@ -73,6 +92,9 @@ class GradientReducer:
         for p, g in grads:
             if g is not None and (g.numel() != p._zero.numel or g.layout is not _STRIDED):
                 _refuse_resized(p, g)
+        if self._summed:
+            grads = [(p, self._sum_sequence_parallel(p, g) if g is not None and p._zero.id in self._summed else g)
+                     for p, g in grads]
         if self.comm.world_size == 1:
             for p, g in grads:
                 if g is not None:
