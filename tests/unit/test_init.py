@@ -647,8 +647,57 @@ def test_an_encoder_built_under_init_trains_like_the_plain_model():
 def test_a_deep_copy_outside_init_is_still_refused():
     with zero3.Init():
         lin = nn.Linear(4, 4)
-    with pytest.raises(ZeroStateError, match="cannot deepcopy partitioned parameter"):
+    with pytest.raises(ZeroStateError, match=r"cannot deepcopy partitioned parameter .*inside `with zero3.Init\(\):` "
+                                             r"\(a partitioned copy\) or zero3.GatheredParameters \(a plain one\)"):
         copy.deepcopy(lin)
+
+
+class _WithHeadCopy(nn.Module):
+    """PEFT's ``modules_to_save``: the model beside a deep copy of its head, which trains instead."""
+
+    def __init__(self, base: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.base, self.head = base, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.base[0](x)))
+
+
+@pytest.mark.parametrize("how", ["gathered", "another Init"])
+def test_a_deep_copy_of_a_built_module_gathered_or_in_another_init_trains_as_torch_s(how):
+    """After ``Init`` ended, a copy of a submodule (``get_peft_model(..., modules_to_save=[...])``) is
+    plain inside ``GatheredParameters`` (``initialize`` partitions it) and partitioned inside another
+    ``Init``; either way it trains as the same copy in torch."""
+    ref, model = twins(lambda: nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3)))
+    ref = _WithHeadCopy(ref, copy.deepcopy(ref[1]))
+    if how == "gathered":
+        with zero3.GatheredParameters(list(model[1].parameters())):
+            head = copy.deepcopy(model[1])
+        assert all(type(p) is nn.Parameter for p in head.parameters())
+    else:
+        with zero3.Init():
+            head = copy.deepcopy(model[1])
+        assert all(zero3.is_partitioned(p) for p in head.parameters())
+    assert all(p.ds_status is ParamStatus.NOT_AVAILABLE for p in model[1].parameters())  # the source stays
+    model = _WithHeadCopy(model, head)
+    for name, r in ref.named_parameters():
+        torch.testing.assert_close(_gathered(dict(model.named_parameters())[name]), r.detach(), msg=name)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 0})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    for i in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        r = ref(x).pow(2).mean()
+        r.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss, r, rtol=1e-5, atol=1e-6)
+    for name, r in ref.named_parameters():
+        torch.testing.assert_close(_gathered(dict(model.named_parameters())[name]), r.detach(),
+                                   rtol=1e-5, atol=1e-6, msg=name)
 
 
 # -- writes and parametrizations while building ----------------------------------------------------

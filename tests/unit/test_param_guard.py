@@ -313,14 +313,18 @@ def test_deepspeed_all_gather_then_partition_works_on_the_gathered_parameter(par
     assert w.untyped_storage().nbytes() == 0
 
 
-def test_copying_or_pickling_a_gathered_parameter_still_raises(partitioned):
-    model, _, _ = partitioned
+def test_a_gathered_parameter_deep_copies_plainly_and_still_refuses_pickling(partitioned):
+    """Gathered, a deep copy is torch's: a plain parameter with the full values (one per parameter
+    within one copy, so ties stay tied); pickling still raises (save a checkpoint instead)."""
+    model, _, original = partitioned
     w = model[0].weight
     with zero3.GatheredParameters([w]):
-        with pytest.raises(ZeroStateError, match=r"cannot deepcopy partitioned parameter 0\.weight"):
-            copy.deepcopy(w)
+        twice = copy.deepcopy([w, w])
         with pytest.raises(ZeroStateError, match=r"cannot pickle partitioned parameter 0\.weight"):
             pickle.dumps(w)
+    assert type(twice[0]) is nn.Parameter and twice[0] is twice[1] and twice[0].requires_grad
+    assert torch.equal(twice[0], original["0.weight"]) and twice[0].untyped_storage().nbytes() == 60
+    assert w.ds_status is ParamStatus.NOT_AVAILABLE
 
 
 def test_a_dropped_partitioned_parameter_is_freed_without_the_cyclic_gc():

@@ -220,9 +220,10 @@ class ZeroParameter(nn.Parameter, metaclass=_ZeroParameterType):
             done, result = handler(self, ZeroParameter.__deepcopy__, (self, memo), {})
             if done:
                 return result
-        raise ZeroStateError(
-            f"cannot deepcopy partitioned parameter {self._zero.summary()}; deep-copy the model before "
-            "zero3.Init/initialize, or gather it with zero3.GatheredParameters and copy the data")
+        if self._zero.user_pins > 0:  # gathered for the user: torch's copy, of the full values
+            return memo.setdefault(id(self), nn.Parameter(raw_data(self).detach().clone(), self.requires_grad))
+        raise ZeroStateError(f"cannot deepcopy partitioned parameter {self._zero.summary()}: deep-copy inside `with "
+                             "zero3.Init():` (a partitioned copy) or zero3.GatheredParameters (a plain one)")
 
     def __reduce_ex__(self, proto: Any) -> Any:
         raise ZeroStateError(

@@ -553,12 +553,12 @@ def _deepcopy(p: ZeroParameter, state: _InitState) -> ZeroParameter:
     """``copy.deepcopy`` of a partitioned parameter while `Init` builds (torch's
     ``nn.TransformerEncoder`` deep-copies the layer it is given, already partitioned): a new
     parameter, partitioned, with the values of ``p`` (and, as torch's copy, none of its attributes).
-    A collective (one gather), as building is."""
-    state.ctx.coordinator.gather_for_user([p])
+    A collective (one gather, over the group of the `Init` that built ``p``), as building is."""
+    p._zero.ctx.coordinator.gather_for_user([p])
     try:
         full = raw_data(p).detach().clone()
     finally:
-        state.ctx.coordinator.release_for_user([p])
+        p._zero.ctx.coordinator.release_for_user([p])
     return _partition_param(nn.Parameter(full, requires_grad=p.requires_grad), p._zero.name, state)
 
 
@@ -576,10 +576,10 @@ def _touch(target: Any, func: Callable, args: tuple, kwargs: dict) -> tuple[bool
     name = getattr(func, "__name__", "")
     # a deep copy is of the parameter itself, gathered or not (a view of it may be out)
     p = target if name == "__deepcopy__" else _param_of(target, state) if state is not None else None
+    if name == "__deepcopy__" and state is not None:  # of this Init's parameters or an earlier one's
+        return True, _deepcopy(p, state)
     if state is None or p is None or p._zero.ctx is not state.ctx:
         return False, None
-    if name == "__deepcopy__":
-        return True, _deepcopy(p, state)
     if name == "__set__" or name == "set_":  # p.data = value, p.set_(value): the full value, into the shards
         value = args[1]
         if name == "__set__" and isinstance(value, torch.Tensor) and \
