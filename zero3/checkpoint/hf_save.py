@@ -13,6 +13,9 @@ minus ``_keys_to_ignore_on_save``, each tied parameter once (the name its ``_tie
 not list; in a plain module, its first name), and renamed or split back by the model's weight
 conversions (the fused MoE experts of Mixtral are written per expert, as its hub checkpoints are).
 A conversion that needs several tensors at once (many-to-one) is refused: it cannot stream.
+
+A PEFT model (`_peft_kind`) is saved as PEFT saves it: its adapter, through its own
+``save_pretrained``, or, after ``merge_and_unload()``, the merged base model as above.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..comm.communicator import Kind, Tag
 from ..errors import ZeroConfigError
 from ..partition.param import ZeroParameter
 from ..runtime.context import context_of
+from ..runtime.gathered import GatheredParameters
 from .consolidate import cast_floating, check_cast_dtype
 from .exchange import exchange
 from .safetensors import SafetensorsWriter, atomic_write_bytes
@@ -316,16 +320,50 @@ def save_pretrained(engine_or_model: Any, save_directory: str | os.PathLike[str]
     ctx.require_states("save_pretrained", ("lp_params", "hp_params"))
     ctx.take_persistent_writes()  # in-place writes to kept-gathered parameters are saved
     assert ctx.module is not None
-    directory = Path(save_directory)
-    sources, convert = plan_sources(ctx.module, state_dict_dtype)
+    directory, module = Path(save_directory), ctx.module
+    peft = _peft_kind(module)
+    if peft == "adapter":
+        return _save_adapter(ctx, module, directory, state_dict_dtype)
+    if peft == "merged":  # nothing of the adapter is left: the base model is what there is to save
+        module = module.get_base_model()
+    sources, convert = plan_sources(module, state_dict_dtype)
     split = split_shards(sources, parse_shard_size(max_shard_size))
-    writer = _DirectoryWriter(ctx.module, directory, split, convert) if ctx.rank == 0 else None
+    writer = _DirectoryWriter(module, directory, split, convert) if ctx.rank == 0 else None
     for source in sources:
         full = full_tensor(ctx, source)  # a collective: every rank takes part, even after rank 0 failed
         if writer is not None and full is not None:
             writer.put(source, full)
             del full
     error = writer.finish(sources, state_dict_dtype) if writer is not None else None
+    exchange(ctx, None, error, f"save_pretrained {directory}")
+    return directory
+
+
+def _peft_kind(module: nn.Module) -> str | None:
+    """``"adapter"`` for a PEFT model (``peft.PeftModel``, by its API: zero3 does not import peft)
+    holding its adapter (tuner layers, or a prompt encoder), ``"merged"`` for one whose adapter was
+    merged and unloaded, None for any other model."""
+    if not (hasattr(module, "peft_config") and hasattr(module, "get_base_model")):
+        return None
+    config = getattr(module, "active_peft_config", None)
+    tuned = any(hasattr(m, "base_layer") and hasattr(m, "active_adapters") for m in module.modules())
+    return "adapter" if tuned or getattr(config, "is_prompt_learning", False) else "merged"
+
+
+def _save_adapter(ctx: RuntimeContext, module: nn.Module, directory: Path, dtype: torch.dtype | None) -> Path:
+    """PEFT's ``save_pretrained`` on rank 0 (the adapter's config and weights, as PEFT writes them),
+    with the trainable parameters gathered on every rank meanwhile (a collective): PEFT keeps the
+    adapter's entries of the state dict it is given, and a prompt encoder runs to give its
+    embeddings. The frozen base model stays partitioned: it is not part of an adapter."""
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    error: BaseException | None = None
+    with GatheredParameters([p for _, p in trainable]):
+        if ctx.rank == 0:
+            try:
+                state = {n: cast_floating(p.detach(), dtype or p.dtype).to("cpu", copy=True) for n, p in trainable}
+                module.save_pretrained(os.fspath(directory), state_dict=state, safe_serialization=True)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                error = exc
     exchange(ctx, None, error, f"save_pretrained {directory}")
     return directory
 
