@@ -1,6 +1,8 @@
 """metadata.json's checksum, recorded in the rank files (integrity.py [Note: metadata checksum]): an
 edited metadata.json is refused by a load and by the offline consolidation, naming the file; a
-checkpoint of format version 1 (without the checksum) still loads, with a warning."""
+checkpoint of format version 1 (without the checksum) still loads, with a warning. A ``latest`` file
+that names no tag is refused; optimizer state saved under another precision config loads in the
+dtype of the masters it updates."""
 
 from __future__ import annotations
 
@@ -141,3 +143,61 @@ def test_a_rank_file_of_another_save_is_refused(saved, tmp_path):
     shutil.copy(tmp_path / "other" / "step2" / name, root / "step2" / name)
     with pytest.raises(ck.CheckpointCorruptError, match="does not match the checksum"):
         make_engine(seed=1).load_checkpoint(root, verify=False)
+
+
+@pytest.mark.parametrize("content", ["\n", "../step2", ".step2.old", "latest"])
+def test_a_latest_file_that_names_no_tag_is_refused_naming_it_and_the_tags_there(saved, tmp_path, content):
+    """Written by hand or truncated: before, an empty one read as tag '' (an error about
+    ``CKPT/metadata.json``) and a path was followed."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved, root)
+    (root / "latest").write_text(content)
+    engine = make_engine(seed=1)
+    step(engine)
+    before = snapshot(engine)
+    with pytest.raises(zero3.CheckpointNotFoundError, match=r"latest: names no checkpoint .*pass tag= \(tags with "
+                                                            r"metadata here: \['step2'\]\)"):
+        engine.load_checkpoint(root)
+    after = snapshot(engine)
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    engine.load_checkpoint(root, tag="step2")  # the checkpoint itself is fine
+
+
+_PURE_BF16, _BF16_MASTERS, _FP32 = "pure bf16", "bf16 with fp32 masters", "fp32"
+
+
+def _precision_engine(kind: str) -> zero3.Engine:
+    """Pure bf16: built in bf16 under Init with an fp32 config (no masters, bf16 moments)."""
+    cfg = {"param_persistence_threshold": 0, **({"bf16": {"enabled": True}} if kind == _BF16_MASTERS else {})}
+    torch.manual_seed(0)
+    with zero3.Init(dtype=torch.bfloat16) if kind == _PURE_BF16 else zero3.Init(config_dict_or_path=cfg):
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    return zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6), cfg)
+
+
+def _precision_step(engine: zero3.Engine) -> None:
+    x = torch.ones(2, 16, dtype=engine.module[0].weight.dtype)
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+
+
+@pytest.mark.parametrize("saved_as, loaded_as", [(_PURE_BF16, _BF16_MASTERS), (_BF16_MASTERS, _PURE_BF16),
+                                                 (_PURE_BF16, _FP32), (_FP32, _PURE_BF16)])
+def test_optimizer_state_saved_in_another_precision_loads_in_the_masters_dtype(tmp_path, saved_as, loaded_as):
+    """The moments come back in the dtype of the masters they update, as torch's load_state_dict
+    casts them; before, a fresh engine kept the saved dtype and its first step raised in torch.
+    Loaded fresh or into an engine that has stepped (its own tensors, cast into), the next steps agree."""
+    engine = _precision_engine(saved_as)
+    _precision_step(engine)
+    engine.save_checkpoint(tmp_path, tag="t")
+    fresh, warm = _precision_engine(loaded_as), _precision_engine(loaded_as)
+    _precision_step(warm)
+    for e in (fresh, warm):
+        e.load_checkpoint(tmp_path, tag="t")
+        for p in e.module.parameters():
+            state = e.optimizer_state(p)
+            assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == e.master_shard(p).dtype
+        _precision_step(e)
+        _precision_step(e)
+    for p, q in zip(fresh.module.parameters(), warm.module.parameters()):
+        assert torch.equal(fresh.master_shard(p), warm.master_shard(q))

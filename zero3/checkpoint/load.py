@@ -338,9 +338,9 @@ def _load_state(optimizer: PartitionedOptimizer, reader: CheckpointReader, plan:
             continue
         dtype = parse_dtype(info["dtype"])
         cur = old.get(key)
-        if info["kind"] == "sharded":
-            t = cur if is_sharded_state(cur, master) else torch.zeros(master.numel(), dtype=dtype,
-                                                                      device=master.device)
+        if info["kind"] == "sharded":  # floating state in the master's dtype, as torch's load_state_dict casts it
+            fresh = master.dtype if dtype.is_floating_point else dtype  # (saved under another precision config)
+            t = cur if is_sharded_state(cur, master) else torch.zeros(master.numel(), dtype=fresh, device=master.device)
             t[n:].zero_()
             reader.read_flat(pm, skey, start, start + n, t[:n])
         else:
