@@ -292,7 +292,7 @@ class Verifier:
             "generate() (a rank that finished early stops its forwards); make skipped branches run on every "
             "rank (e.g. with zero inputs), or make the module around the part whose routing differs a leaf "
             "module (zero3.set_leaf_modules) so it is gathered and reduced as one unit: the leaf itself must "
-            "still run on every rank, only what runs inside it may differ.")
+            "still run on every rank, as many times, only what runs inside it may differ.")
 
     def _leave(self) -> None:
         """This rank's next request is not the planned slot (or its epoch ends early): verify what is
