@@ -201,3 +201,45 @@ def test_optimizer_state_saved_in_another_precision_loads_in_the_masters_dtype(t
         _precision_step(e)
     for p, q in zip(fresh.module.parameters(), warm.module.parameters()):
         assert torch.equal(fresh.master_shard(p), warm.master_shard(q))
+
+
+class _HalfMomentum(torch.optim.Optimizer):
+    """SGD with momentum kept in bf16 and an int32 step count: state of other dtypes than the weights'."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["m"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                    state["n"] = torch.zeros_like(p, dtype=torch.int32)
+                state["m"].mul_(0.9).add_(p.grad.to(torch.bfloat16))
+                state["n"].add_(1)
+                p.add_(state["m"].float(), alpha=-group["lr"])
+
+
+def test_a_load_casts_floating_state_to_the_masters_dtype_into_a_fresh_or_a_stepped_engine_alike(tmp_path):
+    """torch's load_state_dict casts floating state to the parameter's dtype and keeps integer state;
+    a fresh engine and one that has stepped (whose own bf16 tensors were reused before) now agree."""
+    def build() -> zero3.Engine:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        return zero3.initialize(model, _HalfMomentum(model.parameters()), {"param_persistence_threshold": 0})
+
+    engine = build()
+    step(engine)
+    engine.save_checkpoint(tmp_path, tag="t")
+    fresh, warm = build(), build()
+    step(warm)
+    for e in (fresh, warm):
+        e.load_checkpoint(tmp_path, tag="t")
+        state = e.optimizer_state(e.params[0])
+        assert (state["m"].dtype, state["n"].dtype) == (torch.float32, torch.int32)
+        step(e)
+    assert all(torch.equal(fresh.master_shard(p), warm.master_shard(q)) for p, q in zip(fresh.params, warm.params))

@@ -17,30 +17,34 @@ import zero3
 
 
 class _Lora(nn.Module):
-    """A tuner layer as PEFT's: the frozen ``base_layer`` plus a trainable low-rank update."""
+    """A tuner layer as PEFT's: the frozen ``base_layer`` plus, per adapter, a low-rank update keyed by
+    the adapter's name (``lora_A.<name>``); only the active adapter runs."""
 
     active_adapters = ["default"]
 
-    def __init__(self, base: nn.Linear) -> None:
+    def __init__(self, base: nn.Linear, adapters: tuple[str, ...]) -> None:
         super().__init__()
         self.base_layer = base
-        self.lora_A = nn.Linear(base.in_features, 2, bias=False)
-        self.lora_B = nn.Linear(2, base.out_features, bias=False)
+        self.lora_A = nn.ModuleDict({a: nn.Linear(base.in_features, 2, bias=False) for a in adapters})
+        self.lora_B = nn.ModuleDict({a: nn.Linear(2, base.out_features, bias=False) for a in adapters})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
 
 
 class _PeftStandIn(nn.Module):
-    """``peft.PeftModel``'s API as zero3 meets it: ``peft_config``, ``get_base_model`` and a
-    ``save_pretrained(dir, state_dict=...)`` that keeps the adapter's entries."""
+    """``peft.PeftModel``'s API as zero3 meets it: ``peft_config`` (adapter name -> config),
+    ``get_base_model`` and a ``save_pretrained(dir, state_dict=...)`` that keeps, for each adapter, the
+    entries named by it, as PEFT's does. The active adapter's ``lora_B`` trains; ``lora_A`` is frozen
+    (LoRA-FA), and a second adapter is frozen whole (a reference adapter)."""
 
-    def __init__(self, base: nn.Sequential) -> None:
+    def __init__(self, base: nn.Sequential, adapters: tuple[str, ...] = ("default",)) -> None:
         super().__init__()
         self.base_model = base
         base.requires_grad_(False)
-        base[0] = _Lora(base[0])
-        self.peft_config = {"default": object()}
+        base[0] = _Lora(base[0], adapters)
+        base[0].lora_B["default"].weight.requires_grad_(True)
+        self.peft_config = {a: object() for a in adapters}
 
     def get_base_model(self) -> nn.Module:
         return self.base_model
@@ -51,7 +55,8 @@ class _PeftStandIn(nn.Module):
     def save_pretrained(self, directory: str, state_dict: dict, safe_serialization: bool = True) -> None:
         import os
         os.makedirs(directory, exist_ok=True)
-        torch.save({k: v for k, v in state_dict.items() if "lora_" in k}, os.path.join(directory, "adapter.pt"))
+        for a in self.peft_config:
+            torch.save({k: v for k, v in state_dict.items() if a in k.split(".")}, os.path.join(directory, f"{a}.pt"))
 
 
 def _base() -> nn.Sequential:
@@ -73,29 +78,69 @@ def _train(model: nn.Module, engine: zero3.Engine | None, steps: int = 3) -> Non
             opt.zero_grad()
 
 
-def _pair() -> tuple[nn.Module, nn.Module, zero3.Engine]:
+def _pair(adapters: tuple[str, ...] = ("default",), **cfg) -> tuple[nn.Module, nn.Module, zero3.Engine]:
     torch.manual_seed(1)
-    ref = _PeftStandIn(_base())
+    ref = _PeftStandIn(_base(), adapters)
     torch.manual_seed(1)
-    with zero3.Init():
-        model = _PeftStandIn(_base())
+    with zero3.Init(config_dict_or_path=cfg or None):
+        model = _PeftStandIn(_base(), adapters)
     engine = zero3.initialize(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2,
-                                                       eps=1e-6), {"param_persistence_threshold": 0})
+                                                       eps=1e-6), {"param_persistence_threshold": 0, **cfg})
     return ref, model, engine
 
 
-def test_a_peft_model_saves_its_trained_adapter_through_peft(tmp_path):
-    ref, model, engine = _pair()
+def test_a_peft_model_saves_every_adapter_frozen_or_trained_through_peft(tmp_path):
+    """Each adapter's weights, the frozen ``lora_A`` and the frozen second adapter included (before,
+    only trainable parameters reached PEFT, which then saved a second adapter empty or misnamed)."""
+    ref, model, engine = _pair(("default", "second"))
     _train(ref, None)
     _train(model, engine)
+    with pytest.raises(zero3.ZeroConfigError, match="PEFT writes an adapter as one file"):
+        engine.save_pretrained(tmp_path, max_shard_size="1GB")
     engine.save_pretrained(tmp_path)
-    saved = torch.load(tmp_path / "adapter.pt")
-    want = {n: p for n, p in ref.named_parameters() if "lora_" in n}
-    assert sorted(saved) == sorted(want)
-    for name, p in want.items():
-        torch.testing.assert_close(saved[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    for adapter in ("default", "second"):
+        saved = torch.load(tmp_path / f"{adapter}.pt")
+        want = {n: p for n, p in ref.named_parameters() if adapter in n.split(".")}
+        assert sorted(saved) == sorted(want) and len(want) == 2, adapter
+        for name, p in want.items():
+            torch.testing.assert_close(saved[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
     assert not (tmp_path / "model.safetensors").exists()
     assert all(zero3.is_partitioned(p) and p.ds_status.name == "NOT_AVAILABLE" for p in model.parameters())
+
+
+def test_a_bf16_adapter_saves_the_fp32_masters_when_asked_for_fp32(tmp_path):
+    _, model, engine = _pair(bf16={"enabled": True})
+    for i in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+    engine.save_pretrained(tmp_path, state_dict_dtype=torch.float32)
+    saved = torch.load(tmp_path / "default.pt")
+    trained = model.base_model[0].lora_B["default"].weight
+    key = "base_model.0.lora_B.default.weight"
+    assert saved[key].dtype == torch.float32
+    with zero3.GatheredParameters([trained]):
+        assert trained.dtype == torch.bfloat16
+        assert not torch.equal(saved[key], trained.float())  # not the bf16 working copy, cast back
+    assert torch.equal(saved[key], zero3.safe_get_full_fp32_param(trained))
+
+
+def test_a_model_with_a_peft_like_attribute_is_saved_whole(tmp_path):
+    class Lookalike(nn.Module):
+        peft_config = None
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def get_base_model(self) -> nn.Module:
+            return self.backbone
+
+    model = Lookalike()
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    engine.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+    assert sorted(load_file(tmp_path / "model.safetensors")) == sorted(n for n, _ in model.named_parameters())
 
 
 def test_a_merged_peft_model_saves_the_base_model_under_its_own_keys(tmp_path):
@@ -106,7 +151,7 @@ def test_a_merged_peft_model_saves_the_base_model_under_its_own_keys(tmp_path):
         layer = m.base_model[0]
         with zero3.GatheredParameters(list(layer.parameters()), modifier_rank=0):
             with torch.no_grad():
-                layer.base_layer.weight += layer.lora_B.weight @ layer.lora_A.weight
+                layer.base_layer.weight += layer.lora_B["default"].weight @ layer.lora_A["default"].weight
         m.base_model[0] = layer.base_layer
     engine.save_pretrained(tmp_path)
     from safetensors.torch import load_file

@@ -289,7 +289,7 @@ def _write_configs(module: nn.Module, directory: Path, dtype: torch.dtype) -> No
 
 
 def save_pretrained(engine_or_model: Any, save_directory: str | os.PathLike[str], *,
-                    max_shard_size: int | str = "5GB", state_dict_dtype: torch.dtype | None = None,
+                    max_shard_size: int | str | None = None, state_dict_dtype: torch.dtype | None = None,
                     safe_serialization: bool = True) -> Path:
     """Write the model as a Hugging Face ``save_pretrained`` directory, one tensor at a time.
 
@@ -300,8 +300,8 @@ def save_pretrained(engine_or_model: Any, save_directory: str | os.PathLike[str]
         engine_or_model: a zero3 Engine, or a model passed to ``zero3.initialize``.
         save_directory: created if missing; shard files of an earlier save that this one does not
             replace are removed, as transformers does.
-        max_shard_size: the most bytes per file (an int, or ``"5GB"``-style decimal units); a tensor
-            larger than that gets a file of its own.
+        max_shard_size: the most bytes per file (an int, or ``"5GB"``-style decimal units; None: 5GB);
+            a tensor larger than that gets a file of its own. Refused for a PEFT adapter (one file).
         state_dict_dtype: cast floating-point tensors to this dtype. Default: each parameter's own
             dtype (bf16 for a bf16 model, as transformers saves it), from the fp32 masters where the
             engine keeps them; buffers as the module holds them.
@@ -323,11 +323,14 @@ def save_pretrained(engine_or_model: Any, save_directory: str | os.PathLike[str]
     directory, module = Path(save_directory), ctx.module
     peft = _peft_kind(module)
     if peft == "adapter":
+        if max_shard_size is not None:
+            raise ZeroConfigError(f"save_pretrained(max_shard_size={max_shard_size!r}) of a PEFT model: PEFT writes "
+                                  "an adapter as one file; save without max_shard_size")
         return _save_adapter(ctx, module, directory, state_dict_dtype)
     if peft == "merged":  # nothing of the adapter is left: the base model is what there is to save
         module = module.get_base_model()
     sources, convert = plan_sources(module, state_dict_dtype)
-    split = split_shards(sources, parse_shard_size(max_shard_size))
+    split = split_shards(sources, parse_shard_size("5GB" if max_shard_size is None else max_shard_size))
     writer = _DirectoryWriter(module, directory, split, convert) if ctx.rank == 0 else None
     for source in sources:
         full = full_tensor(ctx, source)  # a collective: every rank takes part, even after rank 0 failed
@@ -343,24 +346,49 @@ def _peft_kind(module: nn.Module) -> str | None:
     """``"adapter"`` for a PEFT model (``peft.PeftModel``, by its API: zero3 does not import peft)
     holding its adapter (tuner layers, or a prompt encoder), ``"merged"`` for one whose adapter was
     merged and unloaded, None for any other model."""
-    if not (hasattr(module, "peft_config") and hasattr(module, "get_base_model")):
+    peft_config = getattr(module, "peft_config", None)
+    if not (isinstance(peft_config, dict) and peft_config and callable(getattr(module, "get_base_model", None))
+            and callable(getattr(module, "save_pretrained", None))):
         return None
     config = getattr(module, "active_peft_config", None)
     tuned = any(hasattr(m, "base_layer") and hasattr(m, "active_adapters") for m in module.modules())
     return "adapter" if tuned or getattr(config, "is_prompt_learning", False) else "merged"
 
 
+def _adapter_sources(module: nn.Module, dtype: torch.dtype | None) -> list[Source]:
+    """The state-dict entries an adapter save may need: every tensor with an adapter's name as a part
+    of its key (PEFT keys each adapter's weights and buffers by the adapter's name: ``lora_A.default``,
+    ``modules_to_save.default``, ``prompt_encoder.default``), frozen or not, of every adapter, and every
+    trainable parameter (``bias="all"``). The base model's frozen weights are not among them."""
+    names = set(getattr(module, "peft_config"))
+    params = dict(module.named_parameters(remove_duplicate=False))
+    out = []
+    for k, v in module.state_dict(keep_vars=True).items():
+        t = params.get(k, v)
+        if isinstance(t, torch.Tensor) and (names & set(k.split(".")) or t.requires_grad):
+            shape = tuple(t._zero.shape) if isinstance(t, ZeroParameter) else tuple(t.shape)
+            saved = dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
+            out.append(Source(k, t, saved, ((k, saved, shape),)))
+    return out
+
+
 def _save_adapter(ctx: RuntimeContext, module: nn.Module, directory: Path, dtype: torch.dtype | None) -> Path:
-    """PEFT's ``save_pretrained`` on rank 0 (the adapter's config and weights, as PEFT writes them),
-    with the trainable parameters gathered on every rank meanwhile (a collective): PEFT keeps the
-    adapter's entries of the state dict it is given, and a prompt encoder runs to give its
-    embeddings. The frozen base model stays partitioned: it is not part of an adapter."""
-    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    """PEFT's ``save_pretrained`` on rank 0 (the adapters' configs and weights, as PEFT writes them),
+    given the adapter entries gathered onto rank 0 one at a time from the masters (`full_tensor`,
+    so ``dtype`` casts the trained fp32 values), while every rank also holds the adapters' parameters
+    gathered (a collective): a prompt encoder runs inside PEFT's save to give its embeddings, which
+    PEFT computes in the parameters' own dtype, so ``dtype`` is refused there. The frozen base model
+    stays partitioned: it is not part of an adapter."""
+    if dtype is not None and getattr(getattr(module, "active_peft_config", None), "is_prompt_learning", False):
+        raise ZeroConfigError(f"save_pretrained(state_dict_dtype={dtype}) of a prompt-learning PEFT model: PEFT "
+                              "computes the saved prompt embeddings from the live parameters, in their own dtype; "
+                              "save without state_dict_dtype")
+    sources = _adapter_sources(module, dtype)
+    state = {s.key: full_tensor(ctx, s) for s in sources}  # collectives: every rank takes part
     error: BaseException | None = None
-    with GatheredParameters([p for _, p in trainable]):
+    with GatheredParameters([s.tensor for s in sources if isinstance(s.tensor, ZeroParameter)]):
         if ctx.rank == 0:
             try:
-                state = {n: cast_floating(p.detach(), dtype or p.dtype).to("cpu", copy=True) for n, p in trainable}
                 module.save_pretrained(os.fspath(directory), state_dict=state, safe_serialization=True)
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = exc

@@ -260,6 +260,7 @@ def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_sc
         p._zero.train_tensor.grad = None
     if ctx.optimizer is not None:
         ctx.optimizer.drop_grads()
+    ctx.window_backwards = 0
     with torch._C.DisableTorchFunctionSubclass():  # the values changed in place: a backward of a graph built
         torch.autograd.graph.increment_version(list(ctx.params))  # before raises, as torch's after a load does
     ctx.coordinator.refresh_persistent()
@@ -339,8 +340,9 @@ def _load_state(optimizer: PartitionedOptimizer, reader: CheckpointReader, plan:
         dtype = parse_dtype(info["dtype"])
         cur = old.get(key)
         if info["kind"] == "sharded":  # floating state in the master's dtype, as torch's load_state_dict casts it
-            fresh = master.dtype if dtype.is_floating_point else dtype  # (saved under another precision config)
-            t = cur if is_sharded_state(cur, master) else torch.zeros(master.numel(), dtype=fresh, device=master.device)
+            want = master.dtype if dtype.is_floating_point else dtype  # (saved under another precision config too)
+            t = cur if is_sharded_state(cur, master) and cur.dtype == want else \
+                torch.zeros(master.numel(), dtype=want, device=master.device)
             t[n:].zero_()
             reader.read_flat(pm, skey, start, start + n, t[:n])
         else:

@@ -220,7 +220,7 @@ class ZeroParameter(nn.Parameter, metaclass=_ZeroParameterType):
             done, result = handler(self, ZeroParameter.__deepcopy__, (self, memo), {})
             if done:
                 return result
-        if self._zero.user_pins > 0:  # gathered for the user: torch's copy, of the full values
+        if self._zero.status is ParamStatus.AVAILABLE:  # gathered (for the user, or persistent): torch's copy
             return memo.setdefault(id(self), nn.Parameter(raw_data(self).detach().clone(), self.requires_grad))
         raise ZeroStateError(f"cannot deepcopy partitioned parameter {self._zero.summary()}: deep-copy inside `with "
                              "zero3.Init():` (a partitioned copy) or zero3.GatheredParameters (a plain one)")
