@@ -235,7 +235,7 @@ class Engine:
             self.hooks.step.end()
         else:
             ctx.finish_gradients()
-        boundary = self.is_gradient_accumulation_boundary()
+        boundary = ctx.step_ends_window()
         stepped = False
         if boundary and ctx.optimizer is not None:
             # Nothing changes a shard before every rank is here and every collective so far checked out.
@@ -250,6 +250,7 @@ class Engine:
             ctx.metrics.optimizer_seconds += time.perf_counter() - t0
         ctx.micro_steps += 1
         ctx.window_micro = 0 if boundary else ctx.window_micro + 1
+        ctx.window_backwards = 0 if boundary else ctx.window_backwards
         if boundary:
             if ctx.optimizer is None:  # nothing steps the shards, but the refresh gathers them again
                 ctx.take_persistent_writes()
@@ -270,9 +271,8 @@ class Engine:
         return self.context.window_ends()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
-        """DeepSpeed's override of where windows end, for loops whose micro-batch count varies (RL
-        trainers): while set, ``engine.step()`` steps exactly when ``is_boundary`` is True, whatever
-        ``gradient_accumulation_steps`` says (``backward`` still divides by it); None restores that."""
+        """DeepSpeed's override of where windows end (RL trainers' varying micro-batch counts): while set, ``step()``
+        steps exactly when it is True, whatever ``gradient_accumulation_steps`` says; None restores that."""
         if is_boundary is not None and is_boundary not in (True, False):
             raise ZeroConfigError(f"engine.set_gradient_accumulation_boundary(is_boundary={is_boundary!r:.60}): "
                                   "must be True, False or None (back to gradient_accumulation_steps)")

@@ -71,5 +71,5 @@ def test_windows_set_by_the_override_train_as_one_process_over_the_concatenated_
 
 def test_ranks_that_end_a_window_at_different_steps_are_told_so(pools):
     for message in pools.get(2).run(ranks_disagreeing_on_the_boundary):
-        assert "Some ranks step the optimizer here and others do not" in message, message
+        assert "Rank(s) [0] are at engine.step()'s optimizer step and the others are not" in message, message
         assert "set_gradient_accumulation_boundary" in message

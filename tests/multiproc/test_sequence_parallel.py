@@ -175,3 +175,49 @@ def test_sequence_parallel_parameters_train_as_the_full_model_on_one_process(poo
         assert r["loss"] < 1e-5 and r["norm"] < 1e-5, r
         assert r["weights"] < 1e-4, r
         assert r["drift"] == 0.0, r
+
+
+class _Experts(nn.Module):
+    """Two LayerNorm experts, marked sequence-parallel, in a leaf: a rank's tokens may reach one only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.ModuleList([nn.LayerNorm(4), nn.LayerNorm(4)])
+        for p in self.ln.parameters():
+            p.sequence_parallel = True
+
+    def forward(self, h: torch.Tensor, route: list[int]) -> torch.Tensor:
+        return sum(self.ln[e](h) for e in route)
+
+
+def _routed_loss(experts: nn.Module, h: torch.Tensor, route: list[int]) -> torch.Tensor:
+    return experts(h, route).pow(2).mean()
+
+
+def sequence_parallel_leaf_routed_differently() -> dict:
+    """tp 2 x dp 1: tensor-parallel rank 0's tokens reach expert 0 only, rank 1's both. Each expert's
+    gradient is the sum over the ranks that used it (rank 0 adds zeros for expert 1), as Megatron's
+    sum over the group gives; one SGD step against the same sum taken by hand."""
+    mpu = m.TinyMPU(2)
+    torch.manual_seed(0)
+    with zero3.Init(mpu=mpu):
+        experts = _Experts()
+    torch.manual_seed(0)
+    ref = _Experts()
+    zero3.set_leaf_modules(experts, [_Experts])
+    engine = zero3.initialize(experts, torch.optim.SGD(experts.parameters(), lr=0.5),
+                              {"param_persistence_threshold": 0}, mpu=mpu)
+    h = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    routes = ([0], [0, 1])
+    engine.backward(_routed_loss(engine, h, routes[mpu.get_model_parallel_rank()]))
+    engine.step()
+    (_routed_loss(ref, h, routes[0]) + _routed_loss(ref, h, routes[1])).backward()
+    with zero3.GatheredParameters(list(experts.parameters())):
+        diff = max((p - (q - 0.5 * q.grad)).abs().max().item() for p, q in zip(experts.parameters(), ref.parameters()))
+    engine.remove_hooks()
+    return {"diff": diff}
+
+
+def test_a_sequence_parallel_parameter_in_a_leaf_sums_zeros_from_ranks_that_did_not_use_it(pools):
+    for r in pools.get(2).run(sequence_parallel_leaf_routed_differently, timeout=120):
+        assert r["diff"] < 1e-6, r

@@ -110,15 +110,90 @@ def test_clipping_follows_the_override_and_its_refusal_names_it():
     assert engine.step() is True
 
 
-def test_zero_grad_inside_an_overridden_window_is_refused_and_at_its_start_drops():
-    engine = _engine(1)
-    engine.set_gradient_accumulation_boundary(False)
+@pytest.mark.parametrize("step_every_micro_batch", [False, True])
+def test_zero_grad_before_every_micro_batch_keeps_an_overridden_window_as_deepspeed_s(step_every_micro_batch):
+    """While the override is set, ``engine.zero_grad()`` leaves the window's gradients (DeepSpeed's
+    clears only ``param.grad``): a loop calling it before every micro-batch accumulates the window,
+    whether ``step()`` follows every micro-batch or only the last."""
+    engine, expected, i = _engine(1), _reference(WINDOWS, 1), 0
+    for w, size in enumerate(WINDOWS):
+        for k in range(size):
+            engine.zero_grad()
+            engine.set_gradient_accumulation_boundary(k == size - 1)
+            engine.backward(_loss(engine, i))
+            i += 1
+            if step_every_micro_batch or k == size - 1:
+                engine.step()
+        for got, want in zip(_weights(engine), expected[w]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("bad batch")
+
+
+class _Gate(nn.Module):
+    armed = False
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return _Boom.apply(t) if _Gate.armed else t
+
+
+@pytest.mark.parametrize("step_every_micro_batch", [False, True])
+def test_a_backward_that_raises_mid_window_keeps_the_earlier_micro_batches_with_or_without_step_calls(
+        step_every_micro_batch):
+    """The window's second backward raises after the last layer's gradients landed (caught, batch
+    skipped): the first micro-batch's gradients stay in either loop (before, the loop calling
+    ``step()`` only at the end dropped them); the first layer, which the failed backward never
+    reached, is torch's over micro-batches 1 and 3."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in (0, 2):
+        (ref(_batch(i)).pow(2).mean() / 3).backward()
+    opt.step()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), _Gate(), nn.Linear(16, 4))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"param_persistence_threshold": 0, "gradient_accumulation_steps": 3})
+    try:
+        for k in range(3):
+            engine.set_gradient_accumulation_boundary(k == 2)
+            _Gate.armed = k == 1
+            out = engine(_batch(k))
+            try:
+                engine.backward(out.pow(2).mean())
+            except ValueError:
+                continue
+            if step_every_micro_batch or k == 2:
+                engine.step()
+    finally:
+        _Gate.armed = False
+    assert engine.global_steps == 1
+    torch.testing.assert_close(_weights(engine)[0], ref[0].weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_backward_that_stepped_inside_ends_its_window_when_the_override_is_turned_off_before_step():
+    """With the step in backward, the backward marked True steps the optimizer inside it; turning the
+    override off before ``step()`` cannot undo that: ``step()`` ends the window, and the next one
+    trains as usual (None counts as DeepSpeed does: micro-batch 2 ends a window of 2 there)."""
+    cfg = {"offload_optimizer": "cpu", "sub_group_size": 64, "offload_optimizer_step_in_backward": True}
+    engine = _engine(2, **cfg)
+    engine.set_gradient_accumulation_boundary(True)
     engine.backward(_loss(engine, 0))
-    engine.zero_grad()  # the window's first micro-batch: dropped, as torch's zero_grad does
-    engine.step()
+    engine.set_gradient_accumulation_boundary(False)
+    assert engine.step() is True and engine.global_steps == 1
+    engine.set_gradient_accumulation_boundary(None)
     engine.backward(_loss(engine, 1))
-    with pytest.raises(ZeroStateError, match="micro-batch 2 of a window whose end"):
-        engine.zero_grad()
+    assert engine.step() is True and engine.global_steps == 2
+    for got, want in zip(_weights(engine), _reference([1, 1], 2)[-1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("value", ["yes", 2, 0.5, [True]])

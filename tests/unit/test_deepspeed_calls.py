@@ -121,7 +121,7 @@ def test_a_resumed_run_starts_a_full_window_under_its_own_accumulation_steps(tmp
         engine.step()
     with caplog.at_level(logging.WARNING, logger="zero3"):
         engine.save_checkpoint(tmp_path, tag="mid")
-    assert "saved after 1 micro-batch(es) of an accumulation window" in caplog.text
+    assert "saved after 1 backward(s) of an open accumulation window" in caplog.text
     for gas, want in ((2, [False, True]), (4, [False, False, False, True]), (3, [False, False, True])):
         resumed = _engine(gas=gas)
         resumed.load_checkpoint(tmp_path, tag="mid")

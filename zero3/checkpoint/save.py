@@ -246,10 +246,10 @@ def _json_or_repr(value: Any) -> Any:
 
 
 def _warn_mid_window(ctx: RuntimeContext) -> None:
-    if ctx.window_micro and ctx.rank == 0:
-        logger.warning("zero3::checkpoint saved after %d micro-batch(es) of an accumulation window: the gradients "
+    if ctx.window_backwards and ctx.rank == 0:
+        logger.warning("zero3::checkpoint saved after %d backward(s) of an open accumulation window: the gradients "
                        "accumulated so far are not saved, and a run resumed from it starts a new window",
-                       ctx.window_micro)
+                       ctx.window_backwards)
 
 
 def _publish(root: Path, staging: Path, tag: str, save_latest: bool) -> None:

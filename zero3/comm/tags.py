@@ -22,8 +22,8 @@ class Kind(enum.Enum):
 
 
 KIND_CODES = {k: i + 1 for i, k in enumerate(Kind)}
-OPTIMIZER_STEP = "optimizer step"  # the label of engine.step()'s agreement before it steps (Kind.AGREE)
 """A kind as a small integer, for the blocking header exchange (`WireHeader.kind`)."""
+OPTIMIZER_STEP = "optimizer step"  # the label of engine.step()'s agreement before it steps (Kind.AGREE)
 
 
 @dataclass(frozen=True, slots=True)

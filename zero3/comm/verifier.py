@@ -271,12 +271,14 @@ class Verifier:
         lines = "; ".join(f"rank {r}: step {e} collective #{q} {w}" for r, (e, q, w, _, _) in enumerate(details))
         steps = sorted({e for e, _, _, _, _ in details})
         cause = ""
-        if len({d[4] for d in details}) > 1:
-            cause = (" Some ranks step the optimizer here and others do not: every rank must end its accumulation "
-                     "windows at the same engine.step() (the same number of engine.step() calls, and the same "
-                     "engine.set_gradient_accumulation_boundary where it is set).")
+        posted = [(r, posted_cause(p, steps[0], steps[-1])) for r, (_, _, _, p, _) in enumerate(details)]
+        if len({d[4] for d in details}) > 1 and not any(m for _, m in posted):
+            at = [r for r, d in enumerate(details) if d[4]]
+            cause = (f" Rank(s) {at} are at engine.step()'s optimizer step and the others are not: either the ranks "
+                     "end their accumulation windows at different engine.step() calls (every rank must call it as "
+                     "often, with the same engine.set_gradient_accumulation_boundary where that is set), or the "
+                     "others ran something before it that these did not (below).")
         elif len(steps) > 1:  # a rank aborted a step (an exception it caught) and went on; the others did not
-            posted = [(r, posted_cause(p, steps[0], steps[-1])) for r, (_, _, _, p, _) in enumerate(details)]
             where = ", ".join(f"rank {r} at step {e}" for r, (e, _, _, _, _) in enumerate(details))
             cause = (f" The ranks are at different steps ({where})"
                      + "".join(f"; rank {r} {m}" for r, m in posted if m)

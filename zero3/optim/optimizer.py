@@ -66,7 +66,7 @@ from ..comm.model_parallel import ModelParallel, is_tensor_parallel
 from ..offload.residence import ShardStore
 from ..partition.param import ZeroParameter
 from .agreed_step import AgreedStep, StepParts
-from .backward_step import BackwardStep
+from .backward_step import BackwardStep, BackwardStepPhase
 from .foreign import guard_groups
 from .rank_state import tag_rank_state
 from .routed_step import torch_step
@@ -654,6 +654,10 @@ class PartitionedOptimizer:
         if self.user_zero_grad is None:
             raise ZeroStateError("this optimizer's gradients are the engine's: call engine.zero_grad()")
         self.user_zero_grad()
+
+    def stepped_in_backward(self) -> bool:
+        """The last backward stepped sub-groups (the step in backward), so ``engine.step()`` ends its window."""
+        return self.backward_step is not None and self.backward_step.phase is BackwardStepPhase.STEPPED
 
     def drop_grads(self) -> None:
         """Drop every gradient shard (after a step, an overflow, or a window's first micro-batch)."""

@@ -22,7 +22,7 @@ communicator, coordinator) for the parameters it partitions while a model is bui
       late_read      callable | None   the hooks' gather of a parameter read late in a backward (hooks.py)
       external_added callable | None   the hooks' answer to register_external_parameter after install
       lr_scheduler, offloaded (engine.offload_states), module, params, global_steps, micro_steps,
-      window_micro, boundary_override
+      window_micro, window_backwards, boundary_override
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ class RuntimeContext:
     global_steps: int = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
     micro_steps: int = 0  # engine.step() calls
     window_micro: int = 0  # engine.step() calls since the last boundary: the open window's micro-batches
+    window_backwards: int = 0  # backwards ended since the last boundary (or since their gradients were dropped)
     boundary_override: bool | None = None  # engine.set_gradient_accumulation_boundary; None: every n-th
     io: AsyncIO | None = None  # the threads of every swap file of this context (made with the first)
     offloaded: StatesOffload | None = None  # engine.offload_states (made on its first call)
@@ -221,6 +222,11 @@ class RuntimeContext:
         if self.boundary_override is not None:
             return self.boundary_override
         return (self.micro_steps + 1) % self.config.training.gradient_accumulation_steps == 0
+
+    def step_ends_window(self) -> bool:
+        """Whether ``engine.step()`` now ends the window: where it ends, or after a backward that
+        stepped the optimizer inside it (the step in backward), whatever the override says since."""
+        return self.window_ends() or (self.optimizer is not None and self.optimizer.stepped_in_backward())
 
     def window_position(self) -> str:
         """The running micro-batch's place in its window, for messages."""

@@ -61,25 +61,29 @@ def zero_grad_window(engine: Any) -> None:
     the window's gradients: DeepSpeed's engine clears only ``param.grad`` there, so a loop that calls
     it before every micro-batch accumulates. After a backward that ``engine.step()`` has not closed
     it drops that micro-batch's gradients (torch's skip-a-batch habit) when it is the window's first;
-    after a later one the gradient shards hold the window's sum, which cannot be split: refused."""
+    after a later one the gradient shards hold the window's sum, which cannot be split: refused.
+    While `set_gradient_accumulation_boundary` is set (DeepSpeed's manual windows, whose loops may call
+    ``engine.step()`` only at a window's end) it keeps the window's gradients whenever, as DeepSpeed's."""
     require_hooks(engine, "engine.zero_grad()")  # another engine may hold the model's gradients now
     ctx = engine.context
-    if ctx.optimizer is not None and ctx.optimizer.backward_step is not None and engine._backward_ran() \
-            and ctx.window_ends():
+    if ctx.optimizer is not None and ctx.optimizer.stepped_in_backward():
         raise ZeroStateError("engine.zero_grad() after the backward that ends a window under "
                              "offload_optimizer_step_in_backward: the optimizer stepped inside that backward, so its "
                              "gradients were used already; call engine.step()")
+    if ctx.boundary_override is not None:
+        return
     if ctx.window_micro:
         if engine._backward_ran():
             raise ZeroStateError(
-                f"engine.zero_grad() after the backward of {ctx.window_position()} of an accumulation window: its gradients are summed with the window's earlier ones and cannot be "
-                "dropped alone; call engine.step() (the window goes on), or zero_grad before a window's first "
-                "backward")
+                f"engine.zero_grad() after the backward of {ctx.window_position()} of an accumulation window: its "
+                "gradients are summed with the window's earlier ones and cannot be dropped alone; call "
+                "engine.step() (the window goes on), or zero_grad before a window's first backward")
         return
     for p in engine.params:
         p._zero.train_tensor.grad = None
     if ctx.optimizer is not None:
         ctx.optimizer.drop_grads()
+    ctx.window_backwards = 0
 
 
 def require_hooks(engine: Any, what: str) -> None:

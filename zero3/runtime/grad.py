@@ -65,17 +65,27 @@ class GradientReducer:
         self._summed = frozenset(p._zero.id for p in params)
         self._model_parallel = comm if self._summed else None
 
-    def _sum_sequence_parallel(self, p: ZeroParameter, grad: torch.Tensor) -> torch.Tensor:
+    def _sum_sequence_parallel(self, p: ZeroParameter, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The sum of ``p``'s gradient over the model-parallel ranks. In a leaf module's unit a rank may
+        have none (its tokens took another route): it adds zeros, and a count of the ranks that had one
+        goes with the sum, so a parameter none of them used keeps no gradient."""
         assert self._model_parallel is not None
-        summed = grad.detach().clone()  # the autograd gradient may be a tensor the user holds
-        return self._model_parallel.all_reduce(summed, Tag(Kind.ALL_REDUCE, f"sequence-parallel gradient {p._zero.name}",
-                                                           (p._zero.id,)))
+        flat = torch.zeros(p._zero.numel + 1, dtype=p._zero.shard.dtype if grad is None else grad.dtype,
+                           device=raw_data(p).device if grad is None else grad.device)
+        if grad is not None:  # a copy: the autograd gradient may be a tensor the user holds
+            flat[:-1].copy_(grad.detach().reshape(-1))
+            flat[-1] = 1
+        self._model_parallel.all_reduce(flat, Tag(Kind.ALL_REDUCE, f"sequence-parallel gradient {p._zero.name}",
+                                                  (p._zero.id,)))
+        return flat[:-1].view(p._zero.shape) if float(flat[-1]) > 0 else None
 
     def add(self, p: ZeroParameter, grad: torch.Tensor) -> None:
         if grad.numel() != p._zero.numel or grad.layout is not _STRIDED:
             _refuse_resized(p, grad)
         if p._zero.id in self._summed:
-            grad = self._sum_sequence_parallel(p, grad)
+            summed = self._sum_sequence_parallel(p, grad)
+            assert summed is not None  # this rank has a gradient
+            grad = summed
         if self.comm.world_size == 1:  # the average over one rank is the gradient: no bucket, no copy
             self._accumulate(p, grad.reshape(-1))
             return
@@ -93,8 +103,7 @@ class GradientReducer:
             if g is not None and (g.numel() != p._zero.numel or g.layout is not _STRIDED):
                 _refuse_resized(p, g)
         if self._summed:
-            grads = [(p, self._sum_sequence_parallel(p, g) if g is not None and p._zero.id in self._summed else g)
-                     for p, g in grads]
+            grads = [(p, self._sum_sequence_parallel(p, g) if p._zero.id in self._summed else g) for p, g in grads]
         if self.comm.world_size == 1:
             for p, g in grads:
                 if g is not None:

@@ -139,7 +139,7 @@ class StepLifecycle:
         those it reduced already (how many depends on the bucket sizes) are dropped with the
         gradient shards when it was a window's first micro-batch, so the failed micro-batch leaves
         nothing, as after torch's skip-a-batch loop (catch, ``optimizer.zero_grad()``, go on). After a
-        later micro-batch of a window they stay, summed with the earlier ones (no split is possible;
+        window's earlier backward ended (``window_backwards``: whether or not ``engine.step()`` followed it) they stay, summed with the earlier ones (no split is possible;
         ``engine.zero_grad()`` refuses there). An ``engine.step()`` right after a bare backward that
         raised steps on all of its gradients, as torch's ``optimizer.step()`` would."""
         if self._aborted:
@@ -189,7 +189,7 @@ class StepLifecycle:
                     pass  # the step is gone anyway; the first error is what the caller sees
                 opt = ctx.optimizer
                 if backward and opt is not None and opt.backward_step is None \
-                        and ctx.window_micro == 0:
+                        and ctx.window_backwards == 0:
                     opt.drop_grads()  # [Note: a backward that raised]: a window's first, so all the shards hold
             else:
                 reducer.finish()
@@ -205,6 +205,7 @@ class StepLifecycle:
                     comm.end_epoch()  # an inference forward is a whole epoch: nothing else follows it
         if backward and not aborted:  # param.grad of what stays gathered reads as on a partitioned one
             self._pending = guard_pending_grads(ctx.params)
+            ctx.window_backwards += 1
         backward_step = ctx.optimizer.backward_step if ctx.optimizer is not None else None
         if backward_step is not None:  # after everything is released: it reads and writes the drive
             if aborted:
