@@ -899,3 +899,41 @@ def test_a_module_built_under_its_own_init_and_added_after_initialize_is_refused
     with pytest.raises(ZeroStateError, match=r"No zero3.initialize has taken this parameter yet: if its module was "
                                              r"built under a zero3.Init block of its own .* add the module before"):
         engine(torch.randn(3, 4))
+
+
+def _sets_scale(cls: type) -> type:
+    """A class decorator that wraps ``__init__`` (as transformers' ``use_experts_implementation``)."""
+    inner = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        inner(self, *args, **kwargs)
+        self.scale = 2.0
+
+    cls.__init__ = __init__
+    return cls
+
+
+def test_a_class_decorated_while_init_is_open_keeps_its_decorator_after_and_in_the_next_init():
+    """Leaving Init put back every wrapped class's original ``__init__``, dropping a decorator applied
+    inside the block: transformers' MoE classes first imported under Init lost their setup, and the
+    second model built crashed in its forward (probe 27E)."""
+    with zero3.Init():
+        @_sets_scale
+        class Scaled(nn.Linear):
+            def __init__(self, n: int, m: int) -> None:
+                super().__init__(n, m)
+
+        first = Scaled(4, 4)
+
+    class Patched(nn.Linear):
+        def __init__(self, n: int, m: int) -> None:
+            super().__init__(n, m)
+
+    with zero3.Init():
+        _sets_scale(Patched)
+    plain = Scaled(4, 4)
+    with zero3.Init():
+        second = Scaled(4, 4)
+    assert first.scale == plain.scale == second.scale == 2.0 and Patched(4, 4).scale == 2.0
+    assert zero3.is_partitioned(first.weight) and zero3.is_partitioned(second.weight)
+    assert not zero3.is_partitioned(plain.weight)

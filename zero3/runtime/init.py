@@ -107,7 +107,7 @@ class _Patches:
     handles: list[Any]
     apply: Callable
     init_subclass: Any
-    inits: dict[type, Callable]  # original __init__ of every class we wrapped
+    inits: dict[type, tuple[Callable, Callable]]  # class -> (its original __init__, our wrapper of it)
     register_parametrization: Callable  # torch's, given back on exit
     weight_norm_apply: Any  # torch's (deprecated) WeightNorm.apply staticmethod, given back on exit
     building: dict[int, int] = field(default_factory=dict)  # id(module) -> nesting of its __init__ wrappers
@@ -377,25 +377,34 @@ def _on_param_registered(module: nn.Module, name: str, param: Any) -> None:
 
 
 def _wrap_init(cls: type, patches: _Patches) -> None:
-    """Wrap ``cls.__init__`` so a module is partitioned the moment its outermost ``__init__`` returns."""
+    """Wrap ``cls.__init__`` so a module is partitioned the moment its outermost ``__init__`` returns.
+
+    The wrapper acts for whichever Init is open when it runs and passes straight through when none is:
+    a decorator may wrap it while an Init is open (transformers' ``use_experts_implementation`` on
+    a MoE class first imported inside one), and that chain outlives the Init, which gives back the
+    original only where the wrapper is still the class's own ``__init__``."""
     orig = cls.__dict__.get("__init__")
     if orig is None or cls in patches.inits or getattr(orig, "_zero3_wrapped", False):
         return
 
     @functools.wraps(orig)
     def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        current = _PATCHES.get()
+        if current is None:
+            orig(self, *args, **kwargs)
+            return
         key = id(self)
-        patches.building[key] = patches.building.get(key, 0) + 1
+        current.building[key] = current.building.get(key, 0) + 1
         try:
             orig(self, *args, **kwargs)
         finally:
-            depth = patches.building.pop(key) - 1
+            depth = current.building.pop(key) - 1
             if depth:
-                patches.building[key] = depth
+                current.building[key] = depth
         state = _current()
         if not depth and state is not None:
             _partition_module(self, state, recurse=True)
-            if not patches.building:  # the outermost module is built: views of its params are done
+            if not current.building:  # the outermost module is built: views of its params are done
                 _write_back(state)
 
     __init__._zero3_wrapped = True  # type: ignore[attr-defined]
@@ -403,7 +412,7 @@ def _wrap_init(cls: type, patches: _Patches) -> None:
         cls.__init__ = __init__  # type: ignore[misc]
     except (TypeError, AttributeError):
         return
-    patches.inits[cls] = orig
+    patches.inits[cls] = (orig, __init__)
 
 
 def _all_subclasses(cls: type) -> list[type]:
@@ -509,8 +518,9 @@ def _remove_patches() -> None:
         del nn.Module.__init_subclass__
     else:
         nn.Module.__init_subclass__ = patches.init_subclass  # type: ignore[assignment]
-    for cls, orig in patches.inits.items():
-        cls.__init__ = orig  # type: ignore[misc]
+    for cls, (orig, wrapper) in patches.inits.items():
+        if cls.__dict__.get("__init__") is wrapper:  # else something wrapped it since: that chain stays
+            cls.__init__ = orig  # type: ignore[misc]
     _PATCHES.set(None)
 
 
