@@ -12,13 +12,11 @@ import functools
 import copy
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .activation import checkpointing
@@ -38,6 +36,7 @@ from .optim import foreign as foreign_optimizers
 from .optim import routed_step
 from .optim.routed_clip import route_clip
 from .runtime.hooks import ModuleHooks
+from .runtime.deepspeed_engine import DeepSpeedEngineNames
 from .runtime.refusals import route_parametrizations
 from .metrics import StepMetrics
 from .comm.model_parallel import data_parallel_group
@@ -52,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 
 
-class Engine:
+class Engine(DeepSpeedEngineNames):
     """A partitioned model with its hooks, gradient reducer and sharded optimizer.
 
     Use ``loss = engine(x); engine.backward(loss); engine.step()``, or the plain loop ``loss = model(x);
@@ -127,6 +126,11 @@ class Engine:
     def lr_scheduler(self) -> Any:
         """The learning-rate scheduler ``step()`` steps (from ``lr_scheduler=`` or the config), or None."""
         return self.context.lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        """None hands the scheduler back (DeepSpeed's attribute: Lightning sets it and steps its own)."""
+        routed_step.release_scheduler(self.context, scheduler)
 
     @property
     def device(self) -> torch.device:
@@ -296,55 +300,6 @@ class Engine:
     def __iter__(self) -> Iterator[Any]:
         raise TypeError("zero3.initialize returns the engine alone, not a tuple; for DeepSpeed's 4-tuple "
                         "(engine, optimizer, dataloader, lr_scheduler) use zero3.deepspeed.initialize")
-
-    # -- DeepSpeed's engine names, with their meaning ---------------------------------------------
-    @property
-    def global_rank(self) -> int:
-        """This process's rank in the whole world (``engine.rank`` is its data-parallel rank)."""
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else self.rank
-
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its node: ``LOCAL_RANK`` as torchrun sets it, else 0."""
-        return int(os.environ.get("LOCAL_RANK", 0))
-
-    def zero_optimization_stage(self) -> int:
-        return 3
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        """The config's ``train_micro_batch_size_per_gpu`` (DeepSpeed's batch keys)."""
-        micro = self.config.training.train_micro_batch_size_per_gpu  # fixed at initialize from any two of the three
-        if micro is None:
-            raise ZeroConfigError("engine.train_micro_batch_size_per_gpu(): the config does not give the micro-batch "
-                                  "size; set train_micro_batch_size_per_gpu (or train_batch_size) in it")
-        return int(micro)
-
-    def train_batch_size(self) -> int:
-        """Samples per optimizer step over all data-parallel ranks: micro-batch x accumulation x ranks."""
-        return self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps() * self.world_size
-
-    def get_global_grad_norm(self) -> float | None:
-        """The global gradient norm the last clipping computed (``gradient_clipping`` in ``step()``, or
-        `clip_grad_norm_`); None before any. Unlike DeepSpeed, no norm is computed without clipping."""
-        norm = self.context.optimizer.global_grad_norm if self.context.optimizer is not None else None
-        return float(norm) if norm is not None else None
-
-    def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """Write the consolidated model, each parameter in its own (16-bit under bf16/fp16) dtype, as a
-        ``torch.save`` state dict at ``save_dir/save_filename``. A collective: every rank takes part in
-        the gathers, the engine group's rank 0 writes, and every rank returns (True) once it is there."""
-        return save_16bit_model(self, os.path.join(os.fspath(save_dir), save_filename), exclude_frozen_parameters)
-
-    @property
-    def loss_scale(self) -> float:
-        """The fp16 loss scale ``engine.backward`` applies now (1.0 without fp16)."""
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped because of an fp16 overflow."""
-        return self.context.optimizer.skipped_steps if self.context.optimizer is not None else 0
 
     @contextlib.contextmanager
     def generation(self) -> Iterator["Engine"]:
@@ -617,36 +572,6 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
         else:  # an earlier initialize's section is replaced (it was kept, silently: probe 23D)
             checkpointing.configure_for_engine(mpu, config, engine.context.metrics)
     return engine
-
-
-def save_16bit_model(engine: Engine, path: str, exclude_frozen_parameters: bool = False) -> bool:
-    """`Engine.save_16bit_model`: the fp32 masters gathered onto the engine's rank 0 (of its group, which
-    writes the file) and cast to each parameter's dtype (tied parameters stay one tensor); buffers and
-    extra state as the module holds them. Refused
-    with tensor parallelism (before any collective, on every rank), as ``save_pretrained`` is: one file
-    from global rank 0 held model-parallel rank 0's slices alone, as if they were the model."""
-    if engine.context.model_parallel is not None:
-        raise ZeroConfigError("save_16bit_model with tensor parallelism: every model-parallel rank holds other slices, "
-                              "and one file from rank 0 would hold model-parallel rank 0's alone; use save_checkpoint "
-                              "and python -m zero3.consolidate --model-parallel-rank R (one state dict per rank), or "
-                              "engine.consolidated_state_dict() (this model-parallel rank's slices, on its data-parallel "
-                              "rank 0); nothing was written")
-    full = consolidated_state_dict(engine.context, rank0_only=True)
-    if engine.rank == 0:  # where ``full`` is: the group's first rank, global rank 0 or not (probe 25D)
-        params = dict(engine.module.named_parameters(remove_duplicate=False))
-        by_param: dict[int, torch.Tensor] = {}  # one tensor per parameter, under each name it has
-        state = {}
-        for key, value in full.items():
-            p = params.get(key)
-            if p is None:
-                state[key] = value
-            elif p.requires_grad or not exclude_frozen_parameters:
-                state[key] = by_param.setdefault(id(p), value.to(p.dtype))
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        torch.save(state, path)
-        logger.info("zero3: saved the 16-bit model (%d tensors) to %s", len(state), path)
-    engine.comm.agree(Tag(Kind.AGREE, f"save_16bit_model {path}"))
-    return True
 
 
 def _clip_context(target: Any) -> RuntimeContext:

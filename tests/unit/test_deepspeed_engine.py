@@ -454,3 +454,44 @@ def test_the_returned_optimizer_of_an_engine_whose_hooks_were_removed_is_refused
         optimizer.step()
     assert any(p._zero.train_tensor.grad is not None for p in engine.params)  # the new engine's window stays
     engine.remove_hooks()
+
+
+@pytest.mark.parametrize("flag, expected", [(None, False), (True, True), ("yes", True), (0, False)])
+def test_the_calls_frameworks_make_to_save_a_zero3_model_answer_as_deepspeed_s(tmp_path, flag, expected):
+    """Hugging Face's Trainer reads ``engine.config.get("zero_optimization", {}).get("stage")``;
+    Accelerate asks ``zero_gather_16bit_weights_on_model_save()`` and then takes
+    ``_zero3_consolidated_16bit_state_dict()`` (each was an AttributeError: every save crashed)."""
+    zero = {"stage": 3} if flag is None else {"stage": 3, "stage3_gather_16bit_weights_on_model_save": flag}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"zero_optimization": {**zero, "stage3_param_persistence_threshold": 0}})
+    assert engine.config.get("zero_optimization", {}).get("stage") == 3
+    assert engine.config.get("zero_optimization")["stage3_param_persistence_threshold"] == 0
+    assert engine.config.get("no such key", "default") == "default"
+    assert engine.zero_gather_16bit_weights_on_model_save() is expected
+    state = engine._zero3_consolidated_16bit_state_dict()
+    engine.save_16bit_model(tmp_path)
+    saved = torch.load(tmp_path / "pytorch_model.bin")
+    assert sorted(state) == sorted(saved) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert all(torch.equal(state[k], saved[k]) for k in state)
+
+
+def test_setting_the_engine_s_lr_scheduler_to_none_hands_it_back_as_lightning_does():
+    """Lightning's DeepSpeed strategy sets ``engine.lr_scheduler = None`` and steps the scheduler itself."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    engine = zero3.initialize(model, opt, {"param_persistence_threshold": 0}, lr_scheduler=sched)
+    with pytest.raises(ZeroConfigError, match="only None may be set"):
+        engine.lr_scheduler = torch.optim.lr_scheduler.StepLR(opt, 1)
+    assert engine.lr_scheduler is sched
+    engine.lr_scheduler = None
+    assert engine.lr_scheduler is None and type(sched) is torch.optim.lr_scheduler.StepLR
+    for _ in range(2):
+        engine.backward(engine(torch.ones(3, 4)).sum())
+        engine.step()  # no longer steps the scheduler
+    assert engine.get_lr() == [0.1]
+    sched.step()  # its own step works again
+    assert engine.get_lr() == [0.05]

@@ -35,11 +35,11 @@ ZERO_KEYS = {
     "allgather_bucket_size": "allgather_bucket_size",
     "sub_group_size": "sub_group_size",
 }
+GATHER_16BIT = "stage3_gather_16bit_weights_on_model_save"  # a boolean read as DeepSpeed reads it (below)
 # DeepSpeed keys we understand but that change nothing here (logged, not an error).
 ZERO_IGNORED = {
     "contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients",
-    "stage3_gather_16bit_weights_on_model_save", "log_trace_cache_warnings",
-    "elastic_checkpoint", "ignore_unused_parameters", "load_from_fp32_weights",
+    "log_trace_cache_warnings", "elastic_checkpoint", "ignore_unused_parameters", "load_from_fp32_weights",
 }
 TOP_LEVEL = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -257,6 +257,10 @@ def _zero_optimization(zero: Any, out: KnobValues) -> None:
             continue
         if key in ZERO_KEYS:
             out.set(ZERO_KEYS[key], coerce_flat(ZERO_KEYS[key], value), spelled)
+        elif key == GATHER_16BIT:  # 0/1, "yes"/"off" too; None or "auto": the default
+            check_ignored(spelled, key, value)
+            if value is not None and value != "auto":
+                out.set("gather_16bit_weights_on_model_save", not _lax_false(value), spelled)
         elif key in OFFLOAD_SECTION_KEYS:
             OffloadConfig.read_section(value, spelled, out)
         elif key in ZERO_IGNORED:
@@ -272,7 +276,7 @@ def _zero_optimization(zero: Any, out: KnobValues) -> None:
         elif key in FLAT_NAMES:
             out.set(key, coerce_flat(key, value), spelled)
         else:
-            known = set(ZERO_KEYS) | ZERO_IGNORED | ZERO_PLUS_PLUS | {"stage"} | set(OFFLOAD_SECTION_KEYS)
+            known = set(ZERO_KEYS) | {GATHER_16BIT} | ZERO_IGNORED | ZERO_PLUS_PLUS | {"stage"} | set(OFFLOAD_SECTION_KEYS)
             raise ZeroConfigError("zero_optimization: " + unknown_key_message(key, known, "DeepSpeed ")
                                   + "; zero3's own knob names are read here too")
 

@@ -162,6 +162,12 @@ class TrainingConfig:
     exchanges, optimizer) every ``steps_per_print`` optimizer steps; the figures are in
     ``engine.last_step_metrics`` either way (on CUDA this also synchronizes before reading them)."""
 
+    gather_16bit_weights_on_model_save: bool = False
+    """DeepSpeed's ``stage3_gather_16bit_weights_on_model_save``, read by frameworks through
+    ``engine.zero_gather_16bit_weights_on_model_save()``: Accelerate and the Hugging Face Trainer
+    gather the whole 16-bit model onto rank 0 when they save only where it is True (zero3 itself
+    reads it nowhere: ``save_16bit_model`` and ``save_pretrained`` always work)."""
+
     steps_per_print: int = 10
     """How often (in optimizer steps) the engine logs its progress at INFO, as DeepSpeed's does: on
     rank 0 the step, the skipped steps, the learning rates and fp16's loss scale; and, with

@@ -123,6 +123,17 @@ class ZeroConfig:
         training = self.training.for_world_size(world_size)
         return self if training is self.training else self.replace(training=training)
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """A read as of DeepSpeed's ``engine.config`` dict, for frameworks that read it (the Hugging
+        Face Trainer asks ``engine.config.get("zero_optimization", {}).get("stage")``):
+        ``"zero_optimization"`` gives the stage, 3, and this config's values of DeepSpeed's stage-3 keys
+        zero3 maps; a flat knob's name its value; any other key ``default``."""
+        if key == "zero_optimization":
+            flat = self.to_dict()
+            return {"stage": 3, **{ds: flat[ours] for ds, ours in deepspeed_config.ZERO_KEYS.items()},
+                    deepspeed_config.GATHER_16BIT: flat["gather_16bit_weights_on_model_save"]}
+        return self.to_dict().get(key, default)
+
     def to_dict(self) -> dict[str, Any]:
         """Every knob by its flat name: what ``from_dict`` reads back into an equal config."""
         out = {name: getattr(getattr(self, section), name) for name, section in SECTION_OF.items()}

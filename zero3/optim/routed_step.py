@@ -87,6 +87,22 @@ def own_scheduler(scheduler: Any) -> Callable[[], Any]:
 _GUARDED: dict[type, type] = {}
 
 
+def release_scheduler(ctx: Any, scheduler: Any) -> None:
+    """``engine.lr_scheduler = None``: ``engine.step()`` stops stepping the scheduler it had, whose own
+    ``step()`` works again (the caller steps it now). Another value is refused: a scheduler is given to
+    ``zero3.initialize``, which checks it against the optimizer."""
+    if scheduler is ctx.lr_scheduler:
+        return
+    if scheduler is not None:
+        raise ZeroConfigError(f"engine.lr_scheduler = {type(scheduler).__name__}: only None may be set (engine.step() "
+                              "then stops stepping the scheduler, which you step yourself); pass a scheduler to "
+                              "zero3.initialize(lr_scheduler=...) instead")
+    old = ctx.lr_scheduler
+    if type(old) in _GUARDED.values():
+        old.__class__ = type(old).__mro__[1]  # its own class again, with its own step()
+    ctx.lr_scheduler = ctx.lr_scheduler_step = None
+
+
 def _refuse_step(self: Any, *args: Any, **kwargs: Any) -> None:
     raise ZeroStateError(
         f"{type(self).__name__}.step(): this scheduler is stepped by engine.step() (and optimizer.step(), "
