@@ -420,3 +420,18 @@ def test_backward_with_inputs_naming_released_parameters_says_what_works():
             assert full is None or not full.any(), p.ds_id
         else:
             torch.testing.assert_close(full, r.grad, rtol=1e-6, atol=0)
+
+
+def test_a_persistent_parameter_deep_copies_plainly_as_a_gathered_one_does():
+    """Kept gathered by the engine (persistent), its values are there: torch's copy, as inside
+    GatheredParameters; a partitioned one is still refused."""
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 400))
+    zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 100})
+    small, large = model[0].weight, model[1].weight
+    assert small.ds_status is ParamStatus.AVAILABLE and large.ds_status is ParamStatus.NOT_AVAILABLE
+    copied = copy.deepcopy(small)
+    assert type(copied) is nn.Parameter and torch.equal(copied, small.detach())
+    with pytest.raises(ZeroStateError, match="cannot deepcopy partitioned parameter 1.weight"):
+        copy.deepcopy(large)
