@@ -272,7 +272,7 @@ class Engine(DeepSpeedEngineNames):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next ``engine.step()`` steps the optimizer (its micro-batch ends a window)."""
-        return self.context.window_ends()
+        return self.context.step_ends_window(warn=False)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """DeepSpeed's override of where windows end (RL trainers' varying micro-batch counts): while set, ``step()``

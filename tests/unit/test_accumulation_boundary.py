@@ -226,3 +226,31 @@ def test_the_step_in_backward_steps_at_the_overridden_boundary_as_the_step_after
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(_weights(plain), _reference(WINDOWS, 2)[-1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_window_s_first_backward_that_raises_leaves_nothing_with_or_without_the_step_in_backward(in_backward):
+    """Caught and skipped, as torch's skip-a-batch loop: the next micro-batches train as if it never
+    ran (with the step in backward its partial gradients stayed before)."""
+    ref = _model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for i in (1, 2):
+        (_loss(ref, i) / 2).backward()
+    opt.step()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), _Gate(), nn.Linear(16, 4))
+    cfg = {"offload_optimizer": "cpu", "sub_group_size": 64, "offload_optimizer_step_in_backward": in_backward}
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                              {"param_persistence_threshold": 0, "gradient_accumulation_steps": 2, **cfg})
+    try:
+        _Gate.armed = True
+        with pytest.raises(ValueError, match="bad batch"):
+            engine.backward(engine(_batch(0)).pow(2).mean())
+    finally:
+        _Gate.armed = False
+    for i in (1, 2):
+        engine.backward(engine(_batch(i)).pow(2).mean())
+        engine.step()
+    assert engine.global_steps == 1
+    for got, want in zip(_weights(engine), ref.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)

@@ -339,10 +339,11 @@ def _load_state(optimizer: PartitionedOptimizer, reader: CheckpointReader, plan:
             continue
         dtype = parse_dtype(info["dtype"])
         cur = old.get(key)
-        if info["kind"] == "sharded":  # floating state in the master's dtype, as torch's load_state_dict casts it
-            want = master.dtype if dtype.is_floating_point else dtype  # (saved under another precision config too)
-            t = cur if is_sharded_state(cur, master) and cur.dtype == want else \
-                torch.zeros(master.numel(), dtype=want, device=master.device)
+        if info["kind"] == "sharded":  # into the engine's own state (its dtype; on NVMe, its swap region's size);
+            # new: floating state in the master's dtype, as torch's load_state_dict casts it (saved under another
+            # precision config, the saved dtype would not fit the masters the step updates)
+            fresh = master.dtype if dtype.is_floating_point else dtype
+            t = cur if is_sharded_state(cur, master) else torch.zeros(master.numel(), dtype=fresh, device=master.device)
             t[n:].zero_()
             reader.read_flat(pm, skey, start, start + n, t[:n])
         else:

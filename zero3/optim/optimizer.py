@@ -655,6 +655,11 @@ class PartitionedOptimizer:
             raise ZeroStateError("this optimizer's gradients are the engine's: call engine.zero_grad()")
         self.user_zero_grad()
 
+    def stepping_in_backward(self) -> bool:
+        """The running (or last) backward steps the optimizer inside it; its abort drops the gradients."""
+        return self.backward_step is not None and self.backward_step.phase in (BackwardStepPhase.STEPPING,
+                                                                                BackwardStepPhase.STEPPED)
+
     def stepped_in_backward(self) -> bool:
         """The last backward stepped sub-groups (the step in backward), so ``engine.step()`` ends its window."""
         return self.backward_step is not None and self.backward_step.phase is BackwardStepPhase.STEPPED

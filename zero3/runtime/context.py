@@ -223,7 +223,7 @@ class RuntimeContext:
             return self.boundary_override
         return (self.micro_steps + 1) % self.config.training.gradient_accumulation_steps == 0
 
-    def step_ends_window(self) -> bool:
+    def step_ends_window(self, warn: bool = True) -> bool:
         """Whether ``engine.step()`` now ends the window: where it ends, or after a backward that
         stepped the optimizer inside it (the step in backward), whatever the override says since:
         that step stands, with a warning (the boundary was moved after the backward that used it)."""
@@ -231,10 +231,11 @@ class RuntimeContext:
             return True
         if self.optimizer is None or not self.optimizer.stepped_in_backward():
             return False
-        logger.warning("zero3: engine.step(): the optimizer stepped inside the last backward (its window ended when it "
-                       "ran) and the boundary says otherwise now: that step stands. With "
-                       "offload_optimizer_step_in_backward, call set_gradient_accumulation_boundary before each "
-                       "micro-batch's forward")
+        if warn:
+                logger.warning("zero3: engine.step(): the optimizer stepped inside the last backward (its window ended when "
+                           "it ran) and the boundary says otherwise now: that step stands. With "
+                           "offload_optimizer_step_in_backward, call set_gradient_accumulation_boundary before each "
+                           "micro-batch's forward")
         return True
 
     def window_position(self) -> str:

@@ -71,6 +71,11 @@ def zero_grad_window(engine: Any) -> None:
                              "offload_optimizer_step_in_backward: the optimizer stepped inside that backward, so its "
                              "gradients were used already; call engine.step()")
     if ctx.boundary_override is not None:
+        if engine._backward_ran():
+            warn_once("zero3: engine.zero_grad() while set_gradient_accumulation_boundary "
+                      "is set keeps the window's gradients, the last backward's included, as DeepSpeed's does (it "
+                      "clears only param.grad): it drops no micro-batch (without the override it drops a window's "
+                      "first)")
         return
     if ctx.window_micro:
         if engine._backward_ran():

@@ -188,7 +188,7 @@ class StepLifecycle:
                 except ZeroError:
                     pass  # the step is gone anyway; the first error is what the caller sees
                 opt = ctx.optimizer
-                if backward and opt is not None and opt.backward_step is None \
+                if backward and opt is not None and not opt.stepping_in_backward() \
                         and ctx.window_backwards == 0:
                     opt.drop_grads()  # [Note: a backward that raised]: a window's first, so all the shards hold
             else:
