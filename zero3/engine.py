@@ -12,17 +12,20 @@ import functools
 import copy
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .activation import checkpointing
 from .checkpoint.hf_save import save_pretrained
 from .checkpoint.load import load_checkpoint
 from .checkpoint.save import save_checkpoint
+from .checkpoint.sixteen_bit import save_16bit_model, sixteen_bit_state_dict
 from .comm.agreement import agree_on_config
 from .comm.communicator import Communicator, Kind, Tag
 from .comm.tags import OPTIMIZER_STEP
@@ -296,6 +299,26 @@ class Engine(DeepSpeedEngineNames):
             "avoid. Drop the no_sync(): a backward per micro-batch and one step at the end accumulate in "
             "the shards to DDP's gradients (or set gradient_accumulation_steps and call engine.step() after "
             "every micro-batch: it steps at the window's end)")
+
+    # -- DeepSpeed's engine names that reach past the engine's state (the others: runtime/deepspeed_engine.py)
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the whole world (``engine.rank`` is its data-parallel rank)."""
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else self.rank
+
+    def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the consolidated model, each parameter in its own (16-bit under bf16/fp16) dtype, as a
+        ``torch.save`` state dict at ``save_dir/save_filename``. A collective: every rank takes part in
+        the gathers, the engine group's rank 0 writes, and every rank returns (True) once it is there."""
+        return save_16bit_model(self, os.path.join(os.fspath(save_dir), save_filename), exclude_frozen_parameters)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        """DeepSpeed's name, as Accelerate and the Hugging Face Trainer call it: the state dict
+        `save_16bit_model` writes, on the engine group's rank 0; None on the other ranks (a collective)."""
+        state = sixteen_bit_state_dict(self, exclude_frozen_parameters)
+        return state if self.rank == 0 else None
+
 
     def __iter__(self) -> Iterator[Any]:
         raise TypeError("zero3.initialize returns the engine alone, not a tuple; for DeepSpeed's 4-tuple "

@@ -82,7 +82,7 @@ class GradientReducer:
     def add(self, p: ZeroParameter, grad: torch.Tensor) -> None:
         if grad.numel() != p._zero.numel or grad.layout is not _STRIDED:
             _refuse_resized(p, grad)
-        if p._zero.id in self._summed:
+        if self._summed and p._zero.id in self._summed:
             summed = self._sum_sequence_parallel(p, grad)
             assert summed is not None  # this rank has a gradient
             grad = summed
