@@ -48,7 +48,7 @@ from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
 from .runtime.step import StepPhase
 from .runtime.engine_calls import (MID_STEP, abort_forward, check_lr_kwargs, end_forward_without_backward, log_progress,
-                                   begin_forward, offload_engine_states, require_hooks, zero_grad_window)
+                                   begin_forward, in_memory, offload_engine_states, require_hooks, zero_grad_window)
 
 logger = logging.getLogger(__name__)
 
@@ -415,6 +415,7 @@ class Engine(DeepSpeedEngineNames):
         master buffers]), or a tensor of its own with ``offload_optimizer="nvme"``; otherwise, and
         for a frozen parameter, the shard. After writing into it, call `refresh_from_masters`.
         """
+        in_memory(self, "engine.master_shard(p)", ("lp_params", "hp_params"), [p._zero.train_tensor])
         return p._zero.train_tensor
 
     def refresh_from_masters(self) -> None:
@@ -425,7 +426,9 @@ class Engine(DeepSpeedEngineNames):
 
     def optimizer_state(self, p: ZeroParameter) -> dict[str, torch.Tensor]:
         """This rank's optimizer state for ``p`` (e.g. ``exp_avg``), keyed as torch.optim keys it."""
-        return self.context.optimizer_state(p)
+        state = self.context.optimizer_state(p)
+        in_memory(self, "engine.optimizer_state(p)", ("optim_states",), state.values())
+        return state
 
     # -- checkpoints (zero3/checkpoint/: save.py, load.py, live_state_dict.py, hf_save.py) ------
     def save_checkpoint(self, save_dir: Any, tag: str | int | None = None, client_state: Any = None,

@@ -280,7 +280,11 @@ def test_checkpoints_and_accessors_read_and_write_state_that_lives_on_nvme(tmp_p
     i, p = next((i, q) for i, q in enumerate(engine.params) if q._zero.swap is not None)
     before = zero3.safe_get_full_optimizer_state(p, "exp_avg")
     assert p.ds_tensor.untyped_storage().nbytes() == 0  # read for the call only
-    assert engine.optimizer_state(p)["exp_avg"].untyped_storage().nbytes() == 0
+    assert engine.context.optimizer_state(p)["exp_avg"].untyped_storage().nbytes() == 0
+    with pytest.raises(zero3.ZeroStateError, match="live on NVMe between steps"):  # a read would crash
+        engine.optimizer_state(p)
+    with pytest.raises(zero3.ZeroStateError, match="live on NVMe between steps"):
+        engine.master_shard(p)
     engine.save_checkpoint(tmp_path / "ckpt")
     other = _engine(cfg)
     other.load_checkpoint(tmp_path / "ckpt")
@@ -595,3 +599,20 @@ def test_loading_a_checkpoint_saved_before_the_first_step_with_the_optimizer_on_
     fresh = _engine({**BASE, "offload_optimizer": nvme(tmp_path / "o2", staged_step=staged)})
     assert resumed == _train(fresh, 2)
     assert all(torch.equal(a, b) for a, b in zip(_weights(engine), _weights(fresh)))
+
+
+def test_master_shard_and_optimizer_state_of_offloaded_states_are_refused_not_read(tmp_path):
+    """Their storages are empty while offload_states holds them: reading one crashed the process."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), eps=1e-6), {"param_persistence_threshold": 0})
+    engine.backward(engine(torch.randn(3, 8)).pow(2).mean())
+    engine.step()
+    p = engine.params[0]
+    engine.offload_states(device="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(ZeroStateError, match="reload_states"):
+        engine.master_shard(p)
+    with pytest.raises(ZeroStateError, match="reload_states"):
+        engine.optimizer_state(p)
+    engine.reload_states()
+    assert engine.master_shard(p).untyped_storage().nbytes() > 0 and "exp_avg" in engine.optimizer_state(p)

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Iterable
 from typing import Any
+
+import torch
 
 from ..config.sections import warn_once
 from ..errors import ConcurrentForwardError, ZeroConfigError, ZeroStateError
@@ -160,3 +163,15 @@ def offload_engine_states(engine: Any, include: Any, device: str, pin_memory: bo
     if ctx.offloaded is None:
         ctx.offloaded = StatesOffload(ctx)
     return ctx.offloaded.offload(include, device, pin_memory, non_blocking, nvme_path)
+
+
+def in_memory(engine: Any, what: str, kinds: tuple[str, ...], tensors: Iterable[Any]) -> None:
+    """``what`` hands out the tensors the optimizer steps on: refused while their kind is offloaded
+    (``offload_states``), or while their bytes are on NVMe between steps (their storage is empty then,
+    and a read would crash the process)."""
+    engine.context.require_states(what, kinds)
+    if any(isinstance(t, torch.Tensor) and t.numel() and not t.untyped_storage().nbytes() for t in tensors):
+        raise ZeroStateError(f"{what}: these tensors live on NVMe between steps (offload_optimizer or offload_param "
+                             "with device nvme), so there are no bytes here to read; use "
+                             "zero3.safe_get_local_fp32_param(p) or zero3.safe_get_local_optimizer_state(p, key) (and "
+                             "their safe_set_ forms), which read them in and write them back")
