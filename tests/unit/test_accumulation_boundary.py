@@ -190,6 +190,7 @@ def test_a_backward_that_stepped_inside_ends_its_window_when_the_override_is_tur
     engine.set_gradient_accumulation_boundary(True)
     engine.backward(_loss(engine, 0))
     engine.set_gradient_accumulation_boundary(False)
+    assert engine.is_gradient_accumulation_boundary()  # what step() will do: the backward ended the window
     with caplog.at_level(logging.WARNING, logger="zero3"):
         assert engine.step() is True and engine.global_steps == 1
     assert "the optimizer stepped inside the last backward" in caplog.text
