@@ -3,7 +3,7 @@
 
 import sys
 
-from .checkpoint.consolidate import main
+from .checkpoint.consolidate import cli
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -86,3 +86,14 @@ def test_python_m_zero3_consolidate_help_runs() -> None:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "usage: python -m zero3.consolidate" in done.stdout and "--include-optimizer" in done.stdout
+
+
+def test_python_m_zero3_consolidate_prints_a_bad_checkpoint_as_one_line(tmp_path) -> None:
+    """A checkpoint error was a traceback; now one line on stderr and exit status 1."""
+    (tmp_path / "latest").write_text("\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "zero3.consolidate", str(tmp_path), str(tmp_path / "o.pt")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("python -m zero3.consolidate: error: ") and "latest: names no checkpoint" in done.stderr
+    assert "--tag on the command line" in done.stderr

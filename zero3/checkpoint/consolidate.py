@@ -362,5 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """``python -m zero3.consolidate``: `main`, with a checkpoint's or an argument's error (a missing
+    or corrupt file, a bad ``latest``, an unknown output format) printed as one line, exit status 1,
+    where a traceback buried it."""
+    try:
+        return main(argv)
+    except (ValueError, OSError) as exc:  # zero3's checkpoint and config errors are ValueErrors
+        sys.stderr.write(f"python -m zero3.consolidate: error: {exc}\n")
+        return 1
+
+
 if __name__ == "__main__":  # python -m zero3.checkpoint.consolidate, as python -m zero3.consolidate
-    sys.exit(main())
+    sys.exit(cli())

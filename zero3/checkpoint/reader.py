@@ -59,13 +59,11 @@ class CheckpointReader:
         if tag is None:
             latest = self.root / LATEST_FILE
             if not latest.is_file():
-                raise CheckpointNotFoundError(f"{latest}: missing, so the newest checkpoint is unknown; pass tag= "
-                                              f"(tags with metadata here: {self._tags() or 'none'})")
+                raise CheckpointNotFoundError(f"{latest}: missing, so the newest checkpoint is unknown; {self._pass_a_tag()}")
             try:  # written by a save, or by hand: a plain tag, not empty or a path
                 tag = check_tag(latest.read_text().strip())
             except ValueError as exc:
-                raise CheckpointNotFoundError(f"{latest}: names no checkpoint ({exc}); pass tag= (tags with metadata "
-                                              f"here: {self._tags() or 'none'})") from None
+                raise CheckpointNotFoundError(f"{latest}: names no checkpoint ({exc}); {self._pass_a_tag()}") from None
         self.tag = tag
         self.path = self.root / tag
         old = self.root / f".{tag}.old"
@@ -122,9 +120,10 @@ class CheckpointReader:
         self._headers: dict[int, SafetensorsHeader] = {}
         self._handles: dict[int, BinaryIO] = {}
 
-    def _tags(self) -> list[str]:
-        """The tags under the root that hold a checkpoint's metadata, for messages."""
-        return sorted(d.name for d in self.root.iterdir() if (d / METADATA_FILE).is_file())
+    def _pass_a_tag(self) -> str:
+        """What to do without a usable ``latest``, with the tags under the root that hold a checkpoint."""
+        tags = sorted(d.name for d in self.root.iterdir() if (d / METADATA_FILE).is_file())
+        return f"pass a tag (tag=, or --tag on the command line; tags with metadata here: {tags or 'none'})"
 
     def _check_first_stamp(self, files: Any) -> None:
         """Check metadata.json against the checksum in its first rank file (the first of the directory
