@@ -257,8 +257,8 @@ class Engine(DeepSpeedEngineNames):
             ctx.metrics.optimizer_seconds += time.perf_counter() - t0
         ctx.micro_steps += 1
         ctx.window_micro = 0 if boundary else ctx.window_micro + 1
-        ctx.window_backwards = 0 if boundary else ctx.window_backwards
         if boundary:
+            ctx.window_backwards = 0
             if ctx.optimizer is None:  # nothing steps the shards, but the refresh gathers them again
                 ctx.take_persistent_writes()
             ctx.coordinator.refresh_persistent()
@@ -664,7 +664,8 @@ def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.
     ctx.finish_gradients()
     if not ctx.window_ends():
         raise ZeroStateError(
-            f"clip_grad_norm_ called after {ctx.window_position()}: the gradients are not complete yet. Clip only when engine.is_gradient_accumulation_boundary(), or set gradient_clipping "
+            f"clip_grad_norm_ called after {ctx.window_position()}: the gradients are not complete yet. Clip "
+            "only when engine.is_gradient_accumulation_boundary(), or set gradient_clipping "
             "in the config and let engine.step() clip")
     if ctx.optimizer is not None:
         return ctx.optimizer.clip_grad_norm(max_norm, norm_type)

@@ -188,6 +188,12 @@ class _Conversion:
         return revert_weight_conversion(self.module, {key: tensor})
 
 
+def _spec(key: str, t: torch.Tensor, dtype: torch.dtype | None) -> Spec:
+    """``key`` written from ``t`` (its full shape, partitioned or not), floating point in ``dtype`` when given."""
+    shape = tuple(t._zero.shape) if isinstance(t, ZeroParameter) else tuple(t.shape)
+    return key, dtype if dtype is not None and t.dtype.is_floating_point else t.dtype, shape
+
+
 def plan_sources(module: nn.Module, dtype: torch.dtype | None) -> tuple[list[Source], _Conversion | None]:
     """The entries to save, in state-dict order, with the dtype each is saved in (``dtype`` for
     floating-point ones when given, else the parameter's or buffer's own) and their output specs."""
@@ -197,9 +203,7 @@ def plan_sources(module: nn.Module, dtype: torch.dtype | None) -> tuple[list[Sou
               if isinstance(v, torch.Tensor)}
     specs: dict[str, Spec] = {}
     for k in _kept_keys(module, list(values), values):
-        t = values[k]
-        shape = tuple(t._zero.shape) if isinstance(t, ZeroParameter) else tuple(t.shape)
-        specs[k] = (k, dtype if dtype is not None and t.dtype.is_floating_point else t.dtype, shape)
+        specs[k] = _spec(k, values[k], dtype)
     convert = _Conversion.of(module, specs)
     return [Source(k, values[k], spec[1], convert.outputs[k] if convert is not None else (spec,))
             for k, spec in specs.items()], convert
@@ -366,9 +370,8 @@ def _adapter_sources(module: nn.Module, dtype: torch.dtype | None) -> list[Sourc
     for k, v in module.state_dict(keep_vars=True).items():
         t = params.get(k, v)
         if isinstance(t, torch.Tensor) and (names & set(k.split(".")) or t.requires_grad):
-            shape = tuple(t._zero.shape) if isinstance(t, ZeroParameter) else tuple(t.shape)
-            saved = dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
-            out.append(Source(k, t, saved, ((k, saved, shape),)))
+            spec = _spec(k, t, dtype)
+            out.append(Source(k, t, spec[1], (spec,)))
     return out
 
 

@@ -59,7 +59,8 @@ class CheckpointReader:
         if tag is None:
             latest = self.root / LATEST_FILE
             if not latest.is_file():
-                raise CheckpointNotFoundError(f"{latest}: missing, so the newest checkpoint is unknown; {self._pass_a_tag()}")
+                raise CheckpointNotFoundError(f"{latest}: missing, so the newest checkpoint is unknown; "
+                                              f"{self._pass_a_tag()}")
             try:  # written by a save, or by hand: a plain tag, not empty or a path
                 tag = check_tag(latest.read_text().strip())
             except ValueError as exc:

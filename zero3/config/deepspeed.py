@@ -276,7 +276,8 @@ def _zero_optimization(zero: Any, out: KnobValues) -> None:
         elif key in FLAT_NAMES:
             out.set(key, coerce_flat(key, value), spelled)
         else:
-            known = set(ZERO_KEYS) | {GATHER_16BIT} | ZERO_IGNORED | ZERO_PLUS_PLUS | {"stage"} | set(OFFLOAD_SECTION_KEYS)
+            known = (set(ZERO_KEYS) | {GATHER_16BIT} | ZERO_IGNORED | ZERO_PLUS_PLUS | {"stage"}
+                     | set(OFFLOAD_SECTION_KEYS))
             raise ZeroConfigError("zero_optimization: " + unknown_key_message(key, known, "DeepSpeed ")
                                   + "; zero3's own knob names are read here too")
 

@@ -44,7 +44,8 @@ def route(optimizer: torch.optim.Optimizer | None, engine: Any) -> None:
         if not engine.is_gradient_accumulation_boundary():
             raise ZeroStateError(
                 f"{type(self).__name__}.step() at {engine.context.window_position()}, where engine.step() only "
-                "counts the micro-batch, but optimizer.step() means to step now. Call engine.step() after every micro-batch's backward (it "
+                "counts the micro-batch, but optimizer.step() means to step now. Call engine.step() after every "
+                "micro-batch's backward (it "
                 "steps at the window's last), or set gradient_accumulation_steps to 1 and accumulate in the loop "
                 "(gradients add up in the shards until the step); nothing was counted")
         self._opt_called = True  # type: ignore[attr-defined]  # the order check of torch's LR schedulers

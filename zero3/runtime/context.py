@@ -232,17 +232,17 @@ class RuntimeContext:
         if self.optimizer is None or not self.optimizer.stepped_in_backward():
             return False
         if warn:
-                logger.warning("zero3: engine.step(): the optimizer stepped inside the last backward (its window ended when "
-                           "it ran) and the boundary says otherwise now: that step stands. With "
+            logger.warning("zero3: engine.step(): the optimizer stepped inside the last backward (its window ended "
+                           "when it ran) and the boundary says otherwise now: that step stands. With "
                            "offload_optimizer_step_in_backward, call set_gradient_accumulation_boundary before each "
                            "micro-batch's forward")
         return True
 
     def window_position(self) -> str:
         """The running micro-batch's place in its window, for messages."""
-        k = self.window_micro + 1
+        k, n = self.window_micro + 1, self.config.training.gradient_accumulation_steps
         if self.boundary_override is None:
-            return f"micro-batch {k} of {self.config.training.gradient_accumulation_steps} (gradient_accumulation_steps)"
+            return f"micro-batch {k} of {n} (gradient_accumulation_steps)"
         return (f"micro-batch {k} of a window whose end engine.set_gradient_accumulation_boundary sets "
                 f"(now {self.boundary_override})")
 

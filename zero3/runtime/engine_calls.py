@@ -1,7 +1,8 @@
 """What the engine's public calls check before they act, and DeepSpeed's small procedures around
 them: a detached engine refused by name, ``lr_kwargs`` checked before a step, ``zero_grad`` inside an
-accumulation window, the ``steps_per_print`` progress line, ``offload_states``' checks. Functions of an `zero3.engine.Engine`
-(passed in; this module does not import it)."""
+accumulation window, the ``steps_per_print`` progress line, ``offload_states``' checks, the tensors
+``master_shard`` and ``optimizer_state`` hand out. Functions of an `zero3.engine.Engine` (passed in;
+this module does not import it)."""
 
 from __future__ import annotations
 

@@ -139,8 +139,9 @@ class StepLifecycle:
         those it reduced already (how many depends on the bucket sizes) are dropped with the
         gradient shards when it was a window's first micro-batch, so the failed micro-batch leaves
         nothing, as after torch's skip-a-batch loop (catch, ``optimizer.zero_grad()``, go on). After a
-        window's earlier backward ended (``window_backwards``: whether or not ``engine.step()`` followed it) they stay, summed with the earlier ones (no split is possible;
-        ``engine.zero_grad()`` refuses there). An ``engine.step()`` right after a bare backward that
+        window's earlier backward ended (``window_backwards``: whether or not ``engine.step()`` followed
+        it) they stay, summed with the earlier ones (no split is possible; ``engine.zero_grad()``
+        refuses there). An ``engine.step()`` right after a bare backward that
         raised steps on all of its gradients, as torch's ``optimizer.step()`` would."""
         if self._aborted:
             return
