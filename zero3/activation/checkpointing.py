@@ -31,6 +31,15 @@ The outputs require grad whenever grad mode is on (an empty leaf that requires g
 an input), so parameters inside ``function`` get gradients even when no input requires grad, as
 with frozen embeddings: torch's reentrant checkpoint silently gives them none in that case.
 
+[Note: inputs that differ across ranks]
+``partition_activations`` assumes what Megatron's tensor parallelism gives: every model-parallel rank
+passes the checkpoint the same input. Under Megatron's sequence parallelism each passes its own part
+of the sequence, and the gathered slices would make an input no rank had: the recompute, and every
+gradient after it, silently wrong (0.13 relative off the full model on 2 x 2 ranks; probe 28A).
+So each partitioned input's `bit_sum` is kept beside its slice (one int64), and the recompute
+compares it with the gathered input's: a mismatch raises `ZeroStateError` there, on every rank whose
+input differs, instead of training on the mix. One read of each input per forward and per recompute.
+
 [Note: why this module has process-wide state]
 DeepSpeed's API is process-wide: ``configure`` once, then ``checkpoint`` anywhere in the model code,
 and one RNG tracker (``get_cuda_rng_tracker``, in rng.py) that model code forks. The settings, the
@@ -56,6 +65,7 @@ from ..comm.settings import CommSettings
 from ..config import ActivationCheckpointingConfig, resolve_config
 from ..errors import ZeroStateError
 from ..runtime.checkpoint_scopes import checkpoint_forward
+from ..runtime.rank_values import bit_sum
 from ..metrics import StepMetrics
 from ..comm.model_parallel import model_parallel_group
 from .rng import MODEL_PARALLEL_RNG, CudaRNGStatesTracker, RNGStatesTracker, get_cuda_rng_tracker
@@ -284,6 +294,7 @@ class _Kept:
     device: torch.device
     requires_grad: bool
     partitioned: bool  # saved as this rank's slice of the flat, padded tensor
+    fingerprint: torch.Tensor | None = None  # a partitioned input's `bit_sum`, checked after the gather
 
 
 @dataclass(eq=False)
@@ -320,7 +331,8 @@ def _keep(call: _Call, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     position = 0
     for t in tensors:
         partitioned = config.partition_activations and _is_activation(t)
-        call.kept.append(_Kept(t.shape, t.device, t.requires_grad, partitioned))
+        fingerprint = bit_sum(t) if partitioned and mp.comm is not None else None  # [Note: inputs that differ
+        call.kept.append(_Kept(t.shape, t.device, t.requires_grad, partitioned, fingerprint))  # across ranks]
         if not _is_activation(t):
             out.append(t)
             continue
@@ -366,6 +378,8 @@ def _restore(call: _Call, saved: tuple[torch.Tensor, ...]) -> list[torch.Tensor]
             k = call.kept[i]
             numel = k.shape.numel()
             full[i] = r.reshape(-1)[:numel].view(k.shape)
+            if k.fingerprint is not None and not torch.equal(bit_sum(full[i]), k.fingerprint.to(full[i].device)):
+                raise _differs_refusal(i, k, mp.world_size)
     out = []
     for i, k in enumerate(call.kept):
         t = full.get(i, saved[i])
@@ -374,6 +388,15 @@ def _restore(call: _Call, saved: tuple[torch.Tensor, ...]) -> list[torch.Tensor]
             t.requires_grad_(True)
         out.append(t)
     return out
+
+
+def _differs_refusal(i: int, k: _Kept, mp: int) -> ZeroStateError:
+    return ZeroStateError(
+        f"activation checkpoint recompute: input {i} (shape {tuple(k.shape)}) gathered from the {mp} model-parallel "
+        "ranks' slices is not the input this rank saved: partition_activations keeps 1/mp of each input and needs "
+        "every model-parallel rank to pass the same one, but these ranks passed different inputs (Megatron's "
+        "sequence parallelism gives each its own part of the sequence). Set partition_activations false for such "
+        "blocks (Megatron turns it off under sequence parallelism); the gradients would be wrong")
 
 
 class _CheckpointFunction(torch.autograd.Function):

@@ -296,8 +296,11 @@ def translate(d: dict[str, Any]) -> dict[str, Any]:
         elif key == "data_types":
             _data_types(value)
         elif key in TOP_LEVEL:
-            if key in ("prescale_gradients", "zero_allow_untested_optimizer"):
-                check_ignored(key, key, value)
+            check_ignored(key, key, value)
+            if key == "zero_allow_untested_optimizer":  # 0/1, "yes"/"off" too; None or "auto": the default
+                if value is not None and value != "auto":
+                    out.set(key, not _lax_false(value), key)
+                continue
             logger.info("zero3: DeepSpeed key %r is not used by ZeroConfig; ignored", key)
         elif key in _OFF_SECTIONS or key in _OFF_KEYS or key == "checkpoint":
             _unimplemented(key, value)

@@ -120,6 +120,7 @@ _IGNORED_BOOLS = {
     "pipeline", "auto_cast", "fp16_master_weights_and_grads", "immediate_grad_update", "check_grad_overflow",
     "bf16_master_weights_and_grads", "bf16_optimizer_states", "prescale_gradients", "zero_allow_untested_optimizer",
 }
+_READ_BOOLS = {"stage3_gather_16bit_weights_on_model_save", "zero_allow_untested_optimizer"}  # checked so, and read
 _LAX_BOOL_WORDS = {"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"}
 
 
@@ -130,8 +131,9 @@ def check_ignored(spelled: str, key: str, value: Any) -> None:
         return
     if key in _IGNORED_BOOLS and not (isinstance(value, bool) or (type(value) is int and value in (0, 1)) or (
             isinstance(value, str) and value.lower() in _LAX_BOOL_WORDS)):
-        raise ZeroConfigError(f"{spelled} must be a boolean as DeepSpeed reads it (true/false, 0/1, \"yes\"/\"no\"; it "
-                              f"has no effect in zero3), got {value!r} ({type(value).__name__})")
+        effect = "" if key in _READ_BOOLS else "; it has no effect in zero3"
+        raise ZeroConfigError(f"{spelled} must be a boolean as DeepSpeed reads it (true/false, 0/1, \"yes\"/\"no\"{effect}"
+                              f"), got {value!r} ({type(value).__name__})")
     if key in _IGNORED_INTS and not ((type(value) is int or (isinstance(value, float) and value.is_integer()))
                                      and value >= 0):
         raise ZeroConfigError(f"{spelled} must be a whole number >= 0 as DeepSpeed reads it (it has no effect in "

@@ -168,6 +168,12 @@ class TrainingConfig:
     gather the whole 16-bit model onto rank 0 when they save only where it is True (zero3 itself
     reads it nowhere: ``save_16bit_model`` and ``save_pretrained`` always work)."""
 
+    zero_allow_untested_optimizer: bool = False
+    """DeepSpeed's key, with its default: allow an optimizer outside torch.optim's, which zero3 cannot
+    tell updates each element from its own state (it steps flat 1-D shards; optim/steppable.py
+    [Note: optimizers zero3 can step]). Ones known to read the whole parameter (Adafactor, LAMB, ...)
+    are refused either way."""
+
     steps_per_print: int = 10
     """How often (in optimizer steps) the engine logs its progress at INFO, as DeepSpeed's does: on
     rank 0 the step, the skipped steps, the learning rates and fp16's loss scale; and, with

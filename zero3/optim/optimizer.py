@@ -70,6 +70,7 @@ from .backward_step import BackwardStep, BackwardStepPhase
 from .foreign import guard_groups
 from .rank_state import tag_rank_state
 from .routed_step import torch_step
+from .steppable import check_steppable
 from .streamed import SubgroupStreamer
 from .precision import RUNNING_BACKWARD, LossScaler, unscale_
 from .grad_norm import clip_shards
@@ -93,7 +94,8 @@ def aligned_numel(numel: int) -> int:
     return -(-numel // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
 
 
-def shard_optimizer(optimizer: Any, params: Iterable[ZeroParameter]) -> torch.optim.Optimizer:
+def shard_optimizer(optimizer: Any, params: Iterable[ZeroParameter],
+                    allow_untested: bool = False) -> torch.optim.Optimizer:
     """Point ``optimizer`` at the shards of ``params`` (or build one from a factory).
 
     A ``torch.optim.Optimizer`` built over the full parameters keeps its class, param groups and
@@ -119,11 +121,11 @@ def shard_optimizer(optimizer: Any, params: Iterable[ZeroParameter]) -> torch.op
         return optimizer
     if callable(optimizer):
         shards = [p._zero.shard for p in params if p.requires_grad]
-        return _call_factory(optimizer, [{"params": shards}])
+        return _call_factory(optimizer, [{"params": shards}], allow_untested)
     raise _bad_optimizer(optimizer)
 
 
-def validate_optimizer(optimizer: Any, model_params: Iterable[torch.Tensor] = ()) -> None:
+def validate_optimizer(optimizer: Any, model_params: Iterable[torch.Tensor] = (), allow_untested: bool = False) -> None:
     """Reject, before ``initialize`` changes anything, an optimizer it cannot use: not an optimizer,
     one that has stepped, or one holding a tensor that is neither a parameter of ``model_params`` nor
     the shard of one (a factory is called later, with the shards)."""
@@ -131,7 +133,7 @@ def validate_optimizer(optimizer: Any, model_params: Iterable[torch.Tensor] = ()
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise _bad_optimizer(optimizer)
-    refuse_shape_dependent(optimizer)
+    check_steppable(optimizer, allow_untested)
     _check_fresh(optimizer)
     known: set[int] = set()
     for p in model_params:
@@ -201,39 +203,12 @@ def _bad_optimizer(optimizer: Any) -> ZeroConfigError:
         f"got {type(optimizer).__name__}")
 
 
-def _call_factory(factory: Any, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+def _call_factory(factory: Any, groups: list[dict[str, Any]], allow_untested: bool) -> torch.optim.Optimizer:
     opt = factory(groups)
     if not isinstance(opt, torch.optim.Optimizer):
         raise ZeroConfigError(f"optimizer factory must return a torch.optim.Optimizer, got {type(opt).__name__}")
-    refuse_shape_dependent(opt, factory=True)
+    check_steppable(opt, allow_untested, factory=True)
     return opt
-
-
-_SHAPED = {"Adafactor": "keeps a factored second moment over each matrix's rows and columns",
-           "Muon": "orthogonalises each 2-D gradient matrix"}
-"""torch's optimizers whose update of an element depends on the parameter's shape: on zero3's flat
-1-D shards they would compute another update than on the full parameter (Adafactor an unfactored
-second moment; Muon fails on a 1-D gradient), as DeepSpeed's flat partitions would."""
-
-
-def refuse_shape_dependent(optimizer: torch.optim.Optimizer, factory: bool = False) -> None:
-    """Refuse an optimizer zero3 cannot step right over shards: LBFGS, and those of `_SHAPED`."""
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ZeroConfigError(
-            f"{type(optimizer).__name__} (an LBFGS) steps through a closure that runs the forward and backward again "
-            "inside its step, and its line "
-            "search takes dot products over every parameter; zero3's step takes no closure and each rank holds "
-            "its shards only. Use an optimizer that updates each element from its own state (AdamW, Adam, SGD, "
-            "...)" + ("; the factory was called with the shards, so the model is partitioned already" if factory
-                     else "; zero3.initialize changed nothing"))
-    for cls in type(optimizer).__mro__:
-        if cls.__module__.startswith("torch.optim") and cls.__name__ in _SHAPED:
-            raise ZeroConfigError(
-                f"{type(optimizer).__name__} {_SHAPED[cls.__name__]}: zero3 steps each rank's flat 1-D shard of "
-                "a parameter, so its updates would differ from torch's on the full parameter. Use an optimizer "
-                "that updates each element from its own state (AdamW, Adam, SGD, Adagrad, RMSprop, ...)" +
-                ("; the factory was called with the shards, so the model is partitioned already" if factory else
-                 "; zero3.initialize changed nothing"))
 
 
 @dataclass(eq=False)
@@ -293,7 +268,8 @@ class PartitionedOptimizer:
         if self.separate_masters:
             self.optimizer = self._build_masters(optimizer, fp32_shards or {})
         else:
-            self.optimizer = shard_optimizer(optimizer, self.params)
+            self.optimizer = shard_optimizer(optimizer, self.params,
+                                             config.training.zero_allow_untested_optimizer)
         if isinstance(self.optimizer, torch.optim.Optimizer):  # its state_dict() is this rank's shard of it
             tag_rank_state(self.optimizer, comm.rank, comm.world_size, on_drive=self.states is not None)
             guard_groups(self.optimizer)  # its groups hold the shards: add_param_group is refused
@@ -358,7 +334,8 @@ class PartitionedOptimizer:
         if callable(optimizer):
             fg = self._flatten([p for p in self.params if p.requires_grad], fp32_shards)
             self.groups.append(fg)
-            return _call_factory(optimizer, [{"params": fg.masters()}])
+            return _call_factory(optimizer, [{"params": fg.masters()}],
+                                 self.config.training.zero_allow_untested_optimizer)
         raise _bad_optimizer(optimizer)
 
     def _flatten(self, ps: list[ZeroParameter], fp32_shards: dict[int, torch.Tensor]) -> FlatGroup:
