@@ -495,3 +495,38 @@ def test_setting_the_engine_s_lr_scheduler_to_none_hands_it_back_as_lightning_do
     assert engine.get_lr() == [0.1]
     sched.step()  # its own step works again
     assert engine.get_lr() == [0.05]
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_the_returned_optimizer_has_the_names_frameworks_read_off_deepspeed_s_zero_optimizer(fp16):
+    """``state``, ``defaults``, ``loss_scale``/``cur_scale`` and ``dynamic_loss_scale`` were
+    AttributeErrors (probe 28C): Accelerate's optimizer wrapper forwards ``state`` and ``defaults``,
+    Lightning moves ``state`` at teardown, Megatron-style loops log ``cur_scale``."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    config = {"fp16": {"enabled": True, "initial_scale_power": 8}} if fp16 else {}
+    engine, ret, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    dtype = torch.float16 if fp16 else torch.float32
+    _train_step(engine, 0, dtype)
+    assert ret.state is opt.state and ret.defaults is opt.defaults
+    assert {id(t) for t in ret.state} == {id(t) for g in opt.param_groups for t in g["params"]}  # the shards'
+    assert ret.loss_scale == ret.cur_scale == engine.loss_scale == (256.0 if fp16 else 1.0)
+    assert ret.dynamic_loss_scale is fp16 and not ret.overflow
+    if fp16:  # an overflow: skipped, and the names follow the scaler (hysteresis 2: the second halves it)
+        for _ in range(2):
+            engine.backward(engine(torch.randn(3, 8).half()).float().pow(2).mean() * math.inf)
+            assert not engine.step() and ret.overflow
+        assert ret.loss_scale == ret.cur_scale == engine.loss_scale == 128.0
+    for name in ("loss_scale", "cur_scale"):
+        with pytest.raises(ZeroConfigError, match=rf"optimizer.{name} = 4.0: zero3's loss scale is set by the "
+                                                  r"config's fp16 section"):
+            setattr(ret, name, 4.0)
+    groups = ret.param_groups
+    ret.param_groups = groups  # Accelerate's setter hands them back
+    assert opt.param_groups is groups
+    ret.param_groups[0]["lr"] = 0.0  # a write through it takes effect at the next step
+    with zero3.GatheredParameters(list(model.parameters())):
+        before = [p.detach().clone() for p in model.parameters()]
+    _train_step(engine, 1, dtype)
+    with zero3.GatheredParameters(list(model.parameters())):
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

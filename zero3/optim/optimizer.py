@@ -67,6 +67,7 @@ from ..offload.residence import ShardStore
 from ..partition.param import ZeroParameter
 from .agreed_step import AgreedStep, StepParts
 from .backward_step import BackwardStep, BackwardStepPhase
+from .deepspeed_optimizer import DeepSpeedOptimizerNames
 from .foreign import guard_groups
 from .rank_state import tag_rank_state
 from .routed_step import torch_step
@@ -226,7 +227,7 @@ class FlatGroup:
         return [p._zero.train_tensor for p in self.params]
 
 
-class PartitionedOptimizer:
+class PartitionedOptimizer(DeepSpeedOptimizerNames):
     """The user's optimizer plus what zero3 does around its step (see [Note: flat master buffers]).
 
     ``optimizer`` is the user's ``torch.optim.Optimizer`` object, re-pointed (or the one a factory
@@ -517,17 +518,6 @@ class PartitionedOptimizer:
     def loaded(self, params: Sequence[ZeroParameter], write: bool) -> contextlib.AbstractContextManager[None]:
         """See `SubgroupStreamer.loaded`."""
         return self.streamer.loaded(params, write)
-
-    @property
-    def overflow(self) -> bool:
-        """Whether the last optimizer step found an fp16 overflow (and was skipped), as DeepSpeed's
-        ``optimizer.overflow``."""
-        return self._last_overflow
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The user's optimizer's param groups (their ``params`` are the shards or fp32 masters)."""
-        return self.optimizer.param_groups
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale (fp16, once per window), then clip the gradient shards by their global norm."""
