@@ -258,8 +258,8 @@ def test_gathered_parameters_without_modifier_rank_refuses_a_discarded_write(ini
 def test_a_read_only_context_raises_exactly_when_a_value_it_gathered_changed(writes):
     """Invariant ([Note: writes that GatheredParameters discards]): without modifier_rank the exit
     raises if and only if some element of a parameter the context gathered holds another value than
-    on entry (a write of the same value, or of +0.0 over +0.0, changes nothing), and either way the
-    shards keep their values."""
+    on entry (a write of the same value, or of +0.0 over +0.0, changes nothing; these writes move an
+    element by 1 or more, far past rounding), and either way the shards keep their values."""
     torch.manual_seed(0)
     with zero3.Init():
         m = nn.Linear(4, 3)
@@ -278,6 +278,31 @@ def test_a_read_only_context_raises_exactly_when_a_value_it_gathered_changed(wri
         assert not changed
     for n, p in m.named_parameters():
         assert torch.equal(_gathered(p), before[n])
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16),
+       scale=st.floats(1e-3, 3.0))
+def test_a_read_only_context_discards_a_merge_and_unmerge_in_silence_and_reports_more(dtype, seed, scale):
+    """Invariant: W + D - D (TRL's LoRA sync: merge_adapter, read, unmerge_adapter, inside a context
+    without modifier_rank) leaves rounding only, up to a D of 3 times W's largest magnitude; it is
+    discarded without an error (it raised on every rank; probe 28B), the shards bit for bit as before.
+    A write of one element by 8 epsilons of that magnitude is reported."""
+    g = torch.Generator().manual_seed(seed)
+    with zero3.Init():
+        m = nn.Linear(16, 8).to(dtype)
+    before = {n: _gathered(p).clone() for n, p in m.named_parameters()}
+    d = (torch.randn(8, 16, generator=g) * scale * before["weight"].float().abs().max()).to(dtype)
+    with zero3.GatheredParameters(list(m.parameters())), torch.no_grad():
+        m.weight.data += d
+        m.weight.data -= d
+    for n, p in m.named_parameters():
+        assert torch.equal(_gathered(p), before[n])
+    top = before["weight"].float().abs().max()
+    with pytest.raises(ZeroStateError, match="Linear.weight changed inside the context"):
+        with zero3.GatheredParameters(list(m.parameters())), torch.no_grad():
+            m.weight.data[0, 0] += (8 * torch.finfo(dtype).eps * top).to(dtype)
+    assert torch.equal(_gathered(m.weight), before["weight"])
 
 
 def test_gathered_parameters_without_modifier_rank_reads_and_nested_publishes_pass(init_linear):
