@@ -41,12 +41,28 @@ from .format import from_json
 from .reader import CheckpointReader, ParamMeta
 from .safetensors import SafetensorsWriter, dtype_name, parse_dtype
 
+SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+"""The output files `consolidate` writes: safetensors, or torch.save's zip archive."""
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 """(key written, dtype written, shape) of one output tensor."""
 Row = tuple[str, str, str]
 """One state_dict key: (key, "param" or "buffer", canonical param name or the key)."""
 
 logger = logging.getLogger(__name__)
+
+
+_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+
+
+def parse_shard_size(size: int | str) -> int:
+    """Bytes from an int or a string such as ``"5GB"`` (decimal units TB/GB/MB/KB, as transformers)."""
+    if isinstance(size, int):
+        return size
+    text = str(size).strip()
+    unit = text[-2:].upper()
+    if unit not in _UNITS:
+        raise ValueError(f"max_shard_size {size!r}: give bytes as an int or a string ending in TB, GB, MB or KB")
+    return int(float(text[:-2].strip()) * _UNITS[unit])
 
 
 # -- offline: checkpoint directory -> tensors -------------------------------------------------------
@@ -155,7 +171,7 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
     """
     out = Path(out)
     suffix = out.suffix.lower()
-    if suffix not in (".safetensors", ".pt", ".pth", ".bin"):
+    if suffix not in SUFFIXES:
         raise ValueError(f"{out}: unknown output format {suffix!r}; use .safetensors or .pt")
     with CheckpointReader(ckpt_dir, tag, model_parallel_rank) as reader:
         reader.check_files(range(reader.world_size) if verify else ())
@@ -167,6 +183,64 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
         else:
             _write_pt(reader, out, layout, specs, include_optimizer)
     return out
+
+
+def load_consolidated(ckpt_dir: str | os.PathLike[str], *, tag: str | None = None, dtype: torch.dtype | None = None,
+                      verify: bool = True, model_parallel_rank: int | None = None) -> dict[str, Any]:
+    """The full state dict of a sharded checkpoint in memory, as ``torch.load`` of `consolidate`'s
+    ``.pt`` gives it: the fp32 masters of trained parameters (frozen ones in their dtype), buffers, tied
+    names sharing one tensor, the modules' extra state at its place. Arguments as `consolidate`'s."""
+    check_cast_dtype(dtype, "dtype")
+    with CheckpointReader(ckpt_dir, tag, model_parallel_rank) as reader:
+        reader.check_files(range(reader.world_size) if verify else ())
+        layout, specs = _plan(reader, dtype, False)
+        _check_entries(reader, specs)
+        tensors = dict(iter_tensors(reader, specs))
+        return _with_extra_state(reader, [(key, tensors[src if kind == "param" else key]) for key, kind, src in layout])
+
+
+def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, max_shard_size: int,
+                       safetensors: bool, tag: str | None = None, dtype: torch.dtype | None = None,
+                       verify: bool = True) -> list[Path]:
+    """`consolidate` into ``out_dir`` in Hugging Face's layout: ``model.safetensors`` (or, without
+    ``safetensors``, ``pytorch_model.bin``) when the state dict fits ``max_shard_size`` bytes; else
+    files ``model-0000k-of-0000n.safetensors`` (``pytorch_model-...bin``), filled in order, a tensor
+    larger than the limit alone in its file, and an index (``model.safetensors.index.json``) mapping
+    each key to its file. The modules' extra state goes with the first ``.bin`` file. Returns the
+    files written."""
+    out = Path(out_dir)
+    stem, suffix = ("model", ".safetensors") if safetensors else ("pytorch_model", ".bin")
+    with CheckpointReader(ckpt_dir, tag) as reader:
+        reader.check_files(range(reader.world_size) if verify else ())
+        layout, specs = _plan(reader, dtype, False)
+        _check_entries(reader, specs)
+        groups: list[list[Spec]] = []
+        size = total = 0
+        for spec in specs:
+            n = _numel(spec[2]) * torch.empty((), dtype=spec[1]).element_size()
+            total += n
+            if not groups or (size + n > max_shard_size and groups[-1]):
+                groups.append([])
+                size = 0
+            groups[-1].append(spec)
+            size += n
+        names = [f"{stem}{suffix}"] if len(groups) == 1 else \
+            [f"{stem}-{i + 1:05d}-of-{len(groups):05d}{suffix}" for i in range(len(groups))]
+        out.mkdir(parents=True, exist_ok=True)
+        weight_map: dict[str, str] = {}
+        for i, (name, group) in enumerate(zip(names, groups)):
+            keys = {spec[0] for spec in group}
+            rows = [row for row in layout if (row[2] if row[1] == "param" else row[0]) in keys]
+            weight_map.update({row[0]: name for row in rows if not safetensors or row[1] != "param" or row[0] == row[2]})
+            if safetensors:
+                _write_safetensors(reader, out / name, rows, group, False)
+            else:
+                _write_pt(reader, out / name, rows, group, False, extra=i == 0)
+        if len(groups) > 1:
+            index = out / f"{stem}{suffix}.index.json"
+            index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            return [out / n for n in names] + [index]
+    return [out / names[0]]
 
 
 def _check_entries(reader: CheckpointReader, specs: list[Spec]) -> None:
@@ -200,10 +274,10 @@ def _extra_state(reader: CheckpointReader) -> dict[str, dict[str, Any]]:
     return reader.meta.get("extra_state") or {}  # none before 2026-12-05
 
 
-def _with_extra_state(reader: CheckpointReader, entries: list[tuple[str, Any]]) -> dict[str, Any]:
+def _with_extra_state(reader: CheckpointReader, entries: list[tuple[str, Any]], extra: bool = True) -> dict[str, Any]:
     """``entries`` (one per layout row) with the modules' extra state at their places in ``state_dict()`` order."""
     rows = [((n, 1), key, value) for n, (key, value) in enumerate(entries)]
-    rows += [((e["after"], 0), key, from_json(e["value"])) for key, e in _extra_state(reader).items()]
+    rows += [((e["after"], 0), key, from_json(e["value"])) for key, e in _extra_state(reader).items() if extra]
     return {key: value for _, key, value in sorted(rows, key=lambda row: row[0])}  # stable: saved order kept
 
 
@@ -318,7 +392,8 @@ class PtWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def _write_pt(reader: CheckpointReader, out: Path, layout: list[Row], specs: list[Spec], include_optimizer: bool) -> None:
+def _write_pt(reader: CheckpointReader, out: Path, layout: list[Row], specs: list[Spec], include_optimizer: bool,
+              extra: bool = True) -> None:
     writer = PtWriter(out)
     stored: dict[str, _Stored] = {}
     try:
@@ -326,7 +401,7 @@ def _write_pt(reader: CheckpointReader, out: Path, layout: list[Row], specs: lis
             stored[key] = writer.add(t)
             del t
         model = _with_extra_state(reader, [(key, stored[src if kind == "param" else key])
-                                           for key, kind, src in layout])
+                                           for key, kind, src in layout], extra)
         obj: Any = model
         if include_optimizer:
             state: dict[str, dict[str, Any]] = {}

@@ -39,7 +39,7 @@ from ..errors import ZeroConfigError
 from ..partition.param import ZeroParameter
 from ..runtime.context import context_of
 from ..runtime.gathered import GatheredParameters
-from .consolidate import cast_floating, check_cast_dtype
+from .consolidate import cast_floating, check_cast_dtype, parse_shard_size
 from .exchange import exchange
 from .safetensors import SafetensorsWriter, atomic_write_bytes
 
@@ -51,21 +51,9 @@ logger = logging.getLogger(__name__)
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 """(key written, dtype written, shape) of one output tensor."""
-
-
-def parse_shard_size(size: int | str) -> int:
-    """Bytes from an int or a string such as ``"5GB"`` (decimal units TB/GB/MB/KB, as transformers)."""
-    if isinstance(size, int):
-        return size
-    text = str(size).strip()
-    unit = text[-2:].upper()
-    if unit not in _UNITS:
-        raise ValueError(f"max_shard_size {size!r}: give bytes as an int or a string ending in TB, GB, MB or KB")
-    return int(float(text[:-2].strip()) * _UNITS[unit])
 
 
 # -- the plan: which tensors, under which names, in which file ---------------------------------------

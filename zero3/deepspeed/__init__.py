@@ -19,13 +19,15 @@ from ..engine import initialize as _initialize
 from ..errors import ZeroConfigError
 from ..memory import see_memory_usage
 from . import checkpointing
+from . import utils
 from . import zero
 from .distributed import init_distributed
 from .distributed import launched as _launched
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["add_config_arguments", "checkpointing", "init_distributed", "initialize", "see_memory_usage", "zero"]
+__all__ = ["add_config_arguments", "checkpointing", "init_distributed", "initialize", "see_memory_usage", "utils",
+           "zero"]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
