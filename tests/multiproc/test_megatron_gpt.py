@@ -237,14 +237,21 @@ def test_partitioned_activations_keep_one_mp_th_of_the_saved_bytes_per_rank(pool
             assert torch.equal(a, b)
 
 
-def _own_inputs_partitioned() -> str:
-    """Each tensor-parallel rank checkpoints its own input (its part of the sequence, as Megatron's
-    sequence parallelism gives it) with partitioned activations."""
+def _inputs_partitioned(how: str) -> str:
+    """Partitioned activations given: ``own``, each tensor-parallel rank its own input (its part of the
+    sequence, as Megatron's sequence parallelism gives it); ``half``, inputs equal but in the half rank
+    1 keeps, which differs on rank 1; ``view``, the same input on every rank, a view at a 4-byte offset."""
     mpu = m.TinyMPU(2)
     ckpt.configure(mpu, partition_activations=True)
     torch.manual_seed(0)
     block = m.Block(m.Config(), mpu)
-    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
+    mp_rank = mpu.get_model_parallel_rank()
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(dist.get_rank() if how == "own" else 0))
+    if how == "half":
+        x.view(-1)[x.numel() // 2:] += mp_rank
+    elif how == "view":
+        x = torch.cat([torch.zeros(1), x.reshape(-1)])[1:].view(2, 8, 32)
+    x.requires_grad_(True)
     out = ckpt.checkpoint(block, x)
     try:
         out.pow(2).sum().backward()
@@ -255,13 +262,21 @@ def _own_inputs_partitioned() -> str:
     return "no error"
 
 
-def test_partitioned_activations_refuse_inputs_that_differ_across_the_tensor_parallel_ranks(pools):
+@pytest.mark.parametrize("how", ["own", "half"])
+def test_partitioned_activations_refuse_inputs_that_differ_across_the_tensor_parallel_ranks(pools, how):
     """The recompute gathered the ranks' slices of their different inputs into an input no rank had:
     on 2 x 2 ranks with sequence parallelism, weights 0.13 relative off the full model after 4 steps,
-    silently (probe 28A)."""
-    for message in pools.get(4).run(_own_inputs_partitioned, timeout=TIMEOUT):
+    silently (probe 28A). Every rank refuses, also the one whose own half matched (review 28X: it
+    recomputed on, and hung in the block's next collective)."""
+    for message in pools.get(4).run(_inputs_partitioned, how, timeout=TIMEOUT):
         assert "input 0 (shape (2, 8, 32)) gathered from the 2 model-parallel ranks' slices is not the input " \
                "this rank saved" in message and "Set partition_activations false" in message
+
+
+def test_partitioned_activations_take_the_same_input_from_a_view_at_any_offset(pools):
+    """The fingerprint summed 64-bit words from an 8-byte boundary and bytes elsewhere, so an input
+    viewed at a 4-byte offset was refused though every rank passed it (review 28X)."""
+    assert pools.get(4).run(_inputs_partitioned, "view", timeout=TIMEOUT) == ["no error"] * 4
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------

@@ -530,3 +530,29 @@ def test_the_returned_optimizer_has_the_names_frameworks_read_off_deepspeed_s_ze
     _train_step(engine, 1, dtype)
     with zero3.GatheredParameters(list(model.parameters())):
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_the_returned_optimizer_refuses_what_would_break_it(tmp_path):
+    """Review 28X: groups that are not the shards (a deep copy) were taken and trained nothing; a new
+    ``state`` mapping was an AttributeError; ``state`` with the optimizer state on NVMe handed out
+    tensors without bytes, and moving one (Lightning's teardown) crashed the process."""
+    import copy
+
+    model = _model()
+    engine, ret, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                             config={"param_persistence_threshold": 0})
+    _train_step(engine)
+    for groups in (copy.deepcopy(ret.param_groups), [{"params": list(model.parameters())}], ret.param_groups[:0]):
+        with pytest.raises(ZeroConfigError, match=r"the new groups must hold exactly the tensors the optimizer steps"):
+            ret.param_groups = groups
+    ret.state = ret.state  # Accelerate's setter hands back what it read
+    with pytest.raises(ZeroConfigError, match=r"optimizer.state = ...: zero3 keys this rank's optimizer state"):
+        ret.state = {}
+    model = _model()
+    engine, ret, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                             config={"param_persistence_threshold": 0, "offload_optimizer": {
+                                                 "device": "nvme", "nvme_path": str(tmp_path)}})
+    _train_step(engine)
+    with pytest.raises(ZeroStateError, match=r"optimizer.state: the optimizer state lives on NVMe between steps"):
+        ret.state
+    assert zero3.safe_get_local_optimizer_state(model[0].weight, "exp_avg").abs().sum() > 0  # the way it names

@@ -17,6 +17,7 @@ from torch import nn
 import zero3
 from zero3 import ZeroConfigError
 from zero3.config import ZeroConfig
+from zero3.optim import steppable
 
 
 class _Momentum(torch.optim.Optimizer):
@@ -57,7 +58,8 @@ def _train(model: nn.Module, step) -> list[float]:
     return losses
 
 
-def test_an_untested_optimizer_is_refused_until_the_config_allows_it_and_then_trains_as_torch(caplog):
+def test_an_untested_optimizer_is_refused_until_the_config_allows_it_and_then_trains_as_torch(caplog, monkeypatch):
+    monkeypatch.setattr(steppable, "_warned", set())  # the warning is once per class and process
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ZeroConfigError, match=r"_Momentum \(test_optimizer_check\) is not one of torch.optim's "
@@ -105,13 +107,24 @@ def test_a_factory_s_untested_optimizer_is_refused_too():
     assert type(engine.optimizer) is _Momentum
 
 
-@pytest.mark.parametrize("name, why", [
+@pytest.mark.parametrize("name, why", [  # real classes' names (review 28X found the first list missed most)
     ("Lamb", "scales each parameter's update by norms over the whole parameter"),
+    ("LAMB8bit", "scales each parameter's update by norms"),
+    ("OnebitLamb", "scales each parameter's update by norms"),
     ("LARS", "scales each parameter's update by norms"),
-    ("NovoGrad", "scales each parameter's update by norms"),
+    ("NvNovoGrad", "scales each parameter's update by norms"),
+    ("AdaLomo", "scales each parameter's update by norms"),
+    ("StableAdamW", "divides its step by the update's RMS over the whole parameter"),
+    ("Adam_mini", "shares one second moment per block"),
+    ("SingleDeviceMuon", "transforms each gradient as a matrix"),
     ("Shampoo", "transforms each gradient as a matrix"),
     ("GaLoreAdamW", "transforms each gradient as a matrix"),
+    ("APOLLOAdamW", "transforms each gradient as a matrix"),
+    ("DAdaptAdam", "adapts its step size from sums over every parameter"),
+    ("Prodigy", "adapts its step size from sums over every parameter"),
+    ("AdafactorBigVision", "keeps its second moment factored"),
     ("CAME", "keeps its second moment factored"),
+    ("SM3", "keeps its accumulators over the parameter's rows and columns"),
 ])
 @pytest.mark.parametrize("allow", [False, True])
 def test_an_optimizer_known_to_read_the_whole_parameter_is_refused_whatever_the_config_says(name, why, allow):
@@ -136,7 +149,16 @@ def test_transformers_adafactor_is_refused():
         zero3.initialize(model, opt, {"zero_allow_untested_optimizer": True})
 
 
-def test_zero_allow_untested_optimizer_reads_as_deepspeed_reads_it():
+def test_sparse_adam_is_refused_at_initialize():
+    """It was taken, and its first step raised torch's "does not support dense gradients" (review 28X)."""
+    model = _model()
+    with pytest.raises(ZeroConfigError, match=r"SparseAdam \(torch.optim.sparse_adam\) steps sparse gradients only"):
+        zero3.initialize(model, torch.optim.SparseAdam(list(model.parameters())), {})
+    assert not any(zero3.is_zero_param(p) for p in model.parameters())
+
+
+def test_zero_allow_untested_optimizer_reads_booleans_leniently_and_strings_by_their_meaning():
+    """DeepSpeed tests the raw value's truth, so its "false" allows; zero3 reads the words by their meaning."""
     assert ZeroConfig.from_dict({}).training.zero_allow_untested_optimizer is False
     for value, read in ((True, True), ("on", True), (1, True), (False, False), ("no", False), (0, False),
                         ("auto", False), (None, False)):

@@ -36,9 +36,12 @@ with frozen embeddings: torch's reentrant checkpoint silently gives them none in
 passes the checkpoint the same input. Under Megatron's sequence parallelism each passes its own part
 of the sequence, and the gathered slices would make an input no rank had: the recompute, and every
 gradient after it, silently wrong (0.13 relative off the full model on 2 x 2 ranks; probe 28A).
-So each partitioned input's `bit_sum` is kept beside its slice (one int64), and the recompute
-compares it with the gathered input's: a mismatch raises `ZeroStateError` there, on every rank whose
-input differs, instead of training on the mix. One read of each input per forward and per recompute.
+So each partitioned input's `bit_sum` is kept beside its slice (one int64), and the recompute's
+all-gather carries every rank's (as raw words appended to the slices): each rank then holds all the
+fingerprints and the gathered input, and raises `ZeroStateError` unless they are all equal, so every
+rank of the group reaches the same verdict (a local comparison let a rank whose own part matched
+recompute on and hang in the next collective; review 28X). One read of each input per forward and per
+recompute, no collective more.
 
 [Note: why this module has process-wide state]
 DeepSpeed's API is process-wide: ``configure`` once, then ``checkpoint`` anywhere in the model code,
@@ -331,7 +334,7 @@ def _keep(call: _Call, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     position = 0
     for t in tensors:
         partitioned = config.partition_activations and _is_activation(t)
-        fingerprint = bit_sum(t) if partitioned and mp.comm is not None else None  # [Note: inputs that differ
+        fingerprint = _fingerprint(t) if partitioned and mp.comm is not None else None  # [Note: inputs that differ
         call.kept.append(_Kept(t.shape, t.device, t.requires_grad, partitioned, fingerprint))  # across ranks]
         if not _is_activation(t):
             out.append(t)
@@ -367,19 +370,25 @@ def _restore(call: _Call, saved: tuple[torch.Tensor, ...]) -> list[torch.Tensor]
     for dtype, idx in by_dtype.items():
         if mp.comm is None:
             rows = [saved[i].reshape(1, -1) for i in idx]
-        else:
-            flat = torch.cat([saved[i].to(mp.comm.device) for i in idx])
+        else:  # each rank's fingerprints ride along, as raw words of this dtype ([Note: inputs that differ
+            prints = [call.kept[i].fingerprint.to(mp.comm.device).reshape(1).view(torch.uint8).view(dtype)  # across
+                      for i in idx]  # ranks])
+            flat = torch.cat([saved[i].to(mp.comm.device) for i in idx] + prints)  # type: ignore[union-attr]
             gathered = mp.comm.all_gather_tensor(flat, Tag(Kind.TENSOR_GATHER, "activation checkpoint recompute"))
             rows, off = [], 0
             for i in idx:
                 rows.append(gathered[:, off: off + saved[i].numel()])
                 off += saved[i].numel()
-        for i, r in zip(idx, rows):
+            ranks_prints = gathered[:, off:].contiguous().view(torch.uint8).view(torch.int64)  # (ranks, inputs)
+        for j, (i, r) in enumerate(zip(idx, rows)):
             k = call.kept[i]
             numel = k.shape.numel()
             full[i] = r.reshape(-1)[:numel].view(k.shape)
-            if k.fingerprint is not None and not torch.equal(bit_sum(full[i]), k.fingerprint.to(full[i].device)):
-                raise _differs_refusal(i, k, mp.world_size)
+            if k.fingerprint is not None:  # every rank sees every rank's fingerprint: one verdict for all
+                theirs = ranks_prints[:, j]
+                if not bool((theirs == theirs[0]).all()) or not torch.equal(_fingerprint(full[i]).to(theirs.device),
+                                                                            theirs[0]):
+                    raise _differs_refusal(i, k, mp.world_size)
     out = []
     for i, k in enumerate(call.kept):
         t = full.get(i, saved[i])
@@ -388,6 +397,13 @@ def _restore(call: _Call, saved: tuple[torch.Tensor, ...]) -> list[torch.Tensor]
             t.requires_grad_(True)
         out.append(t)
     return out
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """`bit_sum` of ``t``'s values in order, whatever its storage offset (`bit_sum` sums 64-bit words
+    only from an 8-byte boundary: a view elsewhere is copied first)."""
+    flat = t.detach().reshape(-1)
+    return bit_sum(flat if flat.storage_offset() * flat.element_size() % 8 == 0 else flat.clone())
 
 
 def _differs_refusal(i: int, k: _Kept, mp: int) -> ZeroStateError:

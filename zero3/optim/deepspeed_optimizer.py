@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ZeroConfigError
+import torch
+
+from ..errors import ZeroConfigError, ZeroStateError
 
 
 class DeepSpeedOptimizerNames:
@@ -34,14 +36,39 @@ class DeepSpeedOptimizerNames:
 
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        """Given to the user's optimizer, as DeepSpeed's setter does; the step refuses a tensor in
-        them that is not a shard (optim/foreign.py)."""
+        """Given to the user's optimizer, as DeepSpeed's setter does (Accelerate sets the groups it
+        read), if they hold exactly the tensors the optimizer steps now: other ones (a deep copy, the
+        full parameters) would leave the shards untrained, silently (review 28X)."""
+        mine = sorted(id(t) for g in self.optimizer.param_groups for t in g["params"])
+        if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups) or \
+                sorted(id(t) for g in groups for t in g["params"]) != mine:
+            raise ZeroConfigError(
+                "optimizer.param_groups = ...: the new groups must hold exactly the tensors the optimizer steps now "
+                "(this rank's shards or fp32 masters, each once), as optimizer.param_groups gives them; change a "
+                "group's hyperparameters in place (param_groups[i]['lr'] = ...)")
         self.optimizer.param_groups = groups
 
     @property
     def state(self) -> Any:
-        """The user's optimizer's state: this rank's shard of it, keyed by the shards."""
-        return self.optimizer.state
+        """The user's optimizer's state: this rank's shard of it, keyed by the shards. Refused while
+        its tensors have no bytes here (NVMe between steps, ``offload_states``): a read of one crashed
+        the process (review 28X; Lightning's teardown moves each)."""
+        state = self.optimizer.state
+        if any(isinstance(t, torch.Tensor) and t.numel() and not t.untyped_storage().nbytes()
+               for per in state.values() for t in per.values()):
+            raise ZeroStateError(
+                "optimizer.state: the optimizer state lives on NVMe between steps or is offloaded "
+                "(engine.offload_states), so its tensors hold no bytes here; call engine.reload_states() first, "
+                "or read one with zero3.safe_get_local_optimizer_state(p, key)")
+        return state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        """Only the state itself (Accelerate's setter hands back what it read): zero3 keys this rank's
+        shard of the state by its shards, which a new mapping would not be."""
+        if value is not self.optimizer.state:
+            raise ZeroConfigError("optimizer.state = ...: zero3 keys this rank's optimizer state by its shards; "
+                                  "load a saved state with optimizer.load_state_dict(...) or engine.load_checkpoint")
 
     @property
     def defaults(self) -> dict[str, Any]:

@@ -10,8 +10,12 @@ parameter, a Shampoo- or Muon-like step finds no matrix. So:
 
 - torch.optim's own classes are known: each updates element by element, except LBFGS (a closure and
   dot products over every parameter) and those of `_WHOLE`, which are refused;
-- a class named in `_WHOLE` (transformers' Adafactor, LAMB, LARS, NovoGrad, Shampoo, ...) is refused
-  wherever it comes from, whatever the config says: zero3 knows it would train differently;
+- a class whose name `_WHOLE` or `_WHOLE_NAMES` matches (transformers' Adafactor, LAMB, LARS, Muon,
+  Shampoo, Prodigy, ...; or a subclass of one) is refused wherever it comes from, whatever the config
+  says: zero3 knows it would train differently. A name list cannot know every optimizer: frameworks
+  (Accelerate, the Hugging Face Trainer) set ``zero_allow_untested_optimizer`` for every client
+  optimizer, so one outside the list passes there with the WARNING only;
+- torch's SparseAdam is refused: zero3 reduces dense gradients;
 - any other class is untested: refused unless the config sets ``zero_allow_untested_optimizer``
   (DeepSpeed's key, with DeepSpeed's default, false: DeepSpeed refuses such an optimizer under ZeRO
   the same way), and then allowed with a one-time WARNING.
@@ -31,14 +35,20 @@ _FACTORED = "keeps its second moment factored over each matrix's rows and column
             "parameter's RMS (on a flat shard: an unfactored moment and the shard's RMS)"
 _NORMED = "scales each parameter's update by norms over the whole parameter (on a shard: over this rank's part of it)"
 _MATRIX = "transforms each gradient as a matrix (a flat shard is none)"
-_WHOLE = {
-    "adafactor": _FACTORED, "came": _FACTORED, "sm3": "keeps its accumulators over the parameter's rows and columns",
-    "lamb": _NORMED, "fusedlamb": _NORMED, "lars": _NORMED, "fusedlars": _NORMED, "novograd": _NORMED,
-    "fusednovograd": _NORMED, "adammini": "shares one second moment per block of the parameter",
-    "muon": _MATRIX, "shampoo": _MATRIX, "distributedshampoo": _MATRIX, "soap": _MATRIX,
+_GLOBAL = "adapts its step size from sums over every parameter (on shards: each rank's own, so the ranks would differ)"
+_WHOLE = {  # a name part (of the class name, lower case, without "_"): what the optimizer reads
+    "adafactor": _FACTORED, "lamb": _NORMED, "lars": _NORMED, "novograd": _NORMED, "lomo": _NORMED,
+    "stableadamw": "divides its step by the update's RMS over the whole parameter",
+    "adammini": "shares one second moment per block of the parameter",
+    "muon": _MATRIX, "shampoo": _MATRIX, "soap": _MATRIX, "galore": _MATRIX, "apollo": _MATRIX,
+    "prodigy": _GLOBAL, "dadapt": _GLOBAL,
 }
-"""Optimizers (class names, lower case, from any library) whose update of an element depends on the whole
-parameter; names starting with ``galore`` too (a low-rank projection of each gradient matrix)."""
+"""Optimizers (from any library) whose update of an element depends on the whole parameter or on all
+of them, by a part of their class name: ``Lamb``, ``FusedLamb``, ``LAMB8bit``, ``OnebitLamb``,
+``SingleDeviceMuon``, ``Adam_mini``, ``AdafactorBigVision``, ``GaLoreAdamW``, ``APOLLOAdamW``,
+``AdaLomo``, ``DAdaptAdam`` ... (review 28X listed the real classes the first list missed)."""
+_WHOLE_NAMES = {"came": _FACTORED, "sm3": "keeps its accumulators over the parameter's rows and columns"}
+"""The same, by the whole class name (too short to look for inside others)."""
 
 _USE = "Use an optimizer that updates each element from its own state (AdamW, Adam, SGD, Adagrad, RMSprop, ...)"
 _warned: set[type] = set()
@@ -59,9 +69,12 @@ def check_steppable(optimizer: torch.optim.Optimizer, allow_untested: bool, fact
             f"{name}{'' if cls is torch.optim.LBFGS else ' is an LBFGS, which'} steps through a closure that runs the forward and backward again inside its "
             "step, and its line search takes dot products over every parameter; zero3's step takes no closure "
             f"and each rank holds its shards only. {_USE}{_done(factory)}")
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise ZeroConfigError(f"{name} steps sparse gradients only, and zero3 reduces dense gradient shards (a "
+                              f"sparse=True embedding is refused). {_USE}{_done(factory)}")
     for c in cls.__mro__:
-        key = c.__name__.lower()
-        why = _WHOLE.get(key) or (_MATRIX if key.startswith("galore") else None)
+        key = c.__name__.lower().replace("_", "")
+        why = _WHOLE_NAMES.get(key) or next((w for part, w in _WHOLE.items() if part in key), None)
         if why is not None:
             raise ZeroConfigError(
                 f"{name}{'' if c is cls else f' is a {c.__name__}, which'} {why}: zero3 steps each rank's flat 1-D shard of a parameter, so its "

@@ -68,11 +68,12 @@ class GradientReducer:
     def _sum_sequence_parallel(self, p: ZeroParameter, grad: torch.Tensor | None) -> torch.Tensor | None:
         """The sum of ``p``'s gradient over the model-parallel ranks. In a leaf module's unit a rank may
         have none (its tokens took another route): it adds zeros, and a count of the ranks that had one
-        goes with the sum, so a parameter none of them used keeps no gradient. The sum is taken in
-        ``reduce_dtype`` (bf16 gradients of two ranks summed in bf16 lost up to 3.9e-3 relative; probe 28A)."""
+        goes with the sum, so a parameter none of them used keeps no gradient. The sum is taken in the
+        wider of the gradient's dtype and ``reduce_dtype``: bf16 gradients summed in bf16 lost up to 3.9e-3
+        relative (probe 28A), and so did fp32 ones under a bf16 ``communication_data_type`` (review 28X)."""
         assert self._model_parallel is not None
-        dtype = p._zero.shard.dtype  # summed in reduce_dtype, as the data-parallel reduction (not an fp64 model)
-        flat = torch.zeros(p._zero.numel + 1, dtype=dtype if dtype is _FP64 else self.reduce_dtype or dtype,
+        dtype = p._zero.shard.dtype  # in reduce_dtype, never below the gradient's (fp32 with bf16 communication)
+        flat = torch.zeros(p._zero.numel + 1, dtype=torch.promote_types(dtype, self.reduce_dtype or dtype),
                            device=raw_data(p).device if grad is None else grad.device)
         if grad is not None:  # a copy: the autograd gradient may be a tensor the user holds
             flat[:-1].copy_(grad.detach().reshape(-1))
