@@ -847,8 +847,9 @@ def test_a_pretrained_load_into_a_submodule_reaches_its_persistent_parameters(po
 def merge_unmerge_read_only() -> dict:
     """TRL's LoRA weight sync to vLLM: inside ``GatheredParameters`` without ``modifier_rank``, a delta
     is merged into the weight, the merged weight read, and the delta unmerged; W + D - D is W up to
-    rounding, which the exit raised on (every rank; probe 28B) and now discards in silence. A write
-    to a row that rank 0's slice holds only is reported by rank 0 only (each rank judges its slice)."""
+    rounding, which the exit raised on (every rank; probe 28B) and now discards. A write to a row that
+    rank 0's slice holds is reported on every rank: the ranks agree on what they found in their slices
+    (review 28Y: rank 1 went on alone, and hung in its next collective)."""
     ref, model = twins(_mlp)
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
     d = torch.randn(16, 8, generator=torch.Generator().manual_seed(3)) * 0.3
@@ -873,36 +874,4 @@ def test_a_merge_and_unmerge_inside_a_read_only_context_is_discarded_without_an_
     results = pools.get(2).run(merge_unmerge_read_only)
     for rank, r in enumerate(results):
         assert r["merged"] and 0 < r["rounding"] < 1e-6 and r["exact"], r
-        assert ("0.weight changed inside the context" in r["row"]) == (rank == 0), r
-
-
-def written_inside_generation(budget: int) -> dict:
-    """A write to a weight between forwards inside ``engine.generation()`` (PEFT's merge_adapter) is
-    what the next forwards and everything after the mode see, as in torch; it was discarded at the
-    mode's exit, or mid-mode when the live cap evicted the weight (probe 28B)."""
-    ref, model = twins(_mlp)
-    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0, "max_live_parameters": budget,
-                                            "prefetch_bucket_size": 0})
-    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(4))
-    d = torch.randn(4, 16, generator=torch.Generator().manual_seed(3)) * 0.3
-    outs = []
-    with torch.no_grad():
-        with engine.generation():
-            engine(x)
-            model[2].weight.add_(d)  # the mode keeps the last module gathered between forwards
-            outs.append(engine(x))
-            outs.append(engine(x))
-        ref[2].weight.add_(d)
-        outs.append(engine(x))
-        want = ref(x)
-    with zero3.GatheredParameters(list(model.parameters())):
-        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
-    engine.remove_hooks()
-    return {"outputs": [(o - want).abs().max().item() for o in outs], "weights": diff}
-
-
-@pytest.mark.parametrize("budget", [10**6, 150], ids=["whole model kept", "evicted mid-mode"])  # 150: the
-# last Linear (68 elements) stays after a forward, the first (144) evicts it in the next
-def test_a_write_inside_generation_is_kept_as_in_torch(pools, budget):
-    for r in pools.get(2).run(written_inside_generation, budget):
-        assert max(r["outputs"]) < 1e-6 and r["weights"] == 0, r
+        assert "0.weight changed inside the context" in r["row"], (rank, r)

@@ -282,10 +282,10 @@ def test_a_read_only_context_raises_exactly_when_a_value_it_gathered_changed(wri
 
 @settings(max_examples=40, deadline=None)
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16),
-       scale=st.floats(1e-3, 3.0))
-def test_a_read_only_context_discards_a_merge_and_unmerge_in_silence_and_reports_more(dtype, seed, scale):
+       scale=st.floats(1e-3, 1.0))
+def test_a_read_only_context_discards_a_merge_and_unmerge_without_an_error_and_reports_more(dtype, seed, scale):
     """Invariant: W + D - D (TRL's LoRA sync: merge_adapter, read, unmerge_adapter, inside a context
-    without modifier_rank) leaves rounding only, up to a D of 3 times W's largest magnitude; it is
+    without modifier_rank) leaves rounding only, up to a D as large as W's largest magnitude; it is
     discarded without an error (it raised on every rank; probe 28B), the shards bit for bit as before.
     A write of one element by 8 epsilons of that magnitude is reported."""
     torch.manual_seed(seed)

@@ -51,7 +51,7 @@ from ..planning.trace import EventKind, ParamInfo, Trace, write_trace
 from ..planning.trace_cache import StepTraces
 from .budget import MemoryBudget
 from .hpz import SecondarySlices
-from .persistent import PersistentParams, take_kept_writes
+from .persistent import PersistentParams
 from .read_ahead import ReadAhead
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class ParamCoordinator:
         """The shards changed (optimizer step, loading): re-gather the persistent params and release what
         generation mode keeps, gathered anew when used (only the release without ``gather``: a load's)."""
         if self.generating:
-            self.release(list(self._live.values()), take=False)  # older than the shards: nothing to take
+            self.release(list(self._live.values()))
         if gather:
             self.persistent_params.refresh()
 
@@ -242,9 +242,9 @@ class ParamCoordinator:
             self._generation.forward_boundary(began)
 
     def end_generation(self) -> None:
-        """Leave generation mode: release everything it kept (its writes taken, `_free`)."""
-        self.release(list(self._live.values()))
+        """Leave generation mode: release everything it kept."""
         self._generation = None
+        self.release(list(self._live.values()))
 
     def _generation_event(self, policy: GenerationPrefetch, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
         _pin(kind, params)
@@ -315,14 +315,19 @@ class ParamCoordinator:
         if self._hpz is not None:
             self._hpz.drop()
             self._hpz.keeping = False
-        self.steps.end(aborted or not keep_trace, lambda: _param_infos(self._by_id), self.plan_config)
+        self.steps.end(aborted or not keep_trace, self._param_infos, self.plan_config)
 
     def choose_budget(self) -> None:
-        """After a step ended (step.py): once a trace is recorded, let ``memory_budget`` choose the schedule knobs
-        from it and plan the cached traces again; `ZeroConfigError` if it cannot hold the modules the step ran."""
+        """After a step ended (step.py): once a trace is recorded, let ``memory_budget`` choose the
+        schedule knobs from it and plan the cached traces again with them. Raises
+        `ZeroConfigError` (between steps) when the budget cannot hold the modules the step ran."""
         if self.budget is not None and self.budget.schedule is None and self.last_trace is not None:
             self.plan_config = self.budget.choose(self.last_trace)
             self.steps.replan(self.plan_config)
+
+    def _param_infos(self) -> dict[int, ParamInfo]:
+        return {pid: ParamInfo(id=pid, name=p._zero.name, numel=p._zero.numel, nbytes=p._zero.nbytes,
+                               persistent=p._zero.persistent) for pid, p in self._by_id.items()}
 
     # -- fetch and release -------------------------------------------------------------------------
     def fetch(self, params: Iterable[ZeroParameter], label: str | None = None, training: bool = True) -> None:
@@ -436,9 +441,8 @@ class ParamCoordinator:
             if q._zero.status is ParamStatus.INFLIGHT:
                 self._wait(q._zero.handle)
 
-    def release(self, params: Iterable[ZeroParameter], take: bool = True) -> None:
-        """Free every param that nothing pins (an in-flight gather is waited first); generation mode's
-        copies with their in-place writes taken, unless not ``take`` (`_free`)."""
+    def release(self, params: Iterable[ZeroParameter]) -> None:
+        """Free every param that nothing pins (an in-flight gather is waited first)."""
         for p in params:
             z = p._zero
             status = z.status
@@ -446,13 +450,11 @@ class ParamCoordinator:
                 continue
             if status is _INFLIGHT:
                 self._wait(z.handle)
-            self._free(p, take)
+            self._free(p)
 
-    def _free(self, p: ZeroParameter, take: bool = True) -> None:
-        if self._generation is not None:  # a copy it kept between forwards: a write to it is taken
-            self._generation.resident = False  # into the shards, as a persistent one's (persistent.py)
-            if take:
-                take_kept_writes([p], self._rounded)
+    def _free(self, p: ZeroParameter) -> None:
+        if self._generation is not None:
+            self._generation.resident = False
         z = p._zero
         if z.prefetched:
             z.prefetched = False
@@ -503,7 +505,7 @@ class ParamCoordinator:
         """Unpin a user context's params and release those nothing else holds."""
         for p in params:
             p._zero.user_pins -= 1
-        self.release(params, take=False)  # GatheredParameters: its own rules for writes (gathered.py)
+        self.release(params)
 
     def join_visit(self, p: ZeroParameter) -> None:
         """A running forward turned out to use ``p`` (auto-detected external param): pin and fetch it."""
@@ -567,11 +569,6 @@ def gather_works(comm: Communicator, hpz: SecondarySlices | None, params: list[Z
     if hpz is None:
         return [comm.all_gather_params(params, tag, count=count, keep_secondary=False, quantize=training)]
     return hpz.gather(comm, params, tag, count, keep=keep)
-
-
-def _param_infos(by_id: dict[int, ZeroParameter]) -> dict[int, ParamInfo]:
-    return {pid: ParamInfo(id=pid, name=p._zero.name, numel=p._zero.numel, nbytes=p._zero.nbytes,
-                           persistent=p._zero.persistent) for pid, p in by_id.items()}
 
 
 def _pin(kind: EventKind, params: Sequence[ZeroParameter]) -> None:

@@ -14,13 +14,16 @@ a whole model (an EMA update each step). Parameters that were gathered
 before (persistent ones, those of a running module) are not checked: other code may rewrite them.
 A change published by a ``modifier_rank`` context nested inside is not a discarded write (a count
 of publishes per parameter tells). The cost is two reads of the gathered data per context.
-A change within rounding is not reported either (`_rounding_only`): TRL syncs LoRA weights to vLLM
-inside a context without ``modifier_rank`` by merging the adapter into the weights, reading them,
-and unmerging it, which leaves W + BA - BA, off W in the last bits (3.7e-9 in fp32; probe 28B), and
+A change within rounding raises nothing (`_rounding_only`): TRL syncs LoRA weights to vLLM inside a
+context without ``modifier_rank`` by merging the adapter into the weights, reading them, and
+unmerging it, which leaves W + BA - BA, off W in the last bits (3.7e-9 in fp32; probe 28B), and
 relies on DeepSpeed discarding that. Where the fingerprint changed, each rank compares its own slice
-of the gathered data with its shard (the value at entry, exactly): when no element moved by more
-than `ROUNDING_EPS` epsilons of the slice's largest magnitude, the change is discarded silently. So a
-rank judges its own slice only: a write confined to other ranks' slices is reported by those ranks.
+of the gathered data with its shard (the value at entry, exactly): a change of some element by more
+than `ROUNDING_EPS` epsilons of the slice's largest magnitude is a write. The ranks agree on the
+verdict (`_agree_written`: one small all-reduce at every exit, so every rank raises or none does);
+a change by rounding only is discarded with a one-time WARNING. In bf16 that tolerance is 1.6% of
+the largest weight, so a small edit there (a weight decay by hand) is taken for rounding: the
+WARNING names it. A shard on the drive cannot be compared, so any change there raises.
 
 [Note: a new shape before initialize]
 Hugging Face's ``resize_token_embeddings`` gives the input embedding's parameter new data of another
@@ -70,6 +73,7 @@ still lets go of its parameters.
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from typing import Any, Iterable
 
@@ -84,6 +88,8 @@ from .context import RuntimeContext
 from .publish import into_shards, published, refuse_reshape, reshaped_ids
 from .rank_values import bit_sum, take_rank0_where_ranks_differ
 from .saved_params import SavedParams
+
+logger = logging.getLogger(__name__)
 
 class _EveryRank:
     __slots__ = ()
@@ -221,8 +227,8 @@ class GatheredParameters:
                 self._publish()
             else:
                 self._discard(ctx, entry, exc_type)
-                if self._read_only is not None and exc_type is None:
-                    written = _written(*self._read_only)
+                if self._read_only is not None:
+                    written = self._agree_written(ctx, exc)
         finally:
             self._read_only = None
             ctx.coordinator.release_for_user(self.params)
@@ -239,6 +245,26 @@ class GatheredParameters:
                 f"GatheredParameters without modifier_rank: {names} changed inside the context, and zero3 discards "
                 "changes made there (as DeepSpeed does: its shards keep their values). Pass modifier_rank=0 to keep "
                 "them (rank 0's values then go to every rank)")
+
+    def _agree_written(self, ctx: RuntimeContext, exc: BaseException | None) -> list[ZeroParameter]:
+        """The parameters this context gathered that some rank found written beyond rounding in its own
+        slice, agreed by every rank (one small all-reduce; a rank that raised inside adds none), so that
+        all of them raise or none does: a rank whose slice held no change went on alone, and hung in its
+        next collective (review 28Y). [Note: writes that GatheredParameters discards]"""
+        assert self._read_only is not None
+        fresh = self._read_only[0]
+        beyond, within = _written(*self._read_only) if exc is None else ([], [])
+        if ctx.world_size > 1 and not isinstance(exc, (ZeroCommunicationError, ZeroDivergenceError)):
+            flags = torch.tensor([int(any(q is p for q in beyond)) for p in fresh], dtype=torch.int64)
+            ctx.comm.all_reduce(flags, Tag(Kind.ALL_REDUCE, "GatheredParameters exit: writes", self._ids), op="max")
+            beyond = [p for p, flag in zip(fresh, flags.tolist()) if flag]
+        if within and not beyond and not _ROUNDING_SAID:
+            _ROUNDING_SAID.append(True)
+            logger.warning("zero3: GatheredParameters without modifier_rank: %s changed inside the context by "
+                           "rounding only (at most %d machine epsilons of its largest value, as merging and "
+                           "unmerging an adapter leaves); discarded, as DeepSpeed discards it. Pass modifier_rank=0 "
+                           "if it was meant to stay (said once)", within[0]._zero.name, ROUNDING_EPS)
+        return beyond
 
     def _refused_reshape(self, ctx: RuntimeContext) -> ZeroStateError | None:
         """A new shape after ``zero3.initialize`` (refused): the error, with the parameters given their own
@@ -353,17 +379,21 @@ def _fingerprints(params: list[ZeroParameter]) -> torch.Tensor:
     return torch.stack([s.cpu() for s in sums])
 
 
-def _written(params: list[ZeroParameter], before: torch.Tensor, counts: list[int]) -> list[ZeroParameter]:
-    """Those of ``params`` whose data changed since `_fingerprints` took ``before``, not by a publish,
-    by more than rounding on this rank ([Note: writes that GatheredParameters discards])."""
+def _written(params: list[ZeroParameter], before: torch.Tensor,
+             counts: list[int]) -> tuple[list[ZeroParameter], list[ZeroParameter]]:
+    """Those of ``params`` whose data changed since `_fingerprints` took ``before``, not by a publish:
+    (by more than rounding in this rank's slice, by rounding only) ([Note: writes that
+    GatheredParameters discards])."""
     after = _fingerprints(params)
-    return [p for i, p in enumerate(params)
-            if after[i] != before[i] and published.get(p._zero.id, 0) == counts[i] and not _rounding_only(p)]
+    changed = [p for i, p in enumerate(params) if after[i] != before[i] and published.get(p._zero.id, 0) == counts[i]]
+    rounding = [_rounding_only(p) for p in changed]
+    return [p for p, r in zip(changed, rounding) if not r], [p for p, r in zip(changed, rounding) if r]
 
 
-ROUNDING_EPS = 4
+ROUNDING_EPS = 2
 """A change of every element of this rank's slice by at most this many machine epsilons of the slice's
-largest magnitude is rounding (a merge and unmerge of a LoRA delta up to 3 times the weights' size)."""
+largest magnitude is rounding (a merge and unmerge of a LoRA delta up to the weights' largest size)."""
+_ROUNDING_SAID: list[bool] = []  # the WARNING that a change by rounding was discarded: once per process
 
 
 @torch.no_grad()
@@ -371,15 +401,16 @@ def _rounding_only(p: ZeroParameter) -> bool:
     """Whether this rank's slice of ``p``'s gathered data differs from its shard (what the parameter
     held at entry) by rounding at most. A shard out of memory (on the drive) cannot tell: False."""
     z = p._zero
-    if z.residence not in MEMORY:
-        return False
+    data = raw_data(p)
+    if z.residence not in MEMORY or data.dtype != z.shard.dtype or data.numel() != z.numel:
+        return False  # on the drive: nothing to compare with; another dtype (``p.data = t.half()``): a write
     start, end = z.shard_range()
     n = max(end - start, 0)
-    mine = raw_data(p).reshape(-1)[start:start + n].float()
+    mine = data.reshape(-1)[start:start + n].float()
     kept = z.shard[:n].to(mine.device).float()
     if not n:
         return True  # this rank holds none of it: the ranks that hold the changed elements report them
-    tolerance = ROUNDING_EPS * torch.finfo(raw_data(p).dtype).eps * kept.abs().max()
+    tolerance = ROUNDING_EPS * torch.finfo(data.dtype).eps * kept.abs().max()
     return bool((mine - kept).abs().max() <= tolerance)  # NaN or inf written: False
 
 

@@ -140,30 +140,7 @@ class PersistentParams:
         self.params = []
 
 
-@torch.no_grad()
-def take_kept_writes(params: Sequence[ZeroParameter], rounded: set[int]) -> list[str]:
-    """Generation mode's kept copies, about to be released: an in-place write to one between forwards
-    (PEFT's ``merge_adapter``) goes into the shard and master, element by element, as `take_writes`
-    takes persistent ones' (it was discarded silently; probe 28B); returns their names. Not taken: a
-    copy qwZ rounded (``rounded``: it differs from the shard anyway), or one whose shard or master is
-    out of memory."""
-    written = []
-    for p in params:
-        z = p._zero
-        if z.status is not ParamStatus.AVAILABLE or z.residence not in MEMORY or z.persistent or z.aliased \
-                or z.id in rounded or z.train_tensor.untyped_storage().nbytes() == 0:
-            continue
-        start, end = z.shard_range()
-        n = max(end - start, 0)
-        mine = zparam.raw_data(p).reshape(-1)[start:start + n]
-        kept = z.shard[:n].to(mine.device)
-        if not torch.equal(mine, kept):
-            _take(z, n, mine, kept)
-            written.append(z.name)
-    return written
-
-
-__all__ = ["PersistentParams", "take_kept_writes"]
+__all__ = ["PersistentParams"]
 
 
 def _take(z: zparam.ZeroParam, n: int, mine: torch.Tensor, kept: torch.Tensor) -> None:
