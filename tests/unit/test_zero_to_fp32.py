@@ -31,12 +31,14 @@ class _Tied(nn.Module):
         return self.head(self.norm(torch.tanh(self.mid(self.emb(x)))))
 
 
-def _trained(tmp_path, dtype: str) -> tuple[zero3.Engine, dict[str, torch.Tensor]]:
-    """Two steps in ``dtype``, saved under tags t1 and t2 (latest: t2); the fp32 masters at t2."""
+def _trained(tmp_path, dtype: str, frozen: bool = False) -> tuple[zero3.Engine, dict[str, torch.Tensor]]:
+    """Two steps in ``dtype``, saved under tags t1 and t2 (latest: t2); the fp32 masters at t2. With
+    ``frozen``, ``mid`` is frozen and left out of the optimizer (as PEFT and the HF Trainer leave it)."""
     torch.manual_seed(0)
     model = _Tied()
-    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
-                              {"param_persistence_threshold": 0, "dtype": dtype})
+    model.mid.requires_grad_(not frozen)
+    engine = zero3.initialize(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2,
+                                                       eps=1e-6), {"param_persistence_threshold": 0, "dtype": dtype})
     g = torch.Generator().manual_seed(1)
     for tag in ("t1", "t2"):
         x = torch.randint(0, 32, (8,), generator=g)
@@ -71,8 +73,6 @@ def test_load_into_a_plain_model_and_refusals(tmp_path):
         assert torch.equal(p.detach(), masters[name]), name
     with pytest.raises(ValueError, match="the model's parameters are partitioned by zero3.*engine.load_checkpoint"):
         load_state_dict_from_zero_checkpoint(engine.module, tmp_path)
-    with pytest.raises(ValueError, match="exclude_frozen_parameters=True: a zero3 checkpoint does not record"):
-        get_fp32_state_dict_from_zero_checkpoint(tmp_path, exclude_frozen_parameters=True)
     with pytest.raises(ValueError, match="lazy_mode=True: zero3 builds each full tensor once"):
         get_fp32_state_dict_from_zero_checkpoint(tmp_path, lazy_mode=True)
     with pytest.raises(ValueError, match="max_shard_size must be positive"):
@@ -91,10 +91,11 @@ def _read_dir(out, safetensors: bool) -> tuple[dict[str, torch.Tensor], list[str
     return merged, files
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("safetensors", [False, True], ids=["bin", "safetensors"])
 @pytest.mark.parametrize("limit", ["5GB", 3000], ids=["one file", "shards"])
-def test_convert_writes_hugging_face_s_layout(tmp_path, safetensors, limit):
-    _trained(tmp_path / "ckpt", "fp32")
+def test_convert_writes_hugging_face_s_layout(tmp_path, safetensors, limit, dtype):
+    _trained(tmp_path / "ckpt", dtype)
     sd = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
     written = convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "out", max_shard_size=limit,
                                                          safe_serialization=safetensors)
@@ -113,3 +114,71 @@ def test_convert_to_a_file_path_writes_one_file_as_the_older_signature(tmp_path)
     [path] = convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "lightning_model.pt", tag="t2")
     loaded = torch.load(path, weights_only=True)
     assert list(loaded) == list(sd) and all(torch.equal(loaded[k], sd[k]) for k in sd)
+
+
+def test_convert_replaces_the_weight_files_an_earlier_run_left(tmp_path):
+    """Review 28Z: a safetensors run, then a .bin run, left model.safetensors beside the new file, and
+    Hugging Face's from_pretrained loads that one first: every weight stale. Shards of another count
+    stayed beside the new ones too."""
+    _trained(tmp_path / "ckpt", "fp32")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # not a weight file: kept
+    names = lambda: sorted(p.name for p in out.iterdir())  # noqa: E731
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out, safe_serialization=True)
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out, max_shard_size=1200)
+    sharded = names()
+    assert "model.safetensors" not in sharded and "pytorch_model.bin.index.json" in sharded
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out, max_shard_size=3000)
+    fewer = names()
+    assert len(fewer) < len(sharded) and all("-of-" not in n or n in fewer for n in fewer)
+    assert {n for n in fewer if "-of-" in n} == set(json.loads((out / "pytorch_model.bin.index.json").read_text())
+                                                    ["weight_map"].values())
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out)
+    assert names() == ["config.json", "pytorch_model.bin"]
+
+
+def test_the_older_signature_and_its_tag(tmp_path):
+    """DeepSpeed before 0.14: (checkpoint_dir, output_file, tag=None). A tag passed third went into
+    max_shard_size and was ignored, the latest tag written (review 28Z); output_file= was a TypeError."""
+    _trained(tmp_path / "ckpt", "fp32")
+    t1 = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", tag="t1")
+    [path] = convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", output_file=tmp_path / "m.bin", tag="t1")
+    loaded = torch.load(path, weights_only=True)
+    assert all(torch.equal(loaded[k], t1[k]) for k in t1)
+    with pytest.raises(ValueError, match=r"a file path writes one file.*pass the tag by keyword \(got "
+                                         r"max_shard_size='t1'\)"):
+        convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "m.bin", "t1")
+    with pytest.raises(TypeError, match="give output_dir .* or output_file"):
+        convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt")
+    for bad in (True, "abcGB", "nanGB", "infGB", 1.5e9):
+        with pytest.raises(ValueError, match=r"max_shard_size .*: give bytes as an int or a string ending in TB"):
+            convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "dir", max_shard_size=bad)
+
+
+def test_exclude_frozen_parameters_leaves_out_what_the_optimizer_did_not_hold(tmp_path):
+    _trained(tmp_path / "ckpt", "bf16", frozen=True)
+    whole = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
+    trained = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", exclude_frozen_parameters=True)
+    assert set(whole) - set(trained) == {"mid.weight", "mid.bias"}
+    assert whole["mid.weight"].dtype == torch.bfloat16  # frozen: no fp32 master, its own dtype
+    out = convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "out", exclude_frozen_parameters=True)
+    assert set(torch.load(out[0], weights_only=True)) == set(trained)
+    torch.manual_seed(0)
+    model = _Tied()
+    engine = zero3.initialize(model, None, {})
+    engine.save_checkpoint(tmp_path / "no_optimizer")
+    with pytest.raises(ValueError, match="the checkpoint holds no optimizer, so which parameters were frozen"):
+        get_fp32_state_dict_from_zero_checkpoint(tmp_path / "no_optimizer", exclude_frozen_parameters=True)
+
+
+def test_the_command_line_as_deepspeed_s_script(tmp_path, capsys):
+    from zero3.deepspeed.utils.zero_to_fp32 import main
+
+    _trained(tmp_path / "ckpt", "fp32")
+    assert main([str(tmp_path / "ckpt"), str(tmp_path / "out"), "--safe_serialization", "-t", "t1"]) == 0
+    assert "model.safetensors" in capsys.readouterr().out
+    t1 = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", tag="t1")
+    assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["mid.weight"], t1["mid.weight"])
+    assert main([str(tmp_path / "missing"), str(tmp_path / "out")]) == 1
+    assert "error: " in capsys.readouterr().err

@@ -27,7 +27,9 @@ import collections
 import io
 import json
 import logging
+import math
 import os
+import re
 import pickle
 import sys
 from collections.abc import Iterator
@@ -56,13 +58,20 @@ _UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
 
 def parse_shard_size(size: int | str) -> int:
     """Bytes from an int or a string such as ``"5GB"`` (decimal units TB/GB/MB/KB, as transformers)."""
+    bad = ValueError(f"max_shard_size {size!r}: give bytes as an int or a string ending in TB, GB, MB or KB")
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise bad
     if isinstance(size, int):
         return size
-    text = str(size).strip()
+    text = size.strip()
     unit = text[-2:].upper()
-    if unit not in _UNITS:
-        raise ValueError(f"max_shard_size {size!r}: give bytes as an int or a string ending in TB, GB, MB or KB")
-    return int(float(text[:-2].strip()) * _UNITS[unit])
+    try:
+        value = float(text[:-2].strip()) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise bad from None
+    if not math.isfinite(value) or value < 0:
+        raise bad
+    return int(value)
 
 
 # -- offline: checkpoint directory -> tensors -------------------------------------------------------
@@ -186,33 +195,46 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
 
 
 def load_consolidated(ckpt_dir: str | os.PathLike[str], *, tag: str | None = None, dtype: torch.dtype | None = None,
-                      verify: bool = True, model_parallel_rank: int | None = None) -> dict[str, Any]:
+                      verify: bool = True, model_parallel_rank: int | None = None,
+                      exclude: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The full state dict of a sharded checkpoint in memory, as ``torch.load`` of `consolidate`'s
     ``.pt`` gives it: the fp32 masters of trained parameters (frozen ones in their dtype), buffers, tied
-    names sharing one tensor, the modules' extra state at its place. Arguments as `consolidate`'s."""
+    names sharing one tensor, the modules' extra state at its place; the parameters named in ``exclude``
+    (and their tied names) left out. Arguments as `consolidate`'s."""
     check_cast_dtype(dtype, "dtype")
     with CheckpointReader(ckpt_dir, tag, model_parallel_rank) as reader:
         reader.check_files(range(reader.world_size) if verify else ())
         layout, specs = _plan(reader, dtype, False)
+        layout = [row for row in layout if row[2] not in exclude]
+        specs = [spec for spec in specs if spec[0] not in exclude]
         _check_entries(reader, specs)
         tensors = dict(iter_tensors(reader, specs))
         return _with_extra_state(reader, [(key, tensors[src if kind == "param" else key]) for key, kind, src in layout])
 
 
+_HF_WEIGHTS = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|pytorch_model(-\d{5}-of-\d{5})?\.bin)(\.index\.json)?")
+"""Hugging Face's weight files and indexes: what `consolidate_to_dir` writes, and replaces."""
+
+
 def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, max_shard_size: int,
                        safetensors: bool, tag: str | None = None, dtype: torch.dtype | None = None,
-                       verify: bool = True) -> list[Path]:
+                       verify: bool = True, model_parallel_rank: int | None = None,
+                       exclude: frozenset[str] = frozenset()) -> list[Path]:
     """`consolidate` into ``out_dir`` in Hugging Face's layout: ``model.safetensors`` (or, without
     ``safetensors``, ``pytorch_model.bin``) when the state dict fits ``max_shard_size`` bytes; else
     files ``model-0000k-of-0000n.safetensors`` (``pytorch_model-...bin``), filled in order, a tensor
     larger than the limit alone in its file, and an index (``model.safetensors.index.json``) mapping
-    each key to its file. The modules' extra state goes with the first ``.bin`` file. Returns the
-    files written."""
+    each key to its file. The modules' extra state goes with the first ``.bin`` file. Hugging Face's
+    weight files already in ``out_dir`` that this run did not write are removed after it (an older
+    ``model.safetensors`` beside new ``.bin`` shards is what ``from_pretrained`` would load). The
+    parameters named in ``exclude`` are left out. Returns the files written."""
     out = Path(out_dir)
     stem, suffix = ("model", ".safetensors") if safetensors else ("pytorch_model", ".bin")
-    with CheckpointReader(ckpt_dir, tag) as reader:
+    with CheckpointReader(ckpt_dir, tag, model_parallel_rank) as reader:
         reader.check_files(range(reader.world_size) if verify else ())
         layout, specs = _plan(reader, dtype, False)
+        layout = [row for row in layout if row[2] not in exclude]
+        specs = [spec for spec in specs if spec[0] not in exclude]
         _check_entries(reader, specs)
         groups: list[list[Spec]] = []
         size = total = 0
@@ -232,15 +254,34 @@ def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathL
             keys = {spec[0] for spec in group}
             rows = [row for row in layout if (row[2] if row[1] == "param" else row[0]) in keys]
             weight_map.update({row[0]: name for row in rows if not safetensors or row[1] != "param" or row[0] == row[2]})
+            if not safetensors and i == 0:
+                weight_map.update({key: name for key in _extra_state(reader)})
             if safetensors:
-                _write_safetensors(reader, out / name, rows, group, False)
+                _write_safetensors(reader, out / name, rows, group, False, warn=i == 0)
             else:
                 _write_pt(reader, out / name, rows, group, False, extra=i == 0)
+        written = [out / n for n in names]
         if len(groups) > 1:
             index = out / f"{stem}{suffix}.index.json"
             index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-            return [out / n for n in names] + [index]
-    return [out / names[0]]
+            written.append(index)
+    for entry in out.iterdir():
+        if _HF_WEIGHTS.fullmatch(entry.name) and entry not in written:
+            entry.unlink()
+    return written
+
+
+def untrained_params(ckpt_dir: str | os.PathLike[str], tag: str | None = None,
+                     model_parallel_rank: int | None = None) -> frozenset[str]:
+    """The parameters no param group of the checkpoint's optimizer holds (a PEFT or Hugging Face Trainer
+    optimizer leaves out the frozen ones); a checkpoint saved without an optimizer cannot tell: refused."""
+    with CheckpointReader(ckpt_dir, tag, model_parallel_rank) as reader:
+        groups = _groups(reader)
+        if groups is None:
+            raise ValueError(f"{ckpt_dir}: the checkpoint holds no optimizer, so which parameters were frozen is not "
+                             "recorded; leave exclude_frozen_parameters False")
+        held = {name for g in groups for name in g.get("params", ())}
+        return frozenset(name for name in reader.params if name not in held)
 
 
 def _check_entries(reader: CheckpointReader, specs: list[Spec]) -> None:
@@ -282,9 +323,9 @@ def _with_extra_state(reader: CheckpointReader, entries: list[tuple[str, Any]], 
 
 
 def _write_safetensors(reader: CheckpointReader, out: Path, layout: list[Row], specs: list[Spec],
-                       include_optimizer: bool) -> None:
+                       include_optimizer: bool, warn: bool = True) -> None:
     extra = _extra_state(reader)
-    if extra:
+    if extra and warn:
         logger.warning("zero3::consolidate %s leaves out the extra state of %s: safetensors holds only tensors; "
                        "write a .pt file to keep it", out, ", ".join(extra))
     aliases = {key: src for key, kind, src in layout if kind == "param" and key != src}

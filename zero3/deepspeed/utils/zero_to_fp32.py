@@ -2,68 +2,90 @@
 sharded checkpoint, offline, with no model code and no process group (zero3's own form:
 `zero3.checkpoint.consolidate`, ``python -m zero3.consolidate``).
 
+    python -m zero3.deepspeed.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR [--safe_serialization]
+        [--max_shard_size 5GB] [-t TAG] [--exclude_frozen_parameters]
+
 ``checkpoint_dir`` is the directory given to ``engine.save_checkpoint``, holding the tag folders and
 ``latest``, as in DeepSpeed. The values are the fp32 masters of the trained parameters; frozen
 parameters (which have none) and buffers come in their own dtype, as DeepSpeed's script gives them.
-``exclude_frozen_parameters`` and ``lazy_mode`` are refused when set: zero3's checkpoint does not
-record which parameters were frozen (a fp32 run's frozen and trained ones look alike), and it builds
-the tensors one at a time, not lazily.
+``exclude_frozen_parameters`` leaves out the parameters no param group of the saved optimizer holds
+(a PEFT or Hugging Face Trainer optimizer leaves out the frozen ones; one given to the optimizer
+while frozen stays). ``lazy_mode`` is refused: zero3 builds each tensor once. zero3's own keyword
+``model_parallel_rank`` picks the slices of a checkpoint saved with model parallelism.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from ...checkpoint.consolidate import SUFFIXES, consolidate, consolidate_to_dir, load_consolidated, parse_shard_size
+from ...checkpoint.consolidate import (SUFFIXES, consolidate, consolidate_to_dir, load_consolidated,
+                                       parse_shard_size, untrained_params)
 from ...partition.param import ZeroParameter
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
            "load_state_dict_from_zero_checkpoint"]
 
 
-def _refuse(exclude_frozen_parameters: Any, lazy_mode: Any = False) -> None:
-    if exclude_frozen_parameters is not False:
-        raise ValueError(f"exclude_frozen_parameters={exclude_frozen_parameters!r}: a zero3 checkpoint does not record "
-                         "which parameters were frozen, so it cannot leave them out; only False is allowed (drop "
-                         "their keys from the returned state dict yourself)")
-    if lazy_mode is not False:
-        raise ValueError(f"lazy_mode={lazy_mode!r}: zero3 builds each full tensor once, from the rank files; only "
-                         "False is allowed (python -m zero3.consolidate streams one tensor at a time to a file)")
+def _excluded(checkpoint_dir: Any, tag: str | None, exclude_frozen_parameters: Any,
+              model_parallel_rank: int | None) -> frozenset[str]:
+    if not isinstance(exclude_frozen_parameters, bool):
+        raise ValueError(f"exclude_frozen_parameters must be True or False, got {exclude_frozen_parameters!r}")
+    return untrained_params(checkpoint_dir, tag, model_parallel_rank) if exclude_frozen_parameters else frozenset()
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[str], tag: str | None = None,
-                                             exclude_frozen_parameters: bool = False,
-                                             lazy_mode: bool = False) -> dict[str, Any]:
+                                             exclude_frozen_parameters: bool = False, lazy_mode: bool = False, *,
+                                             model_parallel_rank: int | None = None) -> dict[str, Any]:
     """The full state dict of the checkpoint ``tag`` (default: the one ``latest`` names) in memory, on
     the CPU: ``model.load_state_dict`` of the model the engine trained takes it."""
-    _refuse(exclude_frozen_parameters, lazy_mode)
-    return load_consolidated(checkpoint_dir, tag=tag)
+    if lazy_mode is not False:
+        raise ValueError(f"lazy_mode={lazy_mode!r}: zero3 builds each full tensor once, from the rank files; only "
+                         "False is allowed (python -m zero3.consolidate streams one tensor at a time to a file)")
+    exclude = _excluded(checkpoint_dir, tag, exclude_frozen_parameters, model_parallel_rank)
+    return load_consolidated(checkpoint_dir, tag=tag, model_parallel_rank=model_parallel_rank, exclude=exclude)
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike[str],
-                                               output_dir: str | os.PathLike[str], max_shard_size: int | str = "5GB",
-                                               safe_serialization: bool = False, tag: str | None = None,
-                                               exclude_frozen_parameters: bool = False) -> list[Path]:
-    """Write the checkpoint's fp32 state dict. ``output_dir`` a directory (DeepSpeed's signature since
-    0.14): ``pytorch_model.bin`` (``model.safetensors`` with ``safe_serialization``), or, above
+                                               output_dir: str | os.PathLike[str] | None = None,
+                                               max_shard_size: int | str = "5GB", safe_serialization: bool = False,
+                                               tag: str | None = None, exclude_frozen_parameters: bool = False, *,
+                                               output_file: str | os.PathLike[str] | None = None,
+                                               model_parallel_rank: int | None = None) -> list[Path]:
+    """Write the checkpoint's fp32 state dict. ``output_dir`` (DeepSpeed's signature since 0.14):
+    ``pytorch_model.bin`` (``model.safetensors`` with ``safe_serialization``), or, above
     ``max_shard_size`` (bytes, or ``"5GB"``-style), numbered shards and an index json, in Hugging
-    Face's layout. A path ending in ``.bin``, ``.pt``, ``.pth`` or ``.safetensors`` (the older
-    ``output_file`` signature, which Lightning documents) gets one file, the suffix choosing the format.
-    Returns the files written."""
-    _refuse(exclude_frozen_parameters)
+    Face's layout; Hugging Face weight files already there that this run did not write are removed.
+    ``output_file`` (DeepSpeed's older signature, ``(checkpoint_dir, output_file, tag=None)``), or an
+    ``output_dir`` ending in ``.bin``, ``.pt``, ``.pth`` or ``.safetensors``: one file, its suffix
+    choosing the format; pass ``tag`` by keyword there. Returns the files written."""
+    if (output_dir is None) == (output_file is None):
+        raise TypeError("convert_zero_checkpoint_to_fp32_state_dict: give output_dir (a directory) or output_file "
+                        "(a .bin/.pt/.pth/.safetensors path), one of them")
     if not isinstance(safe_serialization, bool):
         raise ValueError(f"safe_serialization must be True or False, got {safe_serialization!r}")
-    if Path(output_dir).suffix.lower() in SUFFIXES:
-        return [consolidate(checkpoint_dir, output_dir, tag=tag)]
+    exclude = _excluded(checkpoint_dir, tag, exclude_frozen_parameters, model_parallel_rank)
+    target = Path(output_file if output_file is not None else output_dir)  # type: ignore[arg-type]
+    if output_file is not None or target.suffix.lower() in SUFFIXES:
+        if max_shard_size != "5GB" or safe_serialization or exclude:
+            raise ValueError(
+                f"convert_zero_checkpoint_to_fp32_state_dict({str(checkpoint_dir)!r}, {str(target)!r}, ...): a file "
+                "path writes one file, whose suffix picks the format, so max_shard_size, safe_serialization and "
+                "exclude_frozen_parameters apply to a directory only; with DeepSpeed's older signature "
+                f"(checkpoint_dir, output_file, tag) pass the tag by keyword (got max_shard_size={max_shard_size!r})")
+        if target.suffix.lower() not in SUFFIXES:
+            raise ValueError(f"output_file {str(target)!r}: end it in .bin, .pt, .pth or .safetensors")
+        return [consolidate(checkpoint_dir, target, tag=tag, model_parallel_rank=model_parallel_rank)]
     limit = parse_shard_size(max_shard_size)
     if limit <= 0:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size!r}")
-    return consolidate_to_dir(checkpoint_dir, output_dir, max_shard_size=limit, safetensors=safe_serialization,
-                              tag=tag)
+    return consolidate_to_dir(checkpoint_dir, target, max_shard_size=limit, safetensors=safe_serialization, tag=tag,
+                              model_parallel_rank=model_parallel_rank, exclude=exclude)
 
 
 def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike[str],
@@ -80,3 +102,33 @@ def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str |
     model = model.cpu()
     model.load_state_dict(state_dict, strict=False)
     return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    """DeepSpeed's script's command line: ``CHECKPOINT_DIR OUTPUT_DIR`` and its flags."""
+    parser = argparse.ArgumentParser(prog="python -m zero3.deepspeed.utils.zero_to_fp32",
+                                     description="Write the fp32 state dict of a zero3 checkpoint, as DeepSpeed's "
+                                                 "zero_to_fp32.py does for its own.")
+    parser.add_argument("checkpoint_dir", help="the directory given to engine.save_checkpoint (holding 'latest')")
+    parser.add_argument("output_dir", help="a directory (Hugging Face's layout), or a .bin/.pt/.safetensors file")
+    parser.add_argument("--max_shard_size", default="5GB", help="the largest file, e.g. 5GB (a directory only)")
+    parser.add_argument("--safe_serialization", action="store_true", help="write safetensors (a directory only)")
+    parser.add_argument("-t", "--tag", default=None, help="the checkpoint tag (default: the one 'latest' names)")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true",
+                        help="leave out the parameters the saved optimizer does not hold")
+    args = parser.parse_args(argv)
+    try:
+        written = convert_zero_checkpoint_to_fp32_state_dict(
+            args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
+            safe_serialization=args.safe_serialization, tag=args.tag,
+            exclude_frozen_parameters=args.exclude_frozen_parameters)
+    except (ValueError, OSError) as exc:  # zero3's checkpoint errors are ValueErrors
+        sys.stderr.write(f"python -m zero3.deepspeed.utils.zero_to_fp32: error: {exc}\n")
+        return 1
+    for path in written:
+        sys.stdout.write(f"wrote {path}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
