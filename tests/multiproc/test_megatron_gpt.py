@@ -269,8 +269,8 @@ def test_partitioned_activations_refuse_inputs_that_differ_across_the_tensor_par
     silently (probe 28A). Every rank refuses, also the one whose own half matched (review 28X: it
     recomputed on, and hung in the block's next collective)."""
     for message in pools.get(4).run(_inputs_partitioned, how, timeout=TIMEOUT):
-        assert "input 0 (shape (2, 8, 32)) gathered from the 2 model-parallel ranks' slices is not the input " \
-               "this rank saved" in message and "Set partition_activations false" in message
+        assert "the 2 model-parallel ranks passed different inputs 0 (shape (2, 8, 32))" \
+               in message and "Set partition_activations false" in message
 
 
 def test_partitioned_activations_take_the_same_input_from_a_view_at_any_offset(pools):

@@ -41,7 +41,10 @@ all-gather carries every rank's (as raw words appended to the slices): each rank
 fingerprints and the gathered input, and raises `ZeroStateError` unless they are all equal, so every
 rank of the group reaches the same verdict (a local comparison let a rank whose own part matched
 recompute on and hang in the next collective; review 28X). One read of each input per forward and per
-recompute, no collective more.
+recompute, no collective more. The sum is blind to inputs that differ by a permutation of whole 64-bit
+words (rows swapped on one rank; review 28Z): a position-weighted sum would see it, at many times the
+cost (runtime/gathered.py [Note: writes that GatheredParameters discards] measured 14x). Ranks that
+pass their own parts of a sequence differ in their values, which the sum sees.
 
 [Note: why this module has process-wide state]
 DeepSpeed's API is process-wide: ``configure`` once, then ``checkpoint`` anywhere in the model code,
@@ -408,9 +411,10 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
 
 def _differs_refusal(i: int, k: _Kept, mp: int) -> ZeroStateError:
     return ZeroStateError(
-        f"activation checkpoint recompute: input {i} (shape {tuple(k.shape)}) gathered from the {mp} model-parallel "
-        "ranks' slices is not the input this rank saved: partition_activations keeps 1/mp of each input and needs "
-        "every model-parallel rank to pass the same one, but these ranks passed different inputs (Megatron's "
+        f"activation checkpoint recompute: the {mp} model-parallel ranks passed different inputs {i} (shape "
+        f"{tuple(k.shape)}): the fingerprints they kept at the forward differ, or differ from the input gathered "
+        "from their slices. partition_activations keeps 1/mp of each input and needs every model-parallel rank "
+        "to pass the same one, but these ranks passed different inputs (Megatron's "
         "sequence parallelism gives each its own part of the sequence). Set partition_activations false for such "
         "blocks (Megatron turns it off under sequence parallelism); the gradients would be wrong")
 

@@ -226,9 +226,9 @@ class GatheredParameters:
             if modifier and not raised:
                 self._publish()
             else:
+                if self._read_only is not None:  # before the discard, which may raise on this rank alone (a new
+                    written = self._agree_written(ctx, exc)  # shape), when the others wait in the agreement
                 self._discard(ctx, entry, exc_type)
-                if self._read_only is not None:
-                    written = self._agree_written(ctx, exc)
         finally:
             self._read_only = None
             ctx.coordinator.release_for_user(self.params)
