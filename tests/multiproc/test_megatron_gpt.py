@@ -269,7 +269,7 @@ def test_partitioned_activations_refuse_inputs_that_differ_across_the_tensor_par
     silently (probe 28A). Every rank refuses, also the one whose own half matched (review 28X: it
     recomputed on, and hung in the block's next collective)."""
     for message in pools.get(4).run(_inputs_partitioned, how, timeout=TIMEOUT):
-        assert "the 2 model-parallel ranks passed different inputs 0 (shape (2, 8, 32))" \
+        assert "the 2 model-parallel ranks passed different values as input 0 (shape (2, 8, 32))" \
                in message and "Set partition_activations false" in message
 
 

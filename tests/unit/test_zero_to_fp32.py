@@ -4,7 +4,12 @@ in Hugging Face's layout (one file, or shards and an index)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,66 +121,97 @@ def test_convert_to_a_file_path_writes_one_file_as_the_older_signature(tmp_path)
     assert list(loaded) == list(sd) and all(torch.equal(loaded[k], sd[k]) for k in sd)
 
 
-def test_convert_replaces_the_weight_files_an_earlier_run_left(tmp_path):
-    """Review 28Z: a safetensors run, then a .bin run, left model.safetensors beside the new file, and
-    Hugging Face's from_pretrained loads that one first: every weight stale. Shards of another count
-    stayed beside the new ones too."""
+def test_convert_refuses_a_file_that_would_shadow_it_and_replaces_its_own_format_s(tmp_path):
+    """Review 28Z2: a safetensors run, then a .bin run, left model.safetensors beside the new file, and
+    Hugging Face's from_pretrained loads that one first: every weight stale. Deleting it instead
+    (review 28Z3) deleted a user's export: now it is refused, and only this format's index and
+    numbered files are replaced."""
     _trained(tmp_path / "ckpt", "fp32")
     out = tmp_path / "out"
     out.mkdir()
-    (out / "config.json").write_text("{}")  # not a weight file: kept
+    (out / "config.json").write_text("{}")
     names = lambda: sorted(p.name for p in out.iterdir())  # noqa: E731
     convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out, safe_serialization=True)
+    with pytest.raises(ValueError, match=r"holds model.safetensors, which Hugging Face's from_pretrained loads before "
+                                         r"the pytorch_model.bin this would write.*Nothing was written"):
+        convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out)
+    assert names() == ["config.json", "model.safetensors"]
+    (out / "model.safetensors").unlink()
     convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out, max_shard_size=1200)
-    sharded = names()
-    assert "model.safetensors" not in sharded and "pytorch_model.bin.index.json" in sharded
+    many = [n for n in names() if "-of-" in n]
     convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out, max_shard_size=3000)
-    fewer = names()
-    assert len(fewer) < len(sharded) and all("-of-" not in n or n in fewer for n in fewer)
-    assert {n for n in fewer if "-of-" in n} == set(json.loads((out / "pytorch_model.bin.index.json").read_text())
-                                                    ["weight_map"].values())
-    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out)
+    fewer = [n for n in names() if "-of-" in n]
+    assert len(fewer) < len(many)  # the old numbered files the new index does not list are gone
+    assert set(fewer) == set(json.loads((out / "pytorch_model.bin.index.json").read_text())["weight_map"].values())
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out)  # one file: this format's index goes too
     assert names() == ["config.json", "pytorch_model.bin"]
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out, safe_serialization=True)  # taken first
+    assert names() == ["config.json", "model.safetensors", "pytorch_model.bin"]  # the other format stays
 
 
 def test_the_older_signature_and_its_tag(tmp_path):
-    """DeepSpeed before 0.14: (checkpoint_dir, output_file, tag=None). A tag passed third went into
-    max_shard_size and was ignored, the latest tag written (review 28Z); output_file= was a TypeError."""
-    _trained(tmp_path / "ckpt", "fp32")
+    """DeepSpeed before 0.14: (checkpoint_dir, output_file, tag=None, exclude_frozen_parameters=False). A
+    tag passed third went into max_shard_size and was ignored, the latest tag written (review 28Z2);
+    output_file= was a TypeError."""
+    _trained(tmp_path / "ckpt", "fp32", frozen=True)
     t1 = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", tag="t1")
     [path] = convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", output_file=tmp_path / "m.bin", tag="t1")
     loaded = torch.load(path, weights_only=True)
-    assert all(torch.equal(loaded[k], t1[k]) for k in t1)
-    with pytest.raises(ValueError, match=r"a file path writes one file.*pass the tag by keyword \(got "
-                                         r"max_shard_size='t1'\)"):
+    assert list(loaded) == list(t1) and all(torch.equal(loaded[k], t1[k]) for k in t1)
+    [path] = convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "n.bin", None,
+                                                        exclude_frozen_parameters=True)  # a tag variable of None
+    assert set(torch.load(path, weights_only=True)) == set(t1) - {"mid.weight", "mid.bias"}
+    with pytest.raises(ValueError, match=r"a file path writes one file, so max_shard_size applies to a directory "
+                                         r"only.*pass the tag by keyword \(tag=...\)"):
         convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "m.bin", "t1")
     with pytest.raises(TypeError, match="give output_dir .* or output_file"):
         convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt")
-    for bad in (True, "abcGB", "nanGB", "infGB", 1.5e9):
+    for bad in (True, "abcGB", "nanGB", "infGB", 1.5e9, "-1GB", -5):
         with pytest.raises(ValueError, match=r"max_shard_size .*: give bytes as an int or a string ending in TB"):
             convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "dir", max_shard_size=bad)
 
 
-def test_exclude_frozen_parameters_leaves_out_what_the_optimizer_did_not_hold(tmp_path):
-    _trained(tmp_path / "ckpt", "bf16", frozen=True)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("in_optimizer", [False, True], ids=["left out of the optimizer", "given to it"])
+def test_exclude_frozen_parameters_leaves_out_what_did_not_require_grad(tmp_path, dtype, in_optimizer, monkeypatch):
+    """As DeepSpeed's: by requires_grad at the save, whatever the optimizer held (review 28Z3: the first
+    version went by the saved param groups, which held a frozen parameter in fp32 and not in bf16)."""
+    torch.manual_seed(0)
+    model = _Tied()
+    model.mid.requires_grad_(False)
+    params = model.parameters() if in_optimizer else [p for p in model.parameters() if p.requires_grad]
+    engine = zero3.initialize(model, torch.optim.AdamW(params, lr=1e-2), {"param_persistence_threshold": 0,
+                                                                          "dtype": dtype})
+    engine.backward(engine(torch.randint(0, 32, (8,))).float().logsumexp(-1).mean())
+    engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt")
     whole = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
     trained = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", exclude_frozen_parameters=True)
     assert set(whole) - set(trained) == {"mid.weight", "mid.bias"}
-    assert whole["mid.weight"].dtype == torch.bfloat16  # frozen: no fp32 master, its own dtype
     out = convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "out", exclude_frozen_parameters=True)
     assert set(torch.load(out[0], weights_only=True)) == set(trained)
-    torch.manual_seed(0)
-    model = _Tied()
-    engine = zero3.initialize(model, None, {})
-    engine.save_checkpoint(tmp_path / "no_optimizer")
-    with pytest.raises(ValueError, match="the checkpoint holds no optimizer, so which parameters were frozen"):
-        get_fp32_state_dict_from_zero_checkpoint(tmp_path / "no_optimizer", exclude_frozen_parameters=True)
+    from zero3.checkpoint import consolidate as offline
+
+    class _Older(offline.CheckpointReader):  # as a checkpoint saved before zero3 recorded requires_grad
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.params = {n: dataclasses.replace(pm, requires_grad=None) for n, pm in self.params.items()}
+
+    monkeypatch.setattr(offline, "CheckpointReader", _Older)
+    with pytest.raises(ValueError, match="was saved before zero3 recorded which parameters are frozen"):
+        get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", exclude_frozen_parameters=True)
 
 
 def test_the_command_line_as_deepspeed_s_script(tmp_path, capsys):
     from zero3.deepspeed.utils.zero_to_fp32 import main
 
     _trained(tmp_path / "ckpt", "fp32")
+    root = Path(zero3.__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "zero3.deepspeed.utils.zero_to_fp32", str(tmp_path / "ckpt"),
+                          str(tmp_path / "cli")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0 and "wrote " in run.stdout and "Warning" not in run.stderr, run
+    assert (tmp_path / "cli" / "pytorch_model.bin").exists()
     assert main([str(tmp_path / "ckpt"), str(tmp_path / "out"), "--safe_serialization", "-t", "t1"]) == 0
     assert "model.safetensors" in capsys.readouterr().out
     t1 = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", tag="t1")

@@ -42,7 +42,7 @@ fingerprints and the gathered input, and raises `ZeroStateError` unless they are
 rank of the group reaches the same verdict (a local comparison let a rank whose own part matched
 recompute on and hang in the next collective; review 28X). One read of each input per forward and per
 recompute, no collective more. The sum is blind to inputs that differ by a permutation of whole 64-bit
-words (rows swapped on one rank; review 28Z): a position-weighted sum would see it, at many times the
+words within one rank's slice (rows swapped there on one rank; review 28Z): a position-weighted sum would see it, at many times the
 cost (runtime/gathered.py [Note: writes that GatheredParameters discards] measured 14x). Ranks that
 pass their own parts of a sequence differ in their values, which the sum sees.
 
@@ -411,10 +411,10 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
 
 def _differs_refusal(i: int, k: _Kept, mp: int) -> ZeroStateError:
     return ZeroStateError(
-        f"activation checkpoint recompute: the {mp} model-parallel ranks passed different inputs {i} (shape "
+        f"activation checkpoint recompute: the {mp} model-parallel ranks passed different values as input {i} (shape "
         f"{tuple(k.shape)}): the fingerprints they kept at the forward differ, or differ from the input gathered "
         "from their slices. partition_activations keeps 1/mp of each input and needs every model-parallel rank "
-        "to pass the same one, but these ranks passed different inputs (Megatron's "
+        "to pass the same one (Megatron's "
         "sequence parallelism gives each its own part of the sequence). Set partition_activations false for such "
         "blocks (Megatron turns it off under sequence parallelism); the gradients would be wrong")
 

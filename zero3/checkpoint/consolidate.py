@@ -62,6 +62,8 @@ def parse_shard_size(size: int | str) -> int:
     if isinstance(size, bool) or not isinstance(size, (int, str)):
         raise bad
     if isinstance(size, int):
+        if size < 0:
+            raise bad
         return size
     text = size.strip()
     unit = text[-2:].upper()
@@ -155,7 +157,7 @@ def iter_tensors(reader: CheckpointReader, specs: list[Spec]) -> Iterator[tuple[
 
 def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, tag: str | None = None,
                 dtype: torch.dtype | None = None, include_optimizer: bool = False, verify: bool = True,
-                model_parallel_rank: int | None = None) -> Path:
+                model_parallel_rank: int | None = None, exclude: frozenset[str] = frozenset()) -> Path:
     """Write the full state dict of a sharded checkpoint to ``out`` (``.pt`` or ``.safetensors``).
 
     The modules' extra state goes into a ``.pt`` output; a ``.safetensors`` one holds only tensors and
@@ -170,6 +172,7 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
         verify: check every rank file's sha256 first.
         model_parallel_rank: for a checkpoint saved with model parallelism, whose tensor-parallel
             slices to write (one state dict per model-parallel rank, as the model code holds them).
+        exclude: parameters to leave out (with their tied names and optimizer state).
 
     Returns:
         The output path.
@@ -185,6 +188,8 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
     with CheckpointReader(ckpt_dir, tag, model_parallel_rank) as reader:
         reader.check_files(range(reader.world_size) if verify else ())
         layout, specs = _plan(reader, dtype, include_optimizer)
+        layout = [row for row in layout if row[2] not in exclude]
+        specs = [spec for spec in specs if _spec_param(spec[0]) not in exclude]
         _check_entries(reader, specs)
         out.parent.mkdir(parents=True, exist_ok=True)
         if suffix == ".safetensors":
@@ -192,6 +197,11 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
         else:
             _write_pt(reader, out, layout, specs, include_optimizer)
     return out
+
+
+def _spec_param(key: str) -> str:
+    """The parameter an output key belongs to: its own name, or an optimizer entry's parameter."""
+    return key[len("optimizer/"):].rpartition("/")[0] if key.startswith("optimizer/") else key
 
 
 def load_consolidated(ckpt_dir: str | os.PathLike[str], *, tag: str | None = None, dtype: torch.dtype | None = None,
@@ -212,8 +222,8 @@ def load_consolidated(ckpt_dir: str | os.PathLike[str], *, tag: str | None = Non
         return _with_extra_state(reader, [(key, tensors[src if kind == "param" else key]) for key, kind, src in layout])
 
 
-_HF_WEIGHTS = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|pytorch_model(-\d{5}-of-\d{5})?\.bin)(\.index\.json)?")
-"""Hugging Face's weight files and indexes: what `consolidate_to_dir` writes, and replaces."""
+_PRECEDENCE = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+"""The weight files Hugging Face's ``from_pretrained`` looks for in a directory, first found first taken."""
 
 
 def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, max_shard_size: int,
@@ -224,10 +234,14 @@ def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathL
     ``safetensors``, ``pytorch_model.bin``) when the state dict fits ``max_shard_size`` bytes; else
     files ``model-0000k-of-0000n.safetensors`` (``pytorch_model-...bin``), filled in order, a tensor
     larger than the limit alone in its file, and an index (``model.safetensors.index.json``) mapping
-    each key to its file. The modules' extra state goes with the first ``.bin`` file. Hugging Face's
-    weight files already in ``out_dir`` that this run did not write are removed after it (an older
-    ``model.safetensors`` beside new ``.bin`` shards is what ``from_pretrained`` would load). The
-    parameters named in ``exclude`` are left out. Returns the files written."""
+    each key to its file. The modules' extra state goes with the first ``.bin`` file. The parameters
+    named in ``exclude`` are left out. Returns the files written.
+
+    What is in ``out_dir`` already: a weight file ``from_pretrained`` would take before the new ones
+    (``model.safetensors`` beside new ``.bin`` files; review 28Z2 found every weight stale so) is
+    refused before anything is written, naming it; nothing else is deleted but this format's index
+    (first: a failure halfway leaves shards without an index, which fails to load, not an old mix) and
+    its numbered files that the new index does not list (as transformers' ``save_pretrained``)."""
     out = Path(out_dir)
     stem, suffix = ("model", ".safetensors") if safetensors else ("pytorch_model", ".bin")
     with CheckpointReader(ckpt_dir, tag, model_parallel_rank) as reader:
@@ -235,6 +249,8 @@ def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathL
         layout, specs = _plan(reader, dtype, False)
         layout = [row for row in layout if row[2] not in exclude]
         specs = [spec for spec in specs if spec[0] not in exclude]
+        if not specs:
+            raise ValueError(f"{ckpt_dir}: nothing to write (every parameter excluded)")
         _check_entries(reader, specs)
         groups: list[list[Spec]] = []
         size = total = 0
@@ -248,7 +264,15 @@ def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathL
             size += n
         names = [f"{stem}{suffix}"] if len(groups) == 1 else \
             [f"{stem}-{i + 1:05d}-of-{len(groups):05d}{suffix}" for i in range(len(groups))]
+        index = f"{stem}{suffix}.index.json"
+        mine = names[0] if len(groups) == 1 else index
+        shadows = [n for n in _PRECEDENCE[:_PRECEDENCE.index(mine)] if (out / n).exists()]
+        if shadows:
+            raise ValueError(f"{out} holds {', '.join(shadows)}, which Hugging Face's from_pretrained loads before the "
+                             f"{mine} this would write; remove it (or write the other format) first. Nothing was "
+                             "written")
         out.mkdir(parents=True, exist_ok=True)
+        (out / index).unlink(missing_ok=True)
         weight_map: dict[str, str] = {}
         for i, (name, group) in enumerate(zip(names, groups)):
             keys = {spec[0] for spec in group}
@@ -262,26 +286,24 @@ def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathL
                 _write_pt(reader, out / name, rows, group, False, extra=i == 0)
         written = [out / n for n in names]
         if len(groups) > 1:
-            index = out / f"{stem}{suffix}.index.json"
-            index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-            written.append(index)
+            (out / index).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            written.append(out / index)
+    numbered = re.compile(rf"{re.escape(stem)}-\d{{5}}-of-\d{{5}}{re.escape(suffix)}")
     for entry in out.iterdir():
-        if _HF_WEIGHTS.fullmatch(entry.name) and entry not in written:
+        if numbered.fullmatch(entry.name) and entry.name not in names and entry.is_file():
             entry.unlink()
     return written
 
 
-def untrained_params(ckpt_dir: str | os.PathLike[str], tag: str | None = None,
-                     model_parallel_rank: int | None = None) -> frozenset[str]:
-    """The parameters no param group of the checkpoint's optimizer holds (a PEFT or Hugging Face Trainer
-    optimizer leaves out the frozen ones); a checkpoint saved without an optimizer cannot tell: refused."""
+def frozen_params(ckpt_dir: str | os.PathLike[str], tag: str | None = None,
+                  model_parallel_rank: int | None = None) -> frozenset[str]:
+    """The parameters whose ``requires_grad`` was False when the checkpoint was saved; one saved before
+    zero3 recorded it (2026-12-06) cannot tell: refused."""
     with CheckpointReader(ckpt_dir, tag, model_parallel_rank) as reader:
-        groups = _groups(reader)
-        if groups is None:
-            raise ValueError(f"{ckpt_dir}: the checkpoint holds no optimizer, so which parameters were frozen is not "
-                             "recorded; leave exclude_frozen_parameters False")
-        held = {name for g in groups for name in g.get("params", ())}
-        return frozenset(name for name in reader.params if name not in held)
+        if any(pm.requires_grad is None for pm in reader.params.values()):
+            raise ValueError(f"{ckpt_dir} (tag {reader.tag!r}) was saved before zero3 recorded which parameters are "
+                             "frozen; leave exclude_frozen_parameters False, or load it and save it again")
+        return frozenset(name for name, pm in reader.params.items() if not pm.requires_grad)
 
 
 def _check_entries(reader: CheckpointReader, specs: list[Spec]) -> None:

@@ -102,6 +102,7 @@ class ParamMeta:
     aliases: tuple[str, ...]
     ranges: tuple[tuple[int, int], ...]  # per file
     state: dict[str, dict[str, Any]]
+    requires_grad: bool | None = None  # None: saved before zero3 recorded it (2026-12-06)
 
 
 # -- JSON for small state (hyperparameters, scheduler, client state, RNG) --------------------------

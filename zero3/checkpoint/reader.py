@@ -104,7 +104,7 @@ class CheckpointReader:
                 name=pm["name"], shape=tuple(pm["shape"]), dtype=parse_dtype(pm["dtype"]),
                 master_dtype=parse_dtype(pm["master_dtype"]), numel=int(pm["numel"]),
                 aliases=tuple(pm["aliases"]), ranges=tuple((int(a), int(b)) for a, b in pm["ranges"]),
-                state=dict(pm["optimizer_state"])) for pm in meta["params"]}
+                state=dict(pm["optimizer_state"]), requires_grad=pm.get("requires_grad")) for pm in meta["params"]}
             self.buffers = {k: (tuple(v["shape"]), parse_dtype(v["dtype"])) for k, v in meta["buffers"].items()}
             self.layout = [tuple(row) for row in meta["state_dict"]]
             for pm in self.params.values():

@@ -209,7 +209,7 @@ def _build_metadata(ctx: RuntimeContext, tag: str, infos: list[dict[str, Any]], 
             "name": z.name, "shape": list(z.shape), "dtype": dtype_name(z.dtype),
             "master_dtype": dtype_name(p._zero.train_tensor.dtype), "numel": z.numel,
             "aliases": aliases.get(z.name, []), "ranges": [info["ranges"][i] for info in infos],
-            "optimizer_state": first["states"][i],
+            "optimizer_state": first["states"][i], "requires_grad": bool(p.requires_grad),
         })
     optimizer = None
     if ctx.optimizer is not None:

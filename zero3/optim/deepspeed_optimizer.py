@@ -56,12 +56,12 @@ class DeepSpeedOptimizerNames:
         state = self.optimizer.state
         if any(isinstance(t, torch.Tensor) and t.numel() and not t.untyped_storage().nbytes()
                for per in state.values() for t in per.values()):
-            raise ZeroStateError(
-                "optimizer.state: " + ("the optimizer state lives on NVMe between steps (offload_optimizer device "
-                                       "nvme)" if getattr(self, "states", None) is not None else
-                                       "the optimizer state is offloaded (engine.offload_states): call "
-                                       "engine.reload_states() first, or") +
-                ", so its tensors hold no bytes here; read one with zero3.safe_get_local_optimizer_state(p, key)")
+            if getattr(self, "states", None) is not None:
+                raise ZeroStateError("optimizer.state: the optimizer state lives on NVMe between steps (offload_optimizer "
+                                     "device nvme), so its tensors hold no bytes here; read one with "
+                                     "zero3.safe_get_local_optimizer_state(p, key)")
+            raise ZeroStateError("optimizer.state: the optimizer state is offloaded (engine.offload_states), so its "
+                                 "tensors hold no bytes here; call engine.reload_states() first")
         return state
 
     @state.setter

@@ -254,6 +254,8 @@ class GatheredParameters:
         assert self._read_only is not None
         fresh = self._read_only[0]
         beyond, within = _written(*self._read_only) if exc is None else ([], [])
+        beyond += [p for p in fresh if raw_data(p).shape != p._zero.shape and not any(q is p for q in beyond)]  # a
+        # new shape, refused on this rank by the discard after this, even with the same values (review 28Z3)
         if ctx.world_size > 1 and not isinstance(exc, (ZeroCommunicationError, ZeroDivergenceError)):
             flags = torch.tensor([int(any(q is p for q in beyond)) for p in fresh], dtype=torch.int64)
             ctx.comm.all_reduce(flags, Tag(Kind.ALL_REDUCE, "GatheredParameters exit: writes", self._ids), op="max")

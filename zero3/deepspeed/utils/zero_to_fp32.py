@@ -8,10 +8,10 @@ sharded checkpoint, offline, with no model code and no process group (zero3's ow
 ``checkpoint_dir`` is the directory given to ``engine.save_checkpoint``, holding the tag folders and
 ``latest``, as in DeepSpeed. The values are the fp32 masters of the trained parameters; frozen
 parameters (which have none) and buffers come in their own dtype, as DeepSpeed's script gives them.
-``exclude_frozen_parameters`` leaves out the parameters no param group of the saved optimizer holds
-(a PEFT or Hugging Face Trainer optimizer leaves out the frozen ones; one given to the optimizer
-while frozen stays). ``lazy_mode`` is refused: zero3 builds each tensor once. zero3's own keyword
-``model_parallel_rank`` picks the slices of a checkpoint saved with model parallelism.
+``exclude_frozen_parameters`` leaves out the parameters whose ``requires_grad`` was False at the save,
+as DeepSpeed's (a checkpoint saved before zero3 recorded it is refused). ``lazy_mode`` is refused:
+zero3 builds each tensor once. zero3's own keyword ``model_parallel_rank`` picks the slices of a
+checkpoint saved with model parallelism.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 from torch import nn
 
 from ...checkpoint.consolidate import (SUFFIXES, consolidate, consolidate_to_dir, load_consolidated,
-                                       parse_shard_size, untrained_params)
+                                       frozen_params, parse_shard_size)
 from ...partition.param import ZeroParameter
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
@@ -36,7 +36,7 @@ def _excluded(checkpoint_dir: Any, tag: str | None, exclude_frozen_parameters: A
               model_parallel_rank: int | None) -> frozenset[str]:
     if not isinstance(exclude_frozen_parameters, bool):
         raise ValueError(f"exclude_frozen_parameters must be True or False, got {exclude_frozen_parameters!r}")
-    return untrained_params(checkpoint_dir, tag, model_parallel_rank) if exclude_frozen_parameters else frozenset()
+    return frozen_params(checkpoint_dir, tag, model_parallel_rank) if exclude_frozen_parameters else frozenset()
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[str], tag: str | None = None,
@@ -60,10 +60,12 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
     """Write the checkpoint's fp32 state dict. ``output_dir`` (DeepSpeed's signature since 0.14):
     ``pytorch_model.bin`` (``model.safetensors`` with ``safe_serialization``), or, above
     ``max_shard_size`` (bytes, or ``"5GB"``-style), numbered shards and an index json, in Hugging
-    Face's layout; Hugging Face weight files already there that this run did not write are removed.
+    Face's layout (a weight file already there that from_pretrained would load first is refused; this
+    format's index and numbered files the new index does not list are replaced).
     ``output_file`` (DeepSpeed's older signature, ``(checkpoint_dir, output_file, tag=None)``), or an
     ``output_dir`` ending in ``.bin``, ``.pt``, ``.pth`` or ``.safetensors``: one file, its suffix
-    choosing the format; pass ``tag`` by keyword there. Returns the files written."""
+    choosing the format; pass ``tag`` by keyword there (a third positional argument is ``max_shard_size``;
+    None reads as its default). Returns the files written."""
     if (output_dir is None) == (output_file is None):
         raise TypeError("convert_zero_checkpoint_to_fp32_state_dict: give output_dir (a directory) or output_file "
                         "(a .bin/.pt/.pth/.safetensors path), one of them")
@@ -71,16 +73,20 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
         raise ValueError(f"safe_serialization must be True or False, got {safe_serialization!r}")
     exclude = _excluded(checkpoint_dir, tag, exclude_frozen_parameters, model_parallel_rank)
     target = Path(output_file if output_file is not None else output_dir)  # type: ignore[arg-type]
+    if max_shard_size is None:  # a tag variable that is None, passed third as in DeepSpeed's older signature
+        max_shard_size = "5GB"
     if output_file is not None or target.suffix.lower() in SUFFIXES:
-        if max_shard_size != "5GB" or safe_serialization or exclude:
-            raise ValueError(
-                f"convert_zero_checkpoint_to_fp32_state_dict({str(checkpoint_dir)!r}, {str(target)!r}, ...): a file "
-                "path writes one file, whose suffix picks the format, so max_shard_size, safe_serialization and "
-                "exclude_frozen_parameters apply to a directory only; with DeepSpeed's older signature "
-                f"(checkpoint_dir, output_file, tag) pass the tag by keyword (got max_shard_size={max_shard_size!r})")
         if target.suffix.lower() not in SUFFIXES:
             raise ValueError(f"output_file {str(target)!r}: end it in .bin, .pt, .pth or .safetensors")
-        return [consolidate(checkpoint_dir, target, tag=tag, model_parallel_rank=model_parallel_rank)]
+        if max_shard_size != "5GB":
+            raise ValueError(
+                f"convert_zero_checkpoint_to_fp32_state_dict({str(checkpoint_dir)!r}, {str(target)!r}, "
+                f"{max_shard_size!r}): a file path writes one file, so max_shard_size applies to a directory only; with "
+                "DeepSpeed's older signature (checkpoint_dir, output_file, tag) pass the tag by keyword (tag=...)")
+        if safe_serialization and target.suffix.lower() != ".safetensors":
+            raise ValueError(f"safe_serialization=True with output file {str(target)!r}: the suffix picks the format; "
+                             "end it in .safetensors")
+        return [consolidate(checkpoint_dir, target, tag=tag, model_parallel_rank=model_parallel_rank, exclude=exclude)]
     limit = parse_shard_size(max_shard_size)
     if limit <= 0:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size!r}")
@@ -89,7 +95,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
 
 
 def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike[str],
-                                         tag: str | None = None) -> nn.Module:
+                                         tag: str | None = None, *, model_parallel_rank: int | None = None) -> nn.Module:
     """Load the checkpoint's fp32 state dict into ``model`` (a plain model, not one zero3 partitions),
     moved to the CPU first as DeepSpeed's does, with ``strict=False``; returns ``model``."""
     if not isinstance(model, nn.Module):
@@ -98,7 +104,7 @@ def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str |
         raise ValueError("load_state_dict_from_zero_checkpoint: the model's parameters are partitioned by zero3 "
                          "(built under zero3.Init or given to zero3.initialize); load into it with "
                          "engine.load_checkpoint(checkpoint_dir) or zero3.pretrained.load_state_dict(model, state_dict)")
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, model_parallel_rank=model_parallel_rank)
     model = model.cpu()
     model.load_state_dict(state_dict, strict=False)
     return model
@@ -115,13 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--safe_serialization", action="store_true", help="write safetensors (a directory only)")
     parser.add_argument("-t", "--tag", default=None, help="the checkpoint tag (default: the one 'latest' names)")
     parser.add_argument("--exclude_frozen_parameters", action="store_true",
-                        help="leave out the parameters the saved optimizer does not hold")
+                        help="leave out the parameters whose requires_grad was False")
+    parser.add_argument("--model_parallel_rank", type=int, default=None,
+                        help="a checkpoint saved with model parallelism: write this model-parallel rank's slices")
     args = parser.parse_args(argv)
     try:
         written = convert_zero_checkpoint_to_fp32_state_dict(
             args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
             safe_serialization=args.safe_serialization, tag=args.tag,
-            exclude_frozen_parameters=args.exclude_frozen_parameters)
+            exclude_frozen_parameters=args.exclude_frozen_parameters, model_parallel_rank=args.model_parallel_rank)
     except (ValueError, OSError) as exc:  # zero3's checkpoint errors are ValueErrors
         sys.stderr.write(f"python -m zero3.deepspeed.utils.zero_to_fp32: error: {exc}\n")
         return 1
