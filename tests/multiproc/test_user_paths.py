@@ -878,13 +878,13 @@ def test_a_merge_and_unmerge_inside_a_read_only_context_is_discarded_without_an_
 
 
 
-def reshaped_on_one_rank(same_values: bool) -> dict:
+def reshaped_on_one_rank(same_values: bool, threshold: int = 0) -> dict:
     """Rank 0 alone gives a weight data of another shape inside a read-only context: it raises the
     shape refusal, rank 1 the write the ranks agreed on, and neither waits for the other (rank 1 hung
     in the exit's agreement while rank 0 had raised before it; review 28Z1), the next collective works;
     also when the new data holds the same values (a reshape: the fingerprint does not change; 28Z3)."""
     ref, model = twins(_mlp)
-    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": threshold})
     try:
         with zero3.GatheredParameters([model[0].weight]), torch.no_grad():
             if dist.get_rank() == 0:
@@ -899,9 +899,45 @@ def reshaped_on_one_rank(same_values: bool) -> dict:
     return {"error": error, "same": same}
 
 
-@pytest.mark.parametrize("same_values", [False, True], ids=["new values", "same values"])
-def test_a_new_shape_on_one_rank_in_a_read_only_context_raises_on_every_rank_without_a_hang(pools, same_values):
-    results = pools.get(2).run(reshaped_on_one_rank, same_values, timeout=60)
+@pytest.mark.parametrize("same_values, threshold", [(False, 0), (True, 0), (True, 10**5)],
+                         ids=["new values", "same values", "persistent"])
+def test_a_new_shape_on_one_rank_in_a_read_only_context_raises_on_every_rank_without_a_hang(pools, same_values,
+                                                                                           threshold):
+    """The persistent case (the default threshold; review 28Z4): the reshaping rank gathered the
+    persistent parameters again alone, a collective no other rank joined."""
+    results = pools.get(2).run(reshaped_on_one_rank, same_values, threshold, timeout=60)
     assert "shape" in results[0]["error"], results
     assert "0.weight changed inside the context" in results[1]["error"], results
     assert all(r["same"] for r in results), results
+
+
+def writes_on_one_rank(case: str) -> dict:
+    """``other``: rank 0 alone writes rows that only the last rank's slice holds; each rank's own slice
+    was unchanged on the rank that holds it, so nothing was reported and the edit vanished (probe 28F:
+    the WARNING even called it rounding). ``keyerror``: rank 0 writes its own rows, rank 1 raises a
+    KeyError of its own, which it must see (it got rank 0's write error instead)."""
+    torch.manual_seed(0)
+    with zero3.Init():
+        emb = nn.Embedding(32, 8)
+    engine = zero3.initialize(emb, None, {"param_persistence_threshold": 0})
+    rank = dist.get_rank()
+    try:
+        with zero3.GatheredParameters([emb.weight]), torch.no_grad():
+            if rank == 0:
+                rows = slice(30, 32) if case == "other" else slice(0, 2)
+                emb.weight[rows] += 1.0
+            if case == "keyerror" and rank == 1:
+                raise KeyError("mine")
+        error = "no error"
+    except (zero3.ZeroStateError, KeyError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    engine.remove_hooks()
+    return {"error": error}
+
+
+@pytest.mark.parametrize("case", ["other", "keyerror"])
+def test_a_write_on_one_rank_only_is_reported_on_every_rank_and_a_rank_s_own_error_wins(pools, case):
+    results = [r["error"] for r in pools.get(2).run(writes_on_one_rank, case, timeout=60)]
+    assert "ZeroStateError" in results[0] and "weight changed inside the context" in results[0], results
+    assert results[1].startswith("KeyError") if case == "keyerror" else "weight changed inside the context" in \
+        results[1], results

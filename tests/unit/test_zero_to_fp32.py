@@ -152,18 +152,22 @@ def test_convert_refuses_a_file_that_would_shadow_it_and_replaces_its_own_format
 def test_the_older_signature_and_its_tag(tmp_path):
     """DeepSpeed before 0.14: (checkpoint_dir, output_file, tag=None, exclude_frozen_parameters=False). A
     tag passed third went into max_shard_size and was ignored, the latest tag written (review 28Z2);
-    output_file= was a TypeError."""
+    output_file= was a TypeError; a fourth True was read as safe_serialization (review 28Z4)."""
     _trained(tmp_path / "ckpt", "fp32", frozen=True)
     t1 = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", tag="t1")
-    [path] = convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", output_file=tmp_path / "m.bin", tag="t1")
-    loaded = torch.load(path, weights_only=True)
-    assert list(loaded) == list(t1) and all(torch.equal(loaded[k], t1[k]) for k in t1)
-    [path] = convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "n.bin", None,
-                                                        exclude_frozen_parameters=True)  # a tag variable of None
-    assert set(torch.load(path, weights_only=True)) == set(t1) - {"mid.weight", "mid.bias"}
-    with pytest.raises(ValueError, match=r"a file path writes one file, so max_shard_size applies to a directory "
-                                         r"only.*pass the tag by keyword \(tag=...\)"):
-        convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "m.bin", "t1")
+    for kwargs, args in (({"output_file": tmp_path / "a.bin", "tag": "t1"}, ()), ({}, (tmp_path / "b.bin", "t1"))):
+        [path] = convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", *args, **kwargs)
+        loaded = torch.load(path, weights_only=True)
+        assert list(loaded) == list(t1) and all(torch.equal(loaded[k], t1[k]) for k in t1)
+    for target in ("c.bin", "c.safetensors"):
+        [path] = convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / target, None, True)
+        kept = set(load_file(path)) if target.endswith("safetensors") else set(torch.load(path, weights_only=True))
+        assert kept == set(t1) - {"mid.weight", "mid.bias", "head.weight"} | (
+            set() if target.endswith("safetensors") else {"head.weight"}), target  # the alias: in metadata
+    with pytest.raises(ValueError, match=r"max_shard_size='1GB' with the output file .*a file is written whole"):
+        convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "m.bin", max_shard_size="1GB")
+    with pytest.raises(TypeError, match=r"after the output file it takes tag, exclude_frozen_parameters by position"):
+        convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "m.bin", "t1", False, True)
     with pytest.raises(TypeError, match="give output_dir .* or output_file"):
         convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt")
     for bad in (True, "abcGB", "nanGB", "infGB", 1.5e9, "-1GB", -5):
@@ -218,3 +222,41 @@ def test_the_command_line_as_deepspeed_s_script(tmp_path, capsys):
     assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["mid.weight"], t1["mid.weight"])
     assert main([str(tmp_path / "missing"), str(tmp_path / "out")]) == 1
     assert "error: " in capsys.readouterr().err
+
+
+def test_a_failure_halfway_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
+    """Review 28Z4: the index went first, so a failure left new shards beside another format's file,
+    which Hugging Face then loaded, stale; the files are now staged and put in place at the end."""
+    from zero3.checkpoint import consolidate as offline
+
+    _trained(tmp_path / "ckpt", "fp32")
+    out = tmp_path / "out"
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out, max_shard_size=1200, tag="t1")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real, calls = offline._write_pt, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(offline, "_write_pt", failing)
+    with pytest.raises(OSError, match="disk full"):
+        convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out, max_shard_size=1200)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_zero3_s_loader_names_a_bin_index_instead_of_calling_it_corrupt(tmp_path):
+    """Probe 28E: the .bin shards went to the safetensors header reader ("header length ... exceeds the
+    file: truncated")."""
+    from zero3 import CheckpointCorruptError
+
+    _trained(tmp_path / "ckpt", "fp32")
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "out", max_shard_size=1200)
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = _Tied()
+    with pytest.raises(CheckpointCorruptError, match=r"an index of pytorch_model.bin shards \(torch.save files, not "
+                                                     r"safetensors\).*safe_serialization=True"):
+        zero3.pretrained.load_state_dict(model, tmp_path / "out" / "pytorch_model.bin.index.json")

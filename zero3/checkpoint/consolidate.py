@@ -190,6 +190,8 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
         layout, specs = _plan(reader, dtype, include_optimizer)
         layout = [row for row in layout if row[2] not in exclude]
         specs = [spec for spec in specs if _spec_param(spec[0]) not in exclude]
+        if exclude and not specs:
+            raise ValueError(f"{ckpt_dir}: nothing to write (every parameter excluded)")
         _check_entries(reader, specs)
         out.parent.mkdir(parents=True, exist_ok=True)
         if suffix == ".safetensors":
@@ -239,9 +241,11 @@ def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathL
 
     What is in ``out_dir`` already: a weight file ``from_pretrained`` would take before the new ones
     (``model.safetensors`` beside new ``.bin`` files; review 28Z2 found every weight stale so) is
-    refused before anything is written, naming it; nothing else is deleted but this format's index
-    (first: a failure halfway leaves shards without an index, which fails to load, not an old mix) and
-    its numbered files that the new index does not list (as transformers' ``save_pretrained``)."""
+    refused before anything is written, naming it. The new files are written under staged names and
+    put in place only when all are written, so a failure halfway leaves the directory as it was
+    (review 28Z4); then this format's index, if the new output has none, and its numbered files the
+    new index does not list are removed (as transformers' ``save_pretrained`` removes old shards).
+    Nothing else is deleted."""
     out = Path(out_dir)
     stem, suffix = ("model", ".safetensors") if safetensors else ("pytorch_model", ".bin")
     with CheckpointReader(ckpt_dir, tag, model_parallel_rank) as reader:
@@ -269,30 +273,39 @@ def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathL
         shadows = [n for n in _PRECEDENCE[:_PRECEDENCE.index(mine)] if (out / n).exists()]
         if shadows:
             raise ValueError(f"{out} holds {', '.join(shadows)}, which Hugging Face's from_pretrained loads before the "
-                             f"{mine} this would write; remove it (or write the other format) first. Nothing was "
-                             "written")
+                             f"{mine} this would write: remove it first (zero3 deletes no weight file but this "
+                             "format's index and numbered files). Nothing was written")
         out.mkdir(parents=True, exist_ok=True)
-        (out / index).unlink(missing_ok=True)
-        weight_map: dict[str, str] = {}
-        for i, (name, group) in enumerate(zip(names, groups)):
-            keys = {spec[0] for spec in group}
-            rows = [row for row in layout if (row[2] if row[1] == "param" else row[0]) in keys]
-            weight_map.update({row[0]: name for row in rows if not safetensors or row[1] != "param" or row[0] == row[2]})
-            if not safetensors and i == 0:
-                weight_map.update({key: name for key in _extra_state(reader)})
-            if safetensors:
-                _write_safetensors(reader, out / name, rows, group, False, warn=i == 0)
-            else:
-                _write_pt(reader, out / name, rows, group, False, extra=i == 0)
-        written = [out / n for n in names]
-        if len(groups) > 1:
-            (out / index).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-            written.append(out / index)
+        final = names + ([index] if len(groups) > 1 else [])
+        staged = {n: out / f".{n}.zero3-staged" for n in final}
+        try:
+            weight_map: dict[str, str] = {}
+            for i, (name, group) in enumerate(zip(names, groups)):
+                keys = {spec[0] for spec in group}
+                rows = [row for row in layout if (row[2] if row[1] == "param" else row[0]) in keys]
+                weight_map.update({row[0]: name for row in rows
+                                   if not safetensors or row[1] != "param" or row[0] == row[2]})
+                if not safetensors and i == 0:
+                    weight_map.update({key: name for key in _extra_state(reader)})
+                if safetensors:
+                    _write_safetensors(reader, staged[name], rows, group, False, warn=i == 0)
+                else:
+                    _write_pt(reader, staged[name], rows, group, False, extra=i == 0)
+            if len(groups) > 1:
+                staged[index].write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                    indent=2))
+        except BaseException:
+            for path in staged.values():
+                path.unlink(missing_ok=True)
+            raise
+    for n in final:  # the index last: until it is in place, the old one describes the old files
+        os.replace(staged[n], out / n)
     numbered = re.compile(rf"{re.escape(stem)}-\d{{5}}-of-\d{{5}}{re.escape(suffix)}")
     for entry in out.iterdir():
-        if numbered.fullmatch(entry.name) and entry.name not in names and entry.is_file():
+        stale = (numbered.fullmatch(entry.name) and entry.name not in names) or (entry.name == index and index not in final)
+        if stale and entry.is_file():
             entry.unlink()
-    return written
+    return [out / n for n in final]
 
 
 def frozen_params(ckpt_dir: str | os.PathLike[str], tag: str | None = None,

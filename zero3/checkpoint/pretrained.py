@@ -192,6 +192,11 @@ def open_source(state_dict_or_path: Any) -> _Source:
             raise CheckpointNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json in it")
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: file does not exist")
+    if path.name.endswith(".index.json") and not path.name.endswith(".safetensors.index.json"):
+        raise CheckpointCorruptError(  # its shards went to the safetensors header reader: "truncated" (probe 28E)
+            f"{path}: an index of {path.name[:-len('.index.json')]} shards (torch.save files, not safetensors); "
+            "zero3 reads a sharded checkpoint as safetensors only: write it with safe_serialization=True "
+            "(convert_zero_checkpoint_to_fp32_state_dict) or give one .bin file at a time")
     if path.name.endswith(".index.json"):
         try:
             weight_map = json.loads(path.read_bytes())["weight_map"]

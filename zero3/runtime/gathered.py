@@ -226,9 +226,10 @@ class GatheredParameters:
             if modifier and not raised:
                 self._publish()
             else:
-                if self._read_only is not None:  # before the discard, which may raise on this rank alone (a new
-                    written = self._agree_written(ctx, exc)  # shape), when the others wait in the agreement
-                self._discard(ctx, entry, exc_type)
+                refresh = False
+                if not modifier:  # before the discard, which may raise on this rank alone (a new shape), when
+                    written, refresh = self._agree_written(ctx, exc)  # the others wait in the agreement
+                self._discard(ctx, entry, exc_type, refresh)
         finally:
             self._read_only = None
             ctx.coordinator.release_for_user(self.params)
@@ -239,34 +240,53 @@ class GatheredParameters:
                 f"GatheredParameters(modifier_rank={self.modifier_rank}): rank(s) {', '.join(map(str, raised))} left "
                 "the block with an exception or a refused change, so its change was discarded on every rank (this "
                 "one's too: the parameters keep the values they had before the block); the error is raised there")
-        if written:
+        if written and exc is None:  # a block that raised: its own exception (probe 28F)
             names = ", ".join(p._zero.name for p in written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
             raise ZeroStateError(
                 f"GatheredParameters without modifier_rank: {names} changed inside the context, and zero3 discards "
                 "changes made there (as DeepSpeed does: its shards keep their values). Pass modifier_rank=0 to keep "
                 "them (rank 0's values then go to every rank)")
 
-    def _agree_written(self, ctx: RuntimeContext, exc: BaseException | None) -> list[ZeroParameter]:
-        """The parameters this context gathered that some rank found written beyond rounding in its own
-        slice, agreed by every rank (one small all-reduce; a rank that raised inside adds none), so that
-        all of them raise or none does: a rank whose slice held no change went on alone, and hung in its
-        next collective (review 28Y). [Note: writes that GatheredParameters discards]"""
-        assert self._read_only is not None
-        fresh = self._read_only[0]
-        beyond, within = _written(*self._read_only) if exc is None else ([], [])
-        beyond += [p for p in fresh if raw_data(p).shape != p._zero.shape and not any(q is p for q in beyond)]  # a
-        # new shape, refused on this rank by the discard after this, even with the same values (review 28Z3)
+    def _agree_written(self, ctx: RuntimeContext, exc: BaseException | None) -> tuple[list[ZeroParameter], bool]:
+        """A read-only context's exit: (the parameters that some rank wrote beyond rounding in its own slice
+        of one the context gathered, or gave data of a new shape, even with the same values; whether a
+        persistent one got a new shape, so that every rank gathers the persistent ones again), agreed by
+        every rank in one small all-reduce (a rank that raised inside adds none), so that all of them
+        raise or none does, and all of them refresh: a rank that found nothing went on alone, and hung in
+        its next collective (reviews 28Y, 28Z1, 28Z3, 28Z4). [Note: writes that GatheredParameters discards]"""
+        prints: dict[int, int] = {}
+        beyond: list[ZeroParameter] = []
+        within: list[ZeroParameter] = []
+        if exc is None and self._read_only is not None:
+            beyond, within, after = _written(*self._read_only)
+            prints = {id(p): int(f) for p, f in zip(self._read_only[0], after.tolist())}
+        reshaped = [p for p in self.params if raw_data(p).shape != p._zero.shape]
+        n = len(self.params)
         if ctx.world_size > 1 and not isinstance(exc, (ZeroCommunicationError, ZeroDivergenceError)):
-            flags = torch.tensor([int(any(q is p for q in beyond)) for p in fresh], dtype=torch.int64)
+            # with each fingerprint (and its negation, for the minimum): copies that differ between ranks mean
+            # a write some ranks made, maybe to slices of others only, which no slice comparison sees (probe 28F)
+            # (none from a rank that raised inside, or for a parameter gathered before: the lowest int64, which
+            # a maximum ignores)
+            mine = [prints.get(id(p)) for p in self.params]
+            flags = torch.tensor([int(any(q is p for q in beyond)) for p in self.params] +
+                                 [int(any(q is p for q in reshaped)) for p in self.params] +
+                                 [_LOWEST if f is None else f for f in mine] +
+                                 [_LOWEST if f is None else (-f if f > _LOWEST else -(_LOWEST + 1)) for f in mine],
+                                 dtype=torch.int64)
             ctx.comm.all_reduce(flags, Tag(Kind.ALL_REDUCE, "GatheredParameters exit: writes", self._ids), op="max")
-            beyond = [p for p, flag in zip(fresh, flags.tolist()) if flag]
+            agreed = flags.tolist()
+            beyond = [p for i, p in enumerate(self.params)
+                      if agreed[i] or (agreed[2 * n + i] != _LOWEST and agreed[2 * n + i] != -agreed[3 * n + i])]
+            reshaped = [p for p, flag in zip(self.params, agreed[n:2 * n]) if flag]
+            within = [p for p in within if not any(q is p for q in beyond)]
+        beyond += [p for p in reshaped if not any(q is p for q in beyond)]
         if within and not beyond and not _ROUNDING_SAID:
             _ROUNDING_SAID.append(True)
             logger.warning("zero3: GatheredParameters without modifier_rank: %s changed inside the context by "
                            "rounding only (at most %d machine epsilons of its largest value, as merging and "
                            "unmerging an adapter leaves); discarded, as DeepSpeed discards it. Pass modifier_rank=0 "
                            "if it was meant to stay (said once)", within[0]._zero.name, ROUNDING_EPS)
-        return beyond
+        return beyond, any(p._zero.persistent and not p._zero.aliased for p in reshaped)
 
     def _refused_reshape(self, ctx: RuntimeContext) -> ZeroStateError | None:
         """A new shape after ``zero3.initialize`` (refused): the error, with the parameters given their own
@@ -281,16 +301,27 @@ class GatheredParameters:
             return error
         return None
 
-    def _discard(self, ctx: RuntimeContext, entry: list[tuple[ZeroParameter, torch.Tensor]], exc_type: Any) -> None:
+    def _discard(self, ctx: RuntimeContext, entry: list[tuple[ZeroParameter, torch.Tensor]], exc_type: Any,
+                 refresh: bool = False) -> None:
         """Nothing is published: a parameter given another shape gets its own back, and those that stay
-        gathered get their values from entry back."""
+        gathered get their values from entry back. ``refresh``: some rank gave a persistent parameter a
+        new shape (agreed by `_agree_written`), so every rank gathers the persistent ones again (the
+        one reshaped here held no values)."""
         modifier = self.modifier_rank is not None
         reshaped = [p for p in self.params if raw_data(p).shape != p._zero.shape]
-        if reshaped:  # discarded as any write, but the parameter must keep its own shape
-            refuse_reshape(ctx, reshaped, "GatheredParameters without modifier_rank",
-                           raise_=exc_type is None and not modifier, refresh=not modifier)
+        error: ZeroStateError | None = None
+        try:
+            if reshaped:  # discarded as any write, but the parameter must keep its own shape
+                refuse_reshape(ctx, reshaped, "GatheredParameters without modifier_rank",
+                               raise_=exc_type is None and not modifier, refresh=False)
+        except ZeroStateError as exc:
+            error = exc
+        if refresh:  # a collective: every rank, by the agreement
+            ctx.coordinator.refresh_persistent()
         for p, value in entry:
             raw_data(p).copy_(value)
+        if error is not None:
+            raise error
 
     def _agree(self, ctx: RuntimeContext, exc: BaseException | None) -> list[int]:
         """The ranks that left a ``modifier_rank`` block with an error, agreed by every rank (one small
@@ -382,19 +413,20 @@ def _fingerprints(params: list[ZeroParameter]) -> torch.Tensor:
 
 
 def _written(params: list[ZeroParameter], before: torch.Tensor,
-             counts: list[int]) -> tuple[list[ZeroParameter], list[ZeroParameter]]:
+             counts: list[int]) -> tuple[list[ZeroParameter], list[ZeroParameter], torch.Tensor]:
     """Those of ``params`` whose data changed since `_fingerprints` took ``before``, not by a publish:
-    (by more than rounding in this rank's slice, by rounding only) ([Note: writes that
-    GatheredParameters discards])."""
+    (by more than rounding in this rank's slice, or outside it; by rounding only), and the fingerprints
+    now ([Note: writes that GatheredParameters discards])."""
     after = _fingerprints(params)
     changed = [p for i, p in enumerate(params) if after[i] != before[i] and published.get(p._zero.id, 0) == counts[i]]
     rounding = [_rounding_only(p) for p in changed]
-    return [p for p, r in zip(changed, rounding) if not r], [p for p, r in zip(changed, rounding) if r]
+    return [p for p, r in zip(changed, rounding) if not r], [p for p, r in zip(changed, rounding) if r], after
 
 
 ROUNDING_EPS = 2
 """A change of every element of this rank's slice by at most this many machine epsilons of the slice's
 largest magnitude is rounding (a merge and unmerge of a LoRA delta up to the weights' largest size)."""
+_LOWEST = -(2**63)  # int64's lowest: no fingerprint, in the agreement's maximum
 _ROUNDING_SAID: list[bool] = []  # the WARNING that a change by rounding was discarded: once per process
 
 

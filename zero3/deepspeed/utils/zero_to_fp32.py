@@ -51,46 +51,62 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[s
     return load_consolidated(checkpoint_dir, tag=tag, model_parallel_rank=model_parallel_rank, exclude=exclude)
 
 
+_NEW_ARGS = ("max_shard_size", "safe_serialization", "tag", "exclude_frozen_parameters")
+_OLD_ARGS = ("tag", "exclude_frozen_parameters")
+"""The arguments after the output, by position: DeepSpeed's since 0.14 (a directory), and before it (a
+file): ``(checkpoint_dir, output_file, tag=None, exclude_frozen_parameters=False)``."""
+
+
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike[str],
-                                               output_dir: str | os.PathLike[str] | None = None,
-                                               max_shard_size: int | str = "5GB", safe_serialization: bool = False,
-                                               tag: str | None = None, exclude_frozen_parameters: bool = False, *,
+                                               output_dir: str | os.PathLike[str] | None = None, *args: Any,
                                                output_file: str | os.PathLike[str] | None = None,
-                                               model_parallel_rank: int | None = None) -> list[Path]:
-    """Write the checkpoint's fp32 state dict. ``output_dir`` (DeepSpeed's signature since 0.14):
-    ``pytorch_model.bin`` (``model.safetensors`` with ``safe_serialization``), or, above
-    ``max_shard_size`` (bytes, or ``"5GB"``-style), numbered shards and an index json, in Hugging
-    Face's layout (a weight file already there that from_pretrained would load first is refused; this
-    format's index and numbered files the new index does not list are replaced).
-    ``output_file`` (DeepSpeed's older signature, ``(checkpoint_dir, output_file, tag=None)``), or an
-    ``output_dir`` ending in ``.bin``, ``.pt``, ``.pth`` or ``.safetensors``: one file, its suffix
-    choosing the format; pass ``tag`` by keyword there (a third positional argument is ``max_shard_size``;
-    None reads as its default). Returns the files written."""
+                                               model_parallel_rank: int | None = None, **kwargs: Any) -> list[Path]:
+    """Write the checkpoint's fp32 state dict, with either of DeepSpeed's signatures:
+    ``(checkpoint_dir, output_dir, max_shard_size="5GB", safe_serialization=False, tag=None,
+    exclude_frozen_parameters=False)`` (since 0.14): into the directory, ``pytorch_model.bin``
+    (``model.safetensors`` with ``safe_serialization``), or above ``max_shard_size`` (bytes, or
+    ``"5GB"``-style) numbered files and an index json, in Hugging Face's layout (a weight file already
+    there that from_pretrained would load first is refused; this format's index and numbered files are
+    replaced, all at the end); ``(checkpoint_dir, output_file, tag=None, exclude_frozen_parameters=False)``
+    (before): one file, its suffix (``.bin``, ``.pt``, ``.pth``, ``.safetensors``) choosing the format,
+    taken for a path with one of those suffixes or ``output_file=``. The arguments after the output
+    are read by position as the signature the output picks (review 28Z4: DeepSpeed 0.13's fourth
+    argument is ``exclude_frozen_parameters``). Returns the files written."""
     if (output_dir is None) == (output_file is None):
         raise TypeError("convert_zero_checkpoint_to_fp32_state_dict: give output_dir (a directory) or output_file "
                         "(a .bin/.pt/.pth/.safetensors path), one of them")
-    if not isinstance(safe_serialization, bool):
-        raise ValueError(f"safe_serialization must be True or False, got {safe_serialization!r}")
-    exclude = _excluded(checkpoint_dir, tag, exclude_frozen_parameters, model_parallel_rank)
     target = Path(output_file if output_file is not None else output_dir)  # type: ignore[arg-type]
-    if max_shard_size is None:  # a tag variable that is None, passed third as in DeepSpeed's older signature
-        max_shard_size = "5GB"
-    if output_file is not None or target.suffix.lower() in SUFFIXES:
+    one_file = output_file is not None or target.suffix.lower() in SUFFIXES
+    order = _OLD_ARGS if one_file else _NEW_ARGS
+    if len(args) > len(order):
+        raise TypeError(f"convert_zero_checkpoint_to_fp32_state_dict: after the output {'file' if one_file else 'directory'} "
+                        f"it takes {', '.join(order)} by position, got {len(args)} arguments")
+    given = dict(zip(order, args))
+    for key, value in kwargs.items():
+        if key not in _NEW_ARGS:
+            raise TypeError(f"convert_zero_checkpoint_to_fp32_state_dict got an unexpected keyword argument {key!r}")
+        if key in given:
+            raise TypeError(f"convert_zero_checkpoint_to_fp32_state_dict got multiple values for argument {key!r}")
+        given[key] = value
+    tag, safe = given.get("tag"), given.get("safe_serialization", False)
+    if not isinstance(safe, bool):
+        raise ValueError(f"safe_serialization must be True or False, got {safe!r}")
+    exclude = _excluded(checkpoint_dir, tag, given.get("exclude_frozen_parameters", False), model_parallel_rank)
+    if one_file:
         if target.suffix.lower() not in SUFFIXES:
             raise ValueError(f"output_file {str(target)!r}: end it in .bin, .pt, .pth or .safetensors")
-        if max_shard_size != "5GB":
-            raise ValueError(
-                f"convert_zero_checkpoint_to_fp32_state_dict({str(checkpoint_dir)!r}, {str(target)!r}, "
-                f"{max_shard_size!r}): a file path writes one file, so max_shard_size applies to a directory only; with "
-                "DeepSpeed's older signature (checkpoint_dir, output_file, tag) pass the tag by keyword (tag=...)")
-        if safe_serialization and target.suffix.lower() != ".safetensors":
-            raise ValueError(f"safe_serialization=True with output file {str(target)!r}: the suffix picks the format; "
-                             "end it in .safetensors")
+        if given.get("max_shard_size") not in (None, "5GB"):
+            raise ValueError(f"max_shard_size={given['max_shard_size']!r} with the output file {str(target)!r}: a file "
+                             "is written whole; give a directory to shard")
+        if safe and target.suffix.lower() != ".safetensors":
+            raise ValueError(f"safe_serialization=True with the output file {str(target)!r}: the suffix picks the "
+                             "format; end it in .safetensors")
         return [consolidate(checkpoint_dir, target, tag=tag, model_parallel_rank=model_parallel_rank, exclude=exclude)]
-    limit = parse_shard_size(max_shard_size)
+    size = given.get("max_shard_size", "5GB")
+    limit = parse_shard_size("5GB" if size is None else size)
     if limit <= 0:
-        raise ValueError(f"max_shard_size must be positive, got {max_shard_size!r}")
-    return consolidate_to_dir(checkpoint_dir, target, max_shard_size=limit, safetensors=safe_serialization, tag=tag,
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return consolidate_to_dir(checkpoint_dir, target, max_shard_size=limit, safetensors=safe, tag=tag,
                               model_parallel_rank=model_parallel_rank, exclude=exclude)
 
 
