@@ -915,7 +915,11 @@ def writes_on_one_rank(case: str) -> dict:
     """``other``: rank 0 alone writes rows that only the last rank's slice holds; each rank's own slice
     was unchanged on the rank that holds it, so nothing was reported and the edit vanished (probe 28F:
     the WARNING even called it rounding). ``keyerror``: rank 0 writes its own rows, rank 1 raises a
-    KeyError of its own, which it must see (it got rank 0's write error instead)."""
+    KeyError of its own, which it must see (it got rank 0's write error instead). ``owner_raised``:
+    rank 0 writes rank 1's rows and rank 1 raises: rank 0 cannot see those rows' size, so it reports a
+    write (it called it rounding; review 28Z5). ``rounding_one_rank``: rank 0 alone merges and unmerges
+    a delta: a change on some ranks only is a write, whatever its size (the ranks cannot tell rounding
+    outside their own slices)."""
     torch.manual_seed(0)
     with zero3.Init():
         emb = nn.Embedding(32, 8)
@@ -923,10 +927,14 @@ def writes_on_one_rank(case: str) -> dict:
     rank = dist.get_rank()
     try:
         with zero3.GatheredParameters([emb.weight]), torch.no_grad():
-            if rank == 0:
-                rows = slice(30, 32) if case == "other" else slice(0, 2)
+            if rank == 0 and case == "rounding_one_rank":
+                d = torch.randn(32, 8, generator=torch.Generator().manual_seed(1)) * 0.3
+                emb.weight.data += d
+                emb.weight.data -= d
+            elif rank == 0:
+                rows = slice(0, 2) if case == "keyerror" else slice(30, 32)
                 emb.weight[rows] += 1.0
-            if case == "keyerror" and rank == 1:
+            if case in ("keyerror", "owner_raised") and rank == 1:
                 raise KeyError("mine")
         error = "no error"
     except (zero3.ZeroStateError, KeyError) as exc:
@@ -935,9 +943,9 @@ def writes_on_one_rank(case: str) -> dict:
     return {"error": error}
 
 
-@pytest.mark.parametrize("case", ["other", "keyerror"])
+@pytest.mark.parametrize("case", ["other", "keyerror", "owner_raised", "rounding_one_rank"])
 def test_a_write_on_one_rank_only_is_reported_on_every_rank_and_a_rank_s_own_error_wins(pools, case):
     results = [r["error"] for r in pools.get(2).run(writes_on_one_rank, case, timeout=60)]
     assert "ZeroStateError" in results[0] and "weight changed inside the context" in results[0], results
-    assert results[1].startswith("KeyError") if case == "keyerror" else "weight changed inside the context" in \
-        results[1], results
+    assert results[1].startswith("KeyError") if case in ("keyerror", "owner_raised") else \
+        "weight changed inside the context" in results[1], results

@@ -276,6 +276,8 @@ def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathL
                              f"{mine} this would write: remove it first (zero3 deletes no weight file but this "
                              "format's index and numbered files). Nothing was written")
         out.mkdir(parents=True, exist_ok=True)
+        for entry in out.glob(f".{stem}*.zero3-staged*"):  # left by a run that was killed
+            entry.unlink()
         final = names + ([index] if len(groups) > 1 else [])
         staged = {n: out / f".{n}.zero3-staged" for n in final}
         try:
@@ -298,8 +300,12 @@ def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathL
             for path in staged.values():
                 path.unlink(missing_ok=True)
             raise
-    for n in final:  # the index last: until it is in place, the old one describes the old files
-        os.replace(staged[n], out / n)
+    try:
+        for n in final:  # the index last: until it is in place, the old one describes the old files
+            os.replace(staged[n], out / n)
+    finally:
+        for path in staged.values():
+            path.unlink(missing_ok=True)
     numbered = re.compile(rf"{re.escape(stem)}-\d{{5}}-of-\d{{5}}{re.escape(suffix)}")
     for entry in out.iterdir():
         stale = (numbered.fullmatch(entry.name) and entry.name not in names) or (entry.name == index and index not in final)

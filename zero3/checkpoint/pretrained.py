@@ -30,7 +30,8 @@ from .safetensors import SafetensorsHeader, read_safetensors_header, read_tensor
 from .exchange import exchange
 from .layout import EXTRA_STATE_KEY, extra_state_modules, state_tensors
 from ..runtime.context import RuntimeContext
-from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError, ZeroStateError
+from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
+                      ZeroStateError)
 from ..partition.param import ZeroParameter
 from ..partition.state import ParamStatus
 
@@ -193,10 +194,10 @@ def open_source(state_dict_or_path: Any) -> _Source:
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: file does not exist")
     if path.name.endswith(".index.json") and not path.name.endswith(".safetensors.index.json"):
-        raise CheckpointCorruptError(  # its shards went to the safetensors header reader: "truncated" (probe 28E)
-            f"{path}: an index of {path.name[:-len('.index.json')]} shards (torch.save files, not safetensors); "
-            "zero3 reads a sharded checkpoint as safetensors only: write it with safe_serialization=True "
-            "(convert_zero_checkpoint_to_fp32_state_dict) or give one .bin file at a time")
+        raise CheckpointError(  # its shards went to the safetensors header reader: "truncated" (probe 28E)
+            f"{path}: an index of {path.name[:-len('.index.json')]} shards, not of safetensors files; zero3 reads a "
+            "sharded checkpoint as safetensors only: write it with safe_serialization=True "
+            "(convert_zero_checkpoint_to_fp32_state_dict), or give one .bin/.pt file at a time")
     if path.name.endswith(".index.json"):
         try:
             weight_map = json.loads(path.read_bytes())["weight_map"]

@@ -14,7 +14,7 @@ a whole model (an EMA update each step). Parameters that were gathered
 before (persistent ones, those of a running module) are not checked: other code may rewrite them.
 A change published by a ``modifier_rank`` context nested inside is not a discarded write (a count
 of publishes per parameter tells). The cost is two reads of the gathered data per context.
-A change within rounding raises nothing (`_rounding_only`): TRL syncs LoRA weights to vLLM inside a
+A change within rounding raises nothing (`_own_slice`): TRL syncs LoRA weights to vLLM inside a
 context without ``modifier_rank`` by merging the adapter into the weights, reading them, and
 unmerging it, which leaves W + BA - BA, off W in the last bits (3.7e-9 in fp32; probe 28B), and
 relies on DeepSpeed discarding that. Where the fingerprint changed, each rank compares its own slice
@@ -255,12 +255,14 @@ class GatheredParameters:
         raise or none does, and all of them refresh: a rank that found nothing went on alone, and hung in
         its next collective (reviews 28Y, 28Z1, 28Z3, 28Z4). [Note: writes that GatheredParameters discards]"""
         prints: dict[int, int] = {}
-        beyond: list[ZeroParameter] = []
-        within: list[ZeroParameter] = []
+        seen: dict[int, str] = {}
         if exc is None and self._read_only is not None:
-            beyond, within, after = _written(*self._read_only)
+            seen, after = _written(*self._read_only)
             prints = {id(p): int(f) for p, f in zip(self._read_only[0], after.tolist())}
+        beyond = [p for p in self.params if seen.get(id(p)) == "beyond"]
+        within = [p for p in self.params if seen.get(id(p)) == "rounding"]
         reshaped = [p for p in self.params if raw_data(p).shape != p._zero.shape]
+        fresh = {id(p) for p in self._read_only[0]} if self._read_only is not None else set()
         n = len(self.params)
         if ctx.world_size > 1 and not isinstance(exc, (ZeroCommunicationError, ZeroDivergenceError)):
             # with each fingerprint (and its negation, for the minimum): copies that differ between ranks mean
@@ -268,24 +270,30 @@ class GatheredParameters:
             # (none from a rank that raised inside, or for a parameter gathered before: the lowest int64, which
             # a maximum ignores)
             mine = [prints.get(id(p)) for p in self.params]
+            # A change outside a rank's own slice ("same" there) is covered by the slices of the others only
+            # when every rank has the same copy and a fingerprint: else it counts as a write (review 28Z5)
             flags = torch.tensor([int(any(q is p for q in beyond)) for p in self.params] +
                                  [int(any(q is p for q in reshaped)) for p in self.params] +
+                                 [int(seen.get(id(p)) == "same") for p in self.params] +
+                                 [int(id(p) in fresh and id(p) not in prints) for p in self.params] +
                                  [_LOWEST if f is None else f for f in mine] +
                                  [_LOWEST if f is None else (-f if f > _LOWEST else -(_LOWEST + 1)) for f in mine],
                                  dtype=torch.int64)
             ctx.comm.all_reduce(flags, Tag(Kind.ALL_REDUCE, "GatheredParameters exit: writes", self._ids), op="max")
             agreed = flags.tolist()
             beyond = [p for i, p in enumerate(self.params)
-                      if agreed[i] or (agreed[2 * n + i] != _LOWEST and agreed[2 * n + i] != -agreed[3 * n + i])]
+                      if agreed[i] or (agreed[4 * n + i] != _LOWEST and agreed[4 * n + i] != -agreed[5 * n + i])
+                      or (agreed[2 * n + i] and agreed[3 * n + i])]
             reshaped = [p for p, flag in zip(self.params, agreed[n:2 * n]) if flag]
             within = [p for p in within if not any(q is p for q in beyond)]
         beyond += [p for p in reshaped if not any(q is p for q in beyond)]
-        if within and not beyond and not _ROUNDING_SAID:
+        if (within or any(v == "same" for v in seen.values())) and not beyond and not _ROUNDING_SAID:
             _ROUNDING_SAID.append(True)
             logger.warning("zero3: GatheredParameters without modifier_rank: %s changed inside the context by "
                            "rounding only (at most %d machine epsilons of its largest value, as merging and "
                            "unmerging an adapter leaves); discarded, as DeepSpeed discards it. Pass modifier_rank=0 "
-                           "if it was meant to stay (said once)", within[0]._zero.name, ROUNDING_EPS)
+                           "if it was meant to stay (said once)", (within or [p for p in self.params if seen.get(
+                               id(p)) == "same"])[0]._zero.name, ROUNDING_EPS)
         return beyond, any(p._zero.persistent and not p._zero.aliased for p in reshaped)
 
     def _refused_reshape(self, ctx: RuntimeContext) -> ZeroStateError | None:
@@ -413,14 +421,13 @@ def _fingerprints(params: list[ZeroParameter]) -> torch.Tensor:
 
 
 def _written(params: list[ZeroParameter], before: torch.Tensor,
-             counts: list[int]) -> tuple[list[ZeroParameter], list[ZeroParameter], torch.Tensor]:
-    """Those of ``params`` whose data changed since `_fingerprints` took ``before``, not by a publish:
-    (by more than rounding in this rank's slice, or outside it; by rounding only), and the fingerprints
-    now ([Note: writes that GatheredParameters discards])."""
+             counts: list[int]) -> tuple[dict[int, str], torch.Tensor]:
+    """The parameters of ``params`` whose data changed since `_fingerprints` took ``before``, not by a
+    publish, by id, each with what this rank's slice shows (`_own_slice`); and the fingerprints now
+    ([Note: writes that GatheredParameters discards])."""
     after = _fingerprints(params)
-    changed = [p for i, p in enumerate(params) if after[i] != before[i] and published.get(p._zero.id, 0) == counts[i]]
-    rounding = [_rounding_only(p) for p in changed]
-    return [p for p, r in zip(changed, rounding) if not r], [p for p, r in zip(changed, rounding) if r], after
+    return {id(p): _own_slice(p) for i, p in enumerate(params)
+            if after[i] != before[i] and published.get(p._zero.id, 0) == counts[i]}, after
 
 
 ROUNDING_EPS = 2
@@ -431,21 +438,23 @@ _ROUNDING_SAID: list[bool] = []  # the WARNING that a change by rounding was dis
 
 
 @torch.no_grad()
-def _rounding_only(p: ZeroParameter) -> bool:
-    """Whether this rank's slice of ``p``'s gathered data differs from its shard (what the parameter
-    held at entry) by rounding at most. A shard out of memory (on the drive) cannot tell: False."""
+def _own_slice(p: ZeroParameter) -> str:
+    """How this rank's slice of ``p``'s gathered data differs from its shard (what the parameter held
+    at entry): "same" (none of it, or none held here: the change is outside it), "rounding" (at most
+    `ROUNDING_EPS` epsilons of the slice's largest value), or "beyond". A shard out of memory (on the
+    drive) cannot tell, and data of another dtype (``p.data = t.half()``) is a write: "beyond"."""
     z = p._zero
     data = raw_data(p)
     if z.residence not in MEMORY or data.dtype != z.shard.dtype or data.numel() != z.numel:
-        return False  # on the drive: nothing to compare with; another dtype (``p.data = t.half()``): a write
+        return "beyond"
     start, end = z.shard_range()
     n = max(end - start, 0)
-    mine = data.reshape(-1)[start:start + n].float()
-    kept = z.shard[:n].to(mine.device).float()
-    if not n:
-        return True  # this rank holds none of it: the ranks that hold the changed elements report them
-    tolerance = ROUNDING_EPS * torch.finfo(data.dtype).eps * kept.abs().max()
-    return bool((mine - kept).abs().max() <= tolerance)  # NaN or inf written: False
+    mine = data.reshape(-1)[start:start + n]
+    kept = z.shard[:n].to(mine.device)
+    if not n or torch.equal(mine, kept):
+        return "same"
+    tolerance = ROUNDING_EPS * torch.finfo(data.dtype).eps * kept.float().abs().max()
+    return "rounding" if bool((mine.float() - kept.float()).abs().max() <= tolerance) else "beyond"  # NaN: beyond
 
 
 def load_hooks(ctx: RuntimeContext, module: nn.Module) -> list[Any]:

@@ -95,7 +95,9 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
     if one_file:
         if target.suffix.lower() not in SUFFIXES:
             raise ValueError(f"output_file {str(target)!r}: end it in .bin, .pt, .pth or .safetensors")
-        if given.get("max_shard_size") not in (None, "5GB"):
+        size = given.get("max_shard_size")
+        if size is not None and size != "5GB" and not (isinstance(size, (int, str)) and not isinstance(size, bool)
+                                                       and parse_shard_size(size) == 5 * 10**9):
             raise ValueError(f"max_shard_size={given['max_shard_size']!r} with the output file {str(target)!r}: a file "
                              "is written whole; give a directory to shard")
         if safe and target.suffix.lower() != ".safetensors":
@@ -103,7 +105,12 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
                              "format; end it in .safetensors")
         return [consolidate(checkpoint_dir, target, tag=tag, model_parallel_rank=model_parallel_rank, exclude=exclude)]
     size = given.get("max_shard_size", "5GB")
-    limit = parse_shard_size("5GB" if size is None else size)
+    try:
+        limit = parse_shard_size("5GB" if size is None else size)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (after the output directory {str(target)!r}, the third argument is max_shard_size; "
+                         "for one file, DeepSpeed's older (checkpoint_dir, output_file, tag), end the path in .bin, "
+                         ".pt, .pth or .safetensors)") from None
     if limit <= 0:
         raise ValueError(f"max_shard_size must be positive, got {size!r}")
     return consolidate_to_dir(checkpoint_dir, target, max_shard_size=limit, safetensors=safe, tag=tag,
