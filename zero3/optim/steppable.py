@@ -17,8 +17,8 @@ parameter, a Shampoo- or Muon-like step finds no matrix. So:
   optimizer, so one outside the list passes there with the WARNING only;
 - torch's SparseAdam is refused: zero3 reduces dense gradients;
 - any other class is untested: refused unless the config sets ``zero_allow_untested_optimizer``
-  (DeepSpeed's key, with DeepSpeed's default, false: DeepSpeed refuses such an optimizer under ZeRO
-  the same way), and then allowed with a one-time WARNING.
+  (DeepSpeed's key, with DeepSpeed's default, false: DeepSpeed refuses the optimizers outside its own
+  list the same way), and then allowed with a one-time WARNING.
 """
 
 from __future__ import annotations

@@ -20,10 +20,13 @@ unmerging it, which leaves W + BA - BA, off W in the last bits (3.7e-9 in fp32; 
 relies on DeepSpeed discarding that. Where the fingerprint changed, each rank compares its own slice
 of the gathered data with its shard (the value at entry, exactly): a change of some element by more
 than `ROUNDING_EPS` epsilons of the slice's largest magnitude is a write. The ranks agree on the
-verdict (`_agree_written`: one small all-reduce at every exit, so every rank raises or none does);
-a change by rounding only is discarded with a one-time WARNING. In bf16 that tolerance is 1.6% of
-the largest weight, so a small edit there (a weight decay by hand) is taken for rounding: the
-WARNING names it. A shard on the drive cannot be compared, so any change there raises.
+verdict (`_agree_written`: one small all-reduce at every exit, so every rank raises or none does),
+sending their fingerprints and any new shape too: a rank sees only its own slice, so a change outside
+it counts as rounding only when every rank holds the same copy and a fingerprint (a change made on
+some ranks only is a write, whatever its size); a change by rounding only is discarded with a
+one-time WARNING. In bf16 that tolerance is 1.6% of the largest weight, so a small edit there (a
+weight decay by hand) is taken for rounding: the WARNING names it. A shard on the drive cannot be
+compared, so any change there raises.
 
 [Note: a new shape before initialize]
 Hugging Face's ``resize_token_embeddings`` gives the input embedding's parameter new data of another
