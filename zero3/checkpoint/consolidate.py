@@ -102,16 +102,20 @@ def cast_floating(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
 
 
-def _plan(reader: CheckpointReader, dtype: torch.dtype | None,
-          include_optimizer: bool) -> tuple[list[Row], list[Spec]]:
-    """(layout rows [key, kind, source], specs [(written key, dtype, shape)]) for the output."""
+def _plan(reader: CheckpointReader, dtype: torch.dtype | None, include_optimizer: bool,
+          exclude_frozen: bool = False) -> tuple[list[Row], list[Spec]]:
+    """(layout rows [key, kind, source], specs [(written key, dtype, shape)]) for the output; with
+    ``exclude_frozen``, without the parameters whose ``requires_grad`` was False at the save (their tied
+    names and optimizer state too)."""
     def out_dtype(d: torch.dtype) -> torch.dtype:
         return dtype if dtype is not None and d.is_floating_point else d
 
     # A "buffer" row naming a parameter: zero3 before 2026-12-03 wrote persistent parameters so (their
     # gathered, low-precision values); their param/ entry holds the masters.
+    frozen = _frozen(reader) if exclude_frozen else frozenset()
     layout: list[Row] = [(row[0], "param", row[0]) if row[1] == "buffer" and row[0] in reader.params
                          else (row[0], row[1], row[2]) for row in reader.layout]
+    layout = [row for row in layout if row[2] not in frozen]
     specs: list[Spec] = []
     written: set[str] = set()
     for key, kind, src in layout:
@@ -124,7 +128,7 @@ def _plan(reader: CheckpointReader, dtype: torch.dtype | None,
             specs.append((key, out_dtype(bdtype), shape))
     if include_optimizer:
         for name, pm in reader.params.items():
-            for k, info in pm.state.items():
+            for k, info in pm.state.items() if name not in frozen else ():
                 if info["kind"] == "sharded":
                     specs.append((f"optimizer/{name}/{k}", parse_dtype(info["dtype"]), pm.shape))
                 elif info["kind"] == "replicated":
@@ -157,7 +161,7 @@ def iter_tensors(reader: CheckpointReader, specs: list[Spec]) -> Iterator[tuple[
 
 def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, tag: str | None = None,
                 dtype: torch.dtype | None = None, include_optimizer: bool = False, verify: bool = True,
-                model_parallel_rank: int | None = None, exclude: frozenset[str] = frozenset()) -> Path:
+                model_parallel_rank: int | None = None, exclude_frozen: bool = False) -> Path:
     """Write the full state dict of a sharded checkpoint to ``out`` (``.pt`` or ``.safetensors``).
 
     The modules' extra state goes into a ``.pt`` output; a ``.safetensors`` one holds only tensors and
@@ -172,7 +176,7 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
         verify: check every rank file's sha256 first.
         model_parallel_rank: for a checkpoint saved with model parallelism, whose tensor-parallel
             slices to write (one state dict per model-parallel rank, as the model code holds them).
-        exclude: parameters to leave out (with their tied names and optimizer state).
+        exclude_frozen: leave out the parameters whose ``requires_grad`` was False at the save.
 
     Returns:
         The output path.
@@ -187,10 +191,8 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
         raise ValueError(f"{out}: unknown output format {suffix!r}; use .safetensors or .pt")
     with CheckpointReader(ckpt_dir, tag, model_parallel_rank) as reader:
         reader.check_files(range(reader.world_size) if verify else ())
-        layout, specs = _plan(reader, dtype, include_optimizer)
-        layout = [row for row in layout if row[2] not in exclude]
-        specs = [spec for spec in specs if _spec_param(spec[0]) not in exclude]
-        if exclude and not specs:
+        layout, specs = _plan(reader, dtype, include_optimizer, exclude_frozen)
+        if exclude_frozen and not specs:
             raise ValueError(f"{ckpt_dir}: nothing to write (every parameter excluded)")
         _check_entries(reader, specs)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -201,24 +203,16 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
     return out
 
 
-def _spec_param(key: str) -> str:
-    """The parameter an output key belongs to: its own name, or an optimizer entry's parameter."""
-    return key[len("optimizer/"):].rpartition("/")[0] if key.startswith("optimizer/") else key
-
-
 def load_consolidated(ckpt_dir: str | os.PathLike[str], *, tag: str | None = None, dtype: torch.dtype | None = None,
                       verify: bool = True, model_parallel_rank: int | None = None,
-                      exclude: frozenset[str] = frozenset()) -> dict[str, Any]:
+                      exclude_frozen: bool = False) -> dict[str, Any]:
     """The full state dict of a sharded checkpoint in memory, as ``torch.load`` of `consolidate`'s
     ``.pt`` gives it: the fp32 masters of trained parameters (frozen ones in their dtype), buffers, tied
-    names sharing one tensor, the modules' extra state at its place; the parameters named in ``exclude``
-    (and their tied names) left out. Arguments as `consolidate`'s."""
+    names sharing one tensor, the modules' extra state at its place. Arguments as `consolidate`'s."""
     check_cast_dtype(dtype, "dtype")
     with CheckpointReader(ckpt_dir, tag, model_parallel_rank) as reader:
         reader.check_files(range(reader.world_size) if verify else ())
-        layout, specs = _plan(reader, dtype, False)
-        layout = [row for row in layout if row[2] not in exclude]
-        specs = [spec for spec in specs if spec[0] not in exclude]
+        layout, specs = _plan(reader, dtype, False, exclude_frozen)
         _check_entries(reader, specs)
         tensors = dict(iter_tensors(reader, specs))
         return _with_extra_state(reader, [(key, tensors[src if kind == "param" else key]) for key, kind, src in layout])
@@ -231,13 +225,13 @@ _PRECEDENCE = ("model.safetensors", "model.safetensors.index.json", "pytorch_mod
 def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, max_shard_size: int,
                        safetensors: bool, tag: str | None = None, dtype: torch.dtype | None = None,
                        verify: bool = True, model_parallel_rank: int | None = None,
-                       exclude: frozenset[str] = frozenset()) -> list[Path]:
+                       exclude_frozen: bool = False) -> list[Path]:
     """`consolidate` into ``out_dir`` in Hugging Face's layout: ``model.safetensors`` (or, without
     ``safetensors``, ``pytorch_model.bin``) when the state dict fits ``max_shard_size`` bytes; else
     files ``model-0000k-of-0000n.safetensors`` (``pytorch_model-...bin``), filled in order, a tensor
     larger than the limit alone in its file, and an index (``model.safetensors.index.json``) mapping
-    each key to its file. The modules' extra state goes with the first ``.bin`` file. The parameters
-    named in ``exclude`` are left out. Returns the files written.
+    each key to its file. The modules' extra state goes with the first ``.bin`` file. ``exclude_frozen``
+    as `consolidate`'s. Returns the files written.
 
     What is in ``out_dir`` already: a weight file ``from_pretrained`` would take before the new ones
     (``model.safetensors`` beside new ``.bin`` files; review 28Z2 found every weight stale so) is
@@ -250,9 +244,7 @@ def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathL
     stem, suffix = ("model", ".safetensors") if safetensors else ("pytorch_model", ".bin")
     with CheckpointReader(ckpt_dir, tag, model_parallel_rank) as reader:
         reader.check_files(range(reader.world_size) if verify else ())
-        layout, specs = _plan(reader, dtype, False)
-        layout = [row for row in layout if row[2] not in exclude]
-        specs = [spec for spec in specs if spec[0] not in exclude]
+        layout, specs = _plan(reader, dtype, False, exclude_frozen)
         if not specs:
             raise ValueError(f"{ckpt_dir}: nothing to write (every parameter excluded)")
         _check_entries(reader, specs)
@@ -314,15 +306,13 @@ def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathL
     return [out / n for n in final]
 
 
-def frozen_params(ckpt_dir: str | os.PathLike[str], tag: str | None = None,
-                  model_parallel_rank: int | None = None) -> frozenset[str]:
+def _frozen(reader: CheckpointReader) -> frozenset[str]:
     """The parameters whose ``requires_grad`` was False when the checkpoint was saved; one saved before
     zero3 recorded it (2026-12-06) cannot tell: refused."""
-    with CheckpointReader(ckpt_dir, tag, model_parallel_rank) as reader:
-        if any(pm.requires_grad is None for pm in reader.params.values()):
-            raise ValueError(f"{ckpt_dir} (tag {reader.tag!r}) was saved before zero3 recorded which parameters are "
-                             "frozen; leave exclude_frozen_parameters False, or load it and save it again")
-        return frozenset(name for name, pm in reader.params.items() if not pm.requires_grad)
+    if any(pm.requires_grad is None for pm in reader.params.values()):
+        raise ValueError(f"{reader.path} (tag {reader.tag!r}) was saved before zero3 recorded which parameters are "
+                         "frozen; leave exclude_frozen_parameters False, or load it and save it again")
+    return frozenset(name for name, pm in reader.params.items() if not pm.requires_grad)
 
 
 def _check_entries(reader: CheckpointReader, specs: list[Spec]) -> None:

@@ -262,42 +262,37 @@ class GatheredParameters:
         if exc is None and self._read_only is not None:
             seen, after = _written(*self._read_only)
             prints = {id(p): int(f) for p, f in zip(self._read_only[0], after.tolist())}
-        beyond = [p for p in self.params if seen.get(id(p)) == "beyond"]
-        within = [p for p in self.params if seen.get(id(p)) == "rounding"]
-        reshaped = [p for p in self.params if raw_data(p).shape != p._zero.shape]
         fresh = {id(p) for p in self._read_only[0]} if self._read_only is not None else set()
-        n = len(self.params)
+        written = [int(seen.get(id(p)) == "beyond") for p in self.params]
+        reshaped = [int(raw_data(p).shape != p._zero.shape) for p in self.params]
         if ctx.world_size > 1 and not isinstance(exc, (ZeroCommunicationError, ZeroDivergenceError)):
-            # with each fingerprint (and its negation, for the minimum): copies that differ between ranks mean
-            # a write some ranks made, maybe to slices of others only, which no slice comparison sees (probe 28F)
-            # (none from a rank that raised inside, or for a parameter gathered before: the lowest int64, which
-            # a maximum ignores)
+            # With each fingerprint (and its negation, for the minimum; the lowest int64, which a maximum
+            # ignores, where a rank has none: it raised inside, or the parameter was gathered before):
+            # copies that differ between ranks mean a write some ranks made, maybe to others' slices only,
+            # which no slice comparison sees (probe 28F). A change outside a rank's own slice ("same" there)
+            # is covered by the others' slices only when every rank has the same copy and a fingerprint:
+            # else it counts as a write (review 28Z5).
+            n = len(self.params)
             mine = [prints.get(id(p)) for p in self.params]
-            # A change outside a rank's own slice ("same" there) is covered by the slices of the others only
-            # when every rank has the same copy and a fingerprint: else it counts as a write (review 28Z5)
-            flags = torch.tensor([int(any(q is p for q in beyond)) for p in self.params] +
-                                 [int(any(q is p for q in reshaped)) for p in self.params] +
-                                 [int(seen.get(id(p)) == "same") for p in self.params] +
+            flags = torch.tensor(written + reshaped + [int(seen.get(id(p)) == "same") for p in self.params] +
                                  [int(id(p) in fresh and id(p) not in prints) for p in self.params] +
                                  [_LOWEST if f is None else f for f in mine] +
                                  [_LOWEST if f is None else (-f if f > _LOWEST else -(_LOWEST + 1)) for f in mine],
                                  dtype=torch.int64)
             ctx.comm.all_reduce(flags, Tag(Kind.ALL_REDUCE, "GatheredParameters exit: writes", self._ids), op="max")
-            agreed = flags.tolist()
-            beyond = [p for i, p in enumerate(self.params)
-                      if agreed[i] or (agreed[4 * n + i] != _LOWEST and agreed[4 * n + i] != -agreed[5 * n + i])
-                      or (agreed[2 * n + i] and agreed[3 * n + i])]
-            reshaped = [p for p, flag in zip(self.params, agreed[n:2 * n]) if flag]
-            within = [p for p in within if not any(q is p for q in beyond)]
-        beyond += [p for p in reshaped if not any(q is p for q in beyond)]
-        if (within or any(v == "same" for v in seen.values())) and not beyond and not _ROUNDING_SAID:
+            a = flags.tolist()
+            written = [int(a[i] or (a[4 * n + i] != _LOWEST and a[4 * n + i] != -a[5 * n + i])
+                           or (a[2 * n + i] and a[3 * n + i])) for i in range(n)]
+            reshaped = a[n:2 * n]
+        beyond = [p for p, w, r in zip(self.params, written, reshaped) if w or r]
+        if not beyond and not _ROUNDING_SAID and any(v in ("rounding", "same") for v in seen.values()):
             _ROUNDING_SAID.append(True)
             logger.warning("zero3: GatheredParameters without modifier_rank: %s changed inside the context by "
                            "rounding only (at most %d machine epsilons of its largest value, as merging and "
                            "unmerging an adapter leaves); discarded, as DeepSpeed discards it. Pass modifier_rank=0 "
-                           "if it was meant to stay (said once)", (within or [p for p in self.params if seen.get(
-                               id(p)) == "same"])[0]._zero.name, ROUNDING_EPS)
-        return beyond, any(p._zero.persistent and not p._zero.aliased for p in reshaped)
+                           "if it was meant to stay (said once)",
+                           next(p for p in self.params if id(p) in seen)._zero.name, ROUNDING_EPS)
+        return beyond, any(r and p._zero.persistent and not p._zero.aliased for p, r in zip(self.params, reshaped))
 
     def _refused_reshape(self, ctx: RuntimeContext) -> ZeroStateError | None:
         """A new shape after ``zero3.initialize`` (refused): the error, with the parameters given their own

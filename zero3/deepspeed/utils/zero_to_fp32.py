@@ -25,18 +25,17 @@ from typing import Any
 from torch import nn
 
 from ...checkpoint.consolidate import (SUFFIXES, consolidate, consolidate_to_dir, load_consolidated,
-                                       frozen_params, parse_shard_size)
+                                       parse_shard_size)
 from ...partition.param import ZeroParameter
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
            "load_state_dict_from_zero_checkpoint"]
 
 
-def _excluded(checkpoint_dir: Any, tag: str | None, exclude_frozen_parameters: Any,
-              model_parallel_rank: int | None) -> frozenset[str]:
-    if not isinstance(exclude_frozen_parameters, bool):
-        raise ValueError(f"exclude_frozen_parameters must be True or False, got {exclude_frozen_parameters!r}")
-    return frozen_params(checkpoint_dir, tag, model_parallel_rank) if exclude_frozen_parameters else frozenset()
+def _exclude_frozen(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"exclude_frozen_parameters must be True or False, got {value!r}")
+    return value
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[str], tag: str | None = None,
@@ -47,8 +46,8 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[s
     if lazy_mode is not False:
         raise ValueError(f"lazy_mode={lazy_mode!r}: zero3 builds each full tensor once, from the rank files; only "
                          "False is allowed (python -m zero3.consolidate streams one tensor at a time to a file)")
-    exclude = _excluded(checkpoint_dir, tag, exclude_frozen_parameters, model_parallel_rank)
-    return load_consolidated(checkpoint_dir, tag=tag, model_parallel_rank=model_parallel_rank, exclude=exclude)
+    return load_consolidated(checkpoint_dir, tag=tag, model_parallel_rank=model_parallel_rank,
+                             exclude_frozen=_exclude_frozen(exclude_frozen_parameters))
 
 
 _NEW_ARGS = ("max_shard_size", "safe_serialization", "tag", "exclude_frozen_parameters")
@@ -91,7 +90,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
     tag, safe = given.get("tag"), given.get("safe_serialization", False)
     if not isinstance(safe, bool):
         raise ValueError(f"safe_serialization must be True or False, got {safe!r}")
-    exclude = _excluded(checkpoint_dir, tag, given.get("exclude_frozen_parameters", False), model_parallel_rank)
+    exclude = _exclude_frozen(given.get("exclude_frozen_parameters", False))
     if one_file:
         if target.suffix.lower() not in SUFFIXES:
             raise ValueError(f"output_file {str(target)!r}: end it in .bin, .pt, .pth or .safetensors")
@@ -103,7 +102,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
         if safe and target.suffix.lower() != ".safetensors":
             raise ValueError(f"safe_serialization=True with the output file {str(target)!r}: the suffix picks the "
                              "format; end it in .safetensors")
-        return [consolidate(checkpoint_dir, target, tag=tag, model_parallel_rank=model_parallel_rank, exclude=exclude)]
+        return [consolidate(checkpoint_dir, target, tag=tag, model_parallel_rank=model_parallel_rank,
+                            exclude_frozen=exclude)]
     size = given.get("max_shard_size", "5GB")
     try:
         limit = parse_shard_size("5GB" if size is None else size)
@@ -114,7 +114,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
     if limit <= 0:
         raise ValueError(f"max_shard_size must be positive, got {size!r}")
     return consolidate_to_dir(checkpoint_dir, target, max_shard_size=limit, safetensors=safe, tag=tag,
-                              model_parallel_rank=model_parallel_rank, exclude=exclude)
+                              model_parallel_rank=model_parallel_rank, exclude_frozen=exclude)
 
 
 def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike[str],
