@@ -2,7 +2,8 @@
 
 The ``safe_get_full_*`` functions are **collectives**: every rank of the parameter's group must call
 them, for the same parameter, in the same order (they all-gather this rank's shard). They return a
-new fp32 tensor of the parameter's true shape on every rank. The ``safe_set_full_*`` functions need
+new fp32 tensor of the parameter's true shape on every rank (fp64 for an fp64 parameter: no read
+rounds). The ``safe_set_full_*`` functions need
 the same full value on every rank and issue no collective (each rank keeps its slice), but a
 persistent or gathered parameter is updated in place, so call them on every rank too. The
 ``safe_get_local_*`` / ``safe_set_local_*`` functions touch only this rank's unpadded slice
@@ -92,12 +93,17 @@ def _gather(param: ZeroParameter, shard: torch.Tensor) -> torch.Tensor:
     z = param._zero
     if shard.numel() != z.shard_numel:
         raise ZeroStateError(f"{z.summary()}: expected a shard of {z.shard_numel} elements, got {shard.numel()}")
-    src = shard.detach().float()
+    src = shard.detach().to(_read_dtype(shard))
     if z.world_size == 1:
         return src[: z.numel].clone().view(z.shape)
     device = raw_data(param).device  # where the collectives run (the shard may be offloaded)
     rows = z.ctx.comm.all_gather_tensor(src.to(device), Tag(Kind.TENSOR_GATHER, f"accessor of {z.name}", (z.id,)))
     return rows.reshape(-1)[: z.numel].view(z.shape)
+
+
+def _read_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32 for a 16-bit tensor, its own dtype for an fp64 one: a read never rounds."""
+    return torch.promote_types(t.dtype, torch.float32)
 
 
 def _local_slice(param: ZeroParameter, t: torch.Tensor) -> torch.Tensor:
@@ -239,7 +245,8 @@ def _set_grad(p: ZeroParameter, mine: torch.Tensor | None, what: str) -> None:
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     """A copy of this rank's unpadded slice of the fp32 weight (master under mixed precision)."""
     p = _check(param, "safe_get_local_fp32_param")
-    return _local_slice(p, p._zero.train_tensor).detach().float().clone()
+    t = _local_slice(p, p._zero.train_tensor).detach()
+    return t.to(_read_dtype(t), copy=True)
 
 
 @_in_memory(write=False, kinds=("lp_grads",), load=False)
@@ -251,7 +258,8 @@ def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     if g is None:
         ctx.check_gradient_read(p, "safe_get_local_grad")
         return None
-    return _local_slice(p, g).float().mul(_inv_scale(ctx))
+    t = _local_slice(p, g)
+    return t.to(_read_dtype(t)).mul(_inv_scale(ctx))
 
 
 @_in_memory(write=False, kinds=("optim_states",))

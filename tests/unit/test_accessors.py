@@ -248,3 +248,32 @@ def test_setting_an_fp32_value_on_a_copy_with_no_master_says_it_is_rounded(dtype
     else:
         assert len(said) == 2 and "weight" in said[0] and "bias" in said[1], said
         assert not torch.equal(back, moved)  # rounded, as said
+
+
+def test_reads_of_an_fp64_parameter_keep_fp64_and_a_get_set_round_trip_changes_nothing():
+    """Probe 29A: every read cast to fp32, so an fp64 model's weight, gradient and moments came back
+    rounded (1e-8 off torch's) and the EMA recipe's get-then-set moved the weight on each call."""
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 3).double()
+    model = copy.deepcopy(ref)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 0})
+    x = torch.randn(5, 4, dtype=torch.float64)
+    engine.backward(model(x).pow(2).mean())
+    ref(x).pow(2).mean().backward()
+    assert zero3.safe_get_full_grad(model.weight).dtype == torch.float64
+    torch.testing.assert_close(zero3.safe_get_full_grad(model.weight), ref.weight.grad, rtol=1e-14, atol=0)
+    torch.testing.assert_close(zero3.safe_get_local_grad(model.weight), ref.weight.grad.reshape(-1),
+                               rtol=1e-14, atol=0)
+    engine.step()
+    saved = engine.consolidated_state_dict(rank0_only=False)
+    before = saved["weight"]
+    w = zero3.safe_get_full_fp32_param(model.weight)
+    assert w.dtype == torch.float64 and torch.equal(w, before)
+    assert torch.equal(zero3.safe_get_local_fp32_param(model.weight), before.reshape(-1))
+    assert zero3.safe_get_full_optimizer_state(model.weight, "exp_avg_sq").dtype == torch.float64
+    zero3.safe_set_full_fp32_param(model.weight, w)
+    zero3.safe_set_local_fp32_param(model.bias, zero3.safe_get_local_fp32_param(model.bias))
+    after = engine.consolidated_state_dict(rank0_only=False)
+    assert torch.equal(after["weight"], before)
+    assert torch.equal(after["bias"], saved["bias"])
