@@ -65,7 +65,7 @@ from .adopt import take_from_rank0
 from .buffers import ModuleBuffers
 from .engine_calls import take_persistent_writes
 from .publish import write_updated
-from .refusals import complex_refusal, refuse_unshardable_embeddings
+from .refusals import complex_refusal, refuse_memory_format, refuse_shared_storage, refuse_unshardable_embeddings
 from .leaf import check_leaf_classes, leaf_modules
 from .budget import MemoryBudget
 from .placement import place_shards, share_shards
@@ -383,6 +383,8 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     if lazy is not None:
         raise lazy_refusal(lazy)
     refuse_unshardable_embeddings(model)
+    refuse_shared_storage(model)
+    refuse_memory_format(model)
     complex_param = next((n for n, p in model.named_parameters() if p.is_complex()), None)
     if complex_param is not None:
         raise complex_refusal(complex_param, "zero3.initialize changed nothing")

@@ -1,7 +1,8 @@
 """Uses of a model zero3 manages that cannot work, refused with the way that does: copying it
 (``copy.deepcopy``, pickle), compiling it whole (``torch.compile(model)``), running it under a
 torch.func transform while it gathers parameters, a double backward through released weights, and embeddings whose
-forward or gradient zero3's sharding cannot carry (``sparse=True``, ``max_norm``)."""
+forward or gradient zero3's sharding cannot carry (``sparse=True``, ``max_norm``), tensors that share a
+parameter's memory, and a parameter layout that gathers would drop (``channels_last``)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,80 @@ def refuse_unshardable_embeddings(model: nn.Module) -> None:
                 "renormalization would be lost (on every rank; FSDP2 loses it too) and training would differ "
                 "from torch's. Build it without max_norm (to bound the rows, rescale them between steps inside "
                 "zero3.GatheredParameters(..., modifier_rank=0)); zero3.initialize changed nothing")
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage ``t`` can reach (empty for no elements)."""
+    if t.numel() == 0:
+        return 0, 0
+    start = t.storage_offset() * t.element_size()
+    reach = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return start, start + reach * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share an element. A partitioned parameter's storage is empty while
+    it is released (its data is in its shards), so any other tensor with elements on it is a view of it."""
+    storage = a.untyped_storage()
+    if storage._cdata != b.untyped_storage()._cdata or a.numel() == 0 or b.numel() == 0:
+        return False
+    if storage.nbytes() == 0:
+        return True
+    (s, e), (s2, e2) = _byte_span(a), _byte_span(b)
+    return s < e2 and s2 < e
+
+
+def refuse_shared_storage(model: nn.Module) -> None:
+    """At ``initialize``, before it changes anything: a parameter whose memory another parameter, a
+    buffer or a plain tensor attribute of a module also uses. Partitioning gives each parameter storage
+    of its own and frees the full one, so two overlapping parameters would train apart (torch moves both
+    with either's step), and a tensor attribute kept as a view (``self.rows = self.lin.weight[:2]``)
+    would keep the first values, or, built under ``Init``, read freed memory (probe 29A). Parameters
+    that only sit side by side in one tensor (``base[:6]``, ``base[6:]``) share no element and pass."""
+    params: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue  # the same Parameter under two names: a tie zero3 keeps as one
+        seen.add(id(p))
+        key = p.untyped_storage()._cdata
+        for other, q in params.get(key, ()):
+            if not (isinstance(p, ZeroParameter) and isinstance(q, ZeroParameter)) and _overlap(p, q):
+                raise ZeroConfigError(
+                    f"parameters {other} and {name} share memory (one is a view of the other, or both of one "
+                    "tensor): zero3 gives each parameter its own shards, so they would train apart where torch "
+                    "moves both. Tie them as one Parameter (module.b.weight = module.a.weight), or give each its "
+                    "own tensor (.clone()); zero3.initialize changed nothing")
+        params.setdefault(key, []).append((name, p))
+    for mname, m in model.named_modules():
+        found = [(a, t) for a, t in vars(m).items() if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
+        found += [(a, t) for a, t in m._buffers.items() if t is not None]
+        for attr, t in found:
+            for name, p in params.get(t.untyped_storage()._cdata, ()):
+                if _overlap(t, p):
+                    raise ZeroConfigError(
+                        f"tensor attribute {f'{mname}.{attr}' if mname else attr} shares memory with parameter {name} (a "
+                        "view of it, or its .data): zero3 partitions the parameter into shards and frees its full "
+                        "data, so the tensor would keep stale values or read freed memory. Compute it from the "
+                        f"parameter inside forward (a property returning a view of {name}), or keep a .clone(); "
+                        "zero3.initialize changed nothing")
+
+
+def refuse_memory_format(model: nn.Module) -> None:
+    """At ``initialize``: a parameter in ``torch.channels_last`` (or ``channels_last_3d``) layout.
+    Every gather hands a parameter back contiguous, so the layout asked for would be dropped without a
+    word, as it is refused after ``initialize`` (partition/conversion.py). Other strides (a transposed
+    parameter) only change speed, not values, and come back contiguous too (docs/api.md)."""
+    for name, p in model.named_parameters():
+        if isinstance(p, ZeroParameter) or p.dim() not in (4, 5) or p.is_contiguous():
+            continue
+        fmt = torch.channels_last if p.dim() == 4 else torch.channels_last_3d
+        if p.is_contiguous(memory_format=fmt):
+            raise ZeroConfigError(
+                f"parameter {name} is in {fmt} layout: zero3 gathers every parameter "
+                "contiguous, so that layout would be dropped. Convert the inputs only (x.to(memory_format="
+                f"{fmt})): torch's convolutions follow their input's layout. Or call "
+                "model.to(memory_format=torch.contiguous_format) before zero3.initialize; zero3.initialize changed nothing")
 
 
 def complex_refusal(name: str, tail: str = "nothing was partitioned") -> ZeroConfigError:
