@@ -218,11 +218,68 @@ def test_invalid_value_names_key_and_value(key, value, pattern):
             ZeroConfig(**{key: value})
 
 
-def test_invalid_value_inside_deepspeed_dict_names_the_value():
-    with pytest.raises(ValueError, match=r"max_live_parameters must be >= 0, got -1"):
+def test_invalid_value_inside_deepspeed_dict_names_the_key_as_written():
+    """Probe 29B: the error named zero3's flat knob (prefetch_bucket_size), not the key in the file."""
+    with pytest.raises(ValueError, match=r"zero_optimization.stage3_max_live_parameters must be >= 0, got -1"):
         ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": -1}})
-    with pytest.raises(ValueError, match=r"max_live_parameters must be an int >= 0, got 'auto' \(str\)"):
-        ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto"}})
+    with pytest.raises(ValueError, match=r"zero_optimization.stage3_prefetch_bucket_size must be an int >= 0, "
+                                         r"got 'big' \(str\)"):
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "big"}})
+    with pytest.raises(ValueError, match=r"fp16.loss_scale_window must be an int >= 0, got 'x'"):
+        ZeroConfig.from_dict({"fp16": {"enabled": True, "loss_scale_window": "x"}})
+    with pytest.raises(ValueError, match=r"aio.thread_count must be >= 0, got -2"):
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "aio": {"thread_count": -2}})
+
+
+def test_auto_in_a_zero_optimization_knob_takes_the_default_as_deepspeed_drops_it():
+    """Probe 29B: OpenRLHF passes "auto" for six of these straight to deepspeed.initialize, whose
+    config model drops it; zero3 refused every such config."""
+    default = ZeroConfig()
+    keys = ["sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance", "overlap_comm",
+            "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size", "reduce_bucket_size",
+            "stage3_model_persistence_threshold", "allgather_bucket_size"]
+    got = ZeroConfig.from_dict({"zero_optimization": {"stage": 3, **{k: "auto" for k in keys}}})
+    assert got == default
+    set_one = ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 7,
+                                                          "reduce_bucket_size": "auto"}})
+    assert set_one.budget.max_live_parameters == 7 and set_one.comm.reduce_bucket_size == default.comm.reduce_bucket_size
+
+
+def test_deepspeeds_older_spellings_and_what_accelerate_writes_are_read_as_deepspeed_reads_them():
+    """Probe 29B: Accelerate writes steps_per_print=inf into every config it hands DeepSpeed (so no
+    Accelerate or Trainer run could start); DeepSpeed-Chat writes memory_efficient_linear and a
+    hybrid_engine section off; older configs use DeepSpeed's deprecated names."""
+    base = {"zero_optimization": {"stage": 3}}
+    assert ZeroConfig.from_dict({**base, "steps_per_print": float("inf")}).training.steps_per_print >= 2**62
+    for value in (True, False):
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "memory_efficient_linear": value},
+                              "zero_force_ds_cpu_optimizer": value})
+    ZeroConfig.from_dict({**base, "hybrid_engine": {"enabled": False, "max_out_tokens": 512}})
+    with pytest.raises(ZeroConfigError, match=r"hybrid_engine.*the hybrid engine.*does not implement"):
+        ZeroConfig.from_dict({**base, "hybrid_engine": {"enabled": True}})
+    old = ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True}})
+    assert old.training.gather_16bit_weights_on_model_save
+    with pytest.raises(ZeroConfigError, match="given twice"):
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True,
+                                                    "stage3_gather_16bit_weights_on_model_save": False}})
+    cpu = ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_params": True}})
+    want = ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                       "offload_param": {"device": "cpu"}}})
+    assert cpu.offload == want.offload
+    assert ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "cpu_offload": False}}).offload == ZeroConfig().offload
+    with pytest.raises(ZeroConfigError, match="cpu_offload must be a boolean"):
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "cpu_offload": [1]}})
+
+
+@pytest.mark.parametrize("value, dtype", [(1, "fp16"), (0, "fp32"), (True, "fp16")])
+def test_a_precision_section_enabled_as_zero_or_one_is_read_as_deepspeed_reads_it(value, dtype):
+    assert ZeroConfig.from_dict({"fp16": {"enabled": value}}).precision.dtype == dtype
+
+
+@pytest.mark.parametrize("value, needle", [("false", "a string such as"), ("auto", "Trainer fills in")])
+def test_a_precision_section_enabled_as_a_string_is_refused_saying_why(value, needle):
+    with pytest.raises(ZeroConfigError, match=rf"bf16.enabled must be a bool, got '{value}'.*{needle}"):
+        ZeroConfig.from_dict({"bf16": {"enabled": value}})
 
 
 # -- activation_checkpointing ---------------------------------------------------------------------------

@@ -13,10 +13,12 @@ package imports the engine, and the config layer (read by every other layer, and
 from __future__ import annotations
 
 import logging
+import math
+import sys
 from typing import Any
 
 from .fields import KnobValues, check_ignored, did_you_mean, unknown_key_message
-from .flat import FLAT_NAMES, coerce_flat
+from .flat import FLAT_NAMES, check_flat, coerce_flat
 from .sections import OFFLOAD_SECTION_KEYS, OffloadConfig
 from ..errors import ZeroConfigError
 
@@ -36,16 +38,20 @@ ZERO_KEYS = {
     "sub_group_size": "sub_group_size",
 }
 GATHER_16BIT = "stage3_gather_16bit_weights_on_model_save"  # a boolean read as DeepSpeed reads it (below)
+GATHER_16BIT_OLD = "stage3_gather_fp16_weights_on_model_save"  # DeepSpeed's older name, still read there
+# DeepSpeed's deprecated offload booleans, read there as {"device": "cpu"} sections when true.
+CPU_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_params": "offload_param"}
 # DeepSpeed keys we understand but that change nothing here (logged, not an error).
 ZERO_IGNORED = {
     "contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients",
     "log_trace_cache_warnings", "elastic_checkpoint", "ignore_unused_parameters", "load_from_fp32_weights",
+    "memory_efficient_linear",  # DeepSpeed's Init patches F.linear to save its inputs lean; zero3.Init has no patch
 }
 TOP_LEVEL = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "gradient_clipping", "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown",
     "bf16", "fp16", "zero_allow_untested_optimizer", "prescale_gradients", "communication_data_type",
-    "bfloat16", "activation_checkpointing", "aio", "data_types",
+    "bfloat16", "activation_checkpointing", "aio", "data_types", "zero_force_ds_cpu_optimizer",
 }
 # ZeRO++ keys of ``zero_optimization`` that are also our knobs' names.
 ZERO_PLUS_PLUS = {"zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"}
@@ -90,6 +96,7 @@ _OFF_SECTIONS = {
     "comms_logger": "the communication logger", "autotuning": "the autotuner", "amp": "NVIDIA apex AMP",
     "compression_training": "compression training", "curriculum_learning": "curriculum learning",
     "data_efficiency": "data efficiency", "nebula": "Nebula checkpointing",
+    "hybrid_engine": "the hybrid engine (DeepSpeed-Chat's inference kernels inside training)",
 }
 _OFF_KEYS = {  # key: (what it does in DeepSpeed, its off value)
     "memory_breakdown": ("a memory report at every step (zero3.see_memory_usage(msg, force=True) is zero3's)", False),
@@ -162,9 +169,13 @@ def _enabled(section: str, value: Any) -> bool:
     if not isinstance(value, dict):
         raise ZeroConfigError(f"{section} must be a dict such as {{'enabled': true}}, got {value!r}")
     enabled = value.get("enabled", False)
+    if type(enabled) is int and enabled in (0, 1):  # DeepSpeed reads it raw: 1 is on there
+        return bool(enabled)
     if not isinstance(enabled, bool):
-        raise ZeroConfigError(f"{section}.enabled must be a bool, got {enabled!r} ({type(enabled).__name__}); "
-                              "replace 'auto' by true or false")
+        hint = ("'auto' is what Hugging Face's Trainer fills in before DeepSpeed reads the config: replace it by true "
+                "or false" if enabled == "auto" else "DeepSpeed reads it raw, so a string such as \"false\" would be "
+                "on there: write true or false")
+        raise ZeroConfigError(f"{section}.enabled must be a bool, got {enabled!r} ({type(enabled).__name__}); {hint}")
     return enabled
 
 
@@ -175,7 +186,7 @@ def _section(section: str, value: dict[str, Any], mapped: dict[str, str], ignore
         if key == "enabled":
             continue
         if key in mapped:
-            out[key] = coerce_flat(mapped[key], v)
+            out[key] = _checked(mapped[key], v, f"{section}.{key}")
         elif key in ignored:
             check_ignored(f"{section}.{key}", key, v)
             if key in _REFUSED_WHEN_ON and v not in (False, None, 0):
@@ -220,7 +231,7 @@ def _aio(value: Any, out: KnobValues) -> None:
         raise ZeroConfigError(f"aio must be a dict such as {{'thread_count': 1}}, got {value!r}")
     for key, v in value.items():
         if key == "thread_count":
-            out.set("aio_thread_count", coerce_flat("aio_thread_count", v), "aio.thread_count")
+            out.set("aio_thread_count", _checked("aio_thread_count", v, "aio.thread_count"), "aio.thread_count")
         elif key == "use_gds":
             if v:
                 raise ZeroConfigError("aio.use_gds (GPUDirect Storage) is not supported by zero3; swap files "
@@ -256,11 +267,18 @@ def _zero_optimization(zero: Any, out: KnobValues) -> None:
         if key == "stage":
             continue
         if key in ZERO_KEYS:
-            out.set(ZERO_KEYS[key], coerce_flat(ZERO_KEYS[key], value), spelled)
-        elif key == GATHER_16BIT:  # 0/1, "yes"/"off" too; None or "auto": the default
-            check_ignored(spelled, key, value)
+            if value == "auto":  # DeepSpeed's config model drops "auto" (OpenRLHF passes it on): the default
+                logger.info("zero3: %s is 'auto': zero3's default, as DeepSpeed takes its own", spelled)
+                continue
+            out.set(ZERO_KEYS[key], _checked(ZERO_KEYS[key], value, spelled), spelled)
+        elif key in (GATHER_16BIT, GATHER_16BIT_OLD):  # 0/1, "yes"/"off" too; None or "auto": the default
+            check_ignored(spelled, GATHER_16BIT, value)
             if value is not None and value != "auto":
                 out.set("gather_16bit_weights_on_model_save", not _lax_false(value), spelled)
+        elif key in CPU_OFFLOAD:  # DeepSpeed's deprecated spelling of an offload section
+            check_ignored(spelled, key, value)
+            if value is not None and value != "auto" and not _lax_false(value):
+                OffloadConfig.read_section({"device": "cpu"}, f"zero_optimization.{CPU_OFFLOAD[key]}", out)
         elif key in OFFLOAD_SECTION_KEYS:
             OffloadConfig.read_section(value, spelled, out)
         elif key in ZERO_IGNORED:
@@ -276,10 +294,17 @@ def _zero_optimization(zero: Any, out: KnobValues) -> None:
         elif key in FLAT_NAMES:
             out.set(key, coerce_flat(key, value), spelled)
         else:
-            known = (set(ZERO_KEYS) | {GATHER_16BIT} | ZERO_IGNORED | ZERO_PLUS_PLUS | {"stage"}
+            known = (set(ZERO_KEYS) | {GATHER_16BIT, GATHER_16BIT_OLD} | set(CPU_OFFLOAD) | ZERO_IGNORED | ZERO_PLUS_PLUS | {"stage"}
                      | set(OFFLOAD_SECTION_KEYS))
             raise ZeroConfigError("zero_optimization: " + unknown_key_message(key, known, "DeepSpeed ")
                                   + "; zero3's own knob names are read here too")
+
+
+def _checked(knob: str, value: Any, spelled: str) -> Any:
+    """``value`` as knob ``knob``'s type, refused under the name the config gave it (``spelled``)."""
+    value = coerce_flat(knob, value)
+    check_flat(knob, value, spelled)
+    return value
 
 
 def translate(d: dict[str, Any]) -> dict[str, Any]:
@@ -289,7 +314,9 @@ def translate(d: dict[str, Any]) -> dict[str, Any]:
     for key, value in d.items():
         if key == "zero_optimization" or key in _PRECISION_KEYS:
             continue
-        if key in _SAME_NAME:
+        if key == "steps_per_print" and isinstance(value, float) and value == math.inf:
+            out.set(key, sys.maxsize, key)  # Accelerate writes inf to keep DeepSpeed quiet: never
+        elif key in _SAME_NAME:
             out.set(key, coerce_flat(key, value), key)
         elif key == "aio":
             _aio(value, out)

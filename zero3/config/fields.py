@@ -119,6 +119,7 @@ _IGNORED_BOOLS = {
     "ignore_unused_parameters", "load_from_fp32_weights", "fast_init", "pipeline_read", "pipeline_write",
     "pipeline", "auto_cast", "fp16_master_weights_and_grads", "immediate_grad_update", "check_grad_overflow",
     "bf16_master_weights_and_grads", "bf16_optimizer_states", "prescale_gradients", "zero_allow_untested_optimizer",
+    "memory_efficient_linear", "zero_force_ds_cpu_optimizer", "cpu_offload", "cpu_offload_params",
 }
 _READ_BOOLS = {"stage3_gather_16bit_weights_on_model_save", "zero_allow_untested_optimizer"}  # checked so, and read
 _LAX_BOOL_WORDS = {"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"}
