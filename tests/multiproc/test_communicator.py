@@ -95,7 +95,8 @@ def run_everything(tmp: str) -> dict:
 def test_every_collective_goes_through_the_communicator_passed_to_initialize(pools, tmp_path):
     results = pools.get(2).run(run_everything, str(tmp_path))
     for r in results:
-        assert r["initialize"] == ["BROADCAST", "OBJECTS"]  # OBJECTS: the shared-memory arenas' set-up
+        assert r["initialize"] == ["ALL_REDUCE", "BROADCAST", "OBJECTS"]  # OBJECTS: the shared-memory arenas'
+        # set-up; ALL_REDUCE: the ranks' next parameter id (partition/ids.py)
         assert r["step"] == ["ALL_REDUCE", "GRAD_REDUCE", "PARAM_GATHER"]
         # ALL_REDUCE: the modifier block's exit agrees that no rank raised (gathered.py [Note: a modifier block
         # that raised])
@@ -190,6 +191,52 @@ class _Bomb(torch.nn.Module):
         if self.armed:
             raise RuntimeError("boom in B's forward")
         return x
+
+
+def engine_over_all_after_one_over_some(init: bool) -> list[float]:
+    """Rank 0 alone builds and trains an engine over ``new_group([0])``; then both ranks build one over
+    the world. torch names the world engine's own group after how many groups each rank registered,
+    which differed, and the second initialize hung in torch's rendezvous (probe 29C)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    alone = dist.new_group([0])
+
+    def mlp() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+    x = torch.randn(2 * world, 16, generator=torch.Generator().manual_seed(3))
+    if rank == 0:
+        model = mlp()
+        engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"collective_timeout": 30},
+                                  group=alone)
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    if init:
+        with zero3.Init():
+            model = mlp()
+    else:
+        model = mlp()
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"collective_timeout": 30, "param_persistence_threshold": 0})
+    for _ in range(2):
+        engine.backward(engine(x[2 * rank:2 * rank + 2]).square().mean())
+        engine.step()
+    return [float(v) for v in zero3.safe_get_full_fp32_param(model[0].weight).reshape(-1)[:8]]
+
+
+@pytest.mark.parametrize("init", [False, True])
+def test_an_engine_over_every_rank_after_one_over_some_of_them_builds_and_trains(pools, init):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        opt.step()
+    want = ref[0].weight.detach().reshape(-1)[:8]
+    for got in pools.get(2).run(engine_over_all_after_one_over_some, init):
+        torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-7)
 
 
 def one_engine_fails_beside_another() -> dict:

@@ -23,6 +23,25 @@ def group_mismatch() -> str:
     return "no error"
 
 
+def group_without_this_rank() -> list[str]:
+    """Probe 29C: ``dist.new_group([0])`` is GroupMember.NON_GROUP_MEMBER on rank 1, where torch says
+    world size -1 and zero3 raised "nodes must name the node of each of the -1 ranks, got []"."""
+    g = dist.new_group([0])
+    said = []
+    for how in ("Init", "initialize"):
+        try:
+            if how == "Init":
+                with zero3.Init(group=g):
+                    nn.Linear(8, 8)
+            else:
+                model = nn.Linear(8, 8)
+                zero3.initialize(model, None, group=g)
+            said.append("no error")
+        except zero3.ZeroConfigError as exc:
+            said.append(str(exc))
+    return said
+
+
 def initialize_twice() -> str:
     model = nn.Linear(8, 8)
     zero3.initialize(model, None)
@@ -36,6 +55,13 @@ def initialize_twice() -> str:
 def test_model_built_with_one_group_and_trained_with_another_raises_on_every_rank(pools):
     for msg in pools.get(2).run(group_mismatch):
         assert "world size 2" in msg and "world size 1" in msg, msg
+
+
+def test_a_rank_outside_the_group_it_passes_is_told_so(pools):
+    inside, outside = pools.get(2).run(group_without_this_rank)
+    assert inside == ["no error", "no error"]
+    for msg in outside:
+        assert "this rank (global rank 1) is not a member of the process group" in msg, msg
 
 
 def test_initialize_twice_raises_on_every_rank(pools):

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from . import pretrained
 from .exchange import exchange
@@ -164,8 +165,11 @@ def _build(transformers: Any, model_cls: type, config: Any, model_kwargs: dict, 
     from transformers import initialization, modeling_utils
     from transformers.monkey_patching import apply_patches
 
-    with modeling_utils.local_torch_dtype(dtype, model_cls.__name__), initialization.no_init_weights(), \
-            apply_patches(), Init(config=zero_config, group=group, sync="none"):
+    # transformers builds on meta, which draws nothing from the RNG; a module's __init__ that draws
+    # (ViT's torch.randn cls_token) would move the draws of the missing weights' init (probe 29E).
+    rng = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=rng), modeling_utils.local_torch_dtype(dtype, model_cls.__name__), \
+            initialization.no_init_weights(), apply_patches(), Init(config=zero_config, group=group, sync="none"):
         model = model_cls(config, **model_kwargs)
         # no_init_weights skips init_weights(), and with it the tying transformers does in it.
         model.tie_weights(recompute_mapping=False)
@@ -281,6 +285,10 @@ def _initialize_missing(model: nn.Module, missing: set[str]) -> None:
         if name not in missing:
             tensor._is_hf_initialized = True
     todo = {id(t): t for n, t in model.state_dict(keep_vars=True).items() if n in missing}
+    # A parametrized module's weight is computed from its originals whenever it is read, and the init
+    # functions read every module's weight (probe 29E: Wav2Vec2's weight-norm conv raised there).
+    todo.update((id(p), p) for m in model.modules() if parametrize.is_parametrized(m)
+                for p in m.parametrizations.parameters())
     params = [t for t in todo.values() if isinstance(t, ZeroParameter)]
     with GatheredParameters(params, modifier_rank=0):
         model.initialize_weights()

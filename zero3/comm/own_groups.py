@@ -23,6 +23,14 @@ gets the same name on every rank. The list holds the groups weakly (torch's regi
 while they are registered): a destroy of the default group destroys them too, and then the old
 groups and their rendezvous store go with it (a strong reference here kept both until the exit).
 Their entries stay, never free, so the list is the same length on every rank.
+
+torch names a group made with ``use_local_synchronization`` after its ranks and after how many groups
+the calling rank has registered (torch 2.13 ``_hash_ranks_to_str``). Ranks that made different numbers
+of groups (rank 0 alone built an engine over ``new_group([0])``, or an engine over two of four ranks
+came first) gave the same new group different names, and the next engine over all of them hung in
+torch's rendezvous (probe 29C). So the ranks agree on their counts in the same all-reduce, and a rank
+behind makes groups of itself alone (no peer, no rendezvous) until the counts match before the group
+is made.
 """
 
 from __future__ import annotations
@@ -72,6 +80,11 @@ def _on_collected(kept: _Kept, state: EpochState) -> None:
         kept.broken = True
 
 
+def _registered_count() -> int:
+    """How many process groups torch has registered on this rank (the count its group names hash)."""
+    return len(getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", ()))
+
+
 def own_group(group: Any, timeout_s: float, backend: str, device: torch.device, comm: Any) -> tuple[Any, int]:
     """zero3's group over ``group``'s ranks with ``timeout_s`` for the communicator ``comm``, kept or
     made (see the Note), and how many communicators ran on it before (its failure reports go under
@@ -81,11 +94,15 @@ def own_group(group: Any, timeout_s: float, backend: str, device: torch.device, 
     kept = _GROUPS.setdefault(key, [])
     if any(k.users for k in kept):
         gc.collect()  # communicators of dropped engines left in reference cycles
-    flags = torch.tensor([int(k.free()) for k in kept] + [1], device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-    pick = int(flags.tolist().index(1))
+    count = _registered_count()
+    flags = torch.tensor([int(k.free()) for k in kept] + [1, count, -count], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)  # the first group free everywhere; the counts
+    *free, _, most = flags.tolist()
+    pick = int(free.index(1))
     made = None  # held here until the communicator holds it
     if pick == len(kept):
+        for _ in range(-most - count):  # torch's registry holds them until the exit
+            dist.new_group([dist.get_rank()], backend=backend, use_local_synchronization=True)
         made = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s), backend=backend,
                               use_local_synchronization=True)
         kept.append(_Kept(weakref.ref(made)))

@@ -38,7 +38,13 @@ def group_info(group: Any) -> tuple[Any, int, int]:
     """(group, world_size, rank) for a process group, the default group, or no distributed at all."""
     if dist.is_available() and dist.is_initialized():
         g = group if group is not None else dist.group.WORLD
-        return g, dist.get_world_size(g), dist.get_rank(g)
+        rank = dist.get_rank(g) if g is not dist.GroupMember.NON_GROUP_MEMBER else -1
+        if rank < 0:  # torch answers -1 for a group this rank is not in
+            raise ZeroConfigError(
+                f"this rank (global rank {dist.get_rank()}) is not a member of the process group given to zero3 "
+                "(dist.new_group(ranks) returns GroupMember.NON_GROUP_MEMBER on every rank outside ranks): build "
+                "and initialize the model only on the group's ranks, or pass a group this rank belongs to")
+        return g, dist.get_world_size(g), rank
     if group is not None:
         raise ZeroConfigError("a process group was given but torch.distributed is not initialized")
     return None, 1, 0

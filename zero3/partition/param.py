@@ -36,13 +36,12 @@ import torch
 from torch import nn
 
 from . import sharding
+from .ids import new_id
 from ..errors import ZeroStateError
 from .state import LEGAL_NEXT_STATUS, MEMORY, ParamStatus, Residence, check_transition
 
 # Read three times per gather and release: a module global costs a tenth of a member read through its class.
 _NOT_AVAILABLE, _INFLIGHT, _AVAILABLE = ParamStatus.NOT_AVAILABLE, ParamStatus.INFLIGHT, ParamStatus.AVAILABLE
-
-_ids = itertools.count()
 
 ConstructionHandler = Callable[[Any, Callable, tuple, dict], tuple[bool, Any]]
 construction_handler: contextvars.ContextVar[ConstructionHandler | None] = contextvars.ContextVar(
@@ -701,7 +700,7 @@ def partition(p: nn.Parameter, *, name: str, world_size: int, rank: int, group: 
         full = full.to(dtype)
     device = shard_device if shard_device is not None else full.device
     shard = sharding.shard_tensor(full, world_size, rank).to(device)
-    z = ZeroParam(id=next(_ids), name=name, shape=full.shape, dtype=full.dtype, shard=shard,
+    z = ZeroParam(id=new_id(), name=name, shape=full.shape, dtype=full.dtype, shard=shard,
                   world_size=world_size, rank=rank, group=group, status=ParamStatus.AVAILABLE, ctx=ctx)
     placeholder = torch.empty(full.shape, dtype=full.dtype, device=full.device)
     p.data = placeholder
@@ -732,8 +731,8 @@ def update_shard_from_full(p: ZeroParameter) -> bool:
         z.master.copy_(z.shard)
         return True
     new = sharding.shard_tensor(raw_data(p), z.world_size, z.rank).to(z.shard.device)
-    if new.dtype == z.shard.dtype and torch.equal(new, z.shard):
-        return False
+    if new.is_meta or z.shard.is_meta or (new.dtype == z.shard.dtype and torch.equal(new, z.shard)):
+        return False  # unchanged, or built on meta (transformers' build): no values to write or compare
     z.shard.copy_(new)
     if z.master is not None:
         z.master.copy_(z.shard)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..comm.communicator import Communicator, group_info, same_group
+from ..comm.communicator import Communicator, Kind, Tag, group_info, same_group
 from ..comm.settings import CommSettings
 from ..comm.hpz import secondary_communicator
 from ..config import ZeroConfig
@@ -49,6 +49,7 @@ from ..metrics import StepMetrics
 from ..comm.model_parallel import ModelParallel, is_tensor_parallel
 from ..optim.optimizer import PartitionedOptimizer, resident_bytes, validate_optimizer
 from ..partition import conversion
+from ..partition.ids import next_id, skip_to
 from ..partition.param import ZeroParameter, partition, raw_data
 from ..optim.precision import lower_buffers, lower_precision, torch_dtype
 from ..partition.state import ParamStatus
@@ -412,6 +413,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     if mpu is not None:
         ctx.model_parallel = ModelParallel.from_mpu(mpu, config, ctx.group, ctx.metrics)
     ctx.module = model
+    align_ids(ctx.comm)  # before partitioning: the same ids on every rank (partition/ids.py)
     take_from_rank0(ctx.comm, [(name, p) for name, p in model.named_parameters() if not isinstance(p, ZeroParameter)])
     ModuleBuffers(ctx.comm, model).take_from_rank0("initialize")  # as DDP: every rank starts from rank 0's
     for name, p in model.named_parameters():
@@ -643,3 +645,12 @@ def _prefetch_numel(config: ZeroConfig) -> int:
     if plan.unit == "numel":
         return plan.prefetch_bucket_size
     return plan.prefetch_bucket_size // torch_dtype(config.precision.dtype).itemsize
+
+
+def align_ids(comm: Any) -> None:
+    """Every rank of ``comm``'s group on the highest next parameter id among them, before they
+    partition the same parameters in the same order (partition/ids.py). A collective."""
+    if comm.world_size > 1:
+        top = comm.all_reduce(torch.tensor([next_id()], dtype=torch.int64, device=comm.device),
+                              Tag(Kind.ALL_REDUCE, "parameter ids"), op="max")
+        skip_to(int(top.item()))

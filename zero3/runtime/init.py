@@ -58,7 +58,7 @@ from ..comm.communicator import Kind, Tag
 from ..comm.process_group import ensure_default_group
 from ..config import ZeroConfig, resolve_config
 from ..config.sections import DRIVE_POOL_KNOBS, OffloadConfig
-from .context import RuntimeContext, lazy_refusal, meta_refusal
+from .context import RuntimeContext, align_ids, lazy_refusal, meta_refusal
 from .refusals import complex_refusal
 from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import data_parallel_group as mpu_data_parallel_group
@@ -251,6 +251,7 @@ class Init:
         if lazy is not None:
             raise lazy_refusal(lazy)
         state = self._state()
+        align_ids(state.ctx.comm)
         state.sync = "broadcast"
         _partition_module(module, state, recurse=True)
         if state.ctx.coordinator.shards is not None:
@@ -260,6 +261,7 @@ class Init:
         if not self.enabled:
             return self
         state = self._state()
+        align_ids(state.ctx.comm)
         stack = _STACK.get()
         if not stack:
             _install_patches()
