@@ -251,7 +251,8 @@ def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
 
 @_in_memory(write=False, kinds=("lp_grads",), load=False)
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
-    """A copy of this rank's unpadded slice of the accumulated gradient (fp32, unscaled), or None."""
+    """A copy of this rank's unpadded slice of the accumulated gradient (fp32, or fp64 for an fp64
+    parameter; unscaled), or None."""
     p = _check(param, "safe_get_local_grad")
     ctx = _context(p, "safe_get_local_grad")
     g = p._zero.train_tensor.grad
@@ -267,7 +268,8 @@ def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: s
     """A copy of this rank's unpadded slice of optimizer state ``optim_state_key``."""
     p = _check(param, "safe_get_local_optimizer_state")
     ctx = _context(p, "safe_get_local_optimizer_state")
-    return _local_slice(p, _state(ctx, p, optim_state_key, "safe_get_local_optimizer_state")).clone()
+    t = _local_slice(p, _state(ctx, p, optim_state_key, "safe_get_local_optimizer_state"))
+    return t.to(_read_dtype(t), copy=True)
 
 
 @_in_memory(write=True, kinds=("lp_params", "hp_params"))

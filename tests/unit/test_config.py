@@ -227,8 +227,13 @@ def test_invalid_value_inside_deepspeed_dict_names_the_key_as_written():
         ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "big"}})
     with pytest.raises(ValueError, match=r"fp16.loss_scale_window must be an int >= 0, got 'x'"):
         ZeroConfig.from_dict({"fp16": {"enabled": True, "loss_scale_window": "x"}})
-    with pytest.raises(ValueError, match=r"aio.thread_count must be >= 0, got -2"):
-        ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "aio": {"thread_count": -2}})
+    for bad in (0, -2):  # one bound, whichever side (review 29X: -1 was ">= 0", 0 ">= 1")
+        with pytest.raises(ValueError, match=rf"aio.thread_count must be >= 1, got {bad}"):
+            ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "aio": {"thread_count": bad}})
+        with pytest.raises(ValueError, match=rf"zero_optimization.sub_group_size must be >= 1, got {bad}"):
+            ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "sub_group_size": bad}})
+        with pytest.raises(ValueError, match=rf"^steps_per_print must be >= 1, got {bad}"):
+            ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "steps_per_print": bad})
 
 
 def test_auto_in_a_zero_optimization_knob_takes_the_default_as_deepspeed_drops_it():
@@ -262,23 +267,29 @@ def test_deepspeeds_older_spellings_and_what_accelerate_writes_are_read_as_deeps
     with pytest.raises(ZeroConfigError, match="given twice"):
         ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True,
                                                     "stage3_gather_16bit_weights_on_model_save": False}})
-    cpu = ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_params": True}})
+    cpu = ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True,
+                                                      "cpu_offload_use_pin_memory": True}})
     want = ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                                        "offload_param": {"device": "cpu"}}})
     assert cpu.offload == want.offload
     assert ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "cpu_offload": False}}).offload == ZeroConfig().offload
-    with pytest.raises(ZeroConfigError, match="cpu_offload must be a boolean"):
+    with pytest.raises(ZeroConfigError, match=r"cpu_offload must be a boolean as DeepSpeed reads it \(true/false, 0/1, "
+                                              r"\"yes\"/\"no\"\), got \[1\]"):  # read: not "no effect"
         ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "cpu_offload": [1]}})
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        with pytest.raises(ZeroConfigError, match=rf"zero_optimization.{old} .*and zero_optimization.{new} are both given"):
+            ZeroConfig.from_dict({"zero_optimization": {"stage": 3, old: False, new: {"device": "cpu"}}})
 
 
-@pytest.mark.parametrize("value, dtype", [(1, "fp16"), (0, "fp32"), (True, "fp16")])
+@pytest.mark.parametrize("value, dtype", [(1, "fp16"), (0, "fp32"), (True, "fp16"), (None, "fp32")])
 def test_a_precision_section_enabled_as_zero_or_one_is_read_as_deepspeed_reads_it(value, dtype):
     assert ZeroConfig.from_dict({"fp16": {"enabled": value}}).precision.dtype == dtype
 
 
-@pytest.mark.parametrize("value, needle", [("false", "a string such as"), ("auto", "Trainer fills in")])
+@pytest.mark.parametrize("value, needle", [("false", "read a string differently"), ("auto", "Trainer fills in"),
+                                           (2, r"\(int\); write true or false")])
 def test_a_precision_section_enabled_as_a_string_is_refused_saying_why(value, needle):
-    with pytest.raises(ZeroConfigError, match=rf"bf16.enabled must be a bool, got '{value}'.*{needle}"):
+    with pytest.raises(ZeroConfigError, match=rf"bf16.enabled must be a bool, got {value!r}.*{needle}"):
         ZeroConfig.from_dict({"bf16": {"enabled": value}})
 
 

@@ -29,8 +29,10 @@ the calling rank has registered (torch 2.13 ``_hash_ranks_to_str``). Ranks that 
 of groups (rank 0 alone built an engine over ``new_group([0])``, or an engine over two of four ranks
 came first) gave the same new group different names, and the next engine over all of them hung in
 torch's rendezvous (probe 29C). So the ranks agree on their counts in the same all-reduce, and a rank
-behind makes groups of itself alone (no peer, no rendezvous) until the counts match before the group
-is made.
+behind makes groups of itself alone (no peer, no rendezvous; 3 threads each on gloo, as many as the
+others' lead) until the counts match, whether a kept group is taken or a new one made; hpZ's blocks
+(hpz.py) align the counts again before they are made (`align_group_counts`: without an own group,
+``collective_timeout=0``, nothing else would; review 29Y).
 """
 
 from __future__ import annotations
@@ -85,6 +87,22 @@ def _registered_count() -> int:
     return len(getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", ()))
 
 
+def _pad(n: int, backend: str) -> None:
+    """``n`` groups of this rank alone, so that its count reaches the others' (torch's registry holds
+    them until the exit)."""
+    for _ in range(n):
+        dist.new_group([dist.get_rank()], backend=backend, use_local_synchronization=True)
+
+
+def align_group_counts(group: Any, backend: str, device: torch.device) -> None:
+    """Every rank of ``group`` at the same count of registered groups before they make local groups
+    (see the Note). A collective over ``group``."""
+    count = _registered_count()
+    most = torch.tensor([count], device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    _pad(int(most.item()) - count, backend)
+
+
 def own_group(group: Any, timeout_s: float, backend: str, device: torch.device, comm: Any) -> tuple[Any, int]:
     """zero3's group over ``group``'s ranks with ``timeout_s`` for the communicator ``comm``, kept or
     made (see the Note), and how many communicators ran on it before (its failure reports go under
@@ -95,14 +113,13 @@ def own_group(group: Any, timeout_s: float, backend: str, device: torch.device, 
     if any(k.users for k in kept):
         gc.collect()  # communicators of dropped engines left in reference cycles
     count = _registered_count()
-    flags = torch.tensor([int(k.free()) for k in kept] + [1, count, -count], device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)  # the first group free everywhere; the counts
-    *free, _, most = flags.tolist()
+    flags = torch.tensor([int(k.free()) for k in kept] + [1, -count], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)  # the first group free everywhere; the most groups
+    *free, most = flags.tolist()
     pick = int(free.index(1))
+    _pad(-most - count, backend)  # also when a kept group is taken: the next local group is named by the count
     made = None  # held here until the communicator holds it
     if pick == len(kept):
-        for _ in range(-most - count):  # torch's registry holds them until the exit
-            dist.new_group([dist.get_rank()], backend=backend, use_local_synchronization=True)
         made = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s), backend=backend,
                               use_local_synchronization=True)
         kept.append(_Kept(weakref.ref(made)))

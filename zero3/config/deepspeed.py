@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from .fields import KnobValues, check_ignored, did_you_mean, unknown_key_message
-from .flat import FLAT_NAMES, check_flat, coerce_flat
+from .flat import FLAT_NAMES, coerce_flat
 from .sections import OFFLOAD_SECTION_KEYS, OffloadConfig
 from ..errors import ZeroConfigError
 
@@ -40,12 +40,13 @@ ZERO_KEYS = {
 GATHER_16BIT = "stage3_gather_16bit_weights_on_model_save"  # a boolean read as DeepSpeed reads it (below)
 GATHER_16BIT_OLD = "stage3_gather_fp16_weights_on_model_save"  # DeepSpeed's older name, still read there
 # DeepSpeed's deprecated offload booleans, read there as {"device": "cpu"} sections when true.
-CPU_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_params": "offload_param"}
+CPU_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
 # DeepSpeed keys we understand but that change nothing here (logged, not an error).
 ZERO_IGNORED = {
     "contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients",
     "log_trace_cache_warnings", "elastic_checkpoint", "ignore_unused_parameters", "load_from_fp32_weights",
     "memory_efficient_linear",  # DeepSpeed's Init patches F.linear to save its inputs lean; zero3.Init has no patch
+    "cpu_offload_use_pin_memory",  # deprecated in DeepSpeed, and read there by nothing
 }
 TOP_LEVEL = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -169,13 +170,17 @@ def _enabled(section: str, value: Any) -> bool:
     if not isinstance(value, dict):
         raise ZeroConfigError(f"{section} must be a dict such as {{'enabled': true}}, got {value!r}")
     enabled = value.get("enabled", False)
-    if type(enabled) is int and enabled in (0, 1):  # DeepSpeed reads it raw: 1 is on there
+    if enabled is None or (type(enabled) is int and enabled in (0, 1)):  # DeepSpeed: None is off, 1 on
         return bool(enabled)
     if not isinstance(enabled, bool):
-        hint = ("'auto' is what Hugging Face's Trainer fills in before DeepSpeed reads the config: replace it by true "
-                "or false" if enabled == "auto" else "DeepSpeed reads it raw, so a string such as \"false\" would be "
-                "on there: write true or false")
-        raise ZeroConfigError(f"{section}.enabled must be a bool, got {enabled!r} ({type(enabled).__name__}); {hint}")
+        if enabled == "auto":
+            hint = "'auto' is what Hugging Face's Trainer fills in before DeepSpeed reads the config: replace it"
+        elif isinstance(enabled, str):
+            hint = "DeepSpeed versions read a string differently (older ones take \"false\" as on): write"
+        else:
+            hint = "write"
+        raise ZeroConfigError(f"{section}.enabled must be a bool, got {enabled!r} ({type(enabled).__name__}); "
+                              f"{hint} true or false (0 or 1 pass too)")
     return enabled
 
 
@@ -186,7 +191,7 @@ def _section(section: str, value: dict[str, Any], mapped: dict[str, str], ignore
         if key == "enabled":
             continue
         if key in mapped:
-            out[key] = _checked(mapped[key], v, f"{section}.{key}")
+            out[key] = coerce_flat(mapped[key], v)
         elif key in ignored:
             check_ignored(f"{section}.{key}", key, v)
             if key in _REFUSED_WHEN_ON and v not in (False, None, 0):
@@ -231,7 +236,7 @@ def _aio(value: Any, out: KnobValues) -> None:
         raise ZeroConfigError(f"aio must be a dict such as {{'thread_count': 1}}, got {value!r}")
     for key, v in value.items():
         if key == "thread_count":
-            out.set("aio_thread_count", _checked("aio_thread_count", v, "aio.thread_count"), "aio.thread_count")
+            out.set("aio_thread_count", coerce_flat("aio_thread_count", v), "aio.thread_count")
         elif key == "use_gds":
             if v:
                 raise ZeroConfigError("aio.use_gds (GPUDirect Storage) is not supported by zero3; swap files "
@@ -262,6 +267,10 @@ def _zero_optimization(zero: Any, out: KnobValues) -> None:
     stage = zero.get("stage", 3)
     if type(stage) is not int or stage != 3:
         raise ZeroConfigError(f"zero_optimization.stage must be 3 (zero3 implements stage 3 only), got {stage!r}")
+    for old, new in CPU_OFFLOAD.items():
+        if old in zero and new in zero:  # DeepSpeed refuses the pair too, whatever the values
+            raise ZeroConfigError(f"zero_optimization.{old} (DeepSpeed's deprecated name) and zero_optimization.{new} "
+                                  f"are both given; keep {new} only")
     for key, value in zero.items():
         spelled = f"zero_optimization.{key}"
         if key == "stage":
@@ -270,7 +279,7 @@ def _zero_optimization(zero: Any, out: KnobValues) -> None:
             if value == "auto":  # DeepSpeed's config model drops "auto" (OpenRLHF passes it on): the default
                 logger.info("zero3: %s is 'auto': zero3's default, as DeepSpeed takes its own", spelled)
                 continue
-            out.set(ZERO_KEYS[key], _checked(ZERO_KEYS[key], value, spelled), spelled)
+            out.set(ZERO_KEYS[key], coerce_flat(ZERO_KEYS[key], value), spelled)
         elif key in (GATHER_16BIT, GATHER_16BIT_OLD):  # 0/1, "yes"/"off" too; None or "auto": the default
             check_ignored(spelled, GATHER_16BIT, value)
             if value is not None and value != "auto":
@@ -300,15 +309,23 @@ def _zero_optimization(zero: Any, out: KnobValues) -> None:
                                   + "; zero3's own knob names are read here too")
 
 
-def _checked(knob: str, value: Any, spelled: str) -> Any:
-    """``value`` as knob ``knob``'s type, refused under the name the config gave it (``spelled``)."""
-    value = coerce_flat(knob, value)
-    check_flat(knob, value, spelled)
-    return value
+def as_written(exc: ZeroConfigError, spelled: dict[str, str]) -> ZeroConfigError:
+    """``exc`` (a section's error, which names zero3's flat knob) naming the key as the config wrote
+    it (``zero_optimization.stage3_prefetch_bucket_size``; probe 29B)."""
+    msg = str(exc)
+    for knob, key in spelled.items():
+        if key != knob and msg.startswith(knob + " "):
+            return type(exc)(key + msg[len(knob):])
+    return exc
 
 
 def translate(d: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments of ``ZeroConfig(...)`` that the DeepSpeed config ``d`` means."""
+    return translate_spelled(d)[0]
+
+
+def translate_spelled(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """`translate`, and how the config spelled each knob it sets (for `as_written`)."""
     out = KnobValues()
     _precision(d, out)
     for key, value in d.items():
@@ -342,7 +359,7 @@ def translate(d: dict[str, Any]) -> dict[str, Any]:
                                   + "; zero3's own knob names are read here too")
     _zero_optimization(d.get("zero_optimization", {}), out)
     _check_disabled_sections(d, d.get("dtype", (d.get("zero_optimization") or {}).get("dtype")))
-    return out.values
+    return out.values, out.spelled
 
 
 def _check_disabled_sections(d: dict[str, Any], dtype: Any) -> None:

@@ -119,9 +119,11 @@ _IGNORED_BOOLS = {
     "ignore_unused_parameters", "load_from_fp32_weights", "fast_init", "pipeline_read", "pipeline_write",
     "pipeline", "auto_cast", "fp16_master_weights_and_grads", "immediate_grad_update", "check_grad_overflow",
     "bf16_master_weights_and_grads", "bf16_optimizer_states", "prescale_gradients", "zero_allow_untested_optimizer",
-    "memory_efficient_linear", "zero_force_ds_cpu_optimizer", "cpu_offload", "cpu_offload_params",
+    "memory_efficient_linear", "zero_force_ds_cpu_optimizer", "cpu_offload", "cpu_offload_param",
+    "cpu_offload_use_pin_memory",
 }
-_READ_BOOLS = {"stage3_gather_16bit_weights_on_model_save", "zero_allow_untested_optimizer"}  # checked so, and read
+_READ_BOOLS = {"stage3_gather_16bit_weights_on_model_save", "zero_allow_untested_optimizer", "cpu_offload",
+               "cpu_offload_param"}  # checked so, and read
 _LAX_BOOL_WORDS = {"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"}
 
 
@@ -154,11 +156,11 @@ class KnobValues:
 
     def __init__(self) -> None:
         self.values: dict[str, Any] = {}
-        self._spelled: dict[str, str] = {}
+        self.spelled: dict[str, str] = {}  # knob -> its first spelling
 
     def set(self, knob: str, value: Any, spelled: str) -> None:
         if knob in self.values and self.values[knob] != value:
-            raise ZeroConfigError(f"{knob} is given twice with different values: as {self._spelled[knob]} "
+            raise ZeroConfigError(f"{knob} is given twice with different values: as {self.spelled[knob]} "
                                   f"({self.values[knob]!r}) and as {spelled} ({value!r}); keep one of them")
         self.values[knob] = value
-        self._spelled.setdefault(knob, spelled)
+        self.spelled.setdefault(knob, spelled)

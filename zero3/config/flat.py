@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from .fields import check_value, coerce, field_types
+from .fields import coerce, field_types
 from .sections import BudgetConfig, CommConfig, OffloadConfig, PrecisionConfig
 from .training import TrainingConfig
 
@@ -29,14 +29,6 @@ def coerce_flat(name: str, value: Any) -> Any:
     if section is None:
         return value
     return coerce(field_types(SECTIONS[section])[name], value)
-
-
-def check_flat(name: str, value: Any, spelled: str) -> None:
-    """`fields.check_value` of knob ``name``'s type, its error naming ``spelled`` (the key as the
-    config wrote it, ``zero_optimization.stage3_prefetch_bucket_size``)."""
-    section = SECTION_OF.get(name)
-    if section is not None:
-        check_value(spelled, field_types(SECTIONS[section])[name], value)
 
 
 def group_by_section(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -195,12 +195,14 @@ class TrainingConfig:
             object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
         object.__setattr__(self, "optimizer", _spec("optimizer", self.optimizer, OptimizerSpec))
         object.__setattr__(self, "scheduler", _spec("scheduler", self.scheduler, SchedulerSpec))
-        check_fields(self)
-        for name in ("gradient_accumulation_steps", "steps_per_print", "train_batch_size",
-                     "train_micro_batch_size_per_gpu"):
+        counts = ("gradient_accumulation_steps", "steps_per_print", "train_batch_size", "train_micro_batch_size_per_gpu")
+        for name in counts:  # before check_fields, whose ">= 0" for -1 contradicted ">= 1" for 0
             value = getattr(self, name)
-            if value is not None and value < 1:
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
                 raise ZeroConfigError(f"{name} must be >= 1, got {value!r}")
+        check_fields(self)
+        for name in counts:
+            value = getattr(self, name)
             if value is not None and value > _MAX_COUNT and name != "steps_per_print":  # a huge one is a typo,
                 # which overflowed later; steps_per_print huge is DeepSpeed's way to print never (1e12)
                 raise ZeroConfigError(f"{name} must be at most {_MAX_COUNT}, got {value!r}")

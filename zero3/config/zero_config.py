@@ -86,7 +86,11 @@ class ZeroConfig:
         if not isinstance(d, dict):
             raise ZeroConfigError(f"config must be a dict, got {type(d).__name__}")
         if deepspeed_config.is_deepspeed_dict(d):
-            return cls(**deepspeed_config.translate(d))
+            values, spelled = deepspeed_config.translate_spelled(d)
+            try:
+                return cls(**values)
+            except ZeroConfigError as exc:
+                raise deepspeed_config.as_written(exc, spelled) from exc.__cause__
         out = KnobValues()
         for key, value in d.items():
             if key in OFFLOAD_SECTION_KEYS and isinstance(value, dict):  # DeepSpeed's {device, ...} form

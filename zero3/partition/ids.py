@@ -7,7 +7,10 @@ gave the same parameter different ids on ranks that had partitioned different nu
 before (rank 0 alone built an engine over ``new_group([0])``), and the next engine's first reduction
 raised ``ZeroDivergenceError`` though every rank ran the same step (probe 29C). So `zero3.Init` and
 `zero3.initialize` first move every rank of their group to the highest next id among them
-(`skip_to`, runtime/init.py `align_ids`); ids then follow the same build on every rank."""
+(`skip_to`, runtime/context.py `align_ids`); ids then follow the same build on every rank of the group.
+Not across a nested block over a subgroup whose subgroups build different models (review 29Y): the
+outer block's later parameters then differ in id, and their first collective raises
+``ZeroDivergenceError``; docs/api.md says to build such models outside the outer block."""
 
 from __future__ import annotations
 

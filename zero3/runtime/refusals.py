@@ -6,11 +6,14 @@ parameter's memory, and a parameter layout that gathers would drop (``channels_l
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from ..errors import ConcurrentForwardError, ZeroConfigError, ZeroStateError
 from ..partition.param import ZeroParameter
@@ -92,25 +95,25 @@ def refuse_unshardable_embeddings(model: nn.Module) -> None:
                 "zero3.GatheredParameters(..., modifier_rank=0)); zero3.initialize changed nothing")
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes of its storage ``t`` can reach (empty for no elements)."""
+def _span(t: torch.Tensor) -> tuple[float, float]:
+    """The bytes of its storage ``t`` can reach (empty for no elements). A partitioned parameter's
+    storage is empty while it is released (its data is in its shards), so any other tensor with
+    elements on it is a view of it: the whole storage."""
     if t.numel() == 0:
         return 0, 0
+    if t.untyped_storage().nbytes() == 0:
+        return 0, math.inf
     start = t.storage_offset() * t.element_size()
     reach = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
     return start, start + reach * t.element_size()
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` may share an element. A partitioned parameter's storage is empty while
-    it is released (its data is in its shards), so any other tensor with elements on it is a view of it."""
-    storage = a.untyped_storage()
-    if storage._cdata != b.untyped_storage()._cdata or a.numel() == 0 or b.numel() == 0:
+    """Whether ``a`` and ``b`` may share an element (their byte spans on one storage meet)."""
+    if _storage_key(a) is None or _storage_key(a) != _storage_key(b):
         return False
-    if storage.nbytes() == 0:
-        return True
-    (s, e), (s2, e2) = _byte_span(a), _byte_span(b)
-    return s < e2 and s2 < e
+    (s, e), (s2, e2) = _span(a), _span(b)
+    return s < e and s2 < e2 and s < e2 and s2 < e
 
 
 def refuse_shared_storage(model: nn.Module) -> None:
@@ -119,34 +122,58 @@ def refuse_shared_storage(model: nn.Module) -> None:
     of its own and frees the full one, so two overlapping parameters would train apart (torch moves both
     with either's step), and a tensor attribute kept as a view (``self.rows = self.lin.weight[:2]``)
     would keep the first values, or, built under ``Init``, read freed memory (probe 29A). Parameters
-    that only sit side by side in one tensor (``base[:6]``, ``base[6:]``) share no element and pass."""
-    params: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    that only sit side by side in one tensor (``base[:6]``, ``base[6:]``: a flat buffer's views) share no
+    element and pass. One sort per storage: thousands of views of one flat buffer cost milliseconds."""
+    spans: dict[int, list[tuple[float, float, str, torch.Tensor]]] = {}
     seen: set[int] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            continue  # the same Parameter under two names: a tie zero3 keeps as one
+        if id(p) in seen or p.numel() == 0:
+            continue  # the same Parameter under two names is a tie zero3 keeps as one
         seen.add(id(p))
-        key = p.untyped_storage()._cdata
-        for other, q in params.get(key, ()):
-            if not (isinstance(p, ZeroParameter) and isinstance(q, ZeroParameter)) and _overlap(p, q):
+        key = _storage_key(p)
+        if key is not None:
+            spans.setdefault(key, []).append((*_span(p), name, p))
+    for items in spans.values():
+        items.sort(key=lambda item: item[0])
+        widest = items[0]
+        for item in items[1:]:
+            if item[0] < widest[1] and not (isinstance(item[3], ZeroParameter) and isinstance(widest[3], ZeroParameter)):
                 raise ZeroConfigError(
-                    f"parameters {other} and {name} share memory (one is a view of the other, or both of one "
-                    "tensor): zero3 gives each parameter its own shards, so they would train apart where torch "
+                    f"parameters {widest[2]} and {item[2]} share memory (one is a view of the other, or both of "
+                    "one tensor): zero3 gives each parameter its own shards, so they would train apart where torch "
                     "moves both. Tie them as one Parameter (module.b.weight = module.a.weight), or give each its "
                     "own tensor (.clone()); zero3.initialize changed nothing")
-        params.setdefault(key, []).append((name, p))
+            if item[1] > widest[1]:
+                widest = item
     for mname, m in model.named_modules():
-        found = [(a, t) for a, t in vars(m).items() if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
-        found += [(a, t) for a, t in m._buffers.items() if t is not None]
-        for attr, t in found:
-            for name, p in params.get(t.untyped_storage()._cdata, ()):
-                if _overlap(t, p):
-                    raise ZeroConfigError(
-                        f"tensor attribute {f'{mname}.{attr}' if mname else attr} shares memory with parameter {name} (a "
-                        "view of it, or its .data): zero3 partitions the parameter into shards and frees its full "
-                        "data, so the tensor would keep stale values or read freed memory. Compute it from the "
-                        f"parameter inside forward (a property returning a view of {name}), or keep a .clone(); "
-                        "zero3.initialize changed nothing")
+        # torch's old spectral_norm keeps weight_orig's .data as the attribute `weight`, and its forward
+        # pre-hook sets it anew before every use: never stale (as the old weight_norm's, a new tensor)
+        redone = {h.name for h in m._forward_pre_hooks.values() if isinstance(h, (SpectralNorm, WeightNorm))}
+        found = [("tensor attribute", a, t) for a, t in vars(m).items()
+                 if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and a not in redone]
+        found += [("buffer", a, t) for a, t in m._buffers.items() if t is not None]
+        for kind, attr, t in found:
+            key = _storage_key(t)
+            items = spans.get(key, ()) if key is not None and t.numel() else ()
+            start, end = _span(t) if items else (0, 0)
+            hit = next((item for item in items if item[0] < end and start < item[1]), None)
+            if hit is not None:
+                raise ZeroConfigError(
+                    f"{kind} {f'{mname}.{attr}' if mname else attr} shares memory with parameter {hit[2]} (one is a "
+                    "view of the other, or its .data): zero3 partitions the parameter into shards and frees its "
+                    "full data, so the tensor would keep stale values or read freed memory. Compute it from the "
+                    f"parameter inside forward (a property returning a view of {hit[2]}), or keep a .clone(); "
+                    "zero3.initialize changed nothing")
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """Its storage's identity, or None for a tensor without one (sparse, mkldnn): no parameter's view."""
+    if t.layout is not torch.strided:
+        return None
+    try:
+        return t.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):
+        return None
 
 
 def refuse_memory_format(model: nn.Module) -> None:
@@ -160,10 +187,11 @@ def refuse_memory_format(model: nn.Module) -> None:
         fmt = torch.channels_last if p.dim() == 4 else torch.channels_last_3d
         if p.is_contiguous(memory_format=fmt):
             raise ZeroConfigError(
-                f"parameter {name} is in {fmt} layout: zero3 gathers every parameter "
-                "contiguous, so that layout would be dropped. Convert the inputs only (x.to(memory_format="
-                f"{fmt})): torch's convolutions follow their input's layout. Or call "
-                "model.to(memory_format=torch.contiguous_format) before zero3.initialize; zero3.initialize changed nothing")
+                f"parameter {name} is in {fmt} layout (its strides are {fmt}'s, as model.to(memory_format={fmt}) "
+                "makes them): zero3 gathers every parameter contiguous, so that layout would be dropped. Make it "
+                "contiguous before zero3.initialize (model.to(memory_format=torch.contiguous_format), or "
+                f"p.data = p.data.contiguous()); for a convolution, convert its inputs instead (x.to(memory_format={fmt})): "
+                "torch's convolutions follow their input's layout. zero3.initialize changed nothing")
 
 
 def complex_refusal(name: str, tail: str = "nothing was partitioned") -> ZeroConfigError:
