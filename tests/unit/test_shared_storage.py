@@ -7,7 +7,6 @@ under Init), and a channels_last model came back contiguous from every gather wi
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import given, settings
