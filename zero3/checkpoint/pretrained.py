@@ -29,7 +29,7 @@ from torch import nn
 from .safetensors import SafetensorsHeader, read_safetensors_header, read_tensor_range
 from .exchange import exchange
 from .layout import EXTRA_STATE_KEY, extra_state_modules, state_tensors
-from .load_hooks import run_post_hooks, run_pre_hooks
+from .load_hooks import warn_skipped_hooks
 from ..runtime.context import RuntimeContext
 from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                       ZeroStateError)
@@ -258,7 +258,6 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
     params = [p for p in module.parameters() if isinstance(p, ZeroParameter)]
     owner = engine if engine is not None else (params[0]._zero.ctx if params else None)
     source: _Source | None = None
-    hooked = False
     result: LoadResult | None = None
     plan: list[tuple[str, torch.Tensor | ZeroParameter | nn.Module]] = []
     error: BaseException | None = None
@@ -266,10 +265,9 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
         if params and hasattr(params[0]._zero.ctx, "require_states"):
             params[0]._zero.ctx.require_states("pretrained.load_state_dict", ("lp_params", "hp_params"))
             params[0]._zero.ctx.coordinator.refresh_persistent(gather=False)  # engine.generation()'s kept copies go
-        # The model's own load hooks run for a caller's dict or file, as torch's load_state_dict runs them;
-        # zero3.from_pretrained hands an opened source, loading as transformers does (without them).
-        hooked = not isinstance(state_dict_or_path, _Source)
-        source = open_source(run_pre_hooks(module, state_dict_or_path, strict) if hooked else state_dict_or_path)
+        if not isinstance(state_dict_or_path, _Source):  # zero3.from_pretrained's: transformers' loader runs none
+            warn_skipped_hooks(module)
+        source = open_source(state_dict_or_path)
         result, plan = _plan(module, source, strict)
     except Exception as exc:  # noqa: BLE001 - agreed across ranks below
         error = exc
@@ -293,8 +291,6 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
     finally:
         if source is not None:
             source.close()
-    if hooked:
-        run_post_hooks(module, result.missing_keys, result.unexpected_keys)
     return result
 
 
