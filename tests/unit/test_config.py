@@ -205,7 +205,7 @@ def test_unknown_top_level_deepspeed_key_is_named_and_suggested():
     ("param_persistence_threshold", -5.0, r"param_persistence_threshold must be >= 0, got -5"),
     ("overlap_comm", 1, r"overlap_comm must be a bool, got 1 \(int\)"),
     ("overlap_comm", "yes", r"overlap_comm must be a bool, got 'yes' \(str\)"),
-    ("max_live_bytes", -1, r"max_live_bytes must be None or an int >= 0, got -1"),
+    ("max_live_bytes", -1, r"max_live_bytes must be >= 0, got -1"),
     ("max_live_bytes", "big", r"max_live_bytes must be None or an int >= 0, got 'big'"),
     ("reduce_scatter_impl", "ring", r"reduce_scatter_impl must be one of .*got 'ring'"),
     ("max_traces", 0, r"max_traces must be >= 1, got 0"),
@@ -225,7 +225,7 @@ def test_invalid_value_inside_deepspeed_dict_names_the_key_as_written():
     with pytest.raises(ValueError, match=r"zero_optimization.stage3_prefetch_bucket_size must be an int >= 0, "
                                          r"got 'big' \(str\)"):
         ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "big"}})
-    with pytest.raises(ValueError, match=r"fp16.loss_scale_window must be an int >= 0, got 'x'"):
+    with pytest.raises(ValueError, match=r"fp16.loss_scale_window must be an int >= 1, got 'x'"):
         ZeroConfig.from_dict({"fp16": {"enabled": True, "loss_scale_window": "x"}})
     for bad in (0, -2):  # one bound, whichever side (review 29X: -1 was ">= 0", 0 ">= 1")
         with pytest.raises(ValueError, match=rf"aio.thread_count must be >= 1, got {bad}"):
@@ -234,6 +234,14 @@ def test_invalid_value_inside_deepspeed_dict_names_the_key_as_written():
             ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "sub_group_size": bad}})
         with pytest.raises(ValueError, match=rf"^steps_per_print must be >= 1, got {bad}"):
             ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "steps_per_print": bad})
+    for bad in ("x", True):  # a wrong type states the same bound (review 29Z1)
+        with pytest.raises(ValueError, match=r"zero_optimization.sub_group_size must be an int >= 1, got"):
+            ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "sub_group_size": bad}})
+        with pytest.raises(ValueError, match=r"^train_batch_size must be None or an int >= 1, got"):
+            ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "train_batch_size": bad})
+    with pytest.raises(ValueError, match=r"train_micro_batch_size_per_gpu must be None or an int >= 1, got 'auto' "
+                                         r"\('auto' is what Hugging Face's Trainer fills in"):
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"})
 
 
 def test_auto_in_a_zero_optimization_knob_takes_the_default_as_deepspeed_drops_it():
@@ -474,7 +482,7 @@ def test_batch_sizes_must_be_positive_ints(key):
     with pytest.raises(ZeroConfigError, match=rf"{key} must be at most 2147483647, got 1{'0' * 30}"):
         ZeroConfig.from_dict({"zero_optimization": {}, key: 10**30})
     assert ZeroConfig.from_dict({"steps_per_print": 10**12}).training.steps_per_print == 10**12  # DeepSpeed's "never"
-    with pytest.raises(ZeroConfigError, match=rf"{key} must be None or an int >= 0, got 'auto'"):
+    with pytest.raises(ZeroConfigError, match=rf"{key} must be None or an int >= 1, got 'auto' \('auto' is what Hugging"):
         ZeroConfig.from_dict({"zero_optimization": {}, key: "auto"})
 
 

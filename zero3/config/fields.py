@@ -39,20 +39,24 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_value(name: str, tp: Any, value: Any) -> None:
-    """Raise `ZeroConfigError` unless ``value`` is of type ``tp``. Counts (``int``) and amounts
-    (``float``) must also be >= 0; tighter bounds are the section's ``__post_init__``'s job."""
+_AUTO_HINT = " ('auto' is what Hugging Face's Trainer fills in before DeepSpeed reads the config: give the value)"
+
+
+def check_value(name: str, tp: Any, value: Any, least: int = 0) -> None:
+    """Raise `ZeroConfigError` unless ``value`` is of type ``tp``. Counts (``int``) must also be >=
+    ``least`` (its section's bound, so every message about one knob states the same one), amounts
+    (``float``) >= 0; other bounds are the section's ``__post_init__``'s job."""
     inner, optional = _split_optional(tp)
     if optional and value is None:
         return
+    hint = _AUTO_HINT if value == "auto" else ""
     if inner is int:
-        if optional:
-            if not _is_int(value) or value < 0:
-                raise ZeroConfigError(f"{name} must be None or an int >= 0, got {value!r}")
-        elif not _is_int(value):
-            raise ZeroConfigError(f"{name} must be an int >= 0, got {value!r} ({type(value).__name__})")
-        elif value < 0:
-            raise ZeroConfigError(f"{name} must be >= 0, got {value!r}")
+        if optional and not _is_int(value):
+            raise ZeroConfigError(f"{name} must be None or an int >= {least}, got {value!r}{hint}")
+        if not _is_int(value):
+            raise ZeroConfigError(f"{name} must be an int >= {least}, got {value!r} ({type(value).__name__}){hint}")
+        elif value < least:
+            raise ZeroConfigError(f"{name} must be >= {least}, got {value!r}")
     elif inner is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ZeroConfigError(f"{name} must be a finite number >= 0, got {value!r} ({type(value).__name__})")
@@ -79,13 +83,15 @@ def check_value(name: str, tp: Any, value: Any) -> None:
         raise ZeroConfigError(f"{name} must be {allowed}, got {value!r}")
 
 
-def check_fields(obj: Any, prefix: str = "", skip: frozenset[str] = frozenset()) -> None:
-    """`check_value` on every field of the dataclass ``obj`` except ``skip`` (checked by the caller).
-    ``prefix`` goes before each name in messages (``activation_checkpointing.``)."""
+def check_fields(obj: Any, prefix: str = "", skip: frozenset[str] = frozenset(), least: int = 1,
+                 counts: tuple[str, ...] = ()) -> None:
+    """`check_value` on every field of the dataclass ``obj`` except ``skip`` (checked by the caller);
+    the ``counts`` must be at least ``least``, other ints >= 0. ``prefix`` goes before each name in
+    messages (``activation_checkpointing.``)."""
     types_ = field_types(type(obj))
     for f in fields(obj):
         if f.name not in skip:
-            check_value(prefix + f.name, types_[f.name], getattr(obj, f.name))
+            check_value(prefix + f.name, types_[f.name], getattr(obj, f.name), least if f.name in counts else 0)
 
 
 def coerce(tp: Any, value: Any) -> Any:

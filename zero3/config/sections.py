@@ -46,15 +46,6 @@ def warn_once(message: str) -> None:
         logger.warning(message)
 
 
-def _at_least(section: Any, bound: int, *names: str) -> None:
-    """Counts below ``bound``, refused before `check_fields` so that -1 and 0 get the same message
-    (its ">= 0" for -1 contradicted this ">= 1" for 0); other types are `check_fields`'s to refuse."""
-    for name in names:
-        value = getattr(section, name)
-        if isinstance(value, int) and not isinstance(value, bool) and value < bound:
-            raise ZeroConfigError(f"{name} must be >= {bound}, got {value!r}")
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BudgetConfig:
     """How much the coordinator may keep gathered, prefetch and remember (docs/config.md)."""
@@ -95,8 +86,7 @@ class BudgetConfig:
     None (the default): the knobs as set. Refused together with any of them set (docs/config.md)."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "max_traces")
-        check_fields(self, skip=frozenset({"memory_budget"}))
+        check_fields(self, skip=frozenset({"memory_budget"}), counts=("max_traces",))
         if self.max_live_bytes is None:  # the byte knobs count only when the plan is in bytes
             for name, numel in (("prefetch_bucket_bytes", "prefetch_bucket_size"),
                                 ("max_reuse_distance_bytes", "max_reuse_distance")):
@@ -186,8 +176,7 @@ class CommConfig:
     docs/multinode.md."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "quantization_block_size")
-        check_fields(self, skip=frozenset({"zero_hpz_partition_size"}))  # -1 is allowed: checked here
+        check_fields(self, skip=frozenset({"zero_hpz_partition_size"}), counts=("quantization_block_size",))  # -1 is allowed: checked here
         hpz = self.zero_hpz_partition_size
         if isinstance(hpz, bool) or not isinstance(hpz, int) or not (hpz == -1 or hpz >= 1):
             raise ZeroConfigError(f"zero_hpz_partition_size must be an int >= 1 (1: off) or -1 (the ranks per node), "
@@ -242,8 +231,7 @@ class PrecisionConfig:
     """fp16: the dynamic loss scale never drops below this."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "loss_scale_window", "hysteresis")
-        check_fields(self)
+        check_fields(self, counts=("loss_scale_window", "hysteresis"))
         if self.min_loss_scale <= 0:
             raise ZeroConfigError(f"min_loss_scale must be > 0, got {self.min_loss_scale!r}")
         # the loss is multiplied by the scale in fp32: a scale past fp32's range makes every gradient inf,
@@ -366,9 +354,8 @@ class OffloadConfig:
     outside the GIL, so reads overlap compute even with one."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "offload_param_buffer_count", "offload_param_buffer_size", "sub_group_size",
-                  "aio_thread_count")
-        check_fields(self)
+        check_fields(self, counts=("offload_param_buffer_count", "offload_param_buffer_size", "sub_group_size",
+                                   "aio_thread_count"))
         if not self.offload_optimizer_staged_step and self.offload_optimizer != "nvme":
             raise ZeroConfigError(
                 f"offload_optimizer_staged_step=False only applies with offload_optimizer='nvme' (got "

@@ -196,11 +196,7 @@ class TrainingConfig:
         object.__setattr__(self, "optimizer", _spec("optimizer", self.optimizer, OptimizerSpec))
         object.__setattr__(self, "scheduler", _spec("scheduler", self.scheduler, SchedulerSpec))
         counts = ("gradient_accumulation_steps", "steps_per_print", "train_batch_size", "train_micro_batch_size_per_gpu")
-        for name in counts:  # before check_fields, whose ">= 0" for -1 contradicted ">= 1" for 0
-            value = getattr(self, name)
-            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-                raise ZeroConfigError(f"{name} must be >= 1, got {value!r}")
-        check_fields(self)
+        check_fields(self, counts=counts)  # one bound per knob in every message (review 29X: -1 said >= 0, 0 >= 1)
         for name in counts:
             value = getattr(self, name)
             if value is not None and value > _MAX_COUNT and name != "steps_per_print":  # a huge one is a typo,
