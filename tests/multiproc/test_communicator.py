@@ -193,97 +193,90 @@ class _Bomb(torch.nn.Module):
         return x
 
 
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def _train_two_steps(engine: zero3.Engine, x: torch.Tensor) -> list[float]:
+    """Two SGD steps on this rank's two rows of ``x``; the first weight's first 8 values after."""
+    rank = dist.get_rank()
+    for _ in range(2):
+        engine.backward(engine(x[2 * rank:2 * rank + 2]).square().mean())
+        engine.step()
+    return [float(v) for v in zero3.safe_get_full_fp32_param(engine.module[0].weight).reshape(-1)[:8]]
+
+
+def _reference(world: int) -> torch.Tensor:
+    """What `_train_two_steps` gives in one process on the whole batch."""
+    ref = _mlp()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(2 * world, 16, generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        opt.step()
+    return ref[0].weight.detach().reshape(-1)[:8]
+
+
 def engine_over_all_after_one_over_some(init: bool) -> list[float]:
     """Rank 0 alone builds and trains an engine over ``new_group([0])``; then both ranks build one over
     the world. torch names the world engine's own group after how many groups each rank registered,
     which differed, and the second initialize hung in torch's rendezvous (probe 29C)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     alone = dist.new_group([0])
-
-    def mlp() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-
     x = torch.randn(2 * world, 16, generator=torch.Generator().manual_seed(3))
-    if rank == 0:
-        model = mlp()
+    if dist.get_rank() == 0:
+        model = _mlp()
         engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"collective_timeout": 30},
                                   group=alone)
         engine.backward(engine(x).square().mean())
         engine.step()
     if init:
         with zero3.Init():
-            model = mlp()
+            model = _mlp()
     else:
-        model = mlp()
+        model = _mlp()
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                               {"collective_timeout": 30, "param_persistence_threshold": 0})
-    for _ in range(2):
-        engine.backward(engine(x[2 * rank:2 * rank + 2]).square().mean())
-        engine.step()
-    return [float(v) for v in zero3.safe_get_full_fp32_param(model[0].weight).reshape(-1)[:8]]
+    return _train_two_steps(engine, x)
 
 
 @pytest.mark.parametrize("init", [False, True])
 def test_an_engine_over_every_rank_after_one_over_some_of_them_builds_and_trains(pools, init):
-    torch.manual_seed(0)
-    ref = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
-    for _ in range(2):
-        opt.zero_grad()
-        ref(x).square().mean().backward()
-        opt.step()
-    want = ref[0].weight.detach().reshape(-1)[:8]
+    want = _reference(2)
     for got in pools.get(2).run(engine_over_all_after_one_over_some, init):
         torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-7)
 
 
 def hpz_engine_after_one_over_some(timeout: int) -> list[float]:
     """An engine over every rank, dropped (its own group is kept and taken again), then rank 0 alone
-    trains one over ``new_group([0])``, then an hpZ engine over every rank: the hpZ blocks' groups were
+    builds one over ``new_group([0])``, then an hpZ engine over every rank: the hpZ blocks' groups were
     named after counts that differed, and torch's rendezvous timed out or, with ``collective_timeout``
     0 (no own group), hung (review 29Y)."""
     import gc
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    def mlp() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-
-    x = torch.randn(2 * world, 16, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(2 * dist.get_world_size(), 16, generator=torch.Generator().manual_seed(3))
     cfg = {"collective_timeout": timeout, "param_persistence_threshold": 0}
-    model = mlp()
+    model = _mlp()
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
     engine.remove_hooks()
     del engine, model
     gc.collect()
     alone = dist.new_group([0])
-    if rank == 0:
-        model = mlp()
+    if dist.get_rank() == 0:
+        model = _mlp()
         zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg, group=alone).remove_hooks()
         del model
         gc.collect()
-    model = mlp()
+    model = _mlp()
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {**cfg, "zero_hpz_partition_size": 2})
-    for _ in range(2):
-        engine.backward(engine(x[2 * rank:2 * rank + 2]).square().mean())
-        engine.step()
-    return [float(v) for v in zero3.safe_get_full_fp32_param(model[0].weight).reshape(-1)[:8]]
+    return _train_two_steps(engine, x)
 
 
 @pytest.mark.parametrize("timeout", [30, 0])
 def test_an_hpz_engine_after_engines_over_some_ranks_builds_and_trains(pools, timeout):
-    torch.manual_seed(0)
-    ref = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
-    for _ in range(2):
-        opt.zero_grad()
-        ref(x).square().mean().backward()
-        opt.step()
-    want = ref[0].weight.detach().reshape(-1)[:8]
+    want = _reference(4)
     for got in pools.get(4).run(hpz_engine_after_one_over_some, timeout, timeout=120):
         torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-7)
 
