@@ -239,6 +239,14 @@ def test_invalid_value_inside_deepspeed_dict_names_the_key_as_written():
             ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "sub_group_size": bad}})
         with pytest.raises(ValueError, match=r"^train_batch_size must be None or an int >= 1, got"):
             ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "train_batch_size": bad})
+    with pytest.raises(ValueError, match=r"^max_traces must be an int >= 1, got 'auto' \(str\)$"):  # no Trainer here
+        ZeroConfig.from_dict({"max_traces": "auto"})
+    with pytest.raises(ValueError, match=r"gradient_clipping must be a finite number >= 0, got 'auto' \(str\) "
+                                         r"\('auto' is what"):
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "gradient_clipping": "auto"})
+    np = pytest.importorskip("numpy")  # review 29Z2: comparing an array with "auto" raised numpy's ambiguity error
+    with pytest.raises(ZeroConfigError, match=r"train_batch_size must be None or an int >= 1, got array"):
+        ZeroConfig(train_batch_size=np.array([8, 8]))
     with pytest.raises(ValueError, match=r"train_micro_batch_size_per_gpu must be None or an int >= 1, got 'auto' "
                                          r"\('auto' is what Hugging Face's Trainer fills in"):
         ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"})

@@ -43,7 +43,36 @@ def test_a_users_hook_is_not_run_and_is_named_once(caplog):
         zero3.pretrained.load_state_dict(model, _legacy_state_dict(), strict=False)
     assert result.missing_keys == ["0.weight", "0.bias"] and result.unexpected_keys == ["fc1.weight", "fc1.bias"]
     said = [r.getMessage() for r in caplog.records if "does not run load_state_dict hooks" in r.getMessage()]
-    assert len(said) == 1 and "_Legacy._rename on the model (_Legacy) is skipped" in said[0], said
+    assert len(said) == 1 and "the pre-hook _Legacy._rename on the model (_Legacy) is skipped" in said[0], said
+
+
+class _NoRepr:
+    """A hook object whose repr raises: naming it must not fail the load (review 29Z2)."""
+
+    def __call__(self, *args):
+        pass
+
+    def __repr__(self):
+        raise RuntimeError("repr not available")
+
+
+def test_torchs_checkpoint_wrapper_hook_and_an_odd_hook_object_are_named_and_loads_go_on(caplog):
+    """checkpoint_wrapper's pre-hook adds its prefix back to the keys torch's state_dict strips: not
+    run, so its keys are missing and unexpected; it was skipped without a word (review 29Z2)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    sections._WARNED.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(checkpoint_wrapper(nn.Linear(4, 6)), nn.ReLU(), nn.Linear(6, 2))
+    sd = {k: v.clone() for k, v in model.state_dict().items()}  # the wrapper's prefix stripped
+    model.register_load_state_dict_post_hook(_NoRepr())
+    zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    with caplog.at_level(logging.WARNING, logger="zero3"):
+        result = zero3.pretrained.load_state_dict(model, sd, strict=False)
+    assert result.unexpected_keys == ["0.weight", "0.bias"]
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    assert "the pre-hook " in said and "on 0 (CheckpointWrapper) is skipped" in said, said
+    assert "the post-hook _NoRepr on the model (Sequential) is skipped" in said, said
 
 
 def test_torchs_own_compatibility_hooks_load_a_file_without_a_word(tmp_path, caplog):

@@ -25,17 +25,30 @@ def _own(fn: Any) -> bool:
     return fn is refuse_assign or (isinstance(fn, functools.partial) and fn.func is write_back_loaded)
 
 
+# torch's hooks that change nothing for a checkpoint of the model as it is: the weight-norm and
+# spectral-norm ones convert old checkpoints' keys, the lazy modules' fills in a shape (refused at
+# initialize). Every other hook is named, torch's checkpoint_wrapper's too (review 29Z2: it renames).
+_QUIET = ("torch.nn.utils.parametrizations", "torch.nn.utils.spectral_norm", "torch.nn.modules.lazy")
+
+
 def warn_skipped_hooks(module: nn.Module) -> None:
-    """A WARNING for each load hook of ``module``'s tree that is neither zero3's nor torch's."""
+    """A WARNING for each load hook of ``module``'s tree that is neither zero3's nor in `_QUIET`
+    (once per hook and module); never raises."""
     for prefix, m in module.named_modules():
-        hooks = list(m._load_state_dict_pre_hooks.values()) + list(m._load_state_dict_post_hooks.values())
-        for hook in hooks:
+        hooks = [("pre-hook", h) for h in m._load_state_dict_pre_hooks.values()]
+        hooks += [("post-hook", h) for h in m._load_state_dict_post_hooks.values()]
+        for kind, hook in hooks:
             fn = getattr(hook, "hook", hook)  # torch's _WrappedHook keeps the function as .hook
-            fn = getattr(fn, "func", fn)
-            where = getattr(fn, "__module__", None) or ""
-            if _own(getattr(hook, "hook", hook)) or where == "torch" or where.startswith("torch."):
+            if _own(fn):
                 continue
-            warn_once(f"zero3.pretrained.load_state_dict does not run load_state_dict hooks: "
-                      f"{getattr(fn, '__qualname__', repr(fn))} on {prefix or 'the model'} "
-                      f"({type(m).__name__}) is skipped, so keys it would rename are not renamed. Rename them "
-                      "in the state dict before loading (docs/api.md)")
+            inner = fn.func if isinstance(fn, functools.partial) else fn
+            where = getattr(inner, "__module__", None)
+            if isinstance(where, str) and where.startswith(_QUIET):
+                continue
+            name = getattr(inner, "__qualname__", None)
+            name = name if isinstance(name, str) else type(inner).__qualname__
+            effect = ("keys it would rename are not renamed" if kind == "pre-hook"
+                      else "what it would do after the load is not done")
+            warn_once(f"zero3.pretrained.load_state_dict does not run load_state_dict hooks: the {kind} {name} "
+                      f"on {prefix or 'the model'} ({type(m).__name__}) is skipped, so {effect}. Rename keys in "
+                      "the state dict before loading (docs/api.md)")

@@ -40,6 +40,8 @@ def _is_int(value: Any) -> bool:
 
 
 _AUTO_HINT = " ('auto' is what Hugging Face's Trainer fills in before DeepSpeed reads the config: give the value)"
+_TRAINER_FILLS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                  "gradient_clipping"}  # the keys the Trainer turns from "auto" into values
 
 
 def check_value(name: str, tp: Any, value: Any, least: int = 0) -> None:
@@ -49,7 +51,7 @@ def check_value(name: str, tp: Any, value: Any, least: int = 0) -> None:
     inner, optional = _split_optional(tp)
     if optional and value is None:
         return
-    hint = _AUTO_HINT if value == "auto" else ""
+    hint = _AUTO_HINT if isinstance(value, str) and value == "auto" and name in _TRAINER_FILLS else ""
     if inner is int:
         if optional and not _is_int(value):
             raise ZeroConfigError(f"{name} must be None or an int >= {least}, got {value!r}{hint}")
@@ -59,7 +61,7 @@ def check_value(name: str, tp: Any, value: Any, least: int = 0) -> None:
             raise ZeroConfigError(f"{name} must be >= {least}, got {value!r}")
     elif inner is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ZeroConfigError(f"{name} must be a finite number >= 0, got {value!r} ({type(value).__name__})")
+            raise ZeroConfigError(f"{name} must be a finite number >= 0, got {value!r} ({type(value).__name__}){hint}")
         if value < 0:
             raise ZeroConfigError(f"{name} must be >= 0, got {value!r}")
     elif inner is bool:

@@ -176,7 +176,8 @@ class CommConfig:
     docs/multinode.md."""
 
     def __post_init__(self) -> None:
-        check_fields(self, skip=frozenset({"zero_hpz_partition_size"}), counts=("quantization_block_size",))  # -1 is allowed: checked here
+        # zero_hpz_partition_size: -1 is allowed, checked here
+        check_fields(self, skip=frozenset({"zero_hpz_partition_size"}), counts=("quantization_block_size",))
         hpz = self.zero_hpz_partition_size
         if isinstance(hpz, bool) or not isinstance(hpz, int) or not (hpz == -1 or hpz >= 1):
             raise ZeroConfigError(f"zero_hpz_partition_size must be an int >= 1 (1: off) or -1 (the ranks per node), "

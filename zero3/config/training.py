@@ -276,7 +276,7 @@ class ActivationCheckpointingConfig:
     ``zero3.checkpointing`` logger and summed in ``zero3.checkpointing.timings()``."""
 
     def __post_init__(self) -> None:
-        value = self.number_checkpoints  # checked here: its lower bound is 1, not the counts' 0
+        value = self.number_checkpoints  # checked here: None or a count >= 1
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ZeroConfigError(f"activation_checkpointing.number_checkpoints must be None or an int "
                                   f">= 1, got {value!r}")
