@@ -6,9 +6,9 @@ post-hooks children first. zero3 matches every key against the model at once and
 rank's slice itself, and a pre-hook that rewrites a dict cannot run over a file read slice by slice.
 A first attempt at running them anyway (probe 29D: a legacy-key renaming hook was skipped) differed
 from torch in five ways and refused files that load today (review 29Z1). So they are not run, as
-before, and a hook that is not torch's own is named in a WARNING (once per hook), instead of a load
-that says only that every key was missing or unexpected. torch's own (the weight-norm and spectral-
-norm compatibility hooks for old checkpoints' keys, the lazy modules') are documented instead."""
+before, and each is named in a WARNING (once per hook and module), instead of a load that says only
+that every key was missing or unexpected; three of torch's that change nothing for a checkpoint of
+the model as it is (`_QUIET`) are documented instead (docs/api.md)."""
 
 from __future__ import annotations
 
