@@ -89,3 +89,21 @@ def test_a_complex_parameter_is_refused_by_init_and_initialize():
     with pytest.raises(ZeroConfigError, match=r"parameter _Complex.w is complex"):
         with zero3.Init():
             _Complex()
+
+
+class _Sparse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.eye(4).to_sparse())
+        self.out = nn.Linear(4, 2)
+
+
+def test_a_sparse_parameter_is_refused_by_init_and_initialize():
+    """Review 29Z1: initialize failed inside torch ("reshape is not implemented for sparse tensors")."""
+    model = _Sparse()
+    with pytest.raises(ZeroConfigError, match=r"parameter w is a torch.sparse_coo tensor.*dense.*changed nothing"):
+        zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not zero3.is_partitioned(model.w) and not zero3.is_partitioned(model.out.weight)
+    with pytest.raises(ZeroConfigError, match=r"parameter _Sparse.w is a torch.sparse_coo tensor"):
+        with zero3.Init():
+            _Sparse()

@@ -66,7 +66,8 @@ from .adopt import take_from_rank0
 from .buffers import ModuleBuffers
 from .engine_calls import take_persistent_writes
 from .publish import write_updated
-from .refusals import complex_refusal, refuse_memory_format, refuse_shared_storage, refuse_unshardable_embeddings
+from .refusals import (refuse_memory_format, refuse_shared_storage, refuse_unshardable_embeddings, unshardable,
+                       unshardable_refusal)
 from .leaf import check_leaf_classes, leaf_modules
 from .budget import MemoryBudget
 from .placement import place_shards, share_shards
@@ -386,9 +387,9 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     refuse_unshardable_embeddings(model)
     refuse_shared_storage(model)
     refuse_memory_format(model)
-    complex_param = next((n for n, p in model.named_parameters() if p.is_complex()), None)
-    if complex_param is not None:
-        raise complex_refusal(complex_param, "zero3.initialize changed nothing")
+    bad = next(((n, p) for n, p in model.named_parameters() if unshardable(p)), None)
+    if bad is not None:
+        raise unshardable_refusal(*bad, "zero3.initialize changed nothing")
     check_leaf_classes(model, config.training.leaf_modules)
     config = config.for_world_size(group_info(group)[1])  # DeepSpeed's batch-size rule needs the world size
     _check_nvme_shards(model, config, PlacementPolicy.from_config(config))

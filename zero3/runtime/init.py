@@ -59,7 +59,7 @@ from ..comm.process_group import ensure_default_group
 from ..config import ZeroConfig, resolve_config
 from ..config.sections import DRIVE_POOL_KNOBS, OffloadConfig
 from .context import RuntimeContext, align_ids, lazy_refusal, meta_refusal
-from .refusals import complex_refusal
+from .refusals import unshardable, unshardable_refusal
 from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import data_parallel_group as mpu_data_parallel_group
 from ..comm.model_parallel import check_mpu
@@ -532,10 +532,10 @@ def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) ->
         lazy = next((f"{type(m).__name__}.{n}" for n, p in m._parameters.items() if nn.parameter.is_lazy(p)), None)
         if lazy is not None:
             raise lazy_refusal(lazy, "the modules built before it in this Init block are partitioned")
-        cplx = next((f"{type(m).__name__}.{n}" for n, p in m._parameters.items() if p is not None
-                     and not isinstance(p, ZeroParameter) and p.is_complex()), None)
-        if cplx is not None:
-            raise complex_refusal(cplx, "the modules built before it in this Init block are partitioned")
+        bad = next(((f"{type(m).__name__}.{n}", p) for n, p in m._parameters.items() if p is not None
+                    and not isinstance(p, ZeroParameter) and unshardable(p)), None)
+        if bad is not None:
+            raise unshardable_refusal(*bad, "the modules built before it in this Init block are partitioned")
     todo: dict[int, tuple[nn.Parameter, str]] = {}  # a tied parameter once, under its first name
     for m in modules:
         for pname, p in m._parameters.items():

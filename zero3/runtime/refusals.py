@@ -194,6 +194,20 @@ def refuse_memory_format(model: nn.Module) -> None:
                 "torch's convolutions follow their input's layout. zero3.initialize changed nothing")
 
 
+def unshardable(p: torch.Tensor) -> bool:
+    """A parameter zero3 cannot split into flat shards: complex, or not strided (sparse)."""
+    return p.is_complex() or p.layout is not torch.strided
+
+
+def unshardable_refusal(name: str, p: torch.Tensor, tail: str) -> ZeroConfigError:
+    """The refusal of an `unshardable` parameter: a sparse one failed inside torch's reshape (review 29Z1)."""
+    if p.layout is not torch.strided:
+        return ZeroConfigError(
+            f"parameter {name} is a {p.layout} tensor: zero3 splits, reduces and stores dense tensors only. Keep it "
+            f"dense (nn.Parameter(t.to_dense())) and make the sparse view in the forward; {tail}")
+    return complex_refusal(name, tail)
+
+
 def complex_refusal(name: str, tail: str = "nothing was partitioned") -> ZeroConfigError:
     """A complex parameter (``torch.complex64``): zero3's gradient reduction, flat buffers and
     checkpoints carry real dtypes, so its gradient lost its imaginary part at world size 2 and more
