@@ -85,15 +85,14 @@ def check_value(name: str, tp: Any, value: Any, least: int = 0) -> None:
         raise ZeroConfigError(f"{name} must be {allowed}, got {value!r}")
 
 
-def check_fields(obj: Any, prefix: str = "", skip: frozenset[str] = frozenset(), least: int = 1,
-                 counts: tuple[str, ...] = ()) -> None:
+def check_fields(obj: Any, prefix: str = "", skip: frozenset[str] = frozenset(), counts: tuple[str, ...] = ()) -> None:
     """`check_value` on every field of the dataclass ``obj`` except ``skip`` (checked by the caller);
-    the ``counts`` must be at least ``least``, other ints >= 0. ``prefix`` goes before each name in
-    messages (``activation_checkpointing.``)."""
+    the ``counts`` must be at least 1, other ints >= 0. ``prefix`` goes before each name in messages
+    (``activation_checkpointing.``)."""
     types_ = field_types(type(obj))
     for f in fields(obj):
         if f.name not in skip:
-            check_value(prefix + f.name, types_[f.name], getattr(obj, f.name), least if f.name in counts else 0)
+            check_value(prefix + f.name, types_[f.name], getattr(obj, f.name), 1 if f.name in counts else 0)
 
 
 def coerce(tp: Any, value: Any) -> Any:

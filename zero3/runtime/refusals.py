@@ -153,10 +153,7 @@ def refuse_shared_storage(model: nn.Module) -> None:
                  if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and a not in redone]
         found += [("buffer", a, t) for a, t in m._buffers.items() if t is not None]
         for kind, attr, t in found:
-            key = _storage_key(t)
-            items = spans.get(key, ()) if key is not None and t.numel() else ()
-            start, end = _span(t) if items else (0, 0)
-            hit = next((item for item in items if item[0] < end and start < item[1]), None)
+            hit = next((item for item in spans.get(_storage_key(t), ()) if _overlap(t, item[3])), None)
             if hit is not None:
                 raise ZeroConfigError(
                     f"{kind} {f'{mname}.{attr}' if mname else attr} shares memory with parameter {hit[2]} (one is a "
