@@ -5,7 +5,6 @@ step, and zero3 gathers at block boundaries only (docs/compile.md)."""
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import zero3

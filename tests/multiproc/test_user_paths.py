@@ -685,7 +685,6 @@ def test_a_term_from_gathered_parameters_backpropagated_after_the_block_trains_a
 def term_saved_across_a_step() -> dict:
     """The weight changes (an optimizer step) between the term's build and its backward: torch's backward
     raises (the saved tensor was modified in place); zero3's must too, naming the weight, and train on."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     ref, model = twins(_mlp)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})

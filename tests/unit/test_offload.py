@@ -360,7 +360,7 @@ def test_offload_states_misuse_raises_naming_what_to_reload(tmp_path):
     engine.backward(loss)
     engine.step()
     engine.offload_states(include=["lp_params"], device="nvme", nvme_path=str(tmp_path))
-    where = re.escape(f"needs lp_params") + r".*moved lp_params \([0-9.]+ MiB\) to NVMe \(" + \
+    where = re.escape("needs lp_params") + r".*moved lp_params \([0-9.]+ MiB\) to NVMe \(" + \
         re.escape(str(tmp_path)) + r"\); call engine\.reload_states\(\) first"
     for call in (lambda: engine(x, y), lambda: engine.module(x, y), engine.step,
                  lambda: zero3.GatheredParameters([p]).__enter__(), lambda: engine.save_checkpoint(tmp_path / "c"),

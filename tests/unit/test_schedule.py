@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from zero3.planning.schedule import Action, Decision, PlanConfig, PlanStats, Schedule, eviction_order, plan, replay
+from zero3.planning.schedule import Action, Decision, PlanConfig, PlanStats, Schedule, plan, replay
 from zero3.planning.trace import Event, EventKind, ParamInfo, Trace
 
 PF, QF, PB, QB = EventKind.PRE_FORWARD, EventKind.POST_FORWARD, EventKind.PRE_BACKWARD, EventKind.POST_BACKWARD
