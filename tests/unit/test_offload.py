@@ -341,6 +341,65 @@ def test_offload_states_subset_non_blocking_and_cpu(tmp_path):
     engine.reload_states()  # nothing offloaded: a no-op
 
 
+class _FailingTransfers:
+    """Swap-file transfers of one direction fail from the ``nth`` on (a drive that fills up part-way
+    through, or a read that fails), while ``on``."""
+
+    def __init__(self, monkeypatch, write: bool, nth: int) -> None:
+        self.write, self.nth, self.calls, self.on = write, nth, 0, True
+        real = SwapFile.transfer
+
+        def transfer(file, write, offset, data, bounce):
+            if write == self.write and self.on:
+                self.calls += 1
+                if self.calls >= self.nth:
+                    raise OSError(28 if write else 5, f"zero3: transfer at offset {offset} failed (test)")
+            return real(file, write, offset, data, bounce)
+
+        monkeypatch.setattr(SwapFile, "transfer", transfer)
+
+
+@pytest.mark.parametrize("non_blocking", [False, True], ids=["blocking", "non-blocking"])
+def test_offload_states_onto_a_drive_that_fills_part_way_loses_nothing(tmp_path, monkeypatch, caplog, non_blocking):
+    expected = _train(_engine(BASE), 5)
+    engine = _engine(BASE)
+    got = _train(engine, 3)
+    before = engine.memory_report()
+    fault = _FailingTransfers(monkeypatch, write=True, nth=4)  # the first three writes land on the drive
+    with caplog.at_level(logging.WARNING, logger="zero3"):
+        if non_blocking:  # the failure is known at reload_states, which brings back what did leave memory
+            engine.offload_states(device="nvme", nvme_path=str(tmp_path), non_blocking=True)
+            engine.reload_states()
+            assert re.search(r"writes to NVMe \(.*\) failed \(the first: .*transfer at offset .* failed \(test\)\); "
+                             r"those states never left memory, and nothing was lost", caplog.text)
+        else:
+            with pytest.raises(OSError, match=r"transfer at offset .* failed \(test\)"):
+                engine.offload_states(device="nvme", nvme_path=str(tmp_path))
+            assert "offload_states to NVMe" in caplog.text and "every state is back in memory" in caplog.text
+            fault.on = False
+            engine.reload_states()  # nothing is offloaded: a no-op
+    assert fault.calls > 4  # writes after the failing one were tried too (some landed before it failed)
+    assert engine.memory_report() == before
+    assert all(p._zero.shard.untyped_storage().nbytes() > 0 for p in engine.params)
+    got += _train(engine, 2, start=3)
+    assert got == expected
+
+
+def test_a_read_failing_at_reload_states_is_read_again_by_the_next_call(tmp_path, monkeypatch):
+    expected = _train(_engine(BASE), 5)
+    engine = _engine(BASE)
+    got = _train(engine, 3)
+    engine.offload_states(device="nvme", nvme_path=str(tmp_path))
+    fault = _FailingTransfers(monkeypatch, write=False, nth=2)
+    with pytest.raises(OSError, match=r"transfer at offset .* failed \(test\)"):
+        engine.reload_states()
+    fault.on = False
+    engine.reload_states()
+    assert all(p._zero.shard.untyped_storage().nbytes() > 0 for p in engine.params)
+    got += _train(engine, 2, start=3)
+    assert got == expected
+
+
 def test_offload_states_misuse_raises_naming_what_to_reload(tmp_path):
     engine = _engine(BASE)
     _train(engine, 1)

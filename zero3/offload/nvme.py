@@ -139,6 +139,17 @@ class StorageTier:
             if rec is not None:
                 self._settle(rec)
 
+    def settle_all(self) -> list[BaseException]:
+        """Finish every transfer, collecting the failures instead of raising the first: a failed write
+        leaves its storage in memory, a failed read leaves it on the drive (`_settle`)."""
+        failed = []
+        for rec in self._records.values():
+            try:
+                self._settle(rec)
+            except BaseException as exc:  # noqa: BLE001 - returned to the caller
+                failed.append(exc)
+        return failed
+
     def stage(self) -> None:
         """Start a staged step: until `commit` or `rollback`, writes keep the regions read from."""
         assert self._staged is None, "a staged step is already open"

@@ -32,7 +32,7 @@ import torch
 
 from ..errors import ZeroConfigError, ZeroStateError
 from ..partition.param import ZeroParameter, raw_data
-from ..partition.state import ParamStatus
+from ..partition.state import ParamStatus, Residence
 from .nvme import StorageTier
 from .swapfile import SwapFile, storage_view
 
@@ -124,9 +124,20 @@ class StatesOffload:
         ptrs = {m.storage.data_ptr() for m in moved}
         taken = [p for p in self.ctx.params if p._zero.shard.untyped_storage().data_ptr() in ptrs]
         pin = pin_memory and torch.cuda.is_available()
-        self.ctx.store.take(taken, lambda: _move_out(moved, tier, pin, non_blocking))
+        try:
+            self.ctx.store.take(taken, lambda: _move_out(moved, tier, pin, non_blocking))
+        except BaseException:  # the shards' residences are unchanged (take moves them after move_out)
+            _bring_back(moved, tier)
+            raise
         if tier is not None and not non_blocking:
-            tier.wait()
+            try:
+                tier.wait()
+            except BaseException:  # a failed write (a full drive): nothing stays moved, nothing is lost
+                _bring_back(moved, tier)
+                self.ctx.store.give_back(taken)
+                self._tier = None  # its file is closed once nothing refers to it
+                logger.warning("zero3::offload_states to NVMe (%s) failed; every state is back in memory", self._path)
+                raise
         freed = 0
         if StateKind.LP_PARAMS in kinds and self.ctx.coordinator.shards is not None:
             freed = self.ctx.coordinator.shards.pool.release_memory()  # scratch, allocated again when needed
@@ -142,10 +153,18 @@ class StatesOffload:
         if self.phase is OffloadPhase.RESIDENT:
             return
         if self.phase is OffloadPhase.OFFLOADED:
+            if self.device == "nvme":  # a non-blocking offload's failed writes left their storages in memory
+                assert self._tier is not None
+                failed = self._tier.settle_all()
+                if failed:
+                    logger.warning("zero3::offload_states: %d of %d writes to %s failed (the first: %s); those "
+                                   "states never left memory, and nothing was lost", len(failed), len(self._moved),
+                                   self._where(), failed[0])
             for i, m in enumerate(self._moved):
                 if self.device == "nvme":
                     assert self._tier is not None
-                    self._tier.swap_in(i)
+                    if self._tier.state(i) is Residence.DRIVE:
+                        self._tier.swap_in(i)
                 else:
                     assert m.host is not None
                     m.storage.resize_(m.nbytes)
@@ -188,7 +207,11 @@ class StatesOffload:
     # -- helpers -------------------------------------------------------------------------------------
     def _finish_reload(self) -> None:
         if self._tier is not None and self.device == "nvme":
-            self._tier.wait()
+            self._tier.settle_all()
+            for i in range(len(self._moved)):
+                if self._tier.state(i) is Residence.DRIVE:  # its read failed: read it again
+                    self._tier.swap_in(i)
+            self._tier.wait()  # a read failing again raises, the phase unchanged: the next call reads it again
             self._tier = None  # its file is closed, and the drive space freed, once nothing refers to it
         if self.device == "cpu" and torch.cuda.is_available():  # whatever stream is current now
             for event in self._copies_done:
@@ -235,6 +258,23 @@ def _move_out(moved: list[_Moved], tier: StorageTier | None, pin: bool, non_bloc
             m.host = torch.empty(m.nbytes, dtype=torch.uint8, pin_memory=pin)
             m.host.copy_(storage_view(m.storage), non_blocking=non_blocking and pin)
             m.storage.resize_(0)
+
+
+def _bring_back(moved: list[_Moved], tier: StorageTier | None) -> None:
+    """Undo a `_move_out` that failed part-way: every storage it moved is in memory again (a failed
+    write left its own there; the others are read back from the drive, or copied from their host copy)."""
+    if tier is None:
+        for m in moved:
+            if m.host is not None and m.storage.nbytes() == 0:
+                m.storage.resize_(m.nbytes)
+                storage_view(m.storage).copy_(m.host)
+            m.host = None
+        return
+    tier.settle_all()  # the failures are the one being raised (or like it)
+    for i in range(len(moved)):
+        if tier.state(i) is Residence.DRIVE:
+            tier.swap_in(i)
+    tier.wait()
 
 
 def _kinds(include: Iterable[str] | None) -> tuple[StateKind, ...]:
