@@ -633,7 +633,7 @@ class PartitionedOptimizer(DeepSpeedOptimizerNames):
 
     def drop_grads(self) -> None:
         """Drop every gradient shard (after a step, an overflow, or a window's first micro-batch)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        type(self.optimizer).zero_grad(self.optimizer, set_to_none=True)  # its own, not the routed one
         for p in self.params:  # also those the wrapped optimizer does not hold
             t = p._zero.train_tensor
             if t.grad is not None:

@@ -8,6 +8,12 @@ masters into bf16/fp16 shards, unscale and agree on overflow (fp16), clip (``gra
 stream sub-groups from NVMe, agree on the step, advance the schedule zero3 drives. So the object's
 ``step`` is routed to the engine's; zero3 calls the class's ``step`` (`torch_step`), hooks included.
 ``torch.amp.GradScaler`` is refused at that step: it decides on overflow from this rank's shards.
+
+Its ``zero_grad`` is routed to ``engine.zero_grad()`` for the same reason: torch's would drop the
+gradient shards, which under ``gradient_accumulation_steps`` > 1 hold the window's sum so far, so the
+habitual ``optimizer.zero_grad()`` after every ``engine.step()`` would leave the window's step only its
+last micro-batch (probe 30A). DeepSpeed's stage 3 empties the client optimizer's param groups outside
+its step, so the same call drops nothing there; ``engine.zero_grad()`` keeps the window's gradients.
 """
 
 from __future__ import annotations
@@ -51,9 +57,17 @@ def route(optimizer: torch.optim.Optimizer | None, engine: Any) -> None:
         self._opt_called = True  # type: ignore[attr-defined]  # the order check of torch's LR schedulers
         engine.step()
 
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        if not engine.context.attached:  # no engine steps them any more: torch's, as model.zero_grad() is then
+            type(self).zero_grad(self, set_to_none)
+            return
+        engine.zero_grad()  # dropping to None or to zeros: the next backward starts from nothing either way
+
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a scheduler built later does not re-wrap it
     step.__doc__ = "engine.step(): zero3's step over the shards (optim/routed_step.py)."
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+    zero_grad.__doc__ = "engine.zero_grad(): keeps an accumulation window's gradients (optim/routed_step.py)."
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
     sharded = engine.context.optimizer  # the PartitionedOptimizer: deepspeed.initialize returns it
     if sharded is not None:
         sharded.user_step = optimizer.step
