@@ -556,3 +556,18 @@ def test_the_returned_optimizer_refuses_what_would_break_it(tmp_path):
     with pytest.raises(ZeroStateError, match=r"optimizer.state: the optimizer state lives on NVMe between steps"):
         ret.state
     assert zero3.safe_get_local_optimizer_state(model[0].weight, "exp_avg").abs().sum() > 0  # the way it names
+
+
+@pytest.mark.parametrize("params", [{}, {"warmup_max_lr": None}], ids=["left out", "null"])
+def test_warmup_lr_without_a_maximum_warms_up_to_the_optimizer_s_lr_as_deepspeed_s(params):
+    """DeepSpeed's WarmupLR takes the first param group's lr when ``warmup_max_lr`` is not given (it
+    was 0.001 here: a config's lr of 3e-4 trained at 3.3x after the warm-up, probe 30A)."""
+    model = _model()
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_type": "linear", **params}}}
+    engine = zero3.initialize(model, config=config)
+    lrs = []
+    for step in range(6):
+        _train_step(engine, step)
+        lrs.append(engine.get_lr()[0])
+    assert lrs == pytest.approx([0.0, 7.5e-5, 1.5e-4, 2.25e-4, 3e-4, 3e-4], rel=1e-12)

@@ -81,15 +81,19 @@ def _rate(v: Any) -> bool:
     return _number(v) and v >= 0
 
 
+def _rates(v: Any) -> bool:
+    return _rate(v) or (isinstance(v, (list, tuple)) and len(v) > 0 and all(_rate(x) for x in v))
+
+
 _PARAM_KINDS: dict[str, tuple[str, Any]] = {
     **{k: ("a finite number >= 0", _rate) for k in ("lr", "eps", "weight_decay", "momentum", "dampening")},
     "betas": ("two numbers in [0, 1)", lambda v: isinstance(v, (list, tuple)) and len(v) == 2
               and all(_number(b) and 0 <= b < 1 for b in v)),
     **{k: ("true or false", lambda v: isinstance(v, bool))
        for k in ("amsgrad", "torch_adam", "adam_w_mode", "bias_correction", "nesterov", "set_grad_none")},
-    **{k: ("a finite number >= 0, or a list of them (one per param group)",
-           lambda v: _rate(v) or (isinstance(v, (list, tuple)) and len(v) > 0 and all(_rate(x) for x in v)))
-       for k in ("warmup_min_lr", "warmup_max_lr")},
+    "warmup_min_lr": ("a finite number >= 0, or a list of them (one per param group)", lambda v: _rates(v)),
+    "warmup_max_lr": ("a finite number >= 0, a list of them (one per param group), or null (the optimizer's lr)",
+                      lambda v: v is None or _rates(v)),
     "warmup_num_steps": ("an integer >= 0 (below 2 it counts as 2, as in DeepSpeed)", lambda v: _integer(v) and v >= 0),
     "total_num_steps": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
     "last_batch_iteration": ("an integer >= -1", lambda v: _integer(v) and v >= -1),
