@@ -571,3 +571,32 @@ def test_warmup_lr_without_a_maximum_warms_up_to_the_optimizer_s_lr_as_deepspeed
         _train_step(engine, step)
         lrs.append(engine.get_lr()[0])
     assert lrs == pytest.approx([0.0, 7.5e-5, 1.5e-4, 2.25e-4, 3e-4, 3e-4], rel=1e-12)
+
+
+def test_was_step_applied_and_global_samples_count_as_deepspeed_s_and_global_samples_is_saved(tmp_path):
+    """DeepSpeed's ``engine.was_step_applied()`` (False between accumulation boundaries and on an fp16
+    overflow) and ``engine.global_samples`` (``train_batch_size`` per boundary, a skipped one included),
+    which were missing (probes 30A and 30D)."""
+    config = {**ADAMW, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
+              "fp16": {"enabled": True, "initial_scale_power": 4}}
+    engine = zero3.initialize(_model(), config=config)
+    applied, samples = [], []
+    for seed in range(4):
+        _train_step(engine, seed, torch.float16)
+        applied.append(engine.was_step_applied())
+        samples.append(engine.global_samples)
+    assert applied == [False, True, False, True] and samples == [0, 6, 6, 12]
+    g = torch.Generator().manual_seed(9)
+    for i in range(2):  # an overflow in the window's first micro-batch: its step is skipped
+        x = torch.randn(3, 8, generator=g).half() * (float("inf") if i == 0 else 1.0)
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+    assert not engine.was_step_applied() and engine.was_step_skipped() and engine.global_samples == 18
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    other = zero3.initialize(_model(), config=config)
+    assert other.global_samples == 0 and not other.was_step_applied()
+    other.load_checkpoint(str(tmp_path), tag="t")
+    assert other.global_samples == 18 and other.global_steps == 3
+    plain = zero3.initialize(_model(), config=ADAMW)  # no batch size in the config: refused by name
+    with pytest.raises(ZeroConfigError, match="train_micro_batch_size_per_gpu"):
+        plain.global_samples

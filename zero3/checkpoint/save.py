@@ -226,7 +226,7 @@ def _build_metadata(ctx: RuntimeContext, tag: str, infos: list[dict[str, Any]], 
         "torch_version": torch.__version__, "tag": tag, "world_size": ctx.world_size,
         "model_parallel": None if ctx.model_parallel is None else
         {"rank": ctx.model_parallel.rank, "world_size": ctx.model_parallel.world_size},
-        "global_steps": ctx.global_steps, "micro_steps": ctx.micro_steps,
+        "global_steps": ctx.global_steps, "micro_steps": ctx.micro_steps, "global_samples": ctx.global_samples,
         "skipped_steps": ctx.optimizer.skipped_steps if ctx.optimizer is not None else 0,
         "config": {k: _json_or_repr(v) for k, v in ctx.config.to_dict().items()},  # informational
         "files": [{"file": info["file"], "rank": info["rank"], "bytes": info["bytes"], "sha256": info["sha256"]}

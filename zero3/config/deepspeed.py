@@ -98,6 +98,8 @@ _OFF_SECTIONS = {
     "compression_training": "compression training", "curriculum_learning": "curriculum learning",
     "data_efficiency": "data efficiency", "nebula": "Nebula checkpointing",
     "hybrid_engine": "the hybrid engine (DeepSpeed-Chat's inference kernels inside training)",
+    "torch_autocast": "torch.autocast inside the engine (wrap your forward in torch.autocast instead: zero3 trains "
+                      "exactly under it)",
 }
 _OFF_KEYS = {  # key: (what it does in DeepSpeed, its off value)
     "memory_breakdown": ("a memory report at every step (zero3.see_memory_usage(msg, force=True) is zero3's)", False),

@@ -97,6 +97,8 @@ class RuntimeContext:
     lr_scheduler_step: Any = None  # its step, which engine.step() calls (its own refuses: routed_step.own_scheduler)
     global_steps: int = 0  # optimizer steps attempted (accumulation boundaries), skipped ones included
     micro_steps: int = 0  # engine.step() calls
+    global_samples: int = 0  # samples over the data-parallel ranks at the boundaries so far (DeepSpeed's count)
+    step_applied: bool = False  # the last engine.step() stepped the optimizer (engine.was_step_applied())
     window_micro: int = 0  # engine.step() calls since the last boundary: the open window's micro-batches
     window_backwards: int = 0  # backwards ended since the last boundary (or since their gradients were dropped)
     boundary_override: bool | None = None  # engine.set_gradient_accumulation_boundary; None: every n-th
@@ -619,7 +621,8 @@ def _check_group(ctx: RuntimeContext, name: str, p: ZeroParameter) -> None:
         raise ZeroConfigError(
             f"parameter {name!r} was partitioned over a group of world size {z.world_size} (rank {z.rank}) "
             f"under zero3.Init, but initialize got a group of world size {ctx.world_size} (rank "
-            f"{ctx.rank}); pass the same group to zero3.Init and zero3.initialize")
+            f"{ctx.rank}); pass the same group to zero3.Init and zero3.initialize (with Megatron's model "
+            f"parallelism, the same mpu= to both: its data-parallel group is the one the parameters are split over)")
 
 
 def context_of(obj: Any, what: str = "this call") -> RuntimeContext:

@@ -43,6 +43,23 @@ class DeepSpeedEngineNames:
         """Samples per optimizer step over all data-parallel ranks: micro-batch x accumulation x ranks."""
         return self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps() * self.world_size
 
+    def samples_per_step(self) -> int:
+        """What a boundary adds to `global_samples`: `train_batch_size`, or 0 when the config does not give it."""
+        micro = self.config.training.train_micro_batch_size_per_gpu
+        return 0 if micro is None else int(micro) * self.gradient_accumulation_steps() * self.world_size
+
+    @property
+    def global_samples(self) -> int:
+        """Samples over every data-parallel rank at the optimizer steps so far (skipped ones included, as
+        DeepSpeed counts them): `train_batch_size` per step; saved in checkpoints."""
+        self.train_micro_batch_size_per_gpu()  # refused by name when the config gives no batch size
+        return self.context.global_samples
+
+    def was_step_applied(self) -> bool:
+        """Whether the last ``engine.step()`` stepped the optimizer: False between accumulation boundaries,
+        without an optimizer, and when an fp16 overflow skipped it (DeepSpeed's)."""
+        return self.context.step_applied
+
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm the last clipping computed (``gradient_clipping`` in ``step()``, or
         `clip_grad_norm_`); None before any. Unlike DeepSpeed, no norm is computed without clipping."""
