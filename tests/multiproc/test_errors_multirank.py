@@ -55,6 +55,7 @@ def initialize_twice() -> str:
 def test_model_built_with_one_group_and_trained_with_another_raises_on_every_rank(pools):
     for msg in pools.get(2).run(group_mismatch):
         assert "world size 2" in msg and "world size 1" in msg, msg
+        assert "the same mpu= to both" in msg, msg  # probe 30E: an mpu given to one of them is the usual cause
 
 
 def test_a_rank_outside_the_group_it_passes_is_told_so(pools):
