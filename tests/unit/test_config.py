@@ -422,6 +422,8 @@ def test_a_section_validates_its_fields_by_their_types():
         OffloadConfig(offload_param_nvme_path="")
     with pytest.raises(ZeroConfigError, match=r"min_loss_scale must be > 0, got 0.0"):
         PrecisionConfig(min_loss_scale=0.0)
+    with pytest.raises(ZeroConfigError, match=r"fp16.min_loss_scale must be > 0, got -1"):  # one bound (probe 30D)
+        ZeroConfig.from_dict({"fp16": {"enabled": True, "min_loss_scale": -1}})
     with pytest.raises(ZeroConfigError, match=r"leaf_modules must be a list of non-empty strings, got \(''"):
         ZeroConfig(leaf_modules=("",))
 

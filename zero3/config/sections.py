@@ -232,9 +232,10 @@ class PrecisionConfig:
     """fp16: the dynamic loss scale never drops below this."""
 
     def __post_init__(self) -> None:
+        m = self.min_loss_scale  # its own bound first: the generic one (>= 0) named another for -1 (probe 30D)
+        if isinstance(m, (int, float)) and not isinstance(m, bool) and m <= 0:
+            raise ZeroConfigError(f"min_loss_scale must be > 0, got {m!r}")
         check_fields(self, counts=("loss_scale_window", "hysteresis"))
-        if self.min_loss_scale <= 0:
-            raise ZeroConfigError(f"min_loss_scale must be > 0, got {self.min_loss_scale!r}")
         # the loss is multiplied by the scale in fp32: a scale past fp32's range makes every gradient inf,
         # so every step would be skipped (for ever, with a static scale)
         if not 0 <= self.initial_scale_power <= _MAX_SCALE_POWER:
