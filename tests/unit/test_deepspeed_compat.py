@@ -236,6 +236,11 @@ def test_fused_adam_keys_deepspeed_configs_carry_are_accepted_where_they_change_
         assert type(engine.optimizer) is torch.optim.AdamW and "set_grad_none" not in engine.optimizer.defaults
     with pytest.raises(zero3.ZeroConfigError, match="AdamW with adam_w_mode=false is contradictory"):
         zero3.initialize(model=nn.Linear(4, 4), config={"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}})
+    model = nn.Linear(4, 4)  # values torch refuses together: the config's error, naming the section (probe 30A)
+    with pytest.raises(zero3.ZeroConfigError, match=r"optimizer section .*'nesterov': True.*torch.optim.SGD refused it: "
+                                                    r"Nesterov momentum requires a momentum"):
+        zero3.initialize(model=model, config={"optimizer": {"type": "SGD", "params": {"lr": 0.1, "nesterov": True}}})
+    zero3.initialize(model=model, config={"optimizer": {"type": "SGD", "params": {"lr": 0.1}}})  # the model is intact
 
 
 def test_model_parameters_with_a_config_optimizer_keep_their_param_groups():

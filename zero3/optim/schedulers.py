@@ -48,9 +48,9 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[Any]) -> torch.optim.O
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         if "betas" in p:
             p["betas"] = tuple(p["betas"])
-        return cls(params, **p)
+        return _construct(cls, params, p, spec)
     if kind == "sgd":
-        return torch.optim.SGD(params, **p)
+        return _construct(torch.optim.SGD, params, p, spec)
     raise ZeroConfigError(f"optimizer.type {spec.type!r} is not supported: use Adam, AdamW or SGD")
 
 
@@ -172,6 +172,16 @@ def _warn_short(schedule: WarmupDecayLR | WarmupCosineLR) -> None:
         logger.warning("zero3: %s total_num_steps %d is less than warmup_num_steps %d: the run ends inside the "
                        "warm-up (and any step past total_num_steps stays at the decay's end)",
                        type(schedule).__name__, schedule.total_num_steps, schedule.warmup_num_steps)
+
+
+def _construct(cls: type, params: Iterable[Any], p: dict[str, Any], spec: OptimizerSpec) -> torch.optim.Optimizer:
+    """``cls(params, **p)``; torch's refusal of a combination of values (SGD's nesterov without momentum)
+    is the config's error, naming the section (probe 30A: torch's ValueError came out of initialize)."""
+    try:
+        return cls(params, **p)
+    except ValueError as exc:
+        raise ZeroConfigError(f"optimizer section {{'type': {spec.type!r}, 'params': {dict(spec.params)!r}}}: "
+                              f"torch.optim.{cls.__name__} refused it: {exc}") from None
 
 
 SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
