@@ -3,8 +3,10 @@ good), for tests/multiproc/test_process_lifecycle.py; ``LIFECYCLE`` picks one, t
 it saw to ``LIFECYCLE_DIR/rank<r>.json``.
 
 - ``reinit``: an engine trains, the default group is destroyed (torch destroys every group with
-  it, zero3's kept ones included) and made again, and a second engine on the same ranks trains: its
-  losses must be one process's on the whole batches.
+  it, zero3's kept ones included) while the engine lives, which then refuses a forward naming that,
+  and made again; a new engine over the same model (its shards partitioned over the destroyed group)
+  trains on, and a second engine over a new model trains: their losses must be one process's on the
+  whole batches.
 - ``dead_peer``: rank 1 exits in the middle of training; rank 0's next collective must fail saying a
   peer closed its connection, not that a timeout ran out."""
 
@@ -43,11 +45,11 @@ def _train(model: nn.Module, engine, rank: int, world: int) -> list[float]:
     return losses
 
 
-def _reference() -> list[float]:
+def _reference(passes: int = 1) -> list[float]:
     ref = _mlp()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     losses = []
-    for x, y in _batches():
+    for x, y in _batches() * passes:
         loss = ((ref(x) - y) ** 2).mean()
         loss.backward()
         opt.step()
@@ -65,17 +67,27 @@ def _engine():
 def reinit(rank: int, world: int) -> dict:
     model, engine = _engine()
     first = _train(model, engine, rank, world)
+    dist.destroy_process_group()
+    try:
+        engine(torch.randn(4, 8))
+        refused = None
+    except zero3.ZeroStateError as exc:  # probe 30B: torch's bare ValueError from the first gather
+        refused = str(exc)
     engine.remove_hooks()
     del engine
     gc.collect()  # an engine left in a reference cycle holds its group, and with it the old store
-    dist.destroy_process_group()
     # Another port: on the same one a rank that gets here first can rendezvous with the old store,
     # still served by a rank that has not destroyed it yet (torch's own race: 1 in 24 plain runs).
     os.environ["MASTER_PORT"] = os.environ["LIFECYCLE_PORT2"]
     dist.init_process_group("gloo")
+    # the same model: its shards name the destroyed group (probe 30B: initialize raised a bare KeyError)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"param_persistence_threshold": 0, "collective_timeout": 60})
+    again = _train(model, engine, rank, world)
     model, engine = _engine()
     second = _train(model, engine, rank, world)
-    return {"first": first, "second": second, "reference": _reference()}
+    return {"first": first, "second": second, "again": again, "reference": _reference(),
+            "continued": _reference(2)[3:], "refused": refused}
 
 
 def dead_peer(rank: int, world: int) -> dict:

@@ -47,6 +47,8 @@ def test_an_engine_after_the_default_group_was_destroyed_and_made_again_trains_l
         assert r is not None
         assert r["first"] == pytest.approx(r["reference"], rel=1e-6), r
         assert r["second"] == pytest.approx(r["reference"], rel=1e-6), r
+        assert r["again"] == pytest.approx(r["continued"], rel=1e-6), r
+        assert r["refused"] is not None and "process group (world size 2) was destroyed" in r["refused"], r
 
 
 def test_a_peer_that_died_is_reported_as_a_closed_connection_not_a_timeout():

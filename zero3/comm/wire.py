@@ -59,6 +59,18 @@ def same_group(a: Any, b: Any) -> bool:
     return dist.get_process_group_ranks(ga) == dist.get_process_group_ranks(gb)
 
 
+def group_alive(group: Any) -> bool:
+    """Whether ``group`` (None: the default group) is still registered: ``dist.destroy_process_group()``
+    forgets every group, after which torch's collectives on it raise a bare KeyError or ValueError."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 def group_name(group: Any) -> str:
     try:
         return str(group.group_name)

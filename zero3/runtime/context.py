@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..comm.communicator import Communicator, Kind, Tag, group_info, same_group
+from ..comm.communicator import Communicator, Kind, Tag, group_alive, group_info, same_group
 from ..comm.settings import CommSettings
 from ..comm.hpz import secondary_communicator
 from ..config import ZeroConfig
@@ -168,9 +168,16 @@ class RuntimeContext:
     def require_states(self, what: str, kinds: Sequence[str] | None = None) -> None:
         """Raise a clear error when ``engine.offload_states`` moved states of ``kinds`` (default: all)
         that ``what`` needs (a non-blocking reload is waited for instead). Called when a step begins
-        and at the entry points that read the states, never per module."""
+        and at the entry points that read the states, never per module. Also refuses ``what`` once the
+        engine's process group was destroyed (torch's collectives then raise a bare error)."""
         if self.offloaded is not None and self.offloaded.phase is not OffloadPhase.RESIDENT:
             self.offloaded.check(what, kinds)
+        if self.world_size > 1 and not group_alive(self.group):
+            raise ZeroStateError(
+                f"{what}: this engine's process group (world size {self.world_size}) was destroyed "
+                "(torch.distributed.destroy_process_group()), so nothing can gather its parameters or reduce its "
+                "gradients. Checkpoints saved before still load: after init_process_group again, call "
+                "engine.remove_hooks() and zero3.initialize(model, ...) for a new engine over the same model")
 
     def forward_needs(self, grad: bool) -> tuple[str, ...] | None:
         """The state kinds a forward needs (None: all): its parameters; with grad, the gradient
@@ -617,6 +624,9 @@ def _check_init_precision(model: nn.Module, config: ZeroConfig) -> None:
 
 def _check_group(ctx: RuntimeContext, name: str, p: ZeroParameter) -> None:
     z = p._zero
+    if z.world_size == ctx.world_size and z.rank == ctx.rank and z.group is not None and not group_alive(z.group):
+        z.group = ctx.group  # destroyed, and torch.distributed made anew (a notebook, a sweep): this rank's part still
+        return
     if z.world_size != ctx.world_size or z.rank != ctx.rank or not same_group(z.group, ctx.group):
         raise ZeroConfigError(
             f"parameter {name!r} was partitioned over a group of world size {z.world_size} (rank {z.rank}) "
