@@ -42,6 +42,26 @@ def group_without_this_rank() -> list[str]:
     return said
 
 
+def optimizer_reused() -> str:
+    """Probe 30B: the optimizer of an engine whose hooks were removed, given to a new engine over the same
+    model, holds the old engine's shards: refused with a bare "not a parameter of the model"."""
+    import torch
+
+    model = nn.Linear(8, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = zero3.initialize(model, opt, {"param_persistence_threshold": 0})
+    engine.backward(engine(torch.randn(2, 8)).sum())
+    engine.step()
+    engine.remove_hooks()
+    try:
+        zero3.initialize(model, opt, {"param_persistence_threshold": 0})
+        said = "no error"
+    except zero3.ZeroConfigError as exc:
+        said = str(exc)
+    zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    return said
+
+
 def initialize_twice() -> str:
     model = nn.Linear(8, 8)
     zero3.initialize(model, None)
@@ -63,6 +83,11 @@ def test_a_rank_outside_the_group_it_passes_is_told_so(pools):
     assert inside == ["no error", "no error"]
     for msg in outside:
         assert "this rank (global rank 1) is not a member of the process group" in msg, msg
+
+
+def test_an_optimizer_reused_for_a_new_engine_is_refused_saying_to_make_a_new_one(pools):
+    for msg in pools.get(2).run(optimizer_reused):
+        assert "not a parameter of the model" in msg and "give the new engine a new optimizer" in msg, msg
 
 
 def test_initialize_twice_raises_on_every_rank(pools):

@@ -194,8 +194,12 @@ def _refuse_stepped(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _foreign(p: torch.Tensor) -> ZeroConfigError:
+    hint = ""
+    if p.dim() == 1 and not isinstance(p, torch.nn.Parameter):  # a shard or master, as an engine re-points its optimizer
+        hint = (" (if an earlier engine over this model used this optimizer, it holds that engine's shards or fp32 "
+                "masters now: after engine.remove_hooks(), give the new engine a new optimizer over model.parameters())")
     return ZeroConfigError(f"optimizer parameter of shape {tuple(p.shape)} is not a parameter of the model "
-                           "given to zero3.initialize")
+                           f"given to zero3.initialize{hint}")
 
 
 def _bad_optimizer(optimizer: Any) -> ZeroConfigError:
