@@ -400,6 +400,29 @@ def test_a_read_failing_at_reload_states_is_read_again_by_the_next_call(tmp_path
     assert got == expected
 
 
+def test_after_an_in_place_step_failed_on_a_full_drive_the_last_checkpoint_loads_and_training_goes_on(
+        tmp_path, monkeypatch):
+    """The error of a step not staged says to load the last checkpoint. Its other writes failed too (the
+    drive stayed full) and each raised again at its key's next use, one per call, so loads kept failing
+    and training went on from a half-loaded state (probe 30C: 1e-3 off torch)."""
+    import concurrent.futures
+
+    cfg = {**BASE, "offload_optimizer": {**nvme(tmp_path / "a"), "staged_step": False}, "sub_group_size": 5000}
+    expected = _train(_engine({**cfg, "offload_optimizer": nvme(tmp_path / "b")}), 4)
+    engine = _engine(cfg)
+    got = _train(engine, 2)
+    engine.save_checkpoint(str(tmp_path / "ck"))
+    fault = _FailingTransfers(monkeypatch, write=True, nth=2)
+    with pytest.raises(OSError, match="not staged.*load the last checkpoint"):
+        _train(engine, 1, start=2)
+    tier = engine.context.optimizer.states  # every write the failed step issued has ended (failed) before the fix
+    concurrent.futures.wait([r.future for r in tier._records.values() if r.future is not None])
+    fault.on = False  # the drive has room again
+    engine.load_checkpoint(str(tmp_path / "ck"))
+    got += _train(engine, 2, start=2)
+    assert got == expected
+
+
 def test_offload_states_misuse_raises_naming_what_to_reload(tmp_path):
     engine = _engine(BASE)
     _train(engine, 1)

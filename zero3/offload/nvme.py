@@ -320,6 +320,18 @@ class ShardTier:
             if sw is not None and p._zero.residence is Residence.WRITING:
                 self._settle(p)
 
+    def settle_all(self) -> list[BaseException]:
+        """Finish every transfer, collecting the failures instead of raising the first (`_settle` leaves
+        each shard where its bytes are)."""
+        failed = []
+        for p in list(self.shards.values()):
+            if p._zero.swap is not None:
+                try:
+                    self._settle(p)
+                except BaseException as exc:  # noqa: BLE001 - returned to the caller
+                    failed.append(exc)
+        return failed
+
     @property
     def nvme_bytes(self) -> int:
         """Bytes of the shards on this tier (their regions hold them, whatever is also in memory)."""

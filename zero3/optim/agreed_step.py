@@ -55,7 +55,7 @@ class StepParts:
     """What a step changes: the user's optimizer, its trainable parameters, the tier of its state
     (None: nothing is staged, only agreed), the tier of the parameter shards (None: in memory or not
     staged), the loss scaler, how to tell per-element state, and, for the error of a step that is
-    not staged, why it is not."""
+    not staged, why it is not; and every NVMe tier the step writes, staged or not."""
 
     optimizer: torch.optim.Optimizer
     params: list[ZeroParameter]
@@ -64,6 +64,7 @@ class StepParts:
     scaler: LossScaler | None
     per_element: Callable[[Any, int], bool]
     unstaged: str
+    tiers: tuple[StorageTier | ShardTier, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,9 @@ class AgreedStep:
             return
         if kept is not None:
             self.roll_back(kept)
+        else:  # the failed step's other transfers: each would raise its failure again at its key's next use
+            for tier in self.parts.tiers:  # (a load of the last checkpoint, probe 30C), one per call
+                tier.settle_all()
         drop_grads()
         rank, kind, message = failures[0]
         if kept is not None:

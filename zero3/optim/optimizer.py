@@ -299,7 +299,7 @@ class PartitionedOptimizer(DeepSpeedOptimizerNames):
         self.agreed = AgreedStep(StepParts(
             self.optimizer, [p for ps in self.group_params for p in ps],
             self.states if staged else None, self.shards if staged else None, self.scaler, _per_element,
-            unstaged), comm, model_parallel) if by_subgroup or self.shards is not None else None
+            unstaged, tuple(t for t in (self.states, self.shards) if t is not None)), comm, model_parallel) if by_subgroup or self.shards is not None else None
         self.backward_step: BackwardStep | None = None
         if self.placement.step_in_backward:
             assert self.agreed is not None and window_ends is not None
