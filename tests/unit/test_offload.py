@@ -423,6 +423,28 @@ def test_after_an_in_place_step_failed_on_a_full_drive_the_last_checkpoint_loads
     assert got == expected
 
 
+def test_deepspeed_s_enum_members_are_taken_and_its_contiguous_grad_buffer_moves_nothing(tmp_path):
+    """DeepSpeed's ``OffloadStateTypeEnum`` (a str enum): its fifth member names a buffer zero3 does not
+    keep (probe 30C: refused as "not a state kind")."""
+    import enum
+
+    class OffloadStateTypeEnum(str, enum.Enum):  # DeepSpeed's, as deepspeed.runtime.zero.offload_states has it
+        optim_states = "optim_states"
+        contiguous_grad_buffer = "contiguous_grad_buffer"
+
+    engine = _engine(BASE)
+    _train(engine, 1)
+    assert engine.offload_states(include=[OffloadStateTypeEnum.contiguous_grad_buffer], device="nvme",
+                                 nvme_path=str(tmp_path)) == 0
+    _train(engine, 1, start=1)  # nothing was moved: nothing to reload
+    moved = engine.offload_states(include=list(OffloadStateTypeEnum), device="nvme", nvme_path=str(tmp_path))
+    assert moved == engine.memory_report()["nvme_bytes"] > 0
+    with pytest.raises(ZeroStateError, match=r"engine.step\(\) needs optim_states, but engine.offload_states\(\) moved "
+                                             r"optim_states \("):
+        engine.step()
+    engine.reload_states()
+
+
 def test_offload_states_misuse_raises_naming_what_to_reload(tmp_path):
     engine = _engine(BASE)
     _train(engine, 1)

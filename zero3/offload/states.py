@@ -103,6 +103,8 @@ class StatesOffload:
         if self.phase is not OffloadPhase.RESIDENT:
             raise ZeroStateError(f"offload_states: {', '.join(k.value for k in self.kinds)} are already offloaded "
                                  f"to {self._where()}; call engine.reload_states() before offloading again")
+        if not kinds:  # nothing to move (an empty include, or contiguous_grad_buffer alone): nothing changes
+            return 0
         self._settle_swaps()
         tier = self._nvme(nvme_path) if device == "nvme" else None
         shared = self.ctx.comm.shared
@@ -277,6 +279,12 @@ def _bring_back(moved: list[_Moved], tier: StorageTier | None) -> None:
     tier.wait()
 
 
+# DeepSpeed's fifth kind: its stage 3 keeps a flat buffer for the gradients it reduces; zero3 keeps
+# none apart from the gradient shards (`lp_grads`), so the kind names nothing to move (probe 30C:
+# DeepSpeed's enum member was refused).
+_NOTHING_HERE = "contiguous_grad_buffer"
+
+
 def _kinds(include: Iterable[str] | None) -> tuple[StateKind, ...]:
     if include is None:
         return tuple(StateKind)
@@ -284,7 +292,9 @@ def _kinds(include: Iterable[str] | None) -> tuple[StateKind, ...]:
         include = [include]
     out: list[StateKind] = []
     for name in include:
-        value = name.value if isinstance(name, StateKind) else name
+        value = getattr(name, "value", name)  # a StateKind, or DeepSpeed's OffloadStateTypeEnum member
+        if value == _NOTHING_HERE:
+            continue
         try:
             kind = StateKind(value)
         except ValueError:
