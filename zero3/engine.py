@@ -233,6 +233,7 @@ class Engine(DeepSpeedEngineNames):
         require_hooks(self, "engine.step()")
         check_lr_kwargs(self, lr_kwargs)
         ctx = self.context
+        ctx.step_applied = False  # until it steps (a step that raises applied nothing)
         ctx.require_states("engine.step()")
         if ctx.optimizer is not None and not self._backward_ran() and any(p.requires_grad for p in self.params):
             raise ZeroStateError(f"engine.step(): no backward reached the model since the last engine.step() (micro-"

@@ -285,4 +285,5 @@ def test_the_torch_habit_of_optimizer_zero_grad_after_every_step_keeps_the_windo
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(w, r))
     opt.zero_grad(set_to_none=False)  # dropping to zeros: the same as to None for the next backward
     engine.remove_hooks()
-    opt.zero_grad()  # no engine any more: torch's own
+    with pytest.raises(ZeroStateError, match=r"SGD.zero_grad\(\) of the optimizer of an engine whose hooks were removed"):
+        opt.zero_grad()  # a new engine over the model takes over its tensors (review 30Y: it dropped that one's)

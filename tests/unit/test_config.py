@@ -281,6 +281,9 @@ def test_deepspeeds_older_spellings_and_what_accelerate_writes_are_read_as_deeps
     ZeroConfig.from_dict({**base, "bf16": {"enabled": True}, "torch_autocast": {"enabled": False}})  # probe 30D
     with pytest.raises(ZeroConfigError, match=r"torch_autocast.*wrap your forward in torch.autocast"):
         ZeroConfig.from_dict({**base, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
+    for raw in ("torch_autocast", "amp"):  # DeepSpeed reads their "enabled" raw: the string "false" turns them on
+        with pytest.raises(ZeroConfigError, match=rf"{raw}=.*does not implement"):
+            ZeroConfig.from_dict({**base, raw: {"enabled": "false"}})
     old = ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True}})
     assert old.training.gather_16bit_weights_on_model_save
     with pytest.raises(ZeroConfigError, match="given twice"):

@@ -586,6 +586,9 @@ def test_was_step_applied_and_global_samples_count_as_deepspeed_s_and_global_sam
         applied.append(engine.was_step_applied())
         samples.append(engine.global_samples)
     assert applied == [False, True, False, True] and samples == [0, 6, 6, 12]
+    with pytest.raises(ZeroStateError, match="no backward reached the model"):
+        engine.step()  # a step that raises applied nothing (review 30Y: it kept the last step's True)
+    assert not engine.was_step_applied()
     g = torch.Generator().manual_seed(9)
     for i in range(2):  # an overflow in the window's first micro-batch: its step is skipped
         x = torch.randn(3, 8, generator=g).half() * (float("inf") if i == 0 else 1.0)

@@ -101,6 +101,7 @@ _OFF_SECTIONS = {
     "torch_autocast": "torch.autocast inside the engine (wrap your forward in torch.autocast instead: zero3 trains "
                       "exactly under it)",
 }
+_RAW_ENABLED = {"torch_autocast", "amp"}  # sections whose "enabled" DeepSpeed reads unconverted (get_scalar_param)
 _OFF_KEYS = {  # key: (what it does in DeepSpeed, its off value)
     "memory_breakdown": ("a memory report at every step (zero3.see_memory_usage(msg, force=True) is zero3's)", False),
     "dump_state": ("a dump of the engine's state at initialize", False),
@@ -124,6 +125,8 @@ def _unimplemented(key: str, value: Any) -> None:
     if key in _OFF_SECTIONS:
         what = _OFF_SECTIONS[key]
         off = _lax_false(value) or (isinstance(value, dict) and not _any_enabled(value))
+        if key in _RAW_ENABLED:  # DeepSpeed reads their "enabled" raw: "false" is a true value there
+            off = not value or (isinstance(value, dict) and not value.get("enabled", False))
         fix = f"set every {key} 'enabled' to false or remove the section"
     elif key == "checkpoint":
         what = "checkpoint options beyond DeepSpeed's defaults (zero3's checkpoints: docs/checkpoints.md)"
