@@ -364,6 +364,7 @@ class Engine(DeepSpeedEngineNames):
             include: a subset of ``{"lp_params", "hp_params", "optim_states", "lp_grads"}`` (None: all):
                 parameter shards and the gathered persistent parameters; fp32 masters (when separate
                 from the shards); optimizer state; gradient shards (when a backward left some).
+                DeepSpeed's ``contiguous_grad_buffer`` is taken and names nothing to move here.
             device: ``"nvme"`` (a swap file under ``nvme_path``, default the config's
                 ``offload_param`` or ``offload_optimizer`` ``nvme_path``) or ``"cpu"`` (host memory;
                 storages already in CPU memory stay, as there is nothing to free).

@@ -3,6 +3,7 @@ CPU and NVMe against training without offload (bit for bit), and offload_states/
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import re
 
@@ -368,7 +369,11 @@ def test_offload_states_onto_a_drive_that_fills_part_way_loses_nothing(tmp_path,
     fault = _FailingTransfers(monkeypatch, write=True, nth=4)  # the first three writes land on the drive
     with caplog.at_level(logging.WARNING, logger="zero3"):
         if non_blocking:  # the failure is known at reload_states, which brings back what did leave memory
-            engine.offload_states(device="nvme", nvme_path=str(tmp_path), non_blocking=True)
+            moved = engine.offload_states(device="nvme", nvme_path=str(tmp_path), non_blocking=True)
+            tier = engine.context.offloaded._tier
+            concurrent.futures.wait([r.future for r in tier._records.values() if r.future is not None])
+            report = engine.memory_report()  # the three written: review 30X, the failed writes' bytes counted too
+            assert 0 < report["offloaded_bytes"] == report["nvme_bytes"] < moved / 2
             engine.reload_states()
             assert re.search(r"writes to NVMe \(.*\) failed \(the first: .*transfer at offset .* failed \(test\)\); "
                              r"those states never left memory, and nothing was lost", caplog.text)
@@ -381,6 +386,28 @@ def test_offload_states_onto_a_drive_that_fills_part_way_loses_nothing(tmp_path,
     assert fault.calls > 4  # writes after the failing one were tried too (some landed before it failed)
     assert engine.memory_report() == before
     assert all(p._zero.shard.untyped_storage().nbytes() > 0 for p in engine.params)
+    got += _train(engine, 2, start=3)
+    assert got == expected
+
+
+def test_when_reading_back_a_failed_offload_fails_too_the_states_stay_offloaded_for_reload_states(tmp_path,
+                                                                                                  monkeypatch):
+    """Review 30X: a read failing while a failed blocking offload was undone left a 0-byte shard taken for
+    resident (reload_states did nothing, the next step segfaulted)."""
+    expected = _train(_engine(BASE), 5)
+    engine = _engine(BASE)
+    got = _train(engine, 3)
+    writes = _FailingTransfers(monkeypatch, write=True, nth=4)
+    reads = _FailingTransfers(monkeypatch, write=False, nth=1)
+    with pytest.raises(OSError, match=r"transfer at offset .* failed \(test\)"):
+        engine.offload_states(device="nvme", nvme_path=str(tmp_path))
+    writes.on = reads.on = False
+    report = engine.memory_report()
+    assert 0 < report["nvme_bytes"] == report["offloaded_bytes"]  # what is on the drive, and only that
+    with pytest.raises(ZeroStateError, match="call engine.reload_states"):
+        engine.step()
+    engine.reload_states()
+    assert engine.memory_report()["nvme_bytes"] == 0
     got += _train(engine, 2, start=3)
     assert got == expected
 
@@ -405,8 +432,6 @@ def test_after_an_in_place_step_failed_on_a_full_drive_the_last_checkpoint_loads
     """The error of a step not staged says to load the last checkpoint. Its other writes failed too (the
     drive stayed full) and each raised again at its key's next use, one per call, so loads kept failing
     and training went on from a half-loaded state (probe 30C: 1e-3 off torch)."""
-    import concurrent.futures
-
     cfg = {**BASE, "offload_optimizer": {**nvme(tmp_path / "a"), "staged_step": False}, "sub_group_size": 5000}
     expected = _train(_engine({**cfg, "offload_optimizer": nvme(tmp_path / "b")}), 4)
     engine = _engine(cfg)

@@ -114,10 +114,10 @@ class StorageTier:
         _move(rec, Residence.WRITING, f"swap {key!r}")
         if storage.device.type == "cpu":
             rec.future = self.io.write(self.file, rec.offset, storage_view(storage), then=lambda: storage.resize_(0))
-        else:
-            host = storage_view(storage).to("cpu")
+        else:  # the host copy is kept until the write is settled: its only copy if the write fails (review 30X)
+            rec.host = storage_view(storage).to("cpu")
             storage.resize_(0)
-            rec.future = self.io.write(self.file, rec.offset, host)
+            rec.future = self.io.write(self.file, rec.offset, rec.host)
 
     def swap_in(self, key: Hashable) -> None:
         """Start reading ``key`` back into its storage (allocated now); `wait` before using it."""
@@ -139,16 +139,24 @@ class StorageTier:
             if rec is not None:
                 self._settle(rec)
 
-    def settle_all(self) -> list[BaseException]:
-        """Finish every transfer, collecting the failures instead of raising the first: a failed write
-        leaves its storage in memory, a failed read leaves it on the drive (`_settle`)."""
+    def settle_all(self, ended_only: bool = False) -> list[BaseException]:
+        """Finish every transfer (only those that ended, without waiting), collecting the failures
+        instead of raising the first: a failed write leaves its storage in memory, a failed read leaves
+        it on the drive (`_settle`)."""
         failed = []
         for rec in self._records.values():
+            if ended_only and rec.future is not None and not rec.future.done():
+                continue
             try:
                 self._settle(rec)
             except BaseException as exc:  # noqa: BLE001 - returned to the caller
                 failed.append(exc)
         return failed
+
+    def in_memory(self, key: Hashable) -> bool:
+        """Whether ``key``'s bytes are in memory now (its transfers settled: `settle_all`)."""
+        rec = self._records.get(key)
+        return rec is not None and rec.state.in_memory
 
     def stage(self) -> None:
         """Start a staged step: until `commit` or `rollback`, writes keep the regions read from."""
@@ -215,12 +223,16 @@ class StorageTier:
         try:
             future.result()
         except BaseException:
+            if rec.state is Residence.WRITING and rec.host is not None:  # a device storage: its bytes back from the host copy
+                rec.storage.resize_(rec.nbytes)
+                storage_view(rec.storage).copy_(rec.host)
             rec.host = None
             if rec.state is Residence.READING:
                 rec.storage.resize_(0)
             _move(rec, residence_of(rec.storage) if rec.state is Residence.WRITING else Residence.DRIVE, "swap")
             raise
         if rec.state is Residence.WRITING:
+            rec.host = None
             _move(rec, Residence.DRIVE, "swap")
         elif rec.state is Residence.READING:
             if rec.host is not None:

@@ -92,6 +92,7 @@ class StatesOffload:
         self._tier: StorageTier | None = None
         self._path = ""
         self._copies_done: list[Any] = []  # CUDA events after a non-blocking reload's copies
+        self._failed: list[BaseException] = []  # transfer failures settled before `reload` reports them
 
     # -- the two calls -------------------------------------------------------------------------------
     def offload(self, include: Iterable[str] | None, device: str, pin_memory: bool, non_blocking: bool,
@@ -130,15 +131,15 @@ class StatesOffload:
             self.ctx.store.take(taken, lambda: _move_out(moved, tier, pin, non_blocking))
         except BaseException:  # the shards' residences are unchanged (take moves them after move_out)
             _bring_back(moved, tier)
+            self._tier = None  # its file is closed once nothing refers to it
+            logger.warning("zero3::offload_states to %s failed; every state is back in memory",
+                           f"NVMe ({self._path})" if tier is not None else "CPU memory")
             raise
         if tier is not None and not non_blocking:
             try:
                 tier.wait()
             except BaseException:  # a failed write (a full drive): nothing stays moved, nothing is lost
-                _bring_back(moved, tier)
-                self.ctx.store.give_back(taken)
-                self._tier = None  # its file is closed once nothing refers to it
-                logger.warning("zero3::offload_states to NVMe (%s) failed; every state is back in memory", self._path)
+                self._failed_offload(moved, taken, kinds, tier)
                 raise
         freed = 0
         if StateKind.LP_PARAMS in kinds and self.ctx.coordinator.shards is not None:
@@ -150,6 +151,23 @@ class StatesOffload:
                     ", ".join(k.value for k in kinds), self._where(), len(moved), total / 2**20, freed / 2**20)
         return total
 
+    def _failed_offload(self, moved: list[_Moved], taken: list[ZeroParameter], kinds: tuple[StateKind, ...],
+                        tier: StorageTier) -> None:
+        """A blocking offload's write failed: read back what reached the drive. When a read fails too,
+        what is still on the drive stays offloaded, for `reload` to read again (review 30X: a 0-byte
+        storage taken for resident, and the next forward segfaulted)."""
+        try:
+            _bring_back(moved, tier)
+        except BaseException:  # noqa: BLE001 - the write's failure is the one raised
+            self._moved, self._taken, self.kinds, self.device = moved, taken, kinds, "nvme"
+            self._enter(OffloadPhase.OFFLOADED)
+            logger.warning("zero3::offload_states to NVMe (%s) failed, and reading back what it had written failed "
+                           "too: those states stay offloaded; call engine.reload_states() to read them again", self._path)
+            return
+        self.ctx.store.give_back(taken)
+        self._tier = None  # its file is closed once nothing refers to it
+        logger.warning("zero3::offload_states to NVMe (%s) failed; every state is back in memory", self._path)
+
     def reload(self, non_blocking: bool) -> None:
         """Bring back what `offload` moved (a no-op when nothing is offloaded)."""
         if self.phase is OffloadPhase.RESIDENT:
@@ -157,7 +175,8 @@ class StatesOffload:
         if self.phase is OffloadPhase.OFFLOADED:
             if self.device == "nvme":  # a non-blocking offload's failed writes left their storages in memory
                 assert self._tier is not None
-                failed = self._tier.settle_all()
+                failed = self._failed + self._tier.settle_all()
+                self._failed = []
                 if failed:
                     logger.warning("zero3::offload_states: %d of %d writes to %s failed (the first: %s); those "
                                    "states never left memory, and nothing was lost", len(failed), len(self._moved),
@@ -194,7 +213,13 @@ class StatesOffload:
     # -- accounting ----------------------------------------------------------------------------------
     @property
     def moved_bytes(self) -> int:
-        """Bytes out of memory now (0 unless OFFLOADED)."""
+        """Bytes out of memory now: what was moved, less what a failed write left in memory, and what a
+        failed read left on the drive (review 30X); 0 when resident."""
+        if self.phase is OffloadPhase.RESIDENT:
+            return 0
+        if self.device == "nvme" and self._tier is not None:
+            self._failed += self._tier.settle_all(ended_only=True)  # reported by `reload`
+            return sum(m.nbytes for i, m in enumerate(self._moved) if not self._tier.in_memory(i))
         return sum(m.nbytes for m in self._moved) if self.phase is OffloadPhase.OFFLOADED else 0
 
     @property
@@ -209,7 +234,11 @@ class StatesOffload:
     # -- helpers -------------------------------------------------------------------------------------
     def _finish_reload(self) -> None:
         if self._tier is not None and self.device == "nvme":
-            self._tier.settle_all()
+            failed = self._failed + self._tier.settle_all()
+            self._failed = []
+            if failed:
+                logger.warning("zero3::reload_states: %d reads from %s failed (the first: %s); reading them again",
+                               len(failed), self._where(), failed[0])
             for i in range(len(self._moved)):
                 if self._tier.state(i) is Residence.DRIVE:  # its read failed: read it again
                     self._tier.swap_in(i)
