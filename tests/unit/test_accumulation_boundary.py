@@ -284,6 +284,39 @@ def test_the_torch_habit_of_optimizer_zero_grad_after_every_step_keeps_the_windo
     for w, r in zip(got, _reference([gas, gas], gas)):
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(w, r))
     opt.zero_grad(set_to_none=False)  # dropping to zeros: the same as to None for the next backward
+    engine.backward(_loss(engine, 9))  # a window's first micro-batch, never stepped
     engine.remove_hooks()
-    with pytest.raises(ZeroStateError, match=r"SGD.zero_grad\(\) of the optimizer of an engine whose hooks were removed"):
-        opt.zero_grad()  # a new engine over the model takes over its tensors (review 30Y: it dropped that one's)
+    opt.zero_grad()  # no engine steps its tensors now: torch's own, which drops them
+    assert all(p._zero.train_tensor.grad is None for p in engine.params)
+
+
+def test_a_new_engine_drops_the_gradients_an_unfinished_window_left_and_the_old_optimizer_defers_to_it(caplog):
+    """Review 30Z: the first step of a new engine over the model stepped on the half window the old one
+    left in the shards; review 30Y: the old optimizer's zero_grad() dropped the new engine's gradients."""
+    gas = 2
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cfg = {"param_persistence_threshold": 0, "gradient_accumulation_steps": gas}
+    engine = zero3.initialize(model, opt, cfg)
+    engine.backward(_loss(engine, 0))
+    engine.step()  # half a window, then the engine goes
+    engine.remove_hooks()
+    with caplog.at_level(logging.WARNING, logger="zero3"):
+        new = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), cfg)
+    assert "were left by an earlier engine" in caplog.text
+    got = []
+    for i in range(1, 1 + 2 * gas):
+        new.backward(_loss(new, i))
+        with pytest.raises(ZeroStateError, match="a new engine manages the model's parameters"):
+            opt.zero_grad()
+        new.step()
+        if i % gas == 0:
+            got.append(_weights(new))
+    ref = _model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for window, w in zip(([1, 2], [3, 4]), got):
+        for i in window:
+            (_loss(ref, i) / gas).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(w, ref.parameters()))

@@ -375,8 +375,8 @@ def test_offload_states_onto_a_drive_that_fills_part_way_loses_nothing(tmp_path,
             report = engine.memory_report()  # the three written: review 30X, the failed writes' bytes counted too
             assert 0 < report["offloaded_bytes"] == report["nvme_bytes"] < moved / 2
             engine.reload_states()
-            assert re.search(r"writes to NVMe \(.*\) failed \(the first: .*transfer at offset .* failed \(test\)\); "
-                             r"those states never left memory, and nothing was lost", caplog.text)
+            assert re.search(r"transfers with NVMe \(.*\) failed \(the first: .*transfer at offset .* failed \(test\)\): "
+                             r"what they wrote stayed in memory .* so nothing was lost", caplog.text)
         else:
             with pytest.raises(OSError, match=r"transfer at offset .* failed \(test\)"):
                 engine.offload_states(device="nvme", nvme_path=str(tmp_path))

@@ -114,10 +114,10 @@ class StorageTier:
         _move(rec, Residence.WRITING, f"swap {key!r}")
         if storage.device.type == "cpu":
             rec.future = self.io.write(self.file, rec.offset, storage_view(storage), then=lambda: storage.resize_(0))
-        else:  # the host copy is kept until the write is settled: its only copy if the write fails (review 30X)
-            rec.host = storage_view(storage).to("cpu")
+        else:  # the host copy is kept while the write runs: its only copy if the write fails (review 30X)
+            rec.host = host = storage_view(storage).to("cpu")
             storage.resize_(0)
-            rec.future = self.io.write(self.file, rec.offset, rec.host)
+            rec.future = self.io.write(self.file, rec.offset, host, then=lambda: setattr(rec, "host", None))
 
     def swap_in(self, key: Hashable) -> None:
         """Start reading ``key`` back into its storage (allocated now); `wait` before using it."""
@@ -139,24 +139,30 @@ class StorageTier:
             if rec is not None:
                 self._settle(rec)
 
-    def settle_all(self, ended_only: bool = False) -> list[BaseException]:
-        """Finish every transfer (only those that ended, without waiting), collecting the failures
-        instead of raising the first: a failed write leaves its storage in memory, a failed read leaves
-        it on the drive (`_settle`)."""
+    def settle_all(self, raise_first: bool = False) -> list[BaseException]:
+        """Finish every transfer, collecting the failures (a failed write leaves its storage in memory,
+        a failed read leaves it on the drive: `_settle`); with ``raise_first``, raise the first once all
+        are settled (`wait` raises at the first, leaving the others to raise at their next use)."""
         failed = []
         for rec in self._records.values():
-            if ended_only and rec.future is not None and not rec.future.done():
-                continue
             try:
                 self._settle(rec)
-            except BaseException as exc:  # noqa: BLE001 - returned to the caller
+            except BaseException as exc:  # noqa: BLE001 - returned (or raised) below
                 failed.append(exc)
+        if failed and raise_first:
+            raise failed[0]
         return failed
 
-    def in_memory(self, key: Hashable) -> bool:
-        """Whether ``key``'s bytes are in memory now (its transfers settled: `settle_all`)."""
+    def holds(self, key: Hashable) -> bool:
+        """Whether ``key``'s bytes are in memory now, without settling anything: a write that failed
+        left them there (a device storage's get them back from the host copy when settled)."""
         rec = self._records.get(key)
-        return rec is not None and rec.state.in_memory
+        if rec is None:
+            return False
+        f = rec.future
+        if rec.state is Residence.WRITING and f is not None and f.done() and f.exception() is not None:
+            return True
+        return rec.state.in_memory
 
     def stage(self) -> None:
         """Start a staged step: until `commit` or `rollback`, writes keep the regions read from."""

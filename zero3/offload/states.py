@@ -92,7 +92,6 @@ class StatesOffload:
         self._tier: StorageTier | None = None
         self._path = ""
         self._copies_done: list[Any] = []  # CUDA events after a non-blocking reload's copies
-        self._failed: list[BaseException] = []  # transfer failures settled before `reload` reports them
 
     # -- the two calls -------------------------------------------------------------------------------
     def offload(self, include: Iterable[str] | None, device: str, pin_memory: bool, non_blocking: bool,
@@ -130,14 +129,11 @@ class StatesOffload:
         try:
             self.ctx.store.take(taken, lambda: _move_out(moved, tier, pin, non_blocking))
         except BaseException:  # the shards' residences are unchanged (take moves them after move_out)
-            _bring_back(moved, tier)
-            self._tier = None  # its file is closed once nothing refers to it
-            logger.warning("zero3::offload_states to %s failed; every state is back in memory",
-                           f"NVMe ({self._path})" if tier is not None else "CPU memory")
+            self._failed_offload(moved, [], kinds, tier)
             raise
         if tier is not None and not non_blocking:
             try:
-                tier.wait()
+                tier.settle_all(raise_first=True)
             except BaseException:  # a failed write (a full drive): nothing stays moved, nothing is lost
                 self._failed_offload(moved, taken, kinds, tier)
                 raise
@@ -152,13 +148,14 @@ class StatesOffload:
         return total
 
     def _failed_offload(self, moved: list[_Moved], taken: list[ZeroParameter], kinds: tuple[StateKind, ...],
-                        tier: StorageTier) -> None:
-        """A blocking offload's write failed: read back what reached the drive. When a read fails too,
-        what is still on the drive stays offloaded, for `reload` to read again (review 30X: a 0-byte
-        storage taken for resident, and the next forward segfaulted)."""
+                        tier: StorageTier | None) -> None:
+        """A blocking offload failed (a write, or moving a storage out): bring back what left memory. When
+        a read fails too, what is still on the drive stays offloaded, for `reload` to read again (review
+        30X: a 0-byte storage taken for resident, and the next forward segfaulted). ``taken``: the
+        shards whose residences `take` changed (none when it raised)."""
         try:
             _bring_back(moved, tier)
-        except BaseException:  # noqa: BLE001 - the write's failure is the one raised
+        except BaseException:  # noqa: BLE001 - the offload's failure is the one raised
             self._moved, self._taken, self.kinds, self.device = moved, taken, kinds, "nvme"
             self._enter(OffloadPhase.OFFLOADED)
             logger.warning("zero3::offload_states to NVMe (%s) failed, and reading back what it had written failed "
@@ -166,7 +163,8 @@ class StatesOffload:
             return
         self.ctx.store.give_back(taken)
         self._tier = None  # its file is closed once nothing refers to it
-        logger.warning("zero3::offload_states to NVMe (%s) failed; every state is back in memory", self._path)
+        logger.warning("zero3::offload_states to %s failed; every state is back in memory",
+                       f"NVMe ({self._path})" if tier is not None else "CPU memory")
 
     def reload(self, non_blocking: bool) -> None:
         """Bring back what `offload` moved (a no-op when nothing is offloaded)."""
@@ -175,12 +173,11 @@ class StatesOffload:
         if self.phase is OffloadPhase.OFFLOADED:
             if self.device == "nvme":  # a non-blocking offload's failed writes left their storages in memory
                 assert self._tier is not None
-                failed = self._failed + self._tier.settle_all()
-                self._failed = []
+                failed = self._tier.settle_all()
                 if failed:
-                    logger.warning("zero3::offload_states: %d of %d writes to %s failed (the first: %s); those "
-                                   "states never left memory, and nothing was lost", len(failed), len(self._moved),
-                                   self._where(), failed[0])
+                    logger.warning("zero3::offload_states: %d transfers with %s failed (the first: %s): what they "
+                                   "wrote stayed in memory and what they read is read again, so nothing was lost",
+                                   len(failed), self._where(), failed[0])
             for i, m in enumerate(self._moved):
                 if self.device == "nvme":
                     assert self._tier is not None
@@ -217,9 +214,8 @@ class StatesOffload:
         failed read left on the drive (review 30X); 0 when resident."""
         if self.phase is OffloadPhase.RESIDENT:
             return 0
-        if self.device == "nvme" and self._tier is not None:
-            self._failed += self._tier.settle_all(ended_only=True)  # reported by `reload`
-            return sum(m.nbytes for i, m in enumerate(self._moved) if not self._tier.in_memory(i))
+        if self.device == "nvme" and self._tier is not None:  # read without settling anything
+            return sum(m.nbytes for i, m in enumerate(self._moved) if not self._tier.holds(i))
         return sum(m.nbytes for m in self._moved) if self.phase is OffloadPhase.OFFLOADED else 0
 
     @property
@@ -234,15 +230,15 @@ class StatesOffload:
     # -- helpers -------------------------------------------------------------------------------------
     def _finish_reload(self) -> None:
         if self._tier is not None and self.device == "nvme":
-            failed = self._failed + self._tier.settle_all()
-            self._failed = []
+            failed = self._tier.settle_all()
             if failed:
                 logger.warning("zero3::reload_states: %d reads from %s failed (the first: %s); reading them again",
                                len(failed), self._where(), failed[0])
             for i in range(len(self._moved)):
                 if self._tier.state(i) is Residence.DRIVE:  # its read failed: read it again
                     self._tier.swap_in(i)
-            self._tier.wait()  # a read failing again raises, the phase unchanged: the next call reads it again
+            # every read settled before a failure is raised, the phase unchanged: the next call reads it again
+            self._tier.settle_all(raise_first=True)
             self._tier = None  # its file is closed, and the drive space freed, once nothing refers to it
         if self.device == "cpu" and torch.cuda.is_available():  # whatever stream is current now
             for event in self._copies_done:
@@ -305,7 +301,7 @@ def _bring_back(moved: list[_Moved], tier: StorageTier | None) -> None:
     for i in range(len(moved)):
         if tier.state(i) is Residence.DRIVE:
             tier.swap_in(i)
-    tier.wait()
+    tier.settle_all(raise_first=True)
 
 
 # DeepSpeed's fifth kind: its stage 3 keeps a flat buffer for the gradients it reduces; zero3 keeps

@@ -14,8 +14,9 @@ gradient shards, which under ``gradient_accumulation_steps`` > 1 hold the window
 habitual ``optimizer.zero_grad()`` after every ``engine.step()`` would leave the window's step only its
 last micro-batch (probe 30A). DeepSpeed's stage 3 empties the client optimizer's param groups outside
 its step, so the same call drops nothing there; ``engine.zero_grad()`` keeps the window's gradients.
-After ``remove_hooks`` it is refused, as ``step`` is: a new engine over the model adopts the same
-tensors, and torch's would drop that engine's gradients (review 30Y).
+After ``remove_hooks`` it is torch's own again, unless a new engine manages the model's parameters:
+then it is refused, since in fp32 the new engine adopts the same tensors, and torch's would drop that
+engine's gradients (review 30Y).
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ def route(optimizer: torch.optim.Optimizer | None, engine: Any) -> None:
         engine.step()
 
     def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        if not engine.context.attached:  # its tensors are the ones a new engine over the model takes over
-            raise ZeroStateError(
-                f"{type(self).__name__}.zero_grad() of the optimizer of an engine whose hooks were removed "
-                "(engine.remove_hooks()): it holds that engine's shards, whose gradients a new engine over the model "
-                "would be accumulating; call the new engine's zero_grad() (or model.zero_grad() without one)")
+        if not engine.context.attached:
+            if any(p._zero.ctx is not engine.context and getattr(p._zero.ctx, "attached", False) for p in engine.params):
+                raise ZeroStateError(  # its tensors may be the new engine's shards (review 30Y: it dropped its gradients)
+                    f"{type(self).__name__}.zero_grad() of the optimizer of an engine whose hooks were removed, while "
+                    "a new engine manages the model's parameters: call the new engine's zero_grad() (or its optimizer's)")
+            type(self).zero_grad(self, set_to_none)  # no engine steps these tensors now: torch's own
+            return
         engine.zero_grad()  # dropping to None or to zeros: the next backward starts from nothing either way
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a scheduler built later does not re-wrap it

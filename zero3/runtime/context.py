@@ -583,6 +583,16 @@ def _drop_stale_grads(model: nn.Module) -> None:
                        "keeps gradients in its shards)", stale[:3], " ..." if len(stale) > 3 else "")
         for p in model.parameters():
             p.grad = None
+    # Gradient shards an earlier engine left (a backward its step never took: an unfinished accumulation
+    # window before its remove_hooks()): the new engine adopts the shards, and would step on them (review 30Z).
+    left = [(n, p) for n, p in model.named_parameters() if isinstance(p, ZeroParameter) and p._zero.shard is not None
+            and (p._zero.train_tensor.grad is not None or p._zero.shard.grad is not None)]
+    if left:
+        logger.warning("zero3.initialize: the gradient shards of %s%s were left by an earlier engine (a backward its "
+                       "step did not take, such as an unfinished accumulation window); dropped", [n for n, _ in left[:3]],
+                       " ..." if len(left) > 3 else "")
+        for _, p in left:
+            p._zero.train_tensor.grad = p._zero.shard.grad = None
 
 
 def _check_nvme_shards(model: nn.Module, config: ZeroConfig, placement: PlacementPolicy) -> None:
