@@ -8,8 +8,8 @@ timeout, so a hang fails the test instead of freezing the suite.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-
 import time
 
 import pytest
@@ -319,6 +319,48 @@ def test_a_rank_raising_in_its_forward_is_named_by_the_others(pools, plain_loop)
     assert "rank 1 raised RuntimeError: boom in the user's forward in its forward" in r0["message"], r0["message"]
     assert r0["seconds"] < TIMEOUT + 2.5
     assert r0["unchanged"] and r1["unchanged"]
+
+
+def uneven_evaluation(generation: bool) -> dict:
+    """The ranks run different numbers of inference forwards (an uneven eval split), at threshold 0 so
+    they gather, then both train on (probe 30G): each inference forward is an epoch, so rank 0 was an
+    epoch ahead for good and every later step raised; and the rank that saw the divergence in its
+    reduction waited out collective_timeout at the shared-memory window's closing barrier."""
+    engine = _gpt_engine({"param_persistence_threshold": 0})
+    rank = dist.get_rank()
+    _train(engine, 2)
+    before = _snapshot(engine)
+
+    def evaluate_then_train() -> None:
+        with torch.no_grad(), (engine.generation() if generation else contextlib.nullcontext()):
+            # in generation() the whole model is gathered once by the first forward: none on rank 0
+            for i in range((0, 2)[rank] if generation else (2, 1)[rank]):
+                engine(synthetic_batch(90 + i, 2, CFG)[0])
+        _train(engine, 1, start=2)
+
+    out = _outcome(evaluate_then_train)
+    out["unchanged"] = _unchanged(before, engine)
+    out["after"] = _outcome(lambda: _train(engine, 2, start=3))
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    for step in (0, 1, 3, 4):  # step 2 raised on every rank: its batch is skipped
+        (sum(ref(*synthetic_batch(step * 7 + r, 2, CFG)) for r in range(world)) / world).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["worst"] = max((zero3.safe_get_full_fp32_param(p) - q.detach()).abs().max().item()
+                       for p, q in zip(engine.module.parameters(), ref.parameters()))
+    return out
+
+
+@pytest.mark.parametrize("generation", [False, True], ids=["eval", "generation"])
+def test_an_uneven_evaluation_raises_on_every_rank_at_once_and_training_goes_on(pools, generation):
+    for r in pools.get(2).run(uneven_evaluation, generation, timeout=POOL_TIMEOUT):
+        assert r["error"] == "ZeroDivergenceError" and r["seconds"] < TIMEOUT / 2, r
+        assert r["unchanged"], r
+        assert r["after"]["error"] is None, r
+        assert r["worst"] < 1e-5, r
 
 
 # -- mixture of experts with leaf modules --------------------------------------------------------------

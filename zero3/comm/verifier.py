@@ -285,6 +285,10 @@ class Verifier:
                      + ". A rank that catches an exception from its forward or backward and goes on has aborted "
                      "that step while the others have not: raise it on every rank, or skip the batch on every rank.")
         self.wire.monitor.post(f"{s.epoch}|raised ZeroDivergenceError at collective #{seq} ({what})")
+        # Every rank starts its next epoch at the same count: a rank steps ahead by an epoch no other ran
+        # (an inference forward, an aborted step), and behind it the ranks stayed apart for good (probe 30G:
+        # every later step raised), where the docs promise an engine that trains on.
+        s.epoch = max(e for e, _, _, _, _ in details)
         self._reset_epoch()
         raise ZeroDivergenceError(
             f"ranks disagree on the next collective ({lines}).{cause} zero3 needs every rank to run the same "

@@ -181,6 +181,7 @@ class StepLifecycle:
         inference = self.phase is StepPhase.FORWARD and not torch.is_grad_enabled()
         backward = self.phase is StepPhase.BACKWARD
         self._aborted = aborted
+        failed = True  # until the end's own work is done: a failure there closes the window as an abort
         try:
             self._close_calls(aborted, self.phase)
             if aborted:
@@ -194,9 +195,13 @@ class StepLifecycle:
                     opt.drop_grads()  # [Note: a backward that raised]: a window's first, so all the shards hold
             else:
                 reducer.finish()
+            failed = False
         finally:
             ctx.coordinator.end_step(aborted=aborted, keep_trace=keep_trace)
-            close_window(ctx.comm, ctx.store, aborted)  # after the step's last gather, before anything writes a shard
+            # after the step's last gather, before anything writes a shard; when the reduction raised (a
+            # divergence every rank saw), not through the closing barrier, which the others never reach
+            # (probe 30G: this rank waited out collective_timeout, then closed the group)
+            close_window(ctx.comm, ctx.store, aborted or failed)
             self.enter(StepPhase.IDLE)
             if aborted:
                 for comm in self._epoch_comms():
