@@ -320,3 +320,25 @@ def test_a_new_engine_drops_the_gradients_an_unfinished_window_left_and_the_old_
         ref_opt.step()
         ref_opt.zero_grad()
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(w, ref.parameters()))
+
+
+def test_a_new_engine_over_a_model_whose_old_engine_stepped_in_backward_and_was_removed_builds():
+    """Review 30Z2: the old engine's step in backward was left at STEPPED (remove_hooks before
+    engine.step()), and the new initialize's read of param.grad went through that engine's guard, which
+    refused it ("its gradient was used by the optimizer step taken in this backward")."""
+    model = _model()
+    cfg = {"param_persistence_threshold": 0, "sub_group_size": 100, "reduce_bucket_size": 100,
+           "offload_optimizer": {"device": "none", "step_in_backward": True}}
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    engine.backward(_loss(engine, 0))
+    engine.remove_hooks()
+    with zero3.GatheredParameters(list(model.parameters())):
+        ref = _model()
+        ref.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+    new = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    new.backward(_loss(new, 1))
+    new.step()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    _loss(ref, 1).backward()
+    ref_opt.step()
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(_weights(new), ref.parameters()))

@@ -111,11 +111,13 @@ class StorageTier:
                 rec.spare = self.file.region(("spare", key), rec.nbytes)
             rec.offset, rec.spare = rec.spare, rec.offset
             staged.written = True
-        _move(rec, Residence.WRITING, f"swap {key!r}")
         if storage.device.type == "cpu":
+            _move(rec, Residence.WRITING, f"swap {key!r}")
             rec.future = self.io.write(self.file, rec.offset, storage_view(storage), then=lambda: storage.resize_(0))
         else:  # the host copy is kept while the write runs: its only copy if the write fails (review 30X)
-            rec.host = host = storage_view(storage).to("cpu")
+            host = storage_view(storage).to("cpu")  # before anything changes: a failure here leaves all as it was
+            _move(rec, Residence.WRITING, f"swap {key!r}")
+            rec.host = host
             storage.resize_(0)
             rec.future = self.io.write(self.file, rec.offset, host, then=lambda: setattr(rec, "host", None))
 
@@ -157,8 +159,8 @@ class StorageTier:
         """Whether ``key``'s bytes are in memory now, without settling anything: a write that failed
         left them there (a device storage's get them back from the host copy when settled)."""
         rec = self._records.get(key)
-        if rec is None:
-            return False
+        if rec is None:  # never swapped out (a move that failed before it): its bytes never left
+            return True
         f = rec.future
         if rec.state is Residence.WRITING and f is not None and f.done() and f.exception() is not None:
             return True

@@ -15,8 +15,8 @@ habitual ``optimizer.zero_grad()`` after every ``engine.step()`` would leave the
 last micro-batch (probe 30A). DeepSpeed's stage 3 empties the client optimizer's param groups outside
 its step, so the same call drops nothing there; ``engine.zero_grad()`` keeps the window's gradients.
 After ``remove_hooks`` it is torch's own again, unless a new engine manages the model's parameters:
-then it is refused, since in fp32 the new engine adopts the same tensors, and torch's would drop that
-engine's gradients (review 30Y).
+then it is refused, since the new engine may step the same tensors (in fp32 at world size 1 it does),
+and torch's would drop that engine's gradients (review 30Y).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from ..comm.model_parallel import ModelParallel, is_tensor_parallel
 from ..optim.optimizer import PartitionedOptimizer, resident_bytes, validate_optimizer
 from ..partition import conversion
 from ..partition.ids import next_id, skip_to
-from ..partition.param import ZeroParameter, partition, raw_data
+from ..partition.param import _TENSOR_GRAD, ZeroParameter, drop_grad_slot, partition, raw_data
 from ..optim.precision import lower_buffers, lower_precision, torch_dtype
 from ..partition.state import ParamStatus
 from ..optim.routed_step import own_scheduler
@@ -577,12 +577,15 @@ def _drop_stale_grads(model: nn.Module) -> None:
     """Gradients a backward left on the parameters before `initialize` (a backward after an earlier
     engine's remove_hooks(), a plain backward) would be added into the first step's (autograd
     accumulates into ``.grad``), where the engine's optimizer.zero_grad() cannot reach them: dropped, said."""
-    stale = [n for n, p in model.named_parameters() if p.grad is not None]
+    # read and dropped past a partitioned parameter's guard (an earlier engine's checks are not this one's:
+    # review 30Z2, its step in backward refused the read)
+    with torch._C.DisableTorchFunctionSubclass():
+        stale = [n for n, p in model.named_parameters() if _TENSOR_GRAD.__get__(p) is not None]
     if stale:
         logger.warning("zero3.initialize: parameters %s%s hold gradients from an earlier backward; dropped (the engine "
                        "keeps gradients in its shards)", stale[:3], " ..." if len(stale) > 3 else "")
         for p in model.parameters():
-            p.grad = None
+            drop_grad_slot(p)
     # Gradient shards an earlier engine left (a backward its step never took: an unfinished accumulation
     # window before its remove_hooks()): the new engine adopts the shards, and would step on them (review 30Z).
     left = [(n, p) for n, p in model.named_parameters() if isinstance(p, ZeroParameter) and p._zero.shard is not None
