@@ -143,6 +143,18 @@ def skip_a_layer(ranks_that_skip: list[int], threshold: int, wire: dict | None =
         out["after"] = _outcome(lambda: _train(engine, 2, start=5))
         if len(ranks_that_skip) == dist.get_world_size() and out["after"]["error"] is None:
             out["worst"] = _against_reference(engine, skipped_steps=(3, 4), steps=7)
+    else:  # and after the divergence too, from the weights before it (review 30Z3: every later step raised)
+        out["after"] = _outcome(lambda: _train(engine, 2, start=5))
+        world = dist.get_world_size()
+        torch.manual_seed(0)
+        ref = SkippableGPT(CFG)
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+        for step in (0, 1, 2, 5, 6):
+            (sum(ref(*synthetic_batch(step * 7 + r, 2, CFG)) for r in range(world)) / world).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out["worst"] = max((zero3.safe_get_full_fp32_param(p) - q.detach()).abs().max().item()
+                           for p, q in zip(engine.module.parameters(), ref.parameters()))
     return out
 
 
@@ -168,6 +180,7 @@ def test_one_rank_skipping_a_layer_after_agreed_steps_raises_everywhere(pools, t
     for r in pools.get(2).run(skip_a_layer, [1], threshold, timeout=POOL_TIMEOUT):
         assert r["error"] == "ZeroDivergenceError", r
         assert r["unchanged"] and r["planned_before"] == "IDLE", r
+        assert r["after"]["error"] is None and r["worst"] < 1e-5, r
 
 
 @pytest.mark.parametrize("wire", [{"allgather_impl": "p2p", "reduce_scatter_impl": "p2p"},

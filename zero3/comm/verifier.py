@@ -78,6 +78,7 @@ class Verifier:
         self._plan_key = 0
         self._log: list[RequestShape] = []
         self._outstanding: deque[UnverifiedCollective] = deque()
+        self._realigned = False  # a divergence just set the next epoch: the abort of that same step does not count
 
     # -- epochs ----------------------------------------------------------------------------------
     def end_epoch(self) -> None:
@@ -98,6 +99,9 @@ class Verifier:
         if not self.enabled or self.state.mode is EpochMode.BROKEN:
             return
         if self.state.mode is EpochMode.IDLE:
+            if self._realigned:  # the step that diverged (review 30Z3: ranks whose error surfaced in an abort
+                self._realigned = False  # counted it twice, the others once)
+                return
             self._reset_epoch()
             return
         try:
@@ -118,6 +122,7 @@ class Verifier:
 
     def _reset_epoch(self) -> None:
         s = self.state
+        self._realigned = False
         if s.mode is EpochMode.BROKEN:
             return
         s.epoch += 1
@@ -217,6 +222,7 @@ class Verifier:
         """One blocking exchange: this epoch's first request and the plan each rank proposes. Returns
         True when it also verified the request (no common plan: the epoch runs CHECKED)."""
         s = self.state
+        self._realigned = False
         key = content_hash(tag.kind.value, tag.ids, shape.sizes)
         self._plan_key = key
         choice = self.plans.choose(key)
@@ -290,6 +296,7 @@ class Verifier:
         # every later step raised), where the docs promise an engine that trains on.
         s.epoch = max(e for e, _, _, _, _ in details)
         self._reset_epoch()
+        self._realigned = True
         raise ZeroDivergenceError(
             f"ranks disagree on the next collective ({lines}).{cause} zero3 needs every rank to run the same "
             "modules in the same order with the same parameters (SPMD). Run on every rank what only some "

@@ -197,7 +197,7 @@ class StepLifecycle:
                 reducer.finish()
             failed = False
         finally:
-            ctx.coordinator.end_step(aborted=aborted, keep_trace=keep_trace)
+            ctx.coordinator.end_step(aborted=aborted or failed, keep_trace=keep_trace)  # no trace of a failed one
             # after the step's last gather, before anything writes a shard; when the reduction raised (a
             # divergence every rank saw), not through the closing barrier, which the others never reach
             # (probe 30G: this rank waited out collective_timeout, then closed the group)
