@@ -247,6 +247,10 @@ def alone(what: str, tmp: str) -> dict:
 
     out = _outcome(run)
     out["unchanged"] = _unchanged(before, engine)
+    engine.zero_grad()  # a backward that ran before the error left its gradients (debugging.md)
+    # and both train on, whichever way the error reached each rank (review 30Z3: a rank whose error
+    # surfaced in an aborted step counted that step twice, and the next step raised again)
+    out["after"] = _outcome(lambda: _train(engine, 1, start=5))
     return out
 
 
@@ -257,6 +261,7 @@ def test_one_rank_alone_calling_a_collective_api_raises_everywhere(pools, what, 
         assert r["error"] == "ZeroDivergenceError", (what, r)
         assert r["unchanged"], "a shard changed"
         assert r["seconds"] < TIMEOUT, "divergence should be seen at once, not by the timeout"
+        assert r["after"]["error"] is None, (what, r)
 
 
 # -- (d), (e): one rank stops taking part --------------------------------------------------------------
