@@ -222,6 +222,7 @@ class Communicator:
 
     def step_began(self) -> None:
         """A step began: its first shared gather opens the window (a barrier)."""
+        self._verifier.step_began()
         if self._gatherer.shared is not None:
             self._gatherer.shared.arm()
 

@@ -113,6 +113,11 @@ class Verifier:
             pass
         self._reset_epoch()
 
+    def step_began(self) -> None:
+        """A step began: an abort from here on is this step's own, counted even right after a divergence
+        that reached this rank outside a step (review 30Z4: it was swallowed, and a batch went unpaired)."""
+        self._realigned = False
+
     def _finish_plan(self) -> None:
         if self.state.mode is EpochMode.PLANNED:
             while self._outstanding and self.state.mode is EpochMode.PLANNED:

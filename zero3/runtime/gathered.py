@@ -192,7 +192,11 @@ class GatheredParameters:
         kept = [p for p in self.params if p._zero.status is not ParamStatus.NOT_AVAILABLE and p._zero.pinned] \
             if self.modifier_rank is not None and self.modifier_rank is not LOCAL_MODIFIER else []
         self._in_step = torch.is_grad_enabled() and ctx.coordinator.in_step
-        ctx.coordinator.gather_for_user(self.params)
+        try:
+            ctx.coordinator.gather_for_user(self.params)
+        except BaseException:  # nothing entered: undo its pins (review 30Z4: a pin left by a divergence kept the
+            ctx.coordinator.release_for_user(self.params)  # parameter out of every later gather on this rank)
+            raise
         self._entry = [(p, raw_data(p).clone()) for p in kept]  # [Note: a modifier block that raised]
         if self.modifier_rank is None and fresh:  # [Note: writes that GatheredParameters discards]
             self._read_only = (fresh, _fingerprints(fresh), [published.get(p._zero.id, 0) for p in fresh])
