@@ -222,7 +222,7 @@ def test_leaving_the_plan_on_collective_wires_issues_their_void_stand_ins(pools,
 
 # -- (c): one rank alone calls a collective API ------------------------------------------------------
 def alone(what: str, tmp: str) -> dict:
-    engine = _gpt_engine()
+    engine = _gpt_engine({"param_persistence_threshold": 0})  # each call gathers (and pins) on its own
     _train(engine, 3)
     rank = dist.get_rank()
     before = _snapshot(engine)
@@ -250,7 +250,8 @@ def alone(what: str, tmp: str) -> dict:
     engine.zero_grad()  # a backward that ran before the error left its gradients (debugging.md)
     # and both train on, whichever way the error reached each rank (review 30Z3: a rank whose error
     # surfaced in an aborted step counted that step twice, and the next step raised again)
-    out["after"] = _outcome(lambda: _train(engine, 1, start=5))
+    out["after"] = _outcome(lambda: _train(engine, 3, start=5))
+    out["pins"] = sum(p._zero.user_pins for p in engine.params)  # review 30Z4: GatheredParameters' were left
     return out
 
 
@@ -261,7 +262,7 @@ def test_one_rank_alone_calling_a_collective_api_raises_everywhere(pools, what, 
         assert r["error"] == "ZeroDivergenceError", (what, r)
         assert r["unchanged"], "a shard changed"
         assert r["seconds"] < TIMEOUT, "divergence should be seen at once, not by the timeout"
-        assert r["after"]["error"] is None, (what, r)
+        assert r["after"]["error"] is None and r["pins"] == 0, (what, r)
 
 
 # -- (d), (e): one rank stops taking part --------------------------------------------------------------
