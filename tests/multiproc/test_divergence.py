@@ -145,17 +145,23 @@ def skip_a_layer(ranks_that_skip: list[int], threshold: int, wire: dict | None =
             out["worst"] = _against_reference(engine, skipped_steps=(3, 4), steps=7)
     else:  # and after the divergence too, from the weights before it (review 30Z3: every later step raised)
         out["after"] = _outcome(lambda: _train(engine, 2, start=5))
-        world = dist.get_world_size()
-        torch.manual_seed(0)
-        ref = SkippableGPT(CFG)
-        opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
-        for step in (0, 1, 2, 5, 6):
-            (sum(ref(*synthetic_batch(step * 7 + r, 2, CFG)) for r in range(world)) / world).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        out["worst"] = max((zero3.safe_get_full_fp32_param(p) - q.detach()).abs().max().item()
-                           for p, q in zip(engine.module.parameters(), ref.parameters()))
+        out["worst"] = _against_steps(engine, (0, 1, 2, 5, 6))
     return out
+
+
+def _against_steps(engine, steps: tuple[int, ...]) -> float:
+    """The largest difference of the engine's weights from one process's training of the same GPT on
+    every rank's batches of ``steps`` (a step that raised on every rank is left out)."""
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    for step in steps:
+        (sum(ref(*synthetic_batch(step * 7 + r, 2, CFG)) for r in range(world)) / world).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return max((zero3.safe_get_full_fp32_param(p) - q.detach()).abs().max().item()
+               for p, q in zip(engine.module.parameters(), ref.parameters()))
 
 
 def _against_reference(engine, skipped_steps: tuple[int, ...], steps: int) -> float:
@@ -360,16 +366,7 @@ def uneven_evaluation(generation: bool) -> dict:
     out = _outcome(evaluate_then_train)
     out["unchanged"] = _unchanged(before, engine)
     out["after"] = _outcome(lambda: _train(engine, 2, start=3))
-    world = dist.get_world_size()
-    torch.manual_seed(0)
-    ref = GPT(CFG)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
-    for step in (0, 1, 3, 4):  # step 2 raised on every rank: its batch is skipped
-        (sum(ref(*synthetic_batch(step * 7 + r, 2, CFG)) for r in range(world)) / world).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    out["worst"] = max((zero3.safe_get_full_fp32_param(p) - q.detach()).abs().max().item()
-                       for p, q in zip(engine.module.parameters(), ref.parameters()))
+    out["worst"] = _against_steps(engine, (0, 1, 3, 4))  # step 2 raised on every rank: its batch is skipped
     return out
 
 
