@@ -264,7 +264,7 @@ class Engine(DeepSpeedEngineNames):
                 ctx.take_persistent_writes()
             ctx.coordinator.refresh_persistent()
             ctx.global_steps += 1
-            ctx.global_samples += self.samples_per_step()
+            ctx.global_samples += ctx.samples_per_step()
         ctx.step_applied = stepped
         self.hooks.step.end_epochs()
         ctx.count_swap_io()

@@ -267,11 +267,8 @@ def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_sc
     if not training_state:  # load_module_only: the weights alone
         return
     ctx.global_steps = int(meta["global_steps"])
-    if meta.get("global_samples") is not None:  # none before 12-06: counted from the steps at today's batch
-        ctx.global_samples = int(meta["global_samples"])
-    else:
-        micro = ctx.config.training.train_micro_batch_size_per_gpu or 0
-        ctx.global_samples = ctx.global_steps * micro * ctx.config.training.gradient_accumulation_steps * ctx.world_size
+    saved = meta.get("global_samples")  # none before 12-06: counted from the steps at today's batch
+    ctx.global_samples = int(saved) if saved is not None else ctx.global_steps * ctx.samples_per_step()
     if meta.get("micro_steps") is not None:  # a window starts at the next micro-batch (DeepSpeed's counts restart)
         n = ctx.config.training.gradient_accumulation_steps
         ctx.micro_steps = -(-int(meta["micro_steps"]) // n) * n

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .verify import EpochMode, EpochState
+from .wire import group_alive
 
 
 @dataclass(eq=False)
@@ -58,7 +59,7 @@ class _Kept:
 
     def free(self) -> bool:
         group = self.group_ref()
-        if self.broken or group is None or not _registered(group):
+        if self.broken or group is None or not group_alive(group):
             return False
         if any(u._state.mode is EpochMode.BROKEN for u in self.users):
             self.broken = True
@@ -67,14 +68,6 @@ class _Kept:
 
 
 _GROUPS: dict[tuple[tuple[int, ...], float, str], list[_Kept]] = {}
-
-
-def _registered(group: Any) -> bool:
-    try:
-        dist.get_process_group_ranks(group)
-        return True
-    except (ValueError, RuntimeError, KeyError):  # destroyed (destroy_process_group of the default group)
-        return False
 
 
 def _on_collected(kept: _Kept, state: EpochState) -> None:

@@ -179,6 +179,12 @@ class RuntimeContext:
                 "gradients. Checkpoints saved before still load: after init_process_group again, call "
                 "engine.remove_hooks() and zero3.initialize(model, ...) for a new engine over the same model")
 
+    def samples_per_step(self) -> int:
+        """What an optimizer step adds to ``global_samples``: DeepSpeed's ``train_batch_size``, or 0 when
+        the config gives no micro-batch size."""
+        tr = self.config.training
+        return (tr.train_micro_batch_size_per_gpu or 0) * tr.gradient_accumulation_steps * self.world_size
+
     def forward_needs(self, grad: bool) -> tuple[str, ...] | None:
         """The state kinds a forward needs (None: all): its parameters; with grad, the gradient
         shards its backward adds into; and when that backward steps the optimizer (the step in

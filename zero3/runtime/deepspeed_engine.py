@@ -43,11 +43,6 @@ class DeepSpeedEngineNames:
         """Samples per optimizer step over all data-parallel ranks: micro-batch x accumulation x ranks."""
         return self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps() * self.world_size
 
-    def samples_per_step(self) -> int:
-        """What a boundary adds to `global_samples`: `train_batch_size`, or 0 when the config does not give it."""
-        micro = self.config.training.train_micro_batch_size_per_gpu
-        return 0 if micro is None else int(micro) * self.gradient_accumulation_steps() * self.world_size
-
     @property
     def global_samples(self) -> int:
         """Samples over every data-parallel rank at the optimizer steps so far (skipped ones included, as
