@@ -339,3 +339,26 @@ def test_a_failed_engine_leaves_another_live_engine_and_the_next_one_intact(pool
     for rank, r in enumerate(pools.get(2).run(one_engine_fails_beside_another)):
         assert r["failed"] == ("RuntimeError" if rank == 1 else "ZeroCommunicationError"), r
         assert r["a"] < 1e-6 and r["c"] < 1e-6, r
+
+
+def engine_after_a_destroyed_subgroup() -> dict:
+    """The user's subgroup, made before engine A, is destroyed while A lives; then engine B is built.
+    torch names a group made with local synchronization after its ranks and the count of registered
+    groups, which the destroy lowered: B's own group took the name of A's, and torch raised "The specified
+    group name has already been created" (review 30Y)."""
+    x = torch.randn(2 * dist.get_world_size(), 16, generator=torch.Generator().manual_seed(3))
+    users = dist.new_group([0, 1])
+    cfg = {"collective_timeout": 30}
+    model_a = _mlp()
+    engine_a = zero3.initialize(model_a, torch.optim.SGD(model_a.parameters(), lr=0.1), cfg)
+    dist.destroy_process_group(users)
+    model_b = _mlp()
+    engine_b = zero3.initialize(model_b, torch.optim.SGD(model_b.parameters(), lr=0.1), cfg)
+    return {"a": _train_two_steps(engine_a, x), "b": _train_two_steps(engine_b, x)}
+
+
+def test_an_engine_after_a_destroyed_subgroup_builds_beside_a_live_one_and_both_train(pools):
+    want = _reference(2)
+    for got in pools.get(2).run(engine_after_a_destroyed_subgroup):
+        torch.testing.assert_close(torch.tensor(got["a"]), want, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(got["b"]), want, rtol=1e-5, atol=1e-7)

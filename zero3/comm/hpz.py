@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..errors import ZeroConfigError
 from .communicator import Communicator
-from .own_groups import align_group_counts
+from .own_groups import align_group_counts, step_past_taken_names
 
 
 def secondary_communicator(parent: Communicator) -> Communicator:
@@ -33,6 +33,7 @@ def secondary_communicator(parent: Communicator) -> Communicator:
     cfg = parent.config
     kwargs = {"timeout": datetime.timedelta(seconds=cfg.timeout_s)} if cfg.timeout_s > 0 else {}
     align_group_counts(parent.group, parent.backend, parent.device)  # so torch names the block alike (own_groups.py)
+    step_past_taken_names(parent.group, ranks, parent.backend, parent.device)
     group = dist.new_group(ranks, backend=parent.backend, use_local_synchronization=True, **kwargs)
     return Communicator(group, cfg.replace(quantize_gradients=0, hpz_partition_size=1), metrics=parent.metrics,
                         world_size=size, rank=parent.rank - first, nodes=parent.nodes[first: first + size],

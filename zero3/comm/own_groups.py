@@ -33,6 +33,12 @@ behind makes groups of itself alone (no peer, no rendezvous; 3 threads each on g
 others' lead) until the counts match, whether a kept group is taken or a new one made; hpZ's blocks
 (hpz.py) align the counts again before they are made (`align_group_counts`: without an own group,
 ``collective_timeout=0``, nothing else would; review 29Y).
+
+A destroyed group lowers the count too, so the next group over the same ranks can get the name of one
+that lives (a user's subgroup made before engine A and destroyed while A lives: engine B's own group
+took A's name, and torch refused it, review 30Y). Before a group is made, the ranks agree whether its
+name is taken on any of them, and all make a group of themselves alone until it is not
+(`step_past_taken_names`).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import ZeroConfigError
 from .verify import EpochMode, EpochState
 from .wire import group_alive
 
@@ -87,6 +94,37 @@ def _pad(n: int, backend: str) -> None:
         dist.new_group([dist.get_rank()], backend=backend, use_local_synchronization=True)
 
 
+def _next_name_taken(ranks: list[int]) -> bool:
+    """Whether a group made now over ``ranks`` with local synchronization gets the name of a live group
+    (torch 2.13 names it after the ranks and the count a destroy lowers; see the Note)."""
+    c10d = dist.distributed_c10d
+    name_of = getattr(c10d, "_hash_ranks_to_str", None)
+    world = getattr(c10d, "_world", None)
+    if name_of is None or world is None:
+        return False
+    return name_of(sorted(ranks)) in set(world.pg_names.values())
+
+
+def step_past_taken_names(group: Any, ranks: list[int], backend: str, device: torch.device) -> None:
+    """Make groups of each rank alone until the group over ``ranks`` (this rank's; it may differ between
+    ranks, as hpZ's blocks do) would get a free name on every rank of ``group``. Every rank must be at
+    the same count already (`align_group_counts`). A collective over ``group``."""
+    while True:
+        flags = torch.tensor([int(_next_name_taken(ranks)), int(_next_name_taken([dist.get_rank()]))],
+                             device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        taken, pad_taken = (int(v) for v in flags.tolist())
+        if not taken:
+            return
+        if pad_taken:
+            raise ZeroConfigError(
+                f"cannot make a process group over ranks {sorted(ranks)}: torch 2.13 would give it, and every "
+                "group that could move the count past it, the name of a live group, because a process "
+                "group was destroyed after groups made later than it (torch names a group after its ranks "
+                "and how many groups are registered). Build the engine before destroying other subgroups")
+        _pad(1, backend)
+
+
 def align_group_counts(group: Any, backend: str, device: torch.device) -> None:
     """Every rank of ``group`` at the same count of registered groups before they make local groups
     (see the Note). A collective over ``group``."""
@@ -113,6 +151,7 @@ def own_group(group: Any, timeout_s: float, backend: str, device: torch.device, 
     _pad(-most - count, backend)  # also when a kept group is taken: the next local group is named by the count
     made = None  # held here until the communicator holds it
     if pick == len(kept):
+        step_past_taken_names(group, list(ranks), backend, device)
         made = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s), backend=backend,
                               use_local_synchronization=True)
         kept.append(_Kept(weakref.ref(made)))
