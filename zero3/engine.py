@@ -401,9 +401,11 @@ class Engine(DeepSpeedEngineNames):
     def remove_hooks(self) -> None:
         """Take every hook off (a step in the middle ends aborted); parameters stay partitioned until
         gathered. States moved out by `offload_states` are brought back first, so the shards a later
-        engine adopts are in memory."""
+        engine adopts are in memory. Refused between a backward that stepped the optimizer (the step in
+        backward) and `step`: the weights would stay stepped and the step uncounted."""
         if not self.context.attached:
             return  # removed before: the model may have a new engine now, whose hooks stay
+        self.context.require_between_steps("engine.remove_hooks()")
         self.reload_states()
         self.hooks.remove()
         foreign_optimizers.release(self.module)
