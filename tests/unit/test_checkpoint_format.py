@@ -134,6 +134,18 @@ def test_json_encoding_round_trips_tensors_tuples_and_non_string_keys():
 
 
 
+def test_a_fused_param_group_keeps_its_step_on_the_device_and_a_plain_one_does_not():
+    """The groups a load keeps Adam's ``step`` on the parameter's device for, found once per load (a
+    search per parameter made loads quadratic in the parameter count, probe 31L)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.AdamW([{"params": model[0].parameters(), "fused": True}, {"params": model[1].parameters()}],
+                            lr=1e-3)
+    engine = zero3.initialize(model, opt, {})
+    fused = {id(p._zero.train_tensor) for p in model[0].parameters()}
+    assert engine.context.optimizer.steps_on_device() == fused
+
+
 def test_the_optimizer_hands_its_state_to_checkpoints_as_plain_tensors_and_dicts():
     engine = make_engine()
     train(engine, range(1))
@@ -142,7 +154,7 @@ def test_the_optimizer_hands_its_state_to_checkpoints_as_plain_tensors_and_dicts
     assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["exp_avg"] is engine.optimizer_state(p)["exp_avg"]
     state.pop("step")  # a copy: the optimizer's own dict is untouched
     assert "step" in engine.optimizer_state(p)
-    assert opt.class_name == "AdamW" and not opt.keeps_step_on_device(p)
+    assert opt.class_name == "AdamW" and not opt.steps_on_device()
     assert [len(names) for names in opt.group_param_names()] == [len(g["params"]) for g in engine.optimizer.param_groups]
     assert opt.group_hyperparameters()[0]["lr"] == 3e-3 and "params" not in opt.group_hyperparameters()[0]
     opt.load_group_hyperparameters([{**g, "lr": 1e-4} for g in opt.group_hyperparameters()])

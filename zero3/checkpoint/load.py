@@ -235,6 +235,7 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
 def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_scheduler: Any,
            training_state: bool) -> None:
     meta = reader.meta
+    on_device = ctx.optimizer.steps_on_device() if plan.load_optimizer and ctx.optimizer is not None else set()
     for p in ctx.params:
         with ctx.resident([p], write=True):  # one parameter at a time; written back when its home is NVMe
             z = p._zero
@@ -250,7 +251,7 @@ def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_sc
                 master.grad = None
             if plan.load_optimizer:
                 assert ctx.optimizer is not None
-                _load_state(ctx.optimizer, reader, plan, p, start, n)
+                _load_state(ctx.optimizer, reader, plan, p, start, n, id(master) in on_device)
     _, buffers = model_entries(ctx)
     for k, b in buffers.items():
         reader.read(0, f"buffer/{k}", 0, b)
@@ -326,13 +327,13 @@ def _nothing_saved_yet(ctx: RuntimeContext, load_dir: str | os.PathLike[str]) ->
 
 
 def _load_state(optimizer: PartitionedOptimizer, reader: CheckpointReader, plan: _LoadPlan, p: ZeroParameter,
-                start: int, n: int) -> None:
+                start: int, n: int, on_device: bool) -> None:
     """Read ``p``'s optimizer state from the checkpoint into the tensors it has (when their shapes
-    fit) or new ones, and make that its whole state."""
+    fit) or new ones, and make that its whole state. ``on_device``: its group keeps the 0-d state on
+    the parameter's device (`PartitionedOptimizer.steps_on_device`)."""
     master = p._zero.train_tensor
     pm = reader.params[p._zero.name]
     old = optimizer.shard_state(p)
-    on_device = optimizer.keeps_step_on_device(p)
     new: dict[str, Any] = {}
     for key, info in pm.state.items():
         skey = f"optim/{pm.name}/{key}"

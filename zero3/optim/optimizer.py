@@ -558,12 +558,11 @@ class PartitionedOptimizer(DeepSpeedOptimizerNames):
         else:
             self.optimizer.state.pop(p._zero.train_tensor, None)
 
-    def keeps_step_on_device(self, p: ZeroParameter) -> bool:
-        """Whether ``p``'s param group keeps its 0-d state (Adam's ``step``) on the parameter's device
-        (``capturable`` or ``fused``) rather than on the CPU, where torch.optim creates it otherwise."""
-        master = p._zero.train_tensor
-        group = next((g for g in self.optimizer.param_groups if any(t is master for t in g["params"])), {})
-        return bool(group.get("capturable") or group.get("fused"))
+    def steps_on_device(self) -> set[int]:
+        """The ids of the tensors whose param group keeps its 0-d state (Adam's ``step``) on the
+        parameter's device (``capturable`` or ``fused``) rather than on the CPU, where torch.optim
+        creates it otherwise. One set for a whole load: a search per parameter made loads quadratic."""
+        return {id(t) for g in self.optimizer.param_groups if g.get("capturable") or g.get("fused") for t in g["params"]}
 
     def group_hyperparameters(self) -> list[dict[str, Any]]:
         """Each param group's settings (lr, betas, ...), in the group's key order, without ``params``."""
