@@ -652,3 +652,42 @@ def test_load_checkpoint_after_a_forward_whose_backward_did_not_run_trains_as_to
     # From the second step on as after a plain load (keeping the cut step's trace made it [12, 8, 2]
     # against [2, 2, 2]); the first still fetches some modules on demand (6), left open.
     assert cut[1:] == plain[1:] and cut[0] >= plain[0], (cut, plain)
+
+
+class _Filtered(torch.nn.Module):
+    """A learnable layer behind a fixed complex filter kept as a buffer (an FFT filter)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("filt", torch.randn(5, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft(self.lin(x)) * self.filt.to(torch.complex64)
+        return torch.fft.irfft(spectrum, n=8)
+
+
+def _filtered_engine(dtype: torch.dtype) -> zero3.Engine:
+    torch.manual_seed(0)
+    model = _Filtered(dtype)
+    return zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+
+
+def test_a_complex64_buffer_is_saved_and_loaded_and_a_complex128_one_is_refused_naming_it(tmp_path):
+    """save_checkpoint raised a bare KeyError: torch.complex64 for a complex buffer (probe 31J)."""
+    engine = _filtered_engine(torch.complex64)
+    engine.backward(engine(torch.randn(2, 8)).square().mean())
+    engine.step()
+    saved = engine.module.filt.clone()
+    engine.save_checkpoint(str(tmp_path), tag="a")
+    engine.module.filt.zero_()
+    engine.load_checkpoint(str(tmp_path), tag="a")
+    assert engine.module.filt.dtype == torch.complex64 and torch.equal(engine.module.filt, saved)
+
+    wide = _filtered_engine(torch.complex128)
+    with pytest.raises(ValueError, match=r"'buffer/filt' of dtype torch.complex128 .* safetensors has no such dtype"):
+        wide.save_checkpoint(str(tmp_path), tag="b")
+    assert (tmp_path / "latest").read_text().strip() == "a"  # the last checkpoint stays, nothing half-written
+    assert not (tmp_path / "b").exists()
+    engine.load_checkpoint(str(tmp_path))
+    assert torch.equal(engine.module.filt, saved)

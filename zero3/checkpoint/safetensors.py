@@ -28,7 +28,7 @@ _MAX_HEADER_BYTES = 100 << 20
 _ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "C64": torch.complex64,
 }
 for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("U16", "uint16"),
                      ("U32", "uint32"), ("U64", "uint64")):
@@ -195,6 +195,10 @@ class SafetensorsWriter:
             for d in shape:
                 numel *= int(d)
             nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            if dtype not in _DTYPE_TO_ST:  # was a bare KeyError (a complex128 buffer); the last checkpoint stays
+                raise ValueError(f"cannot write {name!r} of dtype {dtype} to {self.path.name}: safetensors has no such "
+                                 f"dtype (it has {', '.join(sorted(map(dtype_name, _DTYPE_TO_ST)))}); keep such a "
+                                 "tensor outside the model (or as a non-persistent buffer) and save it in client_state")
             header[name] = {"dtype": _DTYPE_TO_ST[dtype], "shape": [int(d) for d in shape],
                             "data_offsets": [offset, offset + nbytes]}
             offset += nbytes

@@ -106,12 +106,12 @@ class PlacementPolicy:
     def pin_masters(self) -> bool:
         return self.optimizer_pin_memory and torch.cuda.is_available()
 
-    def alloc_master(self, numel: int, shard_device: torch.device) -> torch.Tensor:
-        """A zeroed fp32 buffer for masters: on the CPU (pinned if asked and CUDA exists) when
-        offloading, else next to the parameter shards."""
+    def alloc_master(self, numel: int, shard_device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A zeroed buffer for masters (fp32, fp64 for fp64 shards): on the CPU (pinned if asked and CUDA
+        exists) when offloading, else next to the parameter shards."""
         if not self.optimizer_offloaded:
-            return torch.zeros(numel, dtype=torch.float32, device=shard_device)
-        return torch.zeros(numel, dtype=torch.float32, device="cpu", pin_memory=self.pin_masters)
+            return torch.zeros(numel, dtype=dtype, device=shard_device)
+        return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=self.pin_masters)
 
     @staticmethod
     def copy_back(low: torch.Tensor, master: torch.Tensor) -> None:

@@ -19,24 +19,27 @@ def global_grad_norm(grads: Sequence[tuple[torch.Tensor, bool]], norm_type: floa
     ``grads`` pairs each shard with whether its parameter is tensor-parallel. The norm is over the
     full model: the shards' powers are summed over the data-parallel ranks (``comm``) and, with
     ``model_parallel``, over the model-parallel ranks too, where a replicated parameter (the same on
-    every model-parallel rank) is counted only on model-parallel rank 0. Accumulated in fp32, reduced
-    on ``device`` (where the collectives run). A collective: every rank calls it.
+    every model-parallel rank) is counted only on model-parallel rank 0. Accumulated in fp32 (fp64 when a
+    gradient is fp64), reduced on ``device`` (where the collectives run). A collective: every rank calls it.
     """
     norm_type = float(norm_type)
     tensors = [g for g, _ in grads]
     gdev = tensors[0].device if tensors else device
+    # fp64 when a gradient is (an fp64 model's norm in fp32 was 5e-8 off torch's, probe 31J); the same on
+    # every rank, whose shards share their dtypes
+    acc = torch.float64 if any(g.dtype == torch.float64 for g in tensors) else torch.float32
     tag = Tag(Kind.ALL_REDUCE, "gradient norm (clipping)")
     mp_tag = Tag(Kind.ALL_REDUCE, "gradient norm (clipping, model-parallel)")
     if norm_type == math.inf:
-        local = max((g.abs().max() for g in tensors), default=torch.zeros((), device=gdev)).float()
+        local = max((g.abs().max().to(acc) for g in tensors), default=torch.zeros((), dtype=acc, device=gdev))
         total = comm.all_reduce(local.to(device, copy=True), tag, op="max")
         if model_parallel is not None:
             total = model_parallel.comm.all_reduce(total.to(model_parallel.comm.device), mp_tag, op="max").to(device)
         return total
     counted = [g for g, parallel in grads if model_parallel is None or parallel or model_parallel.rank == 0]
-    local = torch.zeros((), dtype=torch.float32, device=gdev)
+    local = torch.zeros((), dtype=acc, device=gdev)
     for g in counted:
-        local += g.float().abs().pow(norm_type).sum()
+        local += g.to(acc).abs().pow(norm_type).sum()
     total = comm.all_reduce(local.to(device), tag)
     if model_parallel is not None:
         total = model_parallel.comm.all_reduce(total.to(model_parallel.comm.device), mp_tag).to(device)

@@ -73,7 +73,7 @@ from .rank_state import tag_rank_state
 from .routed_step import torch_step
 from .steppable import check_steppable
 from .streamed import SubgroupStreamer
-from .precision import RUNNING_BACKWARD, LossScaler, unscale_
+from .precision import RUNNING_BACKWARD, LossScaler, master_dtype, unscale_
 from .grad_norm import clip_shards
 from ..offload.nvme import ShardTier, StorageTier
 from ..offload.swapfile import AsyncIO, SwapFile
@@ -367,7 +367,7 @@ class PartitionedOptimizer(DeepSpeedOptimizerNames):
                     behind = 0
             self.states.wait()
             return FlatGroup(params=ps, offsets=offsets, master=None, low=None)
-        master = self.placement.alloc_master(total, device)
+        master = self.placement.alloc_master(total, device, master_dtype(dtype))
         low = None
         shared = self.comm.shared
         if self.shards is None and not (shared is not None and any(shared.bound(p) for p in ps)):
@@ -389,7 +389,7 @@ class PartitionedOptimizer(DeepSpeedOptimizerNames):
 
     def _fp32_copy(self, p: ZeroParameter, fp32_shards: dict[int, torch.Tensor]) -> torch.Tensor:
         src = fp32_shards[p._zero.id] if p._zero.id in fp32_shards else self._shard_values(p)
-        out = torch.empty(src.shape, dtype=torch.float32, device="cpu", pin_memory=self.placement.pin_masters)
+        out = torch.empty(src.shape, dtype=master_dtype(src.dtype), device="cpu", pin_memory=self.placement.pin_masters)
         return out.copy_(src)
 
     # -- one training window (micro-batches up to an optimizer step) ---------------------------

@@ -81,6 +81,13 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def master_dtype(shard_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the masters of shards of ``shard_dtype``: fp32, or fp64 for fp64 shards (an fp64
+    model under ``dtype: fp32`` with the optimizer offloaded trained through fp32 masters, 3e-8 off torch's
+    fp64 run, and saved fp32 weights; probe 31J)."""
+    return torch.float64 if shard_dtype == torch.float64 else torch.float32
+
+
 def lower_precision(params: Iterable[ZeroParameter], dtype: torch.dtype, store: ShardStore) -> dict[int, torch.Tensor]:
     """Cast every floating-point shard (and the empty full-size placeholder) to ``dtype``.
 
