@@ -127,3 +127,31 @@ def test_after_remove_hooks_the_gradients_left_in_shards_can_be_cleared_as_in_to
     model[0].weight.grad = None
     model.zero_grad()
     assert model[0].weight.grad is None
+
+
+@pytest.mark.parametrize("offload", [None, "cpu", "nvme"])
+def test_a_bf16_model_initialized_again_after_remove_hooks_keeps_its_fp32_masters(offload, tmp_path):
+    """The new engine's masters were seeded from the bf16 shards: the trained fp32 masters rounded to bf16,
+    8.4e-4 off (probe 31H). On the drive (nvme) the old masters are not read back: rounded, as before."""
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = _model()
+    cfg = {"param_persistence_threshold": 0, "dtype": "bf16"}
+    if offload is not None:
+        cfg["offload_optimizer"] = {"device": offload, "nvme_path": str(tmp_path)} if offload == "nvme" else offload
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), cfg)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        engine.backward(engine(torch.randn(4, 8, generator=g).bfloat16()).float().square().mean())
+        engine.step()
+    before = [zero3.safe_get_full_fp32_param(p).clone() for p in model.parameters()]
+    assert any(not torch.equal(b, b.bfloat16().float()) for b in before)  # finer than bf16: the case that matters
+    engine.remove_hooks()
+    again = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), cfg)
+    after = [zero3.safe_get_full_fp32_param(p) for p in model.parameters()]
+    if offload == "nvme":
+        assert all(torch.equal(a, b.bfloat16().float()) for a, b in zip(after, before))
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(after, before))
+    again.backward(again(torch.randn(4, 8, generator=g).bfloat16()).float().square().mean())
+    again.step()
