@@ -22,7 +22,7 @@ from ..runtime.gathered import refuse_assign, write_back_loaded
 
 
 def _own(fn: Any) -> bool:
-    return fn is refuse_assign or (isinstance(fn, functools.partial) and fn.func is write_back_loaded)
+    return isinstance(fn, functools.partial) and fn.func in (refuse_assign, write_back_loaded)
 
 
 # torch's hooks that change nothing for a checkpoint of the model as it is: the weight-norm and

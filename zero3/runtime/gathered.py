@@ -461,37 +461,52 @@ def _own_slice(p: ZeroParameter) -> str:
 
 def load_hooks(ctx: RuntimeContext, module: nn.Module) -> list[Any]:
     """The handles of ``module.load_state_dict``'s hooks on a module holding zero3 parameters:
-    `refuse_assign` before torch loads, `write_back_loaded` after."""
-    return [module.register_load_state_dict_pre_hook(refuse_assign),
-            module.register_load_state_dict_post_hook(functools.partial(write_back_loaded, ctx))]
+    `refuse_assign` before torch loads (it also keeps the loaded values finer than the parameters,
+    in ``finer``), `write_back_loaded` after."""
+    finer: dict[int, torch.Tensor] = {}
+    return [module.register_load_state_dict_pre_hook(functools.partial(refuse_assign, finer=finer)),
+            module.register_load_state_dict_post_hook(functools.partial(write_back_loaded, ctx, finer=finer))]
 
 
-def refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any], *_: Any) -> None:
+def refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any], *_: Any,
+                  finer: dict[int, torch.Tensor] | None = None) -> None:
     """``load_state_dict(..., assign=True)``: torch would put the loaded tensors in place of zero3's
     parameters (the engine then finds parameters it never partitioned). Refused before this module
-    loads anything; without ``assign`` the loaded values go into the shards."""
-    if not local_metadata.get("assign_to_params_buffers", False):
-        return
+    loads anything; without ``assign`` the loaded values go into the shards. Into ``finer`` (by
+    ``ZeroParam.id``) go the loaded values of gathered parameters that are finer than them (fp32 for
+    a bf16 parameter): torch copies them rounded, and the masters take them from here."""
+    if finer is not None:
+        finer.clear()
     hit = [n for n, p in dict.items(module._parameters) if isinstance(p, ZeroParameter) and prefix + n in state_dict]
-    if hit:
+    if hit and local_metadata.get("assign_to_params_buffers", False):
         raise ZeroStateError(
             f"load_state_dict(..., assign=True) would replace zero3's parameter {prefix + hit[0]} with the loaded "
             "tensor, which zero3 never partitioned. Load without assign (persistent parameters take the values; "
             "for every parameter, zero3.pretrained.load_state_dict(model, state_dict) writes them into the "
             f"shards); {type(module).__name__}'s parameters were left as they were")
+    for n in hit if finer is not None else ():
+        p, value = module._parameters[n], state_dict[prefix + n]
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and p._zero.dtype.is_floating_point and \
+                value.dtype.itemsize > p._zero.dtype.itemsize and tuple(value.shape) == tuple(p._zero.shape):
+            finer[p._zero.id] = value
 
 
-def write_back_loaded(ctx: RuntimeContext, module: nn.Module, incompatible_keys: Any) -> None:
+def write_back_loaded(ctx: RuntimeContext, module: nn.Module, incompatible_keys: Any,
+                      finer: dict[int, torch.Tensor] | None = None) -> None:
     """``module.load_state_dict`` post-hook: torch copied the loaded values into the full data of the
     gathered parameters (persistent ones, or held by ``GatheredParameters``), which the next refresh
-    from the shards would overwrite; write them into the shards (and masters). Every rank loads the
-    same state dict, so every rank keeps its slice (partitioned parameters refuse the copy:
-    ``zero3.pretrained.load_state_dict`` loads those)."""
+    from the shards would overwrite; write them into the shards, and into the masters the values in
+    ``finer`` where the pre-hook kept them (else the shards': a bf16 master from an fp32 file was
+    6e-3 off the file, probe 31H). Every rank loads the same state dict, so every rank keeps its slice
+    (partitioned parameters refuse the copy: ``zero3.pretrained.load_state_dict`` loads those)."""
     params = [p for p in dict.values(module._parameters) if isinstance(p, ZeroParameter)
               and p._zero.ctx is ctx and p._zero.status is ParamStatus.AVAILABLE]
+    values = dict(finer or {})
+    if finer is not None:
+        finer.clear()  # the tensors are the caller's: not kept past its load
     if params:
         ctx.comm.shards_will_change()
-        into_shards(ctx, params)
+        into_shards(ctx, params, finer=values)
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:

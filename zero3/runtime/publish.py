@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import ZeroStateError
+from ..partition import sharding
 from ..partition.param import ZeroParameter, raw_data, update_shard_from_full
 
 published: dict[int, int] = {}
@@ -35,18 +36,22 @@ def write_updated(ctx: Any, params: list[ZeroParameter], what: str) -> None:
     into_shards(ctx, params, reshaped)
 
 
-def into_shards(ctx: Any, params: list[ZeroParameter], reshaped: frozenset[int] | set[int] = frozenset()
-                ) -> None:
+def into_shards(ctx: Any, params: list[ZeroParameter], reshaped: frozenset[int] | set[int] = frozenset(),
+                finer: dict[int, torch.Tensor] | None = None) -> None:
     """The gathered full data of ``params`` (the same on every rank) is their new value: this rank's
-    shards and masters take it (those in ``reshaped``, by ``ds_id``, are partitioned anew), and a
+    shards and masters take it (those in ``reshaped``, by ``ds_id``, are partitioned anew; a master
+    whose full value ``finer`` holds, by ``ZeroParam.id``, takes that instead of its shard's), and a
     context without ``modifier_rank`` around this does not take it for a discarded write."""
     with ctx.resident(params, write=True):  # shards read in too: unchanged ones are left alone
         for p in params:
-            published[p._zero.id] = published.get(p._zero.id, 0) + 1
-            if p._zero.id in reshaped:
+            z = p._zero
+            published[z.id] = published.get(z.id, 0) + 1
+            if z.id in reshaped:
                 repartition(ctx, p)  # gathered.py [Note: a new shape before initialize]
-            else:
-                update_shard_from_full(p)
+                continue
+            update_shard_from_full(p)
+            if finer and z.id in finer and z.master is not None:
+                z.master.copy_(sharding.shard_tensor(finer[z.id].detach().to(z.master.device), z.world_size, z.rank))
     ctx.coordinator.drop_secondaries(params)  # all of them, on every rank: the same hpZ split
 
 
