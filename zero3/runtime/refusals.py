@@ -2,7 +2,8 @@
 (``copy.deepcopy``, pickle), compiling it whole (``torch.compile(model)``), running it under a
 torch.func transform while it gathers parameters, a double backward through released weights, and embeddings whose
 forward or gradient zero3's sharding cannot carry (``sparse=True``, ``max_norm``), tensors that share a
-parameter's memory, and a parameter layout that gathers would drop (``channels_last``)."""
+parameter's memory, a parameter layout that gathers would drop (``channels_last``), and torch's
+parametrize calls that would replace a partitioned parameter."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from ..errors import ConcurrentForwardError, ZeroConfigError, ZeroStateError
-from ..partition.param import ZeroParameter
+from ..partition.param import PartitionedParameter, ZeroParameter, construction_handler
 
 try:  # 20 ns: whether a torch.compile'd call is running (dynamo then compiles every frame entered)
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback
@@ -274,6 +275,7 @@ def unscaled_backward_refusal(p: torch.Tensor | None, clipped: bool) -> ZeroStat
 
 
 _REGISTER_PARAMETRIZATION: list[Any] = []  # torch's, once `route_parametrizations` installed the check
+_REMOVE_PARAMETRIZATIONS: list[Any] = []  # torch's, likewise
 
 
 def route_parametrizations() -> None:
@@ -281,11 +283,16 @@ def route_parametrizations() -> None:
     ``parametrizations.weight_norm``, ``orthogonal`` and ``spectral_norm`` call) refuses a partitioned
     parameter of an engine's model: it moves the parameter into a new module (a ``ParametrizationList``)
     that has none of the hooks installed at ``initialize``, so nothing gathers it there. Inside
-    ``GatheredParameters`` it was accepted and the next forward failed (probe 25B)."""
+    ``GatheredParameters`` it was accepted and the next forward failed (probe 25B). And
+    ``parametrize.remove_parametrizations`` refuses, before torch changes anything, the removals that
+    cannot work on a partitioned original (`_removal_refusal`)."""
     from torch.nn.utils import parametrize
     if not _REGISTER_PARAMETRIZATION:
         _REGISTER_PARAMETRIZATION.append(parametrize.register_parametrization)
         parametrize.register_parametrization = _register_parametrization
+    if not _REMOVE_PARAMETRIZATIONS:
+        _REMOVE_PARAMETRIZATIONS.append(parametrize.remove_parametrizations)
+        parametrize.remove_parametrizations = _remove_parametrizations
 
 
 def _register_parametrization(module: nn.Module, tensor_name: str, parametrization: nn.Module, *,
@@ -299,3 +306,51 @@ def _register_parametrization(module: nn.Module, tensor_name: str, parametrizati
             "none of the hooks installed at initialize, so nothing would gather it. Register parametrizations "
             "before zero3.initialize (on the built model, or inside zero3.Init); nothing was changed")
     return _REGISTER_PARAMETRIZATION[0](module, tensor_name, parametrization, unsafe=unsafe)
+
+
+def _remove_parametrizations(module: nn.Module, tensor_name: str, leave_parametrized: bool = True) -> nn.Module:
+    refusal = _removal_refusal(module, tensor_name, leave_parametrized)
+    if refusal is not None:
+        raise refusal
+    return _REMOVE_PARAMETRIZATIONS[0](module, tensor_name, leave_parametrized)
+
+
+def _removal_refusal(module: nn.Module, tensor_name: str, leave_parametrized: bool) -> ZeroStateError | None:
+    """What ``remove_parametrizations(module, tensor_name, leave_parametrized)`` cannot do with
+    partitioned originals, checked before torch changes anything (every other removal is torch's:
+    one keeping its single original trains as torch's, gathered or not). With several originals
+    (``parametrizations.weight_norm``'s ``original0``/``original1``) torch registers a new parameter
+    computed from them and drops them: after ``initialize`` no shard, hook or optimizer holds it, so
+    the next forward failed and the trained originals were gone (probe 31H). With one original torch
+    writes the value into it with ``Tensor.set_``, which a partitioned parameter refuses only once
+    torch has wrapped that refusal in a RuntimeError advising a torch flag."""
+    parametrizations = getattr(module, "parametrizations", None)
+    plist = parametrizations[tensor_name] if isinstance(parametrizations, nn.ModuleDict) \
+        and tensor_name in parametrizations else None
+    if plist is None or not leave_parametrized:
+        return None  # torch's own error, or the original handed back as it is
+    originals = list(plist._parameters.values())
+    call = f"remove_parametrizations(module, {tensor_name!r}) (leave_parametrized=True, torch's default)"
+    if not plist.is_tensor:
+        p = next((p for p in originals if isinstance(p, ZeroParameter) and p._zero.ctx is not None
+                  and p._zero.ctx.attached), None)
+        if p is None:
+            return None
+        return ZeroStateError(
+            f"{call} of {p._zero.name} after zero3.initialize: the parametrization has {len(originals)} originals "
+            "(weight_norm's original0/original1), so torch would replace them with a new parameter computed from "
+            "them, which zero3.initialize did not partition and the optimizer does not hold: it could not be "
+            "gathered or trained, and the originals would be lost. Remove it before zero3.initialize (inside "
+            "zero3.Init, on a plain model, or inside zero3.GatheredParameters(..., modifier_rank=0)); to export the folded weight, load engine.consolidated_state_dict() into "
+            "a plain copy of the model and remove it there; to train on folded, call engine.remove_hooks(), remove "
+            "it inside `with zero3.GatheredParameters(list(module.parameters()), modifier_rank=0):` and "
+            "zero3.initialize the model anew. Nothing was changed")
+    original = originals[0] if originals else None
+    if isinstance(original, PartitionedParameter) and construction_handler.get() is None:
+        return ZeroStateError(
+            f"{call} of {original._zero.name}: torch writes the parametrized value into the original with "
+            "Tensor.set_, which a partitioned parameter cannot take (its data is in shards). Remove it inside "
+            "`with zero3.GatheredParameters([original], modifier_rank=0):` (a collective: on every rank alike), or "
+            "pass leave_parametrized=False to keep the original's own values. Nothing was changed")
+    return None
+
