@@ -40,7 +40,7 @@ from .optim import routed_step
 from .optim.routed_clip import route_clip
 from .runtime.hooks import ModuleHooks
 from .runtime.deepspeed_engine import DeepSpeedEngineNames
-from .runtime.refusals import route_parametrizations
+from .runtime.refusals import route_parametrizations, route_pruning
 from .metrics import StepMetrics
 from .comm.model_parallel import data_parallel_group
 from .optim.grad_norm import clip_shards
@@ -596,6 +596,7 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
     engine = Engine(model, optimizer, config, group, communicator, model_parameters, lr_scheduler, mpu)
     foreign_optimizers.install()  # an optimizer over the parameters themselves steps nothing: refused
     route_parametrizations()  # a parametrization registered after it: refused (its module has no hooks)
+    route_pruning()  # pruning a partitioned parameter: refused before torch moves it
     foreign_optimizers.manage(engine.module)  # ... and one over a plain parameter of this model drifts: refused
     if config.activation_checkpointing is not None:
         if checkpointing.configured_by_user():

@@ -3,7 +3,8 @@
 torch.func transform while it gathers parameters, a double backward through released weights, and embeddings whose
 forward or gradient zero3's sharding cannot carry (``sparse=True``, ``max_norm``), tensors that share a
 parameter's memory, a parameter layout that gathers would drop (``channels_last``), and torch's
-parametrize calls that would replace a partitioned parameter."""
+parametrize and prune calls that would replace a partitioned parameter or leave its module half
+rewritten."""
 
 from __future__ import annotations
 
@@ -354,3 +355,29 @@ def _removal_refusal(module: nn.Module, tensor_name: str, leave_parametrized: bo
             "pass leave_parametrized=False to keep the original's own values. Nothing was changed")
     return None
 
+
+_PRUNE_APPLY: list[Any] = []  # torch's BasePruningMethod.apply, once `route_pruning` installed the check
+
+
+def route_pruning() -> None:
+    """From the first ``initialize`` on, torch's pruning (``prune.l1_unstructured``, ``random_unstructured``,
+    ``ln_structured``, ``custom_from_mask``, ``global_unstructured``: each a ``BasePruningMethod.apply``)
+    refuses a partitioned parameter that is not gathered before torch changes anything. Torch moves
+    ``weight`` to ``weight_orig`` (or takes the module's pruning hook off) before its first use of the
+    values, where the parameter's guard raised: the module was left without ``weight`` and without the
+    hook, its forward failed, and so did the retry the guard's error suggests (probe 31H)."""
+    from torch.nn.utils import prune
+    if not _PRUNE_APPLY:
+        _PRUNE_APPLY.append(prune.BasePruningMethod.__dict__["apply"].__func__)
+        prune.BasePruningMethod.apply = classmethod(_prune_apply)  # type: ignore[method-assign,assignment]
+
+
+def _prune_apply(cls: type, module: nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
+    p = module._parameters.get(name, module._parameters.get(f"{name}_orig")) if isinstance(module, nn.Module) else None
+    if isinstance(p, PartitionedParameter) and construction_handler.get() is None:
+        raise ZeroStateError(
+            f"pruning {p._zero.name} ({cls.__name__}, torch.nn.utils.prune) while it is partitioned: torch moves it "
+            f"to {name}_orig before it reads its values, which are in shards. Prune inside `with "
+            "zero3.GatheredParameters([param], modifier_rank=0):` (a collective: on every rank alike; the pruned "
+            "module then trains as torch's), or before zero3.Init/initialize. Nothing was changed")
+    return _PRUNE_APPLY[0](cls, module, name, *args, **kwargs)
