@@ -773,6 +773,81 @@ def test_a_parametrization_registered_after_initialize_is_refused_before_it_chan
     model(torch.randn(3, 4)).sum().backward()  # it still trains
 
 
+def _train_alike(engine, model, ref, steps: int = 2) -> None:
+    """``steps`` AdamW steps of ``model`` under ``engine`` and of ``ref`` plainly: the losses must match."""
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    for _ in range(steps):
+        x = torch.randn(4, 8)
+        loss = model(x).square().mean()
+        loss.backward()
+        engine.step()
+        ref_loss = ref(x).square().mean()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("threshold", [0, 10**6])
+def test_removing_weight_norm_after_initialize_is_refused_and_the_way_it_names_trains_as_torch(threshold):
+    """weight_norm's two originals would be replaced by a new parameter nothing partitioned or steps:
+    accepted, gathered or not, and the next forward failed ('added after zero3.initialize') with the
+    originals gone (probe 31H). Refused before anything changes; remove_hooks, the removal inside
+    GatheredParameters(modifier_rank=0) and a new initialize, as the error says, train as torch's."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    def build():
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        weight_norm(model[2])
+        return model
+
+    ref, model = twins(build)
+    config = {"param_persistence_threshold": threshold}
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), config)
+    for block in (contextlib.nullcontext(), zero3.GatheredParameters(list(model[2].parameters()), modifier_rank=0)):
+        with block, pytest.raises(ZeroStateError, match=r"remove_parametrizations\(module, 'weight'\).* of "
+                                                         r"2\.parametrizations\.weight\.original0 after zero3.initialize"
+                                                         r".*2 originals.*Nothing was changed"):
+            parametrize.remove_parametrizations(model[2], "weight")
+    assert parametrize.is_parametrized(model[2], "weight") and all(zero3.is_zero_param(p) for p in model.parameters())
+    _train_alike(engine, model, ref)
+    engine.remove_hooks()
+    with zero3.GatheredParameters(list(model[2].parameters()), modifier_rank=0):
+        parametrize.remove_parametrizations(model[2], "weight")
+    parametrize.remove_parametrizations(ref[2], "weight")
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), config)
+    _train_alike(engine, model, ref)
+
+
+def test_removing_a_partitioned_single_original_raises_zero3s_error_and_inside_a_gather_trains_as_torch():
+    """leave_parametrized=True (torch's default) on a partitioned original raised torch's RuntimeError
+    advising set_swap_module_params_on_conversion, zero3's error only its __cause__ (probe 31H): now
+    zero3's, before anything changes. Inside GatheredParameters(modifier_rank=0) it trains as torch's."""
+    from torch.nn.utils import parametrize
+
+    class Sym(nn.Module):
+        def forward(self, w):
+            return (w + w.t()) / 2
+
+    def build():
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16))
+        parametrize.register_parametrization(model[2], "weight", Sym())
+        return model
+
+    ref, model = twins(build)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 0})
+    with pytest.raises(ZeroStateError, match=r"original: torch writes the parametrized value into the original "
+                                             r"with Tensor.set_.*GatheredParameters.*leave_parametrized=False"):
+        parametrize.remove_parametrizations(model[2], "weight")
+    assert parametrize.is_parametrized(model[2], "weight")
+    with zero3.GatheredParameters(list(model[2].parameters()), modifier_rank=0):
+        parametrize.remove_parametrizations(model[2], "weight")
+    parametrize.remove_parametrizations(ref[2], "weight")
+    _train_alike(engine, model, ref)
+
+
 @pytest.mark.parametrize("kind", ["orthogonal", "user"])
 def test_removing_a_parametrization_under_init_leaves_its_value_in_the_shards(kind):
     """torch writes the parametrized value into ``original`` with ``Tensor.set_``, which a partitioned

@@ -435,3 +435,50 @@ def test_a_persistent_parameter_deep_copies_plainly_as_a_gathered_one_does():
     assert type(copied) is nn.Parameter and torch.equal(copied, small.detach())
     with pytest.raises(ZeroStateError, match="cannot deepcopy partitioned parameter 1.weight"):
         copy.deepcopy(large)
+
+
+def test_pruning_a_partitioned_parameter_is_refused_before_torch_moves_it_and_inside_a_gather_trains_as_torch():
+    """torch's prune moved ``weight`` to ``weight_orig`` (a second pruning: took the pruning hook off)
+    before its first use of the values, where the guard raised: the module was left without
+    ``weight``, its forward failed, and so did the retry the error suggests (probe 31H). Refused
+    before anything changes; inside GatheredParameters(modifier_rank=0), once and again (torch's
+    PruningContainer), it trains as torch's."""
+    import torch.nn.utils.prune as prune
+
+    def build():
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    torch.manual_seed(0)
+    ref = build()
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = build()
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 0})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+
+    def train_alike() -> None:
+        for _ in range(2):
+            x = torch.randn(4, 8)
+            loss = model(x).square().mean()
+            loss.backward()
+            engine.step()
+            ref_loss = ref(x).square().mean()
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-7)
+
+    for pruned in (False, True):
+        before = ([n for n, _ in model[2].named_parameters()], [n for n, _ in model[2].named_buffers()],
+                  [type(h) for h in model[2]._forward_pre_hooks.values()])
+        with pytest.raises(ZeroStateError, match=r"pruning 2\.weight(_orig)? \(L1Unstructured.*while it is "
+                                                 r"partitioned.*GatheredParameters.*Nothing was changed"):
+            prune.l1_unstructured(model[2], "weight", amount=0.5)
+        after = ([n for n, _ in model[2].named_parameters()], [n for n, _ in model[2].named_buffers()],
+                 [type(h) for h in model[2]._forward_pre_hooks.values()])
+        assert after == before and prune.is_pruned(model) == pruned
+        with zero3.GatheredParameters(list(model[2].parameters()), modifier_rank=0):
+            prune.l1_unstructured(model[2], "weight", amount=0.5)
+        prune.l1_unstructured(ref[2], "weight", amount=0.5)
+        train_alike()
