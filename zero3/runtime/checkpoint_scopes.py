@@ -15,6 +15,20 @@ any other module visits. Two things are made explicit:
   ``torch.autograd.Function``: autograd's current node is then the enclosing one. Ending the step
   there had reduced a leaf module's unit with one recompute's gradients and dropped the rest (probe
   25C); zero3's checkpoint had a scope of its own for it, which this replaced.
+
+[Note: zero3's tensor work under a dispatch mode]
+A forward hook's gathers, releases and `_PostBackward` wrap run inside the module's call, so under
+any ``TorchDispatchMode`` active there, and torch's selective checkpoint
+(``create_selective_checkpoint_contexts``) is two: one records every op of the forward, per op
+kind and in order, the other replays the recompute against that record, and both runs must issue
+the same ops. zero3's do not: a call's parameters are gathered in the forward and found gathered
+(prefetched) in the recompute, and a module's first call in a step is closed by its gradients where
+the recompute, its second call, is wrapped (one ``aten.view`` more). From the second step on the
+recompute raised torch's "aten.view.default encountered during backward but not found in storage"
+(probe 31I), and a policy that saves more than matmuls handed the user's ops the gather's tensors
+("different metadata", a ``[16]`` bias view for a ``[4, 16]`` activation). So a forward hook entered
+under a dispatch mode runs with every mode taken off (`outside_dispatch_modes`): its ops belong to
+no user's region, and no mode records, replays or counts them.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 CHECKPOINT_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("zero3_checkpoint_forward", default=False)
 
@@ -38,6 +53,15 @@ def checkpoint_forward() -> Iterator[None]:
         yield
     finally:
         CHECKPOINT_FORWARD.reset(token)
+
+
+dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack  # how many modes are active
+
+
+def outside_dispatch_modes(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with no ``TorchDispatchMode`` active ([Note: zero3's tensor work under a dispatch mode])."""
+    with _disable_current_modes():
+        return fn(*args)
 
 
 class EnclosingEnd:

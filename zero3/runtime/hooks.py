@@ -120,7 +120,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .checkpoint_scopes import CHECKPOINT_FORWARD, EnclosingEnd
+from .checkpoint_scopes import CHECKPOINT_FORWARD, EnclosingEnd, dispatch_modes, outside_dispatch_modes
 from .context import RuntimeContext
 from ..errors import ZeroStateError
 from .gathered import external_parameters, register_external_parameter, load_hooks
@@ -426,6 +426,8 @@ class ModuleHooks:
         return out
 
     def _pre_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if dispatch_modes():  # a selective checkpoint's (checkpoint_scopes.py [Note: zero3's tensor work under ...])
+            return outside_dispatch_modes(self._pre_forward, rec, module, args, kwargs)
         if eval_frame_callback() not in EAGER:  # under torch.compile (refusals.py)
             refuse_compiled_call()
         if self._resident_calls:  # [Note: resident decode forwards]
@@ -501,6 +503,8 @@ class ModuleHooks:
         return pytree.tree_unflatten(flat, spec)
 
     def _post_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if dispatch_modes():  # as in `_pre_forward`
+            return outside_dispatch_modes(self._post_forward, rec, module, args, kwargs, output)
         if self._resident_calls:
             if rec.module is self.root:
                 self._resident_calls -= 1
@@ -562,6 +566,8 @@ class ModuleHooks:
 
     def _on_access(self, p: PartitionedParameter) -> None:
         """A partitioned param was read through ``module._parameters`` while not gathered."""
+        if dispatch_modes():  # as in `_pre_forward`
+            return outside_dispatch_modes(self._on_access, p)
         if not self.stack:
             return  # outside any forward: computing with it raises a clear error
         call = self.stack[-1]
