@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import zero3.checkpointing
 
@@ -25,8 +25,14 @@ class GPTConfig:
     n_head: int = 2
     n_embd: int = 32
     dropout: float = 0.0
-    checkpoint: str | None = None  # None, "reentrant", "non_reentrant" (torch's) or "zero3": checkpointing per block
+    checkpoint: str | None = None  # None, "reentrant", "non_reentrant", "selective" (torch's) or "zero3": per block
     n_experts: int = 0  # > 0: every block's MLP is a top-1 mixture of this many expert MLPs (MoE)
+
+
+def _save_matmuls() -> tuple:
+    """Selective activation checkpointing: keep the matmuls' outputs, recompute everything else."""
+    return create_selective_checkpoint_contexts([torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                                                 torch.ops.aten.bmm.default])
 
 
 class CausalSelfAttention(nn.Module):
@@ -126,7 +132,8 @@ class GPT(nn.Module):
             if self.cfg.checkpoint == "zero3":
                 x = zero3.checkpointing.checkpoint(block, x)
             elif self.cfg.checkpoint is not None and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=self.cfg.checkpoint == "reentrant")
+                x = checkpoint(block, x, use_reentrant=self.cfg.checkpoint == "reentrant",
+                               **({"context_fn": _save_matmuls} if self.cfg.checkpoint == "selective" else {}))
             else:
                 x = block(x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
