@@ -19,6 +19,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from ..errors import ConcurrentForwardError, ZeroConfigError, ZeroStateError
 from ..partition.param import PartitionedParameter, ZeroParameter, construction_handler
+from .adopt import take_from_rank0
 
 try:  # 20 ns: whether a torch.compile'd call is running (dynamo then compiles every frame entered)
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback
@@ -347,7 +348,7 @@ def _removal_refusal(module: nn.Module, tensor_name: str, leave_parametrized: bo
             "it inside `with zero3.GatheredParameters(list(module.parameters()), modifier_rank=0):` and "
             "zero3.initialize the model anew. Nothing was changed")
     original = originals[0] if originals else None
-    if isinstance(original, PartitionedParameter) and construction_handler.get() is None:
+    if isinstance(original, PartitionedParameter) and not _built_now(original):
         return ZeroStateError(
             f"{call} of {original._zero.name}: torch writes the parametrized value into the original with "
             "Tensor.set_, which a partitioned parameter cannot take (its data is in shards). Remove it inside "
@@ -357,6 +358,7 @@ def _removal_refusal(module: nn.Module, tensor_name: str, leave_parametrized: bo
 
 
 _PRUNE_APPLY: list[Any] = []  # torch's BasePruningMethod.apply, once `route_pruning` installed the check
+_PRUNE_REMOVE: list[Any] = []  # torch's prune.remove, likewise
 
 
 def route_pruning() -> None:
@@ -365,19 +367,53 @@ def route_pruning() -> None:
     refuses a partitioned parameter that is not gathered before torch changes anything. Torch moves
     ``weight`` to ``weight_orig`` (or takes the module's pruning hook off) before its first use of the
     values, where the parameter's guard raised: the module was left without ``weight`` and without the
-    hook, its forward failed, and so did the retry the guard's error suggests (probe 31H)."""
+    hook, its forward failed, and so did the retry the guard's error suggests (probe 31H). So does
+    ``prune.remove``. At world size above 1 the new mask is rank 0's on every rank (each drew its own).
+    """
     from torch.nn.utils import prune
     if not _PRUNE_APPLY:
         _PRUNE_APPLY.append(prune.BasePruningMethod.__dict__["apply"].__func__)
         prune.BasePruningMethod.apply = classmethod(_prune_apply)  # type: ignore[method-assign,assignment]
+        _PRUNE_REMOVE.append(prune.remove)
+        prune.remove = _prune_remove
+
+
+def _built_now(p: ZeroParameter) -> bool:
+    """``p`` belongs to no engine and a ``zero3.Init`` is open, whose construction handler gathers it on
+    use (an engine's parameter is not, inside another model's ``Init``: review 31RC)."""
+    ctx = p._zero.ctx
+    return construction_handler.get() is not None and not (ctx is not None and getattr(ctx, "attached", False))
+
+
+def _prune_refusal(p: Any, what: str, name: str) -> ZeroStateError | None:
+    if not isinstance(p, PartitionedParameter) or _built_now(p):
+        return None
+    return ZeroStateError(
+        f"{what} of {p._zero.name} (torch.nn.utils.prune) while it is partitioned: torch moves it to or from "
+        f"{name}_orig before it reads its values, which are in shards. Prune inside `with "
+        "zero3.GatheredParameters([param], modifier_rank=0):` (a collective: on every rank alike; the pruned "
+        "module then trains as torch's), or before zero3.Init/initialize. Nothing was changed")
 
 
 def _prune_apply(cls: type, module: nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
     p = module._parameters.get(name, module._parameters.get(f"{name}_orig")) if isinstance(module, nn.Module) else None
-    if isinstance(p, PartitionedParameter) and construction_handler.get() is None:
-        raise ZeroStateError(
-            f"pruning {p._zero.name} ({cls.__name__}, torch.nn.utils.prune) while it is partitioned: torch moves it "
-            f"to {name}_orig before it reads its values, which are in shards. Prune inside `with "
-            "zero3.GatheredParameters([param], modifier_rank=0):` (a collective: on every rank alike; the pruned "
-            "module then trains as torch's), or before zero3.Init/initialize. Nothing was changed")
-    return _PRUNE_APPLY[0](cls, module, name, *args, **kwargs)
+    refusal = _prune_refusal(p, f"pruning ({cls.__name__})", name)
+    if refusal is not None:
+        raise refusal
+    out = _PRUNE_APPLY[0](cls, module, name, *args, **kwargs)
+    orig = module._parameters.get(f"{name}_orig")
+    ctx = orig._zero.ctx if isinstance(orig, ZeroParameter) else None
+    if ctx is not None and getattr(ctx, "attached", False) and ctx.world_size > 1:
+        # each rank drew its own mask (random methods, per-rank importance scores): rank 0's for all, or
+        # the ranks trained different models (0.25 apart, review 31RC); a collective, as the pruning is
+        take_from_rank0(ctx.comm, [(f"{p._zero.name}: {name}_mask", getattr(module, f"{name}_mask"))],
+                        what="pruning mask", log=False)
+    return out
+
+
+def _prune_remove(module: nn.Module, name: str) -> nn.Module:
+    refusal = _prune_refusal(module._parameters.get(f"{name}_orig") if isinstance(module, nn.Module) else None,
+                             "prune.remove", name)
+    if refusal is not None:
+        raise refusal
+    return _PRUNE_REMOVE[0](module, name)
