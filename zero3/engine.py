@@ -401,11 +401,13 @@ class Engine(DeepSpeedEngineNames):
     def remove_hooks(self) -> None:
         """Take every hook off (a step in the middle ends aborted); parameters stay partitioned until
         gathered. States moved out by `offload_states` are brought back first, so the shards a later
-        engine adopts are in memory. Refused between a backward that stepped the optimizer (the step in
-        backward) and `step`: the weights would stay stepped and the step uncounted."""
+        engine adopts are in memory. Refused after a backward that completed and stepped the optimizer
+        (the step in backward), before `step`: the weights would stay stepped and the step uncounted
+        (one that raised part-way is aborted as any step is)."""
         if not self.context.attached:
             return  # removed before: the model may have a new engine now, whose hooks stay
-        self.context.require_between_steps("engine.remove_hooks()")
+        if self.context.optimizer is not None and self.context.optimizer.stepped_in_backward():
+            self.context.require_between_steps("engine.remove_hooks()")
         self.reload_states()
         self.hooks.remove()
         foreign_optimizers.release(self.module)

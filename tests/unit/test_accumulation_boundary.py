@@ -325,12 +325,17 @@ def test_a_new_engine_drops_the_gradients_an_unfinished_window_left_and_the_old_
 def test_a_new_engine_over_a_model_whose_old_engine_stepped_in_backward_and_was_removed_builds():
     """Review 30Z2: the old engine's step in backward was left at STEPPED (remove_hooks before
     engine.step()), and the new initialize's read of param.grad went through that engine's guard, which
-    refused it ("its gradient was used by the optimizer step taken in this backward")."""
+    refused it ("its gradient was used by the optimizer step taken in this backward"). remove_hooks is
+    refused there now (the weights were stepped, the step not counted): after engine.step() it is
+    accepted, and a new engine builds and trains."""
     model = _model()
     cfg = {"param_persistence_threshold": 0, "sub_group_size": 100, "reduce_bucket_size": 100,
            "offload_optimizer": {"device": "none", "step_in_backward": True}}
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
     engine.backward(_loss(engine, 0))
+    with pytest.raises(ZeroStateError, match=r"engine.remove_hooks\(\) between a backward that stepped the optimizer"):
+        engine.remove_hooks()
+    engine.step()
     engine.remove_hooks()
     with zero3.GatheredParameters(list(model.parameters())):
         ref = _model()
