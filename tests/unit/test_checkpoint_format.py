@@ -688,6 +688,6 @@ def test_a_complex64_buffer_is_saved_and_loaded_and_a_complex128_one_is_refused_
     with pytest.raises(ValueError, match=r"'buffer/filt' of dtype torch.complex128 .* safetensors has no such dtype"):
         wide.save_checkpoint(str(tmp_path), tag="b")
     assert (tmp_path / "latest").read_text().strip() == "a"  # the last checkpoint stays, nothing half-written
-    assert not (tmp_path / "b").exists()
+    assert not (tmp_path / "b").exists() and not (tmp_path / ".b.partial").exists()  # the staging went (review 31RB)
     engine.load_checkpoint(str(tmp_path))
     assert torch.equal(engine.module.filt, saved)

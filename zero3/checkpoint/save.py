@@ -142,7 +142,12 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
         if writer is not None:
             writer.abort()
         error = exc
-    infos = exchange(ctx, info, error, "save_checkpoint (rank files)")[mp.rank if mp is not None else 0]
+    try:
+        infos = exchange(ctx, info, error, "save_checkpoint (rank files)")[mp.rank if mp is not None else 0]
+    except BaseException:
+        if leader:  # every rank is past its writes: the staging directory goes (it stayed until the next save)
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
 
     try:  # 3. rank 0 writes the metadata (of its model-parallel rank's files)
         if rank == 0:
