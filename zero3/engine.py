@@ -406,8 +406,13 @@ class Engine(DeepSpeedEngineNames):
         (one that raised part-way is aborted as any step is)."""
         if not self.context.attached:
             return  # removed before: the model may have a new engine now, whose hooks stay
-        if self.context.optimizer is not None and self.context.optimizer.stepped_in_backward():
+        opt = self.context.optimizer
+        if opt is not None and opt.stepped_in_backward():
             self.context.require_between_steps("engine.remove_hooks()")
+        if opt is not None and opt.left_half_stepped():
+            logger.warning("zero3: engine.remove_hooks() on parameters part-way through a step in backward that was "
+                           "aborted in place; a new engine over them trains on from that half step: load the last "
+                           "checkpoint first (review 31RD)")
         self.reload_states()
         self.hooks.remove()
         foreign_optimizers.release(self.module)

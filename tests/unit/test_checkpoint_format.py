@@ -691,3 +691,55 @@ def test_a_complex64_buffer_is_saved_and_loaded_and_a_complex128_one_is_refused_
     assert not (tmp_path / "b").exists() and not (tmp_path / ".b.partial").exists()  # the staging went (review 31RB)
     engine.load_checkpoint(str(tmp_path))
     assert torch.equal(engine.module.filt, saved)
+
+
+@pytest.mark.parametrize("where", ["rank file", "its close too", "metadata"])
+def test_a_save_that_fails_leaves_no_staging_and_the_last_checkpoint(tmp_path, monkeypatch, where):
+    """A writer whose close flushed onto a full disk raised again out of the error path (that rank skipped
+    the exchange the others waited in), and a failure after the rank files left the staging directory
+    (review 31RD)."""
+    from zero3.checkpoint import save as save_module
+
+    engine = make_engine()
+    train(engine, range(1))
+    engine.save_checkpoint(str(tmp_path), tag="a")
+    kept = snapshot(engine)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device (test)")
+
+    if where == "metadata":
+        monkeypatch.setattr(save_module, "atomic_write_bytes", full)
+    else:
+        monkeypatch.setattr(SafetensorsWriter, "write", full)
+        if where == "its close too":
+            real_init = SafetensorsWriter.__init__
+
+            def failing_close(self, *args, **kwargs):
+                real_init(self, *args, **kwargs)
+                handle = self._fh
+                real_close = handle.close
+
+                class _Handle:
+                    def __getattr__(self, name):
+                        return getattr(handle, name)
+
+                    @property
+                    def closed(self):
+                        return handle.closed
+
+                    def close(self):
+                        real_close()
+                        raise OSError(27, "File too large (test)")
+
+                self._fh = _Handle()
+
+            monkeypatch.setattr(SafetensorsWriter, "__init__", failing_close)
+    with pytest.raises(OSError, match="No space left on device"):
+        engine.save_checkpoint(str(tmp_path), tag="b")
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["a", "latest"]
+    train(engine, range(1, 2))
+    engine.load_checkpoint(str(tmp_path))
+    now = snapshot(engine)
+    assert now.keys() == kept.keys() and all(torch.equal(now[k], kept[k]) for k in kept)

@@ -240,6 +240,14 @@ class SafetensorsWriter:
         return size, self._hash.hexdigest() if self._hash is not None else ""
 
     def abort(self) -> None:
-        if not self._fh.closed:
-            self._fh.close()
-        self.tmp.unlink(missing_ok=True)
+        """Drop the file being written; never raises (a close that flushes onto a full disk raised again,
+        out of the caller's error path, and that rank skipped the exchange the others waited in)."""
+        try:
+            if not self._fh.closed:
+                self._fh.close()
+        except OSError:
+            pass
+        try:
+            self.tmp.unlink(missing_ok=True)
+        except OSError:
+            pass

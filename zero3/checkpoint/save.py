@@ -142,12 +142,7 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
         if writer is not None:
             writer.abort()
         error = exc
-    try:
-        infos = exchange(ctx, info, error, "save_checkpoint (rank files)")[mp.rank if mp is not None else 0]
-    except BaseException:
-        if leader:  # every rank is past its writes: the staging directory goes (it stayed until the next save)
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
+    infos = _agree(ctx, info, error, "save_checkpoint (rank files)", leader, staging)[mp.rank if mp is not None else 0]
 
     try:  # 3. rank 0 writes the metadata (of its model-parallel rank's files)
         if rank == 0:
@@ -160,7 +155,7 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
     except Exception as exc:  # noqa: BLE001
         error = exc
     if mp is not None:  # every model-parallel rank's metadata is written before the tag is published
-        exchange(ctx, None, error, "save_checkpoint (metadata)")
+        _agree(ctx, None, error, "save_checkpoint (metadata)", leader, staging)
     try:  # 4. the leader publishes the directory, then moves `latest`
         if leader and error is None:
             if mp is not None:
@@ -170,9 +165,21 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
             _publish(root, staging, tag, save_latest)
     except Exception as exc:  # noqa: BLE001
         error = exc
-    exchange(ctx, None, error, "save_checkpoint (publish)")
+    _agree(ctx, None, error, "save_checkpoint (publish)", leader, staging)
     logger.info("zero3::checkpoint saved %s (rank %d of %d)", root / tag, rank, world)
     return str(root / tag)
+
+
+def _agree(ctx: RuntimeContext, payload: Any, error: BaseException | None, what: str, leader: bool,
+           staging: Path) -> list[Any]:
+    """`exchange`, and when it raises (an error on any rank) the leader removes the staging directory:
+    every rank is past its writes then (it stayed until the next save, review 31RB/31RD)."""
+    try:
+        return exchange(ctx, payload, error, what)
+    except BaseException:
+        if leader:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _param_pieces(ctx: RuntimeContext, p: Any) -> tuple[int, int, dict[str, Any],

@@ -634,6 +634,11 @@ class PartitionedOptimizer(DeepSpeedOptimizerNames):
         """The last backward stepped sub-groups (the step in backward), so ``engine.step()`` ends its window."""
         return self.backward_step is not None and self.backward_step.phase is BackwardStepPhase.STEPPED
 
+    def left_half_stepped(self) -> bool:
+        """A backward that stepped sub-groups in place was aborted: the parameters are part-way through a
+        step until a checkpoint is loaded."""
+        return self.backward_step is not None and self.backward_step.phase is BackwardStepPhase.BROKEN
+
     def drop_grads(self) -> None:
         """Drop every gradient shard (after a step, an overflow, or a window's first micro-batch)."""
         type(self.optimizer).zero_grad(self.optimizer, set_to_none=True)  # its own, not the routed one

@@ -446,6 +446,8 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     if config.precision.dtype != "fp32":
         fp32_shards = lower_precision(ctx.params, torch_dtype(config.precision.dtype), ctx.store)
         lower_buffers(model, torch_dtype(config.precision.dtype))
+    for p in ctx.params:  # an earlier engine's masters (read above) are not this one's: a new engine without
+        p._zero.master = None  # them stepped the old CPU masters and never the shards (review 31RD)
     ctx.reducer = GradientReducer(ctx.comm, config.comm.reduce_bucket_size, reduce_dtype=torch_dtype(config.precision.reduce_dtype),
                                   accumulation_steps=config.training.gradient_accumulation_steps,
                                   boundary_numel=_prefetch_numel(config))
