@@ -961,12 +961,13 @@ def random_pruning_per_rank_seed() -> dict:
     torch.manual_seed(100 + rank)
     with zero3.GatheredParameters(list(model[2].parameters()), modifier_rank=0):
         prune.random_unstructured(model[2], "weight", amount=0.5)
+        pruned = model[2].weight.detach().clone()  # torch set it from the rank's own mask (review 31RD)
     g = torch.Generator().manual_seed(1)
     for _ in range(2):
         x = torch.randn(8, 8, generator=g)
         engine.backward(engine(x[4 * rank:4 * rank + 4]).square().mean())
         engine.step()
-    return {"mask": model[2].weight_mask.clone()}
+    return {"mask": model[2].weight_mask.clone(), "pruned": pruned}
 
 
 def test_random_pruning_inside_a_gather_gives_every_rank_rank_0_s_mask(pools):
@@ -974,3 +975,4 @@ def test_random_pruning_inside_a_gather_gives_every_rank_rank_0_s_mask(pools):
     0.25 apart, without a word (review 31RC)."""
     first, second = pools.get(2).run(random_pruning_per_rank_seed)
     assert torch.equal(first["mask"], second["mask"]) and 0 < int(first["mask"].sum()) < first["mask"].numel()
+    assert torch.equal(first["pruned"], second["pruned"])

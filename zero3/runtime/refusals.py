@@ -408,6 +408,7 @@ def _prune_apply(cls: type, module: nn.Module, name: str, *args: Any, **kwargs: 
         # the ranks trained different models (0.25 apart, review 31RC); a collective, as the pruning is
         take_from_rank0(ctx.comm, [(f"{p._zero.name}: {name}_mask", getattr(module, f"{name}_mask"))],
                         what="pruning mask", log=False)
+        setattr(module, name, out.apply_mask(module))  # torch set it from this rank's own mask (review 31RD)
     return out
 
 
