@@ -7,7 +7,10 @@ set beside bench_step.py's 2-rank CPU per step, the rest of the excess is commun
     python benchmarks/bench_world1.py --rounds 5
 
 The three alternate every 2 steps, in a rotated order each round. Prints the median process CPU
-time per step of each. Figures are printed, never asserted.
+time per step of each, and the loss after each one's last step: all three train the same model from
+the same seed on the same batches, so in fp32 their losses must agree within ``LOSS_RTOL`` of the
+plain model's at every step; a way that does not is marked DIFFERS (its time is not the same work).
+Figures are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_step
+
+LOSS_RTOL = 1e-5
+"""Relative difference from the plain model's loss, at any step, above which a way is flagged."""
 
 
 def main() -> None:
@@ -48,37 +54,49 @@ def main() -> None:
         model = GPT(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if conf is None:
-            def plain(i: int) -> None:
+            def plain(i: int) -> float:
                 x, y = synthetic_batch(i, args.batch, cfg)
-                model(x, y).backward()
+                loss = model(x, y)
+                loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                return loss.item()
             return plain
         engine = zero3.initialize(model, opt, conf)
 
-        def step(i: int) -> None:
+        def step(i: int) -> float:
             x, y = synthetic_batch(i, args.batch, cfg)
-            engine.backward(engine(x, y))
+            loss = engine(x, y)
+            engine.backward(loss)
             engine.step()
+            return loss.item()
         return step
 
     steps = {name: build(conf) for name, conf in ways.items()}
-    for step in steps.values():  # warm-up: the first step records the trace
-        for i in range(3):
-            step(i)
     names = list(ways)
+    losses: dict[str, list[float]] = {n: [] for n in names}  # per step, in each way's own step order
+    for name, step in steps.items():  # warm-up: the first step records the trace
+        for i in range(3):
+            losses[name].append(step(i))
     cpu: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             for i in range(2):
                 c = time.process_time()
-                steps[name](i)
+                loss = steps[name](i)
                 cpu[name].append(time.process_time() - c)
+                losses[name].append(loss)
     print(f"# bench_world1  3.7M GPT  batch {args.batch}  world size 1  {args.rounds} rounds x 2 steps")
-    print("| way | median CPU/step (ms) |")
-    print("|---|---:|")
+    print("| way | median CPU/step (ms) | loss after last step |")
+    print("|---|---:|---:|")
+    ref = losses["plain"]
     for name in names:
-        print(f"| {name} | {statistics.median(cpu[name]) * 1e3:.1f} |")
+        rel = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses[name], ref))
+        same = rel <= LOSS_RTOL  # NaN compares False: flagged too
+        mark = "" if same else f" (DIFFERS from plain by up to {rel:.1e} relative: not the same work)"
+        print(f"| {name} | {statistics.median(cpu[name]) * 1e3:.1f} | {losses[name][-1]:.7g}{mark} |")
+    print(f"\nEvery way must match the plain model's loss at each of its {len(ref)} steps within {LOSS_RTOL:g} "
+          "relative; one marked DIFFERS trained other numbers.")
 
 
 if __name__ == "__main__":
