@@ -12,7 +12,9 @@ again) at the default live budget and at half the model, ``engine.generation()``
 budget at the whole model, and with it at half the model, with and without prefetch (only what does
 not fit is gathered again, along the planned decode cycle). Tokens per second is the slower rank's, the median over
 ``--repeat`` interleaved rounds (the machine may be shared: compare within a run); the decoded
-tokens are compared with the same model run plainly in one process. A last row decodes with that
+tokens are compared with the same model run plainly in one process, on every rank: greedy decoding
+in fp32 must give exactly the same tokens, and a row that does not (on any rank or repeat) did other
+work, so its ratios print as "excluded" (and a reference row that does not voids the ratios to it). A last row decodes with that
 model itself, no zero3 at all (every rank holds it whole): the ceiling for a mode that gathers
 nothing per token. Figures are printed, never asserted.
 """
@@ -100,18 +102,29 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         gathered = engine.metrics.allgather_numel - before
         runs[name].append((args.tokens / elapsed.item(), gathered / args.tokens / numel, torch.equal(got, want)))
         engine.remove_hooks()
-    rows = [(name, statistics.median(r[0] for r in rs), rs[0][1], all(r[2] for r in rs)) for name, rs in runs.items()]
+    # A row's tokens are equal only if they are on every rank and in every repeat.
+    equal = torch.tensor([all(r[2] for r in rs) for rs in runs.values()], dtype=torch.int32)
+    dist.all_reduce(equal, op=dist.ReduceOp.MIN)
+    rows = [(name, statistics.median(r[0] for r in rs), rs[0][1], bool(ok))
+            for (name, rs), ok in zip(runs.items(), equal.tolist())]
     if rank == 0:
         print(f"# bench_generation  {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}  "
               f"{world} gloo ranks x 1 thread; GPT n_layer={cfg.n_layer} n_embd={cfg.n_embd} ({numel:,} parameters), "
               f"greedy decode of {args.tokens} tokens, median of {args.repeat}; allgather_impl {args.gather}\n")
-        ceiling = next(tps for name, tps, _, _ in rows if name == UNWRAPPED)
+        ceiling, ceiling_ok = next((tps, ok) for name, tps, _, ok in rows if name == UNWRAPPED)
+        plain_tps, plain_ok = rows[0][1], rows[0][3]
+
+        def vs(tps: float, ok: bool, ref: float, ref_ok: bool) -> str:
+            return f"{tps / ref:.2f}x" if ok and ref_ok else "excluded"
+
         print("| variant | tokens/s | vs plain | vs torch without zero3 | weights gathered per token (x model) | "
               "tokens equal the plain model's |")
         print("|---|---:|---:|---:|---:|---|")
         for name, tps, per_token, ok in rows:
-            print(f"| {name} | {tps:.1f} | {tps / rows[0][1]:.2f}x | {tps / ceiling:.2f}x | "
+            print(f"| {name} | {tps:.1f} | {vs(tps, ok, plain_tps, plain_ok)} | {vs(tps, ok, ceiling, ceiling_ok)} | "
                   f"{'—' if name == UNWRAPPED else f'{per_token:.2f}'} | {ok} |")
+        print("\nTokens must equal the plain model's exactly (greedy, fp32), on every rank and repeat; a row "
+              "where they do not is left out of the ratios (\"excluded\").")
     dist.destroy_process_group()
 
 
