@@ -1,7 +1,8 @@
 """Training-step benchmark: zero3 (prefetch on / off) against DDP and FSDP2 on 2 CPU ranks (gloo).
 
     python benchmarks/bench_step.py            # full run (3 repeats, 20 measured steps), 3-6 minutes
-    python benchmarks/bench_step.py --quick    # smoke run (small model, 1 repeat, 4 steps), ~1 min quiet
+    python benchmarks/bench_step.py --quick    # smoke run (small model, 1 repeat, 4 steps): 14 variants x 2
+        # launches (timed + memory pass) = 28 fresh rank pairs, 4-6 s each lightly loaded, 13-22 s loaded
     python benchmarks/bench_step.py --models small,big --variants zero3,fsdp2,ddp --repeats 2 --steps 10
         # issue 13's comparison: both GPTs (3.7M and 86.7M parameters), default configs, side by side
 
@@ -37,6 +38,12 @@ gathered once for forward and once for backward). zero3's figure comes from
 ``engine.last_step_metrics`` (unpadded bytes of the parameters gathered, plus persistent refreshes);
 every variant's "wire" figure counts the flat all-gather calls themselves, each call once (padding
 included; zero3's ``verify_collectives`` header exchanges counted apart, as "+headers").
+
+Every variant trains the same fp32 model from the same seed on the same batches, so its loss at every
+measured step (mean over ranks, every repeat) must match the reference's within ``LOSS_RTOL``
+relative: DDP's first repeat, or the first variant that ran when DDP is not in the run. A variant
+outside it trained other numbers: its loss cell says DIFFERS and it is left out of every ratio
+("excluded") and of the goals table, which would otherwise compare different work.
 """
 
 from __future__ import annotations
@@ -84,6 +91,8 @@ LABELS = {
 MMAP_THRESHOLD = "131072"
 """MALLOC_MMAP_THRESHOLD_ of the memory pass, unless the environment sets another."""
 MIB = 1024 * 1024
+LOSS_RTOL = 1e-5
+"""fp32, same init and batches: the systems differ only in summation order, well inside this."""
 BREAKDOWN = ("forward_seconds", "backward_seconds", "wait_seconds", "reduce_wait_seconds", "header_seconds",
              "optimizer_seconds")
 """zero3's per-step timers (engine.last_step_metrics), printed as the step breakdown."""
@@ -428,10 +437,11 @@ def run_variant(rank: int, world: int, variant: str, args: argparse.Namespace, m
     out["rss_end"] = rss_bytes()
     out["maxrss"] = maxrss_bytes()
     if engine is not None:
-        # Without this the engine is never freed (its post-accumulate-grad hooks form a cycle the
-        # garbage collector cannot see), so the process group it references outlives
-        # destroy_process_group and is torn down at interpreter exit, which sometimes aborts
-        # ("terminate called without an active exception"). See docs/performance.md.
+        # Take the hooks off before destroy_process_group, whatever the garbage collector does. At
+        # 940ffa3 an engine was never freed without this (its post-accumulate-grad hooks formed a cycle
+        # the collector could not see), and the process group it held was torn down at interpreter
+        # exit, which sometimes aborted ("terminate called without an active exception"). At fc91063
+        # `del` + gc.collect() frees engine and model without it (world 1 and 2). docs/performance.md.
         engine.remove_hooks()
     return out
 
@@ -595,9 +605,11 @@ def summarise(runs: dict[str, list[list[dict]]], mem: dict[str, list[dict]],
             "losses_agree_across_repeats": len({round(rep[0]["losses"][-1], 6) for rep in reps}) == 1,
             "r0": reps[0][0],
         }
-    ddp = rows.get("ddp", {}).get("median")
-    ddp_best = rows.get("ddp", {}).get("best")
-    ddp_cpu = rows.get("ddp", {}).get("cpu")
+    ref_name = check_losses(runs, rows)
+    ddp_row = rows.get("ddp", {}) if rows.get("ddp", {}).get("same") else {}  # DDP is the reference when it ran
+    ddp = ddp_row.get("median")
+    ddp_best = ddp_row.get("best")
+    ddp_cpu = ddp_row.get("cpu")
     ddp_loss = rows.get("ddp", {}).get("loss")
     any_ok = next((r["r0"] for r in rows.values() if "r0" in r), None)
     world = args.nproc
@@ -626,12 +638,15 @@ def summarise(runs: dict[str, list[list[dict]]], mem: dict[str, list[dict]],
         r0 = row["r0"]
         med = row["median"]
         ratio = f"{med / ddp:.2f}x (best {row['best'] / ddp_best:.2f}x)" if ddp else "n/a"
+        if not row["same"]:
+            ratio = "excluded (loss differs)"
         reps = "/".join(f"{m:.3f}" for m in row["rep_medians"])
         zero3_ms = "n/a"
         if row["wait_ms"] is not None:
             zero3_ms = f"{row['wait_ms']:.0f} / {row['header_ms']:.0f}"
         timing.append(f"| {name} | {batch} | {reps} | {row['p10']:.3f} – {row['p90']:.3f} | {row['cpu']:.3f} | "
-                      + (f"{row['cpu'] / ddp_cpu:.2f}x" if ddp_cpu else "n/a") + f" | {zero3_ms} |")
+                      + ("excluded" if not row["same"] else f"{row['cpu'] / ddp_cpu:.2f}x" if ddp_cpu else "n/a")
+                      + f" | {zero3_ms} |")
         gathered = "n/a"
         recv = "n/a"
         vs_ideal = "n/a"
@@ -666,9 +681,18 @@ def summarise(runs: dict[str, list[list[dict]]], mem: dict[str, list[dict]],
         loss = f"{row['loss']:.6f}"
         if ddp_loss is not None and variant != "ddp":
             loss += f" (Δ {row['loss'] - ddp_loss:+.1e})"
+        if not row["same"]:
+            loss += f" DIFFERS from {label(ref_name)}: up to {row['loss_rel']:.1e} relative"
         lines.append(f"| {name} | {batch} | {med:.3f} | {ratio} | {fmt_mib(row['maxrss'])} | "
                      f"{fmt_mib(row['growth'])} | {gathered} | {recv} | {vs_ideal} | {calls} | {hit} | {loss} |")
     notes = []
+    if ref_name is not None:
+        notes.append(f"Same result: every variant's loss at each measured step, every repeat, within {LOSS_RTOL:g} "
+                     f"relative of {label(ref_name)}'s; "
+                     + (", ".join(label(v) for v, r in rows.items() if "r0" in r and not r["same"])
+                        + " DIFFER and are left out of the ratios" if any("r0" in r and not r["same"]
+                                                                          for r in rows.values())
+                        else "all agree"))
     if any_ok is not None:
         notes.append(f"Model: {any_ok['n_params']:,} parameters = {fmt_mib(any_ok['param_bytes'])} MiB fp32; "
                      f"ideal all-gather per rank per step 2 x {fmt_mib(pbytes)} x {world - 1}/{world} = "
@@ -717,18 +741,41 @@ def summarise(runs: dict[str, list[list[dict]]], mem: dict[str, list[dict]],
     return text, rows
 
 
+def check_losses(runs: dict[str, list[list[dict]]], rows: dict[str, dict]) -> str | None:
+    """Set ``same`` and ``loss_rel`` on every row that ran: its worst relative loss difference, over
+    measured steps and repeats, from the reference (DDP's first repeat, else the first variant that
+    ran), whose name it returns (None when no variant ran)."""
+    ran = [v for v, r in rows.items() if "r0" in r]
+    if not ran:
+        return None
+    ref_name = "ddp" if "ddp" in ran else ran[0]
+    ref = rows[ref_name]["r0"]["losses"]
+    for v in ran:
+        diffs = [abs(a - b) / max(abs(b), 1e-30) for rep in runs[v] for a, b in zip(rep[0]["losses"], ref)]
+        ok = bool(diffs) and all(d <= LOSS_RTOL for d in diffs)  # NaN compares False: not the same
+        rows[v]["same"] = ok
+        rows[v]["loss_rel"] = max(diffs) if diffs and all(d == d for d in diffs) else float("nan")
+    return ref_name
+
+
 def goals(results: dict[str, dict[str, dict]]) -> str:
     """Issue 13's goals, read off this run: every zero3 variant's median step against FSDP2's and DDP's."""
     lines = ["| model | batch/rank | variant | median step (s) | vs FSDP2 | vs FSDP2 without reshard | vs DDP | "
              "peak RSS/rank vs FSDP2 | vs FSDP2 without reshard |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    excluded: list[str] = []
     for model, rows in results.items():
         fsdp, keep, ddp = rows.get("fsdp2", {}), rows.get("fsdp2-noreshard", {}), rows.get("ddp", {})
         for variant, row in rows.items():
             if not variant.startswith("zero3") or "median" not in row:
                 continue
+            if not row["same"]:
+                excluded.append(f"{model}: {label(variant)}")
+                continue
 
             def vs(other: dict, key: str = "median") -> str:
+                if other and not other.get("same", True):
+                    return "excluded (its loss differs)"
                 mine, theirs = row.get(key), other.get(key)
                 return f"{mine / theirs:.2f}x" if mine is not None and theirs is not None else "n/a"
 
@@ -736,9 +783,11 @@ def goals(results: dict[str, dict[str, dict]]) -> str:
                          f"{vs(keep)} | {vs(ddp)} | {vs(fsdp, 'maxrss')} | {vs(keep, 'maxrss')} |")
     for model, rows in results.items():  # issue 9's goal: the checks cost at most 3% of the step
         on, off = rows.get("zero3", {}), rows.get("zero3-noverify", {})
-        if "median" in on and "median" in off:
+        if "median" in on and "median" in off and on["same"] and off["same"]:
             lines.append(f"\n{model}: verification on / off (default config) = {on['median'] / off['median']:.3f}x "
                          f"({on['median']:.3f} s / {off['median']:.3f} s)")
+    if excluded:
+        lines.append(f"\nLeft out (loss not within {LOSS_RTOL:g} relative of the reference's): " + "; ".join(excluded))
     return "\n".join(lines)
 
 
