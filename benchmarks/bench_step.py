@@ -1,6 +1,7 @@
 """Training-step benchmark: zero3 (prefetch on / off) against DDP and FSDP2 on 2 CPU ranks (gloo).
 
-    python benchmarks/bench_step.py            # full run (3 repeats, 20 measured steps), 3-6 minutes
+    python benchmarks/bench_step.py            # full run (3 repeats, 20 measured steps): 14 variants x
+        # (3 timed + 1 memory) = 56 launches of a rank pair
     python benchmarks/bench_step.py --quick    # smoke run (small model, 1 repeat, 4 steps): 14 variants x 2
         # launches (timed + memory pass) = 28 fresh rank pairs, 4-6 s each lightly loaded, 13-22 s loaded
     python benchmarks/bench_step.py --models small,big --variants zero3,fsdp2,ddp --repeats 2 --steps 10
