@@ -126,3 +126,19 @@ def step_alongside(ref: nn.Module, ref_opt: torch.optim.Optimizer, engine: zero3
         engine.backward(loss_fn(engine(x)))
         engine.step()
         assert engine.coordinator.live_params == []
+
+
+def train_alike(engine: zero3.Engine, model: nn.Module, ref: nn.Module, ref_opt: torch.optim.Optimizer,
+                steps: int = 2) -> None:
+    """``steps`` steps of ``model`` under ``engine`` (a plain ``loss.backward()``, ``engine.step()``) and of
+    ``ref`` with ``ref_opt`` on the same random (4, 8) batches: the losses must match."""
+    for _ in range(steps):
+        x = torch.randn(4, 8)
+        loss = model(x).square().mean()
+        loss.backward()
+        engine.step()
+        ref_loss = ref(x).square().mean()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-7)

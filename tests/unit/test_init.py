@@ -18,7 +18,7 @@ from torch.nn.modules import module as module_mod
 import zero3
 from zero3 import ParamStatus, ZeroStateError
 
-from _reference import step_both, twins
+from _reference import step_both, train_alike, twins
 from gpt import GPT, GPTConfig, synthetic_batch
 
 CFG = GPTConfig(block_size=16)
@@ -773,21 +773,6 @@ def test_a_parametrization_registered_after_initialize_is_refused_before_it_chan
     model(torch.randn(3, 4)).sum().backward()  # it still trains
 
 
-def _train_alike(engine, model, ref, steps: int = 2) -> None:
-    """``steps`` AdamW steps of ``model`` under ``engine`` and of ``ref`` plainly: the losses must match."""
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
-    for _ in range(steps):
-        x = torch.randn(4, 8)
-        loss = model(x).square().mean()
-        loss.backward()
-        engine.step()
-        ref_loss = ref(x).square().mean()
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-7)
-
-
 @pytest.mark.parametrize("threshold", [0, 10**6])
 def test_removing_weight_norm_after_initialize_is_refused_and_the_way_it_names_trains_as_torch(threshold):
     """weight_norm's two originals would be replaced by a new parameter nothing partitioned or steps:
@@ -811,13 +796,13 @@ def test_removing_weight_norm_after_initialize_is_refused_and_the_way_it_names_t
                                                          r".*2 originals.*Nothing was changed"):
             parametrize.remove_parametrizations(model[2], "weight")
     assert parametrize.is_parametrized(model[2], "weight") and all(zero3.is_zero_param(p) for p in model.parameters())
-    _train_alike(engine, model, ref)
+    train_alike(engine, model, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6))
     engine.remove_hooks()
     with zero3.GatheredParameters(list(model[2].parameters()), modifier_rank=0):
         parametrize.remove_parametrizations(model[2], "weight")
     parametrize.remove_parametrizations(ref[2], "weight")
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), config)
-    _train_alike(engine, model, ref)
+    train_alike(engine, model, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6))
 
 
 def test_removing_a_partitioned_single_original_raises_zero3s_error_and_inside_a_gather_trains_as_torch():
@@ -845,7 +830,7 @@ def test_removing_a_partitioned_single_original_raises_zero3s_error_and_inside_a
     with zero3.GatheredParameters(list(model[2].parameters()), modifier_rank=0):
         parametrize.remove_parametrizations(model[2], "weight")
     parametrize.remove_parametrizations(ref[2], "weight")
-    _train_alike(engine, model, ref)
+    train_alike(engine, model, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6))
 
 
 @pytest.mark.parametrize("kind", ["orthogonal", "user"])

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zero3
+from _reference import train_alike
 from zero3 import ParamStatus, ZeroStateError
 from zero3.partition.param import partition
 
@@ -459,18 +460,6 @@ def test_pruning_a_partitioned_parameter_is_refused_before_torch_moves_it_and_in
                               {"param_persistence_threshold": 0})
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
 
-    def train_alike() -> None:
-        for _ in range(2):
-            x = torch.randn(4, 8)
-            loss = model(x).square().mean()
-            loss.backward()
-            engine.step()
-            ref_loss = ref(x).square().mean()
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-7)
-
     for pruned in (False, True):
         before = ([n for n, _ in model[2].named_parameters()], [n for n, _ in model[2].named_buffers()],
                   [type(h) for h in model[2]._forward_pre_hooks.values()])
@@ -485,7 +474,7 @@ def test_pruning_a_partitioned_parameter_is_refused_before_torch_moves_it_and_in
         with zero3.GatheredParameters(list(model[2].parameters()), modifier_rank=0):
             prune.l1_unstructured(model[2], "weight", amount=0.5)
         prune.l1_unstructured(ref[2], "weight", amount=0.5)
-        train_alike()
+        train_alike(engine, model, ref, ref_opt)
     with pytest.raises(ZeroStateError, match=r"prune.remove of 2\.weight .*GatheredParameters.*Nothing was changed"):
         prune.remove(model[2], "weight")  # the guard's generic error before (review 31RC)
     assert prune.is_pruned(model)
@@ -493,4 +482,4 @@ def test_pruning_a_partitioned_parameter_is_refused_before_torch_moves_it_and_in
         prune.remove(model[2], "weight")
     prune.remove(ref[2], "weight")
     assert not prune.is_pruned(model)
-    train_alike()
+    train_alike(engine, model, ref, ref_opt)
