@@ -42,9 +42,12 @@ included; zero3's ``verify_collectives`` header exchanges counted apart, as "+he
 
 Every variant trains the same fp32 model from the same seed on the same batches, so its loss at every
 measured step (mean over ranks, every repeat) must match the reference's within ``LOSS_RTOL``
-relative: DDP's first repeat, or the first variant that ran when DDP is not in the run. A variant
-outside it trained other numbers: its loss cell says DIFFERS and it is left out of every ratio
-("excluded") and of the goals table, which would otherwise compare different work.
+relative (``--loss-rtol``): DDP's first repeat, or the first peer (FSDP2) that ran when DDP is not in
+the run, or the first variant when only zero3 ran (a zero3 row is never the reference while a peer ran:
+``--zero3-extra`` may change its numbers). A variant outside it trained other numbers: its loss cell
+says DIFFERS and it is left out of every ratio ("excluded") and of the goals table, which would
+otherwise compare different work. A ``--zero3-extra`` that trains in bf16 or fp16 differs by its
+rounding (4.8e-3 relative at --quick in bf16): pass ``--loss-rtol 1e-2`` to compare it at that level.
 """
 
 from __future__ import annotations
@@ -744,12 +747,13 @@ def summarise(runs: dict[str, list[list[dict]]], mem: dict[str, list[dict]],
 
 def check_losses(runs: dict[str, list[list[dict]]], rows: dict[str, dict]) -> str | None:
     """Set ``same`` and ``loss_rel`` on every row that ran: its worst relative loss difference, over
-    measured steps and repeats, from the reference (DDP's first repeat, else the first variant that
-    ran), whose name it returns (None when no variant ran)."""
+    measured steps and repeats, from the reference (DDP's first repeat, else the first peer that ran,
+    else the first variant), whose name it returns (None when no variant ran)."""
     ran = [v for v, r in rows.items() if "r0" in r]
     if not ran:
         return None
-    ref_name = "ddp" if "ddp" in ran else ran[0]
+    peers = [v for v in ran if not v.startswith("zero3")]  # fp32 always; a zero3 row may carry --zero3-extra
+    ref_name = "ddp" if "ddp" in ran else (peers[0] if peers else ran[0])
     ref = rows[ref_name]["r0"]["losses"]
     for v in ran:
         diffs = [abs(a - b) / max(abs(b), 1e-30) for rep in runs[v] for a, b in zip(rep[0]["losses"], ref)]
@@ -813,6 +817,9 @@ def main() -> None:
     ap.add_argument("--persistence", type=int, default=0, help="zero3 param_persistence_threshold (elements)")
     ap.add_argument("--zero3-extra", default="", metavar="JSON",
                     help='extra zero3 config merged into every zero3 variant, e.g. \'{"reduce_bucket_size": 1000000}\'')
+    ap.add_argument("--loss-rtol", type=float, default=LOSS_RTOL,
+                    help="relative loss difference from the reference that still counts as the same result "
+                         "(default %(default)g, fp32; about 1e-2 for a --zero3-extra in bf16)")
     ap.add_argument("--models", default="", metavar="LIST",
                     help=f"comma list of presets from {sorted(MODELS)} (overriding --n-layer/--n-embd/--n-head/"
                          "--vocab), each measured in turn, then a side-by-side table of the goals")
@@ -825,6 +832,8 @@ def main() -> None:
                     help="a source tree holding another zero3/ (e.g. a git worktree of an older commit): every "
                          "zero3 variant also runs with it, labelled [baseline], interleaved in the same run")
     args = ap.parse_args()
+    global LOSS_RTOL
+    LOSS_RTOL = args.loss_rtol
     try:
         batches = _batches(args.batch)
     except ValueError as exc:

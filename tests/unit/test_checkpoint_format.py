@@ -743,3 +743,31 @@ def test_a_save_that_fails_leaves_no_staging_and_the_last_checkpoint(tmp_path, m
     engine.load_checkpoint(str(tmp_path))
     now = snapshot(engine)
     assert now.keys() == kept.keys() and all(torch.equal(now[k], kept[k]) for k in kept)
+
+
+@pytest.mark.parametrize("tag", ["a", "b"])
+def test_a_save_whose_latest_write_fails_publishes_nothing_and_keeps_the_tag_it_replaced(tmp_path, monkeypatch, tag):
+    """The tag was moved into place before ``latest`` was written: a failed write left the new tag
+    published while every rank raised, and a tag saved again had replaced the last good one (review 31RE)."""
+    from zero3.checkpoint import save as save_module
+
+    engine = make_engine()
+    train(engine, range(1))
+    engine.save_checkpoint(str(tmp_path), tag="a")
+    kept = snapshot(engine)
+    train(engine, range(1, 2))
+    real = save_module.atomic_write_bytes
+
+    def no_latest(path, data):
+        if Path(path).name == "latest":
+            raise OSError(28, "No space left on device (test)")
+        return real(path, data)
+
+    monkeypatch.setattr(save_module, "atomic_write_bytes", no_latest)
+    with pytest.raises(OSError, match="No space left on device"):
+        engine.save_checkpoint(str(tmp_path), tag=tag)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["a", "latest"] and (tmp_path / "latest").read_text().strip() == "a"
+    engine.load_checkpoint(str(tmp_path))
+    now = snapshot(engine)
+    assert all(torch.equal(now[k], kept[k]) for k in kept)

@@ -99,8 +99,10 @@ def save_checkpoint(ctx: RuntimeContext, save_dir: str | os.PathLike[str], tag: 
             staging.mkdir()
     except Exception as exc:  # noqa: BLE001 - agreed across ranks below
         error = exc
-    tags = [t for group_tags in exchange(ctx, tag, error, "save_checkpoint (tag)") for t in group_tags]
+    tags = [t for group_tags in _agree(ctx, tag, error, "save_checkpoint (tag)", leader, staging) for t in group_tags]
     if len(set(tags)) > 1:
+        if leader:
+            shutil.rmtree(staging, ignore_errors=True)
         raise ValueError(f"save_checkpoint got different tags on different ranks: {tags}; pass the same tag "
                          "(or none) on every rank")
 
@@ -265,15 +267,29 @@ def _warn_mid_window(ctx: RuntimeContext) -> None:
 
 
 def _publish(root: Path, staging: Path, tag: str, save_latest: bool) -> None:
+    """Move the staged tag into place, then ``latest``. A failure on the way puts back what was there (a
+    failed ``latest`` write had left the new tag published, and a tag saved again replaced, while every
+    rank raised; review 31RE)."""
     final = root / tag
     old = root / f".{tag}.old"
-    if final.exists():
+    had = final.exists()
+    if had:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
-    os.replace(staging, final)
-    fsync_dir(root)
-    if save_latest:
-        atomic_write_bytes(root / LATEST_FILE, tag.encode())  # DeepSpeed's form: the tag alone
+    try:
+        os.replace(staging, final)
+        fsync_dir(root)
+        if save_latest:
+            atomic_write_bytes(root / LATEST_FILE, tag.encode())  # DeepSpeed's form: the tag alone
+    except BaseException:
+        try:  # best effort: the error raised is the publish's (a load also finds ``.TAG.old``)
+            if final.exists() and not staging.exists():
+                os.replace(final, staging)  # removed by the caller with the staging directory
+            if had and not final.exists():
+                os.replace(old, final)
+        except OSError:
+            pass
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 
