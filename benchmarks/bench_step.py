@@ -797,6 +797,7 @@ def goals(results: dict[str, dict[str, dict]]) -> str:
 
 
 def main() -> None:
+    global LOSS_RTOL
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: small model, 1 repeat, few steps")
     ap.add_argument("--nproc", type=int, default=2)
@@ -832,7 +833,6 @@ def main() -> None:
                     help="a source tree holding another zero3/ (e.g. a git worktree of an older commit): every "
                          "zero3 variant also runs with it, labelled [baseline], interleaved in the same run")
     args = ap.parse_args()
-    global LOSS_RTOL
     LOSS_RTOL = args.loss_rtol
     try:
         batches = _batches(args.batch)
