@@ -343,7 +343,8 @@ def _removal_refusal(module: nn.Module, tensor_name: str, leave_parametrized: bo
             "(weight_norm's original0/original1), so torch would replace them with a new parameter computed from "
             "them, which zero3.initialize did not partition and the optimizer does not hold: it could not be "
             "gathered or trained, and the originals would be lost. Remove it before zero3.initialize (inside "
-            "zero3.Init, on a plain model, or inside zero3.GatheredParameters(..., modifier_rank=0)); to export the folded weight, load engine.consolidated_state_dict() into "
+            "zero3.Init, on a plain model, or inside zero3.GatheredParameters(..., modifier_rank=0)); to export "
+            "the folded weight, load engine.consolidated_state_dict() into "
             "a plain copy of the model and remove it there; to train on folded, call engine.remove_hooks(), remove "
             "it inside `with zero3.GatheredParameters(list(module.parameters()), modifier_rank=0):` and "
             "zero3.initialize the model anew. Nothing was changed")
