@@ -46,7 +46,7 @@ import bisect
 import heapq
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from .actions import Action, Decision, PlanConfig, PlanStats, Reason, Schedule
 from .hold import hold_regathers
@@ -107,6 +107,11 @@ class _Planner:
         # the walk of `_prefetch` stops after the last event that can still give it a param
         self.absent = [(-uses[-1], p) for p, uses in self.uses.items() if uses]
         heapq.heapify(self.absent)
+        # the same params as (next use, id), for a walk that visits only the events that can give it one
+        # (`_events_to_walk`); stale entries (live, or a use passed) are popped lazily too
+        self.upcoming = [(uses[0], p) for p, uses in self.uses.items() if uses]
+        heapq.heapify(self.upcoming)
+        self.total_size = sum(self.size.values())
         self.live_size = self.live_numel = self.live_bytes = 0
         self.pending: set[int] = set()
         self.pending_size = 0
@@ -190,6 +195,7 @@ class _Planner:
         self.live_bytes -= self.nbytes[p]
         if j is not None:
             heapq.heappush(self.absent, (-self.uses[p][-1], p))
+            heapq.heappush(self.upcoming, (j, p))
         out.append(p)
 
     def _pin(self, params: Iterable[int], delta: int) -> None:
@@ -221,6 +227,35 @@ class _Planner:
             heapq.heappop(heap)  # used no more after i, or live (pushed again when released)
         return -heap[0][0] if heap else -1
 
+    def _events_to_walk(self, i: int) -> Iterator[int]:
+        """The PRE events after ``i`` the look-ahead visits, in order. When every param fits under the
+        cap at once, the window bound of [Note: prefetch look-ahead] can never stop the walk, so only
+        the events that use a param not live are visited (the others could collect nothing): with a
+        small ``max_reuse_distance`` a released param comes back near the trace's end, and walking every
+        event up to it made planning quadratic (7 s for 8,194 events, review 31RA). Otherwise every
+        event up to `_horizon`."""
+        if self.total_size > self.config.max_live:
+            horizon = self._horizon(i)
+            pre_indices = self.pre_indices
+            for x in range(bisect.bisect_right(pre_indices, i), len(pre_indices)):
+                if pre_indices[x] > horizon:
+                    return
+                yield pre_indices[x]
+            return
+        heap, seen, last = self.upcoming, [], -1
+        try:
+            while heap:
+                j, p = heapq.heappop(heap)
+                if j <= i or p in self.live:
+                    continue  # stale for good: pushed again when p is released
+                seen.append((j, p))
+                if j != last:
+                    last = j
+                    yield j
+        finally:  # put back what the walk read (those it collected are live then: stale, dropped later)
+            for entry in seen:
+                heapq.heappush(heap, entry)
+
     def _prefetch(self, i: int, reasons: list[Reason]) -> tuple[int, ...]:
         """Collect one bucket after event i; see [Note: prefetch look-ahead]."""
         cap, room = self.config.max_live, self.config.prefetch_bucket_size
@@ -228,17 +263,13 @@ class _Planner:
             return ()
         if self.pending_size > room // 2:
             return ()  # refill only below the low-water mark: fewer, larger collectives
-        horizon = self._horizon(i)
         bucket: list[tuple[int, int]] = []
         bucket_size = 0
         collected: set[int] = set()
         window: set[int] = set()
         window_size = self.pinned_size
-        pre_indices = self.pre_indices
-        for x in range(bisect.bisect_right(pre_indices, i), len(pre_indices)):
-            k = pre_indices[x]
-            if k > horizon:
-                break
+        walk = self._events_to_walk(i)
+        for k in walk:
             params = self.pre_params[k]
             for p in params:
                 if p not in window and not self.pins.get(p):
@@ -262,6 +293,7 @@ class _Planner:
             headroom = min(room - self.pending_size, cap - self.live_size) - bucket_size
             if headroom < self.min_size:
                 break  # nothing more can fit, so the walk would stop at the next candidate anyway
+        walk.close()  # its entries back in the heap before anything turns live
         if not bucket:
             return ()
         pending = self.pending_size
@@ -349,9 +381,10 @@ def plan(trace: Trace, config: PlanConfig, *, holds: bool = True) -> Schedule:
     """Plan fetches, prefetches, keeps and releases for every event of `trace` under `config`.
 
     Deterministic and pure; runs in O(events x look-ahead) time, where a look-ahead ends at the
-    bucket's or the cap's limit or after the last event that uses a param not live: linear at the
-    default budgets, quadratic still where released params come back much later (a small
-    ``max_reuse_distance`` on a deep model: 7 s for 8,194 events, review 31RA). See the module notes for the
+    bucket's or the cap's limit or after the last event that uses a param not live, and visits only
+    the events that use one when the whole model fits under ``max_live``: about linear then (a small
+    ``max_reuse_distance`` too); quadratic still where the cap binds and released params come back
+    much later (a cap below the model's size on a deep model, review 31RA). See the module notes for the
     exact semantics the runtime must execute. ``holds=False`` skips the last pass (hold.py
     [Note: holds]), to show what it saved.
     """
