@@ -105,13 +105,12 @@ class _Planner:
         self.live: dict[int, None] = {}
         # the params not live that a later PRE event uses, as (-last use, id), stale entries popped lazily:
         # the walk of `_prefetch` stops after the last event that can still give it a param
-        self.absent = [(-uses[-1], p) for p, uses in self.uses.items() if uses]
+        # the whole model fits under the cap: the look-ahead visits only events that can give it a param
+        self.sparse_walk = sum(self.size.values()) <= config.max_live
+        # the params not live that a later PRE event uses, keyed for the walk (`_absent_key`); stale
+        # entries (live, or past their use) are popped lazily
+        self.absent = [(self._absent_key(p, uses[0]), p) for p, uses in self.uses.items() if uses]
         heapq.heapify(self.absent)
-        # the same params as (next use, id), for a walk that visits only the events that can give it one
-        # (`_events_to_walk`); stale entries (live, or a use passed) are popped lazily too
-        self.upcoming = [(uses[0], p) for p, uses in self.uses.items() if uses]
-        heapq.heapify(self.upcoming)
-        self.total_size = sum(self.size.values())
         self.live_size = self.live_numel = self.live_bytes = 0
         self.pending: set[int] = set()
         self.pending_size = 0
@@ -194,8 +193,7 @@ class _Planner:
         self.live_numel -= self.numel[p]
         self.live_bytes -= self.nbytes[p]
         if j is not None:
-            heapq.heappush(self.absent, (-self.uses[p][-1], p))
-            heapq.heappush(self.upcoming, (j, p))
+            heapq.heappush(self.absent, (self._absent_key(p, j), p))
         out.append(p)
 
     def _pin(self, params: Iterable[int], delta: int) -> None:
@@ -218,6 +216,11 @@ class _Planner:
                 break
             self._release(p, Decision.EVICTED_FOR_BUDGET, i, out, reasons, limit, need=need)
 
+    def _absent_key(self, p: int, next_use: int) -> int:
+        """A param not live in `absent`: by next use for the sparse walk, else by last use, latest first
+        (`_horizon`)."""
+        return next_use if self.sparse_walk else -self.uses[p][-1]
+
     def _horizon(self, i: int) -> int:
         """The last PRE event after ``i`` that uses a param not live now; -1 if none. Past it the
         look-ahead cannot collect anything, so it stops there: without that bound, once anything was
@@ -234,7 +237,7 @@ class _Planner:
         small ``max_reuse_distance`` a released param comes back near the trace's end, and walking every
         event up to it made planning quadratic (7 s for 8,194 events, review 31RA). Otherwise every
         event up to `_horizon`."""
-        if self.total_size > self.config.max_live:
+        if not self.sparse_walk:
             horizon = self._horizon(i)
             pre_indices = self.pre_indices
             for x in range(bisect.bisect_right(pre_indices, i), len(pre_indices)):
@@ -242,7 +245,7 @@ class _Planner:
                     return
                 yield pre_indices[x]
             return
-        heap, seen, last = self.upcoming, [], -1
+        heap, seen, last = self.absent, [], -1
         try:
             while heap:
                 j, p = heapq.heappop(heap)

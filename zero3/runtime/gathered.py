@@ -461,31 +461,36 @@ def _own_slice(p: ZeroParameter) -> str:
 
 def load_hooks(ctx: RuntimeContext, module: nn.Module) -> list[Any]:
     """The handles of ``module.load_state_dict``'s hooks on a module holding zero3 parameters:
-    `refuse_assign` before torch loads (it also keeps the loaded values finer than the parameters,
-    in ``finer``), `write_back_loaded` after."""
+    `refuse_assign` and `keep_finer` before torch loads, `write_back_loaded` after (with the values
+    `keep_finer` kept)."""
     finer: dict[int, torch.Tensor] = {}
-    return [module.register_load_state_dict_pre_hook(functools.partial(refuse_assign, finer=finer)),
+    return [module.register_load_state_dict_pre_hook(refuse_assign),
+            module.register_load_state_dict_pre_hook(functools.partial(keep_finer, finer=finer)),
             module.register_load_state_dict_post_hook(functools.partial(write_back_loaded, ctx, finer=finer))]
 
 
-def refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any], *_: Any,
-                  finer: dict[int, torch.Tensor] | None = None) -> None:
+def refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any], *_: Any) -> None:
     """``load_state_dict(..., assign=True)``: torch would put the loaded tensors in place of zero3's
     parameters (the engine then finds parameters it never partitioned). Refused before this module
-    loads anything; without ``assign`` the loaded values go into the shards. Into ``finer`` (by
-    ``ZeroParam.id``) go the loaded values of gathered parameters that are finer than them (fp32 for
-    a bf16 parameter): torch copies them rounded, and the masters take them from here."""
-    if finer is not None:
-        finer.clear()
+    loads anything; without ``assign`` the loaded values go into the shards."""
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
     hit = [n for n, p in dict.items(module._parameters) if isinstance(p, ZeroParameter) and prefix + n in state_dict]
-    if hit and local_metadata.get("assign_to_params_buffers", False):
+    if hit:
         raise ZeroStateError(
             f"load_state_dict(..., assign=True) would replace zero3's parameter {prefix + hit[0]} with the loaded "
             "tensor, which zero3 never partitioned. Load without assign (persistent parameters take the values; "
             "for every parameter, zero3.pretrained.load_state_dict(model, state_dict) writes them into the "
             f"shards); {type(module).__name__}'s parameters were left as they were")
-    for n in hit if finer is not None else ():
-        p, value = module._parameters[n], state_dict[prefix + n]
+
+
+def keep_finer(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any], *_: Any,
+               finer: dict[int, torch.Tensor]) -> None:
+    """Into ``finer`` (by ``ZeroParam.id``), the loaded values finer than their zero3 parameters (fp32
+    for a bf16 one): torch copies them rounded, and `write_back_loaded` gives them to the masters."""
+    finer.clear()
+    for n, p in dict.items(module._parameters):
+        value = state_dict.get(prefix + n) if isinstance(p, ZeroParameter) else None
         if isinstance(value, torch.Tensor) and value.is_floating_point() and p._zero.dtype.is_floating_point and \
                 value.dtype.itemsize > p._zero.dtype.itemsize and tuple(value.shape) == tuple(p._zero.shape):
             finer[p._zero.id] = value

@@ -297,11 +297,18 @@ def route_parametrizations() -> None:
         parametrize.remove_parametrizations = _remove_parametrizations
 
 
+def _engine_context(p: Any) -> Any:
+    """The context of the engine whose hooks manage ``p`` now, or None (not zero3's, no engine yet, or
+    after its ``remove_hooks``)."""
+    ctx = p._zero.ctx if isinstance(p, ZeroParameter) else None
+    return ctx if ctx is not None and getattr(ctx, "attached", False) else None
+
+
 def _register_parametrization(module: nn.Module, tensor_name: str, parametrization: nn.Module, *,
                               unsafe: bool = False) -> nn.Module:
     p = module._parameters.get(tensor_name) if isinstance(module, nn.Module) else None
-    ctx = p._zero.ctx if isinstance(p, ZeroParameter) else None
-    if ctx is not None and ctx.module is not None and ctx.attached and not p._zero.persistent:
+    ctx = _engine_context(p)
+    if ctx is not None and ctx.module is not None and not p._zero.persistent:
         raise ZeroStateError(
             f"register_parametrization of {p._zero.name} (torch.nn.utils.parametrize, parametrizations.weight_norm, "
             "orthogonal, spectral_norm) after zero3.initialize: the parameter would move into a new module that has "
@@ -334,8 +341,7 @@ def _removal_refusal(module: nn.Module, tensor_name: str, leave_parametrized: bo
     originals = list(plist._parameters.values())
     call = f"remove_parametrizations(module, {tensor_name!r}) (leave_parametrized=True, torch's default)"
     if not plist.is_tensor:
-        p = next((p for p in originals if isinstance(p, ZeroParameter) and p._zero.ctx is not None
-                  and p._zero.ctx.attached), None)
+        p = next((p for p in originals if _engine_context(p) is not None), None)
         if p is None:
             return None
         return ZeroStateError(
@@ -382,8 +388,7 @@ def route_pruning() -> None:
 def _built_now(p: ZeroParameter) -> bool:
     """``p`` belongs to no engine and a ``zero3.Init`` is open, whose construction handler gathers it on
     use (an engine's parameter is not, inside another model's ``Init``: review 31RC)."""
-    ctx = p._zero.ctx
-    return construction_handler.get() is not None and not (ctx is not None and getattr(ctx, "attached", False))
+    return construction_handler.get() is not None and _engine_context(p) is None
 
 
 def _prune_refusal(p: Any, what: str, name: str) -> ZeroStateError | None:
@@ -402,9 +407,8 @@ def _prune_apply(cls: type, module: nn.Module, name: str, *args: Any, **kwargs: 
     if refusal is not None:
         raise refusal
     out = _PRUNE_APPLY[0](cls, module, name, *args, **kwargs)
-    orig = module._parameters.get(f"{name}_orig")
-    ctx = orig._zero.ctx if isinstance(orig, ZeroParameter) else None
-    if ctx is not None and getattr(ctx, "attached", False) and ctx.world_size > 1:
+    ctx = _engine_context(module._parameters.get(f"{name}_orig"))
+    if ctx is not None and ctx.world_size > 1:
         # each rank drew its own mask (random methods, per-rank importance scores): rank 0's for all, or
         # the ranks trained different models (0.25 apart, review 31RC); a collective, as the pruning is
         take_from_rank0(ctx.comm, [(f"{p._zero.name}: {name}_mask", getattr(module, f"{name}_mask"))],
