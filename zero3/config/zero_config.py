@@ -9,7 +9,6 @@ keys, translated by `zero3.config.deepspeed`), so an existing DeepSpeed JSON car
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from ..errors import ZeroConfigError
 from .fields import KnobValues, did_you_mean, unknown_key_message
 from .flat import FLAT_NAMES, SECTION_OF, SECTIONS, coerce_flat, group_by_section
+from .json_file import read_config_file
 from .sections import OFFLOAD_SECTION_KEYS, BudgetConfig, CommConfig, OffloadConfig, PrecisionConfig
 from .training import ActivationCheckpointingConfig, TrainingConfig
 from . import deepspeed as deepspeed_config
@@ -105,16 +105,9 @@ class ZeroConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ZeroConfig":
-        try:  # a ZeroConfigError, which the ranks agree on (one rank's missing file raises on every rank)
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh, object_pairs_hook=lambda pairs: _no_duplicate_keys(path, pairs))
-        except json.JSONDecodeError as exc:
-            raise ZeroConfigError(f"{path}: not valid JSON ({exc})") from exc
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ZeroConfigError(f"config file {str(path)!r} cannot be read: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ZeroConfigError(f"{path}: a config is a JSON object, got a {type(data).__name__}")
-        return cls.from_dict(data)
+        """Build from a config file: JSON with the comments and trailing commas DeepSpeed's (hjson)
+        reader accepts (`zero3.config.json_file`)."""
+        return cls.from_dict(read_config_file(path))
 
     def replace(self, **changes: Any) -> "ZeroConfig":
         """A copy with ``changes`` (flat knobs or whole sections), validated."""
@@ -193,13 +186,3 @@ def resolve_config(config: ZeroConfig | dict | str | Path | None) -> ZeroConfig:
         return ZeroConfig.from_json(config)
     raise ZeroConfigError(f"config must be a ZeroConfig, dict, JSON path or None, got {type(config).__name__}")
 
-
-def _no_duplicate_keys(path: str | Path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys are unique: a key given twice (json's last-one-wins would keep one
-    silently) is refused, as DeepSpeed refuses it."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ZeroConfigError(f"{path}: the key {key!r} is given twice in one object ({out[key]!r} and {value!r})")
-        out[key] = value
-    return out
