@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from zero3 import ZeroConfig, ZeroConfigError
 from zero3.config import resolve_config
@@ -615,6 +616,94 @@ def test_a_json_key_given_twice_is_refused(tmp_path):
     path.write_text('{"max_live_parameters": 1, "max_live_parameters": 2}')
     with pytest.raises(ZeroConfigError, match="'max_live_parameters' is given twice"):
         ZeroConfig.from_json(path)
+
+
+DEEPSPEED_FILE_WITH_COMMENTS = """{
+  // micro batch per GPU
+  "train_micro_batch_size_per_gpu": 2,  # DeepSpeed's hjson reads both line comments
+  /* ZeRO-3, with the knobs zero3 maps */
+  "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e6,},
+  "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95,],},},
+}
+"""
+
+
+def test_a_config_file_with_deepspeeds_comments_and_trailing_commas_is_read(tmp_path):
+    """DeepSpeed reads its config with hjson, which takes comments and trailing commas (json.load refused them)."""
+    path = tmp_path / "ds_config.json"
+    path.write_text(DEEPSPEED_FILE_WITH_COMMENTS)
+    plain = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e6},
+             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95]}}}
+    assert ZeroConfig.from_json(path) == ZeroConfig.from_dict(plain)
+    path.write_text('{"max_live_parameters": 9, // nine\n "reduce_dtype": "fp32", # "//" in a comment\n}')
+    assert ZeroConfig.from_json(path).budget.max_live_parameters == 9
+
+
+def test_comment_markers_and_commas_inside_strings_are_kept():
+    from zero3.config.json_file import loads_config_text
+    text = r'{"a//b": "c # d /* e */ ,} ,]", "q\"//": "\"#,}", "z": "\\"}  // end'
+    assert loads_config_text(text) == {"a//b": "c # d /* e */ ,} ,]", 'q"//': '"#,}', "z": "\\"}
+
+
+@pytest.mark.parametrize("text, place", [
+    ('{\n  max_live_parameters: 9\n}', "line 2 column 3"),                # an unquoted key
+    ('{"dtype": bf16}', "line 1 column 11"),                              # an unquoted string
+    ('{\n"a": 1\n"b": 2}', "line 3 column 1"),                            # a newline for a comma
+    ("{\"a\": '''\nx\n'''}", "line 1 column 7"),                          # a multiline string
+    ("[1,,]", "line 1 column 4"), ("{,}", "line 1 column 2"),             # a comma after no value
+])
+def test_hjson_beyond_comments_and_trailing_commas_is_refused_naming_the_place_and_what_is_read(
+        tmp_path, text, place):
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    with pytest.raises(ZeroConfigError, match=rf"{re.escape(str(path))}: not valid JSON \(.*{place}.*\); zero3 reads "
+                                              r"JSON plus // and # line comments, /\* \*/ block comments and trailing"):
+        ZeroConfig.from_json(path)
+    path.write_text('{"max_live_parameters": 9,\n /* open')
+    with pytest.raises(ZeroConfigError, match=r"a /\* comment at line 2 column 2 is never closed"):
+        ZeroConfig.from_json(path)
+
+
+def test_a_json_key_given_twice_is_refused_with_comments_around_it(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 3, // first\n "stage": 3,},}')
+    with pytest.raises(ZeroConfigError, match="'stage' is given twice"):
+        ZeroConfig.from_json(path)
+
+
+_MARKED_TEXT = st.lists(st.sampled_from(['"//', '"#', '"/*', "*/", ",}", ",]", '"', "\\", "\n", "a"]) | st.characters(),
+                        max_size=6).map("".join)  # comment markers, commas and quotes inside strings
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | _MARKED_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_MARKED_TEXT, inner, max_size=4), max_leaves=12)
+_LINE_COMMENT = st.text(st.sampled_from(list('/#*,}]"\\ ab')) | st.characters(blacklist_characters="\n"), max_size=6)
+_BLOCK_COMMENT = st.text(st.sampled_from(list('/#*,}]"\\\n ab')), max_size=6).filter(
+    lambda t: "*/" not in t and not t.endswith("*"))
+_FILLER = st.lists(st.sampled_from([" ", "\n", "\t", "\r\n"]) | _LINE_COMMENT.map(lambda t: f"//{t}\n")
+                   | _LINE_COMMENT.map(lambda t: f"#{t}\n") | _BLOCK_COMMENT.map(lambda t: f"/*{t}*/"),
+                   max_size=3).map("".join)
+
+
+@st.composite
+def _decorated(draw: st.DrawFn, value) -> str:
+    """``value`` as JSON with comments and whitespace drawn into every legal place, and maybe a trailing comma."""
+    if not isinstance(value, (dict, list)):
+        return json.dumps(value)
+    items = ([f"{json.dumps(k)}{draw(_FILLER)}:{draw(_FILLER)}{draw(_decorated(v))}" for k, v in value.items()]
+             if isinstance(value, dict) else [draw(_decorated(v)) for v in value])
+    body = ",".join(f"{draw(_FILLER)}{item}{draw(_FILLER)}" for item in items)
+    if items and draw(st.booleans()):
+        body += "," + draw(_FILLER)
+    opening, closing = "{}" if isinstance(value, dict) else "[]"
+    return opening + body + draw(_FILLER) + closing
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), value=_JSON_VALUES)
+def test_a_file_with_comments_and_trailing_commas_reads_as_json_loads_of_the_plain_text(data, value):
+    from zero3.config.json_file import loads_config_text
+    text = data.draw(_FILLER) + data.draw(_decorated(value)) + data.draw(_FILLER)
+    assert loads_config_text(text) == json.loads(json.dumps(value))
 
 
 def test_a_config_file_that_cannot_be_read_is_a_config_error_naming_it(tmp_path):
