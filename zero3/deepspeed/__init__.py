@@ -32,17 +32,23 @@ __all__ = ["add_config_arguments", "checkpointing", "init_distributed", "initial
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``--deepspeed`` (a flag scripts test) and ``--deepspeed_config PATH`` (read by `initialize` from
-    ``args``), in a "DeepSpeed" argument group of ``parser``; returns ``parser``."""
+    ``args``), and DeepSpeed's deprecated spellings of both, ``--deepscale`` and ``--deepscale_config``
+    (DeepSpeed's parser still takes them, so a launch line carrying them must parse), in a "DeepSpeed"
+    argument group of ``parser``; returns ``parser``."""
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
     group.add_argument("--deepspeed", default=False, action="store_true", help="train with the config below")
     group.add_argument("--deepspeed_config", default=None, type=str, help="the DeepSpeed JSON config file")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="deprecated name of --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="deprecated name of --deepspeed_config (read with a warning)")
     return parser
 
 
 def _config_of_args(args: Any) -> Any:
     """The config an ``argparse.Namespace`` carries: ``deepspeed_config``, or DeepSpeed's legacy
-    ``deepscale_config`` (accepted, as DeepSpeed accepts it, with a warning). A dict or a string is not
-    a namespace: refused, naming ``config=``."""
+    ``deepscale_config`` (accepted, as DeepSpeed accepts it, with a warning; both given are refused,
+    as DeepSpeed refuses them). A dict or a string is not a namespace: refused, naming ``config=``."""
     if args is None:
         return None
     if isinstance(args, (dict, str, bytes)) or not hasattr(args, "__dict__"):
@@ -50,10 +56,24 @@ def _config_of_args(args: Any) -> Any:
                               f"args.deepspeed_config), got {type(args).__name__}: pass a config dict or JSON path "
                               "as config=")
     found = getattr(args, "deepspeed_config", None)
-    if found is None and getattr(args, "deepscale_config", None) is not None:
+    legacy = getattr(args, "deepscale_config", None)
+    if legacy is not None:
+        if found is not None:
+            raise ZeroConfigError(f"deepspeed.initialize got args.deepspeed_config={found!r} and "
+                                  f"args.deepscale_config={legacy!r}: pass only --deepspeed_config (--deepscale_config "
+                                  "is its deprecated name)")
         logger.warning("zero3: args.deepscale_config is DeepSpeed's old name; use args.deepspeed_config")
-        found = args.deepscale_config
+        found = legacy
     return found
+
+
+def _no_config_in_args(args: Any) -> str:
+    """Why ``args`` carries no config: no ``deepspeed_config`` attribute at all, or one left None
+    (what `add_config_arguments` gives when ``--deepspeed_config`` is not on the command line)."""
+    if hasattr(args, "deepspeed_config"):
+        return (f"deepspeed.initialize got args={args!r} whose deepspeed_config is None (--deepspeed_config was not "
+                "passed) and no config")
+    return f"deepspeed.initialize got args={args!r} without a deepspeed_config attribute and no config"
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
@@ -78,9 +98,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if len(configs) > 1:
         raise ZeroConfigError("pass the config once: config, config_params or args.deepspeed_config")
     if args is not None and from_args is None and not configs:
-        raise ZeroConfigError(f"deepspeed.initialize got args={args!r} without a deepspeed_config attribute and no "
-                              "config: pass the config as config= (a dict or a JSON path), or args from "
-                              "deepspeed.add_config_arguments(parser) with --deepspeed_config")
+        raise ZeroConfigError(f"{_no_config_in_args(args)}: pass the config as config= (a dict or a JSON path), or "
+                              "args from deepspeed.add_config_arguments(parser) with --deepspeed_config")
     if not configs:
         raise ZeroConfigError("deepspeed.initialize got no config (DeepSpeed requires one): pass config= (a dict or a "
                               "JSON path), config_params=, or args with --deepspeed_config; config={} takes zero3's "
