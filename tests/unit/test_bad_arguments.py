@@ -44,6 +44,34 @@ def test_deepspeed_initialize_reads_the_config_from_args_or_refuses_args_that_ca
         deepspeed.initialize(args=None, model=_model(), model_parameters=_model().parameters())
 
 
+def test_add_config_arguments_takes_deepspeeds_deprecated_deepscale_flags_and_initialize_reads_them(tmp_path):
+    """DeepSpeed's parser adds --deepscale and --deepscale_config beside --deepspeed(_config); zero3's stopped in
+    argparse on them, though initialize reads args.deepscale_config."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepscale", "--deepscale_config", str(path)])
+    assert args.deepscale is True and args.deepscale_config == str(path) and args.deepspeed_config is None
+    assert parser.parse_args([]).deepscale is False and parser.parse_args([]).deepscale_config is None
+    engine, *_ = deepspeed.initialize(args=args, model=_model())
+    assert engine.train_micro_batch_size_per_gpu() == 2
+    both = parser.parse_args(["--deepspeed_config", str(path), "--deepscale_config", str(path)])
+    with pytest.raises(ZeroConfigError, match=r"args.deepspeed_config=.* and args.deepscale_config=.*: pass only "
+                                              r"--deepspeed_config"):
+        deepspeed.initialize(args=both, model=_model())
+
+
+def test_args_without_deepspeed_config_are_refused_saying_it_was_not_passed():
+    """The attribute exists (None) on args from add_config_arguments: the refusal said it was missing."""
+    args = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepspeed"])
+    with pytest.raises(ZeroConfigError) as err:
+        deepspeed.initialize(args=args, model=_model())
+    message = str(err.value)
+    assert "whose deepspeed_config is None (--deepspeed_config was not passed) and no config" in message
+    assert "without a deepspeed_config attribute" not in message
+    assert "pass the config as config= (a dict or a JSON path), or args from deepspeed.add_config_arguments" in message
+
+
 @pytest.mark.parametrize("max_norm, norm_type, match", [
     (-1.0, 2.0, "max_norm must be a finite number > 0, got -1.0"), (0.0, 2.0, "max_norm must be"),
     (float("nan"), 2.0, "max_norm must be"), ("1.0", 2.0, "max_norm must be"), (True, 2.0, "max_norm must be"),
