@@ -25,12 +25,15 @@ exactly as without this module.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.parametrize import ParametrizationList
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 from ..errors import ZeroStateError
 from ..partition.param import ZeroParam, ZeroParameter, set_placeholder_dtype
@@ -127,24 +130,43 @@ def _finest(z: ZeroParam) -> torch.Tensor:
 
 
 def lower_buffers(model: nn.Module, dtype: torch.dtype) -> list[str]:
-    """Cast to ``dtype`` the running statistics of every normalisation layer whose own parameters
-    zero3 lowers to it (BatchNorm, InstanceNorm): torch's kernels refuse fp32 statistics beside a
-    bf16 weight, and DeepSpeed's ``module.bfloat16()`` cast them. Every other buffer keeps its dtype
-    (a rotary ``inv_freq``; a router's fp32 bias, which Hugging Face keeps in fp32 on purpose).
+    """Cast to ``dtype`` the buffers torch's kernels use beside a weight that zero3 lowers to it: the
+    running statistics of normalisation layers (BatchNorm, InstanceNorm) and spectral normalisation's
+    power-iteration vectors (both APIs). Torch refuses them in fp32 beside a bf16 weight, and
+    ``model.bfloat16()`` (DeepSpeed's ``module.bfloat16()``) casts them. Every other buffer keeps its
+    dtype (a rotary ``inv_freq``; a router's fp32 bias, which Hugging Face keeps in fp32 on purpose).
     Returns the names cast. Run after `lower_precision`."""
     cast: list[str] = []
     for prefix, module in model.named_modules():
-        if not isinstance(module, _NormBase) or not any(
-                isinstance(p, ZeroParameter) and p._zero.shard.dtype == dtype for p in module.parameters(recurse=False)):
-            continue
-        for name in ("running_mean", "running_var"):
-            b = module._buffers.get(name)
+        for owner, key, name, weights in _buffers_beside_weights(module):
+            if not any(isinstance(p, ZeroParameter) and p._zero.shard.dtype == dtype for p in weights):
+                continue
+            b = owner._buffers.get(name)
             if b is not None and b.is_floating_point() and b.dtype != dtype:
-                module._buffers[name] = b.to(dtype)
-                cast.append(f"{prefix}.{name}" if prefix else name)
+                owner._buffers[name] = b.to(dtype)
+                cast.append(".".join(part for part in (prefix, key, name) if part))
     if cast:
-        logger.info("zero3: running statistics cast to %s with their layer's parameters: %s", dtype, ", ".join(cast))
+        logger.info("zero3: buffers cast to %s with the weights they are used beside: %s", dtype, ", ".join(cast))
     return cast
+
+
+def _buffers_beside_weights(module: nn.Module) -> Iterator[tuple[nn.Module, str, str, list[nn.Parameter]]]:
+    """(owner, owner's name under ``module``, buffer name, the weights it is used with) for each such
+    buffer of ``module``: BatchNorm's running statistics; ``weight_u``/``weight_v`` of the old
+    ``spectral_norm`` hook (its weight is ``weight_orig``); ``_u``/``_v`` of each ``_SpectralNorm`` of
+    a ``ParametrizationList`` (its weight is the list's ``original``)."""
+    if isinstance(module, _NormBase):
+        own = list(module.parameters(recurse=False))
+        yield from ((module, "", name, own) for name in ("running_mean", "running_var"))
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, SpectralNorm):
+            weight = [p for p in (module._parameters.get(hook.name + "_orig"),) if p is not None]
+            yield from ((module, "", hook.name + suffix, weight) for suffix in ("_u", "_v"))
+    if isinstance(module, ParametrizationList):
+        own = list(module.parameters(recurse=False))
+        for i, child in enumerate(module):
+            if isinstance(child, _SpectralNorm):
+                yield from ((child, str(i), name, own) for name in ("_u", "_v"))
 
 
 class LossScaler:
