@@ -585,6 +585,63 @@ def test_batchnorm_under_mixed_precision_trains_as_module_to_dtype_does(dtype, t
     assert torch.equal(bn.running_mean, low[1].running_mean) and torch.equal(bn.running_var, low[1].running_var)
 
 
+def _sn_model(api: str):
+    torch.manual_seed(0)
+    sn = torch.nn.utils.spectral_norm if api == "old" else torch.nn.utils.parametrizations.spectral_norm
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), sn(nn.Linear(8, 8)), nn.Linear(8, 2))
+
+
+def _sn_vectors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b for n, b in model.named_buffers() if n.endswith(("_u", "_v"))}
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+@pytest.mark.parametrize("api", ["old", "new"])
+def test_spectral_norm_under_mixed_precision_trains_as_module_to_dtype_does(api, dtype, torch_dtype, tmp_path):
+    """Spectral norm's power-iteration vectors (``weight_u``/``weight_v`` of the old hook, ``_u``/``_v``
+    of the parametrization) stayed fp32 beside the bf16 weight: the first forward raised in torch
+    ("addmv input tensors must have the same dtype"), where ``model.bfloat16()`` runs (loss 0.03008).
+    They are cast with their weight, and train (and survive a checkpoint) as in torch with fp32 masters."""
+    full = _sn_model(api)
+    model = copy.deepcopy(full)
+    cfg = {**NO_PERSIST, "dtype": dtype}
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), cfg)
+    assert len(_sn_vectors(model)) == 2 and all(b.dtype == torch_dtype for b in _sn_vectors(model).values())
+    low = copy.deepcopy(full).to(torch_dtype)
+    masters = [p.detach().clone().float() for p in full.parameters()]
+    opt = torch.optim.AdamW(masters, lr=1e-2, eps=1e-6)
+    scale = lambda: engine.loss_scale if dtype == "fp16" else 1.0  # noqa: E731
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)
+        loss = F.mse_loss(engine(x.to(torch_dtype)).float(), y)
+        engine.backward(loss)
+        engine.step()
+        ref = F.mse_loss(low(x.to(torch_dtype)).float(), y)
+        (ref * scale()).backward()
+        for m, p in zip(masters, low.parameters()):
+            m.grad = p.grad.float() / scale()
+            p.grad = None
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(masters, low.parameters()):
+                p.copy_(m)
+        assert torch.equal(loss.detach(), ref.detach())
+    for name, m in zip([n for n, _ in full.named_parameters()], masters):
+        assert torch.equal(zero3.safe_get_full_fp32_param(dict(model.named_parameters())[name]), m), name
+    vectors, ref_vectors = _sn_vectors(model), _sn_vectors(low)
+    assert all(torch.equal(vectors[n], ref_vectors[n]) for n in ref_vectors)
+    engine.save_checkpoint(str(tmp_path))
+    fresh_model = _sn_model(api)
+    fresh = zero3.initialize(fresh_model, torch.optim.AdamW(fresh_model.parameters(), lr=1e-2, eps=1e-6), cfg)
+    fresh.load_checkpoint(str(tmp_path))
+    loaded = _sn_vectors(fresh_model)
+    assert all(loaded[n].dtype == torch_dtype and torch.equal(loaded[n], b) for n, b in vectors.items())
+    x = torch.randn(16, 6, generator=g).to(torch_dtype)
+    assert torch.equal(fresh(x), low(x))
+
+
 @pytest.mark.parametrize("spelled, ds", [
     ("zero_optimization.contiguous_gradients", {"zero_optimization": {"stage": 3, "contiguous_gradients": "maybe"}}),
     ("zero_optimization.round_robin_gradients", {"zero_optimization": {"stage": 3, "round_robin_gradients": [1]}}),
