@@ -496,3 +496,63 @@ def test_accessors_read_and_write_the_fp32_masters_like_the_reference(pools):
         assert r["local"] and r["local_grad"]
         assert r["set_exact"] and r["low_exact"]
         assert ref.max_error(r["after"]) == 0.0
+
+
+# -- spectral norm's power-iteration vectors ------------------------------------------------------------
+def sn_model(api: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    sn = torch.nn.utils.spectral_norm if api == "old" else torch.nn.utils.parametrizations.spectral_norm
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), sn(torch.nn.Linear(8, 8)), torch.nn.Linear(8, 2))
+
+
+def sn_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)
+
+
+def sn_vectors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.clone() for n, b in model.named_buffers() if n.endswith(("_u", "_v"))}
+
+
+def train_spectral_norm(api: str, steps: int) -> dict:
+    """The whole batch on every rank: the mean of equal gradients is the one rank's, exactly."""
+    model = sn_model(api)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6),
+                              {**NO_PERSIST, "dtype": "bf16"})
+    losses = []
+    for step in range(steps):
+        x, y = sn_batch(step)
+        loss = F.mse_loss(engine(x.bfloat16()).float(), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": full_params(engine), "vectors": sn_vectors(model)}
+
+
+@pytest.mark.parametrize("api", ["old", "new"])
+def test_spectral_norm_under_bf16_on_two_ranks_follows_torch_with_fp32_masters(pools, api):
+    """The vectors stayed fp32 beside the bf16 weight: torch's first forward raised (addmv dtype)."""
+    full = sn_model(api)
+    low = copy.deepcopy(full).to(torch.bfloat16)
+    masters = [p.detach().clone().float() for p in full.parameters()]
+    opt = torch.optim.AdamW(masters, lr=LR, eps=1e-6)
+    losses = []
+    with one_thread():
+        for step in range(4):
+            x, y = sn_batch(step)
+            loss = F.mse_loss(low(x.bfloat16()).float(), y)
+            loss.backward()
+            losses.append(loss.item())
+            for m, p in zip(masters, low.parameters()):
+                m.grad, p.grad = p.grad.float(), None
+            opt.step()
+            with torch.no_grad():
+                for m, p in zip(masters, low.parameters()):
+                    p.copy_(m)
+    names = [n for n, _ in full.named_parameters()]
+    for r in pools.get(2).run(train_spectral_norm, api, 4):
+        assert r["losses"] == losses
+        assert all(torch.equal(r["params"][n], m) for n, m in zip(names, masters)), names
+        ref_vectors = sn_vectors(low)
+        assert r["vectors"].keys() == ref_vectors.keys() and len(ref_vectors) == 2
+        assert all(torch.equal(r["vectors"][n], v) for n, v in ref_vectors.items())
