@@ -80,7 +80,8 @@ def refuse_unshardable_embeddings(model: nn.Module) -> None:
     are sparse; zero3 reduces dense gradient shards) or with ``max_norm`` (its forward renormalizes the
     looked-up rows of the weight in place; zero3 runs the forward on a gathered copy, so the change
     would be lost and training would differ from torch's without a word: FSDP2 loses it the same way,
-    checked on 2 ranks)."""
+    checked on 2 ranks). Module attributes only: ``F.embedding(idx, p, max_norm=...)`` on a module's
+    own parameter is not seen (docs/api.md: what works instead)."""
     for name, m in model.named_modules():
         if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
             continue
