@@ -94,6 +94,13 @@ same rule for the direct reduction's messages measured slower, and was not kept.
 call, so a test can move it."""
 
 
+P2P_TAG_FIRST = 1 << 30
+"""zero3's pairwise tags run from 2**30 to 2**31 - 1 and wrap within that range. gloo's tags are
+non-negative int32, and a user's own point-to-point messages on the group zero3 runs on
+(``collective_timeout: 0``) number theirs from 0 up (torch's default tag is 0): any tag below 2**30
+never meets one of zero3's. NCCL ignores tags."""
+
+
 class PairwiseWork:
     """Point-to-point sends and receives standing for one collective; ``wait()`` waits for all of
     them, then runs ``then`` (e.g. summing what arrived). ``keep`` holds tensors that must live
@@ -136,8 +143,11 @@ class Wire:
         return dist.get_global_rank(self.group, group_rank)
 
     def next_tag(self) -> int:
-        self._p2p_tag = (self._p2p_tag + 1) & 0xFFFFFF  # the same on every rank: the sequence is verified
-        return self._p2p_tag
+        """The tag of the next pairwise batch: the same on every rank (the sequence is verified), from
+        `P2P_TAG_FIRST` up, clear of the tags of a user's own messages on the same group (gloo matches
+        a message by peer and tag)."""
+        self._p2p_tag = (self._p2p_tag + 1) % P2P_TAG_FIRST
+        return P2P_TAG_FIRST + self._p2p_tag
 
     def send_recv(self, ops: list[Any], tag: Tag | None, then: Any = None) -> PairwiseWork:
         """Post ``ops`` (`dist.P2POp`s) in one batch."""
