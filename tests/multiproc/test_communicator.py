@@ -362,3 +362,77 @@ def test_an_engine_after_a_destroyed_subgroup_builds_beside_a_live_one_and_both_
     for got in pools.get(2).run(engine_after_a_destroyed_subgroup):
         torch.testing.assert_close(torch.tensor(got["a"]), want, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(torch.tensor(got["b"]), want, rtol=1e-5, atol=1e-7)
+
+
+USER_TAGS = (1, 2, 3)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = torch.nn.Linear(6, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x))))), y)
+
+
+def _net_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def user_messages_beside_pairwise_transfers() -> dict:
+    """With ``collective_timeout: 0`` zero3 runs on the user's group; rank 0 sends the user's own
+    messages (tags 1, 2, 3) before each step and rank 1 receives them after it, while zero3's pairwise
+    all-gathers and reduce-scatters run on that group. zero3 numbered its tags 1, 2, 3, ... and took the
+    user's messages: a timeout or a hang (probe 32N)."""
+    import datetime
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=5))  # "before" fails in seconds
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    with zero3.Init(data_parallel_group=group):
+        model = _Net()
+    cfg = {"param_persistence_threshold": 0, "max_reuse_distance": 0, "max_live_parameters": 300,
+           "prefetch_bucket_size": 200, "collective_timeout": 0, "allgather_impl": "p2p",
+           "reduce_scatter_impl": "p2p"}
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), cfg, group=group)
+    losses, received = [], []
+    for step in range(3):
+        x, y = _net_batch(step)
+        sends = [dist.isend(torch.full((52,), 1000.0 * tag + step), dst=1, tag=tag, group=group)
+                 for tag in USER_TAGS] if rank == 0 else []
+        loss = engine(x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4])
+        engine.backward(loss)
+        engine.step()
+        if rank == 1:
+            for tag in reversed(USER_TAGS):
+                buf = torch.zeros(52)
+                dist.recv(buf, src=0, tag=tag, group=group)
+                received.append((tag, buf.unique().tolist()))
+        for w in sends:
+            w.wait()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        losses.append(total.item() / 2)
+    weight = [float(v) for v in zero3.safe_get_full_fp32_param(model.l2.weight).reshape(-1)]
+    return {"losses": losses, "received": received, "weight": weight}
+
+
+def test_a_users_own_small_tag_messages_on_its_group_pass_beside_zero3s_pairwise_transfers(pools):
+    torch.manual_seed(0)
+    ref = _Net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    want = []
+    for step in range(3):
+        loss = ref(*_net_batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    for rank, got in enumerate(pools.get(2).run(user_messages_beside_pairwise_transfers, timeout=60)):
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(got["weight"]), ref.l2.weight.detach().reshape(-1), rtol=1e-5,
+                                   atol=1e-6)
+        if rank == 1:
+            assert got["received"] == [(tag, [1000.0 * tag + step]) for step in range(3)
+                                       for tag in reversed(USER_TAGS)], got["received"]

@@ -58,3 +58,10 @@ def test_a_bucketed_gathers_stand_in_posts_the_messages_of_the_real_request(worl
     PairwiseGather(stand_in).dummy(shape, header, Tag(Kind.PARAM_GATHER, "a planned gather"))
     assert stand_in.batches == real.batches
     assert stand_in._p2p_tag == real._p2p_tag  # the tags of later messages stay in step too
+
+
+def test_pairwise_tags_stay_clear_of_a_users_small_tags_and_wrap_within_int32():
+    wire = _wire(2, 0)
+    assert [wire.next_tag() for _ in range(3)] == [2**30 + 1, 2**30 + 2, 2**30 + 3]  # were 1, 2, 3 (probe 32N)
+    wire._p2p_tag = 2**30 - 2
+    assert [wire.next_tag() for _ in range(3)] == [2**31 - 1, 2**30, 2**30 + 1]  # gloo's tags are int32 >= 0
