@@ -97,7 +97,8 @@ class Communicator:
             self.group, users = own_group(group, config.timeout_s, self.backend, self.device, self)
             self._own_group = True
         report = FailureReport(f"{group_name(self.group)}/{users}", world_size, rank) if distributed else None
-        self._monitor = FailureMonitor(self._state, report, world_size, rank, config.timeout_s)
+        self._monitor = FailureMonitor(self._state, report, world_size, rank, config.timeout_s,
+                                       own_group=self._own_group)
         self._wire = Wire(self.group, world_size, rank, self.device, self._monitor,
                           ByteCounter(metrics, (0,) * world_size, rank))
         if nodes is None:

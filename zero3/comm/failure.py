@@ -1,7 +1,8 @@
 """Failures and timeouts: a collective that cannot finish becomes one clear error naming the silent rank.
 
 A rank that stops taking part (returned early, raised in its own code, died) is found by the
-timeout of zero3's own process group (``collective_timeout``); the ranks then read, from the
+timeout of zero3's own process group (``collective_timeout``; with 0, of the user's group zero3 then
+runs on, which the failure leaves unusable); the ranks then read, from the
 process group's store, what the others reported (`FailureReport`) and name the silent rank
 ([Note: verified collectives] in verify.py).
 """
@@ -22,12 +23,13 @@ class FailureMonitor:
     (``state.mode`` BROKEN) and raises `ZeroCommunicationError` with what the other ranks reported."""
 
     def __init__(self, state: EpochState, report: FailureReport | None, world_size: int, rank: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, own_group: bool = True) -> None:
         self.state = state
         self.report = report
         self.world_size = world_size
         self.rank = rank
         self.timeout_s = timeout_s
+        self.own_group = own_group  # False: zero3 runs on the user's group (collective_timeout 0, Init)
         self._posted = ""  # this rank's last post
 
     def wait(self, work: Any, tag: Tag | None) -> None:
@@ -56,7 +58,7 @@ class FailureMonitor:
         """A collective did not complete (timeout, or a peer closed its connection)."""
         state = self.state
         if state.mode is EpochMode.BROKEN:
-            raise ZeroCommunicationError(f"zero3's process group is closed after an earlier failure: {exc}")
+            raise ZeroCommunicationError(f"{self._group()} is closed after an earlier failure: {exc}")
         state.mode = EpochMode.BROKEN
         where = f"collective #{state.seq} of step {state.epoch}" + (f" ({tag.describe()})" if tag else "")
         peers: dict[int, str] = {}
@@ -82,10 +84,23 @@ class FailureMonitor:
             else f"not every rank took part within {limit}")
         raise ZeroCommunicationError(
             f"rank {self.rank} waited in {where} and {what}: "
-            + "; ".join(lines) + f". ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}) zero3's own process "
-            "group is closed now; every further collective of this engine raises. The default process group is not "
-            "affected, but a rank that died is gone: save what you need and restart from the last checkpoint."
+            + "; ".join(lines) + f". ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}) " + self._aftermath()
         ) from exc
+
+    def _group(self) -> str:
+        return "zero3's own process group" if self.own_group else "your process group (the one zero3 runs on)"
+
+    def _aftermath(self) -> str:
+        """What the failure left: only zero3's group, or the user's group that zero3 ran on."""
+        if self.own_group:
+            return ("zero3's own process group is closed now; every further collective of this engine raises. The "
+                    "default process group is not affected, but a rank that died is gone: save what you need and "
+                    "restart from the last checkpoint.")
+        return ("zero3 ran on your process group (collective_timeout 0, or zero3.Init), and that group is the one "
+                "that failed: it is unusable now (gloo closed its connections: further collectives on it, yours "
+                "and this engine's, raise). Destroy it (dist.destroy_process_group) and create it again, or restart "
+                "the job from the last checkpoint; with collective_timeout > 0 zero3 runs on a group of its own, and "
+                "a failure leaves yours intact.")
 
 
 def posted_cause(post: str, first: int, last: int) -> str | None:

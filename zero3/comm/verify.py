@@ -73,8 +73,8 @@ class EpochMode(enum.Enum):
     - IDLE: between epochs; the next request starts one (one blocking header exchange).
     - PLANNED: following an agreed plan; headers ride in the payloads, checked on completion.
     - CHECKED: a blocking header exchange before every collective.
-    - BROKEN: a collective timed out or a peer vanished; zero3's process group is closed and every
-      further collective raises.
+    - BROKEN: a collective timed out or a peer vanished; the group zero3 runs on (its own, or with
+      ``collective_timeout`` 0 the user's) is closed and every further collective raises.
     """
 
     IDLE = enum.auto()
