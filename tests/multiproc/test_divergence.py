@@ -299,6 +299,35 @@ def test_a_rank_that_leaves_early_is_named_within_the_timeout(pools, world):
         assert r["again"]["error"] == "ZeroCommunicationError"
 
 
+def leaves_early_on_the_users_group() -> dict:
+    """``collective_timeout: 0``: zero3 runs on the user's group (here one with a 4 s timeout), so the
+    group that fails when rank 1 leaves is the user's, and the error must say so (probe 32N)."""
+    import datetime
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=TIMEOUT))
+    torch.manual_seed(0)
+    with zero3.Init(data_parallel_group=group):
+        model = GPT(CFG)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6),
+                              {"collective_timeout": 0}, group=group)
+    _train(engine, 2)
+    if dist.get_rank() == 1:
+        return {"error": None, "quit": True}
+    out = _outcome(lambda: _train(engine, 1, start=2))
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+        out["users_next"] = "ok"
+    except RuntimeError as exc:
+        out["users_next"] = str(exc)
+    return out
+
+
+def test_a_failure_on_the_users_group_says_that_group_failed(pools):
+    r = pools.get(2).run(leaves_early_on_the_users_group, timeout=POOL_TIMEOUT)[0]
+    assert r["error"] == "ZeroCommunicationError", r
+    assert "that group is the one that failed" in r["message"] and "not affected" not in r["message"], r["message"]
+    assert r["users_next"] != "ok", "the user's group survived: the message would be wrong"
+
+
 class Faulty(GPT):
     fail = False
 
