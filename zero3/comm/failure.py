@@ -2,9 +2,9 @@
 
 A rank that stops taking part (returned early, raised in its own code, died) is found by the
 timeout of zero3's own process group (``collective_timeout``; with 0, of the user's group zero3 then
-runs on, which the failure leaves unusable); the ranks then read, from the
-process group's store, what the others reported (`FailureReport`) and name the silent rank
-([Note: verified collectives] in verify.py).
+runs on, which the failure leaves unusable); the ranks then read, from the process group's store,
+what the others reported (`FailureReport`) and name the silent rank ([Note: verified collectives]
+in verify.py).
 """
 
 from __future__ import annotations
