@@ -207,7 +207,7 @@ class Wire:
         self.monitor.blocking(lambda: all_gather_flat(sizes, mine_size, group=self.group), None)
         sizes = sizes.cpu()
         longest = max(1, int(sizes.max()))
-        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine = torch.zeros(longest, dtype=torch.uint8, device="cpu")  # pickled bytes: never the default device
         byte_view(mine)[: len(data)] = data
         rows = torch.empty(self.world_size * longest, dtype=torch.uint8, device=self.device)
         mine_dev = mine.to(self.device)

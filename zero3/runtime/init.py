@@ -205,6 +205,7 @@ class Init:
             raise ZeroConfigError("zero3.Init got both data_parallel_group and group; pass one")
         self.enabled = enabled
         if enabled:
+            _refuse_meta_default_device()
             ensure_default_group("zero3.Init")
         self._group = data_parallel_group if data_parallel_group is not None else group
         if mpu is not None:
@@ -260,6 +261,7 @@ class Init:
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
+        _refuse_meta_default_device()  # also for an Init made outside the meta device and entered inside it
         state = self._state()
         align_ids(state.ctx.comm)
         stack = _STACK.get()
@@ -291,6 +293,20 @@ class Init:
                 self._own_rng = None
             if not _STACK.get():
                 _remove_patches()
+
+
+def _refuse_meta_default_device() -> None:
+    """Init under a meta default device (``torch.set_default_device("meta")`` or ``with
+    torch.device("meta"):`` around it, FSDP2's habit) would build every module on meta, with no values
+    to partition; refused on every rank before anything changes (its first collective is the config
+    agreement). A ``torch.device("meta")`` opened inside the block stays allowed (api.md)."""
+    if torch.get_default_device().type == "meta":
+        raise ZeroStateError(
+            "zero3.Init was entered under the meta default device (torch.set_default_device('meta') or `with "
+            "torch.device('meta'):` around it): the modules built inside would have meta parameters, which hold no "
+            "values to partition. zero3.Init already builds a model without any rank holding all of it: enter it on a "
+            "real device (the meta device left out), or build on meta without zero3.Init, materialise "
+            "(model.to_empty(device=...) and initialise the weights) and then call zero3.initialize; nothing was changed")
 
 
 def _effective_config(config: Any, remote_device: Any) -> tuple[ZeroConfig, Any]:

@@ -61,9 +61,11 @@ def take_rank0_where_ranks_differ(ctx: Any, named: Sequence[tuple[str, torch.Ten
     label = f"zero3.Init values of {named[0][0]}" + (f" and {len(named) - 1} more" if len(named) > 1 else "")
     # Fast path: one unverified exchange of a fixed-size digest (the count, two weighted sums of the
     # integers, a checksum of the names, shapes and dtypes); only where digests differ does every integer travel.
-    weights = torch.arange(1, len(named) + 1, dtype=torch.int64)
+    # on the sums' device, never the default one (a meta default device inside the Init block)
+    weights = torch.arange(1, len(named) + 1, dtype=torch.int64, device=sums.device)
     layout = zlib.crc32("\0".join(f"{name}{tuple(t.shape)}{t.dtype}" for name, t in named).encode())
-    digest = torch.stack([torch.tensor(len(named)), sums.sum(), (sums * weights).sum(), torch.tensor(layout)])
+    digest = torch.stack([torch.tensor(len(named), device=sums.device), sums.sum(), (sums * weights).sum(),
+                          torch.tensor(layout, device=sums.device)])
     rows = comm.all_gather_digest(digest.to(comm.device), Tag(Kind.TENSOR_GATHER, label)).cpu()
     if bool((rows == rows[0]).all()):
         return []
