@@ -8,6 +8,10 @@
    the model is left as it was.
 8. Verification is on by default: two ranks gathering different parameters of the same size through
    ``GatheredParameters`` raise `ZeroDivergenceError` on every rank with the default config.
+
+Also: ``Init`` under a meta default device is refused with zero3's error on every rank, and zero3's
+own agreement buffers do not follow the default device (before, the config agreement raised an
+internal AssertionError, "byte_view needs a contiguous CPU tensor").
 """
 
 from __future__ import annotations
@@ -206,3 +210,33 @@ def test_gathering_different_parameters_of_one_size_raises_with_the_default_conf
     for r in pools.get(2).run(gather_different_params, {}, timeout=POOL_TIMEOUT):
         assert r["error"] == "ZeroDivergenceError", r
         assert r["seconds"] < BOUND and r["unchanged"], r
+
+
+# -- the meta default device: zero3's own buffers do not follow it ------------------------------------
+def meta_default_device() -> dict:
+    from zero3.comm.agreement import agree_on_config
+    out: dict = {}
+    with torch.device("meta"):
+        out["around"] = _attempt(lambda: zero3.Init(config={"collective_timeout": TIMEOUT}))
+        agree_on_config(None, zero3.ZeroConfig(), None, "test")  # its object exchange, on the CPU
+    torch.set_default_device("meta")
+    try:
+        out["set"] = _attempt(lambda: zero3.Init(config={"collective_timeout": TIMEOUT}))
+    finally:
+        torch.set_default_device(None)
+    torch.manual_seed(0)
+    with zero3.Init(config={"collective_timeout": TIMEOUT}), torch.device("meta"):  # meta inside: taken
+        model = nn.Sequential(nn.Linear(8, 8, device="cpu"), nn.Linear(8, 3, device="cpu"))
+    with zero3.GatheredParameters(list(model.parameters())):
+        out["values"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_init_under_a_meta_default_device_is_refused_on_every_rank_and_agreement_runs_on_the_cpu(pools):
+    torch.manual_seed(0)
+    plain = [p.detach() for p in nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3)).parameters()]
+    for r in pools.get(2).run(meta_default_device, timeout=POOL_TIMEOUT):
+        for how in ("around", "set"):
+            assert r[how]["error"] == "ZeroStateError", r[how]
+            assert "entered under the meta default device" in r[how]["message"], r[how]
+        assert all(torch.equal(a, b) for a, b in zip(r["values"], plain)), "not plain torch's values"
