@@ -543,24 +543,42 @@ def _remove_patches() -> None:
 
 
 def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) -> None:
-    modules = list(module.modules() if recurse else (module,))
-    for m in modules:  # refused before any of them is partitioned
-        lazy = next((f"{type(m).__name__}.{n}" for n, p in m._parameters.items() if nn.parameter.is_lazy(p)), None)
+    """Partition the parameters of ``module`` (and, with ``recurse``, of its submodules) not partitioned yet.
+
+    [Note: parameter names while building] A parameter is named by its path under the module whose
+    ``__init__`` just returned (``dec.weight``, as ``named_parameters`` and `zero3.initialize` name it),
+    or ``Linear.weight`` when it is that module's own: a child is partitioned before it is attached
+    to its parent, so the parameters this Init partitioned earlier under ``module`` are renamed here,
+    on the walk that looks for new ones (one name per parameter and enclosing module; no extra walk)."""
+    modules = list(module.named_modules() if recurse else [("", module)])
+    for path, m in modules:  # refused before any of them is partitioned
+        lazy = next((_name(module, path, n) for n, p in m._parameters.items() if nn.parameter.is_lazy(p)), None)
         if lazy is not None:
             raise lazy_refusal(lazy, "the modules built before it in this Init block are partitioned")
-        bad = next(((f"{type(m).__name__}.{n}", p) for n, p in m._parameters.items() if p is not None
+        bad = next(((_name(module, path, n), p) for n, p in m._parameters.items() if p is not None
                     and not isinstance(p, ZeroParameter) and unshardable(p)), None)
         if bad is not None:
             raise unshardable_refusal(*bad, "the modules built before it in this Init block are partitioned")
     todo: dict[int, tuple[nn.Parameter, str]] = {}  # a tied parameter once, under its first name
-    for m in modules:
+    named: set[int] = set()
+    for path, m in modules:
         for pname, p in m._parameters.items():
-            if p is not None and not isinstance(p, ZeroParameter):
-                todo.setdefault(id(p), (p, f"{type(m).__name__}.{pname}"))
+            if p is None:
+                continue
+            if not isinstance(p, ZeroParameter):
+                todo.setdefault(id(p), (p, _name(module, path, pname)))
+            elif recurse and p._zero.ctx is state.ctx and id(p) not in named:
+                named.add(id(p))
+                p._zero.name = _name(module, path, pname)
     if state.sync == "rng":  # [Note: values that differ between ranks under sync="rng"]
         take_rank0_where_ranks_differ(state.ctx, [(name, p.data) for p, name in todo.values()])
     for p, name in todo.values():
         _partition_param(p, name, state)
+
+
+def _name(module: nn.Module, path: str, pname: str) -> str:
+    """A parameter's name while building: see [Note: parameter names while building]."""
+    return f"{path}.{pname}" if path else f"{type(module).__name__}.{pname}"
 
 
 def _partition_param(p: nn.Parameter, name: str, state: _InitState) -> ZeroParameter:
