@@ -252,6 +252,35 @@ def test_gathered_parameters_without_modifier_rank_refuses_a_discarded_write(ini
     assert torch.equal(_gathered(m.bias), ref.bias.detach())
 
 
+class _EncDec(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(5, 7)
+        self.dec = nn.Linear(7, 3)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(3, 3), nn.GELU()) for _ in range(2)])
+        self.scale = nn.Parameter(torch.ones(3))
+        self.blocks[1][0].weight = self.blocks[0][0].weight  # tied: named once, by its first path
+
+
+def test_between_init_and_initialize_errors_name_a_parameter_by_its_path_in_the_model():
+    """Before, every parameter built under Init was named by its class until initialize: a write to
+    ``m.dec.weight`` said "Linear.weight" ("Linear.weight, Linear.weight" for two), which cannot say which."""
+    with zero3.Init():
+        lone = nn.Linear(2, 2)
+        m = _EncDec()
+    assert lone.weight._zero.name == "Linear.weight"  # a module's own, built alone: its class names it
+    names = {n: p._zero.name for n, p in m.named_parameters()}
+    assert names == {n: n for n in names} | {"scale": "_EncDec.scale"}, names
+    with pytest.raises(ZeroStateError, match=r"without modifier_rank: enc.weight, dec.weight changed"):
+        with zero3.GatheredParameters(list(m.parameters())), torch.no_grad():
+            m.enc.weight.add_(1.0)
+            m.dec.weight.zero_()
+    with pytest.raises(ZeroStateError, match=r"parameter dec.weight \(ds_id=\d+.*is used by 'zero_'"):
+        nn.init.zeros_(m.dec.weight)
+    zero3.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), {})
+    assert {n: p._zero.name for n, p in m.named_parameters()} == {n: n for n in names}  # the same names after
+
+
 @settings(max_examples=40, deadline=None)
 @given(writes=st.lists(st.tuples(st.sampled_from(["weight", "bias"]), st.integers(0, 11),
                                  st.sampled_from([0.0, 1.0, -2.5, 1e-30])), max_size=3))
