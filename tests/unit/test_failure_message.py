@@ -33,8 +33,18 @@ def test_a_failure_on_zero3s_own_group_says_the_default_group_is_not_affected():
 def test_a_failure_on_the_users_group_says_that_group_failed_and_how_to_recover():
     msg, monitor = _message(timeout_s=0.0, own_group=False)
     assert "within the process group's timeout" in msg, msg
-    assert "zero3 ran on your process group" in msg and "that group is the one that failed" in msg, msg
+    assert "zero3 ran this on your process group" in msg and "that group is the one that failed" in msg, msg
     assert "dist.destroy_process_group" in msg and "restart the job" in msg, msg
     assert "not affected" not in msg and "zero3's own process group" not in msg, msg
     with pytest.raises(ZeroCommunicationError, match="^your process group .* is closed after an earlier failure"):
         monitor.fail(TIMED_OUT, None)
+
+
+def test_a_failure_of_an_exchange_that_always_runs_on_the_users_group_blames_no_setting():
+    """The config agreement, Init and the model-parallel checks run on the user's group whatever
+    ``collective_timeout`` is (review 32RA: with collective_timeout 300 the error named
+    "collective_timeout 0" as the reason and said a timeout > 0 would have left the user's group intact)."""
+    msg, _ = _message(timeout_s=300.0, own_group=False)
+    assert "not every rank took part within the process group's timeout" in msg, msg  # the user's group's
+    assert "Init, the agreement of configs and the model-parallel checks always do" in msg, msg
+    assert "intact" not in msg and "not affected" not in msg, msg

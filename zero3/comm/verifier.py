@@ -155,8 +155,8 @@ class Verifier:
             return Route.PLAIN
         s = self.state
         if s.mode is EpochMode.BROKEN:
-            raise ZeroCommunicationError(f"{tag.describe()}: this engine's process group is closed after a failed "
-                                         "collective (see the first error); restart from the last checkpoint")
+            raise ZeroCommunicationError(f"{tag.describe()}: the process group zero3 runs this on is closed after a "
+                                         "failed collective (see the first error); restart from the last checkpoint")
         self._log.append(shape)
         if s.mode is EpochMode.IDLE and self._start_epoch(tag, shape):
             return Route.CHECKED
