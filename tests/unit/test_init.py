@@ -281,6 +281,37 @@ def test_between_init_and_initialize_errors_name_a_parameter_by_its_path_in_the_
     assert {n: p._zero.name for n, p in m.named_parameters()} == {n: n for n in names}  # the same names after
 
 
+class _Wraps(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.head = nn.Linear(2, 2)
+
+
+def test_a_model_built_across_two_init_blocks_names_every_parameter_by_its_path():
+    """Review 32RA: a child built in another Init block (nested, or an earlier one) kept the name it had
+    there (``1.weight``, ``Linear.weight``) after its parent was built: only this block's parameters
+    were renamed. Every parameter not yet given to an engine is renamed now."""
+    with zero3.Init():
+        with zero3.Init():
+            inner = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        nested = _Wraps(inner)
+    with zero3.Init():
+        early = nn.Linear(2, 2)
+    with zero3.Init():
+        later = _Wraps(early)
+    for model in (nested, later):
+        assert {n: p._zero.name for n, p in model.named_parameters()} == {n: n for n, _ in model.named_parameters()}
+    with pytest.raises(ZeroStateError, match=r"parameter inner.1.weight \(ds_id="):
+        nn.init.zeros_(nested.inner[1].weight)
+    # an engine's parameters keep the names the engine gave them when a module built later wraps them
+    engine_model = nn.Sequential(nn.Linear(2, 2))
+    zero3.initialize(engine_model, torch.optim.SGD(engine_model.parameters(), lr=0.1), {})
+    with zero3.Init():
+        _Wraps(engine_model)
+    assert engine_model[0].weight._zero.name == "0.weight"
+
+
 @settings(max_examples=40, deadline=None)
 @given(writes=st.lists(st.tuples(st.sampled_from(["weight", "bias"]), st.integers(0, 11),
                                  st.sampled_from([0.0, 1.0, -2.5, 1e-30])), max_size=3))

@@ -205,7 +205,7 @@ class Init:
             raise ZeroConfigError("zero3.Init got both data_parallel_group and group; pass one")
         self.enabled = enabled
         if enabled:
-            _refuse_meta_default_device()
+            _refuse_meta_default_device("zero3.Init(module=...) was called" if module is not None else None)
             ensure_default_group("zero3.Init")
         self._group = data_parallel_group if data_parallel_group is not None else group
         if mpu is not None:
@@ -295,18 +295,21 @@ class Init:
                 _remove_patches()
 
 
-def _refuse_meta_default_device() -> None:
+def _refuse_meta_default_device(call: str | None = None) -> None:
     """Init under a meta default device (``torch.set_default_device("meta")`` or ``with
     torch.device("meta"):`` around it, FSDP2's habit) would build every module on meta, with no values
     to partition; refused on every rank before anything changes (its first collective is the config
-    agreement). A ``torch.device("meta")`` opened inside the block stays allowed (api.md)."""
+    agreement). A ``torch.device("meta")`` opened inside the block stays allowed (api.md). ``call``:
+    what was called, where it is not a block entered (``Init(module=...)``)."""
     if torch.get_default_device().type == "meta":
+        what = ("the modules built inside would have meta parameters, which hold no values to partition" if call is None
+                else "zero3's own buffers would be made on meta, with no values to exchange")
         raise ZeroStateError(
-            "zero3.Init was entered under the meta default device (torch.set_default_device('meta') or `with "
-            "torch.device('meta'):` around it): the modules built inside would have meta parameters, which hold no "
-            "values to partition. zero3.Init already builds a model without any rank holding all of it: enter it on a "
-            "real device (the meta device left out), or build on meta without zero3.Init, materialise "
-            "(model.to_empty(device=...) and initialise the weights) and then call zero3.initialize; nothing was changed")
+            f"{call or 'zero3.Init was entered'} under the meta default device (torch.set_default_device('meta') or "
+            f"`with torch.device('meta'):` around it): {what}. zero3.Init already builds a model without any rank "
+            "holding all of it: enter it on a real device (the meta device left out), or build on meta without "
+            "zero3.Init, materialise (model.to_empty(device=...) and initialise the weights) and then call "
+            "zero3.initialize; nothing was changed")
 
 
 def _effective_config(config: Any, remote_device: Any) -> tuple[ZeroConfig, Any]:
@@ -567,7 +570,7 @@ def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) ->
                 continue
             if not isinstance(p, ZeroParameter):
                 todo.setdefault(id(p), (p, _name(module, path, pname)))
-            elif recurse and p._zero.ctx is state.ctx and id(p) not in named:
+            elif recurse and p._zero.ctx.module is None and id(p) not in named:  # not an engine's yet
                 named.add(id(p))
                 p._zero.name = _name(module, path, pname)
     if state.sync == "rng":  # [Note: values that differ between ranks under sync="rng"]
