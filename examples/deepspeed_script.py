@@ -52,14 +52,13 @@ def get_args() -> argparse.Namespace:
 def main() -> None:
     args = get_args()
     deepspeed.init_distributed()
-    with open(args.deepspeed_config) as f:
-        micro_batch = json.load(f)["train_micro_batch_size_per_gpu"]
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
     model = Net().to(device)  # on this rank's GPU when there is one
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(args=args, model=model,
                                                               model_parameters=model.parameters())
+    micro_batch = engine.train_micro_batch_size_per_gpu()  # as the config says (comments allowed in it)
     start = 0
     if args.resume:
         _, client_state = engine.load_checkpoint(args.save_dir)

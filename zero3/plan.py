@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 
 from .config import ZeroConfig, resolve_config
+from .config.json_file import loads_config_text
 from .runtime.coordinator import plan_config
 from .planning.schedule import PlanStats, Schedule, plan
 from .planning.trace import ParamInfo, Trace, trace_from_json, write_trace
@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif Path(args.config).exists():
         config = ZeroConfig.from_json(args.config)
     else:
-        config = ZeroConfig.from_dict(json.loads(args.config))
+        config = ZeroConfig.from_dict(loads_config_text(args.config, "--config"))  # as a file is read
     if args.trace:
         trace = trace_from_json(Path(args.trace).read_text())
     else:

@@ -639,6 +639,13 @@ def test_a_config_file_with_deepspeeds_comments_and_trailing_commas_is_read(tmp_
     assert ZeroConfig.from_json(path).budget.max_live_parameters == 9
 
 
+def test_a_config_file_with_a_byte_order_mark_is_read(tmp_path):
+    """Windows editors write a UTF-8 byte-order mark; DeepSpeed's reader skips it, json refused it (review 32RB)."""
+    path = tmp_path / "ds_config.json"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"max_live_parameters": 9, // nine\r\n}')
+    assert ZeroConfig.from_json(path).budget.max_live_parameters == 9
+
+
 def test_comment_markers_and_commas_inside_strings_are_kept():
     from zero3.config.json_file import loads_config_text
     text = r'{"a//b": "c # d /* e */ ,} ,]", "q\"//": "\"#,}", "z": "\\"}  // end'

@@ -38,3 +38,16 @@ def test_the_help_example_with_threshold_zero_predicts_gathers_under_the_cap() -
     assert int(rows["all-gathers per step"].replace(",", "")) > 0
     assert 0 < int(rows["peak gathered parameter elements"].replace(",", "")) <= 20_000
     assert rows["persistent elements (always gathered)"] == "0"
+
+
+def test_a_config_given_as_text_is_read_as_a_config_file_is() -> None:
+    """``--config '<JSON>'`` took json.loads: a comment raised json's traceback and a key given twice was
+    taken silently (review 32RB); it reads as a file does now."""
+    import pytest
+
+    from zero3.errors import ZeroConfigError
+    args = ("--model", f"{GPT_FILE}:GPT", "--model-arg", "GPTConfig(n_layer=2)", "--input-shape", "2,16")
+    rows = _run(*args, "--config", '{"param_persistence_threshold": 0, /* all gathered */ "max_live_parameters": 2e4,}')
+    assert rows["persistent elements (always gathered)"] == "0"
+    with pytest.raises(ZeroConfigError, match="--config: the key 'dtype' is given twice"):
+        main([*args, "--config", '{"dtype": "bf16", "dtype": "fp16"}'])

@@ -587,12 +587,13 @@ def test_batchnorm_under_mixed_precision_trains_as_module_to_dtype_does(dtype, t
 
 def _sn_model(api: str):
     torch.manual_seed(0)
-    sn = torch.nn.utils.spectral_norm if api == "old" else torch.nn.utils.parametrizations.spectral_norm
+    sn = {"old": torch.nn.utils.spectral_norm, "new": torch.nn.utils.parametrizations.spectral_norm,
+          "orthogonal": torch.nn.utils.parametrizations.orthogonal}[api]
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), sn(nn.Linear(8, 8)), nn.Linear(8, 2))
 
 
 def _sn_vectors(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: b for n, b in model.named_buffers() if n.endswith(("_u", "_v"))}
+    return {n: b for n, b in model.named_buffers() if n.endswith(("_u", "_v", ".base"))}
 
 
 @pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
@@ -606,7 +607,8 @@ def test_spectral_norm_under_mixed_precision_trains_as_module_to_dtype_does(api,
     model = copy.deepcopy(full)
     cfg = {**NO_PERSIST, "dtype": dtype}
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6), cfg)
-    assert len(_sn_vectors(model)) == 2 and all(b.dtype == torch_dtype for b in _sn_vectors(model).values())
+    vectors = _sn_vectors(model)
+    assert len(vectors) == 2 and all(b.dtype == torch_dtype for b in vectors.values())
     low = copy.deepcopy(full).to(torch_dtype)
     masters = [p.detach().clone().float() for p in full.parameters()]
     opt = torch.optim.AdamW(masters, lr=1e-2, eps=1e-6)
@@ -640,6 +642,47 @@ def test_spectral_norm_under_mixed_precision_trains_as_module_to_dtype_does(api,
     assert all(loaded[n].dtype == torch_dtype and torch.equal(loaded[n], b) for n, b in vectors.items())
     x = torch.randn(16, 6, generator=g).to(torch_dtype)
     assert torch.equal(fresh(x), low(x))
+
+
+class _LowerTriangular(nn.Module):
+    """A user's parametrization with a buffer used beside the weight."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tril(torch.ones(n, n)))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * self.mask
+
+
+@pytest.mark.parametrize("kind", ["orthogonal", "user"])
+def test_every_buffer_of_a_parametrization_is_cast_with_its_weight(kind):
+    """Orthogonal's ``base`` (a parametrization's buffer, used with the weight) stayed fp32 under bf16
+    and the first forward raised in torch ("expected m1 and m2 to have the same dtype"), where
+    ``model.bfloat16()`` runs (review 32RB); so did a user's parametrization's buffer. Each is cast as
+    ``.to(dtype)`` casts it, and the loss (and, for the user's, the gradient) is torch's. (torch's
+    orthogonal in bf16 gives NaN gradients: only its forward is compared.)"""
+    if kind == "orthogonal":
+        full, buffer = _sn_model("orthogonal"), "2.parametrizations.weight.0.base"
+    else:
+        torch.manual_seed(0)
+        full, buffer = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 2)), \
+            "2.parametrizations.weight.0.mask"
+        torch.nn.utils.parametrize.register_parametrization(full[2], "weight", _LowerTriangular(8))
+    model = copy.deepcopy(full)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), {**NO_PERSIST, "dtype": "bf16"})
+    assert dict(model.named_buffers())[buffer].dtype == torch.bfloat16
+    low = copy.deepcopy(full).to(torch.bfloat16)
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    loss, ref = engine(x).float().square().mean(), low(x).float().square().mean()
+    assert torch.equal(loss.detach(), ref.detach())
+    assert torch.equal(dict(model.named_buffers())[buffer], dict(low.named_buffers())[buffer])
+    if kind == "user":
+        engine.backward(loss)
+        ref.backward()
+        original = "2.parametrizations.weight.original"
+        assert torch.equal(zero3.safe_get_full_grad(dict(model.named_parameters())[original]),
+                           dict(low.named_parameters())[original].grad.float())
 
 
 @pytest.mark.parametrize("spelled, ds", [

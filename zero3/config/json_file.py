@@ -26,7 +26,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     twice in one object is refused, as DeepSpeed refuses it. Every failure is a `ZeroConfigError`
     naming the file (the ranks agree on it: one rank's missing file raises on every rank)."""
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding="utf-8-sig") as fh:  # a byte-order mark, as Windows editors write, skipped
             text = fh.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise ZeroConfigError(f"config file {str(path)!r} cannot be read: {exc}") from exc

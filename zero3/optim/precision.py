@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
-from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.parametrize import ParametrizationList
 from torch.nn.utils.spectral_norm import SpectralNorm
 
@@ -153,8 +152,9 @@ def lower_buffers(model: nn.Module, dtype: torch.dtype) -> list[str]:
 def _buffers_beside_weights(module: nn.Module) -> Iterator[tuple[nn.Module, str, str, list[nn.Parameter]]]:
     """(owner, owner's name under ``module``, buffer name, the weights it is used with) for each such
     buffer of ``module``: BatchNorm's running statistics; ``weight_u``/``weight_v`` of the old
-    ``spectral_norm`` hook (its weight is ``weight_orig``); ``_u``/``_v`` of each ``_SpectralNorm`` of
-    a ``ParametrizationList`` (its weight is the list's ``original``)."""
+    ``spectral_norm`` hook (its weight is ``weight_orig``); every buffer of a parametrization in a
+    ``ParametrizationList`` (its weight is the list's ``original``: spectral norm's ``_u``/``_v``,
+    orthogonal's ``base``, a user's own), as ``model.to(dtype)`` casts them."""
     if isinstance(module, _NormBase):
         own = list(module.parameters(recurse=False))
         yield from ((module, "", name, own) for name in ("running_mean", "running_var"))
@@ -165,8 +165,8 @@ def _buffers_beside_weights(module: nn.Module) -> Iterator[tuple[nn.Module, str,
     if isinstance(module, ParametrizationList):
         own = list(module.parameters(recurse=False))
         for i, child in enumerate(module):
-            if isinstance(child, _SpectralNorm):
-                yield from ((child, str(i), name, own) for name in ("_u", "_v"))
+            for path, owner in child.named_modules(prefix=str(i)):
+                yield from ((owner, path, name, own) for name in list(owner._buffers))
 
 
 class LossScaler:
