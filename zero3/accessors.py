@@ -127,7 +127,10 @@ def _state(ctx: RuntimeContext, param: ZeroParameter, key: str, what: str) -> to
     state = ctx.optimizer_state(param)
     if key not in state:
         have = sorted(state) if state else "none yet (the optimizer has not stepped, or the parameter is frozen)"
-        raise KeyError(f"{what}: {param._zero.summary()} has no optimizer state {key!r}; it has {have}")
+        how = ("" if state or not what.startswith("safe_set") else
+               "; the setters overwrite existing state: to bring in a plain torch run's state, load it into the "
+               "optimizer before zero3.initialize (opt.load_state_dict(sd)), which keeps each rank's slice of it")
+        raise KeyError(f"{what}: {param._zero.summary()} has no optimizer state {key!r}; it has {have}{how}")
     v = state[key]
     if not isinstance(v, torch.Tensor) or v.numel() != param._zero.shard_numel:
         raise ZeroStateError(f"{what}: optimizer state {key!r} of {param._zero.summary()} is not per-element "
@@ -206,7 +209,8 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
 def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Set optimizer state ``optim_state_key`` of ``param`` from the full ``value`` (same on every rank).
 
-    The state must exist (the optimizer has stepped once). No collective.
+    The state must exist: the optimizer has stepped, or its state was loaded into it before
+    ``zero3.initialize`` (``opt.load_state_dict(sd)``, sliced to each rank there). No collective.
     """
     p = _check(param, "safe_set_full_optimizer_state")
     ctx = _context(p, "safe_set_full_optimizer_state")

@@ -107,7 +107,7 @@ def shard_optimizer(optimizer: Any, params: Iterable[ZeroParameter],
     params = list(params)
     by_id = {id(p): p._zero.shard for p in params}
     if isinstance(optimizer, torch.optim.Optimizer):
-        made = _check_fresh(optimizer)
+        made = _check_state(optimizer)
         for group in optimizer.param_groups:
             new = []
             for p in group["params"]:
@@ -126,47 +126,53 @@ def shard_optimizer(optimizer: Any, params: Iterable[ZeroParameter],
     raise _bad_optimizer(optimizer)
 
 
-def validate_optimizer(optimizer: Any, model_params: Iterable[torch.Tensor] = (), allow_untested: bool = False) -> None:
+def validate_optimizer(optimizer: Any, named_params: Iterable[tuple[str, torch.Tensor]] = (),
+                       allow_untested: bool = False) -> None:
     """Reject, before ``initialize`` changes anything, an optimizer it cannot use: not an optimizer,
-    one that has stepped, or one holding a tensor that is neither a parameter of ``model_params`` nor
-    the shard of one (a factory is called later, with the shards)."""
+    one holding a tensor that is neither a parameter of ``named_params`` nor the shard of one, or one
+    whose state cannot be sliced to the shards (a factory is called later, with the shards)."""
     if optimizer is None or (callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)):
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise _bad_optimizer(optimizer)
     check_steppable(optimizer, allow_untested)
-    _check_fresh(optimizer)
-    known: set[int] = set()
-    for p in model_params:
-        known.add(id(p))
+    known: dict[int, str] = {}
+    for name, p in named_params:
+        known.setdefault(id(p), name)
         if isinstance(p, ZeroParameter):
-            known.add(id(p._zero.shard))
+            known.setdefault(id(p._zero.shard), name)
     for group in optimizer.param_groups:
         for t in group["params"]:
             if id(t) not in known:
                 raise _foreign(t)
+    _check_state(optimizer, known)
 
 
-def _check_fresh(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
-    """The state ``optimizer`` made in its constructor, by id of the tensor it is keyed by (torch's
-    Adagrad makes ``step`` 0 and ``sum`` for every parameter there); raises if any entry has stepped
-    or has no step counter to tell (a loaded state dict)."""
-    for st in optimizer.state.values():
-        step = st.get("step") if isinstance(st, dict) else None
-        if not (isinstance(step, (int, float)) or (isinstance(step, torch.Tensor) and step.numel() == 1)) or step != 0:
-            _refuse_stepped(optimizer)
+def _check_state(optimizer: torch.optim.Optimizer, names: dict[int, str] | None = None) -> dict[int, dict[str, Any]]:
+    """The state ``optimizer`` holds (made in its constructor, by stepping, or loaded with torch's
+    ``load_state_dict``: over the full parameters), by id of the tensor it is keyed by. Raises if a
+    state tensor is neither of its parameter's full shape (sliced by `_reshard_state`) nor of one
+    element (a step counter, kept): a factored state (Adafactor's row and column vectors) or one loaded
+    for another model has no exact slice per rank."""
+    for t, st in optimizer.state.items():
+        full = tuple(t._zero.shape) if isinstance(t, ZeroParameter) else tuple(t.shape)
+        for k, v in (st.items() if isinstance(st, dict) else ()):
+            if isinstance(v, torch.Tensor) and tuple(v.shape) != full and v.numel() != 1:
+                name = (names or {}).get(id(t)) or (t._zero.name if isinstance(t, ZeroParameter) else None)
+                _refuse_state(optimizer, name or f"of shape {full}", k, tuple(v.shape), full)
     return {id(t): st for t, st in optimizer.state.items()}
 
 
 def _reshard_state(optimizer: torch.optim.Optimizer, made: dict[int, dict[str, Any]],
                    moved: Iterable[tuple[ZeroParameter, torch.Tensor]]) -> None:
-    """Re-key constructor-made state from each full parameter to the tensor the optimizer now steps
-    (its shard or fp32 master), keeping this rank's slice of each per-element tensor. Exact: the slice
-    of what the constructor made over the full parameter is what it would have made over the shard.
-    State left on a full parameter (one the optimizer no longer holds: frozen, under fp32 masters) is
-    dropped."""
+    """Re-key the state (`_check_state`) from each full parameter to the tensor the optimizer now steps
+    (its shard or fp32 master), keeping this rank's slice of each tensor of the parameter's full shape,
+    in the stepped tensor's dtype and device. Exact: the slice of a per-element state over the full
+    parameter is what the same steps would have made over the shard. State left on a full parameter
+    (one the optimizer no longer holds: frozen, under fp32 masters) is dropped."""
     if not made:
         return
+    rounded: list[str] = []
     for p, new in moved:
         st = made.get(id(p))
         if st is None:  # no state, or state keyed by the shard already (an optimizer built over shards)
@@ -176,21 +182,30 @@ def _reshard_state(optimizer: torch.optim.Optimizer, made: dict[int, dict[str, A
         out: dict[str, Any] = {}
         for k, v in st.items():
             if k != "step" and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p._zero.shape):
+                if v.element_size() < new.element_size():
+                    rounded.append(f"{k!r} of {p._zero.name} ({v.dtype})")
                 mine = torch.zeros_like(new)
                 mine[: end - start].copy_(v.detach().reshape(-1)[start:end])
                 v = mine
             out[k] = v
         optimizer.state[new] = out
+    if rounded:
+        logger.warning("zero3: %d optimizer state tensors (first %s) were rounded before initialize (torch's "
+                       "load_state_dict casts the state to the parameter's dtype); they are widened to the "
+                       "masters' dtype as they are",
+                       len(rounded), rounded[0])
     for t in [t for t in optimizer.state if isinstance(t, ZeroParameter)]:
         del optimizer.state[t]
 
 
-def _refuse_stepped(optimizer: torch.optim.Optimizer) -> None:
+def _refuse_state(optimizer: torch.optim.Optimizer, name: str, key: str, shape: tuple[int, ...],
+                  full: tuple[int, ...]) -> None:
     raise ZeroStateError(
-        f"{type(optimizer).__name__} given to zero3.initialize already has state (it has stepped, or loaded "
-        "a state dict): that state is over the full parameters, and zero3 keeps each rank's shard of it. Pass "
-        "the optimizer fresh, then restore its state with zero3.safe_set_full_optimizer_state(param, value, "
-        "key) for each parameter (every rank, after initialize), or resume with engine.load_checkpoint")
+        f"{type(optimizer).__name__} given to zero3.initialize has optimizer state {key!r} of shape {shape} for "
+        f"parameter {name} of shape {full}: zero3 keeps each rank's slice of a state of the parameter's shape (or a "
+        "one-element step counter), and this one has no exact slice (a factored state, or one loaded for another "
+        "model). Nothing was changed; pass the optimizer without that state (fresh), or resume with "
+        "engine.load_checkpoint")
 
 
 def _foreign(p: torch.Tensor) -> ZeroConfigError:
@@ -319,7 +334,7 @@ class PartitionedOptimizer(DeepSpeedOptimizerNames):
     def _build_masters(self, optimizer: Any, fp32_shards: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
         by_id = {id(p): p for p in self.params}
         if isinstance(optimizer, torch.optim.Optimizer):
-            made = _check_fresh(optimizer)
+            made = _check_state(optimizer)
             per_group: list[list[ZeroParameter]] = []
             for group in optimizer.param_groups:  # validate everything before changing anything
                 found = []

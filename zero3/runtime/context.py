@@ -391,8 +391,8 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     if optimizer is None and config.training.optimizer is not None:
         optimizer = build_optimizer(config.training.optimizer, model_parameters if model_parameters is not None
                                     else model.parameters())
-    validate_optimizer(optimizer, model.parameters(),  # before anything changes: the model is left as it was
-                       config.training.zero_allow_untested_optimizer)
+    validate_optimizer(optimizer, model.named_parameters(remove_duplicate=False),  # before anything changes:
+                       config.training.zero_allow_untested_optimizer)  # the model is left as it was
     meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
     if meta is not None and not meta_dry_run.get():
         raise meta_refusal(meta)
