@@ -88,3 +88,45 @@ def test_rank_0s_state_on_every_rank_is_refused_on_the_others(pools):
     assert not r1["loaded"] and r1["state_after"] == 0
     assert "saved by rank 0 of 2, and this is rank 1 of 2" in r1["error"]
     assert "engine.save_checkpoint" in r1["error"]
+
+
+def migrate(which: str) -> dict:
+    """A plain torch run's ``opt.state_dict()`` after 3 steps, loaded on every rank before
+    ``initialize`` (each rank keeps its own slice), resumes like the uninterrupted 6-step torch run."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    make = {"AdamW": lambda ps: torch.optim.AdamW(ps, lr=3e-3, eps=1e-6),
+            "SGD momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)}[which]
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    ref_opt = make(ref.parameters())
+    plain = []
+    for step in range(6):
+        loss = ref(*synthetic_batch(step, 2 * world, CFG))
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        plain.append(loss.item())
+        if step == 2:
+            weights, state = _saved(ref.state_dict()), _saved(ref_opt.state_dict())
+    torch.manual_seed(1)
+    with zero3.Init():
+        model = GPT(CFG)
+    opt = make(model.parameters())
+    opt.load_state_dict(state)
+    engine = zero3.initialize(model, opt, CONFIG)
+    zero3.pretrained.load_state_dict(engine, weights)
+    losses = _steps(engine, 3, 3)
+    total = torch.tensor(losses)
+    dist.all_reduce(total)
+    err = max((zero3.safe_get_full_fp32_param(p) - r.detach()).abs().max().item()
+              for p, r in zip(model.parameters(), ref.parameters()))
+    engine.remove_hooks()
+    return {"rank": rank, "losses": (total / world).tolist(), "plain": plain[3:], "weight_err": err}
+
+
+@pytest.mark.parametrize("which", ["AdamW", "SGD momentum"])
+def test_a_plain_torch_runs_state_loaded_on_every_rank_resumes_like_torch(pools, which):
+    """It was refused at initialize ('already has state'); now each rank keeps its slice of it."""
+    for r in pools.get(2).run(migrate, which, timeout=120):
+        torch.testing.assert_close(r["losses"], r["plain"], rtol=1e-6, atol=1e-6)
+        assert r["weight_err"] < 1e-6, r

@@ -310,45 +310,21 @@ def test_optimizer_factory_matches_the_reference():
     _assert_same_params(model, ref)
 
 
-def _stepped_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+def test_an_optimizer_that_has_stepped_is_taken_and_trains_on_like_torch():
+    """Stepped state (SGD's momentum) given to initialize was refused ('already has state'); it is
+    sliced to the shards now (tests/unit/test_plain_optimizer_state.py checks loaded state too)."""
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x, y = synthetic_batch(0, BATCH, CFG)
-    model(x, y).backward()
-    opt.step()
-    opt.zero_grad()
-    return opt
-
-
-def test_optimizer_that_already_has_state_is_rejected():
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    opt = _stepped_optimizer(model)
-    with pytest.raises(ZeroStateError, match=r"already has state \(it has stepped, or loaded a state dict\).*"
-                                             r"safe_set_full_optimizer_state"):
-        zero3.initialize(model, opt, NO_PERSIST)
-
-
-def test_optimizer_that_loaded_a_state_is_told_how_to_bring_it():
-    """Resuming from a plain torch checkpoint: the state loaded before initialize is over the full
-    parameters; the error says so and names the accessor that takes it per parameter."""
-    torch.manual_seed(0)
-    saved = _stepped_optimizer(GPT(CFG)).state_dict()
-    model = GPT(CFG)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt.load_state_dict(saved)
-    with pytest.raises(ZeroStateError, match=r"SGD given to zero3.initialize already has state.*"
-                                             r"safe_set_full_optimizer_state\(param, value, key\)"):
-        zero3.initialize(model, opt, NO_PERSIST)
-
-
-def test_rejected_optimizer_leaves_the_model_untouched():
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    opt = _stepped_optimizer(model)
-    with pytest.raises(ZeroStateError):
-        zero3.initialize(model, opt, NO_PERSIST)
-    assert all(type(p) is nn.Parameter for p in model.parameters())
-    assert all(not m._forward_pre_hooks for m in model.modules())
+    for o, m in ((ref_opt, ref), (opt, model)):
+        m(*synthetic_batch(0, BATCH, CFG)).backward()
+        o.step()
+        o.zero_grad()
+    engine = zero3.initialize(model, opt, NO_PERSIST)
+    _train_alongside(ref, ref_opt, engine, STEPS)
+    _assert_same_params(model, ref)
 
 
 def test_optimizer_over_foreign_parameters_is_rejected():

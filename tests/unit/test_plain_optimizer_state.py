@@ -4,6 +4,7 @@ on a shape mismatch inside the optimizer (optim/rank_state.py [Note: per-rank op
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -196,3 +197,106 @@ def test_constructor_state_of_a_one_element_parameter_is_resharded_too(shape):
         torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
     assert engine.optimizer_state(model.s)["sum"].shape == engine.master_shard(model.s).shape
     torch.testing.assert_close(zero3.safe_get_full_optimizer_state(model.s, "sum"), ref_opt.state[ref.s]["sum"])
+
+
+_OPTIMIZERS = {"AdamW": lambda ps: torch.optim.AdamW(ps, lr=3e-3, eps=1e-6),
+               "SGD momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)}
+
+
+def _plain_run(make_opt, frozen: bool) -> tuple[list[float], dict, dict, GPT]:
+    """Plain torch, 6 steps: the losses, the weights and ``opt.state_dict()`` after 3, the model."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    model.wpe.weight.requires_grad_(not frozen)
+    opt = make_opt(model.parameters())
+    losses = []
+    for step in range(6):
+        loss = model(*synthetic_batch(step, 2, CFG))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if step == 2:
+            weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    return losses, weights, state, model
+
+
+@pytest.mark.parametrize("zcfg", [
+    {"param_persistence_threshold": 0},
+    {"param_persistence_threshold": 0, "init": True, "frozen": True},  # built under zero3.Init, wpe frozen
+    {},  # every parameter persistent
+    {"param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"}},  # separate fp32 masters
+    {"param_persistence_threshold": 0, "offload_optimizer": {"device": "nvme"}, "sub_group_size": 3000},
+], ids=["threshold 0", "Init, frozen", "persistent", "offload cpu", "offload nvme"])
+@pytest.mark.parametrize("which", sorted(_OPTIMIZERS))
+def test_a_plain_torch_runs_optimizer_state_loaded_before_initialize_resumes_exactly(zcfg, which, tmp_path):
+    """Migrating from plain torch (or DDP, FSDP2's full state dict): ``opt.load_state_dict(sd)`` before
+    ``initialize``, the weights with ``zero3.pretrained.load_state_dict``. It was refused ('already has
+    state'), and the documented way round it (``safe_set_full_optimizer_state`` after initialize)
+    raised KeyError on a fresh engine; the state is now sliced to each shard, and 3 more steps equal
+    the uninterrupted 6-step torch run."""
+    zcfg = dict(zcfg)
+    init, frozen = zcfg.pop("init", False), zcfg.pop("frozen", False)
+    if "offload_optimizer" in zcfg and zcfg["offload_optimizer"]["device"] == "nvme":
+        zcfg["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    make_opt = _OPTIMIZERS[which]
+    losses, weights, state, ref = _plain_run(make_opt, frozen)
+    torch.manual_seed(1)  # other initial weights: the loaded ones must win
+    with zero3.Init() if init else contextlib.nullcontext():
+        model = GPT(CFG)
+    model.wpe.weight.requires_grad_(not frozen)
+    opt = make_opt(model.parameters())
+    opt.load_state_dict(state)
+    engine = zero3.initialize(model, opt, zcfg)
+    zero3.pretrained.load_state_dict(engine, weights)
+    got = []
+    for step in range(3, 6):
+        loss = engine(*synthetic_batch(step, 2, CFG))
+        engine.backward(loss)
+        engine.step()
+        got.append(loss.item())
+    torch.testing.assert_close(got, losses[3:], rtol=1e-6, atol=1e-6)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(zero3.safe_get_full_fp32_param(p), r.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_plain_torch_runs_adamw_state_under_bf16_is_kept_in_fp32_on_the_masters():
+    """bf16: the loaded state is keyed to each fp32 master and kept in fp32, equal to torch's; the next
+    steps follow torch's fp32 run as closely as bf16 forwards do."""
+    losses, weights, state, ref = _plain_run(_OPTIMIZERS["AdamW"], frozen=False)
+    model = GPT(CFG)
+    opt = _OPTIMIZERS["AdamW"](model.parameters())
+    opt.load_state_dict(state)
+    engine = zero3.initialize(model, opt, {"param_persistence_threshold": 0, "bf16": {"enabled": True}})
+    zero3.pretrained.load_state_dict(engine, weights)
+    for i, p in enumerate(model.parameters()):
+        assert engine.optimizer_state(p)["exp_avg"].dtype == torch.float32
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(zero3.safe_get_full_optimizer_state(p, key), state["state"][i][key]), (i, key)
+    got = []
+    for step in range(3, 6):
+        loss = engine(*synthetic_batch(step, 2, CFG))
+        engine.backward(loss)
+        engine.step()
+        got.append(loss.item())
+    torch.testing.assert_close(got, losses[3:], rtol=2e-2, atol=0)
+
+
+def test_optimizer_state_without_an_exact_slice_is_refused_and_changes_nothing():
+    """A state loaded for another model (torch's load_state_dict checks no shapes): a momentum buffer
+    of shape (8, 6) for a (16, 6) weight has no slice per rank; refused naming the parameter, the key
+    and the shape, before the model is partitioned."""
+    torch.manual_seed(0)
+    other = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    other(torch.randn(2, 6)).sum().backward()
+    other_opt.step()
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt.load_state_dict(other_opt.state_dict())
+    with pytest.raises(zero3.ZeroStateError, match=r"state 'momentum_buffer' of shape \(8, 6\) for parameter "
+                                                    r"0.weight of shape \(16, 6\).*Nothing was changed"):
+        zero3.initialize(model, opt, {"param_persistence_threshold": 0})
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    assert opt.state[model[0].weight]["momentum_buffer"].shape == (8, 6)
