@@ -520,6 +520,29 @@ def test_pretrained_errors_list_every_offender_and_change_nothing(trained):
     assert torch.equal(got["wpe.weight"], expected["wpe.weight"]) and torch.equal(got["wte.weight"], before["wte.weight"])
 
 
+def test_pretrained_names_the_entry_of_a_nested_checkpoint_and_reports_its_entries_unexpected(trained, tmp_path, caplog):
+    """``consolidate --include-optimizer`` writes ``{"model": sd, "optimizer": ...}``: handed whole, strict said
+    every key was missing and to pass strict=False, which loaded nothing and returned unexpected_keys=[] (the
+    non-tensor entries were dropped); torch lists 'model' and 'optimizer' as unexpected."""
+    root, _, ref, _ = trained
+    consolidate_main([str(root), str(tmp_path / "o.pt"), "--include-optimizer"])
+    model = _init_model()
+    before = _full_params(model)
+    with pytest.raises(zero3.CheckpointMismatchError, match=r"under the source's 'model' entry .*pass sd\['model'\]"
+                       ) as info:
+        zero3.pretrained.load_state_dict(model, tmp_path / "o.pt")
+    assert "unexpected keys: model, optimizer" in str(info.value) and "strict=False" not in str(info.value)
+    nested = torch.load(tmp_path / "o.pt", weights_only=True)
+    result = zero3.pretrained.load_state_dict(model, nested, strict=False)
+    assert result.unexpected_keys == ["model", "optimizer"] == GPT(CFG).load_state_dict(nested, strict=False).unexpected_keys
+    assert "loads nothing" in caplog.text and "sd['model']" in caplog.text
+    got = _full_params(model)
+    assert all(torch.equal(got[k], before[k]) for k in got)
+    assert zero3.pretrained.load_state_dict(model, nested["model"]) == ([], [])
+    got = _full_params(model)
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in got.items())
+
+
 def test_pretrained_reads_a_sharded_safetensors_index_or_a_directory(trained, tmp_path):
     safetensors_torch = pytest.importorskip("safetensors.torch")
     expected = trained[2].state_dict()

@@ -18,6 +18,7 @@ changes; the ranks agree on the outcome, so they raise the same error together.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +37,7 @@ from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatc
 from ..partition.param import ZeroParameter
 from ..partition.state import ParamStatus
 
+logger = logging.getLogger(__name__)
 
 class LoadResult(NamedTuple):
     """Keys the model expected but the source lacked, and keys of the source the model does not have."""
@@ -68,6 +70,16 @@ class _Source:
         """The values under extra-state keys (``<prefix>._extra_state``), not among `keys`."""
         return {}
 
+    def other_keys(self) -> list[str]:
+        """Top-level keys whose value is not a tensor (a nested dict, a list): unexpected unless the
+        model names them, as torch reports them."""
+        return []
+
+    def holder_of(self, keys: list[str]) -> tuple[str, int] | None:
+        """(the top-level key of the nested mapping holding most of ``keys``, how many), or None: a
+        ``{"model": sd, "optimizer": ...}`` checkpoint handed whole."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -80,10 +92,19 @@ class _DictSource(_Source):
         # such, not as missing
         self.others = {k: type(v).__name__ for k, v in sd.items()
                        if not isinstance(v, torch.Tensor) and k not in self.extra}
+        self.nested = {k: v for k, v in sd.items() if isinstance(v, Mapping) and k not in self.extra}
         self.aliases = {}
 
     def extra_state(self) -> dict[str, Any]:
         return self.extra
+
+    def other_keys(self) -> list[str]:
+        return list(self.others)
+
+    def holder_of(self, keys: list[str]) -> tuple[str, int] | None:
+        found = [(sum(k in v for k in keys), name) for name, v in self.nested.items()]
+        best = max(found, default=(0, ""))
+        return (best[1], best[0]) if best[0] else None
 
     def problem(self, key: str) -> str | None:
         if key in self.others:
@@ -269,6 +290,9 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
             warn_skipped_hooks(module)
         source = open_source(state_dict_or_path)
         result, plan = _plan(module, source, strict)
+        nesting = None if plan else _nesting(source, result.missing_keys)
+        if nesting:  # strict=False: loads nothing (strict raised saying so)
+            logger.warning("zero3::pretrained load_state_dict(strict=False) loads nothing: %s", nesting)
     except Exception as exc:  # noqa: BLE001 - agreed across ranks below
         error = exc
     try:
@@ -354,11 +378,14 @@ def _plan(module: nn.Module, source: _Source,
             missing.append(key)
     unexpected = [k for k in source.keys() if k not in used and source.aliases.get(k) not in used]
     unexpected += [k for k in extra if k not in settable]
+    model_keys = {n for names in names_of.values() for n in names}
+    unexpected += [k for k in source.other_keys() if k not in model_keys]  # a nested dict, a list: torch's too
+    nesting = _nesting(source, missing) if not plan else None
     if gathered:
         raise ZeroStateError(f"load_state_dict while parameters are gathered ({', '.join(gathered[:5])}); call it "
                              "outside forward/backward and GatheredParameters (after a forward with gradients whose "
                              "backward will not run, one forward under torch.no_grad() ends that step)")
-    problems = []
+    problems = [nesting] if strict and nesting else []
     if shape_errors:
         problems.append("shape mismatch: " + "; ".join(shape_errors))
     if strict and missing:
@@ -368,8 +395,17 @@ def _plan(module: nn.Module, source: _Source,
     if problems:
         raise CheckpointMismatchError("load_state_dict: " + ". ".join(problems) + ". Nothing was loaded"
                                       + ("; pass strict=False to skip missing and unexpected keys" if strict and
-                                         (missing or unexpected) else ""))
+                                         (missing or unexpected) and not nesting else ""))
     return LoadResult(missing, unexpected), plan
+
+
+def _nesting(source: _Source, missing: list[str]) -> str | None:
+    """What to pass instead when none of the model's keys matched and a nested mapping holds them."""
+    holder = source.holder_of(missing) if missing else None
+    if holder is None:
+        return None
+    return (f"the model's keys are under the source's {holder[0]!r} entry ({holder[1]} of {len(missing)} there): "
+            f"pass sd[{holder[0]!r}], that entry of the dict (torch.load a file first)")
 
 
 def _load_partitioned(source: _Source, key: str, p: ZeroParameter) -> None:
