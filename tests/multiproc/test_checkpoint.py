@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint
 from _reference import snapshot
 from gpt import GPT, GPTConfig, synthetic_batch
 
@@ -294,6 +295,14 @@ def _bad_copies(ckpt: str, other_ckpt: str, root: Path) -> dict[str, str]:
         edit(meta)
         m.write_text(json.dumps(meta, indent=1))
     cases["other_model"] = other_ckpt
+    cases["dcp"] = str(root / "dcp")  # FSDP2's save: load_checkpoint said "no checkpoint yet", returned (None, None)
+    torch.distributed.checkpoint.save({"model": GPT(CFG).state_dict()}, checkpoint_id=cases["dcp"])
+    step = root / "deepspeed" / "global_step3"  # DeepSpeed's layout: "metadata.json: missing"
+    step.mkdir(parents=True)
+    (root / "deepspeed" / "latest").write_text("global_step3")
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        torch.save({}, step / name)
+    cases["deepspeed"] = str(root / "deepspeed")
     return cases
 
 
@@ -306,9 +315,13 @@ BAD = {
     "edited_steps": ("CheckpointCorruptError", ["metadata.json", "does not match the checksum"]),
     "renamed_key": ("CheckpointCorruptError", ["metadata.json", "does not match the checksum"]),
     "other_model": ("CheckpointMismatchError", ["another model", "h.2.attn.c_attn.weight", "wte.weight: shape"]),
+    "dcp": ("CheckpointError", ["torch.distributed.checkpoint (DCP)", "dcp_to_torch_save", "pretrained.load_state_dict"]),
+    "deepspeed": ("CheckpointError", ["global_step3: a DeepSpeed ZeRO checkpoint", "zero_to_fp32.py",
+                                      "pretrained.load_state_dict"]),
 }
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_bad_checkpoints_raise_the_same_clear_error_on_every_rank_and_change_nothing(pools, saved, tmp_path):
     torch.manual_seed(0)
     other = make_engine(seed=0, cfg=GPTConfig(n_layer=3, vocab_size=128))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint
 from gpt import GPT, GPTConfig, synthetic_batch
 
 import zero3
@@ -362,6 +363,35 @@ def test_the_first_launch_of_an_auto_resume_script_loads_nothing_and_returns_non
     (tmp_path / "a_file").write_text("")
     with pytest.raises(ck.CheckpointNotFoundError, match="does not exist"):  # a wrong argument is not "nothing yet"
         engine.load_checkpoint(tmp_path / "a_file")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("layout", ["dcp", "deepspeed"])
+def test_another_frameworks_checkpoint_is_refused_naming_its_format_and_the_conversion(tmp_path, layout):
+    """An FSDP2 (torch DCP) directory loaded as "no checkpoint yet" and returned (None, None), so an auto-resume
+    script trained from scratch; DeepSpeed's layout raised "metadata.json: missing" (probe 32P repro_6)."""
+    root = tmp_path / "ckpt"
+    if layout == "dcp":
+        torch.distributed.checkpoint.save({"model": GPT(CFG).state_dict()}, checkpoint_id=str(root))
+        words, tagged = ["(DCP)", ".metadata", "dcp_to_torch_save", "['model']"], tmp_path
+    else:
+        (root / "global_step3").mkdir(parents=True)
+        (root / "latest").write_text("global_step3")
+        for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+            torch.save({}, root / "global_step3" / name)
+        words, tagged = ["DeepSpeed ZeRO checkpoint", "mp_rank_00_model_states.pt", "zero_to_fp32.py"], root
+    engine = make_engine(seed=1)
+    train(engine, range(1))
+    before, steps = snapshot(engine), engine.global_steps
+    tag = "ckpt" if layout == "dcp" else "global_step3"
+    for args in [(root,), (tagged, tag)]:
+        with pytest.raises(ck.CheckpointError, match="not a zero3 one") as info:
+            engine.load_checkpoint(*args)
+        assert all(w in str(info.value) for w in words + ["pretrained.load_state_dict", "docs/api.md"]), info.value
+    assert_same(snapshot(engine), before)
+    assert engine.global_steps == steps
+    with pytest.raises(ck.CheckpointError, match="not a zero3 one"):
+        consolidate_main([str(root), str(tmp_path / "o.pt")])
 
 
 def test_checkpoint_of_another_model_names_the_differences(trained):

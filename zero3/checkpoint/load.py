@@ -23,8 +23,9 @@ from ..errors import ZeroConfigError, ZeroStateError
 from ..partition.param import ZeroParameter
 from ..partition.state import ParamStatus
 from .exchange import exchange
-from .format import (LATEST_FILE, METADATA_FILE, MODEL_PARALLEL_FILE, CheckpointMismatchError, CheckpointNotFoundError,
-                     from_json)
+from .foreign import check_not_foreign
+from .format import (LATEST_FILE, METADATA_FILE, MODEL_PARALLEL_FILE, CheckpointError, CheckpointMismatchError,
+                     CheckpointNotFoundError, from_json)
 from .layout import extra_state_modules, is_sharded_state, model_entries, optimizer_groups
 from .reader import CheckpointReader
 from .rng_state import restore_rng_state
@@ -304,16 +305,21 @@ def _nothing_saved_yet(ctx: RuntimeContext, load_dir: str | os.PathLike[str]) ->
     before any save). DeepSpeed logs it and returns ``(None, None)``; so does zero3, after the ranks
     agree (one small exchange). Saved tags without ``latest`` still raise (the reader names those it
     finds): DeepSpeed would start from scratch beside them. Ranks that see different files raise
-    together; a path that is not a directory is left to the reader's error.""" 
+    together; a path that is not a directory is left to the reader's error. A directory holding another
+    framework's checkpoint (torch DCP, DeepSpeed) raises on every rank, naming it (foreign.py).""" 
     root = os.fspath(load_dir)
     missing, error = False, None
+    try:
+        check_not_foreign(root, None)
+    except CheckpointError as exc:
+        error = exc
     try:  # a save interrupted before it published (``.TAG.partial``) saved nothing; ``.TAG.old`` may be recovered
         missing = not os.path.exists(root) or os.path.isdir(root) and not os.path.isfile(
             os.path.join(root, LATEST_FILE)) and not any(
             os.path.isfile(os.path.join(root, d, f)) for d in os.listdir(root) if not d.endswith(".partial")
             for f in (METADATA_FILE, MODEL_PARALLEL_FILE))
     except OSError as exc:  # agreed below: a rank that cannot read the directory fails every rank
-        error = exc
+        error = error or exc
     seen = [m for items in exchange(ctx, missing, error, "load_checkpoint: latest") for m in items]
     if all(seen):
         logger.warning("zero3::checkpoint %s holds no checkpoint yet (no %s file, no saved tag); nothing was loaded, "

@@ -30,6 +30,7 @@ from .format import (
     check_tag,
     model_parallel_dir,
 )
+from .foreign import check_not_foreign
 from .integrity import STAMP_KEY, check_stamp, file_sha256, metadata_digest
 from .safetensors import SafetensorsHeader, dtype_name, parse_dtype, read_safetensors_header, read_tensor_range
 
@@ -56,6 +57,7 @@ class CheckpointReader:
         self.root = Path(ckpt_dir)
         if not self.root.is_dir():
             raise CheckpointNotFoundError(f"{self.root}: checkpoint directory does not exist")
+        check_not_foreign(self.root, tag)  # torch DCP, DeepSpeed: named, not "metadata.json: missing"
         if tag is None:
             latest = self.root / LATEST_FILE
             if not latest.is_file():
