@@ -10,10 +10,11 @@ persistence changes which modules the hooks record, so it has to be fixed before
   DeepSpeed's ``param_persistence_threshold`` elements stay persistent, greedily in
   ``named_parameters`` order, while they sum to at most ``PERSISTENT_SHARE`` of the budget. What is
   left is the *room* for gathered parameters.
-- After the first step, from its recorded trace (`choose_schedule`): every combination of a grid of
-  ``max_live``/``max_reuse_distance``/``prefetch_bucket`` is planned with `schedule.plan`; those
-  whose planned peak fits the room are compared by predicted exposed communication
-  (`exposed_bytes`), then by all-gathers, then by peak. The grid is multiples of the largest
+- After the first training step (one with a backward: an inference step's forward-only trace has
+  no reuse to plan for; it only gets `check_room`), from its recorded trace (`choose_schedule`):
+  every combination of a grid of ``max_live``/``max_reuse_distance``/``prefetch_bucket`` is
+  planned with `schedule.plan`; those whose planned peak fits the room are compared by predicted
+  exposed communication (`exposed_bytes`), then by all-gathers, then by peak. The grid is multiples of the largest
   module's bytes (the same for every budget) plus the room itself, so a room between two multiples
   is used whole (on the small GPT of bench_budget.py the room is 2.4 of those multiples). The chosen
   plan's peak is within the room by construction; a larger budget never predicts more exposure
@@ -208,13 +209,11 @@ def candidates(trace: Trace, room: int | None = None) -> list[PlanConfig]:
             for live in lives for bucket in buckets if bucket <= live for reuse in reuses]
 
 
-def choose_schedule(trace: Trace, room: int, budget_for_room: Callable[[int], int] | None = None) -> ScheduleChoice:
-    """The ``max_live``/``max_reuse_distance``/``prefetch_bucket`` (bytes) whose plan of ``trace``
-    peaks within ``room`` bytes and exposes the least communication (see [Note: memory budget]).
-    ``budget_for_room(r)``: the least budget that leaves ``r`` bytes of room, for the refusal.
+def check_room(trace: Trace, room: int, budget_for_room: Callable[[int], int] | None = None) -> Schedule:
+    """The plan of ``trace`` gathering one module at a time (the floor), checked to fit ``room``.
 
     Raises:
-        ZeroConfigError: not even gathering one module at a time fits ``room``; names the module.
+        ZeroConfigError: not even that fits ``room``; names the module and the budget that would.
     """
     floor = plan(trace, PlanConfig(max_live=0, max_reuse_distance=0, prefetch_bucket_size=0, unit="bytes"))
     if floor.stats.peak_live_bytes > room:
@@ -227,6 +226,18 @@ def choose_schedule(trace: Trace, room: int, budget_for_room: Callable[[int], in
             (f"give memory_budget at least {budget_for_room(floor.stats.peak_live_bytes):,} bytes (the least whose "
              "own persistent parameters and reduce bucket leave that room)" if budget_for_room is not None else
              f"the room must grow by at least {floor.stats.peak_live_bytes - room:,} bytes"))
+    return floor
+
+
+def choose_schedule(trace: Trace, room: int, budget_for_room: Callable[[int], int] | None = None) -> ScheduleChoice:
+    """The ``max_live``/``max_reuse_distance``/``prefetch_bucket`` (bytes) whose plan of ``trace``
+    peaks within ``room`` bytes and exposes the least communication (see [Note: memory budget]).
+    ``budget_for_room(r)``: the least budget that leaves ``r`` bytes of room, for the refusal.
+
+    Raises:
+        ZeroConfigError: not even gathering one module at a time fits ``room``; names the module.
+    """
+    floor = check_room(trace, room, budget_for_room)
     grid = candidates(trace, room)
     best: tuple[tuple[int, int, int], PlanConfig, Schedule] | None = None
     feasible = 0

@@ -251,6 +251,12 @@ class Trace:
         """Module fqns in first-visit order (what a cross-rank order check compares)."""
         return tuple(dict.fromkeys(ev.module for ev in self.events))
 
+    @property
+    def trains(self) -> bool:
+        """True when the step ran a backward (a training step); an inference step's trace is
+        forward-only and no guide to what training gathers."""
+        return any(v.direction is Direction.BACKWARD for v in self.visits)
+
 
 class TraceRecorder:
     """Mutable event log the runtime appends to while a step runs; `freeze` makes the `Trace`."""

@@ -1,5 +1,5 @@
 """``memory_budget`` in the runtime: the number resolved at initialize, the knobs it fixes then, and
-the schedule knobs chosen from the first recorded trace (planning/budget.py [Note: memory budget]).
+the schedule knobs chosen from the first training step's trace (planning/budget.py [Note: memory budget]).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from ..comm.communicator import Communicator
 from ..comm.tags import Kind, Tag
 from ..config import ZeroConfig
 from ..optim.precision import torch_dtype
-from ..planning.budget import (AUTO_FRACTION, ScheduleChoice, StaticChoice, choose_schedule, choose_static,
-                               smallest_budget)
+from ..planning.budget import (AUTO_FRACTION, ScheduleChoice, StaticChoice, check_room, choose_schedule,
+                               choose_static, smallest_budget)
 from ..planning.schedule import PlanConfig
 from ..planning.trace import Trace
 
@@ -34,13 +34,14 @@ def free_bytes(comm: Communicator, device: torch.device) -> int:
 
 
 class MemoryBudget:
-    """The budget's choices: the static ones from initialize, the schedule one after the first trace."""
+    """The budget's choices: the static ones from initialize, the schedule one after the first training trace."""
 
     def __init__(self, static: StaticChoice, budget_for_room: Callable[[int], int] | None = None) -> None:
         """``budget_for_room(r)``: the least budget leaving ``r`` bytes of room (for the refusal)."""
         self.static = static
         self.schedule: ScheduleChoice | None = None
         self._budget_for_room = budget_for_room
+        self._checked: set[tuple[str, int]] = set()  # inference traces whose room was checked
 
     @classmethod
     def resolve(cls, config: ZeroConfig, comm: Communicator, named: Sequence[tuple[str, nn.Parameter]],
@@ -70,8 +71,19 @@ class MemoryBudget:
         return resolved, cls(static, lambda room: smallest_budget(sizes, reduce_bytes, grad_numel, room=room,
                                                                   start=budget))
 
-    def choose(self, trace: Trace) -> PlanConfig:
-        """The schedule knobs for ``trace`` (the first one recorded), logged once."""
+    def choose(self, trace: Trace) -> PlanConfig | None:
+        """The schedule knobs for ``trace`` (the first training step's), logged once. None for an
+        inference step's trace (an eval before training, generation): forward-only, it has no
+        reuse to plan for, and knobs fitted to it would hold for all training, so the room's knobs
+        stay until a step trains; its modules are still checked to fit the room.
+
+        Raises:
+            ZeroConfigError: not even gathering one module at a time fits the room."""
+        if not trace.trains:
+            if (trace.key, trace.version) not in self._checked:
+                check_room(trace, self.static.room, self._budget_for_room)
+                self._checked.add((trace.key, trace.version))
+            return None
         self.schedule = choose_schedule(trace, self.static.room, self._budget_for_room)
         c = self.schedule
         logger.info("zero3: memory_budget %d bytes: max_live_bytes %d, prefetch_bucket_bytes %d, "
@@ -84,7 +96,7 @@ class MemoryBudget:
     def explain(self) -> list[str]:
         lines = [f"budget: {r}" for r in self.static.reasons]
         if self.schedule is None:
-            return lines + ["budget: no schedule chosen: no step has recorded a gather yet (none has run, or every parameter is persistent); a step gathers on demand within the room"]
+            return lines + ["budget: no schedule chosen: no training step has recorded a gather yet (none has run, only inference steps have, or every parameter is persistent); a step gathers on demand within the room, prefetching nothing"]
         return lines + [f"budget: {r}" for r in self.schedule.reasons]
 
 

@@ -318,12 +318,12 @@ class ParamCoordinator:
         self.steps.end(aborted or not keep_trace, self._param_infos, self.plan_config)
 
     def choose_budget(self) -> None:
-        """After a step ended (step.py): once a trace is recorded, let ``memory_budget`` choose the
-        schedule knobs from it and plan the cached traces again with them. Raises
-        `ZeroConfigError` (between steps) when the budget cannot hold the modules the step ran."""
-        if self.budget is not None and self.budget.schedule is None and self.last_trace is not None:
-            self.plan_config = self.budget.choose(self.last_trace)
-            self.steps.replan(self.plan_config)
+        """After a step ended (step.py): let ``memory_budget`` choose the knobs from the first training
+        trace (`MemoryBudget.choose`) and replan the cached traces. Raises `ZeroConfigError` as it does."""
+        if self.budget is not None and self.budget.schedule is None and (t := self.last_trace) is not None \
+                and (chosen := self.budget.choose(t)) is not None:
+            self.plan_config = chosen
+            self.steps.replan(chosen)
 
     def _param_infos(self) -> dict[int, ParamInfo]:
         return {pid: ParamInfo(id=pid, name=p._zero.name, numel=p._zero.numel, nbytes=p._zero.nbytes,
