@@ -139,7 +139,7 @@ def test_before_the_first_step_and_without_budget():
     torch.manual_seed(0)
     model = GPT(CFG)
     engine = zero3.initialize(model, None, {"memory_budget": "auto"})
-    assert engine.explain("budget")[-1].startswith("budget: no schedule chosen: no step has recorded a gather yet")
+    assert engine.explain("budget")[-1].startswith("budget: no schedule chosen: no training step has recorded a gather yet")
     assert engine.coordinator.budget.static.budget > 0
     plain = zero3.initialize(GPT(CFG), None, {})
     assert plain.explain("budget") == ["budget: memory_budget is not set; the knobs are as configured"]
@@ -182,3 +182,39 @@ def test_a_leaf_modules_unit_counts_as_one_gradient_piece():
     assert engine.coordinator.budget.static.reduce_bucket_size == 8_000  # reduced whole anyway: the bucket's size
     assert any("reduce_bucket_size 8,000 elements (32,000 bytes): the largest gradient piece" in line
                for line in engine.explain("budget"))
+
+
+def _eval_first_run(eval_first: bool, budget: int) -> tuple[object, list[int], list[float]]:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"memory_budget": budget})
+    if eval_first:  # Lightning's sanity check, HF eval_on_start: a no_grad forward before training
+        model.eval()
+        with torch.no_grad():
+            engine(synthetic_batch(99, 4, CFG)[0])
+        assert engine.coordinator.budget.schedule is None  # not chosen from a forward-only trace
+        assert engine.explain("budget")[-1].startswith("budget: no schedule chosen: no training step")
+        model.train()
+    gathers, losses = [], []
+    for step in range(4):
+        x, y = synthetic_batch(step, 4, CFG)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        gathers.append(engine.last_step_metrics.allgather_calls)
+        losses.append(loss.item())
+    return engine.coordinator.plan_config, gathers, losses
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.9])
+def test_an_eval_before_training_does_not_choose_the_knobs(fraction):
+    """The knobs were chosen from the first trace, a no_grad eval's (forward only, so
+    max_reuse_distance 0), and kept for training: 8 all-gathers and 5 demand fetches per training step
+    instead of 6 and 1 (probe 32Q). They come from the first training step now, the same either way."""
+    budget = int(model_bytes() * fraction)
+    train_first = _eval_first_run(False, budget)
+    eval_first = _eval_first_run(True, budget)
+    assert eval_first[0] == train_first[0]
+    assert eval_first[1][1:] == train_first[1][1:]  # the first step's count holds the eval's gathers too
+    assert eval_first[2] == train_first[2]
