@@ -31,6 +31,7 @@ from .verify import (
     EpochState,
     PayloadHeader,
     PlanCache,
+    PlanKey,
     RequestShape,
     WireHeader,
     content_hash,
@@ -75,7 +76,7 @@ class Verifier:
         self.plans = PlanCache(plans)
         self._issue_dummy = issue_dummy
         self._plan: tuple[RequestShape, ...] = ()
-        self._plan_key = 0
+        self._plan_key: PlanKey = (0, True)
         self._log: list[RequestShape] = []
         self._outstanding: deque[UnverifiedCollective] = deque()
         self._realigned = False  # a divergence just set the next epoch: the abort of that same step does not count
@@ -229,8 +230,8 @@ class Verifier:
         s = self.state
         self._realigned = False
         key = content_hash(tag.kind.value, tag.ids, shape.sizes)
-        self._plan_key = key
-        choice = self.plans.choose(key)
+        self._plan_key = (key, torch.is_grad_enabled())  # an inference epoch is another key (`PlanKey`)
+        choice = self.plans.choose(self._plan_key)
         digest = choice[1] if choice is not None else 0
         mine = WireHeader(s.epoch, 0, KIND_CODES[tag.kind], key, sum(shape.sizes), digest)
         rows = self._wire_exchange(mine, tag)

@@ -14,7 +14,8 @@ and goes on is an epoch ahead and its next header names another step: every rank
   only issue the data collective when every header agrees. A mismatch raises `ZeroDivergenceError`
   on every rank at once, with each rank's description.
 - PLANNED: every epoch's sequence of collective *shapes* (kind, sizes, dtype: a `RequestShape`) is recorded.
-  The next epoch that begins with the same request follows it when every rank agrees, in one header
+  The next epoch that begins with the same request in the same grad mode (`PlanKey`: an inference
+  forward's epoch is told from a training one) follows it when every rank agrees, in one header
   exchange at the start of the epoch, on a digest of the same plan. Collectives then carry a 16-byte
   `PayloadHeader` inside their own payload (bit-cast into a gather's input, or as small integers
   in a reduction's extra elements, where every other rank contributes zeros) and are checked when
@@ -208,17 +209,27 @@ class WireHeader:
             (other.epoch, other.seq, other.kind, other.content, other.numel)
 
 
+PlanKey = tuple[int, bool]
+"""What a plan is looked up by: the content hash of the epoch's first request, and whether grad mode
+was on for it. An inference epoch (a ``torch.no_grad()`` forward) starts with the same gather as a
+training one; keyed by the request alone, an eval every N steps made the one-successor predictor
+mispredict at both ends of each eval (probe 32Q: 8 departures in 24 steps), as the coordinator's
+trace key tells the two apart by grad mode too. The key only picks the plan a rank proposes: ranks
+follow one only when every rank proposes the same digest, so a key that differed between ranks
+would cost a CHECKED epoch, never a wrong collective."""
+
+
 class PlanCache:
-    """Recorded epochs (lists of `RequestShape`), keyed by the epoch's first request; a successor predictor
-    picks, among plans with one key, the one that followed the previous epoch's plan last time."""
+    """Recorded epochs (lists of `RequestShape`), keyed by `PlanKey`; a successor predictor picks,
+    among plans with one key, the one that followed the previous epoch's plan last time."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
-        self._plans: OrderedDict[tuple[int, int], tuple[RequestShape, ...]] = OrderedDict()  # (key, digest) -> slots
-        self._last: dict[int, int] = {}
-        self._successor: dict[tuple[int, int], int] = {}
+        self._plans: OrderedDict[tuple[PlanKey, int], tuple[RequestShape, ...]] = OrderedDict()  # (key, digest) -> slots
+        self._last: dict[PlanKey, int] = {}
+        self._successor: dict[tuple[PlanKey, int], int] = {}
 
-    def choose(self, key: int) -> tuple[tuple[RequestShape, ...], int] | None:
+    def choose(self, key: PlanKey) -> tuple[tuple[RequestShape, ...], int] | None:
         """The plan to propose for an epoch starting with request ``key``: (slots, digest)."""
         wanted = self._successor.get((key, self._last.get(key, 0)))
         if wanted is not None and (key, wanted) in self._plans:
@@ -228,7 +239,7 @@ class PlanCache:
                 return slots, digest
         return None
 
-    def record(self, key: int, slots: list[RequestShape]) -> None:
+    def record(self, key: PlanKey, slots: list[RequestShape]) -> None:
         if not slots:
             return
         digest = plan_digest(slots)
