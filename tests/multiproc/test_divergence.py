@@ -411,6 +411,31 @@ def test_an_uneven_evaluation_raises_on_every_rank_at_once_and_training_goes_on(
         assert r["worst"] < 1e-5, r
 
 
+def eval_every_third_step(threshold: int) -> dict:
+    """A no_grad eval forward every 3 training steps (probe 32Q): the verifier's plans were keyed by an
+    epoch's first request alone, the same all-gather for the eval's epoch as for a training one, so its
+    one-successor predictor proposed the wrong plan at both ends of every eval and left it twice a cycle
+    for good (eval every 6 steps: 8 departures, 12 void collectives in 24 steps)."""
+    engine = _gpt_engine({"param_persistence_threshold": threshold})
+    late: list = []
+    for step in range(12):
+        if step % 3 == 0:
+            engine.module.eval()
+            with torch.no_grad():
+                engine(synthetic_batch(90 + step, 2, CFG)[0])
+            engine.module.train()
+        _train(engine, 1, start=step, seen=late if step >= 6 else None)  # after two cycles of warm-up
+    return {"departures": sum(m.plan_departures for m in late), "dummies": sum(m.dummy_collectives for m in late),
+            "worst": _against_steps(engine, tuple(range(12)))}
+
+
+@pytest.mark.parametrize("threshold", [0, 100_000])
+def test_an_eval_every_few_steps_keeps_the_agreed_plans(pools, threshold):
+    for r in pools.get(2).run(eval_every_third_step, threshold, timeout=POOL_TIMEOUT):
+        assert r["departures"] == 0 and r["dummies"] == 0, r
+        assert r["worst"] < 1e-5, r
+
+
 # -- mixture of experts with leaf modules --------------------------------------------------------------
 MOE = GPTConfig(block_size=4, n_experts=8, n_layer=2)  # 4 tokens per rank and step over 8 experts
 PER_RANK = 1
