@@ -12,8 +12,10 @@ A step is keyed by how it began (its first event and whether grad was on). Each 
 distinct event orders seen under it, most recently used first, with the `Schedule` planned for
 each; ``max_traces`` bounds all of them together (least recently used key's oldest order goes
 first), so alternating control flow does not re-record every step. Which order the next step of a
-key follows is predicted from what followed the previous step's order last time (an A, B, A, B
-alternation hits every time); without a prediction, the most recently used order.
+key follows is predicted from the key's last ``HISTORY`` orders: what followed the latest earlier
+point whose run of orders before it matches the most recent run longest (an A, B, A, B alternation
+hits every time, and so does A, B, B, A, B, B: one successor per order mispredicted 2 of every 3
+steps there, probe 32Q, as after B comes B or A); without a prediction, the most recently used order.
 
 Pure data: no torch, no parameters (the coordinator, runtime/coordinator.py, acts on the plan).
 """
@@ -32,6 +34,9 @@ from .trace import logger as trace_logger
 logger = logging.getLogger(__name__)
 
 Entry = tuple[Trace, Schedule]
+
+HISTORY = 24
+"""Orders remembered per key for the prediction: a pattern of period up to about half of it settles."""
 
 
 @dataclass(eq=False)
@@ -72,15 +77,14 @@ class TraceCache:
         self.max_traces = max_traces
         self._traces: OrderedDict[str, list[Entry]] = OrderedDict()
         self._versions = 0
-        self._last_seen: dict[str, int] = {}  # key -> version of the trace the last such step had
-        self._successor: dict[tuple[str, int | None], int] = {}  # (key, previous version) -> next
+        self._history: dict[str, list[int]] = {}  # key -> versions of its last steps' traces, oldest first
         self.record_count = 0  # traces recorded (new orders)
         self.evictions = 0  # times traces were dropped over max_traces
 
     def predict(self, key: str) -> Entry | None:
         """The trace a step of ``key`` will most likely follow (None: none cached)."""
         candidates = self._traces.get(key) or []
-        wanted = self._successor.get((key, self._last_seen.get(key)))
+        wanted = _continuation(self._history.get(key, []))
         return next((e for e in candidates if e[0].version == wanted), None) or \
             (candidates[0] if candidates else None)
 
@@ -119,8 +123,9 @@ class TraceCache:
         return next((e for e in self._traces.get(trace.key, []) if e[0] is trace), None)
 
     def _seen(self, key: str, version: int) -> None:
-        self._successor[(key, self._last_seen.get(key))] = version
-        self._last_seen[key] = version
+        history = self._history.setdefault(key, [])
+        history.append(version)
+        del history[:-HISTORY]
 
     def _touch(self, key: str, entry: Entry) -> None:
         self._seen(key, entry[0].version)
@@ -152,11 +157,27 @@ class TraceCache:
             self._traces[last_key].pop()
             if not self._traces[last_key]:
                 del self._traces[last_key]
-                self._last_seen.pop(last_key, None)
+                self._history.pop(last_key, None)
             total -= 1
         live = self.cached()
-        self._successor = {k: v for k, v in self._successor.items()
-                           if (k[1] is None or (k[0], k[1]) in live) and (k[0], v) in live}
+        for key, history in self._history.items():
+            history[:] = [v for v in history if (key, v) in live]
+
+
+def _continuation(history: list[int]) -> int | None:
+    """The version that followed the latest earlier point of ``history`` whose run of versions up to
+    it matches the run up to the end longest (None: the last version never came before)."""
+    n = len(history)
+    best, best_len = None, 0
+    for j in range(n - 2, -1, -1):
+        if best_len >= j + 1:  # no earlier point can match longer
+            break
+        m = 0
+        while m <= j and history[j - m] == history[n - 1 - m]:
+            m += 1
+        if m > best_len:
+            best, best_len = history[j + 1], m
+    return best
 
 
 class StepTraces:
