@@ -561,18 +561,26 @@ def test_batchnorm_under_mixed_precision_trains_as_module_to_dtype_does(dtype, t
     low = copy.deepcopy(full).to(torch_dtype)
     low[3].table = low[3].table.float()
     low[4].kept = low[4].kept.float()
+    _train_beside_torch_with_fp32_masters(engine, model, full, low, torch_dtype, 8)
+    assert torch.equal(bn.running_mean, low[1].running_mean) and torch.equal(bn.running_var, low[1].running_var)
+
+
+def _train_beside_torch_with_fp32_masters(engine, model, full, low, torch_dtype, width: int) -> torch.Generator:
+    """Three AdamW steps of ``engine`` beside torch's ``low`` (``full`` cast) with fp32 masters and the
+    engine's loss scale, losses and then masters bit-equal; returns the batch generator, for more."""
     masters = [p.detach().clone().float() for p in full.parameters()]
     opt = torch.optim.AdamW(masters, lr=1e-2, eps=1e-6)
+    scale = (lambda: engine.loss_scale) if torch_dtype == torch.float16 else (lambda: 1.0)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
-        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
+        x, y = torch.randn(16, width, generator=g), torch.randn(16, 2, generator=g)
         loss = F.mse_loss(engine(x.to(torch_dtype)).float(), y)
         engine.backward(loss)
         engine.step()
         ref = F.mse_loss(low(x.to(torch_dtype)).float(), y)
-        (ref * (engine.loss_scale if dtype == "fp16" else 1.0)).backward()
+        (ref * scale()).backward()
         for m, p in zip(masters, low.parameters()):
-            m.grad = p.grad.float() / (engine.loss_scale if dtype == "fp16" else 1.0)
+            m.grad = p.grad.float() / scale()
             p.grad = None
         opt.step()
         opt.zero_grad()
@@ -582,7 +590,7 @@ def test_batchnorm_under_mixed_precision_trains_as_module_to_dtype_does(dtype, t
         assert torch.equal(loss.detach(), ref.detach())
     for name, m in zip([n for n, _ in full.named_parameters()], masters):
         assert torch.equal(zero3.safe_get_full_fp32_param(dict(model.named_parameters())[name]), m), name
-    assert torch.equal(bn.running_mean, low[1].running_mean) and torch.equal(bn.running_var, low[1].running_var)
+    return g
 
 
 def _sn_model(api: str):
@@ -610,28 +618,7 @@ def test_spectral_norm_under_mixed_precision_trains_as_module_to_dtype_does(api,
     vectors = _sn_vectors(model)
     assert len(vectors) == 2 and all(b.dtype == torch_dtype for b in vectors.values())
     low = copy.deepcopy(full).to(torch_dtype)
-    masters = [p.detach().clone().float() for p in full.parameters()]
-    opt = torch.optim.AdamW(masters, lr=1e-2, eps=1e-6)
-    scale = lambda: engine.loss_scale if dtype == "fp16" else 1.0  # noqa: E731
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)
-        loss = F.mse_loss(engine(x.to(torch_dtype)).float(), y)
-        engine.backward(loss)
-        engine.step()
-        ref = F.mse_loss(low(x.to(torch_dtype)).float(), y)
-        (ref * scale()).backward()
-        for m, p in zip(masters, low.parameters()):
-            m.grad = p.grad.float() / scale()
-            p.grad = None
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(masters, low.parameters()):
-                p.copy_(m)
-        assert torch.equal(loss.detach(), ref.detach())
-    for name, m in zip([n for n, _ in full.named_parameters()], masters):
-        assert torch.equal(zero3.safe_get_full_fp32_param(dict(model.named_parameters())[name]), m), name
+    g = _train_beside_torch_with_fp32_masters(engine, model, full, low, torch_dtype, 6)
     vectors, ref_vectors = _sn_vectors(model), _sn_vectors(low)
     assert all(torch.equal(vectors[n], ref_vectors[n]) for n in ref_vectors)
     engine.save_checkpoint(str(tmp_path))
