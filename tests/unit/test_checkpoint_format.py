@@ -3,6 +3,8 @@ size 1 (no process group: zero3 runs single-process), against a plain single-pro
 
 from __future__ import annotations
 
+import logging
+
 import hashlib
 import io
 import json
@@ -373,7 +375,7 @@ def test_another_frameworks_checkpoint_is_refused_naming_its_format_and_the_conv
     root = tmp_path / "ckpt"
     if layout == "dcp":
         torch.distributed.checkpoint.save({"model": GPT(CFG).state_dict()}, checkpoint_id=str(root))
-        words, tagged = ["(DCP)", ".metadata", "dcp_to_torch_save", "['model']"], tmp_path
+        words, tagged = ["(DCP)", ".metadata", "dcp_to_torch_save", "saved under"], tmp_path
     else:
         (root / "global_step3").mkdir(parents=True)
         (root / "latest").write_text("global_step3")
@@ -392,6 +394,29 @@ def test_another_frameworks_checkpoint_is_refused_naming_its_format_and_the_conv
     assert engine.global_steps == steps
     with pytest.raises(ck.CheckpointError, match="not a zero3 one"):
         consolidate_main([str(root), str(tmp_path / "o.pt")])
+
+
+def test_a_zero3_checkpoint_beside_another_frameworks_files_loads_and_one_a_level_down_is_named(tmp_path, caplog):
+    """Review 32RC: with a DCP save (or a file named like DeepSpeed's) in the folder beside zero3's
+    ``latest`` and tags, the valid zero3 checkpoint ``latest`` names was refused as foreign; and a DCP
+    checkpoint a level down (``ckpt/step-10/.metadata``, no ``latest``) gave (None, None) with a warning
+    that the directory holds no checkpoint, naming nothing."""
+    root = tmp_path / "out"
+    torch.distributed.checkpoint.save({"model": GPT(CFG).state_dict()}, checkpoint_id=str(root))
+    torch.save({}, root / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    engine = make_engine(seed=1)
+    train(engine, range(1))
+    engine.save_checkpoint(str(root), tag="step1")
+    saved = snapshot(engine)
+    fresh = make_engine(seed=2)
+    path, _ = fresh.load_checkpoint(str(root))
+    assert path is not None and path.endswith("step1")
+    assert_same(snapshot(fresh), saved)
+    below = tmp_path / "ckpt"
+    torch.distributed.checkpoint.save({"model": GPT(CFG).state_dict()}, checkpoint_id=str(below / "step-10"))
+    with caplog.at_level(logging.WARNING, logger="zero3"):
+        assert fresh.load_checkpoint(str(below)) == (None, None)
+    assert "holds no checkpoint yet" in caplog.text and "in step-10/ it holds a torch.distributed.checkpoint (DCP)" in caplog.text, caplog.text
 
 
 def test_checkpoint_of_another_model_names_the_differences(trained):

@@ -33,18 +33,19 @@ def _format_of(directory: Path) -> tuple[str, list[str]] | None:
 
 
 def check_not_foreign(load_dir: str | os.PathLike[str], tag: str | None) -> None:
-    """Raise `CheckpointError` when ``load_dir`` (or the tag it is asked for, or the one its ``latest``
-    names) holds a torch DCP or DeepSpeed checkpoint, naming the format and the conversion that loads it."""
+    """Raise `CheckpointError` when the checkpoint asked for (``tag``, else the one ``load_dir``'s
+    ``latest`` names, else ``load_dir`` itself) is a torch DCP or DeepSpeed checkpoint, naming the
+    format and the conversion that loads it."""
     root = Path(load_dir)
-    candidates = [root / tag] if tag is not None else [root]
     if tag is None:
         try:
             named = (root / LATEST_FILE).read_text().strip()
         except (OSError, UnicodeDecodeError):
             named = ""
-        if named and os.sep not in named and named not in (".", ".."):
-            candidates.append(root / named)
-    for directory in candidates:
+        # with a ``latest`` only the tag it names counts: a DCP save or stray files beside zero3's
+        # tags are not the checkpoint asked for (review 32RC: a valid zero3 checkpoint was refused)
+        tag = named if named and os.sep not in named and named not in (".", "..") else None
+    for directory in [root / tag] if tag is not None else [root]:
         found = _format_of(directory)
         if found is None:
             continue
@@ -52,7 +53,8 @@ def check_not_foreign(load_dir: str | os.PathLike[str], tag: str | None) -> None
         if what == _DCP:
             how = ("convert it with torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, 'full.pt') and "
                    "load the model's state dict from it with zero3.pretrained.load_state_dict(engine, "
-                   "torch.load('full.pt')['model']) (the key its state dict was saved under)")
+                   "torch.load('full.pt')[key]), key being the one its model's state dict was saved under ('model' in "
+                   "torch's get_state_dict idiom; none when the model's keys were saved at the top)")
         else:
             how = ("convert it with the zero_to_fp32.py DeepSpeed saved in its checkpoint directory (DeepSpeed's, not "
                    "zero3.deepspeed.utils.zero_to_fp32, which reads zero3 checkpoints) and load the state dict it "
@@ -63,4 +65,20 @@ def check_not_foreign(load_dir: str | os.PathLike[str], tag: str | None) -> None
             "docs/api.md. Nothing was loaded")
 
 
-__all__ = ["check_not_foreign"]
+def foreign_below(load_dir: str | os.PathLike[str]) -> str:
+    """A sentence naming the foreign checkpoints one level below ``load_dir`` (``ckpt/step-10/.metadata``,
+    FSDP2's and torchtitan's layout; DeepSpeed's ``global_step3`` without ``latest``), or ``""``: said
+    when a load finds no zero3 checkpoint there, so a resume that starts over says what it passed by."""
+    try:
+        subdirs = sorted(d for d in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, d)))
+    except OSError:
+        return ""
+    found = [(d, f[0]) for d in subdirs for f in [_format_of(Path(load_dir) / d)] if f is not None]
+    if not found:
+        return ""
+    more = f" (and {len(found) - 1} more such directories)" if len(found) > 1 else ""
+    return (f"; in {found[0][0]}/ it holds {found[0][1]}{more}, which zero3 does not read (docs/checkpoints.md: "
+            "how to convert one)")
+
+
+__all__ = ["check_not_foreign", "foreign_below"]

@@ -23,7 +23,7 @@ from ..errors import ZeroConfigError, ZeroStateError
 from ..partition.param import ZeroParameter
 from ..partition.state import ParamStatus
 from .exchange import exchange
-from .foreign import check_not_foreign
+from .foreign import check_not_foreign, foreign_below
 from .format import (LATEST_FILE, METADATA_FILE, MODEL_PARALLEL_FILE, CheckpointError, CheckpointMismatchError,
                      CheckpointNotFoundError, from_json)
 from .layout import extra_state_modules, is_sharded_state, model_entries, optimizer_groups
@@ -322,8 +322,9 @@ def _nothing_saved_yet(ctx: RuntimeContext, load_dir: str | os.PathLike[str]) ->
         error = error or exc
     seen = [m for items in exchange(ctx, missing, error, "load_checkpoint: latest") for m in items]
     if all(seen):
-        logger.warning("zero3::checkpoint %s holds no checkpoint yet (no %s file, no saved tag); nothing was loaded, "
-                       "and load_checkpoint returns (None, None) as DeepSpeed's does", load_dir, LATEST_FILE)
+        logger.warning("zero3::checkpoint %s holds no checkpoint yet (no %s file, no saved tag)%s; nothing was "
+                       "loaded, and load_checkpoint returns (None, None) as DeepSpeed's does", load_dir, LATEST_FILE,
+                       foreign_below(root))
         return True
     if any(seen):
         raise CheckpointNotFoundError(f"{os.path.join(root, LATEST_FILE)}: no checkpoint there on {sum(seen)} of "
