@@ -3,6 +3,8 @@ prediction (planning/trace_cache.py), and generation mode's prefetch policy (pla
 
 from __future__ import annotations
 
+import pytest
+
 import itertools
 
 from hypothesis import given, settings
@@ -51,6 +53,25 @@ def test_orders_that_come_back_every_third_or_fifth_step_are_predicted() -> None
             left.append(steps.diverged)
         assert steps.cache.record_count == 2
         assert not any(left[3 * period:]), (period, left)
+
+
+@pytest.mark.parametrize("every", [None, 14, 20, 30])
+def test_a_rare_or_one_off_order_costs_no_more_steps_than_one_successor_per_order(every) -> None:
+    """Review 32RD: with the longest match alone, A..A B A^k kept forecasting B for about 12 steps after a
+    one-off B (the point before B matched k A's, the latest A k-1), and an order every 14-30 steps left
+    its trace 9-13 steps a period. Now: the B step and the two after it, as one successor per order
+    gave (B itself cannot be foreseen; after it, the step it last preceded; then A again), and no more
+    once a period fits the window."""
+    a, b = [("a", 0), ("b", 1)], [("b", 1), ("a", 0)]
+    odd = [50] if every is None else [i for i in range(120) if i % every == every - 1]
+    steps = StepTraces(max_traces=4)
+    left = []
+    for i in range(120):
+        _step(steps, b if i in odd else a)
+        if steps.diverged:
+            left.append(i)
+    t = odd[-1] if every is None else odd[-2]  # the last odd step with a whole period after it
+    assert set(i for i in left if t <= i < t + (every or 70)) <= {t, t + 1, t + 2}, left
 
 
 def test_the_least_recently_used_trace_goes_beyond_max_traces() -> None:

@@ -12,10 +12,11 @@ A step is keyed by how it began (its first event and whether grad was on). Each 
 distinct event orders seen under it, most recently used first, with the `Schedule` planned for
 each; ``max_traces`` bounds all of them together (least recently used key's oldest order goes
 first), so alternating control flow does not re-record every step. Which order the next step of a
-key follows is predicted from the key's last ``HISTORY`` orders: what followed the latest earlier
-point whose run of orders before it matches the most recent run longest (an A, B, A, B alternation
-hits every time, and so does A, B, B, A, B, B: one successor per order mispredicted 2 of every 3
-steps there, probe 32Q, as after B comes B or A); without a prediction, the most recently used order.
+key follows is predicted from what followed the last order's latest occurrence, or, in the key's
+last ``HISTORY`` orders, from a point whose run of orders matches the most recent run clearly longer
+(`_continuation`): an A, B, A, B alternation hits every time, and so does A, B, B, A, B, B (one
+successor per order alone mispredicted 2 of every 3 steps there, probe 32Q, as after B comes B or
+A); without a prediction, the most recently used order.
 
 Pure data: no torch, no parameters (the coordinator, runtime/coordinator.py, acts on the plan).
 """
@@ -37,6 +38,9 @@ Entry = tuple[Trace, Schedule]
 
 HISTORY = 24
 """Orders remembered per key for the prediction: a pattern of period up to about half of it settles."""
+
+_MARGIN = 2
+"""How much longer an older point's match must be than the latest occurrence's to be followed (`_continuation`)."""
 
 
 @dataclass(eq=False)
@@ -78,13 +82,17 @@ class TraceCache:
         self._traces: OrderedDict[str, list[Entry]] = OrderedDict()
         self._versions = 0
         self._history: dict[str, list[int]] = {}  # key -> versions of its last steps' traces, oldest first
+        self._successor: dict[tuple[str, int], int] = {}  # (key, version) -> the version after it last time
         self.record_count = 0  # traces recorded (new orders)
         self.evictions = 0  # times traces were dropped over max_traces
 
     def predict(self, key: str) -> Entry | None:
         """The trace a step of ``key`` will most likely follow (None: none cached)."""
         candidates = self._traces.get(key) or []
-        wanted = _continuation(self._history.get(key, []))
+        history = self._history.get(key, [])
+        wanted = _continuation(history)
+        if wanted is None and history:  # its last occurrence is older than the window
+            wanted = self._successor.get((key, history[-1]))
         return next((e for e in candidates if e[0].version == wanted), None) or \
             (candidates[0] if candidates else None)
 
@@ -124,6 +132,8 @@ class TraceCache:
 
     def _seen(self, key: str, version: int) -> None:
         history = self._history.setdefault(key, [])
+        if history:
+            self._successor[(key, history[-1])] = version
         history.append(version)
         del history[:-HISTORY]
 
@@ -162,22 +172,33 @@ class TraceCache:
         live = self.cached()
         for key, history in self._history.items():
             history[:] = [v for v in history if (key, v) in live]
+        self._successor = {k: v for k, v in self._successor.items() if k in live and (k[0], v) in live}
 
 
 def _continuation(history: list[int]) -> int | None:
-    """The version that followed the latest earlier point of ``history`` whose run of versions up to
-    it matches the run up to the end longest (None: the last version never came before)."""
+    """The version that followed the last version's latest earlier occurrence (the one-successor rule),
+    unless an older point's run of versions up to it matches the run up to the end at least
+    `_MARGIN` longer: then what followed the longest such point (latest on ties). None: the last
+    version never came before.
+
+    The margin keeps a one-off order from being predicted again: in A..A B A^k the point before B
+    matches k A's and the latest A only k-1 (the B stops it), so a plain longest match forecast B for
+    about 12 steps where the one-successor rule missed 2 (review 32RD); a periodic order's point a
+    period back matches the whole window, far more than the latest occurrence does."""
     n = len(history)
-    best, best_len = None, 0
+    best = recent = None
+    best_len = recent_len = 0
     for j in range(n - 2, -1, -1):
         if best_len >= j + 1:  # no earlier point can match longer
             break
         m = 0
         while m <= j and history[j - m] == history[n - 1 - m]:
             m += 1
+        if m and recent is None:
+            recent, recent_len = history[j + 1], m
         if m > best_len:
             best, best_len = history[j + 1], m
-    return best
+    return best if best_len >= recent_len + _MARGIN else recent
 
 
 class StepTraces:
