@@ -134,6 +134,15 @@ def _load_factory(spec: str) -> Callable[..., nn.Module]:
     return getattr(module, name)
 
 
+def _is_file(text: str) -> bool:
+    """Whether ``--config`` names a file (else it is JSON text): a text longer than a file name may be
+    raises ENAMETOOLONG in ``Path.exists`` on Python 3.11 (review 32RE: a 335-character config crashed)."""
+    try:
+        return Path(text).is_file()
+    except OSError:
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zero3.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -153,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config: ZeroConfig
     if args.config is None:
         config = ZeroConfig()
-    elif Path(args.config).exists():
+    elif _is_file(args.config):
         config = ZeroConfig.from_json(args.config)
     else:
         config = ZeroConfig.from_dict(loads_config_text(args.config, "--config"))  # as a file is read

@@ -41,10 +41,11 @@ def test_a_failure_on_the_users_group_says_that_group_failed_and_how_to_recover(
 
 
 def test_a_failure_of_an_exchange_that_always_runs_on_the_users_group_blames_no_setting():
-    """The config agreement, Init and the model-parallel checks run on the user's group whatever
-    ``collective_timeout`` is (review 32RA: with collective_timeout 300 the error named
-    "collective_timeout 0" as the reason and said a timeout > 0 would have left the user's group intact)."""
-    msg, _ = _message(timeout_s=300.0, own_group=False)
-    assert "not every rank took part within the process group's timeout" in msg, msg  # the user's group's
-    assert "Init, the agreement of configs and the model-parallel checks always do" in msg, msg
+    """The config agreement, Init, the model-parallel checks and partitioned activations' gathers run on
+    the user's group whatever ``collective_timeout`` is (review 32RA: with collective_timeout 300 the
+    error named "collective_timeout 0" as the reason and said a timeout > 0 would have left the user's
+    group intact; review 32RE: it left out the activations' gathers)."""
+    msg, _ = _message(timeout_s=0.0, own_group=False)  # those run with no timeout of zero3's own
+    assert "not every rank took part within the process group's timeout" in msg, msg
+    assert "Init, the agreement of configs, the model-parallel checks and the gathers of partitioned" in msg, msg
     assert "intact" not in msg and "not affected" not in msg, msg

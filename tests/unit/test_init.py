@@ -306,10 +306,14 @@ def test_a_model_built_across_two_init_blocks_names_every_parameter_by_its_path(
         nn.init.zeros_(nested.inner[1].weight)
     # an engine's parameters keep the names the engine gave them when a module built later wraps them
     engine_model = nn.Sequential(nn.Linear(2, 2))
-    zero3.initialize(engine_model, torch.optim.SGD(engine_model.parameters(), lr=0.1), {})
+    engine = zero3.initialize(engine_model, torch.optim.SGD(engine_model.parameters(), lr=0.1), {})
     with zero3.Init():
         _Wraps(engine_model)
     assert engine_model[0].weight._zero.name == "0.weight"
+    engine.remove_hooks()  # detached: no engine holds them now (review 32RE: they kept '0.weight')
+    with zero3.Init():
+        wrapper = _Wraps(engine_model)
+    assert wrapper.inner[0].weight._zero.name == "inner.0.weight"
 
 
 @settings(max_examples=40, deadline=None)

@@ -6,8 +6,10 @@ import io
 import os
 from contextlib import redirect_stdout
 
+import pytest
 from gpt import GPT, GPTConfig
 
+from zero3.errors import ZeroConfigError
 from zero3.plan import main
 
 GPT_FILE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "gpt.py")
@@ -43,11 +45,18 @@ def test_the_help_example_with_threshold_zero_predicts_gathers_under_the_cap() -
 def test_a_config_given_as_text_is_read_as_a_config_file_is() -> None:
     """``--config '<JSON>'`` took json.loads: a comment raised json's traceback and a key given twice was
     taken silently (review 32RB); it reads as a file does now."""
-    import pytest
-
-    from zero3.errors import ZeroConfigError
     args = ("--model", f"{GPT_FILE}:GPT", "--model-arg", "GPTConfig(n_layer=2)", "--input-shape", "2,16")
     rows = _run(*args, "--config", '{"param_persistence_threshold": 0, /* all gathered */ "max_live_parameters": 2e4,}')
     assert rows["persistent elements (always gathered)"] == "0"
     with pytest.raises(ZeroConfigError, match="--config: the key 'dtype' is given twice"):
         main([*args, "--config", '{"dtype": "bf16", "dtype": "fp16"}'])
+
+
+def test_a_config_text_longer_than_a_file_name_is_read() -> None:
+    """Review 32RE: ``Path.exists`` raised ENAMETOOLONG on a 335-character config text (Python 3.11)."""
+    args = ("--model", f"{GPT_FILE}:GPT", "--model-arg", "GPTConfig(n_layer=2)", "--input-shape", "2,16")
+    text = '{"param_persistence_threshold": 0, "max_live_parameters": 2e4, ' + '"reduce_bucket_size": 5e8, ' * 12 + \
+        '"prefetch_bucket_size": 5e7}'
+    assert len(text) > 300
+    with pytest.raises(ZeroConfigError, match="given twice"):  # read as JSON: its repeated key is named
+        main([*args, "--config", text])

@@ -77,8 +77,7 @@ class FailureMonitor:
                              "own code, or died), or this rank ran a collective the others did not (under "
                              "`if rank == 0:`, a forward, save_checkpoint or a consolidated state dict: run it on "
                              "every rank; a Hugging Face generate() needs synced_gpus=True)")
-        limit = (f"collective_timeout={self.timeout_s:g} s" if self.timeout_s > 0 and self.own_group
-                 else "the process group's timeout")  # on the user's group its own timeout is the one waited
+        limit = f"collective_timeout={self.timeout_s:g} s" if self.timeout_s > 0 else "the process group's timeout"
         text = str(exc)
         what = ("a peer closed its connection (its process exited or died)" if any(
             s in text for s in ("closed by peer", "reset by peer", "Broken pipe", "Connection refused"))
@@ -97,9 +96,9 @@ class FailureMonitor:
             return ("zero3's own process group is closed now; every further collective of this engine raises. The "
                     "default process group is not affected, but a rank that died is gone: save what you need and "
                     "restart from the last checkpoint.")
-        return ("zero3 ran this on your process group (zero3.Init, the agreement of configs and the model-parallel "
-                "checks always do; an engine's training collectives do with collective_timeout 0), and that group is "
-                "the one that failed: it is unusable now (gloo closed its connections: further collectives on it, "
+        return ("zero3 ran this on your process group (zero3.Init, the agreement of configs, the model-parallel "
+                "checks and the gathers of partitioned activations always do; an engine's other collectives do with "
+                "collective_timeout 0), and that group is the one that failed: it is unusable now (gloo closed its connections: further collectives on it, "
                 "yours and zero3's, raise). Destroy it (dist.destroy_process_group) and create it again, or restart "
                 "the job from the last checkpoint.")
 

@@ -46,7 +46,7 @@ class MemoryBudget:
         self.static = static
         self.schedule: ScheduleChoice | None = None
         self._budget_for_room = budget_for_room
-        # inference traces whose room was checked, the latest `_CHECKED_KEPT` (a run that never trains
+        # inference traces whose room was checked, the `_CHECKED_KEPT` checked last (a run that never trains
         # records new versions without end under LayerDrop: review 32RD, 1,661 entries after 2,000 steps)
         self._checked: OrderedDict[tuple[str, int], None] = OrderedDict()
 

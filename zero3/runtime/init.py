@@ -302,14 +302,18 @@ def _refuse_meta_default_device(call: str | None = None) -> None:
     agreement). A ``torch.device("meta")`` opened inside the block stays allowed (api.md). ``call``:
     what was called, where it is not a block entered (``Init(module=...)``)."""
     if torch.get_default_device().type == "meta":
-        what = ("the modules built inside would have meta parameters, which hold no values to partition" if call is None
-                else "zero3's own buffers would be made on meta, with no values to exchange")
+        if call is not None:  # Init(module=m): m is built already
+            raise ZeroStateError(
+                f"{call} under the meta default device (torch.set_default_device('meta') or `with "
+                "torch.device('meta'):` around it): zero3's own buffers would be made on meta, with no values to "
+                "exchange. Call it with the meta device left out (the module is built already); nothing was changed")
         raise ZeroStateError(
-            f"{call or 'zero3.Init was entered'} under the meta default device (torch.set_default_device('meta') or "
-            f"`with torch.device('meta'):` around it): {what}. zero3.Init already builds a model without any rank "
-            "holding all of it: enter it on a real device (the meta device left out), or build on meta without "
-            "zero3.Init, materialise (model.to_empty(device=...) and initialise the weights) and then call "
-            "zero3.initialize; nothing was changed")
+            "zero3.Init was entered under the meta default device (torch.set_default_device('meta') or `with "
+            "torch.device('meta'):` around it): the modules built inside would have meta parameters, which hold "
+            "no values to partition. zero3.Init already builds a model without any rank holding all of it: enter "
+            "it on a real device (the meta device left out), or build on meta without zero3.Init, materialise "
+            "(model.to_empty(device=...) and initialise the weights) and then call zero3.initialize; nothing was "
+            "changed")
 
 
 def _effective_config(config: Any, remote_device: Any) -> tuple[ZeroConfig, Any]:
@@ -570,7 +574,7 @@ def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) ->
                 continue
             if not isinstance(p, ZeroParameter):
                 todo.setdefault(id(p), (p, _name(module, path, pname)))
-            elif recurse and p._zero.ctx.module is None and id(p) not in named:  # not an engine's yet
+            elif recurse and not p._zero.ctx.attached and id(p) not in named:  # no engine holds it
                 named.add(id(p))
                 p._zero.name = _name(module, path, pname)
     if state.sync == "rng":  # [Note: values that differ between ranks under sync="rng"]
