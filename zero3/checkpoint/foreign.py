@@ -28,7 +28,8 @@ def _format_of(directory: Path) -> tuple[str, list[str]] | None:
     distcp = [n for n in names if n.endswith(".distcp")]
     if ".metadata" in names and distcp:
         return _DCP, [".metadata", *distcp[:2]]
-    deepspeed = [n for n in names if n.endswith(("_model_states.pt", "optim_states.pt")) or n.startswith("zero_pp_rank_")]
+    deepspeed = [n for n in names
+                 if n.endswith(("_model_states.pt", "optim_states.pt")) or n.startswith("zero_pp_rank_")]
     return (_DEEPSPEED, deepspeed[:3]) if deepspeed else None
 
 

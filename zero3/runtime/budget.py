@@ -105,7 +105,9 @@ class MemoryBudget:
     def explain(self) -> list[str]:
         lines = [f"budget: {r}" for r in self.static.reasons]
         if self.schedule is None:
-            return lines + ["budget: no schedule chosen: no training step has recorded a gather yet (none has run, only inference steps have, or every parameter is persistent); a step gathers on demand within the room, prefetching nothing"]
+            return lines + ["budget: no schedule chosen: no training step has recorded a gather yet (none has run, "
+                            "only inference steps have, or every parameter is persistent); a step gathers on demand "
+                            "within the room, prefetching nothing"]
         return lines + [f"budget: {r}" for r in self.schedule.reasons]
 
 
