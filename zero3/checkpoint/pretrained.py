@@ -39,6 +39,7 @@ from ..partition.state import ParamStatus
 
 logger = logging.getLogger(__name__)
 
+
 class LoadResult(NamedTuple):
     """Keys the model expected but the source lacked, and keys of the source the model does not have."""
 

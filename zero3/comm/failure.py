@@ -99,8 +99,8 @@ class FailureMonitor:
         return ("zero3 ran this on your process group (zero3.Init, the agreement of configs, the model-parallel "
                 "checks and the gathers of partitioned activations always do; an engine's other collectives do with "
                 "collective_timeout 0), and that group is the one that failed: it is unusable now (gloo closed its "
-                "connections: further collectives on it, yours and zero3's, raise). Destroy it (dist.destroy_process_group) and create it again, or restart "
-                "the job from the last checkpoint.")
+                "connections: further collectives on it, yours and zero3's, raise). Destroy it "
+                "(dist.destroy_process_group) and create it again, or restart the job from the last checkpoint.")
 
 
 def posted_cause(post: str, first: int, last: int) -> str | None:

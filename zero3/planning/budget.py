@@ -14,9 +14,10 @@ persistence changes which modules the hooks record, so it has to be fixed before
   no reuse to plan for; it only gets `check_room`), from its recorded trace (`choose_schedule`):
   every combination of a grid of ``max_live``/``max_reuse_distance``/``prefetch_bucket`` is
   planned with `schedule.plan`; those whose planned peak fits the room are compared by predicted
-  exposed communication (`exposed_bytes`), then by all-gathers, then by peak. The grid is multiples of the largest
-  module's bytes (the same for every budget) plus the room itself, so a room between two multiples
-  is used whole (on the small GPT of bench_budget.py the room is 2.4 of those multiples). The chosen
+  exposed communication (`exposed_bytes`), then by all-gathers, then by peak. The grid is
+  multiples of the largest module's bytes (the same for every budget) plus the room itself, so a
+  room between two multiples is used whole (on the small GPT of bench_budget.py the room is 2.4 of
+  those multiples). The chosen
   plan's peak is within the room by construction; a larger budget never predicts more exposure
   than the fixed grid's best under a smaller one (only the smaller room's own size may do better).
 
