@@ -416,7 +416,10 @@ def test_a_zero3_checkpoint_beside_another_frameworks_files_loads_and_one_a_leve
     torch.distributed.checkpoint.save({"model": GPT(CFG).state_dict()}, checkpoint_id=str(below / "step-10"))
     with caplog.at_level(logging.WARNING, logger="zero3"):
         assert fresh.load_checkpoint(str(below)) == (None, None)
-    assert "holds no checkpoint yet" in caplog.text and "in step-10/ it holds a torch.distributed.checkpoint (DCP)" in caplog.text, caplog.text
+    said = caplog.text
+    assert "holds no checkpoint yet" in said and "in step-10/ it holds a torch.distributed.checkpoint (DCP)" in said, said
+    with pytest.raises(ck.CheckpointError, match=r"tags with metadata here: none\); in step-10/ it holds a torch"):
+        consolidate_main([str(below), str(tmp_path / "o.pt")])  # review 32RE: it named nothing
 
 
 def test_checkpoint_of_another_model_names_the_differences(trained):

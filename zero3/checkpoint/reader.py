@@ -30,7 +30,7 @@ from .format import (
     check_tag,
     model_parallel_dir,
 )
-from .foreign import check_not_foreign
+from .foreign import check_not_foreign, foreign_below
 from .integrity import STAMP_KEY, check_stamp, file_sha256, metadata_digest
 from .safetensors import SafetensorsHeader, dtype_name, parse_dtype, read_safetensors_header, read_tensor_range
 
@@ -126,7 +126,8 @@ class CheckpointReader:
     def _pass_a_tag(self) -> str:
         """What to do without a usable ``latest``, with the tags under the root that hold a checkpoint."""
         tags = sorted(d.name for d in self.root.iterdir() if (d / METADATA_FILE).is_file())
-        return f"pass a tag (tag=, or --tag on the command line; tags with metadata here: {tags or 'none'})"
+        return (f"pass a tag (tag=, or --tag on the command line; tags with metadata here: {tags or 'none'})"
+                + ("" if tags else foreign_below(self.root)))
 
     def _check_first_stamp(self, files: Any) -> None:
         """Check metadata.json against the checksum in its first rank file (the first of the directory
