@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .format import LATEST_FILE, METADATA_FILE, CheckpointError
+from .format import LATEST_FILE, METADATA_FILE, CheckpointError, check_tag
 
 _DCP = "a torch.distributed.checkpoint (DCP) checkpoint, as FSDP2 or dcp.save write it"
 _DEEPSPEED = "a DeepSpeed ZeRO checkpoint"
@@ -39,13 +39,12 @@ def check_not_foreign(load_dir: str | os.PathLike[str], tag: str | None) -> None
     format and the conversion that loads it."""
     root = Path(load_dir)
     if tag is None:
-        try:
-            named = (root / LATEST_FILE).read_text().strip()
-        except (OSError, UnicodeDecodeError):
-            named = ""
         # with a ``latest`` only the tag it names counts: a DCP save or stray files beside zero3's
         # tags are not the checkpoint asked for (review 32RC: a valid zero3 checkpoint was refused)
-        tag = named if named and os.sep not in named and named not in (".", "..") else None
+        try:
+            tag = check_tag((root / LATEST_FILE).read_text().strip())
+        except (OSError, UnicodeDecodeError, ValueError):  # none, or one naming no tag: the reader says so
+            tag = None
     for directory in [root / tag] if tag is not None else [root]:
         found = _format_of(directory)
         if found is None:

@@ -290,8 +290,7 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
         if not isinstance(state_dict_or_path, _Source):  # zero3.from_pretrained's: transformers' loader runs none
             warn_skipped_hooks(module)
         source = open_source(state_dict_or_path)
-        result, plan = _plan(module, source, strict)
-        nesting = None if plan else _nesting(source, result.missing_keys)
+        result, plan, nesting = _plan(module, source, strict)
         if nesting:  # strict=False: loads nothing (strict raised saying so)
             logger.warning("zero3::pretrained load_state_dict(strict=False) loads nothing: %s", nesting)
     except Exception as exc:  # noqa: BLE001 - agreed across ranks below
@@ -325,9 +324,10 @@ def match_keys(module: nn.Module, source: _Source) -> LoadResult:
     return _plan(module, source, strict=False)[0]
 
 
-def _plan(module: nn.Module, source: _Source,
-          strict: bool) -> tuple[LoadResult, list[tuple[str, torch.Tensor | ZeroParameter | nn.Module]]]:
-    """Match the model's state dict keys to the source; (result, [(source key, target)]) or raise."""
+def _plan(module: nn.Module, source: _Source, strict: bool
+          ) -> tuple[LoadResult, list[tuple[str, torch.Tensor | ZeroParameter | nn.Module]], str | None]:
+    """Match the model's state dict keys to the source; (result, [(source key, target)], what to pass
+    instead when nothing matched and a nested entry holds the keys (`_nesting`)) or raise."""
     available = set(source.keys())
     # Tied parameters: every name of one tensor, in state_dict order.
     names_of: dict[int, list[str]] = {}
@@ -397,7 +397,7 @@ def _plan(module: nn.Module, source: _Source,
         raise CheckpointMismatchError("load_state_dict: " + ". ".join(problems) + ". Nothing was loaded"
                                       + ("; pass strict=False to skip missing and unexpected keys" if strict and
                                          (missing or unexpected) and not nesting else ""))
-    return LoadResult(missing, unexpected), plan
+    return LoadResult(missing, unexpected), plan, nesting
 
 
 def _nesting(source: _Source, missing: list[str]) -> str | None:
