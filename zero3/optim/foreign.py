@@ -64,8 +64,9 @@ def guard_groups(optimizer: torch.optim.Optimizer) -> None:
                 f"{type(optimizer).__name__}.add_param_group() after zero3.initialize with a zero3 parameter "
                 f"({zp._zero.name or zp._zero.summary()}): zero3 steps this optimizer over the shards it set up at "
                 "initialize, and this one would get no gradient. Put every parameter to train in the optimizer "
-                "before zero3.initialize; a param group with lr=0 holds some until you raise its lr. Nothing "
-                "was added")
+                "before zero3.initialize (a group of its own for those to add later), freeze those right after it "
+                "(requires_grad_(False)) and unfreeze them when they should train, which trains as torch does. "
+                "Nothing was added")
         _refuse_plain(f"{type(optimizer).__name__}.add_param_group()", params, "added")
         original(dict(param_group, params=params))
 

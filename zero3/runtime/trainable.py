@@ -37,6 +37,6 @@ class FrozenAtInstall:
             f"{len(unfrozen)} parameter(s) frozen (requires_grad=False) when zero3.initialize built the engine "
             f"now require grad: {names}{more}. zero3 sets up gradient reduction and the optimizer's shards "
             "for the parameters trainable at initialize, so these would never train. Make them trainable "
-            "before zero3.initialize (and in the optimizer); to hold one fixed for a while, give it a param "
-            "group of its own with lr=0 and raise the lr later (or freeze it after initialize, which works). "
+            "before zero3.initialize (and in the optimizer); to hold one fixed for a while, freeze it right after "
+            "zero3.initialize and unfreeze it later, which trains as torch does. "
             "Nothing ran: set requires_grad_(False) again to go on as before")
