@@ -385,3 +385,41 @@ def test_warmup_cosine_lr_refuses_a_warm_up_of_zero_steps_as_deepspeed_s():
     with pytest.raises(ZeroConfigError, match="warmup_num_steps must be a positive integer, got 0"):
         zero3.ZeroConfig.from_dict({"scheduler": {"type": "WarmupCosineLR",
                                                   "params": {"total_num_steps": 10, "warmup_num_steps": 0}}})
+
+
+# -- deepspeed.utils' leaf-module calls -----------------------------------------------------------------
+class _Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_deepspeed_utils_set_z3_leaf_modules_marks_the_leaf_zero3_trains_like_torch():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Experts(), nn.Linear(8, 1))
+    ref = nn.Sequential(nn.Linear(8, 8), _Experts(), nn.Linear(8, 1))
+    ref.load_state_dict(model.state_dict())
+    assert deepspeed.utils.set_z3_leaf_modules(model, [_Experts]) == [model[1]]  # DeepSpeed's spelling
+    assert deepspeed.utils.z3_leaf_module(model[1]) and not deepspeed.utils.z3_leaf_module(model[0])
+    assert deepspeed.utils.get_z3_leaf_modules(model) == [model[1]]
+    assert deepspeed.utils.unset_z3_leaf_modules(model, [_Experts]) == [model[1]]
+    assert deepspeed.utils.get_z3_leaf_modules(model) == []
+    deepspeed.utils.set_z3_leaf_modules(model, [_Experts])
+    engine = zero3.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-6), {})
+    assert engine.module is model and deepspeed.utils.z3_leaf_module(model[1])
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2, eps=1e-6)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        engine.backward(model(x).square().mean())
+        engine.step()
+        ref(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(_full(p), q.detach())
+    with pytest.raises(zero3.ZeroStateError, match="before zero3.initialize"):
+        deepspeed.utils.unset_z3_leaf_modules(model, [_Experts])
+    engine.remove_hooks()

@@ -74,6 +74,18 @@ def set_leaf_modules(model: nn.Module, targets: Iterable[type | str]) -> list[nn
     return marked
 
 
+def unset_leaf_modules(model: nn.Module, targets: Iterable[type | str]) -> list[nn.Module]:
+    """Undo `set_leaf_modules` for the modules ``targets`` name (DeepSpeed's ``unset_z3_leaf_modules``);
+    before ``zero3.initialize`` only, as setting is. Returns the modules unmarked."""
+    if getattr(model, "__dict__", {}).get("_zero3_context") is not None:
+        raise ZeroStateError("unset_leaf_modules must be called before zero3.initialize: the hooks are installed "
+                             "then")
+    unmarked = find_modules(model, targets, "unset_leaf_modules")
+    for m in unmarked:
+        m.__dict__.pop(LEAF_ATTR, None)
+    return unmarked
+
+
 def find_modules(model: nn.Module, targets: Iterable[type | str], caller: str) -> list[nn.Module]:
     """The modules of ``model`` that ``targets`` name: classes (every instance), class names or qualified
     module names, in the order of the targets (one class or name alone counts as a list of it: a string
