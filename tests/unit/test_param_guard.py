@@ -483,3 +483,43 @@ def test_pruning_a_partitioned_parameter_is_refused_before_torch_moves_it_and_in
     prune.remove(ref[2], "weight")
     assert not prune.is_pruned(model)
     train_alike(engine, model, ref, ref_opt)
+
+
+class _RootParam(nn.Module):
+    """GPT-2's layout: the root owns a bare parameter (``wpe``) above the persistence threshold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wpe = nn.Parameter(torch.randn(16, 4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(x + self.wpe[: x.shape[0]])
+
+
+@pytest.mark.parametrize("how", ["root.forward", "child.forward", "prepended pre-hook", "outside any forward"])
+def test_a_use_that_skipped_zero3s_hooks_says_to_call_the_module(how):
+    """model.forward(x) (or model.head.forward(h), or a pre-hook prepended after initialize) ran no zero3
+    hook: the error said to use GatheredParameters / register_external_parameter (probe 33U)."""
+    torch.manual_seed(0)
+    model = _RootParam()
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    x = torch.randn(5, 4)
+    try:
+        if how == "outside any forward":  # a plain refusal outside any forward keeps the generic advice
+            with pytest.raises(ZeroStateError, match=r"Outside a forward, wrap the code in") as info:
+                model.wpe.sum()
+            assert "forward was called directly" not in str(info.value)
+        elif how == "prepended pre-hook":
+            model.register_forward_pre_hook(lambda m, a: m.wpe.sum(), prepend=True)
+            with pytest.raises(ZeroStateError, match=r"wpe .*hook of the model that runs outside zero3's.*prepend=True"):
+                model(x)
+        else:
+            call = model.forward if how == "root.forward" else model.head.forward
+            what = "model" if how == "root.forward" else "model.head"
+            with pytest.raises(ZeroStateError, match=rf"{what}\.forward was called directly.*call `module\(x\)` "
+                                                     rf"\(here `{what}\(\.\.\.\)`"):
+                call(x)
+            model(x).sum().backward()  # called as a module it trains as torch does
+    finally:
+        engine.remove_hooks()

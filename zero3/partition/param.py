@@ -37,6 +37,7 @@ from torch import nn
 
 from . import sharding
 from .ids import new_id
+from .refused_use import partitioned_use_message
 from ..errors import ZeroStateError
 from .state import LEGAL_NEXT_STATUS, MEMORY, ParamStatus, Residence, check_transition
 
@@ -325,34 +326,7 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
             "backward reaches; to leave some unchanged, set requires_grad_(False) on them before zero3.initialize "
             "(or give the optimizer only the others), and drop inputs=. Parameters kept gathered (persistent) may "
             "be named")
-    raise ZeroStateError(
-        f"parameter {which} is used by {name or func!r} while it is partitioned. zero3 gathers a "
-        "module's parameters only while that module runs. Outside a forward, wrap the code in "
-        "`with zero3.GatheredParameters(params):` (add modifier_rank=0 to change them; a loss term computed "
-        "there may be backpropagated after the block, unless activation checkpointing recomputes it: then "
-        "backpropagate it inside the block); if another "
-        "module's forward uses it, call zero3.register_external_parameter(module, param). To save the "
-        "model, use engine.consolidated_state_dict() or engine.save_checkpoint() (a Hugging Face model: "
-        "engine.save_pretrained(dir), not model.save_pretrained); to load a full state "
-        "dict (model.load_state_dict), zero3.pretrained.load_state_dict(model, state_dict). Do not wrap a "
-        "zero3 model in torch's DDP or FSDP: zero3 already shards it and reduces its gradients." + (
-            " No zero3.initialize has taken this parameter yet: if its module was built under a zero3.Init "
-            "block of its own and put into a model after that model's zero3.initialize, it has no zero3 hooks "
-            "(its forward cannot gather it); add the module before zero3.initialize"
-            if target is not None and getattr(target._zero.ctx, "module", False) is None and _in_module_call()
-            else ""))
-
-
-def _in_module_call() -> bool:
-    """Whether a module's forward is running (a frame of ``nn.Module._call_impl`` below this one): the
-    partitioned-parameter error's cold path only."""
-    code = nn.Module._call_impl.__code__
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code is code:
-            return True
-        f = f.f_back
-    return False
+    raise ZeroStateError(partitioned_use_message(which, repr(name or func), target))
 
 
 class PartitionedParameter(ZeroParameter):

@@ -1,0 +1,94 @@
+"""The message of a computation refused on a partitioned parameter (param.py `_guard`): what zero3
+saw, and what to do instead. Cold path only: it runs once a use is refused, never on a gathered call.
+
+[Note: a use that skipped zero3's hooks]
+zero3 gathers a module's parameters in its forward pre-hook, which runs only when the module is
+called: ``model(x)``. A root that owns a parameter of its own (GPT-2's bare ``wpe``) called as
+``model.forward(x)``, user code calling ``model.head.forward(h)``, or a forward pre-hook registered
+on the module with ``prepend=True`` after ``zero3.initialize`` (it runs before zero3's) read the
+parameter while no hook of the engine had run, and the error advised GatheredParameters or
+register_external_parameter, neither of which fits (probe 33U). The refusal now looks at the
+Python stack for such a call: a ``forward`` of a module holding the parameter that was not entered
+through ``nn.Module.__call__``, or ``__call__`` of such a module still before its ``forward``.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import FrameType
+from typing import Any
+
+from torch import nn
+
+
+def in_module_call() -> bool:
+    """Whether a module's forward is running (a frame of ``nn.Module._call_impl`` below this one)."""
+    code = nn.Module._call_impl.__code__
+    f: FrameType | None = sys._getframe(1)
+    while f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
+
+
+def _holds(module: Any, p: Any) -> bool:
+    return isinstance(module, nn.Module) and any(q is p for q in module.parameters())
+
+
+def skipped_hooks_advice(p: Any) -> str | None:
+    """Why ``p`` is not gathered when the use came from a module whose hooks did not run for it: its
+    ``forward`` called directly, or a pre-hook of it that runs before zero3's ([Note: a use that
+    skipped zero3's hooks]); None when no such frame is on the stack."""
+    root = getattr(p._zero.ctx, "module", None)
+    if root is None:  # no engine: no hooks to skip
+        return None
+    call_code = nn.Module._call_impl.__code__
+    frames: list[FrameType] = []
+    f: FrameType | None = sys._getframe(1)
+    while f is not None:
+        frames.append(f)
+        f = f.f_back
+    for i, f in enumerate(frames):
+        module = f.f_locals.get("self") if f.f_code.co_name == "forward" or f.f_code is call_code else None
+        if not _holds(module, p):
+            continue
+        name = next((n for n, m in root.named_modules() if m is module), None)
+        what = f"model.{name}" if name else "model" if name == "" else type(module).__name__
+        if f.f_code is call_code:  # in __call__ but not in its forward: a hook of the module
+            return (f"it is read by a hook of {'the model' if name == '' else what} that runs outside zero3's: a forward pre-hook registered with "
+                    "prepend=True after zero3.initialize runs before zero3's pre-hook gathers the module's "
+                    "parameters, a forward hook runs after zero3's releases them. Register a pre-hook without "
+                    "prepend=True (it then runs after zero3's), or gather inside the hook with "
+                    "`with zero3.GatheredParameters(params):`")
+        # a forward reached through a decorator or super().forward() is still inside its module's __call__
+        if not any(g.f_code is call_code and g.f_locals.get("self") is module for g in frames[i + 1:]):
+            return (f"{what}.forward was called directly, which skips the module's __call__ and with it "
+                    f"zero3's hooks: call `module(x)` (here `{what}(...)`, not `{what}.forward(...)`), so "
+                    "zero3's hooks gather its parameters")
+        return None  # entered through __call__: the generic advice fits
+    return None
+
+
+def partitioned_use_message(which: str, what: str, target: Any) -> str:
+    """The error for a use of a partitioned parameter outside every specific case param.py `_guard`
+    names: the call that skipped zero3's hooks where there was one, else the ways to gather it."""
+    skipped = skipped_hooks_advice(target) if target is not None and target._zero.ctx is not None else None
+    if skipped is not None:
+        return f"parameter {which} is used by {what} while it is partitioned, outside zero3's hooks: {skipped}"
+    return (
+        f"parameter {which} is used by {what} while it is partitioned. zero3 gathers a "
+        "module's parameters only while that module runs. Outside a forward, wrap the code in "
+        "`with zero3.GatheredParameters(params):` (add modifier_rank=0 to change them; a loss term computed "
+        "there may be backpropagated after the block, unless activation checkpointing recomputes it: then "
+        "backpropagate it inside the block); if another "
+        "module's forward uses it, call zero3.register_external_parameter(module, param). To save the "
+        "model, use engine.consolidated_state_dict() or engine.save_checkpoint() (a Hugging Face model: "
+        "engine.save_pretrained(dir), not model.save_pretrained); to load a full state "
+        "dict (model.load_state_dict), zero3.pretrained.load_state_dict(model, state_dict). Do not wrap a "
+        "zero3 model in torch's DDP or FSDP: zero3 already shards it and reduces its gradients." + (
+            " No zero3.initialize has taken this parameter yet: if its module was built under a zero3.Init "
+            "block of its own and put into a model after that model's zero3.initialize, it has no zero3 hooks "
+            "(its forward cannot gather it); add the module before zero3.initialize"
+            if target is not None and getattr(target._zero.ctx, "module", False) is None and in_module_call()
+            else ""))
