@@ -43,6 +43,7 @@ class _LoadPlan:
     load_optimizer: bool
     replicated_file: int
     extra_state: dict[str, tuple[torch.nn.Module, Any]]  # key -> (module, value for its set_extra_state)
+    stateless: set[str] = dataclasses.field(default_factory=set)  # in no param group: their saved state is dropped
     needed: dict[int, list[tuple[str, int, torch.dtype]]] = dataclasses.field(default_factory=dict)
 
     def need(self, j: int, key: str, numel: int, dtype: torch.dtype) -> None:
@@ -101,23 +102,35 @@ def _plan_load(ctx: RuntimeContext, reader: CheckpointReader, load_optimizer_sta
                 f"{reader.metadata_path}: optimizer {opt_meta['class']} in the checkpoint, "
                 f"{ctx.optimizer.class_name} in the engine; pass load_optimizer_states=False to load weights only")
         theirs = opt_meta["param_groups"]
-        if [g["params"] for g in theirs] != [g["params"] for g in ours]:
+        frozen = _frozen_either(ctx, reader)
+        if _group_names(theirs, frozen) != _group_names(ours, frozen):
+            unrecorded = any(pm.requires_grad is None for pm in reader.params.values())
             raise CheckpointMismatchError(
                 f"{reader.metadata_path}: optimizer param groups differ: checkpoint "
                 f"{[len(g['params']) for g in theirs]} params per group, engine {[len(g['params']) for g in ours]} "
-                f"(first difference: {_first_group_difference(theirs, ours)})")
+                f"(first difference: {_first_group_difference(theirs, ours, frozen)}; parameters frozen in either run "
+                f"are not compared{_UNRECORDED if unrecorded else ''})"
+                "; build the optimizer's groups as at the save, or pass load_optimizer_states=False to load the "
+                "weights alone")
     same_world = reader.world_size == ctx.world_size
+    slots = {n for g in ctx.optimizer.group_param_names() for n in g} if load_opt and ctx.optimizer else set()
     plan = _LoadPlan(load_optimizer=load_opt, replicated_file=ctx.rank if same_world else 0,
-                     extra_state={k: (m, from_json(saved_extra[k]["value"])) for k, (_, m) in settable.items()})
+                     extra_state={k: (m, from_json(saved_extra[k]["value"])) for k, (_, m) in settable.items()},
+                     stateless={n for n in names if n not in slots})
+    dropped = sorted(n for n in plan.stateless if load_opt and reader.params[n].state)
+    if dropped and ctx.rank == 0:
+        logger.info("zero3::checkpoint %s: the saved optimizer state of %s is dropped (frozen in this run, so in no "
+                    "param group)", reader.path, ", ".join(dropped))
     for n, p in names.items():
         pm = reader.params[n]
         start, end = p._zero.shard_range()
-        sharded = [k for k, v in pm.state.items() if v["kind"] == "sharded"] if load_opt else []
+        with_state = load_opt and n not in plan.stateless
+        sharded = [k for k, v in pm.state.items() if v["kind"] == "sharded"] if with_state else []
         for j, _, s, e in reader.flat_sources(pm, start, end):
             plan.need(j, f"param/{n}", pm.ranges[j][1] - pm.ranges[j][0], pm.master_dtype)
             for k in sharded:
                 plan.need(j, f"optim/{n}/{k}", pm.ranges[j][1] - pm.ranges[j][0], parse_dtype(pm.state[k]["dtype"]))
-        if load_opt:
+        if with_state:
             for k, v in pm.state.items():
                 if v["kind"] == "replicated":
                     numel = 1
@@ -139,12 +152,29 @@ def _plan_load(ctx: RuntimeContext, reader: CheckpointReader, load_optimizer_sta
     return plan
 
 
-def _first_group_difference(theirs: list[dict[str, Any]], ours: list[dict[str, Any]]) -> str:
+_UNRECORDED = (", but this checkpoint, saved before 2026-12-06, does not record which were frozen at the save: "
+               "under bf16/fp16 a parameter frozen then is in none of its groups")
+
+
+def _frozen_either(ctx: RuntimeContext, reader: CheckpointReader) -> set[str]:
+    """The parameters frozen in this run or at the save. Where masters are separate (bf16/fp16), a
+    parameter frozen at `initialize` is in no param group (docs/mixed_precision.md "Frozen parameters"),
+    so a run with another frozen set has other groups than the user built; under fp32 it stays in them.
+    The groups are compared without these: such a parameter has no optimizer state to match."""
+    now = {p._zero.name for p in ctx.params if not p.requires_grad}
+    return now | {n for n, pm in reader.params.items() if pm.requires_grad is False}
+
+
+def _group_names(groups: list[dict[str, Any]], frozen: set[str]) -> list[list[str]]:
+    return [[n for n in g["params"] if n not in frozen] for g in groups]
+
+
+def _first_group_difference(theirs: list[dict[str, Any]], ours: list[dict[str, Any]], frozen: set[str]) -> str:
     for i in range(max(len(theirs), len(ours))):
-        a = set(theirs[i]["params"]) if i < len(theirs) else set()
-        b = set(ours[i]["params"]) if i < len(ours) else set()
+        a = set(theirs[i]["params"]) - frozen if i < len(theirs) else set()
+        b = set(ours[i]["params"]) - frozen if i < len(ours) else set()
         if a != b:
-            return (f"group {i}: only in the checkpoint {sorted(a - b)[:3]}, only in the engine {sorted(b - a)[:3]}")
+            return f"group {i}: only in the checkpoint {sorted(a - b)[:3]}, only in the engine {sorted(b - a)[:3]}"
     return "parameter order within a group"
 
 
@@ -250,7 +280,7 @@ def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_sc
                 z.shard.copy_(master)
             if master.grad is not None:
                 master.grad = None
-            if plan.load_optimizer:
+            if plan.load_optimizer and z.name not in plan.stateless:
                 assert ctx.optimizer is not None
                 _load_state(ctx.optimizer, reader, plan, p, start, n, id(master) in on_device)
     _, buffers = model_entries(ctx)
