@@ -852,3 +852,39 @@ def test_a_save_whose_latest_write_fails_publishes_nothing_and_keeps_the_tag_it_
     engine.load_checkpoint(str(tmp_path))
     now = snapshot(engine)
     assert all(torch.equal(now[k], kept[k]) for k in kept)
+
+
+def _bf16_engine(frozen: str = "", split: bool = False) -> zero3.Engine:
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = GPT(CFG)
+    for n, p in model.named_parameters():
+        p.requires_grad_(not (frozen and n.startswith(frozen)))
+    ps = list(model.parameters())
+    groups = [{"params": ps[:3]}, {"params": ps[3:]}] if split else [{"params": ps}]
+    return zero3.initialize(model, torch.optim.AdamW(groups, lr=1e-3, eps=1e-6),
+                            {"param_persistence_threshold": 0, "dtype": "bf16"})
+
+
+def test_param_groups_that_differ_beyond_the_frozen_set_are_refused_naming_the_way_out(tmp_path, monkeypatch):
+    """Under bf16 frozen parameters are in no param group; the groups are compared without those frozen
+    in either run (tests/multiproc/test_trainable.py loads across frozen sets), and what differs beyond
+    them is refused naming load_optimizer_states=False; a checkpoint that does not record which
+    parameters were frozen at the save (before 2026-12-06) says so."""
+    _bf16_engine().save_checkpoint(tmp_path, tag="t")
+    other = _bf16_engine(split=True)
+    before = snapshot(other)
+    with pytest.raises(ck.CheckpointMismatchError, match="parameters frozen in either run are not compared") as info:
+        other.load_checkpoint(tmp_path, tag="t")
+    assert "load_optimizer_states=False" in str(info.value) and "2026-12-06" not in str(info.value)
+    assert_same(snapshot(other), before)
+    other.load_checkpoint(tmp_path, tag="t", load_optimizer_states=False)
+    _bf16_engine(frozen="h.0.").save_checkpoint(tmp_path, tag="old")
+    from zero3.checkpoint import reader
+
+    unrecorded = reader.ParamMeta  # read as a checkpoint saved before the metadata held requires_grad
+    monkeypatch.setattr(reader, "ParamMeta", lambda **kw: unrecorded(**dict(kw, requires_grad=None)))
+    with pytest.raises(ck.CheckpointMismatchError, match="does not record which were frozen") as info:
+        _bf16_engine().load_checkpoint(tmp_path, tag="old")
+    assert "h.0." in str(info.value) and "load_optimizer_states=False" in str(info.value)
+    _bf16_engine(frozen="h.0.").load_checkpoint(tmp_path, tag="old")  # the same frozen set: as before
