@@ -7,7 +7,9 @@ rounds). The ``safe_set_full_*`` functions need
 the same full value on every rank and issue no collective (each rank keeps its slice), but a
 persistent or gathered parameter is updated in place, so call them on every rank too. The
 ``safe_get_local_*`` / ``safe_set_local_*`` functions touch only this rank's unpadded slice
-(the size of ``param._zero.shard_range()``, possibly empty) and issue no collective.
+(the size of ``param._zero.shard_range()``, possibly empty) and issue no collective; call the
+setters on every rank all the same: a persistent parameter's gathered copy is gathered again before
+its next use (`safe_set_local_fp32_param`).
 
 "fp32 param" means the tensor the optimizer steps on: the fp32 master under bf16/fp16 (exact, not
 the rounded low-precision weight) or with the optimizer offloaded while the shards are not, else
@@ -279,9 +281,11 @@ def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: s
 @_in_memory(write=True, kinds=("lp_params", "hp_params"))
 @torch.no_grad()
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """Set this rank's unpadded slice of the fp32 weight (and its low-precision shard). No collective;
-    a persistent parameter's gathered copy gets this rank's slice at once and the other ranks' at
-    the next ``engine.refresh_from_masters()``, optimizer step or checkpoint load."""
+    """Set this rank's unpadded slice of the fp32 weight (and its low-precision shard). No collective,
+    but call it on every rank (for the same parameters): a persistent parameter's gathered copy gets
+    this rank's slice at once and the other ranks' when the next forward, ``GatheredParameters`` or
+    ``param.all_gather()`` gathers it again first (one collective for all such; none after an
+    optimizer step, checkpoint load or ``engine.refresh_from_masters()``, which gather it anyway)."""
     p = _check(param, "safe_set_local_fp32_param")
     z = p._zero
     master = p._zero.train_tensor
@@ -296,6 +300,7 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
     if z.persistent and z.status is ParamStatus.AVAILABLE and not z.aliased:  # else the step takes the stale
         start = z.shard_range()[0]                                               # copy for a write (persistent.py)
         raw_data(p).view(-1)[start:start + local.numel()].copy_(z.shard[: local.numel()])
+        z.ctx.coordinator.persistent_params.mark_stale(p, "safe_set_local_fp32_param")  # the others: next use
 
 
 @_in_memory(write=True, kinds=("lp_grads",), load=False)

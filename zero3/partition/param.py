@@ -200,6 +200,7 @@ class ZeroParameter(nn.Parameter, metaclass=_ZeroParameterType):
         and keep them gathered until `partition`. A collective: call it on every rank."""
         params = _sorted_params(self, param_list)
         self._zero.ctx.require_states("param.all_gather()", ("lp_params",))
+        self._zero.ctx.refresh_stale_persistent()  # a local setter's stale persistent copies (runtime/persistent.py)
         self._zero.ctx.coordinator.gather_for_user(params)
 
     def partition(self, param_list: Any = None, has_been_updated: bool = False) -> None:

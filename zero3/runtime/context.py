@@ -273,6 +273,16 @@ class RuntimeContext:
         if opt is None or opt.backward_step is None or self.metrics.backward_seconds == 0.0:
             take_persistent_writes(self.coordinator.persistent_params, functools.partial(self.resident, write=True))
 
+    def refresh_stale_persistent(self) -> None:
+        """Before a forward or a user gather between steps: the persistent parameters a local setter
+        left with other ranks' old slices in their gathered copies are gathered again (one collective,
+        only when there are such; every rank has the same ones), after taking in-place writes to the
+        copies, which the gather would drop (persistent.py `mark_stale`). Not inside a step, where
+        running modules use the copies."""
+        if self.coordinator.persistent_params.stale and not self.coordinator.in_step:
+            self.take_persistent_writes()
+            self.coordinator.persistent_params.refresh_stale()
+
     def finish_gradients(self) -> None:
         """Every gradient reduction issued so far has landed in the gradient shards."""
         if self.reducer is not None:

@@ -166,8 +166,8 @@ class ParamCoordinator:
 
     @property
     def generation_resident(self) -> bool:
-        """Generation mode holds the whole model for good (hooks.py [Note: resident decode forwards])."""
-        return self._generation is not None and self._generation.resident
+        """Generation mode holds it all, no persistent copy stale (hooks.py [Note: resident decode forwards])."""
+        return self._generation is not None and self._generation.resident and not self.persistent_params.stale
 
     def _size(self, p: ZeroParameter) -> int:
         return p._zero.nbytes if self.plan_config.unit == "bytes" else p._zero.numel
@@ -189,9 +189,9 @@ class ParamCoordinator:
         if gather:
             self.persistent_params.refresh()
 
-    def _gather_persistent(self, params: list[ZeroParameter]) -> None:
+    def _gather_persistent(self, params: list[ZeroParameter], label: str) -> None:
         self.metrics.persistent_refresh_numel += sum(p._zero.numel for p in params)
-        self._wait(self._issue(params, Tag(Kind.PARAM_GATHER, "persistent parameters"), count=False, training=False))
+        self._wait(self._issue(params, Tag(Kind.PARAM_GATHER, label), count=False, training=False))
 
     # -- events from the hooks -------------------------------------------------------------------
     def event(self, kind: EventKind, module: str, params: Sequence[ZeroParameter],

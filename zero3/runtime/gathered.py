@@ -188,6 +188,7 @@ class GatheredParameters:
                              f"{ctx.world_size} rank(s), 0 to {ctx.world_size - 1}")
         ctx.require_states("GatheredParameters", ("lp_params",) if self.modifier_rank is None else
                            ("lp_params", "hp_params"))
+        ctx.refresh_stale_persistent()  # a local setter's stale persistent copies (persistent.py `mark_stale`)
         fresh = [p for p in self.params if p._zero.status is ParamStatus.NOT_AVAILABLE]
         kept = [p for p in self.params if p._zero.status is not ParamStatus.NOT_AVAILABLE and p._zero.pinned] \
             if self.modifier_rank is not None and self.modifier_rank is not LOCAL_MODIFIER else []

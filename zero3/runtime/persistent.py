@@ -3,10 +3,13 @@
 Small parameters (``param_persistence_threshold``, up to ``model_persistence_threshold`` in all;
 the rule is planning/persistence.py's) cost more as per-module collectives than they hold, so they
 are gathered at initialize, stay out of every budget and every schedule, and are gathered again
-from their shards when the shards change (optimizer step, checkpoint load, refresh_from_masters;
-the local accessors' writes reach this rank's gathered copy at once and the others' at one of
-those). At world size 1 the full tensor is a view of the shard when both have one device and dtype,
-and then needs no refresh.
+from their shards when the shards change (optimizer step, checkpoint load, refresh_from_masters).
+A local accessor's write (``safe_set_local_fp32_param``) reaches this rank's slice of the gathered
+copy at once and marks the copy stale (`mark_stale`): the other ranks' slices in it are old, so the
+next forward, ``GatheredParameters`` or ``param.all_gather()`` gathers the stale ones again first
+(`refresh_stale`, one collective; every rank calls the setter, so every rank has the same stale
+ones), unless a step, load or refresh_from_masters did already. At world size 1 the full tensor is
+a view of the shard when both have one device and dtype, and then needs no refresh.
 
 A persistent parameter is torch's own class while gathered, so nothing stops an in-place write to it
 between steps (``nn.init.zeros_(p)``, ``p.data.copy_(v)``, ``model.apply(init)``, ``p.data = t``,
@@ -39,10 +42,11 @@ class PersistentParams:
     """Chooses, gathers, refreshes and lets go of the persistent parameters. ``gather(params)``
     gathers ``params`` now (one collective, counted apart from the steps' gathers)."""
 
-    def __init__(self, world_size: int, gather: Callable[[list[ZeroParameter]], None]) -> None:
+    def __init__(self, world_size: int, gather: Callable[[list[ZeroParameter], str], None]) -> None:
         self._world_size = world_size
-        self._gather = gather
+        self._gather = gather  # (params, label for the collective's tag)
         self.params: list[ZeroParameter] = []
+        self._stale: dict[int, str] = {}  # record id -> the setter that left its gathered copy mixed
 
     def choose(self, params: Sequence[ZeroParameter], param_threshold: int, model_threshold: int) -> None:
         """Mark the persistent ones among ``params``, in this order, and unmark the others: an
@@ -64,18 +68,42 @@ class PersistentParams:
                     zparam.alias_shard(p)
         self.refresh()
 
-    def refresh(self) -> None:
-        """The shards changed: gather them again from the shards (a collective when there are any)."""
-        for p in self.params:
+    def mark_stale(self, p: ZeroParameter, what: str) -> None:
+        """``what`` (a local setter) wrote this rank's slice of ``p``'s shard and of its gathered copy;
+        the other ranks' slices of the copy are old until `refresh_stale` (or any `refresh`)."""
+        if p._zero.persistent and p._zero.status is ParamStatus.AVAILABLE and not p._zero.aliased \
+                and self._world_size > 1:
+            self._stale[p._zero.id] = what
+
+    @property
+    def stale(self) -> bool:
+        return bool(self._stale)
+
+    def refresh_stale(self) -> None:
+        """Gather again the parameters `mark_stale` marked, in this list's order (the same on every
+        rank), in one collective whose tag names the setter: a rank that did not call it issues
+        another collective, which the verifier reports on every rank."""
+        if self._stale:
+            what = sorted(set(self._stale.values()))
+            self.refresh([p for p in self.params if p._zero.id in self._stale],
+                         f"persistent parameters written by {', '.join(what)} (called on every rank)")
+
+    def refresh(self, params: Sequence[ZeroParameter] | None = None, label: str = "persistent parameters") -> None:
+        """The shards changed: gather ``params`` (default: all) again from the shards (a collective
+        when there are any)."""
+        params = self.params if params is None else params
+        for p in params:
             if p._zero.status is not ParamStatus.AVAILABLE:
                 continue
             if not p._zero.aliased:
                 zparam.release(p)
             elif zparam.alias_replaced(p):  # ``p.data = t`` since: the shards win, as a gather's would
                 zparam.view_shard_again(p)
-        todo = [p for p in self.params if p._zero.status is ParamStatus.NOT_AVAILABLE]
+        todo = [p for p in params if p._zero.status is ParamStatus.NOT_AVAILABLE]
         if todo:
-            self._gather(todo)
+            self._gather(todo, label)
+        for p in params:  # after the gather: one that raised (a divergence) leaves them for the next try
+            self._stale.pop(p._zero.id, None)
 
     @torch.no_grad()
     def take_writes(self, resident: Callable[[list[ZeroParameter]], ContextManager[None]] | None = None) -> list[str]:
@@ -131,6 +159,7 @@ class PersistentParams:
 
     def unmark(self) -> None:
         """They become ordinary parameters again (hooks removed): release what nothing holds."""
+        self._stale.clear()
         for p in self.params:
             zparam.set_persistent(p, False)
             if p._zero.aliased:

@@ -91,10 +91,14 @@ class StepLifecycle:
         self._pending: list[ZeroParameter] = []  # gathered parameters whose .grad reads are guarded
 
     def enter(self, phase: StepPhase) -> None:
-        """Move to ``phase`` (checked against the table of legal changes); times the backward."""
+        """Move to ``phase`` (checked against the table of legal changes); times the backward. A
+        forward that begins a step first gathers again the persistent copies a local setter left
+        stale (`RuntimeContext.refresh_stale_persistent`)."""
         if phase is not self.phase:
             check_phase(self.phase, phase)
             if self.phase is StepPhase.IDLE:
+                if phase is StepPhase.FORWARD:  # before it begins: a divergence there leaves nothing begun
+                    self.ctx.refresh_stale_persistent()
                 self._aborted = False  # a new step begins
                 self.ctx.comm.step_began()
                 if self._pending:
