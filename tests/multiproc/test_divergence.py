@@ -271,6 +271,34 @@ def test_one_rank_alone_calling_a_collective_api_raises_everywhere(pools, what, 
         assert r["after"]["error"] is None and r["pins"] == 0, (what, r)
 
 
+def alone_sets_locally() -> dict:
+    """Rank 0 alone clamps its slices of the persistent parameters with the local setter; the next
+    forward gathers them again first, a collective rank 1 does not issue."""
+    engine = _gpt_engine()  # default thresholds: GPT's small parameters are persistent
+    _train(engine, 2)
+    rank = dist.get_rank()
+    if rank == 0:
+        for p in engine.params:
+            if p._zero.persistent:
+                zero3.safe_set_local_fp32_param(p, zero3.safe_get_local_fp32_param(p).clamp_(-0.01, 0.01))
+    x, y = synthetic_batch(99 + rank, 2, CFG)
+    out = _outcome(lambda: engine.backward(engine(x, y)))
+    engine.zero_grad()
+    engine.refresh_from_masters()  # every rank: the copies agree again, and training goes on
+    out["after"] = _outcome(lambda: _train(engine, 2, start=5))
+    return out
+
+
+def test_one_rank_alone_setting_a_persistent_parameter_locally_raises_everywhere(pools):
+    """safe_set_local_fp32_param on a persistent parameter makes the next forward gather it again (a
+    collective): a rank that did not call it meets the divergence error, which names the setter."""
+    for r in pools.get(2).run(alone_sets_locally, timeout=POOL_TIMEOUT):
+        assert r["error"] == "ZeroDivergenceError", r
+        assert "safe_set_local_fp32_param (called on every rank)" in r["message"], r["message"]
+        assert r["seconds"] < TIMEOUT, "divergence should be seen at once, not by the timeout"
+        assert r["after"]["error"] is None, r
+
+
 # -- (d), (e): one rank stops taking part --------------------------------------------------------------
 def leaves_early(quitter: int) -> dict:
     engine = _gpt_engine()
