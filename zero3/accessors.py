@@ -244,6 +244,7 @@ def _set_grad(p: ZeroParameter, mine: torch.Tensor | None, what: str) -> None:
     if t.grad is None:
         t.grad = torch.zeros_like(t)
     t.grad[: mine.numel()].copy_(mine.reshape(-1)).mul_(ctx.grad_scale)  # stored as the reducer stores it
+    ctx.grads_set = True  # engine.step() steps on it without a backward (DP-SGD: gradients computed elsewhere)
 
 
 # -- this rank's slice only (no collective) ---------------------------------------------------------

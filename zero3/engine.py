@@ -48,7 +48,8 @@ from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
 from .runtime.step import StepPhase
 from .runtime.engine_calls import (MID_STEP, abort_forward, check_lr_kwargs, end_forward_without_backward, log_progress,
-                                   begin_forward, in_memory, offload_engine_states, require_hooks, zero_grad_window)
+                                   begin_forward, in_memory, offload_engine_states, require_gradients, require_hooks,
+                                   zero_grad_window)
 
 logger = logging.getLogger(__name__)
 
@@ -219,26 +220,26 @@ class Engine(DeepSpeedEngineNames):
         unscaled and checked for overflow on every rank, ``gradient_clipping`` is applied, the
         optimizer steps (on fp32 masters under mixed precision, copied back to the parameter
         shards), gradients are zeroed and persistent parameters re-gathered.
+        Gradients set through ``safe_set_full_grad``/``safe_set_local_grad`` on every rank are stepped on
+        without a backward, as torch's step uses an assigned ``p.grad``.
 
         Returns:
             True if the optimizer stepped; False between boundaries, without an optimizer, or when
             an fp16 overflow on some rank made every rank skip the step (``engine.skipped_steps``).
 
         Raises:
-            ZeroStateError: with an optimizer and a trainable parameter, no backward reached the model since
-                the last ``engine.step()`` (nothing changes then: no step, no schedule advance; DeepSpeed's engine
-                checks nothing and its optimizer finds no gradients). Without one, ``step()`` after an
-                inference forward is fine.
+            ZeroStateError: with an optimizer and a trainable parameter, no gradient reached the model since
+                the last ``engine.step()``: no backward reduced one (none ran, or one over the inputs alone) and
+                none was set on every rank (`require_gradients`; nothing changes then: no step, no
+                ``global_steps`` or schedule advance; DeepSpeed's engine checks nothing and its optimizer finds
+                no gradients). Without one, ``step()`` after an inference forward is fine.
         """
         require_hooks(self, "engine.step()")
         check_lr_kwargs(self, lr_kwargs)
         ctx = self.context
         ctx.step_applied = False  # until it steps (a step that raises applied nothing)
         ctx.require_states("engine.step()")
-        if ctx.optimizer is not None and not self._backward_ran() and any(p.requires_grad for p in self.params):
-            raise ZeroStateError(f"engine.step(): no backward reached the model since the last engine.step() (micro-"
-                                 f"batch {ctx.micro_steps}): call engine.backward(loss) (or loss.backward()) first, "
-                                 "over a loss that depends on its trainable parameters; nothing was stepped")
+        require_gradients(self)
         if self.hooks.phase is not StepPhase.IDLE:
             self.hooks.step.end()
         else:
@@ -266,6 +267,9 @@ class Engine(DeepSpeedEngineNames):
             ctx.global_steps += 1
             ctx.global_samples += ctx.samples_per_step()
         ctx.step_applied = stepped
+        ctx.grads_set = False
+        if ctx.reducer is not None:
+            ctx.reducer.landed = 0
         self.hooks.step.end_epochs()
         ctx.count_swap_io()
         self.last_step_metrics = copy.copy(ctx.metrics)
@@ -289,9 +293,11 @@ class Engine(DeepSpeedEngineNames):
         self.context.boundary_override = None if is_boundary is None else bool(is_boundary)
 
     def _backward_ran(self) -> bool:
-        """Whether a backward reached the model's parameters since the last ``step()``: one is running,
-        or the hooks timed one (``backward_seconds`` grows only then; the metrics restart each step)."""
-        return self.hooks.phase is StepPhase.BACKWARD or self.context.metrics.backward_seconds > 0.0
+        """Whether a backward reached the model's trainable parameters since the last ``step()``: one is
+        running, or one reduced a gradient into the shards (a backward whose hooks ran but that gave no
+        parameter a gradient, ``torch.autograd.grad`` over the inputs, did not)."""
+        reducer = self.context.reducer
+        return self.hooks.phase is StepPhase.BACKWARD or (reducer is not None and reducer.landed > 0)
 
     def no_sync(self) -> Any:
         """DDP's switch for skipping the gradient reduction of a micro-batch: refused, as DeepSpeed

@@ -22,7 +22,7 @@ communicator, coordinator) for the parameters it partitions while a model is bui
       late_read      callable | None   the hooks' gather of a parameter read late in a backward (hooks.py)
       external_added callable | None   the hooks' answer to register_external_parameter after install
       lr_scheduler, offloaded (engine.offload_states), module, params, global_steps, micro_steps,
-      window_micro, window_backwards, boundary_override
+      window_micro, window_backwards, boundary_override, grads_set
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ class RuntimeContext:
     window_micro: int = 0  # engine.step() calls since the last boundary: the open window's micro-batches
     window_backwards: int = 0  # backwards ended since the last boundary (or since their gradients were dropped)
     boundary_override: bool | None = None  # engine.set_gradient_accumulation_boundary; None: every n-th
+    grads_set: bool = False  # safe_set_full_grad / safe_set_local_grad set a gradient since the last engine.step()
     io: AsyncIO | None = None  # the threads of every swap file of this context (made with the first)
     offloaded: StatesOffload | None = None  # engine.offload_states (made on its first call)
     # The hooks' gather of a parameter read in a backward after its module's backward closed

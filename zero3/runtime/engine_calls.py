@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..comm.communicator import Kind, Tag
 from ..config.sections import warn_once
 from ..errors import ConcurrentForwardError, ZeroConfigError, ZeroStateError
 from ..metrics import StepMetrics
@@ -58,6 +59,32 @@ def check_lr_kwargs(engine: Any, lr_kwargs: Any) -> None:
     except (TypeError, ValueError) as exc:
         raise ZeroConfigError(f"engine.step(lr_kwargs={lr_kwargs!r}): the lr scheduler's step() does not take them "
                               f"({exc}); nothing was stepped") from None
+
+
+def require_gradients(engine: Any) -> None:
+    """Refuse ``engine.step()`` (with an optimizer and a trainable parameter) when no gradient reached
+    the model since the last ``engine.step()``: no backward reduced one into the shards (none ran, or
+    it reached no trainable parameter: ``torch.autograd.grad`` over the inputs alone) and none was set
+    through ``safe_set_full_grad``/``safe_set_local_grad``. Nothing changes then: no step, no
+    ``global_steps`` or scheduler advance. A reduction lands on every rank, so only gradients set
+    without a backward are agreed (a collective then): on every rank, or the step is refused on all."""
+    ctx = engine.context
+    if ctx.optimizer is None or engine._backward_ran() or not any(p.requires_grad for p in engine.params):
+        return
+    set_on = ctx.comm.exchange_objects(ctx.grads_set, Tag(Kind.OBJECTS, "engine.step() gradients set"))
+    if all(set_on):
+        return
+    if any(set_on):
+        raise ZeroStateError(
+            f"engine.step(): gradients were set (safe_set_full_grad / safe_set_local_grad) without a backward on "
+            f"ranks {[r for r, s in enumerate(set_on) if s]} but not on ranks {[r for r, s in enumerate(set_on) if not s]}"
+            ": set them on every rank before engine.step() (the step is one collective); nothing was stepped")
+    raise ZeroStateError(
+        f"engine.step(): no backward reached the model since the last engine.step() (micro-batch {ctx.micro_steps}): "
+        "none ran, or none gave a trainable parameter a gradient (torch.autograd.grad(loss, inputs) gives them "
+        "none), and no safe_set_full_grad / safe_set_local_grad set one. Call engine.backward(loss) (or "
+        "loss.backward()) first, over a loss that depends on its trainable parameters, or set the gradients on "
+        "every rank; nothing was stepped")
 
 
 def zero_grad_window(engine: Any) -> None:

@@ -55,6 +55,9 @@ class GradientReducer:
         land their reduced gradients and (the step in backward with shared shards) write their shards."""
         self._summed: frozenset[int] = frozenset()
         self._model_parallel: Communicator | None = None
+        self.landed = 0
+        """Reduced gradients added into the shards since ``engine.step()`` last reset it: whether a backward
+        reached a trainable parameter (the same on every rank: a reduction lands on all of them)."""
 
     def sum_over_model_parallel(self, params: list[ZeroParameter], comm: Communicator) -> None:
         """Megatron's sequence parallelism: ``params`` (marked ``sequence_parallel``: LayerNorms, a
@@ -201,6 +204,7 @@ class GradientReducer:
         """Add ``piece`` (this rank's averaged gradient slice, or at world size 1 the gradient) into
         the gradient of ``p``'s train tensor; the first one of a step is kept without a copy."""
         target = p._zero.train_tensor
+        self.landed += 1
         if self.accumulation_steps > 1:  # in the precision the gradient accumulates in
             piece = piece.to(dtype=target.dtype) / self.accumulation_steps
         if target.grad is None:
