@@ -219,7 +219,7 @@ class Engine(DeepSpeedEngineNames):
         At the boundary (every call when ``gradient_accumulation_steps`` is 1): fp16 gradients are
         unscaled and checked for overflow on every rank, ``gradient_clipping`` is applied, the
         optimizer steps (on fp32 masters under mixed precision, copied back to the parameter
-        shards), gradients are zeroed and persistent parameters re-gathered.
+        shards), gradients are zeroed (without an optimizer too) and persistent parameters re-gathered.
         Gradients set through ``safe_set_full_grad``/``safe_set_local_grad`` on every rank are stepped on
         without a backward, as torch's step uses an assigned ``p.grad``.
 
@@ -263,6 +263,8 @@ class Engine(DeepSpeedEngineNames):
             ctx.window_backwards = 0
             if ctx.optimizer is None:  # nothing steps the shards, but the refresh gathers them again
                 ctx.take_persistent_writes()
+                for p in self.params:  # as step_shards drops them: the next backward starts a new sum
+                    p._zero.train_tensor.grad = None
             ctx.coordinator.refresh_persistent()
             ctx.global_steps += 1
             ctx.global_samples += ctx.samples_per_step()
