@@ -226,6 +226,58 @@ def test_gradient_writes_between_backward_and_step_are_refused_and_the_setters_a
         assert r["diff"] < 1e-6, r
 
 
+def set_grads_without_backward(threshold: int, who: str) -> dict:
+    """DP-SGD as docs/api.md (torch.func) has it: gradients computed on a plain copy, set through
+    safe_set_full_grad (``who``: "every rank", or "rank 0" alone), then engine.step() with no backward;
+    torch steps the assigned p.grad. Three AdamW steps, then one ordinary step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model, ref_opt, opt, engine = _twin_mlps(threshold)
+    g = torch.Generator().manual_seed(2)
+    refused, steps = [], []
+    for step in range(3):
+        grads = [torch.randn(p.shape, generator=g) for p in ref.parameters()]
+        if who == "every rank" or rank == 0:
+            for p, gr in zip(model.parameters(), grads):
+                zero3.safe_set_full_grad(p, gr)
+        try:
+            steps.append(engine.step())
+        except zero3.ZeroStateError as exc:
+            refused.append(str(exc))
+            engine.zero_grad()  # rank 0's set gradients stay until dropped, as an assigned p.grad does
+            break
+        for p, gr in zip(ref.parameters(), grads):
+            p.grad = gr.clone()
+        ref_opt.step()
+    x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
+    ref_opt.zero_grad()  # and a step after a backward as before
+    ((ref(x) - y) ** 2).mean().backward()
+    ref_opt.step()
+    mine = slice(4 * rank, 4 * (rank + 1))
+    ((model(x[mine]) - y[mine]) ** 2).mean().backward()
+    after = engine.step()
+    with zero3.GatheredParameters(list(model.parameters())):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return {"diff": diff, "refused": refused, "steps": steps, "after": after, "global_steps": engine.global_steps}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("threshold", [0, 10**6])
+def test_gradients_set_without_a_backward_are_stepped_on_as_torch_steps_assigned_grads(pools, world, threshold):
+    """Probe 33V: the step was refused ("no backward reached the model") though the setters set the
+    gradient the next step uses; torch's step moved the weights by up to 0.26."""
+    for r in pools.get(world).run(set_grads_without_backward, threshold, "every rank"):
+        assert r["refused"] == [] and r["steps"] == [True] * 3, r
+        assert r["after"] is True and r["global_steps"] == 4, r
+        assert r["diff"] < 1e-6, r
+
+
+def test_gradients_set_on_some_ranks_only_are_refused_on_every_rank_before_anything_steps(pools):
+    for rank, r in enumerate(pools.get(2).run(set_grads_without_backward, 0, "rank 0")):
+        assert len(r["refused"]) == 1 and "without a backward on ranks [0] but not on ranks [1]" in r["refused"][0], r
+        assert r["steps"] == [] and r["global_steps"] == 1, r  # the refused step counted nothing
+        assert r["diff"] < 1e-6, r  # nothing stepped: the ordinary step after it trains as torch's
+
+
 # -- in-place writes to persistent parameters (runtime/persistent.py `take_writes`) ------------------
 _OFFLOADS = {
     "in memory": {},

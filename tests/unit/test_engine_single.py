@@ -708,3 +708,72 @@ def test_a_backward_through_weights_the_step_left_alone_runs_as_torch_s(zcfg, le
             lb.backward()
         step()
     _assert_same_params(model, ref)
+
+
+def _mlp_pair(zcfg, optimizer: bool = True):
+    """A plain MLP (AdamW and a StepLR over it) and its twin under zero3 (the same over the twin)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    model = copy.deepcopy(ref)
+    if not optimizer:
+        return ref, model, zero3.initialize(model, None, zcfg)
+    ref_opt, opt = adamw(ref.parameters()), adamw(model.parameters())
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return ref, ref_opt, ref_sched, model, zero3.initialize(model, opt, zcfg, lr_scheduler=sched)
+
+
+@pytest.mark.parametrize("zcfg", [NO_PERSIST, {}], ids=["threshold0", "default_threshold"])
+def test_a_step_after_a_backward_over_the_inputs_alone_is_refused_in_every_config(zcfg):
+    """Probe 33V (saliency): after torch.autograd.grad(loss, x), which gives no parameter a gradient,
+    engine.step() was refused with the default threshold but counted a step (True, global_steps and the
+    scheduler advanced, weights unchanged) with threshold 0, whose backward hooks had run. Both refuse
+    now, changing nothing; the next ordinary step trains as torch's."""
+    ref, ref_opt, ref_sched, model, engine = _mlp_pair(zcfg)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+    for net, opt, sched in ((ref, ref_opt, ref_sched), (model, engine, None)):
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+    before = [_gathered(p) for p in model.parameters()]
+    xg = x.clone().requires_grad_(True)
+    saliency, = torch.autograd.grad(F.mse_loss(model(xg), y), xg)
+    assert saliency.abs().sum() > 0
+    with pytest.raises(ZeroStateError, match="no backward reached the model since the last engine.step"):
+        engine.step()
+    assert engine.global_steps == 1 and engine.get_lr() == [ref_sched.get_last_lr()[0]]
+    assert all(torch.equal(b, _gathered(p)) for b, p in zip(before, model.parameters()))
+    for net, opt, sched in ((ref, ref_opt, ref_sched), (model, engine, None)):
+        if sched is not None:
+            opt.zero_grad()
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+    assert engine.global_steps == 2 and engine.get_lr() == [ref_sched.get_last_lr()[0]]
+    _assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("zcfg", [NO_PERSIST, {}], ids=["threshold0", "default_threshold"])
+def test_step_without_an_optimizer_drops_the_gradients_as_torchs_manual_loop_does(zcfg):
+    """Probe 33T: without an optimizer, engine.step() kept the gradient shards, so a manual update loop
+    (accessor update, then engine.step()) summed every earlier backward into the next: 0.129 off torch's
+    weights after 3 steps. The step drops them at the boundary now, as step_shards does."""
+    lr = 0.1
+    ref, model, engine = _mlp_pair(zcfg, optimizer=False)
+    for s in range(3):
+        g = torch.Generator().manual_seed(s)
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        F.mse_loss(ref(x), y).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(p.grad, alpha=-lr)
+                p.grad = None
+        F.mse_loss(model(x), y).backward()
+        for p in model.parameters():
+            zero3.safe_set_local_fp32_param(p, zero3.safe_get_local_fp32_param(p) - lr * zero3.safe_get_local_grad(p))
+        assert engine.step() is False
+        assert all(zero3.safe_get_local_grad(p) is None for p in model.parameters())
+    _assert_same_params(model, ref)
