@@ -75,10 +75,12 @@ def require_gradients(engine: Any) -> None:
     if all(set_on):
         return
     if any(set_on):
+        have = [r for r, s in enumerate(set_on) if s]
+        lack = [r for r, s in enumerate(set_on) if not s]
         raise ZeroStateError(
             f"engine.step(): gradients were set (safe_set_full_grad / safe_set_local_grad) without a backward on "
-            f"ranks {[r for r, s in enumerate(set_on) if s]} but not on ranks {[r for r, s in enumerate(set_on) if not s]}"
-            ": set them on every rank before engine.step() (the step is one collective); nothing was stepped")
+            f"ranks {have} but not on ranks {lack}: set them on every rank before engine.step() (the step is one "
+            "collective); nothing was stepped")
     raise ZeroStateError(
         f"engine.step(): no backward reached the model since the last engine.step() (micro-batch {ctx.micro_steps}): "
         "none ran, or none gave a trainable parameter a gradient (torch.autograd.grad(loss, inputs) gives them "
