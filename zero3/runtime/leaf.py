@@ -11,9 +11,23 @@ parent that is no leaf) gets hooks of its own too, so a call of it there gathers
 The others get no hooks, but a read of their parameters from another module's forward is seen, as
 any module's (hooks.py `_watch_reads`).
 
+[Note: where a leaf's unit is reduced]
+A leaf called once in a step has its unit reduced when the gradient of that call's inputs is ready
+(`LeafUnit.inputs_ready`, a hook on each input that needs grad, the first to fire), else at the
+backward's end (`LeafUnit.end_of_backward`): so is a leaf called more often, one whose inputs need no
+grad (the first module) or get none. That hook, and not the leaf's own backward, is the place because
+the leaf's backward may run on some ranks only: where every token of a rank goes to a null expert, the
+leaf's output needs no grad there and no backward hook of it fires, while the backward outside the
+leaf is the same on every rank. The leaf's post-backward closing the unit on one rank and the end of
+backward on the other put its gradients before the embedding's on one rank and after it on the
+other: ZeroDivergenceError with ``verify_collectives``, 0.029 off one process in 3 steps without
+(probe 33Y, world 2, ``param_persistence_threshold`` 0). The reducer's module boundary
+(`GradientReducer.module_done`) of a leaf call is that hook too, on every rank, and a second
+backward over a call of a step that ended (no calls counted since) reopens the unit there, as the
+leaf's own pre-backward does where it runs (hooks.py [Note: a second backward]).
+
 [Note: a leaf called inside and outside a checkpoint]
-A leaf's unit is reduced once its only call's backward is done (`LeafUnit.flush`), or at the end of the
-backward. A checkpointed call is not counted (its forward runs under no_grad), so with a call inside
+A leaf's unit is reduced as [Note: where a leaf's unit is reduced] says. A checkpointed call is not counted (its forward runs under no_grad), so with a call inside
 a checkpoint and one outside, the unit was reduced after one call's backward and the other's
 gradients came after it, each reduced alone: which of them came depended on each rank's data (a
 mixture of experts' routing), so the ranks ran different collectives (probe 26A, world 2). Now a
@@ -34,12 +48,13 @@ builds saves the gathered weights, which the module's post-backward releases, so
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..errors import ZeroConfigError, ZeroStateError
 
@@ -167,6 +182,29 @@ class LeafUnit:
     flushed: bool = False
     reopened: bool = False  # a call's backward runs after an end of step reset ``calls``: reduce at this backward's end
 
+    def called(self, forward: bool, inputs: Any, ready: Callable[[LeafUnit], None]) -> None:
+        """A call with grad on: in a forward it is counted and ``ready(self)`` hooked on each of its input
+        tensors that needs grad ([Note: where a leaf's unit is reduced]); a recompute (activation
+        checkpointing) reopens the unit, reduced at this backward's end ([Note: a leaf called inside
+        and outside a checkpoint]; probe 25A: a persistent one's backward never opens)."""
+        if not forward:
+            self.reopened, self.flushed = True, False
+            return
+        self.calls += 1
+        hook = _InputsReady(self, ready)
+        for t in pytree.tree_leaves(inputs):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(hook)
+
+    def inputs_ready(self, reducer: GradientReducer) -> None:
+        """The gradient of one of a call's inputs is ready: reduce the unit if that call is its only one,
+        then end the reducer's module ([Note: where a leaf's unit is reduced])."""
+        if not self.calls:
+            self.reopened = True  # a second backward over a step that ended: reduced at this one's end
+        elif self.calls == 1 and not self.reopened:
+            self.flush(reducer)
+        reducer.module_done()
+
     def flush(self, reducer: GradientReducer) -> None:
         if not self.flushed:
             self.flushed = True
@@ -180,3 +218,14 @@ class LeafUnit:
     def reset(self) -> None:
         self.calls, self.flushed, self.reopened = 0, False, False
         self.grads.clear()
+
+
+@dataclass(eq=False, slots=True)
+class _InputsReady:
+    """The tensor hook on a leaf call's inputs (one object per call, shared by its inputs)."""
+
+    leaf: LeafUnit
+    ready: Callable[[LeafUnit], None]
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.ready(self.leaf)
