@@ -398,8 +398,8 @@ class GatheredParameters:
             refuse_reshape(ctx, [p for p in self.params if p._zero.id in reshaped], "GatheredParameters(modifier_rank=...)")
         ctx.comm.shards_will_change()  # inside a step: peers stop reading shared shards first
         if self.modifier_rank is LOCAL_MODIFIER:  # every rank made the change: rank 0's where theirs differ
-            kept = [p for p in self.params if p._zero.id not in reshaped]
-            take_rank0_where_ranks_differ(ctx, [(p._zero.name, raw_data(p)) for p in kept], kept)
+            take_rank0_where_ranks_differ(ctx, [(p._zero.name, raw_data(p)) for p in self.params
+                                                if p._zero.id not in reshaped])
         elif ctx.world_size > 1:
             flat = torch.cat([raw_data(p).reshape(-1) for p in self.params])
             ctx.comm.broadcast(flat, self.modifier_rank, Tag(Kind.BROADCAST, "GatheredParameters(modifier_rank="

@@ -64,7 +64,7 @@ from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import data_parallel_group as mpu_data_parallel_group
 from ..comm.model_parallel import check_mpu
 from .gathered import LOCAL_MODIFIER, GatheredParameters
-from .rank_values import HeldWarning, take_rank0_where_ranks_differ
+from .rank_values import take_rank0_where_ranks_differ
 from .publish import repartition
 from ..partition.param import (
     PartitionedParameter,
@@ -270,8 +270,6 @@ class Init:
         if self._sync == "rng" and state.ctx.world_size > 1:
             self._own_rng = _sync_rng(state.ctx)
         self._token = _STACK.set(stack + (state,))
-        self._held = HeldWarning(state.ctx)  # rank_values.py [Note: torch.empty's values, filled later]
-        self._held_token = self._held.hold()
         self._handler_token = construction_handler.set(_touch)
         return self
 
@@ -287,7 +285,6 @@ class Init:
             if state.ctx.coordinator.shards is not None:
                 state.ctx.coordinator.shards.flush()  # every shard written before the model is used
         finally:
-            self._held.flush(self._held_token, warn=exc_type is None)
             construction_handler.reset(self._handler_token)
             _STACK.reset(self._token)
             self._token = None
@@ -581,8 +578,7 @@ def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) ->
                 named.add(id(p))
                 p._zero.name = _name(module, path, pname)
     if state.sync == "rng":  # [Note: values that differ between ranks under sync="rng"]
-        take_rank0_where_ranks_differ(state.ctx, [(name, p.data) for p, name in todo.values()],
-                                      [p for p, _ in todo.values()])
+        take_rank0_where_ranks_differ(state.ctx, [(name, p.data) for p, name in todo.values()])
     for p, name in todo.values():
         _partition_param(p, name, state)
 
@@ -697,7 +693,7 @@ def _assign(p: ZeroParameter, value: Any, state: _InitState) -> None:
         value = state.ctx.comm.broadcast(value.clone(), 0, Tag(Kind.BROADCAST, f"zero3.Init value of {z.name}"))
     elif z.world_size > 1:
         value = value.clone()  # rank 0's where the ranks' differ, without writing into the caller's tensor
-        take_rank0_where_ranks_differ(state.ctx, [(z.name, value)], [p])
+        take_rank0_where_ranks_differ(state.ctx, [(z.name, value)])
     shard = sharding.shard_tensor(value, z.world_size, z.rank).to(z.shard.device)
     if shard.dtype == z.shard.dtype:
         with state.ctx.resident([p], write=True, overwrite=True):
@@ -731,8 +727,8 @@ def _write_back(state: _InitState) -> None:
         for p in touched:
             state.ctx.comm.broadcast(raw_data(p), 0, Tag(Kind.BROADCAST, f"zero3.Init value of {p._zero.name}"))
     else:
-        kept = [p for p in touched if p._zero.id not in reshaped]
-        take_rank0_where_ranks_differ(state.ctx, [(p._zero.name, raw_data(p)) for p in kept], kept)
+        take_rank0_where_ranks_differ(state.ctx, [(p._zero.name, raw_data(p)) for p in touched
+                                                  if p._zero.id not in reshaped])
     with state.ctx.resident(touched, write=True, overwrite=True):
         for p in touched:
             if p._zero.id in reshaped:  # gathered.py [Note: a new shape before initialize]

@@ -16,24 +16,13 @@ equal tensors, and in practice different for different ones); the ranks exchange
 integer; every tensor whose integers differ is broadcast from rank 0 first, with a warning naming
 them and ``sync="broadcast"`` (the first time in an Init context; then at DEBUG). What every rank
 drew alike costs the exchange only.
-
-[Note: torch.empty's values, filled later]
-Hugging Face allocates some parameters with ``torch.empty`` (Mixtral's and Qwen2-MoE's routers) and
-its ``post_init`` fills them at the end of the model's ``__init__``: at partitioning each rank held
-its own uninitialised memory, so they differed (and rank 0's were taken), and the warning blamed the
-RNG though the finished model equals the plain one on every rank (probe 33Y, world 2). So `Init`
-holds the warning (`HeldWarning`) until its block ends: a later write that every rank made alike
-settles a parameter, and only those whose differing values stayed are named, torch.empty among the
-causes.
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import weakref
 import zlib
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -60,26 +49,10 @@ def bit_sum(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([c.sum(dtype=torch.int64) for c in b[:n].split(1 << 20)]).sum() + tail
 
 
-def take_rank0_where_ranks_differ(ctx: Any, named: Sequence[tuple[str, torch.Tensor]],
-                                  params: Sequence[Any] | None = None) -> list[str]:
+def take_rank0_where_ranks_differ(ctx: Any, named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
     """Make each full tensor in ``named`` rank 0's where the ranks' differ (in place, a broadcast
-    each); returns their names and warns naming them, or, inside an `Init` block holding its warning
-    and given the ``params`` the tensors are of, tells that block (`HeldWarning`). A collective over
-    ``ctx``'s group (one small all-gather), which every rank calls with the same names in the same
-    order; nothing at world size 1."""
-    held = _HELD.get()
-    if held is not None and held.ctx is ctx and params is not None:
-        pairs = [(p, n) for p, (n, t) in zip(params, named) if not t.is_meta]
-        differed = _take_rank0(ctx, named)
-        held.checked(pairs, set(differed))
-        return differed
-    differed = _take_rank0(ctx, named)
-    if differed:
-        _warn(ctx, differed)
-    return differed
-
-
-def _take_rank0(ctx: Any, named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    each); returns their names. A collective over ``ctx``'s group (one small all-gather), which
+    every rank calls with the same names in the same order; nothing at world size 1."""
     named = [(name, t) for name, t in named if not t.is_meta]  # no values yet (a from_pretrained's meta build)
     if ctx.world_size == 1 or not named:
         return []
@@ -110,44 +83,12 @@ def _take_rank0(ctx: Any, named: Sequence[tuple[str, torch.Tensor]]) -> list[str
             if got is not t:
                 t.copy_(got)
             names.append(name)
+    if names:
+        log = logger.debug if ctx in _WARNED else logger.warning
+        _WARNED.add(ctx)
+        log(
+            "zero3.Init: %s differed between ranks (drawn outside torch's default generator: numpy, a "
+            "torch.Generator of its own, or a seed set per rank inside the block); each now has rank 0's values, "
+            "as DeepSpeed's Init gives. Init(sync='broadcast') takes rank 0's values for every parameter without "
+            "this check", ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
     return names
-
-
-def _warn(ctx: Any, names: list[str]) -> None:
-    log = logger.debug if ctx in _WARNED else logger.warning
-    _WARNED.add(ctx)
-    log("zero3.Init: %s differed between ranks (drawn outside torch's default generator: numpy, a "
-        "torch.Generator of its own, or a seed set per rank inside the block; or torch.empty's memory that the "
-        "block never filled); each now has rank 0's values, as DeepSpeed's Init gives. Init(sync='broadcast') "
-        "takes rank 0's values for every parameter without this check",
-        ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
-
-
-@dataclass(eq=False)
-class HeldWarning:
-    """The parameters whose values an `Init` block took from rank 0, held until the block ends
-    ([Note: torch.empty's values, filled later]); `hold` makes the block's checks report here."""
-
-    ctx: Any
-    params: dict[int, Any] = field(default_factory=dict)  # id -> the parameter, in the order they differed
-
-    def checked(self, pairs: Sequence[tuple[Any, str]], differed: set[str]) -> None:
-        """The (parameter, name) ``pairs`` were just compared across ranks; those named in ``differed`` differed."""
-        for p, name in pairs:
-            if name in differed:
-                self.params.setdefault(id(p), p)
-            else:  # written alike on every rank since: what differed before is gone
-                self.params.pop(id(p), None)
-
-    def hold(self) -> contextvars.Token:
-        return _HELD.set(self)
-
-    def flush(self, token: contextvars.Token, *, warn: bool) -> None:
-        """End the block: stop holding and (``warn``) name the parameters whose differing values stayed."""
-        _HELD.reset(token)
-        if self.params and warn:
-            _warn(self.ctx, [p._zero.name for p in self.params.values()])
-        self.params.clear()
-
-
-_HELD: contextvars.ContextVar[HeldWarning | None] = contextvars.ContextVar("zero3_held_warning", default=None)
