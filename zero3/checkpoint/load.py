@@ -102,14 +102,14 @@ def _plan_load(ctx: RuntimeContext, reader: CheckpointReader, load_optimizer_sta
                 f"{reader.metadata_path}: optimizer {opt_meta['class']} in the checkpoint, "
                 f"{ctx.optimizer.class_name} in the engine; pass load_optimizer_states=False to load weights only")
         theirs = opt_meta["param_groups"]
-        frozen = _frozen_either(ctx, reader)
+        frozen = _frozen_either(ctx, reader, theirs, ours)
         if _group_names(theirs, frozen) != _group_names(ours, frozen):
             unrecorded = any(pm.requires_grad is None for pm in reader.params.values())
             raise CheckpointMismatchError(
                 f"{reader.metadata_path}: optimizer param groups differ: checkpoint "
                 f"{[len(g['params']) for g in theirs]} params per group, engine {[len(g['params']) for g in ours]} "
-                f"(first difference: {_first_group_difference(theirs, ours, frozen)}; parameters frozen in either run "
-                f"are not compared{_UNRECORDED if unrecorded else ''})"
+                f"(first difference: {_first_group_difference(theirs, ours, frozen)}; frozen parameters that "
+                f"one run's groups leave out (bf16/fp16) are not compared{_UNRECORDED if unrecorded else ''})"
                 "; build the optimizer's groups as at the save, or pass load_optimizer_states=False to load the "
                 "weights alone")
     same_world = reader.world_size == ctx.world_size
@@ -156,13 +156,19 @@ _UNRECORDED = (", but this checkpoint, saved before 2026-12-06, does not record 
                "under bf16/fp16 a parameter frozen then is in none of its groups")
 
 
-def _frozen_either(ctx: RuntimeContext, reader: CheckpointReader) -> set[str]:
-    """The parameters frozen in this run or at the save. Where masters are separate (bf16/fp16), a
-    parameter frozen at `initialize` is in no param group (docs/mixed_precision.md "Frozen parameters"),
-    so a run with another frozen set has other groups than the user built; under fp32 it stays in them.
-    The groups are compared without these: such a parameter has no optimizer state to match."""
-    now = {p._zero.name for p in ctx.params if not p.requires_grad}
-    return now | {n for n, pm in reader.params.items() if pm.requires_grad is False}
+def _frozen_either(ctx: RuntimeContext, reader: CheckpointReader, theirs: list[dict[str, Any]],
+                   ours: list[dict[str, Any]]) -> set[str]:
+    """The parameters frozen in this run or at the save that one side's param groups leave out. Where
+    masters are separate (bf16/fp16), a parameter frozen at `initialize` is in no param group
+    (docs/mixed_precision.md "Frozen parameters"), so a run with another frozen set has other groups
+    than the user built; the groups are compared without these (such a parameter has no optimizer
+    state to match). Under fp32 a frozen parameter stays in its group on both sides and is compared
+    (review 33RC: one moved to another group was taken silently, where torch refuses it)."""
+    frozen = {p._zero.name for p in ctx.params if not p.requires_grad}
+    frozen |= {n for n, pm in reader.params.items() if pm.requires_grad is False}
+    in_theirs = {n for g in theirs for n in g["params"]}
+    in_ours = {n for g in ours for n in g["params"]}
+    return {n for n in frozen if n not in in_theirs or n not in in_ours}
 
 
 def _group_names(groups: list[dict[str, Any]], frozen: set[str]) -> list[list[str]]:
