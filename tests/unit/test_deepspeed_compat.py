@@ -423,3 +423,40 @@ def test_deepspeed_utils_set_z3_leaf_modules_marks_the_leaf_zero3_trains_like_to
     with pytest.raises(zero3.ZeroStateError, match="before zero3.initialize"):
         deepspeed.utils.unset_z3_leaf_modules(model, [_Experts])
     engine.remove_hooks()
+
+
+def _traced_modules(model: nn.Module, mark) -> set[str]:
+    """The modules a threshold-0 zero3 step over ``model`` records, after ``mark(model)``."""
+    mark(model)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    engine.backward(model(torch.randn(2, 8)).sum())
+    engine.step()
+    modules = {e.module for e in engine.coordinator.last_trace.events}
+    engine.remove_hooks()
+    return modules
+
+
+def test_deepspeeds_own_leaf_flag_and_raise_if_not_found_are_honoured():
+    """Code written for DeepSpeed marks leaves with DeepSpeed's flag (`m._z3_leaf = True`, or
+    `set_z3_leaf_module(m, True)`) and passes `raise_if_not_found=False` for classes a model may lack
+    (review 33RA: the flag was ignored, the module's children gathered one by one, and the keyword was a
+    TypeError)."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), _Experts(), nn.Linear(8, 1))
+
+    unmarked = _traced_modules(build(), lambda m: None)
+    assert {"1.a", "1.b"} <= unmarked  # a module that is no leaf: its children are gathered one by one
+    for mark in (lambda m: setattr(m[1], "_z3_leaf", True),
+                 lambda m: deepspeed.utils.set_z3_leaf_module(m[1], True),
+                 lambda m: deepspeed.utils.set_z3_leaf_modules(m, [_Experts, nn.GRU], raise_if_not_found=False)):
+        traced = _traced_modules(build(), mark)
+        assert "1" in traced and not {"1.a", "1.b"} & traced, traced
+    model = build()
+    with pytest.raises(ValueError, match="matches no module"):
+        deepspeed.utils.set_z3_leaf_modules(model, [_Experts, nn.GRU])
+    assert deepspeed.utils.get_z3_leaf_modules(model) == []  # refused before marking anything
+    deepspeed.utils.set_z3_leaf_module(model[1], True)
+    assert deepspeed.utils.z3_leaf_module(model[1])
+    assert deepspeed.utils.unset_z3_leaf_modules(model, [_Experts, nn.GRU], raise_if_not_found=False) == [model[1]]
+    assert not deepspeed.utils.z3_leaf_module(model[1])

@@ -63,15 +63,18 @@ if TYPE_CHECKING:
     from .grad import GradientReducer
 
 LEAF_ATTR = "_zero3_leaf"
+DEEPSPEED_LEAF_ATTR = "_z3_leaf"  # DeepSpeed's flag (deepspeed.utils.set_z3_leaf_module), read as ours
 
 
-def set_leaf_modules(model: nn.Module, targets: Iterable[type | str]) -> list[nn.Module]:
+def set_leaf_modules(model: nn.Module, targets: Iterable[type | str], *, missing_ok: bool = False) -> list[nn.Module]:
     """Mark modules of ``model`` as leaf modules; call it before ``zero3.initialize``.
 
     Args:
         model: the model.
         targets: module classes (every instance is a leaf), class names, or qualified module names
             (``"blocks.3.moe"``).
+        missing_ok: skip a target that matches no module instead of refusing it (DeepSpeed's
+            ``raise_if_not_found=False``).
 
     Returns:
         The modules marked.
@@ -83,28 +86,29 @@ def set_leaf_modules(model: nn.Module, targets: Iterable[type | str]) -> list[nn
     if getattr(model, "__dict__", {}).get("_zero3_context") is not None:
         raise ZeroStateError("set_leaf_modules must be called before zero3.initialize: the hooks are installed "
                              "then (or list the classes in the config key leaf_modules)")
-    marked = find_modules(model, targets, "set_leaf_modules")
+    marked = find_modules(model, targets, "set_leaf_modules", missing_ok)
     for m in marked:
         setattr(m, LEAF_ATTR, True)
     return marked
 
 
-def unset_leaf_modules(model: nn.Module, targets: Iterable[type | str]) -> list[nn.Module]:
+def unset_leaf_modules(model: nn.Module, targets: Iterable[type | str], *, missing_ok: bool = False) -> list[nn.Module]:
     """Undo `set_leaf_modules` for the modules ``targets`` name (DeepSpeed's ``unset_z3_leaf_modules``);
-    before ``zero3.initialize`` only, as setting is. Returns the modules unmarked."""
+    before ``zero3.initialize`` only, as setting is (``missing_ok`` as there). Returns the modules unmarked."""
     if getattr(model, "__dict__", {}).get("_zero3_context") is not None:
         raise ZeroStateError("unset_leaf_modules must be called before zero3.initialize: the hooks are installed "
                              "then")
-    unmarked = find_modules(model, targets, "unset_leaf_modules")
+    unmarked = find_modules(model, targets, "unset_leaf_modules", missing_ok)
     for m in unmarked:
         m.__dict__.pop(LEAF_ATTR, None)
     return unmarked
 
 
-def find_modules(model: nn.Module, targets: Iterable[type | str], caller: str) -> list[nn.Module]:
+def find_modules(model: nn.Module, targets: Iterable[type | str], caller: str, missing_ok: bool = False) -> list[nn.Module]:
     """The modules of ``model`` that ``targets`` name: classes (every instance), class names or qualified
     module names, in the order of the targets (one class or name alone counts as a list of it: a string
-    would otherwise be read letter by letter); ``caller`` names the public function in errors."""
+    would otherwise be read letter by letter); ``caller`` names the public function in errors; a target
+    matching no module is refused, or skipped with ``missing_ok``."""
     if isinstance(targets, (str, type)):
         targets = [targets]
     if not isinstance(model, nn.Module):
@@ -121,7 +125,7 @@ def find_modules(model: nn.Module, targets: Iterable[type | str], caller: str) -
             hits = [m for name, m in named if name == target or type(m).__name__ == target]
         else:
             raise ZeroConfigError(f"{caller}: a target must be a module class or a name, got {target!r}")
-        if not hits:
+        if not hits and not missing_ok:
             classes = sorted({type(m).__name__ for _, m in named})
             raise ZeroConfigError(f"{caller}: {target!r} matches no module of the model (its classes: "
                                   f"{', '.join(classes)})")
@@ -141,8 +145,10 @@ def check_leaf_classes(model: nn.Module, class_names: Iterable[str]) -> None:
 
 
 def is_leaf(module: nn.Module, class_names: Iterable[str] = ()) -> bool:
-    """Whether ``module`` is a leaf: marked by `set_leaf_modules`, or its class is listed."""
-    return bool(module.__dict__.get(LEAF_ATTR)) or type(module).__name__ in class_names
+    """Whether ``module`` is a leaf: marked by `set_leaf_modules` (or with DeepSpeed's own flag, which
+    its ``set_z3_leaf_module(m, True)`` and code written for it set), or its class is listed."""
+    d = module.__dict__
+    return bool(d.get(LEAF_ATTR) or d.get(DEEPSPEED_LEAF_ATTR)) or type(module).__name__ in class_names
 
 
 def leaf_modules(model: nn.Module, class_names: Iterable[str] = ()) -> list[nn.Module]:

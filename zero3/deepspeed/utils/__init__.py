@@ -1,11 +1,13 @@
 """``deepspeed.utils`` names over zero3: the accessors of full and local parameters, gradients and
 optimizer state (zero3's own, accessors.py); DeepSpeed's MoE calls ``set_z3_leaf_modules``,
-``unset_z3_leaf_modules``, ``get_z3_leaf_modules`` and ``z3_leaf_module`` (runtime/leaf.py, marks read by
-``zero3.initialize``); ``zero3.deepspeed.utils.zero_to_fp32`` (imported by name,
-as DeepSpeed's) converts a checkpoint to fp32 weights without a model or an engine. Only what zero3
+``unset_z3_leaf_modules``, ``set_z3_leaf_module``, ``get_z3_leaf_modules`` and ``z3_leaf_module``
+(runtime/leaf.py, marks read by ``zero3.initialize``, DeepSpeed's own ``_z3_leaf`` flag too);
+``zero3.deepspeed.utils.zero_to_fp32`` (imported by name, as DeepSpeed's) converts a checkpoint to fp32 weights without a model or an engine. Only what zero3
 implements is here."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from torch import nn
 
@@ -23,22 +25,48 @@ from ...accessors import (
     safe_set_local_grad,
     safe_set_local_optimizer_state,
 )
-from ...runtime.leaf import LEAF_ATTR
-from ...runtime.leaf import set_leaf_modules as set_z3_leaf_modules
-from ...runtime.leaf import unset_leaf_modules as unset_z3_leaf_modules
+from ...errors import ZeroStateError
+from ...runtime.leaf import DEEPSPEED_LEAF_ATTR, LEAF_ATTR, is_leaf, set_leaf_modules, unset_leaf_modules
+
+
+def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Any, raise_if_not_found: bool = True) -> list[nn.Module]:
+    """DeepSpeed's name for `zero3.set_leaf_modules` (before ``zero3.initialize``); a class matching no
+    module is refused, or skipped with ``raise_if_not_found=False``."""
+    return set_leaf_modules(model, leaf_module_classes, missing_ok=not raise_if_not_found)
+
+
+def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: Any,
+                          raise_if_not_found: bool = True) -> list[nn.Module]:
+    """DeepSpeed's name for undoing `set_z3_leaf_modules` (before ``zero3.initialize``); it clears
+    DeepSpeed's own flag on those modules too."""
+    done = unset_leaf_modules(model, leaf_module_classes, missing_ok=not raise_if_not_found)
+    for m in done:
+        m.__dict__.pop(DEEPSPEED_LEAF_ATTR, None)
+    return done
+
+
+def set_z3_leaf_module(model: nn.Module, flag: bool) -> None:
+    """DeepSpeed's one-module switch: mark (``flag`` True) or unmark ``model`` itself as a leaf module,
+    before ``zero3.initialize`` reads the marks."""
+    if model.__dict__.get("_zero3_context") is not None:
+        raise ZeroStateError("set_z3_leaf_module must be called before zero3.initialize: the hooks are installed then")
+    model.__dict__.pop(LEAF_ATTR, None)
+    setattr(model, DEEPSPEED_LEAF_ATTR, bool(flag))
 
 
 def z3_leaf_module(model: nn.Module) -> bool:
-    """Whether ``model`` is marked a leaf module by ``set_z3_leaf_modules`` (DeepSpeed's name)."""
-    return bool(model.__dict__.get(LEAF_ATTR))
+    """Whether ``model`` is marked a leaf module (by ``set_z3_leaf_modules``, ``set_z3_leaf_module`` or
+    DeepSpeed's ``_z3_leaf`` flag; DeepSpeed's name)."""
+    return is_leaf(model)
 
 
 def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules of ``model`` marked leaf modules by ``set_z3_leaf_modules`` (DeepSpeed's name)."""
+    """The modules of ``model`` marked leaf modules (DeepSpeed's name)."""
     return [m for m in model.modules() if z3_leaf_module(m)]
 
 
-__all__ = ["get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+__all__ = ["get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module",
+           "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
            "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state"]
