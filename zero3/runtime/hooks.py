@@ -518,12 +518,12 @@ class ModuleHooks:
             self.coordinator.forward_boundary(False)
         grad = torch.is_grad_enabled()
         result = None
+        if rec.leaf is not None and grad and (tied := rec.leaf.tie(output, (args, kwargs))) is not output:
+            output = result = tied  # before its hooks below (leaf.py [Note: a leaf whose output needs no grad])
         if call.params:  # before the release below ([Note: module outputs])
-            result, seen_all = prepare_output(output, call.params, call if grad else None)
-            if result is output:
-                result = None
-            else:
-                output = result
+            prepared, seen_all = prepare_output(output, call.params, call if grad else None)
+            if prepared is not output:
+                output = result = prepared
             if not seen_all:
                 self._keep_for_step(call, output)
             if call.state is _OPEN:

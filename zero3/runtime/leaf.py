@@ -26,6 +26,22 @@ other: ZeroDivergenceError with ``verify_collectives``, 0.029 off one process in
 backward over a call of a step that ended (no calls counted since) reopens the unit there, as the
 leaf's own pre-backward does where it runs (hooks.py [Note: a second backward]).
 
+[Note: a leaf whose output needs no grad]
+That hook needs the gradient to reach the call's inputs on every rank. In the pre-norm block
+(Mixtral's, ``h + moe(ln(h))``) the input ``ln(h)`` is used only inside the leaf, so on a rank whose
+tokens all went to a null expert neither it nor ``ln``'s parameters got one: that rank reduced 20
+parameters / 4,385 elements in another order, rank 0 22 / 4,417 (ZeroDivergenceError with
+``verify_collectives``; 0.033 off one process in 3 steps without, probe GA2). So a call with grad on
+whose output has no tensor that needs grad, while an input does, has its floating-point output
+tensors tied to those inputs (`LeafUnit.tie`, before the post-forward hooks its output, so the leaf's
+own pre- and post-backward run there as on the other ranks): the values are the same, but they now
+need grad, and their backward gives each input a zero gradient, which DDP's average counts as this
+rank's share. The leaf's own parameters are not tied: one no rank used keeps a gradient of None (the
+unit's presence count). A leaf whose output needs grad costs one attribute read (a tensor output) or
+one pytree walk. Not covered: where the output needs no grad on EVERY rank, a parameter whose output
+only the leaf uses (``ln``'s) gets zeros on every rank where torch leaves None, so Adam steps it by its
+moments (0.0076 off one process in 3 steps, test_divergence.py, xfail).
+
 [Note: a leaf called inside and outside a checkpoint]
 A leaf's unit is reduced as [Note: where a leaf's unit is reduced] says. A checkpointed call is not counted (its forward runs under no_grad), so with a call inside
 a checkpoint and one outside, the unit was reduced after one call's backward and the other's
@@ -202,6 +218,28 @@ class LeafUnit:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(hook)
 
+    def tie(self, output: Any, inputs: Any) -> Any:
+        """``output`` tied to the call's ``inputs`` that need grad by a zero gradient when no tensor of it
+        needs grad ([Note: a leaf whose output needs no grad]); ``output`` itself otherwise (the usual case:
+        one attribute read for a tensor output)."""
+        if type(output) is torch.Tensor:
+            if output.requires_grad or not output.is_floating_point():
+                return output
+            leaves, spec = [output], None
+        else:
+            leaves, spec = pytree.tree_flatten(output)
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+                return output
+        at = [i for i, t in enumerate(leaves)
+              if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
+        ins = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not at or not ins or not self.params:
+            return output
+        tied = _ZeroTie.apply(len(at), *[leaves[i] for i in at], *ins)
+        for i, t in zip(at, tied):
+            leaves[i] = t
+        return leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec)
+
     def inputs_ready(self, reducer: GradientReducer) -> None:
         """The gradient of one of a call's inputs is ready: reduce the unit if that call is its only one,
         then end the reducer's module ([Note: where a leaf's unit is reduced])."""
@@ -224,6 +262,23 @@ class LeafUnit:
     def reset(self) -> None:
         self.calls, self.flushed, self.reopened = 0, False, False
         self.grads.clear()
+
+
+class _ZeroTie(torch.autograd.Function):
+    """The output tensors unchanged (``forward(n, *outputs, *inputs)``); their backward gives each input a
+    zero gradient ([Note: a leaf whose output needs no grad]). It saves no tensor: the inputs' shapes only."""
+
+    @staticmethod
+    def forward(ctx: Any, n: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.like = [(t.shape, t.dtype, t.device) for t in tensors[n:]]
+        ctx.n = n
+        return tuple(t.detach() for t in tensors[:n])  # no view: the user may change it in place
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like]
+        return (None, *[None] * ctx.n, *zeros)
 
 
 @dataclass(eq=False, slots=True)
