@@ -16,7 +16,7 @@
   it; the end of the step releases those.
 - ``register_post_accumulate_grad_hook`` on every trainable parameter, kept after the user's
   (last_grad_hook.py), hands its full gradient to the reducer as soon as autograd has accumulated it
-  (a leaf module's go to its unit, reduced when its call's inputs' gradient is ready), then drops it.
+  (a leaf module's go to its unit, reduced when the leaf's backward ends), then drops it.
 - one callback per autograd graph task (queued from the first hook that fires in it); when the last
   running graph task ends, the backward is over: gradients are complete and the step ends.
 Accessing a partitioned parameter of *another* module inside a forward (``self.wte.weight`` in the
@@ -457,7 +457,7 @@ class ModuleHooks:
         if begins and self._buffers is not None:  # every forward of the model, as DDP
             self._buffers.before_forward(torch.is_grad_enabled())
         if rec.leaf is not None and torch.is_grad_enabled():  # calls with a backward to come (leaf.py)
-            rec.leaf.called(self.step.phase is _FORWARD, (args, kwargs), self._leaf_inputs_ready)
+            rec.leaf.called(self.step.phase is _FORWARD)
         params = self._params_of(rec)
         if params and transform_level() is not None:
             refuse_transform(rec.name)
@@ -614,14 +614,12 @@ class ModuleHooks:
             call.state = _BACKWARD_DONE
             call.ended_in = self._steps_ended
             self.coordinator.event(_POST_BACKWARD, call.record.name, call.params, call.ids)
-            if call.record.leaf is None:  # a leaf's: where its inputs' gradient is ready, on every rank
-                self.reducer.module_done()
-
-    def _leaf_inputs_ready(self, leaf: LeafUnit) -> None:  # leaf.py [Note: where a leaf's unit is reduced]
-        if not self._removed:
-            self.step.enter(_BACKWARD)  # no change in a backward
-            self.ensure_final_callback()
-            leaf.inputs_ready(self.reducer)
+            leaf = call.record.leaf
+            if leaf is not None and leaf.calls == 1 and not leaf.reopened:
+                # Its only call's backward is done, so its parameters' gradients are accumulated (autograd runs
+                # AccumulateGrad nodes first once they are ready; leaf.py [Note: where a leaf's unit is reduced]).
+                leaf.flush(self.reducer)
+            self.reducer.module_done()
 
     def _close_by_gradients(self, rec: _ModuleRecord) -> None:
         """Every parameter of ``rec`` has its gradient (`_on_grad` counts them in ``rec.arrived``): the

@@ -12,38 +12,41 @@ The others get no hooks, but a read of their parameters from another module's fo
 any module's (hooks.py `_watch_reads`).
 
 [Note: where a leaf's unit is reduced]
-A leaf called once in a step has its unit reduced when the gradient of that call's inputs is ready
-(`LeafUnit.inputs_ready`, a hook on each input that needs grad, the first to fire), else at the
-backward's end (`LeafUnit.end_of_backward`): so is a leaf called more often, one whose inputs need no
-grad (the first module) or get none. That hook, and not the leaf's own backward, is the place because
-the leaf's backward may run on some ranks only: where every token of a rank goes to a null expert, the
-leaf's output needs no grad there and no backward hook of it fires, while the backward outside the
-leaf is the same on every rank. The leaf's post-backward closing the unit on one rank and the end of
-backward on the other put its gradients before the embedding's on one rank and after it on the
-other: ZeroDivergenceError with ``verify_collectives``, 0.029 off one process in 3 steps without
-(probe 33Y, world 2, ``param_persistence_threshold`` 0). The reducer's module boundary
-(`GradientReducer.module_done`) of a leaf call is that hook too, on every rank, and a second
-backward over a call of a step that ended (no calls counted since) reopens the unit there, as the
-leaf's own pre-backward does where it runs (hooks.py [Note: a second backward]).
+A leaf called once in a step has its unit reduced when that call's backward ends (hooks.py
+`_post_backward`, which ends the reducer's module there too), else at the backward's end
+(`LeafUnit.end_of_backward`): so is a leaf called more often or recomputed. That post-backward must
+run on every rank or on none: where every token of a rank goes to a null expert the leaf's output
+needs no grad there, so its backward ran on the other rank only and the unit was reduced before the
+embedding's gradient there and after it here (ZeroDivergenceError with ``verify_collectives``, 0.029
+off one process in 3 steps without; probe 33Y, world 2, ``param_persistence_threshold`` 0). The tie
+of [Note: a leaf whose output needs no grad] makes that backward run there too. A tensor hook on the
+call's inputs (d8887fe) was tried instead and dropped: it stayed on an input that outlives the step (a
+parameter as the leaf's input: 500 hooks after 500 steps), where an old one fired in a later step and
+reduced the unit early (ZeroDivergenceError / 0.037 off one process), and it held the leaf's gradients
+until its input's gradient was ready (``head(h + leaf(x0))`` with a deep stack on ``x0``: after the
+whole stack's backward, not right after the leaf's).
 
 [Note: a leaf whose output needs no grad]
-That hook needs the gradient to reach the call's inputs on every rank. In the pre-norm block
+A leaf's backward runs on every rank only if its output needs grad on every rank. In the pre-norm block
 (Mixtral's, ``h + moe(ln(h))``) the input ``ln(h)`` is used only inside the leaf, so on a rank whose
 tokens all went to a null expert neither it nor ``ln``'s parameters got one: that rank reduced 20
 parameters / 4,385 elements in another order, rank 0 22 / 4,417 (ZeroDivergenceError with
 ``verify_collectives``; 0.033 off one process in 3 steps without, probe GA2). So a call with grad on
 whose output has no tensor that needs grad, while an input does, has its floating-point output
 tensors tied to those inputs (`LeafUnit.tie`, before the post-forward hooks its output, so the leaf's
-own pre- and post-backward run there as on the other ranks): the values are the same, but they now
-need grad, and their backward gives each input a zero gradient, which DDP's average counts as this
-rank's share. The leaf's own parameters are not tied: one no rank used keeps a gradient of None (the
-unit's presence count). A leaf whose output needs grad costs one attribute read (a tensor output) or
-one pytree walk. Not covered: where the output needs no grad on EVERY rank, a parameter whose output
-only the leaf uses (``ln``'s) gets zeros on every rank where torch leaves None, so Adam steps it by its
-moments (0.0076 off one process in 3 steps, test_divergence.py, xfail).
+own pre- and post-backward run there as on the other ranks and its unit is reduced in the same place):
+the values are the same, but they now need grad, and their backward gives each input a zero gradient,
+which DDP's average counts as this rank's share. A leaf whose inputs need no grad (the first module) is
+not tied: where its output needs none it is reduced at the backward's end, where its backward, the
+graph's last, ends on the other ranks (test_divergence.py). The leaf's own parameters are not tied:
+one no rank used keeps a gradient of None (the unit's presence count). A leaf whose output needs grad
+costs one attribute read (a tensor output) or one pytree walk. Not covered: where the output needs no
+grad on EVERY rank, a parameter whose output only the leaf uses (``ln``'s) gets zeros on every rank
+where torch leaves None, so Adam steps it by its moments (0.0076 off one process in 3 steps, test_divergence.py, xfail).
 
 [Note: a leaf called inside and outside a checkpoint]
-A leaf's unit is reduced as [Note: where a leaf's unit is reduced] says. A checkpointed call is not counted (its forward runs under no_grad), so with a call inside
+A leaf's unit is reduced once its only call's backward is done (`LeafUnit.flush`), or at the end of the
+backward. A checkpointed call is not counted (its forward runs under no_grad), so with a call inside
 a checkpoint and one outside, the unit was reduced after one call's backward and the other's
 gradients came after it, each reduced alone: which of them came depended on each rank's data (a
 mixture of experts' routing), so the ranks ran different collectives (probe 26A, world 2). Now a
@@ -64,7 +67,7 @@ builds saves the gathered weights, which the module's post-backward releases, so
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -204,19 +207,14 @@ class LeafUnit:
     flushed: bool = False
     reopened: bool = False  # a call's backward runs after an end of step reset ``calls``: reduce at this backward's end
 
-    def called(self, forward: bool, inputs: Any, ready: Callable[[LeafUnit], None]) -> None:
-        """A call with grad on: in a forward it is counted and ``ready(self)`` hooked on each of its input
-        tensors that needs grad ([Note: where a leaf's unit is reduced]); a recompute (activation
-        checkpointing) reopens the unit, reduced at this backward's end ([Note: a leaf called inside
-        and outside a checkpoint]; probe 25A: a persistent one's backward never opens)."""
-        if not forward:
+    def called(self, forward: bool) -> None:
+        """A call with grad on: in a forward it is counted; a recompute (activation checkpointing) reopens
+        the unit, reduced at this backward's end ([Note: a leaf called inside and outside a checkpoint];
+        probe 25A: a persistent one's backward never opens)."""
+        if forward:
+            self.calls += 1
+        else:
             self.reopened, self.flushed = True, False
-            return
-        self.calls += 1
-        hook = _InputsReady(self, ready)
-        for t in pytree.tree_leaves(inputs):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(hook)
 
     def tie(self, output: Any, inputs: Any) -> Any:
         """``output`` tied to the call's ``inputs`` that need grad by a zero gradient when no tensor of it
@@ -239,15 +237,6 @@ class LeafUnit:
         for i, t in zip(at, tied):
             leaves[i] = t
         return leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec)
-
-    def inputs_ready(self, reducer: GradientReducer) -> None:
-        """The gradient of one of a call's inputs is ready: reduce the unit if that call is its only one,
-        then end the reducer's module ([Note: where a leaf's unit is reduced])."""
-        if not self.calls:
-            self.reopened = True  # a second backward over a step that ended: reduced at this one's end
-        elif self.calls == 1 and not self.reopened:
-            self.flush(reducer)
-        reducer.module_done()
 
     def flush(self, reducer: GradientReducer) -> None:
         if not self.flushed:
@@ -280,13 +269,3 @@ class _ZeroTie(torch.autograd.Function):
         zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like]
         return (None, *[None] * ctx.n, *zeros)
 
-
-@dataclass(eq=False, slots=True)
-class _InputsReady:
-    """The tensor hook on a leaf call's inputs (one object per call, shared by its inputs)."""
-
-    leaf: LeafUnit
-    ready: Callable[[LeafUnit], None]
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        self.ready(self.leaf)
