@@ -453,10 +453,18 @@ def test_deepspeeds_own_leaf_flag_and_raise_if_not_found_are_honoured():
         traced = _traced_modules(build(), mark)
         assert "1" in traced and not {"1.a", "1.b"} & traced, traced
     model = build()
-    with pytest.raises(ValueError, match="matches no module"):
-        deepspeed.utils.set_z3_leaf_modules(model, [_Experts, nn.GRU])
-    assert deepspeed.utils.get_z3_leaf_modules(model) == []  # refused before marking anything
-    deepspeed.utils.set_z3_leaf_module(model[1], True)
-    assert deepspeed.utils.z3_leaf_module(model[1])
+    with pytest.raises(ValueError, match="no module of the model"):  # DeepSpeed's rule: refused where none matches
+        deepspeed.utils.set_z3_leaf_modules(model, [nn.GRU])
+    assert deepspeed.utils.set_z3_leaf_modules(model, [_Experts, nn.GRU]) == [model[1]]  # the others skipped
+    model[1]._z3_leaf = False  # DeepSpeed's flag unmarks, as DeepSpeed's z3_leaf_module reads it
+    assert not deepspeed.utils.z3_leaf_module(model[1])
+    qualified = f"{_Experts.__module__}.{_Experts.__qualname__}"
+    assert deepspeed.utils.set_z3_leaf_modules(model, [qualified]) == [model[1]]  # a qualified class name
+    assert deepspeed.utils.z3_leaf_module(model[1]) and model[1]._z3_leaf
     assert deepspeed.utils.unset_z3_leaf_modules(model, [_Experts, nn.GRU], raise_if_not_found=False) == [model[1]]
     assert not deepspeed.utils.z3_leaf_module(model[1])
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
+    with pytest.raises(zero3.ZeroStateError, match="before zero3.initialize"):  # a submodule too
+        deepspeed.utils.set_z3_leaf_module(model[1], True)
+    assert not deepspeed.utils.z3_leaf_module(model[1])
+    engine.remove_hooks()

@@ -109,7 +109,8 @@ def _plan_load(ctx: RuntimeContext, reader: CheckpointReader, load_optimizer_sta
                 f"{reader.metadata_path}: optimizer param groups differ: checkpoint "
                 f"{[len(g['params']) for g in theirs]} params per group, engine {[len(g['params']) for g in ours]} "
                 f"(first difference: {_first_group_difference(theirs, ours, frozen)}; frozen parameters that "
-                f"one run's groups leave out (bf16/fp16) are not compared{_UNRECORDED if unrecorded else ''})"
+                f"one run's groups leave out (bf16/fp16, or the optimizer offloaded while the shards are not) are not "
+                f"compared{_UNRECORDED if unrecorded else ''})"
                 "; build the optimizer's groups as at the save, or pass load_optimizer_states=False to load the "
                 "weights alone")
     same_world = reader.world_size == ctx.world_size

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import ZeroConfigError, ZeroStateError
-from .leaf import LEAF_ATTR, find_modules
+from .leaf import find_modules, mark_leaf
 
 COMPILED_ATTR = "_zero3_compiled_forward"
 
@@ -71,7 +71,7 @@ def compile_blocks(model: nn.Module, targets: Iterable[type | str], *, backend: 
     # the marks, so a refused mode or keyword leaves no block half-converted
     compiled = [torch.compile(m.forward, backend=backend, **compile_kwargs) for m in blocks]
     for m, forward in zip(blocks, compiled):
-        setattr(m, LEAF_ATTR, True)  # as set_leaf_modules: gathered, released and reduced as one unit
+        mark_leaf(m, True)  # as set_leaf_modules: gathered, released and reduced as one unit
         # An instance attribute, which nn.Module's __call__ finds before the class's forward; the
         # compiled function wraps the bound method, so it ends in the block's own forward.
         setattr(m, "forward", forward)

@@ -90,8 +90,8 @@ def set_leaf_modules(model: nn.Module, targets: Iterable[type | str], *, missing
 
     Args:
         model: the model.
-        targets: module classes (every instance is a leaf), class names, or qualified module names
-            (``"blocks.3.moe"``).
+        targets: module classes (every instance is a leaf), class names, qualified class names
+            (``"pkg.moe.MoEBlock"``), or qualified module names (``"blocks.3.moe"``).
         missing_ok: skip a target that matches no module instead of refusing it (DeepSpeed's
             ``raise_if_not_found=False``).
 
@@ -107,7 +107,7 @@ def set_leaf_modules(model: nn.Module, targets: Iterable[type | str], *, missing
                              "then (or list the classes in the config key leaf_modules)")
     marked = find_modules(model, targets, "set_leaf_modules", missing_ok)
     for m in marked:
-        setattr(m, LEAF_ATTR, True)
+        mark_leaf(m, True)
     return marked
 
 
@@ -120,7 +120,16 @@ def unset_leaf_modules(model: nn.Module, targets: Iterable[type | str], *, missi
     unmarked = find_modules(model, targets, "unset_leaf_modules", missing_ok)
     for m in unmarked:
         m.__dict__.pop(LEAF_ATTR, None)
+        m.__dict__.pop(DEEPSPEED_LEAF_ATTR, None)
     return unmarked
+
+
+def mark_leaf(module: nn.Module, flag: bool) -> None:
+    """Mark (or unmark) ``module`` a leaf: zero3's flag, and DeepSpeed's where code written for DeepSpeed
+    set it (`is_leaf` reads DeepSpeed's first where it is there, so ``m._z3_leaf = False`` unmarks)."""
+    setattr(module, LEAF_ATTR, flag)
+    if DEEPSPEED_LEAF_ATTR in module.__dict__:
+        setattr(module, DEEPSPEED_LEAF_ATTR, flag)
 
 
 def find_modules(model: nn.Module, targets: Iterable[type | str], caller: str, missing_ok: bool = False) -> list[nn.Module]:
@@ -140,8 +149,9 @@ def find_modules(model: nn.Module, targets: Iterable[type | str], caller: str, m
     for target in targets:
         if isinstance(target, type):
             hits = [m for _, m in named if isinstance(m, target)]
-        elif isinstance(target, str):
-            hits = [m for name, m in named if name == target or type(m).__name__ == target]
+        elif isinstance(target, str):  # a module's name, its class's name, or (DeepSpeed's) its qualified one
+            hits = [m for name, m in named if name == target or type(m).__name__ == target
+                    or f"{type(m).__module__}.{type(m).__qualname__}" == target]
         else:
             raise ZeroConfigError(f"{caller}: a target must be a module class or a name, got {target!r}")
         if not hits and not missing_ok:
@@ -167,7 +177,8 @@ def is_leaf(module: nn.Module, class_names: Iterable[str] = ()) -> bool:
     """Whether ``module`` is a leaf: marked by `set_leaf_modules` (or with DeepSpeed's own flag, which
     its ``set_z3_leaf_module(m, True)`` and code written for it set), or its class is listed."""
     d = module.__dict__
-    return bool(d.get(LEAF_ATTR) or d.get(DEEPSPEED_LEAF_ATTR)) or type(module).__name__ in class_names
+    marked = d[DEEPSPEED_LEAF_ATTR] if DEEPSPEED_LEAF_ATTR in d else d.get(LEAF_ATTR)
+    return bool(marked) or type(module).__name__ in class_names
 
 
 def leaf_modules(model: nn.Module, class_names: Iterable[str] = ()) -> list[nn.Module]:

@@ -25,33 +25,43 @@ from ...accessors import (
     safe_set_local_grad,
     safe_set_local_optimizer_state,
 )
-from ...errors import ZeroStateError
-from ...runtime.leaf import DEEPSPEED_LEAF_ATTR, LEAF_ATTR, is_leaf, set_leaf_modules, unset_leaf_modules
+from ...errors import ZeroConfigError, ZeroStateError
+from ...runtime.leaf import DEEPSPEED_LEAF_ATTR, is_leaf, mark_leaf, set_leaf_modules, unset_leaf_modules
 
 
 def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Any, raise_if_not_found: bool = True) -> list[nn.Module]:
-    """DeepSpeed's name for `zero3.set_leaf_modules` (before ``zero3.initialize``); a class matching no
-    module is refused, or skipped with ``raise_if_not_found=False``."""
-    return set_leaf_modules(model, leaf_module_classes, missing_ok=not raise_if_not_found)
+    """DeepSpeed's name for `zero3.set_leaf_modules` (before ``zero3.initialize``), with DeepSpeed's
+    rule for classes the model lacks: refused only where none of them matches a module (with
+    ``raise_if_not_found``), the others skipped. Classes may be given by name or qualified name."""
+    return _found(set_leaf_modules(model, leaf_module_classes, missing_ok=True), "set_z3_leaf_modules",
+                  leaf_module_classes, raise_if_not_found)
 
 
 def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: Any,
                           raise_if_not_found: bool = True) -> list[nn.Module]:
-    """DeepSpeed's name for undoing `set_z3_leaf_modules` (before ``zero3.initialize``); it clears
-    DeepSpeed's own flag on those modules too."""
-    done = unset_leaf_modules(model, leaf_module_classes, missing_ok=not raise_if_not_found)
-    for m in done:
-        m.__dict__.pop(DEEPSPEED_LEAF_ATTR, None)
-    return done
+    """DeepSpeed's name for undoing `set_z3_leaf_modules` (before ``zero3.initialize``); the same rule
+    for classes the model lacks."""
+    return _found(unset_leaf_modules(model, leaf_module_classes, missing_ok=True), "unset_z3_leaf_modules",
+                  leaf_module_classes, raise_if_not_found)
+
+
+def _found(modules: list[nn.Module], caller: str, classes: Any, raise_if_not_found: bool) -> list[nn.Module]:
+    if not modules and raise_if_not_found:
+        raise ZeroConfigError(f"{caller}: no module of the model is of {classes!r} (pass raise_if_not_found=False "
+                              "to go on without one)")
+    return modules
 
 
 def set_z3_leaf_module(model: nn.Module, flag: bool) -> None:
     """DeepSpeed's one-module switch: mark (``flag`` True) or unmark ``model`` itself as a leaf module,
-    before ``zero3.initialize`` reads the marks."""
-    if model.__dict__.get("_zero3_context") is not None:
-        raise ZeroStateError("set_z3_leaf_module must be called before zero3.initialize: the hooks are installed then")
-    model.__dict__.pop(LEAF_ATTR, None)
+    before ``zero3.initialize`` reads the marks (refused after: its hooks are installed then)."""
+    if model.__dict__.get("_zero3_context") is not None or any(
+            getattr(getattr(getattr(p, "_zero", None), "ctx", None), "module", None) is not None
+            for p in model.parameters()):
+        raise ZeroStateError("set_z3_leaf_module must be called before zero3.initialize: the hooks are installed "
+                             "then (zero3.initialize has taken this module's parameters)")
     setattr(model, DEEPSPEED_LEAF_ATTR, bool(flag))
+    mark_leaf(model, bool(flag))
 
 
 def z3_leaf_module(model: nn.Module) -> bool:
