@@ -456,8 +456,12 @@ class ModuleHooks:
             self.step.enter(_FORWARD)
         if begins and self._buffers is not None:  # every forward of the model, as DDP
             self._buffers.before_forward(torch.is_grad_enabled())
-        if rec.leaf is not None and torch.is_grad_enabled():  # calls with a backward to come (leaf.py)
-            rec.leaf.called(self.step.phase is _FORWARD)
+        if rec.leaf is not None and torch.is_grad_enabled():  # calls with a backward to come
+            if self.step.phase is _FORWARD:
+                rec.leaf.calls += 1
+            else:  # a recompute (activation checkpointing): reduced at this backward's end, as one whose
+                rec.leaf.reopened = True  # backward opened after a reset (probe 25A: a persistent one's never opens)
+                rec.leaf.flushed = False  # [Note: a leaf called inside and outside a checkpoint]
         params = self._params_of(rec)
         if params and transform_level() is not None:
             refuse_transform(rec.name)
@@ -518,12 +522,12 @@ class ModuleHooks:
             self.coordinator.forward_boundary(False)
         grad = torch.is_grad_enabled()
         result = None
-        if rec.leaf is not None and grad and (tied := rec.leaf.tie(output, (args, kwargs))) is not output:
-            output = result = tied  # before its hooks below (leaf.py [Note: a leaf whose output needs no grad])
         if call.params:  # before the release below ([Note: module outputs])
-            prepared, seen_all = prepare_output(output, call.params, call if grad else None)
-            if prepared is not output:
-                output = result = prepared
+            result, seen_all = prepare_output(output, call.params, call if grad else None)
+            if result is output:
+                result = None
+            else:
+                output = result
             if not seen_all:
                 self._keep_for_step(call, output)
             if call.state is _OPEN:
@@ -616,8 +620,8 @@ class ModuleHooks:
             self.coordinator.event(_POST_BACKWARD, call.record.name, call.params, call.ids)
             leaf = call.record.leaf
             if leaf is not None and leaf.calls == 1 and not leaf.reopened:
-                # Its only call's backward is done, so its parameters' gradients are accumulated (autograd runs
-                # AccumulateGrad nodes first once they are ready; leaf.py [Note: where a leaf's unit is reduced]).
+                # Its only call's backward is done, so its parameters' gradients are accumulated (autograd
+                # runs AccumulateGrad nodes first once they are ready).
                 leaf.flush(self.reducer)
             self.reducer.module_done()
 

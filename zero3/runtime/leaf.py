@@ -11,38 +11,23 @@ parent that is no leaf) gets hooks of its own too, so a call of it there gathers
 The others get no hooks, but a read of their parameters from another module's forward is seen, as
 any module's (hooks.py `_watch_reads`).
 
-[Note: where a leaf's unit is reduced]
+[Note: a leaf whose output needs no grad on some rank]
 A leaf called once in a step has its unit reduced when that call's backward ends (hooks.py
-`_post_backward`, which ends the reducer's module there too), else at the backward's end
-(`LeafUnit.end_of_backward`): so is a leaf called more often or recomputed. That post-backward must
-run on every rank or on none: where every token of a rank goes to a null expert the leaf's output
-needs no grad there, so its backward ran on the other rank only and the unit was reduced before the
-embedding's gradient there and after it here (ZeroDivergenceError with ``verify_collectives``, 0.029
-off one process in 3 steps without; probe 33Y, world 2, ``param_persistence_threshold`` 0). The tie
-of [Note: a leaf whose output needs no grad] makes that backward run there too. A tensor hook on the
-call's inputs (d8887fe) was tried instead and dropped: it stayed on an input that outlives the step (a
-parameter as the leaf's input: 500 hooks after 500 steps), where an old one fired in a later step and
-reduced the unit early (ZeroDivergenceError / 0.037 off one process), and it held the leaf's gradients
-until its input's gradient was ready (``head(h + leaf(x0))`` with a deep stack on ``x0``: after the
-whole stack's backward, not right after the leaf's).
-
-[Note: a leaf whose output needs no grad]
-A leaf's backward runs on every rank only if its output needs grad on every rank. In the pre-norm block
-(Mixtral's, ``h + moe(ln(h))``) the input ``ln(h)`` is used only inside the leaf, so on a rank whose
-tokens all went to a null expert neither it nor ``ln``'s parameters got one: that rank reduced 20
-parameters / 4,385 elements in another order, rank 0 22 / 4,417 (ZeroDivergenceError with
-``verify_collectives``; 0.033 off one process in 3 steps without, probe GA2). So a call with grad on
-whose output has no tensor that needs grad, while an input does, has its floating-point output
-tensors tied to those inputs (`LeafUnit.tie`, before the post-forward hooks its output, so the leaf's
-own pre- and post-backward run there as on the other ranks and its unit is reduced in the same place):
-the values are the same, but they now need grad, and their backward gives each input a zero gradient,
-which DDP's average counts as this rank's share. A leaf whose inputs need no grad (the first module) is
-not tied: where its output needs none it is reduced at the backward's end, where its backward, the
-graph's last, ends on the other ranks (test_divergence.py). The leaf's own parameters are not tied:
-one no rank used keeps a gradient of None (the unit's presence count). A leaf whose output needs grad
-costs one attribute read (a tensor output) or one pytree walk. Not covered: where the output needs no
-grad on EVERY rank, a parameter whose output only the leaf uses (``ln``'s) gets zeros on every rank
-where torch leaves None, so Adam steps it by its moments (0.0076 off one process in 3 steps, test_divergence.py, xfail).
+`_post_backward`), else at the backward's end (`LeafUnit.end_of_backward`). Where a leaf's output
+needs no grad on one rank only (every token of that rank routed to a null, "zero-computation",
+expert), its backward runs on the other ranks only, so its unit is reduced in another place there,
+and in the pre-norm block (``h + moe(ln(h))``) ``ln``'s parameters get a gradient on the other ranks
+only: the ranks reduce different sets (ZeroDivergenceError with ``verify_collectives``, the default;
+0.029-0.033 off one process in 3 steps without; probe 33Y, world 2). Not fixed; docs/api.md gives
+the way around it (the model keeps the leaf's output in the graph on every rank: the null expert's
+pass-through scaled by its router probability, or ``+ 0 * probs.sum()``). Two fixes were tried this
+round and dropped, each on a review's numbers: a tensor hook on the call's inputs as the reduction
+point (it stayed on inputs that outlive the step and fired in later steps: ZeroDivergenceError /
+0.037 off where the code before was exact; and it held a leaf's gradients until its input's gradient
+was ready, after a whole deep stack's backward), and tying the output to the inputs by a zero
+gradient on such a rank (at world size 1 every all-null batch then gave ``ln`` zeros where torch
+leaves None, 0.0077 off torch in 3 steps, as did the same on every rank at any world size; and a
+leaf returning a detached value on purpose got one that needs grad).
 
 [Note: a leaf called inside and outside a checkpoint]
 A leaf's unit is reduced once its only call's backward is done (`LeafUnit.flush`), or at the end of the
@@ -69,11 +54,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from ..errors import ZeroConfigError, ZeroStateError
 
@@ -218,37 +202,6 @@ class LeafUnit:
     flushed: bool = False
     reopened: bool = False  # a call's backward runs after an end of step reset ``calls``: reduce at this backward's end
 
-    def called(self, forward: bool) -> None:
-        """A call with grad on: in a forward it is counted; a recompute (activation checkpointing) reopens
-        the unit, reduced at this backward's end ([Note: a leaf called inside and outside a checkpoint];
-        probe 25A: a persistent one's backward never opens)."""
-        if forward:
-            self.calls += 1
-        else:
-            self.reopened, self.flushed = True, False
-
-    def tie(self, output: Any, inputs: Any) -> Any:
-        """``output`` tied to the call's ``inputs`` that need grad by a zero gradient when no tensor of it
-        needs grad ([Note: a leaf whose output needs no grad]); ``output`` itself otherwise (the usual case:
-        one attribute read for a tensor output)."""
-        if type(output) is torch.Tensor:
-            if output.requires_grad or not output.is_floating_point():
-                return output
-            leaves, spec = [output], None
-        else:
-            leaves, spec = pytree.tree_flatten(output)
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
-                return output
-        at = [i for i, t in enumerate(leaves)
-              if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
-        ins = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not at or not ins or not self.params:
-            return output
-        tied = _ZeroTie.apply(len(at), *[leaves[i] for i in at], *ins)
-        for i, t in zip(at, tied):
-            leaves[i] = t
-        return leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec)
-
     def flush(self, reducer: GradientReducer) -> None:
         if not self.flushed:
             self.flushed = True
@@ -262,21 +215,4 @@ class LeafUnit:
     def reset(self) -> None:
         self.calls, self.flushed, self.reopened = 0, False, False
         self.grads.clear()
-
-
-class _ZeroTie(torch.autograd.Function):
-    """The output tensors unchanged (``forward(n, *outputs, *inputs)``); their backward gives each input a
-    zero gradient ([Note: a leaf whose output needs no grad]). It saves no tensor: the inputs' shapes only."""
-
-    @staticmethod
-    def forward(ctx: Any, n: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.like = [(t.shape, t.dtype, t.device) for t in tensors[n:]]
-        ctx.n = n
-        return tuple(t.detach() for t in tensors[:n])  # no view: the user may change it in place
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-        zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like]
-        return (None, *[None] * ctx.n, *zeros)
 
