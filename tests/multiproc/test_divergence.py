@@ -820,8 +820,9 @@ def test_a_leaf_reading_a_parameter_trains_like_one_process_when_routing_differs
     """A parameter (learned latents) as a leaf's input in step 0: a tensor hook on the leaf's inputs
     (d8887fe) stayed on it, fired in step 1 where the parameter is used after the leaf, and reduced the
     unit before its call's backward, each rank with its own expert's gradient alone
-    (ZeroDivergenceError with verify_collectives, 0.036 off one process in 3 steps without). Now a
-    leaf called once is reduced after its own backward (leaf.py [Note: where a leaf's unit is reduced])."""
+    (ZeroDivergenceError with verify_collectives, 0.036 off one process in 3 steps without). That hook
+    was dropped: a leaf called once is reduced after its own backward, as before it (leaf.py [Note: a
+    leaf whose output needs no grad on some rank]); this guards that place."""
     for r in pools.get(2).run(latent_input_parity, verify, timeout=POOL_TIMEOUT):
         assert r["error"] is None, r
         assert r["worst_param"] < 1e-5, r
