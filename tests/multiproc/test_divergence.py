@@ -588,6 +588,12 @@ class _TwiceRouted(nn.Module):
         return self.head(self._call(1, self._call(0, x))).pow(2).mean()
 
 
+def _worst_gap(model: nn.Module, ref: nn.Module) -> float:
+    """The largest difference between ``model``'s full weights and the reference's."""
+    with zero3.GatheredParameters(list(model.parameters())):
+        return max((p.detach() - q.detach()).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+
+
 def twice_routed_parity(inside: str, how: str, retain: bool = False, steps: int = 3) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -615,11 +621,7 @@ def twice_routed_parity(inside: str, how: str, retain: bool = False, steps: int 
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    worst = 0.0
-    with zero3.GatheredParameters(list(model.parameters())):
-        for p, q in zip(model.parameters(), ref.parameters()):
-            worst = max(worst, (p.detach() - q.detach()).abs().max().item())
-    return {"error": None, "worst_param": worst}
+    return {"error": None, "worst_param": _worst_gap(model, ref)}
 
 
 @pytest.mark.parametrize("how, retain", [("zero3", False), ("reentrant", False), ("reentrant", True)],
@@ -715,11 +717,7 @@ def null_routed_parity(first: bool, verify: bool, retain: bool = False, steps: i
             engine.step()
         except zero3.ZeroError as exc:
             return {"error": f"step {step}: {type(exc).__name__}: {exc}"}
-    worst = 0.0
-    with zero3.GatheredParameters(list(model.parameters())):
-        for p, q in zip(model.parameters(), ref.parameters()):
-            worst = max(worst, (p.detach() - q.detach()).abs().max().item())
-    return {"error": None, "worst_param": worst, "needs_grad": model.moe.needs_grad}
+    return {"error": None, "worst_param": _worst_gap(model, ref), "needs_grad": model.moe.needs_grad}
 
 
 @pytest.mark.parametrize("pre_norm", [False, True], ids=["residual", "pre-norm"])
@@ -808,11 +806,7 @@ def latent_input_parity(verify: bool, steps: int = 3) -> dict:
             engine.step()
         except zero3.ZeroError as exc:
             return {"error": f"step {step}: {type(exc).__name__}: {exc}"}
-    worst = 0.0
-    with zero3.GatheredParameters(list(model.parameters())):
-        for p, q in zip(model.parameters(), ref.parameters()):
-            worst = max(worst, (p.detach() - q.detach()).abs().max().item())
-    return {"error": None, "worst_param": worst}
+    return {"error": None, "worst_param": _worst_gap(model, ref)}
 
 
 @pytest.mark.parametrize("verify", [True, False], ids=["verified", "unverified"])
