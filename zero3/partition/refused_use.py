@@ -56,7 +56,8 @@ def skipped_hooks_advice(p: Any) -> str | None:
         name = next((n for n, m in root.named_modules() if m is module), None)
         what = f"model.{name}" if name else "model" if name == "" else type(module).__name__
         if f.f_code is call_code:  # in __call__ but not in its forward: a hook of the module
-            return (f"it is read by a hook of {'the model' if name == '' else what} that runs outside zero3's: a forward pre-hook registered with "
+            return (f"it is read by a hook of {'the model' if name == '' else what} that runs outside zero3's: "
+                    "a forward pre-hook registered with "
                     "prepend=True after zero3.initialize runs before zero3's pre-hook gathers the module's "
                     "parameters, a forward hook runs after zero3's releases them. Register a pre-hook without "
                     "prepend=True (it then runs after zero3's), or gather inside the hook with "

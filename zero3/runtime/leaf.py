@@ -69,7 +69,8 @@ LEAF_ATTR = "_zero3_leaf"
 DEEPSPEED_LEAF_ATTR = "_z3_leaf"  # DeepSpeed's flag (deepspeed.utils.set_z3_leaf_module), read as ours
 
 
-def set_leaf_modules(model: nn.Module, targets: Iterable[type | str], *, missing_ok: bool = False) -> list[nn.Module]:
+def set_leaf_modules(model: nn.Module, targets: Iterable[type | str], *,
+                     missing_ok: bool = False) -> list[nn.Module]:
     """Mark modules of ``model`` as leaf modules; call it before ``zero3.initialize``.
 
     Args:
@@ -95,7 +96,8 @@ def set_leaf_modules(model: nn.Module, targets: Iterable[type | str], *, missing
     return marked
 
 
-def unset_leaf_modules(model: nn.Module, targets: Iterable[type | str], *, missing_ok: bool = False) -> list[nn.Module]:
+def unset_leaf_modules(model: nn.Module, targets: Iterable[type | str], *,
+                       missing_ok: bool = False) -> list[nn.Module]:
     """Undo `set_leaf_modules` for the modules ``targets`` name (DeepSpeed's ``unset_z3_leaf_modules``);
     before ``zero3.initialize`` only, as setting is (``missing_ok`` as there). Returns the modules unmarked."""
     if getattr(model, "__dict__", {}).get("_zero3_context") is not None:
@@ -116,7 +118,8 @@ def mark_leaf(module: nn.Module, flag: bool) -> None:
         setattr(module, DEEPSPEED_LEAF_ATTR, flag)
 
 
-def find_modules(model: nn.Module, targets: Iterable[type | str], caller: str, missing_ok: bool = False) -> list[nn.Module]:
+def find_modules(model: nn.Module, targets: Iterable[type | str], caller: str,
+                 missing_ok: bool = False) -> list[nn.Module]:
     """The modules of ``model`` that ``targets`` name: classes (every instance), class names or qualified
     module names, in the order of the targets (one class or name alone counts as a list of it: a string
     would otherwise be read letter by letter); ``caller`` names the public function in errors; a target

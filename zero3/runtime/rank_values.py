@@ -90,7 +90,7 @@ def take_rank0_where_ranks_differ(ctx: Any, named: Sequence[tuple[str, torch.Ten
             "zero3.Init: %s differed between ranks when partitioned: drawn outside torch's default generator "
             "(numpy, a torch.Generator of its own, or a seed set per rank inside the block), or left as torch.empty's "
             "memory for a later init to fill (Hugging Face's post_init does so for Mixtral's and Qwen2-MoE's "
-            "routers and fused experts: harmless, that init then writes the same values on every rank); each now has rank 0's "
-            "values, as DeepSpeed's Init gives. Init(sync='broadcast') takes rank 0's values for every parameter "
-            "without this check", ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
+            "routers and fused experts: harmless, that init then writes the same values on every rank); each "
+            "now has rank 0's values, as DeepSpeed's Init gives. Init(sync='broadcast') takes rank 0's values for "
+            "every parameter without this check", ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
     return names

@@ -2,8 +2,8 @@
 optimizer state (zero3's own, accessors.py); DeepSpeed's MoE calls ``set_z3_leaf_modules``,
 ``unset_z3_leaf_modules``, ``set_z3_leaf_module``, ``get_z3_leaf_modules`` and ``z3_leaf_module``
 (runtime/leaf.py, marks read by ``zero3.initialize``, DeepSpeed's own ``_z3_leaf`` flag too);
-``zero3.deepspeed.utils.zero_to_fp32`` (imported by name, as DeepSpeed's) converts a checkpoint to fp32 weights without a model or an engine. Only what zero3
-implements is here."""
+``zero3.deepspeed.utils.zero_to_fp32`` (imported by name, as DeepSpeed's) converts a checkpoint to
+fp32 weights without a model or an engine. Only what zero3 implements is here."""
 
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if z3_leaf_module(m)]
 
 
-__all__ = ["get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module",
+__all__ = ["get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules",
+           "z3_leaf_module",
            "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
