@@ -88,6 +88,23 @@ def test_set_full_param_writes_master_and_shard_and_a_persistent_gathered_copy()
         zero3.safe_set_full_fp32_param(p, torch.zeros(2))
 
 
+def test_set_full_param_inside_a_reading_gathered_block_is_kept_without_a_discard_warning(caplog):
+    """docs/mixed_precision.md names safe_set_full_fp32_param as the way to set a parameter gathered
+    only for now; inside GatheredParameters without modifier_rank it was kept (shards and masters took
+    it) but the block's exit warned that the change was discarded (review 33RD)."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), {"param_persistence_threshold": 0})
+    p = model.lm_head.weight if hasattr(model, "lm_head") else next(model.parameters())
+    value = torch.linspace(-1, 1, p.ds_numel).reshape(p.ds_shape) / 3
+    with caplog.at_level("WARNING", logger="zero3"):
+        with zero3.GatheredParameters([p]):
+            zero3.safe_set_full_fp32_param(p, value)
+            assert torch.equal(p.detach(), value)  # what a forward in the block computes with
+    assert not [r for r in caplog.records if "discarded" in r.getMessage()], caplog.text
+    assert torch.equal(zero3.safe_get_full_fp32_param(p), value)
+
+
 def test_set_full_optimizer_state_then_step_uses_it(trained):
     p = trained.module.ln_f.bias
     zero3.safe_set_full_optimizer_state(p, torch.full(p.ds_shape, 0.25), "exp_avg")
