@@ -29,7 +29,7 @@ import torch
 
 from .comm.communicator import Kind, Tag
 from .runtime.context import RuntimeContext
-from .runtime.publish import published
+from .runtime.publish import count_publish
 from .errors import ZeroStateError
 from .partition.param import ZeroParameter, raw_data
 from .partition.state import ParamStatus
@@ -205,7 +205,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
         z.shard.copy_(master)
     if z.status is ParamStatus.AVAILABLE:
         p.data.copy_(value.reshape(z.shape))
-        published[z.id] = published.get(z.id, 0) + 1  # written through: no discarded write (gathered.py)
+        count_publish(p)  # written through: no discarded write (gathered.py)
 
 
 @_in_memory(write=True, kinds=("optim_states",))

@@ -588,6 +588,15 @@ class _TwiceRouted(nn.Module):
         return self.head(self._call(1, self._call(0, x))).pow(2).mean()
 
 
+def _plain_and_partitioned(build):
+    """The same model from seed 0 twice: plain (the one-process reference) and under ``zero3.Init``."""
+    torch.manual_seed(0)
+    ref = build()
+    torch.manual_seed(0)
+    with zero3.Init():
+        return ref, build()
+
+
 def _worst_gap(model: nn.Module, ref: nn.Module) -> float:
     """The largest difference between ``model``'s full weights and the reference's."""
     with zero3.GatheredParameters(list(model.parameters())):
@@ -596,11 +605,7 @@ def _worst_gap(model: nn.Module, ref: nn.Module) -> float:
 
 def twice_routed_parity(inside: str, how: str, retain: bool = False, steps: int = 3) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    ref = _TwiceRouted(inside, how)
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = _TwiceRouted(inside, how)
+    ref, model = _plain_and_partitioned(lambda: _TwiceRouted(inside, how))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                               {"leaf_modules": ["_TopOne"], "param_persistence_threshold": 0,
@@ -687,11 +692,7 @@ def null_routed_parity(first: bool, verify: bool, retain: bool = False, steps: i
     """The ``null_ranks`` send every token of step 1 to the null expert; Adam against one process (with
     ``retain``, two backwards of each forward; ``around``: the leaf keeps its output in the graph)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    ref = _NullNet(first, pre_norm)
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = _NullNet(first, pre_norm)
+    ref, model = _plain_and_partitioned(lambda: _NullNet(first, pre_norm))
     ref.moe.around = model.moe.around = around
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, eps=1e-6)
     engine = zero3.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-6),
@@ -784,11 +785,7 @@ class _LatentNet(nn.Module):
 def latent_input_parity(verify: bool, steps: int = 3) -> dict:
     """Rank r routes every token to expert r from step 1 on (expert 0 in step 0); Adam against one process."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    ref = _LatentNet()
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = _LatentNet()
+    ref, model = _plain_and_partitioned(lambda: _LatentNet())
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, eps=1e-6)
     engine = zero3.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-6),
                               {"leaf_modules": ["_RoutedByRank"], "param_persistence_threshold": 0,

@@ -466,5 +466,9 @@ def test_deepspeeds_own_leaf_flag_and_raise_if_not_found_are_honoured():
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
     with pytest.raises(zero3.ZeroStateError, match="before zero3.initialize"):  # a submodule too
         deepspeed.utils.set_z3_leaf_module(model[1], True)
-    assert not deepspeed.utils.z3_leaf_module(model[1])
+    with pytest.raises(zero3.ZeroStateError, match="before zero3.initialize"):  # zero3's own call on a submodule
+        zero3.set_leaf_modules(model[1], [nn.Linear])
+    assert not deepspeed.utils.z3_leaf_module(model[1]) and not deepspeed.utils.z3_leaf_module(model[1].a)
     engine.remove_hooks()
+    deepspeed.utils.set_z3_leaf_module(model[1], True)  # a detached model takes marks for the next initialize
+    assert deepspeed.utils.z3_leaf_module(model[1])

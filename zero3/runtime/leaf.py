@@ -87,9 +87,8 @@ def set_leaf_modules(model: nn.Module, targets: Iterable[type | str], *,
         ValueError: a target matches no module of ``model``, or is neither a class nor a string.
         ZeroStateError: ``model`` was already given to ``zero3.initialize``.
     """
-    if getattr(model, "__dict__", {}).get("_zero3_context") is not None:
-        raise ZeroStateError("set_leaf_modules must be called before zero3.initialize: the hooks are installed "
-                             "then (or list the classes in the config key leaf_modules)")
+    refuse_after_initialize(model, "set_leaf_modules", "the hooks are installed then (or list the classes in the "
+                            "config key leaf_modules)")
     marked = find_modules(model, targets, "set_leaf_modules", missing_ok)
     for m in marked:
         mark_leaf(m, True)
@@ -100,14 +99,24 @@ def unset_leaf_modules(model: nn.Module, targets: Iterable[type | str], *,
                        missing_ok: bool = False) -> list[nn.Module]:
     """Undo `set_leaf_modules` for the modules ``targets`` name (DeepSpeed's ``unset_z3_leaf_modules``);
     before ``zero3.initialize`` only, as setting is (``missing_ok`` as there). Returns the modules unmarked."""
-    if getattr(model, "__dict__", {}).get("_zero3_context") is not None:
-        raise ZeroStateError("unset_leaf_modules must be called before zero3.initialize: the hooks are installed "
-                             "then")
+    refuse_after_initialize(model, "unset_leaf_modules")
     unmarked = find_modules(model, targets, "unset_leaf_modules", missing_ok)
     for m in unmarked:
         m.__dict__.pop(LEAF_ATTR, None)
         m.__dict__.pop(DEEPSPEED_LEAF_ATTR, None)
     return unmarked
+
+
+def refuse_after_initialize(model: nn.Module, caller: str, why: str = "the hooks are installed then") -> None:
+    """Refuse ``caller`` on ``model`` (a model or any module of one) that an engine manages: marks are
+    read once, by ``zero3.initialize`` (a module's parameters tell, where the root's context does not:
+    a submodule marked later was taken and ignored, review 33RD)."""
+    if not isinstance(model, nn.Module):
+        return  # find_modules names the bad argument
+    if model.__dict__.get("_zero3_context") is not None or any(
+            (ctx := getattr(getattr(p, "_zero", None), "ctx", None)) is not None and ctx.attached
+            for p in model.parameters()):
+        raise ZeroStateError(f"{caller} must be called before zero3.initialize: {why}")
 
 
 def mark_leaf(module: nn.Module, flag: bool) -> None:
@@ -218,4 +227,3 @@ class LeafUnit:
     def reset(self) -> None:
         self.calls, self.flushed, self.reopened = 0, False, False
         self.grads.clear()
-

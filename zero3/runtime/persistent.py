@@ -70,9 +70,9 @@ class PersistentParams:
 
     def mark_stale(self, p: ZeroParameter, what: str) -> None:
         """``what`` (a local setter) wrote this rank's slice of ``p``'s shard and of its gathered copy;
-        the other ranks' slices of the copy are old until `refresh_stale` (or any `refresh`)."""
-        if p._zero.persistent and p._zero.status is ParamStatus.AVAILABLE and not p._zero.aliased \
-                and self._world_size > 1:
+        the other ranks' slices of the copy are old until `refresh_stale` (or any `refresh`). The caller
+        wrote a gathered copy that is no view of the shard."""
+        if self._world_size > 1:
             self._stale[p._zero.id] = what
 
     @property

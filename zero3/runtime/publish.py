@@ -20,6 +20,11 @@ published: dict[int, int] = {}
 ``modifier_rank`` around such a write does not take that change for a discarded write."""
 
 
+def count_publish(p: ZeroParameter) -> None:
+    """``p``'s gathered data was written through to its shards on every rank: see ``published``."""
+    published[p._zero.id] = published.get(p._zero.id, 0) + 1
+
+
 def reshaped_ids(params: list[ZeroParameter]) -> set[int]:
     """The ``ds_id`` of each of ``params`` whose gathered data has another shape than its own."""
     return {p._zero.id for p in params if raw_data(p).shape != p._zero.shape}
@@ -45,7 +50,7 @@ def into_shards(ctx: Any, params: list[ZeroParameter], reshaped: frozenset[int] 
     with ctx.resident(params, write=True):  # shards read in too: unchanged ones are left alone
         for p in params:
             z = p._zero
-            published[z.id] = published.get(z.id, 0) + 1
+            count_publish(p)
             if z.id in reshaped:
                 repartition(ctx, p)  # gathered.py [Note: a new shape before initialize]
                 continue

@@ -25,8 +25,9 @@ from ...accessors import (
     safe_set_local_grad,
     safe_set_local_optimizer_state,
 )
-from ...errors import ZeroConfigError, ZeroStateError
-from ...runtime.leaf import DEEPSPEED_LEAF_ATTR, is_leaf, mark_leaf, set_leaf_modules, unset_leaf_modules
+from ...errors import ZeroConfigError
+from ...runtime.leaf import (DEEPSPEED_LEAF_ATTR, is_leaf, mark_leaf, refuse_after_initialize, set_leaf_modules,
+                              unset_leaf_modules)
 
 
 def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Any, raise_if_not_found: bool = True) -> list[nn.Module]:
@@ -55,11 +56,7 @@ def _found(modules: list[nn.Module], caller: str, classes: Any, raise_if_not_fou
 def set_z3_leaf_module(model: nn.Module, flag: bool) -> None:
     """DeepSpeed's one-module switch: mark (``flag`` True) or unmark ``model`` itself as a leaf module,
     before ``zero3.initialize`` reads the marks (refused after: its hooks are installed then)."""
-    if model.__dict__.get("_zero3_context") is not None or any(
-            getattr(getattr(getattr(p, "_zero", None), "ctx", None), "module", None) is not None
-            for p in model.parameters()):
-        raise ZeroStateError("set_z3_leaf_module must be called before zero3.initialize: the hooks are installed "
-                             "then (zero3.initialize has taken this module's parameters)")
+    refuse_after_initialize(model, "set_z3_leaf_module")
     setattr(model, DEEPSPEED_LEAF_ATTR, bool(flag))
     mark_leaf(model, bool(flag))
 
