@@ -15,6 +15,7 @@ from zero3 import ParamStatus, ZeroConfigError, ZeroStateError
 
 from _reference import step_both
 from gpt import GPT, GPTConfig, synthetic_batch
+from zero3.planning.trace_cache import LONG_EVENTS
 
 CFG = GPTConfig(block_size=16)
 
@@ -360,6 +361,29 @@ def test_eval_under_no_grad_gives_the_reference_outputs_and_gathers_nothing(zcfg
     torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(out_plain, expected, rtol=RTOL, atol=ATOL)
     assert not out.requires_grad
+    _assert_nothing_gathered(engine)
+
+
+def test_forwards_with_grad_and_no_backward_are_not_planned_and_training_follows_its_trace():
+    """Probe 32Q: forwards with grad on and no backward (an evaluation without no_grad) join the next
+    step's trace; planning that one-off order cost the first step after 100 of them 38-73x a steady
+    step. It is not planned now (planning/trace_cache.py), and the steps after it follow the trace
+    they followed before, with the reference's numbers."""
+    ref, ref_opt, model, engine = _gpt_pair()
+    _train_alongside(ref, ref_opt, engine, STEPS)
+    coord = engine.coordinator
+    records = coord.record_count
+    x, _ = synthetic_batch(9, BATCH, CFG)
+    events = len(coord.last_trace.events)
+    for _ in range(2 * LONG_EVENTS // events + 1):
+        torch.testing.assert_close(model(x), ref(x), rtol=RTOL, atol=ATOL)
+    _train_alongside(ref, ref_opt, engine, 1)  # the step the forwards joined
+    assert coord.record_count == records and coord.steps.cache.long_count == 1
+    assert coord.steps.diverged  # it left the trace once its first forward was done
+    for _ in range(2):
+        _train_alongside(ref, ref_opt, engine, 1)
+        assert coord.record_count == records and not coord.steps.diverged
+    _assert_same_params(model, ref)
     _assert_nothing_gathered(engine)
 
 

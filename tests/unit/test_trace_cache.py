@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from zero3.planning.generation import GenerationPrefetch
 from zero3.planning.schedule import PlanConfig
 from zero3.planning.trace import Event, EventKind, ParamInfo, TraceRecorder, trace_from_json, trace_to_json
-from zero3.planning.trace_cache import HISTORY, StepTraces
+from zero3.planning.trace_cache import HISTORY, LONG_EVENTS, StepTraces
 
 PF, QF = EventKind.PRE_FORWARD, EventKind.POST_FORWARD
 INFOS = {i: ParamInfo(i, f"w{i}", 10, 40) for i in range(3)}
@@ -97,6 +97,27 @@ def test_a_step_that_follows_records_the_same_events_however_it_ends() -> None:
     assert _step(steps, b[:1]) == 2 and not steps.diverged  # ended after the first module of v2
     assert [(e.kind, e.module) for e in steps.last[0].events] == [(PF, "a"), (QF, "a")]
     assert steps.cache.record_count == 3
+
+
+def test_a_long_new_order_is_planned_only_when_it_repeats() -> None:
+    """Probe 32Q: a loop of forwards with grad on and no backward joins the next step's trace, and
+    planning it cost the first step after 100 of them 38-73x a steady step. An order longer than
+    LONG_EVENTS (and 32 events per parameter) is planned when the next step of its key repeats it;
+    meanwhile the next short step follows the order it followed before, as if the long one never ran."""
+    a = [("a", 0), ("b", 1), ("c", 2)]
+    long = a * (LONG_EVENTS // 6 + 1)  # 2 events per module call
+    steps = StepTraces(max_traces=4)
+    _step(steps, a)
+    assert steps.cache.record_count == 1 and steps.last[0].version == 1
+    assert _step(steps, long) == 1 and steps.diverged  # left v1 where it ended
+    assert steps.cache.record_count == 1 and steps.cache.long_count == 1 and steps.last[0].version == 1
+    assert _step(steps, a) == 1 and not steps.diverged  # the short order is followed, as before
+    assert _step(steps, long) == 1 and steps.cache.record_count == 2  # it came again: planned now, as v2
+    assert steps.last[0].version == 2 and len(steps.last[0].events) == 2 * len(long)
+    assert _step(steps, long) == 2 and not steps.diverged  # and followed from then on
+    assert steps.cache.long_count == 1
+    _step(steps, long + a)  # another long order: not planned
+    assert steps.cache.record_count == 2 and steps.cache.long_count == 2
 
 
 def test_trace_uses_are_the_opening_events_of_each_param() -> None:
