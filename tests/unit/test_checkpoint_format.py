@@ -657,7 +657,9 @@ def test_a_checkpoint_that_saved_persistent_parameters_as_buffers_too_loads_and_
 
     engine = _persistent_engine()
     with monkeypatch.context() as m:
-        m.setattr(layout, "state_tensors", lambda module: module.state_dict(keep_vars=True))
+        m.setattr(layout, "state_tensors", lambda module: {  # its state_dict(keep_vars=True) copied them
+            k: v.detach().clone() if getattr(v, "ds_persist", False) else v
+            for k, v in module.state_dict(keep_vars=True).items()})
         engine.save_checkpoint(tmp_path / "ck", tag="t")
     masters = [zero3.safe_get_full_fp32_param(p).clone() for p in engine.params]
     sd = _consolidated(tmp_path / "ck", tmp_path / "full.pt")

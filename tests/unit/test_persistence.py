@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import tempfile
 
+import pytest
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -132,3 +134,41 @@ def test_an_evaluation_only_script_under_inference_mode_still_runs():
         x = torch.randn(3, 8)
         got, want = model(x), ref(x)
     torch.testing.assert_close(got, want)
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+        self.lin2 = nn.Linear(4, 4)
+        self.lin2.scale = self.scale  # one parameter under two names
+
+    def forward(self, x):
+        return self.lin2(self.lin(x) * self.scale) * self.lin2.scale
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_persistent_parameter_is_itself_in_the_state_dict_and_writes_through_it_reach_the_model(bf16) -> None:
+    """Probe 34C: ``state_dict(keep_vars=True)`` gave copies of persistent parameters (not the
+    parameters, tied names untied) and ``state_dict()`` copies instead of views, so torch's in-place
+    writes through a state dict were lost (the forward 1.73 off torch's)."""
+    torch.manual_seed(0)
+    ref = _Tied()
+    torch.manual_seed(0)
+    model = _Tied()
+    config = {"bf16": {"enabled": True}} if bf16 else {}
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), config)
+    kept = model.state_dict(keep_vars=True)
+    assert all(kept[n] is p for n, p in model.named_parameters(remove_duplicate=False))
+    for m in (ref, model):
+        with torch.no_grad():
+            m.state_dict(keep_vars=True)["lin.bias"].zero_()
+            m.state_dict()["scale"].fill_(2.0)
+    x = torch.randn(2, 4)
+    out = engine(x.to(torch.bfloat16) if bf16 else x).float()
+    torch.testing.assert_close(out, ref(x), rtol=2e-2 if bf16 else 1e-6, atol=2e-2 if bf16 else 1e-6)
+    engine.backward(out.sum())
+    engine.step()  # lr 0: the masters take the writes (bf16; fp32 at world size 1: the copy views them)
+    assert torch.equal(zero3.safe_get_full_fp32_param(model.lin.bias), torch.zeros(4))
+    assert torch.equal(zero3.safe_get_full_fp32_param(model.scale), 2 * torch.ones(4))

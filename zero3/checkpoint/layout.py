@@ -23,8 +23,8 @@ EXTRA_STATE_KEY = "_extra_state"
 def state_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``module.state_dict(keep_vars=True)``'s keys, in its order, each with the tensor itself: the
     parameter object (tied names sharing it) or the buffer. Not through ``state_dict()``, whose hooks
-    hand out copies of gathered parameters (runtime/hooks.py `_clone_gathered`): a persistent
-    parameter, always gathered, would pass for a buffer."""
+    copy gathered parameters inside ``GatheredParameters`` (partition/param.py `copy_gathered_state`),
+    and which a user's state-dict hooks may change."""
     out: dict[str, torch.Tensor] = {}
     for prefix, m in module.named_modules(remove_duplicate=False):
         dot = prefix + "." if prefix else ""

@@ -59,8 +59,7 @@ def consolidated_state_dict(ctx: RuntimeContext, rank0_only: bool = True, *,
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
-    # By name, not by the state dict's values: a gathered parameter's value there is a copy
-    # (hooks.py `_clone_gathered`), which would untie tied parameters.
+    # By name: tied names share one parameter and so one gathered master.
     by_name = dict(ctx.module.named_parameters(remove_duplicate=False))
     extra = extra_state_modules(ctx.module)
     for key, value in ctx.module.state_dict(keep_vars=True).items():

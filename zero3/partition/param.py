@@ -380,6 +380,19 @@ class PendingGradParameter(ZeroParameter):
         _TENSOR_GRAD.__delete__(self)
 
 
+def copy_gathered_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """A state-dict post-hook on every hooked module (runtime/hooks.py): ``state_dict()`` inside
+    ``GatheredParameters`` copies gathered partitioned params, because their storage is emptied again
+    when the gather ends and a view would then point at freed memory. Not a persistent one, whose
+    storage stays (a step gathers into it again), nor the parameter itself (``keep_vars=True``): as
+    in torch, writes through those reach the model (probe 34C)."""
+    for name, p in dict.items(module._parameters):
+        key = prefix + name
+        if isinstance(p, ZeroParameter) and not isinstance(p, PartitionedParameter) and not p._zero.persistent \
+                and state_dict.get(key, p) is not p:
+            state_dict[key] = state_dict[key].clone()
+
+
 def drop_grad_slots(params: Iterable[torch.Tensor]) -> None:
     """`drop_grad_slot` for each of ``params`` that holds a gradient (read past the guard too)."""
     with torch._C.DisableTorchFunctionSubclass():

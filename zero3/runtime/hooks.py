@@ -125,7 +125,8 @@ from .context import RuntimeContext
 from ..errors import ZeroStateError
 from .gathered import external_parameters, register_external_parameter, load_hooks
 from .leaf import LeafUnit, is_leaf, reached_outside_leaves
-from ..partition.param import PartitionedParameter, ZeroParameter, drop_grad_slot, drop_grad_slots
+from ..partition.param import (PartitionedParameter, ZeroParameter, copy_gathered_state, drop_grad_slot,
+                               drop_grad_slots)
 from ..planning.trace import EventKind
 from ..optim.precision import RUNNING_BACKWARD
 from .step import StepLifecycle, StepPhase
@@ -328,7 +329,7 @@ class ModuleHooks:
             self._handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
         else:
             self._submodule_hooks.add(m, pre, post)
-        self._handles.append(m.register_state_dict_post_hook(_clone_gathered))
+        self._handles.append(m.register_state_dict_post_hook(copy_gathered_state))
         _watch_reads(m, self)
 
     def external_added(self, module: nn.Module) -> None:
@@ -739,11 +740,3 @@ def _all_trainable(params: list[ZeroParameter]) -> bool:
             return False
     return True
 
-
-def _clone_gathered(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    """``state_dict()`` inside ``GatheredParameters``: copy gathered partitioned params, because their
-    storage is emptied again when the gather ends and a view would then point at freed memory."""
-    for name, p in dict.items(module._parameters):
-        key = prefix + name
-        if isinstance(p, ZeroParameter) and not isinstance(p, PartitionedParameter) and key in state_dict:
-            state_dict[key] = state_dict[key].clone()
