@@ -468,8 +468,31 @@ def test_parameter_added_after_initialize_is_reported_on_forward():
     model = nn.Sequential(nn.Linear(3, 3))
     engine = zero3.initialize(model, None, NO_PERSIST)
     model[0].late = nn.Parameter(torch.zeros(2, 5))
-    with pytest.raises(ZeroStateError, match=r"module '0' with shape \(2, 5\) is not partitioned"):
+    with pytest.raises(ZeroStateError, match=r"parameter 'late' of module '0' with shape \(2, 5\) is not partitioned"):
         engine(torch.randn(1, 3))
+
+
+def test_parameter_registered_in_the_root_forward_is_named_with_the_root():
+    """Probe 34C: a lazy parameter made in the root's forward was refused as "parameter of module ''
+    with shape (8,)", advising zero3.Init to a model built under it."""
+
+    class Lazy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            if getattr(self, "w2", None) is None:
+                self.register_parameter("w2", nn.Parameter(torch.full((8,), 0.5)))
+            return self.lin(x) * self.w2
+
+    with zero3.Init():
+        model = Lazy()
+    engine = zero3.initialize(model, None, NO_PERSIST)
+    engine(torch.randn(2, 8))
+    with pytest.raises(ZeroStateError, match=r"parameter 'w2' of module '<root>' with shape \(8,\) is not partitioned: "
+                                             r"it was registered after zero3.initialize.*Register it before initialize"):
+        engine(torch.randn(2, 8))
 
 
 def test_plain_loop_forward_that_raises_leaves_nothing_gathered():

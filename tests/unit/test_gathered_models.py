@@ -53,7 +53,7 @@ def test_the_guard_s_hint_about_modules_added_after_initialize_appears_only_insi
         model = nn.Sequential(nn.Linear(8, 16))
     with pytest.raises(ZeroStateError) as plain:
         model[0].weight.norm()
-    assert "No zero3.initialize has taken" not in str(plain.value)
+    assert "no zero3.initialize has taken" not in str(plain.value)
 
 
 def test_discarded_writes_in_two_models_are_both_reported_and_everything_is_released():

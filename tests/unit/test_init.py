@@ -1046,8 +1046,30 @@ def test_a_module_built_under_its_own_init_and_added_after_initialize_is_refused
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
     with zero3.Init():
         model[2] = nn.Linear(8, 2)
-    with pytest.raises(ZeroStateError, match=r"No zero3.initialize has taken this parameter yet: if its module was "
-                                             r"built under a zero3.Init block of its own .* add the module before"):
+    with pytest.raises(ZeroStateError, match=r"no zero3.initialize has taken it: .* or was built under a zero3.Init "
+                                             r"block of its own .* register the module in the model .* before"):
+        engine(torch.randn(3, 4))
+
+
+def test_a_module_held_in_a_plain_list_under_init_is_refused_saying_it_is_not_in_the_model():
+    """Probe 34C: Init partitions a module the model holds in a plain list, initialize never sees it, and
+    its forward was refused with the generic advice first (GatheredParameters, register_external_parameter)."""
+
+    class ListHeld(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.hidden = [nn.Linear(4, 4)]  # not nn.ModuleList: not a submodule
+
+        def forward(self, x):
+            return self.hidden[0](self.lin(x))
+
+    with zero3.Init():
+        model = ListHeld()
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    with pytest.raises(ZeroStateError, match=r"is used by 'linear' while it is partitioned, and no zero3.initialize "
+                                             r"has taken it: its module is not in the module tree .* plain Python "
+                                             r"list or dict instead of nn.ModuleList"):
         engine(torch.randn(3, 4))
 
 

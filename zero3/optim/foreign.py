@@ -97,9 +97,10 @@ def _refuse_plain(what: str, params: list[Any], verb: str) -> None:
             if id(p) in held:
                 raise ZeroStateError(
                     f"{what}: {name!r} {tuple(p.shape)} is a parameter of a model zero3 manages that is not "
-                    "partitioned (its module was added after zero3.initialize). No hook averages its gradient "
-                    "across ranks, so each rank would step its own copy and the ranks would drift apart. Add "
-                    "the module before zero3.initialize (initialize partitions it and it trains with the "
+                    "partitioned (it, or its module, was added after zero3.initialize: a module set as an attribute, "
+                    "a parameter appended to a ParameterList or ParameterDict, or made in a forward). No hook "
+                    "averages its gradient across ranks, so each rank would step its own copy and the ranks would "
+                    "drift apart. Add it before zero3.initialize (initialize partitions it and it trains with the "
                     f"others). Nothing was {verb}")
 
 

@@ -77,6 +77,14 @@ def partitioned_use_message(which: str, what: str, target: Any) -> str:
     skipped = skipped_hooks_advice(target) if target is not None and target._zero.ctx is not None else None
     if skipped is not None:
         return f"parameter {which} is used by {what} while it is partitioned, outside zero3's hooks: {skipped}"
+    if target is not None and getattr(target._zero.ctx, "module", False) is None and in_module_call():
+        return (  # probe 34C: the cause came last, after the generic advice, and named one case of two
+            f"parameter {which} is used by {what} while it is partitioned, and no zero3.initialize has taken it: "
+            "its module is not in the module tree of the model given to zero3.initialize (held in a plain "
+            "Python list or dict instead of nn.ModuleList or nn.ModuleDict), or was built under a zero3.Init "
+            "block of its own and put into the model after zero3.initialize. Either way it has no zero3 hooks "
+            "and its forward cannot gather it: register the module in the model (an attribute, nn.ModuleList, "
+            "nn.ModuleDict) before zero3.initialize")
     return (
         f"parameter {which} is used by {what} while it is partitioned. zero3 gathers a "
         "module's parameters only while that module runs. Outside a forward, wrap the code in "
@@ -87,9 +95,4 @@ def partitioned_use_message(which: str, what: str, target: Any) -> str:
         "model, use engine.consolidated_state_dict() or engine.save_checkpoint() (a Hugging Face model: "
         "engine.save_pretrained(dir), not model.save_pretrained); to load a full state "
         "dict (model.load_state_dict), zero3.pretrained.load_state_dict(model, state_dict). Do not wrap a "
-        "zero3 model in torch's DDP or FSDP: zero3 already shards it and reduces its gradients." + (
-            " No zero3.initialize has taken this parameter yet: if its module was built under a zero3.Init "
-            "block of its own and put into a model after that model's zero3.initialize, it has no zero3 hooks "
-            "(its forward cannot gather it); add the module before zero3.initialize"
-            if target is not None and getattr(target._zero.ctx, "module", False) is None and in_module_call()
-            else ""))
+        "zero3 model in torch's DDP or FSDP: zero3 already shards it and reduces its gradients.")

@@ -408,16 +408,19 @@ class ModuleHooks:
     def _collect(self, rec: _ModuleRecord) -> list[ZeroParameter]:
         out: list[ZeroParameter] = []
         leaf = rec.leaf is not None
-        own = rec.module.parameters() if leaf else dict.values(rec.module._parameters)
-        for p in own:
+        own = rec.module.named_parameters() if leaf else dict.items(rec.module._parameters)
+        for name, p in own:
             if p is None:
                 continue
             if not isinstance(p, ZeroParameter):
                 raise ZeroStateError(  # a plain tensor there: torch.func.functional_call's replacement
-                    f"parameter of module {rec.name!r} with shape {tuple(p.shape)} is not partitioned: " + (
-                        "it was added after zero3.initialize. Add parameters before initialize (or build the model "
-                        "under zero3.Init)." if isinstance(p, nn.Parameter) else "a plain tensor in its place "
-                        "(torch.func.functional_call) in the model's first forward; run one forward first"))
+                    f"parameter {name!r} of module {rec.name or '<root>'!r} with shape {tuple(p.shape)} is not "
+                    "partitioned: " + ("it was registered after zero3.initialize (made in a forward, or set as an "
+                                       "attribute since), and zero3 partitions the parameters a model has at "
+                                       "initialize. Register it before initialize (in __init__)"
+                                       if isinstance(p, nn.Parameter) else "a plain tensor in its place "
+                                       "(torch.func.functional_call) in the model's first forward; run one forward "
+                                       "first"))
             if not any(q is p for q in out):
                 out.append(p)
         for d in rec.module.modules() if leaf else (rec.module,):  # a leaf's calls gather its modules' too
