@@ -129,7 +129,8 @@ def _inv_scale(ctx: RuntimeContext) -> float:
 def _state(ctx: RuntimeContext, param: ZeroParameter, key: str, what: str) -> torch.Tensor:
     state = ctx.optimizer_state(param)
     if key not in state:
-        have = sorted(state) if state else "none yet (the optimizer has not stepped, or the parameter is frozen)"
+        have = sorted(state) if state else "none: its engine has no optimizer" if ctx.optimizer is None else \
+            "none yet (the optimizer has not stepped, or the parameter is frozen)"
         how = ("" if state or not what.startswith("safe_set") else
                "; the setters overwrite existing state: to bring in a plain torch run's state, load it into the "
                "optimizer before zero3.initialize (opt.load_state_dict(sd)), which keeps each rank's slice of it")

@@ -550,6 +550,21 @@ def _is_inference(p: torch.Tensor) -> bool:
 
 
 @_outside_inference_mode
+
+def _announce_idle_without_optimizer(config: ZeroConfig) -> None:
+    """Say which of ``config``'s settings act through an optimizer and so do nothing in an engine
+    without one (probe 34G: accepted silently; DeepSpeed's inference configs carry them, so INFO)."""
+    idle = [f"{name}={value!r}" for name, value, default in (
+        ("offload_optimizer", config.offload.offload_optimizer, "none"),
+        ("offload_optimizer_step_in_backward", config.offload.offload_optimizer_step_in_backward, False),
+        ("gradient_clipping", config.training.gradient_clipping, 0.0),
+        ("fp16 loss_scale", config.precision.loss_scale if config.precision.dtype == "fp16" else 0.0, 0.0))
+        if value != default]
+    if idle:
+        logger.info("zero3.initialize without an optimizer: %s act through the optimizer and do nothing in this "
+                    "engine, whose step() steps none", ", ".join(idle))
+
+
 def initialize(model: nn.Module | None = None, optimizer: Any = None, config: Any = None, group: Any = None, *,
                model_parameters: Any = None, lr_scheduler: Any = None, mpu: Any = None,
                communicator: Communicator | None = None) -> Engine:
@@ -608,6 +623,8 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
     if config.training.scheduler is not None and optimizer is None and config.training.optimizer is None:
         raise ZeroConfigError("zero3.initialize got a 'scheduler' section but no optimizer (nor an 'optimizer' "
                               "section): a schedule needs an optimizer to set the lr of")
+    if optimizer is None and config.training.optimizer is None:
+        _announce_idle_without_optimizer(config)
     engine = Engine(model, optimizer, config, group, communicator, model_parameters, lr_scheduler, mpu)
     foreign_optimizers.install()  # an optimizer over the parameters themselves steps nothing: refused
     route_parametrizations()  # a parametrization registered after it: refused (its module has no hooks)

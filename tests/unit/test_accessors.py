@@ -134,6 +134,14 @@ def test_missing_or_non_elementwise_optimizer_state_is_named(trained):
         zero3.safe_get_full_optimizer_state(p, "step")
 
 
+def test_an_engine_without_an_optimizer_says_so_when_asked_for_optimizer_state():
+    """Probe 34G: it said 'none yet (the optimizer has not stepped, or the parameter is frozen)'."""
+    model = GPT(CFG)
+    zero3.initialize(model, None, {})
+    with pytest.raises(KeyError, match="no optimizer state 'exp_avg'; it has none: its engine has no optimizer"):
+        zero3.safe_get_full_optimizer_state(model.ln_f.weight, "exp_avg")
+
+
 def test_before_the_first_step_there_is_no_state_and_after_the_step_no_gradient():
     torch.manual_seed(0)
     model = GPT(CFG)

@@ -61,3 +61,21 @@ def test_a_divergence_is_logged_once_with_the_expected_and_actual_module(caplog)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings  # the second skipping step follows its own cached trace
     assert "expected pre_forward 'layers.1', got pre_forward 'layers.2'" in warnings[0]
+
+
+def test_settings_that_act_through_an_optimizer_are_named_by_an_engine_without_one(caplog, tmp_path):
+    """Probe 34G: offload_optimizer, clipping and an fp16 loss scale were taken silently by an engine
+    without an optimizer (a 'scheduler' section is refused there); they do nothing in it, and it says so."""
+    config = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "gradient_clipping": 1.0,
+              "fp16": {"enabled": True, "loss_scale": 128}}
+    with caplog.at_level(logging.INFO, logger="zero3"):
+        zero3.initialize(nn.Linear(4, 4), None, config)
+    said = [r.getMessage() for r in caplog.records if "without an optimizer" in r.getMessage()]
+    assert said == ["zero3.initialize without an optimizer: offload_optimizer='cpu', gradient_clipping=1.0, fp16 "
+                    "loss_scale=128.0 act through the optimizer and do nothing in this engine, whose step() steps none"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="zero3"):
+        zero3.initialize(nn.Linear(4, 4), None, {"fp16": {"enabled": True}})  # an fp16 inference engine: nothing idle
+        model = nn.Linear(4, 4)
+        zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    assert not [r for r in caplog.records if "without an optimizer" in r.getMessage()]
