@@ -775,3 +775,19 @@ def test_load_from_fp32_weights_off_is_refused_not_ignored(value):
     with pytest.raises(ZeroConfigError, match="load_from_fp32_weights.*not supported"):
         ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "load_from_fp32_weights": value}})
     ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "load_from_fp32_weights": True}})
+
+
+def test_deepspeed_booleans_take_0_and_1_as_deepspeed_reads_them():
+    """Probe 34B: overlap_comm, zero_quantized_weights/gradients (and an offload section's pin_memory)
+    refused 0/1, which DeepSpeed's config model reads as booleans; a flat zero3 config still refuses them."""
+    for flag in (0, 1):
+        cfg = resolve_config({"zero_optimization": {"stage": 3, "overlap_comm": flag, "zero_quantized_weights": flag,
+                                                    "zero_quantized_gradients": flag,
+                                                    "offload_param": {"device": "cpu", "pin_memory": flag}}})
+        values = (cfg.comm.overlap_comm, cfg.comm.zero_quantized_weights, cfg.comm.zero_quantized_gradients,
+                  cfg.offload.offload_param_pin_memory)
+        assert values == (bool(flag),) * 4 and all(type(v) is bool for v in values), values
+    with pytest.raises(ZeroConfigError, match=r"zero_optimization.overlap_comm must be a bool, got 'yes'"):
+        resolve_config({"zero_optimization": {"stage": 3, "overlap_comm": "yes"}})
+    with pytest.raises(ZeroConfigError, match=r"overlap_comm must be a bool, got 1 \(int\)"):
+        resolve_config({"overlap_comm": 1})

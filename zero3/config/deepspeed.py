@@ -196,7 +196,7 @@ def _section(section: str, value: dict[str, Any], mapped: dict[str, str], ignore
         if key == "enabled":
             continue
         if key in mapped:
-            out[key] = coerce_flat(mapped[key], v)
+            out[key] = coerce_flat(mapped[key], v, lax_bool=True)
         elif key in ignored:
             check_ignored(f"{section}.{key}", key, v)
             if key in _REFUSED_WHEN_ON and v not in (False, None, 0):
@@ -284,7 +284,7 @@ def _zero_optimization(zero: Any, out: KnobValues) -> None:
             if value == "auto":  # DeepSpeed's config model drops "auto" (OpenRLHF passes it on): the default
                 logger.info("zero3: %s is 'auto': zero3's default, as DeepSpeed takes its own", spelled)
                 continue
-            out.set(ZERO_KEYS[key], coerce_flat(ZERO_KEYS[key], value), spelled)
+            out.set(ZERO_KEYS[key], coerce_flat(ZERO_KEYS[key], value, lax_bool=True), spelled)
         elif key in (GATHER_16BIT, GATHER_16BIT_OLD):  # 0/1, "yes"/"off" too; None or "auto": the default
             check_ignored(spelled, GATHER_16BIT, value)
             if value is not None and value != "auto":
@@ -306,7 +306,7 @@ def _zero_optimization(zero: Any, out: KnobValues) -> None:
             raise ZeroConfigError(f"{spelled}: {key!r} is a top-level key of a DeepSpeed config, not a "
                                   "zero_optimization one; move it out of zero_optimization")
         elif key in FLAT_NAMES:
-            out.set(key, coerce_flat(key, value), spelled)
+            out.set(key, coerce_flat(key, value, lax_bool=True), spelled)
         else:
             known = (set(ZERO_KEYS) | {GATHER_16BIT, GATHER_16BIT_OLD} | set(CPU_OFFLOAD) | ZERO_IGNORED | ZERO_PLUS_PLUS | {"stage"}
                      | set(OFFLOAD_SECTION_KEYS))
@@ -339,7 +339,7 @@ def translate_spelled(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
         if key == "steps_per_print" and isinstance(value, float) and value == math.inf:
             out.set(key, sys.maxsize, key)  # Accelerate writes inf to keep DeepSpeed quiet: never
         elif key in _SAME_NAME:
-            out.set(key, coerce_flat(key, value), key)
+            out.set(key, coerce_flat(key, value, lax_bool=True), key)
         elif key == "aio":
             _aio(value, out)
         elif key == "data_types":
@@ -356,7 +356,7 @@ def translate_spelled(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
         elif key in OFFLOAD_SECTION_KEYS and isinstance(value, dict):
             OffloadConfig.read_section(value, key, out)
         elif key in FLAT_NAMES:
-            out.set(key, coerce_flat(key, value), key)
+            out.set(key, coerce_flat(key, value, lax_bool=True), key)
         elif isinstance(value, dict):
             raise ZeroConfigError(unknown_section_message(key))
         else:

@@ -95,11 +95,14 @@ def check_fields(obj: Any, prefix: str = "", skip: frozenset[str] = frozenset(),
             check_value(prefix + f.name, types_[f.name], getattr(obj, f.name), 1 if f.name in counts else 0)
 
 
-def coerce(tp: Any, value: Any) -> Any:
+def coerce(tp: Any, value: Any, lax_bool: bool = False) -> Any:
     """What JSON writes, as the declared type ``tp``: an integral float (``5e8``) for a count, an
-    int for a float field (``"gradient_clipping": 1``), a list for a tuple. Anything else is
-    returned unchanged, for `check_value` to judge."""
+    int for a float field (``"gradient_clipping": 1``), a list for a tuple; with ``lax_bool`` (a
+    DeepSpeed key, whose config model reads 0/1 as a bool: probe 34B) 0 or 1 for a bool. Anything
+    else is returned unchanged, for `check_value` to judge."""
     inner, _ = _split_optional(tp)
+    if lax_bool and inner is bool and type(value) is int and value in (0, 1):
+        return bool(value)
     if inner is float:
         return float(value) if _is_int(value) else value
     if typing.get_origin(inner) is tuple and isinstance(value, list):

@@ -22,13 +22,13 @@ SECTION_OF: dict[str, str] = {f.name: section for section, cls in SECTIONS.items
 FLAT_NAMES: frozenset[str] = frozenset(SECTION_OF) | {"activation_checkpointing"}
 
 
-def coerce_flat(name: str, value: Any) -> Any:
+def coerce_flat(name: str, value: Any, lax_bool: bool = False) -> Any:
     """``value`` as the type of the knob ``name`` (see `fields.coerce`); unchanged for a name that is
     not a knob (its error comes later, with the name) and for the activation_checkpointing section."""
     section = SECTION_OF.get(name)
     if section is None:
         return value
-    return coerce(field_types(SECTIONS[section])[name], value)
+    return coerce(field_types(SECTIONS[section])[name], value, lax_bool)
 
 
 def group_by_section(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:

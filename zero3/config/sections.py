@@ -399,6 +399,6 @@ class OffloadConfig:
                 logger.info("zero3: DeepSpeed key %s.%s has no effect in zero3; ignored", section, key)
                 continue
             knob = kind + suffix
-            out.set(knob, coerce(field_types(OffloadConfig)[knob], v), f"{section}.{key}")
+            out.set(knob, coerce(field_types(OffloadConfig)[knob], v, lax_bool=True), f"{section}.{key}")
         if value.get("pin_memory") and value.get("device", "none") == "none":
             logger.info("zero3: %s.pin_memory has no effect with device 'none' (nothing is offloaded); ignored", section)
