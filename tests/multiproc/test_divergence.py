@@ -300,8 +300,8 @@ def test_one_rank_alone_setting_a_persistent_parameter_locally_raises_everywhere
 
 
 # -- (d), (e): one rank stops taking part --------------------------------------------------------------
-def leaves_early(quitter: int) -> dict:
-    engine = _gpt_engine()
+def leaves_early(quitter: int, extra: dict | None = None) -> dict:
+    engine = _gpt_engine(extra)
     _train(engine, 3)
     if dist.get_rank() == quitter:
         return {"error": None, "quit": True}
@@ -325,6 +325,15 @@ def test_a_rank_that_leaves_early_is_named_within_the_timeout(pools, world):
         assert r["seconds"] < TIMEOUT + 2.5, r["seconds"]
         assert r["unchanged"]
         assert r["again"]["error"] == "ZeroCommunicationError"
+
+
+def test_without_verification_the_timeout_names_no_step_it_does_not_count(pools):
+    """Probe 34A: with verify_collectives off nothing counts steps or collectives, and the timeout said
+    'collective #0 of step 0' in the fourth step."""
+    for r in pools.get(2).run(leaves_early, 1, {"verify_collectives": False}, timeout=POOL_TIMEOUT)[:1]:
+        assert r["error"] == "ZeroCommunicationError", r
+        assert "waited in a collective (" in r["message"] and "of step" not in r["message"], r["message"]
+        assert "rank 1 reported nothing" in r["message"], r["message"]
 
 
 def leaves_early_on_the_users_group() -> dict:

@@ -111,6 +111,7 @@ class Communicator:
                                      allgather_impl=gather_impl,
                                      verify=config.verify and world_size > 1)
         self.verify = bool(self.config.verify)
+        self._monitor.counted = self.verify
         self._wire.counter = ByteCounter(metrics, self.nodes, rank)
         self._hpz = hpz_group_size(self.config.hpz_partition_size, self.nodes)
         self._secondary_span = secondary_span

@@ -31,6 +31,7 @@ class FailureMonitor:
         self.timeout_s = timeout_s
         self.own_group = own_group  # False: zero3 runs on the user's group (collective_timeout 0, Init)
         self._posted = ""  # this rank's last post
+        self.counted = True  # the verifier counts steps and collectives (off: `state` stays at 0, probe 34A)
 
     def wait(self, work: Any, tag: Tag | None) -> None:
         self.blocking(work.wait, tag)
@@ -60,7 +61,8 @@ class FailureMonitor:
         if state.mode is EpochMode.BROKEN:
             raise ZeroCommunicationError(f"{self._group()} is closed after an earlier failure: {exc}")
         state.mode = EpochMode.BROKEN
-        where = f"collective #{state.seq} of step {state.epoch}" + (f" ({tag.describe()})" if tag else "")
+        where = (f"collective #{state.seq} of step {state.epoch}" if self.counted else "a collective") + \
+            (f" ({tag.describe()})" if tag else "")
         peers: dict[int, str] = {}
         if self.report is not None:
             self.report.post(f"{state.epoch}|timed out or lost its peers while waiting in {where}")

@@ -419,8 +419,9 @@ class ModuleHooks:
                                        "attribute since), and zero3 partitions the parameters a model has at "
                                        "initialize. Register it before initialize (in __init__)"
                                        if isinstance(p, nn.Parameter) else "a plain tensor in its place "
-                                       "(torch.func.functional_call) in the model's first forward; run one forward "
-                                       "first"))
+                                       "(torch.func.functional_call) in the module's first call, before zero3 knew its "
+                                       "parameters: call it plainly once first (a forward without functional_call, "
+                                       "under torch.no_grad() if you like), then functional_call works"))
             if not any(q is p for q in out):
                 out.append(p)
         for d in rec.module.modules() if leaf else (rec.module,):  # a leaf's calls gather its modules' too
