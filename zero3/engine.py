@@ -549,8 +549,6 @@ def _is_inference(p: torch.Tensor) -> bool:
         return p.is_inference()
 
 
-@_outside_inference_mode
-
 def _announce_idle_without_optimizer(config: ZeroConfig) -> None:
     """Say which of ``config``'s settings act through an optimizer and so do nothing in an engine
     without one (probe 34G: accepted silently; DeepSpeed's inference configs carry them, so INFO)."""
@@ -565,6 +563,7 @@ def _announce_idle_without_optimizer(config: ZeroConfig) -> None:
                     "engine, whose step() steps none", ", ".join(idle))
 
 
+@_outside_inference_mode
 def initialize(model: nn.Module | None = None, optimizer: Any = None, config: Any = None, group: Any = None, *,
                model_parameters: Any = None, lr_scheduler: Any = None, mpu: Any = None,
                communicator: Communicator | None = None) -> Engine:
