@@ -15,7 +15,7 @@ from zero3 import ParamStatus, ZeroConfigError, ZeroStateError
 
 from _reference import step_both
 from gpt import GPT, GPTConfig, synthetic_batch
-from zero3.planning.trace_cache import LONG_EVENTS
+from zero3.planning.trace_cache import LONG_EVENTS, LONG_FACTOR
 
 CFG = GPTConfig(block_size=16)
 
@@ -375,7 +375,7 @@ def test_forwards_with_grad_and_no_backward_are_not_planned_and_training_follows
     records = coord.record_count
     x, _ = synthetic_batch(9, BATCH, CFG)
     events = len(coord.last_trace.events)
-    for _ in range(2 * LONG_EVENTS // events + 1):
+    for _ in range(2 * (LONG_EVENTS + LONG_FACTOR * events) // events + 1):  # a forward: about half a step's
         torch.testing.assert_close(model(x), ref(x), rtol=RTOL, atol=ATOL)
     _train_alongside(ref, ref_opt, engine, 1)  # the step the forwards joined
     assert coord.record_count == records and coord.steps.cache.long_count == 1

@@ -99,11 +99,11 @@ def test_a_step_that_follows_records_the_same_events_however_it_ends() -> None:
     assert steps.cache.record_count == 3
 
 
-def test_a_long_new_order_is_planned_only_when_it_repeats() -> None:
+def test_a_much_longer_new_order_is_planned_only_when_it_comes_again() -> None:
     """Probe 32Q: a loop of forwards with grad on and no backward joins the next step's trace, and
-    planning it cost the first step after 100 of them 38-73x a steady step. An order longer than
-    LONG_EVENTS (and 32 events per parameter) is planned when the next step of its key repeats it;
-    meanwhile the next short step follows the order it followed before, as if the long one never ran."""
+    planning it cost the first step after 100 of them 38-73x a steady step. A new order over
+    LONG_FACTOR times its key's cached ones (and over LONG_EVENTS) is planned when the key's next new
+    order is the same one; meanwhile the next short step follows the order it followed before."""
     a = [("a", 0), ("b", 1), ("c", 2)]
     long = a * (LONG_EVENTS // 6 + 1)  # 2 events per module call
     steps = StepTraces(max_traces=4)
@@ -116,8 +116,20 @@ def test_a_long_new_order_is_planned_only_when_it_repeats() -> None:
     assert steps.last[0].version == 2 and len(steps.last[0].events) == 2 * len(long)
     assert _step(steps, long) == 2 and not steps.diverged  # and followed from then on
     assert steps.cache.long_count == 1
-    _step(steps, long + a)  # another long order: not planned
-    assert steps.cache.record_count == 2 and steps.cache.long_count == 2
+    _step(steps, long + a)  # within LONG_FACTOR of v2: planned at once
+    assert steps.cache.record_count == 3 and steps.cache.long_count == 1
+
+
+def test_long_orders_are_planned_when_they_are_a_key_s_first_or_alike_in_length() -> None:
+    """Review 34RA: with a cap by length alone, a single long step (what zero3.plan.record_trace
+    records) had no plan, and long orders of about one length alternating (an RNN's length buckets)
+    were never planned. A key's first order is planned, and so is one within LONG_FACTOR of its own."""
+    a = [("a", 0), ("b", 1), ("c", 2)] * (LONG_EVENTS // 3)
+    b = a + [("c", 2)]
+    steps = StepTraces(max_traces=4)
+    followed = [_step(steps, order) for order in (a, b, a, b, a, b)]
+    assert steps.cache.record_count == 2 and steps.cache.long_count == 0
+    assert followed[3:] == [2, 1, 2] and not steps.diverged
 
 
 def test_trace_uses_are_the_opening_events_of_each_param() -> None:

@@ -8,12 +8,14 @@ divergence is logged once, the coordinator releases every gathered parameter no 
 needs (what was prefetched for nothing included), and fetches on demand until the step ends. The
 step is still recorded; if its order is new it becomes another cached trace.
 
-A new order longer than `LONG_EVENTS_PER_PARAM` events per parameter (at least `LONG_EVENTS`) is
-planned only when a step of its key repeats it: planning costs about as much per event as the hooks
-that recorded it, and such an order is most often one that will not come again (a loop of forwards
-with grad on and no backward joins the next step's trace: probe 32Q measured the first step after
-100 of them at 38-73x a steady step, most of it planning). A long order that repeats (an RNN cell
-stepped for a fixed length) is planned at its second step and followed from its third.
+A new order more than `LONG_FACTOR` times as long as every order its key has cached (and longer than
+`LONG_EVENTS`) is planned only when it is the key's next new order again: planning costs about as
+much per event as the hooks that recorded it, and such an order is most often one that will not come
+again (a loop of forwards with grad on and no backward joins the next step's trace: probe 32Q
+measured the first step after 100 of them at 38-73x a steady step, most of it planning). A key's
+first order is always planned (a single long step is what `zero3.plan.record_trace` records), and so
+is one within `LONG_FACTOR` of its cached orders (an RNN's length buckets; review 34RA: a cap by
+length alone left alternating long orders unplanned for good).
 
 A step is keyed by how it began (its first event and whether grad was on). Each key keeps the
 distinct event orders seen under it, most recently used first, with the `Schedule` planned for
@@ -49,10 +51,9 @@ HISTORY = 24
 _MARGIN = 2
 """How much longer an older point's match must be than the latest occurrence's to be followed (`_continuation`)."""
 
-LONG_EVENTS, LONG_EVENTS_PER_PARAM = 1024, 32
-"""A new order of more events than both (the second per parameter of the model, persistent ones
-included) is planned when it repeats (module docstring). One forward and backward of a module
-makes 4 events, so 32 per parameter is about 16 calls of every module in one step."""
+LONG_EVENTS, LONG_FACTOR = 1024, 4
+"""A new order of more events than ``LONG_EVENTS`` and than ``LONG_FACTOR`` times its key's longest
+cached order is planned when it comes again (module docstring)."""
 
 
 @dataclass(eq=False)
@@ -112,12 +113,11 @@ class TraceCache:
             (candidates[0] if candidates else None)
 
     def keep(self, key: str, events: tuple[Event, ...], completed: Entry | None,
-             params: Callable[[], Mapping[int, ParamInfo]], freeze: Callable[[int, Mapping[int, ParamInfo]], Trace],
-             config: PlanConfig) -> Entry | None:
+             freeze: Callable[[int], Trace], config: PlanConfig) -> Entry | None:
         """A step of ``key`` ended with ``events``; ``completed``: the trace it followed to the end
-        without a divergence. Reuse the cached trace with these events, or freeze a new one over
-        ``params()`` (``freeze(version, params)``) and plan it, a long one only when it repeats
-        (module docstring). Returns the new entry (None: one was reused, or none planned)."""
+        without a divergence. Reuse the cached trace with these events, or freeze a new one
+        (``freeze(version)``) and plan it, a much longer one only when it comes again (module
+        docstring). Returns the new entry (None: one was reused, or none planned)."""
         if completed is not None:
             self._touch(key, completed)
             return None
@@ -125,19 +125,18 @@ class TraceCache:
             if entry[0].events == events:
                 self._touch(key, entry)
                 return None
-        infos = params()
-        if len(events) > max(LONG_EVENTS, LONG_EVENTS_PER_PARAM * len(infos)) and \
+        cached = self._traces.get(key)
+        if cached and len(events) > max(LONG_EVENTS, LONG_FACTOR * max(len(e[0].events) for e in cached)) and \
                 self._long.pop(key, None) != (digest := hash(events)):
-            self._long[key] = digest  # of the last long order of each key: planned if the next step repeats it
+            self._long[key] = digest  # of the key's last long order: planned if its next new order is this one
             self.long_count += 1
-            logger.info("zero3: a step of %r ran %d events (%d parameters), an order not seen before: not planned "
-                        "unless the next step of its kind repeats it (a loop of forwards with grad on and no backward "
-                        "joins the next step's trace: run evaluation under torch.no_grad())", key, len(events),
-                        len(infos))
+            logger.info("zero3: a step of %r ran %d events, over %d times its longest planned order: not planned "
+                        "unless its next new order is this one again (forwards with grad on and no backward join the "
+                        "next step's trace: run evaluation under torch.no_grad())", key, len(events), LONG_FACTOR)
             return None
         self._long.pop(key, None)
         self._versions += 1
-        trace = freeze(self._versions, infos)
+        trace = freeze(self._versions)
         entry = (trace, plan(trace, config))
         self._traces.setdefault(key, []).insert(0, entry)
         self._traces.move_to_end(key, last=False)
@@ -310,8 +309,8 @@ class StepTraces:
                 completed = (followed.trace, followed.schedule) \
                     if followed is not None and not self.diverged and followed.completed else None
                 evictions = self.cache.evictions
-                entry = self.cache.keep(key, events, completed, params,
-                                        lambda v, infos: self._recorder.freeze(key, v, infos), config)
+                entry = self.cache.keep(key, events, completed, lambda v: self._recorder.freeze(key, v, params()),
+                                        config)
                 if entry is not None:
                     self.last = entry
                     live = self.cache.cached()  # what is announced of an evicted trace is never read again
