@@ -387,6 +387,44 @@ def test_forwards_with_grad_and_no_backward_are_not_planned_and_training_follows
     _assert_nothing_gathered(engine)
 
 
+def test_a_dispatch_mode_sees_the_model_s_ops_only_and_mutation_on_saved_tensors_trains_as_torch():
+    """Probe 34H: zero3's backward work (gathers into saved parameters, reductions) ran under the
+    user's dispatch modes; under torch's allow_mutation_on_saved_tensors(), which clones a saved
+    tensor before an in-place op on it, autograd got half-gathered clones in some runs (gradients
+    1e8-1e24 off, or "illegal status change AVAILABLE -> INFLIGHT"). Now a mode sees the ops torch's
+    own model runs, forward and backward, and that mode trains as torch does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    ref, ref_opt, model, engine = _gpt_pair(make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    for step in range(3):
+        x, y = synthetic_batch(step, BATCH, CFG)
+        seen = []
+        for m in (ref, model):
+            with Ops() as mode:
+                loss = m(x, y)
+                loss.backward()
+            seen.append(mode.ops)
+        assert seen[0] == seen[1], step
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            ref_loss, loss = ref(x, y), model(x, y)
+            ref_loss.backward()
+            loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.step()
+    _assert_same_params(model, ref)
+
+
 def test_inference_engine_without_optimizer_matches_the_reference_across_steps():
     torch.manual_seed(0)
     ref = GPT(CFG)

@@ -28,7 +28,12 @@ recompute raised torch's "aten.view.default encountered during backward but not 
 (probe 31I), and a policy that saves more than matmuls handed the user's ops the gather's tensors
 ("different metadata", a ``[16]`` bias view for a ``[4, 16]`` activation). So a forward hook entered
 under a dispatch mode runs with every mode taken off (`outside_dispatch_modes`): its ops belong to
-no user's region, and no mode records, replays or counts them.
+no user's region, and no mode records, replays or counts them. So does the backward's side (the
+pre-backward, a gradient's arrival, the post-backward and the end of a backward): under torch's
+``allow_mutation_on_saved_tensors()`` (a dispatch mode that clones a saved tensor before an in-place
+op on it) the backward's gathers into saved parameters were cloned and handed to autograd half-made:
+gradients 1e8-1e24 off torch's, or "illegal status change AVAILABLE -> INFLIGHT", in some runs
+(probe 34H).
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack  # how ma
 
 def outside_dispatch_modes(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` with no ``TorchDispatchMode`` active ([Note: zero3's tensor work under a dispatch mode])."""
+    if not dispatch_modes():
+        return fn(*args)
     with _disable_current_modes():
         return fn(*args)
 

@@ -217,7 +217,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
-        ctx.hooks._post_backward(ctx.call)
+        outside_dispatch_modes(ctx.hooks._post_backward, ctx.call)
         return (None, None) + grads
 
 
@@ -451,8 +451,7 @@ class ModuleHooks:
             self._submodule_hooks.resume()
             self.coordinator.forward_boundary(True)
             self._forward_t0 = time.perf_counter()
-        if self.step.phase is _IDLE:
-            # once per step, not per module
+        if self.step.phase is _IDLE:  # once per step, not per module
             self.ctx.require_states(f"a forward of {rec.name or 'the model'}",
                                     self.ctx.forward_needs(torch.is_grad_enabled()))
             if self._frozen.params and torch.is_grad_enabled():
@@ -595,6 +594,8 @@ class ModuleHooks:
 
     # -- backward -------------------------------------------------------------------------------
     def _pre_backward(self, call: _Call, grads: Any) -> None:
+        if dispatch_modes():  # as in `_pre_forward` (checkpoint_scopes.py, probe 34H)
+            return outside_dispatch_modes(self._pre_backward, call, grads)
         if self.step.phase is not _BACKWARD:  # the hook path: no call when nothing changes
             if self._removed:
                 raise removed_refusal(call.record.name)
@@ -641,6 +642,8 @@ class ModuleHooks:
             self._post_backward(call)
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if dispatch_modes():  # as in `_pre_backward`
+            return outside_dispatch_modes(self._on_grad, p)
         if self.step.phase is not _BACKWARD:
             self.step.enter(_BACKWARD)
         fp16, theirs = self._fp16, RUNNING_BACKWARD.scale  # the factor this gradient carries (None: no engine's)
@@ -675,7 +678,8 @@ class ModuleHooks:
         if task in self._queued_tasks:
             return
         self._queued_tasks.add(task)
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_graph_task, task))
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(outside_dispatch_modes, self._end_graph_task, task))
 
     def _end_graph_task(self, task: int) -> None:
         if task not in self._queued_tasks:
