@@ -425,6 +425,21 @@ def test_a_dispatch_mode_sees_the_model_s_ops_only_and_mutation_on_saved_tensors
     _assert_same_params(model, ref)
 
 
+def test_register_multi_grad_hook_over_partitioned_parameters_is_refused_naming_the_way_that_works():
+    """Probe 34H: it was refused as a 'view_as' the user never wrote, with advice for forwards."""
+    ref, ref_opt, model, engine = _gpt_pair(make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    calls = {"ref": 0, "zero3": 0}
+    with pytest.raises(ZeroStateError, match=r"register_multi_grad_hook over partitioned parameter .* inside "
+                                             r"`with zero3.GatheredParameters\(params\):`"):
+        torch.autograd.graph.register_multi_grad_hook(list(model.parameters()), lambda gs: None)
+    torch.autograd.graph.register_multi_grad_hook(list(ref.parameters()), lambda gs: calls.update(ref=calls["ref"] + 1))
+    with zero3.GatheredParameters(list(model.parameters())):
+        torch.autograd.graph.register_multi_grad_hook(list(model.parameters()),
+                                                      lambda gs: calls.update(zero3=calls["zero3"] + 1))
+    _train_alongside(ref, ref_opt, engine, 2)
+    assert calls == {"ref": 2, "zero3": 2}
+
+
 def test_inference_engine_without_optimizer_matches_the_reference_across_steps():
     torch.manual_seed(0)
     ref = GPT(CFG)

@@ -71,9 +71,24 @@ def skipped_hooks_advice(p: Any) -> str | None:
     return None
 
 
+def _in_multi_grad_hook() -> bool:
+    """Whether torch's ``register_multi_grad_hook`` is on the stack (it calls ``view_as`` on each tensor)."""
+    import torch.autograd.graph as graph
+    code = graph.register_multi_grad_hook.__code__
+    f: FrameType | None = sys._getframe(1)
+    while f is not None and f.f_code is not code:
+        f = f.f_back
+    return f is not None
+
+
 def partitioned_use_message(which: str, what: str, target: Any) -> str:
     """The error for a use of a partitioned parameter outside every specific case param.py `_guard`
     names: the call that skipped zero3's hooks where there was one, else the ways to gather it."""
+    if _in_multi_grad_hook():  # probe 34H: the user saw a 'view_as' they never wrote, and advice for forwards
+        return (f"torch.autograd.graph.register_multi_grad_hook over partitioned parameter {which}: torch reads "
+                "each tensor (view_as) to find its gradient node. Register it inside "
+                "`with zero3.GatheredParameters(params):` (it then fires as torch's, with this rank's gradients "
+                "before zero3 reduces them), or use p.register_post_accumulate_grad_hook on each parameter")
     skipped = skipped_hooks_advice(target) if target is not None and target._zero.ctx is not None else None
     if skipped is not None:
         return f"parameter {which} is used by {what} while it is partitioned, outside zero3's hooks: {skipped}"
