@@ -167,8 +167,10 @@ def test_a_persistent_parameter_is_itself_in_the_state_dict_and_writes_through_i
             (m.state_dict(keep_vars=True) if bf16 and m is model else m.state_dict())["scale"].fill_(2.0)
     if bf16:  # at world size 1 a persistent bf16 copy views one buffer of every shard: a copy of its own size,
         # else torch.save writes the whole buffer (review 34RA); writes through it do not reach the model
-        entry = model.state_dict()["lin.bias"]
+        sd = model.state_dict()
+        entry = sd["lin.bias"]
         assert entry.untyped_storage().nbytes() == 4 * 2 and entry.data_ptr() != model.lin.bias.data_ptr()
+        assert sd["scale"].data_ptr() == sd["lin2.scale"].data_ptr()  # one copy for tied names (review 34RB)
     x = torch.randn(2, 4)
     out = engine(x.to(torch.bfloat16) if bf16 else x).float()
     torch.testing.assert_close(out, ref(x), rtol=2e-2 if bf16 else 1e-6, atol=2e-2 if bf16 else 1e-6)

@@ -130,6 +130,12 @@ def test_long_orders_are_planned_when_they_are_a_key_s_first_or_alike_in_length(
     followed = [_step(steps, order) for order in (a, b, a, b, a, b)]
     assert steps.cache.record_count == 2 and steps.cache.long_count == 0
     assert followed[3:] == [2, 1, 2] and not steps.diverged
+    # Review 34RB: after a short first order, two long ones alternating replaced each other as the one
+    # remembered and neither was ever planned; each is planned when it comes again.
+    steps = StepTraces(max_traces=4)
+    followed = [_step(steps, order) for order in [a[:30]] + [a, b] * 4]
+    assert steps.cache.record_count == 3 and steps.cache.long_count == 2
+    assert followed[6:] == [3, 2, 3] and not steps.diverged
 
 
 def test_trace_uses_are_the_opening_events_of_each_param() -> None:

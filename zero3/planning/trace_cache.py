@@ -9,13 +9,14 @@ needs (what was prefetched for nothing included), and fetches on demand until th
 step is still recorded; if its order is new it becomes another cached trace.
 
 A new order more than `LONG_FACTOR` times as long as every order its key has cached (and longer than
-`LONG_EVENTS`) is planned only when it is the key's next new order again: planning costs about as
-much per event as the hooks that recorded it, and such an order is most often one that will not come
-again (a loop of forwards with grad on and no backward joins the next step's trace: probe 32Q
-measured the first step after 100 of them at 38-73x a steady step, most of it planning). A key's
-first order is always planned (a single long step is what `zero3.plan.record_trace` records), and so
-is one within `LONG_FACTOR` of its cached orders (an RNN's length buckets; review 34RA: a cap by
-length alone left alternating long orders unplanned for good).
+`LONG_EVENTS`) is planned only when it comes again among its key's last `LONG_SEEN` such orders:
+planning costs about as much per event as the hooks that recorded it, and such an order is most
+often one that will not come again (a loop of forwards with grad on and no backward joins the next
+step's trace: probe 32Q measured the first step after 100 of them at 38-73x a steady step, most of
+it planning). A key's first order is always planned (a single long step is what
+`zero3.plan.record_trace` records), and so is one within `LONG_FACTOR` of an order its key has
+cached (an RNN's length buckets, once one of them is; review 34RA: a cap by length alone left
+alternating long orders unplanned for good, and review 34RB: so did remembering one long order).
 
 A step is keyed by how it began (its first event and whether grad was on). Each key keeps the
 distinct event orders seen under it, most recently used first, with the `Schedule` planned for
@@ -51,9 +52,10 @@ HISTORY = 24
 _MARGIN = 2
 """How much longer an older point's match must be than the latest occurrence's to be followed (`_continuation`)."""
 
-LONG_EVENTS, LONG_FACTOR = 1024, 4
+LONG_EVENTS, LONG_FACTOR, LONG_SEEN = 1024, 4, 8
 """A new order of more events than ``LONG_EVENTS`` and than ``LONG_FACTOR`` times its key's longest
-cached order is planned when it comes again (module docstring)."""
+cached order is planned when it comes again among the key's last ``LONG_SEEN`` such orders (module
+docstring)."""
 
 
 @dataclass(eq=False)
@@ -97,8 +99,8 @@ class TraceCache:
         self._history: dict[str, list[int]] = {}  # key -> versions of its last steps' traces, oldest first
         self._successor: dict[tuple[str, int], int] = {}  # (key, version) -> the version after it last time
         self.record_count = 0  # traces recorded (new orders)
-        self._long: dict[str, int] = {}  # key -> the hash of its last long order, not planned (a collision
-        # only plans an order at its first step)
+        self._long: dict[str, list[int]] = {}  # key -> hashes of its last long orders not planned (a
+        # collision only plans an order at its first step)
         self.long_count = 0  # long orders seen once and not planned
         self.evictions = 0  # times traces were dropped over max_traces
 
@@ -126,15 +128,16 @@ class TraceCache:
                 self._touch(key, entry)
                 return None
         cached = self._traces.get(key)
-        if cached and len(events) > max(LONG_EVENTS, LONG_FACTOR * max(len(e[0].events) for e in cached)) and \
-                self._long.pop(key, None) != (digest := hash(events)):
-            self._long[key] = digest  # of the key's last long order: planned if its next new order is this one
-            self.long_count += 1
-            logger.info("zero3: a step of %r ran %d events, over %d times its longest planned order: not planned "
-                        "unless its next new order is this one again (forwards with grad on and no backward join the "
-                        "next step's trace: run evaluation under torch.no_grad())", key, len(events), LONG_FACTOR)
-            return None
-        self._long.pop(key, None)
+        if cached and len(events) > max(LONG_EVENTS, LONG_FACTOR * max(len(e[0].events) for e in cached)):
+            seen = self._long.setdefault(key, [])
+            if (digest := hash(events)) not in seen:
+                seen[:] = seen[1 - LONG_SEEN:] + [digest]
+                self.long_count += 1
+                logger.info("zero3: a step of %r ran %d events, over %d times its longest planned order: not "
+                            "planned unless this order comes again (forwards with grad on and no backward join the "
+                            "next step's trace: run evaluation under torch.no_grad())", key, len(events), LONG_FACTOR)
+                return None
+            seen.remove(digest)
         self._versions += 1
         trace = freeze(self._versions)
         entry = (trace, plan(trace, config))
