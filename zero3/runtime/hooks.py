@@ -133,7 +133,7 @@ from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
 from .refusals import (EAGER, STOP_RECOMPUTATION, concurrent_forward_refusal, create_graph_refusal,
                        eval_frame_callback, refuse_compiled_call, refuse_copy, removed_refusal, refuse_transform,
-                       transform_level, unscaled_backward_refusal)
+                       transform_level, unpartitioned_refusal, unscaled_backward_refusal)
 from .buffers import ModuleBuffers
 from .submodule_hooks import SubmoduleHooks
 from .outputs import prepare_output
@@ -412,16 +412,8 @@ class ModuleHooks:
         for name, p in own:
             if p is None:
                 continue
-            if not isinstance(p, ZeroParameter):
-                raise ZeroStateError(  # a plain tensor there: torch.func.functional_call's replacement
-                    f"parameter {name!r} of module {rec.name or '<root>'!r} with shape {tuple(p.shape)} is not "
-                    "partitioned: " + ("it was registered after zero3.initialize (made in a forward, or set as an "
-                                       "attribute since), and zero3 partitions the parameters a model has at "
-                                       "initialize. Register it before initialize (in __init__)"
-                                       if isinstance(p, nn.Parameter) else "a plain tensor in its place "
-                                       "(torch.func.functional_call) in the module's first call, before zero3 knew its "
-                                       "parameters: call it plainly once first (a forward without functional_call, "
-                                       "under torch.no_grad() if you like), then functional_call works"))
+            if not isinstance(p, ZeroParameter):  # added since, or functional_call's plain tensor
+                raise unpartitioned_refusal(name, rec.name, p)
             if not any(q is p for q in out):
                 out.append(p)
         for d in rec.module.modules() if leaf else (rec.module,):  # a leaf's calls gather its modules' too

@@ -248,6 +248,19 @@ def concurrent_forward_refusal(owner: int | None) -> ConcurrentForwardError:
         "gathered for this call, and the other thread's forward goes on")
 
 
+def unpartitioned_refusal(name: str, module: str, p: torch.Tensor) -> ZeroStateError:
+    """A module's parameter ``name`` is not partitioned when its call collects them: registered after
+    ``initialize`` (probe 34C: named neither, and advised Init to a model built under it), or the plain
+    tensor ``torch.func.functional_call`` put there in the module's first call (probe 34A)."""
+    return ZeroStateError(
+        f"parameter {name!r} of module {module or '<root>'!r} with shape {tuple(p.shape)} is not partitioned: " + (
+            "it was registered after zero3.initialize (made in a forward, or set as an attribute since), and zero3 "
+            "partitions the parameters a model has at initialize. Register it before initialize (in __init__)"
+            if isinstance(p, nn.Parameter) else "a plain tensor in its place (torch.func.functional_call) in the "
+            "module's first call, before zero3 knew its parameters: call it plainly once first (a forward without "
+            "functional_call, under torch.no_grad() if you like), then functional_call works"))
+
+
 def removed_refusal(module: str) -> ZeroStateError:
     """A backward through a forward run before ``engine.remove_hooks()`` reached ``module``."""
     return ZeroStateError(f"a backward reached {module or 'the model'} through a forward run before "
