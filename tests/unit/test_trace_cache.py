@@ -102,8 +102,8 @@ def test_a_step_that_follows_records_the_same_events_however_it_ends() -> None:
 def test_a_much_longer_new_order_is_planned_only_when_it_comes_again() -> None:
     """Probe 32Q: a loop of forwards with grad on and no backward joins the next step's trace, and
     planning it cost the first step after 100 of them 38-73x a steady step. A new order over
-    LONG_FACTOR times its key's cached ones (and over LONG_EVENTS) is planned when the key's next new
-    order is the same one; meanwhile the next short step follows the order it followed before."""
+    LONG_FACTOR times its key's cached ones (and over LONG_EVENTS) is planned when it comes again among
+    the key's last LONG_SEEN such orders; meanwhile the next short step follows the order it followed before."""
     a = [("a", 0), ("b", 1), ("c", 2)]
     long = a * (LONG_EVENTS // 6 + 1)  # 2 events per module call
     steps = StepTraces(max_traces=4)

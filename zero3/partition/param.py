@@ -387,23 +387,15 @@ def copy_gathered_state(module: nn.Module, state_dict: dict, prefix: str, local_
     storage stays (a step gathers into it again), nor the parameter itself (``keep_vars=True``): as
     in torch, writes through those reach the model (probe 34C). Unless the persistent one's storage
     holds more than it (at world size 1 under bf16/fp16 it views one buffer of every shard), which
-    ``torch.save`` would write whole (review 34RA: 266 kB for a few biases' 5). One copy per
-    parameter, so tied names share it as in torch (review 34RB)."""
-    held = _STATE_COPIES.get(id(state_dict))
-    if held is None or held[0]() is not state_dict:
-        held = _STATE_COPIES[id(state_dict)] = (
-            weakref.ref(state_dict, lambda _, k=id(state_dict): _STATE_COPIES.pop(k, None)), {})
-    copies = held[1]
+    ``torch.save`` would write whole (review 34RA: 266 kB for a few biases' 5). A copy is per name,
+    so tied names get one each (a cache across modules kept stale copies for a reused destination and
+    refused a plain dict one: review 34RC)."""
     for name, p in dict.items(module._parameters):
         key = prefix + name
         if not isinstance(p, ZeroParameter) or isinstance(p, PartitionedParameter) or (v := state_dict.get(key, p)) is p:
             continue
         if not p._zero.persistent or v.untyped_storage().nbytes() != v.numel() * v.element_size():
-            state_dict[key] = copies[id(p)] if id(p) in copies else copies.setdefault(id(p), v.clone())
-
-
-_STATE_COPIES: dict[int, tuple[weakref.ref, dict[int, torch.Tensor]]] = {}
-"""The copies `copy_gathered_state` made into each state dict (by the dict's id, dropped with it), by parameter."""
+            state_dict[key] = v.clone()
 
 
 def drop_grad_slots(params: Iterable[torch.Tensor]) -> None:

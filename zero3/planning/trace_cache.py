@@ -17,6 +17,9 @@ it planning). A key's first order is always planned (a single long step is what
 `zero3.plan.record_trace` records), and so is one within `LONG_FACTOR` of an order its key has
 cached (an RNN's length buckets, once one of them is; review 34RA: a cap by length alone left
 alternating long orders unplanned for good, and review 34RB: so did remembering one long order).
+Left (review 34RC): a cycle of more than `LONG_SEEN` long orders after a short first one is never
+planned, and once a long order is cached, later ones within `LONG_FACTOR` of it (evaluations of
+similar lengths joining training steps) are planned as they come.
 
 A step is keyed by how it began (its first event and whether grad was on). Each key keeps the
 distinct event orders seen under it, most recently used first, with the `Schedule` planned for
@@ -131,7 +134,8 @@ class TraceCache:
         if cached and len(events) > max(LONG_EVENTS, LONG_FACTOR * max(len(e[0].events) for e in cached)):
             seen = self._long.setdefault(key, [])
             if (digest := hash(events)) not in seen:
-                seen[:] = seen[1 - LONG_SEEN:] + [digest]
+                seen.append(digest)
+                del seen[:-LONG_SEEN]
                 self.long_count += 1
                 logger.info("zero3: a step of %r ran %d events, over %d times its longest planned order: not "
                             "planned unless this order comes again (forwards with grad on and no backward join the "
@@ -198,6 +202,7 @@ class TraceCache:
             if not self._traces[last_key]:
                 del self._traces[last_key]
                 self._history.pop(last_key, None)
+                self._long.pop(last_key, None)
             total -= 1
         live = self.cached()
         for key, history in self._history.items():
