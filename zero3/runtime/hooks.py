@@ -739,4 +739,3 @@ def _all_trainable(params: list[ZeroParameter]) -> bool:
         if not p.requires_grad:
             return False
     return True
-
