@@ -15,21 +15,26 @@ through ``nn.Module.__call__``, or ``__call__`` of such a module still before it
 from __future__ import annotations
 
 import sys
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
+import torch
 from torch import nn
 
 
-def in_module_call() -> bool:
-    """Whether a module's forward is running (a frame of ``nn.Module._call_impl`` below this one)."""
-    code = nn.Module._call_impl.__code__
-    f: FrameType | None = sys._getframe(1)
+def _on_stack(code: CodeType) -> bool:
+    """Whether a frame running ``code`` is below the caller's."""
+    f: FrameType | None = sys._getframe(2)
     while f is not None:
         if f.f_code is code:
             return True
         f = f.f_back
     return False
+
+
+def in_module_call() -> bool:
+    """Whether a module's forward is running (a frame of ``nn.Module._call_impl`` below this one)."""
+    return _on_stack(nn.Module._call_impl.__code__)
 
 
 def _holds(module: Any, p: Any) -> bool:
@@ -73,12 +78,7 @@ def skipped_hooks_advice(p: Any) -> str | None:
 
 def _in_multi_grad_hook() -> bool:
     """Whether torch's ``register_multi_grad_hook`` is on the stack (it calls ``view_as`` on each tensor)."""
-    import torch.autograd.graph as graph
-    code = graph.register_multi_grad_hook.__code__
-    f: FrameType | None = sys._getframe(1)
-    while f is not None and f.f_code is not code:
-        f = f.f_back
-    return f is not None
+    return _on_stack(torch.autograd.graph.register_multi_grad_hook.__code__)
 
 
 def partitioned_use_message(which: str, what: str, target: Any) -> str:
