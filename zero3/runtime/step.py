@@ -174,6 +174,19 @@ class StepLifecycle:
         mp = self.ctx.model_parallel
         return self.ctx.data_comms + ([mp.comm] if mp is not None else [])
 
+    def _drop_backward(self, backward: bool) -> None:
+        """A step that ends aborted, or whose end raised: drop the gradients it queued, and, for a window's
+        first backward, the shards' ([Note: a backward that raised]; probe 35B: a refusal at a backward's
+        end left them queued, summed into the next backward's, past ``engine.zero_grad()``)."""
+        ctx = self.ctx
+        try:
+            ctx.reducer.discard()
+        except ZeroError:
+            pass  # the step is gone anyway; the first error is what the caller sees
+        opt = ctx.optimizer
+        if backward and opt is not None and not opt.stepping_in_backward() and ctx.window_backwards == 0:
+            opt.drop_grads()
+
     def _end(self, aborted: bool, reason: str | None, keep_trace: bool = True) -> None:
         """The one end of a step. Normally: complete the gradient shards, release everything, cache
         the step's trace. Aborted: drop queued gradients and the half-recorded step instead, and
@@ -189,17 +202,15 @@ class StepLifecycle:
         try:
             self._close_calls(aborted, self.phase)
             if aborted:
-                try:
-                    reducer.discard()
-                except ZeroError:
-                    pass  # the step is gone anyway; the first error is what the caller sees
-                opt = ctx.optimizer
-                if backward and opt is not None and not opt.stepping_in_backward() \
-                        and ctx.window_backwards == 0:
-                    opt.drop_grads()  # [Note: a backward that raised]: a window's first, so all the shards hold
+                self._drop_backward(backward)
             else:
                 reducer.finish()
             failed = False
+        except BaseException:  # the end itself raised (a refusal as a leaf's unit lands): nothing of it stays
+            self._drop_backward(backward)
+            if ctx.optimizer is not None and ctx.optimizer.backward_step is not None:
+                ctx.optimizer.backward_step.aborted()
+            raise
         finally:
             ctx.coordinator.end_step(aborted=aborted or failed, keep_trace=keep_trace)  # no trace of a failed one
             # after the step's last gather, before anything writes a shard; when the reduction raised (a
