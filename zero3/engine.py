@@ -70,6 +70,7 @@ class Engine(DeepSpeedEngineNames):
                                                      lr_scheduler, mpu)
         self.hooks = ModuleHooks(self.context)
         self.hooks.install(model)
+        self.hooks.step.guard_grads()  # as between steps: a gradient assigned before the first backward is refused
         self.last_step_metrics = StepMetrics()
         routed_step.route(self.optimizer, self)  # a plain loop's optimizer.step() is this engine's step
         route_clip(self.context, clip_grad_norm_)  # torch's clip over its param_groups: the global norm

@@ -226,6 +226,55 @@ def test_gradient_writes_between_backward_and_step_are_refused_and_the_setters_a
         assert r["diff"] < 1e-6, r
 
 
+class _WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).pow(2).mean()
+
+
+def grad_writes_without_gradient(threshold: int) -> dict:
+    """``p.grad = g`` on a parameter whose shard holds no gradient (one the backward did not reach, or
+    before any backward): probe 35B found it taken and ignored (torch steps on it: 0.1 off after one
+    SGD step). Refused, naming the setter, which then trains as torch's write does."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model = twins(_WithUnused)
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = zero3.initialize(model, opt, {"param_persistence_threshold": threshold})
+    refused = []
+
+    def write(p: torch.Tensor) -> None:
+        try:
+            p.grad = torch.ones(4, 4)
+        except zero3.ZeroStateError as exc:
+            refused.append("safe_set_full_grad" in str(exc))
+
+    write(model.a.weight)  # before the first forward
+    x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(1))
+    ref(x).backward()
+    ref.unused.weight.grad = torch.ones(4, 4)
+    ref_opt.step()
+    model(x[2 * rank:2 * rank + 2]).backward()
+    write(model.unused.weight)  # the backward did not reach it
+    model.unused.weight.grad = None  # clearing what is not there is taken (torch's zero_grad does it)
+    zero3.safe_set_full_grad(model.unused.weight, torch.ones(4, 4))
+    opt.step()
+    opt.zero_grad()
+    write(model.unused.weight)  # between steps
+    with zero3.GatheredParameters(list(model.parameters())):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return {"refused": refused, "diff": diff, "steps": engine.global_steps}
+
+
+@pytest.mark.parametrize("threshold", [0, 10**6])  # partitioned, and kept gathered (persistent)
+def test_a_gradient_assigned_where_the_shard_holds_none_is_refused(pools, threshold):
+    for r in pools.get(2).run(grad_writes_without_gradient, threshold):
+        assert r["refused"] == [True, True, True], r
+        assert r["steps"] == 1 and r["diff"] < 1e-6, r
+
+
 def set_grads_without_backward(threshold: int, who: str) -> dict:
     """DP-SGD as docs/api.md (torch.func) has it: gradients computed on a plain copy, set through
     safe_set_full_grad (``who``: "every rank", or "rank 0" alone), then engine.step() with no backward;

@@ -276,7 +276,7 @@ def _guard(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | No
                 "write the full value inside `with zero3.GatheredParameters([param], modifier_rank=0):` "
                 "(param.data.copy_(value)), or load it with zero3.pretrained.load_state_dict")
         if prop == "grad" and name == "__set__" and isinstance(args[0], PartitionedParameter):
-            _check_grad_write(args[0])
+            _check_grad_write(args[0], args[1] if len(args) > 1 else None)
         if prop not in _COMPUTE_PROPERTIES:
             with torch._C.DisableTorchFunctionSubclass():
                 result = func(*args, **kwargs)
@@ -371,7 +371,7 @@ class PendingGradParameter(ZeroParameter):
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
-        _check_grad_write(self)
+        _check_grad_write(self, value)
         _TENSOR_GRAD.__set__(self, value)
 
     @grad.deleter
@@ -464,10 +464,13 @@ def _check_grad_read(p: ZeroParameter) -> None:
         "(this rank's slice); drop the gradients with the optimizer's zero_grad() (engine.zero_grad())")
 
 
-def _check_grad_write(p: ZeroParameter) -> None:
-    """``p.grad`` assigned or deleted while the gradient lives in ``p``'s shard (between a backward and
-    the step): the optimizer steps on the shard's gradient, so the write would be ignored (a
-    parameter meant to be skipped would step). Refused, pointing at the setters that reach the shard."""
+def _check_grad_write(p: ZeroParameter, value: torch.Tensor | None = None) -> None:
+    """``p.grad`` assigned or deleted (``value`` None) where the optimizer would not see it: refused,
+    pointing at the setters that reach the shard. The optimizer steps on the shard's gradient, so a
+    write while the shard holds one would be ignored (a parameter meant to be skipped would step);
+    a gradient assigned where the shard holds none (a parameter that took no part in the backward,
+    or before any) was ignored too (probe 35B: torch steps on it; zero3 left the weight 0.1 off).
+    Clearing one that is not there (``optimizer.zero_grad()``) changes nothing and is taken."""
     z = p._zero
     if converting.get():
         return
@@ -480,7 +483,13 @@ def _check_grad_write(p: ZeroParameter) -> None:
                     f"param.grad of {z.summary()} assigned or deleted after the optimizer step taken in this backward "
                     "(offload_optimizer_step_in_backward) used its gradient, so the write would change nothing. Set "
                     "gradients (zero3.safe_set_full_grad) in a run with offload_optimizer_step_in_backward=False") from None
-        return
+        if value is None or z.ctx is None or _detached(z):
+            return
+        raise ZeroStateError(
+            f"param.grad of {z.summary()} assigned: zero3's optimizer steps on gradient shards (each rank holds "
+            "its 1/world_size slice of the reduced gradient), never on param.grad, so the value would be "
+            "ignored (torch would step on it). Use zero3.safe_set_full_grad(param, value) (the full gradient, "
+            "the same on every rank) or zero3.safe_set_local_grad(param, value) (this rank's slice)")
     if _detached(z):
         return
     raise ZeroStateError(

@@ -31,9 +31,10 @@ from collections.abc import Callable, Sequence
 from typing import ContextManager
 
 import torch
+from torch import nn
 
 from ..partition import param as zparam
-from ..partition.param import ZeroParameter
+from ..partition.param import PendingGradParameter, ZeroParameter
 from ..partition.state import MEMORY, ParamStatus
 from ..planning.persistence import choose_persistent
 
@@ -92,6 +93,7 @@ class PersistentParams:
         """The shards changed: gather ``params`` (default: all) again from the shards (a collective
         when there are any)."""
         params = self.params if params is None else params
+        guarded = [p for p in params if type(p) is PendingGradParameter]  # between steps: stays so (step.py)
         for p in params:
             if p._zero.status is not ParamStatus.AVAILABLE:
                 continue
@@ -102,6 +104,9 @@ class PersistentParams:
         todo = [p for p in params if p._zero.status is ParamStatus.NOT_AVAILABLE]
         if todo:
             self._gather(todo, label)
+        for p in guarded:
+            if type(p) is nn.Parameter:
+                p.__class__ = PendingGradParameter
         for p in params:  # after the gather: one that raised (a divergence) leaves them for the next try
             self._stale.pop(p._zero.id, None)
 

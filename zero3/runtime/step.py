@@ -110,6 +110,12 @@ class StepLifecycle:
                 self.ctx.metrics.backward_seconds += time.perf_counter() - self._backward_t0
             self.phase = phase
 
+    def guard_grads(self) -> None:
+        """Guard ``.grad`` of every gathered trainable parameter, as at a backward's end (the next step
+        takes it back): from ``initialize`` on, so that a gradient assigned before the first backward,
+        which the optimizer would not see, is refused (probe 35B)."""
+        self._pending = guard_pending_grads(self.ctx.params)
+
     @property
     def open(self) -> bool:
         """A step is running (some hook saw it begin, or the coordinator recorded an event of it)."""
