@@ -255,3 +255,64 @@ def test_mixtral_experts_saved_per_expert_and_a_failed_save_raises_on_every_rank
     assert r["reload_differs"] == []
     for rank, rep in enumerate(reports):
         assert rep["error"][0] == "FileExistsError" and "a-file" in rep["error"][1], (rank, rep["error"])
+
+
+class _FullDisk(hf_save.SafetensorsWriter):
+    """What a full disk raises while rank 0 writes the last tensor of a save."""
+    key = ""
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        if key == _FullDisk.key:
+            raise OSError(28, "No space left on device")
+        super().write(key, tensor)
+
+
+def resave_over_earlier(workdir: str) -> dict:
+    """Probe 35C: a sharded save over a single-file one left ``model.safetensors``, which transformers
+    loads before the index (the old weights), and a save that failed part-way left the earlier save's
+    files replaced by the new ones written so far (a mix that loaded without a word)."""
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    model, engine = _trained("llama", ZERO_CFG)
+    out, rank = os.path.join(workdir, "resaved"), dist.get_rank()
+    ids = torch.randint(4, VOCAB, (PER_RANK, SEQ), generator=torch.Generator().manual_seed(rank))
+
+    def step() -> None:
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+
+    report: dict = {}
+    engine.save_pretrained(out)  # one file
+    step()
+    engine.save_pretrained(out, max_shard_size=SHARD_BYTES)  # shards over it
+    truth = _gathered(model)
+    if rank == 0:
+        report["sharded_files"] = sorted(os.listdir(out))
+        state = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+        report["hf_differs"] = [k for k, v in truth.items() if not torch.equal(state[k], v)]
+        before = _file_bytes(out)
+    step()
+    _FullDisk.key = sorted(_read_dir(out)["dtypes"])[-1] if rank == 0 else ""
+    hf_save.SafetensorsWriter = _FullDisk
+    try:
+        engine.save_pretrained(out, max_shard_size=SHARD_BYTES)
+    except OSError as exc:
+        report["error"] = str(exc)
+    finally:
+        hf_save.SafetensorsWriter = _FullDisk.__mro__[1]
+    if rank == 0:
+        report["after_failure"] = sorted(os.listdir(out)) == report["sharded_files"] and _file_bytes(out) == before
+    engine.save_pretrained(out)  # one file again: the index and the shards go
+    if rank == 0:
+        report["single_files"] = sorted(os.listdir(out))
+    return report
+
+
+def test_a_save_over_an_earlier_one_leaves_one_set_of_files_and_a_failed_save_leaves_it_whole(pools, tmp_path):
+    reports = pools.get(2).run(resave_over_earlier, str(tmp_path), timeout=180)
+    r = reports[0]
+    assert "model.safetensors" not in r["sharded_files"] and "model.safetensors.index.json" in r["sharded_files"], r
+    assert r["hf_differs"] == [], r
+    assert all("No space left" in rep["error"] for rep in reports), reports
+    assert r["after_failure"] is True, r
+    assert [f for f in r["single_files"] if "safetensors" in f] == ["model.safetensors"], r

@@ -129,3 +129,23 @@ def test_masters_on_nvme_are_read_in_one_parameter_at_a_time(tmp_path):
     assert sorted(got) == ["embed.weight", "mid.bias", "mid.weight", "scale"]
     assert all(torch.equal(got[k], want[k]) for k in got)
     assert {v.dtype for k, v in load_file(bf16 / "model.safetensors").items() if k != "scale"} == {torch.bfloat16}
+
+
+def test_a_directory_with_one_file_and_an_index_loads_the_file_as_transformers_does(tmp_path, caplog):
+    """Probe 35C: transformers' save_pretrained leaves ``model.safetensors`` when it saves shards over
+    it, and its from_pretrained then loads that file; zero3 took the index, so the two loaded other
+    weights. Both now take the file, and zero3 says so."""
+    torch.manual_seed(0)
+    old, new = nn.Linear(4, 4), nn.Linear(4, 4)
+    model = nn.Linear(4, 4)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    with zero3.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        model.load_state_dict(new.state_dict())
+    engine.save_pretrained(tmp_path, max_shard_size=20)  # shards and an index: the new weights
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in old.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    with caplog.at_level("WARNING", logger="zero3"):
+        zero3.pretrained.load_state_dict(engine, tmp_path)
+    assert "holds both model.safetensors and model.safetensors.index.json" in caplog.text
+    with zero3.GatheredParameters(list(model.parameters())):
+        assert torch.equal(model.weight, old.weight) and torch.equal(model.bias, old.bias)

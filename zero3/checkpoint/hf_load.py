@@ -127,12 +127,12 @@ def from_pretrained(cls_or_auto: Any, path: str | Path, *, config: Any = None, t
 
 def _checkpoint_files(path: Path) -> tuple[list[Path], dict | None]:
     """The safetensors files of ``path`` and the index's metadata (None for one file)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        raw = json.loads(index.read_bytes())
+    found = pretrained.hf_weights_file(path)
+    if found is not None and found.name.endswith(".index.json"):
+        raw = json.loads(found.read_bytes())
         return [path / f for f in dict.fromkeys(raw["weight_map"].values())], dict(raw.get("metadata") or {})
-    if (path / "model.safetensors").is_file():
-        return [path / "model.safetensors"], None
+    if found is not None:
+        return [found], None
     raise CheckpointNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json in it; "
                                   "zero3.from_pretrained reads a local safetensors directory")
 

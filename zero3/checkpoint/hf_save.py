@@ -220,9 +220,12 @@ def full_tensor(ctx: RuntimeContext, source: Source) -> torch.Tensor | None:
 
 class _FileStream:
     """Rank 0's writer of the planned files. Tensors come in state-dict order; each goes to its
-    file, opened when its first tensor comes and renamed into place after its last (safetensors.py
-    `SafetensorsWriter`). A tensor larger than ``max_shard_size`` has a file of its own, written
-    while the file around it is still open, so at most two files are open at once."""
+    file, opened when its first tensor comes and closed after its last (safetensors.py
+    `SafetensorsWriter`) under a staged name; `commit` puts them all in place once every one is
+    written, so a save that fails leaves an earlier save whole (probe 35C: the files already
+    written replaced its files, and the mix loaded without a word). A tensor larger than
+    ``max_shard_size`` has a file of its own, written while the file around it is still open, so at
+    most two files are open at once."""
 
     def __init__(self, directory: Path, split: ShardSplit) -> None:
         self.directory = directory
@@ -230,9 +233,10 @@ class _FileStream:
         self._file_of = split.weight_map()
         self._left = {name: len(specs) for name, specs in split.files.items()}
         self._open: dict[str, SafetensorsWriter] = {}
+        self._staged = {name: directory / f".{name}{_STAGED}" for name in split.files}
 
     def _writer(self, name: str) -> SafetensorsWriter:
-        return SafetensorsWriter(self.directory / name, self.split.files[name], {"format": "pt"}, checksum=False)
+        return SafetensorsWriter(self._staged[name], self.split.files[name], {"format": "pt"}, checksum=False)
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         name = self._file_of[key]
@@ -249,18 +253,41 @@ class _FileStream:
             if not specs:
                 self._writer(name).close()
 
+    def commit(self) -> None:
+        for name, staged in self._staged.items():
+            os.replace(staged, self.directory / name)
+
     def abort(self) -> None:
         for writer in self._open.values():
             writer.abort()
+        self._open.clear()
+        for staged in self._staged.values():
+            try:
+                staged.unlink(missing_ok=True)
+            except OSError:
+                pass  # never raises, as SafetensorsWriter.abort
 
 
-def _prepare_directory(directory: Path, split: ShardSplit) -> None:
-    """Create ``directory`` and remove weight files of an earlier save that this one does not replace."""
+_STAGED = ".zero3-staged"
+
+
+def _prepare_directory(directory: Path) -> None:
+    """Create ``directory``; remove staged files a killed save left."""
     directory.mkdir(parents=True, exist_ok=True)
+    for entry in directory.glob(f".model*{_STAGED}*"):
+        entry.unlink()
+
+
+def _remove_stale(directory: Path, split: ShardSplit) -> None:
+    """After the new files are in place: remove the weight files of an earlier save that they do not
+    replace: numbered files the new index does not list, the index when the new save is one file,
+    and ``model.safetensors`` when it is sharded (transformers' ``from_pretrained`` would take it
+    before the index, probe 35C; transformers' ``save_pretrained`` leaves it there)."""
     for entry in directory.iterdir():
         stale_shard = _SHARD_FILE.fullmatch(entry.name) and entry.name not in split.files
         stale_index = entry.name == INDEX_NAME and not split.sharded
-        if entry.is_file() and (stale_shard or stale_index):
+        stale_single = entry.name == "model.safetensors" and split.sharded
+        if entry.is_file() and (stale_shard or stale_index or stale_single):
             entry.unlink()
 
 
@@ -290,8 +317,10 @@ def save_pretrained(engine_or_model: Any, save_directory: str | os.PathLike[str]
 
     Args:
         engine_or_model: a zero3 Engine, or a model passed to ``zero3.initialize``.
-        save_directory: created if missing; shard files of an earlier save that this one does not
-            replace are removed, as transformers does.
+        save_directory: created if missing. The files are written under staged names and put in
+            place once all are written (a save that fails leaves an earlier one whole); then the
+            weight files of an earlier save that they do not replace are removed (its other shards,
+            as transformers does; its index, or its ``model.safetensors``, which transformers keeps).
         max_shard_size: the most bytes per file (an int, or ``"5GB"``-style decimal units; None: 5GB);
             a tensor larger than that gets a file of its own. Refused for a PEFT adapter (one file).
         state_dict_dtype: cast floating-point tensors to this dtype. Default: each parameter's own
@@ -397,7 +426,7 @@ class _DirectoryWriter:
         self.error: BaseException | None = None
         self.stream: _FileStream | None = None
         try:
-            _prepare_directory(directory, split)
+            _prepare_directory(directory)
             self.stream = _FileStream(directory, split)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by save_pretrained
             self.error = exc
@@ -419,8 +448,14 @@ class _DirectoryWriter:
             return self.error
         try:
             self.stream.finish()
+        except Exception as exc:  # noqa: BLE001
+            self.stream.abort()
+            return exc
+        try:
+            self.stream.commit()  # the index last: until it is in place, the old one describes the old files
             if self.split.sharded:
                 self._write_index()
+            _remove_stale(self.directory, self.split)
             floating = [s.dtype for s in sources if s.dtype.is_floating_point and isinstance(s.tensor, nn.Parameter)]
             _write_configs(self.module, self.directory, dtype or (floating[0] if floating else torch.float32))
         except Exception as exc:  # noqa: BLE001

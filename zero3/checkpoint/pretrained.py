@@ -195,6 +195,21 @@ class RenamedSource(_Source):
         self.inner.close()
 
 
+def hf_weights_file(directory: Path) -> Path | None:
+    """The weights file of a Hugging Face directory, in the order transformers' ``from_pretrained``
+    looks for them: ``model.safetensors``, then ``model.safetensors.index.json``; None if neither.
+    A directory holding both (transformers' ``save_pretrained`` leaves a single file behind when it
+    saves shards over it) loads what transformers loads, with a warning (probe 35C: zero3 took the
+    index, so the same directory loaded other weights under zero3 than under transformers)."""
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if single.is_file():
+        if index.is_file():
+            logger.warning("zero3: %s holds both model.safetensors and model.safetensors.index.json; loading "
+                           "model.safetensors, as transformers' from_pretrained does (remove the stale one)", directory)
+        return single
+    return index if index.is_file() else None
+
+
 def open_source(state_dict_or_path: Any) -> _Source:
     """An open source (returned as is); a mapping; a ``.safetensors`` file; a ``*.safetensors.index.json``
     (sharded) or a directory with ``model.safetensors`` / ``model.safetensors.index.json``; or a
@@ -208,12 +223,10 @@ def open_source(state_dict_or_path: Any) -> _Source:
         raise TypeError(f"expected a state dict or a path, got {type(state_dict_or_path).__name__}")
     path = Path(state_dict_or_path)
     if path.is_dir():
-        for name in ("model.safetensors.index.json", "model.safetensors"):
-            if (path / name).is_file():
-                path = path / name
-                break
-        else:
+        found = hf_weights_file(path)
+        if found is None:
             raise CheckpointNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json in it")
+        path = found
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: file does not exist")
     if path.name.endswith(".index.json") and not path.name.endswith(".safetensors.index.json"):
