@@ -21,19 +21,25 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .config import ZeroConfig, resolve_config
 from .config.json_file import loads_config_text
+from .optim.precision import torch_dtype
+from .planning.budget import choose_schedule, choose_static
 from .runtime.coordinator import plan_config
 from .planning.schedule import PlanStats, Schedule, plan
 from .planning.trace import ParamInfo, Trace, trace_from_json, write_trace
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,10 @@ def record_trace(model: nn.Module, make_inputs: Callable[[], Sequence[Any]], con
         loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
         if loss.requires_grad:
             loss.backward()
+        elif any(p.requires_grad for p in model.parameters()):  # probe 35E: a forward-only prediction, silently
+            logger.warning("zero3.plan: no output of the model needs a gradient%s, so the trace and the "
+                           "prediction cover the forward only (a training step also gathers for the backward)",
+                           "" if loss_fn is None else " through loss_fn")
         engine.step()
         trace = engine.coordinator.last_trace
         if trace is None:  # every parameter is persistent: no module gathers anything, a valid plan
@@ -103,18 +113,35 @@ def record_trace(model: nn.Module, make_inputs: Callable[[], Sequence[Any]], con
 
 
 def _default_loss(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out.float().sum()
-    if isinstance(out, (tuple, list)):
-        return _default_loss(out[0])
-    if isinstance(out, dict):
-        return _default_loss(next(iter(out.values())))
-    raise ValueError(f"cannot make a loss from a model output of type {type(out).__name__}; pass loss_fn")
+    """The sum of the first floating-point tensor of ``out`` (a tensor, or nested tuples, lists and
+    dicts, Hugging Face's outputs among them) that needs a gradient, else of its first tensor: the
+    backward a training step runs, without a loss of the user's (probe 35E: ``(logits.argmax(-1),
+    logits)`` took the argmax, which needs none, and predicted the forward alone)."""
+    tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise ValueError(f"cannot make a loss from a model output of type {type(out).__name__}; pass loss_fn "
+                         "(zero3.plan.record_trace), or have the model return a tensor")
+    wanted = [t for t in tensors if t.requires_grad and t.is_floating_point()]
+    return (wanted or tensors)[0].float().sum()
 
 
 def predict(trace: Trace, config: Any = None, world_size: int = 1) -> Prediction:
+    """Plan ``trace`` with ``config``'s budgets. With ``memory_budget`` (bytes) the knobs are chosen as
+    the runtime chooses them after its first step (planning/budget.py), the largest parameter counted as
+    the largest gradient piece (a trace does not say which are trainable); it was ignored before, and the
+    default budgets planned (probe 35E: a peak above the budget itself)."""
     cfg = resolve_config(config)
-    return Prediction(trace=trace, schedule=plan(trace, plan_config(cfg)), world_size=world_size)
+    budget = cfg.budget.memory_budget
+    if budget is None:
+        return Prediction(trace=trace, schedule=plan(trace, plan_config(cfg)), world_size=world_size)
+    if budget == "auto":
+        raise ValueError("predict(memory_budget='auto'): 'auto' takes the free memory of the machine that trains; "
+                         "give the bytes per rank")
+    sizes = [(info.name, info.numel, info.nbytes) for info in trace.params.values()]
+    static = choose_static(sizes, budget, torch_dtype(cfg.precision.reduce_dtype).itemsize,
+                           max((n for _, n, _ in sizes), default=0))
+    chosen = choose_schedule(trace, static.room).config
+    return Prediction(trace=trace, schedule=plan(trace, chosen), world_size=world_size)
 
 
 def _load_factory(spec: str) -> Callable[..., nn.Module]:
