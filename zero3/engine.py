@@ -42,7 +42,7 @@ from .runtime.hooks import ModuleHooks
 from .runtime.deepspeed_engine import DeepSpeedEngineNames
 from .runtime.refusals import route_parametrizations, route_pruning
 from .metrics import StepMetrics
-from .comm.model_parallel import data_parallel_group
+from .comm.model_parallel import check_mpu, data_parallel_group
 from .optim.grad_norm import clip_shards
 from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
@@ -611,6 +611,8 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
     ensure_default_group("zero3.initialize")
     if group is None and mpu is not None:
         group = data_parallel_group(mpu)
+    if mpu is not None:  # over every rank, before a collective over its data-parallel group (probe 35A: ranks
+        check_mpu(mpu, group)  # with other groups met in the config's agreement and raised ValueError unpacking)
     # A config that is bad on one rank only still takes part in the agreement, so every rank raises.
     resolved, error = None, None
     try:

@@ -181,6 +181,19 @@ def _tensor_names_and_wrong_units(directory: str) -> dict:
             zero3.initialize(small, mpu=unit)
         except zero3.ZeroConfigError as exc:
             errors[type(unit).__name__] = str(exc)
+    class Overlapping(m.TinyMPU):  # rank 0's data-parallel group is every rank, the others' themselves alone
+        def __init__(self, tp: int) -> None:
+            super().__init__(tp)
+            groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+            self._dp_group = dist.group.WORLD if dist.get_rank() == 0 else groups[dist.get_rank()]
+
+        def get_data_parallel_world_size(self) -> int:
+            return dist.get_world_size(self._dp_group)
+
+    try:  # built without Init: initialize agreed on its config over each rank's data-parallel group before it
+        zero3.initialize(torch.nn.Linear(4, 4), mpu=Overlapping(2))  # checked the unit: ValueError unpacking (35A)
+    except zero3.ZeroConfigError as exc:
+        errors["Overlapping"] = str(exc)
     seen["errors"] = errors
     try:  # wrote model-parallel rank 0's slices alone, as if they were the model
         engine.save_16bit_model(os.path.join(directory, "out"))
@@ -201,6 +214,7 @@ def test_megatrons_tensor_names_are_read_and_a_wrong_unit_is_refused(pools, tmp_
             in r["errors"]["Diagonal"]
         assert "mpu.get_data_parallel_world_size() = 2, but its data-parallel group has 1 ranks" in r["errors"]["Singleton"]
         assert "do not tile the 4 ranks" in r["errors"]["Uneven"]  # on every rank: ranks 0 and 2 waited before
+        assert "rank 0: the data-parallel group (ranks [0, 1, 2, 3]) and the model-parallel group" in r["errors"]["Overlapping"]
         assert "save_16bit_model with tensor parallelism" in r["save_16bit_model"] and not r["written"]
 
 
