@@ -17,7 +17,8 @@ with a ``--dtype`` cast), not the model.
 
 With ``--include-optimizer`` the optimizer state is added: in ``.pt`` the file holds ``{"model": ...,
 "optimizer": {"state": {name: {key: tensor}}, "param_groups": [...]}}``; in ``.safetensors`` the
-extra keys are ``optimizer/<param name>/<key>``, and the param groups go in ``__metadata__``.
+extra keys are ``optimizer/<param name>/<key>``, and the param groups and the state that is no tensor
+go in ``__metadata__`` (``zero3_optimizer``, ``zero3_optimizer_values``).
 """
 
 from __future__ import annotations
@@ -197,9 +198,9 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
         _check_entries(reader, specs)
         out.parent.mkdir(parents=True, exist_ok=True)
         if suffix == ".safetensors":
-            _write_safetensors(reader, out, layout, specs, include_optimizer)
+            _write_safetensors(reader, out, layout, specs, include_optimizer, exclude_frozen=exclude_frozen)
         else:
-            _write_pt(reader, out, layout, specs, include_optimizer)
+            _write_pt(reader, out, layout, specs, include_optimizer, exclude_frozen=exclude_frozen)
     return out
 
 
@@ -336,9 +337,23 @@ def _check_entries(reader: CheckpointReader, specs: list[Spec]) -> None:
             reader.check_entry(0, f"buffer/{key}", _numel(shape), bdtype)
 
 
-def _groups(reader: CheckpointReader) -> list[dict[str, Any]] | None:
+def _groups(reader: CheckpointReader, skip: frozenset[str] = frozenset()) -> list[dict[str, Any]] | None:
+    """The optimizer's param groups (parameters by name), without the names in ``skip``."""
     opt = reader.meta.get("optimizer")
-    return None if opt is None else [from_json(g) for g in opt["param_groups"]]
+    if opt is None:
+        return None
+    return _without([from_json(g) for g in opt["param_groups"]], skip)
+
+
+def _without(groups: list[dict[str, Any]], skip: frozenset[str]) -> list[dict[str, Any]]:
+    return [{**g, "params": [n for n in g["params"] if n not in skip]} for g in groups] if skip else groups
+
+
+def _kept(reader: CheckpointReader, exclude_frozen: bool) -> dict[str, Any]:
+    """The parameters whose optimizer state goes out: all, or those trained at the save (probe 35C: an
+    excluded parameter's state went out, every tensor None, and its name stayed in the groups)."""
+    skip = _frozen(reader) if exclude_frozen else frozenset()
+    return {name: pm for name, pm in reader.params.items() if name not in skip}
 
 
 def _extra_state(reader: CheckpointReader) -> dict[str, dict[str, Any]]:
@@ -354,7 +369,7 @@ def _with_extra_state(reader: CheckpointReader, entries: list[tuple[str, Any]], 
 
 
 def _write_safetensors(reader: CheckpointReader, out: Path, layout: list[Row], specs: list[Spec],
-                       include_optimizer: bool, warn: bool = True) -> None:
+                       include_optimizer: bool, warn: bool = True, exclude_frozen: bool = False) -> None:
     extra = _extra_state(reader)
     if extra and warn:
         logger.warning("zero3::consolidate %s leaves out the extra state of %s: safetensors holds only tensors; "
@@ -363,8 +378,16 @@ def _write_safetensors(reader: CheckpointReader, out: Path, layout: list[Row], s
     meta = {"format": "pt", "zero3_tag": reader.tag, "zero3_global_steps": str(reader.meta["global_steps"]),
             "zero3_aliases": json.dumps(aliases)}
     if include_optimizer:
+        kept = _kept(reader, exclude_frozen)
         opt = reader.meta.get("optimizer")
+        if opt is not None:
+            opt = {**opt, "param_groups": _without(opt["param_groups"], frozenset(reader.params) - frozenset(kept))}
         meta["zero3_optimizer"] = json.dumps(opt)
+        # state that is no tensor (a step count an optimizer keeps as a number), encoded as in the checkpoint's
+        # metadata: it was left out without a word (probe 35C)
+        values = {name: {k: info.get("value") for k, info in pm.state.items() if info["kind"] == "value"}
+                  for name, pm in kept.items()}
+        meta["zero3_optimizer_values"] = json.dumps({name: v for name, v in values.items() if v})
     writer = SafetensorsWriter(out, specs, meta, checksum=False)
     try:
         for key, t in iter_tensors(reader, specs):
@@ -377,11 +400,10 @@ def _write_safetensors(reader: CheckpointReader, out: Path, layout: list[Row], s
 
 
 # -- streaming .pt ------------------------------------------------------------------------------------
-_STORAGE_TYPES = {
-    torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
-    torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
-    torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage", torch.bool: "BoolStorage",
-}
+def _storage_type(dtype: torch.dtype) -> str | None:
+    """The storage class ``torch.save`` pickles a ``dtype`` tensor's storage as; None for the dtypes it
+    saves through an untyped storage and the dtype (float8, uint16/32/64: ``_rebuild_tensor_v3``)."""
+    return torch.storage._dtype_to_storage_type_map().get(dtype)
 
 
 class _Stored:
@@ -415,8 +437,8 @@ class PtWriter:
 
     def add(self, tensor: torch.Tensor) -> _Stored:
         t = tensor.detach().to("cpu").contiguous()
-        if t.dtype not in _STORAGE_TYPES:
-            raise TypeError(f"cannot write dtype {dtype_name(t.dtype)} to a .pt file")
+        if _storage_type(t.dtype) is None and t.dtype not in torch.storage._new_dtypes():
+            raise ValueError(f"cannot write dtype {dtype_name(t.dtype)} to a .pt file")  # a quantized dtype
         if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
             t = t.clone()
         key = str(self._count)
@@ -431,7 +453,10 @@ class PtWriter:
             def persistent_id(self, o: Any) -> Any:
                 if isinstance(o, _StorageRef):
                     s = o.stored
-                    return ("storage", getattr(torch, _STORAGE_TYPES[s.dtype]), s.key, "cpu", _numel(s.shape))
+                    typed = _storage_type(s.dtype)
+                    if typed is None:  # as torch.save: an untyped storage of the bytes (probe 35C: refused)
+                        return ("storage", torch.UntypedStorage, s.key, "cpu", _numel(s.shape) * s.dtype.itemsize)
+                    return ("storage", getattr(torch, typed), s.key, "cpu", _numel(s.shape))
                 return None
 
             def reducer_override(self, o: Any) -> Any:
@@ -442,8 +467,10 @@ class PtWriter:
                     for d in reversed(o.shape):
                         stride.append(acc)
                         acc *= d
-                    return (torch._utils._rebuild_tensor_v2,
-                            (_StorageRef(o), 0, o.shape, tuple(reversed(stride)), False, collections.OrderedDict()))
+                    args = (_StorageRef(o), 0, o.shape, tuple(reversed(stride)), False, collections.OrderedDict())
+                    if _storage_type(o.dtype) is None:
+                        return torch._utils._rebuild_tensor_v3, (*args, o.dtype)
+                    return torch._utils._rebuild_tensor_v2, args
                 return NotImplemented
 
         buf = io.BytesIO()
@@ -465,7 +492,7 @@ class PtWriter:
 
 
 def _write_pt(reader: CheckpointReader, out: Path, layout: list[Row], specs: list[Spec], include_optimizer: bool,
-              extra: bool = True) -> None:
+              extra: bool = True, exclude_frozen: bool = False) -> None:
     writer = PtWriter(out)
     stored: dict[str, _Stored] = {}
     try:
@@ -477,11 +504,13 @@ def _write_pt(reader: CheckpointReader, out: Path, layout: list[Row], specs: lis
         obj: Any = model
         if include_optimizer:
             state: dict[str, dict[str, Any]] = {}
-            for name, pm in reader.params.items():
+            kept = _kept(reader, exclude_frozen)
+            for name, pm in kept.items():
                 for k, info in pm.state.items():
                     value = stored.get(f"optimizer/{name}/{k}")
                     state.setdefault(name, {})[k] = value if value is not None else from_json(info.get("value"))
-            obj = {"model": model, "optimizer": {"state": state, "param_groups": _groups(reader)}}
+            skipped = frozenset(reader.params) - frozenset(kept)
+            obj = {"model": model, "optimizer": {"state": state, "param_groups": _groups(reader, skipped)}}
         writer.finish(obj)
     except BaseException:
         writer.abort()
