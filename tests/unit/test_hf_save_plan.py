@@ -1,6 +1,7 @@
 """`zero3.checkpoint.hf_save` in one process: the size parsing and the file split that transformers
 uses (huggingface_hub's greedy split), and a plain module (no config) saved as safetensors only,
-each tied parameter once, loaded back bit-exact. The 2-rank tests with Hugging Face models are in
+each tied parameter once, loaded back bit-exact; which file `zero3.pretrained.load_state_dict` takes from a
+directory, and a state dict in torch's legacy format. The 2-rank tests with Hugging Face models are in
 tests/multiproc/test_hf_streaming_save.py."""
 
 from __future__ import annotations
@@ -149,3 +150,15 @@ def test_a_directory_with_one_file_and_an_index_loads_the_file_as_transformers_d
     assert "holds both model.safetensors and model.safetensors.index.json" in caplog.text
     with zero3.GatheredParameters(list(model.parameters())):
         assert torch.equal(model.weight, old.weight) and torch.equal(model.bias, old.bias)
+
+
+def test_a_state_dict_in_torchs_legacy_format_loads(tmp_path):
+    """``torch.save(..., _use_new_zipfile_serialization=False)`` (torch < 1.6's format) cannot be
+    memory-mapped; zero3 called such a file corrupt (probe 35C). It is read whole now."""
+    torch.manual_seed(0)
+    src, model = nn.Linear(3, 2), nn.Linear(3, 2)
+    torch.save(src.state_dict(), tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    zero3.pretrained.load_state_dict(model, tmp_path / "legacy.pt")
+    with zero3.GatheredParameters(list(model.parameters())):
+        assert torch.equal(model.weight, src.weight) and torch.equal(model.bias, src.bias)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -244,8 +245,9 @@ def open_source(state_dict_or_path: Any) -> _Source:
         header = read_safetensors_header(path)
         return _SafetensorsSource({k: path for k in header.entries})
     if path.suffix in (".pt", ".pth", ".bin"):
-        try:
-            sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        mapped = zipfile.is_zipfile(path)  # torch's legacy format (before 1.6; still written) cannot be mapped
+        try:                               # and is read whole (probe 35C: it was called corrupt)
+            sd = torch.load(path, map_location="cpu", mmap=mapped, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - reported with the file name
             raise CheckpointCorruptError(f"{path}: cannot be read by torch.load ({exc})") from None
         if not isinstance(sd, Mapping):

@@ -146,7 +146,11 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
             raise CheckpointCorruptError(f"{path}: bad safetensors entry {name!r} ({exc!r})") from None
         entry = TensorEntry(dtype, shape, begin, end)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        if end - begin != entry.numel * itemsize or begin < 0 or data_start + end > size:
+        if end - begin != entry.numel * itemsize or begin < 0:  # a whole file was called truncated (probe 35C)
+            raise CheckpointCorruptError(
+                f"{path}: entry {name!r} holds bytes {begin}..{end}, but its dtype {info['dtype']} and shape "
+                f"{list(shape)} need {entry.numel * itemsize} bytes")
+        if data_start + end > size:
             raise CheckpointCorruptError(
                 f"{path}: entry {name!r} (bytes {begin}..{end}) does not fit the file of {size} bytes: truncated")
         entries[name] = entry
