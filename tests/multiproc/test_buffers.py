@@ -121,3 +121,20 @@ def expanded_buffer() -> dict:
 def test_an_expanded_buffer_is_left_alone(pools):
     for r in pools.get(2).run(expanded_buffer, timeout=60):
         assert r["same"] and r["alone"], r
+
+
+def buffers_of_byte_dtypes() -> dict:
+    """float8 and uint16 buffers, different on each rank: gloo carries neither dtype, and initialize's
+    broadcast of rank 0's values failed as a collective timeout that closed the group (probe 35C)."""
+    rank = dist.get_rank()
+    model = nn.Linear(4, 4)
+    model.register_buffer("u16", torch.tensor([1, 2, 60000 + rank], dtype=torch.uint16))
+    model.register_buffer("f8", torch.tensor([0.5, 1.0 + rank]).to(torch.float8_e4m3fn))
+    model.register_buffer("f32", torch.full((2,), float(rank)))
+    zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    return {"u16": model.u16.tolist(), "f8": model.f8.float().tolist(), "f32": model.f32.tolist()}
+
+
+def test_buffers_of_dtypes_gloo_does_not_carry_take_rank_0s_values(pools):
+    for r in pools.get(2).run(buffers_of_byte_dtypes, timeout=60):
+        assert r == {"u16": [1, 2, 60000], "f8": [0.5, 1.0], "f32": [0.0, 0.0]}, r

@@ -60,12 +60,19 @@ def _broadcast(comm: Communicator, bucket: list[torch.Tensor], tag: Tag) -> None
     """One broadcast of ``bucket``'s values from rank 0 (on the communicator's device: NCCL's CUDA)."""
     device = bucket[0].device if comm.device.type == "cpu" else comm.device
     if len(bucket) == 1 and bucket[0].device == device and bucket[0].data.is_contiguous():
-        comm.broadcast(bucket[0].data, 0, tag)
+        comm.broadcast(_wire(bucket[0].data.reshape(-1)), 0, tag)
         return
     flat = torch.cat([p.data.reshape(-1).to(device) for p in bucket])
-    comm.broadcast(flat, 0, tag)
+    comm.broadcast(_wire(flat), 0, tag)
     off = 0
     for p in bucket:
         n = p.numel()
         p.data.copy_(flat[off: off + n].view_as(p.data))
         off += n
+
+
+def _wire(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` itself, or its bytes for a dtype the backends do not carry (float8, uint16/32/64: gloo
+    raised "Invalid scalar type", reported as a timeout of initialize, probe 35C); a view either way,
+    so the broadcast writes ``flat``."""
+    return flat.view(torch.uint8) if flat.dtype in torch.storage._new_dtypes() else flat
