@@ -302,6 +302,23 @@ def resave_over_earlier(workdir: str) -> dict:
         hf_save.SafetensorsWriter = _FullDisk.__mro__[1]
     if rank == 0:
         report["after_failure"] = sorted(os.listdir(out)) == report["sharded_files"] and _file_bytes(out) == before
+    renames, replace = [], os.replace
+
+    def failing_replace(src, dst):  # review 35R1: a rename that failed part-way left new and old shards mixed
+        renames.append(src)
+        if str(src).endswith(".zero3-staged") and sum(str(s).endswith(".zero3-staged") for s in renames) == 3:
+            raise OSError(5, "Input/output error")
+        replace(src, dst)
+
+    hf_save.os.replace = failing_replace if rank == 0 else replace
+    try:
+        engine.save_pretrained(out, max_shard_size=SHARD_BYTES)
+    except OSError as exc:
+        report["commit_error"] = str(exc)
+    finally:
+        hf_save.os.replace = replace
+    if rank == 0:
+        report["after_commit_failure"] = sorted(os.listdir(out)) == report["sharded_files"] and _file_bytes(out) == before
     engine.save_pretrained(out)  # one file again: the index and the shards go
     if rank == 0:
         report["single_files"] = sorted(os.listdir(out))
@@ -315,4 +332,6 @@ def test_a_save_over_an_earlier_one_leaves_one_set_of_files_and_a_failed_save_le
     assert r["hf_differs"] == [], r
     assert all("No space left" in rep["error"] for rep in reports), reports
     assert r["after_failure"] is True, r
+    assert all("Input/output error" in rep["commit_error"] for rep in reports), reports
+    assert r["after_commit_failure"] is True, r
     assert [f for f in r["single_files"] if "safetensors" in f] == ["model.safetensors"], r

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -221,9 +222,9 @@ def full_tensor(ctx: RuntimeContext, source: Source) -> torch.Tensor | None:
 class _FileStream:
     """Rank 0's writer of the planned files. Tensors come in state-dict order; each goes to its
     file, opened when its first tensor comes and closed after its last (safetensors.py
-    `SafetensorsWriter`) under a staged name; `commit` puts them all in place once every one is
-    written, so a save that fails leaves an earlier save whole (probe 35C: the files already
-    written replaced its files, and the mix loaded without a word). A tensor larger than
+    `SafetensorsWriter`) under a staged name (``staged``), which `_commit` puts in place once every
+    one is written (probe 35C: the files already written replaced an earlier save's, and the mix
+    loaded without a word). A tensor larger than
     ``max_shard_size`` has a file of its own, written while the file around it is still open, so at
     most two files are open at once."""
 
@@ -233,10 +234,10 @@ class _FileStream:
         self._file_of = split.weight_map()
         self._left = {name: len(specs) for name, specs in split.files.items()}
         self._open: dict[str, SafetensorsWriter] = {}
-        self._staged = {name: directory / f".{name}{_STAGED}" for name in split.files}
+        self.staged = {name: directory / f".{name}{_STAGED}" for name in split.files}
 
     def _writer(self, name: str) -> SafetensorsWriter:
-        return SafetensorsWriter(self._staged[name], self.split.files[name], {"format": "pt"}, checksum=False)
+        return SafetensorsWriter(self.staged[name], self.split.files[name], {"format": "pt"}, checksum=False)
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         name = self._file_of[key]
@@ -253,15 +254,11 @@ class _FileStream:
             if not specs:
                 self._writer(name).close()
 
-    def commit(self) -> None:
-        for name, staged in self._staged.items():
-            os.replace(staged, self.directory / name)
-
     def abort(self) -> None:
         for writer in self._open.values():
             writer.abort()
         self._open.clear()
-        for staged in self._staged.values():
+        for staged in self.staged.values():
             try:
                 staged.unlink(missing_ok=True)
             except OSError:
@@ -269,26 +266,53 @@ class _FileStream:
 
 
 _STAGED = ".zero3-staged"
+_OLD = ".zero3-old"
+_CONFIGS = ".zero3-staged-configs"
 
 
 def _prepare_directory(directory: Path) -> None:
-    """Create ``directory``; remove staged files a killed save left."""
+    """Create ``directory``; remove what a killed save left (staged files, kept old ones)."""
     directory.mkdir(parents=True, exist_ok=True)
-    for entry in directory.glob(f".model*{_STAGED}*"):
+    for entry in [*directory.glob(f".*{_STAGED}"), *directory.glob(f".*{_OLD}")]:
         entry.unlink()
+    shutil.rmtree(directory / _CONFIGS, ignore_errors=True)
 
 
-def _remove_stale(directory: Path, split: ShardSplit) -> None:
-    """After the new files are in place: remove the weight files of an earlier save that they do not
-    replace: numbered files the new index does not list, the index when the new save is one file,
-    and ``model.safetensors`` when it is sharded (transformers' ``from_pretrained`` would take it
-    before the index, probe 35C; transformers' ``save_pretrained`` leaves it there)."""
-    for entry in directory.iterdir():
-        stale_shard = _SHARD_FILE.fullmatch(entry.name) and entry.name not in split.files
-        stale_index = entry.name == INDEX_NAME and not split.sharded
-        stale_single = entry.name == "model.safetensors" and split.sharded
-        if entry.is_file() and (stale_shard or stale_index or stale_single):
-            entry.unlink()
+def _stale(directory: Path, split: ShardSplit) -> list[str]:
+    """The weight files of an earlier save that the new ones do not replace: numbered files the new index
+    does not list, the index when the new save is one file, and ``model.safetensors`` when it is sharded
+    (transformers' ``from_pretrained`` would take it before the index, probe 35C; transformers'
+    ``save_pretrained`` leaves it there)."""
+    return [e.name for e in directory.iterdir() if e.is_file() and (
+        (_SHARD_FILE.fullmatch(e.name) and e.name not in split.files)
+        or (e.name == INDEX_NAME and not split.sharded) or (e.name == "model.safetensors" and split.sharded))]
+
+
+def _commit(directory: Path, staged: dict[str, Path], stale: Sequence[str]) -> None:
+    """Put the ``staged`` files (final name: staged path, in order) in place and take the ``stale`` ones
+    away, as one change: a failure part-way puts back every file it moved (review 35R1: a rename that
+    failed left new and old shards under the old index) and removes the staged ones."""
+    moved: list[tuple[Path, Path]] = []  # (where a file was, where it went)
+    try:
+        for name in [*stale, *staged]:
+            if (directory / name).exists():
+                moved.append((directory / name, directory / f".{name}{_OLD}"))
+                os.replace(*moved[-1])
+            if name in staged:
+                os.replace(staged[name], directory / name)
+                moved.append((staged[name], directory / name))
+    except BaseException:
+        for was, went in reversed(moved):
+            try:
+                os.replace(went, was)
+            except OSError:
+                pass  # the first error is what every rank raises
+        for path in staged.values():
+            path.unlink(missing_ok=True)
+        raise
+    for was, went in moved:
+        if went.name.endswith(_OLD):
+            went.unlink(missing_ok=True)
 
 
 def _write_configs(module: nn.Module, directory: Path, dtype: torch.dtype) -> None:
@@ -317,10 +341,11 @@ def save_pretrained(engine_or_model: Any, save_directory: str | os.PathLike[str]
 
     Args:
         engine_or_model: a zero3 Engine, or a model passed to ``zero3.initialize``.
-        save_directory: created if missing. The files are written under staged names and put in
-            place once all are written (a save that fails leaves an earlier one whole); then the
-            weight files of an earlier save that they do not replace are removed (its other shards,
-            as transformers does; its index, or its ``model.safetensors``, which transformers keeps).
+        save_directory: created if missing. Every file is written under a staged name and put in
+            place once all are written, in one change with removing the weight files of an earlier
+            save that they do not replace (its other shards, as transformers does; its index, or its
+            ``model.safetensors``, which transformers keeps): a save that fails, writing or putting
+            in place, leaves an earlier one whole (`_commit`).
         max_shard_size: the most bytes per file (an int, or ``"5GB"``-style decimal units; None: 5GB);
             a tensor larger than that gets a file of its own. Refused for a PEFT adapter (one file).
         state_dict_dtype: cast floating-point tensors to this dtype. Default: each parameter's own
@@ -446,30 +471,35 @@ class _DirectoryWriter:
     def finish(self, sources: Sequence[Source], dtype: torch.dtype | None) -> BaseException | None:
         if self.stream is None:
             return self.error
+        staged = dict(self.stream.staged)
+        configs = self.directory / _CONFIGS
         try:
             self.stream.finish()
-        except Exception as exc:  # noqa: BLE001
-            self.stream.abort()
-            return exc
-        try:
-            self.stream.commit()  # the index last: until it is in place, the old one describes the old files
-            if self.split.sharded:
-                self._write_index()
-            _remove_stale(self.directory, self.split)
             floating = [s.dtype for s in sources if s.dtype.is_floating_point and isinstance(s.tensor, nn.Parameter)]
-            _write_configs(self.module, self.directory, dtype or (floating[0] if floating else torch.float32))
-        except Exception as exc:  # noqa: BLE001
+            _write_configs(self.module, configs, dtype or (floating[0] if floating else torch.float32))
+            staged.update((f.name, f) for f in sorted(configs.glob("*.json")))
+            if self.split.sharded:  # the index last: until it is in place, the old one describes the old files
+                staged[INDEX_NAME] = self._write_index()
+            _commit(self.directory, staged, _stale(self.directory, self.split))
+        except Exception as exc:  # noqa: BLE001 - an earlier save in the directory is as it was
+            self.stream.abort()
+            for path in staged.values():
+                path.unlink(missing_ok=True)
             return exc
+        finally:
+            shutil.rmtree(configs, ignore_errors=True)
         logger.info("zero3: saved %d tensors in %d file(s) to %s", len(self.split.weight_map()),
                     len(self.split.files), self.directory)
         return None
 
-    def _write_index(self) -> None:
+    def _write_index(self) -> Path:
         params = {id(p): p for p in self.module.parameters()}.values()
         total_parameters = sum(p._zero.numel if isinstance(p, ZeroParameter) else p.numel() for p in params)
         index = {"metadata": {"total_parameters": total_parameters, "total_size": self.split.total_size},
                  "weight_map": self.split.weight_map()}
-        atomic_write_bytes(self.directory / INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+        path = self.directory / f".{INDEX_NAME}{_STAGED}"
+        atomic_write_bytes(path, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+        return path
 
 
 __all__ = ["parse_shard_size", "save_pretrained", "split_shards"]
