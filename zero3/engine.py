@@ -358,6 +358,8 @@ class Engine(DeepSpeedEngineNames):
         finally:
             self.hooks.generation_ended()
             self.coordinator.end_generation()
+            if self.hooks.phase is StepPhase.IDLE:
+                self.hooks.step.guard_grads()  # between steps again (step.py leaves the decode forwards be)
 
     # -- the phase memory manager (zero3/offload/states.py) --------------------------------------------
     def offload_states(self, include: Any = None, device: str = "cpu", pin_memory: bool = True,

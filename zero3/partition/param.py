@@ -402,7 +402,7 @@ def drop_grad_slots(params: Iterable[torch.Tensor]) -> None:
     """`drop_grad_slot` for each of ``params`` that holds a gradient (read past the guard too)."""
     with torch._C.DisableTorchFunctionSubclass():
         for p in params:
-            if p.grad is not None:
+            if _TENSOR_GRAD.__get__(p) is not None:  # not through a guarded class's property, which may refuse
                 drop_grad_slot(p)
 
 

@@ -114,7 +114,7 @@ class StepLifecycle:
         """Guard ``.grad`` of every gathered trainable parameter, as at a backward's end (the next step
         takes it back): from ``initialize`` on, so that a gradient assigned before the first backward,
         which the optimizer would not see, is refused (probe 35B)."""
-        self._pending = guard_pending_grads(self.ctx.params)
+        self._pending += guard_pending_grads(self.ctx.params)
 
     @property
     def open(self) -> bool:
@@ -224,14 +224,18 @@ class StepLifecycle:
             # (probe 30G: this rank waited out collective_timeout, then closed the group)
             close_window(ctx.comm, ctx.store, aborted or failed)
             self.enter(StepPhase.IDLE)
+            # between steps, whatever ended this one (review 35R1: after an inference forward or an end
+            # that raised, a kept-gathered parameter's gradient written here was taken and ignored); not
+            # between the forwards of engine.generation(), whose kept weights it would turn twice per token
+            if not (inference and ctx.coordinator.generating):
+                self.guard_grads()
             if aborted:
                 for comm in self._epoch_comms():
                     comm.abandon_epoch(reason)
             elif inference:
                 for comm in ctx.data_comms:
                     comm.end_epoch()  # an inference forward is a whole epoch: nothing else follows it
-        if backward and not aborted:  # param.grad of what stays gathered reads as on a partitioned one
-            self._pending = guard_pending_grads(ctx.params)
+        if backward and not aborted:
             ctx.window_backwards += 1
         backward_step = ctx.optimizer.backward_step if ctx.optimizer is not None else None
         if backward_step is not None:  # after everything is released: it reads and writes the drive
