@@ -340,6 +340,26 @@ def test_reduce_lr_on_plateau_is_refused_at_initialize_and_works_stepped_by_the_
     assert opt.param_groups[0]["lr"] == 0.5
 
 
+@pytest.mark.parametrize("factory, message", [
+    (lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o), "ReduceLROnPlateau .* needs a metric"),
+    (lambda o: 5, "returned a int, not a scheduler"),
+    (torch.optim.lr_scheduler.StepLR, "StepLR \\(a class\\) was called over the optimizer"),
+])
+def test_a_scheduler_factory_is_refused_before_anything_changes_and_a_retry_trains(factory, message):
+    """Probe 35B2: the factory's result was refused after the optimizer was pointed at the shards, so the
+    same optimizer was refused again with the corrected factory ("an earlier engine ... remove_hooks()")."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    shapes = [tuple(p.shape) for g in opt.param_groups for p in g["params"]]
+    with pytest.raises(ZeroConfigError, match=message):
+        zero3.initialize(model, opt, {}, lr_scheduler=factory)
+    assert not zero3.is_zero_param(model[0].weight)
+    assert [tuple(p.shape) for g in opt.param_groups for p in g["params"]] == shapes
+    engine = zero3.initialize(model, opt, {}, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+    _train_step(engine, 0)
+    assert opt.param_groups[0]["lr"] == 0.5
+
+
 @pytest.mark.parametrize("how", ["section", "lr_scheduler"])
 def test_a_schedule_without_an_optimizer_is_refused_at_initialize(how):
     model = _model()

@@ -381,9 +381,9 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     model-parallel unit whose model-parallel group clipping and checkpoints take into account
     (comm/model_parallel.py). Validates the arguments, the optimizer (its type, freshness and
     parameters), meta parameters and embeddings before it changes anything; what only the built
-    shards tell (a param group of several dtypes, a scheduler
-    factory's ReduceLROnPlateau, a parameter of another engine's group) is refused after the model
-    was partitioned, its values kept in the shards.
+    shards tell (a param group of several dtypes, a parameter of another engine's group) is refused
+    after the model was partitioned, its values kept in the shards. A scheduler factory is tried over
+    a stand-in of the optimizer first, so what it makes is refused before anything changes too.
     """
     if model.__dict__.get("_zero3_context") is not None:
         raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "
@@ -488,10 +488,6 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
             ctx.lr_scheduler = build_scheduler(config.training.scheduler, torch_opt)
         elif lr_scheduler is not None:
             ctx.lr_scheduler = _scheduler_from(lr_scheduler, torch_opt)
-        _refuse_plateau(ctx.lr_scheduler)  # a factory's: known only now
-        if ctx.lr_scheduler is not None and not hasattr(ctx.lr_scheduler, "step"):
-            raise ZeroConfigError(f"zero3.initialize: the lr_scheduler factory returned a "
-                                  f"{type(ctx.lr_scheduler).__name__}, not a scheduler (an object with step())")
         if ctx.lr_scheduler is not None:
             ctx.lr_scheduler_step = own_scheduler(ctx.lr_scheduler)
     ctx.coordinator.persistent_params.gather()  # gathers: after every shard has its final buffer
@@ -502,11 +498,11 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
 
 def _scheduler_from(given: Any, optimizer: torch.optim.Optimizer) -> Any:
     """``lr_scheduler`` as given, or what a factory (a callable without ``step``, or a scheduler class,
-    as DeepSpeed calls both) makes over the optimizer."""
+    as DeepSpeed calls both) makes over the optimizer, refused if it is no scheduler or a plateau one."""
     if not isinstance(given, type) and (hasattr(given, "step") or not callable(given)):
         return given
     try:
-        return given(optimizer)
+        made = given(optimizer)
     except TypeError as exc:
         if not isinstance(given, type):
             raise
@@ -514,6 +510,24 @@ def _scheduler_from(given: Any, optimizer: torch.optim.Optimizer) -> Any:
                               f"optimizer, as DeepSpeed calls it, and raised {exc}; pass functools.partial("
                               f"{given.__name__}, ...) with its other arguments, or a scheduler built over the "
                               "optimizer") from exc
+    _refuse_plateau(made)
+    if not hasattr(made, "step"):
+        raise ZeroConfigError(f"zero3.initialize: the lr_scheduler factory returned a {type(made).__name__}, not a "
+                              "scheduler (an object with step())")
+    return made
+
+
+def _try_factory(factory: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Call a scheduler factory over a stand-in of ``optimizer`` (its groups' settings over a dummy
+    tensor each) before ``initialize`` changes anything, so that what `_scheduler_from` refuses is refused
+    then: refused after the optimizer was pointed at the shards, it could not be given again (probe 35B2)."""
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [torch.zeros(1, requires_grad=True)]}
+              for g in optimizer.param_groups]
+    try:
+        stand_in = torch.optim.SGD(groups, lr=optimizer.defaults.get("lr", 1e-3))
+    except Exception:  # noqa: BLE001 - settings SGD does not take: the real call checks it
+        return
+    _scheduler_from(factory, stand_in)
 
 
 def _check_scheduler(scheduler: Any, optimizer: Any) -> None:
@@ -521,8 +535,10 @@ def _check_scheduler(scheduler: Any, optimizer: Any) -> None:
     optimizer would schedule that one while the engine's kept its lr, silently."""
     if scheduler is None:
         return
-    if isinstance(scheduler, type):
-        return  # a scheduler class: a factory, called over the optimizer (as DeepSpeed calls it)
+    if isinstance(scheduler, type) or (callable(scheduler) and not hasattr(scheduler, "step")):
+        if isinstance(optimizer, torch.optim.Optimizer):  # a factory, called over the optimizer as DeepSpeed calls it
+            _try_factory(scheduler, optimizer)
+        return
     if not (hasattr(scheduler, "step") or callable(scheduler)):
         raise ZeroConfigError(f"zero3.initialize: lr_scheduler must be a scheduler (an object with step()) or a "
                               f"callable(optimizer) -> scheduler, got {type(scheduler).__name__}: {scheduler!r}")
