@@ -194,6 +194,12 @@ def _tensor_names_and_wrong_units(directory: str) -> dict:
         zero3.initialize(torch.nn.Linear(4, 4), mpu=Overlapping(2))  # checked the unit: ValueError unpacking (35A)
     except zero3.ZeroConfigError as exc:
         errors["Overlapping"] = str(exc)
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    try:  # a group given beside the unit that is not its own: the refusal named neither (probe 35B2)
+        with zero3.Init(mpu=m.TinyMPU(2), data_parallel_group=alone[dist.get_rank()]):
+            torch.nn.Linear(4, 4)
+    except zero3.ZeroConfigError as exc:
+        errors["given group"] = str(exc)
     seen["errors"] = errors
     try:  # wrote model-parallel rank 0's slices alone, as if they were the model
         engine.save_16bit_model(os.path.join(directory, "out"))
@@ -215,6 +221,8 @@ def test_megatrons_tensor_names_are_read_and_a_wrong_unit_is_refused(pools, tmp_
         assert "mpu.get_data_parallel_world_size() = 2, but its data-parallel group has 1 ranks" in r["errors"]["Singleton"]
         assert "do not tile the 4 ranks" in r["errors"]["Uneven"]  # on every rank: ranks 0 and 2 waited before
         assert "rank 0: the data-parallel group (ranks [0, 1, 2, 3]) and the model-parallel group" in r["errors"]["Overlapping"]
+        assert "rank 0: the data-parallel group given (ranks [0]: Init's data_parallel_group= or group=" \
+            in r["errors"]["given group"]
         assert "save_16bit_model with tensor parallelism" in r["save_16bit_model"] and not r["written"]
 
 

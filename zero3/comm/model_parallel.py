@@ -89,6 +89,8 @@ def check_mpu(mpu: Any, dp_group: Any) -> tuple[Any, int, int]:
     me = dist.get_rank()
     dp = sorted(dist.get_process_group_ranks(dp_group if dp_group is not None else dist.group.WORLD))
     mp = sorted(dist.get_process_group_ranks(found[0])) if found[1] > 1 and problem is None else [me]
+    if problem is None and dp_group is not None:
+        problem = _given_group_problem(mpu, dp_group, dp)
     size = getattr(mpu, "get_data_parallel_world_size", None)
     if problem is None and callable(size) and size() != len(dp):
         problem = f"mpu.get_data_parallel_world_size() = {size()!r}, but its data-parallel group has {len(dp)} ranks"
@@ -120,6 +122,21 @@ def _layout_problem(seen: list[tuple[set[int], set[int], int]], world: int) -> s
             return (f"the data-parallel group {sorted(d)} holds model-parallel ranks {slices}; every rank of a "
                     "data-parallel group must hold the same model-parallel slice")
     return None
+
+
+def _given_group_problem(mpu: Any, dp_group: Any, dp: list[int]) -> str | None:
+    """A data-parallel group given beside ``mpu`` that is not the mpu's own (probe 35B2: the refusal then
+    named neither, and read as if the mpu's group were wrong)."""
+    get = getattr(mpu, "get_data_parallel_group", None)
+    try:
+        own = get() if callable(get) else dp_group
+        ranks = dp if own is dp_group else sorted(dist.get_process_group_ranks(own))
+    except Exception as exc:  # noqa: BLE001 - every rank raises it after the exchange
+        return f"mpu.get_data_parallel_group() raised {exc!r}"
+    if ranks == dp:
+        return None
+    return (f"the data-parallel group given (ranks {dp}: Init's data_parallel_group= or group=, initialize's group=) "
+            f"is not the mpu's get_data_parallel_group() (ranks {ranks}); give the mpu alone")
 
 
 def data_parallel_group(mpu: Any) -> Any:
