@@ -70,7 +70,6 @@ class Engine(DeepSpeedEngineNames):
                                                      lr_scheduler, mpu)
         self.hooks = ModuleHooks(self.context)
         self.hooks.install(model)
-        self.hooks.step.guard_grads()  # as between steps: a gradient assigned before the first backward is refused
         self.last_step_metrics = StepMetrics()
         routed_step.route(self.optimizer, self)  # a plain loop's optimizer.step() is this engine's step
         route_clip(self.context, clip_grad_norm_)  # torch's clip over its param_groups: the global norm
@@ -358,8 +357,7 @@ class Engine(DeepSpeedEngineNames):
         finally:
             self.hooks.generation_ended()
             self.coordinator.end_generation()
-            if self.hooks.phase is StepPhase.IDLE:
-                self.hooks.step.guard_grads()  # between steps again (step.py leaves the decode forwards be)
+            self.hooks.step.guard_grads()  # between steps again (step.py leaves the decode forwards be)
 
     # -- the phase memory manager (zero3/offload/states.py) --------------------------------------------
     def offload_states(self, include: Any = None, device: str = "cpu", pin_memory: bool = True,

@@ -467,10 +467,9 @@ def _check_grad_read(p: ZeroParameter) -> None:
 def _check_grad_write(p: ZeroParameter, value: torch.Tensor | None = None) -> None:
     """``p.grad`` assigned or deleted (``value`` None) where the optimizer would not see it: refused,
     pointing at the setters that reach the shard. The optimizer steps on the shard's gradient, so a
-    write while the shard holds one would be ignored (a parameter meant to be skipped would step);
-    a gradient assigned where the shard holds none (a parameter that took no part in the backward,
-    or before any) was ignored too (probe 35B: torch steps on it; zero3 left the weight 0.1 off).
-    Clearing one that is not there (``optimizer.zero_grad()``) changes nothing and is taken."""
+    write while the shard holds one would be ignored (a parameter meant to be skipped would step), as
+    was one where the shard holds none (not reached by the backward, or before any: probe 35B, torch
+    steps on it). Clearing one that is not there (``optimizer.zero_grad()``) is taken."""
     z = p._zero
     if converting.get():
         return

@@ -89,6 +89,7 @@ class StepLifecycle:
         self._backward_t0 = 0.0  # when the running backward began
         self._aborted = False  # the last step was aborted and no other began since
         self._pending: list[ZeroParameter] = []  # gathered parameters whose .grad reads are guarded
+        self.guard_grads()  # from initialize on, as between steps
 
     def enter(self, phase: StepPhase) -> None:
         """Move to ``phase`` (checked against the table of legal changes); times the backward. A
@@ -111,10 +112,10 @@ class StepLifecycle:
             self.phase = phase
 
     def guard_grads(self) -> None:
-        """Guard ``.grad`` of every gathered trainable parameter, as at a backward's end (the next step
-        takes it back): from ``initialize`` on, so that a gradient assigned before the first backward,
-        which the optimizer would not see, is refused (probe 35B)."""
-        self._pending += guard_pending_grads(self.ctx.params)
+        """Between steps, guard ``.grad`` of every gathered trainable parameter (the next step takes it
+        back): a gradient assigned then, which the optimizer would not see, is refused (probe 35B)."""
+        if self.phase is StepPhase.IDLE:
+            self._pending += guard_pending_grads(self.ctx.params)
 
     @property
     def open(self) -> bool:
