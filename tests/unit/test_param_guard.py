@@ -281,6 +281,22 @@ def test_persistent_parameter_stays_gathered_and_usable():
     assert w.ds_status is ParamStatus.AVAILABLE  # already gathered before: stays gathered
 
 
+def test_a_forward_inside_gathered_parameters_between_steps_sees_torchs_class(partitioned):
+    """The block guards .grad of what it gathers (review 35R1); a forward run inside it gets torch's class
+    back for its step (compiled blocks and torch's fast path see nn.Parameter), and the guard after it."""
+    model, _, _ = partitioned
+    w, seen = model[0].weight, []
+    model[0].register_forward_pre_hook(lambda m, args: seen.append(type(m.weight)))
+    with zero3.GatheredParameters([w]):
+        assert type(w) is PendingGradParameter
+        with torch.no_grad():  # an evaluation forward: its step ends with it
+            model(torch.randn(2, 3))
+        assert seen == [nn.Parameter]
+        assert type(w) is PendingGradParameter
+        with pytest.raises(ZeroStateError, match="safe_set_full_grad"):
+            w.grad = torch.ones(5, 3)
+
+
 def test_deepcopy_of_a_partitioned_parameter_raises_naming_it(partitioned):
     model, _, _ = partitioned
     with pytest.raises(ZeroStateError, match=r"cannot deepcopy partitioned parameter 0\.weight"):

@@ -103,6 +103,7 @@ class RuntimeContext:
     window_backwards: int = 0  # backwards ended since the last boundary (or since their gradients were dropped)
     boundary_override: bool | None = None  # engine.set_gradient_accumulation_boundary; None: every n-th
     grads_set: bool = False  # safe_set_full_grad / safe_set_local_grad set a gradient since the last engine.step()
+    guarded_grads: list[ZeroParameter] = field(default_factory=list)  # PendingGradParameters, given back as a step begins
     io: AsyncIO | None = None  # the threads of every swap file of this context (made with the first)
     offloaded: StatesOffload | None = None  # engine.offload_states (made on its first call)
     # The hooks' gather of a parameter read in a backward after its module's backward closed

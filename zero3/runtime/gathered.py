@@ -199,7 +199,7 @@ class GatheredParameters:
             ctx.coordinator.release_for_user(self.params)  # parameter out of every later gather on this rank)
             raise
         if ctx.attached and not ctx.coordinator.in_step:  # between steps, p.grad is guarded as it is there (review
-            guard_pending_grads(fresh)                    # 35R1: a gradient assigned here was taken and ignored)
+            ctx.guarded_grads += guard_pending_grads(fresh)  # 35R1: a gradient assigned was taken and ignored)
         self._entry = [(p, raw_data(p).clone()) for p in kept]  # [Note: a modifier block that raised]
         if self.modifier_rank is None and fresh:  # [Note: writes that GatheredParameters discards]
             self._read_only = (fresh, _fingerprints(fresh), [published.get(p._zero.id, 0) for p in fresh])

@@ -24,7 +24,7 @@ import torch
 from ..comm.communicator import Communicator
 from ..errors import ZeroError, ZeroStateError
 from ..offload.residence import ShardStore
-from ..partition.param import ZeroParameter, guard_pending_grads, unguard_pending_grads
+from ..partition.param import guard_pending_grads, unguard_pending_grads
 from .context import RuntimeContext
 
 
@@ -88,7 +88,6 @@ class StepLifecycle:
         self._close_calls = close_calls
         self._backward_t0 = 0.0  # when the running backward began
         self._aborted = False  # the last step was aborted and no other began since
-        self._pending: list[ZeroParameter] = []  # gathered parameters whose .grad reads are guarded
         self.guard_grads()  # from initialize on, as between steps
 
     def enter(self, phase: StepPhase) -> None:
@@ -102,9 +101,9 @@ class StepLifecycle:
                     self.ctx.refresh_stale_persistent()
                 self._aborted = False  # a new step begins
                 self.ctx.comm.step_began()
-                if self._pending:
-                    unguard_pending_grads(self._pending)
-                    self._pending = []
+                if self.ctx.guarded_grads:  # guarded between steps (here and by GatheredParameters)
+                    unguard_pending_grads(self.ctx.guarded_grads)
+                    self.ctx.guarded_grads = []
             if phase is StepPhase.BACKWARD:
                 self._backward_t0 = time.perf_counter()
             elif self.phase is StepPhase.BACKWARD:
@@ -115,7 +114,7 @@ class StepLifecycle:
         """Between steps, guard ``.grad`` of every gathered trainable parameter (the next step takes it
         back): a gradient assigned then, which the optimizer would not see, is refused (probe 35B)."""
         if self.phase is StepPhase.IDLE:
-            self._pending += guard_pending_grads(self.ctx.params)
+            self.ctx.guarded_grads += guard_pending_grads(self.ctx.params)
 
     @property
     def open(self) -> bool:
@@ -169,8 +168,8 @@ class StepLifecycle:
             self._end(aborted=True, reason=f"removed its hooks in the middle of step {self.ctx.global_steps}")
         else:
             self.ctx.coordinator.end_step(aborted=True)
-        unguard_pending_grads(self._pending)
-        self._pending = []
+        unguard_pending_grads(self.ctx.guarded_grads)
+        self.ctx.guarded_grads = []
 
     def end_epochs(self) -> None:
         """``engine.step()``: the epoch of every communicator ends with the optimizer step."""
