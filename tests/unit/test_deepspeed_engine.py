@@ -360,6 +360,25 @@ def test_a_scheduler_factory_is_refused_before_anything_changes_and_a_retry_trai
     assert opt.param_groups[0]["lr"] == 0.5
 
 
+def test_a_scheduler_factory_is_called_once_over_the_optimizer_given():
+    """Review 35R2: called first over a stand-in optimizer, a factory that caches its scheduler (transformers'
+    Trainer.create_scheduler, which its DeepSpeed integration passes as a callable) handed that one back,
+    and the lr never changed; one reading the optimizer's class or defaults failed."""
+    made = []
+
+    def create_scheduler(optimizer):
+        assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["betas"] == (0.9, 0.999)
+        if not made:
+            made.append(torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5))
+        return made[0]
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    engine = zero3.initialize(model, opt, {}, lr_scheduler=create_scheduler)
+    _train_step(engine, 0)
+    assert len(made) == 1 and made[0].optimizer is opt and opt.param_groups[0]["lr"] == 0.5
+
+
 @pytest.mark.parametrize("how", ["section", "lr_scheduler"])
 def test_a_schedule_without_an_optimizer_is_refused_at_initialize(how):
     model = _model()

@@ -383,8 +383,8 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     (comm/model_parallel.py). Validates the arguments, the optimizer (its type, freshness and
     parameters), meta parameters and embeddings before it changes anything; what only the built
     shards tell (a param group of several dtypes, a parameter of another engine's group) is refused
-    after the model was partitioned, its values kept in the shards. A scheduler factory is tried over
-    a stand-in of the optimizer first, so what it makes is refused before anything changes too.
+    after the model was partitioned, its values kept in the shards. A scheduler factory is called over
+    a torch optimizer given before anything changes (the shards replace only its groups' ``params``).
     """
     if model.__dict__.get("_zero3_context") is not None:
         raise ZeroStateError("zero3.initialize was already called on this model; call engine.remove_hooks() "
@@ -421,6 +421,11 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     config = config.for_world_size(group_info(group)[1])  # DeepSpeed's batch-size rule needs the world size
     _check_nvme_shards(model, config, PlacementPolicy.from_config(config))
     _check_init_precision(model, config)
+    if isinstance(optimizer, torch.optim.Optimizer) and lr_scheduler is not None:
+        # a factory, called once over the optimizer as given, before anything changes, so that what it makes is
+        # refused then (probe 35B2: refused after, the optimizer was pointed at the shards and could not be given
+        # again; review 35R2: called twice, a factory that caches its scheduler handed back the first one)
+        lr_scheduler = _scheduler_from(lr_scheduler, optimizer)
     _drop_stale_grads(model)
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
     units = [[p for p in m.parameters() if p.requires_grad] for m in leaf_modules(model, config.training.leaf_modules)]
@@ -518,28 +523,13 @@ def _scheduler_from(given: Any, optimizer: torch.optim.Optimizer) -> Any:
     return made
 
 
-def _try_factory(factory: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Call a scheduler factory over a stand-in of ``optimizer`` (its groups' settings over a dummy
-    tensor each) before ``initialize`` changes anything, so that what `_scheduler_from` refuses is refused
-    then: refused after the optimizer was pointed at the shards, it could not be given again (probe 35B2)."""
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [torch.zeros(1, requires_grad=True)]}
-              for g in optimizer.param_groups]
-    try:
-        stand_in = torch.optim.SGD(groups, lr=optimizer.defaults.get("lr", 1e-3))
-    except Exception:  # noqa: BLE001 - settings SGD does not take: the real call checks it
-        return
-    _scheduler_from(factory, stand_in)
-
-
 def _check_scheduler(scheduler: Any, optimizer: Any) -> None:
     """A scheduler (with ``step()``) or a factory of one, over the optimizer given: one over another
     optimizer would schedule that one while the engine's kept its lr, silently."""
     if scheduler is None:
         return
-    if isinstance(scheduler, type) or (callable(scheduler) and not hasattr(scheduler, "step")):
-        if isinstance(optimizer, torch.optim.Optimizer):  # a factory, called over the optimizer as DeepSpeed calls it
-            _try_factory(scheduler, optimizer)
-        return
+    if isinstance(scheduler, type):
+        return  # a scheduler class: a factory, called over the optimizer (as DeepSpeed calls it)
     if not (hasattr(scheduler, "step") or callable(scheduler)):
         raise ZeroConfigError(f"zero3.initialize: lr_scheduler must be a scheduler (an object with step()) or a "
                               f"callable(optimizer) -> scheduler, got {type(scheduler).__name__}: {scheduler!r}")
