@@ -261,6 +261,7 @@ class _FileStream:
         for staged in self.staged.values():
             try:
                 staged.unlink(missing_ok=True)
+                staged.with_name(staged.name + ".tmp").unlink(missing_ok=True)  # its rename failed (review 35R2)
             except OSError:
                 pass  # never raises, as SafetensorsWriter.abort
 
@@ -273,7 +274,7 @@ _CONFIGS = ".zero3-staged-configs"
 def _prepare_directory(directory: Path) -> None:
     """Create ``directory``; remove what a killed save left (staged files, kept old ones)."""
     directory.mkdir(parents=True, exist_ok=True)
-    for entry in [*directory.glob(f".*{_STAGED}"), *directory.glob(f".*{_OLD}")]:
+    for entry in [*directory.glob(f".*{_STAGED}*"), *directory.glob(f".*{_OLD}")]:  # with a writer's .tmp
         entry.unlink()
     shutil.rmtree(directory / _CONFIGS, ignore_errors=True)
 
@@ -477,7 +478,9 @@ class _DirectoryWriter:
             self.stream.finish()
             floating = [s.dtype for s in sources if s.dtype.is_floating_point and isinstance(s.tensor, nn.Parameter)]
             _write_configs(self.module, configs, dtype or (floating[0] if floating else torch.float32))
-            staged.update((f.name, f) for f in sorted(configs.glob("*.json")))
+            # every file the configs' save_pretrained wrote: a custom model's code too (review 35R2: the .py files
+            # auto_map names were dropped, and the save no longer loaded with trust_remote_code)
+            staged.update((f.name, f) for f in sorted(configs.iterdir()) if f.is_file()) if configs.is_dir() else None
             if self.split.sharded:  # the index last: until it is in place, the old one describes the old files
                 staged[INDEX_NAME] = self._write_index()
             _commit(self.directory, staged, _stale(self.directory, self.split))
