@@ -78,7 +78,9 @@ def check_mpu(mpu: Any, dp_group: Any) -> tuple[Any, int, int]:
     found, problem = (None, 1, 0), None
     try:
         found = model_parallel_group(mpu) or (None, 1, 0)
-        if found[1] > 1:
+        if dp_group is not None and dist.is_available() and dist.is_initialized():  # first: another group given
+            problem = _given_group_problem(mpu, dp_group, sorted(dist.get_process_group_ranks(dp_group)))
+        if found[1] > 1 and problem is None:  # (review 35R2: the mpu was blamed for a group it did not give)
             check_orthogonal(dp_group, found[0])
     except ZeroConfigError as exc:
         problem = str(exc)
@@ -89,8 +91,6 @@ def check_mpu(mpu: Any, dp_group: Any) -> tuple[Any, int, int]:
     me = dist.get_rank()
     dp = sorted(dist.get_process_group_ranks(dp_group if dp_group is not None else dist.group.WORLD))
     mp = sorted(dist.get_process_group_ranks(found[0])) if found[1] > 1 and problem is None else [me]
-    if problem is None and dp_group is not None:
-        problem = _given_group_problem(mpu, dp_group, dp)
     size = getattr(mpu, "get_data_parallel_world_size", None)
     if problem is None and callable(size) and size() != len(dp):
         problem = f"mpu.get_data_parallel_world_size() = {size()!r}, but its data-parallel group has {len(dp)} ranks"
