@@ -268,6 +268,9 @@ def grad_writes_without_gradient(threshold: int) -> dict:
     write(model.a.weight)  # after an evaluation forward (review 35R1: a kept-gathered one was torch's again)
     with zero3.GatheredParameters([model.unused.weight]):
         write(model.unused.weight)  # gathered between steps (review 35R1: taken and ignored)
+    model.unused.weight.all_gather()  # DeepSpeed's own gather (review 35R2: taken and ignored)
+    write(model.unused.weight)
+    model.unused.weight.partition()
     with zero3.GatheredParameters(list(model.parameters())):
         diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
     return {"refused": refused, "diff": diff, "steps": engine.global_steps}
@@ -276,7 +279,7 @@ def grad_writes_without_gradient(threshold: int) -> dict:
 @pytest.mark.parametrize("threshold", [0, 10**6])  # partitioned, and kept gathered (persistent)
 def test_a_gradient_assigned_where_the_shard_holds_none_is_refused(pools, threshold):
     for r in pools.get(2).run(grad_writes_without_gradient, threshold):
-        assert r["refused"] == [True] * 5, r
+        assert r["refused"] == [True] * 6, r
         assert r["steps"] == 1 and r["diff"] < 1e-6, r
 
 

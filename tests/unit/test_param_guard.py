@@ -323,11 +323,12 @@ def test_a_gathered_parameter_is_a_plain_nn_parameter_that_keeps_the_zero3_api(p
 
 
 def test_deepspeed_all_gather_then_partition_works_on_the_gathered_parameter(partitioned):
-    """``p.all_gather()`` makes ``p`` a plain nn.Parameter; its ``partition()`` must still be there."""
+    """``p.all_gather()`` makes ``p`` torch's class (between steps the subclass that guards .grad, review
+    35R2); its ``partition()`` must still be there."""
     model, _, original = partitioned
     w = model[0].weight
     w.all_gather()
-    assert type(w) is nn.Parameter and torch.equal(w, original["0.weight"])
+    assert type(w) is PendingGradParameter and torch.equal(w, original["0.weight"])
     w.partition()
     assert w.ds_status is ParamStatus.NOT_AVAILABLE
     assert w.untyped_storage().nbytes() == 0

@@ -201,7 +201,7 @@ class ZeroParameter(nn.Parameter, metaclass=_ZeroParameterType):
         params = _sorted_params(self, param_list)
         self._zero.ctx.require_states("param.all_gather()", ("lp_params",))
         self._zero.ctx.refresh_stale_persistent()  # a local setter's stale persistent copies (runtime/persistent.py)
-        self._zero.ctx.coordinator.gather_for_user(params)
+        self._zero.ctx.gather_for_user(params)
 
     def partition(self, param_list: Any = None, has_been_updated: bool = False) -> None:
         """DeepSpeed's ``param.partition()``: end an `all_gather`. With ``has_been_updated`` the

@@ -50,7 +50,7 @@ from ..comm.model_parallel import ModelParallel, is_tensor_parallel
 from ..optim.optimizer import PartitionedOptimizer, resident_bytes, validate_optimizer
 from ..partition import conversion
 from ..partition.ids import next_id, skip_to
-from ..partition.param import _TENSOR_GRAD, ZeroParameter, drop_grad_slot, partition, raw_data
+from ..partition.param import _TENSOR_GRAD, ZeroParameter, drop_grad_slot, guard_pending_grads, partition, raw_data
 from ..optim.precision import lower_buffers, lower_precision, torch_dtype
 from ..partition.state import ParamStatus
 from ..optim.routed_step import own_scheduler
@@ -274,6 +274,15 @@ class RuntimeContext:
         opt = self.optimizer
         if opt is None or opt.backward_step is None or self.metrics.backward_seconds == 0.0:
             take_persistent_writes(self.coordinator.persistent_params, functools.partial(self.resident, write=True))
+
+    def gather_for_user(self, params: list[ZeroParameter]) -> None:
+        """Gather ``params`` for the user (``GatheredParameters``, DeepSpeed's ``param.all_gather()``), held
+        until released; between steps the ``.grad`` of those it gathers is guarded as there (review 35R1,
+        35R2: a gradient assigned to one was taken and ignored)."""
+        fresh = [p for p in params if p._zero.status is ParamStatus.NOT_AVAILABLE]
+        self.coordinator.gather_for_user(params)
+        if self.attached and not self.coordinator.in_step:
+            self.guarded_grads += guard_pending_grads(fresh)
 
     def refresh_stale_persistent(self) -> None:
         """Before a forward or a user gather between steps: the persistent parameters a local setter

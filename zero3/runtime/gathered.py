@@ -85,7 +85,7 @@ from torch import nn
 
 from ..comm.communicator import Kind, Tag
 from ..errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroStateError
-from ..partition.param import ZeroParameter, guard_pending_grads, raw_data
+from ..partition.param import ZeroParameter, raw_data
 from ..partition.state import MEMORY, ParamStatus
 from .context import RuntimeContext
 from .publish import into_shards, published, refuse_reshape, reshaped_ids
@@ -194,12 +194,10 @@ class GatheredParameters:
             if self.modifier_rank is not None and self.modifier_rank is not LOCAL_MODIFIER else []
         self._in_step = torch.is_grad_enabled() and ctx.coordinator.in_step
         try:
-            ctx.coordinator.gather_for_user(self.params)
+            ctx.gather_for_user(self.params)
         except BaseException:  # nothing entered: undo its pins (review 30Z4: a pin left by a divergence kept the
             ctx.coordinator.release_for_user(self.params)  # parameter out of every later gather on this rank)
             raise
-        if ctx.attached and not ctx.coordinator.in_step:  # between steps, p.grad is guarded as it is there (review
-            ctx.guarded_grads += guard_pending_grads(fresh)  # 35R1: a gradient assigned was taken and ignored)
         self._entry = [(p, raw_data(p).clone()) for p in kept]  # [Note: a modifier block that raised]
         if self.modifier_rank is None and fresh:  # [Note: writes that GatheredParameters discards]
             self._read_only = (fresh, _fingerprints(fresh), [published.get(p._zero.id, 0) for p in fresh])
