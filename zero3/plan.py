@@ -105,7 +105,7 @@ def record_trace(model: nn.Module, make_inputs: Callable[[], Sequence[Any]], con
         if trace is None:  # every parameter is persistent: no module gathers anything, a valid plan
             params = engine.coordinator.persistent
             infos = {p._zero.id: ParamInfo(id=p._zero.id, name=p._zero.name, numel=p._zero.numel,
-                                           nbytes=p._zero.nbytes, persistent=True) for p in params}
+                                           nbytes=p._zero.nbytes, persistent=True, trains=p.requires_grad) for p in params}
             trace = Trace("all-persistent", 0, (), infos)
         return trace
     finally:
@@ -127,9 +127,9 @@ def _default_loss(out: Any) -> torch.Tensor:
 
 def predict(trace: Trace, config: Any = None, world_size: int = 1) -> Prediction:
     """Plan ``trace`` with ``config``'s budgets. With ``memory_budget`` (bytes) the knobs are chosen as
-    the runtime chooses them after its first step (planning/budget.py), the largest parameter counted as
-    the largest gradient piece (a trace does not say which are trainable); it was ignored before, and the
-    default budgets planned (probe 35E: a peak above the budget itself)."""
+    the runtime chooses them after its first step (planning/budget.py), the largest trainable parameter
+    counted as the largest gradient piece (a leaf module's unit, reduced whole, is not known to a trace);
+    it was ignored before, and the default budgets planned (probe 35E: a peak above the budget itself)."""
     cfg = resolve_config(config)
     budget = cfg.budget.memory_budget
     if budget is None:
@@ -138,8 +138,8 @@ def predict(trace: Trace, config: Any = None, world_size: int = 1) -> Prediction
         raise ValueError("predict(memory_budget='auto'): 'auto' takes the free memory of the machine that trains; "
                          "give the bytes per rank")
     sizes = [(info.name, info.numel, info.nbytes) for info in trace.params.values()]
-    static = choose_static(sizes, budget, torch_dtype(cfg.precision.reduce_dtype).itemsize,
-                           max((n for _, n, _ in sizes), default=0))
+    static = choose_static(sizes, budget, torch_dtype(cfg.precision.reduce_dtype).itemsize,  # review 35R2: the
+                           max((i.numel for i in trace.params.values() if i.trains), default=0))  # largest trainable
     chosen = choose_schedule(trace, static.room).config
     return Prediction(trace=trace, schedule=plan(trace, chosen), world_size=world_size)
 

@@ -107,3 +107,34 @@ def test_a_prediction_equals_what_a_training_step_measures(config) -> None:
     assert {"gathers": s.num_allgathers, "numel": s.allgather_numel} == _measured(config)
     if "memory_budget" in config:
         assert s.peak_live_bytes <= config["memory_budget"]
+
+
+class _FrozenTable(nn.Module):
+    """The largest parameter, a table, frozen: the reduce bucket is sized by the largest trainable one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e, self.a, self.b = nn.Embedding(1000, 64), nn.Linear(64, 64), nn.Linear(64, 8)
+        self.e.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(self.e(x)))
+
+
+def test_a_prediction_under_memory_budget_counts_trainable_parameters_only() -> None:
+    """Review 35R2: the largest parameter was counted as a gradient piece although frozen, and budgets a
+    run trains with were refused (a reduce bucket of 256,000 bytes against the run's 31,250 elements)."""
+    config = {"memory_budget": 400_000}
+    with torch.device("meta"):
+        model = _FrozenTable()
+    s = predict(record_trace(model, lambda: (torch.zeros(2, 8, dtype=torch.long, device="meta"),), config),
+                config).schedule.stats
+    torch.manual_seed(0)
+    real = _FrozenTable()
+    engine = zero3.initialize(real, torch.optim.SGD([p for p in real.parameters() if p.requires_grad], lr=0.1), config)
+    for _ in range(3):
+        engine.backward(engine(torch.zeros(2, 8, dtype=torch.long)).sum())
+        engine.step()
+    m = engine.last_step_metrics
+    engine.remove_hooks()
+    assert (s.num_allgathers, s.allgather_numel) == (m.allgather_calls, m.allgather_numel)

@@ -97,7 +97,8 @@ class ParamInfo:
     """Static facts about one parameter, as the planner needs them.
 
     `numel` and `nbytes` are the full (unpartitioned, unpadded) sizes. A persistent param stays
-    gathered for the whole run, so the planner never fetches, releases or counts it.
+    gathered for the whole run, so the planner never fetches, releases or counts it. `trains`: it
+    gets gradients (`memory_budget` sizes the reduce bucket by the largest such).
     """
 
     id: int
@@ -105,6 +106,7 @@ class ParamInfo:
     numel: int
     nbytes: int
     persistent: bool = False
+    trains: bool = True
 
     def __post_init__(self) -> None:
         if self.numel < 0:
@@ -309,8 +311,8 @@ def trace_to_json(trace: Trace) -> str:
     """A trace as JSON (events and param sizes), the input format of ``python -m zero3.plan``."""
     return json.dumps({
         "format": "zero3-trace", "version": 1, "key": trace.key, "trace_version": trace.version,
-        "params": [{"id": p.id, "name": p.name, "numel": p.numel, "nbytes": p.nbytes, "persistent": p.persistent}
-                   for p in trace.params.values()],
+        "params": [{"id": p.id, "name": p.name, "numel": p.numel, "nbytes": p.nbytes, "persistent": p.persistent,
+                    "trains": p.trains} for p in trace.params.values()],
         "events": [[e.kind.value, e.module, list(e.params)] for e in trace.events],
     })
 

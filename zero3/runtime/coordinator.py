@@ -327,7 +327,7 @@ class ParamCoordinator:
 
     def _param_infos(self) -> dict[int, ParamInfo]:
         return {pid: ParamInfo(id=pid, name=p._zero.name, numel=p._zero.numel, nbytes=p._zero.nbytes,
-                               persistent=p._zero.persistent) for pid, p in self._by_id.items()}
+                               persistent=p._zero.persistent, trains=p.requires_grad) for pid, p in self._by_id.items()}
 
     # -- fetch and release -------------------------------------------------------------------------
     def fetch(self, params: Iterable[ZeroParameter], label: str | None = None, training: bool = True) -> None:
