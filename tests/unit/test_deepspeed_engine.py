@@ -642,3 +642,29 @@ def test_was_step_applied_and_global_samples_count_as_deepspeed_s_and_global_sam
     plain = zero3.initialize(_model(), config=ADAMW)  # no batch size in the config: refused by name
     with pytest.raises(ZeroConfigError, match="train_micro_batch_size_per_gpu"):
         plain.global_samples
+
+
+def test_a_checkpoint_of_another_kind_of_scheduler_is_refused_before_anything_is_loaded(tmp_path):
+    """Probe 35F: torch's SequentialLR.load_state_dict raised a bare KeyError after the weights, the optimizer
+    state and the counters were the checkpoint's; refused now, naming the scheduler, with nothing loaded."""
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    src = zero3.initialize(model, opt, {}, lr_scheduler=lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10))
+    for step in range(2):
+        _train_step(src, step)
+    src.save_checkpoint(str(tmp_path), tag="c")
+    model = _model()
+    sequential = lambda o: torch.optim.lr_scheduler.SequentialLR(  # noqa: E731
+        o, [torch.optim.lr_scheduler.ConstantLR(o, 0.5, 2), torch.optim.lr_scheduler.CosineAnnealingLR(o, 10)], [2])
+    engine = zero3.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-2), {}, lr_scheduler=sequential)
+    _train_step(engine, 5)
+    with zero3.GatheredParameters(list(model.parameters())):
+        before = [p.detach().clone() for p in model.parameters()]
+    state, lr = str(engine.lr_scheduler.state_dict()), engine.get_lr()
+    with pytest.raises(zero3.CheckpointMismatchError, match="does not load into this engine's SequentialLR"):
+        engine.load_checkpoint(str(tmp_path), tag="c")
+    with zero3.GatheredParameters(list(model.parameters())):
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert engine.global_steps == 1 and engine.get_lr() == lr and str(engine.lr_scheduler.state_dict()) == state
+    engine.load_checkpoint(str(tmp_path), tag="c", load_lr_scheduler_states=False)
+    assert engine.global_steps == 2

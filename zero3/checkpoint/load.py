@@ -236,6 +236,7 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
     reader: CheckpointReader | None = None
     plan: _LoadPlan | None = None
     error: BaseException | None = None
+    scheduler_before: dict | None = None
     mp = ctx.model_parallel
     try:
         ctx.require_states("load_checkpoint", ("lp_params", "hp_params", "optim_states"))
@@ -251,17 +252,20 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
         for j, keys in plan.needed.items():
             for key, numel, dtype in keys:
                 reader.check_entry(j, key, numel, dtype)
+        scheduler_before = _load_scheduler(lr_scheduler, reader)
     except Exception as exc:  # noqa: BLE001 - agreed across ranks below
         error = exc
     try:
         exchange(ctx, None, error, "load_checkpoint validation")
     except BaseException:
+        if scheduler_before is not None:
+            lr_scheduler.load_state_dict(scheduler_before)  # another rank's check failed: as it was
         if reader is not None:
             reader.close()
         raise
     assert reader is not None and plan is not None
     with reader, torch.no_grad():
-        _apply(ctx, reader, plan, lr_scheduler, not load_module_only)
+        _apply(ctx, reader, plan, not load_module_only)
     if load_optimizer_states and ctx.optimizer is not None and ctx.optimizer.backward_step is not None:
         ctx.optimizer.backward_step.recovered()  # a step in backward aborted in place is behind us
     logger.info("zero3::checkpoint loaded %s (saved by %d ranks) on rank %d of %d", reader.path,
@@ -270,8 +274,33 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
     return str(reader.path), {} if client_state is None else client_state
 
 
-def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_scheduler: Any,
-           training_state: bool) -> None:
+def _load_scheduler(lr_scheduler: Any, reader: CheckpointReader) -> dict | None:
+    """Load the saved scheduler state first, before anything else changes, and return the state it had
+    (None when nothing was loaded). Probe 35F: a scheduler of another kind (a SequentialLR over a saved
+    CosineAnnealingLR) raised torch's bare KeyError after the weights, optimizer state and counters were
+    written; refused now naming both, with everything as it was."""
+    if lr_scheduler is None:
+        return None
+    if reader.meta.get("lr_scheduler") is None:
+        logger.warning("zero3::checkpoint %s holds no scheduler state; the scheduler is unchanged", reader.path)
+        return None
+    before = lr_scheduler.state_dict()
+    try:
+        lr_scheduler.load_state_dict(from_json(reader.meta["lr_scheduler"]))
+    except Exception as exc:  # noqa: BLE001 - any failure of torch's load: named, nothing else changed
+        try:
+            lr_scheduler.load_state_dict(before)
+        except Exception:  # noqa: BLE001 - the error below is what matters
+            pass
+        raise CheckpointMismatchError(
+            f"{reader.path}: the saved scheduler state does not load into this engine's "
+            f"{type(lr_scheduler).__name__} ({type(exc).__name__}: {exc}): it was saved by another kind of "
+            "scheduler. Build the scheduler it was saved with, or load with load_lr_scheduler_states=False; "
+            "nothing was loaded") from None
+    return before
+
+
+def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, training_state: bool) -> None:
     meta = reader.meta
     on_device = ctx.optimizer.steps_on_device() if plan.load_optimizer and ctx.optimizer is not None else set()
     for p in ctx.params:
@@ -319,11 +348,6 @@ def _apply(ctx: RuntimeContext, reader: CheckpointReader, plan: _LoadPlan, lr_sc
         ctx.optimizer.load_group_hyperparameters(
             [{k: from_json(v) for k, v in saved.items() if k != "params"} for saved in meta["optimizer"]["param_groups"]])
         ctx.optimizer.load_plain_states(from_json(meta["optimizer"].get("plain_states", [])))  # none before 12-05
-    if lr_scheduler is not None:
-        if meta.get("lr_scheduler") is None:
-            logger.warning("zero3::checkpoint %s holds no scheduler state; the scheduler is unchanged", reader.path)
-        else:
-            lr_scheduler.load_state_dict(from_json(meta["lr_scheduler"]))
     scaler = ctx.optimizer.scaler if ctx.optimizer is not None else None
     if scaler is not None and hasattr(scaler, "load_state_dict") and meta.get("loss_scaler") is not None:
         scaler.load_state_dict(from_json(meta["loss_scaler"]))
