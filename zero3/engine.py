@@ -43,6 +43,8 @@ from .runtime.deepspeed_engine import DeepSpeedEngineNames
 from .runtime.refusals import route_parametrizations, route_pruning
 from .metrics import StepMetrics
 from .comm.model_parallel import check_mpu, data_parallel_group
+from .offload.policy import PlacementPolicy
+from .offload.swapfile import check_swap_directories
 from .optim.grad_norm import clip_shards
 from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
@@ -617,6 +619,7 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
     resolved, error = None, None
     try:
         resolved = resolve_config(config)
+        check_swap_directories(PlacementPolicy.from_config(resolved).swap_directories())  # every rank raises then
     except ZeroConfigError as exc:
         error = exc
     agree_on_config(group, resolved, error, "zero3.initialize")

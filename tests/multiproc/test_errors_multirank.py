@@ -152,3 +152,56 @@ def test_a_backward_refused_at_its_end_leaves_no_gradient_to_the_next_step(pools
     for r in pools.get(2).run(refused_at_backward_end):
         assert "sparse" in r["refused"], r
         assert r["left"] == [] and r["diff"] < 1e-6, r
+
+
+def refused_before_anything_changes(tmp: str) -> dict:
+    """Probe 35F: refusals that came after the model was partitioned, or on one rank alone."""
+    import zero3.offload.swapfile as swapfile
+    rank = dist.get_rank()
+    said: dict = {}
+    # a swap directory one rank cannot make: that rank raised alone, after partitioning; the others waited
+    makedirs = swapfile.os.makedirs
+
+    def refusing(path, *args, **kwargs):
+        if rank == 1 and "swap" in str(path):
+            raise PermissionError(13, "Permission denied")
+        return makedirs(path, *args, **kwargs)
+
+    model = nn.Linear(4, 4)
+    swapfile.os.makedirs = refusing
+    try:
+        zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         {"offload_optimizer": {"device": "nvme", "nvme_path": f"{tmp}/swap"}})
+    except zero3.ZeroConfigError as exc:
+        said["swap"] = str(exc)
+    finally:
+        swapfile.os.makedirs = makedirs
+    said["swap_model_untouched"] = not zero3.is_zero_param(model.weight)
+    # modifier_rank given differently on the ranks: each broadcast from its own, and both waited
+    model = nn.Linear(4, 4)
+    zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    try:
+        with zero3.GatheredParameters([model.weight], modifier_rank=rank):
+            pass
+    except zero3.ZeroConfigError as exc:
+        said["modifier"] = str(exc)
+    # a parameter built under Init over another group: refused after the others were partitioned
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    with zero3.Init(data_parallel_group=alone[rank]):
+        head = nn.Linear(4, 2)
+    model = nn.Sequential(nn.Linear(4, 4), head)
+    try:
+        zero3.initialize(model, None)
+    except zero3.ZeroConfigError as exc:
+        said["group"] = str(exc)
+    said["group_model_untouched"] = not zero3.is_zero_param(model[0].weight)
+    zero3.initialize(model, None, group=alone[rank])  # the retry with Init's group
+    return said
+
+
+def test_refusals_come_on_every_rank_before_the_model_changes(pools, tmp_path):
+    for r in pools.get(2).run(refused_before_anything_changes, str(tmp_path)):
+        assert "the config is invalid on rank 1: cannot create the swap directory" in r["swap"], r
+        assert "differs between ranks (rank 0: 0, rank 1: 1)" in r["modifier"], r
+        assert "parameter '1.weight' was partitioned over a group of world size 1" in r["group"], r
+        assert r["swap_model_untouched"] and r["group_model_untouched"], r

@@ -61,6 +61,11 @@ class PlacementPolicy:
                    step_in_backward=config.offload.offload_optimizer_step_in_backward,
                    aio_threads=config.offload.aio_thread_count, mixed_precision=config.precision.dtype != "fp32")
 
+    def swap_directories(self) -> list[str]:
+        """The directories the swap files of parameters and optimizer state go to."""
+        return list(dict.fromkeys(path for on, path in ((self.params_on_drive, self.param_nvme_path),
+                                                        (self.optimizer_device == "nvme", self.optimizer_nvme_path)) if on))
+
     # -- parameter shards ----------------------------------------------------------------------------
     @property
     def params_on_host(self) -> bool:

@@ -61,6 +61,21 @@ def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
 
 
 # -- files and threads -----------------------------------------------------------------------------
+def check_swap_directories(directories: list[str]) -> None:
+    """Make each swap directory and open a file there, before ``initialize`` changes anything, so that every
+    rank can raise what one rank's drive refuses (probe 35F: it raised on that rank alone, after the model
+    was partitioned, and the others waited in the next collective).
+
+    Raises:
+        ZeroConfigError: naming the directory and the drive's error."""
+    for directory in directories:
+        try:
+            SwapFile(directory, "checked by initialize")  # unlinked at once, closed when dropped
+        except OSError as exc:
+            raise ZeroConfigError(f"cannot write a swap file in {directory!r}: {exc.strerror}; set an nvme_path on "
+                                  "a writable drive") from exc
+
+
 class SwapFile:
     """One swap file under ``directory``, unlinked as soon as it is opened, O_DIRECT where the
     filesystem allows it. It is carved into fixed regions: each key gets one the first time it is

@@ -455,13 +455,14 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     if mpu is not None:
         ctx.model_parallel = ModelParallel.from_mpu(mpu, config, ctx.group, ctx.metrics)
     ctx.module = model
+    for name, p in model.named_parameters():  # before anything is partitioned (probe 35F: refused half-way, the
+        if isinstance(p, ZeroParameter):      # model's other parameters were partitioned, and no retry could work)
+            _check_group(ctx, name, p)
     align_ids(ctx.comm)  # before partitioning: the same ids on every rank (partition/ids.py)
     take_from_rank0(ctx.comm, [(name, p) for name, p in model.named_parameters() if not isinstance(p, ZeroParameter)])
     ModuleBuffers(ctx.comm, model).take_from_rank0("initialize")  # as DDP: every rank starts from rank 0's
     for name, p in model.named_parameters():
-        if isinstance(p, ZeroParameter):
-            _check_group(ctx, name, p)
-        else:
+        if not isinstance(p, ZeroParameter):
             p = ctx.partition(p, name)
         p._zero.name = name
         p._zero.ctx = ctx

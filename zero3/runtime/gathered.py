@@ -342,11 +342,16 @@ class GatheredParameters:
         if self.modifier_rank is None or self.modifier_rank is LOCAL_MODIFIER or ctx.world_size == 1 \
                 or isinstance(exc, (ZeroCommunicationError, ZeroDivergenceError)):
             return [ctx.rank] if exc is not None else []
-        flags = torch.zeros(ctx.world_size, dtype=torch.int64)
-        flags[ctx.rank] = int(exc is not None)
+        flags = torch.zeros(2 * ctx.world_size, dtype=torch.int64)  # each rank's error, then its modifier_rank
+        flags[ctx.rank], flags[ctx.world_size + ctx.rank] = int(exc is not None), self.modifier_rank
         ctx.comm.all_reduce(flags, Tag(Kind.ALL_REDUCE, f"GatheredParameters(modifier_rank={self.modifier_rank}) "
                                        "exit", self._ids), op="max")
-        return [r for r, f in enumerate(flags.tolist()) if f]
+        modifiers = flags[ctx.world_size:].tolist()
+        if len(set(modifiers)) > 1:  # probe 35F: each rank broadcast from its own, and all of them waited
+            raise ZeroConfigError("GatheredParameters(modifier_rank=...) differs between ranks (" + ", ".join(
+                f"rank {r}: {m}" for r, m in enumerate(modifiers)) + "); give every rank the same one, the rank "
+                "whose values go to all; nothing was written")
+        return [r for r, f in enumerate(flags[:ctx.world_size].tolist()) if f]
 
     def _enter_parts(self, parts: list["GatheredParameters"]) -> None:
         """Several models' parameters: enter one context per model, in order (a failure leaves none entered)."""
