@@ -271,9 +271,12 @@ def grad_writes_without_gradient(threshold: int) -> dict:
     model.unused.weight.all_gather()  # DeepSpeed's own gather (review 35R2: taken and ignored)
     write(model.unused.weight)
     model.unused.weight.partition()
+    return {"refused": refused, "diff": _largest_difference(model, ref), "steps": engine.global_steps}
+
+
+def _largest_difference(model: nn.Module, ref: nn.Module) -> float:
     with zero3.GatheredParameters(list(model.parameters())):
-        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
-    return {"refused": refused, "diff": diff, "steps": engine.global_steps}
+        return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
 
 
 @pytest.mark.parametrize("threshold", [0, 10**6])  # partitioned, and kept gathered (persistent)
