@@ -668,3 +668,21 @@ def test_a_checkpoint_of_another_kind_of_scheduler_is_refused_before_anything_is
     assert engine.global_steps == 1 and engine.get_lr() == lr and str(engine.lr_scheduler.state_dict()) == state
     engine.load_checkpoint(str(tmp_path), tag="c", load_lr_scheduler_states=False)
     assert engine.global_steps == 2
+
+
+def test_a_refusal_before_partitioning_leaves_the_optimizers_lr_for_the_scheduler_of_a_retry():
+    """Review 35R3: the factory ran before later checks (here a memory_budget too small), and a warmup
+    scheduler's first step stayed in the groups' lr: the retry's schedule was a third off for good."""
+    import functools
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    warmup = functools.partial(torch.optim.lr_scheduler.ConstantLR, factor=1 / 3, total_iters=2)
+    with pytest.raises(ZeroConfigError, match="memory_budget"):
+        zero3.initialize(model, opt, {"memory_budget": 64}, lr_scheduler=warmup)
+    assert opt.param_groups[0]["lr"] == 0.3 and "initial_lr" not in opt.param_groups[0]
+    engine = zero3.initialize(model, opt, {}, lr_scheduler=warmup)
+    lrs = []
+    for step in range(3):
+        lrs.append(opt.param_groups[0]["lr"])
+        _train_step(engine, step)
+    assert lrs == pytest.approx([0.1, 0.1, 0.3])

@@ -103,7 +103,7 @@ class RuntimeContext:
     window_backwards: int = 0  # backwards ended since the last boundary (or since their gradients were dropped)
     boundary_override: bool | None = None  # engine.set_gradient_accumulation_boundary; None: every n-th
     grads_set: bool = False  # safe_set_full_grad / safe_set_local_grad set a gradient since the last engine.step()
-    guarded_grads: list[ZeroParameter] = field(default_factory=list)  # PendingGradParameters, given back as a step begins
+    guarded_grads: dict[int, ZeroParameter] = field(default_factory=dict)  # PendingGradParameters, back as a step begins
     io: AsyncIO | None = None  # the threads of every swap file of this context (made with the first)
     offloaded: StatesOffload | None = None  # engine.offload_states (made on its first call)
     # The hooks' gather of a parameter read in a backward after its module's backward closed
@@ -281,8 +281,8 @@ class RuntimeContext:
         35R2: a gradient assigned to one was taken and ignored)."""
         fresh = [p for p in params if p._zero.status is ParamStatus.NOT_AVAILABLE]
         self.coordinator.gather_for_user(params)
-        if self.attached and not self.coordinator.in_step:
-            self.guarded_grads += guard_pending_grads(fresh)
+        if self.attached and not self.coordinator.in_step:  # by id: each gather of a loop guards them again (35R3)
+            self.guarded_grads.update((id(p), p) for p in guard_pending_grads(fresh))
 
     def refresh_stale_persistent(self) -> None:
         """Before a forward or a user gather between steps: the persistent parameters a local setter
@@ -430,11 +430,6 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     config = config.for_world_size(group_info(group)[1])  # DeepSpeed's batch-size rule needs the world size
     _check_nvme_shards(model, config, PlacementPolicy.from_config(config))
     _check_init_precision(model, config)
-    if isinstance(optimizer, torch.optim.Optimizer) and lr_scheduler is not None:
-        # a factory, called once over the optimizer as given, before anything changes, so that what it makes is
-        # refused then (probe 35B2: refused after, the optimizer was pointed at the shards and could not be given
-        # again; review 35R2: called twice, a factory that caches its scheduler handed back the first one)
-        lr_scheduler = _scheduler_from(lr_scheduler, optimizer)
     _drop_stale_grads(model)
     ctx = RuntimeContext.minimal(config, group, comm, own_group=True)
     units = [[p for p in m.parameters() if p.requires_grad] for m in leaf_modules(model, config.training.leaf_modules)]
@@ -458,6 +453,12 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     for name, p in model.named_parameters():  # before anything is partitioned (probe 35F: refused half-way, the
         if isinstance(p, ZeroParameter):      # model's other parameters were partitioned, and no retry could work)
             _check_group(ctx, name, p)
+    if isinstance(optimizer, torch.optim.Optimizer) and lr_scheduler is not None:
+        # a factory, called once over the optimizer as given, after every check before partitioning, so that what it
+        # makes is refused with the optimizer as given (probe 35B2: refused after, the optimizer was pointed at the
+        # shards; review 35R2: called twice, a caching factory handed back the first; review 35R3: called before a
+        # refusal, a warmup scheduler's initial step stayed in the groups' lr, and the retry's lr was off for good)
+        lr_scheduler = _scheduler_from(lr_scheduler, optimizer)
     align_ids(ctx.comm)  # before partitioning: the same ids on every rank (partition/ids.py)
     take_from_rank0(ctx.comm, [(name, p) for name, p in model.named_parameters() if not isinstance(p, ZeroParameter)])
     ModuleBuffers(ctx.comm, model).take_from_rank0("initialize")  # as DDP: every rank starts from rank 0's
