@@ -162,3 +162,49 @@ def test_a_state_dict_in_torchs_legacy_format_loads(tmp_path):
     zero3.pretrained.load_state_dict(model, tmp_path / "legacy.pt")
     with zero3.GatheredParameters(list(model.parameters())):
         assert torch.equal(model.weight, src.weight) and torch.equal(model.bias, src.bias)
+
+
+_CUSTOM = '''
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+
+class TinyCustomConfig(PretrainedConfig):
+    model_type = "zero3_tiny_custom"
+
+    def __init__(self, hidden=8, **kw):
+        self.hidden = hidden
+        super().__init__(**kw)
+
+
+class TinyCustomModel(PreTrainedModel):
+    config_class = TinyCustomConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.lin = nn.Linear(config.hidden, config.hidden)
+        self.post_init()
+
+    def forward(self, x):
+        return self.lin(x)
+'''
+
+
+def test_a_custom_code_model_is_saved_with_its_code_and_loads_with_trust_remote_code(tmp_path, monkeypatch):
+    """Reviews 35R2, 35R3: the staged save dropped the custom model's .py file and its auto_map entry
+    (transformers' save_pretrained writes both), so the directory no longer loaded."""
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "zero3_tiny_custom.py").write_text(_CUSTOM)
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    import zero3_tiny_custom as custom
+    custom.TinyCustomConfig.register_for_auto_class()
+    custom.TinyCustomModel.register_for_auto_class("AutoModel")
+    torch.manual_seed(0)
+    model = custom.TinyCustomModel(custom.TinyCustomConfig())
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    engine.save_pretrained(tmp_path / "out")
+    assert (tmp_path / "out" / "zero3_tiny_custom.py").is_file()
+    loaded = transformers.AutoModel.from_pretrained(tmp_path / "out", trust_remote_code=True)
+    with zero3.GatheredParameters(list(model.parameters())):
+        assert torch.equal(loaded.lin.weight, model.lin.weight)

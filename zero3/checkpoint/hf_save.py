@@ -325,6 +325,10 @@ def _write_configs(module: nn.Module, directory: Path, dtype: torch.dtype) -> No
     config = copy.deepcopy(config)
     config.dtype = str(dtype).removeprefix("torch.")
     config.architectures = [type(module).__name__]
+    if getattr(module, "_auto_class", None) is not None:  # a custom model's code and its auto_map entry, as
+        from transformers.dynamic_module_utils import custom_object_save  # transformers saves them (review 35R3)
+        directory.mkdir(parents=True, exist_ok=True)
+        custom_object_save(module, directory, config=config)
     config.save_pretrained(directory)
     can_generate = getattr(module, "can_generate", None)
     generation = getattr(module, "generation_config", None)
