@@ -425,7 +425,7 @@ def guard_pending_grads(params: list[ZeroParameter]) -> list[ZeroParameter]:
     return guarded
 
 
-def unguard_pending_grads(params: list[ZeroParameter]) -> None:
+def unguard_pending_grads(params: Iterable[ZeroParameter]) -> None:
     """A step begins: those of ``params`` still guarded are torch's class again (one released or
     re-gathered since already has its class)."""
     for p in params:

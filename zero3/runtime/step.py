@@ -102,8 +102,8 @@ class StepLifecycle:
                 self._aborted = False  # a new step begins
                 self.ctx.comm.step_began()
                 if self.ctx.guarded_grads:  # guarded between steps (here and by GatheredParameters)
-                    unguard_pending_grads(self.ctx.guarded_grads)
-                    self.ctx.guarded_grads = []
+                    unguard_pending_grads(self.ctx.guarded_grads.values())
+                    self.ctx.guarded_grads = {}
             if phase is StepPhase.BACKWARD:
                 self._backward_t0 = time.perf_counter()
             elif self.phase is StepPhase.BACKWARD:
@@ -114,7 +114,7 @@ class StepLifecycle:
         """Between steps, guard ``.grad`` of every gathered trainable parameter (the next step takes it
         back): a gradient assigned then, which the optimizer would not see, is refused (probe 35B)."""
         if self.phase is StepPhase.IDLE:
-            self.ctx.guarded_grads += guard_pending_grads(self.ctx.params)
+            self.ctx.guarded_grads.update((id(p), p) for p in guard_pending_grads(self.ctx.params))
 
     @property
     def open(self) -> bool:
@@ -168,8 +168,8 @@ class StepLifecycle:
             self._end(aborted=True, reason=f"removed its hooks in the middle of step {self.ctx.global_steps}")
         else:
             self.ctx.coordinator.end_step(aborted=True)
-        unguard_pending_grads(self.ctx.guarded_grads)
-        self.ctx.guarded_grads = []
+        unguard_pending_grads(self.ctx.guarded_grads.values())
+        self.ctx.guarded_grads = {}
 
     def end_epochs(self) -> None:
         """``engine.step()``: the epoch of every communicator ends with the optimizer step."""
