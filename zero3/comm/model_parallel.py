@@ -101,7 +101,7 @@ def check_mpu(mpu: Any, dp_group: Any) -> tuple[Any, int, int]:
     failed = "; ".join(f"rank {r}: {p}" for r, (_, _, _, p) in enumerate(seen) if p is not None)
     problem = failed or _layout_problem([(set(d), set(m), k) for d, m, k, _ in seen], world)
     if problem:
-        raise ZeroConfigError(f"the model-parallel unit is wrong: {problem} (every rank stops here)")
+        raise ZeroConfigError(f"the model-parallel layout (mpu= and the data-parallel group) is wrong: {problem} (every rank stops here)")
     return found
 
 
