@@ -416,11 +416,11 @@ def drop_grad_slot(p: torch.Tensor) -> None:
         _TENSOR_GRAD.__set__(p, None)
 
 
-def guard_pending_grads(params: list[ZeroParameter]) -> list[ZeroParameter]:
-    """The end of a backward: every gathered trainable one of ``params`` becomes a
-    `PendingGradParameter`; returns them (for `unguard_pending_grads`)."""
-    guarded = [p for p in params if type(p) is nn.Parameter and p.requires_grad]
-    for p in guarded:
+def guard_pending_grads(params: list[ZeroParameter]) -> dict[int, ZeroParameter]:
+    """Between steps: every gathered trainable one of ``params`` becomes a `PendingGradParameter`;
+    returns them by id (for `unguard_pending_grads`)."""
+    guarded = {id(p): p for p in params if type(p) is nn.Parameter and p.requires_grad}
+    for p in guarded.values():
         p.__class__ = PendingGradParameter
     return guarded
 

@@ -282,7 +282,7 @@ class RuntimeContext:
         fresh = [p for p in params if p._zero.status is ParamStatus.NOT_AVAILABLE]
         self.coordinator.gather_for_user(params)
         if self.attached and not self.coordinator.in_step:  # by id: each gather of a loop guards them again (35R3)
-            self.guarded_grads.update((id(p), p) for p in guard_pending_grads(fresh))
+            self.guarded_grads.update(guard_pending_grads(fresh))
 
     def refresh_stale_persistent(self) -> None:
         """Before a forward or a user gather between steps: the persistent parameters a local setter

@@ -114,7 +114,7 @@ class StepLifecycle:
         """Between steps, guard ``.grad`` of every gathered trainable parameter (the next step takes it
         back): a gradient assigned then, which the optimizer would not see, is refused (probe 35B)."""
         if self.phase is StepPhase.IDLE:
-            self.ctx.guarded_grads.update((id(p), p) for p in guard_pending_grads(self.ctx.params))
+            self.ctx.guarded_grads.update(guard_pending_grads(self.ctx.params))
 
     @property
     def open(self) -> bool:
