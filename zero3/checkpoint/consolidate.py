@@ -349,11 +349,10 @@ def _without(groups: list[dict[str, Any]], skip: frozenset[str]) -> list[dict[st
     return [{**g, "params": [n for n in g["params"] if n not in skip]} for g in groups] if skip else groups
 
 
-def _kept(reader: CheckpointReader, exclude_frozen: bool) -> dict[str, Any]:
-    """The parameters whose optimizer state goes out: all, or those trained at the save (probe 35C: an
-    excluded parameter's state went out, every tensor None, and its name stayed in the groups)."""
-    skip = _frozen(reader) if exclude_frozen else frozenset()
-    return {name: pm for name, pm in reader.params.items() if name not in skip}
+def _left_out(reader: CheckpointReader, exclude_frozen: bool) -> frozenset[str]:
+    """The parameters whose optimizer state stays out too, with ``exclude_frozen`` (probe 35C: an excluded
+    parameter's state went out, every tensor None, and its name stayed in the groups)."""
+    return _frozen(reader) if exclude_frozen else frozenset()
 
 
 def _extra_state(reader: CheckpointReader) -> dict[str, dict[str, Any]]:
@@ -378,15 +377,15 @@ def _write_safetensors(reader: CheckpointReader, out: Path, layout: list[Row], s
     meta = {"format": "pt", "zero3_tag": reader.tag, "zero3_global_steps": str(reader.meta["global_steps"]),
             "zero3_aliases": json.dumps(aliases)}
     if include_optimizer:
-        kept = _kept(reader, exclude_frozen)
+        skip = _left_out(reader, exclude_frozen)
         opt = reader.meta.get("optimizer")
         if opt is not None:
-            opt = {**opt, "param_groups": _without(opt["param_groups"], frozenset(reader.params) - frozenset(kept))}
+            opt = {**opt, "param_groups": _without(opt["param_groups"], skip)}
         meta["zero3_optimizer"] = json.dumps(opt)
         # state that is no tensor (a step count an optimizer keeps as a number), encoded as in the checkpoint's
         # metadata: it was left out without a word (probe 35C)
         values = {name: {k: info.get("value") for k, info in pm.state.items() if info["kind"] == "value"}
-                  for name, pm in kept.items()}
+                  for name, pm in reader.params.items() if name not in skip}
         meta["zero3_optimizer_values"] = json.dumps({name: v for name, v in values.items() if v})
     writer = SafetensorsWriter(out, specs, meta, checksum=False)
     try:
@@ -504,13 +503,12 @@ def _write_pt(reader: CheckpointReader, out: Path, layout: list[Row], specs: lis
         obj: Any = model
         if include_optimizer:
             state: dict[str, dict[str, Any]] = {}
-            kept = _kept(reader, exclude_frozen)
-            for name, pm in kept.items():
-                for k, info in pm.state.items():
+            skip = _left_out(reader, exclude_frozen)
+            for name, pm in reader.params.items():
+                for k, info in pm.state.items() if name not in skip else ():
                     value = stored.get(f"optimizer/{name}/{k}")
                     state.setdefault(name, {})[k] = value if value is not None else from_json(info.get("value"))
-            skipped = frozenset(reader.params) - frozenset(kept)
-            obj = {"model": model, "optimizer": {"state": state, "param_groups": _groups(reader, skipped)}}
+            obj = {"model": model, "optimizer": {"state": state, "param_groups": _groups(reader, skip)}}
         writer.finish(obj)
     except BaseException:
         writer.abort()

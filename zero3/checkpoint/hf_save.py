@@ -484,7 +484,8 @@ class _DirectoryWriter:
             _write_configs(self.module, configs, dtype or (floating[0] if floating else torch.float32))
             # every file the configs' save_pretrained wrote: a custom model's code too (review 35R2: the .py files
             # auto_map names were dropped, and the save no longer loaded with trust_remote_code)
-            staged.update((f.name, f) for f in sorted(configs.iterdir()) if f.is_file()) if configs.is_dir() else None
+            if configs.is_dir():
+                staged.update((f.name, f) for f in sorted(configs.iterdir()) if f.is_file())
             if self.split.sharded:  # the index last: until it is in place, the old one describes the old files
                 staged[INDEX_NAME] = self._write_index()
             _commit(self.directory, staged, _stale(self.directory, self.split))
