@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import copy
 import logging
 import math
 import os
@@ -49,9 +48,9 @@ from .optim.grad_norm import clip_shards
 from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
 from .runtime.step import StepPhase
-from .runtime.engine_calls import (MID_STEP, abort_forward, check_lr_kwargs, end_forward_without_backward, log_progress,
-                                   begin_forward, in_memory, offload_engine_states, require_gradients, require_hooks,
-                                   zero_grad_window)
+from .runtime.engine_calls import (MID_STEP, abort_forward, check_lr_kwargs, end_forward_without_backward,
+                                   begin_forward, end_micro_batch, in_memory, offload_engine_states, require_gradients,
+                                   require_hooks, zero_grad_window)
 
 logger = logging.getLogger(__name__)
 
@@ -247,41 +246,26 @@ class Engine(DeepSpeedEngineNames):
         else:
             ctx.finish_gradients()
         boundary = ctx.step_ends_window()
-        stepped = False
+        stepped, error = False, None
         if boundary and ctx.optimizer is not None:
             # Nothing changes a shard before every rank is here and every collective so far checked out.
             ctx.comm.agree(Tag(Kind.AGREE, f"{OPTIMIZER_STEP} {ctx.global_steps}"))
             ctx.take_persistent_writes()  # runtime/persistent.py: in-place writes since the last gather
             t0 = time.perf_counter()
-            stepped = ctx.optimizer.step_shards()
+            try:
+                stepped = ctx.optimizer.step_shards()
+            except ZeroStateError as exc:  # fp16's minimum loss scale: the step skipped on every rank, its
+                if not ctx.optimizer.overflow:  # gradients dropped; the window still ends (probe 36I)
+                    raise
+                error = exc
             if stepped and ctx.lr_scheduler_step is not None:
                 ctx.lr_scheduler_step(**(lr_kwargs or {}))
             if self.config.training.wall_clock_breakdown and torch.cuda.is_available() and self.device.type == "cuda":
                 torch.cuda.synchronize()
             ctx.metrics.optimizer_seconds += time.perf_counter() - t0
-        ctx.micro_steps += 1
-        ctx.window_micro = 0 if boundary else ctx.window_micro + 1
-        if boundary:
-            ctx.window_backwards = 0
-            if ctx.optimizer is None:  # nothing steps the shards, but the refresh gathers them again
-                ctx.take_persistent_writes()
-                for p in self.params:  # as step_shards drops them: the next backward starts a new sum
-                    p._zero.train_tensor.grad = None
-            ctx.coordinator.refresh_persistent()
-            ctx.global_steps += 1
-            ctx.global_samples += ctx.samples_per_step()
-        ctx.step_applied = stepped
-        ctx.grads_set = False
-        if ctx.reducer is not None:
-            ctx.reducer.landed = 0
-        self.hooks.step.end_epochs()
-        ctx.count_swap_io()
-        self.last_step_metrics = copy.copy(ctx.metrics)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("zero3::step %s", self.last_step_metrics.as_dict())
-        if boundary and ctx.global_steps % self.config.training.steps_per_print == 0:
-            log_progress(self, self.last_step_metrics)
-        ctx.metrics.reset(ctx.global_steps)
+        end_micro_batch(self, boundary, stepped)
+        if error is not None:
+            raise error
         return stepped
 
     def is_gradient_accumulation_boundary(self) -> bool:

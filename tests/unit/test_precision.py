@@ -352,8 +352,40 @@ def test_fp16_overflow_at_the_minimum_scale_raises_from_the_step_with_the_step_s
     with pytest.raises(ZeroStateError, match="minimum loss scale"):
         engine.step()  # went on skipping every step for ever, logging at INFO only
     assert all(torch.equal(before[n], v) for n, v in masters_of(engine).items())
-    assert engine.skipped_steps == 1  # the failing step counted nowhere, as in DeepSpeed
+    assert engine.skipped_steps == 2 and engine.global_steps == 2  # a skipped step, counted as the first
     assert all(engine.master_shard(p).grad is None or not engine.master_shard(p).grad.any() for p in engine.params)
+
+
+def test_after_the_minimum_scale_error_the_next_window_is_whole_and_steps_on_its_mean_gradient():
+    """Probe 36I: the raise left the window open, so the next micro-batch alone was stepped on (divided
+    by the accumulation count) and every later window straddled two."""
+    full, engine = pair("fp16", initial_scale_power=1, hysteresis=1, min_loss_scale=1, gradient_accumulation_steps=2)
+    ref = Recipe(full, torch.float16, scale=1.0)
+    for window in range(2):  # both overflow: 2 -> 1, then at the minimum
+        for micro in range(2):
+            engine.backward(lossf(engine, *synthetic_batch(micro, BATCH, CFG)))
+            if micro == 1:
+                engine.master_shard(engine.params[1]).grad[0] = math.nan
+                if window == 0:
+                    assert engine.step() is False
+                else:
+                    with pytest.raises(ZeroStateError, match="minimum loss scale"):
+                        engine.step()
+            else:
+                assert engine.step() is False
+    assert (engine.global_steps, engine.micro_steps, engine.skipped_steps) == (2, 4, 2)
+    returned = []
+    for micro in (4, 5):
+        x, y = synthetic_batch(micro, BATCH, CFG)
+        assert engine.is_gradient_accumulation_boundary() == (micro == 5)
+        engine.backward(lossf(engine, x, y))
+        ref.backward(x, y, divide=2)
+        returned.append(engine.step())
+    ref.step()
+    assert returned == [False, True] and engine.loss_scale == 1.0
+    got = masters_of(engine)
+    for name, m in zip(ref.names, ref.masters):
+        torch.testing.assert_close(got[name], m, rtol=0, atol=1e-7, msg=name)
 
 
 def test_skipped_steps_survive_a_checkpoint(tmp_path):

@@ -506,9 +506,9 @@ class PartitionedOptimizer(DeepSpeedOptimizerNames):
             if overflow:
                 self._last_overflow = True
                 self.drop_grads()
-            self.scaler.update(overflow)  # raises at the minimum scale, the gradients gone, no count (as DeepSpeed)
+                self.skipped_steps += 1  # counted before the scaler's update, which raises at the minimum scale
+            self.scaler.update(overflow)  # (the step skipped and counted: engine.step still ends the window)
             if overflow:
-                self.skipped_steps += 1
                 return False
         if self.config.training.gradient_clipping > 0:
             self.clip_grad_norm(self.config.training.gradient_clipping)

@@ -6,6 +6,7 @@ this module does not import it)."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 from collections.abc import Iterable
@@ -146,6 +147,36 @@ def abort_forward(engine: Any, exc: BaseException) -> None:
     thread's forward runs (hooks.py [Note: one thread]): that forward's step goes on."""
     if not isinstance(exc, ConcurrentForwardError):
         engine.hooks.step.abort(exc, "forward")
+
+
+def end_micro_batch(engine: Any, boundary: bool, stepped: bool) -> None:
+    """``engine.step()``'s bookkeeping after the optimizer (``stepped``: it changed the shards): the
+    micro-batch and, at a ``boundary``, the window and the global step end (a skipped step counts, as in
+    DeepSpeed); the persistent parameters are gathered again; the step's metrics are kept and logged."""
+    ctx = engine.context
+    ctx.micro_steps += 1
+    ctx.window_micro = 0 if boundary else ctx.window_micro + 1
+    if boundary:
+        ctx.window_backwards = 0
+        if ctx.optimizer is None:  # nothing steps the shards, but the refresh gathers them again
+            ctx.take_persistent_writes()
+            for p in engine.params:  # as step_shards drops them: the next backward starts a new sum
+                p._zero.train_tensor.grad = None
+        ctx.coordinator.refresh_persistent()
+        ctx.global_steps += 1
+        ctx.global_samples += ctx.samples_per_step()
+    ctx.step_applied = stepped
+    ctx.grads_set = False
+    if ctx.reducer is not None:
+        ctx.reducer.landed = 0
+    engine.hooks.step.end_epochs()
+    ctx.count_swap_io()
+    engine.last_step_metrics = copy.copy(ctx.metrics)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("zero3::step %s", engine.last_step_metrics.as_dict())
+    if boundary and ctx.global_steps % engine.config.training.steps_per_print == 0:
+        log_progress(engine, engine.last_step_metrics)
+    ctx.metrics.reset(ctx.global_steps)
 
 
 def log_progress(engine: Any, m: StepMetrics) -> None:
