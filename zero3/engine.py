@@ -39,7 +39,7 @@ from .optim import routed_step
 from .optim.routed_clip import route_clip
 from .runtime.hooks import ModuleHooks
 from .runtime.deepspeed_engine import DeepSpeedEngineNames
-from .runtime.refusals import route_parametrizations, route_pruning
+from .runtime.refusals import refuse_copy, route_parametrizations, route_pruning
 from .metrics import StepMetrics
 from .comm.model_parallel import check_mpu, data_parallel_group
 from .offload.policy import PlacementPolicy
@@ -320,6 +320,9 @@ class Engine(DeepSpeedEngineNames):
     def __iter__(self) -> Iterator[Any]:
         raise TypeError("zero3.initialize returns the engine alone, not a tuple; for DeepSpeed's 4-tuple "
                         "(engine, optimizer, dataloader, lr_scheduler) use zero3.deepspeed.initialize")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # copy.deepcopy, pickle (probe 36H: torch's TypeError on the
+        raise refuse_copy(self.module)  # process group, where the model's copy names what works)
 
     @contextlib.contextmanager
     def generation(self) -> Iterator["Engine"]:
