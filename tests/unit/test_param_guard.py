@@ -110,6 +110,28 @@ def test_load_state_dict_on_a_partitioned_model_raises_naming_zero3s_loader_whic
         assert all(torch.equal(v, changed[k]) for k, v in model.state_dict().items())
 
 
+def test_a_refused_load_state_dict_loads_nothing_where_some_parameters_are_kept_gathered():
+    """Probe 36H: with the biases persistent (under the threshold) and the weights partitioned, torch
+    copied the file into the biases, and zero3 into their shards and masters, while the weights refused:
+    a half-loaded model trained on. Also a load started below the root (``model[2]``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2), nn.BatchNorm1d(2))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 6})
+    assert model[0].weight.ds_status is ParamStatus.NOT_AVAILABLE and model[0].bias.ds_status is ParamStatus.AVAILABLE
+    with zero3.GatheredParameters(list(model.parameters())):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+    changed = {k: v + 1 for k, v in before.items()}
+    for target, prefix in ((model, ""), (model[2], "2.")):
+        with pytest.raises(ZeroStateError, match=r"weight.*nothing was loaded.*zero3\.pretrained\.load_state_dict"):
+            target.load_state_dict({k[len(prefix):]: v for k, v in changed.items() if k.startswith(prefix)})
+        with zero3.GatheredParameters(list(model.parameters())):
+            assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        assert all(torch.equal(engine.master_shard(p), before[p._zero.name].reshape(-1)) for p in engine.params)
+    zero3.pretrained.load_state_dict(model, changed)
+    with zero3.GatheredParameters(list(model.parameters())):
+        assert all(torch.equal(v, changed[k]) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize("threshold", [0, 10**6])  # partitioned, and kept gathered (persistent)
 def test_load_state_dict_with_assign_is_refused_and_keeps_zero3s_parameters(threshold):
     """``assign=True`` put plain tensors in place of zero3's parameters ("All keys matched"); the next

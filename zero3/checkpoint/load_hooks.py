@@ -18,11 +18,11 @@ from typing import Any
 from torch import nn
 
 from ..config.sections import warn_once
-from ..runtime.gathered import keep_finer, refuse_assign, write_back_loaded
+from ..runtime.gathered import keep_finer, refuse_assign, refuse_partitioned_load, write_back_loaded
 
 
 def _own(fn: Any) -> bool:
-    return fn is refuse_assign or isinstance(fn, functools.partial) and fn.func in (keep_finer, write_back_loaded)
+    return fn in (refuse_assign, refuse_partitioned_load) or isinstance(fn, functools.partial) and fn.func in (keep_finer, write_back_loaded)
 
 
 # torch's hooks that change nothing for a checkpoint of the model as it is: the weight-norm and

@@ -85,7 +85,7 @@ from torch import nn
 
 from ..comm.communicator import Kind, Tag
 from ..errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroStateError
-from ..partition.param import ZeroParameter, raw_data
+from ..partition.param import PartitionedParameter, ZeroParameter, raw_data
 from ..partition.state import MEMORY, ParamStatus
 from .context import RuntimeContext
 from .publish import into_shards, published, refuse_reshape, reshaped_ids
@@ -465,6 +465,27 @@ def _own_slice(p: ZeroParameter) -> str:
     return "rounding" if bool((mine.float() - kept.float()).abs().max() <= tolerance) else "beyond"  # NaN: beyond
 
 
+def refuse_partitioned_load(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any],
+                            *_: Any) -> None:
+    """A ``load_state_dict`` pre-hook on every module of an engine's model, acting where the load
+    starts (``prefix`` ""): torch's copy into a partitioned parameter is refused parameter by parameter
+    and collected while the rest loads (probe 36H: with the biases persistent, they took the file's
+    values into their shards and masters while the weights refused, a half-loaded model). So every
+    key that names a partitioned parameter is refused here, before anything loads."""
+    if prefix:
+        return
+    if local_metadata.get("assign_to_params_buffers", False):  # every zero3 parameter, refused as such
+        return refuse_assign(module, state_dict, prefix, local_metadata, whole=True)
+    hit = [n for n, p in module.named_parameters(remove_duplicate=False)
+           if isinstance(p, PartitionedParameter) and n in state_dict]
+    if hit:
+        raise ZeroStateError(
+            f"load_state_dict: {', '.join(hit[:3])}{f' and {len(hit) - 3} more' if len(hit) > 3 else ''} of "
+            f"{type(module).__name__} are partitioned (each rank holds a shard), so torch cannot copy into them; "
+            "nothing was loaded. zero3.pretrained.load_state_dict(model, state_dict) loads every parameter "
+            "into the shards (or load inside `with zero3.GatheredParameters(model.parameters(), modifier_rank=0):`)")
+
+
 def load_hooks(ctx: RuntimeContext, module: nn.Module) -> list[Any]:
     """The handles of ``module.load_state_dict``'s hooks on a module holding zero3 parameters:
     `refuse_assign` and `keep_finer` before torch loads, `write_back_loaded` after (with the values
@@ -475,13 +496,15 @@ def load_hooks(ctx: RuntimeContext, module: nn.Module) -> list[Any]:
             module.register_load_state_dict_post_hook(functools.partial(write_back_loaded, ctx, finer=finer))]
 
 
-def refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any], *_: Any) -> None:
+def refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any], *_: Any,
+                  whole: bool = False) -> None:
     """``load_state_dict(..., assign=True)``: torch would put the loaded tensors in place of zero3's
     parameters (the engine then finds parameters it never partitioned). Refused before this module
-    loads anything; without ``assign`` the loaded values go into the shards."""
+    (``whole``: or any below it) loads anything; without ``assign`` the loaded values go into the shards."""
     if not local_metadata.get("assign_to_params_buffers", False):
         return
-    hit = [n for n, p in dict.items(module._parameters) if isinstance(p, ZeroParameter) and prefix + n in state_dict]
+    named = module.named_parameters(remove_duplicate=False) if whole else dict.items(module._parameters)
+    hit = [n for n, p in named if isinstance(p, ZeroParameter) and prefix + n in state_dict]
     if hit:
         raise ZeroStateError(
             f"load_state_dict(..., assign=True) would replace zero3's parameter {prefix + hit[0]} with the loaded "

@@ -123,7 +123,7 @@ from torch.utils import _pytree as pytree
 from .checkpoint_scopes import CHECKPOINT_FORWARD, EnclosingEnd, dispatch_modes, outside_dispatch_modes
 from .context import RuntimeContext
 from ..errors import ZeroStateError
-from .gathered import external_parameters, register_external_parameter, load_hooks
+from .gathered import external_parameters, register_external_parameter, load_hooks, refuse_partitioned_load
 from .leaf import LeafUnit, is_leaf, reached_outside_leaves
 from ..partition.param import (PartitionedParameter, ZeroParameter, copy_gathered_state, drop_grad_slot,
                                drop_grad_slots)
@@ -288,6 +288,7 @@ class ModuleHooks:
             self._hook(name, m)
         holders: dict[int, int] = {}  # id(param) -> how many modules hold it as their own (hooked or not)
         for m in model.modules():
+            self._handles.append(m.register_load_state_dict_pre_hook(refuse_partitioned_load))  # where a load starts
             if any(isinstance(p, ZeroParameter) for p in dict.values(m._parameters)):  # loaded into shards
                 self._handles += load_hooks(self.ctx, m)  # (kept-gathered ones), never assigned over
             for p in dict.values(m._parameters):
