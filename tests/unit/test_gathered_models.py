@@ -66,3 +66,48 @@ def test_discarded_writes_in_two_models_are_both_reported_and_everything_is_rele
             b[0].weight.add_(1)
     assert str(err.value).count("changed inside the context") == 2, err.value
     assert not ea.coordinator.live_params and not eb.coordinator.live_params
+
+
+@pytest.mark.parametrize("threshold", [0, 10])  # every parameter partitioned; the biases kept gathered
+def test_a_timm_style_ema_through_state_dict_copies_follows_torch(threshold):
+    """Probe 36H: inside ``GatheredParameters(..., modifier_rank=0)`` ``state_dict()`` hands out copies of
+    the partitioned parameters, and timm's EMA (``ev.copy_(...)`` over ``ema.state_dict().values()``,
+    the dict dropped inside the block) wrote into them: the EMA never moved, or moved in its persistent
+    parameters only. A written copy is taken into its parameter before the block publishes."""
+    config = {"param_persistence_threshold": threshold}
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    torch.manual_seed(1)
+    with zero3.Init():
+        ema = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    zero3.initialize(ema, None, config)
+    with zero3.GatheredParameters(list(model.parameters()) + list(ema.parameters())):
+        ref, ref_ema = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), nn.Sequential(
+            nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        ref.load_state_dict(model.state_dict())
+        ref_ema.load_state_dict(ema.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        engine.backward(engine(x).pow(2).sum())
+        engine.step()
+        ref(x).pow(2).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            with zero3.GatheredParameters(list(ema.parameters()) + list(model.parameters()), modifier_rank=0):
+                for ev, mv in zip(ema.state_dict().values(), model.state_dict().values()):
+                    ev.copy_(0.8 * ev + 0.2 * mv)
+            for ev, mv in zip(ref_ema.state_dict().values(), ref.state_dict().values()):
+                ev.copy_(0.8 * ev + 0.2 * mv)
+    with zero3.GatheredParameters(list(ema.parameters())):
+        for k, v in ema.state_dict().items():
+            torch.testing.assert_close(v, ref_ema.state_dict()[k], rtol=1e-6, atol=1e-7, msg=k)
+    # without modifier_rank such a write is discarded, and said so, as a write through the parameter is
+    with pytest.raises(ZeroStateError, match=r"0\.weight.*changed inside the context.*modifier_rank=0"):
+        with zero3.GatheredParameters(list(ema.parameters())):
+            ema.state_dict()["0.weight"].zero_()
+    with zero3.GatheredParameters(list(ema.parameters())):  # kept its values; an unwritten copy says nothing
+        assert torch.equal(ema.state_dict()["0.weight"], ref_ema[0].weight)

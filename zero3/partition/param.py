@@ -380,24 +380,6 @@ class PendingGradParameter(ZeroParameter):
         _TENSOR_GRAD.__delete__(self)
 
 
-def copy_gathered_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    """A state-dict post-hook on every hooked module (runtime/hooks.py): ``state_dict()`` inside
-    ``GatheredParameters`` copies gathered partitioned params, because their storage is emptied again
-    when the gather ends and a view would then point at freed memory. Not a persistent one, whose
-    storage stays (a step gathers into it again), nor the parameter itself (``keep_vars=True``): as
-    in torch, writes through those reach the model (probe 34C). Unless the persistent one's storage
-    holds more than it (at world size 1 under bf16/fp16 it views one buffer of every shard), which
-    ``torch.save`` would write whole (review 34RA: 266 kB for a few biases' 5). A copy is per name,
-    so tied names get one each (a cache across modules kept stale copies for a reused destination and
-    refused a plain dict one: review 34RC)."""
-    for name, p in dict.items(module._parameters):
-        key = prefix + name
-        if not isinstance(p, ZeroParameter) or isinstance(p, PartitionedParameter) or (v := state_dict.get(key, p)) is p:
-            continue
-        if not p._zero.persistent or v.untyped_storage().nbytes() != v.numel() * v.element_size():
-            state_dict[key] = v.clone()
-
-
 def drop_grad_slots(params: Iterable[torch.Tensor]) -> None:
     """`drop_grad_slot` for each of ``params`` that holds a gradient (read past the guard too)."""
     with torch._C.DisableTorchFunctionSubclass():

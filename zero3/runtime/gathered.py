@@ -71,6 +71,17 @@ a weight sync inside ``generation()`` releases what the mode kept, so it is neve
 that raised re-raise their error; the others raise `ZeroStateError` naming them. An exception from
 the group itself (a divergence, a timeout) skips the agreement, which could not complete; the block
 still lets go of its parameters.
+
+[Note: writes through state_dict() copies]
+Inside a context, ``state_dict()`` gives copies of the partitioned parameters (`copy_gathered_state`),
+where torch gives views: an EMA written as timm's (``ev.copy_(...)`` over ``ema.state_dict().values()``
+inside ``GatheredParameters(..., modifier_rank=0)``) wrote into the copies and the EMA never moved,
+or moved only in its persistent parameters (probe 36H). So each open context keeps the copies it
+handed out of its parameters with their version counters until it exits: one that was written in
+place is copied into its parameter's gathered data there, before a ``modifier_rank`` context
+publishes, as a write through a view would have been; in a context without ``modifier_rank`` it is a
+discarded write, raised as one ([Note: writes that GatheredParameters discards]). The copies live
+until the context exits (a ``state_dict()`` dropped inside it is not freed before).
 """
 
 from __future__ import annotations
@@ -154,6 +165,7 @@ class GatheredParameters:
         self._entry: list[tuple[ZeroParameter, torch.Tensor]] = []  # [Note: a modifier block that raised]
         self._in_step = False  # entered inside a running step, with gradients on
         self._saved: SavedParams | None = None  # [Note: a saved parameter outlives its gather]
+        self._handed: list[tuple[ZeroParameter, torch.Tensor, int]] = []  # [Note: writes through state_dict() copies]
         by_ctx: dict[int, list[ZeroParameter]] = {}
         for p in self.params:
             by_ctx.setdefault(id(p._zero.ctx), []).append(p)
@@ -205,6 +217,8 @@ class GatheredParameters:
                 and not all(p._zero.persistent for p in self.params):  # not Init's own blocks, while building
             self._saved = SavedParams(ctx, self.params)
             self._saved.__enter__()
+        if self.modifier_rank is not LOCAL_MODIFIER:
+            _OPEN.append(self)  # [Note: writes through state_dict() copies]
         return self.params
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -215,11 +229,18 @@ class GatheredParameters:
             return
         written: list[ZeroParameter] = []
         ctx = self.params[0]._zero.ctx
+        if self in _OPEN:
+            _OPEN.remove(self)
+        copies = [(p, copy) for p, copy, version in self._handed if copy._version != version]
+        self._handed = []
         if self._saved is not None:
             self._saved.__exit__(exc_type, exc, tb)
             self._saved = None
         modifier = self.modifier_rank is not None
         entry, self._entry = self._entry, []
+        if modifier and exc is None:  # [Note: writes through state_dict() copies]
+            for p, copy in copies:
+                raw_data(p).copy_(copy)
         refused = self._refused_reshape(ctx) if modifier and exc is None else None
         raised: list[int] = []
         try:
@@ -236,7 +257,7 @@ class GatheredParameters:
             else:
                 refresh = False
                 if not modifier:  # before the discard, which may raise on this rank alone (a new shape), when
-                    written, refresh = self._agree_written(ctx, exc)  # the others wait in the agreement
+                    written, refresh = self._agree_written(ctx, exc, {id(p) for p, _ in copies})  # the others wait
                 self._discard(ctx, entry, exc_type, refresh)
         finally:
             self._read_only = None
@@ -255,19 +276,24 @@ class GatheredParameters:
                 "changes made there (as DeepSpeed does: its shards keep their values). Pass modifier_rank=0 to keep "
                 "them (rank 0's values then go to every rank)")
 
-    def _agree_written(self, ctx: RuntimeContext, exc: BaseException | None) -> tuple[list[ZeroParameter], bool]:
+    def _agree_written(self, ctx: RuntimeContext, exc: BaseException | None,
+                       copies: set[int]) -> tuple[list[ZeroParameter], bool]:
         """A read-only context's exit: (the parameters that some rank wrote beyond rounding in its own slice
         of one the context gathered, or gave data of a new shape, even with the same values; whether a
         persistent one got a new shape, so that every rank gathers the persistent ones again), agreed by
         every rank in one small all-reduce (a rank that raised inside adds none), so that all of them
         raise or none does, and all of them refresh: a rank that found nothing went on alone, and hung in
-        its next collective (reviews 28Y, 28Z1, 28Z3, 28Z4). [Note: writes that GatheredParameters discards]"""
+        its next collective (reviews 28Y, 28Z1, 28Z3, 28Z4). [Note: writes that GatheredParameters discards]
+        ``copies``: the parameters whose ``state_dict()`` copy was written ([Note: writes through state_dict()
+        copies])."""
         prints: dict[int, int] = {}
         seen: dict[int, str] = {}
         if exc is None and self._read_only is not None:
             seen, after = _written(*self._read_only)
             prints = {id(p): int(f) for p, f in zip(self._read_only[0], after.tolist())}
         fresh = {id(p) for p in self._read_only[0]} if self._read_only is not None else set()
+        if exc is None:
+            seen.update((i, "beyond") for i in copies & fresh)
         written = [int(seen.get(id(p)) == "beyond") for p in self.params]
         reshaped = [int(raw_data(p).shape != p._zero.shape) for p in self.params]
         if ctx.world_size > 1 and not isinstance(exc, (ZeroCommunicationError, ZeroDivergenceError)):
@@ -443,6 +469,7 @@ ROUNDING_EPS = 2
 largest magnitude is rounding (a merge and unmerge of a LoRA delta up to the weights' largest size)."""
 _LOWEST = -(2**63)  # int64's lowest: no fingerprint, in the agreement's maximum
 _ROUNDING_SAID: list[bool] = []  # the WARNING that a change by rounding was discarded: once per process
+_OPEN: list[GatheredParameters] = []  # the user's contexts now open ([Note: writes through state_dict() copies])
 
 
 @torch.no_grad()
@@ -463,6 +490,28 @@ def _own_slice(p: ZeroParameter) -> str:
         return "same"
     tolerance = ROUNDING_EPS * torch.finfo(data.dtype).eps * kept.float().abs().max()
     return "rounding" if bool((mine.float() - kept.float()).abs().max() <= tolerance) else "beyond"  # NaN: beyond
+
+
+def copy_gathered_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """A state-dict post-hook on every hooked module (runtime/hooks.py): ``state_dict()`` inside
+    ``GatheredParameters`` copies gathered partitioned params, because their storage is emptied again
+    when the gather ends and a view would then point at freed memory. Not a persistent one, whose
+    storage stays (a step gathers into it again), nor the parameter itself (``keep_vars=True``): as
+    in torch, writes through those reach the model (probe 34C). Unless the persistent one's storage
+    holds more than it (at world size 1 under bf16/fp16 it views one buffer of every shard), which
+    ``torch.save`` would write whole (review 34RA: 266 kB for a few biases' 5). A copy is per name,
+    so tied names get one each (a cache across modules kept stale copies for a reused destination and
+    refused a plain dict one: review 34RC). Each open context holding the parameter is told of the
+    copy ([Note: writes through state_dict() copies])."""
+    for name, p in dict.items(module._parameters):
+        key = prefix + name
+        if not isinstance(p, ZeroParameter) or isinstance(p, PartitionedParameter) or (v := state_dict.get(key, p)) is p:
+            continue
+        if not p._zero.persistent or v.untyped_storage().nbytes() != v.numel() * v.element_size():
+            state_dict[key] = copy = v.clone()
+            for context in _OPEN:
+                if p._zero.id in context._ids and p._zero.ctx is context.params[0]._zero.ctx:
+                    context._handed.append((p, copy, copy._version))
 
 
 def refuse_partitioned_load(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any],

@@ -123,10 +123,10 @@ from torch.utils import _pytree as pytree
 from .checkpoint_scopes import CHECKPOINT_FORWARD, EnclosingEnd, dispatch_modes, outside_dispatch_modes
 from .context import RuntimeContext
 from ..errors import ZeroStateError
-from .gathered import external_parameters, register_external_parameter, load_hooks, refuse_partitioned_load
+from .gathered import (copy_gathered_state, external_parameters, register_external_parameter, load_hooks,
+                       refuse_partitioned_load)
 from .leaf import LeafUnit, is_leaf, reached_outside_leaves
-from ..partition.param import (PartitionedParameter, ZeroParameter, copy_gathered_state, drop_grad_slot,
-                               drop_grad_slots)
+from ..partition.param import PartitionedParameter, ZeroParameter, drop_grad_slot, drop_grad_slots
 from ..planning.trace import EventKind
 from ..optim.precision import RUNNING_BACKWARD
 from .step import StepLifecycle, StepPhase
