@@ -360,7 +360,7 @@ def test_after_the_minimum_scale_error_the_next_window_is_whole_and_steps_on_its
     """Probe 36I: the raise left the window open, so the next micro-batch alone was stepped on (divided
     by the accumulation count) and every later window straddled two."""
     full, engine = pair("fp16", initial_scale_power=1, hysteresis=1, min_loss_scale=1, gradient_accumulation_steps=2)
-    ref = Recipe(full, torch.float16, scale=1.0)
+    ref = Recipe(full, torch.float16, scale=0.5)  # the scale 1 over the 2 micro-batches, as DeepSpeed's backward
     for window in range(2):  # both overflow: 2 -> 1, then at the minimum
         for micro in range(2):
             engine.backward(lossf(engine, *synthetic_batch(micro, BATCH, CFG)))
@@ -433,7 +433,7 @@ def test_fp16_plain_loss_backward_is_refused_at_the_backward_and_loses_nothing(w
     1/scale too small until then. Now the backward itself is refused before anything is reduced, and
     training with engine.backward afterwards equals the by-hand recipe."""
     full, engine = pair("fp16", initial_scale_power=10, gradient_accumulation_steps=2)
-    ref = Recipe(full, torch.float16, scale=1024.0)
+    ref = Recipe(full, torch.float16, scale=512.0)  # the scale over the 2 micro-batches, as DeepSpeed's backward
     x, y = synthetic_batch(0, BATCH, CFG)
     if window != "alone":
         engine.backward(lossf(engine, x, y))
@@ -790,3 +790,28 @@ def test_a_backward_crossing_into_an_fp16_engine_after_its_clip_is_refused_and_l
     assert all(torch.equal(zero3.safe_get_full_grad(p), k) for p, k in zip(eD.params, kept))
     assert eD.step()
     assert all(torch.isfinite(zero3.safe_get_full_fp32_param(p)).all() for p in eD.params)
+
+
+@pytest.mark.parametrize("scale_wrt_gas", [True, False])
+def test_fp16_backward_carries_the_scale_over_the_accumulation_steps_as_deepspeeds(scale_wrt_gas):
+    """Probe 36I: the fp16 backward carried the whole loss scale and the gradients were divided by
+    the accumulation steps N only after the reduction, so its fp16 gradients were N times DeepSpeed's
+    (whose engine.backward divides the loss by N before scaling it): a static scale that trains there
+    overflowed at every step here, skipped in silence. A bias gradient of 4 per micro-batch under a
+    static scale of 4096 and N = 4 carries 4096 (16384 unscaled by N) in fp16, not 16384 (65536: inf)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
+        **NO_PERSIST, "dtype": "fp16", "loss_scale": 4096 if scale_wrt_gas else 1024, "gradient_accumulation_steps": 4})
+    with zero3.GatheredParameters([model.bias]):
+        bias = model.bias.detach().float().clone()
+    carried = []
+    handle = model.bias.register_hook(lambda g: carried.append(float(g)))
+    for micro in range(4):
+        engine.backward(engine(torch.ones(4, 4, dtype=torch.float16)).sum(), scale_wrt_gas=scale_wrt_gas)
+        assert engine.step() == (micro == 3)
+    handle.remove()
+    assert carried == [4096.0] * 4  # DeepSpeed's: 4 * 4096 / 4, or 4 * 1024 without the division
+    with zero3.GatheredParameters([model.bias]):  # mean gradient 4, or the sum 16 without scale_wrt_gas
+        torch.testing.assert_close(model.bias.detach().float(), bias - 0.1 * (4.0 if scale_wrt_gas else 16.0),
+                                   rtol=0, atol=1e-3)

@@ -416,14 +416,23 @@ class PartitionedOptimizer(DeepSpeedOptimizerNames):
             raise ZeroStateError(
                 "backward after clip_grad_norm_ in the same accumulation window: the gradients were already "
                 "unscaled. Clip once per optimizer step, after the last micro-batch's backward")
-        return loss.float() * self.scaler.scale
+        return loss.float() * self.carried_scale
+
+    @property
+    def carried_scale(self) -> float:
+        """fp16: the factor a backward's gradients carry, the loss scale over ``gradient_accumulation_steps``
+        N, as DeepSpeed's ``engine.backward`` divides the loss by N before scaling it: the reducer divides
+        each micro-batch's gradient by N only after the reduction, and with the whole scale the fp16
+        gradients were N times DeepSpeed's, so a static scale that trains there overflowed at every step
+        (probe 36I). The fp32 shards then carry it too, and `unscale_` divides by it."""
+        return self.scaler.scale / self.config.training.gradient_accumulation_steps
 
     @contextlib.contextmanager
     def scaling(self) -> Iterator[None]:
         """Around engine.backward's ``loss.backward()``: its gradients carry this engine's loss scale (1.0
         without fp16), in whichever engine they land (precision.py [Note: a backward that crosses engines])."""
         outer = RUNNING_BACKWARD.scale
-        RUNNING_BACKWARD.scale = self.scaler.scale if self.scaler is not None else 1.0
+        RUNNING_BACKWARD.scale = self.carried_scale if self.scaler is not None else 1.0
         try:
             yield
         finally:
@@ -431,10 +440,10 @@ class PartitionedOptimizer(DeepSpeedOptimizerNames):
 
     @property
     def grad_scale(self) -> float:
-        """The factor the stored gradient shards carry: the loss scale until unscaled (fp16), else 1."""
+        """The factor the stored gradient shards carry: `carried_scale` until unscaled (fp16), else 1."""
         if self.scaler is None or self.unscaled:
             return 1.0
-        return self.scaler.scale
+        return self.carried_scale
 
     def grads(self) -> list[torch.Tensor]:
         """Every gradient shard this rank holds (fp32 masters' under mixed precision), once each."""
@@ -461,7 +470,7 @@ class PartitionedOptimizer(DeepSpeedOptimizerNames):
         if self.scaler is None or self.unscaled:
             return self._overflow
         grads = self.grads()
-        found = unscale_(grads, 1.0 / self.scaler.scale) if grads else torch.zeros(1)
+        found = unscale_(grads, 1.0 / self.carried_scale) if grads else torch.zeros(1)
         flag = found.to(self.comm_device)
         tag = Tag(Kind.ALL_REDUCE, "fp16 overflow check")
         self.comm.all_reduce(flag, tag, op="max")
