@@ -85,3 +85,29 @@ def test_an_ema_copy_follows_torch_and_deepcopy_names_it(pools, threshold):
         assert len(r["refusals"]) == 4 and all("safe_set_local_fp32_param" in m for m in r["refusals"]), r["refusals"]
         assert r["worst"] <= 1e-5
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
+
+
+def copy_while_modified(modifier: int) -> dict:
+    """A deep copy made under another ``zero3.Init`` inside ``GatheredParameters(modifier_rank=r)``
+    after rank r changed the weight (probe 36H: each rank partitioned its own values, so half the
+    copy was the unchanged weight)."""
+    rank = dist.get_rank()
+    config = {"param_persistence_threshold": 0}
+    torch.manual_seed(0)
+    with zero3.Init(config_dict_or_path=config):
+        model = torch.nn.Linear(6, 8)
+    with zero3.GatheredParameters(list(model.parameters()), modifier_rank=modifier):
+        if rank == modifier:
+            with torch.no_grad():
+                model.weight.fill_(5.0)
+        with zero3.Init(config_dict_or_path=config):
+            twin = copy.deepcopy(model)
+    with zero3.GatheredParameters(list(model.parameters()) + list(twin.parameters())):
+        return {"model": float((model.weight == 5).float().mean()), "twin": float((twin.weight == 5).float().mean()),
+                "bias": torch.equal(model.bias, twin.bias)}
+
+
+@pytest.mark.parametrize("modifier", [0, 1])
+def test_a_copy_made_inside_a_modifier_block_takes_the_modifier_rank_s_values(pools, modifier):
+    for r in pools.get(2).run(copy_while_modified, modifier, timeout=60):
+        assert r == {"model": 1.0, "twin": 1.0, "bias": True}

@@ -276,6 +276,10 @@ class GatheredParameters:
                 "changes made there (as DeepSpeed does: its shards keep their values). Pass modifier_rank=0 to keep "
                 "them (rank 0's values then go to every rank)")
 
+    def holds(self, p: ZeroParameter) -> bool:
+        """Whether ``p`` is one of this context's parameters."""
+        return p._zero.id in self._ids and p._zero.ctx is self.params[0]._zero.ctx
+
     def _agree_written(self, ctx: RuntimeContext, exc: BaseException | None,
                        copies: set[int]) -> tuple[list[ZeroParameter], bool]:
         """A read-only context's exit: (the parameters that some rank wrote beyond rounding in its own slice
@@ -510,8 +514,14 @@ def copy_gathered_state(module: nn.Module, state_dict: dict, prefix: str, local_
         if not p._zero.persistent or v.untyped_storage().nbytes() != v.numel() * v.element_size():
             state_dict[key] = copy = v.clone()
             for context in _OPEN:
-                if p._zero.id in context._ids and p._zero.ctx is context.params[0]._zero.ctx:
+                if context.holds(p):
                     context._handed.append((p, copy, copy._version))
+
+
+def modifier_holding(p: ZeroParameter) -> int | None:
+    """The ``modifier_rank`` of the innermost open user context that holds ``p`` with one, else None: the
+    rank whose values of ``p`` the context will publish."""
+    return next((c.modifier_rank for c in reversed(_OPEN) if c.modifier_rank is not None and c.holds(p)), None)
 
 
 def refuse_partitioned_load(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any],

@@ -63,7 +63,7 @@ from .refusals import unshardable, unshardable_refusal
 from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import data_parallel_group as mpu_data_parallel_group
 from ..comm.model_parallel import check_mpu
-from .gathered import LOCAL_MODIFIER, GatheredParameters
+from .gathered import LOCAL_MODIFIER, GatheredParameters, modifier_holding
 from .rank_values import take_rank0_where_ranks_differ
 from .publish import repartition
 from ..partition.param import (
@@ -606,12 +606,20 @@ def _deepcopy(p: ZeroParameter, state: _InitState) -> ZeroParameter:
     """``copy.deepcopy`` of a partitioned parameter while `Init` builds (torch's
     ``nn.TransformerEncoder`` deep-copies the layer it is given, already partitioned): a new
     parameter, partitioned, with the values of ``p`` (and, as torch's copy, none of its attributes).
-    A collective (one gather, over the group of the `Init` that built ``p``), as building is."""
+    A collective (one gather, over the group of the `Init` that built ``p``), as building is. Where
+    the ranks' values may differ, the copy takes the ones ``p`` will have: those of the modifier rank
+    of a ``GatheredParameters`` holding it, else rank 0's where they differ, as an assignment does (probe
+    36H: each rank partitioned its own values, a copy stitched from two ranks' edits)."""
     p._zero.ctx.coordinator.gather_for_user([p])
     try:
         full = raw_data(p).detach().clone()
     finally:
         p._zero.ctx.coordinator.release_for_user([p])
+    modifier = modifier_holding(p)
+    if modifier is not None and p._zero.world_size > 1:
+        full = p._zero.ctx.comm.broadcast(full, modifier, Tag(Kind.BROADCAST, f"zero3.Init deep copy of {p._zero.name}"))
+    elif state.sync == "rng" and state.ctx.world_size > 1:
+        take_rank0_where_ranks_differ(state.ctx, [(p._zero.name, full)])
     return _partition_param(nn.Parameter(full, requires_grad=p.requires_grad), p._zero.name, state)
 
 
