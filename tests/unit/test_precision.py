@@ -406,6 +406,28 @@ def test_skipped_steps_survive_a_checkpoint(tmp_path):
     assert (weights_only.global_steps, weights_only.skipped_steps) == (0, 0)
 
 
+def test_a_checkpoint_s_loss_scaler_of_another_mode_leaves_the_config_s_mode(tmp_path, caplog):
+    """Probe 36I: a run resumed with a static ``loss_scale: 128`` trained on the checkpoint's dynamic
+    scale (1024, static from then on), and a static checkpoint gave a dynamic run its unused
+    hysteresis (2 where the config said 1, so an overflow did not halve the scale)."""
+    _, dynamic = pair("fp16", initial_scale_power=10, hysteresis=1)
+    x, y = synthetic_batch(0, BATCH, CFG)
+    dynamic.backward(lossf(dynamic, x, y))
+    dynamic.step()
+    dynamic.save_checkpoint(str(tmp_path / "dynamic"))
+    _, static = pair("fp16", loss_scale=128.0)
+    with caplog.at_level("WARNING", logger="zero3"):
+        static.load_checkpoint(str(tmp_path / "dynamic"))
+    assert static.loss_scale == 128.0 and "is static 128, which is kept" in caplog.text
+    static.save_checkpoint(str(tmp_path / "static"))
+    _, resumed = pair("fp16", initial_scale_power=10, hysteresis=1)
+    resumed.load_checkpoint(str(tmp_path / "static"))
+    assert resumed.loss_scale == 128.0  # the saved scale, as a start
+    resumed.backward(lossf(resumed, x, y))
+    resumed.master_shard(resumed.params[1]).grad[0] = math.nan
+    assert resumed.step() is False and resumed.loss_scale == 64.0  # hysteresis 1, as configured
+
+
 def test_clipping_under_fp16_unscales_first_and_equals_torch_on_the_true_gradients():
     _, engine = pair("fp16", initial_scale_power=12)
     x, y = synthetic_batch(0, BATCH, CFG)

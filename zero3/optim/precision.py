@@ -247,10 +247,24 @@ class LossScaler:
                 "clean_steps": self.clean_steps, "overflows": self.overflows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale = float(state["scale"])
-        self.hysteresis_left = int(state["hysteresis_left"])
-        self.clean_steps = int(state["clean_steps"])
+        """A checkpoint's scaler state. The config's mode wins (probe 36I: a static ``loss_scale`` given
+        at resume was replaced by the checkpoint's dynamic scale, and a static checkpoint gave a dynamic
+        run its unused hysteresis): a static scaler keeps its scale; a dynamic one takes the saved
+        scale, and the saved progress only from a dynamic checkpoint, its hysteresis at most the
+        configured one. DeepSpeed's engine takes the checkpoint's whole scaler, its mode included."""
+        saved_dynamic = bool(state.get("dynamic", True))
+        if saved_dynamic != self.dynamic or not self.dynamic and float(state["scale"]) != self.scale:
+            logger.warning("zero3: the checkpoint's fp16 loss scale is %s %g; this config's %s, which is kept%s",
+                           "dynamic at" if saved_dynamic else "static", float(state["scale"]),
+                           "is dynamic" if self.dynamic else f"is static {self.scale:g}",
+                           " (starting from the saved scale)" if self.dynamic else "")
         self.overflows = int(state.get("overflows", 0))
+        if not self.dynamic:
+            return
+        self.scale = float(state["scale"])
+        if saved_dynamic:
+            self.hysteresis_left = min(int(state["hysteresis_left"]), self.hysteresis)
+            self.clean_steps = int(state["clean_steps"])
 
 
 def unscale_(grads: Sequence[torch.Tensor], inv_scale: float) -> torch.Tensor:
