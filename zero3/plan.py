@@ -22,15 +22,19 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .comm.process_group import group_exists
+from .errors import ZeroConfigError
 from .config import ZeroConfig, resolve_config
 from .config.json_file import loads_config_text
 from .optim.precision import torch_dtype
@@ -81,16 +85,28 @@ def record_trace(model: nn.Module, make_inputs: Callable[[], Sequence[Any]], con
     """Run one forward+backward of ``model`` under zero3's hooks (world size 1) and return its trace.
 
     ``model`` may live on the meta device. It is partitioned in place and its hooks are removed
-    afterwards. Call this where torch.distributed is not initialised (it would use the world group).
+    afterwards. A launcher's ``RANK``/``WORLD_SIZE`` in the environment are not read (probe 36K: in a
+    process that inherited them, ``initialize`` waited for ranks that never came); a process group of
+    more than one rank is refused (the dry run is one process's).
+
+    Raises:
+        ZeroConfigError: this process is a rank of an initialised group of several ranks.
     """
     from .engine import initialize
     from .runtime.context import meta_dry_run
 
+    if group_exists() and dist.get_world_size() > 1:
+        raise ZeroConfigError(
+            f"zero3.plan.record_trace runs the model alone (world size 1), and this process is rank {dist.get_rank()} "
+            f"of a process group of {dist.get_world_size()}: record the trace in a process of its own (python -m "
+            "zero3.plan, or before torch.distributed.init_process_group); nothing was run")
+    hidden = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE") if k in os.environ}
     token = meta_dry_run.set(True)  # a meta model is partitioned here: the trace needs no values
     try:
         engine = initialize(model, None, resolve_config(config))
     finally:
         meta_dry_run.reset(token)
+        os.environ.update(hidden)
     try:
         out = engine(*make_inputs())
         loss = loss_fn(out) if loss_fn is not None else _default_loss(out)

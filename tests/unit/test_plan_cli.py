@@ -138,3 +138,20 @@ def test_a_prediction_under_memory_budget_counts_trainable_parameters_only() -> 
     m = engine.last_step_metrics
     engine.remove_hooks()
     assert (s.num_allgathers, s.allgather_numel) == (m.allgather_calls, m.allgather_numel)
+
+
+def test_a_launchers_environment_is_not_read_by_the_dry_run(monkeypatch) -> None:
+    """Probe 36K: run where a launcher's RANK/WORLD_SIZE were inherited (a subprocess of a torchrun job),
+    the dry run's initialize made a default group from them and waited for ranks that never came."""
+    import zero3.comm.process_group as process_group
+
+    def would_wait(*args, **kwargs):
+        raise AssertionError("the dry run made a process group from the environment (it would wait for rank 1)")
+
+    monkeypatch.setattr(process_group, "init_distributed", would_wait)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    rows = _run("--model", f"{GPT_FILE}:GPT", "--model-arg", "GPTConfig(n_layer=2)", "--input-shape", "2,16",
+                "--config", '{"param_persistence_threshold": 0}', "--world-size", "2")
+    assert int(rows["all-gathers per step"].replace(",", "")) > 0
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("0", "2")  # given back
