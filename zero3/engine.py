@@ -324,6 +324,11 @@ class Engine(DeepSpeedEngineNames):
     def __reduce_ex__(self, protocol: Any) -> Any:  # copy.deepcopy, pickle (probe 36H: torch's TypeError on the
         raise refuse_copy(self.module)  # process group, where the model's copy names what works)
 
+    def __copy__(self) -> "Engine":  # copy.copy: another handle on the same engine, as before (review 36R2)
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        return other
+
     @contextlib.contextmanager
     def generation(self) -> Iterator["Engine"]:
         """Generation mode for decode loops (RL rollouts, evaluation): gathered weights stay gathered

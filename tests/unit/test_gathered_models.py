@@ -111,3 +111,47 @@ def test_a_timm_style_ema_through_state_dict_copies_follows_torch(threshold):
             ema.state_dict()["0.weight"].zero_()
     with zero3.GatheredParameters(list(ema.parameters())):  # kept its values; an unwritten copy says nothing
         assert torch.equal(ema.state_dict()["0.weight"], ref_ema[0].weight)
+
+
+def test_a_copy_written_beside_a_direct_write_is_refused_and_nested_blocks_take_a_copy_once():
+    """Review 36R2: the written copy went into the parameter over a direct ``mul_`` made after it (the
+    direct write lost, silently); an enclosing block took the copy an inner modifier block had already
+    published (over a later direct write), or, without modifier_rank, called it a discarded write."""
+    model, _ = _engine()
+    with zero3.GatheredParameters(list(model.parameters())):
+        w0 = model[0].weight.detach().clone()
+    with torch.no_grad():
+        with pytest.raises(ZeroStateError, match=r"0\.weight was written both through a state_dict\(\) copy and "
+                                                 r"directly.*nothing of the block was published"):
+            with zero3.GatheredParameters(list(model.parameters()), modifier_rank=0):
+                model.state_dict()["0.weight"].add_(1.0)
+                model[0].weight.mul_(2.0)
+        with zero3.GatheredParameters(list(model.parameters())):
+            assert torch.equal(model[0].weight, w0)
+        with zero3.GatheredParameters(list(model.parameters()), modifier_rank=0):  # as torch: 2 * (w0 + 1)
+            with zero3.GatheredParameters(list(model.parameters()), modifier_rank=0):
+                model.state_dict()["0.weight"].add_(1.0)
+            model[0].weight.mul_(2.0)
+        with zero3.GatheredParameters(list(model.parameters())):  # read-only outside: kept, nothing raised
+            with zero3.GatheredParameters(list(model.parameters()), modifier_rank=0):
+                model.state_dict()["0.weight"].sub_(2.0)
+        with zero3.GatheredParameters(list(model.parameters())):
+            torch.testing.assert_close(model[0].weight, 2 * (w0 + 1) - 2, rtol=0, atol=1e-6)
+
+
+def test_a_persistent_copy_written_in_a_read_only_block_is_kept_as_a_direct_write_is():
+    """Review 36R2: at world size 1 under bf16 a persistent parameter's state_dict() entry is a copy (its
+    storage holds every shard); written inside a block without modifier_rank it was dropped silently, where
+    a direct write to the parameter is kept (taken at the next step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                              {"param_persistence_threshold": 20, "bf16": {"enabled": True}})
+    bias = model[0].bias.detach().clone()
+    with torch.no_grad(), zero3.GatheredParameters(list(model.parameters())):
+        entry = model.state_dict()["0.bias"]
+        assert entry.data_ptr() != model[0].bias.data_ptr()  # a copy here
+        entry.add_(1.0)
+    engine.backward(engine(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum())
+    engine.step()
+    torch.testing.assert_close(model[0].bias.float(), bias.float() + 1, rtol=0, atol=1e-2)

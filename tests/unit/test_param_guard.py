@@ -132,6 +132,27 @@ def test_a_refused_load_state_dict_loads_nothing_where_some_parameters_are_kept_
         assert all(torch.equal(v, changed[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("how", ["wrapper made after initialize", "torch.compile", "checkpoint_wrapper"])
+def test_a_load_that_reaches_the_model_under_another_name_is_refused_before_anything_loads(how):
+    """Review 36R2: the refusal acted where the load started only, by the parameters' own names: a load
+    through a wrapper module, ``torch.compile``'s ``_orig_mod`` or torch's ``checkpoint_wrapper`` (whose
+    parameter names hold a part its keys do not) half-loaded the model as before."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    wrap = checkpoint_wrapper if how == "checkpoint_wrapper" else (lambda m: m)
+    model = nn.Sequential(wrap(nn.Linear(4, 6)), nn.Tanh(), wrap(nn.Linear(6, 3)))
+    zero3.initialize(model, None, {"param_persistence_threshold": 10})
+    outer = nn.Sequential(model) if how.startswith("wrapper") else torch.compile(model) if how == "torch.compile" \
+        else model
+    with zero3.GatheredParameters(list(model.parameters())):
+        before = {k: v.clone() for k, v in outer.state_dict().items()}
+    with pytest.raises(ZeroStateError, match=r"weight.*nothing was loaded"):
+        outer.load_state_dict({k: v + 1 for k, v in before.items()})
+    with zero3.GatheredParameters(list(model.parameters())):
+        assert all(torch.equal(v, before[k]) for k, v in outer.state_dict().items())
+
+
 @pytest.mark.parametrize("threshold", [0, 10**6])  # partitioned, and kept gathered (persistent)
 def test_load_state_dict_with_assign_is_refused_and_keeps_zero3s_parameters(threshold):
     """``assign=True`` put plain tensors in place of zero3's parameters ("All keys matched"); the next

@@ -22,7 +22,8 @@ from ..runtime.gathered import keep_finer, refuse_assign, refuse_partitioned_loa
 
 
 def _own(fn: Any) -> bool:
-    return fn in (refuse_assign, refuse_partitioned_load) or isinstance(fn, functools.partial) and fn.func in (keep_finer, write_back_loaded)
+    return fn is refuse_assign or isinstance(fn, functools.partial) and fn.func in (
+        keep_finer, write_back_loaded, refuse_partitioned_load)
 
 
 # torch's hooks that change nothing for a checkpoint of the model as it is: the weight-norm and

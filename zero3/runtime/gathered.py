@@ -78,10 +78,13 @@ where torch gives views: an EMA written as timm's (``ev.copy_(...)`` over ``ema.
 inside ``GatheredParameters(..., modifier_rank=0)``) wrote into the copies and the EMA never moved,
 or moved only in its persistent parameters (probe 36H). So each open context keeps the copies it
 handed out of its parameters with their version counters until it exits: one that was written in
-place is copied into its parameter's gathered data there, before a ``modifier_rank`` context
-publishes, as a write through a view would have been; in a context without ``modifier_rank`` it is a
-discarded write, raised as one ([Note: writes that GatheredParameters discards]). The copies live
-until the context exits (a ``state_dict()`` dropped inside it is not freed before).
+place is copied into its parameter's gathered data there (`_take_copies`), as a write through a view
+would have been: before a ``modifier_rank`` context publishes it, and in a context without one it is
+then a write as any other, discarded and raised for a parameter the context gathered, kept for one
+gathered before ([Note: writes that GatheredParameters discards]). A parameter written both through
+its copy and directly since the copy was taken is refused under ``modifier_rank`` (which write came
+last is not known). The copies live until the context exits (a ``state_dict()`` dropped inside it is
+not freed before).
 """
 
 from __future__ import annotations
@@ -165,7 +168,8 @@ class GatheredParameters:
         self._entry: list[tuple[ZeroParameter, torch.Tensor]] = []  # [Note: a modifier block that raised]
         self._in_step = False  # entered inside a running step, with gradients on
         self._saved: SavedParams | None = None  # [Note: a saved parameter outlives its gather]
-        self._handed: list[tuple[ZeroParameter, torch.Tensor, int]] = []  # [Note: writes through state_dict() copies]
+        self._handed: list[list[Any]] = []  # [parameter, copy, its version, the parameter's bit_sum]: [Note: writes
+        # through state_dict() copies]
         by_ctx: dict[int, list[ZeroParameter]] = {}
         for p in self.params:
             by_ctx.setdefault(id(p._zero.ctx), []).append(p)
@@ -231,17 +235,15 @@ class GatheredParameters:
         ctx = self.params[0]._zero.ctx
         if self in _OPEN:
             _OPEN.remove(self)
-        copies = [(p, copy) for p, copy, version in self._handed if copy._version != version]
-        self._handed = []
+        handed, self._handed = self._handed, []
         if self._saved is not None:
             self._saved.__exit__(exc_type, exc, tb)
             self._saved = None
         modifier = self.modifier_rank is not None
         entry, self._entry = self._entry, []
-        if modifier and exc is None:  # [Note: writes through state_dict() copies]
-            for p, copy in copies:
-                raw_data(p).copy_(copy)
-        refused = self._refused_reshape(ctx) if modifier and exc is None else None
+        refused = _take_copies(handed, self.modifier_rank) if exc is None else None
+        if refused is None and modifier and exc is None:
+            refused = self._refused_reshape(ctx)
         raised: list[int] = []
         try:
             try:
@@ -257,7 +259,7 @@ class GatheredParameters:
             else:
                 refresh = False
                 if not modifier:  # before the discard, which may raise on this rank alone (a new shape), when
-                    written, refresh = self._agree_written(ctx, exc, {id(p) for p, _ in copies})  # the others wait
+                    written, refresh = self._agree_written(ctx, exc)  # the others wait in the agreement
                 self._discard(ctx, entry, exc_type, refresh)
         finally:
             self._read_only = None
@@ -280,24 +282,19 @@ class GatheredParameters:
         """Whether ``p`` is one of this context's parameters."""
         return p._zero.id in self._ids and p._zero.ctx is self.params[0]._zero.ctx
 
-    def _agree_written(self, ctx: RuntimeContext, exc: BaseException | None,
-                       copies: set[int]) -> tuple[list[ZeroParameter], bool]:
+    def _agree_written(self, ctx: RuntimeContext, exc: BaseException | None) -> tuple[list[ZeroParameter], bool]:
         """A read-only context's exit: (the parameters that some rank wrote beyond rounding in its own slice
         of one the context gathered, or gave data of a new shape, even with the same values; whether a
         persistent one got a new shape, so that every rank gathers the persistent ones again), agreed by
         every rank in one small all-reduce (a rank that raised inside adds none), so that all of them
         raise or none does, and all of them refresh: a rank that found nothing went on alone, and hung in
-        its next collective (reviews 28Y, 28Z1, 28Z3, 28Z4). [Note: writes that GatheredParameters discards]
-        ``copies``: the parameters whose ``state_dict()`` copy was written ([Note: writes through state_dict()
-        copies])."""
+        its next collective (reviews 28Y, 28Z1, 28Z3, 28Z4). [Note: writes that GatheredParameters discards]"""
         prints: dict[int, int] = {}
         seen: dict[int, str] = {}
         if exc is None and self._read_only is not None:
             seen, after = _written(*self._read_only)
             prints = {id(p): int(f) for p, f in zip(self._read_only[0], after.tolist())}
         fresh = {id(p) for p in self._read_only[0]} if self._read_only is not None else set()
-        if exc is None:
-            seen.update((i, "beyond") for i in copies & fresh)
         written = [int(seen.get(id(p)) == "beyond") for p in self.params]
         reshaped = [int(raw_data(p).shape != p._zero.shape) for p in self.params]
         if ctx.world_size > 1 and not isinstance(exc, (ZeroCommunicationError, ZeroDivergenceError)):
@@ -513,9 +510,42 @@ def copy_gathered_state(module: nn.Module, state_dict: dict, prefix: str, local_
             continue
         if not p._zero.persistent or v.untyped_storage().nbytes() != v.numel() * v.element_size():
             state_dict[key] = copy = v.clone()
-            for context in _OPEN:
-                if context.holds(p):
-                    context._handed.append((p, copy, copy._version))
+            held = [context for context in _OPEN if context.holds(p)]
+            if held:
+                record = [p, copy, copy._version, int(bit_sum(v))]
+                for context in held:
+                    context._handed.append(list(record))
+
+
+def _take_copies(handed: list[list[Any]], modifier_rank: Any) -> ZeroStateError | None:
+    """At a context's exit: each ``state_dict()`` copy written in place (its version moved) goes into its
+    parameter, as a write through a view would, unless the parameter was written too since the copy
+    was taken (its `bit_sum` moved; review 36R2: the copy overwrote a direct ``mul_``): under a
+    ``modifier_rank`` that is an error (agreed, so nothing is published), without one the direct write
+    stays (discarded or kept as any). Every record of a parameter taken here, in this context and the
+    enclosing ones, is brought up to date, so they neither take the copy again nor see a conflict in
+    it (review 36R2), and a tied name's copy written alike is no conflict."""
+    for p, copy, version, before in handed:
+        if copy._version == version or torch.equal(raw_data(p), copy):  # a tied name's copy, written alike
+            continue
+        if int(bit_sum(raw_data(p))) != before:
+            if modifier_rank is not None:
+                return ZeroStateError(
+                    f"GatheredParameters(modifier_rank={modifier_rank}): {p._zero.name} was written both through a "
+                    "state_dict() copy and directly inside the block; write it one way (nothing of the block was "
+                    "published)")
+            logger.warning("zero3: %s was written both through a state_dict() copy and directly inside "
+                           "GatheredParameters; the copy's write is dropped", p._zero.name)
+            continue
+        raw_data(p).copy_(copy)
+        now = int(bit_sum(raw_data(p)))
+        for records in [handed] + [context._handed for context in _OPEN]:
+            for record in records:
+                if record[0] is p:  # its other copies compare with the value now
+                    record[3] = now
+                    if record[1] is copy:
+                        record[2] = copy._version
+    return None
 
 
 def modifier_holding(p: ZeroParameter) -> int | None:
@@ -525,24 +555,31 @@ def modifier_holding(p: ZeroParameter) -> int | None:
 
 
 def refuse_partitioned_load(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any],
-                            *_: Any) -> None:
+                            *_: Any, root: bool = False) -> None:
     """A ``load_state_dict`` pre-hook on every module of an engine's model, acting where the load
-    starts (``prefix`` ""): torch's copy into a partitioned parameter is refused parameter by parameter
-    and collected while the rest loads (probe 36H: with the biases persistent, they took the file's
-    values into their shards and masters while the weights refused, a half-loaded model). So every
-    key that names a partitioned parameter is refused here, before anything loads."""
-    if prefix:
+    starts (``prefix`` "") and at the model's ``root`` whatever the prefix (a wrapper made after
+    ``initialize``, ``torch.compile``'s ``_orig_mod``: review 36R2): torch's copy into a partitioned
+    parameter is refused parameter by parameter and collected while the rest loads (probe 36H: with
+    the biases persistent, they took the file's values into their shards and masters while the
+    weights refused, a half-loaded model). So every key that names a partitioned parameter (also
+    without torch's ``checkpoint_wrapper`` part, which its own pre-hook adds later) is refused here,
+    before anything below loads. A pre-hook that renames keys, registered after ``initialize``, runs
+    after this one."""
+    if prefix and not root:
         return
     if local_metadata.get("assign_to_params_buffers", False):  # every zero3 parameter, refused as such
         return refuse_assign(module, state_dict, prefix, local_metadata, whole=True)
-    hit = [n for n, p in module.named_parameters(remove_duplicate=False)
-           if isinstance(p, PartitionedParameter) and n in state_dict]
+    hit = [prefix + n for n, p in module.named_parameters(remove_duplicate=False) if isinstance(p, PartitionedParameter)
+           and (prefix + n in state_dict or prefix + n.replace(_WRAPPED, "") in state_dict)]
     if hit:
         raise ZeroStateError(
             f"load_state_dict: {', '.join(hit[:3])}{f' and {len(hit) - 3} more' if len(hit) > 3 else ''} of "
             f"{type(module).__name__} are partitioned (each rank holds a shard), so torch cannot copy into them; "
             "nothing was loaded. zero3.pretrained.load_state_dict(model, state_dict) loads every parameter "
             "into the shards (or load inside `with zero3.GatheredParameters(model.parameters(), modifier_rank=0):`)")
+
+
+_WRAPPED = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper: in parameter names, not in state dict keys
 
 
 def load_hooks(ctx: RuntimeContext, module: nn.Module) -> list[Any]:
@@ -563,7 +600,8 @@ def refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metadat
     if not local_metadata.get("assign_to_params_buffers", False):
         return
     named = module.named_parameters(remove_duplicate=False) if whole else dict.items(module._parameters)
-    hit = [n for n, p in named if isinstance(p, ZeroParameter) and prefix + n in state_dict]
+    hit = [n for n, p in named if isinstance(p, ZeroParameter)
+           and (prefix + n in state_dict or prefix + n.replace(_WRAPPED, "") in state_dict)]
     if hit:
         raise ZeroStateError(
             f"load_state_dict(..., assign=True) would replace zero3's parameter {prefix + hit[0]} with the loaded "

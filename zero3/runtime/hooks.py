@@ -288,7 +288,8 @@ class ModuleHooks:
             self._hook(name, m)
         holders: dict[int, int] = {}  # id(param) -> how many modules hold it as their own (hooked or not)
         for m in model.modules():
-            self._handles.append(m.register_load_state_dict_pre_hook(refuse_partitioned_load))  # where a load starts
+            self._handles.append(m.register_load_state_dict_pre_hook(  # where a load starts, and at the root
+                functools.partial(refuse_partitioned_load, root=m is model)))
             if any(isinstance(p, ZeroParameter) for p in dict.values(m._parameters)):  # loaded into shards
                 self._handles += load_hooks(self.ctx, m)  # (kept-gathered ones), never assigned over
             for p in dict.values(m._parameters):
