@@ -155,3 +155,16 @@ def test_steps_per_print_logs_deepspeed_s_progress_line(caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("zero3: step=")]
     assert lines == ["zero3: step=2, skipped=0, lr=[0.1]", "zero3: step=4, skipped=0, lr=[0.1]"]
     assert engine.global_steps == 4
+
+
+def test_a_disabled_bf16_beside_an_enabled_bfloat16_section_is_refused():
+    """Probe 36K2: taken as bf16, where DeepSpeed reads the bf16 section alone and trains in fp32."""
+    with pytest.raises(ZeroConfigError, match=r"bf16\.enabled is false and bfloat16\.enabled .* is true"):
+        ZeroConfig.from_dict({"bf16": {"enabled": False}, "bfloat16": {"enabled": True}})
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0])
+def test_a_bool_key_written_as_a_float_is_refused_naming_the_float(value):
+    """Probe 36K2: 0.0 was turned into the int 0 first, and the refusal named a value the file did not hold."""
+    with pytest.raises(ZeroConfigError, match=rf"overlap_comm must be a bool, got {value} \(float\)"):
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "overlap_comm": value}})

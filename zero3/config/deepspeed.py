@@ -212,6 +212,9 @@ def _precision(d: dict[str, Any], out: KnobValues) -> None:
     """dtype, loss-scaling and reduce-dtype knobs from DeepSpeed's ``bf16``/``fp16`` sections and
     ``communication_data_type``. Settings inside a section that is not enabled are ignored."""
     bf16 = [k for k in ("bf16", "bfloat16") if k in d and _enabled(k, d[k])]
+    if bf16 == ["bfloat16"] and "bf16" in d:  # probe 36K2: DeepSpeed reads bf16 alone then, and trains fp32
+        raise ZeroConfigError("bf16.enabled is false and bfloat16.enabled (its old spelling) is true: DeepSpeed reads "
+                              "bf16 alone (fp32), this reads as bf16; keep one of the two sections")
     for k in ("bf16", "bfloat16"):
         if k in d:
             _section(k, d[k], {}, _BF16_IGNORED)

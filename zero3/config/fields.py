@@ -107,8 +107,9 @@ def coerce(tp: Any, value: Any, lax_bool: bool = False) -> Any:
         return float(value) if _is_int(value) else value
     if typing.get_origin(inner) is tuple and isinstance(value, list):
         return tuple(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
+    if isinstance(value, float) and value.is_integer() and (inner is int or any(  # a count, or a stage of a
+            type(a) is int for a in typing.get_args(inner) if typing.get_origin(inner) is typing.Literal)):  # Literal
+        return int(value)  # not for a bool or a string: its refusal names the float written (probe 36K2)
     return value
 
 
