@@ -81,6 +81,27 @@ def test_plain_module_saves_weights_only_each_tied_parameter_once(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
 
 
+def test_a_directory_in_the_way_of_a_save_is_refused_and_the_earlier_save_stays(tmp_path):
+    """Probe 36K2: a directory named model.safetensors was moved aside, the new save put in place and the
+    earlier shards removed, then its removal raised IsADirectoryError, and every later save failed on the
+    moved directory."""
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = Tied()
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    out = engine.save_pretrained(tmp_path / "out", max_shard_size=500)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    (out / "model.safetensors").mkdir()
+    for _ in range(2):  # and again: nothing left behind in the way
+        with pytest.raises(zero3.ZeroConfigError, match=r"model\.safetensors is in the way .*not a file"):
+            engine.save_pretrained(out)
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+        assert sorted(p.name for p in out.iterdir() if not p.is_file()) == ["model.safetensors"]
+    (out / "model.safetensors").rmdir()
+    engine.save_pretrained(out)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
 def test_only_safetensors(tmp_path):
     with zero3.Init():
         model = Tied()

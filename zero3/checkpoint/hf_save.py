@@ -275,6 +275,9 @@ def _prepare_directory(directory: Path) -> None:
     """Create ``directory``; remove what a killed save left (staged files, kept old ones)."""
     directory.mkdir(parents=True, exist_ok=True)
     for entry in [*directory.glob(f".*{_STAGED}*"), *directory.glob(f".*{_OLD}")]:  # with a writer's .tmp
+        if entry.is_dir():  # not one of zero3's files: left as it is (review of probe 36K2)
+            logger.warning("zero3: save_pretrained leaves %s, a directory under a name of its own files", entry)
+            continue
         entry.unlink()
     shutil.rmtree(directory / _CONFIGS, ignore_errors=True)
 
@@ -294,6 +297,12 @@ def _commit(directory: Path, staged: dict[str, Path], stale: Sequence[str]) -> N
     away, as one change: a failure part-way puts back every file it moved (review 35R1: a rename that
     failed left new and old shards under the old index) and removes the staged ones."""
     moved: list[tuple[Path, Path]] = []  # (where a file was, where it went)
+    for name in staged:  # probe 36K2: a directory in the way was moved aside, the commit done, and its removal
+        if (directory / name).exists() and not (directory / name).is_file():  # failed: the earlier save gone
+            for path in staged.values():
+                path.unlink(missing_ok=True)
+            raise ZeroConfigError(f"save_pretrained: {directory / name} is in the way of the file this save writes "
+                                  "there and is not a file (a directory?); nothing in the directory was changed")
     try:
         for name in [*stale, *staged]:
             if (directory / name).exists():
@@ -313,7 +322,10 @@ def _commit(directory: Path, staged: dict[str, Path], stale: Sequence[str]) -> N
         raise
     for was, went in moved:
         if went.name.endswith(_OLD):
-            went.unlink(missing_ok=True)
+            try:
+                went.unlink(missing_ok=True)
+            except OSError as exc:  # the save is in place: the next save's _prepare_directory tries again
+                logger.warning("zero3: save_pretrained could not remove the earlier save's %s: %s", went, exc)
 
 
 def _write_configs(module: nn.Module, directory: Path, dtype: torch.dtype) -> None:
