@@ -207,6 +207,28 @@ def test_scaler_state_dict_round_trips():
     assert run_scaler(t, ".xx") == run_scaler(s, ".xx")
 
 
+def test_a_static_checkpoint_restarts_a_running_dynamic_scaler_and_a_rollback_restores_every_field():
+    """Review 36R1: a static checkpoint loaded into a dynamic scaler that had run kept that run's hysteresis
+    and clean steps (a fresh one started anew: the same resume behaved two ways); a dynamic one below
+    the config's min_loss_scale ran under it; and the step rollback, through the same policy, left a
+    static scaler's clean steps advanced."""
+    static = LossScaler(scale=128, dynamic=False)
+    running = LossScaler(scale=256, dynamic=True, window=4, hysteresis=3, min_scale=1)
+    run_scaler(running, "x..")
+    running.load_state_dict(static.state_dict())
+    fresh = LossScaler(scale=256, dynamic=True, window=4, hysteresis=3, min_scale=1)
+    fresh.load_state_dict(static.state_dict())
+    assert running.state_dict() == fresh.state_dict() == {"scale": 128.0, "dynamic": True, "hysteresis_left": 3,
+                                                           "clean_steps": 0, "overflows": 0}
+    floor = LossScaler(scale=2**16, dynamic=True, min_scale=4096)
+    floor.load_state_dict(LossScaler(scale=1024, dynamic=True).state_dict())
+    assert floor.scale == 4096
+    kept = static.state_dict()
+    static.update(False)
+    static.restore(kept)
+    assert static.state_dict() == kept
+
+
 def test_scaler_from_config_only_for_fp16():
     assert LossScaler.from_config(ZeroConfig(dtype="bf16")) is None
     dyn = LossScaler.from_config(ZeroConfig(dtype="fp16", initial_scale_power=5))

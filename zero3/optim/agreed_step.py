@@ -183,7 +183,7 @@ class AgreedStep:
                 z.shard.copy_(kept.shards[z.id])
         if kept.scaler is not None:
             assert self.parts.scaler is not None
-            self.parts.scaler.load_state_dict(kept.scaler)
+            self.parts.scaler.restore(kept.scaler)
 
 
 __all__ = ["AgreedStep", "StepParts"]

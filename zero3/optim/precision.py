@@ -250,8 +250,8 @@ class LossScaler:
         """A checkpoint's scaler state. The config's mode wins (probe 36I: a static ``loss_scale`` given
         at resume was replaced by the checkpoint's dynamic scale, and a static checkpoint gave a dynamic
         run its unused hysteresis): a static scaler keeps its scale; a dynamic one takes the saved
-        scale, and the saved progress only from a dynamic checkpoint, its hysteresis at most the
-        configured one. DeepSpeed's engine takes the checkpoint's whole scaler, its mode included."""
+        scale (at least ``min_loss_scale``), and the saved progress only from a dynamic checkpoint, its
+        hysteresis at most the configured one (from a static one it starts afresh, whatever ran before). DeepSpeed's engine takes the checkpoint's whole scaler, its mode included."""
         saved_dynamic = bool(state.get("dynamic", True))
         if saved_dynamic != self.dynamic or not self.dynamic and float(state["scale"]) != self.scale:
             logger.warning("zero3: the checkpoint's fp16 loss scale is %s %g; this config's %s, which is kept%s",
@@ -261,10 +261,19 @@ class LossScaler:
         self.overflows = int(state.get("overflows", 0))
         if not self.dynamic:
             return
-        self.scale = float(state["scale"])
+        self.scale = max(float(state["scale"]), self.min_scale)  # the config's minimum holds too
+        self.hysteresis_left, self.clean_steps = self.hysteresis, 0  # a static one saved no progress (review 36R1)
         if saved_dynamic:
             self.hysteresis_left = min(int(state["hysteresis_left"]), self.hysteresis)
             self.clean_steps = int(state["clean_steps"])
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Every field of `state_dict` back as it was, whatever the config says (a rolled-back step;
+        review 36R1: `load_state_dict`'s policy for a checkpoint left a static scaler's clean steps
+        advanced)."""
+        self.scale, self.dynamic = float(state["scale"]), bool(state["dynamic"])
+        self.hysteresis_left, self.clean_steps = int(state["hysteresis_left"]), int(state["clean_steps"])
+        self.overflows = int(state.get("overflows", 0))
 
 
 def unscale_(grads: Sequence[torch.Tensor], inv_scale: float) -> torch.Tensor:
