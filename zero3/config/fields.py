@@ -107,10 +107,18 @@ def coerce(tp: Any, value: Any, lax_bool: bool = False) -> Any:
         return float(value) if _is_int(value) else value
     if typing.get_origin(inner) is tuple and isinstance(value, list):
         return tuple(value)
-    if isinstance(value, float) and value.is_integer() and (inner is int or any(  # a count, or a stage of a
-            type(a) is int for a in typing.get_args(inner) if typing.get_origin(inner) is typing.Literal)):  # Literal
-        return int(value)  # not for a bool or a string: its refusal names the float written (probe 36K2)
+    if isinstance(value, float) and value.is_integer() and _takes_int(tp):  # a count, a stage, a budget: not a bool
+        return int(value)  # or a string, whose refusal names the float written (probe 36K2)
     return value
+
+
+def _takes_int(tp: Any) -> bool:
+    """Whether a field of type ``tp`` takes an int: ``int``, a Literal of one, or a union holding either."""
+    if tp is int:
+        return True
+    if typing.get_origin(tp) is typing.Literal:
+        return any(type(a) is int for a in typing.get_args(tp))
+    return typing.get_origin(tp) in (Union, types.UnionType) and any(_takes_int(a) for a in typing.get_args(tp))
 
 
 def did_you_mean(key: str, known: set[str] | frozenset[str]) -> str:
