@@ -33,7 +33,7 @@ from .config import ZeroConfig, resolve_config
 from .checkpoint.live_state_dict import consolidated_state_dict
 from .runtime.context import RuntimeContext, build_context, context_of
 from .runtime.coordinator import ParamCoordinator
-from .errors import ZeroConfigError, ZeroStateError
+from .errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError, ZeroStateError
 from .optim import foreign as foreign_optimizers
 from .optim import routed_step
 from .optim.routed_clip import route_clip
@@ -258,6 +258,10 @@ class Engine(DeepSpeedEngineNames):
                 if not ctx.optimizer.overflow:  # gradients dropped; the window still ends (probe 36I)
                     raise
                 error = exc
+            except Exception as exc:  # the optimizer's own (a step hook's): the shards may have stepped, so the
+                if not isinstance(exc, (ZeroCommunicationError, ZeroDivergenceError)):  # copies of the persistent
+                    ctx.coordinator.refresh_persistent()  # ones follow them (probe 36M); not after a failed group
+                raise
             if stepped and ctx.lr_scheduler_step is not None:
                 try:
                     ctx.lr_scheduler_step(**(lr_kwargs or {}))

@@ -859,3 +859,33 @@ def test_fp16_backward_carries_the_scale_over_the_accumulation_steps_as_deepspee
     with zero3.GatheredParameters([model.bias]):  # mean gradient 4, or the sum 16 without scale_wrt_gas
         torch.testing.assert_close(model.bias.detach().float(), bias - 0.1 * (4.0 if scale_wrt_gas else 16.0),
                                    rtol=0, atol=1e-3)
+
+
+def test_a_step_post_hook_that_raises_leaves_the_step_taken_in_the_bf16_shards():
+    """Probe 36M: a raise from an optimizer step post-hook (after the update) skipped the cast of the
+    stepped masters into the bf16 shards, so the next forward ran on the old weights."""
+    runs = []
+    for raising in (False, True):
+        _, engine = pair("bf16")
+        calls = []
+
+        def hook(opt, args, kwargs):
+            calls.append(1)
+            if raising and len(calls) == 2:
+                raise RuntimeError("a post-hook's error")
+
+        engine.optimizer.register_step_post_hook(hook)
+        losses = []
+        for step in range(3):
+            x, y = synthetic_batch(step, BATCH, CFG)
+            loss = lossf(engine, x, y)
+            losses.append(loss.item())
+            engine.backward(loss)
+            try:
+                engine.step()
+            except RuntimeError:
+                assert raising and step == 1
+                engine.zero_grad()  # the gradients stay after a raise, as torch's after its optimizer's
+        runs.append((losses, masters_of(engine)))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][k], v) for k, v in runs[1][1].items())

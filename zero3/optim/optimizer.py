@@ -420,11 +420,9 @@ class PartitionedOptimizer(DeepSpeedOptimizerNames):
 
     @property
     def carried_scale(self) -> float:
-        """fp16: the factor a backward's gradients carry, the loss scale over ``gradient_accumulation_steps``
-        N, as DeepSpeed's ``engine.backward`` divides the loss by N before scaling it: the reducer divides
-        each micro-batch's gradient by N only after the reduction, and with the whole scale the fp16
-        gradients were N times DeepSpeed's, so a static scale that trains there overflowed at every step
-        (probe 36I). The fp32 shards then carry it too, and `unscale_` divides by it."""
+        """fp16: the factor a backward's gradients (and then the shards, until `unscale_`) carry: the loss
+        scale over ``gradient_accumulation_steps``, DeepSpeed's size (probe 36I: with the whole scale they
+        were N times larger, and a static scale that trains there overflowed at every step)."""
         return self.scaler.scale / self.config.training.gradient_accumulation_steps
 
     @contextlib.contextmanager
@@ -533,10 +531,12 @@ class PartitionedOptimizer(DeepSpeedOptimizerNames):
         return True                                          # raises (probe 26C); the others are untouched
 
     def _in_memory_step(self) -> None:
-        """The optimizer's step on state in memory, then the masters cast into the shards (under mixed
-        precision with ``offload_param="nvme"``, a write of the drive: agreed)."""
-        torch_step(self.optimizer)
-        self.copy_masters_to_shards()
+        """The optimizer's step on state in memory, then the masters cast into the shards (with
+        ``offload_param="nvme"`` a write of the drive: agreed), also after a step post-hook's error."""
+        try:
+            torch_step(self.optimizer)
+        finally:  # probe 36M: under bf16 the shards kept the old weights
+            self.copy_masters_to_shards()
 
     # -- state on NVMe ---------------------------------------------------------------------------
     def _streamed_step(self) -> None:
