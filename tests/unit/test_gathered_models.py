@@ -122,7 +122,7 @@ def test_a_copy_written_beside_a_direct_write_is_refused_and_nested_blocks_take_
         w0 = model[0].weight.detach().clone()
     with torch.no_grad():
         with pytest.raises(ZeroStateError, match=r"0\.weight was written both through a state_dict\(\) copy and "
-                                                 r"directly.*nothing of the block was published"):
+                                                 r"directly.*nothing of the block's parameters of this model was published"):
             with zero3.GatheredParameters(list(model.parameters()), modifier_rank=0):
                 model.state_dict()["0.weight"].add_(1.0)
                 model[0].weight.mul_(2.0)
@@ -155,3 +155,24 @@ def test_a_persistent_copy_written_in_a_read_only_block_is_kept_as_a_direct_writ
     engine.backward(engine(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum())
     engine.step()
     torch.testing.assert_close(model[0].bias.float(), bias.float() + 1, rtol=0, atol=1e-2)
+
+
+def test_a_second_pass_over_the_state_dict_sees_the_first_and_a_block_that_raised_publishes_nothing():
+    """Review 36R3: three passes of writes through state_dict() in one block gave one pass's result (each
+    pass copied the old values); an outer block published the copy written in an inner one that raised."""
+    model, _ = _engine()
+    with zero3.GatheredParameters(list(model.parameters())):
+        w0 = model[0].weight.detach().clone()
+    with torch.no_grad():
+        with zero3.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            for _ in range(3):
+                model.state_dict()["0.weight"].mul_(0.5)
+        with zero3.GatheredParameters(list(model.parameters())):
+            torch.testing.assert_close(model[0].weight, w0 / 8, rtol=0, atol=0)
+        with zero3.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            with pytest.raises(RuntimeError, match="inside"):
+                with zero3.GatheredParameters(list(model.parameters()), modifier_rank=0):
+                    model.state_dict()["0.weight"].zero_()
+                    raise RuntimeError("an error inside the inner block")
+        with zero3.GatheredParameters(list(model.parameters())):
+            torch.testing.assert_close(model[0].weight, w0 / 8, rtol=0, atol=0)

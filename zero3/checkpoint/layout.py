@@ -23,7 +23,7 @@ EXTRA_STATE_KEY = "_extra_state"
 def state_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``module.state_dict(keep_vars=True)``'s keys, in its order, each with the tensor itself: the
     parameter object (tied names sharing it) or the buffer. Not through ``state_dict()``, whose hooks
-    copy gathered parameters inside ``GatheredParameters`` (runtime/gathered.py `copy_gathered_state`),
+    copy gathered parameters inside ``GatheredParameters`` (runtime/handed_copies.py `copy_gathered_state`),
     and which a user's state-dict hooks may change."""
     out: dict[str, torch.Tensor] = {}
     for prefix, m in module.named_modules(remove_duplicate=False):

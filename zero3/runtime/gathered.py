@@ -72,19 +72,6 @@ that raised re-raise their error; the others raise `ZeroStateError` naming them.
 the group itself (a divergence, a timeout) skips the agreement, which could not complete; the block
 still lets go of its parameters.
 
-[Note: writes through state_dict() copies]
-Inside a context, ``state_dict()`` gives copies of the partitioned parameters (`copy_gathered_state`),
-where torch gives views: an EMA written as timm's (``ev.copy_(...)`` over ``ema.state_dict().values()``
-inside ``GatheredParameters(..., modifier_rank=0)``) wrote into the copies and the EMA never moved,
-or moved only in its persistent parameters (probe 36H). So each open context keeps the copies it
-handed out of its parameters with their version counters until it exits: one that was written in
-place is copied into its parameter's gathered data there (`_take_copies`), as a write through a view
-would have been: before a ``modifier_rank`` context publishes it, and in a context without one it is
-then a write as any other, discarded and raised for a parameter the context gathered, kept for one
-gathered before ([Note: writes that GatheredParameters discards]). A parameter written both through
-its copy and directly since the copy was taken is refused under ``modifier_rank`` (which write came
-last is not known). The copies live until the context exits (a ``state_dict()`` dropped inside it is
-not freed before).
 """
 
 from __future__ import annotations
@@ -102,6 +89,7 @@ from ..errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceErro
 from ..partition.param import PartitionedParameter, ZeroParameter, raw_data
 from ..partition.state import MEMORY, ParamStatus
 from .context import RuntimeContext
+from .handed_copies import OPEN, HandedCopy, take_copies
 from .publish import into_shards, published, refuse_reshape, reshaped_ids
 from .rank_values import bit_sum, take_rank0_where_ranks_differ
 from .saved_params import SavedParams
@@ -162,14 +150,14 @@ class GatheredParameters:
                 seen.setdefault(p._zero.id, p)
         self.params = sorted(seen.values(), key=lambda p: p._zero.id)  # same order on every rank
         self._ids = tuple(p._zero.id for p in self.params)
+        self._id_set = frozenset(self._ids)
         self.modifier_rank = modifier_rank
         self.enabled = enabled and bool(self.params)
         self._read_only: tuple[list[ZeroParameter], torch.Tensor, list[int]] | None = None
         self._entry: list[tuple[ZeroParameter, torch.Tensor]] = []  # [Note: a modifier block that raised]
         self._in_step = False  # entered inside a running step, with gradients on
         self._saved: SavedParams | None = None  # [Note: a saved parameter outlives its gather]
-        self._handed: list[list[Any]] = []  # [parameter, copy, its version, the parameter's bit_sum]: [Note: writes
-        # through state_dict() copies]
+        self._handed: list[HandedCopy] = []  # handed_copies.py
         by_ctx: dict[int, list[ZeroParameter]] = {}
         for p in self.params:
             by_ctx.setdefault(id(p._zero.ctx), []).append(p)
@@ -222,7 +210,7 @@ class GatheredParameters:
             self._saved = SavedParams(ctx, self.params)
             self._saved.__enter__()
         if self.modifier_rank is not LOCAL_MODIFIER:
-            _OPEN.append(self)  # [Note: writes through state_dict() copies]
+            OPEN.append(self)  # handed_copies.py
         return self.params
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -233,15 +221,15 @@ class GatheredParameters:
             return
         written: list[ZeroParameter] = []
         ctx = self.params[0]._zero.ctx
-        if self in _OPEN:
-            _OPEN.remove(self)
+        if self in OPEN:
+            OPEN.remove(self)
         handed, self._handed = self._handed, []
         if self._saved is not None:
             self._saved.__exit__(exc_type, exc, tb)
             self._saved = None
         modifier = self.modifier_rank is not None
         entry, self._entry = self._entry, []
-        refused = _take_copies(handed, self.modifier_rank) if exc is None else None
+        refused = take_copies(handed, self.modifier_rank, exc is None)
         if refused is None and modifier and exc is None:
             refused = self._refused_reshape(ctx)
         raised: list[int] = []
@@ -280,7 +268,7 @@ class GatheredParameters:
 
     def holds(self, p: ZeroParameter) -> bool:
         """Whether ``p`` is one of this context's parameters."""
-        return p._zero.id in self._ids and p._zero.ctx is self.params[0]._zero.ctx
+        return p._zero.id in self._id_set and p._zero.ctx is self.params[0]._zero.ctx
 
     def _agree_written(self, ctx: RuntimeContext, exc: BaseException | None) -> tuple[list[ZeroParameter], bool]:
         """A read-only context's exit: (the parameters that some rank wrote beyond rounding in its own slice
@@ -470,7 +458,6 @@ ROUNDING_EPS = 2
 largest magnitude is rounding (a merge and unmerge of a LoRA delta up to the weights' largest size)."""
 _LOWEST = -(2**63)  # int64's lowest: no fingerprint, in the agreement's maximum
 _ROUNDING_SAID: list[bool] = []  # the WARNING that a change by rounding was discarded: once per process
-_OPEN: list[GatheredParameters] = []  # the user's contexts now open ([Note: writes through state_dict() copies])
 
 
 @torch.no_grad()
@@ -493,67 +480,6 @@ def _own_slice(p: ZeroParameter) -> str:
     return "rounding" if bool((mine.float() - kept.float()).abs().max() <= tolerance) else "beyond"  # NaN: beyond
 
 
-def copy_gathered_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    """A state-dict post-hook on every hooked module (runtime/hooks.py): ``state_dict()`` inside
-    ``GatheredParameters`` copies gathered partitioned params, because their storage is emptied again
-    when the gather ends and a view would then point at freed memory. Not a persistent one, whose
-    storage stays (a step gathers into it again), nor the parameter itself (``keep_vars=True``): as
-    in torch, writes through those reach the model (probe 34C). Unless the persistent one's storage
-    holds more than it (at world size 1 under bf16/fp16 it views one buffer of every shard), which
-    ``torch.save`` would write whole (review 34RA: 266 kB for a few biases' 5). A copy is per name,
-    so tied names get one each (a cache across modules kept stale copies for a reused destination and
-    refused a plain dict one: review 34RC). Each open context holding the parameter is told of the
-    copy ([Note: writes through state_dict() copies])."""
-    for name, p in dict.items(module._parameters):
-        key = prefix + name
-        if not isinstance(p, ZeroParameter) or isinstance(p, PartitionedParameter) or (v := state_dict.get(key, p)) is p:
-            continue
-        if not p._zero.persistent or v.untyped_storage().nbytes() != v.numel() * v.element_size():
-            state_dict[key] = copy = v.clone()
-            held = [context for context in _OPEN if context.holds(p)]
-            if held:
-                record = [p, copy, copy._version, int(bit_sum(v))]
-                for context in held:
-                    context._handed.append(list(record))
-
-
-def _take_copies(handed: list[list[Any]], modifier_rank: Any) -> ZeroStateError | None:
-    """At a context's exit: each ``state_dict()`` copy written in place (its version moved) goes into its
-    parameter, as a write through a view would, unless the parameter was written too since the copy
-    was taken (its `bit_sum` moved; review 36R2: the copy overwrote a direct ``mul_``): under a
-    ``modifier_rank`` that is an error (agreed, so nothing is published), without one the direct write
-    stays (discarded or kept as any). Every record of a parameter taken here, in this context and the
-    enclosing ones, is brought up to date, so they neither take the copy again nor see a conflict in
-    it (review 36R2), and a tied name's copy written alike is no conflict."""
-    for p, copy, version, before in handed:
-        if copy._version == version or torch.equal(raw_data(p), copy):  # a tied name's copy, written alike
-            continue
-        if int(bit_sum(raw_data(p))) != before:
-            if modifier_rank is not None:
-                return ZeroStateError(
-                    f"GatheredParameters(modifier_rank={modifier_rank}): {p._zero.name} was written both through a "
-                    "state_dict() copy and directly inside the block; write it one way (nothing of the block was "
-                    "published)")
-            logger.warning("zero3: %s was written both through a state_dict() copy and directly inside "
-                           "GatheredParameters; the copy's write is dropped", p._zero.name)
-            continue
-        raw_data(p).copy_(copy)
-        now = int(bit_sum(raw_data(p)))
-        for records in [handed] + [context._handed for context in _OPEN]:
-            for record in records:
-                if record[0] is p:  # its other copies compare with the value now
-                    record[3] = now
-                    if record[1] is copy:
-                        record[2] = copy._version
-    return None
-
-
-def modifier_holding(p: ZeroParameter) -> int | None:
-    """The ``modifier_rank`` of the innermost open user context that holds ``p`` with one, else None: the
-    rank whose values of ``p`` the context will publish."""
-    return next((c.modifier_rank for c in reversed(_OPEN) if c.modifier_rank is not None and c.holds(p)), None)
-
-
 def refuse_partitioned_load(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any],
                             *_: Any, root: bool = False) -> None:
     """A ``load_state_dict`` pre-hook on every module of an engine's model, acting where the load
@@ -569,8 +495,9 @@ def refuse_partitioned_load(module: nn.Module, state_dict: Any, prefix: str, loc
         return
     if local_metadata.get("assign_to_params_buffers", False):  # every zero3 parameter, refused as such
         return refuse_assign(module, state_dict, prefix, local_metadata, whole=True)
-    hit = [prefix + n for n, p in module.named_parameters(remove_duplicate=False) if isinstance(p, PartitionedParameter)
-           and (prefix + n in state_dict or prefix + n.replace(_WRAPPED, "") in state_dict)]
+    keys = [(prefix + n, prefix + n.replace(_WRAPPED, "")) for n, p in module.named_parameters(remove_duplicate=False)
+            if isinstance(p, PartitionedParameter)]
+    hit = [k if k in state_dict else bare for k, bare in keys if k in state_dict or bare in state_dict]  # as given
     if hit:
         raise ZeroStateError(
             f"load_state_dict: {', '.join(hit[:3])}{f' and {len(hit) - 3} more' if len(hit) > 3 else ''} of "

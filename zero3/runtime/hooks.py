@@ -123,8 +123,8 @@ from torch.utils import _pytree as pytree
 from .checkpoint_scopes import CHECKPOINT_FORWARD, EnclosingEnd, dispatch_modes, outside_dispatch_modes
 from .context import RuntimeContext
 from ..errors import ZeroStateError
-from .gathered import (copy_gathered_state, external_parameters, register_external_parameter, load_hooks,
-                       refuse_partitioned_load)
+from .gathered import external_parameters, register_external_parameter, load_hooks, refuse_partitioned_load
+from .handed_copies import copy_gathered_state
 from .leaf import LeafUnit, is_leaf, reached_outside_leaves
 from ..partition.param import PartitionedParameter, ZeroParameter, drop_grad_slot, drop_grad_slots
 from ..planning.trace import EventKind

@@ -63,7 +63,8 @@ from .refusals import unshardable, unshardable_refusal
 from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import data_parallel_group as mpu_data_parallel_group
 from ..comm.model_parallel import check_mpu
-from .gathered import LOCAL_MODIFIER, GatheredParameters, modifier_holding
+from .gathered import LOCAL_MODIFIER, GatheredParameters
+from .handed_copies import modifier_holding
 from .rank_values import take_rank0_where_ranks_differ
 from .publish import repartition
 from ..partition.param import (
