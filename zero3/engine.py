@@ -265,8 +265,8 @@ class Engine(DeepSpeedEngineNames):
             if stepped and ctx.lr_scheduler_step is not None:
                 try:
                     ctx.lr_scheduler_step(**(lr_kwargs or {}))
-                except Exception as exc:  # noqa: BLE001 - the shards stepped: the step ends as one, then raises
-                    error = exc  # (probe 36M: the persistent parameters' copies kept the old weights)
+                except BaseException as exc:  # noqa: BLE001 - the shards stepped: the step ends as one, then raises
+                    error = exc  # (probe 36M: the persistent parameters' copies kept the old weights; 36R3: Ctrl-C)
             if self.config.training.wall_clock_breakdown and torch.cuda.is_available() and self.device.type == "cuda":
                 torch.cuda.synchronize()
             ctx.metrics.optimizer_seconds += time.perf_counter() - t0

@@ -877,3 +877,23 @@ def test_step_without_an_optimizer_drops_the_gradients_as_torchs_manual_loop_doe
         assert engine.step() is False
         assert all(zero3.safe_get_local_grad(p) is None for p in model.parameters())
     _assert_same_params(model, ref)
+
+
+def test_an_interrupt_from_the_scheduler_comes_after_the_step_has_ended():
+    """Review 36R3: a KeyboardInterrupt raised by the scheduler's step skipped the step's bookkeeping (an
+    Exception's is held until it has run: probe 36M), so global_steps lagged and, at several ranks, the
+    persistent parameters' copies kept the old weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def schedule(step: int) -> float:
+        if step == 1:
+            raise KeyboardInterrupt
+        return 1.0
+
+    engine = zero3.initialize(model, opt, {}, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    engine.backward(engine(torch.randn(3, 4)).sum())
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert engine.global_steps == 1 and engine.was_step_applied()
