@@ -122,7 +122,8 @@ def test_a_copy_written_beside_a_direct_write_is_refused_and_nested_blocks_take_
         w0 = model[0].weight.detach().clone()
     with torch.no_grad():
         with pytest.raises(ZeroStateError, match=r"0\.weight was written both through a state_dict\(\) copy and "
-                                                 r"directly.*nothing of the block's parameters of this model was published"):
+                                                 r"directly.*nothing of the block's parameters of this model was "
+                                                 r"published"):
             with zero3.GatheredParameters(list(model.parameters()), modifier_rank=0):
                 model.state_dict()["0.weight"].add_(1.0)
                 model[0].weight.mul_(2.0)

@@ -251,7 +251,8 @@ class LossScaler:
         at resume was replaced by the checkpoint's dynamic scale, and a static checkpoint gave a dynamic
         run its unused hysteresis): a static scaler keeps its scale; a dynamic one takes the saved
         scale (at least ``min_loss_scale``), and the saved progress only from a dynamic checkpoint, its
-        hysteresis at most the configured one (from a static one it starts afresh, whatever ran before). DeepSpeed's engine takes the checkpoint's whole scaler, its mode included."""
+        hysteresis at most the configured one (from a static one it starts afresh, whatever ran before).
+        DeepSpeed's engine takes the checkpoint's whole scaler, its mode included."""
         saved_dynamic = bool(state.get("dynamic", True))
         if saved_dynamic != self.dynamic or not self.dynamic and float(state["scale"]) != self.scale:
             logger.warning("zero3: the checkpoint's fp16 loss scale is %s %g; this config's %s, which is kept%s",

@@ -71,7 +71,6 @@ a weight sync inside ``generation()`` releases what the mode kept, so it is neve
 that raised re-raise their error; the others raise `ZeroStateError` naming them. An exception from
 the group itself (a divergence, a timeout) skips the agreement, which could not complete; the block
 still lets go of its parameters.
-
 """
 
 from __future__ import annotations

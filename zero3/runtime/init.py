@@ -618,7 +618,8 @@ def _deepcopy(p: ZeroParameter, state: _InitState) -> ZeroParameter:
         p._zero.ctx.coordinator.release_for_user([p])
     modifier = modifier_holding(p)
     if modifier is not None and p._zero.world_size > 1:
-        full = p._zero.ctx.comm.broadcast(full, modifier, Tag(Kind.BROADCAST, f"zero3.Init deep copy of {p._zero.name}"))
+        tag = Tag(Kind.BROADCAST, f"zero3.Init deep copy of {p._zero.name}")
+        full = p._zero.ctx.comm.broadcast(full, modifier, tag)
     elif state.sync == "rng" and state.ctx.world_size > 1:
         take_rank0_where_ranks_differ(state.ctx, [(p._zero.name, full)])
     return _partition_param(nn.Parameter(full, requires_grad=p.requires_grad), p._zero.name, state)
