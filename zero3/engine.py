@@ -258,7 +258,7 @@ class Engine(DeepSpeedEngineNames):
                 if not ctx.optimizer.overflow:  # gradients dropped; the window still ends (probe 36I)
                     raise
                 error = exc
-            except Exception as exc:  # the optimizer's own (a step hook's): the shards may have stepped, so the
+            except BaseException as exc:  # the optimizer's own (a step hook's): the shards may have stepped, so the
                 if not isinstance(exc, (ZeroCommunicationError, ZeroDivergenceError)):  # copies of the persistent
                     ctx.coordinator.refresh_persistent()  # ones follow them (probe 36M); not after a failed group
                 raise

@@ -177,3 +177,33 @@ def test_a_second_pass_over_the_state_dict_sees_the_first_and_a_block_that_raise
                     raise RuntimeError("an error inside the inner block")
         with zero3.GatheredParameters(list(model.parameters())):
             torch.testing.assert_close(model[0].weight, w0 / 8, rtol=0, atol=0)
+
+
+def test_a_conflict_stays_through_later_copies_and_an_exited_block_s_copies_are_gone():
+    """Review 36R4: a third state_dict() after a copy write and a direct write took a later copy and
+    refreshed the conflicting record, so the exit published the first copy alone; and while an unrelated
+    block was open, the copies of a block that had exited stayed recorded (200 EMA blocks held 200 copies
+    of the model) and a dict of that block, written later, was taken by the next block over the model."""
+    from zero3.runtime import handed_copies
+
+    model, _ = _engine()
+    other, _ = _engine()
+    with zero3.GatheredParameters(list(model.parameters())):
+        w0 = model[0].weight.detach().clone()
+    with torch.no_grad():
+        with pytest.raises(ZeroStateError, match="written both through a state_dict"):
+            with zero3.GatheredParameters(list(model.parameters()), modifier_rank=0):
+                model.state_dict()["0.weight"].add_(1.0)
+                model[0].weight.mul_(2.0)
+                model.state_dict()["0.weight"].add_(10.0)
+                model.state_dict()
+        with zero3.GatheredParameters(list(other.parameters())):  # an unrelated block, open throughout
+            for _ in range(3):
+                with zero3.GatheredParameters(list(model.parameters())):
+                    kept = model.state_dict()
+            assert not handed_copies._BY_PARAM
+            kept["0.weight"].zero_()  # the user's own dict now, outside any block of the model
+            with zero3.GatheredParameters(list(model.parameters()), modifier_rank=0):
+                model.state_dict()
+        with zero3.GatheredParameters(list(model.parameters())):
+            assert torch.equal(model[0].weight, w0)

@@ -56,6 +56,7 @@ class HandedCopy:
     copy: torch.Tensor
     version: int  # the copy's version counter when it was handed out or last taken
     before: int  # the parameter's `bit_sum` then, or after a copy of it was last taken in
+    holders: int = 0  # the open contexts whose ``_handed`` holds it
 
 
 def copy_gathered_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -83,6 +84,7 @@ def copy_gathered_state(module: nn.Module, state_dict: dict, prefix: str, local_
                 _BY_PARAM.setdefault(id(p), []).append(record)
                 for context in held:
                     context._handed.append(record)
+                record.holders = len(held)
 
 
 def _take(record: HandedCopy) -> bool:
@@ -97,8 +99,9 @@ def _take(record: HandedCopy) -> bool:
         data.copy_(record.copy)
     record.version = record.copy._version
     now = int(bit_sum(data))
-    for other in _BY_PARAM.get(id(record.p), ()):  # its other copies compare with the value now
-        other.before = now
+    for other in _BY_PARAM.get(id(record.p), ()):  # its other unwritten copies compare with the value now; a
+        if other.copy._version == other.version:  # written one keeps its conflict (review 36R4)
+            other.before = now
     return True
 
 
@@ -119,6 +122,13 @@ def take_copies(handed: list[HandedCopy], modifier_rank: Any, take: bool) -> Zer
                 logger.warning("zero3: %s was written both through a state_dict() copy and directly inside "
                                "GatheredParameters; the copy's write is dropped", record.p._zero.name)
         record.version = record.copy._version  # taken, or dropped with the block
+        record.holders -= 1
+        if record.holders <= 0:  # no open context holds it: a later block must not take it (review 36R4)
+            records = _BY_PARAM.get(id(record.p), [])
+            if record in records:
+                records.remove(record)
+            if not records:
+                _BY_PARAM.pop(id(record.p), None)
     if not OPEN:
         _BY_PARAM.clear()
     return error
