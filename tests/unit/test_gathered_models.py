@@ -197,6 +197,11 @@ def test_a_conflict_stays_through_later_copies_and_an_exited_block_s_copies_are_
                 model[0].weight.mul_(2.0)
                 model.state_dict()["0.weight"].add_(10.0)
                 model.state_dict()
+        with pytest.raises(ZeroStateError, match=r"or through another copy\) inside the block, which write came last"):
+            with zero3.GatheredParameters(list(model.parameters()), modifier_rank=0):  # torch: the last written wins
+                first, second = model.state_dict(), model.state_dict()
+                second["0.weight"].fill_(2.0)
+                first["0.weight"].fill_(1.0)
         with zero3.GatheredParameters(list(other.parameters())):  # an unrelated block, open throughout
             for _ in range(3):
                 with zero3.GatheredParameters(list(model.parameters())):

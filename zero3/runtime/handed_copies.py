@@ -17,9 +17,10 @@ version moved) goes into its parameter's gathered data, as a write through a vie
   discards]).
 
 A read of the parameter itself between the write and either point still sees the old value. A
-parameter written both through its copy and directly since the copy was taken (its `bit_sum` moved,
-which a permutation of its words does not show) is refused under ``modifier_rank``, which write came
-last being unknown (review 36R2: the copy overwrote a direct ``mul_``); without one the direct write
+parameter written both through its copy and otherwise since the copy was taken (directly, or through
+another copy taken in first: its `bit_sum` moved, which a permutation of its words does not show) is
+refused under ``modifier_rank``, which write came last being unknown (review 36R2: the copy overwrote
+a direct ``mul_``; review 36R4: a later copy's take hid the conflict); without one the other write
 stays, with a WARNING. A context that raised takes nothing, and its copies are taken by no enclosing
 one either (review 36R3: an outer block published the write of an inner block that raised). A copy
 of a tied name written alike is no conflict; torch's views make such a timm EMA update a tied weight
@@ -116,11 +117,13 @@ def take_copies(handed: list[HandedCopy], modifier_rank: Any, take: bool) -> Zer
             if modifier_rank is not None:
                 error = ZeroStateError(
                     f"GatheredParameters(modifier_rank={modifier_rank}): {record.p._zero.name} was written both "
-                    "through a state_dict() copy and directly inside the block; write it one way (nothing of the "
-                    "block's parameters of this model was published)")
+                    "through a state_dict() copy and directly (or through another copy) inside the block, which "
+                    "write came last is not known; write it one way (nothing of the block's parameters of this "
+                    "model was published)")
             else:
-                logger.warning("zero3: %s was written both through a state_dict() copy and directly inside "
-                               "GatheredParameters; the copy's write is dropped", record.p._zero.name)
+                logger.warning("zero3: %s was written both through a state_dict() copy and directly (or through "
+                               "another copy) inside GatheredParameters; the copy's write is dropped",
+                               record.p._zero.name)
         record.version = record.copy._version  # taken, or dropped with the block
         record.holders -= 1
         if record.holders <= 0:  # no open context holds it: a later block must not take it (review 36R4)
