@@ -21,8 +21,10 @@ parameter written both through its copy and otherwise since the copy was taken (
 another copy taken in first: its `bit_sum` moved, which a permutation of its words does not show) is
 refused under ``modifier_rank``, which write came last being unknown (review 36R2: the copy overwrote
 a direct ``mul_``; review 36R4: a later copy's take hid the conflict); without one the other write
-stays, with a WARNING. A context that raised takes nothing, and its copies are taken by no enclosing
-one either (review 36R3: an outer block published the write of an inner block that raised). A copy
+stays, with a WARNING. A context that raised takes nothing, and the writes made in it through its
+copies are taken by no enclosing one either (review 36R3: an outer block published the write of an
+inner block that raised); a write into such a copy after the raise, inside the enclosing one, is taken
+there, as a view's would be. A copy
 of a tied name written alike is no conflict; torch's views make such a timm EMA update a tied weight
 twice (once per name), the copies once.
 """
