@@ -299,8 +299,6 @@ def _commit(directory: Path, staged: dict[str, Path], stale: Sequence[str]) -> N
     moved: list[tuple[Path, Path]] = []  # (where a file was, where it went)
     for name in staged:  # probe 36K2: a directory in the way was moved aside, the commit done, and its removal
         if (directory / name).exists() and not (directory / name).is_file():  # failed: the earlier save gone
-            for path in staged.values():
-                path.unlink(missing_ok=True)
             raise ZeroConfigError(f"save_pretrained: {directory / name} is in the way of the file this save writes "
                                   "there and is not a file (a directory?); nothing in the directory was changed")
     try:

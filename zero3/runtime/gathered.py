@@ -494,9 +494,8 @@ def refuse_partitioned_load(module: nn.Module, state_dict: Any, prefix: str, loc
         return
     if local_metadata.get("assign_to_params_buffers", False):  # every zero3 parameter, refused as such
         return refuse_assign(module, state_dict, prefix, local_metadata, whole=True)
-    keys = [(prefix + n, prefix + n.replace(_WRAPPED, "")) for n, p in module.named_parameters(remove_duplicate=False)
-            if isinstance(p, PartitionedParameter)]
-    hit = [k if k in state_dict else bare for k, bare in keys if k in state_dict or bare in state_dict]  # as given
+    hit = [key for n, p in module.named_parameters(remove_duplicate=False)
+           if isinstance(p, PartitionedParameter) and (key := _given_key(state_dict, prefix, n)) is not None]
     if hit:
         raise ZeroStateError(
             f"load_state_dict: {', '.join(hit[:3])}{f' and {len(hit) - 3} more' if len(hit) > 3 else ''} of "
@@ -506,6 +505,11 @@ def refuse_partitioned_load(module: nn.Module, state_dict: Any, prefix: str, loc
 
 
 _WRAPPED = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper: in parameter names, not in state dict keys
+
+
+def _given_key(state_dict: Any, prefix: str, name: str) -> str | None:
+    """The key of parameter ``name`` in ``state_dict`` as given: its own, or without checkpoint_wrapper's part."""
+    return next((k for k in (prefix + name, prefix + name.replace(_WRAPPED, "")) if k in state_dict), None)
 
 
 def load_hooks(ctx: RuntimeContext, module: nn.Module) -> list[Any]:
@@ -526,8 +530,7 @@ def refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metadat
     if not local_metadata.get("assign_to_params_buffers", False):
         return
     named = module.named_parameters(remove_duplicate=False) if whole else dict.items(module._parameters)
-    hit = [n for n, p in named if isinstance(p, ZeroParameter)
-           and (prefix + n in state_dict or prefix + n.replace(_WRAPPED, "") in state_dict)]
+    hit = [n for n, p in named if isinstance(p, ZeroParameter) and _given_key(state_dict, prefix, n) is not None]
     if hit:
         raise ZeroStateError(
             f"load_state_dict(..., assign=True) would replace zero3's parameter {prefix + hit[0]} with the loaded "
