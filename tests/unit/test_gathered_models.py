@@ -212,3 +212,14 @@ def test_a_conflict_stays_through_later_copies_and_an_exited_block_s_copies_are_
                 model.state_dict()
         with zero3.GatheredParameters(list(model.parameters())):
             assert torch.equal(model[0].weight, w0)
+
+
+def test_a_parameter_named_several_times_is_gathered_once_and_released_at_the_end():
+    """The fetch dedups by id now (a scan per entry took 3.9 s to enter a block of 16k tensors); still once each."""
+    model, engine = _engine()
+    w, b = model[0].weight, model[2].bias
+    before = engine.coordinator.metrics.demand_fetches
+    with zero3.GatheredParameters([w, w, b, w, b]):
+        assert engine.coordinator.metrics.demand_fetches - before == 2
+        assert w.shape == (16, 8) and b.shape == (4,)
+    assert w.ds_status == b.ds_status == zero3.ParamStatus.NOT_AVAILABLE

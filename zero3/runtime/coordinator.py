@@ -336,16 +336,16 @@ class ParamCoordinator:
         and quantized gathers])."""
         if self.watch is not None:
             self.watch.used(params := list(params))
-        missing: list[ZeroParameter] | None = None  # built only when needed: most fetches find all gathered
+        missing: dict[int, ZeroParameter] | None = None  # built only when needed: most fetches find all gathered
         waiting: list[_Inflight] | None = None
         for p in params:
             z = p._zero
             status = z.status
             if status is _NOT_AVAILABLE:
                 if missing is None:
-                    missing = [p]
-                elif not any(q is p for q in missing):
-                    missing.append(p)
+                    missing = {z.id: p}
+                else:  # by id: a user's list of thousands must not cost a scan per entry
+                    missing.setdefault(z.id, p)
             elif status is _INFLIGHT:
                 if waiting is None:
                     waiting = [z.handle]
@@ -359,10 +359,11 @@ class ParamCoordinator:
         if waiting is None:
             waiting = []
         if missing:
-            self._make_room(missing)
-            self._add_live(missing)
-            self.metrics.demand_fetches += len(missing)
-            waiting.append(self._issue(missing, self._tag(missing, label), training=training))
+            todo = list(missing.values())
+            self._make_room(todo)
+            self._add_live(todo)
+            self.metrics.demand_fetches += len(todo)
+            waiting.append(self._issue(todo, self._tag(todo, label), training=training))
         for h in waiting:
             self._wait(h)
 
