@@ -486,7 +486,7 @@ class ModuleHooks:
             idx = [i for i, a in enumerate(args) if a.requires_grad]
             if not idx:
                 return None
-            wrapped = _PostBackward.apply(call, self, *[args[i] for i in idx])
+            wrapped = self._apply_once(call, [args[i] for i in idx])
             out = list(args)
             for i, t in zip(idx, wrapped):
                 out[i] = t
@@ -495,10 +495,20 @@ class ModuleHooks:
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return None
-        wrapped = _PostBackward.apply(call, self, *[flat[i] for i in idx])
+        wrapped = self._apply_once(call, [flat[i] for i in idx])
         for i, t in zip(idx, wrapped):
             flat[i] = t
         return pytree.tree_unflatten(flat, spec)
+
+    def _apply_once(self, call: _Call, tensors: list[torch.Tensor]) -> Any:
+        """``tensors`` through one `_PostBackward`, one tensor passed several times (``mha(h, h, h)``) wrapped
+        once, so the module still sees one object: MultiheadAttention's packed path tests ``query is key``,
+        and a checkpoint's recompute that took the other path was refused (probe 37A)."""
+        unique = {id(t): t for t in tensors}
+        if len(unique) == len(tensors):
+            return _PostBackward.apply(call, self, *tensors)
+        by_id = dict(zip(unique, _PostBackward.apply(call, self, *unique.values())))
+        return [by_id[id(t)] for t in tensors]
 
     def _post_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if dispatch_modes():  # as in `_pre_forward`
