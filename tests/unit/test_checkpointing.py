@@ -597,3 +597,32 @@ def test_torch_non_reentrant_checkpoint_checks_and_debug_mode_over_partitioned_b
     """The recompute's saved tensors match the forward's in metadata; debug mode records both runs'
     ops (a dispatch mode of its own) and finds nothing to report."""
     _train_as_torch(0, **options)
+
+
+@pytest.mark.parametrize("threshold", [0, 10**6])
+def test_torch_s_checkpoint_over_engine_call_trains_as_the_plain_model(threshold):
+    """torch's non-reentrant checkpoint stops its recompute early by raising through ``engine(x)``, whose
+    error path aborted the step: the backward then read released parameters ('setStorage ... out of
+    bounds for storage of size 0', probe 37A). ``model(x)`` was right already; ``engine(x)`` must be too."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    def build():
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    torch.manual_seed(0)
+    ref = build()
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = build()
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": threshold})
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        loss = torch_checkpoint.checkpoint(engine, x, use_reentrant=False).square().mean()
+        engine.backward(loss)
+        engine.step()
+        ref_loss = torch_checkpoint.checkpoint(ref, x, use_reentrant=False).square().mean()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)

@@ -19,7 +19,7 @@ from ..config.sections import warn_once
 from ..errors import ConcurrentForwardError, ZeroConfigError, ZeroStateError
 from ..metrics import StepMetrics
 from ..offload.states import StatesOffload
-from .refusals import EAGER, eval_frame_callback, refuse_compiled_call
+from .refusals import EAGER, STOP_RECOMPUTATION, eval_frame_callback, refuse_compiled_call
 
 logger = logging.getLogger("zero3.engine")  # the engine's logger: its progress and timer lines keep their name
 
@@ -144,8 +144,10 @@ def begin_forward(engine: Any) -> None:
 
 def abort_forward(engine: Any, exc: BaseException) -> None:
     """``engine(...)`` raised: the step is aborted, unless the call was refused because another
-    thread's forward runs (hooks.py [Note: one thread]): that forward's step goes on."""
-    if not isinstance(exc, ConcurrentForwardError):
+    thread's forward runs (hooks.py [Note: one thread]): that forward's step goes on; or torch's
+    checkpoint stopped its recompute of ``engine(x)`` early, no failure (the backward needing the
+    parameters it gathered failed on empty storage, probe 37A; the root's hook knew this already)."""
+    if not isinstance(exc, (ConcurrentForwardError, STOP_RECOMPUTATION)):
         engine.hooks.step.abort(exc, "forward")
 
 
