@@ -1,5 +1,5 @@
-"""torch.nn modules that read their parameters, or their inputs, their own way, at world size 1 against
-the plain module (probe 37A)."""
+"""Modules that read their parameters or inputs, or run their backward, their own way, at world size 1
+against the plain module (probes 37A, 37E)."""
 
 from __future__ import annotations
 
@@ -50,3 +50,71 @@ def test_attention_sees_one_tensor_as_query_key_and_value_and_trains_as_torch_un
         ref_opt.zero_grad()
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert set(seen) == {(True, True)}
+
+
+class _Reversible(torch.autograd.Function):
+    """A reversible block (RevNet, Reformer): nothing saved but the output; the backward rebuilds the input
+    and runs ``f`` and ``g`` again with a backward of their own. The parameters are passed in, so autograd
+    knows them, and get None: their gradients come from the nested backwards."""
+
+    @staticmethod
+    def forward(ctx, x, f, g, *params):
+        x1, x2 = x.chunk(2, -1)
+        with torch.no_grad():
+            y1 = x1 + f(x2)
+            y2 = x2 + g(y1)
+        ctx.f, ctx.g = f, g
+        y = torch.cat([y1, y2], -1)
+        ctx.save_for_backward(y.detach())
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        y1, y2 = y.chunk(2, -1)
+        dy1, dy2 = dy.chunk(2, -1)
+        with torch.enable_grad():
+            y1 = y1.detach().requires_grad_()
+            gy1 = ctx.g(y1)
+            torch.autograd.backward(gy1, dy2)
+        with torch.no_grad():
+            x2 = y2 - gy1
+            dx1 = dy1 + y1.grad
+        with torch.enable_grad():
+            x2 = x2.detach().requires_grad_()
+            torch.autograd.backward(ctx.f(x2), dx1)
+        return (torch.cat([dx1, dy2 + x2.grad], -1), None, None) + (None,) * (len(ctx.needs_input_grad) - 3)
+
+
+class _RevBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.g = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Reversible.apply(x, self.f, self.g, *self.f.parameters(), *self.g.parameters())
+
+
+@pytest.mark.parametrize("threshold", [0, 10**6])
+def test_reversible_layers_whose_function_takes_the_parameters_train_as_torch(threshold):
+    """After a nested backward reduced a parameter's gradient and released it, the outer graph's
+    AccumulateGrad for it (an input of the Function, given None) fired zero3's hook, whose read of
+    ``p.grad`` hit the guard meant for user code: ZeroStateError at threshold 0 (probe 37E)."""
+    ref, model = twins(lambda: nn.Sequential(nn.Linear(8, 8), _RevBlock(), _RevBlock(), nn.Linear(8, 2)))
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": threshold})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        loss = model(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(x).square().mean()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    with zero3.GatheredParameters(list(model.parameters())):
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

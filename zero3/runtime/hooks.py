@@ -126,7 +126,7 @@ from ..errors import ZeroStateError
 from .gathered import external_parameters, register_external_parameter, load_hooks, refuse_partitioned_load
 from .handed_copies import copy_gathered_state
 from .leaf import LeafUnit, is_leaf, reached_outside_leaves
-from ..partition.param import PartitionedParameter, ZeroParameter, drop_grad_slot, drop_grad_slots
+from ..partition.param import PartitionedParameter, ZeroParameter, drop_grad_slots, take_grad_slot
 from ..planning.trace import EventKind
 from ..optim.precision import RUNNING_BACKWARD
 from .step import StepLifecycle, StepPhase
@@ -654,8 +654,7 @@ class ModuleHooks:
         if fp16 is not None and (theirs is None or fp16.unscaled):
             _refuse_unscaled(self, p, fp16.unscaled)
         self.ensure_final_callback()
-        grad = p.grad
-        drop_grad_slot(p)
+        grad = take_grad_slot(p)
         if grad is not None:
             if theirs is not None and theirs != (ours := 1.0 if fp16 is None else fp16.grad_scale):
                 grad = grad * (ours / theirs)  # precision.py [Note: a backward that crosses engines]
