@@ -247,8 +247,13 @@ class PlanCache:
         self._last[key] = digest
         self._plans[(key, digest)] = tuple(slots)
         self._plans.move_to_end((key, digest))
-        while len(self._plans) > self.capacity:
-            self._plans.popitem(last=False)
+        if len(self._plans) > self.capacity:
+            while len(self._plans) > self.capacity:
+                self._plans.popitem(last=False)
+            # what was learnt of evicted plans goes with them: it grew by an entry per distinct epoch (probe 37C)
+            self._successor = {(k, prev): d for (k, prev), d in self._successor.items()
+                               if (k, d) in self._plans and (prev == 0 or (k, prev) in self._plans)}
+            self._last = {k: d for k, d in self._last.items() if (k, d) in self._plans}
 
 
 class FailureReport:
