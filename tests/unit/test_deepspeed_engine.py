@@ -244,6 +244,9 @@ def test_an_optimizer_over_the_partitioned_parameters_themselves_is_refused_at_i
     groups = len(opt.param_groups)
     with pytest.raises(ZeroStateError, match=r"add_param_group\(\) after zero3.initialize with a zero3 parameter"):
         opt.add_param_group({"params": late.parameters()})  # partitioned ones may not
+    with pytest.raises(ZeroStateError, match=r"add_param_group\(\) with 2.weight, which this optimizer steps already"
+                                             r".*one group only"):  # probe 37D: it was told 'would get no gradient'
+        opt.add_param_group({"params": [model[2].weight], "lr": 1e-3})
     assert len(opt.param_groups) == groups
     model.head = nn.Linear(4, 2)  # a module added after initialize: not partitioned
     with pytest.raises(ZeroStateError, match=r"'head.weight' \(2, 4\) is a parameter of a model zero3 manages"):

@@ -59,6 +59,12 @@ def guard_groups(optimizer: torch.optim.Optimizer) -> None:
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         zp = next((p for p in params if isinstance(p, ZeroParameter)), None)
+        if zp is not None and any(t is zp._zero.train_tensor for g in optimizer.param_groups for t in g["params"]):
+            raise ZeroStateError(  # probe 37D: it was told it would get no gradient
+                f"{type(optimizer).__name__}.add_param_group() with {zp._zero.name or zp._zero.summary()}, which this "
+                "optimizer steps already (its shard is in a group): a parameter may be in one group only, as torch "
+                "refuses ('some parameters appear in more than one parameter group'). To change its hyperparameters, "
+                "change its group's entries (optimizer.param_groups[i]['lr'] = ...). Nothing was added")
         if zp is not None:
             raise ZeroStateError(
                 f"{type(optimizer).__name__}.add_param_group() after zero3.initialize with a zero3 parameter "
