@@ -95,6 +95,55 @@ def different_expert_per_rank(threshold: int | None) -> dict:
     return out
 
 
+class WithAux(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+        self.aux = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return self.head(h).sum(), self.aux(h).sum()
+
+
+def aux_term_on_rank0() -> dict:
+    """Every rank runs every module; the auxiliary term joins the loss on rank 0 only."""
+    torch.manual_seed(0)
+    model, ref = WithAux(), WithAux()
+    ref.load_state_dict(model.state_dict())
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"collective_timeout": TIMEOUT, "param_persistence_threshold": 0})
+    before = _snapshot(engine)
+    rank = dist.get_rank()
+    xs = torch.randn(2, 3, 4)
+
+    def step(keep: bool):
+        main, aux = engine(xs[rank])
+        engine.backward(main + aux if rank == 0 else (main + 0 * aux if keep else main))
+        engine.step()
+
+    out = _outcome(lambda: step(False))
+    out["unchanged"] = _unchanged(before, engine)
+    out["after"] = _outcome(lambda: step(True))
+    ref_loss = sum(ref(xs[r])[0] + (ref(xs[r])[1] if r == 0 else 0) for r in range(2)) / 2
+    ref_loss.backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    out["worst"] = max((zero3.safe_get_full_fp32_param(p) - q.detach()).abs().max().item()
+                       for p, q in zip(model.parameters(), ref.parameters()))
+    return out
+
+
+def test_a_loss_term_on_some_ranks_only_names_that_cause_and_its_way_around(pools):
+    """Every rank ran the same modules: the message said they had not, and its remedies did not help
+    (probe 37E). It names a gradient on some ranks only and `0 * aux.sum()`, which trains as one process."""
+    for r in pools.get(2).run(aux_term_on_rank0, timeout=POOL_TIMEOUT):
+        assert r["error"] == "ZeroDivergenceError" and r["unchanged"], r
+        assert "a parameter got a gradient on some ranks only" in r["message"], r["message"]
+        assert "loss = loss + 0 * aux.sum()" in r["message"], r["message"]
+        assert r["after"]["error"] is None and r["worst"] < 1e-6, r
+
+
 @pytest.mark.parametrize("threshold", [None, 0], ids=["persistent-experts", "gathered-experts"])
 def test_ranks_running_different_modules_all_raise_and_change_nothing(pools, threshold):
     for r in pools.get(2).run(different_expert_per_rank, threshold, timeout=POOL_TIMEOUT):
