@@ -49,7 +49,7 @@ class Reached(nn.Module):
             self.block.lin = self.other[0]
         else:
             self.block = Block()
-            if how == "read":  # probe 26A: a module inside a leaf had no _ParamDict, so the read was unseen
+            if how == "read":  # probe 26A: a module inside a leaf had no ParamDict, so the read was unseen
                 self.other = _Borrow(self.block.lin)
             elif how == "tied":
                 self.other = nn.Linear(8, 8)

@@ -356,8 +356,7 @@ class ParamCoordinator:
                 self.metrics.prefetch_hits += 1
         if missing is None and waiting is None:
             return
-        if waiting is None:
-            waiting = []
+        waiting = [] if waiting is None else waiting
         if missing:
             todo = list(missing.values())
             self._make_room(todo)

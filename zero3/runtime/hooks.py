@@ -20,7 +20,7 @@
 - one callback per autograd graph task (queued from the first hook that fires in it); when the last
   running graph task ends, the backward is over: gradients are complete and the step ends.
 Accessing a partitioned parameter of *another* module inside a forward (``self.wte.weight`` in the
-root's forward) is caught by the `_ParamDict` that replaces each module's ``_parameters`` and turns
+root's forward) is caught by the `ParamDict` (param_reads.py) that replaces each module's ``_parameters`` and turns
 into an automatic `register_external_parameter`.
 
 Every hook checks and moves the step phase through the step's lifecycle (`StepLifecycle`, step.py),
@@ -137,6 +137,7 @@ from .refusals import (EAGER, STOP_RECOMPUTATION, concurrent_forward_refusal, cr
 from .buffers import ModuleBuffers
 from .submodule_hooks import SubmoduleHooks
 from .outputs import prepare_output
+from .param_reads import unwatch_reads, watch_reads
 from .last_grad_hook import LastGradHook
 from .late_read import LateReads, weak_late_read
 
@@ -220,20 +221,15 @@ class _PostBackward(torch.autograd.Function):
         outside_dispatch_modes(ctx.hooks._post_backward, ctx.call)
         return (None, None) + grads
 
-
-class _ParamDict(dict):
-    """``module._parameters`` replacement that notices another module's partitioned param in use."""
-
-    __slots__ = ("owner", "hooks")
-
-    def __getitem__(self, key: str) -> Any:
-        p = dict.__getitem__(self, key)
-        if type(p) is PartitionedParameter:
-            self.hooks._on_access(p)
-        return p
-
-    def __reduce_ex__(self, protocol: Any) -> Any:  # copy.deepcopy and pickle reach it first in a module
-        raise refuse_copy(self.owner)
+    @staticmethod
+    def once(call: _Call, hooks: "ModuleHooks", tensors: list[torch.Tensor]) -> Any:
+        """`apply`, a tensor given several times (``mha(h, h, h)``) wrapped once: the module sees one object
+        (MultiheadAttention's packed path tests ``query is key``; a checkpoint's recompute differed, probe 37A)."""
+        unique = {id(t): t for t in tensors}
+        if len(unique) == len(tensors):
+            return _PostBackward.apply(call, hooks, *tensors)
+        by_id = dict(zip(unique, _PostBackward.apply(call, hooks, *unique.values())))
+        return [by_id[id(t)] for t in tensors]
 
 
 class ModuleHooks:
@@ -281,10 +277,10 @@ class ModuleHooks:
         outside = reached_outside_leaves(model, names)  # a module also reached there gets hooks (probe 25C)
         for name, m in model.named_modules():
             if id(m) in self._in_leaf and id(m) not in outside:
-                _watch_reads(m, self)  # part of a leaf only: no hooks, but reads of its parameters from
+                watch_reads(m, self)  # part of a leaf only: no hooks, but reads of its parameters from
                 continue               # another module's forward are seen (probe 26A)
             if m is not model and not m._parameters and not external_parameters(m) and not is_leaf(m, names):
-                continue  # nothing to gather: no hooks (a parameter it reads is its caller's, found by _ParamDict)
+                continue  # nothing to gather: no hooks (a parameter it reads is its caller's, found by ParamDict)
             self._hook(name, m)
         holders: dict[int, int] = {}  # id(param) -> how many modules hold it as their own (hooked or not)
         for m in model.modules():
@@ -332,7 +328,7 @@ class ModuleHooks:
         else:
             self._submodule_hooks.add(m, pre, post)
         self._handles.append(m.register_state_dict_post_hook(copy_gathered_state))
-        _watch_reads(m, self)
+        watch_reads(m, self)
 
     def external_added(self, module: nn.Module) -> None:
         """``register_external_parameter(module, ...)`` after install: a module without hooks gets them, a
@@ -360,8 +356,7 @@ class ModuleHooks:
         self._handles.clear()
         self._submodule_hooks.remove()
         for m in self.root.modules() if self.root is not None else ():
-            if isinstance(m._parameters, _ParamDict) and m._parameters.hooks is self:
-                m._parameters = dict(m._parameters)
+            unwatch_reads(m, self)
         self._records.clear()
         self.step.close()
 
@@ -486,7 +481,7 @@ class ModuleHooks:
             idx = [i for i, a in enumerate(args) if a.requires_grad]
             if not idx:
                 return None
-            wrapped = self._apply_once(call, [args[i] for i in idx])
+            wrapped = _PostBackward.once(call, self, [args[i] for i in idx])
             out = list(args)
             for i, t in zip(idx, wrapped):
                 out[i] = t
@@ -495,20 +490,10 @@ class ModuleHooks:
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return None
-        wrapped = self._apply_once(call, [flat[i] for i in idx])
+        wrapped = _PostBackward.once(call, self, [flat[i] for i in idx])
         for i, t in zip(idx, wrapped):
             flat[i] = t
         return pytree.tree_unflatten(flat, spec)
-
-    def _apply_once(self, call: _Call, tensors: list[torch.Tensor]) -> Any:
-        """``tensors`` through one `_PostBackward`, one tensor passed several times (``mha(h, h, h)``) wrapped
-        once, so the module still sees one object: MultiheadAttention's packed path tests ``query is key``,
-        and a checkpoint's recompute that took the other path was refused (probe 37A)."""
-        unique = {id(t): t for t in tensors}
-        if len(unique) == len(tensors):
-            return _PostBackward.apply(call, self, *tensors)
-        by_id = dict(zip(unique, _PostBackward.apply(call, self, *unique.values())))
-        return [by_id[id(t)] for t in tensors]
 
     def _post_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if dispatch_modes():  # as in `_pre_forward`
@@ -692,13 +677,6 @@ class ModuleHooks:
             self.step.end()
         else:
             self.reducer.finish()  # this graph task's gradient shards are complete
-
-
-def _watch_reads(m: nn.Module, hooks: ModuleHooks) -> None:
-    """Replace ``m._parameters`` by a `_ParamDict`, which tells ``hooks`` of a partitioned read."""
-    pd = _ParamDict(m._parameters)
-    pd.owner, pd.hooks = m, hooks
-    m._parameters = pd
 
 
 def _root_pre(hooks: ModuleHooks, pre: Callable[..., Any], *args: Any) -> Any:

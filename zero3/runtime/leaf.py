@@ -9,7 +9,7 @@ collectives. A parameter that got a gradient on no rank keeps none, as in a sing
 A module inside a leaf that the model also reaches outside every leaf (a submodule shared with a
 parent that is no leaf) gets hooks of its own too, so a call of it there gathers its parameters.
 The others get no hooks, but a read of their parameters from another module's forward is seen, as
-any module's (hooks.py `_watch_reads`).
+any module's (param_reads.py `watch_reads`).
 
 [Note: a leaf whose output needs no grad on some rank]
 A leaf called once in a step has its unit reduced when that call's backward ends (hooks.py
