@@ -39,7 +39,8 @@ from .optim import routed_step
 from .optim.routed_clip import route_clip
 from .runtime.hooks import ModuleHooks
 from .runtime.deepspeed_engine import DeepSpeedEngineNames
-from .runtime.refusals import refuse_copy, route_parametrizations, route_pruning
+from .runtime.parametrize_routes import route_parametrizations, route_pruning
+from .runtime.refusals import refuse_copy
 from .metrics import StepMetrics
 from .comm.model_parallel import check_mpu, data_parallel_group
 from .offload.policy import PlacementPolicy

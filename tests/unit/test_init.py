@@ -837,6 +837,55 @@ def test_a_parametrization_registered_after_initialize_is_refused_before_it_chan
     model(torch.randn(3, 4)).sum().backward()  # it still trains
 
 
+@pytest.mark.parametrize("api", ["parametrizations", "deprecated"])
+def test_weight_norm_in_a_modifier_block_after_init_gives_originals_of_their_own_and_trains_as_torch(api):
+    """The way the guard names after Init (GatheredParameters(modifier_rank=0)): weight_norm's v is
+    Parameter(weight), a view of the gathered memory the block's release empties, so it was left on 0
+    bytes and initialize crashed reading it (SIGSEGV at 2 ranks, probe 37A)."""
+    from torch.nn.utils import parametrizations
+
+    norm = parametrizations.weight_norm if api == "parametrizations" else torch.nn.utils.weight_norm
+    ref, model = twins(lambda: nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)))
+    norm(ref[2])
+    with pytest.raises(ZeroStateError, match="GatheredParameters"):  # the deprecated one dropped the weight first
+        norm(model[2])
+    assert zero3.is_zero_param(model[2]._parameters["weight"]) and not hasattr(model[2], "weight_g")
+    with zero3.GatheredParameters(list(model[2].parameters()), modifier_rank=0):
+        norm(model[2])
+    assert all(p.untyped_storage().nbytes() > 0 for p in model[2].parameters() if not zero3.is_zero_param(p))
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 0})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    for _ in range(2):
+        x = torch.randn(4, 6)
+        loss = model(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(x).square().mean()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("threshold", [0, 10**6])
+def test_weight_norm_after_initialize_is_refused_for_a_persistent_weight_too_and_changes_nothing(threshold):
+    """Its two originals would be new parameters nothing partitions or steps. On a persistent weight
+    parametrizations.weight_norm failed inside torch ('Creating a Parameter from an instance of type
+    PendingGradParameter ...') and the deprecated one was let through (probe 37A)."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    ref, model = twins(lambda: nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 4)))
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": threshold})
+    with pytest.raises(ZeroStateError, match=r"register_parametrization of 2.weight|right_inverse gives 2 originals"):
+        parametrizations.weight_norm(model[2])
+    with pytest.raises(ZeroStateError, match=r"torch.nn.utils.weight_norm of 2.weight after zero3.initialize"):
+        torch.nn.utils.weight_norm(model[2])
+    assert not parametrize.is_parametrized(model[2]) and [n for n, _ in model[2].named_parameters()] == ["weight", "bias"]
+    train_alike(engine, model, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6))
+
+
 @pytest.mark.parametrize("threshold", [0, 10**6])
 def test_removing_weight_norm_after_initialize_is_refused_and_the_way_it_names_trains_as_torch(threshold):
     """weight_norm's two originals would be replaced by a new parameter nothing partitioned or steps:

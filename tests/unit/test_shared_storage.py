@@ -189,3 +189,16 @@ def test_the_overlap_test_never_misses_a_shared_element_and_is_exact_for_contigu
     elif a.is_contiguous() and b.is_contiguous():
         assert not _overlap(a, b)
     assert not _overlap(a, a.clone())
+
+
+def test_a_parameter_left_on_memory_a_gathered_block_released_is_refused_by_name():
+    """A Parameter made from a gathered one inside GatheredParameters views memory the block's end
+    empties: initialize read it (SIGSEGV at 2 ranks, probe 37A). Refused, naming it."""
+    with zero3.Init():
+        model = nn.Sequential(nn.Linear(4, 4))
+    with zero3.GatheredParameters([model[0].weight], modifier_rank=0):
+        model.extra = nn.Parameter(model[0].weight.detach())
+    assert model.extra.untyped_storage().nbytes() == 0
+    with pytest.raises(ZeroConfigError, match=r"parameter extra \(4, 4\) views memory that was freed.*\.clone\(\)"):
+        zero3.initialize(model, None)
+    assert not zero3.is_zero_param(model.extra)

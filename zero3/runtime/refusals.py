@@ -2,9 +2,8 @@
 (``copy.deepcopy``, pickle), compiling it whole (``torch.compile(model)``), running it under a
 torch.func transform while it gathers parameters, a double backward through released weights, and embeddings whose
 forward or gradient zero3's sharding cannot carry (``sparse=True``, ``max_norm``), tensors that share a
-parameter's memory, a parameter layout that gathers would drop (``channels_last``), and torch's
-parametrize and prune calls that would replace a partitioned parameter or leave its module half
-rewritten."""
+parameter's memory, and a parameter layout that gathers would drop (``channels_last``). Torch's
+parametrize and prune calls are routed through zero3's checks in `parametrize_routes`."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from ..errors import ConcurrentForwardError, ZeroConfigError, ZeroStateError
-from ..partition.param import PartitionedParameter, ZeroParameter, construction_handler
-from .adopt import take_from_rank0
+from ..partition.param import ZeroParameter
 
 try:  # 20 ns: whether a torch.compile'd call is running (dynamo then compiles every frame entered)
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback
@@ -135,6 +133,12 @@ def refuse_shared_storage(model: nn.Module) -> None:
             continue  # the same Parameter under two names is a tie zero3 keeps as one
         seen.add(id(p))
         key = _storage_key(p)
+        if key is not None and not isinstance(p, ZeroParameter) and _span(p)[1] > p.untyped_storage().nbytes():
+            raise ZeroConfigError(  # read, it crashed the process (probe 37A)
+                f"parameter {name} {tuple(p.shape)} views memory that was freed (its storage holds "
+                f"{p.untyped_storage().nbytes()} bytes): made from a gathered parameter inside "
+                "zero3.GatheredParameters, it kept a view of memory the block's end released. Make it from a "
+                ".clone() inside the block; zero3.initialize changed nothing")
         if key is not None:
             spans.setdefault(key, []).append((*_span(p), name, p))
     for items in spans.values():
@@ -288,152 +292,3 @@ def unscaled_backward_refusal(p: torch.Tensor | None, clipped: bool) -> ZeroStat
         "engine.backward multiplies the loss by the loss scale and engine.step() divides the gradients "
         "by it, so this gradient would step that many times too small. Call engine.backward(loss) (any "
         "engine's: another engine's backward reaching this model is rescaled); nothing of this backward was reduced")
-
-
-_REGISTER_PARAMETRIZATION: list[Any] = []  # torch's, once `route_parametrizations` installed the check
-_REMOVE_PARAMETRIZATIONS: list[Any] = []  # torch's, likewise
-
-
-def route_parametrizations() -> None:
-    """From the first ``initialize`` on, ``parametrize.register_parametrization`` (which
-    ``parametrizations.weight_norm``, ``orthogonal`` and ``spectral_norm`` call) refuses a partitioned
-    parameter of an engine's model: it moves the parameter into a new module (a ``ParametrizationList``)
-    that has none of the hooks installed at ``initialize``, so nothing gathers it there. Inside
-    ``GatheredParameters`` it was accepted and the next forward failed (probe 25B). And
-    ``parametrize.remove_parametrizations`` refuses, before torch changes anything, the removals that
-    cannot work on a partitioned original (`_removal_refusal`)."""
-    from torch.nn.utils import parametrize
-    if not _REGISTER_PARAMETRIZATION:
-        _REGISTER_PARAMETRIZATION.append(parametrize.register_parametrization)
-        parametrize.register_parametrization = _register_parametrization
-    if not _REMOVE_PARAMETRIZATIONS:
-        _REMOVE_PARAMETRIZATIONS.append(parametrize.remove_parametrizations)
-        parametrize.remove_parametrizations = _remove_parametrizations
-
-
-def _engine_context(p: Any) -> Any:
-    """The context of the engine whose hooks manage ``p`` now, or None (not zero3's, no engine yet, or
-    after its ``remove_hooks``)."""
-    ctx = p._zero.ctx if isinstance(p, ZeroParameter) else None
-    return ctx if ctx is not None and getattr(ctx, "attached", False) else None
-
-
-def _register_parametrization(module: nn.Module, tensor_name: str, parametrization: nn.Module, *,
-                              unsafe: bool = False) -> nn.Module:
-    p = module._parameters.get(tensor_name) if isinstance(module, nn.Module) else None
-    ctx = _engine_context(p)
-    if ctx is not None and ctx.module is not None and not p._zero.persistent:
-        raise ZeroStateError(
-            f"register_parametrization of {p._zero.name} (torch.nn.utils.parametrize, parametrizations.weight_norm, "
-            "orthogonal, spectral_norm) after zero3.initialize: the parameter would move into a new module that has "
-            "none of the hooks installed at initialize, so nothing would gather it. Register parametrizations "
-            "before zero3.initialize (on the built model, or inside zero3.Init); nothing was changed")
-    return _REGISTER_PARAMETRIZATION[0](module, tensor_name, parametrization, unsafe=unsafe)
-
-
-def _remove_parametrizations(module: nn.Module, tensor_name: str, leave_parametrized: bool = True) -> nn.Module:
-    refusal = _removal_refusal(module, tensor_name, leave_parametrized)
-    if refusal is not None:
-        raise refusal
-    return _REMOVE_PARAMETRIZATIONS[0](module, tensor_name, leave_parametrized)
-
-
-def _removal_refusal(module: nn.Module, tensor_name: str, leave_parametrized: bool) -> ZeroStateError | None:
-    """What ``remove_parametrizations(module, tensor_name, leave_parametrized)`` cannot do with
-    partitioned originals, checked before torch changes anything (every other removal is torch's:
-    one keeping its single original trains as torch's, gathered or not). With several originals
-    (``parametrizations.weight_norm``'s ``original0``/``original1``) torch registers a new parameter
-    computed from them and drops them: after ``initialize`` no shard, hook or optimizer holds it, so
-    the next forward failed and the trained originals were gone (probe 31H). With one original torch
-    writes the value into it with ``Tensor.set_``, which a partitioned parameter refuses only once
-    torch has wrapped that refusal in a RuntimeError advising a torch flag."""
-    parametrizations = getattr(module, "parametrizations", None)
-    plist = parametrizations[tensor_name] if isinstance(parametrizations, nn.ModuleDict) \
-        and tensor_name in parametrizations else None
-    if plist is None or not leave_parametrized:
-        return None  # torch's own error, or the original handed back as it is
-    originals = list(plist._parameters.values())
-    call = f"remove_parametrizations(module, {tensor_name!r}) (leave_parametrized=True, torch's default)"
-    if not plist.is_tensor:
-        p = next((p for p in originals if _engine_context(p) is not None), None)
-        if p is None:
-            return None
-        return ZeroStateError(
-            f"{call} of {p._zero.name} after zero3.initialize: the parametrization has {len(originals)} originals "
-            "(weight_norm's original0/original1), so torch would replace them with a new parameter computed from "
-            "them, which zero3.initialize did not partition and the optimizer does not hold: it could not be "
-            "gathered or trained, and the originals would be lost. Remove it before zero3.initialize (inside "
-            "zero3.Init, on a plain model, or inside zero3.GatheredParameters(..., modifier_rank=0)); to export "
-            "the folded weight, load engine.consolidated_state_dict() into "
-            "a plain copy of the model and remove it there; to train on folded, call engine.remove_hooks(), remove "
-            "it inside `with zero3.GatheredParameters(list(module.parameters()), modifier_rank=0):` and "
-            "zero3.initialize the model anew. Nothing was changed")
-    original = originals[0] if originals else None
-    if isinstance(original, PartitionedParameter) and not _built_now(original):
-        return ZeroStateError(
-            f"{call} of {original._zero.name}: torch writes the parametrized value into the original with "
-            "Tensor.set_, which a partitioned parameter cannot take (its data is in shards). Remove it inside "
-            "`with zero3.GatheredParameters([original], modifier_rank=0):` (a collective: on every rank alike), or "
-            "pass leave_parametrized=False to keep the original's own values. Nothing was changed")
-    return None
-
-
-_PRUNE_APPLY: list[Any] = []  # torch's BasePruningMethod.apply, once `route_pruning` installed the check
-_PRUNE_REMOVE: list[Any] = []  # torch's prune.remove, likewise
-
-
-def route_pruning() -> None:
-    """From the first ``initialize`` on, torch's pruning (``prune.l1_unstructured``, ``random_unstructured``,
-    ``ln_structured``, ``custom_from_mask``, ``global_unstructured``: each a ``BasePruningMethod.apply``)
-    refuses a partitioned parameter that is not gathered before torch changes anything. Torch moves
-    ``weight`` to ``weight_orig`` (or takes the module's pruning hook off) before its first use of the
-    values, where the parameter's guard raised: the module was left without ``weight`` and without the
-    hook, its forward failed, and so did the retry the guard's error suggests (probe 31H). So does
-    ``prune.remove``. At world size above 1 the new mask is rank 0's on every rank (each drew its own).
-    """
-    from torch.nn.utils import prune
-    if not _PRUNE_APPLY:
-        _PRUNE_APPLY.append(prune.BasePruningMethod.__dict__["apply"].__func__)
-        prune.BasePruningMethod.apply = classmethod(_prune_apply)  # type: ignore[method-assign,assignment]
-        _PRUNE_REMOVE.append(prune.remove)
-        prune.remove = _prune_remove
-
-
-def _built_now(p: ZeroParameter) -> bool:
-    """``p`` belongs to no engine and a ``zero3.Init`` is open, whose construction handler gathers it on
-    use (an engine's parameter is not, inside another model's ``Init``: review 31RC)."""
-    return construction_handler.get() is not None and _engine_context(p) is None
-
-
-def _prune_refusal(p: Any, what: str, name: str) -> ZeroStateError | None:
-    if not isinstance(p, PartitionedParameter) or _built_now(p):
-        return None
-    return ZeroStateError(
-        f"{what} of {p._zero.name} (torch.nn.utils.prune) while it is partitioned: torch moves it to or from "
-        f"{name}_orig before it reads its values, which are in shards. Prune inside `with "
-        "zero3.GatheredParameters([param], modifier_rank=0):` (a collective: on every rank alike; the pruned "
-        "module then trains as torch's), or before zero3.Init/initialize. Nothing was changed")
-
-
-def _prune_apply(cls: type, module: nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
-    p = module._parameters.get(name, module._parameters.get(f"{name}_orig")) if isinstance(module, nn.Module) else None
-    refusal = _prune_refusal(p, f"pruning ({cls.__name__})", name)
-    if refusal is not None:
-        raise refusal
-    out = _PRUNE_APPLY[0](cls, module, name, *args, **kwargs)
-    ctx = _engine_context(module._parameters.get(f"{name}_orig"))
-    if ctx is not None and ctx.world_size > 1:
-        # each rank drew its own mask (random methods, per-rank importance scores): rank 0's for all, or
-        # the ranks trained different models (0.25 apart, review 31RC); a collective, as the pruning is
-        take_from_rank0(ctx.comm, [(f"{p._zero.name}: {name}_mask", getattr(module, f"{name}_mask"))],
-                        what="pruning mask", log=False)
-        setattr(module, name, out.apply_mask(module))  # torch set it from this rank's own mask (review 31RD)
-    return out
-
-
-def _prune_remove(module: nn.Module, name: str) -> nn.Module:
-    refusal = _prune_refusal(module._parameters.get(f"{name}_orig") if isinstance(module, nn.Module) else None,
-                             "prune.remove", name)
-    if refusal is not None:
-        raise refusal
-    return _PRUNE_REMOVE[0](module, name)
