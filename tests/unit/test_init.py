@@ -886,6 +886,25 @@ def test_weight_norm_after_initialize_is_refused_for_a_persistent_weight_too_and
     train_alike(engine, model, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6))
 
 
+def test_spectral_norm_on_a_partitioned_weight_names_the_parametrization_and_the_way_that_works():
+    """spectral_norm reads the weight before it registers: the guard's generic advice was a
+    GatheredParameters block, which after initialize the registration then refused (probe 37A)."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    with zero3.Init():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    with pytest.raises(ZeroStateError, match=r"parametrizations.spectral_norm of 2.weight .*while it is partitioned.*"
+                                             r"GatheredParameters\(list\(module.parameters\(\)\), modifier_rank=0\)"):
+        spectral_norm(model[2])
+    with zero3.GatheredParameters(list(model[2].parameters()), modifier_rank=0):
+        spectral_norm(model[2])  # the way it names
+    zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    with pytest.raises(ZeroStateError, match=r"parametrizations.spectral_norm of 0.weight .*after zero3.initialize"
+                                             r".*before zero3.initialize"):
+        spectral_norm(model[0])
+    model(torch.randn(2, 4)).sum().backward()
+
+
 @pytest.mark.parametrize("threshold", [0, 10**6])
 def test_removing_weight_norm_after_initialize_is_refused_and_the_way_it_names_trains_as_torch(threshold):
     """weight_norm's two originals would be replaced by a new parameter nothing partitioned or steps:

@@ -81,9 +81,30 @@ def _in_multi_grad_hook() -> bool:
     return _on_stack(torch.autograd.graph.register_multi_grad_hook.__code__)
 
 
+def _parametrization_on_stack() -> str | None:
+    """The name of torch's ``parametrizations.weight_norm``/``spectral_norm``/``orthogonal`` running below
+    the caller, if one is: each reads the weight before it registers (spectral_norm's power iteration)."""
+    from torch.nn.utils import parametrizations
+    codes = {getattr(parametrizations, n).__code__: n for n in ("weight_norm", "spectral_norm", "orthogonal")}
+    f: FrameType | None = sys._getframe(2)
+    while f is not None and f.f_code not in codes:
+        f = f.f_back
+    return None if f is None else codes[f.f_code]
+
+
 def partitioned_use_message(which: str, what: str, target: Any) -> str:
     """The error for a use of a partitioned parameter outside every specific case param.py `_guard`
     names: the call that skipped zero3's hooks where there was one, else the ways to gather it."""
+    building = _parametrization_on_stack()
+    if building is not None:  # probe 37A: the advice was a GatheredParameters block the registration then refused
+        if target is not None and getattr(target._zero.ctx, "attached", False):
+            return (f"parametrizations.{building} of {which} after zero3.initialize: the parameter would move into a "
+                    "new module that has none of the hooks installed at initialize, so nothing would gather it. "
+                    "Register parametrizations before zero3.initialize (on the built model, or inside zero3.Init); "
+                    "nothing was changed")
+        return (f"parametrizations.{building} of {which} while it is partitioned: it reads the weight before it "
+                "registers. Register it inside `with zero3.GatheredParameters(list(module.parameters()), "
+                "modifier_rank=0):` (a collective: on every rank alike) before zero3.initialize, or inside zero3.Init")
     if _in_multi_grad_hook():  # probe 34H: the user saw a 'view_as' they never wrote, and advice for forwards
         return (f"torch.autograd.graph.register_multi_grad_hook over partitioned parameter {which}: torch reads "
                 "each tensor (view_as) to find its gradient node. Register it inside "
