@@ -392,12 +392,13 @@ def take_grad_slot(p: torch.Tensor) -> torch.Tensor | None:
     """``p.grad``, emptied, for zero3's own use, past the guard on the user's reads: a released
     parameter's slot is read when an AccumulateGrad fires with nothing after a nested backward reduced
     its gradient (a reversible layer's Function given the parameters, probe 37E; the guard blamed user code)."""
-    if type(p) is nn.Parameter:  # gathered, the usual case
+    if type(p) is nn.Parameter:  # gathered, the usual case: torch's class, nothing guarded
         grad = p.grad
-    else:
-        with torch._C.DisableTorchFunctionSubclass():
-            grad = _TENSOR_GRAD.__get__(p)
-    drop_grad_slot(p)
+        p.grad = None
+        return grad
+    with torch._C.DisableTorchFunctionSubclass():
+        grad = _TENSOR_GRAD.__get__(p)
+        _TENSOR_GRAD.__set__(p, None)
     return grad
 
 
