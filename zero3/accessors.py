@@ -292,6 +292,13 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
     optimizer step, checkpoint load or ``engine.refresh_from_masters()``, which gather it anyway)."""
     p = _check(param, "safe_set_local_fp32_param")
     z = p._zero
+    if z.status is not ParamStatus.NOT_AVAILABLE and (z.ctx.step_open or z.ctx.coordinator.in_step):
+        raise ZeroStateError(  # probe 37H: a MoCo momentum update in forward trained 1e-2 off torch, silently
+            f"safe_set_local_fp32_param: called inside a step on {z.summary()}, which is gathered now (persistent, "
+            "or gathered ahead for a module of this step): the modules after it in this step would compute with "
+            "this rank's slice new and the other ranks' old. Call it between steps (after engine.step(), before "
+            "the next forward), or inside the step use safe_set_full_fp32_param (every rank passes the full "
+            "value) or `with zero3.GatheredParameters(params, modifier_rank=0):`. Nothing was changed")
     master = p._zero.train_tensor
     local = _local_slice(p, master)
     if value.numel() != local.numel():

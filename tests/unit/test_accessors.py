@@ -302,3 +302,30 @@ def test_reads_of_an_fp64_parameter_keep_fp64_and_a_get_set_round_trip_changes_n
     after = engine.consolidated_state_dict(rank0_only=False)
     assert torch.equal(after["weight"], before)
     assert torch.equal(after["bias"], saved["bias"])
+
+
+@pytest.mark.parametrize("threshold", [0, 10**6])
+def test_set_local_param_inside_a_step_on_a_gathered_parameter_is_refused_and_changes_nothing(threshold):
+    """The modules after it in the step computed with this rank's slice new and the others' old (a MoCo
+    momentum update in forward trained 1e-2 off torch at 2 ranks, probe 37H). The full setter works there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": threshold})
+    w = model[2].weight
+    before = zero3.safe_get_full_fp32_param(w)
+    calls = []
+
+    def halve(module, args):
+        if w.ds_status is zero3.ParamStatus.AVAILABLE:  # persistent, or gathered ahead (threshold 0)
+            calls.append(1)
+            zero3.safe_set_local_fp32_param(w, zero3.safe_get_local_fp32_param(w) / 2)
+
+    handle = model[2].register_forward_pre_hook(halve)  # after zero3's, which gathered it
+    with pytest.raises(ZeroStateError, match=r"safe_set_local_fp32_param: called inside a step on 2.weight.*"
+                                             r"safe_set_full_fp32_param.*Nothing was changed"):
+        model(torch.randn(2, 4)).sum().backward()
+    assert calls and torch.equal(zero3.safe_get_full_fp32_param(w), before)
+    handle.remove()
+    engine.backward(model(torch.randn(2, 4)).sum())  # the step after trains
+    engine.step()
+    assert not torch.equal(zero3.safe_get_full_fp32_param(w), before)

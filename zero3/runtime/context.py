@@ -103,6 +103,7 @@ class RuntimeContext:
     window_backwards: int = 0  # backwards ended since the last boundary (or since their gradients were dropped)
     boundary_override: bool | None = None  # engine.set_gradient_accumulation_boundary; None: every n-th
     grads_set: bool = False  # safe_set_full_grad / safe_set_local_grad set a gradient since the last engine.step()
+    step_open: bool = False  # a forward or backward of this engine's step runs (step.py `StepLifecycle.open`, mirrored)
     guarded_grads: dict[int, ZeroParameter] = field(default_factory=dict)  # PendingGradParameters, back as a step begins
     io: AsyncIO | None = None  # the threads of every swap file of this context (made with the first)
     offloaded: StatesOffload | None = None  # engine.offload_states (made on its first call)

@@ -109,6 +109,7 @@ class StepLifecycle:
             elif self.phase is StepPhase.BACKWARD:
                 self.ctx.metrics.backward_seconds += time.perf_counter() - self._backward_t0
             self.phase = phase
+            self.ctx.step_open = phase is not StepPhase.IDLE
 
     def guard_grads(self) -> None:
         """Between steps, guard ``.grad`` of every gathered trainable parameter (the next step takes it
