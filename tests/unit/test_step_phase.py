@@ -173,3 +173,32 @@ def test_remove_hooks_in_the_middle_of_a_forward_leaves_every_parameter_released
         engine.module(x, y)
     _assert_all_released(engine)
     assert engine.coordinator.record_count == 1
+
+
+@pytest.mark.parametrize("threshold", [0, 10**6])
+def test_a_frozen_model_s_forward_in_grad_mode_is_a_whole_step_unless_its_output_needs_grad(threshold):
+    """A DINO teacher (requires_grad_(False), run without no_grad) kept one step open for good: its record
+    grew by a module's events per forward, and the EMA setters after the student's step were refused as
+    'inside a step' (probe 37H). Input gradients through a frozen model (adversarial examples) still flow."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref.load_state_dict(model.state_dict())
+    model.requires_grad_(False)
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": threshold})
+    for _ in range(3):
+        out = model(torch.randn(3, 4))
+        assert not out.requires_grad
+        assert engine.hooks.step.phase is StepPhase.IDLE and not engine.coordinator.in_step
+    zero3.safe_set_full_fp32_param(model[0].bias, torch.zeros(8))  # between steps: accepted
+    x = torch.randn(3, 4, requires_grad=True)
+    out = model(x)
+    assert out.requires_grad and engine.hooks.step.phase is StepPhase.FORWARD  # a backward may come
+    out.sum().backward()
+    with torch.no_grad():
+        ref[0].bias.zero_()
+    x_ref = x.detach().clone().requires_grad_()
+    ref(x_ref).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    model(torch.randn(3, 4))
+    assert engine.hooks.step.phase is StepPhase.IDLE

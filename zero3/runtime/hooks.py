@@ -528,9 +528,9 @@ class ModuleHooks:
             else:  # JOINED: only auto-detected external params, pinned mid-forward
                 self.coordinator.leave_visit(call.params)
             call.state = _FORWARD_DONE
-        if not grad and rec.module is self.root and not self.stack and self.step.phase is _FORWARD \
-                and not CHECKPOINT_FORWARD.get():
-            self.step.end()  # an inference forward is a whole step
+        if rec.module is self.root and not self.stack and self.step.phase is _FORWARD \
+                and not CHECKPOINT_FORWARD.get() and (not grad or _frozen_output(self.ctx.params, output)):
+            self.step.end()  # an inference forward is a whole step, and so is a frozen model's in grad mode
         return result
 
     def _keep_for_step(self, call: _Call, output: Any) -> None:
@@ -677,6 +677,16 @@ class ModuleHooks:
             self.step.end()
         else:
             self.reducer.finish()  # this graph task's gradient shards are complete
+
+
+def _frozen_output(params: list, output: Any) -> bool:
+    """No parameter trains and no output needs grad: no backward can reach this forward, so it ends its
+    step (a DINO teacher run without no_grad kept one step open for good, its record growing, probe 37H)."""
+    if any(p.requires_grad for p in params):
+        return False
+    leaves = pytree.tree_leaves(output)
+    return all(not t.requires_grad if isinstance(t, torch.Tensor) else isinstance(t, (int, float, bool, str, type(None)))
+               for t in leaves)
 
 
 def _root_pre(hooks: ModuleHooks, pre: Callable[..., Any], *args: Any) -> Any:
