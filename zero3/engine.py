@@ -39,6 +39,7 @@ from .optim import routed_step
 from .optim.routed_clip import route_clip
 from .runtime.hooks import ModuleHooks
 from .runtime.deepspeed_engine import DeepSpeedEngineNames
+from .runtime.hf_resize import route_resize
 from .runtime.parametrize_routes import route_parametrizations, route_pruning
 from .runtime.refusals import refuse_copy
 from .metrics import StepMetrics
@@ -634,6 +635,7 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
     foreign_optimizers.install()  # an optimizer over the parameters themselves steps nothing: refused
     route_parametrizations()  # a parametrization registered after it: refused (its module has no hooks)
     route_pruning()  # pruning a partitioned parameter: refused before torch moves it
+    route_resize()  # HF's resize_token_embeddings after it: refused before transformers changes anything
     foreign_optimizers.manage(engine.module)  # ... and one over a plain parameter of this model drifts: refused
     if config.activation_checkpointing is not None:
         if checkpointing.configured_by_user():

@@ -90,6 +90,7 @@ from ..partition.state import MEMORY, ParamStatus
 from .context import RuntimeContext
 from .handed_copies import OPEN, HandedCopy, take_copies
 from .publish import into_shards, published, refuse_reshape, reshaped_ids
+from .hf_resize import route_resize
 from .parametrize_routes import route_parametrizations
 from .rank_values import bit_sum, take_rank0_where_ranks_differ
 from .saved_params import SavedParams
@@ -193,6 +194,7 @@ class GatheredParameters:
         ctx.require_states("GatheredParameters", ("lp_params",) if self.modifier_rank is None else
                            ("lp_params", "hp_params"))
         ctx.refresh_stale_persistent()  # a local setter's stale persistent copies (persistent.py `mark_stale`)
+        route_resize()  # HF's resize_token_embeddings, refused before it changes anything where it cannot work
         if self.modifier_rank is not None:
             route_parametrizations()  # a parametrization made in the block gets originals of its own memory
         fresh = [p for p in self.params if p._zero.status is ParamStatus.NOT_AVAILABLE]
