@@ -886,6 +886,24 @@ def test_weight_norm_after_initialize_is_refused_for_a_persistent_weight_too_and
     train_alike(engine, model, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6))
 
 
+def test_orthogonal_on_a_persistent_non_square_weight_after_initialize_draws_as_torch():
+    """zero3 calls right_inverse once more to count the originals; orthogonal's draws a random base for a
+    non-square weight, so the count shifted the stream and the base: 0.89 off torch's (review 37R2)."""
+    from torch.nn.utils.parametrizations import orthogonal
+
+    ref, model = twins(lambda: nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 6)))
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
+                              {"param_persistence_threshold": 10**6})
+    torch.manual_seed(7)
+    orthogonal(model[2])
+    after = torch.rand(1)
+    torch.manual_seed(7)
+    orthogonal(ref[2])
+    assert torch.equal(after, torch.rand(1))  # the stream goes on as torch's
+    torch.testing.assert_close(model[2].parametrizations.weight[0].base, ref[2].parametrizations.weight[0].base)
+    train_alike(engine, model, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6))
+
+
 def test_spectral_norm_on_a_partitioned_weight_names_the_parametrization_and_the_way_that_works():
     """spectral_norm reads the weight before it registers: the guard's generic advice was a
     GatheredParameters block, which after initialize the registration then refused (probe 37A)."""

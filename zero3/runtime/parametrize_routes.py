@@ -98,8 +98,10 @@ def _register_parametrization(module: nn.Module, tensor_name: str, parametrizati
             "none of the hooks installed at initialize, so nothing would gather it. Register parametrizations "
             "before zero3.initialize (on the built model, or inside zero3.Init); nothing was changed")
     if ctx is not None and ctx.module is not None and hasattr(parametrization, "right_inverse"):
-        with torch.no_grad():  # persistent, so gathered: what torch computes first, computed once more
-            originals = parametrization.right_inverse(p)
+        devices = [p.device.index or 0] if p.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices):  # persistent, so gathered: what torch computes
+            originals = parametrization.right_inverse(p)  # first, once more; a draw in it (orthogonal's base
+        # of a non-square weight) is drawn again alike by torch's call (review 37R2: it shifted the stream)
         if not isinstance(originals, torch.Tensor):
             raise ZeroStateError(  # torch failed wrapping the parameter's class (probe 37A)
                 f"register_parametrization of {p._zero.name} after zero3.initialize: its right_inverse gives "
