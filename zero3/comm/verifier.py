@@ -291,11 +291,11 @@ class Verifier:
                      "often, with the same engine.set_gradient_accumulation_boundary where that is set), or the "
                      "others ran something before it that these did not (below).")
         elif len(steps) == 1 and all(r is not None and r.kind == KIND_CODES[Kind.GRAD_REDUCE] for r in rows):
-            cause = (" Every rank is reducing gradients, of different parameters: a parameter got a gradient on some "
-                     "ranks only. Either a module ran on some ranks only (below), or every rank ran it and its output "
-                     "reached the loss on some only (a loss term under `if rank == 0:`, an auxiliary output some "
-                     "ranks drop): keep it in the graph on every rank, as `loss = loss + 0 * aux.sum()` where the "
-                     "term is left out (probe 37E).")
+            cause = (" Every rank is reducing gradients, but not the same ones here: the ranks ran modules in "
+                     "different orders or on some ranks only (below), or every rank ran them and an output reached "
+                     "the loss on some ranks only, so a parameter got a gradient there alone (a loss term under "
+                     "`if rank == 0:`, an auxiliary output some ranks drop): keep it in the graph on every rank, as "
+                     "`loss = loss + 0 * aux.sum()` where the term is left out (probe 37E).")
         elif len(steps) > 1:  # a rank aborted a step (an exception it caught) and went on; the others did not
             where = ", ".join(f"rank {r} at step {e}" for r, (e, _, _, _, _) in enumerate(details))
             cause = (f" The ranks are at different steps ({where})"
