@@ -219,6 +219,10 @@ follow one only when every rank proposes the same digest, so a key that differed
 would cost a CHECKED epoch, never a wrong collective."""
 
 
+SUCCESSORS_PER_PLAN = 4
+"""What `PlanCache` keeps learnt of which plan followed which: at most this many entries per plan it holds."""
+
+
 class PlanCache:
     """Recorded epochs (lists of `RequestShape`), keyed by `PlanKey`; a successor predictor picks,
     among plans with one key, the one that followed the previous epoch's plan last time."""
@@ -243,17 +247,23 @@ class PlanCache:
         if not slots:
             return
         digest = plan_digest(slots)
-        self._successor[(key, self._last.get(key, 0))] = digest
+        learnt = (key, self._last.get(key, 0))
+        self._successor.pop(learnt, None)  # most recently learnt last
+        self._successor[learnt] = digest
         self._last[key] = digest
         self._plans[(key, digest)] = tuple(slots)
         self._plans.move_to_end((key, digest))
         if len(self._plans) > self.capacity:
             while len(self._plans) > self.capacity:
                 self._plans.popitem(last=False)
-            # what was learnt of evicted plans goes with them: it grew by an entry per distinct epoch (probe 37C)
-            self._successor = {(k, prev): d for (k, prev), d in self._successor.items()
-                               if (k, d) in self._plans and (prev == 0 or (k, prev) in self._plans)}
+            # A successor that names an evicted plan is no use, and one learnt from an epoch that never came back
+            # (a new order every step) grew by an entry per epoch (probe 37C): those go, least recently learnt
+            # first. What followed an evicted plan stays while it names a kept one: an order that comes back
+            # is recorded again with the same digest (review 37R2: A X1 A X2 ... predicted A after no X).
+            self._successor = {k: d for k, d in self._successor.items() if (k[0], d) in self._plans}
             self._last = {k: d for k, d in self._last.items() if (k, d) in self._plans}
+        while len(self._successor) > SUCCESSORS_PER_PLAN * self.capacity:
+            del self._successor[next(iter(self._successor))]
 
 
 class FailureReport:
