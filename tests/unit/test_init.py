@@ -904,6 +904,21 @@ def test_orthogonal_on_a_persistent_non_square_weight_after_initialize_draws_as_
     train_alike(engine, model, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6))
 
 
+def test_an_initialize_inside_the_init_block_still_routes_parametrizations_after_it():
+    """Init's own patches were on when initialize tried to route torch's functions, and Init's exit put
+    torch's back: weight_norm on a persistent weight then failed inside torch (review 37R2)."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    with zero3.Init():
+        model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 4))
+        zero3.initialize(model, None, {"param_persistence_threshold": 10**6})
+    assert parametrize.register_parametrization.__module__ == "zero3.runtime.parametrize_routes"
+    with pytest.raises(ZeroStateError, match=r"register_parametrization of 2.weight after zero3.initialize: its "
+                                             r"right_inverse gives 2 originals"):
+        weight_norm(model[2])
+
+
 def test_spectral_norm_on_a_partitioned_weight_names_the_parametrization_and_the_way_that_works():
     """spectral_norm reads the weight before it registers: the guard's generic advice was a
     GatheredParameters block, which after initialize the registration then refused (probe 37A)."""

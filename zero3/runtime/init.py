@@ -59,10 +59,10 @@ from ..comm.process_group import ensure_default_group
 from ..config import ZeroConfig, resolve_config
 from ..config.sections import DRIVE_POOL_KNOBS, OffloadConfig
 from .context import RuntimeContext, align_ids, lazy_refusal, meta_refusal
+from .parametrize_routes import route_parametrizations
 from .refusals import unshardable, unshardable_refusal
 from ..errors import ZeroConfigError, ZeroStateError
-from ..comm.model_parallel import data_parallel_group as mpu_data_parallel_group
-from ..comm.model_parallel import check_mpu
+from ..comm.model_parallel import check_mpu, data_parallel_group as mpu_data_parallel_group
 from .gathered import LOCAL_MODIFIER, GatheredParameters
 from .handed_copies import modifier_holding
 from .rank_values import take_rank0_where_ranks_differ
@@ -548,6 +548,7 @@ def _remove_patches() -> None:
         if cls.__dict__.get("__init__") is wrapper:  # else something wrapped it since: that chain stays
             cls.__init__ = orig  # type: ignore[misc]
     _PATCHES.set(None)
+    route_parametrizations()  # skipped while these patches were on (an initialize inside the block: review 37R2)
 
 
 def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) -> None:
