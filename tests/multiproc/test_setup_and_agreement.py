@@ -240,3 +240,39 @@ def test_init_under_a_meta_default_device_is_refused_on_every_rank_and_agreement
             assert r[how]["error"] == "ZeroStateError", r[how]
             assert "entered under the meta default device" in r[how]["message"], r[how]
         assert all(torch.equal(a, b) for a, b in zip(r["values"], plain)), "not plain torch's values"
+
+
+def subgroup_rank_names() -> dict:
+    """Ranks 0 and 2 train on a group of their own; rank 2 differs in one knob, then skips a layer."""
+    group = dist.new_group([0, 2])
+    rank = dist.get_rank()
+    out: dict = {}
+    if rank == 1:
+        return out
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    cfg = {"collective_timeout": TIMEOUT, "param_persistence_threshold": 0}
+    try:
+        zero3.initialize(model, None, {**cfg, "reduce_bucket_size": 12345 if rank == 2 else 10**6}, group=group)
+    except zero3.ZeroConfigError as exc:
+        out["config"] = str(exc)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg, group=group)
+    try:
+        x = torch.randn(2, 4)
+        engine.backward((model[0](x) if rank == 2 else model(x)).sum())
+        engine.step()
+    except zero3.ZeroDivergenceError as exc:
+        out["divergence"] = str(exc)
+    engine.remove_hooks()
+    return out
+
+
+def test_errors_on_a_subgroup_name_the_processes_ranks_not_their_places_in_the_group(pools):
+    """On [0, 2] the odd config and the skipped layer are global rank 2's; the messages said 'rank 1'
+    (its place in the group), which names another process (probe 37T)."""
+    results = pools.get(3).run(subgroup_rank_names, timeout=POOL_TIMEOUT)
+    for rank, r in enumerate(results):
+        if rank == 1:
+            continue
+        assert "rank 2 = 12345" in r["config"] and "rank 0 = 1000000" in r["config"], r
+        assert "rank 2: step" in r["divergence"] and "rank 1" not in r["divergence"], r

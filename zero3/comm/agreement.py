@@ -69,14 +69,15 @@ def agree_on_config(group: Any, config: ZeroConfig | None, error: ZeroConfigErro
     failed = [(r, message) for r, (_, message) in enumerate(posted) if message is not None]
     if failed:
         raise ZeroConfigError(
-            f"{who}: the config is invalid on " + "; ".join(f"rank {r}: {m}" for r, m in failed)
+            f"{who}: the config is invalid on " + "; ".join(f"rank {comm.global_rank(r)}: {m}" for r, m in failed)
             + " (every rank stops here; fix that rank's config)") from error
     if len({d for d, _ in posted}) == 1:
         return
     assert config is not None
     dicts = comm.exchange_objects(shared_knobs(config), Tag(Kind.OBJECTS, f"{who} config difference"))
     keys = differing_keys(dicts)
-    detail = "; ".join(f"{k}: " + ", ".join(f"rank {r} = {d.get(k, '<unset>')!r}" for r, d in enumerate(dicts))
+    detail = "; ".join(f"{k}: " + ", ".join(f"rank {comm.global_rank(r)} = {d.get(k, '<unset>')!r}"
+                                            for r, d in enumerate(dicts))
                        for k in keys)
     raise ZeroConfigError(f"{who}: the ranks' configs differ in {', '.join(keys)} ({detail}); pass every rank "
                           "the same config")

@@ -45,11 +45,11 @@ from .tags import Kind, Tag
 from .topology import hpz_group_size, node_identity, node_ids
 from .verifier import Verifier
 from .verify import EpochMode, EpochState, FailureReport, PayloadHeader, RequestShape
-from .wire import Wire, group_alive, group_info, group_name, same_group
+from .wire import Wire, group_alive, group_info, group_name, group_ranks, same_group
 from .works import GatherWork, ReduceWork, WaitContext
 
 __all__ = ["CommSettings", "Communicator", "GatherWork", "GradPiece", "Kind", "ReduceBuffer", "ReduceWork",
-           "Secondary", "Tag", "group_alive", "group_info", "same_group"]
+           "Secondary", "Tag", "group_alive", "group_info", "group_ranks", "same_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -334,7 +334,7 @@ class Communicator:
             if desc is not None:
                 if r == self.rank and error is not None:
                     raise error
-                raise rebuild_error(r, *desc)
+                raise rebuild_error(self.global_rank(r), *desc)
         return [p for p, _ in items]
 
 

@@ -31,6 +31,7 @@ class FailureMonitor:
         self.timeout_s = timeout_s
         self.own_group = own_group  # False: zero3 runs on the user's group (collective_timeout 0, Init)
         self._posted = ""  # this rank's last post
+        self.global_rank: Callable[[int], int] = lambda r: r  # a group rank's default-group rank (set by Wire)
         self.counted = True  # the verifier counts steps and collectives (off: `state` stays at 0, probe 34A)
 
     def wait(self, work: Any, tag: Tag | None) -> None:
@@ -68,14 +69,15 @@ class FailureMonitor:
             self.report.post(f"{state.epoch}|timed out or lost its peers while waiting in {where}")
             peers = self.report.read(min(2.0, max(0.2, 0.1 * self.timeout_s)))
         lines = []
+        name = self.global_rank  # the ranks torch and the launcher name (review of probe 37T: group ranks misled)
         for r in range(self.world_size):
             if r == self.rank:
                 continue
             epoch, _, msg = peers.get(r, "").partition("|")
             if msg and epoch.isdigit() and int(epoch) >= state.epoch - 1:
-                lines.append(f"rank {r} {msg}")
+                lines.append(f"rank {name(r)} {msg}")
             else:
-                lines.append(f"rank {r} reported nothing: it stopped taking part (returned early, is stuck in its "
+                lines.append(f"rank {name(r)} reported nothing: it stopped taking part (returned early, is stuck in its "
                              "own code, or died), or this rank ran a collective the others did not (under "
                              "`if rank == 0:`, a forward, save_checkpoint or a consolidated state dict: run it on "
                              "every rank; a Hugging Face generate() needs synced_gpus=True)")
@@ -85,7 +87,7 @@ class FailureMonitor:
             s in text for s in ("closed by peer", "reset by peer", "Broken pipe", "Connection refused"))
             else f"not every rank took part within {limit}")
         raise ZeroCommunicationError(
-            f"rank {self.rank} waited in {where} and {what}: "
+            f"rank {name(self.rank)} waited in {where} and {what}: "
             + "; ".join(lines) + f". ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}) " + self._aftermath()
         ) from exc
 

@@ -280,7 +280,8 @@ class Verifier:
             what += ", issued where another rank had left the plan"
         stepping = tag.kind is Kind.AGREE and tag.label.startswith(OPTIMIZER_STEP)
         details = self.wire.objects((s.epoch, seq, what, self.wire.monitor.last_post, stepping), VERIFICATION)
-        lines = "; ".join(f"rank {r}: step {e} collective #{q} {w}" for r, (e, q, w, _, _) in enumerate(details))
+        name = self.wire.global_rank  # default-group ranks, as torch's messages (probe 37T)
+        lines = "; ".join(f"rank {name(r)}: step {e} collective #{q} {w}" for r, (e, q, w, _, _) in enumerate(details))
         steps = sorted({e for e, _, _, _, _ in details})
         cause = ""
         posted = [(r, posted_cause(p, steps[0], steps[-1])) for r, (_, _, _, p, _) in enumerate(details)]
@@ -297,9 +298,9 @@ class Verifier:
                      "`if rank == 0:`, an auxiliary output some ranks drop): keep it in the graph on every rank, as "
                      "`loss = loss + 0 * aux.sum()` where the term is left out (probe 37E).")
         elif len(steps) > 1:  # a rank aborted a step (an exception it caught) and went on; the others did not
-            where = ", ".join(f"rank {r} at step {e}" for r, (e, _, _, _, _) in enumerate(details))
+            where = ", ".join(f"rank {name(r)} at step {e}" for r, (e, _, _, _, _) in enumerate(details))
             cause = (f" The ranks are at different steps ({where})"
-                     + "".join(f"; rank {r} {m}" for r, m in posted if m)
+                     + "".join(f"; rank {name(r)} {m}" for r, m in posted if m)
                      + ". A rank that catches an exception from its forward or backward and goes on has aborted "
                      "that step while the others have not: raise it on every rank, or skip the batch on every rank.")
         self.wire.monitor.post(f"{s.epoch}|raised ZeroDivergenceError at collective #{seq} ({what})")

@@ -54,9 +54,14 @@ def same_group(a: Any, b: Any) -> bool:
     """Whether two process groups hold the same ranks (None is the default group)."""
     if a is b or not (dist.is_available() and dist.is_initialized()):
         return True
-    ga = a if a is not None else dist.group.WORLD
-    gb = b if b is not None else dist.group.WORLD
-    return dist.get_process_group_ranks(ga) == dist.get_process_group_ranks(gb)
+    return group_ranks(a) == group_ranks(b)
+
+
+def group_ranks(group: Any) -> list[int]:
+    """The default-group ranks of ``group`` (None: the default group), in its order; [0] without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [0]
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
 def group_alive(group: Any) -> bool:
@@ -135,6 +140,9 @@ class Wire:
     monitor: FailureMonitor
     counter: ByteCounter
     _p2p_tag: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        self.monitor.global_rank = self.global_rank  # its errors name default-group ranks
 
     def global_rank(self, group_rank: int) -> int:
         """The default-group rank of ``group_rank`` in this group."""

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..comm.communicator import Communicator, Kind, Tag, group_alive, group_info, same_group
+from ..comm.communicator import Communicator, Kind, Tag, group_alive, group_info, group_ranks, same_group
 from ..comm.settings import CommSettings
 from ..comm.hpz import secondary_communicator
 from ..config import ZeroConfig
@@ -679,11 +679,12 @@ def _check_group(ctx: RuntimeContext, name: str, p: ZeroParameter) -> None:
         z.group = ctx.group  # destroyed, and torch.distributed made anew (a notebook, a sweep): this rank's part still
         return
     if z.world_size != ctx.world_size or z.rank != ctx.rank or not same_group(z.group, ctx.group):
-        raise ZeroConfigError(
-            f"parameter {name!r} was partitioned over a group of world size {z.world_size} (rank {z.rank}) "
-            f"under zero3.Init, but initialize got a group of world size {ctx.world_size} (rank "
-            f"{ctx.rank}); pass the same group to zero3.Init and zero3.initialize (with Megatron's model "
-            f"parallelism, the same mpu= to both: its data-parallel group is the one the parameters are split over)")
+        raise ZeroConfigError(  # the ranks too: two groups of one size read alike (probe 37T)
+            f"parameter {name!r} was partitioned over a group of world size {z.world_size} (rank {z.rank}; ranks "
+            f"{group_ranks(z.group)}) under zero3.Init, but initialize got a group of world size {ctx.world_size} "
+            f"(rank {ctx.rank}; ranks {group_ranks(ctx.group)}); pass the same group to zero3.Init and "
+            "zero3.initialize (with Megatron's model parallelism, the same mpu= to both: its data-parallel group "
+            "is the one the parameters are split over)")
 
 
 def context_of(obj: Any, what: str = "this call") -> RuntimeContext:

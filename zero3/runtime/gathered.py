@@ -368,7 +368,8 @@ class GatheredParameters:
         modifiers = flags[ctx.world_size:].tolist()
         if len(set(modifiers)) > 1:  # probe 35F: each rank broadcast from its own, and all of them waited
             raise ZeroConfigError("GatheredParameters(modifier_rank=...) differs between ranks (" + ", ".join(
-                f"rank {r}: {m}" for r, m in enumerate(modifiers)) + "); give every rank the same one, the rank "
+                f"rank {ctx.comm.global_rank(r)}: {m}" for r, m in enumerate(modifiers)) + "); give every rank the "
+                "same one (a rank of the parameters' group), the rank "
                 "whose values go to all; nothing was written")
         return [r for r, f in enumerate(flags[:ctx.world_size].tolist()) if f]
 
