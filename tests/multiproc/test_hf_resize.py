@@ -143,3 +143,21 @@ def test_resize_without_modifier_rank_is_refused_and_the_parameter_keeps_its_sha
     assert tuple(wte.shape) == tuple(wte.ds_shape) == (VOCAB, 32)
     with zero3.GatheredParameters([wte]):
         assert torch.equal(wte, ref.get_input_embeddings().weight)
+
+
+def test_a_resize_that_changes_nothing_is_let_through_and_one_after_remove_hooks_is_refused_before_it_changes_anything():
+    """No size or the current size: transformers returns the embedding as it is, and the up-front refusal
+    refused those calls too (review 37R3). After remove_hooks the block's exit still refuses a new shape, so
+    the call is refused up front as after initialize (it had left config.vocab_size and the head changed)."""
+    _, model = twins(_gpt2)
+    for size, pad in ((None, None), (VOCAB, None), (VOCAB - 2, 4)):  # VOCAB - 2 rounds up to VOCAB
+        assert model.resize_token_embeddings(size, pad_to_multiple_of=pad) is model.get_input_embeddings()
+    engine = zero3.initialize(model, None)
+    model.resize_token_embeddings()
+    engine.remove_hooks()
+    head = model.get_output_embeddings()
+    with pytest.raises(zero3.ZeroStateError, match=r"resize_token_embeddings after zero3.initialize.*nothing was changed"):
+        with zero3.GatheredParameters(_embeddings(model), modifier_rank=0):
+            model.resize_token_embeddings(NEW_VOCAB, mean_resizing=False)
+    assert model.config.vocab_size == model.get_input_embeddings().num_embeddings == VOCAB
+    assert model.get_output_embeddings() is head

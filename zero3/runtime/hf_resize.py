@@ -41,13 +41,29 @@ def route_resize() -> None:
     _ROUTED.append(original)
 
     @functools.wraps(original)
-    def resize_token_embeddings(self: Any, *args: Any, **kwargs: Any) -> Any:
-        refusal = resize_refusal(self)
-        if refusal is not None:
-            raise refusal
-        return original(self, *args, **kwargs)
+    def resize_token_embeddings(self: Any, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                *args: Any, **kwargs: Any) -> Any:
+        if _changes_size(self, new_num_tokens, pad_to_multiple_of):  # else transformers changes nothing (37R3)
+            refusal = resize_refusal(self)
+            if refusal is not None:
+                raise refusal
+        return original(self, new_num_tokens, pad_to_multiple_of, *args, **kwargs)
 
     PreTrainedModel.resize_token_embeddings = resize_token_embeddings
+
+
+def _changes_size(model: Any, new_num_tokens: int | None, pad_to_multiple_of: int | None) -> bool:
+    """Whether the call would give the input embedding another number of rows (None: transformers only
+    returns it, or rounds its own size up to ``pad_to_multiple_of``)."""
+    embedding = model.get_input_embeddings()
+    weight = getattr(embedding, "weight", None)
+    if not isinstance(weight, ZeroParameter):
+        return True  # not zero3's: transformers decides
+    rows = weight._zero.shape[0]
+    wanted = rows if new_num_tokens is None else new_num_tokens
+    if pad_to_multiple_of:
+        wanted = -(-wanted // pad_to_multiple_of) * pad_to_multiple_of
+    return wanted != rows
 
 
 def resize_refusal(model: Any) -> ZeroStateError | None:
@@ -59,7 +75,7 @@ def resize_refusal(model: Any) -> ZeroStateError | None:
     params = [w for m in modules if m is not None and isinstance(w := getattr(m, "weight", None), ZeroParameter)]
     for p in params:
         z = p._zero
-        if getattr(z.ctx, "attached", False):
+        if getattr(z.ctx, "module", None) is not None:  # initialized, after remove_hooks too (gathered.py refuses it)
             return ZeroStateError(
                 f"resize_token_embeddings after zero3.initialize ({z.name}): the optimizer state, buffers and plans "
                 "have the old size, and transformers would have changed config.vocab_size and the output embedding "
