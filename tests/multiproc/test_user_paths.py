@@ -1118,3 +1118,46 @@ def test_allow_mutation_on_saved_tensors_trains_as_without_it(pools):
     half-made ("illegal status change AVAILABLE -> AVAILABLE", or a segfault); now outside every mode."""
     for r in pools.get(2).run(mutation_on_saved_tensors):
         assert r["diff"] == 0.0, r
+
+
+@dataclasses.dataclass
+class _Features:
+    z: torch.Tensor
+    note: str
+
+
+class _Teacher(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(6, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> _Features:
+        return _Features(self.l2(torch.tanh(self.l1(x))), "teacher")
+
+
+def frozen_teacher_in_grad_mode(threshold: int) -> dict:
+    """A DINO-style teacher: frozen, run without no_grad, returning a dataclass, updated by the EMA recipe."""
+    torch.manual_seed(0)
+    teacher = _Teacher().requires_grad_(False)
+    engine = zero3.initialize(teacher, None, {"param_persistence_threshold": threshold, "allgather_impl": "p2p"})
+    verifier = engine.context.comm._verifier
+    epochs, logs = [], []
+    for _ in range(30):
+        teacher(torch.randn(3, 6))
+        epochs.append(verifier.state.epoch)
+        logs.append(len(verifier._log))
+    w = teacher.l1.weight
+    zero3.safe_set_local_fp32_param(w, zero3.safe_get_local_fp32_param(w) * 0.5)  # the EMA recipe, between steps
+    return {"epochs": epochs, "logs": logs, "open": engine.context.step_open}
+
+
+@pytest.mark.parametrize("threshold", [0, 10**6])
+def test_a_frozen_teacher_in_grad_mode_ends_its_step_and_epoch_every_forward(pools, threshold):
+    """Its step stayed open for good (the record grew by its events per forward, the EMA setter after the
+    student's step was refused: probe 37H); ended, the verifier's epoch did not, and its log grew by the
+    forward's requests each time (review 37R3). A dataclass output hides no tensor that needs grad."""
+    for r in pools.get(2).run(frozen_teacher_in_grad_mode, threshold):
+        assert not r["open"], r
+        assert max(r["logs"]) <= 4, r  # all persistent: no collective at all
+        if threshold == 0:
+            assert r["epochs"] == list(range(r["epochs"][0], r["epochs"][0] + 30)), r

@@ -529,8 +529,8 @@ class ModuleHooks:
                 self.coordinator.leave_visit(call.params)
             call.state = _FORWARD_DONE
         if rec.module is self.root and not self.stack and self.step.phase is _FORWARD \
-                and not CHECKPOINT_FORWARD.get() and (not grad or _frozen_output(self.ctx.params, output)):
-            self.step.end()  # an inference forward is a whole step, and so is a frozen model's in grad mode
+                and not CHECKPOINT_FORWARD.get() and (not grad or _frozen(self.ctx.params, args, kwargs, output)):
+            self.step.end(inference=True)  # an inference forward is a whole step, so is a frozen model's in grad mode
         return result
 
     def _keep_for_step(self, call: _Call, output: Any) -> None:
@@ -679,14 +679,16 @@ class ModuleHooks:
             self.reducer.finish()  # this graph task's gradient shards are complete
 
 
-def _frozen_output(params: list, output: Any) -> bool:
-    """No parameter trains and no output needs grad: no backward can reach this forward, so it ends its
-    step (a DINO teacher run without no_grad kept one step open for good, its record growing, probe 37H)."""
+def _frozen(params: list, args: tuple, kwargs: dict, output: Any) -> bool:
+    """No parameter trains, no input needs grad and no output tensor does: no backward can reach this
+    forward, so it ends its step (a DINO teacher run without no_grad kept one step open for good, its
+    record growing, probe 37H). An output's objects pytree does not open are taken as holding none: with
+    no trainable parameter and no input needing grad, nothing made inside can need it (review 37R3)."""
     if any(p.requires_grad for p in params):
         return False
-    leaves = pytree.tree_leaves(output)
-    return all(not t.requires_grad if isinstance(t, torch.Tensor) else isinstance(t, (int, float, bool, str, type(None)))
-               for t in leaves)
+    if all(p._zero.persistent for p in params):  # nothing to gather or reduce for a backward (input gradients)
+        return True
+    return not any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs, output)))
 
 
 def _root_pre(hooks: ModuleHooks, pre: Callable[..., Any], *args: Any) -> Any:

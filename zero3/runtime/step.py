@@ -122,10 +122,12 @@ class StepLifecycle:
         """A step is running (some hook saw it begin, or the coordinator recorded an event of it)."""
         return self.phase is not StepPhase.IDLE or self.ctx.coordinator.in_step
 
-    def end(self, keep_trace: bool = True) -> None:
+    def end(self, keep_trace: bool = True, inference: bool = False) -> None:
         """The step finished: complete the gradient shards, release everything, cache the trace (unless
-        not ``keep_trace``: a step cut short, whose events the next steps would not follow)."""
-        self._end(aborted=False, reason=None, keep_trace=keep_trace)
+        not ``keep_trace``: a step cut short, whose events the next steps would not follow). ``inference``:
+        a forward in grad mode that no backward can reach (a frozen model's) ends as one under no_grad,
+        its communicators' epoch with it (review 37R3: the verifier's log grew by its requests per forward)."""
+        self._end(aborted=False, reason=None, keep_trace=keep_trace, inference=inference)
 
     def end_forward_only(self) -> bool:
         """End a step that is in its forward outside any backward (one whose backward will not run), as
@@ -194,7 +196,7 @@ class StepLifecycle:
         if backward and opt is not None and not opt.stepping_in_backward() and ctx.window_backwards == 0:
             opt.drop_grads()
 
-    def _end(self, aborted: bool, reason: str | None, keep_trace: bool = True) -> None:
+    def _end(self, aborted: bool, reason: str | None, keep_trace: bool = True, inference: bool = False) -> None:
         """The one end of a step. Normally: complete the gradient shards, release everything, cache
         the step's trace. Aborted: drop queued gradients and the half-recorded step instead, and
         abandon every communicator's epoch (``reason`` for the other ranks). Either way the phase is
@@ -202,7 +204,7 @@ class StepLifecycle:
         ctx = self.ctx
         reducer = ctx.reducer
         assert reducer is not None
-        inference = self.phase is StepPhase.FORWARD and not torch.is_grad_enabled()
+        inference = self.phase is StepPhase.FORWARD and (inference or not torch.is_grad_enabled())
         backward = self.phase is StepPhase.BACKWARD
         self._aborted = aborted
         failed = True  # until the end's own work is done: a failure there closes the window as an abort
