@@ -214,7 +214,10 @@ class _PostBackward(torch.autograd.Function):
     def forward(ctx: Any, call: _Call, hooks: "ModuleHooks", *tensors: torch.Tensor) -> Any:  # type: ignore[override]
         ctx.call = call
         ctx.hooks = hooks
-        return tensors
+        # detached: an input handed back as it is becomes a view made inside a custom Function, on which
+        # torch refuses every in-place op (a module writing its input, x.mul_(s): probe 37N); the version
+        # counter stays shared, so autograd still sees such a write as it would on the input itself
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]

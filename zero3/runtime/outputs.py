@@ -49,7 +49,8 @@ def _hook_leaves(leaves: list[Any], hook: Any, nodes: list[Any]) -> bool:
     """Call ``hook`` when a gradient first reaches the backward of the tensors among ``leaves`` that
     need one (and those in dataclass fields). A tensor made by an autograd node gets a pre-hook on
     that node: it fires at the same point as a tensor hook (before the node, and for the value before
-    any later in-place change: the in-place op is a node of its own), and costs about 60% of
+    any later in-place change: the in-place op is a node of its own; a view's in-place change rebases
+    it, so its base's node is hooked too, `_hook_tensor`), and costs about 60% of
     `Tensor.register_hook` (no handle dict per tensor). Outputs of one multi-output node share one
     hook. A leaf output has no node: it gets a tensor hook. Returns False when a leaf is an object
     that may hide a tensor (neither pytree nor a dataclass opens it): a backward may then enter
@@ -71,9 +72,17 @@ def _hook_tensor(t: torch.Tensor, hook: Any, nodes: list[Any]) -> None:
         node = t.grad_fn
         if node is None:
             t.register_hook(hook)
-        elif not any(n is node for n in nodes):
-            nodes.append(node)
-            node.register_prehook(hook)
+            return
+        _hook_node(node, hook, nodes)
+        base = t._base  # an in-place op on a view (F.linear of a 3-D input, then relu_) rebases it: the view's
+        if base is not None and base.grad_fn is not None:  # node leaves the graph, its base's stays (probe 37N)
+            _hook_node(base.grad_fn, hook, nodes)
+
+
+def _hook_node(node: Any, hook: Any, nodes: list[Any]) -> None:
+    if not any(n is node for n in nodes):
+        nodes.append(node)
+        node.register_prehook(hook)
 
 
 def prepare_output(output: Any, params: Sequence[ZeroParameter], hook: Any = None) -> tuple[Any, bool]:
