@@ -276,3 +276,29 @@ def test_errors_on_a_subgroup_name_the_processes_ranks_not_their_places_in_the_g
             continue
         assert "rank 2 = 12345" in r["config"] and "rank 0 = 1000000" in r["config"], r
         assert "rank 2: step" in r["divergence"] and "rank 1" not in r["divergence"], r
+
+
+def destroyed_init_group_then_another() -> dict:
+    """Ranks 0 and 1 build under Init over [0, 1]; that group is destroyed; ranks 0 and 2 initialize over [0, 2]."""
+    g01, g02, g2 = dist.new_group([0, 1]), dist.new_group([0, 2]), dist.new_group([2])
+    rank = dist.get_rank()
+    with zero3.Init(data_parallel_group=g2 if rank == 2 else g01):
+        model = nn.Linear(4, 6)
+    if rank in (0, 1):
+        dist.destroy_process_group(g01)
+    if rank == 1:
+        return {}
+    try:
+        zero3.initialize(model, None, {"collective_timeout": TIMEOUT}, group=g02)
+    except zero3.ZeroConfigError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def test_a_destroyed_init_group_is_taken_over_only_by_a_group_of_the_same_ranks(pools):
+    """Rank 0 is rank 0 of two in [0, 1] and in [0, 2]: with [0, 1] destroyed, its shards were adopted for
+    [0, 2] without a word, a weight stitched from two groups' models (probe 37T). The ranks a group had
+    are taken when it is made; only the same ranks may take it over (a notebook's group made anew)."""
+    results = pools.get(3).run(destroyed_init_group_then_another, timeout=POOL_TIMEOUT)
+    assert "ranks [0, 1]) under zero3.Init" in results[0]["error"] and "ranks [0, 2])" in results[0]["error"], results
+    assert results[2]["error"] is not None, results

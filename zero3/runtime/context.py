@@ -113,6 +113,7 @@ class RuntimeContext:
     # The hooks' `external_added` (a registration after install), weakly; None without hooks.
     external_added: Callable[[Any], None] | None = None
     _io_mark: tuple[int, int] = (0, 0)  # io's (read, written) bytes when the last step's were counted
+    ranks: tuple[int, ...] = ()  # the group's default-group ranks, taken when made (a destroyed group has none)
 
     @classmethod
     def minimal(cls, config: ZeroConfig, group: Any, comm: Communicator | None = None,
@@ -136,7 +137,8 @@ class RuntimeContext:
             shards = ShardTier(io, SwapFile(placement.param_nvme_path, f"params-rank{rank}"), pool,
                                comm.metrics, store)
         return cls(config=config, group=group, world_size=world, rank=rank, comm=comm, metrics=comm.metrics,
-                   coordinator=ParamCoordinator(config, comm, comm.metrics, shards=shards), store=store, io=io)
+                   coordinator=ParamCoordinator(config, comm, comm.metrics, shards=shards), store=store, io=io,
+                   ranks=tuple(group_ranks(group)))
 
     def count_swap_io(self) -> None:
         """Put the swap-file bytes read and written since the last call into the step's metrics."""
@@ -675,14 +677,18 @@ def _check_init_precision(model: nn.Module, config: ZeroConfig) -> None:
 
 def _check_group(ctx: RuntimeContext, name: str, p: ZeroParameter) -> None:
     z = p._zero
-    if z.world_size == ctx.world_size and z.rank == ctx.rank and z.group is not None and not group_alive(z.group):
+    made = z.ctx.ranks if isinstance(z.ctx, RuntimeContext) and z.ctx.ranks else None  # the ranks it was cut for
+    alive = z.group is None or group_alive(z.group)
+    if made is None and alive:
+        made = tuple(group_ranks(z.group))
+    if not alive and made in (None, ctx.ranks) and (z.world_size, z.rank) == (ctx.world_size, ctx.rank):
         z.group = ctx.group  # destroyed, and torch.distributed made anew (a notebook, a sweep): this rank's part still
-        return
-    if z.world_size != ctx.world_size or z.rank != ctx.rank or not same_group(z.group, ctx.group):
+        return  # (on the same ranks: review of probe 37T, a group of other ranks took two models' halves)
+    if not alive or z.world_size != ctx.world_size or z.rank != ctx.rank or not same_group(z.group, ctx.group):
         raise ZeroConfigError(  # the ranks too: two groups of one size read alike (probe 37T)
             f"parameter {name!r} was partitioned over a group of world size {z.world_size} (rank {z.rank}; ranks "
-            f"{group_ranks(z.group)}) under zero3.Init, but initialize got a group of world size {ctx.world_size} "
-            f"(rank {ctx.rank}; ranks {group_ranks(ctx.group)}); pass the same group to zero3.Init and "
+            f"{list(made) if made else 'unknown'}) under zero3.Init, but initialize got a group of world size "
+            f"{ctx.world_size} (rank {ctx.rank}; ranks {list(ctx.ranks)}); pass the same group to zero3.Init and "
             "zero3.initialize (with Megatron's model parallelism, the same mpu= to both: its data-parallel group "
             "is the one the parameters are split over)")
 
