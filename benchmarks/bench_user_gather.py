@@ -14,7 +14,6 @@ every weight back into its shard at exit). Prints the median seconds of each, an
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import statistics
 import sys
@@ -23,21 +22,8 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _zero3_of(tree: str):
-    """The zero3 package of ``tree`` (imported under its own name, beside this tree's)."""
-    saved = {k: v for k, v in sys.modules.items() if k == "zero3" or k.startswith("zero3.")}
-    for k in saved:
-        del sys.modules[k]
-    sys.path.insert(0, tree)
-    try:
-        return importlib.import_module("zero3")
-    finally:
-        sys.path.remove(tree)
-        for k in [k for k in sys.modules if k == "zero3" or k.startswith("zero3.")]:
-            del sys.modules[k]
-        sys.modules.update(saved)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_init import _zero3_of  # noqa: E402  (another tree's zero3, beside this one's)
 
 
 def _time_blocks(zero3, n: int) -> tuple[float, float]:

@@ -13,6 +13,25 @@ import zero3
 from _reference import twins
 
 
+def _train_as_torch(engine, model, ref, ref_opt, shape, run=lambda m, x: m(x), weights=True) -> None:
+    """3 steps of ``model`` under ``engine`` and of ``ref`` with ``ref_opt`` on the same random batches of
+    ``shape``: the losses, and with ``weights`` every parameter after them, must match."""
+    for _ in range(3):
+        x = torch.randn(*shape)
+        loss = run(model, x).square().mean()
+        engine.backward(loss)
+        engine.step()
+        ref_loss = run(ref, x).square().mean()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    if weights:
+        with zero3.GatheredParameters(list(model.parameters())):
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 class _Attention(nn.Module):
     """MultiheadAttention reads ``out_proj.weight`` without calling ``out_proj`` (an external parameter)."""
 
@@ -39,16 +58,7 @@ def test_attention_sees_one_tensor_as_query_key_and_value_and_trains_as_torch_un
                               {"param_persistence_threshold": 0})
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
     run = (lambda m, x: torch_checkpoint.checkpoint(m, x, use_reentrant=False)) if checkpointed else (lambda m, x: m(x))
-    for step in range(3):
-        x = torch.randn(2, 5, 8)
-        loss = run(model, x).square().mean()
-        engine.backward(loss)
-        engine.step()
-        ref_loss = run(ref, x).square().mean()
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    _train_as_torch(engine, model, ref, ref_opt, (2, 5, 8), run, weights=False)
     assert set(seen) == {(True, True)}
 
 
@@ -105,19 +115,7 @@ def test_reversible_layers_whose_function_takes_the_parameters_train_as_torch(th
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6),
                               {"param_persistence_threshold": threshold})
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
-    for _ in range(3):
-        x = torch.randn(4, 8)
-        loss = model(x).square().mean()
-        engine.backward(loss)
-        engine.step()
-        ref_loss = ref(x).square().mean()
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    with zero3.GatheredParameters(list(model.parameters())):
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _train_as_torch(engine, model, ref, ref_opt, (4, 8))
 
 
 class _Mlp(nn.Module):
@@ -159,16 +157,4 @@ def test_in_place_writes_on_outputs_that_are_views_and_on_a_module_s_input_train
     engine = zero3.initialize(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
                               {"param_persistence_threshold": 0})
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
-    for _ in range(3):
-        x = torch.randn(2, 5, 8)
-        loss = model(x).square().mean()
-        engine.backward(loss)
-        engine.step()
-        ref_loss = ref(x).square().mean()
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    with zero3.GatheredParameters(list(model.parameters())):
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _train_as_torch(engine, model, ref, ref_opt, (2, 5, 8))
