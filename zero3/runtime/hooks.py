@@ -214,10 +214,10 @@ class _PostBackward(torch.autograd.Function):
     def forward(ctx: Any, call: _Call, hooks: "ModuleHooks", *tensors: torch.Tensor) -> Any:  # type: ignore[override]
         ctx.call = call
         ctx.hooks = hooks
-        # detached: an input handed back as it is becomes a view made inside a custom Function, on which
-        # torch refuses every in-place op (a module writing its input, x.mul_(s): probe 37N); the version
-        # counter stays shared, so autograd still sees such a write as it would on the input itself
-        return tuple(t.detach() for t in tensors)
+        # as they are, not detached: torch then refuses an in-place write of the module on its input, loudly
+        # and before it writes (probe 37N); detached, the write reached the caller's tensor while its autograd
+        # history did not follow, and a residual (s(h) + h) got silently wrong gradients (review 37R4)
+        return tensors
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
