@@ -165,3 +165,25 @@ def test_a_module_whose_inputs_are_wrapped_writing_its_input_in_place_is_refused
     zero3.initialize(model, None, {"param_persistence_threshold": 0})
     with pytest.raises(RuntimeError, match="modified inplace"):
         model(torch.randn(2, 8))
+
+
+def test_jit_trace_over_gathered_parameters_and_a_module_torch_ao_swapped_in_are_refused_by_name():
+    """torch.jit.trace at threshold 0 met the first gather's collective, which raised as a failed collective
+    and closed the engine's group (at 2 ranks); a module swapped in by quantize_dynamic(inplace=True) kept
+    zero3's hooks and every forward raised a TypeError from them (probe 37X). An all-persistent model
+    traces as torch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
+    x = torch.randn(2, 8)
+    with pytest.raises(zero3.ZeroStateError, match=r"torch.jit.trace reached module 0.*consolidated_state_dict"):
+        torch.jit.trace(model, (x,), check_trace=False)
+    engine.backward(model(x).sum())  # the engine trains on
+    engine.step()
+    torch.manual_seed(0)
+    kept = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    zero3.initialize(kept, None)  # every parameter persistent: nothing to gather
+    torch.testing.assert_close(torch.jit.trace(kept, (x,), check_trace=False)(x), kept(x))
+    torch.ao.quantization.quantize_dynamic(kept, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    with pytest.raises(zero3.ZeroStateError, match=r"module 0 was replaced by another that kept its zero3 hooks"):
+        kept(x)

@@ -133,7 +133,7 @@ from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
 from .refusals import (EAGER, STOP_RECOMPUTATION, concurrent_forward_refusal, create_graph_refusal,
                        eval_frame_callback, refuse_compiled_call, refuse_copy, removed_refusal, refuse_transform,
-                       transform_level, unpartitioned_refusal, unscaled_backward_refusal)
+                       swapped_or_traced_refusal, transform_level, unpartitioned_refusal, unscaled_backward_refusal)
 from .buffers import ModuleBuffers
 from .submodule_hooks import SubmoduleHooks
 from .outputs import prepare_output
@@ -422,11 +422,14 @@ class ModuleHooks:
                     out.append(p)
         return out
 
-    def _pre_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    def _pre_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict | None = None) -> Any:
         if dispatch_modes():  # a selective checkpoint's (checkpoint_scopes.py [Note: zero3's tensor work under ...])
             return outside_dispatch_modes(self._pre_forward, rec, module, args, kwargs)
         if eval_frame_callback() not in EAGER:  # under torch.compile (refusals.py)
             refuse_compiled_call()
+        if module is not rec.module or (torch._C._get_tracing_state() is not None and any(  # probe 37X
+                isinstance(p, ZeroParameter) and not p._zero.persistent for p in module._parameters.values())):
+            raise swapped_or_traced_refusal(rec.name, module is not rec.module)
         if self._resident_calls:  # [Note: resident decode forwards]
             if rec.module is self.root:
                 self._resident_calls += 1

@@ -292,3 +292,16 @@ def unscaled_backward_refusal(p: torch.Tensor | None, clipped: bool) -> ZeroStat
         "engine.backward multiplies the loss by the loss scale and engine.step() divides the gradients "
         "by it, so this gradient would step that many times too small. Call engine.backward(loss) (any "
         "engine's: another engine's backward reaching this model is rescaled); nothing of this backward was reduced")
+
+
+def swapped_or_traced_refusal(name: str, swapped: bool) -> ZeroStateError:
+    """A module's forward began where zero3's hooks cannot serve it (probe 37X): a module torch.ao swapped in
+    for one zero3 manages (``quantize_dynamic``/``prepare_qat``/``fuse_modules_qat`` with ``inplace=True``
+    copy its hooks onto the new module, which then raised a TypeError from zero3's hook), or a
+    ``torch.jit.trace``, whose tracer met the first gather's collective and closed zero3's process group."""
+    what = (f"module {name or '<root>'} was replaced by another that kept its zero3 hooks (torch.ao quantization or "
+            "fusion with inplace=True swaps modules and copies their hooks)") if swapped else \
+        f"torch.jit.trace reached module {name or '<root>'}, whose parameters zero3 gathers with collectives"
+    return ZeroStateError(
+        f"{what}: zero3 cannot run it. Quantize, fuse or trace a plain copy instead: load "
+        "engine.consolidated_state_dict() into a plain instance of the model (on every rank: a collective)")
