@@ -70,7 +70,8 @@ def refuse_copy(module: Any) -> ZeroStateError:
         "instance under zero3.Init, give it an engine of its own (zero3.initialize(copy, None, config)) and "
         "copy the weights shard by shard with zero3.safe_get_local_fp32_param and safe_set_local_fp32_param "
         "(docs/api.md, 'A second copy of a model'); to save it, use engine.save_checkpoint() or "
-        "engine.consolidated_state_dict(); or deep-copy it before zero3.Init/initialize")
+        "engine.consolidated_state_dict(); to export, fuse or quantize it (torch.ao, fuse_conv_bn_eval), load "
+        "engine.consolidated_state_dict() into a plain instance; or deep-copy it before zero3.Init/initialize")
 
 
 def refuse_unshardable_embeddings(model: nn.Module) -> None:
