@@ -427,9 +427,9 @@ class ModuleHooks:
             return outside_dispatch_modes(self._pre_forward, rec, module, args, kwargs)
         if eval_frame_callback() not in EAGER:  # under torch.compile (refusals.py)
             refuse_compiled_call()
-        if module is not rec.module or (torch._C._get_tracing_state() is not None and any(  # probe 37X
+        if kwargs is None or (torch._C._get_tracing_state() is not None and any(  # probe 37X; kwargs None: a hook
                 isinstance(p, ZeroParameter) and not p._zero.persistent for p in module._parameters.values())):
-            raise swapped_or_traced_refusal(rec.name, module is not rec.module)
+            raise swapped_or_traced_refusal(rec.name, kwargs is None)  # torch.ao copied onto a module it swapped in
         if self._resident_calls:  # [Note: resident decode forwards]
             if rec.module is self.root:
                 self._resident_calls += 1
