@@ -183,6 +183,10 @@ def test_jit_trace_over_gathered_parameters_and_a_module_torch_ao_swapped_in_are
     torch.manual_seed(0)
     kept = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
     zero3.initialize(kept, None)  # every parameter persistent: nothing to gather
+    fresh = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    zero3.initialize(fresh, None)
+    with pytest.raises(zero3.ZeroStateError, match=r"torch.export reached module '0'.*consolidated_state_dict"):
+        torch.export.export(fresh, (x,))  # it said the parameter was registered after initialize
     torch.testing.assert_close(torch.jit.trace(kept, (x,), check_trace=False)(x), kept(x))
     torch.ao.quantization.quantize_dynamic(kept, {nn.Linear}, dtype=torch.qint8, inplace=True)
     with pytest.raises(zero3.ZeroStateError, match=r"module 0 was replaced by another that kept its zero3 hooks"):

@@ -256,7 +256,13 @@ def concurrent_forward_refusal(owner: int | None) -> ConcurrentForwardError:
 def unpartitioned_refusal(name: str, module: str, p: torch.Tensor) -> ZeroStateError:
     """A module's parameter ``name`` is not partitioned when its call collects them: registered after
     ``initialize`` (probe 34C: named neither, and advised Init to a model built under it), or the plain
-    tensor ``torch.func.functional_call`` put there in the module's first call (probe 34A)."""
+    tensor ``torch.func.functional_call`` put there in the module's first call (probe 34A), or the stand-in
+    ``torch.export`` traces with (probe 37X: it blamed the user for a registration)."""
+    if torch.compiler.is_exporting():
+        return ZeroStateError(
+            f"torch.export reached module {module or '<root>'!r}, whose parameter {name!r} it traces as a stand-in "
+            "zero3 does not manage: exporting a model zero3 manages is not supported. Export a plain copy: load "
+            "engine.consolidated_state_dict() into a plain instance of the model (on every rank: a collective)")
     return ZeroStateError(
         f"parameter {name!r} of module {module or '<root>'!r} with shape {tuple(p.shape)} is not partitioned: " + (
             "it was registered after zero3.initialize (made in a forward, or set as an attribute since), and zero3 "
