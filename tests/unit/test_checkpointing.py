@@ -20,7 +20,7 @@ import zero3.deepspeed as deepspeed
 from zero3 import ZeroConfigError, ZeroStateError
 from zero3.config import ActivationCheckpointingConfig
 
-from _reference import assert_same_weights
+from _reference import assert_same_weights, twins
 from gpt import GPT, GPTConfig, synthetic_batch
 
 
@@ -609,11 +609,7 @@ def test_torch_s_checkpoint_over_engine_call_trains_as_the_plain_model(threshold
     def build():
         return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
 
-    torch.manual_seed(0)
-    ref = build()
-    torch.manual_seed(0)
-    with zero3.Init():
-        model = build()
+    ref, model = twins(build)
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": threshold})
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(3):
