@@ -162,14 +162,15 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="8 layers, width 128: a smoke run")
+    ap.add_argument("--quick", action="store_true", help="8 layers, width 128, 2 steps: a smoke run "
+                    "(defaults only: --n-layer, --n-embd, --steps given win)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    if ap.parse_known_args()[0].quick:  # the preset gives defaults; --n-layer etc. given win
+        ap.set_defaults(n_layer=8, n_embd=128, steps=2)
     args = ap.parse_args()
     if args.worker is not None:
         _worker(json.loads(args.worker))
         return
-    if args.quick:
-        args.n_layer, args.n_embd, args.steps = 8, 128, 2
     dims = {"n_layer": args.n_layer, "n_embd": args.n_embd, "block": args.block, "batch": args.batch,
             "steps": args.steps}
     mib = 1 << 20

@@ -9,6 +9,11 @@ parameter is gathered along the plan) trains a few steps, runs N such forwards, 
 table gives that step's time and the next two against the median steady step before the loop, and
 the time of the loop itself, for plain torch on the same model beside it. Wall clock, one process,
 one thread: compare within a run. Figures are printed, never asserted.
+
+Every variant trains the same fp32 model from the same seed on the same batch, so its loss at every
+training step (before and after the loop) must match plain torch's for the same N within 1e-5
+relative (``--loss-rtol``, as bench_step.py); the last column shows the largest difference, and a
+row outside it says DIFFERS: its times are not of the same work.
 """
 
 from __future__ import annotations
@@ -31,17 +36,20 @@ import zero3  # noqa: E402
 from bench_hooks import load_baseline  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
+LOSS_RTOL = 1e-5
+"""fp32, same init and batch: zero3 at world size 1 differs from torch only in summation order."""
 CFG = GPTConfig(block_size=32, vocab_size=256, n_layer=4, n_embd=64, n_head=4)
 LEAN = {"param_persistence_threshold": 0, "max_live_parameters": 60_000, "max_reuse_distance": 0,
         "prefetch_bucket_size": 30_000}
 
 
-def run(lib, evals: int, warmup: int) -> dict[str, float]:
+def run(lib, evals: int, warmup: int) -> dict:
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine = lib.initialize(model, opt, LEAN) if lib is not None else None
     x, y = synthetic_batch(0, 4, CFG)
+    losses: list[float] = []
 
     def step() -> float:
         t = time.perf_counter()
@@ -52,7 +60,9 @@ def run(lib, evals: int, warmup: int) -> dict[str, float]:
         else:
             opt.step()
             opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t
+        dt = time.perf_counter() - t
+        losses.append(loss.item())
+        return dt
 
     steady = statistics.median(step() for _ in range(warmup))
     t = time.perf_counter()
@@ -60,7 +70,7 @@ def run(lib, evals: int, warmup: int) -> dict[str, float]:
         model(x, y)  # grad on, no backward
     loop = time.perf_counter() - t
     first, second, third = step(), step(), step()
-    return {"steady": steady, "loop": loop, "first": first, "second": second, "third": third}
+    return {"steady": steady, "loop": loop, "first": first, "second": second, "third": third, "losses": losses}
 
 
 def main() -> None:
@@ -68,6 +78,8 @@ def main() -> None:
     ap.add_argument("--evals", type=int, nargs="+", default=[25, 100, 400])
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--baseline", metavar="TREE", help="also time the zero3 package in TREE")
+    ap.add_argument("--loss-rtol", type=float, default=LOSS_RTOL,
+                    help="relative loss difference from plain torch that still counts as the same result")
     args = ap.parse_args()
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)  # the step that left its trace says so once per run
@@ -77,15 +89,27 @@ def main() -> None:
     print(f"# bench_eval_then_train  {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}"
           f"  GPT {CFG.n_layer}x{CFG.n_embd}, batch 4x{CFG.block_size}, config {LEAN}\n")
     print("| N forwards | variant | steady step (ms) | the N forwards (ms) | first step after (ms, x steady) "
-          "| second | third |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+          "| second | third | max rel. loss diff vs plain torch |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|")
+    differs = []
     for n in args.evals:
+        reference = None
         for name, lib in libs:
             r = run(lib, n, args.warmup)
+            reference = reference if reference is not None else r["losses"]  # plain torch runs first
+            diffs = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(r["losses"], reference)]
+            rel = max(diffs) if diffs and all(d == d for d in diffs) else float("nan")
+            same = rel <= args.loss_rtol  # NaN compares False: not the same
+            if not same:
+                differs.append(f"N={n} {name}")
             s = r["steady"]
             print(f"| {n} | {name} | {s * 1e3:.1f} | {r['loop'] * 1e3:.0f} | {r['first'] * 1e3:.1f} "
                   f"({r['first'] / s:.1f}x) | {r['second'] * 1e3:.1f} ({r['second'] / s:.1f}x) | "
-                  f"{r['third'] * 1e3:.1f} ({r['third'] / s:.1f}x) |", flush=True)
+                  f"{r['third'] * 1e3:.1f} ({r['third'] / s:.1f}x) | {rel:.1e}{'' if same else ' DIFFERS'} |",
+                  flush=True)
+    if differs:
+        print(f"\nDIFFERS (loss not within {args.loss_rtol:g} relative of plain torch's at every step: not the same "
+              f"work): {'; '.join(differs)}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ of bench_step.py, 2 gloo ranks, verification on.
 The ways alternate every 2 steps, in a rotated order each round, so a busy host slows them alike.
 Rank 0 prints the median step (wall) and the median process CPU time per step of each way.
 Figures are printed, never asserted.
+
+The ways change only how the messages are cut, so they must gather the same values: after the timed
+rounds, each way runs one forward under ``torch.no_grad()`` on the same batch (every parameter gathered
+through that way, threshold 0), and its loss (mean over ranks) must equal the "auto" way's (or the first
+way's) bit for bit; the table's last column shows the difference, and a way that differs says DIFFERS.
 """
 
 from __future__ import annotations
@@ -81,13 +86,28 @@ def main() -> None:
                 step(k)
                 wall[way].append(time.perf_counter() - t)
                 cpu[way].append(time.process_time() - c)
+    check: dict[str, float] = {}
+    x, y = synthetic_batch(10**6 + rank, args.batch, cfg)  # one batch, the same for every way
+    for way in ways:  # the values each way gathers: one forward through it, the loss compared below
+        use(way)
+        with torch.no_grad():
+            loss = engine(x, y).detach().clone()
+        dist.all_reduce(loss)
+        check[way] = loss.item() / dist.get_world_size()
     use("auto")
     if rank == 0:
+        ref = "auto" if "auto" in ways else ways[0]
         print(f"# bench_gather_paths  model {args.model}  batch {args.batch}/rank  {args.rounds} rounds x 2 steps a way")
-        print("| way | median step (ms) | median CPU/step (ms) |")
-        print("|---|---:|---:|")
+        print(f"| way | median step (ms) | median CPU/step (ms) | check forward's loss - {ref}'s |")
+        print("|---|---:|---:|---|")
         for way in ways:
-            print(f"| {way} | {statistics.median(wall[way]) * 1e3:.1f} | {statistics.median(cpu[way]) * 1e3:.1f} |")
+            diff = check[way] - check[ref]
+            print(f"| {way} | {statistics.median(wall[way]) * 1e3:.1f} | {statistics.median(cpu[way]) * 1e3:.1f} | "
+                  f"{diff:.1e}{'' if diff == 0 else ' DIFFERS'} |")
+        differs = [w for w in ways if check[w] != check[ref]]
+        if differs:
+            print(f"\nDIFFERS (gathered other values than {ref}: its times are not of the same work): "
+                  f"{', '.join(differs)}")
     dist.destroy_process_group()
 
 

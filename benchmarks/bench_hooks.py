@@ -331,7 +331,8 @@ def bench_case(case: Case, args: argparse.Namespace) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a few seconds: fewer rounds")
+    ap.add_argument("--quick", action="store_true", help="a few seconds: fewer rounds (defaults only: "
+                    "--rounds, --steps-per-round, --warmup given win)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--steps-per-round", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=5)
@@ -345,12 +346,12 @@ def main() -> None:
     ap.add_argument("--baseline", metavar="DIR",
                     help="a source tree holding another zero3/ (e.g. a git worktree of an older commit): its "
                          "variants run interleaved with the current ones, labelled [baseline]")
+    if ap.parse_known_args()[0].quick:  # the preset gives defaults; --rounds etc. given win
+        ap.set_defaults(rounds=3, steps_per_round=2, warmup=2)
     args = ap.parse_args()
     args.baseline_lib = load_baseline(args.baseline) if args.baseline else None
     global clock
     clock = CLOCKS[args.clock]
-    if args.quick:
-        args.rounds, args.steps_per_round, args.warmup = 3, 2, 2
     torch.set_num_threads(args.threads)
     cases = [
         simple_case(78, 64, 32),

@@ -1,8 +1,12 @@
 """Wall time of building the example GPT under ``zero3.Init`` on 2 gloo ranks, beside another tree.
 
-    python benchmarks/bench_init.py                         # the 86.7M GPT, this tree
+    python benchmarks/bench_init.py                         # the 86.7M GPT (bench_step.py's big), this tree
     python benchmarks/bench_init.py --baseline DIR          # and DIR's zero3, alternating
-    python benchmarks/bench_init.py --preset small --builds 3
+    python benchmarks/bench_init.py --preset small --builds 3   # the 3.7M GPT (bench_step.py's small)
+
+The presets are bench_step.py's ``MODELS`` (12x768 and 4x256, vocabulary 2048) with its block size 128.
+Before that they were a 12x768 GPT with GPT-2's vocabulary (50,304) and block 256, 123.9M parameters,
+and a 4x256 one with vocabulary 1024: the figures docs/performance.md took with them say so.
 
 Each round builds the model once per variant (the order rotated every round), between barriers on
 both ranks, and keeps the slower rank's time. Variants: this tree with ``Init()`` (``sync="rng"``,
@@ -26,8 +30,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRESETS = {"big": dict(n_layer=12, n_embd=768, n_head=12, block_size=256, vocab_size=50304),
-           "small": dict(n_layer=4, n_embd=256, n_head=4, block_size=128, vocab_size=1024)}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_step
+from bench_step import MODELS  # noqa: E402
+
+BLOCK = 128
+"""bench_step.py's ``--block`` default."""
+PRESETS = {name: dict(n_layer=m["n_layer"], n_embd=m["n_embd"], n_head=m["n_head"], block_size=BLOCK,
+                      vocab_size=m["vocab"]) for name, m in MODELS.items()}
+"""bench_step.py's GPTs: big 86.7M parameters, small 3.7M."""
 
 
 def _zero3_of(tree: str):
@@ -79,6 +89,15 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, out: "mp.Que
     dist.destroy_process_group()
 
 
+def _meta_gpt(cfg: dict):
+    """The preset's GPT on the meta device (no memory): for its parameter count."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return GPT(GPTConfig(**cfg))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="big")
@@ -91,8 +110,10 @@ def main() -> None:
     mp.spawn(run, args=(2, args.port, args, out), nprocs=2)
     times = out.get()
     cfg = PRESETS[args.preset]
-    print(f"GPT {cfg['n_layer']} x {cfg['n_embd']}, vocabulary {cfg['vocab_size']}, built under zero3.Init on 2 gloo "
-          f"ranks, {args.builds} builds per variant (wall seconds, the slower rank)\n")
+    n_params = sum(p.numel() for p in _meta_gpt(cfg).parameters())
+    print(f"GPT {cfg['n_layer']} x {cfg['n_embd']}, vocabulary {cfg['vocab_size']}, block {cfg['block_size']} "
+          f"({n_params / 1e6:.1f}M parameters), built under zero3.Init on 2 gloo ranks, {args.builds} builds per "
+          f"variant (wall seconds, the slower rank)\n")
     print("| variant | median (s) | every build (s) |")
     print("|---|---:|---|")
     for name, ts in times.items():

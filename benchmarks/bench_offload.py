@@ -9,7 +9,10 @@ Every variant runs in a fresh pair of rank processes (one torch thread each) sta
 ``MALLOC_MMAP_THRESHOLD_=131072`` (set here before spawning), so freed tensors go back to the OS
 and RSS follows live memory (docs/debugging.md). The model is built under ``zero3.Init`` with the
 variant's config (so shards on NVMe are written as they are made) and trained with AdamW on the
-same synthetic batches; every variant must end with the same loss.
+same synthetic batches, so every variant must train the same numbers: each rank's loss at every step
+is compared with the "no offload" run's (memory figures) or, in the capacity search, with the first
+mode's that trained the same size, within 1e-5 relative (``LOSS_RTOL``, fp32 as bench_step.py); a row
+outside it says DIFFERS (a capacity row of a size no other mode trained says "no peer").
 
 Memory figures (default): per rank, the highest over both ranks: RSS after the build, RSS between
 steps (after the last step), peak RSS (``ru_maxrss``), model state in memory and on NVMe
@@ -292,6 +295,28 @@ def _zero_config(n_embd: int, nvme_path: str, param: bool, optimizer: bool, pool
     return cfg
 
 
+LOSS_RTOL = 1e-5
+"""fp32, same init and batches: the variants differ only in summation order (bench_step.py's LOSS_RTOL)."""
+
+
+def loss_rel(ranks: list[dict], reference: list[dict]) -> float:
+    """The worst relative difference of each rank's per-step losses from the same rank's in ``reference``
+    (NaN when a rank or a step is missing on either side)."""
+    if len(ranks) != len(reference) or not ranks:
+        return float("nan")
+    diffs = []
+    for f, g in zip(sorted(ranks, key=lambda f: f["rank"]), sorted(reference, key=lambda f: f["rank"])):
+        a, b = f.get("losses", []), g.get("losses", [])
+        if not a or len(a) != len(b):
+            return float("nan")
+        diffs += [abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b)]
+    return max(diffs) if all(d == d for d in diffs) else float("nan")
+
+
+def loss_cell(rel: float) -> str:
+    return f"{rel:.1e}" + ("" if rel <= LOSS_RTOL else " DIFFERS")  # NaN compares False: not the same
+
+
 def memory_figures(args: argparse.Namespace) -> None:
     model = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "vocab_size": 512,
              "block_size": 64}
@@ -317,14 +342,19 @@ def memory_figures(args: argparse.Namespace) -> None:
           "optimizer state (memory_report, between steps); step = median of the steps after the first.\n")
     print("| variant | RSS after build (MiB) | RSS between steps (MiB) | peak RSS (MiB) | model state in memory "
           "(MiB) | on NVMe (MiB) | buffer pool (MiB) | step (s) | NVMe wait / step (s) | shards read ahead / step | "
-          "read / written per step (MiB) | loss after last step |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "read / written per step (MiB) | loss after last step | max rel. loss diff vs no offload |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     base_rss = None
+    plain = [f for f in rows[0][1]["ranks"] if f.get("done")]
+    differs = []
     for name, res in rows:
         ranks = [f for f in res["ranks"] if f.get("done")]
         if len(ranks) < 2:
-            print(f"| {name} | {res['outcome']} |||||||||||")
+            print(f"| {name} | {res['outcome']} ||||||||||||")
             continue
+        rel = loss_rel(ranks, plain)
+        if not rel <= LOSS_RTOL:
+            differs.append(name)
         rep = [f["report"] for f in ranks]
         state = max(r["param_shard_bytes"] + r["grad_shard_bytes"] + r["optimizer_state_bytes"] for r in rep)
         rss = max(f["rss_between_steps"] for f in ranks)
@@ -336,7 +366,11 @@ def memory_figures(args: argparse.Namespace) -> None:
               f"{statistics.median(later):.2f} | {statistics.median(ranks[0]['nvme_wait'][1:] or [0]):.2f} | "
               f"{statistics.median(ranks[0]['reads_ahead'][1:] or [0]):.0f} | "
               f"{statistics.median(ranks[0]['read_bytes'][1:] or [0]) / MIB:.0f} / "
-              f"{statistics.median(ranks[0]['write_bytes'][1:] or [0]) / MIB:.0f} | {ranks[0]['losses'][-1]:.6f} |")
+              f"{statistics.median(ranks[0]['write_bytes'][1:] or [0]) / MIB:.0f} | {ranks[0]['losses'][-1]:.6f} | "
+              f"{loss_cell(rel)} |")
+    if differs:
+        print(f"\nDIFFERS (a rank's loss not within {LOSS_RTOL:g} relative of no offload's at some step: not the same "
+              f"work): {'; '.join(differs)}")
     print()
     for name, res in rows:
         ranks = [f for f in res["ranks"] if f.get("done")]
@@ -461,9 +495,25 @@ def capacity(args: argparse.Namespace) -> None:
           f"MemAvailable >= {args.memory_guard} GiB, free disk >= {args.disk_floor} GiB, {args.attempt_timeout:.0f} s per "
           f"attempt; disk budget {budget / GIB:.1f} GiB (free at the start: {free / GIB:.1f} GiB)\n")
     print("| mode | n_layer | parameters | outcome | build (s) | step 1 (s) | step 2 (s) | peak RSS / rank (GiB) | "
-          "lowest MemAvailable (GiB) | on NVMe / rank (GiB) | drive used, both ranks (GiB) |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "lowest MemAvailable (GiB) | on NVMe / rank (GiB) | drive used, both ranks (GiB) | "
+          "max rel. loss diff vs the first mode that trained this size |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    first_ok: dict[int, tuple[str, list[dict]]] = {}  # n_layer -> the first mode that trained it, its ranks
+    differs, differ_at = [], set()
     for mode, n, res in attempts:
+        done = [f for f in res["ranks"] if f and f.get("done")] if res["outcome"] == "ok" else []
+        check = "-"
+        if done:
+            if n not in first_ok:
+                first_ok[n] = (mode, done)
+                check = "reference" if any(m != mode and m_n == n and r["outcome"] == "ok"
+                                           for m, m_n, r in attempts) else "no peer"
+            else:
+                rel = loss_rel(done, first_ok[n][1])
+                check = f"{loss_cell(rel)} (vs {first_ok[n][0]})"
+                if not rel <= LOSS_RTOL:
+                    differs.append(f"{LABELS[mode]}, n_layer={n}")
+                    differ_at.add((mode, n))
         ranks = res["ranks"]
         f = ranks[0] if ranks and ranks[0] else {}
         steps = f.get("steps", [])
@@ -475,7 +525,10 @@ def capacity(args: argparse.Namespace) -> None:
               + (f"{max(r.get('peak_rss', 0) for r in ranks) / GIB:.2f}" if rep else "-") + " | "
               + (f"{low / GIB:.1f}" if low is not None else "-") + " | "
               + (f"{rep.get('nvme_bytes', 0) / GIB:.2f}" if rep else "-") + " | "
-              + (f"{res['disk_used'] / GIB:.1f}" if "disk_used" in res else "-") + " |")
+              + (f"{res['disk_used'] / GIB:.1f}" if "disk_used" in res else "-") + f" | {check} |")
+    if differs:
+        print(f"\nDIFFERS (a rank's loss not within {LOSS_RTOL:g} relative of the first mode's at that size): "
+              f"{'; '.join(differs)}")
     print()
     for mode, found in best.items():
         label = LABELS[mode]
@@ -485,7 +538,8 @@ def capacity(args: argparse.Namespace) -> None:
         n, res = found
         steps = res["ranks"][0]["steps"]
         print(f"- {label}: largest that trained: n_layer={n}, {gpt_params(n):,} parameters; step 1 "
-              f"{steps[0]:.1f} s" + (f", step 2 {steps[1]:.1f} s" if len(steps) > 1 else ""))
+              f"{steps[0]:.1f} s" + (f", step 2 {steps[1]:.1f} s" if len(steps) > 1 else "")
+              + ("; its loss DIFFERS from the first mode's at that size" if (mode, n) in differ_at else ""))
     for mode in ("none-bwd", "nvme", "nvme-inplace", "nvme-bwd", "nvme-inplace-bwd", "ds-nvme"):
         if best.get("none") and best.get(mode):
             print(f"- ratio, {LABELS[mode]}: {gpt_params(best[mode][0]) / gpt_params(best['none'][0]):.2f}x the "
@@ -496,7 +550,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nvme-path", required=True, help="directory for the swap files (zero3 unlinks its files at once; DeepSpeed's go in a "
                          "folder removed after each attempt)")
-    ap.add_argument("--quick", action="store_true", help="a smaller model for the memory figures")
+    ap.add_argument("--quick", action="store_true", help="a smaller model for the memory figures "
+                    "(4x512, 8 heads, 3 steps; defaults only: --n-layer, --n-embd, --n-head, --steps given win)")
     ap.add_argument("--n-layer", type=int, default=6)
     ap.add_argument("--n-embd", type=int, default=768)
     ap.add_argument("--n-head", type=int, default=12)
@@ -523,9 +578,9 @@ def main() -> None:
     ap.add_argument("--memory-margin", type=float, default=1.0, help="capacity: GiB kept out of the size prediction")
     ap.add_argument("--disk-floor", type=float, default=20.0, help="GiB of free disk below which a run is stopped")
     ap.add_argument("--disk-budget", type=float, default=0.0, help="capacity: GiB of swap files (0: half the free space)")
+    if ap.parse_known_args()[0].quick:  # the preset gives defaults; --n-layer etc. given win
+        ap.set_defaults(n_layer=4, n_embd=512, n_head=8, steps=3)
     args = ap.parse_args()
-    if args.quick:
-        args.n_layer, args.n_embd, args.n_head, args.steps = 4, 512, 8, 3
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the spawned ranks
     os.makedirs(args.nvme_path, exist_ok=True)
     if args.capacity:

@@ -4,7 +4,14 @@
     python benchmarks/bench_soak.py --steps 300 --every 50   # a quick look
 
 Trains the example GPT (examples/gpt.py, 4 layers x 128, block 64, batch 4 per rank) under
-``zero3.Init`` with AdamW and the default config plus ``gradient_clipping`` 1.0 (verification on), on 2 gloo ranks started here, and
+``zero3.Init`` with AdamW and the default config plus ``gradient_clipping`` 1.0 (verification on) and
+``param_persistence_threshold`` 0 (``--persistence``), on 2 gloo ranks started here. Every parameter of
+this GPT is under the default threshold (1e5 elements; the largest holds 65,536), so with the default
+config none is ever gathered or released and the soak would skip the per-module gather/release that a
+larger model's run does every step; at 0 every parameter is gathered before its module and released
+after it, every step (the table shows the sampled step's all-gather calls and parameters released). ``--persistence
+100000`` runs the default config (nothing gathered: the setting of the figures in docs/performance.md
+taken before this flag existed). It
 samples each rank's resident set size (``VmRSS`` from /proc/self/status) every ``--every`` steps,
 with the number of live tensors the garbage collector tracks. It prints one row per sample and the
 growth from step ``--from`` (200 by default, after warm-up) to the last step. Figures are printed,
@@ -79,7 +86,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     with zero3.Init():
         model = GPT(cfg)
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6),
-                              {"gradient_clipping": 1.0})
+                              {"gradient_clipping": 1.0, "param_persistence_threshold": args.persistence})
     samples = []
     times: list[float] = []
     for step in range(1, args.steps + 1):
@@ -96,6 +103,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
             samples.append({"step": step, "rss_mib": _rss_mib(), "live_tensors": _live_tensors(),
                             "heap_in_use_mib": in_use, "heap_free_kept_mib": kept,
                             "loss": float(loss.detach()),
+                            "gathers": engine.last_step_metrics.allgather_calls,
+                            "releases": engine.last_step_metrics.releases,
                             "median_step_s": statistics.median(times[-args.every:])})
     del engine, model, loss
     gc.collect()
@@ -110,6 +119,9 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=100, help="sample every N steps")
     ap.add_argument("--from", dest="start", type=int, default=200, help="growth is measured from this step")
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    ap.add_argument("--persistence", type=int, default=0,
+                    help="zero3 param_persistence_threshold (elements; default 0: every parameter gathered and "
+                         "released every step; 100000, zero3's default, gathers none of this GPT's)")
     ap.add_argument("--malloc-mmap", action="store_true", help="ranks run with MALLOC_MMAP_THRESHOLD_=131072")
     ap.add_argument("--trim-every", type=int, default=0,
                     help="call glibc's malloc_trim(0) in each rank every N steps (0: never): is the growth "
@@ -138,17 +150,19 @@ def main() -> None:
         raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
     per_rank = [json.load(open(o)) for o in outs]
     print(f"# soak: example GPT 4x128, batch {args.batch}/rank, {world} gloo ranks, {args.steps} steps, "
-          f"verification on, allocator: {'MALLOC_MMAP_THRESHOLD_=131072' if args.malloc_mmap else 'default'}"
+          f"verification on, param_persistence_threshold {args.persistence}, allocator: {'MALLOC_MMAP_THRESHOLD_=131072' if args.malloc_mmap else 'default'}"
           + (f", malloc_trim every {args.trim_every} steps" if args.trim_every else "")
           + f", TORCH_FR_BUFFER_SIZE={os.environ.get('TORCH_FR_BUFFER_SIZE', 'unset, so zero3 makes it 0 in a CPU build')}")
     print("| step | " + " | ".join(f"rank {r} RSS (MiB) | rank {r} heap in use / freed-kept (MiB) | rank {r} live tensors"
-                                  for r in range(world)) + " | median step, rank 0 (s) | loss |")
-    print("|---:|" + "---:|---:|---:|" * world + "---:|---:|")
+                                  for r in range(world)) + " | all-gather calls / parameters released in the step, rank 0 | "
+          "median step, rank 0 (s) | loss |")
+    print("|---:|" + "---:|---:|---:|" * world + "---:|---:|---:|")
     for i, row in enumerate(per_rank[0]):
         cells = " | ".join(f"{per_rank[r][i]['rss_mib']:.1f} | {per_rank[r][i]['heap_in_use_mib']:.1f} / "
                            f"{per_rank[r][i]['heap_free_kept_mib']:.1f} | {per_rank[r][i]['live_tensors']}"
                            for r in range(world))
-        print(f"| {row['step']} | {cells} | {row['median_step_s']:.4f} | {row['loss']:.4f} |")
+        print(f"| {row['step']} | {cells} | {row['gathers']} / {row['releases']} | {row['median_step_s']:.4f} | "
+              f"{row['loss']:.4f} |")
     for r in range(world):
         base = next((s for s in per_rank[r] if s["step"] >= args.start), per_rank[r][0])
         last = per_rank[r][-1]

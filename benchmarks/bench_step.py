@@ -97,6 +97,9 @@ MMAP_THRESHOLD = "131072"
 MIB = 1024 * 1024
 LOSS_RTOL = 1e-5
 """fp32, same init and batches: the systems differ only in summation order, well inside this."""
+QUICK = {"steps": 4, "warmup": 1, "repeats": 1, "memory_steps": 2, "n_layer": 2, "n_embd": 128, "block": 64,
+         "vocab": 256}
+"""--quick's preset: defaults for these flags, each overridden by the flag when it is given."""
 BREAKDOWN = ("forward_seconds", "backward_seconds", "wait_seconds", "reduce_wait_seconds", "header_seconds",
              "optimizer_seconds")
 """zero3's per-step timers (engine.last_step_metrics), printed as the step breakdown."""
@@ -799,7 +802,8 @@ def goals(results: dict[str, dict[str, dict]]) -> str:
 def main() -> None:
     global LOSS_RTOL
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smoke run: small model, 1 repeat, few steps")
+    ap.add_argument("--quick", action="store_true", help="smoke run: small model, 1 repeat, few steps (defaults only: "
+                    "--steps, --n-layer, ... given on the command line win)")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20, help="measured steps per run")
     ap.add_argument("--memory-steps", type=int, default=3,
@@ -832,6 +836,9 @@ def main() -> None:
     ap.add_argument("--baseline", metavar="DIR",
                     help="a source tree holding another zero3/ (e.g. a git worktree of an older commit): every "
                          "zero3 variant also runs with it, labelled [baseline], interleaved in the same run")
+    # --quick's preset gives defaults; a flag given on the command line wins over it.
+    if ap.parse_known_args()[0].quick:
+        ap.set_defaults(**QUICK)
     args = ap.parse_args()
     LOSS_RTOL = args.loss_rtol
     try:
@@ -839,9 +846,6 @@ def main() -> None:
     except ValueError as exc:
         ap.error(str(exc))
     args.batch = batches.get("", 4)
-    if args.quick:
-        args.steps, args.warmup, args.repeats, args.memory_steps = 4, 1, 1, 2
-        args.n_layer, args.n_embd, args.batch, args.block, args.vocab = 2, 128, 4, 64, 256
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
         if v not in LABELS:
