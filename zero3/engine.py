@@ -50,9 +50,11 @@ from .optim.grad_norm import clip_shards
 from .partition.param import ZeroParameter, raw_data
 from .optim.precision import LossScaler
 from .runtime.step import StepPhase
-from .runtime.engine_calls import (MID_STEP, abort_forward, check_lr_kwargs, end_forward_without_backward,
-                                   begin_forward, end_micro_batch, in_memory, offload_engine_states, require_gradients,
-                                   require_hooks, zero_grad_window)
+from .runtime.engine_calls import (abort_forward, check_lr_kwargs, end_forward_without_backward, begin_forward,
+                                   end_micro_batch, in_memory, offload_engine_states, require_gradients, require_hooks,
+                                   zero_grad_window)
+from .runtime.generation_mode import generation_mode
+from .runtime.thread_claim import claiming
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +190,7 @@ class Engine(DeepSpeedEngineNames):
             abort_forward(self, exc)
             raise
 
+    @claiming("engine.backward()")
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True, **kwargs: Any) -> torch.Tensor:
         """``loss.backward(**kwargs)``; with fp16, of the loss times the current loss scale (in fp32).
         Returns what DeepSpeed's does: the loss over ``gradient_accumulation_steps``, as the gradients
@@ -215,6 +218,7 @@ class Engine(DeepSpeedEngineNames):
             raise
         return loss / n if scale_wrt_gas and n > 1 else loss
 
+    @claiming("engine.step()")
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> bool:
         """End a micro-batch; at an accumulation boundary, step the optimizer on the shards (and the
         lr scheduler, with ``lr_kwargs`` as keywords: DeepSpeed's argument).
@@ -312,6 +316,7 @@ class Engine(DeepSpeedEngineNames):
         """This process's rank in the whole world (``engine.rank`` is its data-parallel rank)."""
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else self.rank
 
+    @claiming("engine.save_16bit_model()")
     def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Write the consolidated model, each parameter in its own (16-bit under bf16/fp16) dtype, as a
@@ -319,6 +324,7 @@ class Engine(DeepSpeedEngineNames):
         the gathers, the engine group's rank 0 writes, and every rank returns (True) once it is there."""
         return save_16bit_model(self, os.path.join(os.fspath(save_dir), save_filename), exclude_frozen_parameters)
 
+    @claiming("a 16-bit state dict")
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
         """DeepSpeed's name, as Accelerate and the Hugging Face Trainer call it: the state dict
         `save_16bit_model` writes, on the engine group's rank 0; None on the other ranks (a collective)."""
@@ -338,29 +344,15 @@ class Engine(DeepSpeedEngineNames):
         other.__dict__.update(self.__dict__)
         return other
 
-    @contextlib.contextmanager
-    def generation(self) -> Iterator["Engine"]:
+    def generation(self) -> contextlib.AbstractContextManager["Engine"]:
         """Generation mode for decode loops (RL rollouts, evaluation): gathered weights stay gathered
         across the repeated forwards, within the live cap (``max_live_parameters`` or ``max_live_bytes``):
         while the decode cycle is learnt, what does not fit is released most recently used first;
         then a planned resident part stays and the rest is gathered in buckets along the cycle
         (planning/generation.py), instead of every weight being gathered again for every token; everything is released on exit. Enter it between steps, on every rank. Entered again inside
         itself (an evaluation helper called during a rollout), the inner block joins the outer mode:
-        only the outermost exit ends it."""
-        if self.coordinator.generating:  # nested: the outer block owns the mode
-            yield self
-            return
-        require_hooks(self, "engine.generation()")
-        if self.hooks.phase is not StepPhase.IDLE:
-            raise ZeroStateError(MID_STEP.format(what="engine.generation()", phase=self.hooks.phase.name.lower()))
-        self.context.require_states("engine.generation()", ("lp_params",))
-        self.coordinator.begin_generation()
-        try:
-            yield self
-        finally:
-            self.hooks.generation_ended()
-            self.coordinator.end_generation()
-            self.hooks.step.guard_grads()  # between steps again (step.py leaves the decode forwards be)
+        only the outermost exit ends it (`zero3.runtime.generation_mode`)."""
+        return generation_mode(self)
 
     # -- the phase memory manager (zero3/offload/states.py) --------------------------------------------
     def offload_states(self, include: Any = None, device: str = "cpu", pin_memory: bool = True,
@@ -456,6 +448,7 @@ class Engine(DeepSpeedEngineNames):
         return state
 
     # -- checkpoints (zero3/checkpoint/: save.py, load.py, live_state_dict.py, hf_save.py) ------
+    @claiming("engine.save_checkpoint()")
     def save_checkpoint(self, save_dir: Any, tag: str | int | None = None, client_state: Any = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False, **kwargs: Any) -> str:
         """Write a sharded checkpoint (a collective), with the engine's lr scheduler unless another is
@@ -464,6 +457,7 @@ class Engine(DeepSpeedEngineNames):
         return save_checkpoint(self.context, save_dir, tag, client_state, save_latest=save_latest,
                                exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
 
+    @claiming("engine.load_checkpoint()")
     def load_checkpoint(self, load_dir: Any, tag: str | int | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None, **kwargs: Any) -> tuple[str | None, Any]:
@@ -478,17 +472,20 @@ class Engine(DeepSpeedEngineNames):
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                                custom_load_fn=custom_load_fn, **kwargs)
 
+    @claiming("engine.consolidated_state_dict()")
     def consolidated_state_dict(self, rank0_only: bool = True, **kwargs: Any) -> dict[str, Any]:
         """The full fp32 state dict, module by module, with the modules' extra state (a collective); see
         `zero3.consolidate`."""
         return consolidated_state_dict(self.context, rank0_only, **kwargs)
 
+    @claiming("engine.save_pretrained()")
     def save_pretrained(self, save_directory: Any, **kwargs: Any) -> Any:
         """A Hugging Face ``save_pretrained`` directory written one tensor at a time (a collective);
         see `zero3.checkpoint.hf_save.save_pretrained`."""
         return save_pretrained(self, save_directory, **kwargs)
 
     # -- introspection --------------------------------------------------------------------------
+    @claiming("engine.memory_report()")
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds, against the full (unpartitioned) model's; the keys
         are described at `zero3.runtime.context.RuntimeContext.memory_report`."""

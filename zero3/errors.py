@@ -16,7 +16,8 @@ class ZeroStateError(ZeroError, RuntimeError):
 
 
 class ConcurrentForwardError(ZeroStateError):
-    """A forward of a model began while another thread's forward of it ran; that forward goes on."""
+    """A call of an engine (a forward of its model, a backward, a step, a checkpoint, ...) began while another
+    thread's call of it ran; that call goes on (runtime/thread_claim.py)."""
 
 
 class ZeroDivergenceError(ZeroError, RuntimeError):

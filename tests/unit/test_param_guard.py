@@ -584,3 +584,30 @@ def test_a_use_that_skipped_zero3s_hooks_says_to_call_the_module(how):
             model(x).sum().backward()  # called as a module it trains as torch does
     finally:
         engine.remove_hooks()
+
+
+class _ListRead(nn.Module):
+    """The root's forward reads a child's parameter from a plain list, its first argument not named self."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blk = nn.Linear(4, 4)
+        self.sub = nn.Module()
+        self.sub.g = nn.Parameter(torch.ones(4))
+        self._l = [self.sub.g]
+
+    def forward(s, x):  # noqa: N805 - the point of the test
+        return s.blk(x) * s._l[0]
+
+
+def test_a_forward_whose_first_argument_is_not_named_self_gets_the_generic_advice():
+    """Probe 38B: the advice looked for a local named ``self``; with ``def forward(s, x)`` it took the
+    root's ``__call__`` for a hook and blamed a prepended pre-hook no one registered."""
+    model = _ListRead()
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
+    try:
+        with pytest.raises(ZeroStateError, match=r"sub\.g .*register_external_parameter") as info:
+            model(torch.randn(2, 4))
+        assert "prepend=True" not in str(info.value)
+    finally:
+        engine.remove_hooks()

@@ -76,7 +76,7 @@ def test_a_forward_begun_while_another_thread_s_forward_runs_is_refused_and_the_
     t = threading.Thread(target=first)
     t.start()
     assert model.p.inside.wait(30)  # the first thread is inside the model's forward, parameters gathered
-    with pytest.raises(zero3.ConcurrentForwardError, match="while thread .* runs a forward of it"):
+    with pytest.raises(zero3.ConcurrentForwardError, match="while thread .* runs a forward of the model"):
         run(x2)
     model.p.go.set()
     t.join(30)
@@ -90,7 +90,7 @@ def test_a_forward_begun_while_another_thread_s_forward_runs_is_refused_and_the_
         assert_same_weights(model, ref)
     with torch.no_grad():  # the refused thread's next call, now alone, is torch's
         torch.testing.assert_close(run(x2), ref(x2), rtol=1e-6, atol=1e-7)
-    assert engine.hooks._claim == {}
+    assert engine.context.claim.owner is None
 
 
 def test_whole_steps_from_several_threads_one_after_another_train_as_torch() -> None:
@@ -145,7 +145,7 @@ def test_a_forward_from_another_thread_during_a_resident_decode_forward_is_refus
         assert not t.is_alive()
         torch.testing.assert_close(out["first"], ref(x), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(engine(x2), ref(x2), rtol=1e-6, atol=1e-7)
-    assert engine.hooks._claim == {}
+    assert engine.context.claim.owner is None
 
 
 def test_a_refused_call_s_post_forward_after_the_owner_s_forward_returned_leaves_the_step_alone():
@@ -187,6 +187,97 @@ def test_a_refused_call_s_post_forward_after_the_owner_s_forward_returned_leaves
         t.join(30)
     assert out.get("refused") and engine.hooks.phase.name == "FORWARD"  # the owner's step is still open
     engine.backward(out["y"].square().sum())
+    engine.step()
+    ref(x).square().sum().backward()
+    ref_opt.step()
+    assert_same_weights(model, ref)
+
+
+def _paused_forward(engine: zero3.Engine, model: nn.Module, x: torch.Tensor, out: dict) -> threading.Thread:
+    """A thread whose forward of ``engine`` waits inside the model (``model.p.go`` lets it go on)."""
+    def run() -> None:
+        with torch.no_grad():
+            out["y"] = engine(x)
+
+    model.p.hold.set()
+    t = threading.Thread(target=run)
+    t.start()
+    assert model.p.inside.wait(30)
+    return t
+
+
+def test_checkpoint_calls_and_memory_report_during_another_thread_s_forward_are_refused(tmp_path):
+    """Probe 38A: a save_checkpoint from a second thread while training went unrefused; at world size 2
+    the two threads' collectives interleaved on one group (gloo aborted both ranks, or errors named other
+    causes), and memory_report read gradients the training thread was dropping (a segfault)."""
+    ref, model, engine = _build()
+    x = torch.randn(3, 8)
+    out: dict[str, torch.Tensor] = {}
+    t = _paused_forward(engine, model, x, out)
+    for call in (lambda: engine.save_checkpoint(tmp_path, tag="t"), lambda: engine.load_checkpoint(tmp_path),
+                 engine.consolidated_state_dict, engine.memory_report, lambda: engine.step(),
+                 lambda: engine.backward(torch.ones((), requires_grad=True))):
+        with pytest.raises(zero3.ConcurrentForwardError, match=r"began while thread .* runs a forward of the model"):
+            call()
+    model.p.go.set()
+    t.join(30)
+    assert not t.is_alive() and engine.context.claim.owner is None
+    torch.testing.assert_close(out["y"], ref(x), rtol=1e-6, atol=1e-7)
+    assert not (tmp_path / "t").exists()  # the refused save wrote nothing
+    engine.save_checkpoint(tmp_path, tag="t")  # alone, it works
+    assert engine.memory_report()["param_shard_bytes"] > 0
+
+
+def test_a_forward_or_a_save_while_another_thread_s_engine_step_runs_is_refused(tmp_path):
+    ref, model, engine = _build()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, x2 = torch.randn(3, 8), torch.randn(3, 8)
+    inside, go = threading.Event(), threading.Event()
+
+    def wait_in_step(optimizer, args, kwargs):
+        if not go.is_set():
+            inside.set()
+            assert go.wait(30)
+
+    engine.backward(engine(x).square().sum())
+    handle = engine.optimizer.register_step_pre_hook(wait_in_step)  # the user's SGD, stepping the shards
+    t = threading.Thread(target=engine.step)
+    t.start()
+    assert inside.wait(30)
+    with pytest.raises(zero3.ConcurrentForwardError, match=r"a forward of the model began while thread .* runs "
+                                                           r"engine\.step\(\)"):
+        engine(x2)
+    with pytest.raises(zero3.ConcurrentForwardError, match=r"engine\.save_checkpoint\(\) began"):
+        engine.save_checkpoint(tmp_path)
+    go.set()
+    t.join(30)
+    handle.remove()
+    assert not t.is_alive() and engine.context.claim.owner is None
+    ref(x).square().sum().backward()
+    ref_opt.step()
+    assert_same_weights(model, ref)
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x2), ref(x2), rtol=1e-6, atol=1e-7)
+
+
+def test_leaving_generation_while_another_thread_decodes_waits_for_its_forward(caplog):
+    """Probe 38A: a generate thread feeding a streamer, the block left early: the mode ended under the
+    thread's forward (an internal error, then divergence and the group closed at world size 2)."""
+    ref, model, engine = _build()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(3, 8)
+    out: dict[str, torch.Tensor] = {}
+    with engine.generation():
+        with torch.no_grad():
+            engine(x)
+        t = _paused_forward(engine, model, x, out)
+        threading.Timer(0.3, model.p.go.set).start()
+    assert "was left while thread" in caplog.text  # it waited, and said so
+    t.join(30)
+    assert not t.is_alive() and engine.context.claim.owner is None
+    torch.testing.assert_close(out["y"], ref(x), rtol=1e-6, atol=1e-7)
+    assert not engine.coordinator.generating and not engine.coordinator.live_params
+    engine.backward(engine(x).square().sum())  # training goes on as torch's
     engine.step()
     ref(x).square().sum().backward()
     ref_opt.step()

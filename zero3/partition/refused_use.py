@@ -55,7 +55,7 @@ def skipped_hooks_advice(p: Any) -> str | None:
         frames.append(f)
         f = f.f_back
     for i, f in enumerate(frames):
-        module = f.f_locals.get("self") if f.f_code.co_name == "forward" or f.f_code is call_code else None
+        module = _first_argument(f) if f.f_code.co_name == "forward" or f.f_code is call_code else None
         if not _holds(module, p):
             continue
         name = next((n for n, m in root.named_modules() if m is module), None)
@@ -68,12 +68,19 @@ def skipped_hooks_advice(p: Any) -> str | None:
                     "prepend=True (it then runs after zero3's), or gather inside the hook with "
                     "`with zero3.GatheredParameters(params):`")
         # a forward reached through a decorator or super().forward() is still inside its module's __call__
-        if not any(g.f_code is call_code and g.f_locals.get("self") is module for g in frames[i + 1:]):
+        if not any(g.f_code is call_code and _first_argument(g) is module for g in frames[i + 1:]):
             return (f"{what}.forward was called directly, which skips the module's __call__ and with it "
                     f"zero3's hooks: call `module(x)` (here `{what}(...)`, not `{what}.forward(...)`), so "
                     "zero3's hooks gather its parameters")
         return None  # entered through __call__: the generic advice fits
     return None
+
+
+def _first_argument(f: FrameType) -> object:
+    """The frame's first argument (a method's instance, whatever its name: ``def forward(s, x)``, probe
+    38B: taken for a hook of the root, the advice blamed a prepended pre-hook no one registered)."""
+    code = f.f_code
+    return f.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
 
 
 def _in_multi_grad_hook() -> bool:

@@ -69,6 +69,7 @@ from .publish import write_updated
 from .refusals import (refuse_memory_format, refuse_shared_storage, refuse_unshardable_embeddings, unshardable,
                        unshardable_refusal)
 from .leaf import check_leaf_classes, leaf_modules
+from .thread_claim import ThreadClaim
 from .budget import MemoryBudget
 from .placement import place_shards, share_shards
 
@@ -113,6 +114,7 @@ class RuntimeContext:
     # The hooks' `external_added` (a registration after install), weakly; None without hooks.
     external_added: Callable[[Any], None] | None = None
     _io_mark: tuple[int, int] = (0, 0)  # io's (read, written) bytes when the last step's were counted
+    claim: ThreadClaim = field(default_factory=ThreadClaim)  # the thread running a call of the engine (thread_claim.py)
     ranks: tuple[int, ...] = ()  # the group's default-group ranks, taken when made (a destroyed group has none)
 
     @classmethod

@@ -73,18 +73,7 @@ used while not gathered (checked with a scratch script, not in the tests).
 
 [Note: activation checkpointing and the end of a step]: checkpoint_scopes.py.
 
-[Note: one thread]
-An engine's gathers, releases and step state are shared by every call of its model, so two forwards
-running at once from two threads corrupted each other: wrong outputs, a segfault in a gather's copy
-into storage the other thread freed, or a hang in a collective (probe 26D). A forward of the root
-claims the engine for its thread (`_claim`, one atomic ``dict.setdefault``) until the root's
-outermost call returns (a resident decode forward's too), and a root call from another thread
-meanwhile is refused before it changes anything. Torch runs the refused call's post-forward anyway
-(always_call), maybe after the claim has gone: a thread-local mark (`_REFUSED`) tells it to do
-nothing, or it would take the refusal for the owner's forward failing and abort its step.
-Calls one after another from several threads, in any interleaving of whole forwards, backwards and
-steps, are fine. Not detected: a submodule called directly from another thread, and a forward from
-another thread while a backward or an optimizer step runs (docs/api.md says not to).
+[Note: one thread]: thread_claim.py.
 
 [Note: a second backward]
 Several losses over one forward, each with its own ``backward`` (the first with
@@ -109,7 +98,6 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -131,7 +119,7 @@ from ..planning.trace import EventKind
 from ..optim.precision import RUNNING_BACKWARD
 from .step import StepLifecycle, StepPhase
 from .trainable import FrozenAtInstall
-from .refusals import (EAGER, STOP_RECOMPUTATION, concurrent_forward_refusal, create_graph_refusal,
+from .refusals import (EAGER, STOP_RECOMPUTATION, create_graph_refusal,
                        eval_frame_callback, refuse_compiled_call, refuse_copy, removed_refusal, refuse_transform,
                        swapped_or_traced_refusal, transform_level, unpartitioned_refusal, unscaled_backward_refusal)
 from .buffers import ModuleBuffers
@@ -140,6 +128,7 @@ from .outputs import prepare_output
 from .param_reads import unwatch_reads, watch_reads
 from .last_grad_hook import LastGradHook
 from .late_read import LateReads, weak_late_read
+from .thread_claim import root_post, root_pre
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +254,8 @@ class ModuleHooks:
         self._awaiting: set[_ModuleRecord] = set()  # records with calls waiting for their gradients
         self._forward_t0 = 0.0  # when the running root forward began
         self._resident_calls = 0  # root calls open in a resident decode forward ([Note: resident decode forwards])
-        self._claim: dict[int, int] = {}  # {0: the thread running a forward of the root} ([Note: one thread])
+        self._claim = ctx.claim  # the thread running a call of the engine ([Note: one thread])
+        self._forward_token: tuple[int, str] | None = None  # the claim the running root forward took
         self._steps_ended = 0  # ends of step so far ([Note: a second backward])
         self._backwards_ended = 0  # ends of step after a backward, or aborted ([Note: post-backward from the gradients])
         self._submodule_hooks = SubmoduleHooks()
@@ -325,7 +315,7 @@ class ModuleHooks:
         self._records[id(m)] = rec
         pre, post = functools.partial(self._pre_forward, rec), functools.partial(self._post_forward, rec)
         if m is self.root:  # [Note: one thread]
-            pre, post = functools.partial(_root_pre, self, pre), functools.partial(_root_post, self, post)
+            pre, post = functools.partial(root_pre, self, pre), functools.partial(root_post, self, post)
             self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
             self._handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
         else:
@@ -695,36 +685,6 @@ def _frozen(params: list, args: tuple, kwargs: dict, output: Any) -> bool:
     if all(p._zero.persistent for p in params):  # nothing to gather or reduce for a backward (input gradients)
         return True
     return not any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs, output)))
-
-
-def _root_pre(hooks: ModuleHooks, pre: Callable[..., Any], *args: Any) -> Any:
-    """The root's pre-forward: claim the engine for this thread ([Note: one thread]) before anything changes."""
-    _REFUSED.hooks = None
-    if hooks._claim.setdefault(0, me := threading.get_ident()) != me:
-        _REFUSED.hooks = hooks  # for this call's post-forward, which torch runs anyway (always_call)
-        raise concurrent_forward_refusal(hooks._claim.get(0))
-    return pre(*args)
-
-
-class _Refused(threading.local):
-    hooks: ModuleHooks | None = None  # whose root pre-forward refused this thread's running call
-
-
-_REFUSED = _Refused()
-
-
-def _root_post(hooks: ModuleHooks, post: Callable[..., Any], *args: Any) -> Any:
-    """The root's post-forward; the claim goes once the root's outermost call has closed."""
-    if _REFUSED.hooks is hooks:  # refused by the pre-forward: nothing of it is open, and the claim
-        _REFUSED.hooks = None       # may have gone since (review 26X: its post-forward aborted the step)
-        return None
-    if hooks._claim.get(0, me := threading.get_ident()) != me:
-        return None  # another thread's forward runs: this call's pre-forward did not (a hook before it raised)
-    try:
-        return post(*args)
-    finally:
-        if not hooks.stack and not hooks._resident_calls:  # the outermost call of the root has closed
-            hooks._claim.clear()
 
 
 def _refuse_unscaled(hooks: ModuleHooks, p: torch.Tensor | None, clipped: bool) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from ..errors import ConcurrentForwardError, ZeroConfigError, ZeroStateError
+from ..errors import ZeroConfigError, ZeroStateError
 from ..partition.param import ZeroParameter
 
 try:  # 20 ns: whether a torch.compile'd call is running (dynamo then compiles every frame entered)
@@ -242,15 +242,6 @@ STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError", 
 """What torch's non-reentrant checkpoint raises through the recompute's forward to stop it early (its
 default): for a checkpoint of the whole model, the root's post-forward sees it, and it is no failure
 of the step (hooks.py `_post_forward`; review 26X: the step was aborted, and the backward failed)."""
-
-
-def concurrent_forward_refusal(owner: int | None) -> ConcurrentForwardError:
-    """A forward of the root began while another thread's forward of it runs (hooks.py [Note: one thread])."""
-    return ConcurrentForwardError(
-        f"a forward of the model began while thread {owner} runs a forward of it: an engine's gathers, releases and "
-        "step state serve one call at a time (as DeepSpeed's and FSDP2's). Run one engine's forwards from one thread "
-        "at a time (a lock around the call), or give each thread a model and an engine of its own. Nothing was "
-        "gathered for this call, and the other thread's forward goes on")
 
 
 def unpartitioned_refusal(name: str, module: str, p: torch.Tensor) -> ZeroStateError:

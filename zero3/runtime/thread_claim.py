@@ -1,0 +1,138 @@
+"""Which thread holds an engine, and for what.
+
+[Note: one thread]
+An engine's gathers, releases, collectives and step state are shared by every call of it, so two
+forwards running at once from two threads corrupted each other: wrong outputs, a segfault in a
+gather's copy into storage the other thread freed, or a hang in a collective (probe 26D); and a
+``save_checkpoint`` from a second thread during training interleaved the two threads' collectives on
+one process group: both ranks aborted in gloo, or raised errors that named other causes (probe 38A).
+So a call claims the engine for its thread (`ThreadClaim`, the context's: one atomic
+``dict.setdefault`` under the GIL) for as long as it runs: a forward of the root until its outermost
+call returns (a resident decode forward's too: `root_pre`, `root_post`), and ``engine.backward``,
+``engine.step``, the checkpoint and state-dict calls and ``engine.memory_report`` for the call
+(`claiming`); entering and leaving ``engine.generation()`` too (generation_mode.py). A call from
+another thread meanwhile raises `ConcurrentForwardError` before it changes anything, and the running
+one goes on. Torch runs a refused forward's post-forward anyway (always_call), maybe after the claim
+has gone: a thread-local mark (`_REFUSED`) tells it to do nothing, or it would take the refusal for
+the owner's forward failing and abort its step. Calls one after another from several threads, in any
+interleaving of whole forwards, backwards and steps, are fine. Not detected: a submodule called
+directly from another thread, a ``loss.backward()`` that ``engine.backward`` does not wrap, and
+``GatheredParameters`` (docs/api.md says not to).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from typing import Any, Callable, Iterator, TypeVar
+
+from ..errors import ConcurrentForwardError
+
+FORWARD = "a forward of the model"
+T = TypeVar("T")
+
+
+class ThreadClaim:
+    """The claim on one engine: ``(thread id, what it runs)`` while a call runs, else nothing."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, tuple[int, str]] = {}
+
+    @property
+    def owner(self) -> int | None:
+        """The thread holding the engine now, or None."""
+        held = self._held.get(0)
+        return None if held is None else held[0]
+
+    def take(self, what: str) -> tuple[int, str] | None:
+        """Claim the engine for this thread to run ``what``: the token to `release` when this call took
+        it, None when this thread held it already (a forward inside ``engine.backward``'s recompute).
+        Raises `ConcurrentForwardError` when another thread holds it; nothing changes then."""
+        mine = (threading.get_ident(), what)
+        held = self._held.setdefault(0, mine)
+        if held is mine:
+            return mine
+        if held[0] != mine[0]:
+            raise concurrent_call_refusal(what, held)
+        return None
+
+    def release(self, token: tuple[int, str] | None) -> None:
+        """Give back the claim ``token`` took (nothing for None, or when the claim is no longer it)."""
+        if token is not None and self._held.get(0) is token:
+            self._held.clear()
+
+    @contextlib.contextmanager
+    def held(self, what: str) -> Iterator[None]:
+        """The engine claimed for this thread for the block (`take`, then `release`)."""
+        token = self.take(what)
+        try:
+            yield
+        finally:
+            self.release(token)
+
+    def take_waiting(self, what: str) -> tuple[tuple[int, str] | None, tuple[int, str] | None]:
+        """`take`, waiting while another thread holds the engine (its call is finite: a forward);
+        returns the token and what held the engine when this call began to wait (None: nothing)."""
+        first = None
+        while True:
+            try:
+                return self.take(what), first
+            except ConcurrentForwardError:
+                first = first or self._held.get(0)
+                time.sleep(0.001)
+
+
+def concurrent_call_refusal(what: str, held: tuple[int, str]) -> ConcurrentForwardError:
+    """``what`` began on this thread while thread ``held[0]`` runs ``held[1]`` on the same engine."""
+    return ConcurrentForwardError(
+        f"{what} began while thread {held[0]} runs {held[1]}: an engine's gathers, releases, collectives and step "
+        "state serve one call at a time (as DeepSpeed's and FSDP2's). Call one engine from one thread at a time (a "
+        "lock around each call), or give each thread a model and an engine of its own. Nothing changed for this "
+        "call, and the other thread's goes on")
+
+
+def claiming(what: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """An engine method that claims its engine for the call (`ThreadClaim.held`)."""
+    def wrap(method: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(method)
+        def claimed(engine: Any, *args: Any, **kwargs: Any) -> T:
+            with engine.context.claim.held(what):
+                return method(engine, *args, **kwargs)
+        return claimed
+    return wrap
+
+
+def root_pre(hooks: Any, pre: Callable[..., Any], *args: Any) -> Any:
+    """The root's pre-forward: claim the engine for this thread (hooks.py `ModuleHooks`) before anything changes."""
+    _REFUSED.hooks = None
+    try:
+        token = hooks._claim.take(FORWARD)
+    except ConcurrentForwardError:
+        _REFUSED.hooks = hooks  # for this call's post-forward, which torch runs anyway (always_call)
+        raise
+    if token is not None:
+        hooks._forward_token = token
+    return pre(*args)
+
+
+class _Refused(threading.local):
+    hooks: Any = None  # whose root pre-forward refused this thread's running call
+
+
+_REFUSED = _Refused()
+
+
+def root_post(hooks: Any, post: Callable[..., Any], *args: Any) -> Any:
+    """The root's post-forward; the claim goes once the root's outermost call has closed."""
+    if _REFUSED.hooks is hooks:  # refused by the pre-forward: nothing of it is open, and the claim
+        _REFUSED.hooks = None       # may have gone since (review 26X: its post-forward aborted the step)
+        return None
+    if hooks._claim.owner not in (None, threading.get_ident()):
+        return None  # another thread's call runs: this call's pre-forward did not (a hook before it raised)
+    try:
+        return post(*args)
+    finally:
+        if not hooks.stack and not hooks._resident_calls:  # the outermost call of the root has closed
+            hooks._claim.release(hooks._forward_token)  # (nothing when engine.backward holds it: a recompute)
+            hooks._forward_token = None
