@@ -613,13 +613,17 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
         group = data_parallel_group(mpu)
     if mpu is not None:  # over every rank, before a collective over its data-parallel group (probe 35A: ranks
         check_mpu(mpu, group)  # with other groups met in the config's agreement and raised ValueError unpacking)
-    # A config that is bad on one rank only still takes part in the agreement, so every rank raises.
+    # A config that is bad on one rank only still takes part in the agreement, so every rank raises:
+    # whatever it raised (a reader's bug too), never a peer's closed connection or a timeout (probe 38D F6).
     resolved, error = None, None
     try:
         resolved = resolve_config(config)
         check_swap_directories(PlacementPolicy.from_config(resolved).swap_directories())  # every rank raises then
     except ZeroConfigError as exc:
         error = exc
+    except Exception as exc:
+        error = ZeroConfigError(f"the config could not be read: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
     agree_on_config(group, resolved, error, "zero3.initialize")
     assert resolved is not None
     config = resolved

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -791,3 +793,151 @@ def test_deepspeed_booleans_take_0_and_1_as_deepspeed_reads_them():
         resolve_config({"zero_optimization": {"stage": 3, "overlap_comm": "yes"}})
     with pytest.raises(ZeroConfigError, match=r"overlap_comm must be a bool, got 1 \(int\)"):
         resolve_config({"overlap_comm": 1})
+
+
+# -- probe 38D: the config findings F1-F7 ---------------------------------------------------------------------------
+
+_ZERO3 = {"stage": 3}
+
+
+@pytest.mark.parametrize("where", [
+    {"zero_optimization": {**_ZERO3, "stage3_prefetch_bucket_size": "auto"}},
+    {"zero_optimization": {**_ZERO3, "stage3_gather_16bit_weights_on_model_save": "auto"}},
+    {"zero_optimization": {**_ZERO3, "cpu_offload": "auto"}},
+    {"zero_optimization": {**_ZERO3, "contiguous_gradients": "auto"}},
+    {"zero_optimization": _ZERO3, "prescale_gradients": "auto"},
+    {"zero_optimization": _ZERO3, "bf16": {"enabled": True, "immediate_grad_update": "auto"}},
+    *({"zero_optimization": {**_ZERO3, "offload_optimizer": {"device": "cpu", key: "auto"}}}
+      for key in ("buffer_count", "fast_init", "pipeline_read", "pipeline_write", "pipeline")),
+])
+def test_auto_takes_the_default_where_config_md_says(where):
+    """Probe 38D F1: config.md said "auto" outside the nine mapped keys and the booleans was refused,
+    yet offload_optimizer's no-effect keys took it (as DeepSpeed's config model does: it drops "auto").
+    The code stays; config.md now lists the three places "auto" takes the default, those keys among them."""
+    ZeroConfig.from_dict(where)
+    doc = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
+    rule = doc[doc.index('`"auto"` (what Hugging Face'):doc.index('`"auto"` anywhere else is refused')]
+    for key in ("buffer_count", "fast_init", "pipeline_read", "pipeline_write", "`pipeline`", "prescale_gradients",
+                "immediate_grad_update", "cpu_offload", "stage3_gather_16bit_weights_on_model_save"):
+        assert key in rule, key
+
+
+@pytest.mark.parametrize("where, named", [
+    ({"zero_optimization": {**_ZERO3, "offload_param": {"device": "cpu", "buffer_count": "auto"}}},
+     "offload_param.buffer_count"),
+    ({"zero_optimization": {**_ZERO3, "offload_optimizer": {"device": "cpu", "pin_memory": "auto"}}},
+     "offload_optimizer.pin_memory"),
+    ({"zero_optimization": {**_ZERO3, "zero_quantized_weights": "auto"}}, "zero_quantized_weights"),
+    ({"zero_optimization": _ZERO3, "wall_clock_breakdown": "auto"}, "wall_clock_breakdown"),
+    ({"zero_optimization": _ZERO3, "fp16": {"enabled": True, "auto_cast": "auto"}}, "fp16.auto_cast"),
+    ({"zero_optimization": {**_ZERO3, "offload_optimizer": {"device": "cpu", "ratio": "auto"}}}, "ratio"),
+])
+def test_auto_is_refused_naming_the_key_everywhere_else(where, named):
+    with pytest.raises(ZeroConfigError, match=re.escape(named) + ".*'auto'"):
+        ZeroConfig.from_dict(where)
+
+
+@pytest.mark.parametrize("flat", [
+    {"offload_param": {"device": "cpu", "pin_memory": 1}},
+    {"offload_optimizer": {"device": "cpu", "step_in_backward": 1}},
+    {"offload_optimizer": {"device": "cpu", "pin_memory": 0}},
+    {"gradient_accumulation_steps": 2, "overlap_comm": 1},
+    {"steps_per_print": 5, "broadcast_buffers": 1},
+    {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "offload_param": {"device": "cpu", "pin_memory": 1}},
+])
+def test_a_flat_config_takes_true_false_only_whatever_keys_it_holds(flat):
+    """Probe 38D F2: the DeepSpeed-form offload section of a flat config took 0/1, and so did every
+    boolean of a flat dict that held a key DeepSpeed also has at its top level (gradient_accumulation_steps,
+    steps_per_print, optimizer, ...): those keys are zero3's flat names too and no longer make it DeepSpeed's."""
+    with pytest.raises(ZeroConfigError, match=r"must be a bool, got [01] \(int\)"):
+        ZeroConfig.from_dict(flat)
+    as_deepspeed = {"zero_optimization": {**_ZERO3, **{k: v for k, v in flat.items() if k.startswith("offload_")}},
+                    **{k: v for k, v in flat.items() if not k.startswith("offload_")}}
+    ZeroConfig.from_dict(as_deepspeed)  # a zero_optimization section: DeepSpeed's format, 0/1 read as booleans
+
+
+def test_a_deepspeed_only_top_level_key_makes_a_deepspeed_config():
+    cfg = ZeroConfig.from_dict({"bf16": {"enabled": True}, "overlap_comm": 0,
+                                "offload_param": {"device": "cpu", "pin_memory": 1}})
+    assert (cfg.precision.dtype, cfg.comm.overlap_comm, cfg.offload.offload_param_pin_memory) == ("bf16", False, True)
+
+
+@pytest.mark.parametrize("key", ["gradient_clipping", "optimizer", "memory_breakdown", "flops_profiler", "tensorboard",
+                                 "amp", "checkpoint", "gradient_predivide_factor", "sparse_gradients", "wandb"])
+def test_every_top_level_deepspeed_key_inside_zero_optimization_is_refused_with_where_it_belongs(key):
+    """Probe 38D F3: those zero3 reads at the top level beside TOP_LEVEL's got "unknown config key"
+    and an unrelated suggestion (checkpoint: "did you mean 'elastic_checkpoint'?")."""
+    with pytest.raises(ZeroConfigError, match=f"'{key}' is a top-level key of a DeepSpeed config.*move it out") as exc:
+        ZeroConfig.from_dict({"zero_optimization": {**_ZERO3, key: {"enabled": False}}})
+    assert "did you mean" not in str(exc.value)
+
+
+def test_a_key_given_twice_in_a_config_file_is_named_with_its_line_and_column(tmp_path):
+    """Probe 38D F4: config.md says the refusal names the file, the line and the column; it named the
+    file and the key only (json's hook has no positions), so in a config with several objects the
+    duplicate could not be found."""
+    path = tmp_path / "ds_config.json"
+    path.write_text('{\n  // comment\n  "zero_optimization": {"stage": 3,\n'
+                    '    "stage3_max_live_parameters": 5,\n    "stage3_max_live_parameters": 6},\n'
+                    '  "optimizer": {"type": "SGD", "params": {"lr": 0.1, "l\\u0072": 0.2}}\n}\n')
+    with pytest.raises(ZeroConfigError, match=(re.escape(str(path)) + r": the key 'stage3_max_live_parameters' is "
+                                               r"given twice in one object at line 5 column 5 \(first at line 4 "
+                                               r"column 5\)")):
+        ZeroConfig.from_json(path)
+    path.write_text('{"optimizer": {"type": "SGD", "params": [{"lr": 1}, {"lr": 0.1, "a": {"lr": 1}, "l\\u0072": 0.2}]}}')
+    with pytest.raises(ZeroConfigError, match=r"the key 'lr' is given twice in one object at line 1 column 81 "
+                                              r"\(first at line 1 column 54\)"):
+        ZeroConfig.from_json(path)
+
+
+def test_config_docstrings_say_what_the_code_does():
+    """Probe 38D F5, F7: the profile field named a logger nothing logs to; max_live_parameters' docstring
+    said the cap is exceeded "only" when the running modules need more, omitting config.md's two other cases."""
+    from zero3.activation import checkpointing as module
+    from zero3.config import BudgetConfig
+    from zero3.config.training import ActivationCheckpointingConfig
+    profile_doc = inspect.getsource(ActivationCheckpointingConfig).split("profile: bool")[1][:300]
+    assert f"``{module.logger.name}`` logger" in profile_doc, profile_doc
+    live_doc = inspect.getsource(BudgetConfig).split("max_live_parameters: int")[1][:700]
+    assert "Exceeded only" not in live_doc and "use_reentrant=False" in live_doc and "called\n    again" in live_doc
+
+
+_HUGE = 10**400  # an integer JSON can write; float() of it raises OverflowError
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"gradient_clipping": _HUGE}, "gradient_clipping"),
+    ({"zero_optimization": _ZERO3, "gradient_clipping": _HUGE}, "gradient_clipping"),
+    ({"collective_timeout": _HUGE}, "collective_timeout"),
+    ({"dtype": "fp16", "loss_scale": _HUGE}, "loss_scale"),
+    ({"optimizer": {"type": "SGD", "params": {"lr": _HUGE}}}, "params.lr"),
+    ({"zero_optimization": _ZERO3, "communication_data_type": ["bf16"]}, "communication_data_type"),
+    ({1: 2}, "unknown config key 1 (int: config keys are strings)"),
+    ({"zero_optimization": {**_ZERO3, 7: 1}}, "zero_optimization: unknown config key 7"),
+    ({"zero_optimization": {**_ZERO3, "offload_param": {5: 1}}}, "offload_param: unknown config key 5"),
+    ({"activation_checkpointing": {3: True}}, "activation_checkpointing: unknown config key 3"),
+    ({"optimizer": {"type": "SGD", "params": {3: 1}}}, "optimizer SGD: unknown config key 3"),
+    ({"zero_optimization": _ZERO3, "fp16": {"enabled": True, None: 1}}, "fp16: unknown config key None"),
+])
+def test_every_bad_value_or_key_raises_zero_config_error_naming_it(config, named):
+    """Probe 38D F6: these raised OverflowError or TypeError naming nothing."""
+    with pytest.raises(ZeroConfigError) as exc:
+        ZeroConfig.from_dict(config)
+    assert named in str(exc.value) and len(str(exc.value)) < 2000, str(exc.value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["gradient_clipping", "collective_timeout", "max_live_parameters", "overlap_comm", "dtype",
+                        "reduce_scatter_impl", "offload_param", "leaf_modules", "memory_budget", "steps_per_print",
+                        "stage3_max_live_parameters", "communication_data_type", "zero_quantized_weights"]),
+       st.one_of(st.integers(min_value=-10**500, max_value=10**500), st.floats(), st.text(max_size=5),
+                 st.lists(st.integers(), max_size=2), st.dictionaries(st.integers(), st.integers(), max_size=1),
+                 st.none(), st.booleans()),
+       st.booleans())
+def test_any_value_anywhere_is_taken_or_refused_with_zero_config_error(key, value, deepspeed):
+    """Probe 38D F6: nothing but ZeroConfigError comes out of reading a config, in either format."""
+    config = {"zero_optimization": {**_ZERO3, key: value}} if deepspeed else {key: value}
+    try:
+        ZeroConfig.from_dict(config)
+    except ZeroConfigError:
+        pass

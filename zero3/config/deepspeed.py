@@ -1,9 +1,10 @@
 """DeepSpeed's config keys translated into zero3's flat knob names.
 
-`zero3.ZeroConfig.from_dict` hands a dict here when it looks like DeepSpeed's (a
-``zero_optimization`` section or one of DeepSpeed's top-level keys); `translate` returns the
-keyword arguments of ``ZeroConfig(...)``. Keys zero3 understands but that change nothing here are
-logged at INFO; keys that would change behaviour zero3 lacks are refused by name.
+`zero3.ZeroConfig.from_dict` hands a dict here when it is DeepSpeed's (a ``zero_optimization``
+section, or a top-level key DeepSpeed has and zero3's flat names do not: `is_deepspeed_dict`);
+`translate` returns the keyword arguments of ``ZeroConfig(...)``. Keys zero3 understands but that
+change nothing here are logged at INFO; keys that would change behaviour zero3 lacks are refused by
+name.
 
 It lives in the config layer, not in `zero3.deepspeed` beside DeepSpeed's other names, because that
 package imports the engine, and the config layer (read by every other layer, and by the offline
@@ -112,9 +113,14 @@ _OFF_KEYS = {  # key: (what it does in DeepSpeed, its off value)
 
 
 def is_deepspeed_dict(d: dict[str, Any]) -> bool:
-    """Whether ``d`` is written in DeepSpeed's keys (else in zero3's flat names)."""
-    return "zero_optimization" in d or any(k in TOP_LEVEL or k in _OFF_SECTIONS or k in _OFF_KEYS or k == "checkpoint"
-                                           for k in d)
+    """Whether ``d`` is written in DeepSpeed's keys (else in zero3's flat names): it has a
+    ``zero_optimization`` section or a top-level key DeepSpeed has and zero3's flat names do not
+    (``bf16``, ``fp16``, ``aio``, ``flops_profiler``, ...). The keys both have
+    (``gradient_accumulation_steps``, ``optimizer``, ``steps_per_print``, ...) decide nothing, so a
+    dict of zero3's names that holds one is still a flat config, whose booleans take true/false only
+    (probe 38D F2)."""
+    return "zero_optimization" in d or any(k not in FLAT_NAMES and (
+        k in TOP_LEVEL or k in _OFF_SECTIONS or k in _OFF_KEYS or k == "checkpoint") for k in d)
 
 
 def _unimplemented(key: str, value: Any) -> None:
@@ -231,11 +237,9 @@ def _precision(d: dict[str, Any], out: KnobValues) -> None:
                 out.set(_FP16_KEYS[key], value, f"fp16.{key}")
     if "communication_data_type" in d and d["communication_data_type"] is not None:
         name = d["communication_data_type"]
-        if isinstance(name, str) and name.lower() in _DTYPE_ALIASES:
-            name = name.lower()  # DeepSpeed lower-cases it ("BF16")
-        if name not in _DTYPE_ALIASES:
+        if not isinstance(name, str) or name.lower() not in _DTYPE_ALIASES:  # DeepSpeed lower-cases it ("BF16")
             raise ZeroConfigError(f"communication_data_type must be one of {sorted(_DTYPE_ALIASES)}, got {name!r}")
-        out.set("reduce_dtype", _DTYPE_ALIASES[name], "communication_data_type")
+        out.set("reduce_dtype", _DTYPE_ALIASES[name.lower()], "communication_data_type")
 
 
 def _aio(value: Any, out: KnobValues) -> None:
@@ -295,9 +299,10 @@ def _zero_optimization(zero: Any, out: KnobValues) -> None:
         elif key in CPU_OFFLOAD:  # DeepSpeed's deprecated spelling of an offload section
             check_ignored(spelled, key, value)
             if value is not None and value != "auto" and not _lax_false(value):
-                OffloadConfig.read_section({"device": "cpu"}, f"zero_optimization.{CPU_OFFLOAD[key]}", out)
+                OffloadConfig.read_section({"device": "cpu"}, f"zero_optimization.{CPU_OFFLOAD[key]}", out,
+                                           lax_bool=True)
         elif key in OFFLOAD_SECTION_KEYS:
-            OffloadConfig.read_section(value, spelled, out)
+            OffloadConfig.read_section(value, spelled, out, lax_bool=True)
         elif key in ZERO_IGNORED:
             check_ignored(spelled, key, value)
             if key == "load_from_fp32_weights" and value is not None and _lax_false(value):
@@ -305,7 +310,7 @@ def _zero_optimization(zero: Any, out: KnobValues) -> None:
                                       "masters from the 16-bit weights when a checkpoint loads; zero3 always loads "
                                       "its checkpoints' fp32 masters. Set it to true or leave it out")
             logger.info("zero3: zero_optimization.%s has no effect in zero3; ignored", key)
-        elif key in TOP_LEVEL:
+        elif key in TOP_LEVEL or key in _OFF_SECTIONS or key in _OFF_KEYS or key == "checkpoint":
             raise ZeroConfigError(f"{spelled}: {key!r} is a top-level key of a DeepSpeed config, not a "
                                   "zero_optimization one; move it out of zero_optimization")
         elif key in FLAT_NAMES:
@@ -357,7 +362,7 @@ def translate_spelled(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
         elif key in _OFF_SECTIONS or key in _OFF_KEYS or key == "checkpoint":
             _unimplemented(key, value)
         elif key in OFFLOAD_SECTION_KEYS and isinstance(value, dict):
-            OffloadConfig.read_section(value, key, out)
+            OffloadConfig.read_section(value, key, out, lax_bool=True)
         elif key in FLAT_NAMES:
             out.set(key, coerce_flat(key, value, lax_bool=True), key)
         elif isinstance(value, dict):

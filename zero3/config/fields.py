@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import functools
 import math
+import reprlib
 import types
 import typing
 from dataclasses import fields
@@ -39,6 +40,26 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_finite_number(value: Any) -> bool:
+    """An int or float (not a bool) that a float holds finitely: ``10**400``, which JSON can write,
+    is not one (``math.isfinite`` would raise OverflowError on it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlong = 40  # ``10**400`` shown as 1000...000, not 401 digits
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, shortened for a huge int (in an error message)."""
+    return _SHORT.repr(value) if _is_int(value) else repr(value)
+
+
 _AUTO_HINT = " ('auto' is what Hugging Face's Trainer fills in before DeepSpeed reads the config: give the value)"
 _TRAINER_FILLS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                   "gradient_clipping"}  # the keys the Trainer turns from "auto" into values
@@ -60,8 +81,9 @@ def check_value(name: str, tp: Any, value: Any, least: int = 0) -> None:
         elif value < least:
             raise ZeroConfigError(f"{name} must be >= {least}, got {value!r}")
     elif inner is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ZeroConfigError(f"{name} must be a finite number >= 0, got {value!r} ({type(value).__name__}){hint}")
+        if not is_finite_number(value):
+            kind = "int too large for a float" if _is_int(value) else type(value).__name__
+            raise ZeroConfigError(f"{name} must be a finite number >= 0, got {shown(value)} ({kind}){hint}")
         if value < 0:
             raise ZeroConfigError(f"{name} must be >= 0, got {value!r}")
     elif inner is bool:
@@ -104,7 +126,7 @@ def coerce(tp: Any, value: Any, lax_bool: bool = False) -> Any:
     if lax_bool and inner is bool and type(value) is int and value in (0, 1):
         return bool(value)
     if inner is float:
-        return float(value) if _is_int(value) else value
+        return float(value) if _is_int(value) and is_finite_number(value) else value  # 10**400: refused later
     if typing.get_origin(inner) is tuple and isinstance(value, list):
         return tuple(value)
     if isinstance(value, float) and value.is_integer() and _takes_int(tp):  # a count, a stage, a budget: not a bool
@@ -121,8 +143,11 @@ def _takes_int(tp: Any) -> bool:
     return typing.get_origin(tp) in (Union, types.UnionType) and any(_takes_int(a) for a in typing.get_args(tp))
 
 
-def did_you_mean(key: str, known: set[str] | frozenset[str]) -> str:
-    """``; did you mean 'y'?`` with the known name closest to ``key``, or "" when none is close."""
+def did_you_mean(key: Any, known: set[str] | frozenset[str]) -> str:
+    """``; did you mean 'y'?`` with the known name closest to ``key``, or "" when none is close (or
+    ``key`` is not a string)."""
+    if not isinstance(key, str):
+        return ""
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.5)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -162,9 +187,12 @@ def check_ignored(spelled: str, key: str, value: Any) -> None:
                               f"zero3), got {value!r} ({type(value).__name__})")
 
 
-def unknown_key_message(key: str, known: set[str] | frozenset[str], kind: str = "") -> str:
-    """``unknown config key 'x'; did you mean 'y'?`` and the known keys (``kind``: e.g. "DeepSpeed ")."""
-    return f"unknown config key {key!r}{did_you_mean(key, known)} Known {kind}keys: {', '.join(sorted(known))}"
+def unknown_key_message(key: Any, known: set[str] | frozenset[str], kind: str = "") -> str:
+    """``unknown config key 'x'; did you mean 'y'?`` and the known keys (``kind``: e.g. "DeepSpeed ");
+    a key that is not a string (``{1: 2}`` from Python) is named with its type."""
+    what = "" if isinstance(key, str) else f" ({type(key).__name__}: config keys are strings)"
+    return (f"unknown config key {shown(key)}{what}{did_you_mean(key, known)} Known {kind}keys: "
+            f"{', '.join(sorted(known))}")
 
 
 class KnobValues:

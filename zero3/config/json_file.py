@@ -37,12 +37,21 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def loads_config_text(text: str, path: str | Path = "<config>") -> Any:
-    """``json.loads`` of ``text`` after `strip_comments_and_trailing_commas`, refusing duplicate keys."""
+    """``json.loads`` of ``text`` after `strip_comments_and_trailing_commas`, refusing duplicate keys
+    (naming the line and column of the second one: `_duplicate_place`)."""
+    stripped = strip_comments_and_trailing_commas(text, path)
     try:
-        return json.loads(strip_comments_and_trailing_commas(text, path),
-                          object_pairs_hook=lambda pairs: _no_duplicate_keys(path, pairs))
+        return json.loads(stripped, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise ZeroConfigError(f"{path}: not valid JSON ({exc}); zero3 reads {READS}") from exc
+    except _DuplicateKey as dup:
+        key, place = dup.key, ""
+        found = _duplicate_place(stripped)
+        if found is not None:  # always, for text json parsed that far; the key json saw otherwise
+            key, (line, col), (line0, col0) = found
+            place = f" at line {line} column {col} (first at line {line0} column {col0})"
+        raise ZeroConfigError(f"{path}: the key {key!r} is given twice in one object{place}; keep one "
+                              "(DeepSpeed refuses it too)") from None
 
 
 def strip_comments_and_trailing_commas(text: str, path: str | Path = "<config>") -> str:
@@ -105,12 +114,54 @@ def _line_col(text: str, index: int) -> tuple[int, int]:
     return line, index - (text.rfind("\n", 0, index) + 1) + 1
 
 
-def _no_duplicate_keys(path: str | Path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+class _DuplicateKey(Exception):
+    """A key given twice in one JSON object (``json`` tells no place; `_duplicate_place` finds it)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object whose keys are unique: a key given twice (json's last-one-wins would keep one
     silently) is refused, as DeepSpeed refuses it."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise ZeroConfigError(f"{path}: the key {key!r} is given twice in one object ({out[key]!r} and {value!r})")
+            raise _DuplicateKey(key)
         out[key] = value
     return out
+
+
+def _duplicate_place(text: str) -> tuple[str, tuple[int, int], tuple[int, int]] | None:
+    """The first key (in text order) given twice in one object of the JSON ``text``, with the line
+    and column of its second and first occurrence; None when there is none. ``text`` is JSON (comments
+    already blanked) up to that key at least: ``json`` parsed past it before its hook saw the pair."""
+    objects: list[dict[str, int] | None] = []  # per open {...} its keys' indices; None for a [...]
+    expect_key = False  # the next string in the innermost object is a key
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            end = _string_end(text, i)
+            if expect_key and objects and objects[-1] is not None:
+                key = json.loads(text[i:end])
+                seen = objects[-1]
+                if key in seen:
+                    return key, _line_col(text, i), _line_col(text, seen[key])
+                seen[key] = i
+            expect_key = False
+            i = end
+            continue
+        if c == "{":
+            objects.append({})
+            expect_key = True
+        elif c == "[":
+            objects.append(None)
+        elif c in "}]":
+            if objects:
+                objects.pop()
+        elif c == ",":
+            expect_key = bool(objects) and objects[-1] is not None
+        i += 1
+    return None

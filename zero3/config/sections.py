@@ -55,7 +55,10 @@ class BudgetConfig:
 
     max_live_parameters: int = 1_000_000_000
     """Hard cap on gathered, non-persistent parameter elements alive on a rank, demand fetches included.
-    Exceeded only when the modules running at that moment need more by themselves."""
+    Exceeded when the modules running at that moment need more by themselves, by a module called
+    again in a step whose inputs need no gradient (held until its last call's backward is done), and
+    under torch's non-reentrant activation checkpoint (``use_reentrant=False``: the recompute gathers
+    earlier modules while a module's backward holds its own); docs/config.md has the details."""
 
     max_reuse_distance: int = 1_000_000_000
     """Keep a parameter after use if its next use comes within this many gathered elements."""
@@ -374,12 +377,15 @@ class OffloadConfig:
                     "a directory on the drive to hold the swap files")
 
     @staticmethod
-    def read_section(value: Any, section: str, out: KnobValues) -> None:
+    def read_section(value: Any, section: str, out: KnobValues, lax_bool: bool) -> None:
         """DeepSpeed's ``offload_optimizer`` / ``offload_param`` dict onto our flat knobs in ``out``.
 
         ``section`` is how the user spelled it (``zero_optimization.offload_param``); its last part
-        names the knobs. A key that changes behaviour we do not have is refused (``ratio`` other
-        than 1)."""
+        names the knobs. ``lax_bool``: the section is part of a DeepSpeed-format config, whose
+        booleans take 0/1 too; in a flat zero3 config they take true/false only. The keys with no
+        effect here (``buffer_count``, ``fast_init``, ...) are DeepSpeed's alone and checked as
+        DeepSpeed reads them wherever they appear. A key that changes behaviour we do not have is
+        refused (``ratio`` other than 1)."""
         if value is None:
             return
         kind = section.rsplit(".", 1)[-1]
@@ -399,6 +405,6 @@ class OffloadConfig:
                 logger.info("zero3: DeepSpeed key %s.%s has no effect in zero3; ignored", section, key)
                 continue
             knob = kind + suffix
-            out.set(knob, coerce(field_types(OffloadConfig)[knob], v, lax_bool=True), f"{section}.{key}")
+            out.set(knob, coerce(field_types(OffloadConfig)[knob], v, lax_bool=lax_bool), f"{section}.{key}")
         if value.get("pin_memory") and value.get("device", "none") == "none":
             logger.info("zero3: %s.pin_memory has no effect with device 'none' (nothing is offloaded); ignored", section)

@@ -5,12 +5,11 @@ its saved inputs (`ActivationCheckpointingConfig`)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ZeroConfigError
-from .fields import check_fields, coerce, field_types, unknown_key_message
+from .fields import check_fields, coerce, field_types, is_finite_number, shown, unknown_key_message
 
 _OPTIMIZER_PARAMS = {
     "adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode", "bias_correction",
@@ -70,7 +69,7 @@ class SchedulerSpec:
 
 
 def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return is_finite_number(v)  # 10**400 too is refused, not an OverflowError
 
 
 def _integer(v: Any) -> bool:
@@ -114,7 +113,7 @@ def _check_params(section: str, kind: str, params: Any, allowed: set[str]) -> No
         if not ok(value):
             hint = (" ('auto' is what Hugging Face's Trainer fills in before DeepSpeed reads the config: give the "
                     "value)" if value == "auto" else "")
-            raise ZeroConfigError(f"{section} {kind}: params.{key} must be {what}, got {value!r}{hint}")
+            raise ZeroConfigError(f"{section} {kind}: params.{key} must be {what}, got {shown(value)}{hint}")
 
 
 def _spec(section: str, value: Any, cls: type) -> Any:
@@ -277,7 +276,7 @@ class ActivationCheckpointingConfig:
 
     profile: bool = False
     """Time every checkpoint's forward and backward (recompute included); logged at INFO by the
-    ``zero3.checkpointing`` logger and summed in ``zero3.checkpointing.timings()``."""
+    ``zero3.activation.checkpointing`` logger and summed in ``zero3.checkpointing.timings()``."""
 
     def __post_init__(self) -> None:
         value = self.number_checkpoints  # checked here: None or a count >= 1

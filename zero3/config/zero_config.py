@@ -82,7 +82,8 @@ class ZeroConfig:
     # -- construction from dicts and files -------------------------------------------------------
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ZeroConfig":
-        """Build from our flat names, or from a DeepSpeed config dict (``zero_optimization`` ...)."""
+        """Build from our flat names, or from a DeepSpeed config dict (``zero_optimization``, ``bf16``,
+        ...: `deepspeed.is_deepspeed_dict`), whose booleans take 0/1 too; a flat config's take true/false only."""
         if not isinstance(d, dict):
             raise ZeroConfigError(f"config must be a dict, got {type(d).__name__}")
         if deepspeed_config.is_deepspeed_dict(d):
@@ -94,7 +95,7 @@ class ZeroConfig:
         out = KnobValues()
         for key, value in d.items():
             if key in OFFLOAD_SECTION_KEYS and isinstance(value, dict):  # DeepSpeed's {device, ...} form
-                OffloadConfig.read_section(value, key, out)
+                OffloadConfig.read_section(value, key, out, lax_bool=False)  # a flat config: true/false only
             elif key in FLAT_NAMES:
                 out.set(key, coerce_flat(key, value), key)
             elif isinstance(value, dict):
