@@ -364,7 +364,59 @@ def test_the_first_launch_of_an_auto_resume_script_loads_nothing_and_returns_non
         engine.load_checkpoint(root, tag="step3")
     (tmp_path / "a_file").write_text("")
     with pytest.raises(ck.CheckpointNotFoundError, match="does not exist"):  # a wrong argument is not "nothing yet"
-        engine.load_checkpoint(tmp_path / "a_file")
+        engine.load_checkpoint(tmp_path / "no_such_dir", tag="step3")
+
+
+def test_a_file_given_as_the_checkpoint_directory_is_named_a_file_with_the_entry_that_reads_it(tmp_path):
+    """Probe 38C F1: ``load_checkpoint`` of a ``torch.save`` file said "checkpoint directory does not exist"
+    (it exists); the message says it is a file and names the entry that reads a state-dict file."""
+    engine = make_engine(seed=1)
+    train(engine, range(1))
+    before, steps = snapshot(engine), engine.global_steps
+    sd_file = tmp_path / "sd.pt"
+    torch.save(GPT(CFG).state_dict(), sd_file)
+    for load in [lambda: engine.load_checkpoint(sd_file), lambda: engine.load_checkpoint(sd_file, tag="step3"),
+                 lambda: consolidate_main([str(sd_file), str(tmp_path / "o.pt")])]:
+        with pytest.raises(ck.CheckpointNotFoundError) as info:
+            load()
+        msg = str(info.value)
+        assert "sd.pt: is a file, not a checkpoint directory" in msg and "does not exist" not in msg, msg
+        assert "zero3.pretrained.load_state_dict(engine, path)" in msg, msg
+    assert_same(snapshot(engine), before)
+    assert engine.global_steps == steps
+    assert zero3.pretrained.load_state_dict(engine, sd_file) == ([], [])  # the route it names works
+
+
+WEIGHT_FILES = ["model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+                "sd.pt", "weights.pth", "model-00001-of-00002.safetensors"]
+
+
+@pytest.mark.parametrize("name", WEIGHT_FILES)
+def test_a_directory_of_weight_files_is_not_a_first_launch_it_is_refused_naming_them(tmp_path, name):
+    """Probe 38C F5: ``load_checkpoint(dir)`` on what save_pretrained, save_16bit_model, zero_to_fp32 or
+    torch.save write (no ``latest``) returned (None, None), so an auto-resume script trained from scratch,
+    while a DCP directory is refused for that reason. Other files alone still give (None, None)."""
+    root = tmp_path / "out"
+    root.mkdir()
+    (root / "config.json").write_text("{}")
+    (root / "notes.txt").write_text("")
+    engine = make_engine(seed=1)
+    train(engine, range(1))
+    before, steps = snapshot(engine), engine.global_steps
+    assert engine.load_checkpoint(root) == (None, None)  # other files: still the first launch
+    (root / name).write_bytes(b"")
+    with pytest.raises(ck.CheckpointError) as info:
+        engine.load_checkpoint(root)
+    msg = str(info.value)
+    assert f"holds no zero3 checkpoint (no latest, no saved tag) but weight files ({name})" in msg, msg
+    assert "zero3.pretrained.load_state_dict(engine, path)" in msg and "Nothing was loaded" in msg, msg
+    assert_same(snapshot(engine), before)
+    assert engine.global_steps == steps
+    with pytest.raises(ck.CheckpointNotFoundError, match=f"it holds weight files \\({name}\\)"):  # the CLI too
+        consolidate_main([str(root), str(tmp_path / "o.pt")])
+    engine.save_checkpoint(root, tag="step1")  # a zero3 checkpoint beside weight files loads
+    path, _ = engine.load_checkpoint(root)
+    assert path is not None and path.endswith("step1")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -619,6 +671,112 @@ def test_pretrained_reads_a_sharded_safetensors_index_or_a_directory(trained, tm
         zero3.pretrained.load_state_dict(model, tmp_path / "empty")
     with pytest.raises(zero3.CheckpointNotFoundError, match="nothing-here: file does not exist"):
         zero3.pretrained.load_state_dict(model, tmp_path / "nothing-here")
+
+
+def test_pretrained_refuses_two_names_of_a_tied_parameter_with_different_values_naming_both(trained):
+    """Probe 38C F2: a state dict holding ``wte.weight`` and ``lm_head.weight`` (one tied parameter) with
+    different values loaded ``wte.weight``'s, silently; torch's ``load_state_dict`` keeps the last name's.
+    zero3 refuses, naming both, and changes nothing; equal values (torch's own state dict) load."""
+    expected = trained[2].state_dict()
+    model = _init_model()
+    before = _full_params(model)
+    bad = dict(expected)
+    bad["lm_head.weight"] = expected["wte.weight"].clone()
+    bad["lm_head.weight"][-1, -1] += 1  # one element
+    plain = GPT(CFG)
+    plain.load_state_dict(bad)
+    assert torch.equal(plain.wte.weight, bad["lm_head.weight"])  # torch: the last name wins, without a word
+    for strict in (True, False):
+        with pytest.raises(zero3.CheckpointMismatchError) as info:
+            zero3.pretrained.load_state_dict(model, bad, strict=strict)
+        msg = str(info.value)
+        assert "wte.weight and lm_head.weight, names of one tied parameter of the model, with different values" in msg
+        assert "Nothing was loaded" in msg, msg
+        got = _full_params(model)
+        assert all(torch.equal(got[k], before[k]) for k in got)
+    engine = make_engine(seed=4)  # into an engine (fp32 masters) too
+    snap = snapshot(engine)
+    with pytest.raises(zero3.CheckpointMismatchError, match="wte.weight and lm_head.weight"):
+        zero3.pretrained.load_state_dict(engine, bad)
+    assert_same(snapshot(engine), snap)
+    tied = dict(expected)
+    assert tied["lm_head.weight"].data_ptr() == tied["wte.weight"].data_ptr()
+    tied["lm_head.weight"] = tied["wte.weight"].clone()  # equal values under both names: loads
+    assert zero3.pretrained.load_state_dict(model, tied) == ([], [])
+    got = _full_params(model)
+    assert all(torch.equal(got[k], expected[k]) for k in got)
+    tied["wte.weight"] = tied["wte.weight"].clone()
+    tied["wte.weight"][0, 0] = float("nan")  # the same NaN under both names is the same value
+    tied["lm_head.weight"] = tied["wte.weight"].clone()
+    assert zero3.pretrained.load_state_dict(model, tied) == ([], [])
+    assert _full_params(model)["wte.weight"][0, 0].isnan()
+
+
+@pytest.mark.parametrize("bad_value,words", [(torch.zeros(7, 3), "lm_head.weight: [7, 3] in the source, [256, 32] "
+                                                                 "in the model"),
+                                             ([1, 2], "lm_head.weight: a list, not a tensor")])
+def test_pretrained_checks_every_name_of_a_tied_parameter(trained, bad_value, words):
+    """Probe 38C F4: the second name of a tied parameter was neither checked, loaded nor reported, so a
+    [7, 3] tensor under ``lm_head.weight`` (tied to the [256, 32] ``wte.weight``) loaded without a word;
+    torch reports a size mismatch for it."""
+    expected = trained[2].state_dict()
+    bad = dict(expected)
+    bad["lm_head.weight"] = bad_value
+    with pytest.raises(RuntimeError, match="lm_head.weight"):
+        GPT(CFG).load_state_dict(bad)
+    model = _init_model()
+    before = _full_params(model)
+    for strict in (True, False):
+        with pytest.raises(zero3.CheckpointMismatchError) as info:
+            zero3.pretrained.load_state_dict(model, bad, strict=strict)
+        assert words in str(info.value) and "wte.weight:" not in str(info.value), info.value
+        got = _full_params(model)
+        assert all(torch.equal(got[k], before[k]) for k in got)
+
+
+def test_consolidated_safetensors_warning_names_the_file_written_not_the_staged_one(tmp_path, caplog):
+    """Probe 38C F3: the extra-state warning of zero_to_fp32's safetensors output named the hidden staged file
+    (``.model.safetensors.zero3-staged``), gone after the call, instead of ``model.safetensors``."""
+    from zero3.deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+    class WithExtra(GPT):
+        def get_extra_state(self):
+            return {"epoch": 1}
+
+        def set_extra_state(self, state):
+            pass
+
+    torch.manual_seed(0)
+    with zero3.Init():
+        model = WithExtra(CFG)
+    engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"param_persistence_threshold": 0})
+    engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    for out, shard in [(tmp_path / "one", "5GB"), (tmp_path / "sharded", 20_000)]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="zero3"):
+            convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out, max_shard_size=shard,
+                                                       safe_serialization=True)
+        said = [r.getMessage() for r in caplog.records if "leaves out the extra state" in r.getMessage()]
+        first = "model.safetensors" if shard == "5GB" else sorted(p.name for p in out.glob("model-*.safetensors"))[0]
+        assert len(said) == 1 and said[0].startswith(f"zero3::consolidate {out / first} leaves out"), said
+        assert "zero3-staged" not in said[0]
+
+
+def test_from_pretrained_on_a_bin_directory_names_the_route_that_loads_it(tmp_path):
+    """Probe 38C F6: a directory holding pytorch_model.bin got CheckpointNotFoundError "no model.safetensors ...
+    in it", naming neither that .bin is not read nor the load_state_dict route that reads it."""
+    transformers = pytest.importorskip("transformers")
+    torch.save(GPT(CFG).state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(zero3.CheckpointError) as info:
+        zero3.from_pretrained(transformers.AutoModelForCausalLM, tmp_path)
+    msg = str(info.value)
+    assert not isinstance(info.value, zero3.CheckpointNotFoundError)
+    assert "holds pytorch_model.bin, and zero3.from_pretrained reads only safetensors weights" in msg, msg
+    assert "zero3.pretrained.load_state_dict(model, path/'pytorch_model.bin')" in msg, msg
+    model = _init_model()
+    with pytest.raises(zero3.CheckpointError, match="holds pytorch_model.bin, no model.safetensors .* pass the .bin"):
+        zero3.pretrained.load_state_dict(model, tmp_path)
+    assert zero3.pretrained.load_state_dict(model, tmp_path / "pytorch_model.bin") == ([], [])
 
 
 # -- persistent parameters (every parameter of a small model, by default) --------------------------------

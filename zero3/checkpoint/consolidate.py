@@ -283,7 +283,7 @@ def consolidate_to_dir(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathL
                 if not safetensors and i == 0:
                     weight_map.update({key: name for key in _extra_state(reader)})
                 if safetensors:
-                    _write_safetensors(reader, staged[name], rows, group, False, warn=i == 0)
+                    _write_safetensors(reader, staged[name], rows, group, False, warn=i == 0, shown=out / name)
                 else:
                     _write_pt(reader, staged[name], rows, group, False, extra=i == 0)
             if len(groups) > 1:
@@ -368,11 +368,14 @@ def _with_extra_state(reader: CheckpointReader, entries: list[tuple[str, Any]], 
 
 
 def _write_safetensors(reader: CheckpointReader, out: Path, layout: list[Row], specs: list[Spec],
-                       include_optimizer: bool, warn: bool = True, exclude_frozen: bool = False) -> None:
+                       include_optimizer: bool, warn: bool = True, exclude_frozen: bool = False,
+                       shown: Path | None = None) -> None:
+    """Write ``out``; ``shown``: the name the file will have, said in the warning (``out`` is a staged
+    temporary file renamed to it afterwards)."""
     extra = _extra_state(reader)
     if extra and warn:
         logger.warning("zero3::consolidate %s leaves out the extra state of %s: safetensors holds only tensors; "
-                       "write a .pt file to keep it", out, ", ".join(extra))
+                       "write a .pt file to keep it", shown or out, ", ".join(extra))
     aliases = {key: src for key, kind, src in layout if kind == "param" and key != src}
     meta = {"format": "pt", "zero3_tag": reader.tag, "zero3_global_steps": str(reader.meta["global_steps"]),
             "zero3_aliases": json.dumps(aliases)}

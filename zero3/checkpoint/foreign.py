@@ -65,6 +65,36 @@ def check_not_foreign(load_dir: str | os.PathLike[str], tag: str | None) -> None
             "docs/api.md. Nothing was loaded")
 
 
+_WEIGHT_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+
+
+def weight_files(directory: str | os.PathLike[str]) -> list[str]:
+    """The weight files directly in ``directory`` (``model.safetensors`` and its index,
+    ``pytorch_model.bin`` and its index, ``*.safetensors``, ``*.pt``, ``*.pth``, ``*.bin``: what
+    ``save_pretrained``, ``save_16bit_model``, ``zero_to_fp32`` or ``torch.save`` write), sorted; ``[]``
+    when there are none or it cannot be listed."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    return [n for n in names if (n in _WEIGHT_NAMES or n.endswith(_WEIGHT_SUFFIXES))
+            and os.path.isfile(os.path.join(directory, n))]
+
+
+def weight_files_error(directory: str | os.PathLike[str], files: list[str]) -> CheckpointError:
+    """The refusal of a directory that holds no zero3 checkpoint but weight files (`weight_files`):
+    "no checkpoint yet" there would let an auto-resume script train from scratch (probe 38C)."""
+    more = f" and {len(files) - 4} more" if len(files) > 4 else ""
+    return CheckpointError(
+        f"{directory}: holds no zero3 checkpoint (no {LATEST_FILE}, no saved tag) but weight files "
+        f"({', '.join(files[:4])}{more}): load_checkpoint reads only what save_checkpoint writes, and does not "
+        "return (None, None) for a directory of weights, which an auto-resume script would take for a first "
+        "launch. A state dict file (.safetensors or its index, .pt, .pth, .bin) loads with "
+        "zero3.pretrained.load_state_dict(engine, path); a Hugging Face directory with zero3.from_pretrained. "
+        "To resume from a zero3 checkpoint, pass the directory save_checkpoint wrote. Nothing was loaded")
+
+
 def foreign_below(load_dir: str | os.PathLike[str]) -> str:
     """A sentence naming the foreign checkpoints one level below ``load_dir`` (``ckpt/step-10/.metadata``,
     FSDP2's and torchtitan's layout; DeepSpeed's ``global_step3`` without ``latest``), or ``""``: said
@@ -81,4 +111,4 @@ def foreign_below(load_dir: str | os.PathLike[str]) -> str:
             "how to convert one)")
 
 
-__all__ = ["check_not_foreign", "foreign_below"]
+__all__ = ["check_not_foreign", "foreign_below", "weight_files", "weight_files_error"]

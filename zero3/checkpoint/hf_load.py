@@ -28,7 +28,7 @@ from torch.nn.utils import parametrize
 
 from . import pretrained
 from .exchange import exchange
-from .format import CheckpointMismatchError, CheckpointNotFoundError
+from .format import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 from ..errors import ZeroConfigError
 from ..partition.param import ZeroParameter
 from ..runtime.gathered import GatheredParameters
@@ -71,6 +71,8 @@ def from_pretrained(cls_or_auto: Any, path: str | Path, *, config: Any = None, t
 
     Raises:
         CheckpointNotFoundError: no safetensors weights in ``path``.
+        CheckpointError: ``path`` holds ``.bin`` weights only (``pytorch_model.bin``, its index), which
+            this loader does not read; the message names the `zero3.pretrained.load_state_dict` route.
         CheckpointMismatchError: shape mismatches without ``ignore_mismatched_sizes`` (transformers raises
             too), or missing/unexpected keys with ``strict``.
         ZeroConfigError: a transformers loading option zero3 does not support here, or a model
@@ -133,6 +135,15 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict | None]:
         return [path / f for f in dict.fromkeys(raw["weight_map"].values())], dict(raw.get("metadata") or {})
     if found is not None:
         return [found], None
+    bins = pretrained.hf_bin_weights(path)
+    if bins:  # the weights are there, in a format this loader does not read (probe 38C: said "not found")
+        raise CheckpointError(
+            f"{path}: holds {' and '.join(bins)}, and zero3.from_pretrained reads only safetensors weights "
+            "(model.safetensors or model.safetensors.index.json). Load the .bin with zero3.pretrained.load_state_dict: "
+            "build the model under zero3.Init from its config (AutoModelForCausalLM.from_config(AutoConfig."
+            "from_pretrained(path))), then zero3.pretrained.load_state_dict(model, path/'pytorch_model.bin') (a "
+            "sharded one: each shard file with strict=False); or save it once as safetensors (transformers' "
+            "save_pretrained(..., safe_serialization=True)). Nothing was loaded")
     raise CheckpointNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json in it; "
                                   "zero3.from_pretrained reads a local safetensors directory")
 
@@ -218,35 +229,23 @@ def _drop_mismatched(model: nn.Module, source: pretrained.RenamedSource) -> tupl
     return pretrained.RenamedSource(source.inner, kept), mismatched
 
 
-def _owned_range(p: torch.Tensor) -> tuple[int, int]:
-    """This rank's flat element range of ``p`` (all of it when ``p`` is not partitioned)."""
-    if not isinstance(p, ZeroParameter):
-        return 0, p.numel()
-    start, end = p._zero.shard_range()
-    return start, max(min(end, p._zero.numel), start)
-
-
-def _refuse_differing_tied_pair(model: nn.Module, source: Any, chunk: int = 1 << 22) -> None:
+def _refuse_differing_tied_pair(model: nn.Module, source: Any) -> None:
     """Both names of a tied pair in the checkpoint, with different values: transformers unties them (and
     warns); zero3 tied them while building, so it refuses. Each rank compares only its own slice of the
-    two, ``chunk`` elements at a time, and the ranks agree on the outcome."""
+    two (`pretrained.same_values`, as `zero3.pretrained.load_state_dict` compares any tied names), and
+    the ranks agree on the outcome."""
     keys = set(source.keys())
     differ = []
-    for target, tied_to in getattr(model, "all_tied_weights_keys", {}).items():
-        if target not in keys or tied_to not in keys:
-            continue
-        p = model.get_parameter(tied_to)
-        start, end = _owned_range(p)
-        for lo in range(start, end, chunk):
-            n = min(chunk, end - lo)
-            a, b = torch.empty(n, dtype=p.dtype), torch.empty(n, dtype=p.dtype)
-            source.read(target, lo, a)
-            source.read(tied_to, lo, b)
-            if not torch.equal(a, b):
+    error: BaseException | None = None
+    try:  # a read that fails (a pair of other shapes) is agreed on below too, not raised on one rank
+        for target, tied_to in getattr(model, "all_tied_weights_keys", {}).items():
+            if target not in keys or tied_to not in keys or source.shape(target) != source.shape(tied_to):
+                continue  # of other shapes: match_keys lists the shape mismatch
+            if not pretrained.same_values(source, tied_to, target, model.get_parameter(tied_to)):
                 differ.append(f"{tied_to} and {target}")
-                break
+    except Exception as exc:  # noqa: BLE001 - agreed across ranks below
+        error = exc
     params = [p for p in model.parameters() if isinstance(p, ZeroParameter)]
-    error = None
     if differ:
         error = ZeroConfigError(f"the checkpoint holds both {differ[0]}, with different values, but the config ties "
                                 "them; transformers would untie them, zero3.from_pretrained does not. Pass a config "

@@ -23,7 +23,7 @@ from ..errors import ZeroConfigError, ZeroStateError
 from ..partition.param import ZeroParameter
 from ..partition.state import ParamStatus
 from .exchange import exchange
-from .foreign import check_not_foreign, foreign_below
+from .foreign import check_not_foreign, foreign_below, weight_files, weight_files_error
 from .format import (LATEST_FILE, METADATA_FILE, MODEL_PARALLEL_FILE, CheckpointError, CheckpointMismatchError,
                      CheckpointNotFoundError, from_json)
 from .layout import extra_state_modules, is_sharded_state, model_entries, optimizer_groups
@@ -219,7 +219,8 @@ def load_checkpoint(ctx: RuntimeContext, load_dir: str | os.PathLike[str], tag: 
 
     Raises:
         CheckpointNotFoundError, CheckpointCorruptError, CheckpointVersionError, CheckpointMismatchError
-        (all ``ValueError``), on every rank, naming the file and the problem.
+        (all ``ValueError``), on every rank, naming the file and the problem; CheckpointError for another
+        framework's checkpoint, or (without ``tag``) a directory of weight files and no checkpoint.
         ZeroStateError: called while parameters are gathered.
     """
     if load_module_strict is not True or custom_load_fn is not None:
@@ -367,7 +368,8 @@ def _nothing_saved_yet(ctx: RuntimeContext, load_dir: str | os.PathLike[str]) ->
     agree (one small exchange). Saved tags without ``latest`` still raise (the reader names those it
     finds): DeepSpeed would start from scratch beside them. Ranks that see different files raise
     together; a path that is not a directory is left to the reader's error. A directory holding another
-    framework's checkpoint (torch DCP, DeepSpeed) raises on every rank, naming it (foreign.py).""" 
+    framework's checkpoint (torch DCP, DeepSpeed), or weight files and no checkpoint (``model.safetensors``,
+    ``*.pt``: `weight_files`), raises on every rank, naming them (foreign.py)."""
     root = os.fspath(load_dir)
     missing, error = False, None
     try:
@@ -379,6 +381,9 @@ def _nothing_saved_yet(ctx: RuntimeContext, load_dir: str | os.PathLike[str]) ->
             os.path.join(root, LATEST_FILE)) and not any(
             os.path.isfile(os.path.join(root, d, f)) for d in os.listdir(root) if not d.endswith(".partial")
             for f in (METADATA_FILE, MODEL_PARALLEL_FILE))
+        weights = weight_files(root) if missing else []
+        if weights:  # a directory of weights is not "no checkpoint yet" (probe 38C: an auto-resume trained anew)
+            missing, error = False, error or weight_files_error(root, weights)
     except OSError as exc:  # agreed below: a rank that cannot read the directory fails every rank
         error = error or exc
     seen = [m for items in exchange(ctx, missing, error, "load_checkpoint: latest") for m in items]

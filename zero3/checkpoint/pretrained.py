@@ -211,6 +211,12 @@ def hf_weights_file(directory: Path) -> Path | None:
     return index if index.is_file() else None
 
 
+def hf_bin_weights(directory: Path) -> list[str]:
+    """The ``.bin`` weight files of a Hugging Face directory (``pytorch_model.bin``, its sharded
+    ``pytorch_model.bin.index.json``), which its safetensors readers do not read: named in their errors."""
+    return [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if (directory / n).is_file()]
+
+
 def open_source(state_dict_or_path: Any) -> _Source:
     """An open source (returned as is); a mapping; a ``.safetensors`` file; a ``*.safetensors.index.json``
     (sharded) or a directory with ``model.safetensors`` / ``model.safetensors.index.json``; or a
@@ -226,6 +232,12 @@ def open_source(state_dict_or_path: Any) -> _Source:
     if path.is_dir():
         found = hf_weights_file(path)
         if found is None:
+            bins = hf_bin_weights(path)
+            if bins:
+                raise CheckpointError(
+                    f"{path}: holds {' and '.join(bins)}, no model.safetensors or model.safetensors.index.json; a "
+                    "directory is read through its safetensors files: pass the .bin file itself (path/"
+                    "pytorch_model.bin; a sharded one shard file at a time, with strict=False)")
             raise CheckpointNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json in it")
         path = found
     if not path.is_file():
@@ -271,7 +283,9 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
     """Load full tensors into a (partitioned) model, each rank copying only its slice of each.
 
     A collective when the model is partitioned over several ranks (call it on every rank). Tied
-    parameters count as present when any of their names is. Buffers and parameters that are not
+    parameters count as present when any of their names is; every name present is checked, and names
+    of one tied parameter holding different values are refused (torch would keep the last one's).
+    Buffers and parameters that are not
     partitioned are copied whole. A module whose class overrides ``set_extra_state`` is given the
     source's value under its ``<prefix>._extra_state`` key; with ``strict``, that key is missing
     when the source lacks it, and an extra-state key of no such module is unexpected (torch's rules).
@@ -286,8 +300,8 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
         `LoadResult` with the missing and unexpected keys.
 
     Raises:
-        CheckpointMismatchError (``ValueError``): shape mismatches, or missing/unexpected keys with
-            ``strict``; all listed, nothing changed.
+        CheckpointMismatchError (``ValueError``): shape mismatches, names of one tied parameter with
+            different values, or missing/unexpected keys with ``strict``; all listed, nothing changed.
         CheckpointNotFoundError / CheckpointCorruptError: the file cannot be read.
         ZeroStateError: called while partitioned parameters are gathered.
     """
@@ -305,7 +319,7 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
         if not isinstance(state_dict_or_path, _Source):  # zero3.from_pretrained's: transformers' loader runs none
             warn_skipped_hooks(module)
         source = open_source(state_dict_or_path)
-        result, plan, nesting = _plan(module, source, strict)
+        result, plan, nesting = _plan(module, source, strict, compare_tied=True)
         if nesting:  # strict=False: loads nothing (strict raised saying so)
             logger.warning("zero3::pretrained load_state_dict(strict=False) loads nothing: %s", nesting)
     except Exception as exc:  # noqa: BLE001 - agreed across ranks below
@@ -335,14 +349,46 @@ def load_state_dict(model_or_engine: Any, state_dict_or_path: Any, strict: bool 
 
 def match_keys(module: nn.Module, source: _Source) -> LoadResult:
     """The missing and unexpected keys `load_state_dict` would report, without loading anything
-    (shape mismatches raise here too)."""
+    (shape mismatches raise here too; the values of a tied parameter's names are not compared, so
+    that it reads nothing and needs no agreement across ranks)."""
     return _plan(module, source, strict=False)[0]
 
 
-def _plan(module: nn.Module, source: _Source, strict: bool
+def owned_range(p: torch.Tensor) -> tuple[int, int]:
+    """This rank's flat element range of ``p`` (all of it when ``p`` is not partitioned)."""
+    if not isinstance(p, ZeroParameter):
+        return 0, p.numel()
+    start, end = p._zero.shard_range()
+    return start, max(min(end, p._zero.numel), start)
+
+
+def same_values(source: _Source, key: str, other: str, target: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """Whether ``source``'s ``key`` and ``other`` hold the same values on this rank's slice of ``target``
+    (`owned_range`), both read in the dtype a load writes them in (the fp32 master's, where ``target``
+    has one), ``chunk`` elements at a time. A rank sees only its own slice: the callers agree on the
+    outcome across ranks."""
+    dtype = target.dtype
+    if isinstance(target, ZeroParameter) and target._zero.master is not None:
+        dtype = target._zero.master.dtype
+    start, end = owned_range(target)
+    for lo in range(start, end, chunk):
+        n = min(chunk, end - lo)
+        a, b = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+        source.read(key, lo, a)
+        source.read(other, lo, b)
+        if not torch.equal(a, b) and not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):  # NaN: same bits
+            return False
+    return True
+
+
+def _plan(module: nn.Module, source: _Source, strict: bool, compare_tied: bool = False
           ) -> tuple[LoadResult, list[tuple[str, torch.Tensor | ZeroParameter | nn.Module]], str | None]:
     """Match the model's state dict keys to the source; (result, [(source key, target)], what to pass
-    instead when nothing matched and a nested entry holds the keys (`_nesting`)) or raise."""
+    instead when nothing matched and a nested entry holds the keys (`_nesting`)) or raise.
+
+    Every name of a tied parameter present in the source is checked (value, shape); with
+    ``compare_tied`` their values on this rank's slice are compared too, and names that differ are
+    refused (the caller agrees on the outcome across ranks)."""
     available = set(source.keys())
     # Tied parameters: every name of one tensor, in state_dict order.
     names_of: dict[int, list[str]] = {}
@@ -358,26 +404,35 @@ def _plan(module: nn.Module, source: _Source, strict: bool
     missing: list[str] = []
     used: set[str] = set()
     shape_errors: list[str] = []
+    tied_differ: list[str] = []
     gathered: list[str] = []
     for ident in order:
         names = names_of[ident]
         target = targets[ident]
-        present = [n for n in names if n in available]
+        # a name whose value is not a tensor counts too: it is reported, not skipped
+        present = [n for n in names if n in available or source.problem(n) is not None]
         if not present:
-            present = [source.aliases[n] for n in names if source.aliases.get(n) in available]
-        key = present[0] if present else next((n for n in names if source.problem(n) is not None), None)
-        if key is None:
+            present = list(dict.fromkeys(source.aliases[n] for n in names if source.aliases.get(n) in available))
+        if not present:
             missing.extend(names)
             continue
+        key = present[0]
         used.update(present)
-        why = source.problem(key)  # present with a value that cannot be loaded (or not a tensor at all)
-        if why is not None:
-            shape_errors.append(f"{key}: {why}")
-            continue
         shape = tuple(target._zero.shape if isinstance(target, ZeroParameter) else target.shape)
-        if tuple(source.shape(key)) != shape:
-            shape_errors.append(f"{key}: {list(source.shape(key))} in the source, {list(shape)} in the model")
+        bad = False
+        for name in present:  # every name of a tied parameter: the values under each would be loaded
+            why = source.problem(name)  # present with a value that cannot be loaded (or not a tensor at all)
+            if why is not None:
+                shape_errors.append(f"{name}: {why}")
+                bad = True
+            elif tuple(source.shape(name)) != shape:
+                shape_errors.append(f"{name}: {list(source.shape(name))} in the source, {list(shape)} in the model")
+                bad = True
+        if bad:
             continue
+        if compare_tied:  # torch copies each name in turn, so the last one's values win, silently (probe 38C)
+            tied_differ.extend(f"{key} and {other}" for other in present[1:]
+                               if not same_values(source, key, other, target))
         if isinstance(target, ZeroParameter):
             z = target._zero
             if z.status is not ParamStatus.NOT_AVAILABLE and not z.persistent:
@@ -404,6 +459,11 @@ def _plan(module: nn.Module, source: _Source, strict: bool
     problems = [nesting] if strict and nesting else []
     if shape_errors:
         problems.append("shape mismatch: " + "; ".join(shape_errors))
+    if tied_differ:
+        problems.append(f"the source holds {'; '.join(tied_differ)}, names of one tied parameter of the model, with "
+                        "different values (torch's nn.Module.load_state_dict would keep the last name's values; "
+                        "zero3 refuses): leave out the name whose values are not to be loaded, or untie the "
+                        "parameters in the model")
     if strict and missing:
         problems.append("missing keys: " + ", ".join(missing))
     if strict and unexpected:
@@ -438,4 +498,4 @@ def _load_partitioned(source: _Source, key: str, p: ZeroParameter) -> None:
         assert z.persistent, f"{z.name} is gathered while loading"
 
 
-__all__ = ["LoadResult", "RenamedSource", "load_state_dict", "match_keys", "open_source"]
+__all__ = ["LoadResult", "RenamedSource", "load_state_dict", "match_keys", "open_source", "owned_range", "same_values"]

@@ -30,7 +30,7 @@ from .format import (
     check_tag,
     model_parallel_dir,
 )
-from .foreign import check_not_foreign, foreign_below
+from .foreign import check_not_foreign, foreign_below, weight_files
 from .integrity import STAMP_KEY, check_stamp, file_sha256, metadata_digest
 from .safetensors import SafetensorsHeader, dtype_name, parse_dtype, read_safetensors_header, read_tensor_range
 
@@ -55,6 +55,11 @@ class CheckpointReader:
         if tag is not None:
             tag = check_tag(tag)  # a name of a directory here (an int taken as its digits): not a path or '..'
         self.root = Path(ckpt_dir)
+        if self.root.exists() and not self.root.is_dir():  # probe 38C: a torch.save file was "does not exist"
+            raise CheckpointNotFoundError(
+                f"{self.root}: is a file, not a checkpoint directory; load_checkpoint and zero3.consolidate read the "
+                "directory save_checkpoint wrote. A state-dict file (.pt, .bin, .safetensors) loads with "
+                "zero3.pretrained.load_state_dict(engine, path)")
         if not self.root.is_dir():
             raise CheckpointNotFoundError(f"{self.root}: checkpoint directory does not exist")
         check_not_foreign(self.root, tag)  # torch DCP, DeepSpeed: named, not "metadata.json: missing"
@@ -126,8 +131,11 @@ class CheckpointReader:
     def _pass_a_tag(self) -> str:
         """What to do without a usable ``latest``, with the tags under the root that hold a checkpoint."""
         tags = sorted(d.name for d in self.root.iterdir() if (d / METADATA_FILE).is_file())
+        weights = [] if tags else weight_files(self.root)
         return (f"pass a tag (tag=, or --tag on the command line; tags with metadata here: {tags or 'none'})"
-                + ("" if tags else foreign_below(self.root)))
+                + ("" if tags else foreign_below(self.root))
+                + (f"; it holds weight files ({', '.join(weights[:4])}), not a zero3 checkpoint: a state dict file "
+                   "loads with zero3.pretrained.load_state_dict(engine, path)" if weights else ""))
 
     def _check_first_stamp(self, files: Any) -> None:
         """Check metadata.json against the checksum in its first rank file (the first of the directory
