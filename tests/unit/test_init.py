@@ -6,6 +6,7 @@ import contextlib
 
 import copy
 import gc
+import threading
 import weakref
 
 import pytest
@@ -130,6 +131,63 @@ def test_leaving_init_on_an_exception_restores_torch_and_propagates():
     assert after[0] is before[0]
     assert after[1] == before[1]
     assert after[2] == before[2]
+    assert type(nn.Linear(3, 3).weight) is nn.Parameter
+
+
+@pytest.mark.parametrize("first_out", ["A", "B"])
+def test_two_threads_overlapping_init_blocks_restore_torch_when_the_last_closes(first_out):
+    """Init's patches are process-wide, the open Init per thread (init_patches.py): thread A enters, B
+    enters, one leaves while the other still builds, then the other leaves. Probe 38A F4: each thread
+    saved, as "originals", what was installed when it entered, so torch's functions never came back,
+    and the first to leave unwrapped every class __init__ while the other thread's block was open."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    with zero3.Init():  # one block first: leaving it routes torch's parametrizations through zero3's checks
+        pass
+    before = _torch_state()
+    linear_init, subclass_hook = nn.Linear.__init__, nn.Module.__dict__.get("__init_subclass__")
+    register, weight_norm = parametrize.register_parametrization, WeightNorm.__dict__["apply"]
+    entered = {t: threading.Event() for t in "AB"}
+    left, build, seen, errors = threading.Event(), threading.Event(), {}, []
+
+    def run(me: str, other: str) -> None:
+        try:
+            if me == "B":
+                assert entered["A"].wait(30)
+            with zero3.Init():
+                entered[me].set()
+                assert entered[other].wait(30)
+                if me == first_out:
+                    assert build.wait(30)  # the other thread built its model
+                else:
+                    build.set()
+                    assert left.wait(30)  # ... and builds again after this one left
+                    seen["wrapped"] = nn.Linear.__init__ is not linear_init
+                    seen["model"] = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+            if me == first_out:
+                left.set()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            left.set(), build.set(), entered[me].set()
+
+    threads = [threading.Thread(target=run, args=(me, other)) for me, other in (("A", "B"), ("B", "A"))]
+    for t in threads:
+        t.start()
+    assert entered["A"].wait(30) and entered["B"].wait(30) and build.wait(30)
+    plain = nn.Linear(3, 3)  # this thread has no Init open: a plain module, whatever the others do
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert type(plain.weight) is nn.Parameter
+    assert seen["wrapped"], "the first block to close unwrapped the classes under the other thread's open block"
+    assert all(isinstance(p, zero3.ZeroParameter) for p in seen["model"].parameters())
+    after = _torch_state()
+    assert after[0] is before[0], after[0]  # nn.Module.apply
+    assert after[1] == before[1] and after[2] == before[2]
+    assert nn.Linear.__init__ is linear_init
+    assert nn.Module.__dict__.get("__init_subclass__") is subclass_hook
+    assert parametrize.register_parametrization is register and WeightNorm.__dict__["apply"] is weight_norm
     assert type(nn.Linear(3, 3).weight) is nn.Parameter
 
 

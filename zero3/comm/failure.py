@@ -65,8 +65,9 @@ class FailureMonitor:
         where = (f"collective #{state.seq} of step {state.epoch}" if self.counted else "a collective") + \
             (f" ({tag.describe()})" if tag else "")
         peers: dict[int, str] = {}
+        waited = f"{state.epoch}|timed out or lost its peers while waiting in {where}"
         if self.report is not None:
-            self.report.post(f"{state.epoch}|timed out or lost its peers while waiting in {where}")
+            self.report.post(waited)
             peers = self.report.read(min(2.0, max(0.2, 0.1 * self.timeout_s)))
         lines = []
         name = self.global_rank  # the ranks torch and the launcher name (review of probe 37T: group ranks misled)
@@ -83,12 +84,21 @@ class FailureMonitor:
                              "every rank; a Hugging Face generate() needs synced_gpus=True)")
         limit = f"collective_timeout={self.timeout_s:g} s" if self.timeout_s > 0 else "the process group's timeout"
         text = str(exc)
-        what = ("a peer closed its connection (its process exited or died)" if any(
-            s in text for s in ("closed by peer", "reset by peer", "Broken pipe", "Connection refused"))
-            else f"not every rank took part within {limit}")
+        closed = any(s in text for s in ("closed by peer", "reset by peer", "Broken pipe", "Connection refused"))
+        if closed and len(peers) == self.world_size - 1 and all(post == waited for post in peers.values()):
+            # every peer gave up waiting in this very collective: this rank came late, none died (probe 38A F5)
+            knob = "collective_timeout in the config" if self.timeout_s > 0 else \
+                "the process group's timeout (dist.init_process_group(timeout=...))"
+            head = (f"rank {name(self.rank)} reached {where} after the other ranks had given up waiting for it "
+                    f"(after {limit}): this rank arrived late (slow data loading, a long forward or other work of "
+                    f"its own between collectives), no rank died; raise {knob}")
+        else:
+            what = "a peer closed its connection (its process exited or died)" if closed \
+                else f"not every rank took part within {limit}"
+            head = f"rank {name(self.rank)} waited in {where} and {what}"
         raise ZeroCommunicationError(
-            f"rank {name(self.rank)} waited in {where} and {what}: "
-            + "; ".join(lines) + f". ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}) " + self._aftermath()
+            f"{head}: " + "; ".join(lines) + f". ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}) "
+            + self._aftermath()
         ) from exc
 
     def _group(self) -> str:

@@ -4,8 +4,10 @@ are in gathered.py).
 [Note: partitioning during construction]
 Entering the outermost `Init` wraps the ``__init__`` of every ``nn.Module`` subclass (and of
 classes defined while it is active, through ``__init_subclass__``), wraps ``nn.Module.apply`` and
-installs a global parameter-registration hook; leaving it (also on an exception) restores exactly
-those, so nothing leaks into modules built afterwards. A module's parameters are partitioned the
+installs a global parameter-registration hook; leaving the last one open in the process (also on an
+exception) restores exactly those, so nothing leaks into modules built afterwards, and a thread with
+no block of its own open builds plain modules meanwhile (init_patches.py [Note: Init's patches are
+process-wide, the open Init is per context]). A module's parameters are partitioned the
 moment its outermost ``__init__`` returns (after its own ``reset_parameters``), so construction
 holds at most one module's full parameters plus this rank's shards, even for
 ``nn.Sequential(*[nn.Linear(...) for _ in range(n)])``. Parameters registered after ``__init__``
@@ -38,7 +40,6 @@ way, which data-parallel code does.
 from __future__ import annotations
 
 import contextvars
-import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -46,9 +47,6 @@ from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
-from torch.nn.modules import module as module_mod
-from torch.nn.utils import parametrize
-from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils import _pytree as pytree
 
 from ..partition import sharding
@@ -59,7 +57,7 @@ from ..comm.process_group import ensure_default_group
 from ..config import ZeroConfig, resolve_config
 from ..config.sections import DRIVE_POOL_KNOBS, OffloadConfig
 from .context import RuntimeContext, align_ids, lazy_refusal, meta_refusal
-from .parametrize_routes import route_parametrizations
+from .init_patches import Replacements, close_patches, open_patches
 from .refusals import unshardable, unshardable_refusal
 from ..errors import ZeroConfigError, ZeroStateError
 from ..comm.model_parallel import check_mpu, data_parallel_group as mpu_data_parallel_group
@@ -101,20 +99,6 @@ class _InitState:
 
 
 _STACK: contextvars.ContextVar[tuple[_InitState, ...]] = contextvars.ContextVar("zero3_init", default=())
-
-
-@dataclass(eq=False)
-class _Patches:
-    handles: list[Any]
-    apply: Callable
-    init_subclass: Any
-    inits: dict[type, tuple[Callable, Callable]]  # class -> (its original __init__, our wrapper of it)
-    register_parametrization: Callable  # torch's, given back on exit
-    weight_norm_apply: Any  # torch's (deprecated) WeightNorm.apply staticmethod, given back on exit
-    building: dict[int, int] = field(default_factory=dict)  # id(module) -> nesting of its __init__ wrappers
-
-
-_PATCHES: contextvars.ContextVar[_Patches | None] = contextvars.ContextVar("zero3_init_patches", default=None)
 
 
 _UNSUPPORTED = {
@@ -233,6 +217,7 @@ class Init:
         self._own_rng: _OwnRng | None = None  # this rank's RNG states, given back on exit (`_sync_rng`)
         self._token: Any = None
         self._handler_token: Any = None
+        self._patches_token: Any = None  # set by this context's outermost Init (init_patches.py)
         if module is not None and enabled:
             self._partition_built(module)
 
@@ -266,10 +251,10 @@ class Init:
         state = self._state()
         align_ids(state.ctx.comm)
         stack = _STACK.get()
-        if not stack:
-            _install_patches()
         if self._sync == "rng" and state.ctx.world_size > 1:
             self._own_rng = _sync_rng(state.ctx)
+        if not stack:  # this context's outermost Init (a collective that failed above has installed nothing)
+            self._patches_token = open_patches(_REPLACEMENTS)
         self._token = _STACK.set(stack + (state,))
         self._handler_token = construction_handler.set(_touch)
         return self
@@ -292,8 +277,9 @@ class Init:
             if self._own_rng is not None:  # this rank's own stream again (`_sync_rng`)
                 self._own_rng.restore()
                 self._own_rng = None
-            if not _STACK.get():
-                _remove_patches()
+            if self._patches_token is not None:
+                close_patches(self._patches_token)
+                self._patches_token = None
 
 
 def _refuse_meta_default_device(call: str | None = None) -> None:
@@ -395,59 +381,11 @@ class _OwnRng:
             torch.cuda.set_rng_state(self.cuda)
 
 
-# -- global patches, installed only while an Init context is active ------------------------------
+# -- what the global patches (init_patches.py) do for the Init open in the calling context -------
 def _on_param_registered(module: nn.Module, name: str, param: Any) -> None:
     state = _current()
     if state is not None and param is not None:
         state.modules[module] = None
-
-
-def _wrap_init(cls: type, patches: _Patches) -> None:
-    """Wrap ``cls.__init__`` so a module is partitioned the moment its outermost ``__init__`` returns.
-
-    The wrapper acts for whichever Init is open when it runs and passes straight through when none is:
-    a decorator may wrap it while an Init is open (transformers' ``use_experts_implementation`` on
-    a MoE class first imported inside one), and that chain outlives the Init, which gives back the
-    original only where the wrapper is still the class's own ``__init__``."""
-    orig = cls.__dict__.get("__init__")
-    if orig is None or cls in patches.inits or getattr(orig, "_zero3_wrapped", False):
-        return
-
-    @functools.wraps(orig)
-    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-        current = _PATCHES.get()
-        if current is None:
-            orig(self, *args, **kwargs)
-            return
-        key = id(self)
-        current.building[key] = current.building.get(key, 0) + 1
-        try:
-            orig(self, *args, **kwargs)
-        finally:
-            depth = current.building.pop(key) - 1
-            if depth:
-                current.building[key] = depth
-        state = _current()
-        if not depth and state is not None:
-            _partition_module(self, state, recurse=True)
-            if not current.building:  # the outermost module is built: views of its params are done
-                _write_back(state)
-
-    __init__._zero3_wrapped = True  # type: ignore[attr-defined]
-    try:
-        cls.__init__ = __init__  # type: ignore[misc]
-    except (TypeError, AttributeError):
-        return
-    patches.inits[cls] = (orig, __init__)
-
-
-def _all_subclasses(cls: type) -> list[type]:
-    out, todo = [], list(cls.__subclasses__())
-    while todo:
-        c = todo.pop()
-        out.append(c)
-        todo.extend(c.__subclasses__())
-    return out
 
 
 def _apply_with_gather(self: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Module:
@@ -464,31 +402,19 @@ def _apply_with_gather(self: nn.Module, fn: Callable[[nn.Module], None]) -> nn.M
     return self
 
 
+def _built(module: nn.Module, last: bool) -> None:
+    """A module's outermost ``__init__`` returned (``last``: no other module is being built in this context)."""
+    state = _current()
+    if state is not None:
+        _partition_module(module, state, recurse=True)
+        if last:  # the outermost module is built: views of its params are done
+            _write_back(state)
+
+
 def _gathered_while_building(params: list[ZeroParameter], state: _InitState) -> GatheredParameters:
     """``params`` gathered around code that changes them while a model is built: each rank keeps its
     own write (every rank computes the same one, from rank 0's RNG), or rank 0's under ``sync="broadcast"``."""
     return GatheredParameters(params, modifier_rank=0 if state.sync == "broadcast" else LOCAL_MODIFIER)
-
-
-def _install_patches() -> None:
-    handles = [module_mod.register_module_parameter_registration_hook(_on_param_registered)]
-    patches = _Patches(handles=handles, apply=nn.Module.apply,
-                       init_subclass=nn.Module.__dict__.get("__init_subclass__"), inits={},
-                       register_parametrization=parametrize.register_parametrization,
-                       weight_norm_apply=WeightNorm.__dict__["apply"])
-    _PATCHES.set(patches)
-    for cls in _all_subclasses(nn.Module):
-        _wrap_init(cls, patches)
-
-    def __init_subclass__(cls: type, **kwargs: Any) -> None:  # classes defined while Init is active
-        super(nn.Module, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
-        _wrap_init(cls, patches)
-
-    nn.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
-    nn.Module.apply = _apply_with_gather  # type: ignore[method-assign]
-    parametrize.register_parametrization = functools.partial(_parametrize_with_gather, patches.register_parametrization)
-    WeightNorm.apply = staticmethod(functools.partial(_old_weight_norm_with_gather,  # type: ignore[method-assign]
-                                                      patches.weight_norm_apply.__func__))
 
 
 def _parametrize_with_gather(register: Callable, module: nn.Module, tensor_name: str, *args: Any, **kwargs: Any) -> Any:
@@ -523,32 +449,17 @@ def _old_weight_norm_with_gather(apply: Callable, module: nn.Module, name: str, 
     return fn
 
 
+_REPLACEMENTS = Replacements(on_param_registered=_on_param_registered, apply=_apply_with_gather,
+                             register_parametrization=_parametrize_with_gather,
+                             weight_norm_apply=_old_weight_norm_with_gather, built=_built)
+
+
 def _forget_if_dropped(module: nn.Module, name: str, p: ZeroParameter, state: _InitState) -> None:
     """A parametrization replaced ``p`` (weight_norm keeps ``weight_g``/``weight_v``, or ``original0``
     and ``original1``, and drops the weight): the context stops driving it, so its shard goes with it.
     One that keeps it (as ``parametrizations.<name>.original``) leaves it driven."""
     if all(q is not p for q in module.parameters()):
         state.ctx.coordinator.register([p], drop=True)
-
-
-def _remove_patches() -> None:
-    patches = _PATCHES.get()
-    if patches is None:
-        return
-    for h in patches.handles:
-        h.remove()
-    nn.Module.apply = patches.apply  # type: ignore[method-assign]
-    parametrize.register_parametrization = patches.register_parametrization
-    WeightNorm.apply = patches.weight_norm_apply  # type: ignore[method-assign]
-    if patches.init_subclass is None:
-        del nn.Module.__init_subclass__
-    else:
-        nn.Module.__init_subclass__ = patches.init_subclass  # type: ignore[assignment]
-    for cls, (orig, wrapper) in patches.inits.items():
-        if cls.__dict__.get("__init__") is wrapper:  # else something wrapped it since: that chain stays
-            cls.__init__ = orig  # type: ignore[misc]
-    _PATCHES.set(None)
-    route_parametrizations()  # skipped while these patches were on (an initialize inside the block: review 37R2)
 
 
 def _partition_module(module: nn.Module, state: _InitState, *, recurse: bool) -> None:
