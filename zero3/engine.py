@@ -622,7 +622,7 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
     except ZeroConfigError as exc:
         error = exc
     except Exception as exc:
-        error = ZeroConfigError(f"the config could not be read: {type(exc).__name__}: {exc}")
+        error = ZeroConfigError(f"reading or checking the config raised {type(exc).__name__}: {exc}")
         error.__cause__ = exc
     agree_on_config(group, resolved, error, "zero3.initialize")
     assert resolved is not None

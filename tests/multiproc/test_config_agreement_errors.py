@@ -62,4 +62,4 @@ def test_a_reader_that_raises_anything_still_reaches_the_agreement(pools):
         assert result is not None, rank
         kind, message = result
         assert kind == "ZeroConfigError" and "invalid on rank 1" in message, (rank, result)
-        assert "the config could not be read: RuntimeError: a reader's bug" in message, (rank, result)
+        assert "reading or checking the config raised RuntimeError: a reader's bug" in message, (rank, result)

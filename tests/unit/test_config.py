@@ -831,6 +831,9 @@ def test_auto_takes_the_default_where_config_md_says(where):
     ({"zero_optimization": _ZERO3, "wall_clock_breakdown": "auto"}, "wall_clock_breakdown"),
     ({"zero_optimization": _ZERO3, "fp16": {"enabled": True, "auto_cast": "auto"}}, "fp16.auto_cast"),
     ({"zero_optimization": {**_ZERO3, "offload_optimizer": {"device": "cpu", "ratio": "auto"}}}, "ratio"),
+    ({"zero_optimization": {**_ZERO3, "offload_param": {"device": "nvme", "nvme_path": "auto"}}},  # review 38R2: a
+     "zero_optimization.offload_param.nvme_path"),                                                # dir ./auto was made
+    ({"offload_optimizer": "nvme", "offload_optimizer_nvme_path": "auto"}, "offload_optimizer_nvme_path"),
 ])
 def test_auto_is_refused_naming_the_key_everywhere_else(where, named):
     with pytest.raises(ZeroConfigError, match=re.escape(named) + ".*'auto'"):
@@ -854,6 +857,34 @@ def test_a_flat_config_takes_true_false_only_whatever_keys_it_holds(flat):
     as_deepspeed = {"zero_optimization": {**_ZERO3, **{k: v for k, v in flat.items() if k.startswith("offload_")}},
                     **{k: v for k, v in flat.items() if not k.startswith("offload_")}}
     ZeroConfig.from_dict(as_deepspeed)  # a zero_optimization section: DeepSpeed's format, 0/1 read as booleans
+
+
+def test_a_dict_of_keys_both_formats_have_is_read_as_deepspeed_s():
+    """Review 38R2: a stage-0 DeepSpeed file (no zero_optimization, bf16 or fp16) was read as a flat
+    config after probe 38D F2, and its 0/1 booleans and Infinity refused: with no key of zero3's names
+    alone, the dict is DeepSpeed's (whose reading of those keys takes all the flat one does)."""
+    cfg = ZeroConfig.from_dict({"train_batch_size": 8, "gradient_accumulation_steps": 2, "wall_clock_breakdown": 0,
+                                "steps_per_print": float("inf"), "zero_allow_untested_optimizer": 1})
+    assert (cfg.training.gradient_accumulation_steps, cfg.training.wall_clock_breakdown) == (2, False)
+
+
+def test_a_flat_offload_section_s_error_names_the_key_as_written():
+    with pytest.raises(ZeroConfigError, match=r"^offload_param\.pin_memory must be a bool, got 1"):
+        ZeroConfig.from_dict({"offload_param": {"device": "cpu", "pin_memory": 1}})
+
+
+def test_zero_optimization_nested_in_itself_says_so():
+    with pytest.raises(ZeroConfigError, match="nested twice") as exc:
+        ZeroConfig.from_dict({"zero_optimization": {**_ZERO3, "zero_optimization": {"stage": 3}}})
+    assert "did you mean" not in str(exc.value)
+
+
+def test_a_swap_directory_with_a_nul_byte_is_refused_naming_it():
+    """Review 38R2: os.makedirs raises ValueError for it, which reached every rank as a config that could
+    not be read, naming neither the path nor the key."""
+    from zero3.offload.swapfile import check_swap_directories
+    with pytest.raises(ZeroConfigError, match=r"cannot create the swap directory '/tmp/sw\\x00ap'.*null byte"):
+        check_swap_directories(["/tmp/sw\x00ap"])
 
 
 def test_a_deepspeed_only_top_level_key_makes_a_deepspeed_config():

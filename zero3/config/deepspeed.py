@@ -116,11 +116,17 @@ def is_deepspeed_dict(d: dict[str, Any]) -> bool:
     """Whether ``d`` is written in DeepSpeed's keys (else in zero3's flat names): it has a
     ``zero_optimization`` section or a top-level key DeepSpeed has and zero3's flat names do not
     (``bf16``, ``fp16``, ``aio``, ``flops_profiler``, ...). The keys both have
-    (``gradient_accumulation_steps``, ``optimizer``, ``steps_per_print``, ...) decide nothing, so a
-    dict of zero3's names that holds one is still a flat config, whose booleans take true/false only
-    (probe 38D F2)."""
-    return "zero_optimization" in d or any(k not in FLAT_NAMES and (
-        k in TOP_LEVEL or k in _OFF_SECTIONS or k in _OFF_KEYS or k == "checkpoint") for k in d)
+    (``gradient_accumulation_steps``, ``optimizer``, ``steps_per_print``, ...) decide nothing beside a
+    key of zero3's names alone, so a dict of zero3's names that holds one is still a flat config,
+    whose booleans take true/false only (probe 38D F2); a dict of those shared keys alone is DeepSpeed's."""
+    def deepspeeds(k: Any) -> bool:
+        return k in TOP_LEVEL or k in _OFF_SECTIONS or k in _OFF_KEYS or k == "checkpoint"
+
+    if "zero_optimization" in d or any(k not in FLAT_NAMES and deepspeeds(k) for k in d):
+        return True
+    # Only keys both have (a stage-0 DeepSpeed file: review 38R2): DeepSpeed's reading, a superset of the
+    # flat one for those keys; one key of zero3's names alone (``overlap_comm``) makes it flat.
+    return bool(d) and all(deepspeeds(k) for k in d)
 
 
 def _unimplemented(key: str, value: Any) -> None:
@@ -310,6 +316,9 @@ def _zero_optimization(zero: Any, out: KnobValues) -> None:
                                       "masters from the 16-bit weights when a checkpoint loads; zero3 always loads "
                                       "its checkpoints' fp32 masters. Set it to true or leave it out")
             logger.info("zero3: zero_optimization.%s has no effect in zero3; ignored", key)
+        elif key == "zero_optimization":  # pasted one level too deep (review 38R2)
+            raise ZeroConfigError(f"{spelled}: 'zero_optimization' inside zero_optimization: the section is "
+                                  "nested twice; its keys belong directly in the top-level zero_optimization")
         elif key in TOP_LEVEL or key in _OFF_SECTIONS or key in _OFF_KEYS or key == "checkpoint":
             raise ZeroConfigError(f"{spelled}: {key!r} is a top-level key of a DeepSpeed config, not a "
                                   "zero_optimization one; move it out of zero_optimization")

@@ -92,6 +92,9 @@ def check_value(name: str, tp: Any, value: Any, least: int = 0) -> None:
                 raise ZeroConfigError(f"{name} must be None or a bool, got {value!r}")
             raise ZeroConfigError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
     elif inner is str:
+        if value == "auto":  # DeepSpeed's config model drops it: no path at all (review 38R2: ./auto was made)
+            raise ZeroConfigError(f"{name} must be a path, got 'auto' (DeepSpeed reads 'auto' as no value, and this "
+                                  "key has no default to take): give a directory")
         if not isinstance(value, str) or not value:
             raise ZeroConfigError(f"{name} must be None or a non-empty path string, got {value!r}"
                                   if optional else f"{name} must be a non-empty string, got {value!r}")

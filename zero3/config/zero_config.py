@@ -102,7 +102,10 @@ class ZeroConfig:
                 raise ZeroConfigError(deepspeed_config.unknown_section_message(key))
             else:
                 raise ZeroConfigError(unknown_key_message(key, FLAT_NAMES))
-        return cls(**out.values)
+        try:
+            return cls(**out.values)
+        except ZeroConfigError as exc:  # naming an offload section's key as written (review 38R2)
+            raise deepspeed_config.as_written(exc, out.spelled) from exc.__cause__
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ZeroConfig":

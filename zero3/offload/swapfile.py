@@ -71,9 +71,9 @@ def check_swap_directories(directories: list[str]) -> None:
     for directory in directories:
         try:
             SwapFile(directory, "checked by initialize")  # unlinked at once, closed when dropped
-        except OSError as exc:
-            raise ZeroConfigError(f"cannot write a swap file in {directory!r}: {exc.strerror}; set an nvme_path on "
-                                  "a writable drive") from exc
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in the path (review 38R2)
+            raise ZeroConfigError(f"cannot write a swap file in {directory!r}: {getattr(exc, 'strerror', None) or exc}; "
+                                  "set an nvme_path on a writable drive") from exc
 
 
 class SwapFile:
@@ -84,9 +84,9 @@ class SwapFile:
     def __init__(self, directory: str, purpose: str) -> None:
         try:
             os.makedirs(directory, exist_ok=True)
-        except OSError as exc:
-            raise ZeroConfigError(f"cannot create the swap directory {directory!r} ({purpose}): {exc.strerror}; "
-                                  "set an nvme_path on a writable drive") from exc
+        except (OSError, ValueError) as exc:
+            raise ZeroConfigError(f"cannot create the swap directory {directory!r} ({purpose}): "
+                                  f"{getattr(exc, 'strerror', None) or exc}; set an nvme_path on a writable drive") from exc
         self.path = os.path.join(directory, f"zero3-{os.getpid()}-{purpose}-{uuid.uuid4().hex[:8]}.swap")
         self.purpose = purpose
         self.fd, self.direct = _open(self.path)
