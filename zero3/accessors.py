@@ -48,17 +48,26 @@ def _in_memory(write: bool, kinds: tuple[str, ...], load: bool = True) -> Callab
             ctx = param._zero.ctx if isinstance(param, ZeroParameter) else None
             if not isinstance(ctx, RuntimeContext):
                 return fn(param, *args, **kwargs)
-            ctx.require_states(fn.__name__, kinds)
-            if "hp_params" in kinds or "lp_params" in kinds:
-                ctx.take_persistent_writes()  # in-place writes to kept-gathered parameters are read
-            if write and "lp_params" in kinds:
-                _refuse_racing_write(ctx, param, fn.__name__)
-            if not load:
-                return fn(param, *args, **kwargs)
-            with ctx.resident([param], write):
-                return fn(param, *args, **kwargs)
+            if "_full_" not in fn.__name__:  # a local accessor: no collective (a logger thread's reads: probe 38A)
+                return _resident_call(ctx, fn, write, kinds, load, param, *args, **kwargs)
+            with ctx.claim.held(f"zero3.{fn.__name__}"):  # a collective: one call of the engine at a time (review 38R1)
+                return _resident_call(ctx, fn, write, kinds, load, param, *args, **kwargs)
         return inner  # type: ignore[return-value]
     return wrap
+
+
+def _resident_call(ctx: RuntimeContext, fn: Callable[..., Any], write: bool, kinds: tuple[str, ...], load: bool,
+                   param: Any, *args: Any, **kwargs: Any) -> Any:
+    """`_in_memory`'s call of the accessor ``fn`` on ``param`` of ``ctx``."""
+    ctx.require_states(fn.__name__, kinds)
+    if "hp_params" in kinds or "lp_params" in kinds:
+        ctx.take_persistent_writes()  # in-place writes to kept-gathered parameters are read
+    if write and "lp_params" in kinds:
+        _refuse_racing_write(ctx, param, fn.__name__)
+    if not load:
+        return fn(param, *args, **kwargs)
+    with ctx.resident([param], write):
+        return fn(param, *args, **kwargs)
 
 
 def _refuse_racing_write(ctx: RuntimeContext, param: ZeroParameter, what: str) -> None:

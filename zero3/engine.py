@@ -355,6 +355,7 @@ class Engine(DeepSpeedEngineNames):
         return generation_mode(self)
 
     # -- the phase memory manager (zero3/offload/states.py) --------------------------------------------
+    @claiming("engine.offload_states()")
     def offload_states(self, include: Any = None, device: str = "cpu", pin_memory: bool = True,
                        non_blocking: bool = False, *, nvme_path: str | None = None) -> int:
         """Move model states out of memory between phases (training and generation), DeepSpeed's name.
@@ -391,6 +392,7 @@ class Engine(DeepSpeedEngineNames):
                                  "inference forward), not inside a forward or backward")
         return offload_engine_states(self, include, device, pin_memory, non_blocking, nvme_path)
 
+    @claiming("engine.reload_states()")
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what `offload_states` moved, in place (a no-op when nothing is offloaded).
         ``non_blocking``: return once the copies are started; whatever needs the states next waits."""
@@ -707,6 +709,12 @@ def clip_grad_norm_(engine_or_model: Any, max_norm: float, norm_type: float = 2.
     """
     norm_type = _check_clip_args(max_norm, norm_type)
     ctx = _clip_context(engine_or_model)
+    with ctx.claim.held("zero3.clip_grad_norm_"):  # a collective: one call of the engine at a time (review 38R1)
+        return _clip(ctx, max_norm, norm_type)
+
+
+def _clip(ctx: RuntimeContext, max_norm: float, norm_type: float) -> torch.Tensor:
+    """`clip_grad_norm_` of the engine of ``ctx``, checked arguments."""
     ctx.require_states("clip_grad_norm_", ("lp_grads",))
     ctx.finish_gradients()
     if not ctx.window_ends():

@@ -282,3 +282,58 @@ def test_leaving_generation_while_another_thread_decodes_waits_for_its_forward(c
     ref(x).square().sum().backward()
     ref_opt.step()
     assert_same_weights(model, ref)
+
+
+def test_collective_accessors_and_clipping_during_another_thread_s_forward_are_refused():
+    """Review 38R1: safe_get_full_fp32_param and clip_grad_norm_ from a monitoring thread during training
+    aborted both ranks in gloo at world size 2; the local accessors, which issue no collective, stay free."""
+    ref, model, engine = _build()
+    x = torch.randn(3, 8)
+    out: dict[str, torch.Tensor] = {}
+    t = _paused_forward(engine, model, x, out)
+    w = model.b.weight
+    for call in (lambda: zero3.safe_get_full_fp32_param(w), lambda: zero3.safe_set_full_fp32_param(w, torch.zeros(4, 8)),
+                 lambda: zero3.clip_grad_norm_(engine, 1.0), lambda: engine.offload_states()):
+        with pytest.raises(zero3.ConcurrentForwardError, match=r"began while thread .* runs a forward of the model"):
+            call()
+    assert zero3.safe_get_local_fp32_param(w) is not None  # no collective: not claimed
+    model.p.go.set()
+    t.join(30)
+    torch.testing.assert_close(zero3.safe_get_full_fp32_param(w), ref.b.weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("where", ["another thread", "this thread"])
+@pytest.mark.parametrize("how", ["engine", "model"])
+def test_a_forward_ended_by_a_base_exception_does_not_hold_the_engine_for_other_threads(how, where):
+    """Review 38R1: torch runs always_call hooks for Exception only, so a forward ended by KeyboardInterrupt or
+    SystemExit kept its claim: every other thread's calls were refused for good, and leaving generation()
+    waited for ever once that thread had ended."""
+    ref, model, engine = _build()
+    run = engine if how == "engine" else model
+    x = torch.randn(3, 8)
+
+    def interrupted() -> None:
+        def stop(module, args, output):
+            raise KeyboardInterrupt
+
+        handle = model.p.register_forward_hook(stop)
+        try:
+            run(x)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            handle.remove()
+
+    if where == "this thread":  # Ctrl-C in a notebook cell, the cell run again: its no-grad forward ends the step
+        with torch.enable_grad():
+            interrupted()
+    else:
+        t = threading.Thread(target=interrupted)
+        t.start()
+        t.join(30)
+        assert not t.is_alive()
+    with torch.no_grad():  # another thread (this one) can use the engine: the ended thread's claim is taken over
+        torch.testing.assert_close(engine(x), ref(x), rtol=1e-6, atol=1e-7)
+    with torch.no_grad(), engine.generation():  # and leave generation mode
+        torch.testing.assert_close(engine(x), ref(x), rtol=1e-6, atol=1e-7)
+    assert engine.context.claim.owner is None

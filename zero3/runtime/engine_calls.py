@@ -20,6 +20,7 @@ from ..errors import ConcurrentForwardError, ZeroConfigError, ZeroStateError
 from ..metrics import StepMetrics
 from ..offload.states import StatesOffload
 from .refusals import EAGER, STOP_RECOMPUTATION, eval_frame_callback, refuse_compiled_call
+from .thread_claim import release_forward
 
 logger = logging.getLogger("zero3.engine")  # the engine's logger: its progress and timer lines keep their name
 
@@ -149,6 +150,7 @@ def abort_forward(engine: Any, exc: BaseException) -> None:
     parameters it gathered failed on empty storage, probe 37A; the root's hook knew this already)."""
     if not isinstance(exc, (ConcurrentForwardError, STOP_RECOMPUTATION)):
         engine.hooks.step.abort(exc, "forward")
+        release_forward(engine.hooks)
 
 
 def end_micro_batch(engine: Any, boundary: bool, stepped: bool) -> None:

@@ -18,9 +18,10 @@ logger = logging.getLogger("zero3.engine")
 @contextlib.contextmanager
 def generation_mode(engine: Any) -> Iterator[Any]:
     """``engine.generation()``'s block (see its docstring). Entering claims the engine for a moment (refused
-    while another thread runs a call of it); leaving waits for a forward another thread still runs inside
+    while another thread runs a call of it); leaving waits until no forward of another thread runs inside
     the block (a ``generate`` thread feeding a streamer, left early: probe 38A, which ended the mode under
-    that forward: an internal error, then divergence, the group closed), then ends the mode, claimed."""
+    that forward: an internal error, then divergence, the group closed; forwards back to back keep the
+    engine until they stop), then ends the mode, claimed."""
     coordinator = engine.coordinator
     if coordinator.generating:  # nested: the outer block owns the mode
         yield engine

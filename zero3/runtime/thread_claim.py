@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, TypeVar
+
+from torch import nn
 
 from ..errors import ConcurrentForwardError
 
@@ -54,8 +57,15 @@ class ThreadClaim:
         if held is mine:
             return mine
         if held[0] != mine[0]:
+            if not _alive(held[0]):  # its thread ended holding it (a BaseException torch's always_call
+                self.release(held)   # hooks do not see: review 38R1): nothing runs, so it is free
+                return self.take(what)
             raise concurrent_call_refusal(what, held)
         return None
+
+    def holds(self, token: tuple[int, str]) -> bool:
+        """Whether the claim is ``token`` now."""
+        return self._held.get(0) is token
 
     def release(self, token: tuple[int, str] | None) -> None:
         """Give back the claim ``token`` took (nothing for None, or when the claim is no longer it)."""
@@ -72,8 +82,10 @@ class ThreadClaim:
             self.release(token)
 
     def take_waiting(self, what: str) -> tuple[tuple[int, str] | None, tuple[int, str] | None]:
-        """`take`, waiting while another thread holds the engine (its call is finite: a forward);
-        returns the token and what held the engine when this call began to wait (None: nothing)."""
+        """`take`, waiting while another thread holds the engine (a forward: finite; a holder whose thread
+        ended is taken over by `take`); returns the token and what held the engine when this call began
+        to wait (None: nothing). Not fair: a thread that runs forwards back to back keeps the engine
+        until it stops, which is what keeps ranks alike (generation_mode.py)."""
         first = None
         while True:
             try:
@@ -81,6 +93,20 @@ class ThreadClaim:
             except ConcurrentForwardError:
                 first = first or self._held.get(0)
                 time.sleep(0.001)
+
+
+def _alive(thread_id: int) -> bool:
+    """Whether a thread of this id runs (asked only when another thread holds the claim)."""
+    return any(t.ident == thread_id for t in threading.enumerate())
+
+
+def release_forward(hooks: Any) -> None:
+    """A root forward on this thread ended by an error the root's post-forward did not see (a
+    KeyboardInterrupt or SystemExit: torch runs always_call hooks for ``Exception`` only): give back
+    the claim it took (review 38R1: every other thread's calls were refused for good)."""
+    if hooks._claim.owner == threading.get_ident():
+        hooks._claim.release(hooks._forward_token)
+        hooks._forward_token = None
 
 
 def concurrent_call_refusal(what: str, held: tuple[int, str]) -> ConcurrentForwardError:
@@ -111,9 +137,28 @@ def root_pre(hooks: Any, pre: Callable[..., Any], *args: Any) -> Any:
     except ConcurrentForwardError:
         _REFUSED.hooks = hooks  # for this call's post-forward, which torch runs anyway (always_call)
         raise
+    stale = bool(hooks.stack) and not hooks._resident_calls and (
+        token is not None  # no forward ran (the engine was free), yet calls are open
+        or (hooks._forward_token is not None and hooks._claim.holds(hooks._forward_token) and _root_calls(hooks) < 2))
+    if stale:  # the last forward ended by a BaseException (Ctrl-C), which torch's always_call hooks skip (review 38R1)
+        hooks.step.abort(RuntimeError("the model's last forward ended by an exception its hooks did not see"), "forward")
+        if token is None:  # this thread's own forward's claim, left by it: taken anew
+            hooks._claim.release(hooks._forward_token)
+            token = hooks._claim.take(FORWARD)
     if token is not None:
         hooks._forward_token = token
     return pre(*args)
+
+
+def _root_calls(hooks: Any) -> int:
+    """How many calls of the root run on this thread (this one included): a second one means the root
+    is called inside itself, not a forward left open by an error."""
+    code, root, n = nn.Module._call_impl.__code__, hooks.root, 0
+    f = sys._getframe(1)
+    while f is not None:
+        n += f.f_code is code and f.f_locals.get("self") is root
+        f = f.f_back
+    return n
 
 
 class _Refused(threading.local):
