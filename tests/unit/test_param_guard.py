@@ -600,14 +600,56 @@ class _ListRead(nn.Module):
         return s.blk(x) * s._l[0]
 
 
-def test_a_forward_whose_first_argument_is_not_named_self_gets_the_generic_advice():
+class _ListReadArgs(_ListRead):
+    def forward(*args):  # noqa: N805
+        return args[0].blk(args[1]) * args[0]._l[0]
+
+
+class _ListReadStatic(_ListRead):
+    @staticmethod
+    def forward(x):
+        return _STATIC[0].blk(x) * _STATIC[0]._l[0]
+
+
+def _fwd(self, x):
+    return self.blk(x) * self._l[0]
+
+
+class _ListReadAssigned(_ListRead):
+    forward = _fwd
+
+
+_STATIC: list = []
+
+
+@pytest.mark.parametrize("cls", [_ListRead, _ListReadArgs, _ListReadStatic, _ListReadAssigned])
+def test_a_forward_however_written_gets_the_generic_advice(cls):
     """Probe 38B: the advice looked for a local named ``self``; with ``def forward(s, x)`` it took the
-    root's ``__call__`` for a hook and blamed a prepended pre-hook no one registered."""
-    model = _ListRead()
+    root's ``__call__`` for a hook and blamed a prepended pre-hook no one registered; review 38R1: so it
+    did for ``forward(*args)``, a static forward and an assigned one (a forward is known by its code)."""
+    model = cls()
+    _STATIC[:] = [model]
     engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
     try:
         with pytest.raises(ZeroStateError, match=r"sub\.g .*register_external_parameter") as info:
             model(torch.randn(2, 4))
         assert "prepend=True" not in str(info.value)
+    finally:
+        engine.remove_hooks()
+
+
+def test_a_free_function_named_forward_is_not_taken_for_a_forward_called_directly():
+    """Review 38R1: a function named ``forward`` whose first argument is the model was said to be
+    ``model.forward`` called directly."""
+    model = _RootParam()
+    engine = zero3.initialize(model, None, {"param_persistence_threshold": 0})
+
+    def forward(m, x):
+        return x + m.wpe[: x.shape[0]]
+
+    try:
+        with pytest.raises(ZeroStateError, match=r"Outside a forward, wrap the code in") as info:
+            forward(model, torch.randn(5, 4))
+        assert "called directly" not in str(info.value)
     finally:
         engine.remove_hooks()

@@ -54,8 +54,12 @@ def skipped_hooks_advice(p: Any) -> str | None:
     while f is not None:
         frames.append(f)
         f = f.f_back
+    forwards = _forward_codes(root)
     for i, f in enumerate(frames):
-        module = _first_argument(f) if f.f_code.co_name == "forward" or f.f_code is call_code else None
+        if f.f_code is call_code:
+            module = _first_argument(f)
+        else:
+            module = _module_running(f, forwards.get(f.f_code), p)
         if not _holds(module, p):
             continue
         name = next((n for n, m in root.named_modules() if m is module), None)
@@ -77,10 +81,38 @@ def skipped_hooks_advice(p: Any) -> str | None:
 
 
 def _first_argument(f: FrameType) -> object:
-    """The frame's first argument (a method's instance, whatever its name: ``def forward(s, x)``, probe
-    38B: taken for a hook of the root, the advice blamed a prepended pre-hook no one registered)."""
+    """The frame's first argument (``self`` of ``nn.Module._call_impl``)."""
     code = f.f_code
     return f.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+
+
+def _forward_codes(root: nn.Module) -> dict[CodeType, list[nn.Module]]:
+    """The code of each module's ``forward`` (through decorators, static and class methods, an
+    assigned function), with the modules that run it. A frame is a module's forward by its code, not
+    its name (probe 38B: ``def forward(s, x)``; review 38R1: ``forward(*args)``, a static forward, a free
+    function named forward)."""
+    out: dict[CodeType, list[nn.Module]] = {}
+    for m in root.modules():
+        fn = getattr(type(m), "forward", None)
+        fn = getattr(fn, "__func__", fn)
+        while hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        code = getattr(fn, "__code__", None)
+        if isinstance(code, CodeType):
+            out.setdefault(code, []).append(m)
+    return out
+
+
+def _module_running(f: FrameType, modules: list[nn.Module] | None, p: Any) -> nn.Module | None:
+    """The module whose forward frame ``f`` is (its instance when the frame holds it, else the one
+    module of that code that holds ``p``), or None when ``f`` runs no module's forward."""
+    if not modules:
+        return None
+    first = _first_argument(f)
+    if any(m is first for m in modules):
+        return first  # type: ignore[return-value]
+    holding = [m for m in modules if _holds(m, p)]
+    return holding[0] if len(holding) == 1 else None
 
 
 def _in_multi_grad_hook() -> bool:
