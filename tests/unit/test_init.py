@@ -1259,3 +1259,34 @@ def test_a_class_decorated_while_init_is_open_keeps_its_decorator_after_and_in_t
     assert first.scale == plain.scale == second.scale == 2.0 and Patched(4, 4).scale == 2.0
     assert zero3.is_partitioned(first.weight) and zero3.is_partitioned(second.weight)
     assert not zero3.is_partitioned(plain.weight)
+
+
+def test_an_init_block_left_from_another_thread_says_so_and_leaves_no_stale_block():
+    """Review 38R3: a generator suspended inside ``zero3.Init`` and closed on another thread raised a bare
+    IndexError from ``__exit__``, whose clean-up never ran: torch's functions stayed patched, and a later
+    Init in the first thread partitioned nothing (its stack still held the dead block)."""
+    apply = nn.Module.apply
+
+    def build():
+        with zero3.Init():
+            yield nn.Linear(4, 4)
+
+    it = build()
+    next(it)
+    raised = []
+
+    def close():
+        try:
+            it.close()
+        except zero3.ZeroStateError as exc:
+            raised.append(str(exc))
+
+    t = threading.Thread(target=close)
+    t.start()
+    t.join(30)
+    assert raised and "left in another context than it was entered in" in raised[0]
+    assert nn.Module.apply is apply  # the process-wide patches went with the last open block
+    assert type(nn.Linear(4, 4).weight) is nn.Parameter
+    with zero3.Init():
+        built = nn.Linear(4, 4)
+    assert isinstance(built.weight, zero3.ZeroParameter)  # a later block partitions again

@@ -9,6 +9,7 @@ directory; the callers agree on the outcome across ranks.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from .format import LATEST_FILE, METADATA_FILE, CheckpointError, check_tag
@@ -65,20 +66,22 @@ def check_not_foreign(load_dir: str | os.PathLike[str], tag: str | None) -> None
             "docs/api.md. Nothing was loaded")
 
 
-_WEIGHT_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-_WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+_WEIGHT_NAMES = ("model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_SHARD = re.compile(r"pytorch_model-\d+-of-\d+\.bin")
 
 
 def weight_files(directory: str | os.PathLike[str]) -> list[str]:
-    """The weight files directly in ``directory`` (``model.safetensors`` and its index,
-    ``pytorch_model.bin`` and its index, ``*.safetensors``, ``*.pt``, ``*.pth``, ``*.bin``: what
-    ``save_pretrained``, ``save_16bit_model``, ``zero_to_fp32`` or ``torch.save`` write), sorted; ``[]``
-    when there are none or it cannot be listed."""
+    """The weight files directly in ``directory``, by the names weights go by (``*.safetensors``,
+    ``pytorch_model.bin``, its shards and the two indexes: what ``save_pretrained``,
+    ``save_16bit_model``'s default and ``zero_to_fp32`` write), sorted; ``[]`` when there are none or
+    it cannot be listed. Any other ``.pt``, ``.pth`` or ``.bin`` is not taken for one: a run directory
+    holds the Trainer's ``training_args.bin``, a tokenizer's or a dataset's ``.bin``, the user's
+    ``optimizer.pt`` (review 38R3: those were refused at a first launch)."""
     try:
         names = sorted(os.listdir(directory))
     except OSError:
         return []
-    return [n for n in names if (n in _WEIGHT_NAMES or n.endswith(_WEIGHT_SUFFIXES))
+    return [n for n in names if (n in _WEIGHT_NAMES or n.endswith(".safetensors") or _SHARD.fullmatch(n))
             and os.path.isfile(os.path.join(directory, n))]
 
 
@@ -90,7 +93,7 @@ def weight_files_error(directory: str | os.PathLike[str], files: list[str]) -> C
         f"{directory}: holds no zero3 checkpoint (no {LATEST_FILE}, no saved tag) but weight files "
         f"({', '.join(files[:4])}{more}): load_checkpoint reads only what save_checkpoint writes, and does not "
         "return (None, None) for a directory of weights, which an auto-resume script would take for a first "
-        "launch. A state dict file (.safetensors or its index, .pt, .pth, .bin) loads with "
+        "launch. A state dict file (.safetensors or its index, pytorch_model.bin) loads with "
         "zero3.pretrained.load_state_dict(engine, path); a Hugging Face directory with zero3.from_pretrained. "
         "To resume from a zero3 checkpoint, pass the directory save_checkpoint wrote. Nothing was loaded")
 

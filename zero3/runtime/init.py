@@ -39,6 +39,7 @@ way, which data-parallel code does.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 from dataclasses import dataclass, field
@@ -96,6 +97,7 @@ class _InitState:
     # hands out ds_ids, which must follow the same order on every rank; a set's follows addresses).
     modules: "WeakKeyDictionary[nn.Module, None]" = field(default_factory=WeakKeyDictionary)
     touched: dict[int, ZeroParameter] = field(default_factory=dict)  # kept gathered: views handed out
+    closed: bool = False  # its block exited (from another context, it stays on this context's stack: skipped)
 
 
 _STACK: contextvars.ContextVar[tuple[_InitState, ...]] = contextvars.ContextVar("zero3_init", default=())
@@ -218,6 +220,7 @@ class Init:
         self._token: Any = None
         self._handler_token: Any = None
         self._patches_token: Any = None  # set by this context's outermost Init (init_patches.py)
+        self._entered: Any = None  # the build state this block pushed
         if module is not None and enabled:
             self._partition_built(module)
 
@@ -250,11 +253,12 @@ class Init:
         _refuse_meta_default_device()  # also for an Init made outside the meta device and entered inside it
         state = self._state()
         align_ids(state.ctx.comm)
-        stack = _STACK.get()
+        stack = tuple(s for s in _STACK.get() if not s.closed)  # a block left from another context: gone
         if self._sync == "rng" and state.ctx.world_size > 1:
             self._own_rng = _sync_rng(state.ctx)
         if not stack:  # this context's outermost Init (a collective that failed above has installed nothing)
             self._patches_token = open_patches(_REPLACEMENTS)
+        self._entered = state
         self._token = _STACK.set(stack + (state,))
         self._handler_token = construction_handler.set(_touch)
         return self
@@ -262,24 +266,35 @@ class Init:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self.enabled or self._token is None:
             return
-        state = _STACK.get()[-1]
-        try:
-            _write_back(state)
-            if exc_type is None:
-                for m in list(state.modules):
-                    _partition_module(m, state, recurse=False)
-            if state.ctx.coordinator.shards is not None:
-                state.ctx.coordinator.shards.flush()  # every shard written before the model is used
+        stack = _STACK.get()
+        here = bool(stack) and stack[-1] is self._entered  # else left from another context (review 38R3: a
+        try:                                                # generator suspended in the block, closed on another thread)
+            if here:
+                _write_back(self._entered)
+                if exc_type is None:
+                    for m in list(self._entered.modules):
+                        _partition_module(m, self._entered, recurse=False)
+                if self._entered.ctx.coordinator.shards is not None:
+                    self._entered.ctx.coordinator.shards.flush()  # every shard written before the model is used
         finally:
-            construction_handler.reset(self._handler_token)
-            _STACK.reset(self._token)
+            self._entered.closed = True
+            for var, token in ((construction_handler, self._handler_token), (_STACK, self._token)):
+                with contextlib.suppress(ValueError):  # a token of another context: its value stays there
+                    var.reset(token)
             self._token = None
             if self._own_rng is not None:  # this rank's own stream again (`_sync_rng`)
                 self._own_rng.restore()
                 self._own_rng = None
             if self._patches_token is not None:
-                close_patches(self._patches_token)
+                with contextlib.suppress(ValueError):
+                    close_patches(self._patches_token)  # the process-wide count goes down whatever the context
                 self._patches_token = None
+        if not here:
+            raise ZeroStateError(
+                "zero3.Init was left in another context than it was entered in (a generator or coroutine suspended "
+                "inside the block, then closed or resumed on another thread or after the context's other blocks "
+                "closed): what it built was not partitioned by it. Keep an Init block within one function call "
+                "on one thread")
 
 
 def _refuse_meta_default_device(call: str | None = None) -> None:
@@ -342,8 +357,7 @@ def _remote_device(value: Any) -> torch.device | None:
 
 
 def _current() -> _InitState | None:
-    stack = _STACK.get()
-    return stack[-1] if stack else None
+    return next((s for s in reversed(_STACK.get()) if not s.closed), None)
 
 
 def _sync_rng(ctx: RuntimeContext) -> _OwnRng | None:
