@@ -88,3 +88,46 @@ def test_buckets_larger_than_a_slot_travel_pairwise_in_the_same_step(pools):
         _same(a, b)
         assert all(n > 0 for n in a["outbox"]) and all(n > 0 for n in a["wire"]), a
         assert all(x < y for x, y in zip(a["wire"], b["wire"]))
+
+
+def _live_bytes_after_steps(reduce_impl: str) -> int:
+    """Bytes of the private (not /dev/shm) CPU tensor storages alive after 3 steps, beyond those alive
+    before the model was built: what the run holds between steps."""
+    import gc
+
+    def storages() -> dict[int, int]:
+        out = {}
+        for o in gc.get_objects():
+            if isinstance(o, torch.Tensor) and not o.is_meta and not o.is_shared():
+                s = o.untyped_storage()
+                if s.nbytes():
+                    out[s.data_ptr()] = s.nbytes()
+        return out
+
+    gc.collect()
+    base = storages()
+    cfg = GPTConfig()
+    torch.manual_seed(0)
+    with zero3.Init():
+        net = GPT(cfg)
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, eps=1e-6)
+    engine = zero3.initialize(net, opt, {**LEAN, "reduce_scatter_impl": reduce_impl, "reduce_bucket_size": 10**6})
+    rank = dist.get_rank()
+    for step in range(3):
+        x, y = synthetic_batch(step, PER_RANK * 2, cfg)
+        engine.backward(engine(x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]))
+        engine.step()
+    gc.collect()
+    held = sum(n for ptr, n in storages().items() if ptr not in base)
+    engine.remove_hooks()
+    return held
+
+
+def test_a_shared_reduction_holds_no_gradient_buffer_between_steps(pools):
+    """Probe 38I: the last shared reduction of a step kept its result (a gradient shard's worth, the
+    whole model's with one bucket) alive until the next step's first reduction, uncounted by
+    memory_report; between steps a run through the outboxes holds what one on the wire holds."""
+    shm = pools.get(2).run(_live_bytes_after_steps, "shm")
+    wire = pools.get(2).run(_live_bytes_after_steps, "p2p")
+    for a, b in zip(shm, wire):
+        assert abs(a - b) < 4096, (a, b)

@@ -124,8 +124,9 @@ class PairwiseWork:
                 w.wait()
             self.done = True
             self.keep = self.works = []
-            if self.then is not None:
-                self.then()
+            then, self.then = self.then, None  # what it holds (a shared reduction's result) goes with it:
+            if then is not None:                # the work itself is kept until the next is issued (probe 38I)
+                then()
         return True
 
 
