@@ -74,8 +74,9 @@ def main() -> None:
             total += loss.item() / engine.gradient_accumulation_steps()
         losses[step] = total
         if engine.global_rank == 0:
+            norm = engine.get_global_grad_norm()  # None without gradient_clipping, as DeepSpeed's (probe 38K)
             print(f"step {step} loss {total:.6f} lr {lr_scheduler.get_last_lr()[0]:.2e} "
-                  f"grad norm {engine.get_global_grad_norm():.4f}", flush=True)
+                  f"grad norm {'-' if norm is None else f'{norm:.4f}'}", flush=True)
         if step + 1 == args.save_at and not args.resume:
             engine.save_checkpoint(args.save_dir, tag=f"step{step + 1}", client_state={"step": step + 1})
     engine.save_16bit_model(args.save_dir, "pytorch_model.bin")

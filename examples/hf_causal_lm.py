@@ -10,7 +10,8 @@ Needs ``pip install -e '.[hf]'`` (transformers). Nothing is downloaded (``HF_HUB
    its config and writes it with ``save_pretrained`` (skipped when ``--pretrained`` already holds one).
 2. ``zero3.from_pretrained(AutoModelForCausalLM, path)`` on every rank: it builds the model under
    ``zero3.Init`` without random initialisation, and each rank reads only its slice of every tensor
-   from ``model.safetensors``, so no rank ever holds the full model.
+   from ``model.safetensors``, so no rank ever holds the full model (with ``--persistence`` 0, the
+   default here; parameters under a persistence threshold are kept whole on every rank).
 3. ``zero3.initialize`` with AdamW; each rank trains on its half of every batch.
 4. ``model.generate()`` (greedy) completes each line from its first two words.
 5. ``engine.save_pretrained(out)`` gathers one tensor at a time onto rank 0, which writes it into
@@ -117,7 +118,9 @@ def run(args: argparse.Namespace) -> None:
         if r == rank:
             print(f"2. rank {rank}: loaded {type(model).__name__} ({n_params:,} parameters; missing "
                   f"{sorted(loaded['missing_keys'])}, unexpected {sorted(loaded['unexpected_keys'])}); holds "
-                  f"{held['param_shard_bytes']:,} of {held['full_param_bytes']:,} parameter bytes", flush=True)
+                  f"{held['param_shard_bytes']:,} bytes of parameter shards + {held['persistent_param_bytes']:,} of "
+                  f"persistent parameters (whole on every rank) of {held['full_param_bytes']:,} parameter bytes",
+                  flush=True)
         dist.barrier()
 
     ids, mask, labels = encode(LINES)
@@ -148,9 +151,10 @@ def run(args: argparse.Namespace) -> None:
     train_s = time.perf_counter() - t0
     held, peak = engine.memory_report(), engine.last_step_metrics.peak_live_bytes
     if rank == 0:
-        print(f"   between steps rank 0 holds {held['param_shard_bytes']:,} bytes of parameter shards and "
-              f"{held['optimizer_state_bytes']:,} of AdamW state on them; the last step had at most {peak:,} "
-              f"parameter bytes gathered at once", flush=True)
+        print(f"   between steps rank 0 holds {held['param_shard_bytes']:,} bytes of parameter shards, "
+              f"{held['persistent_param_bytes']:,} of persistent parameters and {held['optimizer_state_bytes']:,} "
+              f"of AdamW state on the shards; the last step had at most {peak:,} parameter bytes gathered at once",
+              flush=True)
 
     # 4. Generate. Every forward of generate() is an inference step that gathers each module's weights.
     gathers = copy.copy(engine.metrics)

@@ -100,3 +100,16 @@ def test_the_example_gpt_runs_as_two_torchrun_nodes_with_hpz_qwz_and_qgz(tmp_pat
     assert run["recv_bytes"]["secondary all-gather"]["inter"] == 0
     assert run["peak_secondary_bytes"] > 0
     assert run["losses"][-1] < run["losses"][0]
+
+
+@pytest.mark.parametrize("persistence,fraction", [(0, "0.500"), (100_000, "0.750")])
+def test_the_example_gpt_counts_persistent_parameters_in_what_a_rank_holds(tmp_path, persistence, fraction):
+    """Probe 38K: with every parameter persistent (whole on every rank) the example printed 0.500 of the
+    model's state per rank where a rank held 0.750 (params whole, gradients and AdamW state halved)."""
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--nproc", "2", "--steps", "2",
+                          "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--persistence", str(persistence)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 2 and all(f"= {fraction} of the full model's" in line for line in lines), out.stdout
