@@ -28,7 +28,7 @@ from .checkpoint.sixteen_bit import save_16bit_model, sixteen_bit_state_dict
 from .comm.agreement import agree_on_config
 from .comm.communicator import Communicator, Kind, Tag
 from .comm.tags import OPTIMIZER_STEP
-from .comm.process_group import ensure_default_group
+from .comm.process_group import ensure_default_group, group_of_mesh
 from .config import ZeroConfig, resolve_config
 from .checkpoint.live_state_dict import consolidated_state_dict
 from .runtime.context import RuntimeContext, build_context, context_of
@@ -510,25 +510,29 @@ class Engine(DeepSpeedEngineNames):
 
 
 def _explain_target(engine: Engine, target: Any) -> tuple[str, Any]:
-    """What ``engine.explain(target)`` asks about, as the coordinator names it."""
+    """What ``engine.explain(target)`` asks about, as the coordinator names it: a module stands for its
+    parameters and its submodules', wherever their decisions were taken (probe 38I: the actions at a
+    block's own hooks said nothing of its leaves'), a parameter for itself under any of its names (a
+    tied one's second name was "no parameter")."""
     if target is None:
         return ("all", None)
     if isinstance(target, ZeroParameter):
         return ("param", target._zero.id)
-    if isinstance(target, nn.Module):
-        for name, m in engine.module.named_modules():
-            if m is target:
-                return ("module", name)
-        raise ZeroConfigError("explain(): that module is not part of this engine's model")
+    modules = dict(engine.module.named_modules())
     if isinstance(target, str):
-        for p in engine.params:
-            if p._zero.name == target:
+        for name, p in engine.module.named_parameters(remove_duplicate=False):
+            if name == target and isinstance(p, ZeroParameter):
                 return ("param", p._zero.id)
-        if target in dict(engine.module.named_modules()):
-            return ("module", target)
-        if target == "budget":
-            return ("budget", None)
-        raise ZeroConfigError(f"explain(): no parameter or module named {target!r}")
+        if target not in modules:
+            if target == "budget":
+                return ("budget", None)
+            raise ZeroConfigError(f"explain(): no parameter or module named {target!r}")
+        target = modules[target]
+    if isinstance(target, nn.Module):
+        if not any(m is target for m in modules.values()):
+            raise ZeroConfigError("explain(): that module is not part of this engine's model")
+        owned = [*target.parameters(), *(q for m in target.modules() for q in getattr(m, "_external_params", ()))]
+        return ("params", frozenset(p._zero.id for p in owned if isinstance(p, ZeroParameter)))
     raise ZeroConfigError(f"explain() takes a parameter, module, name or None, got {type(target).__name__}")
 
 
@@ -611,6 +615,7 @@ def initialize(model: nn.Module | None = None, optimizer: Any = None, config: An
     if not isinstance(model, nn.Module):
         raise TypeError(f"zero3.initialize: model must be a torch.nn.Module, got {type(model).__name__}: {model!r:.80}")
     ensure_default_group("zero3.initialize")
+    group = group_of_mesh(group, "zero3.initialize")
     if group is None and mpu is not None:
         group = data_parallel_group(mpu)
     if mpu is not None:  # over every rank, before a collective over its data-parallel group (probe 35A: ranks

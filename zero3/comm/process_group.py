@@ -144,6 +144,21 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta = D
                     dist.get_world_size())
 
 
+def group_of_mesh(group: Any, who: str) -> Any:
+    """``group`` as a process group: a one-dimensional ``DeviceMesh`` stands for its group (FSDP2 users
+    pass one: probe 38F got torch's "not registered, please create group with new_group"); a mesh of
+    several dimensions is refused naming the one to take. Anything else is returned as it is."""
+    from torch.distributed.device_mesh import DeviceMesh
+    if not isinstance(group, DeviceMesh):
+        return group
+    if group.ndim == 1:
+        return group.get_group()
+    names = group.mesh_dim_names
+    pick = f'mesh["{names[0]}"]' if names else "mesh[<the data-parallel dimension's name>]"
+    raise ZeroConfigError(f"{who}(group=...) got a {group.ndim}-dimensional DeviceMesh {tuple(group.shape)}: zero3 "
+                          f"shards over one process group; pass the data-parallel dimension's, {pick}.get_group()")
+
+
 def ensure_default_group(who: str) -> None:
     """Before ``who`` (``zero3.Init``, ``zero3.initialize``) reads its group: with no process group
     and a launcher's ``WORLD_SIZE`` > 1, make the default group from the environment (one INFO line

@@ -131,6 +131,32 @@ def _parametrization_on_stack() -> str | None:
     return None if f is None else codes[f.f_code]
 
 
+_WRAPPERS = (  # (a file of torch's that reads every parameter, what it is, what works instead)
+    (("torch", "nn", "parallel", "distributed.py"), "torch's DistributedDataParallel wrapping the zero3 model",
+     "do not wrap it: zero3 already reduces its gradients over the data-parallel ranks (pass the group to "
+     "zero3.initialize)"),
+    (("torch", "distributed", "fsdp"), "torch's FSDP (fully_shard) wrapping the zero3 model",
+     "do not wrap it: zero3 already shards its parameters, gradients and optimizer state"),
+    (("torch", "distributed", "checkpoint"), "torch.distributed.checkpoint reading the zero3 model's state dict",
+     "save with engine.save_checkpoint(dir) (any world size loads it) or engine.consolidated_state_dict() (a "
+     "full state dict for dcp.save or torch.save); docs/checkpoints.md"),
+)
+
+
+def _wrapper_on_stack() -> str | None:
+    """What to say when one of torch's wrappers or checkpoint helpers (`_WRAPPERS`) is reading the
+    parameters below the caller, else None."""
+    f: FrameType | None = sys._getframe(2)
+    while f is not None:
+        parts = f.f_code.co_filename.replace("\\", "/").split("/")
+        for path, what, instead in _WRAPPERS:
+            n = len(path)
+            if any(tuple(parts[i:i + n]) == path for i in range(len(parts) - n + 1)):
+                return f"{what} reads every parameter, which zero3 keeps partitioned; {instead}. Nothing was changed"
+        f = f.f_back
+    return None
+
+
 def partitioned_use_message(which: str, what: str, target: Any) -> str:
     """The error for a use of a partitioned parameter outside every specific case param.py `_guard`
     names: the call that skipped zero3's hooks where there was one, else the ways to gather it."""
@@ -149,6 +175,9 @@ def partitioned_use_message(which: str, what: str, target: Any) -> str:
                 "each tensor (view_as) to find its gradient node. Register it inside "
                 "`with zero3.GatheredParameters(params):` (it then fires as torch's, with this rank's gradients "
                 "before zero3 reduces them), or use p.register_post_accumulate_grad_hook on each parameter")
+    wrapper = _wrapper_on_stack()
+    if wrapper is not None:  # probe 38F: the user saw a 'detach' or 'stride' they never wrote, and advice for forwards
+        return f"parameter {which} is used by {what} while it is partitioned: {wrapper}"
     skipped = skipped_hooks_advice(target) if target is not None and target._zero.ctx is not None else None
     if skipped is not None:
         return f"parameter {which} is used by {what} while it is partitioned, outside zero3's hooks: {skipped}"

@@ -66,7 +66,7 @@ from .adopt import take_from_rank0
 from .buffers import ModuleBuffers
 from .engine_calls import take_persistent_writes
 from .publish import write_updated
-from .refusals import (refuse_memory_format, refuse_shared_storage, refuse_unshardable_embeddings, unshardable,
+from .refusals import (refuse_dtensors, refuse_memory_format, refuse_shared_storage, refuse_unshardable_embeddings, unshardable,
                        unshardable_refusal)
 from .leaf import check_leaf_classes, leaf_modules
 from .thread_claim import ThreadClaim
@@ -426,6 +426,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     if lazy is not None:
         raise lazy_refusal(lazy)
     refuse_unshardable_embeddings(model)
+    refuse_dtensors(model)
     refuse_shared_storage(model)
     refuse_memory_format(model)
     bad = next(((n, p) for n, p in model.named_parameters() if unshardable(p)), None)

@@ -54,7 +54,7 @@ from ..partition import sharding
 from ..planning.persistence import MemoryBudget, PersistenceRule
 from ..comm.agreement import agree_on_config
 from ..comm.communicator import Kind, Tag
-from ..comm.process_group import ensure_default_group
+from ..comm.process_group import ensure_default_group, group_of_mesh
 from ..config import ZeroConfig, resolve_config
 from ..config.sections import DRIVE_POOL_KNOBS, OffloadConfig
 from .context import RuntimeContext, align_ids, lazy_refusal, meta_refusal
@@ -194,7 +194,7 @@ class Init:
         if enabled:
             _refuse_meta_default_device("zero3.Init(module=...) was called" if module is not None else None)
             ensure_default_group("zero3.Init")
-        self._group = data_parallel_group if data_parallel_group is not None else group
+        self._group = group_of_mesh(data_parallel_group if data_parallel_group is not None else group, "zero3.Init")
         if mpu is not None:
             if self._group is None:
                 self._group = mpu_data_parallel_group(mpu)

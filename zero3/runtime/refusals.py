@@ -200,6 +200,20 @@ def refuse_memory_format(model: nn.Module) -> None:
                 "torch's convolutions follow their input's layout. zero3.initialize changed nothing")
 
 
+def refuse_dtensors(model: nn.Module) -> None:
+    """At ``initialize``: a DTensor parameter (torch's tensor parallelism, ``parallelize_module``, or FSDP2's
+    ``fully_shard``). zero3 shards plain tensors; partitioning a DTensor failed inside torch's dispatch,
+    which the first broadcast reported as a timeout and closed zero3's group (probe 38F)."""
+    from torch.distributed.tensor import DTensor
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            raise ZeroConfigError(
+                f"parameter {name} is a DTensor (placements {list(p.placements)}: torch's parallelize_module or "
+                "FSDP2's fully_shard made it): zero3 shards plain tensors and does the data-parallel sharding itself. "
+                "Give zero3.initialize the model before fully_shard; for tensor parallelism beside zero3, use "
+                "Megatron-style layers and pass mpu= (docs/api.md). zero3.initialize changed nothing")
+
+
 def unshardable(p: torch.Tensor) -> bool:
     """A parameter zero3 cannot split into flat shards: complex, or not strided (sparse)."""
     return p.is_complex() or p.layout is not torch.strided
