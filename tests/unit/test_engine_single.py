@@ -897,3 +897,26 @@ def test_an_interrupt_from_the_scheduler_comes_after_the_step_has_ended():
     with pytest.raises(KeyboardInterrupt):
         engine.step()
     assert engine.global_steps == 1 and engine.was_step_applied()
+
+
+def test_explain_of_a_module_covers_its_submodules_parameters_and_a_tied_name_is_a_name():
+    """Probe 38I: ``engine.explain(block)`` listed only the decisions taken at the block's own hooks (none: its
+    parameters live in its leaves), and a tied weight's second name was "no parameter or module named"."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(16, 8)
+    head = nn.Linear(8, 16, bias=False)
+    head.weight = emb.weight
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    model = nn.Sequential(emb, block, head)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"param_persistence_threshold": 0, "max_reuse_distance": 0})
+    for _ in range(2):
+        engine.backward(engine(torch.randint(0, 16, (2, 4))).square().mean())
+        engine.step()
+    lines = engine.explain(block)[1:]
+    names = {line.split("(")[1].split(")")[0] for line in lines}
+    assert names == {"1.0.weight", "1.0.bias", "1.2.weight", "1.2.bias"}, lines
+    assert engine.explain("1") == engine.explain(block)
+    assert engine.explain("2.weight") == engine.explain("0.weight") and len(engine.explain("0.weight")) > 1
+    with pytest.raises(ZeroConfigError, match="no parameter or module named '2.nope'"):
+        engine.explain("2.nope")

@@ -167,8 +167,10 @@ class Schedule:
     end_reasons: tuple[Reason, ...] = ()
     param_names: tuple[tuple[int, str], ...] = ()
 
-    def explain(self, param_id: int | None = None, module: str | None = None) -> list[str]:
-        """One line per decision, filtered to a param and/or a module's events (None: all).
+    def explain(self, param_id: int | None = None, module: str | None = None,
+                param_ids: frozenset[int] | None = None) -> list[str]:
+        """One line per decision, filtered to a param, a set of params (a module's: `engine.explain(module)`)
+        and/or a module's events (None: all).
 
         End-of-step releases belong to no module and are listed unless `module` is given.
         """
@@ -176,7 +178,7 @@ class Schedule:
         lines: list[str] = []
 
         def add(where: str, reason: Reason) -> None:
-            if param_id is None or reason.param == param_id:
+            if (param_id is None or reason.param == param_id) and (param_ids is None or reason.param in param_ids):
                 label = names.get(reason.param, "")
                 lines.append(f"{where}: param {reason.param} ({label}) {reason.decision.name}: {reason.describe()}")
 

@@ -348,4 +348,6 @@ class StepTraces:
             return header + schedule.explain(param_id=value)  # type: ignore[arg-type]
         if kind == "module":
             return header + schedule.explain(module=value)  # type: ignore[arg-type]
+        if kind == "params":  # a module's parameters, wherever their decisions were taken
+            return header + schedule.explain(param_ids=value)  # type: ignore[arg-type]
         return header + schedule.explain()
