@@ -71,6 +71,8 @@ def check_swap_directories(directories: list[str]) -> None:
     for directory in directories:
         try:
             SwapFile(directory, "checked by initialize")  # unlinked at once, closed when dropped
+        except ZeroConfigError:  # the directory's own refusal (a ValueError too), as it is
+            raise
         except (OSError, ValueError) as exc:  # ValueError: a NUL in the path (review 38R2)
             raise ZeroConfigError(f"cannot write a swap file in {directory!r}: {getattr(exc, 'strerror', None) or exc}; "
                                   "set an nvme_path on a writable drive") from exc
