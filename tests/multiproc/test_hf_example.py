@@ -55,7 +55,8 @@ def test_the_example_runs_end_to_end_and_the_saved_directory_generates_the_same_
     assert "generates the same text: True" in log, log[-4000:]
     for rank in (0, 1):
         assert f"2. rank {rank}: loaded LlamaForCausalLM (106,816 parameters; missing [], unexpected []); " \
-               "holds 213,632 of 427,264 parameter bytes" in log
+               "holds 213,632 bytes of parameter shards + 0 of persistent parameters (whole on every rank) of " \
+               "427,264 parameter bytes" in log
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and all((out / f).is_file() for f in files)  # split by the small --max-shard-size

@@ -144,6 +144,12 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta = D
                     dist.get_world_size())
 
 
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (torch's tensor parallelism, FSDP2)."""
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
 def group_of_mesh(group: Any, who: str) -> Any:
     """``group`` as a process group: a one-dimensional ``DeviceMesh`` stands for its group (FSDP2 users
     pass one: probe 38F got torch's "not registered, please create group with new_group"); a mesh of

@@ -112,6 +112,17 @@ _OFF_KEYS = {  # key: (what it does in DeepSpeed, its off value)
 }
 
 
+UNTESTED_OPTIMIZER = "zero_allow_untested_optimizer"
+
+
+def read_untested_optimizer(value: Any, out: KnobValues) -> None:
+    """DeepSpeed's ``zero_allow_untested_optimizer`` as DeepSpeed reads it, in either format: 0/1 and
+    "yes"/"off" too (by their meaning); None or "auto": the default."""
+    check_ignored(UNTESTED_OPTIMIZER, UNTESTED_OPTIMIZER, value)
+    if value is not None and value != "auto":
+        out.set(UNTESTED_OPTIMIZER, not _lax_false(value), UNTESTED_OPTIMIZER)
+
+
 def is_deepspeed_dict(d: dict[str, Any]) -> bool:
     """Whether ``d`` is written in DeepSpeed's keys (else in zero3's flat names): it has a
     ``zero_optimization`` section or a top-level key DeepSpeed has and zero3's flat names do not
@@ -363,9 +374,8 @@ def translate_spelled(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
             _data_types(value)
         elif key in TOP_LEVEL:
             check_ignored(key, key, value)
-            if key == "zero_allow_untested_optimizer":  # 0/1, "yes"/"off" too; None or "auto": the default
-                if value is not None and value != "auto":
-                    out.set(key, not _lax_false(value), key)
+            if key == UNTESTED_OPTIMIZER:
+                read_untested_optimizer(value, out)
                 continue
             logger.info("zero3: DeepSpeed key %r is not used by ZeroConfig; ignored", key)
         elif key in _OFF_SECTIONS or key in _OFF_KEYS or key == "checkpoint":

@@ -96,6 +96,8 @@ class ZeroConfig:
         for key, value in d.items():
             if key in OFFLOAD_SECTION_KEYS and isinstance(value, dict):  # DeepSpeed's {device, ...} form
                 OffloadConfig.read_section(value, key, out, lax_bool=False)  # a flat config: true/false only
+            elif key == deepspeed_config.UNTESTED_OPTIMIZER:  # DeepSpeed's own key, read as DeepSpeed reads it
+                deepspeed_config.read_untested_optimizer(value, out)
             elif key in FLAT_NAMES:
                 out.set(key, coerce_flat(key, value), key)
             elif isinstance(value, dict):

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..errors import ZeroStateError
-from .param import ZeroParameter, construction_handler, converting
+from .param import ZeroParameter, building, converting
 
 _original_apply: Callable[..., nn.Module] | None = None
 
@@ -67,7 +67,7 @@ def _checked_apply(self: nn.Module, fn: Callable[[torch.Tensor], Any], recurse: 
     change = _first_change(fn, zero)
     if change is not None:
         p, what = change
-        if construction_handler.get() is not None and not what.startswith("layout"):
+        if building() and not what.startswith("layout"):
             return original(self, fn, recurse)  # building under Init: it converts and re-partitions
         raise ZeroStateError(
             f"{_call_name(self, fn)} would change {p._zero.summary()} {what}. zero3 holds each parameter as "

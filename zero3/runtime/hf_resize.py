@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from ..errors import ZeroStateError
-from ..partition.param import ZeroParameter, construction_handler
+from ..partition.param import ZeroParameter, building
 from ..partition.state import ParamStatus
 from .handed_copies import OPEN
 
@@ -69,7 +69,7 @@ def _changes_size(model: Any, new_num_tokens: int | None, pad_to_multiple_of: in
 def resize_refusal(model: Any) -> ZeroStateError | None:
     """Why ``model.resize_token_embeddings`` cannot run now, or None (torch's and transformers' own, or
     zero3.Init's refusal while it builds: init.py)."""
-    if construction_handler.get() is not None:
+    if building():
         return None
     modules = (model.get_input_embeddings(), model.get_output_embeddings())
     params = [w for m in modules if m is not None and isinstance(w := getattr(m, "weight", None), ZeroParameter)]

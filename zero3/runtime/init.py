@@ -595,6 +595,9 @@ def _touch(target: Any, func: Callable, args: tuple, kwargs: dict) -> tuple[bool
     return True, result
 
 
+_touch.live = lambda: _current() is not None  # type: ignore[attr-defined]  # partition/param.py `building`
+
+
 def is_inplace_op(name: str) -> bool:
     """Whether the torch op named ``name`` writes into its first argument (``add_``, ``p[i] = v``)."""
     return (name.endswith("_") and not name.startswith("_")) or name in _INPLACE_DUNDERS

@@ -15,7 +15,7 @@ from torch.nn.utils import parametrize, prune
 from torch.nn.utils.weight_norm import WeightNorm
 
 from ..errors import ZeroStateError
-from ..partition.param import PartitionedParameter, ZeroParameter, construction_handler
+from ..partition.param import PartitionedParameter, ZeroParameter, building
 from .adopt import take_from_rank0
 
 _TORCH_REGISTER = parametrize.register_parametrization  # torch's, as imported: what the routes call
@@ -180,7 +180,7 @@ def route_pruning() -> None:
 def _built_now(p: ZeroParameter) -> bool:
     """``p`` belongs to no engine and a ``zero3.Init`` is open, whose construction handler gathers it on
     use (an engine's parameter is not, inside another model's ``Init``: review 31RC)."""
-    return construction_handler.get() is not None and _engine_context(p) is None
+    return building() and _engine_context(p) is None
 
 
 def _prune_refusal(p: Any, what: str, name: str) -> ZeroStateError | None:

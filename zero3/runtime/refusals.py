@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from ..comm.process_group import is_dtensor
 from ..errors import ZeroConfigError, ZeroStateError
 from ..partition.param import ZeroParameter
 
@@ -204,9 +205,8 @@ def refuse_dtensors(model: nn.Module) -> None:
     """At ``initialize``: a DTensor parameter (torch's tensor parallelism, ``parallelize_module``, or FSDP2's
     ``fully_shard``). zero3 shards plain tensors; partitioning a DTensor failed inside torch's dispatch,
     which the first broadcast reported as a timeout and closed zero3's group (probe 38F)."""
-    from torch.distributed.tensor import DTensor
     for name, p in model.named_parameters():
-        if isinstance(p, DTensor):
+        if is_dtensor(p):
             raise ZeroConfigError(
                 f"parameter {name} is a DTensor (placements {list(p.placements)}: torch's parallelize_module or "
                 "FSDP2's fully_shard made it): zero3 shards plain tensors and does the data-parallel sharding itself. "
