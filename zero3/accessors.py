@@ -48,9 +48,9 @@ def _in_memory(write: bool, kinds: tuple[str, ...], load: bool = True) -> Callab
             ctx = param._zero.ctx if isinstance(param, ZeroParameter) else None
             if not isinstance(ctx, RuntimeContext):
                 return fn(param, *args, **kwargs)
-            if "_full_" not in fn.__name__:  # a local accessor: no collective (a logger thread's reads: probe 38A)
-                return _resident_call(ctx, fn, write, kinds, load, param, *args, **kwargs)
-            with ctx.claim.held(f"zero3.{fn.__name__}"):  # a collective: one call of the engine at a time (review 38R1)
+            # one call of the engine at a time: the full ones are collectives (review 38R1), and the local
+            # ones read what a step rewrites (review 38R4: a logger thread's read crashed a rank)
+            with ctx.claim.held(f"zero3.{fn.__name__}"):
                 return _resident_call(ctx, fn, write, kinds, load, param, *args, **kwargs)
         return inner  # type: ignore[return-value]
     return wrap

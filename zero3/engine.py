@@ -37,6 +37,7 @@ from .errors import ZeroCommunicationError, ZeroConfigError, ZeroDivergenceError
 from .optim import foreign as foreign_optimizers
 from .optim import routed_step
 from .optim.routed_clip import route_clip
+from .runtime.gathered import external_parameters
 from .runtime.hooks import ModuleHooks
 from .runtime.deepspeed_engine import DeepSpeedEngineNames
 from .runtime.hf_resize import route_resize
@@ -531,7 +532,7 @@ def _explain_target(engine: Engine, target: Any) -> tuple[str, Any]:
     if isinstance(target, nn.Module):
         if not any(m is target for m in modules.values()):
             raise ZeroConfigError("explain(): that module is not part of this engine's model")
-        owned = [*target.parameters(), *(q for m in target.modules() for q in getattr(m, "_external_params", ()))]
+        owned = [*target.parameters(), *(q for m in target.modules() for q in external_parameters(m))]
         return ("params", frozenset(p._zero.id for p in owned if isinstance(p, ZeroParameter)))
     raise ZeroConfigError(f"explain() takes a parameter, module, name or None, got {type(target).__name__}")
 

@@ -63,7 +63,7 @@ def mesh_groups() -> list[str]:
 def test_a_one_dimensional_device_mesh_stands_for_its_group_and_a_wider_one_is_refused(pools):
     for said in pools.get(2).run(mesh_groups):
         assert said[0] == "world 2", said
-        assert "2-dimensional DeviceMesh (1, 2)" in said[1] and 'mesh["pp"].get_group()' in said[1], said
+        assert "2-dimensional DeviceMesh (1, 2)" in said[1] and 'mesh["dp"].get_group()' in said[1], said
 
 
 def wrapped(how: str) -> str:
@@ -87,3 +87,30 @@ def wrapped(how: str) -> str:
 def test_torch_s_wrappers_reading_a_partitioned_model_are_refused_naming_themselves(pools, how, words):
     for said in pools.get(2).run(wrapped, how):
         assert words in said and "GatheredParameters" not in said, said
+
+
+def ddp_student() -> str:
+    """A DDP-wrapped plain student whose forward misuses a zero3 teacher's weight (distillation)."""
+    teacher = _mlp()
+    zero3.initialize(teacher, None, CFG)
+
+    class Student(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(self.lin(x), teacher[0].weight.t())
+
+    student = torch.nn.parallel.DistributedDataParallel(Student())
+    try:
+        student(torch.randn(2, 8))
+    except zero3.ZeroStateError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_a_ddp_wrapped_model_beside_a_zero3_one_gets_the_advice_for_the_zero3_model(pools):
+    """Review 38R4: any DDP frame on the stack made the refusal say the zero3 model was wrapped in DDP."""
+    for said in pools.get(2).run(ddp_student):
+        assert "DistributedDataParallel" not in said and "register_external_parameter" in said, said

@@ -916,6 +916,9 @@ def test_explain_of_a_module_covers_its_submodules_parameters_and_a_tied_name_is
     lines = engine.explain(block)[1:]
     names = {line.split("(")[1].split(")")[0] for line in lines}
     assert names == {"1.0.weight", "1.0.bias", "1.2.weight", "1.2.bias"}, lines
+    zero3.register_external_parameter(block[2], emb.weight)  # review 38R4: an external parameter counts too
+    names = {line.split("(")[1].split(")")[0] for line in engine.explain(block)[1:]}
+    assert "0.weight" in names, names
     assert engine.explain("1") == engine.explain(block)
     assert engine.explain("2.weight") == engine.explain("0.weight") and len(engine.explain("0.weight")) > 1
     with pytest.raises(ZeroConfigError, match="no parameter or module named '2.nope'"):

@@ -1290,3 +1290,37 @@ def test_an_init_block_left_from_another_thread_says_so_and_leaves_no_stale_bloc
     with zero3.Init():
         built = nn.Linear(4, 4)
     assert isinstance(built.weight, zero3.ZeroParameter)  # a later block partitions again
+
+
+def test_an_init_object_entered_inside_itself_is_refused_and_later_blocks_partition():
+    """Review 38R4: the second entry overwrote the first's tokens; every later Init of the thread then
+    partitioned nothing, silently."""
+    init = zero3.Init()
+    with init:
+        with pytest.raises(zero3.ZeroStateError, match="this zero3.Init is open already"):
+            with init:
+                pass
+        inside = nn.Linear(4, 4)
+    with zero3.Init():
+        later = nn.Linear(4, 4)
+    assert isinstance(inside.weight, zero3.ZeroParameter) and isinstance(later.weight, zero3.ZeroParameter)
+    assert type(nn.Linear(4, 4).weight) is nn.Parameter
+
+
+def test_an_init_block_closed_out_of_order_leaves_the_enclosing_block_open():
+    """Review 38R4: a generator's block, abandoned and closed inside the user's own block, reset the stack
+    to before itself, dropping the user's block: modules built there were not partitioned, and its exit
+    said it was left in another context."""
+    apply = nn.Module.apply
+
+    def build():
+        with zero3.Init():
+            yield nn.Linear(4, 4)
+
+    it = build()
+    first = next(it)
+    with zero3.Init():
+        it.close()  # the generator's block, entered first, closes inside this one
+        built = nn.Linear(4, 4)
+    assert isinstance(first.weight, zero3.ZeroParameter) and isinstance(built.weight, zero3.ZeroParameter)
+    assert nn.Module.apply is apply and type(nn.Linear(4, 4).weight) is nn.Parameter

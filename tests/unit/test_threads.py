@@ -286,17 +286,18 @@ def test_leaving_generation_while_another_thread_decodes_waits_for_its_forward(c
 
 def test_collective_accessors_and_clipping_during_another_thread_s_forward_are_refused():
     """Review 38R1: safe_get_full_fp32_param and clip_grad_norm_ from a monitoring thread during training
-    aborted both ranks in gloo at world size 2; the local accessors, which issue no collective, stay free."""
+    aborted both ranks in gloo at world size 2; review 38R4: a local accessor's read crashed a rank too."""
     ref, model, engine = _build()
     x = torch.randn(3, 8)
     out: dict[str, torch.Tensor] = {}
     t = _paused_forward(engine, model, x, out)
     w = model.b.weight
     for call in (lambda: zero3.safe_get_full_fp32_param(w), lambda: zero3.safe_set_full_fp32_param(w, torch.zeros(4, 8)),
-                 lambda: zero3.clip_grad_norm_(engine, 1.0), lambda: engine.offload_states()):
+                 lambda: zero3.clip_grad_norm_(engine, 1.0), lambda: engine.offload_states(),
+                 lambda: zero3.safe_get_local_fp32_param(w)):
         with pytest.raises(zero3.ConcurrentForwardError, match=r"began while thread .* runs a forward of the model"):
             call()
-    assert zero3.safe_get_local_fp32_param(w) is not None  # no collective: not claimed
+    assert engine.get_lr() == [0.1]  # what a logger thread may read while training runs
     model.p.go.set()
     t.join(30)
     torch.testing.assert_close(zero3.safe_get_full_fp32_param(w), ref.b.weight, rtol=0, atol=0)
@@ -337,3 +338,50 @@ def test_a_forward_ended_by_a_base_exception_does_not_hold_the_engine_for_other_
     with torch.no_grad(), engine.generation():  # and leave generation mode
         torch.testing.assert_close(engine(x), ref(x), rtol=1e-6, atol=1e-7)
     assert engine.context.claim.owner is None
+
+
+def test_a_decode_forward_ended_by_ctrl_c_leaves_the_engine_usable():
+    """Review 38R4: a KeyboardInterrupt in a resident decode forward (the whole model gathered in
+    engine.generation()) left the resident count at 1 and the submodule hooks off: every later forward
+    failed on a partitioned parameter."""
+    ref, model, engine = _build()
+    x = torch.randn(3, 8)
+    with torch.no_grad(), engine.generation():
+        engine(x)  # the whole model gathered: the next forwards are resident
+        handle = model.p.register_forward_hook(lambda m, a, o: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+        handle.remove()
+        torch.testing.assert_close(model(x), ref(x), rtol=1e-6, atol=1e-7)
+    engine.backward(engine(x).square().sum())
+    engine.step()
+    assert engine.context.claim.owner is None
+
+
+def test_an_ended_holder_s_thread_id_given_to_a_new_thread_does_not_keep_the_engine():
+    """Review 38R4: threads were told apart by id; the next thread started after one ended holding the
+    engine got its id, and the engine was refused for as long as that unrelated thread lived."""
+    ref, model, engine = _build()
+    x = torch.randn(3, 8)
+
+    def interrupted() -> None:
+        handle = model.p.register_forward_hook(lambda m, a, o: (_ for _ in ()).throw(KeyboardInterrupt))
+        try:
+            model(x)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            handle.remove()
+
+    t = threading.Thread(target=interrupted)
+    t.start()
+    t.join(30)
+    stop = threading.Event()
+    idle = threading.Thread(target=stop.wait, args=(30,))  # most often given the ended thread's id
+    idle.start()
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(engine(x), ref(x), rtol=1e-6, atol=1e-7)
+    finally:
+        stop.set()
+        idle.join(30)

@@ -159,8 +159,11 @@ def group_of_mesh(group: Any, who: str) -> Any:
         return group
     if group.ndim == 1:
         return group.get_group()
-    names = group.mesh_dim_names
-    pick = f'mesh["{names[0]}"]' if names else "mesh[<the data-parallel dimension's name>]"
+    names = group.mesh_dim_names or ()
+    dp = [n for n in names if n.lower() in ("dp", "data", "data_parallel", "fsdp", "dp_shard", "dp_replicate")]
+    # review 38R4: the first name was named, a pipeline dimension in a ("pp", "dp") mesh
+    pick = f'mesh["{dp[0]}"]' if len(dp) == 1 else f"mesh[<the data-parallel dimension: one of {names}>]" if names \
+        else "mesh[<the data-parallel dimension>]"
     raise ZeroConfigError(f"{who}(group=...) got a {group.ndim}-dimensional DeviceMesh {tuple(group.shape)}: zero3 "
                           f"shards over one process group; pass the data-parallel dimension's, {pick}.get_group()")
 

@@ -143,18 +143,28 @@ _WRAPPERS = (  # (a file of torch's that reads every parameter, what it is, what
 )
 
 
-def _wrapper_on_stack() -> str | None:
-    """What to say when one of torch's wrappers or checkpoint helpers (`_WRAPPERS`) is reading the
-    parameters below the caller, else None."""
+def _wrapper_on_stack(p: Any) -> str | None:
+    """What to say when one of torch's wrappers or checkpoint helpers (`_WRAPPERS`) is reading ``p``'s
+    model below the caller (a frame of its files holding a module that holds ``p``: review 38R4, a
+    DDP-wrapped student using a zero3 teacher's weight was told the teacher was wrapped), else None."""
     f: FrameType | None = sys._getframe(2)
     while f is not None:
         parts = f.f_code.co_filename.replace("\\", "/").split("/")
         for path, what, instead in _WRAPPERS:
             n = len(path)
-            if any(tuple(parts[i:i + n]) == path for i in range(len(parts) - n + 1)):
+            if any(tuple(parts[i:i + n]) == path for i in range(len(parts) - n + 1)) and _holds_in_frame(f, p):
                 return f"{what} reads every parameter, which zero3 keeps partitioned; {instead}. Nothing was changed"
         f = f.f_back
     return None
+
+
+def _holds_in_frame(f: FrameType, p: Any) -> bool:
+    """Whether a module the frame works on (a local, or a local's ``.module``: DDP's) holds ``p``."""
+    for value in list(f.f_locals.values()):
+        for m in (value, getattr(value, "module", None)) if isinstance(value, nn.Module) else (value,):
+            if isinstance(m, nn.Module) and _holds(m, p):
+                return True
+    return False
 
 
 def partitioned_use_message(which: str, what: str, target: Any) -> str:
@@ -175,7 +185,7 @@ def partitioned_use_message(which: str, what: str, target: Any) -> str:
                 "each tensor (view_as) to find its gradient node. Register it inside "
                 "`with zero3.GatheredParameters(params):` (it then fires as torch's, with this rank's gradients "
                 "before zero3 reduces them), or use p.register_post_accumulate_grad_hook on each parameter")
-    wrapper = _wrapper_on_stack()
+    wrapper = _wrapper_on_stack(target) if target is not None else None
     if wrapper is not None:  # probe 38F: the user saw a 'detach' or 'stride' they never wrote, and advice for forwards
         return f"parameter {which} is used by {what} while it is partitioned: {wrapper}"
     skipped = skipped_hooks_advice(target) if target is not None and target._zero.ctx is not None else None

@@ -39,8 +39,10 @@ def generation_mode(engine: Any) -> Iterator[Any]:
         token, waited = claim.take_waiting("leaving engine.generation()")
         if waited is not None:
             logger.warning("zero3: engine.generation() was left while thread %d ran %s; it was waited for. Join the "
-                           "thread that runs forwards before the block ends: its later forwards run outside "
-                           "generation mode, and one beside a training call is refused", *waited)
+                           "thread that runs forwards before the block ends: with more than one rank the ranks may "
+                           "end the mode after different forwards (a divergence that closes zero3's group), its "
+                           "later forwards run outside the mode, and one beside a training call is refused",
+                           waited[0], waited[1])
         try:
             engine.hooks.generation_ended()
             coordinator.end_generation()

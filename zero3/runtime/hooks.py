@@ -255,7 +255,7 @@ class ModuleHooks:
         self._forward_t0 = 0.0  # when the running root forward began
         self._resident_calls = 0  # root calls open in a resident decode forward ([Note: resident decode forwards])
         self._claim = ctx.claim  # the thread running a call of the engine ([Note: one thread])
-        self._forward_token: tuple[int, str] | None = None  # the claim the running root forward took
+        self._forward_token: tuple | None = None  # the claim the running root forward took
         self._steps_ended = 0  # ends of step so far ([Note: a second backward])
         self._backwards_ended = 0  # ends of step after a backward, or aborted ([Note: post-backward from the gradients])
         self._submodule_hooks = SubmoduleHooks()

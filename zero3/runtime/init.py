@@ -98,6 +98,7 @@ class _InitState:
     modules: "WeakKeyDictionary[nn.Module, None]" = field(default_factory=WeakKeyDictionary)
     touched: dict[int, ZeroParameter] = field(default_factory=dict)  # kept gathered: views handed out
     closed: bool = False  # its block exited (from another context, it stays on this context's stack: skipped)
+    patches_token: Any = None  # the context's outermost open block holds the process-wide patches' token
 
 
 _STACK: contextvars.ContextVar[tuple[_InitState, ...]] = contextvars.ContextVar("zero3_init", default=())
@@ -219,7 +220,6 @@ class Init:
         self._own_rng: _OwnRng | None = None  # this rank's RNG states, given back on exit (`_sync_rng`)
         self._token: Any = None
         self._handler_token: Any = None
-        self._patches_token: Any = None  # set by this context's outermost Init (init_patches.py)
         self._entered: Any = None  # the build state this block pushed
         if module is not None and enabled:
             self._partition_built(module)
@@ -250,6 +250,9 @@ class Init:
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
+        if self._token is not None:  # review 38R4: the second entry overwrote the first's tokens, and every later
+            raise ZeroStateError(  # Init of the thread partitioned nothing
+                "this zero3.Init is open already: an Init object is one block; nest a new zero3.Init() instead")
         _refuse_meta_default_device()  # also for an Init made outside the meta device and entered inside it
         state = self._state()
         align_ids(state.ctx.comm)
@@ -257,7 +260,7 @@ class Init:
         if self._sync == "rng" and state.ctx.world_size > 1:
             self._own_rng = _sync_rng(state.ctx)
         if not stack:  # this context's outermost Init (a collective that failed above has installed nothing)
-            self._patches_token = open_patches(_REPLACEMENTS)
+            state.patches_token = open_patches(_REPLACEMENTS)
         self._entered = state
         self._token = _STACK.set(stack + (state,))
         self._handler_token = construction_handler.set(_touch)
@@ -266,35 +269,42 @@ class Init:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self.enabled or self._token is None:
             return
-        stack = _STACK.get()
-        here = bool(stack) and stack[-1] is self._entered  # else left from another context (review 38R3: a
-        try:                                                # generator suspended in the block, closed on another thread)
-            if here:
-                _write_back(self._entered)
+        state, stack = self._entered, _STACK.get()
+        inside = any(s is state for s in stack)  # else left from another context (review 38R3: a generator
+        last = inside and stack[-1] is state     # suspended in the block, closed on another thread)
+        try:
+            if inside:
+                _write_back(state)
                 if exc_type is None:
-                    for m in list(self._entered.modules):
-                        _partition_module(m, self._entered, recurse=False)
-                if self._entered.ctx.coordinator.shards is not None:
-                    self._entered.ctx.coordinator.shards.flush()  # every shard written before the model is used
+                    for m in list(state.modules):
+                        _partition_module(m, state, recurse=False)
+                if state.ctx.coordinator.shards is not None:
+                    state.ctx.coordinator.shards.flush()  # every shard written before the model is used
         finally:
-            self._entered.closed = True
-            for var, token in ((construction_handler, self._handler_token), (_STACK, self._token)):
-                with contextlib.suppress(ValueError):  # a token of another context: its value stays there
-                    var.reset(token)
+            state.closed = True
+            if inside and not last:  # closed out of order (review 38R4: an abandoned generator's block, closed
+                rest = tuple(s for s in stack if s is not state)  # inside another): the others stay open
+                _STACK.set(rest)
+                heir = next((s for s in rest if not s.closed), None)  # now the context's outermost open block
+                if heir is not None and state.patches_token is not None:
+                    heir.patches_token, state.patches_token = state.patches_token, None
+            else:
+                for var, token in ((construction_handler, self._handler_token), (_STACK, self._token)):
+                    with contextlib.suppress(ValueError):  # a token of another context: its value stays there
+                        var.reset(token)
             self._token = None
             if self._own_rng is not None:  # this rank's own stream again (`_sync_rng`)
                 self._own_rng.restore()
                 self._own_rng = None
-            if self._patches_token is not None:
+            if state.patches_token is not None:
                 with contextlib.suppress(ValueError):
-                    close_patches(self._patches_token)  # the process-wide count goes down whatever the context
-                self._patches_token = None
-        if not here:
+                    close_patches(state.patches_token)  # the process-wide count goes down whatever the context
+                state.patches_token = None
+        if not inside:
             raise ZeroStateError(
                 "zero3.Init was left in another context than it was entered in (a generator or coroutine suspended "
-                "inside the block, then closed or resumed on another thread or after the context's other blocks "
-                "closed): what it built was not partitioned by it. Keep an Init block within one function call "
-                "on one thread")
+                "inside the block, then closed or resumed on another thread): what it built was not partitioned "
+                "by it. Keep an Init block within one function call on one thread")
 
 
 def _refuse_meta_default_device(call: str | None = None) -> None:

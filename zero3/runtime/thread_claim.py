@@ -34,40 +34,51 @@ from ..errors import ConcurrentForwardError
 
 FORWARD = "a forward of the model"
 T = TypeVar("T")
+Token = tuple[int, str, threading.Thread]
+"""A call's claim: its thread's id, what it runs, its thread."""
 
 
 class ThreadClaim:
-    """The claim on one engine: ``(thread id, what it runs)`` while a call runs, else nothing."""
+    """The claim on one engine: ``(thread id, what it runs, the thread)`` while a call runs, else
+    nothing. Threads are told apart by their ``threading`` object, not their id (review 38R4: an ended
+    thread's id is handed to the next one started, which took the dead holder's claim for its own or
+    was refused for its whole life)."""
 
     def __init__(self) -> None:
-        self._held: dict[int, tuple[int, str]] = {}
+        self._held: dict[int, Token] = {}
 
     @property
     def owner(self) -> int | None:
-        """The thread holding the engine now, or None."""
+        """The id of the thread holding the engine now, or None."""
         held = self._held.get(0)
         return None if held is None else held[0]
 
-    def take(self, what: str) -> tuple[int, str] | None:
+    def mine(self) -> bool:
+        """Whether this thread holds the engine now."""
+        held = self._held.get(0)
+        return held is not None and held[2] is threading.current_thread()
+
+    def take(self, what: str) -> Token | None:
         """Claim the engine for this thread to run ``what``: the token to `release` when this call took
         it, None when this thread held it already (a forward inside ``engine.backward``'s recompute).
         Raises `ConcurrentForwardError` when another thread holds it; nothing changes then."""
-        mine = (threading.get_ident(), what)
-        held = self._held.setdefault(0, mine)
-        if held is mine:
-            return mine
-        if held[0] != mine[0]:
-            if not _alive(held[0]):  # its thread ended holding it (a BaseException torch's always_call
-                self.release(held)   # hooks do not see: review 38R1): nothing runs, so it is free
+        me = threading.current_thread()
+        token = (me.ident or 0, what, me)
+        held = self._held.setdefault(0, token)
+        if held is token:
+            return token
+        if held[2] is not me:
+            if not held[2].is_alive():  # its thread ended holding it (a BaseException torch's always_call
+                self.release(held)      # hooks do not see: review 38R1): nothing runs, so it is free
                 return self.take(what)
             raise concurrent_call_refusal(what, held)
         return None
 
-    def holds(self, token: tuple[int, str]) -> bool:
+    def holds(self, token: Token) -> bool:
         """Whether the claim is ``token`` now."""
         return self._held.get(0) is token
 
-    def release(self, token: tuple[int, str] | None) -> None:
+    def release(self, token: Token | None) -> None:
         """Give back the claim ``token`` took (nothing for None, or when the claim is no longer it)."""
         if token is not None and self._held.get(0) is token:
             self._held.clear()
@@ -81,7 +92,7 @@ class ThreadClaim:
         finally:
             self.release(token)
 
-    def take_waiting(self, what: str) -> tuple[tuple[int, str] | None, tuple[int, str] | None]:
+    def take_waiting(self, what: str) -> tuple[Token | None, Token | None]:
         """`take`, waiting while another thread holds the engine (a forward: finite; a holder whose thread
         ended is taken over by `take`); returns the token and what held the engine when this call began
         to wait (None: nothing). Not fair: a thread that runs forwards back to back keeps the engine
@@ -95,21 +106,16 @@ class ThreadClaim:
                 time.sleep(0.001)
 
 
-def _alive(thread_id: int) -> bool:
-    """Whether a thread of this id runs (asked only when another thread holds the claim)."""
-    return any(t.ident == thread_id for t in threading.enumerate())
-
-
 def release_forward(hooks: Any) -> None:
     """A root forward on this thread ended by an error the root's post-forward did not see (a
     KeyboardInterrupt or SystemExit: torch runs always_call hooks for ``Exception`` only): give back
     the claim it took (review 38R1: every other thread's calls were refused for good)."""
-    if hooks._claim.owner == threading.get_ident():
+    if hooks._claim.mine():
         hooks._claim.release(hooks._forward_token)
         hooks._forward_token = None
 
 
-def concurrent_call_refusal(what: str, held: tuple[int, str]) -> ConcurrentForwardError:
+def concurrent_call_refusal(what: str, held: Token) -> ConcurrentForwardError:
     """``what`` began on this thread while thread ``held[0]`` runs ``held[1]`` on the same engine."""
     return ConcurrentForwardError(
         f"{what} began while thread {held[0]} runs {held[1]}: an engine's gathers, releases, collectives and step "
@@ -137,11 +143,16 @@ def root_pre(hooks: Any, pre: Callable[..., Any], *args: Any) -> Any:
     except ConcurrentForwardError:
         _REFUSED.hooks = hooks  # for this call's post-forward, which torch runs anyway (always_call)
         raise
-    stale = bool(hooks.stack) and not hooks._resident_calls and (
+    stale = (bool(hooks.stack) or hooks._resident_calls > 0) and (
         token is not None  # no forward ran (the engine was free), yet calls are open
         or (hooks._forward_token is not None and hooks._claim.holds(hooks._forward_token) and _root_calls(hooks) < 2))
     if stale:  # the last forward ended by a BaseException (Ctrl-C), which torch's always_call hooks skip (review 38R1)
-        hooks.step.abort(RuntimeError("the model's last forward ended by an exception its hooks did not see"), "forward")
+        if hooks._resident_calls:  # a resident decode forward's (review 38R4: the submodule hooks stayed off)
+            hooks._resident_calls = 0
+            hooks._submodule_hooks.resume()
+        else:
+            hooks.step.abort(RuntimeError("the model's last forward ended by an exception its hooks did not see"),
+                             "forward")
         if token is None:  # this thread's own forward's claim, left by it: taken anew
             hooks._claim.release(hooks._forward_token)
             token = hooks._claim.take(FORWARD)
@@ -173,7 +184,7 @@ def root_post(hooks: Any, post: Callable[..., Any], *args: Any) -> Any:
     if _REFUSED.hooks is hooks:  # refused by the pre-forward: nothing of it is open, and the claim
         _REFUSED.hooks = None       # may have gone since (review 26X: its post-forward aborted the step)
         return None
-    if hooks._claim.owner not in (None, threading.get_ident()):
+    if hooks._claim.owner is not None and not hooks._claim.mine():
         return None  # another thread's call runs: this call's pre-forward did not (a hook before it raised)
     try:
         return post(*args)
