@@ -39,9 +39,16 @@ import torch
 from torch import nn
 
 from ..errors import ZeroStateError
-from .param import ZeroParameter, building, converting
+from .param import ZeroParameter, construction_handler, converting
 
 _original_apply: Callable[..., nn.Module] | None = None
+
+
+def building() -> bool:
+    """Whether a ``zero3.Init`` block is open in this context: its handler is set and says its block is
+    live (one left from another context stays set here, and says not: review 38R3)."""
+    handler = construction_handler.get()
+    return handler is not None and getattr(handler, "live", lambda: True)()
 
 
 def install() -> None:

@@ -53,12 +53,6 @@ which gathers the parameter around the op instead of raising (runtime/init.py [N
 parameters while building])."""
 
 
-def building() -> bool:
-    """Whether a ``zero3.Init`` block is open in this context: its handler is set and says its block is
-    live (one left from another context stays set here, and says not: review 38R3)."""
-    handler = construction_handler.get()
-    return handler is not None and getattr(handler, "live", lambda: True)()
-
 converting: contextvars.ContextVar[bool] = contextvars.ContextVar("zero3_module_conversion", default=False)
 """Set by partition/conversion.py while torch's ``Module._apply`` (``model.to(...)``) runs with every
 zero3 parameter handed back unchanged: reading ``param.grad`` is then torch's plain read (nothing is

@@ -17,7 +17,8 @@ import sys
 from typing import Any
 
 from ..errors import ZeroStateError
-from ..partition.param import ZeroParameter, building
+from ..partition.conversion import building
+from ..partition.param import ZeroParameter
 from ..partition.state import ParamStatus
 from .handed_copies import OPEN
 

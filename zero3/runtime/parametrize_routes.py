@@ -15,7 +15,8 @@ from torch.nn.utils import parametrize, prune
 from torch.nn.utils.weight_norm import WeightNorm
 
 from ..errors import ZeroStateError
-from ..partition.param import PartitionedParameter, ZeroParameter, building
+from ..partition.conversion import building
+from ..partition.param import PartitionedParameter, ZeroParameter
 from .adopt import take_from_rank0
 
 _TORCH_REGISTER = parametrize.register_parametrization  # torch's, as imported: what the routes call
