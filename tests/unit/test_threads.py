@@ -129,21 +129,14 @@ def test_a_forward_from_another_thread_during_a_resident_decode_forward_is_refus
         engine(x)
         assert engine.hooks._resident_calls == 0 and engine.coordinator.generation_resident
 
-        def first() -> None:
-            with torch.no_grad():
-                out["first"] = engine(x)
-
-        model.p.hold.set()
-        t = threading.Thread(target=first)
-        t.start()
-        assert model.p.inside.wait(30)
+        t = _paused_forward(engine, model, x, out)
         assert engine.hooks._resident_calls == 1  # the paused forward is a resident one
         with torch.enable_grad(), pytest.raises(zero3.ConcurrentForwardError):
             engine(x2)
         model.p.go.set()
         t.join(30)
         assert not t.is_alive()
-        torch.testing.assert_close(out["first"], ref(x), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(out["y"], ref(x), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(engine(x2), ref(x2), rtol=1e-6, atol=1e-7)
     assert engine.context.claim.owner is None
 
