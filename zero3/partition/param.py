@@ -52,7 +52,6 @@ construction_handler: contextvars.ContextVar[ConstructionHandler | None] = conte
 which gathers the parameter around the op instead of raising (runtime/init.py [Note: touching partitioned
 parameters while building])."""
 
-
 converting: contextvars.ContextVar[bool] = contextvars.ContextVar("zero3_module_conversion", default=False)
 """Set by partition/conversion.py while torch's ``Module._apply`` (``model.to(...)``) runs with every
 zero3 parameter handed back unchanged: reading ``param.grad`` is then torch's plain read (nothing is

@@ -66,8 +66,8 @@ from .adopt import take_from_rank0
 from .buffers import ModuleBuffers
 from .engine_calls import take_persistent_writes
 from .publish import write_updated
-from .refusals import (refuse_dtensors, refuse_memory_format, refuse_shared_storage, refuse_unshardable_embeddings, unshardable,
-                       unshardable_refusal)
+from .refusals import (refuse_dtensors, refuse_memory_format, refuse_shared_storage, refuse_unshardable_embeddings,
+                       unshardable, unshardable_refusal)
 from .leaf import check_leaf_classes, leaf_modules
 from .thread_claim import ThreadClaim
 from .budget import MemoryBudget
