@@ -55,7 +55,7 @@ from .runtime.engine_calls import (abort_forward, check_lr_kwargs, end_forward_w
                                    end_micro_batch, in_memory, offload_engine_states, require_gradients, require_hooks,
                                    zero_grad_window)
 from .runtime.generation_mode import generation_mode
-from .runtime.thread_claim import claiming
+from .runtime.thread_claim import BACKWARD, claiming
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class Engine(DeepSpeedEngineNames):
             abort_forward(self, exc)
             raise
 
-    @claiming("engine.backward()")
+    @claiming(BACKWARD)
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True, **kwargs: Any) -> torch.Tensor:
         """``loss.backward(**kwargs)``; with fp16, of the loss times the current loss scale (in fp32).
         Returns what DeepSpeed's does: the loss over ``gradient_accumulation_steps``, as the gradients

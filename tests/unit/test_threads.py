@@ -378,3 +378,63 @@ def test_an_ended_holder_s_thread_id_given_to_a_new_thread_does_not_keep_the_eng
     finally:
         stop.set()
         idle.join(30)
+
+
+def test_a_thread_not_started_by_threading_that_ended_holding_the_engine_does_not_keep_it():
+    """Review 38R5: a thread not started by ``threading`` (a C++ pool's, ``_thread``'s) has a stand-in
+    object that says it is alive for ever, so one that ended holding the engine kept it for good."""
+    import _thread
+
+    ref, model, engine = _build()
+    x = torch.randn(3, 8)
+    done = threading.Event()
+
+    def interrupted() -> None:
+        handle = model.p.register_forward_hook(lambda m, a, o: (_ for _ in ()).throw(KeyboardInterrupt))
+        try:
+            model(x)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            handle.remove()
+            done.set()
+
+    _thread.start_new_thread(interrupted, ())
+    assert done.wait(30)
+    for _ in range(100):  # the raw thread's last bytecodes after set()
+        if engine.context.claim.owner is None:
+            break
+        with torch.no_grad():
+            try:
+                torch.testing.assert_close(engine(x), ref(x), rtol=1e-6, atol=1e-7)
+                break
+            except zero3.ConcurrentForwardError:
+                threading.Event().wait(0.05)
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), ref(x), rtol=1e-6, atol=1e-7)
+
+
+def test_a_backward_s_hook_on_autograd_s_device_thread_may_call_the_engine(monkeypatch):
+    """Review 38R5: on CUDA autograd runs a backward's hooks on a device thread of its own; a hook that
+    reads an accessor there while engine.backward holds the engine is part of that call. (The rule,
+    with the device thread stood for by a thread whose graph task is set; no GPU here.)"""
+    from zero3.runtime.thread_claim import BACKWARD, FORWARD, ThreadClaim
+
+    claim = ThreadClaim()
+    token = claim.take(BACKWARD)
+    said = {}
+
+    def device_thread(in_graph_task: bool) -> None:
+        monkeypatch.setattr(torch._C, "_current_graph_task_id", lambda: 7 if in_graph_task else -1)
+        try:
+            said[in_graph_task] = claim.take("zero3.safe_get_local_fp32_param")
+        except zero3.ConcurrentForwardError as exc:
+            said[in_graph_task] = exc
+
+    for in_graph_task in (True, False):
+        t = threading.Thread(target=device_thread, args=(in_graph_task,))
+        t.start()
+        t.join(30)
+    assert said[True] is None and isinstance(said[False], zero3.ConcurrentForwardError)
+    claim.release(token)
+    assert claim.take(FORWARD) is not None

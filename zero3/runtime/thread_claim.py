@@ -26,23 +26,47 @@ import functools
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterator, TypeVar
 
+import torch
 from torch import nn
 
 from ..errors import ConcurrentForwardError
 
 FORWARD = "a forward of the model"
+BACKWARD = "engine.backward()"
 T = TypeVar("T")
-Token = tuple[int, str, threading.Thread]
-"""A call's claim: its thread's id, what it runs, its thread."""
+Token = tuple[int, str, "weakref.ref[_Marker]"]
+"""A call's claim: its thread's id, what it runs, a weak reference to its thread's marker."""
+
+
+class _Marker:
+    """One per thread (`_here`), held by the thread's own ``threading.local``: it goes when the thread
+    ends, whoever started it. Threads are told apart by it, not by id (review 38R4: an ended thread's id
+    is handed to the next one started) nor by their ``threading`` object (review 38R5: a thread not
+    started by ``threading`` has a stand-in that says it is alive for ever)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Local(threading.local):
+    marker: _Marker | None = None
+
+
+_LOCAL = _Local()
+
+
+def _here() -> _Marker:
+    """This thread's marker."""
+    marker = _LOCAL.marker
+    if marker is None:
+        marker = _LOCAL.marker = _Marker()
+    return marker
 
 
 class ThreadClaim:
-    """The claim on one engine: ``(thread id, what it runs, the thread)`` while a call runs, else
-    nothing. Threads are told apart by their ``threading`` object, not their id (review 38R4: an ended
-    thread's id is handed to the next one started, which took the dead holder's claim for its own or
-    was refused for its whole life)."""
+    """The claim on one engine: a `Token` while a call runs, else nothing."""
 
     def __init__(self) -> None:
         self._held: dict[int, Token] = {}
@@ -56,21 +80,25 @@ class ThreadClaim:
     def mine(self) -> bool:
         """Whether this thread holds the engine now."""
         held = self._held.get(0)
-        return held is not None and held[2] is threading.current_thread()
+        return held is not None and held[2]() is _here()
 
     def take(self, what: str) -> Token | None:
         """Claim the engine for this thread to run ``what``: the token to `release` when this call took
-        it, None when this thread held it already (a forward inside ``engine.backward``'s recompute).
-        Raises `ConcurrentForwardError` when another thread holds it; nothing changes then."""
-        me = threading.current_thread()
-        token = (me.ident or 0, what, me)
+        it, None when this thread held it already (a forward inside ``engine.backward``'s recompute), or
+        when ``engine.backward`` holds it and this is autograd's device thread running that backward's
+        hooks (CUDA runs them on a thread of its own: review 38R5). Raises `ConcurrentForwardError` when
+        another thread holds it; nothing changes then."""
+        marker = _here()
+        token = (threading.get_ident(), what, weakref.ref(marker))
         held = self._held.setdefault(0, token)
         if held is token:
             return token
-        if held[2] is not me:
-            if not held[2].is_alive():  # its thread ended holding it (a BaseException torch's always_call
-                self.release(held)      # hooks do not see: review 38R1): nothing runs, so it is free
+        if held[2]() is not marker:
+            if held[2]() is None:  # its thread ended holding it (a BaseException torch's always_call hooks
+                self.release(held)  # do not see: review 38R1): nothing runs, so it is free
                 return self.take(what)
+            if held[1] == BACKWARD and torch._C._current_graph_task_id() >= 0:
+                return None  # a hook of the backward the holder runs, on autograd's device thread
             raise concurrent_call_refusal(what, held)
         return None
 
