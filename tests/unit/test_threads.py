@@ -351,22 +351,25 @@ def test_a_decode_forward_ended_by_ctrl_c_leaves_the_engine_usable():
     assert engine.context.claim.owner is None
 
 
+def _interrupted(model: nn.Module, x: torch.Tensor, done: threading.Event | None = None) -> None:
+    """``model(x)`` ended by a KeyboardInterrupt inside it (Ctrl-C), caught; then ``done`` is set."""
+    handle = model.p.register_forward_hook(lambda m, a, o: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        model(x)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        handle.remove()
+        if done is not None:
+            done.set()
+
+
 def test_an_ended_holder_s_thread_id_given_to_a_new_thread_does_not_keep_the_engine():
     """Review 38R4: threads were told apart by id; the next thread started after one ended holding the
     engine got its id, and the engine was refused for as long as that unrelated thread lived."""
     ref, model, engine = _build()
     x = torch.randn(3, 8)
-
-    def interrupted() -> None:
-        handle = model.p.register_forward_hook(lambda m, a, o: (_ for _ in ()).throw(KeyboardInterrupt))
-        try:
-            model(x)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            handle.remove()
-
-    t = threading.Thread(target=interrupted)
+    t = threading.Thread(target=_interrupted, args=(model, x))
     t.start()
     t.join(30)
     stop = threading.Event()
@@ -388,18 +391,7 @@ def test_a_thread_not_started_by_threading_that_ended_holding_the_engine_does_no
     ref, model, engine = _build()
     x = torch.randn(3, 8)
     done = threading.Event()
-
-    def interrupted() -> None:
-        handle = model.p.register_forward_hook(lambda m, a, o: (_ for _ in ()).throw(KeyboardInterrupt))
-        try:
-            model(x)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            handle.remove()
-            done.set()
-
-    _thread.start_new_thread(interrupted, ())
+    _thread.start_new_thread(_interrupted, (model, x, done))
     assert done.wait(30)
     for _ in range(100):  # the raw thread's last bytecodes after set()
         if engine.context.claim.owner is None:
