@@ -372,11 +372,10 @@ def translate_spelled(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
             _aio(value, out)
         elif key == "data_types":
             _data_types(value)
+        elif key == UNTESTED_OPTIMIZER:
+            read_untested_optimizer(value, out)
         elif key in TOP_LEVEL:
             check_ignored(key, key, value)
-            if key == UNTESTED_OPTIMIZER:
-                read_untested_optimizer(value, out)
-                continue
             logger.info("zero3: DeepSpeed key %r is not used by ZeroConfig; ignored", key)
         elif key in _OFF_SECTIONS or key in _OFF_KEYS or key == "checkpoint":
             _unimplemented(key, value)

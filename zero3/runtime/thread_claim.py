@@ -13,7 +13,7 @@ call returns (a resident decode forward's too: `root_pre`, `root_post`), and ``e
 (`claiming`); entering and leaving ``engine.generation()`` too (generation_mode.py). A call from
 another thread meanwhile raises `ConcurrentForwardError` before it changes anything, and the running
 one goes on. Torch runs a refused forward's post-forward anyway (always_call), maybe after the claim
-has gone: a thread-local mark (`_REFUSED`) tells it to do nothing, or it would take the refusal for
+has gone: a thread-local mark (`_Local.refused`) tells it to do nothing, or it would take the refusal for
 the owner's forward failing and abort its step. Calls one after another from several threads, in any
 interleaving of whole forwards, backwards and steps, are fine. Not detected: a submodule called
 directly from another thread, a ``loss.backward()`` that ``engine.backward`` does not wrap, and
@@ -51,7 +51,8 @@ class _Marker:
 
 
 class _Local(threading.local):
-    marker: _Marker | None = None
+    marker: _Marker | None = None  # this thread's (`_here`)
+    refused: Any = None  # the hooks whose root pre-forward refused this thread's running call (`root_pre`)
 
 
 _LOCAL = _Local()
@@ -93,8 +94,9 @@ class ThreadClaim:
         held = self._held.setdefault(0, token)
         if held is token:
             return token
-        if held[2]() is not marker:
-            if held[2]() is None:  # its thread ended holding it (a BaseException torch's always_call hooks
+        holder = held[2]()
+        if holder is not marker:
+            if holder is None:  # its thread ended holding it (a BaseException torch's always_call hooks
                 self.release(held)  # do not see: review 38R1): nothing runs, so it is free
                 return self.take(what)
             if held[1] == BACKWARD and torch._C._current_graph_task_id() >= 0:
@@ -124,7 +126,7 @@ class ThreadClaim:
         """`take`, waiting while another thread holds the engine (a forward: finite; a holder whose thread
         ended is taken over by `take`); returns the token and what held the engine when this call began
         to wait (None: nothing). Not fair: a thread that runs forwards back to back keeps the engine
-        until it stops, which is what keeps ranks alike (generation_mode.py)."""
+        until it stops (generation_mode.py; at several ranks that does not keep them alike: docs/api.md)."""
         first = None
         while True:
             try:
@@ -165,11 +167,11 @@ def claiming(what: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
 
 def root_pre(hooks: Any, pre: Callable[..., Any], *args: Any) -> Any:
     """The root's pre-forward: claim the engine for this thread (hooks.py `ModuleHooks`) before anything changes."""
-    _REFUSED.hooks = None
+    _LOCAL.refused = None
     try:
         token = hooks._claim.take(FORWARD)
     except ConcurrentForwardError:
-        _REFUSED.hooks = hooks  # for this call's post-forward, which torch runs anyway (always_call)
+        _LOCAL.refused = hooks  # for this call's post-forward, which torch runs anyway (always_call)
         raise
     stale = (bool(hooks.stack) or hooks._resident_calls > 0) and (
         token is not None  # no forward ran (the engine was free), yet calls are open
@@ -200,17 +202,10 @@ def _root_calls(hooks: Any) -> int:
     return n
 
 
-class _Refused(threading.local):
-    hooks: Any = None  # whose root pre-forward refused this thread's running call
-
-
-_REFUSED = _Refused()
-
-
 def root_post(hooks: Any, post: Callable[..., Any], *args: Any) -> Any:
     """The root's post-forward; the claim goes once the root's outermost call has closed."""
-    if _REFUSED.hooks is hooks:  # refused by the pre-forward: nothing of it is open, and the claim
-        _REFUSED.hooks = None       # may have gone since (review 26X: its post-forward aborted the step)
+    if _LOCAL.refused is hooks:  # refused by the pre-forward: nothing of it is open, and the claim
+        _LOCAL.refused = None       # may have gone since (review 26X: its post-forward aborted the step)
         return None
     if hooks._claim.owner is not None and not hooks._claim.mine():
         return None  # another thread's call runs: this call's pre-forward did not (a hook before it raised)
