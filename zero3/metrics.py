@@ -52,6 +52,15 @@ class StepMetrics:
     peak_secondary_bytes: int = 0
     reduce_calls: int = 0
     reduce_numel: int = 0
+    reduce_held_bytes: int = 0
+    """What the gradient reducer holds now (a gauge): the full gradients queued in its bucket and the
+    buffers of the reduction in flight (`ReduceWork.held_bytes`); 0 at world size 1, where each
+    gradient goes straight into its shard's. Not in it: gradients autograd holds before their
+    accumulation hook hands them over, and the shared-memory outboxes (a fixed arena per engine)."""
+    peak_reduce_held_bytes: int = 0
+    peak_gathered_and_reduce_bytes: int = 0
+    """The peak of ``live_bytes`` + ``reduce_held_bytes`` at one moment: with the persistent parameters,
+    what ``memory_budget`` bounds (docs/config.md)."""
     divergences: int = 0
     persistent_refresh_numel: int = 0  # persistent params re-gathered after the optimizer step
     header_exchanges: int = 0  # blocking verification exchanges (epoch starts, CHECKED collectives, agreements)
@@ -71,11 +80,20 @@ class StepMetrics:
             self.peak_live_numel = self.live_numel
         if self.live_bytes > self.peak_live_bytes:
             self.peak_live_bytes = self.live_bytes
+        if nbytes > 0 and self.live_bytes + self.reduce_held_bytes > self.peak_gathered_and_reduce_bytes:
+            self.peak_gathered_and_reduce_bytes = self.live_bytes + self.reduce_held_bytes
 
     def add_secondary(self, nbytes: int) -> None:
         self.secondary_bytes += nbytes
         if self.secondary_bytes > self.peak_secondary_bytes:
             self.peak_secondary_bytes = self.secondary_bytes
+
+    def add_reduce_held(self, nbytes: int) -> None:
+        self.reduce_held_bytes += nbytes
+        if self.reduce_held_bytes > self.peak_reduce_held_bytes:
+            self.peak_reduce_held_bytes = self.reduce_held_bytes
+        if self.live_bytes + self.reduce_held_bytes > self.peak_gathered_and_reduce_bytes:
+            self.peak_gathered_and_reduce_bytes = self.live_bytes + self.reduce_held_bytes
 
     def received(self, kind: str, scope: str | None = None) -> int:
         """Bytes received of ``kind`` (``Kind.value`` or `VERIFICATION`), in ``scope`` or in both."""
@@ -83,13 +101,15 @@ class StepMetrics:
         return sum(counts.get(s, 0) for s in SCOPES) if scope is None else counts.get(scope, 0)
 
     def reset(self, step: int) -> None:
-        """Start a new step; the live and secondary gauges carry over (what is still held stays counted)."""
-        live, live_b, secondary = self.live_numel, self.live_bytes, self.secondary_bytes
+        """Start a new step; the gauges carry over (what is still held stays counted)."""
+        live, live_b, secondary, held = self.live_numel, self.live_bytes, self.secondary_bytes, self.reduce_held_bytes
         self.__init__()  # type: ignore[misc]
         self.step = step
         self.live_numel = self.peak_live_numel = live
         self.live_bytes = self.peak_live_bytes = live_b
         self.secondary_bytes = self.peak_secondary_bytes = secondary
+        self.reduce_held_bytes = self.peak_reduce_held_bytes = held
+        self.peak_gathered_and_reduce_bytes = live_b + held
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -38,6 +38,7 @@ from .errors import ZeroConfigError
 from .config import ZeroConfig, resolve_config
 from .config.json_file import loads_config_text
 from .optim.precision import torch_dtype
+from .comm.reduce import hold_bytes
 from .planning.budget import choose_schedule, choose_static
 from .runtime.coordinator import plan_config
 from .planning.schedule import PlanStats, Schedule, plan
@@ -154,8 +155,20 @@ def predict(trace: Trace, config: Any = None, world_size: int = 1) -> Prediction
         raise ValueError("predict(memory_budget='auto'): 'auto' takes the free memory of the machine that trains; "
                          "give the bytes per rank")
     sizes = [(info.name, info.numel, info.nbytes) for info in trace.params.values()]
-    static = choose_static(sizes, budget, torch_dtype(cfg.precision.reduce_dtype).itemsize,  # review 35R2: the
-                           max((i.numel for i in trace.params.values() if i.trains), default=0))  # largest trainable
+    impl = cfg.comm.reduce_scatter_impl
+    impl = "p2p" if impl == "auto" else impl  # auto on gloo (CPU): shm or p2p, which hold alike
+    trained = [i.nbytes // i.numel for i in trace.params.values() if i.trains and i.numel]
+    pieces, grad_itemsize = len(trained), max(trained, default=4)
+    itemsize = 8 if grad_itemsize == 8 else torch_dtype(cfg.precision.reduce_dtype).itemsize  # fp64 reduced in fp64
+    bits = cfg.comm.quantized_gradient_bits if cfg.comm.zero_quantized_gradients else 0
+
+    def reduce_hold(n: int) -> int:  # as the runtime counts a bucket at this world size (comm/reduce.py `hold_bytes`)
+        return hold_bytes(impl, world_size, n, pieces, grad_itemsize, itemsize, verify=cfg.comm.verify_collectives is not False,
+                          quantized=(bits, cfg.comm.quantization_block_size) if bits else None)
+
+    static = choose_static(sizes, budget, reduce_hold,  # review 35R2: the largest trainable
+                           max((i.numel for i in trace.params.values() if i.trains), default=0),
+                           secondary_group=max(1, cfg.comm.zero_hpz_partition_size))  # -1 (per node): not known here
     chosen = choose_schedule(trace, static.room).config
     return Prediction(trace=trace, schedule=plan(trace, chosen), world_size=world_size)
 

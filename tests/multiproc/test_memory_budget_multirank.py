@@ -1,5 +1,7 @@
 """memory_budget on 2 gloo ranks with the example GPT: the measured gathered peak stays under the
-budget, and losses equal the run with the default knobs (gathers do not change values)."""
+budget, and losses equal the run with the default knobs (gathers do not change values); what the
+gradient reducer holds (its gauge: the storages of the queued gradients and of the reduction in flight,
+comm/works.py `held_storages`) stays within the budget's account of it, on every reduction transport."""
 
 from __future__ import annotations
 
@@ -21,31 +23,43 @@ def train(steps: int, zero_cfg: dict) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg)
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6), zero_cfg)
-    losses, peaks = [], []
+    losses, peaks, reduce_peaks, joint, secondary = [], [], [], [], []
     for step in range(steps):
         x, y = synthetic_batch(step, PER_RANK * world, cfg)
         loss = engine(x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK])
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-        peaks.append(engine.last_step_metrics.peak_live_bytes + engine.memory_report()["persistent_param_bytes"])
+        m = engine.last_step_metrics
+        persistent = engine.memory_report()["persistent_param_bytes"]
+        peaks.append(m.peak_live_bytes + persistent)
+        reduce_peaks.append(m.peak_reduce_held_bytes)
+        joint.append(m.peak_gathered_and_reduce_bytes + persistent)
+        secondary.append(m.peak_secondary_bytes)
+        assert m.reduce_held_bytes == 0  # nothing is held between steps
         engine.coordinator.check_valid()
     budget = engine.coordinator.budget
-    return {"losses": losses, "peaks": peaks, "model_bytes": engine.memory_report()["full_param_bytes"],
+    return {"losses": losses, "peaks": peaks, "reduce_peaks": reduce_peaks, "joint": joint,
+            "secondary": secondary, "model_bytes": engine.memory_report()["full_param_bytes"],
             "static": None if budget is None else (budget.static.budget, budget.static.reduce_bucket_bytes),
+            "secondary_bytes": None if budget is None else budget.static.secondary_bytes,
             "explain": engine.explain("budget"), "divergences": engine.last_step_metrics.divergences}
 
 
-def test_half_the_model_peak_under_budget_and_same_losses(pools):
+def test_two_thirds_of_the_model_peak_under_budget_and_same_losses(pools):
+    """Two thirds: half the model (71,424 bytes) is refused on 2 ranks, naming 87,528 bytes: the tied
+    embedding's 32 KiB gathered beside its gradient reduced whole (32 KiB and a 16 KiB result)."""
     pool = pools.get(2)
     plain = pool.run(train, 3, {})
-    budget = plain[0]["model_bytes"] // 2
+    budget = plain[0]["model_bytes"] * 2 // 3
     runs = pool.run(train, 3, {"memory_budget": budget})
     for r, p in zip(runs, plain):
         assert r["losses"] == p["losses"], (r["losses"], p["losses"])
         total, reduce_bytes = r["static"]
         assert total == budget
         assert max(r["peaks"]) <= budget - reduce_bytes, (r["peaks"], budget, reduce_bytes)
+        assert 0 < max(r["reduce_peaks"]) <= reduce_bytes, (r["reduce_peaks"], reduce_bytes)
+        assert max(r["joint"]) <= budget, (r["joint"], budget)
         assert any("chose max_live_bytes" in line for line in r["explain"]), r["explain"]
         assert r["divergences"] == 0
     assert runs[0]["explain"] == runs[1]["explain"]  # both ranks chose the same knobs
@@ -55,3 +69,33 @@ def test_auto_agrees_over_ranks(pools):
     runs = pools.get(2).run(train, 2, {"memory_budget": "auto"})
     assert runs[0]["static"] == runs[1]["static"]
     assert runs[0]["explain"] == runs[1]["explain"]
+
+
+@pytest.mark.parametrize("transport", [{"reduce_scatter_impl": "reduce_scatter"}, {"reduce_scatter_impl": "all_reduce"},
+                                       {"reduce_scatter_impl": "p2p"}, {"zero_quantized_gradients": True},
+                                       {"dtype": "bf16"}])
+def test_reducer_holds_what_the_budget_counts(pools, transport):
+    """Each transport's account of a bucket (`ReduceTransport.hold_bytes`) against the storages the
+    reducer held (a consistency check of a formula against a count of live storages, both zero3's), and
+    the gathered and reduce peaks together, at one moment, within the budget."""
+    pool = pools.get(2)
+    budget = pool.run(train, 1, {})[0]["model_bytes"]
+    runs = pool.run(train, 2, {"memory_budget": budget, **transport})
+    for r in runs:
+        total, reduce_bytes = r["static"]
+        assert 0 < max(r["reduce_peaks"]) <= reduce_bytes, (r["reduce_peaks"], reduce_bytes)
+        assert max(r["joint"]) <= budget, (r["joint"], budget)
+
+
+def test_hpz_secondary_slices_within_the_budget(pools):
+    """4 ranks, hpZ groups of 2: the secondary slices a training step keeps are counted outside the
+    room (probe 39M: left out, 1.83x the budget); with them, every peak within the budget."""
+    pool = pools.get(4)
+    budget = pool.run(train, 1, {})[0]["model_bytes"] * 3 // 2
+    runs = pool.run(train, 3, {"memory_budget": budget, "zero_hpz_partition_size": 2})
+    plain = pool.run(train, 3, {})
+    for r, p in zip(runs, plain):
+        assert r["losses"] == p["losses"]
+        assert 0 < max(r["secondary"]) <= r["secondary_bytes"], (r["secondary"], r["secondary_bytes"])
+        assert max(r["joint"]) + max(r["secondary"]) <= budget
+

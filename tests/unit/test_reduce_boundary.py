@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 
 from zero3 import ZeroConfig
 from zero3.runtime.context import _prefetch_numel
+from zero3.metrics import StepMetrics
 from zero3.runtime.grad import GradientReducer
 
 
 def _reducer(bucket: int, boundary: int) -> tuple[GradientReducer, list[int]]:
-    reducer = GradientReducer(SimpleNamespace(world_size=2), bucket, boundary_numel=boundary)
+    reducer = GradientReducer(SimpleNamespace(world_size=2, metrics=StepMetrics()), bucket, boundary_numel=boundary)
     issued: list[int] = []
 
     def flush() -> None:  # what was queued when a reduction was issued

@@ -40,7 +40,8 @@ from .gather import ParamGatherer, gather_transport
 from .secondary import Secondary, SecondaryCutter
 from .shared import SharedShards, SlotSpec, available as shared_memory_available
 from .shared_reduce import SharedOutbox, SharedReduce
-from .reduce import GradPiece, QuantizedReduction, ReduceBuffer, ReduceRequest, ReduceTransport, reduce_transport
+from .reduce import (GradPiece, QuantizedReduction, ReduceBuffer, ReduceRequest, ReduceTransport, hold_bytes,
+                     reduce_transport)
 from .tags import Kind, Tag
 from .topology import hpz_group_size, node_identity, node_ids
 from .verifier import Verifier
@@ -283,6 +284,14 @@ class Communicator:
         self.metrics.reduce_calls += 1
         self.metrics.reduce_numel += req.total * self.world_size
         return self._reduction.reduce(req)
+
+    def reduce_hold_bytes(self, numel: int, pieces: int, grad_itemsize: int, itemsize: int, holes: bool) -> int:
+        """The most one bucket of ``numel`` gradient elements holds at once in this communicator's
+        reductions (reduce.py `hold_bytes`)."""
+        cfg = self.config
+        return hold_bytes(cfg.reduce_impl, self.world_size, numel, pieces, grad_itemsize, itemsize, holes=holes,
+                          verify=self.verify,
+                          quantized=(cfg.quantize_gradients, cfg.quant_block) if cfg.quantize_gradients else None)
 
     # -- small collectives (collectives.py) -------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, tag: Tag, op: str = "sum") -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..metrics import VERIFICATION
-from .codec import QuantizedCodec
+from .codec import QuantizedCodec, wire_bytes
 from .tags import Kind, Tag
 from .verifier import Verifier
 from .verify import HEADER_BYTES, PayloadHeader, RequestShape, header_as, header_values, headers_from_values
@@ -450,3 +450,46 @@ def reduce_transport(impl: str, wire: Wire, verifier: Verifier, ctx: WaitContext
     else:
         cls = {"p2p": PairwiseReduce, "all_reduce": AllReduceReduce, "reduce_scatter": ReduceScatterReduce}[impl]
     return cls(wire, verifier, ctx, overlap, verify)
+
+
+def hold_bytes(impl: str, world: int, numel: int, pieces: int, grad_itemsize: int, itemsize: int, *,
+               holes: bool = False, verify: bool = True, quantized: tuple[int, int] | None = None) -> int:
+    """The most one bucket of ``numel`` gradient elements, in at most ``pieces`` parameters, holds at
+    once from its gradients' hand-over to its reduction's landing: the gradients (``grad_itemsize``
+    bytes each) and the buffers of the resolved ``impl``'s reduction (``itemsize``: its dtype's), as
+    `GradientReducer`'s gauge counts them (StepMetrics.reduce_held_bytes) when the reduction in flight
+    lands before the next gradient is queued (memory_budget's rule). ``holes``: a piece may have no
+    gradient (leaf units); ``quantized``: qgZ's (bits, block). World size 1 holds nothing: each
+    gradient goes straight into its shard's. Pure: the budget planner and ``zero3.plan`` use it
+    without a process group; tests/multiproc/test_memory_budget_multirank.py holds the gauge to it on
+    each transport.
+
+    What each holds, with S the shard elements per rank (each piece padded to the world, one presence
+    count per piece) and H the verification header room:
+    - reduce_scatter: the gradients, the flat rank-major copy (world x (S + H)) and the result (S + H);
+    - all_reduce: the gradients and the flat copy (world x S + H), whose slice is the result;
+    - p2p and shm (whose buckets too large for a slot go pairwise; a slot of the fixed outbox arena is
+      not counted): the gradients (and a copy in the reduction's dtype when it differs), the result,
+      which the lowest peer's message lands in, a receive buffer per other peer, zeros for a missing
+      piece, and the headers;
+    - qgZ: the gradients (and an fp32 copy), the fp32 result, and at most three messages per peer
+      (the payloads, and what the exchange copies them into and receives).
+    """
+    if world <= 1:
+        return 0
+    s = -(-(numel + pieces * (world - 1)) // world) + pieces
+    grads = numel * grad_itemsize
+    if quantized is not None:
+        bits, block = quantized
+        message = wire_bytes(s, block, bits) + 12 * pieces + HEADER_BYTES  # per piece: rounding, a block, a count
+        return grads + (numel * 4 if grad_itemsize != 4 else 0) + s * 4 + 3 * world * message
+    h = HEADER_VALUES * world if verify else 0
+    if impl == "reduce_scatter":
+        return grads + (world + 1) * (s + h) * itemsize
+    if impl == "all_reduce":
+        return grads + (world * s + h) * itemsize
+    if impl in ("p2p", "shm"):
+        converted = numel * itemsize if itemsize != grad_itemsize else 0
+        return grads + converted + (world - 1 + holes) * s * itemsize + 2 * world * HEADER_BYTES
+    raise ValueError(f"reduce_impl {impl!r}: one of reduce_scatter, all_reduce, p2p, shm (resolved, not auto)")
+

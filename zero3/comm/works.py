@@ -10,7 +10,8 @@ then it drops the torch works it waited for, so none outlives the process group 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
+from types import FunctionType
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -238,3 +239,45 @@ class ReduceWork:
             self.keep = self.work = self.slot = None  # the input may go now; no finished work is held (exit_release.py)
             self.failed = False
         return self.result
+
+
+def held_storages(*roots: Any) -> dict[int, int]:
+    """The storages (data pointer -> bytes) of the tensors ``roots`` hold: through lists, tuples,
+    dicts, the fields of the works and buffers a reduction is made of, and the closures a pairwise
+    work runs when it lands (its ``then``). Nothing else is followed (a transport, a codec, a process
+    group's opaque work: whatever tensor those hold, a followed field holds too). A view of a counted
+    storage adds nothing. The gradient reducer's gauge (StepMetrics.reduce_held_bytes) is built on it."""
+    found: dict[int, int] = {}
+    seen: set[int] = set()
+    todo = list(roots)
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            found[storage.data_ptr()] = storage.nbytes()
+            continue
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, FunctionType):
+            todo.extend(c.cell_contents for c in x.__closure__ or () if _filled(c))
+        elif type(x).__name__ in _HOLDERS:
+            todo.extend(getattr(x, f.name) for f in fields(x)) if is_dataclass(x) else todo.extend(vars(x).values())
+    return found
+
+
+_HOLDERS = frozenset({"ReduceWork", "PairwiseWork", "ReduceBuffer", "GradPiece"})
+"""The objects of a reduction whose fields `held_storages` follows (by name: they live in modules that
+import this one)."""
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a closure variable not assigned yet
+        return False
+    return True

@@ -58,6 +58,10 @@ DEFAULT_PARAM_PERSISTENCE = 100_000
 DEFAULT_REDUCE_BUCKET = 500_000_000
 """DeepSpeed's ``reduce_bucket_size`` (elements): never exceeded."""
 
+ReduceHold = Callable[[int], int] | int
+"""What a reduce bucket of n gradient elements holds at most, in bytes (the communicator's
+``reduce_hold_bytes``: its gradients and the reduction's buffers), or bytes per element."""
+
 _LIVE_STEPS = (1, 2, 3, 4, 6, 8, 12, 16)
 _PREFETCH_STEPS = (1, 2, 4)
 _REUSE_STEPS = (2,)
@@ -75,11 +79,12 @@ class StaticChoice:
     reduce_bucket_bytes: int
     reasons: tuple[str, ...]
     persistent_count: int = 0
+    secondary_bytes: int = 0  # hpZ's secondary slices of the non-persistent parameters, kept through a step
 
     @property
     def room(self) -> int:
         """Bytes left for gathered, non-persistent parameters."""
-        return self.budget - self.persistent_bytes - self.reduce_bucket_bytes
+        return self.budget - self.persistent_bytes - self.reduce_bucket_bytes - self.secondary_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,12 +100,15 @@ class ScheduleChoice:
     reasons: tuple[str, ...]
 
 
-def choose_static(params: Sequence[tuple[str, int, int]], budget: int, reduce_element_bytes: int,
-                  grad_numel: int = 0) -> StaticChoice:
+def choose_static(params: Sequence[tuple[str, int, int]], budget: int, reduce_hold: ReduceHold,
+                  grad_numel: int = 0, secondary_group: int = 1) -> StaticChoice:
     """Persistence thresholds and the reduce bucket for ``params`` (``(name, numel, nbytes)`` in
-    ``named_parameters`` order) under ``budget`` bytes (see [Note: memory budget]). ``grad_numel``:
+    ``named_parameters`` order) under ``budget`` bytes (see [Note: memory budget]). ``reduce_hold``:
+    what a bucket of n gradient elements holds at most (bytes), or bytes per element. ``grad_numel``:
     the elements of the largest piece one reduction takes whole (a trainable parameter, or a leaf
-    module's), so the reduce bucket is counted as at least that.
+    module's), so the reduce bucket is counted as at least that. ``secondary_group``: hpZ's ranks per
+    secondary group (1: off); above 1, each non-persistent parameter's secondary slice (its bytes over
+    the group, rounded up) is counted outside the room: a training step keeps them all.
 
     Raises:
         ZeroConfigError: the budget cannot hold the largest non-persistent parameter gathered; names
@@ -108,58 +116,85 @@ def choose_static(params: Sequence[tuple[str, int, int]], budget: int, reduce_el
     """
     if budget <= 0:
         raise ZeroConfigError(f"memory_budget must be > 0 bytes, got {budget!r}")
-    choice, (largest, name) = _static(params, budget, reduce_element_bytes, grad_numel)
+    choice, (largest, name) = _static(params, budget, reduce_hold, grad_numel, secondary_group)
     if largest > choice.room:
         raise ZeroConfigError(
             f"memory_budget {budget:,} bytes is too small: parameter {name!r} alone needs {largest:,} bytes "
             f"gathered, and persistent parameters ({choice.persistent_bytes:,}) and the reduce bucket "
-            f"({choice.reduce_bucket_bytes:,}) take the rest; give at least "
-            f"{smallest_budget(params, reduce_element_bytes, grad_numel, start=budget):,} bytes (the least "
-            "budget whose own persistent parameters and reduce bucket leave that room)")
+            f"({choice.reduce_bucket_bytes:,})" + (f" and hpZ's secondary slices ({choice.secondary_bytes:,})"
+                                                   if choice.secondary_bytes else "") + " take the rest; give at least "
+            f"{smallest_budget(params, reduce_hold, grad_numel, start=budget, secondary_group=secondary_group):,} "
+            "bytes (the least budget whose own persistent parameters, reduce bucket and hpZ slices leave that room)")
     reasons = (
         f"memory_budget {budget:,} bytes per rank",
-        f"reduce_bucket_size {choice.reduce_bucket_size:,} elements ({choice.reduce_bucket_bytes:,} bytes): "
+        f"reduce_bucket_size {choice.reduce_bucket_size:,} elements ({choice.reduce_bucket_bytes:,} bytes held at most: "
+        "its gradients and the reduction's buffers): "
         + (f"the largest gradient piece, reduced whole, larger than min(DeepSpeed's {DEFAULT_REDUCE_BUCKET:,}, "
            f"{REDUCE_SHARE:g} of the budget)" if choice.reduce_bucket_size == grad_numel else
            f"min(DeepSpeed's {DEFAULT_REDUCE_BUCKET:,}, {REDUCE_SHARE:g} of the budget)"),
         f"persistent: {choice.persistent_count} parameters of <= {DEFAULT_PARAM_PERSISTENCE:,} elements, "
         f"{choice.persistent_bytes:,} bytes (model_persistence_threshold {choice.model_persistence_threshold:,} "
         f"elements = {PERSISTENT_SHARE:g} of the budget)",
+        *((f"hpZ secondary slices: {choice.secondary_bytes:,} bytes (the non-persistent parameters over groups "
+           f"of {secondary_group} ranks, kept through a training step)",) if choice.secondary_bytes else ()),
         f"room for gathered parameters: {choice.room:,} bytes",
     )
     return dataclasses.replace(choice, reasons=reasons)
 
 
-def smallest_budget(params: Sequence[tuple[str, int, int]], reduce_element_bytes: int, grad_numel: int = 0, *,
-                    room: int = 0, start: int = 1) -> int:
+def smallest_budget(params: Sequence[tuple[str, int, int]], reduce_hold: ReduceHold, grad_numel: int = 0, *,
+                    room: int = 0, start: int = 1, secondary_group: int = 1) -> int:
     """The least budget from ``start`` up whose static choice leaves room for the largest
     non-persistent parameter and for ``room`` bytes gathered at once. The persistent set and the
     reduce bucket grow with the budget, so each step asks again at the size the last one named."""
     budget = max(1, start)
     for _ in range(256):
-        choice, (largest, _) = _static(params, budget, reduce_element_bytes, grad_numel)
-        need = max(largest, room) + choice.persistent_bytes + choice.reduce_bucket_bytes
+        choice, (largest, _) = _static(params, budget, reduce_hold, grad_numel, secondary_group)
+        need = max(largest, room) + choice.persistent_bytes + choice.reduce_bucket_bytes + choice.secondary_bytes
         if need <= budget:
             return budget
         budget = need
     return budget
 
 
-def _static(params: Sequence[tuple[str, int, int]], budget: int, reduce_element_bytes: int,
-            grad_numel: int) -> tuple[StaticChoice, tuple[int, str]]:
+def _static(params: Sequence[tuple[str, int, int]], budget: int, reduce_hold: ReduceHold,
+            grad_numel: int, secondary_group: int = 1) -> tuple[StaticChoice, tuple[int, str]]:
     """`choose_static`'s choice without its checks and reasons, and the largest non-persistent
     parameter's bytes and name ((0, "") when every one is persistent)."""
     # A gradient piece larger than the share is reduced whole anyway: the bucket takes its size (as
     # coarse as the account already allows: fewer reductions for the same bytes).
-    reduce_elems = max(1, grad_numel, min(DEFAULT_REDUCE_BUCKET, int(budget * REDUCE_SHARE) // reduce_element_bytes))
+    hold = _hold_of(reduce_hold)
+    reduce_elems = max(1, grad_numel, _largest_within(hold, int(budget * REDUCE_SHARE)))
     element = max((nbytes // numel for _, numel, nbytes in params if numel), default=4) or 1
     model_threshold = int(budget * PERSISTENT_SHARE) // element
     chosen = choose_persistent((numel for _, numel, _ in params), DEFAULT_PARAM_PERSISTENCE, model_threshold)
     persistent = sum(nbytes for (_, _, nbytes), keep in zip(params, chosen) if keep)
+    secondary = 0 if secondary_group <= 1 else sum(
+        -(-numel // secondary_group) * (nbytes // numel) for (_, numel, nbytes), keep in zip(params, chosen)
+        if numel and not keep)
     choice = StaticChoice(budget, DEFAULT_PARAM_PERSISTENCE, model_threshold, reduce_elems, persistent,
-                          reduce_elems * reduce_element_bytes, (), sum(chosen))
+                          hold(reduce_elems), (), sum(chosen), secondary)
     others = [(nbytes, name) for (name, _, nbytes), keep in zip(params, chosen) if not keep]
     return choice, max(others, key=lambda o: o[0]) if others else (0, "")  # the first of the largest
+
+
+def _hold_of(reduce_hold: ReduceHold) -> Callable[[int], int]:
+    if callable(reduce_hold):
+        return reduce_hold
+    return lambda n: n * reduce_hold
+
+
+def _largest_within(hold: Callable[[int], int], share: int) -> int:
+    """The most elements, up to DeepSpeed's default bucket, whose bucket holds at most ``share`` bytes
+    (``hold`` grows with its argument)."""
+    lo, hi = 0, DEFAULT_REDUCE_BUCKET
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if hold(mid) <= share:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _pre_bytes(trace: Trace) -> list[int]:
@@ -225,7 +260,7 @@ def check_room(trace: Trace, room: int, budget_for_room: Callable[[int], int] | 
             f"{trace.events[at].module or '<root>'!r} gathers {pre[at]:,} bytes and the step needs "
             f"{floor.stats.peak_live_bytes:,} bytes gathered at once (modules open together); " +
             (f"give memory_budget at least {budget_for_room(floor.stats.peak_live_bytes):,} bytes (the least whose "
-             "own persistent parameters and reduce bucket leave that room)" if budget_for_room is not None else
+             "own persistent parameters, reduce bucket and hpZ slices leave that room)" if budget_for_room is not None else
              f"the room must grow by at least {floor.stats.peak_live_bytes - room:,} bytes"))
     return floor
 

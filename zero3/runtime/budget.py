@@ -65,18 +65,29 @@ class MemoryBudget:
             budget = min(comm.exchange_objects(mine, Tag(Kind.OBJECTS, "memory_budget auto")))
             logger.info("zero3: memory_budget auto: %.1f MiB per rank (%g of the free memory, least over ranks)",
                         budget / 2**20, AUTO_FRACTION)
-        itemsize = torch_dtype(config.precision.dtype).itemsize
-        sizes = [(name, n, n * itemsize) for name, p in named for n in [_numel(p)]]
+        lowered = torch_dtype(config.precision.dtype)
+        lowered = None if lowered == torch.float32 else lowered  # bf16/fp16 cast every floating shard; fp32 keeps each
+        itemsize = {name: _itemsize(p, lowered) for name, p in named}  # one's own (an fp64 model stays fp64)
+        sizes = [(name, n, n * itemsize[name]) for name, p in named for n in [_numel(p)]]
         grad_numel = max([_numel(p) for _, p in named if p.requires_grad] + [sum(map(_numel, u)) for u in units],
                          default=0)  # the largest piece one reduction takes whole
-        reduce_bytes = torch_dtype(config.precision.reduce_dtype).itemsize
-        static = choose_static(sizes, budget, reduce_bytes, grad_numel)
+        trained = [itemsize[name] for name, p in named if p.requires_grad]
+        grad_itemsize = max(trained, default=4)
+        reduce_itemsize = torch_dtype(config.precision.reduce_dtype).itemsize
+        if any(p.requires_grad and p.dtype == torch.float64 for _, p in named):
+            reduce_itemsize = 8  # an fp64 model's gradients are reduced in fp64 (grad.py `flush`)
+        pieces, holes = len(trained), bool(units)
+
+        def reduce_bytes(n: int) -> int:  # the gradients and the reduction's buffers (comm/reduce.py `hold_bytes`)
+            return comm.reduce_hold_bytes(n, pieces, grad_itemsize, reduce_itemsize, holes)
+
+        static = choose_static(sizes, budget, reduce_bytes, grad_numel, secondary_group=comm.hpz)
         resolved = config.replace(memory_budget=None, param_persistence_threshold=static.param_persistence_threshold,
                                   model_persistence_threshold=static.model_persistence_threshold,
                                   reduce_bucket_size=static.reduce_bucket_size, max_live_bytes=static.room,
                                   max_reuse_distance_bytes=0, prefetch_bucket_bytes=0)
         return resolved, cls(static, lambda room: smallest_budget(sizes, reduce_bytes, grad_numel, room=room,
-                                                                  start=budget))
+                                                                  start=budget, secondary_group=comm.hpz))
 
     def choose(self, trace: Trace) -> PlanConfig | None:
         """The schedule knobs for ``trace`` (the first training step's), logged once. None for an
@@ -86,8 +97,8 @@ class MemoryBudget:
 
         Raises:
             ZeroConfigError: not even gathering one module at a time fits the room."""
-        if not trace.trains:
-            if (trace.key, trace.version) not in self._checked:
+        if not trace.trains or self.schedule is not None:  # a trace after the choice (new modules, a
+            if (trace.key, trace.version) not in self._checked:  # divergence) must fit the room too (probe 39M)
                 check_room(trace, self.static.room, self._budget_for_room)
                 self._checked[(trace.key, trace.version)] = None
                 while len(self._checked) > _CHECKED_KEPT:
@@ -109,6 +120,12 @@ class MemoryBudget:
                             "only inference steps have, or every parameter is persistent); a step gathers on demand "
                             "within the room, prefetching nothing"]
         return lines + [f"budget: {r}" for r in self.schedule.reasons]
+
+
+def _itemsize(p: nn.Parameter, lowered: torch.dtype | None) -> int:
+    """Bytes per element of ``p``'s shards and gathers: ``lowered`` (bf16/fp16) for a floating parameter
+    under mixed precision, its own dtype's otherwise."""
+    return lowered.itemsize if lowered is not None and p.dtype.is_floating_point else p.dtype.itemsize
 
 
 def _numel(p: nn.Parameter) -> int:

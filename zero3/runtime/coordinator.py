@@ -319,9 +319,9 @@ class ParamCoordinator:
 
     def choose_budget(self) -> None:
         """After a step ended (step.py): let ``memory_budget`` choose the knobs from the first training
-        trace (`MemoryBudget.choose`) and replan the cached traces. Raises `ZeroConfigError` as it does."""
-        if self.budget is not None and self.budget.schedule is None and (t := self.last_trace) is not None \
-                and (chosen := self.budget.choose(t)) is not None:
+        trace (`MemoryBudget.choose`) and replan the cached traces, or check a later trace fits its room.
+        Raises `ZeroConfigError` as it does."""
+        if self.budget is not None and (t := self.last_trace) is not None and (chosen := self.budget.choose(t)) is not None:
             self.plan_config = chosen
             self.steps.replan(chosen)
 

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from ..comm.communicator import Communicator, GradPiece, Kind, ReduceWork, Tag
+from ..comm.works import held_storages
 from ..errors import ZeroStateError
 from ..partition.param import ZeroParameter, raw_data
 
@@ -46,6 +47,8 @@ class GradientReducer:
         self.accumulation_steps = accumulation_steps
         self._bucket: list[tuple[ZeroParameter, torch.Tensor | None, bool]] = []
         self._numel = 0
+        self._queued_bytes = 0  # the full gradients' storages in the bucket (StepMetrics.reduce_held_bytes)
+        self._held_bytes = 0  # the storages the reduction in flight holds (`held_storages`)
         self._in_flight: tuple[ReduceWork, list[tuple[ZeroParameter, int]], int] | None = None
         self.on_landed: Callable[[ZeroParameter], None] | None = None
         """Called after a parameter's reduced gradient is added into its shard's gradient (the
@@ -58,6 +61,9 @@ class GradientReducer:
         self.landed = 0
         """Reduced gradients added into the shards since ``engine.step()`` last reset it: whether a backward
         reached a trainable parameter (the same on every rank: a reduction lands on all of them)."""
+        self.one_bucket_held = False
+        """memory_budget's rule: the reduction in flight lands before a gradient is queued beside it, so
+        the reducer holds at most one bucket's gradients and buffers (`ReduceTransport.hold_bytes`)."""
 
     def sum_over_model_parallel(self, params: list[ZeroParameter], comm: Communicator) -> None:
         """Megatron's sequence parallelism: ``params`` (marked ``sequence_parallel``: LayerNorms, a
@@ -96,8 +102,11 @@ class GradientReducer:
             self._accumulate(p, grad.reshape(-1))
             return
         self._make_room(p._zero.numel)
+        if self.one_bucket_held and not self._bucket:
+            self._land()
         self._bucket.append((p, grad, False))
         self._numel += p._zero.numel
+        self._queue(grad)
         if self._numel >= self.bucket_numel:
             self.flush()
 
@@ -116,9 +125,13 @@ class GradientReducer:
                     self._accumulate(p, g.reshape(-1))
             return
         self._make_room(sum(p._zero.numel for p, _ in grads))
+        if self.one_bucket_held and not self._bucket:
+            self._land()
         for p, g in grads:
             self._bucket.append((p, g, True))
             self._numel += p._zero.numel
+            if g is not None:
+                self._queue(g)
         if self._numel >= self.bucket_numel:
             self.flush()
 
@@ -156,8 +169,12 @@ class GradientReducer:
         if self._in_flight is not None:
             work, _, _ = self._in_flight
             self._in_flight = None
+            self._hold(-self._held_bytes)
+            self._held_bytes = 0
             work.wait()
         self._bucket, self._numel = [], 0
+        self._hold(-self._queued_bytes)
+        self._queued_bytes = 0
 
     def flush(self) -> None:
         """Issue the reduction of the current bucket (after landing the previous one: at most one
@@ -178,7 +195,13 @@ class GradientReducer:
             col += maybe
         tag = Tag(Kind.GRAD_REDUCE, "gradients", tuple(p._zero.id for p, _ in params))
         work = self.comm.reduce_grads(pieces, dtype, raw_data(bucket[0][0]).device, tag)
+        held = held_storages(work)
+        at_issue = held_storages([g for _, g, _ in bucket]) | held  # the peak: the queued gradients and
+        self._hold(sum(at_issue.values()) - self._queued_bytes)     # the reduction's buffers at once
         del bucket, pieces  # the full gradients go as soon as the reduction no longer needs them
+        self._queued_bytes = 0
+        self._held_bytes = sum(held.values())  # with what it still reads of them
+        self._hold(self._held_bytes - sum(at_issue.values()))
         self._in_flight = (work, params, total)
         if self.on_sent is not None:
             self.on_sent([p for p, _ in params])
@@ -189,6 +212,8 @@ class GradientReducer:
             return
         work, params, _ = self._in_flight
         self._in_flight = None
+        self._hold(-self._held_bytes)  # what it held becomes the gradient shards' (or goes) as it lands
+        self._held_bytes = 0
         out = work.wait()
         if out.data_ptr() != out.untyped_storage().data_ptr() or out.numel() * out.element_size() != \
                 out.untyped_storage().nbytes():
@@ -199,6 +224,17 @@ class GradientReducer:
             if col < 0 or float(out[col]) != 0:  # col: the presence count of a leaf unit's parameter
                 self._accumulate(p, out[off: off + s])
             off += s
+
+    def _queue(self, grad: torch.Tensor) -> None:
+        nbytes = grad.untyped_storage().nbytes()
+        self._queued_bytes += nbytes
+        self._hold(nbytes)
+
+    def _hold(self, nbytes: int) -> None:
+        """The reducer's gauge moves by ``nbytes``: queued gradients (``_queued_bytes``) and the reduction
+        in flight's buffers."""
+        if nbytes:
+            self.comm.metrics.add_reduce_held(nbytes)
 
     def _accumulate(self, p: ZeroParameter, piece: torch.Tensor) -> None:
         """Add ``piece`` (this rank's averaged gradient slice, or at world size 1 the gradient) into
