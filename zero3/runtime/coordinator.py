@@ -118,6 +118,7 @@ class ParamCoordinator:
         # The event a gather serves (for its tag), as two fields: a tuple per event would feed the GC.
         self._event_kind: EventKind | None = None
         self._event_module = ""
+        self._keep_off_trace = False  # this step left its trace, and the whole model fits the budgets
         self._generation: GenerationPrefetch | None = None  # generation mode (`begin_generation`)
         self.budget: MemoryBudget | None = None  # memory_budget (`use_budget`)
         self.watch: GatherWatch | None = None  # told of every gather and use (the optimizer step in backward)
@@ -224,7 +225,7 @@ class ParamCoordinator:
             self._left_trace(kind, params)
         if kind in _PRE:
             self.fetch(params)
-        else:
+        elif not (self._keep_off_trace and kind is _POST_FORWARD):  # kept for its backward (`_left_trace`)
             self.release(params)
 
     # -- generation mode -----------------------------------------------------------------------------
@@ -274,16 +275,25 @@ class ParamCoordinator:
                     self.prefetch(missing)
 
     def _left_trace(self, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
-        """The step left its trace: release what no running module needs, read nothing ahead."""
+        """The step left its trace: release what no running module needs, read nothing ahead. Unless the
+        whole model fits ``max_live`` and ``max_reuse_distance`` (DeepSpeed's defaults, for a model under
+        1e9 elements): then what is gathered stays, and a forward's gathers stay for the backward, as on
+        the trace (probe 39P: a block skipped at random gathered each module twice a step)."""
         self.metrics.divergences += 1
-        keep = {p._zero.id for p in params} if kind in _PRE else set()
-        self.release(p for p in list(self._live.values()) if p._zero.id not in keep)
+        c = self.plan_config
+        if sum(self._size(p) for p in self._by_id.values() if not p._zero.persistent) <= min(c.max_live,
+                                                                                            c.max_reuse_distance):
+            self._keep_off_trace = True
+        else:
+            keep = {p._zero.id for p in params} if kind in _PRE else set()
+            self.release(p for p in list(self._live.values()) if p._zero.id not in keep)
         if self._reading is not None:
             self._reading.stop()
 
     # -- step boundaries -------------------------------------------------------------------------
     def _begin_step(self, kind: EventKind, module: str) -> None:
         grad = torch.is_grad_enabled()
+        self._keep_off_trace = False
         following = self.steps.begin(f"{kind.value}:{module or '<root>'}:{'grad' if grad else 'no_grad'}")
         if self._hpz is not None:
             self._hpz.keeping = grad
