@@ -142,11 +142,13 @@ def _default_loss(out: Any) -> torch.Tensor:
     return (wanted or tensors)[0].float().sum()
 
 
-def predict(trace: Trace, config: Any = None, world_size: int = 1) -> Prediction:
+def predict(trace: Trace, config: Any = None, world_size: int = 1, backend: str = "gloo") -> Prediction:
     """Plan ``trace`` with ``config``'s budgets. With ``memory_budget`` (bytes) the knobs are chosen as
     the runtime chooses them after its first step (planning/budget.py), the largest trainable parameter
     counted as the largest gradient piece (a leaf module's unit, reduced whole, is not known to a trace);
-    it was ignored before, and the default budgets planned (probe 35E: a peak above the budget itself)."""
+    it was ignored before, and the default budgets planned (probe 35E: a peak above the budget itself).
+    ``backend``: how ``reduce_scatter_impl`` "auto" resolves (on gloo p2p or shm, else reduce-scatter),
+    which the budget's account of a reduce bucket follows."""
     cfg = resolve_config(config)
     budget = cfg.budget.memory_budget
     if budget is None:
@@ -156,7 +158,8 @@ def predict(trace: Trace, config: Any = None, world_size: int = 1) -> Prediction
                          "give the bytes per rank")
     sizes = [(info.name, info.numel, info.nbytes) for info in trace.params.values()]
     impl = cfg.comm.reduce_scatter_impl
-    impl = "p2p" if impl == "auto" else impl  # auto on gloo (CPU): shm or p2p, which hold alike
+    if impl == "auto":  # as the runtime resolves it: on gloo shm or p2p, which hold alike; reduce-scatter elsewhere
+        impl = "p2p" if backend == "gloo" else "reduce_scatter"
     trained = [i.nbytes // i.numel for i in trace.params.values() if i.trains and i.numel]
     pieces, grad_itemsize = len(trained), max(trained, default=4)
     itemsize = 8 if grad_itemsize == 8 else torch_dtype(cfg.precision.reduce_dtype).itemsize  # fp64 reduced in fp64
@@ -212,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=2, help="integer inputs are drawn below this (meta: ignored)")
     ap.add_argument("--config", default=None, help="ZeroConfig as JSON text or a JSON file (ours or DeepSpeed's)")
     ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--backend", default="gloo", help="the process group's backend (gloo, nccl): how "
+                    "reduce_scatter_impl 'auto' resolves, which memory_budget's account of a bucket follows")
     ap.add_argument("--export", default=None, help="also write the trace (.json, .graphml or .dot)")
     args = ap.parse_args(argv)
 
@@ -237,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return (torch.zeros(shape, dtype=dtype, device="meta"),)
 
         trace = record_trace(model, make_inputs, config)
-    prediction = predict(trace, config, args.world_size)
+    prediction = predict(trace, config, args.world_size, args.backend)
     sys.stdout.write(prediction.table() + "\n")
     if args.export:
         write_trace(trace, args.export)

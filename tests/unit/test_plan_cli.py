@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from contextlib import redirect_stdout
 
 import pytest
@@ -155,3 +156,19 @@ def test_a_launchers_environment_is_not_read_by_the_dry_run(monkeypatch) -> None
                 "--config", '{"param_persistence_threshold": 0}', "--world-size", "2")
     assert int(rows["all-gathers per step"].replace(",", "")) > 0
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("0", "2")  # given back
+
+
+def test_a_prediction_under_memory_budget_follows_the_backend_and_world_size() -> None:
+    """The budget counts a reduce bucket as what it holds on the transport "auto" resolves to: p2p on
+    gloo (1.5x its gradients on 2 ranks), reduce-scatter on NCCL (2.5x); nothing at world size 1
+    (review 39R1: a prediction for an NCCL run planned gloo's room)."""
+    with torch.device("meta"):
+        model = _FrozenTable()
+    trace = record_trace(model, lambda: (torch.zeros(2, 8, dtype=torch.long, device="meta"),), {})
+    bucket = {}
+    for world, backend in [(1, "gloo"), (2, "gloo"), (2, "nccl")]:
+        with pytest.raises(ZeroConfigError, match="give at least") as refused:
+            predict(trace, {"memory_budget": 1000}, world, backend)
+        bucket[(world, backend)] = int(re.search(r"reduce bucket \(([\d,]+)\)", str(refused.value))[1].replace(",", ""))
+    assert bucket[(1, "gloo")] == 0
+    assert 1.5 * 4 * 64 * 64 <= bucket[(2, "gloo")] < 2.5 * 4 * 64 * 64 <= bucket[(2, "nccl")], bucket

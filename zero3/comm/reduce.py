@@ -468,12 +468,18 @@ def hold_bytes(impl: str, world: int, numel: int, pieces: int, grad_itemsize: in
     count per piece) and H the verification header room:
     - reduce_scatter: the gradients, the flat rank-major copy (world x (S + H)) and the result (S + H);
     - all_reduce: the gradients and the flat copy (world x S + H), whose slice is the result;
+      both with the header values' scratch (2 H);
     - p2p and shm (whose buckets too large for a slot go pairwise; a slot of the fixed outbox arena is
       not counted): the gradients (and a copy in the reduction's dtype when it differs), the result,
       which the lowest peer's message lands in, a receive buffer per other peer, zeros for a missing
       piece, and the headers;
-    - qgZ: the gradients (and an fp32 copy), the fp32 result, and at most three messages per peer
-      (the payloads, and what the exchange copies them into and receives).
+    - qgZ: the gradients (and an fp32 copy), the fp32 result, at most three messages per peer
+      (the payloads, and what the exchange copies them into and receives), and the quantization's
+      fp32 temporaries of one part at a time (the part, padded to the block, its scaled and rounded
+      copies: four of at most S elements and a block, review 39R1).
+    The gauge samples the reducer when a gradient is handed over, a reduction is issued and it lands;
+    transients inside a reduction (qgZ's, and a cast of the gradients to the reduction's dtype, which
+    the `converted` term counts) are in this account only.
     """
     if world <= 1:
         return 0
@@ -482,12 +488,14 @@ def hold_bytes(impl: str, world: int, numel: int, pieces: int, grad_itemsize: in
     if quantized is not None:
         bits, block = quantized
         message = wire_bytes(s, block, bits) + 12 * pieces + HEADER_BYTES  # per piece: rounding, a block, a count
-        return grads + (numel * 4 if grad_itemsize != 4 else 0) + s * 4 + 3 * world * message
+        block_pad = block  # a part padded up to a whole block
+        return grads + (numel * 4 if grad_itemsize != 4 else 0) + s * 4 + 3 * world * message + 4 * (s + block_pad) * 4
     h = HEADER_VALUES * world if verify else 0
+    scratch = 2 * h * itemsize  # the header values written into the buffer and read back
     if impl == "reduce_scatter":
-        return grads + (world + 1) * (s + h) * itemsize
+        return grads + (world + 1) * (s + h) * itemsize + scratch
     if impl == "all_reduce":
-        return grads + (world * s + h) * itemsize
+        return grads + (world * s + h) * itemsize + scratch
     if impl in ("p2p", "shm"):
         converted = numel * itemsize if itemsize != grad_itemsize else 0
         return grads + converted + (world - 1 + holes) * s * itemsize + 2 * world * HEADER_BYTES

@@ -73,6 +73,8 @@ class MemoryBudget:
                          default=0)  # the largest piece one reduction takes whole
         trained = [itemsize[name] for name, p in named if p.requires_grad]
         grad_itemsize = max(trained, default=4)
+        if any(getattr(p, "sequence_parallel", False) for _, p in named):  # summed over the model-parallel
+            grad_itemsize = max(grad_itemsize, torch_dtype(config.precision.reduce_dtype).itemsize)  # group wider
         reduce_itemsize = torch_dtype(config.precision.reduce_dtype).itemsize
         if any(p.requires_grad and p.dtype == torch.float64 for _, p in named):
             reduce_itemsize = 8  # an fp64 model's gradients are reduced in fp64 (grad.py `flush`)

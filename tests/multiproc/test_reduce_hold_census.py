@@ -1,0 +1,99 @@
+"""memory_budget's account of a reduce bucket (comm/reduce.py `hold_bytes`) against an outside census:
+a TorchDispatchMode active inside every reduction records each tensor an op returns (weakly) and, after
+every op, adds the live ones' distinct storages to the bucket's gradients. Unlike the reducer's gauge,
+which samples at hand-over, issue and landing, it sees the temporaries inside a reduction (qgZ's
+quantization copies, a cast to the reduction's dtype: review 39R1). 2 gloo ranks."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import zero3
+from zero3.comm.shared_reduce import SLOT_BYTES
+
+pytestmark = pytest.mark.multiproc
+
+
+class _Census(TorchDispatchMode):
+    def __init__(self, base: dict[int, int]) -> None:
+        super().__init__()
+        self.base = base  # the bucket's gradients: storage -> bytes
+        self.made: dict[int, tuple[int, list]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if st.data_ptr() and st.nbytes() != 2 * SLOT_BYTES:  # the outbox arena: not in the budget
+                    self.made.setdefault(st.data_ptr(), (st.nbytes(), []))[1].append(weakref.ref(t))
+        live = {ptr: n for ptr, (n, refs) in self.made.items() if any(r() is not None for r in refs)}
+        self.peak = max(self.peak, sum({**self.base, **live}.values()))
+        return out
+
+
+class PrefixNet(nn.Module):
+    """A learnt prefix concatenated with the input (prompt tuning without a batch dim): its gradient is
+    a slice of the whole concatenation's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.prefix = nn.Parameter(torch.randn(4, 32))
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(torch.cat([self.prefix, x], 0)).square().mean()
+
+
+def census(zero_cfg: dict, model_name: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = PrefixNet() if model_name == "prefix" else nn.Sequential(
+        nn.Linear(48, 96), nn.Tanh(), nn.Linear(96, 48), nn.Tanh(), nn.Linear(48, 1))
+    scale = 6 if zero_cfg.get("zero_quantized_gradients") else 3  # qgZ's messages and temporaries take more
+    budget = scale * sum(p.numel() * 4 for p in model.parameters())
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"memory_budget": budget, **zero_cfg})
+    comm = engine.coordinator.comm
+    issue, peaks = comm.reduce_grads, []
+
+    def counted(pieces, *args, **kwargs):
+        base = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                for p in pieces if p.grad is not None}
+        mode = _Census(base)
+        with mode:
+            work = issue(pieces, *args, **kwargs)
+        peaks.append(mode.peak)
+        return work
+
+    comm.reduce_grads = counted
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(16 if model_name == "prefix" else 4, 32 if model_name == "prefix" else 48, generator=g)
+        x = x.to(torch.bfloat16) if zero_cfg.get("dtype") == "bf16" else x
+        engine.backward(engine(x[rank::world]) if model_name == "prefix" else engine(x[rank::world]).square().mean())
+        engine.step()
+    del comm.reduce_grads
+    m = engine.last_step_metrics
+    return {"census": max(peaks), "gauge": m.peak_reduce_held_bytes,
+            "account": engine.coordinator.budget.static.reduce_bucket_bytes}
+
+
+@pytest.mark.parametrize("zero_cfg", [{"reduce_scatter_impl": "p2p"}, {"reduce_scatter_impl": "reduce_scatter"},
+                                      {"reduce_scatter_impl": "all_reduce"}, {"zero_quantized_gradients": True},
+                                      {"zero_quantized_gradients": True, "quantized_gradient_bits": 4},
+                                      {"dtype": "bf16"}], ids=["p2p", "rs", "ar", "qgz8", "qgz4", "bf16"])
+@pytest.mark.parametrize("model_name", ["mlp", "prefix"])
+def test_the_account_holds_what_a_reduction_holds(pools, zero_cfg, model_name):
+    for r in pools.get(2).run(census, zero_cfg, model_name):
+        assert 0 < r["census"] <= r["account"], r
+        assert r["gauge"] <= r["account"], r
