@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -275,16 +275,11 @@ class ParamCoordinator:
                     self.prefetch(missing)
 
     def _left_trace(self, kind: EventKind, params: Sequence[ZeroParameter]) -> None:
-        """The step left its trace: release what no running module needs, read nothing ahead. Unless the
-        whole model fits ``max_live`` and ``max_reuse_distance`` (DeepSpeed's defaults, for a model under
-        1e9 elements): then what is gathered stays, and a forward's gathers stay for the backward, as on
-        the trace (probe 39P: a block skipped at random gathered each module twice a step)."""
+        """The step left its trace: read nothing ahead; release what no running module needs, unless the whole
+        model fits the budgets: then a forward's gathers stay for its backward (probe 39P), as on a trace."""
         self.metrics.divergences += 1
-        c = self.plan_config
-        if sum(self._size(p) for p in self._by_id.values() if not p._zero.persistent) <= min(c.max_live,
-                                                                                            c.max_reuse_distance):
-            self._keep_off_trace = True
-        else:
+        self._keep_off_trace = _fits_whole(self._by_id.values(), self._size, self.plan_config)
+        if not self._keep_off_trace:
             keep = {p._zero.id for p in params} if kind in _PRE else set()
             self.release(p for p in list(self._live.values()) if p._zero.id not in keep)
         if self._reading is not None:
@@ -325,19 +320,14 @@ class ParamCoordinator:
         if self._hpz is not None:
             self._hpz.drop()
             self._hpz.keeping = False
-        self.steps.end(aborted or not keep_trace, self._param_infos, self.plan_config)
+        self.steps.end(aborted or not keep_trace, lambda: _param_infos(self._by_id), self.plan_config)
 
     def choose_budget(self) -> None:
-        """After a step ended (step.py): let ``memory_budget`` choose the knobs from the first training
-        trace (`MemoryBudget.choose`) and replan the cached traces, or check a later trace fits its room.
-        Raises `ZeroConfigError` as it does."""
-        if self.budget is not None and (t := self.last_trace) is not None and (chosen := self.budget.choose(t)) is not None:
-            self.plan_config = chosen
+        """After a step ended (step.py): ``memory_budget`` chooses the knobs from the first training trace
+        (`MemoryBudget.choose`, then the cached traces are replanned) or checks a later one fits its room."""
+        if self.budget is not None and (t := self.last_trace) is not None and (chosen := self.budget.choose(t)):
             self.steps.replan(chosen)
-
-    def _param_infos(self) -> dict[int, ParamInfo]:
-        return {pid: ParamInfo(id=pid, name=p._zero.name, numel=p._zero.numel, nbytes=p._zero.nbytes,
-                               persistent=p._zero.persistent, trains=p.requires_grad) for pid, p in self._by_id.items()}
+            self.plan_config = chosen
 
     # -- fetch and release -------------------------------------------------------------------------
     def fetch(self, params: Iterable[ZeroParameter], label: str | None = None, training: bool = True) -> None:
@@ -579,6 +569,17 @@ def gather_works(comm: Communicator, hpz: SecondarySlices | None, params: list[Z
     if hpz is None:
         return [comm.all_gather_params(params, tag, count=count, keep_secondary=False, quantize=training)]
     return hpz.gather(comm, params, tag, count, keep=keep)
+
+
+def _param_infos(by_id: dict[int, ZeroParameter]) -> dict[int, ParamInfo]:
+    return {pid: ParamInfo(id=pid, name=p._zero.name, numel=p._zero.numel, nbytes=p._zero.nbytes,
+                           persistent=p._zero.persistent, trains=p.requires_grad) for pid, p in by_id.items()}
+
+
+def _fits_whole(params: Iterable[ZeroParameter], size: Callable[[ZeroParameter], int], config: PlanConfig) -> bool:
+    """Whether every non-persistent parameter fits ``max_live`` and ``max_reuse_distance`` at once
+    (DeepSpeed's defaults, 1e9, for a model under 1e9 elements): then nothing need go before the step ends."""
+    return sum(size(p) for p in params if not p._zero.persistent) <= min(config.max_live, config.max_reuse_distance)
 
 
 def _pin(kind: EventKind, params: Sequence[ZeroParameter]) -> None:
