@@ -167,7 +167,7 @@ def predict(trace: Trace, config: Any = None, world_size: int = 1, backend: str 
 
     def reduce_hold(n: int) -> int:  # as the runtime counts a bucket at this world size (comm/reduce.py `hold_bytes`)
         return hold_bytes(impl, world_size, n, pieces, grad_itemsize, itemsize, verify=cfg.comm.verify_collectives is not False,
-                          quantized=(bits, cfg.comm.quantization_block_size) if bits else None)
+                          quantized=(bits, cfg.comm.quantization_block_size) if bits else None, backend=backend)
 
     static = choose_static(sizes, budget, reduce_hold,  # review 35R2: the largest trainable
                            max((i.numel for i in trace.params.values() if i.trains), default=0),

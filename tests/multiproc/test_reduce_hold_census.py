@@ -1,6 +1,6 @@
 """memory_budget's account of a reduce bucket (comm/reduce.py `hold_bytes`) against an outside census:
-a TorchDispatchMode active inside every reduction records each tensor an op returns (weakly) and, after
-every op, adds the live ones' distinct storages to the bucket's gradients. Unlike the reducer's gauge,
+a TorchDispatchMode active inside every reduction, its issue and its landing, records each tensor an op
+returns (weakly, with the bucket's gradients) and, after every op, sums the live ones' distinct storages. Unlike the reducer's gauge,
 which samples at hand-over, issue and landing, it sees the temporaries inside a reduction (qgZ's
 quantization copies, a cast to the reduction's dtype: review 39R1). 2 gloo ranks."""
 
@@ -22,21 +22,27 @@ pytestmark = pytest.mark.multiproc
 
 
 class _Census(TorchDispatchMode):
-    def __init__(self, base: dict[int, int]) -> None:
+    """Live storages, sampled after every op while active: the bucket's gradients, and every tensor an
+    op returned (both held weakly: a storage counts while a tensor on it lives)."""
+
+    def __init__(self, grads: list[torch.Tensor]) -> None:
         super().__init__()
-        self.base = base  # the bucket's gradients: storage -> bytes
         self.made: dict[int, tuple[int, list]] = {}
         self.peak = 0
+        for g in grads:
+            self._note(g)
+
+    def _note(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        if st.data_ptr() and st.nbytes() != 2 * SLOT_BYTES:  # the outbox arena: not in the budget
+            self.made.setdefault(st.data_ptr(), (st.nbytes(), []))[1].append(weakref.ref(t))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                if st.data_ptr() and st.nbytes() != 2 * SLOT_BYTES:  # the outbox arena: not in the budget
-                    self.made.setdefault(st.data_ptr(), (st.nbytes(), []))[1].append(weakref.ref(t))
-        live = {ptr: n for ptr, (n, refs) in self.made.items() if any(r() is not None for r in refs)}
-        self.peak = max(self.peak, sum({**self.base, **live}.values()))
+                self._note(t)
+        self.peak = max(self.peak, sum(n for n, refs in self.made.values() if any(r() is not None for r in refs)))
         return out
 
 
@@ -67,12 +73,17 @@ def census(zero_cfg: dict, model_name: str) -> dict:
     issue, peaks = comm.reduce_grads, []
 
     def counted(pieces, *args, **kwargs):
-        base = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
-                for p in pieces if p.grad is not None}
-        mode = _Census(base)
+        mode = _Census([p.grad for p in pieces if p.grad is not None])
         with mode:
             work = issue(pieces, *args, **kwargs)
-        peaks.append(mode.peak)
+        peaks.append(mode)
+        land = work.wait
+
+        def wait():  # the landing too: gloo's reduce-scatter holds its own copy of the input until then
+            with mode:
+                return land()
+
+        work.wait = wait
         return work
 
     comm.reduce_grads = counted
@@ -84,14 +95,15 @@ def census(zero_cfg: dict, model_name: str) -> dict:
         engine.step()
     del comm.reduce_grads
     m = engine.last_step_metrics
-    return {"census": max(peaks), "gauge": m.peak_reduce_held_bytes,
+    return {"census": max(m.peak for m in peaks), "gauge": m.peak_reduce_held_bytes,
             "account": engine.coordinator.budget.static.reduce_bucket_bytes}
 
 
 @pytest.mark.parametrize("zero_cfg", [{"reduce_scatter_impl": "p2p"}, {"reduce_scatter_impl": "reduce_scatter"},
                                       {"reduce_scatter_impl": "all_reduce"}, {"zero_quantized_gradients": True},
                                       {"zero_quantized_gradients": True, "quantized_gradient_bits": 4},
-                                      {"dtype": "bf16"}], ids=["p2p", "rs", "ar", "qgz8", "qgz4", "bf16"])
+                                      {"dtype": "bf16"}, {"dtype": "bf16", "reduce_scatter_impl": "reduce_scatter"}],
+                         ids=["p2p", "rs", "ar", "qgz8", "qgz4", "bf16", "bf16-rs"])
 @pytest.mark.parametrize("model_name", ["mlp", "prefix"])
 def test_the_account_holds_what_a_reduction_holds(pools, zero_cfg, model_name):
     for r in pools.get(2).run(census, zero_cfg, model_name):

@@ -291,7 +291,8 @@ class Communicator:
         cfg = self.config
         return hold_bytes(cfg.reduce_impl, self.world_size, numel, pieces, grad_itemsize, itemsize, holes=holes,
                           verify=self.verify,
-                          quantized=(cfg.quantize_gradients, cfg.quant_block) if cfg.quantize_gradients else None)
+                          quantized=(cfg.quantize_gradients, cfg.quant_block) if cfg.quantize_gradients else None,
+                          backend=self.backend)
 
     # -- small collectives (collectives.py) -------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, tag: Tag, op: str = "sum") -> torch.Tensor:

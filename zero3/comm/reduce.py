@@ -453,7 +453,8 @@ def reduce_transport(impl: str, wire: Wire, verifier: Verifier, ctx: WaitContext
 
 
 def hold_bytes(impl: str, world: int, numel: int, pieces: int, grad_itemsize: int, itemsize: int, *,
-               holes: bool = False, verify: bool = True, quantized: tuple[int, int] | None = None) -> int:
+               holes: bool = False, verify: bool = True, quantized: tuple[int, int] | None = None,
+               backend: str = "gloo") -> int:
     """The most one bucket of ``numel`` gradient elements, in at most ``pieces`` parameters, holds at
     once from its gradients' hand-over to its reduction's landing: the gradients (``grad_itemsize``
     bytes each) and the buffers of the resolved ``impl``'s reduction (``itemsize``: its dtype's), as
@@ -466,7 +467,8 @@ def hold_bytes(impl: str, world: int, numel: int, pieces: int, grad_itemsize: in
 
     What each holds, with S the shard elements per rank (each piece padded to the world, one presence
     count per piece) and H the verification header room:
-    - reduce_scatter: the gradients, the flat rank-major copy (world x (S + H)) and the result (S + H);
+    - reduce_scatter: the gradients, the flat rank-major copy (world x (S + H)) and the result (S + H),
+      and on gloo its own copy of the flat input, held until the landing (review 39R2);
     - all_reduce: the gradients and the flat copy (world x S + H), whose slice is the result;
       both with the header values' scratch (2 H);
     - p2p and shm (whose buckets too large for a slot go pairwise; a slot of the fixed outbox arena is
@@ -493,7 +495,8 @@ def hold_bytes(impl: str, world: int, numel: int, pieces: int, grad_itemsize: in
     h = HEADER_VALUES * world if verify else 0
     scratch = 2 * h * itemsize  # the header values written into the buffer and read back
     if impl == "reduce_scatter":
-        return grads + (world + 1) * (s + h) * itemsize + scratch
+        copies = world + 1 + (world if backend == "gloo" else 0)
+        return grads + copies * (s + h) * itemsize + scratch
     if impl == "all_reduce":
         return grads + (world * s + h) * itemsize + scratch
     if impl in ("p2p", "shm"):
