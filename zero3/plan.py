@@ -142,6 +142,10 @@ def _default_loss(out: Any) -> torch.Tensor:
     return (wanted or tensors)[0].float().sum()
 
 
+BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+"""The process-group backends ``predict`` plans for (only gloo resolves ``reduce_scatter_impl`` "auto" to p2p)."""
+
+
 def predict(trace: Trace, config: Any = None, world_size: int = 1, backend: str = "gloo") -> Prediction:
     """Plan ``trace`` with ``config``'s budgets. With ``memory_budget`` (bytes) the knobs are chosen as
     the runtime chooses them after its first step (planning/budget.py), the largest trainable parameter
@@ -149,6 +153,8 @@ def predict(trace: Trace, config: Any = None, world_size: int = 1, backend: str 
     it was ignored before, and the default budgets planned (probe 35E: a peak above the budget itself).
     ``backend``: how ``reduce_scatter_impl`` "auto" resolves (on gloo p2p or shm, else reduce-scatter),
     which the budget's account of a reduce bucket follows."""
+    if backend not in BACKENDS:
+        raise ValueError(f"predict(backend={backend!r}): one of {', '.join(BACKENDS)} (torch.distributed's names)")
     cfg = resolve_config(config)
     budget = cfg.budget.memory_budget
     if budget is None:
@@ -215,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=2, help="integer inputs are drawn below this (meta: ignored)")
     ap.add_argument("--config", default=None, help="ZeroConfig as JSON text or a JSON file (ours or DeepSpeed's)")
     ap.add_argument("--world-size", type=int, default=1)
-    ap.add_argument("--backend", default="gloo", help="the process group's backend (gloo, nccl): how "
+    ap.add_argument("--backend", default="gloo", choices=BACKENDS, help="the process group's backend (gloo, nccl): how "
                     "reduce_scatter_impl 'auto' resolves, which memory_budget's account of a bucket follows")
     ap.add_argument("--export", default=None, help="also write the trace (.json, .graphml or .dot)")
     args = ap.parse_args(argv)

@@ -60,11 +60,13 @@ class PrefixNet(nn.Module):
         return self.body(torch.cat([self.prefix, x], 0)).square().mean()
 
 
-def census(zero_cfg: dict, model_name: str) -> dict:
+def census(zero_cfg: dict, model_name: str, sequence_parallel: bool = False) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = PrefixNet() if model_name == "prefix" else nn.Sequential(
         nn.Linear(48, 96), nn.Tanh(), nn.Linear(96, 48), nn.Tanh(), nn.Linear(48, 1))
+    if sequence_parallel:  # Megatron's mark (summed over a model-parallel group, here none): the account
+        model[0].bias.sequence_parallel = True  # must not shrink (review 39R2: it dropped the others' cast)
     scale = 6 if zero_cfg.get("zero_quantized_gradients") else 3  # qgZ's messages and temporaries take more
     budget = scale * sum(p.numel() * 4 for p in model.parameters())
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
@@ -109,3 +111,10 @@ def test_the_account_holds_what_a_reduction_holds(pools, zero_cfg, model_name):
     for r in pools.get(2).run(census, zero_cfg, model_name):
         assert 0 < r["census"] <= r["account"], r
         assert r["gauge"] <= r["account"], r
+
+
+def test_a_sequence_parallel_mark_keeps_the_account_whole(pools):
+    for r in pools.get(2).run(census, {"dtype": "bf16"}, "mlp", True):
+        assert 0 < r["census"] <= r["account"], r
+        assert r["gauge"] <= r["account"], r
+

@@ -172,3 +172,14 @@ def test_a_prediction_under_memory_budget_follows_the_backend_and_world_size() -
         bucket[(world, backend)] = int(re.search(r"reduce bucket \(([\d,]+)\)", str(refused.value))[1].replace(",", ""))
     assert bucket[(1, "gloo")] == 0
     assert 1.5 * 4 * 64 * 64 <= bucket[(2, "gloo")] < 2.5 * 4 * 64 * 64 <= bucket[(2, "nccl")], bucket
+
+
+def test_an_unknown_backend_is_refused_by_name() -> None:
+    """Review 39R2: a typo planned NCCL's larger account silently."""
+    with torch.device("meta"):
+        model = _FrozenTable()
+    trace = record_trace(model, lambda: (torch.zeros(2, 8, dtype=torch.long, device="meta"),), {})
+    with pytest.raises(ValueError, match="predict\\(backend='glooo'\\): one of gloo, nccl"):
+        predict(trace, {"memory_budget": 10**6}, 2, "glooo")
+    with pytest.raises(SystemExit):
+        main(["--trace", "x.json", "--backend", "Gloo"])

@@ -73,15 +73,18 @@ class MemoryBudget:
                          default=0)  # the largest piece one reduction takes whole
         trained = [itemsize[name] for name, p in named if p.requires_grad]
         grad_itemsize = max(trained, default=4)
-        if any(getattr(p, "sequence_parallel", False) for _, p in named):  # summed over the model-parallel
-            grad_itemsize = max(grad_itemsize, torch_dtype(config.precision.reduce_dtype).itemsize)  # group wider
         reduce_itemsize = torch_dtype(config.precision.reduce_dtype).itemsize
         if any(p.requires_grad and p.dtype == torch.float64 for _, p in named):
             reduce_itemsize = 8  # an fp64 model's gradients are reduced in fp64 (grad.py `flush`)
         pieces, holes = len(trained), bool(units)
 
+        # Megatron's sequence-parallel gradients are summed over the model-parallel group in the wider of
+        # the two dtypes (grad.py): counted as if all of a bucket were, beside the others' cast (review 39R2)
+        wider = reduce_itemsize - grad_itemsize if any(getattr(p, "sequence_parallel", False) for _, p in named) \
+            else 0
+
         def reduce_bytes(n: int) -> int:  # the gradients and the reduction's buffers (comm/reduce.py `hold_bytes`)
-            return comm.reduce_hold_bytes(n, pieces, grad_itemsize, reduce_itemsize, holes)
+            return comm.reduce_hold_bytes(n, pieces, grad_itemsize, reduce_itemsize, holes) + max(wider, 0) * n
 
         static = choose_static(sizes, budget, reduce_bytes, grad_numel, secondary_group=comm.hpz)
         resolved = config.replace(memory_budget=None, param_persistence_threshold=static.param_persistence_threshold,
