@@ -54,7 +54,7 @@ class StepMetrics:
     reduce_numel: int = 0
     reduce_held_bytes: int = 0
     """What the gradient reducer holds now (a gauge): the full gradients queued in its bucket and the
-    buffers of the reduction in flight (`ReduceWork.held_bytes`); 0 at world size 1, where each
+    buffers of the reduction in flight (comm/works.py `held_storages`); 0 at world size 1, where each
     gradient goes straight into its shard's. Not in it: gradients autograd holds before their
     accumulation hook hands them over, and the shared-memory outboxes (a fixed arena per engine)."""
     peak_reduce_held_bytes: int = 0

@@ -75,7 +75,7 @@ def test_auto_agrees_over_ranks(pools):
                                        {"reduce_scatter_impl": "p2p"}, {"zero_quantized_gradients": True},
                                        {"dtype": "bf16"}])
 def test_reducer_holds_what_the_budget_counts(pools, transport):
-    """Each transport's account of a bucket (`ReduceTransport.hold_bytes`) against the storages the
+    """Each transport's account of a bucket (comm/reduce.py `hold_bytes`) against the storages the
     reducer held (a consistency check of a formula against a count of live storages, both zero3's), and
     the gathered and reduce peaks together, at one moment, within the budget."""
     pool = pools.get(2)

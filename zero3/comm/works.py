@@ -265,8 +265,8 @@ def held_storages(*roots: Any) -> dict[int, int]:
             todo.extend(x.values())
         elif isinstance(x, FunctionType):
             todo.extend(c.cell_contents for c in x.__closure__ or () if _filled(c))
-        elif type(x).__name__ in _HOLDERS:
-            todo.extend(getattr(x, f.name) for f in fields(x)) if is_dataclass(x) else todo.extend(vars(x).values())
+        elif type(x).__name__ in _HOLDERS:  # a dataclass with slots has no vars()
+            todo.extend([getattr(x, f.name) for f in fields(x)] if is_dataclass(x) else vars(x).values())
     return found
 
 

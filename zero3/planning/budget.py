@@ -2,8 +2,10 @@
 
 [Note: memory budget]
 The budget covers what a rank holds for ZeRO-3 beyond its shards: persistent parameters, gathered
-(or in-flight) parameters, and the gradient reduce bucket. It is split in two decisions, because
-persistence changes which modules the hooks record, so it has to be fixed before the first step:
+(or in-flight) parameters, the gradient reduce bucket (what the reducer holds for it: its gradients
+and the reduction's buffers, `ReduceHold`) and, under hpZ, the secondary slices. It is split in two
+decisions, because persistence changes which modules the hooks record, so it has to be fixed before
+the first step:
 
 - At initialize, from the parameters' sizes (`choose_static`): the reduce bucket gets at most
   ``REDUCE_SHARE`` of the budget (never more than DeepSpeed's default); parameters of at most

@@ -63,7 +63,7 @@ class GradientReducer:
         reached a trainable parameter (the same on every rank: a reduction lands on all of them)."""
         self.one_bucket_held = False
         """memory_budget's rule: the reduction in flight lands before a gradient is queued beside it, so
-        the reducer holds at most one bucket's gradients and buffers (`ReduceTransport.hold_bytes`)."""
+        the reducer holds at most one bucket's gradients and buffers (comm/reduce.py `hold_bytes`)."""
 
     def sum_over_model_parallel(self, params: list[ZeroParameter], comm: Communicator) -> None:
         """Megatron's sequence parallelism: ``params`` (marked ``sequence_parallel``: LayerNorms, a
