@@ -490,8 +490,8 @@ def hold_bytes(impl: str, world: int, numel: int, pieces: int, grad_itemsize: in
     if quantized is not None:
         bits, block = quantized
         message = wire_bytes(s, block, bits) + 12 * pieces + HEADER_BYTES  # per piece: rounding, a block, a count
-        block_pad = block  # a part padded up to a whole block
-        return grads + (numel * 4 if grad_itemsize != 4 else 0) + s * 4 + 3 * world * message + 4 * (s + block_pad) * 4
+        temporaries = 4 * (s + block) * 4  # four fp32 copies of one part, padded up to a whole block
+        return grads + (numel * 4 if grad_itemsize != 4 else 0) + s * 4 + 3 * world * message + temporaries
     h = HEADER_VALUES * world if verify else 0
     scratch = 2 * h * itemsize  # the header values written into the buffer and read back
     if impl == "reduce_scatter":

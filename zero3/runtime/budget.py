@@ -80,11 +80,11 @@ class MemoryBudget:
 
         # Megatron's sequence-parallel gradients are summed over the model-parallel group in the wider of
         # the two dtypes (grad.py): counted as if all of a bucket were, beside the others' cast (review 39R2)
-        wider = reduce_itemsize - grad_itemsize if any(getattr(p, "sequence_parallel", False) for _, p in named) \
-            else 0
+        sequence_parallel = any(getattr(p, "sequence_parallel", False) for _, p in named)
+        wider = max(reduce_itemsize - grad_itemsize, 0) if sequence_parallel else 0
 
         def reduce_bytes(n: int) -> int:  # the gradients and the reduction's buffers (comm/reduce.py `hold_bytes`)
-            return comm.reduce_hold_bytes(n, pieces, grad_itemsize, reduce_itemsize, holes) + max(wider, 0) * n
+            return comm.reduce_hold_bytes(n, pieces, grad_itemsize, reduce_itemsize, holes) + wider * n
 
         static = choose_static(sizes, budget, reduce_bytes, grad_numel, secondary_group=comm.hpz)
         resolved = config.replace(memory_budget=None, param_persistence_threshold=static.param_persistence_threshold,
