@@ -39,7 +39,7 @@ from .config import ZeroConfig, resolve_config
 from .config.json_file import loads_config_text
 from .optim.precision import torch_dtype
 from .comm.reduce import hold_bytes
-from .planning.budget import choose_schedule, choose_static
+from .planning.budget import choose_split, choose_static
 from .runtime.coordinator import plan_config
 from .planning.schedule import PlanStats, Schedule, plan
 from .planning.trace import ParamInfo, Trace, trace_from_json, write_trace
@@ -152,7 +152,9 @@ def predict(trace: Trace, config: Any = None, world_size: int = 1, backend: str 
     counted as the largest gradient piece (a leaf module's unit, reduced whole, is not known to a trace);
     it was ignored before, and the default budgets planned (probe 35E: a peak above the budget itself).
     ``backend``: how ``reduce_scatter_impl`` "auto" resolves (on gloo p2p or shm, else reduce-scatter),
-    which the budget's account of a reduce bucket follows."""
+    which the budget's account of a reduce bucket follows. The runtime weighs gathers against reductions
+    by what its first training step waited (planning/budget.py `Calibration`); a prediction cannot, so
+    it weighs them alike, and on more than one rank may choose another reduce bucket and schedule."""
     if backend not in BACKENDS:
         raise ValueError(f"predict(backend={backend!r}): one of {', '.join(BACKENDS)} (torch.distributed's names)")
     cfg = resolve_config(config)
@@ -175,10 +177,12 @@ def predict(trace: Trace, config: Any = None, world_size: int = 1, backend: str 
         return hold_bytes(impl, world_size, n, pieces, grad_itemsize, itemsize, verify=cfg.comm.verify_collectives is not False,
                           quantized=(bits, cfg.comm.quantization_block_size) if bits else None, backend=backend)
 
-    static = choose_static(sizes, budget, reduce_hold,  # review 35R2: the largest trainable
-                           max((i.numel for i in trace.params.values() if i.trains), default=0),
+    grad_numel = max((i.numel for i in trace.params.values() if i.trains), default=0)  # review 35R2: the largest trainable
+    static = choose_static(sizes, budget, reduce_hold, grad_numel,
                            secondary_group=max(1, cfg.comm.zero_hpz_partition_size))  # -1 (per node): not known here
-    chosen = choose_schedule(trace, static.room).config
+    # the bucket and the knobs as the runtime chooses them, but unweighed: its weights come from waits measured in training
+    chosen = choose_split(trace, budget - static.persistent_bytes - static.secondary_bytes, reduce_hold, grad_numel,
+                          static.reduce_bucket_size, grad_itemsize=grad_itemsize).config
     return Prediction(trace=trace, schedule=plan(trace, chosen), world_size=world_size)
 
 

@@ -23,8 +23,10 @@ def train(steps: int, zero_cfg: dict) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg)
     engine = zero3.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6), zero_cfg)
-    losses, peaks, reduce_peaks, joint, secondary = [], [], [], [], []
+    losses, peaks, reduce_peaks, joint, secondary, accounts = [], [], [], [], [], []
     for step in range(steps):
+        budget = engine.coordinator.budget  # what the bucket this step runs with is counted as (chosen after step 1)
+        accounts.append(None if budget is None else (budget.room, budget.reduce_bucket_bytes))
         x, y = synthetic_batch(step, PER_RANK * world, cfg)
         loss = engine(x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK])
         engine.backward(loss)
@@ -39,9 +41,12 @@ def train(steps: int, zero_cfg: dict) -> dict:
         assert m.reduce_held_bytes == 0  # nothing is held between steps
         engine.coordinator.check_valid()
     budget = engine.coordinator.budget
-    return {"losses": losses, "peaks": peaks, "reduce_peaks": reduce_peaks, "joint": joint,
+    return {"losses": losses, "peaks": peaks, "reduce_peaks": reduce_peaks, "joint": joint, "accounts": accounts,
             "secondary": secondary, "model_bytes": engine.memory_report()["full_param_bytes"],
-            "static": None if budget is None else (budget.static.budget, budget.static.reduce_bucket_bytes),
+            "static": None if budget is None else (budget.static.budget, budget.reduce_bucket_bytes),
+            "bucket": (engine.context.reducer.bucket_numel, engine.context.reducer.held_cap,
+                       None if budget is None or budget.schedule is None else
+                       (budget.schedule.reduce_bucket_size, budget.schedule.reduce_bucket_bytes)),
             "secondary_bytes": None if budget is None else budget.static.secondary_bytes,
             "explain": engine.explain("budget"), "divergences": engine.last_step_metrics.divergences}
 
@@ -57,12 +62,16 @@ def test_two_thirds_of_the_model_peak_under_budget_and_same_losses(pools):
         assert r["losses"] == p["losses"], (r["losses"], p["losses"])
         total, reduce_bytes = r["static"]
         assert total == budget
-        assert max(r["peaks"]) <= budget - reduce_bytes, (r["peaks"], budget, reduce_bytes)
-        assert 0 < max(r["reduce_peaks"]) <= reduce_bytes, (r["reduce_peaks"], reduce_bytes)
+        for peak, reduce_peak, (room, account) in zip(r["peaks"], r["reduce_peaks"], r["accounts"]):
+            assert peak <= budget - account, (r["peaks"], budget, r["accounts"])
+            assert 0 < reduce_peak <= account, (r["reduce_peaks"], r["accounts"])
         assert max(r["joint"]) <= budget, (r["joint"], budget)
         assert any("chose max_live_bytes" in line for line in r["explain"]), r["explain"]
+        assert any(line.startswith("budget: reduce bucket:") for line in r["explain"]), r["explain"]
+        numel, cap, chosen = r["bucket"]
+        assert (numel, cap) == chosen and cap == reduce_bytes  # the reducer runs the bucket chosen after step 1
         assert r["divergences"] == 0
-    assert runs[0]["explain"] == runs[1]["explain"]  # both ranks chose the same knobs
+    assert runs[0]["explain"] == runs[1]["explain"]  # both ranks chose the same knobs, weighed by the same waits
 
 
 def test_auto_agrees_over_ranks(pools):
@@ -82,8 +91,8 @@ def test_reducer_holds_what_the_budget_counts(pools, transport):
     budget = pool.run(train, 1, {})[0]["model_bytes"] * 2  # qgZ's quantization copies need more than the model
     runs = pool.run(train, 2, {"memory_budget": budget, **transport})
     for r in runs:
-        total, reduce_bytes = r["static"]
-        assert 0 < max(r["reduce_peaks"]) <= reduce_bytes, (r["reduce_peaks"], reduce_bytes)
+        for reduce_peak, (_, account) in zip(r["reduce_peaks"], r["accounts"]):
+            assert 0 < reduce_peak <= account, (r["reduce_peaks"], r["accounts"])
         assert max(r["joint"]) <= budget, (r["joint"], budget)
 
 

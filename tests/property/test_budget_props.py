@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from strategies import traces
 
 from zero3.errors import ZeroConfigError
-from zero3.planning.budget import candidates, choose_schedule, exposed_bytes
+from zero3.planning.budget import (Calibration, _fewest_bucket, candidates, choose_schedule, choose_split, exposed_bytes,
+                                  gradient_pieces, reductions)
 from zero3.planning.schedule import PlanConfig, plan
 from zero3.planning.trace import Trace
 
@@ -77,3 +78,81 @@ def test_room_below_a_module_is_refused_naming_it(trace: Trace, short: int) -> N
     message = str(info.value)
     assert any(repr(name) in message for size, name in sizes if size == largest)
     assert f"{largest:,} bytes" in message
+
+
+# -- the reduce bucket chosen with the schedule (`choose_split`) -------------------------------------
+
+pieces_lists = st.lists(st.integers(1, 5000), min_size=1, max_size=30)
+
+
+@given(pieces_lists, st.integers(1, 20000))
+def test_the_predicted_reductions_are_the_reducers(pieces: list[int], bucket: int) -> None:
+    """`reductions` counts what runtime/grad.py's reducer issues for the same gradients in the same
+    order: the number of reductions and the last one's size (a consistency check of the planner's
+    model against the reducer's rule, not a measurement)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zero3.metrics import StepMetrics
+    from zero3.runtime.grad import GradientReducer
+
+    reducer = GradientReducer(SimpleNamespace(world_size=2, metrics=StepMetrics()), bucket)
+    issued: list[int] = []
+
+    def flush() -> None:
+        if reducer._numel:
+            issued.append(reducer._numel)
+        reducer._bucket, reducer._numel = [], 0
+
+    reducer.flush = flush  # type: ignore[method-assign]
+    for n in pieces:
+        reducer.add(SimpleNamespace(_zero=SimpleNamespace(numel=n)), torch.zeros(n))
+    reducer.flush()
+    assert reductions(pieces, bucket) == (len(issued), issued[-1])
+
+
+@given(pieces_lists, st.integers(1, 3000), st.integers(0, 40000))
+def test_each_count_of_reductions_gets_its_smallest_bucket(pieces: list[int], lo: int, span: int) -> None:
+    hi = lo + span
+    for bucket in _fewest_bucket(pieces, lo, hi):
+        assert lo <= bucket <= hi
+        count, _ = reductions(pieces, bucket)
+        assert bucket == lo or reductions(pieces, bucket - 1)[0] > count  # one less takes more reductions
+
+
+def _hold(per_element: int):
+    return lambda n: per_element * n
+
+
+@given(traces, st.integers(0, 6), st.integers(0, 10**6), st.sampled_from([Calibration(), Calibration(0.0, 1.0),
+                                                                       Calibration(1.0, 0.0), Calibration(1e-9, 5e-8)]))
+def test_the_split_keeps_the_bucket_and_the_gathered_peak_within_what_is_left(
+        trace: Trace, per_element: int, extra: int, calibration: Calibration) -> None:
+    """The chosen bucket's hold and the chosen plan's gathered peak fit ``avail`` together (the account
+    the runtime's gauges are held to), the bucket takes the largest piece whole, and where a bucket holds
+    nothing (world size 1) the choice is `choose_schedule`'s in the whole room with the first bucket."""
+    pieces = gradient_pieces(trace)
+    largest = max(pieces, default=1)
+    hold = _hold(per_element)
+    avail = _floor(trace) + hold(largest) + extra
+    split = choose_split(trace, avail, hold, largest, largest, calibration=calibration)
+    schedule = plan(trace, split.config)
+    assert schedule.stats.peak_live_bytes == split.peak_bytes <= split.room
+    assert split.room + split.reduce_bucket_bytes <= avail and split.reduce_bucket_bytes == hold(split.reduce_bucket_size)
+    assert split.reduce_bucket_size >= largest
+    if per_element == 0:
+        alone = choose_schedule(trace, avail)
+        assert (split.config, split.reduce_bucket_size, split.reductions) == (alone.config, largest, 0)
+    else:
+        assert split.reductions == reductions(pieces, split.reduce_bucket_size)[0]
+
+
+@given(traces, st.integers(1, 6))
+def test_a_split_with_no_room_for_one_module_is_refused(trace: Trace, per_element: int) -> None:
+    pieces = gradient_pieces(trace)
+    floor = _floor(trace)
+    assume(floor > 0 and pieces)
+    largest = max(pieces)
+    with pytest.raises(ZeroConfigError):
+        choose_split(trace, floor - 1 + per_element * largest, _hold(per_element), largest, largest)

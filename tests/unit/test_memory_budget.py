@@ -302,3 +302,57 @@ def test_hpz_secondary_slices_are_counted_outside_the_room():
     assert on.secondary_bytes == 4 * (22_500 + 22_501)  # each non-persistent one over 4 ranks, rounded up
     assert on.room == off.room - on.secondary_bytes
     assert any("hpZ secondary slices: 180,004 bytes" in r for r in on.reasons)
+
+
+def _traced_model_budget():
+    """A memory_budget's static choice and the trace of one training step of a small model, at world size 1."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 32))
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"memory_budget": 200_000})
+    engine.backward(engine(torch.randn(4, 32)).square().mean())
+    engine.step()
+    return engine.coordinator.budget.static, engine.coordinator.last_trace
+
+
+class _Comm:
+    """What `MemoryBudget._calibration` asks of a communicator: the ranks' waits come back as given."""
+
+    def __init__(self, world: int, device: str = "cpu", impl: str = "p2p", waits=((0.004, 0.02), (0.002, 0.03))):
+        self.world_size, self.device = world, torch.device(device)
+        self.config = type("Cfg", (), {"reduce_impl": impl, "quantize_gradients": 0})()
+        self.waits, self.exchanged = waits, 0
+
+    def exchange_objects(self, mine, tag):
+        self.exchanged += 1
+        return list(self.waits)
+
+
+@pytest.mark.parametrize("world,device,impl,weighed", [(2, "cpu", "p2p", True), (4, "cpu", "shm", True),
+                                                       (1, "cpu", "p2p", False), (2, "cuda", "p2p", False),
+                                                       (2, "cpu", "reduce_scatter", True),
+                                                       (3, "cpu", "reduce_scatter", False), (3, "cpu", "all_reduce", False)])
+def test_the_choice_is_weighed_by_measured_waits_only_where_that_is_sound(world, device, impl, weighed):
+    """The weights come from the first step's waits, the most over the ranks, on CPU only (a CUDA wait
+    is a stream dependency, not host time), and not where the bucket changes the numbers (reduce_scatter
+    or all_reduce on 3+ ranks), so a run there repeats its choice; at world size 1 nothing is reduced."""
+    from zero3.metrics import StepMetrics
+    from zero3.planning.budget import Calibration
+
+    static, trace = _traced_model_budget()
+    comm = _Comm(world, device, impl)
+    budget = MemoryBudget(static, reduce_hold=6, grad_numel=8192, comm=comm)
+    metrics = StepMetrics()
+    calibration = budget._calibration(trace, metrics)
+    assert (calibration != Calibration()) == weighed and comm.exchanged == int(weighed)
+    if weighed:  # seconds per predicted byte from the slowest rank's waits: 4 ms of gathers, 30 ms of reductions
+        assert calibration.gather > 0 and calibration.reduce > 0
+        assert "4.0 ms for gathers" in calibration.source and "30.0 ms for reductions" in calibration.source
+
+
+def test_no_waits_leave_the_byte_model_unweighed():
+    from zero3.planning.budget import Calibration
+
+    assert Calibration.measured(0.0, 10, 0.0, 10) == Calibration()
+    assert Calibration.measured(0.001, 0, 0.002, 10) == Calibration()  # nothing predicted to compare with
+    weighed = Calibration.measured(0.001, 1000, 0.002, 100)
+    assert (weighed.gather, weighed.reduce) == (1e-6, 2e-5)

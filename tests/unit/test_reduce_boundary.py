@@ -91,3 +91,67 @@ def test_a_reduction_takes_at_most_the_bucket_or_one_larger_piece_alone(bucket, 
     assert sum(issued) == sum(pieces)  # nothing lost or counted twice
     assert all(n <= bucket or n in pieces for n in issued), (issued, pieces)
     assert all(n <= max([bucket, *pieces]) for n in issued)
+
+
+def _capped(bucket: int, cap: int, held_per_element: int) -> tuple[GradientReducer, list[tuple[str, int]]]:
+    """A reducer whose issue puts a stand-in reduction in flight holding ``held_per_element`` bytes per
+    element it took, and whose landing only records it: the overlap rule without a process group."""
+    reducer = GradientReducer(SimpleNamespace(world_size=2, metrics=StepMetrics()), bucket)
+    reducer.held_cap = cap
+    log: list[tuple[str, int]] = []
+
+    def land() -> None:
+        if reducer._in_flight is not None:
+            log.append(("land", reducer._held_bytes + reducer._queued_bytes))
+            reducer._hold(-reducer._held_bytes)
+            reducer._in_flight, reducer._held_bytes = None, 0
+
+    def flush() -> None:
+        land()
+        if reducer._bucket:
+            numel = reducer._numel
+            reducer._hold(-reducer._queued_bytes)
+            reducer._bucket, reducer._numel, reducer._queued_bytes = [], 0, 0
+            reducer._held_bytes = held_per_element * numel
+            reducer._hold(reducer._held_bytes)
+            reducer._in_flight = (None, [], numel)  # type: ignore[assignment]
+            log.append(("issue", numel))
+
+    reducer._land = land  # type: ignore[method-assign]
+    reducer.flush = flush  # type: ignore[method-assign]
+    return reducer, log
+
+
+@settings(max_examples=200, deadline=None)
+@given(bucket=st.integers(1, 300), cap_over=st.integers(0, 3000), held=st.integers(0, 12),
+       sizes=st.lists(st.integers(1, 400), max_size=30))
+def test_a_capped_reducer_overlaps_only_within_its_cap(bucket, cap_over, held, sizes) -> None:
+    """memory_budget's cap on what the reducer holds (grad.py `held_cap`): a gradient is queued beside the
+    reduction in flight exactly when the two, with it, stay within the cap; otherwise that reduction lands
+    first. Before round 40 it landed before every new bucket, whatever room was left (4% of a step)."""
+    cap = 4 * bucket + cap_over
+    reducer, log = _capped(bucket, cap, held)
+    fit = reducer._fit
+
+    def checked_fit(incoming: int) -> None:  # lands exactly when the cap would be passed
+        before = len(log)
+        state = (reducer._in_flight is not None, reducer._held_bytes + reducer._queued_bytes + incoming)
+        fit(incoming)
+        assert (len(log) > before) == (state[0] and state[1] > cap), (state, cap)
+
+    reducer._fit = checked_fit  # type: ignore[method-assign]
+    for n in sizes:
+        reducer.add(_param(n), torch.zeros(n))
+        if reducer._in_flight is not None and reducer._queued_bytes:  # both at once: within the cap
+            assert reducer._held_bytes + reducer._queued_bytes <= cap, log
+    assert reducer.comm.metrics.reduce_held_bytes == reducer._queued_bytes + reducer._held_bytes
+
+
+def test_the_next_bucket_fills_beside_the_reduction_in_flight_up_to_the_cap() -> None:
+    reducer, log = _capped(bucket=100, cap=700, held_per_element=4)
+    reducer.add(_param(100), torch.zeros(100))  # a full bucket: issued, holding 400 bytes
+    reducer.add(_param(50), torch.zeros(50))  # 400 + 200 <= 700: queued beside it
+    assert log == [("issue", 100)]
+    reducer.add(_param(30), torch.zeros(30))  # 400 + 200 + 120 > 700: it lands first
+    assert log == [("issue", 100), ("land", 600)]
+    assert reducer._queued_bytes == 320 and reducer._in_flight is None

@@ -458,8 +458,8 @@ def hold_bytes(impl: str, world: int, numel: int, pieces: int, grad_itemsize: in
     """The most one bucket of ``numel`` gradient elements, in at most ``pieces`` parameters, holds at
     once from its gradients' hand-over to its reduction's landing: the gradients (``grad_itemsize``
     bytes each) and the buffers of the resolved ``impl``'s reduction (``itemsize``: its dtype's), as
-    `GradientReducer`'s gauge counts them (StepMetrics.reduce_held_bytes) when the reduction in flight
-    lands before the next gradient is queued (memory_budget's rule). ``holes``: a piece may have no
+    `GradientReducer`'s gauge counts them (StepMetrics.reduce_held_bytes); under memory_budget the
+    reducer queues the next bucket beside the reduction in flight only within this (grad.py `held_cap`). ``holes``: a piece may have no
     gradient (leaf units); ``quantized``: qgZ's (bits, block). World size 1 holds nothing: each
     gradient goes straight into its shard's. Pure: the budget planner and ``zero3.plan`` use it
     without a process group; tests/multiproc/test_memory_budget_multirank.py holds the gauge to it on

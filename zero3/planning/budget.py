@@ -13,20 +13,26 @@ the first step:
   ``named_parameters`` order, while they sum to at most ``PERSISTENT_SHARE`` of the budget. What is
   left is the *room* for gathered parameters.
 - After the first training step (one with a backward: an inference step's forward-only trace has
-  no reuse to plan for; it only gets `check_room`), from its recorded trace (`choose_schedule`):
-  every combination of a grid of ``max_live``/``max_reuse_distance``/``prefetch_bucket`` is
+  no reuse to plan for; it only gets `check_room`), from its recorded trace (`choose_split`): the
+  reduce bucket is chosen again with the schedule. Each candidate bucket (the first step's, and for
+  each number of reductions the smallest bucket giving it) leaves its own room; in it
+  (`choose_schedule`) every combination of a grid of ``max_live``/``max_reuse_distance``/``prefetch_bucket`` is
   planned with `schedule.plan`; those whose planned peak fits the room are compared by predicted
-  exposed communication (`exposed_bytes`), then by all-gathers, then by peak. The grid is
+  exposed communication (`exposed_bytes`), then by all-gathers, then by peak; the buckets are then
+  compared by that plus their reductions' exposure (`reduce_exposed_bytes`), the two weighed by what
+  the first step waited for each (`Calibration`). The grid is
   multiples of the largest module's bytes (the same for every budget) plus the room itself, so a
   room between two multiples is used whole (on the small GPT of bench_budget.py the room is 2.4 of
   those multiples). The chosen
   plan's peak is within the room by construction; a larger budget never predicts more exposure
   than the fixed grid's best under a smaller one (only the smaller room's own size may do better).
 
-Predicted exposed communication, in bytes (no timings exist before the second step): a demand
-fetch is fully exposed; a prefetch bucket is hidden behind the compute of the modules that run
-from its issue to its first use, with a module's compute counted as its parameters' bytes; every
-collective adds ``LATENCY_BYTES``. Pure: no torch, no process group.
+Predicted exposed communication, in bytes: a demand fetch is fully exposed; a prefetch bucket is
+hidden behind the compute of the modules that run from its issue to its first use, with a module's
+compute counted as its parameters' bytes; every collective adds ``LATENCY_BYTES``. A reduction
+exposes its fixed cost (``REDUCE_LATENCY_BYTES``), and the last one its gradients too. Bytes of the
+two kinds weigh alike unless a `Calibration` from measured waits says otherwise (the runtime's, on CPU:
+runtime/budget.py). Pure: no torch, no process group.
 """
 
 from __future__ import annotations
@@ -53,6 +59,12 @@ PERSISTENT_SHARE = 1 / 16
 
 LATENCY_BYTES = 256 * 1024
 """What one collective's fixed cost is counted as, in bytes on the wire."""
+
+REDUCE_LATENCY_BYTES = 4 * LATENCY_BYTES
+"""What one gradient reduction's fixed cost is counted as: a round trip (the bucket copied out, sent,
+summed and landed into the shards, its headers checked), four collectives' worth. Measured on the
+2-core host of docs/performance.md (round 40): halving the small GPT's reductions (10 to 5 a step)
+saved about 2 ms of reduction wait each, where its last reduction (2 MiB of gradients) waited 1-2 ms."""
 
 DEFAULT_PARAM_PERSISTENCE = 100_000
 """DeepSpeed's ``param_persistence_threshold``: parameters at most this large may be persistent."""
@@ -100,6 +112,32 @@ class ScheduleChoice:
     candidates: int
     feasible: int
     reasons: tuple[str, ...]
+    room: int = 0  # the room it was chosen in (`choose_split`: the budget less its reduce bucket's hold)
+    reduce_bucket_size: int = 0  # `choose_split`'s reduce bucket (elements) and what it holds (bytes)
+    reduce_bucket_bytes: int = 0
+    reductions: int = 0  # predicted reductions a step
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """What one predicted exposed byte costs, for gathers and for reductions (`choose_split` scores
+    ``gather * gathers' exposure + reduce * reductions' exposure``). The default weighs both alike, as
+    bytes; `measured` makes them seconds from a step's waits."""
+
+    gather: float = 1.0
+    reduce: float = 1.0
+    source: str = "the byte model as it stands (a gathered and a reduced byte weigh alike)"
+
+    @classmethod
+    def measured(cls, gather_wait: float, gather_predicted: int, reduce_wait: float, reduce_predicted: int) -> Calibration:
+        """Seconds per predicted byte, from what a step waited for its gathers and its reductions and
+        what the model predicts that step exposed; the default when the step waited for neither."""
+        if gather_wait <= 0 and reduce_wait <= 0 or gather_predicted <= 0 or reduce_predicted <= 0:
+            return cls()
+        return cls(gather_wait / gather_predicted, reduce_wait / reduce_predicted,
+                   f"the first training step's waits: {gather_wait * 1e3:.1f} ms for gathers predicted to expose "
+                   f"{gather_predicted:,} bytes, {reduce_wait * 1e3:.1f} ms for reductions predicted to expose "
+                   f"{reduce_predicted:,} bytes (the most over the ranks)")
 
 
 def choose_static(params: Sequence[tuple[str, int, int]], budget: int, reduce_hold: ReduceHold,
@@ -267,10 +305,12 @@ def check_room(trace: Trace, room: int, budget_for_room: Callable[[int], int] | 
     return floor
 
 
-def choose_schedule(trace: Trace, room: int, budget_for_room: Callable[[int], int] | None = None) -> ScheduleChoice:
+def choose_schedule(trace: Trace, room: int, budget_for_room: Callable[[int], int] | None = None,
+                    plans: dict[PlanConfig, Schedule] | None = None) -> ScheduleChoice:
     """The ``max_live``/``max_reuse_distance``/``prefetch_bucket`` (bytes) whose plan of ``trace``
     peaks within ``room`` bytes and exposes the least communication (see [Note: memory budget]).
     ``budget_for_room(r)``: the least budget that leaves ``r`` bytes of room, for the refusal.
+    ``plans``: plans by config, filled and reused (`choose_split` asks for several rooms).
 
     Raises:
         ZeroConfigError: not even gathering one module at a time fits ``room``; names the module.
@@ -280,7 +320,12 @@ def choose_schedule(trace: Trace, room: int, budget_for_room: Callable[[int], in
     best: tuple[tuple[int, int, int], PlanConfig, Schedule] | None = None
     feasible = 0
     for config in [floor.config, *grid]:
-        schedule = floor if config is floor.config else plan(trace, config)
+        if config is floor.config:
+            schedule = floor
+        elif plans is None:
+            schedule = plan(trace, config)
+        elif (schedule := plans.get(config)) is None:
+            schedule = plans[config] = plan(trace, config)
         peak = schedule.stats.peak_live_bytes
         if peak > room:
             continue
@@ -299,4 +344,121 @@ def choose_schedule(trace: Trace, room: int, budget_for_room: Callable[[int], in
         f"hidden behind the modules before their use), then fewest all-gathers ({gathers}), then lowest "
         f"peak ({peak:,} bytes gathered)",
     )
-    return ScheduleChoice(config, peak, exposed, gathers, len(grid) + 1, feasible, reasons)
+    return ScheduleChoice(config, peak, exposed, gathers, len(grid) + 1, feasible, reasons, room)
+
+
+def _fewest_bucket(pieces: Sequence[int], lo: int, hi: int) -> list[int]:
+    """For each number of reductions a bucket from ``lo`` to ``hi`` elements gives ``pieces``, the
+    smallest such bucket (it holds the least for that many reductions), found by bisection."""
+    if not pieces or lo > hi:
+        return []
+    out = []
+    most, _ = reductions(pieces, lo)
+    least, _ = reductions(pieces, hi)
+    for count in range(least, most + 1):
+        a, b = lo, hi  # the smallest bucket in [a, b] with at most `count` reductions (hi has)
+        while a < b:
+            mid = (a + b) // 2
+            if reductions(pieces, mid)[0] <= count:
+                b = mid
+            else:
+                a = mid + 1
+        out.append(a)
+    return out
+
+
+def gradient_pieces(trace: Trace) -> list[int]:
+    """The trainable parameters' elements in the order their gradients are complete: by the last event
+    that uses them (a leaf module's unit, reduced whole, is counted by its parameters)."""
+    last: dict[int, int] = {}
+    for i, ev in enumerate(trace.events):
+        if ev.kind.is_pre:
+            for p in ev.params:
+                last[p] = i
+    infos = trace.params
+    return [infos[p].numel for p in sorted(last, key=last.__getitem__) if infos[p].trains]
+
+
+def reductions(pieces: Sequence[int], bucket: int) -> tuple[int, int]:
+    """(reductions, elements of the last one) when ``pieces`` arrive in order into a bucket of ``bucket``
+    elements, as the gradient reducer issues them (runtime/grad.py: before a piece that would take the
+    bucket past its size, and once it reaches it)."""
+    count = queued = last = 0
+    for k in pieces:
+        if queued and queued + k > bucket:
+            count, last, queued = count + 1, queued, 0
+        queued += k
+        if queued >= bucket:
+            count, last, queued = count + 1, queued, 0
+    if queued:
+        count, last = count + 1, queued
+    return count, last
+
+
+def reduce_exposed_bytes(pieces: Sequence[int], bucket: int, grad_itemsize: int) -> int:
+    """Predicted exposed bytes of a step's reductions: each one's fixed cost (``REDUCE_LATENCY_BYTES``)
+    and the last reduction's gradients whole, which no backward compute follows (the others are hidden
+    behind the modules whose backward runs after them)."""
+    count, last = reductions(pieces, bucket)
+    return count * REDUCE_LATENCY_BYTES + last * grad_itemsize
+
+
+def choose_split(trace: Trace, avail: int, reduce_hold: ReduceHold, grad_numel: int, first_bucket: int, *,
+                 grad_itemsize: int = 4, calibration: Calibration = Calibration(),
+                 budget_for_room: Callable[[int], int] | None = None) -> ScheduleChoice:
+    """The reduce bucket and the schedule knobs together, from ``trace``, within ``avail`` bytes (the
+    budget less the persistent parameters and hpZ's slices): for each candidate bucket (``first_bucket``,
+    which the first step ran with, and for each number of reductions the smallest bucket that gives it,
+    none below ``grad_numel``, the largest piece reduced whole), `choose_schedule` in the room it leaves; the
+    pair with the least predicted exposure, gathers' and reductions' weighed by ``calibration``, wins
+    (then the fewest collectives, the lowest peak). A bucket that holds nothing (world size 1) is not
+    varied: there every gradient goes straight into its shard.
+
+    Raises:
+        ZeroConfigError: not even gathering one module at a time fits beside any candidate bucket; names
+            the module and the budget whose own first-step bucket leaves room for it.
+    """
+    hold = _hold_of(reduce_hold)
+    pieces = gradient_pieces(trace)
+    buckets = {first_bucket}
+    if hold(first_bucket) > 0:
+        top = min(DEFAULT_REDUCE_BUCKET, max(sum(pieces), first_bucket), max(_largest_within(hold, avail), first_bucket))
+        buckets |= set(_fewest_bucket(pieces, max(grad_numel, 1), top))
+    plans: dict[PlanConfig, Schedule] = {}
+    floor = floor_peak(trace)
+    best: tuple[tuple[float, int, int, int], ScheduleChoice, int] | None = None
+    for bucket in sorted(buckets):
+        room = avail - hold(bucket)
+        if room < floor:
+            continue
+        choice = choose_schedule(trace, room, budget_for_room, plans)
+        count, _ = reductions(pieces, bucket) if hold(bucket) > 0 else (0, 0)
+        reduce_exposed = reduce_exposed_bytes(pieces, bucket, grad_itemsize) if hold(bucket) > 0 else 0
+        score = calibration.gather * choice.exposed_bytes + calibration.reduce * reduce_exposed
+        key = (score, choice.allgathers + count, choice.peak_bytes, -bucket)
+        if best is None or key < best[0]:
+            best = (key, dataclasses.replace(choice, reduce_bucket_size=bucket, reduce_bucket_bytes=hold(bucket),
+                                             reductions=count), reduce_exposed)
+    if best is None:  # not even the floor fits beside the smallest bucket: the first step's room refuses
+        check_room(trace, avail - hold(first_bucket), budget_for_room)
+        raise AssertionError("check_room accepted a room below the floor")  # pragma: no cover
+    (score, _, _, _), choice, reduce_exposed = best
+    if choice.reduce_bucket_bytes == 0:  # nothing is held, nothing reduced: the schedule alone was chosen
+        return dataclasses.replace(choice, reasons=(*choice.reasons, "reduce bucket: holds nothing here (world "
+                                                    "size 1: each gradient goes straight into its shard's)"))
+    reasons = (
+        f"reduce bucket: {len(buckets)} sizes tried; chose {choice.reduce_bucket_size:,} elements "
+        f"({choice.reduce_bucket_bytes:,} bytes held at most), {choice.reductions} reductions a step predicted, "
+        f"leaving a room of {choice.room:,} bytes for gathered parameters",
+        *choice.reasons,
+        f"why this bucket: least predicted cost {score:.4g} = {calibration.gather:.3g} x {choice.exposed_bytes:,} "
+        f"gathered bytes exposed + {calibration.reduce:.3g} x {reduce_exposed:,} reduced bytes exposed (each "
+        f"reduction's {REDUCE_LATENCY_BYTES:,}-byte fixed cost and the last one whole); weights from {calibration.source}",
+    )
+    return dataclasses.replace(choice, reasons=reasons)
+
+
+def floor_peak(trace: Trace) -> int:
+    """The least gathered peak any plan of ``trace`` has (one module at a time: `check_room`'s floor)."""
+    return plan(trace, PlanConfig(max_live=0, max_reuse_distance=0, prefetch_bucket_size=0, unit="bytes")) \
+        .stats.peak_live_bytes

@@ -485,7 +485,8 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
     ctx.reducer = GradientReducer(ctx.comm, config.comm.reduce_bucket_size, reduce_dtype=torch_dtype(config.precision.reduce_dtype),
                                   accumulation_steps=config.training.gradient_accumulation_steps,
                                   boundary_numel=_prefetch_numel(config))
-    ctx.reducer.one_bucket_held = budget is not None  # memory_budget counts one bucket (grad.py)
+    if budget is not None:  # memory_budget counts one bucket's hold: the reducer stays within it (grad.py)
+        ctx.reducer.held_cap = budget.static.reduce_bucket_bytes
     if ctx.model_parallel is not None:  # Megatron's sequence parallelism (grad.py `sum_over_model_parallel`)
         ctx.reducer.sum_over_model_parallel([p for p in ctx.params if getattr(p, "sequence_parallel", False)],
                                             ctx.model_parallel.comm)

@@ -43,6 +43,7 @@ from ..config import ZeroConfig
 from ..errors import ZeroError, ZeroStateError
 from ..metrics import StepMetrics
 from ..partition.param import ZeroParameter
+from ..planning.budget import ScheduleChoice
 from ..planning.generation import GenerationPrefetch
 from ..planning.schedule import PlanConfig, Schedule, eviction_order
 from ..partition.state import ParamStatus
@@ -322,12 +323,16 @@ class ParamCoordinator:
             self._hpz.keeping = False
         self.steps.end(aborted or not keep_trace, lambda: _param_infos(self._by_id), self.plan_config)
 
-    def choose_budget(self) -> None:
+    def choose_budget(self) -> ScheduleChoice | None:
         """After a step ended (step.py): ``memory_budget`` chooses the knobs from the first training trace
-        (`MemoryBudget.choose`, then the cached traces are replanned) or checks a later one fits its room."""
-        if self.budget is not None and (t := self.last_trace) is not None and (chosen := self.budget.choose(t)):
+        (`MemoryBudget.choose`, then the cached traces are replanned; returned, for the reducer's bucket)
+        or checks a later one fits its room."""
+        if self.budget is not None and (t := self.last_trace) is not None and \
+                (chosen := self.budget.choose(t, self.comm.metrics)):
             self.steps.replan(chosen)
             self.plan_config = chosen
+            return self.budget.schedule
+        return None
 
     # -- fetch and release -------------------------------------------------------------------------
     def fetch(self, params: Iterable[ZeroParameter], label: str | None = None, training: bool = True) -> None:

@@ -61,9 +61,10 @@ class GradientReducer:
         self.landed = 0
         """Reduced gradients added into the shards since ``engine.step()`` last reset it: whether a backward
         reached a trainable parameter (the same on every rank: a reduction lands on all of them)."""
-        self.one_bucket_held = False
-        """memory_budget's rule: the reduction in flight lands before a gradient is queued beside it, so
-        the reducer holds at most one bucket's gradients and buffers (comm/reduce.py `hold_bytes`)."""
+        self.held_cap: int | None = None
+        """memory_budget's account of one bucket (comm/reduce.py `hold_bytes`), in bytes: a gradient is
+        queued beside the reduction in flight only while the two hold at most this, else that reduction
+        lands first (None: no cap, the two overlap as the bucket size allows)."""
 
     def sum_over_model_parallel(self, params: list[ZeroParameter], comm: Communicator) -> None:
         """Megatron's sequence parallelism: ``params`` (marked ``sequence_parallel``: LayerNorms, a
@@ -103,8 +104,7 @@ class GradientReducer:
             return
         grad = _own_storage(grad)
         self._make_room(p._zero.numel)
-        if self.one_bucket_held and not self._bucket:
-            self._land()
+        self._fit(grad.untyped_storage().nbytes())
         self._bucket.append((p, grad, False))
         self._numel += p._zero.numel
         self._queue(grad)
@@ -127,8 +127,7 @@ class GradientReducer:
             return
         grads = [(p, g if g is None else _own_storage(g)) for p, g in grads]
         self._make_room(sum(p._zero.numel for p, _ in grads))
-        if self.one_bucket_held and not self._bucket:
-            self._land()
+        self._fit(sum(g.untyped_storage().nbytes() for _, g in grads if g is not None))
         for p, g in grads:
             self._bucket.append((p, g, True))
             self._numel += p._zero.numel
@@ -143,6 +142,23 @@ class GradientReducer:
         larger by itself. The same on every rank: the gradients arrive in the same order."""
         if self._numel and self._numel + numel > self.bucket_numel:
             self.flush()
+
+    def resize(self, bucket_numel: int, held_cap: int | None) -> None:
+        """memory_budget's bucket chosen after the first training step (between steps: nothing queued):
+        ``bucket_numel`` elements a reduction, issued at a module's end too once reached, held within
+        ``held_cap`` bytes."""
+        assert not self._bucket and self._in_flight is None, "the reduce bucket changes between steps only"
+        self.bucket_numel = self.boundary_numel = max(1, bucket_numel)
+        self.held_cap = held_cap
+
+    def _fit(self, incoming: int) -> None:
+        """Under ``held_cap``: land the reduction in flight when it and the queued gradients, with
+        ``incoming`` bytes more, would hold more than the cap. Below it the next bucket fills while
+        the last one reduces (landing before every new bucket cost 4% of the small GPT's step:
+        docs/performance.md, round 40)."""
+        if self.held_cap is not None and self._in_flight is not None and \
+                self._held_bytes + self._queued_bytes + incoming > self.held_cap:
+            self._land()
 
     def module_done(self) -> None:
         """A module's backward ended: with the step in backward, land the reduction in flight if

@@ -246,5 +246,5 @@ class StepLifecycle:
                 backward_step.aborted()
             elif not inference:
                 backward_step.backward_ended()
-        if not aborted:
-            ctx.coordinator.choose_budget()  # memory_budget: after the first trace, between steps
+        if not aborted and (choice := ctx.coordinator.choose_budget()) is not None:  # memory_budget, between steps
+            reducer.resize(choice.reduce_bucket_size, choice.reduce_bucket_bytes)
