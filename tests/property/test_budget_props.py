@@ -113,12 +113,17 @@ def test_the_predicted_reductions_are_the_reducers(pieces: list[int], bucket: in
 
 
 @given(pieces_lists, st.integers(1, 3000), st.integers(0, 40000))
-def test_each_count_of_reductions_gets_its_smallest_bucket(pieces: list[int], lo: int, span: int) -> None:
+def test_each_count_of_reductions_gets_its_smallest_and_largest_bucket(pieces: list[int], lo: int, span: int) -> None:
     hi = lo + span
-    for bucket in _fewest_bucket(pieces, lo, hi):
+    out = _fewest_bucket(pieces, lo, hi)
+    counts = {reductions(pieces, b)[0] for b in out}
+    assert counts == {reductions(pieces, b)[0] for b in range(lo, hi + 1, max(1, span // 200))} | counts  # none missed
+    for bucket in out:
         assert lo <= bucket <= hi
         count, _ = reductions(pieces, bucket)
-        assert bucket == lo or reductions(pieces, bucket - 1)[0] > count  # one less takes more reductions
+        smallest = bucket == lo or reductions(pieces, bucket - 1)[0] > count  # one less takes more reductions
+        largest = bucket == hi or reductions(pieces, bucket + 1)[0] < count  # one more takes fewer
+        assert smallest or largest
 
 
 def _hold(per_element: int):

@@ -24,8 +24,9 @@ the first step:
   multiples of the largest module's bytes (the same for every budget) plus the room itself, so a
   room between two multiples is used whole (on the small GPT of bench_budget.py the room is 2.4 of
   those multiples). The chosen
-  plan's peak is within the room by construction; a larger budget never predicts more exposure
-  than the fixed grid's best under a smaller one (only the smaller room's own size may do better).
+  plan's peak is within the room by construction; within one bucket's room a larger budget never
+  predicts more exposure than the fixed grid's best under a smaller one (only the smaller room's own
+  size may do better).
 
 Predicted exposed communication, in bytes: a demand fetch is fully exposed; a prefetch bucket is
 hidden behind the compute of the modules that run from its issue to its first use, with a module's
@@ -305,36 +306,50 @@ def check_room(trace: Trace, room: int, budget_for_room: Callable[[int], int] | 
     return floor
 
 
+Plans = dict[PlanConfig, tuple[Schedule, int]]
+"""Plans of one trace by config, with their predicted exposure (`choose_split` asks for many rooms)."""
+
+_FLOOR = PlanConfig(max_live=0, max_reuse_distance=0, prefetch_bucket_size=0, unit="bytes")
+
+
+def _planned(trace: Trace, config: PlanConfig, plans: Plans | None) -> tuple[Schedule, int]:
+    if plans is not None and (hit := plans.get(config)) is not None:
+        return hit
+    schedule = plan(trace, config)
+    out = (schedule, exposed_bytes(trace, schedule))
+    if plans is not None:
+        plans[config] = out
+    return out
+
+
 def choose_schedule(trace: Trace, room: int, budget_for_room: Callable[[int], int] | None = None,
-                    plans: dict[PlanConfig, Schedule] | None = None) -> ScheduleChoice:
+                    plans: Plans | None = None, *, own_room: bool = True) -> ScheduleChoice:
     """The ``max_live``/``max_reuse_distance``/``prefetch_bucket`` (bytes) whose plan of ``trace``
     peaks within ``room`` bytes and exposes the least communication (see [Note: memory budget]).
     ``budget_for_room(r)``: the least budget that leaves ``r`` bytes of room, for the refusal.
-    ``plans``: plans by config, filled and reused (`choose_split` asks for several rooms).
+    ``plans``: plans by config, filled and reused; ``own_room=False`` leaves out the grid points made
+    of the room's own size (`choose_split`'s first pass over many rooms).
 
     Raises:
         ZeroConfigError: not even gathering one module at a time fits ``room``; names the module.
     """
-    floor = check_room(trace, room, budget_for_room)
-    grid = candidates(trace, room)
-    best: tuple[tuple[int, int, int], PlanConfig, Schedule] | None = None
+    floor, floor_exposed = _planned(trace, _FLOOR, plans)
+    if floor.stats.peak_live_bytes > room:
+        check_room(trace, room, budget_for_room)
+    grid = candidates(trace, room if own_room else None)
+    best: tuple[tuple[int, int, int], PlanConfig] | None = None
     feasible = 0
-    for config in [floor.config, *grid]:
-        if config is floor.config:
-            schedule = floor
-        elif plans is None:
-            schedule = plan(trace, config)
-        elif (schedule := plans.get(config)) is None:
-            schedule = plans[config] = plan(trace, config)
+    for config in [_FLOOR, *grid]:
+        schedule, exposed = _planned(trace, config, plans) if config != _FLOOR else (floor, floor_exposed)
         peak = schedule.stats.peak_live_bytes
         if peak > room:
             continue
         feasible += 1
-        score = (exposed_bytes(trace, schedule), schedule.stats.num_allgathers, peak)
+        score = (exposed, schedule.stats.num_allgathers, peak)
         if best is None or score < best[0]:
-            best = (score, config, schedule)
+            best = (score, config)
     assert best is not None  # the floor fits
-    (exposed, gathers, peak), config, _ = best
+    (exposed, gathers, peak), config = best
     reasons = (
         f"searched {len(grid) + 1} plans of trace {trace.key!r} v{trace.version}; {feasible} peak within "
         f"the room of {room:,} bytes",
@@ -349,12 +364,13 @@ def choose_schedule(trace: Trace, room: int, budget_for_room: Callable[[int], in
 
 def _fewest_bucket(pieces: Sequence[int], lo: int, hi: int) -> list[int]:
     """For each number of reductions a bucket from ``lo`` to ``hi`` elements gives ``pieces``, the
-    smallest such bucket (it holds the least for that many reductions), found by bisection."""
+    smallest such bucket (it holds the least for that many reductions) and the largest (its last
+    reduction may be the smallest), found by bisection: the count never rises as the bucket grows."""
     if not pieces or lo > hi:
         return []
-    out = []
     most, _ = reductions(pieces, lo)
     least, _ = reductions(pieces, hi)
+    smallest = {}
     for count in range(least, most + 1):
         a, b = lo, hi  # the smallest bucket in [a, b] with at most `count` reductions (hi has)
         while a < b:
@@ -363,20 +379,26 @@ def _fewest_bucket(pieces: Sequence[int], lo: int, hi: int) -> list[int]:
                 b = mid
             else:
                 a = mid + 1
-        out.append(a)
-    return out
+        smallest[count] = a
+    out = set(smallest.values()) | {hi}
+    out |= {smallest[count - 1] - 1 for count in smallest if count - 1 in smallest}  # the largest with `count`
+    return sorted(b for b in out if lo <= b <= hi)
 
 
-def gradient_pieces(trace: Trace) -> list[int]:
+def gradient_pieces(trace: Trace, trainable: Sequence[tuple[str, int]] = ()) -> list[int]:
     """The trainable parameters' elements in the order their gradients are complete: by the last event
-    that uses them (a leaf module's unit, reduced whole, is counted by its parameters)."""
+    that uses them, then those of ``trainable`` (name, elements) that no event uses (a module whose
+    parameters are all persistent records none; their gradients are reduced too). A leaf module's
+    unit, reduced whole, is counted by its parameters."""
     last: dict[int, int] = {}
     for i, ev in enumerate(trace.events):
         if ev.kind.is_pre:
             for p in ev.params:
                 last[p] = i
     infos = trace.params
-    return [infos[p].numel for p in sorted(last, key=last.__getitem__) if infos[p].trains]
+    seen = {infos[p].name for p in last}
+    return [infos[p].numel for p in sorted(last, key=last.__getitem__) if infos[p].trains] + \
+        [n for name, n in trainable if name not in seen]
 
 
 def reductions(pieces: Sequence[int], bucket: int) -> tuple[int, int]:
@@ -403,62 +425,66 @@ def reduce_exposed_bytes(pieces: Sequence[int], bucket: int, grad_itemsize: int)
     return count * REDUCE_LATENCY_BYTES + last * grad_itemsize
 
 
+_REFINED = 3
+"""`choose_split` plans the room's own grid points for this many of the best buckets only (review 40R1:
+planning them for every bucket took 38 s on a 48-layer trace, against 4.7 s for one room)."""
+
+
 def choose_split(trace: Trace, avail: int, reduce_hold: ReduceHold, grad_numel: int, first_bucket: int, *,
                  grad_itemsize: int = 4, calibration: Calibration = Calibration(),
-                 budget_for_room: Callable[[int], int] | None = None) -> ScheduleChoice:
+                 budget_for_room: Callable[[int], int] | None = None,
+                 trainable: Sequence[tuple[str, int]] = ()) -> ScheduleChoice:
     """The reduce bucket and the schedule knobs together, from ``trace``, within ``avail`` bytes (the
     budget less the persistent parameters and hpZ's slices): for each candidate bucket (``first_bucket``,
-    which the first step ran with, and for each number of reductions the smallest bucket that gives it,
-    none below ``grad_numel``, the largest piece reduced whole), `choose_schedule` in the room it leaves; the
-    pair with the least predicted exposure, gathers' and reductions' weighed by ``calibration``, wins
-    (then the fewest collectives, the lowest peak). A bucket that holds nothing (world size 1) is not
-    varied: there every gradient goes straight into its shard.
+    which the first step ran with, and for each number of reductions the smallest and the largest bucket
+    that give it, none below ``grad_numel``, the largest piece reduced whole), `choose_schedule` in the
+    room it leaves, on the grid common to all rooms, and for the ``_REFINED`` best buckets again with
+    the room's own size in the grid; the pair with the least predicted exposure, gathers' and reductions'
+    weighed by ``calibration``, wins (then the fewest collectives, the lowest peak, the larger bucket).
+    ``trainable``: (name, elements) of every trainable parameter, for those no event of the trace uses
+    (`gradient_pieces`). A bucket that holds nothing (world size 1) is not varied: there every gradient
+    goes straight into its shard.
 
     Raises:
         ZeroConfigError: not even gathering one module at a time fits beside any candidate bucket; names
             the module and the budget whose own first-step bucket leaves room for it.
     """
     hold = _hold_of(reduce_hold)
-    pieces = gradient_pieces(trace)
+    pieces = gradient_pieces(trace, trainable)
     buckets = {first_bucket}
     if hold(first_bucket) > 0:
         top = min(DEFAULT_REDUCE_BUCKET, max(sum(pieces), first_bucket), max(_largest_within(hold, avail), first_bucket))
         buckets |= set(_fewest_bucket(pieces, max(grad_numel, 1), top))
-    plans: dict[PlanConfig, Schedule] = {}
-    floor = floor_peak(trace)
-    best: tuple[tuple[float, int, int, int], ScheduleChoice, int] | None = None
-    for bucket in sorted(buckets):
-        room = avail - hold(bucket)
-        if room < floor:
-            continue
-        choice = choose_schedule(trace, room, budget_for_room, plans)
-        count, _ = reductions(pieces, bucket) if hold(bucket) > 0 else (0, 0)
-        reduce_exposed = reduce_exposed_bytes(pieces, bucket, grad_itemsize) if hold(bucket) > 0 else 0
+    plans: Plans = {}
+    floor = _planned(trace, _FLOOR, plans)[0].stats.peak_live_bytes
+
+    def ranked(bucket: int, own_room: bool) -> tuple[tuple[float, int, int, int], ScheduleChoice, int]:
+        choice = choose_schedule(trace, avail - hold(bucket), budget_for_room, plans, own_room=own_room)
+        held = hold(bucket) > 0
+        count = reductions(pieces, bucket)[0] if held else 0
+        reduce_exposed = reduce_exposed_bytes(pieces, bucket, grad_itemsize) if held else 0
         score = calibration.gather * choice.exposed_bytes + calibration.reduce * reduce_exposed
-        key = (score, choice.allgathers + count, choice.peak_bytes, -bucket)
-        if best is None or key < best[0]:
-            best = (key, dataclasses.replace(choice, reduce_bucket_size=bucket, reduce_bucket_bytes=hold(bucket),
-                                             reductions=count), reduce_exposed)
-    if best is None:  # not even the floor fits beside the smallest bucket: the first step's room refuses
+        choice = dataclasses.replace(choice, reduce_bucket_size=bucket, reduce_bucket_bytes=hold(bucket), reductions=count)
+        return (score, choice.allgathers + count, choice.peak_bytes, -bucket), choice, reduce_exposed
+
+    fitting = sorted(b for b in buckets if avail - hold(b) >= floor)
+    if not fitting:  # not even the floor fits beside the smallest bucket: the first step's room refuses
         check_room(trace, avail - hold(first_bucket), budget_for_room)
         raise AssertionError("check_room accepted a room below the floor")  # pragma: no cover
-    (score, _, _, _), choice, reduce_exposed = best
+    rough = sorted((ranked(b, own_room=False)[0], b) for b in fitting)
+    (score, *_), choice, reduce_exposed = min((ranked(b, own_room=True) for _, b in rough[:_REFINED]),
+                                              key=lambda r: r[0])
     if choice.reduce_bucket_bytes == 0:  # nothing is held, nothing reduced: the schedule alone was chosen
         return dataclasses.replace(choice, reasons=(*choice.reasons, "reduce bucket: holds nothing here (world "
                                                     "size 1: each gradient goes straight into its shard's)"))
     reasons = (
-        f"reduce bucket: {len(buckets)} sizes tried; chose {choice.reduce_bucket_size:,} elements "
-        f"({choice.reduce_bucket_bytes:,} bytes held at most), {choice.reductions} reductions a step predicted, "
-        f"leaving a room of {choice.room:,} bytes for gathered parameters",
+        f"reduce bucket: {len(fitting)} sizes leave room for one module at a time ({len(buckets)} candidates); "
+        f"chose {choice.reduce_bucket_size:,} elements ({choice.reduce_bucket_bytes:,} bytes held at most), "
+        f"{choice.reductions} reductions a step predicted, leaving a room of {choice.room:,} bytes for gathered "
+        "parameters",
         *choice.reasons,
         f"why this bucket: least predicted cost {score:.4g} = {calibration.gather:.3g} x {choice.exposed_bytes:,} "
         f"gathered bytes exposed + {calibration.reduce:.3g} x {reduce_exposed:,} reduced bytes exposed (each "
         f"reduction's {REDUCE_LATENCY_BYTES:,}-byte fixed cost and the last one whole); weights from {calibration.source}",
     )
     return dataclasses.replace(choice, reasons=reasons)
-
-
-def floor_peak(trace: Trace) -> int:
-    """The least gathered peak any plan of ``trace`` has (one module at a time: `check_room`'s floor)."""
-    return plan(trace, PlanConfig(max_live=0, max_reuse_distance=0, prefetch_bucket_size=0, unit="bytes")) \
-        .stats.peak_live_bytes

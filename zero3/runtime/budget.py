@@ -15,7 +15,6 @@ from ..comm.communicator import Communicator
 from ..comm.tags import Kind, Tag
 from ..config import ZeroConfig
 from ..optim.precision import torch_dtype
-from ..metrics import StepMetrics
 from ..planning.budget import (AUTO_FRACTION, Calibration, ReduceHold, ScheduleChoice, StaticChoice, check_room,
                                choose_split, choose_static, exposed_bytes, gradient_pieces, reduce_exposed_bytes,
                                smallest_budget)
@@ -46,11 +45,16 @@ class MemoryBudget:
 
     def __init__(self, static: StaticChoice, budget_for_room: Callable[[int], int] | None = None, *,
                  reduce_hold: ReduceHold = 0, grad_numel: int = 0, grad_itemsize: int = 4,
-                 comm: Communicator | None = None) -> None:
+                 comm: Communicator | None = None, trainable: Sequence[tuple[str, int]] = (),
+                 mixed_fp64: bool = False) -> None:
         """``budget_for_room(r)``: the least budget leaving ``r`` bytes of room (for the refusal);
         ``reduce_hold``: what a bucket of n elements holds (comm/reduce.py `hold_bytes`); ``grad_numel``:
         the largest gradient piece, reduced whole; ``comm``: the data-parallel communicator, whose ranks
-        agree on the measured waits the choice is weighed by (None: the byte model unweighed)."""
+        agree on the measured waits the choice is weighed by (None: the byte model unweighed);
+        ``trainable``: every trainable parameter's name and elements (a trace lacks those of modules
+        whose parameters are all persistent, but their gradients are reduced too); ``mixed_fp64``: fp64
+        parameters beside others, whose bucket is reduced in fp64 (grad.py), so that on 3 or more ranks
+        the bucket changes the numbers."""
         self.static = static
         self.schedule: ScheduleChoice | None = None
         self._budget_for_room = budget_for_room
@@ -58,6 +62,8 @@ class MemoryBudget:
         self._grad_numel = grad_numel
         self._grad_itemsize = grad_itemsize
         self._comm = comm
+        self._trainable = tuple(trainable)
+        self._mixed_fp64 = mixed_fp64
         # inference traces whose room was checked, the `_CHECKED_KEPT` checked last (a run that never trains
         # records new versions without end under LayerDrop: review 32RD, 1,661 entries after 2,000 steps)
         self._checked: OrderedDict[tuple[str, int], None] = OrderedDict()
@@ -105,7 +111,9 @@ class MemoryBudget:
                                   max_reuse_distance_bytes=0, prefetch_bucket_bytes=0)
         return resolved, cls(static, lambda room: smallest_budget(sizes, reduce_bytes, grad_numel, room=room,
                                                                   start=budget, secondary_group=comm.hpz),
-                             reduce_hold=reduce_bytes, grad_numel=grad_numel, grad_itemsize=grad_itemsize, comm=comm)
+                             reduce_hold=reduce_bytes, grad_numel=grad_numel, grad_itemsize=grad_itemsize, comm=comm,
+                             trainable=[(name, _numel(p)) for name, p in named if p.requires_grad],
+                             mixed_fp64=len({p.dtype == torch.float64 for _, p in named if p.requires_grad}) > 1)
 
     @property
     def room(self) -> int:
@@ -117,13 +125,14 @@ class MemoryBudget:
         """What the reduce bucket in use holds at most (the static one's until the schedule is chosen)."""
         return self.schedule.reduce_bucket_bytes if self.schedule is not None else self.static.reduce_bucket_bytes
 
-    def choose(self, trace: Trace, metrics: StepMetrics | None = None) -> PlanConfig | None:
+    def choose(self, trace: Trace, waits: tuple[float, float] | None = None) -> PlanConfig | None:
         """The schedule knobs for ``trace`` (the first training step's), with the reduce bucket
         (`ScheduleChoice.reduce_bucket_size`), logged once. None for an inference step's trace (an eval
         before training, generation): forward-only, it has no reuse to plan for, and knobs fitted to it
         would hold for all training, so the room's knobs stay until a step trains; its modules are still
-        checked to fit the room. ``metrics``: that step's, whose gather and reduction waits weigh the
-        choice (`Calibration.measured`; a collective over the ranks, which all choose at the same step).
+        checked to fit the room. ``waits``: the seconds that step waited for gathers and for reductions,
+        which weigh the choice (`Calibration.measured`; a collective over the ranks, which all choose at
+        the same step).
 
         Raises:
             ZeroConfigError: not even gathering one module at a time fits the room."""
@@ -137,7 +146,8 @@ class MemoryBudget:
         st = self.static
         self.schedule = choose_split(trace, st.budget - st.persistent_bytes - st.secondary_bytes, self._reduce_hold,
                                      self._grad_numel, st.reduce_bucket_size, grad_itemsize=self._grad_itemsize,
-                                     calibration=self._calibration(trace, metrics), budget_for_room=self._budget_for_room)
+                                     calibration=self._calibration(trace, waits), budget_for_room=self._budget_for_room,
+                                     trainable=self._trainable)
         c = self.schedule
         logger.info("zero3: memory_budget %d bytes: max_live_bytes %d, prefetch_bucket_bytes %d, "
                     "max_reuse_distance_bytes %d, reduce_bucket_size %d; predicted peak %d gathered + %d persistent "
@@ -146,25 +156,26 @@ class MemoryBudget:
                     st.persistent_bytes, c.reduce_bucket_bytes)
         return c.config
 
-    def _calibration(self, trace: Trace, metrics: StepMetrics | None) -> Calibration:
-        """The weights of `choose_split`'s two exposures from what ``trace``'s step waited (the most over
-        the ranks) against what the model predicts that step exposed: it ran on demand within the static
-        room, releasing after use, with the static reduce bucket. The byte model unweighed where a wait
-        does not measure exposure or the choice must not vary from run to run: at world size 1 (no
-        reductions), without metrics, on CUDA (a wait there is a stream dependency, not host time), and
-        where the bucket changes the numbers (reduce_scatter or all_reduce on 3 or more ranks:
-        docs/config.md), so that a run repeats its numbers."""
+    def _calibration(self, trace: Trace, waits: tuple[float, float] | None) -> Calibration:
+        """The weights of `choose_split`'s two exposures from what ``trace``'s step waited (``waits``,
+        the most over the ranks) against what the model predicts that step exposed: it ran on demand
+        within the static room, releasing after use, with the static reduce bucket. The byte model
+        unweighed where a wait does not measure exposure or the choice must not vary from run to run:
+        at world size 1 (no reductions), without waits, on CUDA (a wait there is a stream dependency, not
+        host time), and where the bucket changes the numbers on 3 or more ranks (reduce_scatter or
+        all_reduce without qgZ, or fp64 parameters beside others: docs/config.md), so that a run there
+        repeats its numbers."""
         comm = self._comm
-        if comm is None or comm.world_size == 1 or metrics is None or comm.device.type != "cpu" or \
-                comm.world_size > 2 and comm.config.reduce_impl in ("reduce_scatter", "all_reduce") and \
-                not comm.config.quantize_gradients:
+        if comm is None or comm.world_size == 1 or waits is None or comm.device.type != "cpu" or \
+                comm.world_size > 2 and (self._mixed_fp64 or comm.config.reduce_impl in ("reduce_scatter", "all_reduce")
+                                         and not comm.config.quantize_gradients):
             return Calibration()
-        waits = comm.exchange_objects((metrics.wait_seconds, metrics.reduce_wait_seconds),
-                                      Tag(Kind.OBJECTS, "memory_budget calibration"))
+        waits = comm.exchange_objects(tuple(waits), Tag(Kind.OBJECTS, "memory_budget calibration"))
         first = PlanConfig(max_live=self.static.room, max_reuse_distance=0, prefetch_bucket_size=0, unit="bytes")
         return Calibration.measured(max(w[0] for w in waits), exposed_bytes(trace, plan(trace, first)),
                                     max(w[1] for w in waits), reduce_exposed_bytes(
-                                        gradient_pieces(trace), self.static.reduce_bucket_size, self._grad_itemsize))
+                                        gradient_pieces(trace, self._trainable), self.static.reduce_bucket_size,
+                                        self._grad_itemsize))
 
     def explain(self) -> list[str]:
         lines = [f"budget: {r}" for r in self.static.reasons]

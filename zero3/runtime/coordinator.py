@@ -323,12 +323,11 @@ class ParamCoordinator:
             self._hpz.keeping = False
         self.steps.end(aborted or not keep_trace, lambda: _param_infos(self._by_id), self.plan_config)
 
-    def choose_budget(self) -> ScheduleChoice | None:
+    def choose_budget(self, waits: tuple[float, float] | None = None) -> ScheduleChoice | None:
         """After a step ended (step.py): ``memory_budget`` chooses the knobs from the first training trace
-        (`MemoryBudget.choose`, then the cached traces are replanned; returned, for the reducer's bucket)
-        or checks a later one fits its room."""
-        if self.budget is not None and (t := self.last_trace) is not None and \
-                (chosen := self.budget.choose(t, self.comm.metrics)):
+        (`MemoryBudget.choose`, weighed by the step's ``waits``; then the cached traces are replanned;
+        returned, for the reducer's bucket) or checks a later one fits its room."""
+        if self.budget is not None and (t := self.last_trace) is not None and (chosen := self.budget.choose(t, waits)):
             self.steps.replan(chosen)
             self.plan_config = chosen
             return self.budget.schedule

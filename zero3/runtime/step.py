@@ -87,6 +87,7 @@ class StepLifecycle:
         self.phase = StepPhase.IDLE
         self._close_calls = close_calls
         self._backward_t0 = 0.0  # when the running backward began
+        self._waits_at_begin = (0.0, 0.0)  # the gather and reduction waits counted when the running step began
         self._aborted = False  # the last step was aborted and no other began since
         self.guard_grads()  # from initialize on, as between steps
 
@@ -100,6 +101,7 @@ class StepLifecycle:
                 if phase is StepPhase.FORWARD:  # before it begins: a divergence there leaves nothing begun
                     self.ctx.refresh_stale_persistent()
                 self._aborted = False  # a new step begins
+                self._waits_at_begin = (self.ctx.metrics.wait_seconds, self.ctx.metrics.reduce_wait_seconds)
                 self.ctx.comm.step_began()
                 if self.ctx.guarded_grads:  # guarded between steps (here and by GatheredParameters)
                     unguard_pending_grads(self.ctx.guarded_grads.values())
@@ -246,5 +248,8 @@ class StepLifecycle:
                 backward_step.aborted()
             elif not inference:
                 backward_step.backward_ended()
-        if not aborted and (choice := ctx.coordinator.choose_budget()) is not None:  # memory_budget, between steps
-            reducer.resize(choice.reduce_bucket_size, choice.reduce_bucket_bytes)
+        if not aborted:  # memory_budget, between steps; weighed by this step's own waits (not an eval's before it)
+            waits = (ctx.metrics.wait_seconds - self._waits_at_begin[0],
+                     ctx.metrics.reduce_wait_seconds - self._waits_at_begin[1])
+            if (choice := ctx.coordinator.choose_budget(waits)) is not None:
+                reducer.resize(choice.reduce_bucket_size, choice.reduce_bucket_bytes)
