@@ -116,8 +116,7 @@ class ParamCoordinator:
         self.persistent_params = PersistentParams(comm.world_size, self._gather_persistent)
         self.register(params)
         self.steps = StepTraces(config.budget.max_traces)  # what the running step recorded and follows
-        # The event a gather serves (for its tag), as two fields: a tuple per event would feed the GC.
-        self._event_kind: EventKind | None = None
+        self._event_kind: EventKind | None = None  # the event a gather serves (its tag); two fields, not a tuple (GC)
         self._event_module = ""
         self._keep_off_trace = False  # this step left its trace, and the whole model fits the budgets
         self._generation: GenerationPrefetch | None = None  # generation mode (`begin_generation`)
@@ -125,7 +124,7 @@ class ParamCoordinator:
         self.watch: GatherWatch | None = None  # told of every gather and use (the optimizer step in backward)
 
     def use_budget(self, config: ZeroConfig, budget: MemoryBudget) -> None:
-        """Run with ``memory_budget``'s knobs; after the first trace, with the schedule it chooses (`end_step`)."""
+        """Run with ``memory_budget``'s knobs; after the first trace, with the schedule it chooses (`choose_budget`)."""
         self.config = config
         self.plan_config = plan_config(config)
         self.budget = budget
@@ -324,14 +323,12 @@ class ParamCoordinator:
         self.steps.end(aborted or not keep_trace, lambda: _param_infos(self._by_id), self.plan_config)
 
     def choose_budget(self, waits: tuple[float, float] | None = None) -> ScheduleChoice | None:
-        """After a step ended (step.py): ``memory_budget`` chooses the knobs from the first training trace
-        (`MemoryBudget.choose`, weighed by the step's ``waits``; then the cached traces are replanned;
-        returned, for the reducer's bucket) or checks a later one fits its room."""
-        if self.budget is not None and (t := self.last_trace) is not None and (chosen := self.budget.choose(t, waits)):
-            self.steps.replan(chosen)
-            self.plan_config = chosen
-            return self.budget.schedule
-        return None
+        """`MemoryBudget.choose` after a step (step.py), weighed by its ``waits``: a new choice replans, returned."""
+        if self.budget is None or (t := self.last_trace) is None or not (chosen := self.budget.choose(t, waits)):
+            return None
+        self.steps.replan(chosen)
+        self.plan_config = chosen
+        return self.budget.schedule
 
     # -- fetch and release -------------------------------------------------------------------------
     def fetch(self, params: Iterable[ZeroParameter], label: str | None = None, training: bool = True) -> None:
