@@ -367,7 +367,7 @@ def test_the_choice_is_weighed_by_the_training_steps_own_waits():
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"memory_budget": model_bytes()})
     seen = []
     choose = engine.coordinator.choose_budget
-    engine.coordinator.choose_budget = lambda waits=None: (seen.append(waits), choose(waits))[1]
+    engine.coordinator.choose_budget = lambda waits=None, pieces=None: (seen.append(waits), choose(waits, pieces))[1]
     x, y = synthetic_batch(0, 2, CFG)
     with torch.no_grad():
         engine(x, y)  # an eval before training

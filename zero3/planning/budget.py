@@ -386,10 +386,11 @@ def _fewest_bucket(pieces: Sequence[int], lo: int, hi: int) -> list[int]:
 
 
 def gradient_pieces(trace: Trace, trainable: Sequence[tuple[str, int]] = ()) -> list[int]:
-    """The trainable parameters' elements in the order their gradients are complete: by the last event
-    that uses them, then those of ``trainable`` (name, elements) that no event uses (a module whose
-    parameters are all persistent records none; their gradients are reduced too). A leaf module's
-    unit, reduced whole, is counted by its parameters."""
+    """A prediction of the gradient pieces' elements in the order the reducer receives them, for
+    ``zero3.plan`` (the runtime records the real order in its first step): by the last event that uses
+    each trainable parameter, then those of ``trainable`` (name, elements) that no event uses (a module
+    whose parameters are all persistent records none), at the end, though their gradients arrive
+    during backward. A leaf module's unit, reduced whole, is counted by its parameters."""
     last: dict[int, int] = {}
     for i, ev in enumerate(trace.events):
         if ev.kind.is_pre:
@@ -433,7 +434,7 @@ planning them for every bucket took 38 s on a 48-layer trace, against 4.7 s for 
 def choose_split(trace: Trace, avail: int, reduce_hold: ReduceHold, grad_numel: int, first_bucket: int, *,
                  grad_itemsize: int = 4, calibration: Calibration = Calibration(),
                  budget_for_room: Callable[[int], int] | None = None,
-                 trainable: Sequence[tuple[str, int]] = ()) -> ScheduleChoice:
+                 pieces: Sequence[int] | None = None) -> ScheduleChoice:
     """The reduce bucket and the schedule knobs together, from ``trace``, within ``avail`` bytes (the
     budget less the persistent parameters and hpZ's slices): for each candidate bucket (``first_bucket``,
     which the first step ran with, and for each number of reductions the smallest and the largest bucket
@@ -441,8 +442,8 @@ def choose_split(trace: Trace, avail: int, reduce_hold: ReduceHold, grad_numel: 
     room it leaves, on the grid common to all rooms, and for the ``_REFINED`` best buckets again with
     the room's own size in the grid; the pair with the least predicted exposure, gathers' and reductions'
     weighed by ``calibration``, wins (then the fewest collectives, the lowest peak, the larger bucket).
-    ``trainable``: (name, elements) of every trainable parameter, for those no event of the trace uses
-    (`gradient_pieces`). A bucket that holds nothing (world size 1) is not varied: there every gradient
+    ``pieces``: the elements of each gradient piece in the order the reducer receives them (the
+    runtime records them in the first step; None: `gradient_pieces` of the trace). A bucket that holds nothing (world size 1) is not varied: there every gradient
     goes straight into its shard.
 
     Raises:
@@ -450,7 +451,7 @@ def choose_split(trace: Trace, avail: int, reduce_hold: ReduceHold, grad_numel: 
             the module and the budget whose own first-step bucket leaves room for it.
     """
     hold = _hold_of(reduce_hold)
-    pieces = gradient_pieces(trace, trainable)
+    pieces = list(pieces) if pieces is not None else gradient_pieces(trace)
     buckets = {first_bucket}
     if hold(first_bucket) > 0:
         top = min(DEFAULT_REDUCE_BUCKET, max(sum(pieces), first_bucket), max(_largest_within(hold, avail), first_bucket))

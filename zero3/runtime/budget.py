@@ -125,14 +125,16 @@ class MemoryBudget:
         """What the reduce bucket in use holds at most (the static one's until the schedule is chosen)."""
         return self.schedule.reduce_bucket_bytes if self.schedule is not None else self.static.reduce_bucket_bytes
 
-    def choose(self, trace: Trace, waits: tuple[float, float] | None = None) -> PlanConfig | None:
+    def choose(self, trace: Trace, waits: tuple[float, float] | None = None,
+               pieces: Sequence[int] | None = None) -> PlanConfig | None:
         """The schedule knobs for ``trace`` (the first training step's), with the reduce bucket
         (`ScheduleChoice.reduce_bucket_size`), logged once. None for an inference step's trace (an eval
         before training, generation): forward-only, it has no reuse to plan for, and knobs fitted to it
         would hold for all training, so the room's knobs stay until a step trains; its modules are still
         checked to fit the room. ``waits``: the seconds that step waited for gathers and for reductions,
         which weigh the choice (`Calibration.measured`; a collective over the ranks, which all choose at
-        the same step).
+        the same step). ``pieces``: the elements of each gradient piece the reducer received in that step,
+        in order (None or empty: predicted from the trace, `gradient_pieces`).
 
         Raises:
             ZeroConfigError: not even gathering one module at a time fits the room."""
@@ -144,10 +146,11 @@ class MemoryBudget:
                     self._checked.popitem(last=False)
             return None
         st = self.static
+        pieces = list(pieces) if pieces else gradient_pieces(trace, self._trainable)
         self.schedule = choose_split(trace, st.budget - st.persistent_bytes - st.secondary_bytes, self._reduce_hold,
                                      self._grad_numel, st.reduce_bucket_size, grad_itemsize=self._grad_itemsize,
-                                     calibration=self._calibration(trace, waits), budget_for_room=self._budget_for_room,
-                                     trainable=self._trainable)
+                                     calibration=self._calibration(trace, waits, pieces),
+                                     budget_for_room=self._budget_for_room, pieces=pieces)
         c = self.schedule
         logger.info("zero3: memory_budget %d bytes: max_live_bytes %d, prefetch_bucket_bytes %d, "
                     "max_reuse_distance_bytes %d, reduce_bucket_size %d; predicted peak %d gathered + %d persistent "
@@ -156,7 +159,8 @@ class MemoryBudget:
                     st.persistent_bytes, c.reduce_bucket_bytes)
         return c.config
 
-    def _calibration(self, trace: Trace, waits: tuple[float, float] | None) -> Calibration:
+    def _calibration(self, trace: Trace, waits: tuple[float, float] | None,
+                     pieces: Sequence[int] | None = None) -> Calibration:
         """The weights of `choose_split`'s two exposures from what ``trace``'s step waited (``waits``,
         the most over the ranks) against what the model predicts that step exposed: it ran on demand
         within the static room, releasing after use, with the static reduce bucket. The byte model
@@ -174,7 +178,7 @@ class MemoryBudget:
         first = PlanConfig(max_live=self.static.room, max_reuse_distance=0, prefetch_bucket_size=0, unit="bytes")
         return Calibration.measured(max(w[0] for w in waits), exposed_bytes(trace, plan(trace, first)),
                                     max(w[1] for w in waits), reduce_exposed_bytes(
-                                        gradient_pieces(trace, self._trainable), self.static.reduce_bucket_size,
+                                        pieces or gradient_pieces(trace, self._trainable), self.static.reduce_bucket_size,
                                         self._grad_itemsize))
 
     def explain(self) -> list[str]:

@@ -487,6 +487,7 @@ def build_context(model: nn.Module, optimizer: Any, config: ZeroConfig, group: A
                                   boundary_numel=_prefetch_numel(config))
     if budget is not None:  # memory_budget counts one bucket's hold: the reducer stays within it (grad.py)
         ctx.reducer.held_cap = budget.static.reduce_bucket_bytes
+        ctx.reducer.arrivals = []  # the first training step's order of gradient pieces, for the choice
     if ctx.model_parallel is not None:  # Megatron's sequence parallelism (grad.py `sum_over_model_parallel`)
         ctx.reducer.sum_over_model_parallel([p for p in ctx.params if getattr(p, "sequence_parallel", False)],
                                             ctx.model_parallel.comm)

@@ -322,9 +322,9 @@ class ParamCoordinator:
             self._hpz.keeping = False
         self.steps.end(aborted or not keep_trace, lambda: _param_infos(self._by_id), self.plan_config)
 
-    def choose_budget(self, waits: tuple[float, float] | None = None) -> ScheduleChoice | None:
-        """`MemoryBudget.choose` after a step (step.py), weighed by its ``waits``: a new choice replans, returned."""
-        if self.budget is None or (t := self.last_trace) is None or not (chosen := self.budget.choose(t, waits)):
+    def choose_budget(self, waits: tuple[float, float] | None = None, pieces: Sequence[int] | None = None) -> ScheduleChoice | None:
+        """`MemoryBudget.choose` after a step (step.py), with its ``waits`` and gradient ``pieces``: a new choice replans."""
+        if self.budget is None or (t := self.last_trace) is None or not (chosen := self.budget.choose(t, waits, pieces)):
             return None
         self.steps.replan(chosen)
         self.plan_config = chosen

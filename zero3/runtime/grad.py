@@ -61,6 +61,9 @@ class GradientReducer:
         self.landed = 0
         """Reduced gradients added into the shards since ``engine.step()`` last reset it: whether a backward
         reached a trainable parameter (the same on every rank: a reduction lands on all of them)."""
+        self.arrivals: list[int] | None = None
+        """When a list (memory_budget, until it chooses): the elements of each gradient piece handed over
+        this step, in order (a leaf module's unit as one), the order `choose_split` predicts reductions from."""
         self.held_cap: int | None = None
         """memory_budget's account of one bucket (comm/reduce.py `hold_bytes`), in bytes: a gradient is
         queued beside the reduction in flight only while the two hold at most this, else that reduction
@@ -103,6 +106,8 @@ class GradientReducer:
             self._accumulate(p, grad.reshape(-1))
             return
         grad = _own_storage(grad)
+        if self.arrivals is not None:
+            self.arrivals.append(p._zero.numel)
         self._make_room(p._zero.numel)
         self._fit(grad.untyped_storage().nbytes())
         self._bucket.append((p, grad, False))
@@ -126,6 +131,8 @@ class GradientReducer:
                     self._accumulate(p, g.reshape(-1))
             return
         grads = [(p, g if g is None else _own_storage(g)) for p, g in grads]
+        if self.arrivals is not None:
+            self.arrivals.append(sum(p._zero.numel for p, _ in grads))
         self._make_room(sum(p._zero.numel for p, _ in grads))
         self._fit(sum(g.untyped_storage().nbytes() for _, g in grads if g is not None))
         for p, g in grads:
@@ -150,6 +157,7 @@ class GradientReducer:
         assert not self._bucket and self._in_flight is None, "the reduce bucket changes between steps only"
         self.bucket_numel = self.boundary_numel = max(1, bucket_numel)
         self.held_cap = held_cap
+        self.arrivals = None  # chosen: no longer recorded
 
     def _fit(self, incoming: int) -> None:
         """Under ``held_cap``: land the reduction in flight when it and the queued gradients, with

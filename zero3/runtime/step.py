@@ -102,6 +102,8 @@ class StepLifecycle:
                     self.ctx.refresh_stale_persistent()
                 self._aborted = False  # a new step begins
                 self._waits_at_begin = (self.ctx.metrics.wait_seconds, self.ctx.metrics.reduce_wait_seconds)
+                if self.ctx.reducer is not None and self.ctx.reducer.arrivals is not None:
+                    self.ctx.reducer.arrivals.clear()  # this step's gradient pieces only
                 self.ctx.comm.step_began()
                 if self.ctx.guarded_grads:  # guarded between steps (here and by GatheredParameters)
                     unguard_pending_grads(self.ctx.guarded_grads.values())
@@ -251,5 +253,5 @@ class StepLifecycle:
         if not aborted:  # memory_budget, between steps; weighed by this step's own waits (not an eval's before it)
             waits = (ctx.metrics.wait_seconds - self._waits_at_begin[0],
                      ctx.metrics.reduce_wait_seconds - self._waits_at_begin[1])
-            if (choice := ctx.coordinator.choose_budget(waits)) is not None:
+            if (choice := ctx.coordinator.choose_budget(waits, reducer.arrivals)) is not None:
                 reducer.resize(choice.reduce_bucket_size, choice.reduce_bucket_bytes)
