@@ -15,14 +15,15 @@ the first step:
 - After the first training step (one with a backward: an inference step's forward-only trace has
   no reuse to plan for; it only gets `check_room`), from its recorded trace (`choose_split`): the
   reduce bucket is chosen again with the schedule. Each candidate bucket (the first step's, and for
-  each number of reductions the smallest bucket giving it) leaves its own room; in it
+  each number of reductions the smallest and the largest bucket giving it, from the gradient pieces
+  the reducer received in the first step) leaves its own room; in it
   (`choose_schedule`) every combination of a grid of ``max_live``/``max_reuse_distance``/``prefetch_bucket`` is
   planned with `schedule.plan`; those whose planned peak fits the room are compared by predicted
   exposed communication (`exposed_bytes`), then by all-gathers, then by peak; the buckets are then
   compared by that plus their reductions' exposure (`reduce_exposed_bytes`), the two weighed by what
   the first step waited for each (`Calibration`). The grid is
   multiples of the largest module's bytes (the same for every budget) plus the room itself, so a
-  room between two multiples is used whole (on the small GPT of bench_budget.py the room is 2.4 of
+  room between two multiples is used whole (on the small GPT of bench_budget.py round 39's room was 2.4 of
   those multiples). The chosen
   plan's peak is within the room by construction; within one bucket's room a larger budget never
   predicts more exposure than the fixed grid's best under a smaller one (only the smaller room's own
@@ -63,9 +64,10 @@ LATENCY_BYTES = 256 * 1024
 
 REDUCE_LATENCY_BYTES = 4 * LATENCY_BYTES
 """What one gradient reduction's fixed cost is counted as: a round trip (the bucket copied out, sent,
-summed and landed into the shards, its headers checked), four collectives' worth. Measured on the
-2-core host of docs/performance.md (round 40): halving the small GPT's reductions (10 to 5 a step)
-saved about 2 ms of reduction wait each, where its last reduction (2 MiB of gradients) waited 1-2 ms."""
+summed and landed into the shards, its headers checked), four collectives' worth. A judgement, not a
+fit: on the 2-core host of docs/performance.md, halving the small GPT's reductions (10 to 5 a step)
+saved about 2 ms of reduction wait for each one removed (22.2 to 12.7 ms a step, a scratch run of
+round 40)."""
 
 DEFAULT_PARAM_PERSISTENCE = 100_000
 """DeepSpeed's ``param_persistence_threshold``: parameters at most this large may be persistent."""
