@@ -408,14 +408,14 @@ def reductions(pieces: Sequence[int], bucket: int) -> tuple[int, int]:
     """(reductions, elements of the last one) when ``pieces`` arrive in order into a bucket of ``bucket``
     elements, as the gradient reducer issues them (runtime/grad.py: before a piece that would take the
     bucket past its size, and once it reaches it)."""
-    count = queued = last = 0
+    count = queued = last = pending = 0  # pending: pieces queued (an empty parameter is queued too)
     for k in pieces:
         if queued and queued + k > bucket:
-            count, last, queued = count + 1, queued, 0
-        queued += k
+            count, last, queued, pending = count + 1, queued, 0, 0
+        queued, pending = queued + k, pending + 1
         if queued >= bucket:
-            count, last, queued = count + 1, queued, 0
-    if queued:
+            count, last, queued, pending = count + 1, queued, 0, 0
+    if pending:
         count, last = count + 1, queued
     return count, last
 
