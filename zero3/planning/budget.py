@@ -387,21 +387,19 @@ def _fewest_bucket(pieces: Sequence[int], lo: int, hi: int) -> list[int]:
     return sorted(b for b in out if lo <= b <= hi)
 
 
-def gradient_pieces(trace: Trace, trainable: Sequence[tuple[str, int]] = ()) -> list[int]:
+def gradient_pieces(trace: Trace) -> list[int]:
     """A prediction of the gradient pieces' elements in the order the reducer receives them, for
-    ``zero3.plan`` (the runtime records the real order in its first step): by the last event that uses
-    each trainable parameter, then those of ``trainable`` (name, elements) that no event uses (a module
-    whose parameters are all persistent records none), at the end, though their gradients arrive
-    during backward. A leaf module's unit, reduced whole, is counted by its parameters."""
+    ``zero3.plan`` (the runtime records the real order in its first step: `GradientReducer.arrivals`):
+    by the last event that uses each trainable parameter. A module whose parameters are all persistent
+    records no event, so its gradients are not in it; a leaf module's unit, reduced whole, is counted
+    by its parameters."""
     last: dict[int, int] = {}
     for i, ev in enumerate(trace.events):
         if ev.kind.is_pre:
             for p in ev.params:
                 last[p] = i
     infos = trace.params
-    seen = {infos[p].name for p in last}
-    return [infos[p].numel for p in sorted(last, key=last.__getitem__) if infos[p].trains] + \
-        [n for name, n in trainable if name not in seen]
+    return [infos[p].numel for p in sorted(last, key=last.__getitem__) if infos[p].trains]
 
 
 def reductions(pieces: Sequence[int], bucket: int) -> tuple[int, int]:

@@ -45,14 +45,11 @@ class MemoryBudget:
 
     def __init__(self, static: StaticChoice, budget_for_room: Callable[[int], int] | None = None, *,
                  reduce_hold: ReduceHold = 0, grad_numel: int = 0, grad_itemsize: int = 4,
-                 comm: Communicator | None = None, trainable: Sequence[tuple[str, int]] = (),
-                 mixed_fp64: bool = False) -> None:
+                 comm: Communicator | None = None, mixed_fp64: bool = False) -> None:
         """``budget_for_room(r)``: the least budget leaving ``r`` bytes of room (for the refusal);
         ``reduce_hold``: what a bucket of n elements holds (comm/reduce.py `hold_bytes`); ``grad_numel``:
         the largest gradient piece, reduced whole; ``comm``: the data-parallel communicator, whose ranks
-        agree on the measured waits the choice is weighed by (None: the byte model unweighed);
-        ``trainable``: every trainable parameter's name and elements (a trace lacks those of modules
-        whose parameters are all persistent, but their gradients are reduced too); ``mixed_fp64``: fp64
+        agree on the measured waits the choice is weighed by (None: the byte model unweighed); ``mixed_fp64``: fp64
         parameters beside others, whose bucket is reduced in fp64 (grad.py), so that on 3 or more ranks
         the bucket changes the numbers."""
         self.static = static
@@ -62,7 +59,6 @@ class MemoryBudget:
         self._grad_numel = grad_numel
         self._grad_itemsize = grad_itemsize
         self._comm = comm
-        self._trainable = tuple(trainable)
         self._mixed_fp64 = mixed_fp64
         # inference traces whose room was checked, the `_CHECKED_KEPT` checked last (a run that never trains
         # records new versions without end under LayerDrop: review 32RD, 1,661 entries after 2,000 steps)
@@ -112,7 +108,6 @@ class MemoryBudget:
         return resolved, cls(static, lambda room: smallest_budget(sizes, reduce_bytes, grad_numel, room=room,
                                                                   start=budget, secondary_group=comm.hpz),
                              reduce_hold=reduce_bytes, grad_numel=grad_numel, grad_itemsize=grad_itemsize, comm=comm,
-                             trainable=[(name, _numel(p)) for name, p in named if p.requires_grad],
                              mixed_fp64=len({p.dtype == torch.float64 for _, p in named if p.requires_grad}) > 1)
 
     @property
@@ -146,7 +141,7 @@ class MemoryBudget:
                     self._checked.popitem(last=False)
             return None
         st = self.static
-        pieces = list(pieces) if pieces else gradient_pieces(trace, self._trainable)
+        pieces = list(pieces) if pieces else gradient_pieces(trace)
         self.schedule = choose_split(trace, st.budget - st.persistent_bytes - st.secondary_bytes, self._reduce_hold,
                                      self._grad_numel, st.reduce_bucket_size, grad_itemsize=self._grad_itemsize,
                                      calibration=self._calibration(trace, waits, pieces),
@@ -178,8 +173,8 @@ class MemoryBudget:
         first = PlanConfig(max_live=self.static.room, max_reuse_distance=0, prefetch_bucket_size=0, unit="bytes")
         return Calibration.measured(max(w[0] for w in waits), exposed_bytes(trace, plan(trace, first)),
                                     max(w[1] for w in waits), reduce_exposed_bytes(
-                                        pieces or gradient_pieces(trace, self._trainable), self.static.reduce_bucket_size,
-                                        self._grad_itemsize))
+                                        gradient_pieces(trace) if pieces is None else pieces,
+                                        self.static.reduce_bucket_size, self._grad_itemsize))
 
     def explain(self) -> list[str]:
         lines = [f"budget: {r}" for r in self.static.reasons]
