@@ -34,8 +34,13 @@ class _Census(TorchDispatchMode):
 
     def _note(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
-        if st.data_ptr() and st.nbytes() != 2 * SLOT_BYTES:  # the outbox arena: not in the budget
-            self.made.setdefault(st.data_ptr(), (st.nbytes(), []))[1].append(weakref.ref(t))
+        if not st.data_ptr() or st.nbytes() == 2 * SLOT_BYTES:  # the outbox arena: not in the budget
+            return
+        nbytes, refs = self.made.get(st.data_ptr(), (0, []))
+        if not any(r() is not None for r in refs):  # a new storage at a freed one's address: its own size
+            nbytes, refs = st.nbytes(), []  # (a 4-byte cast once counted as the 128 bytes freed there before)
+            self.made[st.data_ptr()] = nbytes, refs
+        refs.append(weakref.ref(t))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
