@@ -73,29 +73,3 @@ def test_memory_budget_plans_from_the_whole_step_with_an_eval_inside(pools):
         assert r["diff"] < 1e-6 and r["eval_diff"] < 1e-6, r
         assert len(r["planned_from"]) == 1 and f"trace '{r['key']}'" in r["planned_from"][0], r
         assert r["key"].startswith("pre_forward") and r["key"].endswith(":grad"), r  # not the backward alone
-
-
-def eval_after_a_forward(hold_loss: bool) -> dict:
-    rank = dist.get_rank()
-    _, model = twins(_deep)
-    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"param_persistence_threshold": 0})
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
-    loss = engine(x).square().mean()
-    if not hold_loss:
-        del loss  # its graph goes: no backward can come
-    with torch.no_grad():
-        model(x)
-    phase = engine.hooks.phase.name
-    if hold_loss:
-        engine.backward(loss)
-        engine.step()
-    return {"phase_after_eval": phase, "after": engine.hooks.phase.name}
-
-
-@pytest.mark.parametrize("hold_loss", [True, False], ids=["loss held", "loss dropped"])
-def test_an_eval_after_a_forward_whose_graph_is_gone_is_a_step_of_its_own(pools, hold_loss):
-    # held: the eval joins the open step (its backward follows); dropped (a skipped batch before an
-    # evaluation loop): no backward can come, so the eval ends that step as it always did, and each
-    # eval forward after it is an inference step of its own, not one more forward of a step that grows
-    for r in pools.get(2).run(eval_after_a_forward, hold_loss):
-        assert r == {"phase_after_eval": "FORWARD" if hold_loss else "IDLE", "after": "IDLE"}, r

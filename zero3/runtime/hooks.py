@@ -80,12 +80,7 @@ gathers under the step's keeps, and its events are in the step's trace. Ending t
 before, released what the forward kept for its backward, so the backward gathered every module again
 (a 7-module MLP at the default reuse: 4 gathers a step instead of 2), and the trace memory_budget
 chose its knobs from held the backward alone (review 40R2). `_opened_step`, set at the root's
-pre-hook, tells the two apart. It joins only while a backward can still come: the training forwards'
-output nodes carry a mark in their autograd ``metadata`` (forward_graphs.py), and when autograd has
-freed them all (a loss dropped without a backward, a skipped batch before an evaluation loop) the
-forward ends the step as before, so each evaluation forward after it is a step of its own rather
-than one more forward of a step that only grows. An output whose nodes pytree cannot reach counts as
-a live graph.
+pre-hook, tells the two apart.
 
 [Note: activation checkpointing and the end of a step]: checkpoint_scopes.py.
 
@@ -141,7 +136,6 @@ from .refusals import (EAGER, STOP_RECOMPUTATION, create_graph_refusal,
 from .buffers import ModuleBuffers
 from .submodule_hooks import SubmoduleHooks
 from .outputs import prepare_output
-from .forward_graphs import ForwardGraphs
 from .param_reads import unwatch_reads, watch_reads
 from .last_grad_hook import LastGradHook
 from .late_read import LateReads, weak_late_read
@@ -271,7 +265,6 @@ class ModuleHooks:
         self._awaiting: set[_ModuleRecord] = set()  # records with calls waiting for their gradients
         self._forward_t0 = 0.0  # when the running root forward began
         self._opened_step = False  # the running root forward opened the step ([Note: a no_grad forward inside a step])
-        self._graphs = ForwardGraphs()  # the open step's training forwards' graphs, weakly (the same Note)
         self._resident_calls = 0  # root calls open in a resident decode forward ([Note: resident decode forwards])
         self._claim = ctx.claim  # the thread running a call of the engine ([Note: one thread])
         self._forward_token: tuple | None = None  # the claim the running root forward took
@@ -383,7 +376,6 @@ class ModuleHooks:
         self._steps_ended += 1
         self._enclosing.settle()
         self._forward_node = None
-        self._graphs.clear()
         after_backward = aborted or phase is StepPhase.BACKWARD  # not a no_grad forward's end: a graph may wait
         if after_backward:
             self._backwards_ended += 1
@@ -545,11 +537,9 @@ class ModuleHooks:
             else:  # JOINED: only auto-detected external params, pinned mid-forward
                 self.coordinator.leave_visit(call.params)
             call.state = _FORWARD_DONE
-        if rec.module is self.root and not self.stack and self.step.phase is _FORWARD and not CHECKPOINT_FORWARD.get():
-            if grad and not _frozen(self.ctx.params, args, kwargs, output):
-                self._graphs.mark(output)  # a training forward: its backward may come
-            elif self._opened_step or not self._graphs.alive():  # an inference forward is a whole step, so is a
-                self.step.end(inference=True)  # frozen model's in grad mode; inside a training step it joins
+        if rec.module is self.root and not self.stack and self.step.phase is _FORWARD and self._opened_step \
+                and not CHECKPOINT_FORWARD.get() and (not grad or _frozen(self.ctx.params, args, kwargs, output)):
+            self.step.end(inference=True)  # an inference forward is a whole step, so is a frozen model's in grad mode
         return result
 
     def _keep_for_step(self, call: _Call, output: Any) -> None:
