@@ -43,8 +43,8 @@ closed this way: its gradients land after the backward of its last call, so a mo
 backward to its last, over `max_live_parameters` (3 modules live where the cap allowed 1, probe 23C).
 Its later calls get `_PostBackward`: each releases after its own backward, and the first call gathers
 again for its own. A later call none of whose inputs needs grad has no such node: it is closed by the
-gradients too. The step is counted by `_backwards_ended`: a step can end while its forward's graph waits for
-its backward (``engine.step()`` or a checkpoint load between the two ends it). The order of events is the same as with
+gradients too. The step is counted by `_backwards_ended`: a no_grad forward between two training
+forwards ends a step of its own while the first one's graph waits for its backward. The order of events is the same as with
 `_PostBackward` on its inputs: the engine's ready queue takes AccumulateGrad nodes first, so the
 last gradient of a module lands before the backward of the module that ran before it. Two
 differences: a module whose inputs need no grad (the first layer) gets its post-backward too, and
@@ -70,17 +70,6 @@ the full path. While the hooks are off, a submodule called on its own (not throu
 without them: it finds its parameters gathered, unless a checkpoint load or a
 ``GatheredParameters`` write released them, and then raises the `ZeroStateError` of a parameter
 used while not gathered (checked with a scratch script, not in the tests).
-
-[Note: a no_grad forward inside a step]
-A forward of the root under ``torch.no_grad()`` (or in grad mode with nothing trainable in reach,
-`_frozen`) that opens a step is a step of its own, ended as its root returns. One that runs while a
-training forward's step is open (between that forward and its backward: a metric on held-out rows, a
-reference output from the same weights) joins the step, as a second forward with grad on does: it
-gathers under the step's keeps, and its events are in the step's trace. Ending the step there, as
-before, released what the forward kept for its backward, so the backward gathered every module again
-(a 7-module MLP at the default reuse: 4 gathers a step instead of 2), and the trace memory_budget
-chose its knobs from held the backward alone (review 40R2). `_opened_step`, set at the root's
-pre-hook, tells the two apart.
 
 [Note: activation checkpointing and the end of a step]: checkpoint_scopes.py.
 
@@ -264,7 +253,6 @@ class ModuleHooks:
         self._owner: dict[int, _ModuleRecord] = {}  # id(param) -> the one hooked module that owns it
         self._awaiting: set[_ModuleRecord] = set()  # records with calls waiting for their gradients
         self._forward_t0 = 0.0  # when the running root forward began
-        self._opened_step = False  # the running root forward opened the step ([Note: a no_grad forward inside a step])
         self._resident_calls = 0  # root calls open in a resident decode forward ([Note: resident decode forwards])
         self._claim = ctx.claim  # the thread running a call of the engine ([Note: one thread])
         self._forward_token: tuple | None = None  # the claim the running root forward took
@@ -448,7 +436,6 @@ class ModuleHooks:
             self._submodule_hooks.resume()
             self.coordinator.forward_boundary(True)
             self._forward_t0 = time.perf_counter()
-            self._opened_step = self.step.phase is _IDLE
         if self.step.phase is _IDLE:  # once per step, not per module
             self.ctx.require_states(f"a forward of {rec.name or 'the model'}",
                                     self.ctx.forward_needs(torch.is_grad_enabled()))
@@ -537,7 +524,7 @@ class ModuleHooks:
             else:  # JOINED: only auto-detected external params, pinned mid-forward
                 self.coordinator.leave_visit(call.params)
             call.state = _FORWARD_DONE
-        if rec.module is self.root and not self.stack and self.step.phase is _FORWARD and self._opened_step \
+        if rec.module is self.root and not self.stack and self.step.phase is _FORWARD \
                 and not CHECKPOINT_FORWARD.get() and (not grad or _frozen(self.ctx.params, args, kwargs, output)):
             self.step.end(inference=True)  # an inference forward is a whole step, so is a frozen model's in grad mode
         return result

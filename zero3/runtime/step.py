@@ -1,12 +1,12 @@
 """The lifecycle of a step: its phase (`StepPhase`), and the one end and the one abort of it.
 
 A step begins with the first forward (or backward) the hooks see. Whoever ends it (the end of the
-backward, an inference forward that opened it returning, ``engine.step()``, an exception in forward or backward,
+backward, an inference forward returning, ``engine.step()``, an exception in forward or backward,
 the hooks being removed in the middle of it) ends it through `StepLifecycle`, which does every part
 in one order: the hooks forget their open calls (and, at the end of a backward, reduce the leaf
 modules' gradients); the gradient reducer finishes (or, aborted, drops what is queued); the
 coordinator releases everything (but what generation mode keeps gathered) and keeps the step's trace (aborted: drops it); the phase is IDLE.
-An inference step is a whole epoch of the data-parallel communicators and ends it (a resident
+An inference forward is a whole epoch of the data-parallel communicators and ends it (a resident
 decode forward in generation mode, which communicates nothing, is no step: hooks.py [Note:
 resident decode forwards]); an aborted
 step abandons the epoch of every communicator, the model-parallel one included, and tells the other
@@ -37,8 +37,7 @@ class StepPhase(Enum):
       gathered parameters are those of running modules, prefetches and reuse keeps.
     - BACKWARD: a backward is running (forwards may run inside it: activation-checkpoint recompute);
       gradients are being reduced into shards.
-    A step returns to IDLE when its backward ends, when an inference forward (no grad) that opened it
-    returns (one inside a training step joins it: hooks.py [Note: a no_grad forward inside a step]), when
+    A step returns to IDLE when its backward ends, when an inference forward (no grad) returns, when
     ``engine.step()`` runs, or when it is aborted (an exception in forward or backward, or the hooks
     removed).
     """
@@ -135,8 +134,8 @@ class StepLifecycle:
         self._end(aborted=False, reason=None, keep_trace=keep_trace, inference=inference)
 
     def end_forward_only(self) -> bool:
-        """End a step that is in its forward outside any backward (one whose backward will not run),
-        keeping no trace of it; True when it did."""
+        """End a step that is in its forward outside any backward (one whose backward will not run), as
+        a forward under ``torch.no_grad()`` would, keeping no trace of it; True when it did."""
         if self.phase is StepPhase.FORWARD and torch._C._current_graph_task_id() < 0:
             self.end(keep_trace=False)
             return True
