@@ -131,9 +131,10 @@ class GradientReducer:
                     self._accumulate(p, g.reshape(-1))
             return
         grads = [(p, g if g is None else _own_storage(g)) for p, g in grads]
+        numel = sum(p._zero.numel for p, _ in grads)
         if self.arrivals is not None:
-            self.arrivals.append(sum(p._zero.numel for p, _ in grads))
-        self._make_room(sum(p._zero.numel for p, _ in grads))
+            self.arrivals.append(numel)
+        self._make_room(numel)
         self._fit(sum(g.untyped_storage().nbytes() for _, g in grads if g is not None))
         for p, g in grads:
             self._bucket.append((p, g, True))
