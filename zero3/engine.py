@@ -390,7 +390,7 @@ class Engine(DeepSpeedEngineNames):
         require_hooks(self, "engine.offload_states()")
         if self.hooks.phase is not StepPhase.IDLE or self.coordinator.in_step:
             raise ZeroStateError("engine.offload_states() must be called between steps (after engine.step() or an "
-                                 "inference forward), not inside a forward or backward")
+                                 "inference forward that was a step of its own), not inside a forward or backward")
         return offload_engine_states(self, include, device, pin_memory, non_blocking, nvme_path)
 
     @claiming("engine.reload_states()")

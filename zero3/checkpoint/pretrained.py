@@ -455,7 +455,7 @@ def _plan(module: nn.Module, source: _Source, strict: bool, compare_tied: bool =
     if gathered:
         raise ZeroStateError(f"load_state_dict while parameters are gathered ({', '.join(gathered[:5])}); call it "
                              "outside forward/backward and GatheredParameters (after a forward with gradients whose "
-                             "backward will not run, one forward under torch.no_grad() ends that step)")
+                             "backward will not run, a second forward under torch.no_grad() ends that step: the first joins it)")
     problems = [nesting] if strict and nesting else []
     if shape_errors:
         problems.append("shape mismatch: " + "; ".join(shape_errors))

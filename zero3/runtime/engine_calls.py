@@ -26,8 +26,9 @@ logger = logging.getLogger("zero3.engine")  # the engine's logger: its progress 
 
 
 MID_STEP = ("{what} must be called between steps (after engine.step()); a step is in its {phase}: finish it with "
-            "engine.backward(loss) and engine.step(), or, after a forward with gradients run by mistake, run one "
-            "under torch.no_grad(), which ends the step")
+            "engine.backward(loss) and engine.step(), or, after a forward with gradients whose backward will not "
+            "run, run two forwards under torch.no_grad(): the first joins the step (an evaluation between a "
+            "forward and its backward), the second ends it")
 
 
 def end_forward_without_backward(engine: Any, what: str) -> None:
@@ -35,9 +36,8 @@ def end_forward_without_backward(engine: Any, what: str) -> None:
     on; the loss function raised) leaves the step open, with parameters kept gathered for that
     backward. ``what`` (a checkpoint load, DeepSpeed's recovery from such a loss) replaces every
     shard, so that backward cannot run on the old values any more (it raises, as torch's does after a
-    load: the load bumps the parameters' version counters): the step ends here, as a forward under
-    ``torch.no_grad()`` would end it, keeping no trace of it, even when the load then fails or
-    refuses (inside ``GatheredParameters``). Inside a backward nothing changes (the load refuses)."""
+    load: the load bumps the parameters' version counters): the step ends here, keeping no trace
+    of it, even when the load then fails or refuses (inside ``GatheredParameters``). Inside a backward nothing changes (the load refuses)."""
     if engine.hooks.step.end_forward_only():
         logger.info("zero3: %s after a forward whose backward did not run: that step ended here", what)
 

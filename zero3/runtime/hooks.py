@@ -43,8 +43,8 @@ closed this way: its gradients land after the backward of its last call, so a mo
 backward to its last, over `max_live_parameters` (3 modules live where the cap allowed 1, probe 23C).
 Its later calls get `_PostBackward`: each releases after its own backward, and the first call gathers
 again for its own. A later call none of whose inputs needs grad has no such node: it is closed by the
-gradients too. The step is counted by `_backwards_ended`: a no_grad forward between two training
-forwards ends a step of its own while the first one's graph waits for its backward. The order of events is the same as with
+gradients too. The step is counted by `_backwards_ended`: a step can end while its forward's graph waits for
+its backward (a second no_grad forward inside it, ``engine.step()`` or a checkpoint load ends it). The order of events is the same as with
 `_PostBackward` on its inputs: the engine's ready queue takes AccumulateGrad nodes first, so the
 last gradient of a module lands before the backward of the module that ran before it. Two
 differences: a module whose inputs need no grad (the first layer) gets its post-backward too, and
@@ -70,6 +70,25 @@ the full path. While the hooks are off, a submodule called on its own (not throu
 without them: it finds its parameters gathered, unless a checkpoint load or a
 ``GatheredParameters`` write released them, and then raises the `ZeroStateError` of a parameter
 used while not gathered (checked with a scratch script, not in the tests).
+
+[Note: a no_grad forward inside a step]
+A forward of the root under ``torch.no_grad()`` (or in grad mode with nothing trainable in reach,
+`_frozen`) that opens a step is a step of its own, ended as its root returns. The first one that
+runs while a training forward's step is open (between that forward and its backward: a metric on
+held-out rows, a reference output from the same weights) joins the step, as a forward with grad on
+does: it gathers under the step's keeps, and its events are in the step's trace. Ending the step
+there made the backward gather every module again (a 7-module MLP at the default reuse: 4 gathers
+a step instead of 2), and the trace memory_budget chose its knobs from held the backward alone
+(review 40R2). A second one in the same step ends it, as before: an evaluation loop after a loss
+that never gets its backward is then one step per forward, not one step that grows with every
+forward, and the step's trace (planned, and searched by memory_budget's first choice) holds one
+forward more at most (review 41R1). The decision reads nothing but the calls the rank made
+(`_opened_step`, set at the root's pre-hook, and `_joined_inference`), so ranks that run the same
+forwards decide alike; a check of the forward's autograd graph (alive, or freed by one rank's
+cyclic GC and not the other's) made them part (41R1). A rank that runs such a forward alone joins
+it on its own: a gather it needs that its peers do not run is a collective only it issues, which
+the verified wire raises (comm/verify.py); one that needs no collective changes nothing the ranks
+share.
 
 [Note: activation checkpointing and the end of a step]: checkpoint_scopes.py.
 
@@ -253,6 +272,8 @@ class ModuleHooks:
         self._owner: dict[int, _ModuleRecord] = {}  # id(param) -> the one hooked module that owns it
         self._awaiting: set[_ModuleRecord] = set()  # records with calls waiting for their gradients
         self._forward_t0 = 0.0  # when the running root forward began
+        self._opened_step = False  # the running root forward opened its step ([Note: a no_grad forward inside a step])
+        self._joined_inference = False  # a no_grad root forward joined the open step
         self._resident_calls = 0  # root calls open in a resident decode forward ([Note: resident decode forwards])
         self._claim = ctx.claim  # the thread running a call of the engine ([Note: one thread])
         self._forward_token: tuple | None = None  # the claim the running root forward took
@@ -362,6 +383,7 @@ class ModuleHooks:
         """The hooks' part of the end of a step (`StepLifecycle`): forget the open calls and queued
         graph tasks; at the end of a backward, reduce the leaf modules not reduced yet."""
         self._steps_ended += 1
+        self._joined_inference = False
         self._enclosing.settle()
         self._forward_node = None
         after_backward = aborted or phase is StepPhase.BACKWARD  # not a no_grad forward's end: a graph may wait
@@ -436,6 +458,7 @@ class ModuleHooks:
             self._submodule_hooks.resume()
             self.coordinator.forward_boundary(True)
             self._forward_t0 = time.perf_counter()
+            self._opened_step = self.step.phase is _IDLE
         if self.step.phase is _IDLE:  # once per step, not per module
             self.ctx.require_states(f"a forward of {rec.name or 'the model'}",
                                     self.ctx.forward_needs(torch.is_grad_enabled()))
@@ -526,7 +549,10 @@ class ModuleHooks:
             call.state = _FORWARD_DONE
         if rec.module is self.root and not self.stack and self.step.phase is _FORWARD \
                 and not CHECKPOINT_FORWARD.get() and (not grad or _frozen(self.ctx.params, args, kwargs, output)):
-            self.step.end(inference=True)  # an inference forward is a whole step, so is a frozen model's in grad mode
+            if self._opened_step or self._joined_inference:  # an inference forward is a whole step, so is a
+                self.step.end(inference=True)                # frozen model's in grad mode; but for one:
+            else:  # [Note: a no_grad forward inside a step]
+                self._joined_inference = True
         return result
 
     def _keep_for_step(self, call: _Call, output: Any) -> None:

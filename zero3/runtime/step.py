@@ -1,7 +1,8 @@
 """The lifecycle of a step: its phase (`StepPhase`), and the one end and the one abort of it.
 
 A step begins with the first forward (or backward) the hooks see. Whoever ends it (the end of the
-backward, an inference forward returning, ``engine.step()``, an exception in forward or backward,
+backward, an inference forward returning (not the first inside a training step, which joins it:
+hooks.py [Note: a no_grad forward inside a step]), ``engine.step()``, an exception in forward or backward,
 the hooks being removed in the middle of it) ends it through `StepLifecycle`, which does every part
 in one order: the hooks forget their open calls (and, at the end of a backward, reduce the leaf
 modules' gradients); the gradient reducer finishes (or, aborted, drops what is queued); the
@@ -37,7 +38,8 @@ class StepPhase(Enum):
       gathered parameters are those of running modules, prefetches and reuse keeps.
     - BACKWARD: a backward is running (forwards may run inside it: activation-checkpoint recompute);
       gradients are being reduced into shards.
-    A step returns to IDLE when its backward ends, when an inference forward (no grad) returns, when
+    A step returns to IDLE when its backward ends, when an inference forward (no grad) returns (the
+    first one between a training forward and its backward joins that step instead), when
     ``engine.step()`` runs, or when it is aborted (an exception in forward or backward, or the hooks
     removed).
     """
@@ -134,8 +136,8 @@ class StepLifecycle:
         self._end(aborted=False, reason=None, keep_trace=keep_trace, inference=inference)
 
     def end_forward_only(self) -> bool:
-        """End a step that is in its forward outside any backward (one whose backward will not run), as
-        a forward under ``torch.no_grad()`` would, keeping no trace of it; True when it did."""
+        """End a step that is in its forward outside any backward (one whose backward will not run),
+        keeping no trace of it; True when it did."""
         if self.phase is StepPhase.FORWARD and torch._C._current_graph_task_id() < 0:
             self.end(keep_trace=False)
             return True
