@@ -16,7 +16,6 @@ from torch import nn
 
 import zero3
 from zero3.planning.trace import EventKind
-from zero3.runtime.step import StepPhase
 
 from _reference import twins
 
@@ -133,9 +132,9 @@ def ranks_that_free_the_graph_apart(cfg: dict) -> dict:
     engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
     g = torch.Generator().manual_seed(2)
     mine = slice(2 * rank, 2 * rank + 2)
-    skipped = engine(torch.randn(2 * world, 16, generator=g)[mine]).square().mean()
+    skipped = [engine(torch.randn(2 * world, 16, generator=g)[mine]).square().mean()]  # no backward
     if rank == 0:
-        del skipped
+        skipped.clear()
         gc.collect()
     phases = []
     for _ in range(3):
@@ -150,7 +149,7 @@ def ranks_that_free_the_graph_apart(cfg: dict) -> dict:
         engine.step()
     with zero3.GatheredParameters(list(model.parameters())):
         diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
-    return {"diff": diff, "phases": phases}
+    return {"diff": diff, "phases": phases, "held": len(skipped)}
 
 
 @pytest.mark.parametrize("cfg", _CONFIGS, ids=_IDS)
@@ -159,3 +158,70 @@ def test_ranks_whose_skipped_graphs_are_freed_apart_decide_alike(pools, cfg):
     for r in results:
         assert r["diff"] < 1e-6, r
         assert r["phases"] == ["FORWARD", "IDLE", "IDLE"], r  # the first eval joined the skipped step
+
+
+def evaluation_through_a_submodule_first(cfg: dict) -> dict:
+    """An evaluation that calls a submodule before the model (T5's encoder inside ``generate``, an
+    embedding looked up before ``model(inputs_embeds=...)``): no forward with grad on ran, so the
+    model's forward ends the step its submodule opened (review 42R1: it joined it, and the step stayed
+    open with the model gathered, refusing ``engine.generation()``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model = twins(_deep)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    g = torch.Generator().manual_seed(3)
+    mine = slice(2 * rank, 2 * rank + 2)
+    phases, live, diff = [], [], 0.0
+    for _ in range(3):
+        x = torch.randn(2 * world, 16, generator=g)[mine]
+        with torch.no_grad():
+            diff = max(diff, (model[0](x) - ref[0](x)).abs().max().item(), (model(x) - ref(x)).abs().max().item())
+        phases.append(engine.hooks.phase.name)
+        live.append(engine.coordinator.metrics.live_numel)
+    with torch.no_grad(), engine.generation():
+        diff = max(diff, (model(x) - ref(x)).abs().max().item())
+    return {"phases": phases, "live": live, "diff": diff}
+
+
+@pytest.mark.parametrize("cfg", _CONFIGS, ids=_IDS)
+def test_an_evaluation_that_calls_a_submodule_first_ends_its_steps(pools, cfg):
+    for r in pools.get(2).run(evaluation_through_a_submodule_first, cfg):
+        assert r["phases"] == ["IDLE"] * 3 and r["live"] == [0] * 3 and r["diff"] < 1e-6, r
+
+
+def one_rank_evaluates_in_the_first_step(budget_fraction: float) -> dict:
+    """Rank 0 alone runs a no_grad forward inside the first training step under memory_budget: with
+    shared-memory gathers it needs no collective, so nothing raises, but its trace is not rank 1's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build() -> nn.Module:
+        return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)], nn.Linear(64, 1))
+
+    ref, model = twins(build)
+    budget = int(budget_fraction * sum(p.numel() * 4 for p in ref.parameters()))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"memory_budget": budget})
+    g = torch.Generator().manual_seed(0)
+    mine = slice(2 * rank, 2 * rank + 2)
+    for step in range(3):
+        x, held_out = torch.randn(2 * world, 64, generator=g), torch.randn(2 * world, 64, generator=g)
+        ref_opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        loss = engine(x[mine]).square().mean()
+        if rank == 0 and step == 0:
+            with torch.no_grad():
+                model(held_out[mine])
+        engine.backward(loss)
+        engine.step()
+    with zero3.GatheredParameters(list(model.parameters())):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    c = engine.coordinator.budget.schedule
+    return {"diff": diff, "knobs": (c.config, c.room, c.reduce_bucket_size), "reasons": c.reasons}
+
+
+@pytest.mark.parametrize("fraction", [1.1, 1.5])
+def test_memory_budget_takes_rank_0s_choice_when_one_rank_evaluated_in_the_first_step(pools, fraction):
+    results = pools.get(2).run(one_rank_evaluates_in_the_first_step, fraction)
+    assert all(r["diff"] < 1e-6 for r in results), results
+    assert results[0]["knobs"] == results[1]["knobs"], results  # review 42R1: reuse 98,304 bytes against 0
+    assert "rank 0's choice" in results[1]["reasons"][-1], results[1]["reasons"]

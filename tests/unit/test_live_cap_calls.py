@@ -74,7 +74,8 @@ def test_a_module_called_twice_keeps_the_live_cap_and_trains_like_torch(build, l
     its gradients close it, after the first forward's first layer (as in DeepSpeed and FSDP2, where
     such a module is released at the end of the backward). A no_grad forward between the two ended a step of its own,
     which made the second forward's calls first calls again (5 modules live); a later call none of whose
-    inputs needs grad was closed by nothing until the step ended (review of round 23)."""
+    inputs needs grad was closed by nothing until the step ended (review of round 23). That no_grad
+    forward now joins the step (hooks.py [Note: a no_grad forward inside a step]); the cap holds either way."""
     torch.manual_seed(0)
     ref = build()
     torch.manual_seed(0)

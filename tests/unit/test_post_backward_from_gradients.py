@@ -13,6 +13,7 @@ from torch import nn
 
 import zero3
 from zero3 import ParamStatus
+from zero3.runtime import hooks as hooks_module
 
 from _reference import LinearReadingItsWeightLate, step_alongside, train_both
 from gpt import GPT, GPTConfig, synthetic_batch
@@ -127,12 +128,13 @@ def test_a_module_called_twice_closes_both_calls_and_trains_like_plain_torch(zcf
 
 
 @pytest.mark.parametrize("zcfg", [NO_PERSIST, ON_DEMAND], ids=["prefetch", "on_demand"])
-def test_a_module_with_a_frozen_parameter_keeps_the_input_wrapper_and_trains_like_plain_torch(zcfg) -> None:
+def test_a_module_with_a_frozen_parameter_keeps_the_input_wrapper_and_trains_like_plain_torch(zcfg, monkeypatch) -> None:
     model, engine, batches = _trained(_Frozen, 2, zcfg)
     assert _by_grads(engine) == {"a": True, "b": True}  # the record qualifies; each call checks requires_grad
     calls = []
-    real = engine.hooks._wrap_inputs
-    engine.hooks._wrap_inputs = lambda call, args, kwargs: (calls.append(call.record.name), real(call, args, kwargs))[1]
+    real = hooks_module._wrap_inputs
+    monkeypatch.setattr(hooks_module, "_wrap_inputs",
+                        lambda call, hooks, args, kwargs: (calls.append(call.record.name), real(call, hooks, args, kwargs))[1])
     _mse(model, batches[0]).backward()
     engine.step()
     assert calls == ["a"]  # its frozen bias gets no gradient, so its inputs are wrapped

@@ -4,6 +4,7 @@ the schedule knobs chosen from the first training step's trace (planning/budget.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -146,13 +147,34 @@ class MemoryBudget:
                                      self._grad_numel, st.reduce_bucket_size, grad_itemsize=self._grad_itemsize,
                                      calibration=self._calibration(trace, waits, pieces),
                                      budget_for_room=self._budget_for_room, pieces=pieces)
-        c = self.schedule
+        self.schedule = c = self._agreed(self.schedule)
         logger.info("zero3: memory_budget %d bytes: max_live_bytes %d, prefetch_bucket_bytes %d, "
                     "max_reuse_distance_bytes %d, reduce_bucket_size %d; predicted peak %d gathered + %d persistent "
                     "+ %d reduce bucket (engine.explain('budget') says why)", st.budget, c.config.max_live,
                     c.config.prefetch_bucket_size, c.config.max_reuse_distance, c.reduce_bucket_size, c.peak_bytes,
                     st.persistent_bytes, c.reduce_bucket_bytes)
         return c.config
+
+    def _agreed(self, mine: ScheduleChoice) -> ScheduleChoice:
+        """Rank 0's choice on every rank where the ranks' choices differ (one exchange, once a run). They
+        are made from each rank's own first training step, and its trace can differ between ranks without
+        anything raising (a no_grad forward one rank alone ran inside it, needing no collective:
+        runtime/hooks.py [Note: a no_grad forward inside a step]; review 42R1 measured reuse 98,304
+        bytes on one rank and 0 on the other). The knobs and above all the reduce bucket must be the same
+        on every rank; each rank then plans its own trace with them, under the same caps."""
+        comm = self._comm
+        if comm is None or comm.world_size == 1:
+            return mine
+        choices = comm.exchange_objects(mine, Tag(Kind.OBJECTS, "memory_budget choice"))
+        first = choices[0]
+        if all(_knobs(c) == _knobs(first) for c in choices):
+            return mine
+        apart = [r for r, c in enumerate(choices) if _knobs(c) != _knobs(first)]
+        logger.info("zero3: memory_budget: ranks %s chose other knobs than rank 0 (their first training steps "
+                    "differed: a forward one rank alone ran?); every rank takes rank 0's", apart)
+        reason = (f"rank 0's choice: this rank's first training step differed from rank 0's (ranks {apart} chose "
+                  "otherwise), and the knobs and the reduce bucket must be the same on every rank")
+        return dataclasses.replace(first, reasons=first.reasons + (reason,))
 
     def _calibration(self, trace: Trace, waits: tuple[float, float] | None,
                      pieces: Sequence[int] | None = None) -> Calibration:
@@ -183,6 +205,11 @@ class MemoryBudget:
                             "only inference steps have, or every parameter is persistent); a step gathers on demand "
                             "within the room, prefetching nothing"]
         return lines + [f"budget: {r}" for r in self.schedule.reasons]
+
+
+def _knobs(c: ScheduleChoice) -> tuple:
+    """What of a choice must be the same on every rank."""
+    return c.config, c.room, c.reduce_bucket_size, c.reduce_bucket_bytes
 
 
 def _itemsize(p: nn.Parameter, lowered: torch.dtype | None) -> int:

@@ -73,22 +73,29 @@ used while not gathered (checked with a scratch script, not in the tests).
 
 [Note: a no_grad forward inside a step]
 A forward of the root under ``torch.no_grad()`` (or in grad mode with nothing trainable in reach,
-`_frozen`) that opens a step is a step of its own, ended as its root returns. The first one that
-runs while a training forward's step is open (between that forward and its backward: a metric on
-held-out rows, a reference output from the same weights) joins the step, as a forward with grad on
-does: it gathers under the step's keeps, and its events are in the step's trace. Ending the step
-there made the backward gather every module again (a 7-module MLP at the default reuse: 4 gathers
-a step instead of 2), and the trace memory_budget chose its knobs from held the backward alone
-(review 40R2). A second one in the same step ends it, as before: an evaluation loop after a loss
-that never gets its backward is then one step per forward, not one step that grows with every
-forward, and the step's trace (planned, and searched by memory_budget's first choice) holds one
-forward more at most (review 41R1). The decision reads nothing but the calls the rank made
-(`_opened_step`, set at the root's pre-hook, and `_joined_inference`), so ranks that run the same
-forwards decide alike; a check of the forward's autograd graph (alive, or freed by one rank's
-cyclic GC and not the other's) made them part (41R1). A rank that runs such a forward alone joins
-it on its own: a gather it needs that its peers do not run is a collective only it issues, which
-the verified wire raises (comm/verify.py); one that needs no collective changes nothing the ranks
-share.
+`_frozen`) ends its step as its root returns, with one exception: the first one that runs while a
+step is open in which a module ran forward with grad on (`_grad_forward`: between a training
+forward and its backward; a metric on held-out rows, a reference output from the same weights)
+joins that step, as a forward with grad on does: it gathers under the step's keeps, and its events
+are in the step's trace. Ending the step there made the backward gather every module again (a
+7-module MLP at the default reuse: 4 gathers a step instead of 2), and memory_budget chose its
+knobs from a trace of the backward alone (review 40R2). A second one in the same step ends it, as
+before: an evaluation loop after a loss that never gets its backward is one step per forward, not
+one step that grows with every forward, and the step's trace (planned, and searched by
+memory_budget's first choice) holds one forward more at most (review 41R1). A step opened by a
+submodule's no_grad call (T5's encoder in ``generate``, an embedding looked up before
+``model(inputs_embeds=...)``) is no training step: the root's forward after it ends it (review 42R1).
+While the joined step waits for its backward, what needs a step's end (``engine.generation()``,
+``offload_states``) is refused, as right after the training forward.
+
+The decision reads nothing but the calls the rank made (`_opened_step`, set at the root's
+pre-hook, `_grad_forward` and `_joined_inference`), so ranks that run the same forwards decide
+alike; a check of the forward's autograd graph (alive, or freed by one rank's cyclic GC and not the
+other's) made them part (41R1). A rank that runs such a forward alone joins it on its own: a gather
+it needs that its peers do not run is a collective only it issues, which the verified wire raises
+(comm/verify.py); one that needs none (shared-memory reads, everything kept) changes nothing the
+ranks share, but the step's trace differs between them; memory_budget's choice from such a first
+step is rank 0's on every rank (runtime/budget.py `MemoryBudget.choose`).
 
 [Note: activation checkpointing and the end of a step]: checkpoint_scopes.py.
 
@@ -274,6 +281,7 @@ class ModuleHooks:
         self._forward_t0 = 0.0  # when the running root forward began
         self._opened_step = False  # the running root forward opened its step ([Note: a no_grad forward inside a step])
         self._joined_inference = False  # a no_grad root forward joined the open step
+        self._grad_forward = False  # a module forward with grad on ran in the open step (the join's condition)
         self._resident_calls = 0  # root calls open in a resident decode forward ([Note: resident decode forwards])
         self._claim = ctx.claim  # the thread running a call of the engine ([Note: one thread])
         self._forward_token: tuple | None = None  # the claim the running root forward took
@@ -383,7 +391,7 @@ class ModuleHooks:
         """The hooks' part of the end of a step (`StepLifecycle`): forget the open calls and queued
         graph tasks; at the end of a backward, reduce the leaf modules not reduced yet."""
         self._steps_ended += 1
-        self._joined_inference = False
+        self._joined_inference = self._grad_forward = False
         self._enclosing.settle()
         self._forward_node = None
         after_backward = aborted or phase is StepPhase.BACKWARD  # not a no_grad forward's end: a graph may wait
@@ -482,37 +490,17 @@ class ModuleHooks:
         if params:
             self.coordinator.event(_PRE_FORWARD, rec.name, params, rec.ids)
             if torch.is_grad_enabled():
+                self._grad_forward = True
                 if rec.by_grads and _all_trainable(params):  # [Note: post-backward from the gradients]
                     if rec.grads_in != self._backwards_ended:  # its first call of the step
                         rec.grads_in = self._backwards_ended
                         call.by_grads = True
                         return None
-                    wrapped = self._wrap_inputs(call, args, kwargs)
+                    wrapped = _wrap_inputs(call, self, args, kwargs)
                     call.by_grads = wrapped is None  # no input needs grad: only the gradients tell
                     return wrapped
-                return self._wrap_inputs(call, args, kwargs)
+                return _wrap_inputs(call, self, args, kwargs)
         return None
-
-    def _wrap_inputs(self, call: _Call, args: tuple, kwargs: dict) -> Any:
-        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # the most common case
-            return ((_PostBackward.apply(call, self, args[0])[0],), kwargs) if args[0].requires_grad else None
-        if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common case, without pytree
-            idx = [i for i, a in enumerate(args) if a.requires_grad]
-            if not idx:
-                return None
-            wrapped = _PostBackward.once(call, self, [args[i] for i in idx])
-            out = list(args)
-            for i, t in zip(idx, wrapped):
-                out[i] = t
-            return tuple(out), kwargs
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
-            return None
-        wrapped = _PostBackward.once(call, self, [flat[i] for i in idx])
-        for i, t in zip(idx, wrapped):
-            flat[i] = t
-        return pytree.tree_unflatten(flat, spec)
 
     def _post_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if dispatch_modes():  # as in `_pre_forward`
@@ -549,9 +537,9 @@ class ModuleHooks:
             call.state = _FORWARD_DONE
         if rec.module is self.root and not self.stack and self.step.phase is _FORWARD \
                 and not CHECKPOINT_FORWARD.get() and (not grad or _frozen(self.ctx.params, args, kwargs, output)):
-            if self._opened_step or self._joined_inference:  # an inference forward is a whole step, so is a
-                self.step.end(inference=True)                # frozen model's in grad mode; but for one:
-            else:  # [Note: a no_grad forward inside a step]
+            if self._opened_step or self._joined_inference or not self._grad_forward:  # an inference forward
+                self.step.end(inference=True)  # is a whole step, so is a frozen model's in grad mode; but for
+            else:  # one inside a training step ([Note: a no_grad forward inside a step])
                 self._joined_inference = True
         return result
 
@@ -701,9 +689,34 @@ class ModuleHooks:
             self.reducer.finish()  # this graph task's gradient shards are complete
 
 
+def _wrap_inputs(call: _Call, hooks: ModuleHooks, args: tuple, kwargs: dict) -> Any:
+    """The forward pre-hook's result: (args, kwargs) with the tensor inputs that need grad passed through
+    `_PostBackward` (once: a tensor given several times stays one object); None where none needs grad."""
+    if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # the most common case
+        return ((_PostBackward.apply(call, hooks, args[0])[0],), kwargs) if args[0].requires_grad else None
+    if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common case, without pytree
+        idx = [i for i, a in enumerate(args) if a.requires_grad]
+        if not idx:
+            return None
+        wrapped = _PostBackward.once(call, hooks, [args[i] for i in idx])
+        out = list(args)
+        for i, t in zip(idx, wrapped):
+            out[i] = t
+        return tuple(out), kwargs
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not idx:
+        return None
+    wrapped = _PostBackward.once(call, hooks, [flat[i] for i in idx])
+    for i, t in zip(idx, wrapped):
+        flat[i] = t
+    return pytree.tree_unflatten(flat, spec)
+
+
 def _frozen(params: list, args: tuple, kwargs: dict, output: Any) -> bool:
     """No parameter trains, no input needs grad and no output tensor does: no backward can reach this
-    forward, so it ends its step (a DINO teacher run without no_grad kept one step open for good, its
+    forward, so it ends its step, or joins a training step as a no_grad one would ([Note: a no_grad
+    forward inside a step]) (a DINO teacher run without no_grad kept one step open for good, its
     record growing, probe 37H). An output's objects pytree does not open are taken as holding none: with
     no trainable parameter and no input needing grad, nothing made inside can need it (review 37R3)."""
     if any(p.requires_grad for p in params):
