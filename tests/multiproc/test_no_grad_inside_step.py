@@ -160,20 +160,23 @@ def test_ranks_whose_skipped_graphs_are_freed_apart_decide_alike(pools, cfg):
         assert r["phases"] == ["FORWARD", "IDLE", "IDLE"], r  # the first eval joined the skipped step
 
 
-def evaluation_through_a_submodule_first(cfg: dict) -> dict:
+def evaluation_through_a_submodule_first(cfg: dict, frozen: bool) -> dict:
     """An evaluation that calls a submodule before the model (T5's encoder inside ``generate``, an
-    embedding looked up before ``model(inputs_embeds=...)``): no forward with grad on ran, so the
-    model's forward ends the step its submodule opened (review 42R1: it joined it, and the step stayed
-    open with the model gathered, refusing ``engine.generation()``)."""
+    embedding looked up before ``model(inputs_embeds=...)``): no forward a backward can reach ran, so
+    the model's forward ends the step its submodule opened (review 42R1: it joined it, and the step
+    stayed open with the model gathered, refusing ``engine.generation()``). ``frozen``: a frozen model
+    run in grad mode (review 42R2: grad mode alone made the submodule's call count)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ref, model = twins(_deep)
-    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    if frozen:
+        model.requires_grad_(False)
+    engine = zero3.initialize(model, None if frozen else torch.optim.SGD(model.parameters(), lr=0.1), cfg)
     g = torch.Generator().manual_seed(3)
     mine = slice(2 * rank, 2 * rank + 2)
     phases, live, diff = [], [], 0.0
     for _ in range(3):
         x = torch.randn(2 * world, 16, generator=g)[mine]
-        with torch.no_grad():
+        with torch.set_grad_enabled(frozen):
             diff = max(diff, (model[0](x) - ref[0](x)).abs().max().item(), (model(x) - ref(x)).abs().max().item())
         phases.append(engine.hooks.phase.name)
         live.append(engine.coordinator.metrics.live_numel)
@@ -182,9 +185,10 @@ def evaluation_through_a_submodule_first(cfg: dict) -> dict:
     return {"phases": phases, "live": live, "diff": diff}
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["no_grad", "frozen-grad-mode"])
 @pytest.mark.parametrize("cfg", _CONFIGS, ids=_IDS)
-def test_an_evaluation_that_calls_a_submodule_first_ends_its_steps(pools, cfg):
-    for r in pools.get(2).run(evaluation_through_a_submodule_first, cfg):
+def test_an_evaluation_that_calls_a_submodule_first_ends_its_steps(pools, cfg, frozen):
+    for r in pools.get(2).run(evaluation_through_a_submodule_first, cfg, frozen):
         assert r["phases"] == ["IDLE"] * 3 and r["live"] == [0] * 3 and r["diff"] < 1e-6, r
 
 
@@ -225,3 +229,5 @@ def test_memory_budget_takes_rank_0s_choice_when_one_rank_evaluated_in_the_first
     assert all(r["diff"] < 1e-6 for r in results), results
     assert results[0]["knobs"] == results[1]["knobs"], results  # review 42R1: reuse 98,304 bytes against 0
     assert "rank 0's choice" in results[1]["reasons"][-1], results[1]["reasons"]
+    assert "rank 0's choice" not in results[0]["reasons"][-1], results[0]["reasons"]  # review 42R2: said on rank 0 too
+    assert "ranks [1] chose otherwise" in results[0]["reasons"][-1], results[0]["reasons"]

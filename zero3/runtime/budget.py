@@ -172,8 +172,11 @@ class MemoryBudget:
         apart = [r for r, c in enumerate(choices) if _knobs(c) != _knobs(first)]
         logger.info("zero3: memory_budget: ranks %s chose other knobs than rank 0 (their first training steps "
                     "differed: a forward one rank alone ran?); every rank takes rank 0's", apart)
-        reason = (f"rank 0's choice: this rank's first training step differed from rank 0's (ranks {apart} chose "
-                  "otherwise), and the knobs and the reduce bucket must be the same on every rank")
+        if _knobs(mine) == _knobs(first):
+            reason = f"ranks {apart} chose otherwise from their own first training steps and run this choice too"
+        else:
+            reason = ("rank 0's choice, and the lines above are rank 0's: this rank's first training step differed "
+                      "from rank 0's and it chose otherwise; the knobs and the reduce bucket must be the same on every rank")
         return dataclasses.replace(first, reasons=first.reasons + (reason,))
 
     def _calibration(self, trace: Trace, waits: tuple[float, float] | None,

@@ -73,29 +73,27 @@ used while not gathered (checked with a scratch script, not in the tests).
 
 [Note: a no_grad forward inside a step]
 A forward of the root under ``torch.no_grad()`` (or in grad mode with nothing trainable in reach,
-`_frozen`) ends its step as its root returns, with one exception: the first one that runs while a
-step is open in which a module ran forward with grad on (`_grad_forward`: between a training
-forward and its backward; a metric on held-out rows, a reference output from the same weights)
-joins that step, as a forward with grad on does: it gathers under the step's keeps, and its events
-are in the step's trace. Ending the step there made the backward gather every module again (a
-7-module MLP at the default reuse: 4 gathers a step instead of 2), and memory_budget chose its
-knobs from a trace of the backward alone (review 40R2). A second one in the same step ends it, as
-before: an evaluation loop after a loss that never gets its backward is one step per forward, not
-one step that grows with every forward, and the step's trace (planned, and searched by
-memory_budget's first choice) holds one forward more at most (review 41R1). A step opened by a
-submodule's no_grad call (T5's encoder in ``generate``, an embedding looked up before
-``model(inputs_embeds=...)``) is no training step: the root's forward after it ends it (review 42R1).
-While the joined step waits for its backward, what needs a step's end (``engine.generation()``,
-``offload_states``) is refused, as right after the training forward.
+`_frozen`) ends its step as its root returns, but for one: the first that runs while a step is open
+in which a module with partitioned parameters ran forward in grad mode with a backward to reach it
+(`_grad_forward`: between a training forward and its backward; a metric on held-out rows) joins
+that step, as a forward with grad on does: it gathers under the step's keeps, and its events are in
+the step's trace. Ending the step there made the backward gather every module again (a 7-module MLP
+at the default reuse: 4 gathers a step instead of 2), and memory_budget chose from a trace of the
+backward alone (review 40R2). A second one ends the step: an evaluation loop after a loss that never
+gets its backward is one step per forward, not one growing step, and a trace holds one forward more
+at most (41R1). A step opened by a submodule's call under no_grad (T5's encoder in ``generate``) or
+by a frozen one's in grad mode is no training step (42R1, 42R2), nor is one whose partitioned
+modules all ran under no_grad (inside reentrant checkpoints): there the eval ends the step as
+before. While a joined step waits for its backward, ``engine.generation()`` and ``offload_states``
+are refused, as right after the training forward.
 
-The decision reads nothing but the calls the rank made (`_opened_step`, set at the root's
-pre-hook, `_grad_forward` and `_joined_inference`), so ranks that run the same forwards decide
-alike; a check of the forward's autograd graph (alive, or freed by one rank's cyclic GC and not the
-other's) made them part (41R1). A rank that runs such a forward alone joins it on its own: a gather
-it needs that its peers do not run is a collective only it issues, which the verified wire raises
-(comm/verify.py); one that needs none (shared-memory reads, everything kept) changes nothing the
-ranks share, but the step's trace differs between them; memory_budget's choice from such a first
-step is rank 0's on every rank (runtime/budget.py `MemoryBudget.choose`).
+The decision reads only the calls the rank made (`_opened_step`, set at the root's pre-hook,
+`_grad_forward`, `_joined_inference`), so ranks that run the same forwards decide alike; asking
+whether the step's autograd graph was alive made them part when one rank's cyclic GC freed it
+(41R1). A rank that runs such a forward alone joins it alone: a gather only it runs is raised by the
+verified wire (comm/verify.py); one that needs none (shared-memory reads, all kept) changes nothing
+the ranks share but their traces, and memory_budget's choice from such a first step is rank 0's on
+every rank (runtime/budget.py `MemoryBudget._agreed`).
 
 [Note: activation checkpointing and the end of a step]: checkpoint_scopes.py.
 
@@ -490,8 +488,8 @@ class ModuleHooks:
         if params:
             self.coordinator.event(_PRE_FORWARD, rec.name, params, rec.ids)
             if torch.is_grad_enabled():
-                self._grad_forward = True
                 if rec.by_grads and _all_trainable(params):  # [Note: post-backward from the gradients]
+                    self._grad_forward = True  # a backward reaches it ([Note: a no_grad forward inside a step])
                     if rec.grads_in != self._backwards_ended:  # its first call of the step
                         rec.grads_in = self._backwards_ended
                         call.by_grads = True
@@ -499,7 +497,10 @@ class ModuleHooks:
                     wrapped = _wrap_inputs(call, self, args, kwargs)
                     call.by_grads = wrapped is None  # no input needs grad: only the gradients tell
                     return wrapped
-                return _wrap_inputs(call, self, args, kwargs)
+                wrapped = _wrap_inputs(call, self, args, kwargs)
+                if wrapped is not None or any(p.requires_grad for p in params):  # a backward may reach it (a
+                    self._grad_forward = True  # frozen embedding's call on token ids does not: review 42R2)
+                return wrapped
         return None
 
     def _post_forward(self, rec: _ModuleRecord, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
