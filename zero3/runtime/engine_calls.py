@@ -37,7 +37,8 @@ def end_forward_without_backward(engine: Any, what: str) -> None:
     backward. ``what`` (a checkpoint load, DeepSpeed's recovery from such a loss) replaces every
     shard, so that backward cannot run on the old values any more (it raises, as torch's does after a
     load: the load bumps the parameters' version counters): the step ends here, keeping no trace
-    of it, even when the load then fails or refuses (inside ``GatheredParameters``). Inside a backward nothing changes (the load refuses)."""
+    of it, even when the load then fails or refuses (inside ``GatheredParameters``). Inside a
+    backward nothing changes (the load refuses)."""
     if engine.hooks.step.end_forward_only():
         logger.info("zero3: %s after a forward whose backward did not run: that step ended here", what)
 

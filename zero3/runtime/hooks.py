@@ -538,9 +538,9 @@ class ModuleHooks:
             call.state = _FORWARD_DONE
         if rec.module is self.root and not self.stack and self.step.phase is _FORWARD \
                 and not CHECKPOINT_FORWARD.get() and (not grad or _frozen(self.ctx.params, args, kwargs, output)):
-            if self._opened_step or self._joined_inference or not self._grad_forward:  # an inference forward
-                self.step.end(inference=True)  # is a whole step, so is a frozen model's in grad mode; but for
-            else:  # one inside a training step ([Note: a no_grad forward inside a step])
+            if self._opened_step or self._joined_inference or not self._grad_forward:  # an inference forward is
+                self.step.end(inference=True)  # a whole step, so is a frozen model's in grad mode, but the
+            else:  # first inside a training step ([Note: a no_grad forward inside a step])
                 self._joined_inference = True
         return result
 
@@ -716,9 +716,9 @@ def _wrap_inputs(call: _Call, hooks: ModuleHooks, args: tuple, kwargs: dict) -> 
 
 def _frozen(params: list, args: tuple, kwargs: dict, output: Any) -> bool:
     """No parameter trains, no input needs grad and no output tensor does: no backward can reach this
-    forward, so it ends its step, or joins a training step as a no_grad one would ([Note: a no_grad
-    forward inside a step]) (a DINO teacher run without no_grad kept one step open for good, its
-    record growing, probe 37H). An output's objects pytree does not open are taken as holding none: with
+    forward, so it ends its step or, as a no_grad one would, joins a training step ([Note: a no_grad
+    forward inside a step]). A DINO teacher run without no_grad kept one step open for good, its
+    record growing (probe 37H). An output's objects pytree does not open are taken as holding none: with
     no trainable parameter and no input needing grad, nothing made inside can need it (review 37R3)."""
     if any(p.requires_grad for p in params):
         return False
