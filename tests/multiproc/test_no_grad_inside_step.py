@@ -231,3 +231,44 @@ def test_memory_budget_takes_rank_0s_choice_when_one_rank_evaluated_in_the_first
     assert "rank 0's choice" in results[1]["reasons"][-1], results[1]["reasons"]
     assert "rank 0's choice" not in results[0]["reasons"][-1], results[0]["reasons"]  # review 42R2: said on rank 0 too
     assert "ranks [1] chose otherwise" in results[0]["reasons"][-1], results[0]["reasons"]
+
+
+def an_eval_raises_on_one_rank(cfg: dict) -> dict:
+    """Rank 0's eval inside the step raises (a user's pre-hook); its held loss's backward then meets rank
+    1's reduction and ZeroDivergenceError is raised on both at a gather's issue. Nothing was gathered
+    there, so nothing may stay counted live (review 42R2 P1: 65 elements stayed in rank 0's gauge for
+    the rest of the run, and `check_valid` failed; older than the join)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _, model = twins(_deep)
+    engine = zero3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    g = torch.Generator().manual_seed(4)
+    mine = slice(2 * rank, 2 * rank + 2)
+    errors, live = [], []
+    for step in range(3):
+        loss = engine(torch.randn(2 * world, 16, generator=g)[mine]).square().mean()
+        if step == 0 and rank == 0:
+            def boom(module, args):
+                raise ValueError("boom")
+
+            handle = model[-1].register_forward_pre_hook(boom)
+            try:
+                with torch.no_grad():
+                    model(torch.randn(2, 16))
+            except ValueError:
+                errors.append("boom")
+            finally:
+                handle.remove()
+        try:
+            engine.backward(loss)
+            engine.step()
+        except zero3.ZeroDivergenceError:
+            errors.append(f"divergence at step {step}")
+        live.append(engine.coordinator.metrics.live_numel)
+    engine.coordinator.check_valid()
+    return {"errors": errors, "live": live}
+
+
+def test_a_divergence_raised_at_a_gather_leaves_nothing_counted_live(pools):
+    r0, r1 = pools.get(2).run(an_eval_raises_on_one_rank, {"param_persistence_threshold": 0})
+    assert r0["errors"] == ["boom", "divergence at step 0"] and r1["errors"] == ["divergence at step 0"], (r0, r1)
+    assert r0["live"] == r1["live"] == [0, 0, 0], (r0, r1)

@@ -361,9 +361,9 @@ class ParamCoordinator:
         if missing:
             todo = list(missing.values())
             self._make_room(todo)
-            self._add_live(todo)
-            self.metrics.demand_fetches += len(todo)
             waiting.append(self._issue(todo, self._tag(todo, label), training=training))
+            self._add_live(todo)  # once issued: one that raised (a divergence) left them unlisted (review 42R2 P1)
+            self.metrics.demand_fetches += len(todo)
         for h in waiting:
             self._wait(h)
 
@@ -372,11 +372,11 @@ class ParamCoordinator:
         todo = [p for p in params if p._zero.status is _NOT_AVAILABLE and not p._zero.persistent]
         if not todo:
             return
+        self._issue(todo, self._tag(todo))
+        self._add_live(todo)  # once issued, as in `fetch`
         for p in todo:
             p._zero.prefetched = True
-        self._add_live(todo)
         self.metrics.prefetched += len(todo)
-        self._issue(todo, self._tag(todo))
 
     def _tag(self, params: Sequence[ZeroParameter], label: str | None = None) -> Tag:
         if label is None:
